@@ -1,0 +1,118 @@
+"""PyTorch reference of the LoRA gather ops (shrink and expand) that read adapters from pool pages.
+
+Layout (see docs/memory.md): a resident adapter in slot ``s`` owns the pages
+``page_table[s, :n]``. Read in that order, the pages of one layer's slab form the adapter's flat
+per-layer buffer ``flat_s``. Inside it, each projection group (qkv, o, gate_up, down) has its
+stacked A matrix ``[sum of the group's ranks, d_in]`` at ``a_offset[s]`` and each module's B
+matrix ``[d_out_m, r_m]`` at ``b_offset[s, m]``. Slot 0 means "no adapter": its tokens are skipped.
+
+These references are what runs on CPU; the Triton launchers implement the same signatures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LoraIndices:
+    """Per-step indices shared by every layer's LoRA ops.
+
+    ``token_slot[t]`` is the adapter slot of token t (0 = none). Tokens are ordered so that each
+    slot's tokens form consecutive segments; ``segments`` lists them on the host as
+    ``(start, end, slot)`` for the reference path and SGMV-style launches.
+    """
+
+    token_slot: Tensor  # [T] int32: adapter slot of token t (0 = no adapter)
+    segments: tuple[tuple[int, int, int], ...]  # (start, end, slot) with slot != 0, host side
+    max_rows: int = 0  # largest a_rows over the slots present (width of h actually used)
+
+
+def page_span(pool: Tensor, pages: np.ndarray, offset: int, numel: int) -> Tensor:
+    """Elements ``[offset, offset + numel)`` of the flat buffer formed by ``pool[pages]``.
+
+    ``pages`` is one slot's row of the page table (ascending, as the allocator hands them out).
+    A zero-copy view when the covering pages are one contiguous run (the usual case: the
+    allocator prefers runs for adapters); a gathered copy when the pool is fragmented.
+    """
+    page_size = pool.shape[1]
+    first, last = offset // page_size, (offset + numel - 1) // page_size
+    p0, p1 = int(pages[first]), int(pages[last])
+    if p1 - p0 == last - first:
+        flat = pool[p0 : p1 + 1].reshape(-1)
+    else:
+        run = torch.from_numpy(pages[first : last + 1].astype(np.int64)).to(pool.device)
+        flat = pool[run].reshape(-1)
+    start = offset - first * page_size
+    return flat[start : start + numel]
+
+
+def _host(t: Tensor) -> np.ndarray:
+    """A numpy view of a small lookup table (free on CPU; one copy per call on a GPU)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def lora_shrink_ref(
+    h: Tensor,
+    x: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    a_offset: Tensor,
+    a_rows: Tensor,
+) -> None:
+    """``h[t, :a_rows[s]] = x[t] @ A_s.T`` for every token t with slot ``s = token_slot[t] != 0``.
+
+    ``A_s = flat_s[a_offset[s] : a_offset[s] + a_rows[s] * d_in].view(a_rows[s], d_in)``.
+    Shapes: h [T, R], x [T, d_in], pool [num_pages, page_size], page_table [S, max_pages],
+    a_offset [S] int64, a_rows [S] int32. Columns of h past ``a_rows[s]`` are left as they are.
+    """
+    if not indices.segments:
+        return
+    d_in = x.shape[1]
+    offsets, rows = a_offset.tolist(), a_rows.tolist()
+    pages = _host(page_table)
+    for start, end, slot in indices.segments:
+        r = rows[slot]
+        if r == 0:
+            continue
+        a = page_span(pool, pages[slot], offsets[slot], r * d_in).view(r, d_in)
+        h[start:end, :r] = x[start:end] @ a.t()
+
+
+def lora_expand_ref(
+    y: Tensor,
+    h: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    b_offset: Tensor,
+    rank: Tensor,
+    h_start: Tensor,
+    scale: Tensor,
+    out_start: tuple[int, ...],
+) -> None:
+    """``y[t, o_m:o_m+w_m] += scale[s, m] * h[t, hs:hs+r] @ B_{s,m}.T`` for each module m of the group.
+
+    ``B_{s,m} = flat_s[b_offset[s, m] : b_offset[s, m] + w_m * r].view(w_m, r)`` with
+    ``r = rank[s, m]``, ``hs = h_start[s, m]``, ``o_m = out_start[m]`` and ``w_m`` the width up to
+    the next module's start (or the end of y). Modules with rank 0 in a slot are skipped.
+    Shapes: y [T, sum w_m], h [T, R], b_offset/rank/h_start/scale [S, M] for the group's M modules.
+    """
+    if not indices.segments:
+        return
+    bounds = list(out_start) + [y.shape[1]]
+    offsets, ranks, starts, scales = b_offset.tolist(), rank.tolist(), h_start.tolist(), scale.tolist()
+    pages = _host(page_table)
+    for start, end, slot in indices.segments:
+        for m, r in enumerate(ranks[slot]):
+            if r == 0:
+                continue
+            width = bounds[m + 1] - bounds[m]
+            b = page_span(pool, pages[slot], offsets[slot][m], width * r).view(width, r)
+            hs = starts[slot][m]
+            y[start:end, bounds[m] : bounds[m + 1]].addmm_(h[start:end, hs : hs + r], b.t(), alpha=scales[slot][m])

@@ -1,0 +1,122 @@
+"""Where an adapter's A and B matrices sit inside its pages, and the lookup tables kernels read.
+
+Per layer, an adapter's pages read in order form one flat buffer laid out group by group::
+
+    [ A_qkv (R_qkv x hidden) | B_q | B_k | B_v | A_o | B_o | A_gate_up | B_gate | B_up | A_down | B_down ]
+
+``A_group`` stacks the A matrices of the group's targeted modules (their inputs are the same
+activations, so one shrink serves the group); each ``B_m`` is ``[d_out_m, r_m]`` as PEFT stores
+it. Modules the adapter does not target take no space, and ranks are the adapter's own, so an
+adapter's page count is proportional to its rank and modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lorapage.adapters.peft_format import AdapterSpec
+from lorapage.model.config import GROUPS, MODULES, ModelConfig
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """Offsets (in elements) of one adapter's matrices, per layer, within its flat page buffer."""
+
+    a_offset: list[list[int]]  # [layer][group] start of the group's stacked A
+    a_rows: list[list[int]]  # [layer][group] rows of that A (sum of the group's ranks)
+    b_offset: list[list[int]]  # [layer][module] start of B_m
+    rank: list[list[int]]  # [layer][module] r_m (0 = not targeted)
+    h_start: list[list[int]]  # [layer][module] first column of module m's rank block in h
+    scale: list[list[float]]  # [layer][module] alpha / r (or alpha / sqrt(r))
+    numel: int  # elements of the largest layer's buffer
+    num_pages: int
+
+    @classmethod
+    def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> "AdapterLayout":
+        dims = model.module_dims()
+        a_off, a_rows, b_off, rank, h_start, scale, sizes = [], [], [], [], [], [], []
+        for layer in range(model.num_layers):
+            cursor = 0
+            ao, ar = [], []
+            bo, rk, hs, sc = [0] * len(MODULES), [0] * len(MODULES), [0] * len(MODULES), [0.0] * len(MODULES)
+            for group in GROUPS:
+                d_in = dims[group[0]][0]
+                rows = 0
+                for m in group:
+                    i = MODULES.index(m)
+                    rk[i] = spec.ranks.get((layer, m), 0)
+                    sc[i] = spec.scales.get((layer, m), 0.0)
+                    hs[i] = rows
+                    rows += rk[i]
+                ao.append(cursor)
+                ar.append(rows)
+                cursor += rows * d_in
+                for m in group:
+                    i = MODULES.index(m)
+                    bo[i] = cursor
+                    cursor += dims[m][1] * rk[i]
+            for lst, v in ((a_off, ao), (a_rows, ar), (b_off, bo), (rank, rk), (h_start, hs), (scale, sc)):
+                lst.append(v)
+            sizes.append(cursor)
+        numel = max(sizes)
+        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size))
+
+    def pack(self, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], page_size: int) -> torch.Tensor:
+        """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages."""
+        first = next(iter(tensors.values()))[0]
+        out = torch.zeros(len(self.rank), self.num_pages * page_size, dtype=first.dtype)
+        for (layer, module), (a, b) in tensors.items():
+            i = MODULES.index(module)
+            g = next(j for j, grp in enumerate(GROUPS) if module in grp)
+            d_in = a.shape[1]
+            a_at = self.a_offset[layer][g] + self.h_start[layer][i] * d_in
+            out[layer, a_at : a_at + a.numel()] = a.reshape(-1)
+            out[layer, self.b_offset[layer][i] : self.b_offset[layer][i] + b.numel()] = b.reshape(-1)
+        return out
+
+
+def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:
+    """Pages of the largest adapter allowed: ``max_rank`` on every module."""
+    per_layer = sum(max_rank * (d_in + d_out) for d_in, d_out in model.module_dims().values())
+    return -(-per_layer // page_size)
+
+
+class LoraTables:
+    """Lookup tables the LoRA ops read, allocated once at ``max_loras + 1`` slots; slot 0 = none.
+
+    Loading or evicting an adapter only writes rows of these tensors, never reallocates them, so
+    a captured CUDA graph that reads them stays valid.
+    """
+
+    def __init__(self, model: ModelConfig, max_loras: int, max_pages: int, device: torch.device) -> None:
+        L, S, G, M = model.num_layers, max_loras + 1, len(GROUPS), len(MODULES)
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.page_table = torch.zeros(S, max_pages, **i32)  # [slot, i]: i-th page of the slot's adapter
+        self.a_offset = torch.zeros(L, S, G, **i64)  # [layer, slot, group]: start of stacked A
+        self.a_rows = torch.zeros(L, S, G, **i32)  # [layer, slot, group]: rows of stacked A
+        self.b_offset = torch.zeros(L, S, M, **i64)  # [layer, slot, module]: start of B_m
+        self.rank = torch.zeros(L, S, M, **i32)  # [layer, slot, module]: r_m, 0 = untargeted
+        self.h_start = torch.zeros(L, S, M, **i32)  # [layer, slot, module]: column of r_m block in h
+        self.scale = torch.zeros(L, S, M, dtype=torch.float32, device=device)  # [layer, slot, module]
+
+    def write_slot(self, slot: int, layout: AdapterLayout, pages: list[int]) -> None:
+        """Point ``slot`` at an adapter now resident in ``pages``."""
+        self.page_table[slot].zero_()
+        self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for table, values in (
+            (self.a_offset, layout.a_offset),
+            (self.a_rows, layout.a_rows),
+            (self.b_offset, layout.b_offset),
+            (self.rank, layout.rank),
+            (self.h_start, layout.h_start),
+            (self.scale, layout.scale),
+        ):
+            table[:, slot] = torch.tensor(values, dtype=table.dtype)
+
+    def clear_slot(self, slot: int) -> None:
+        """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
+        for table in (self.page_table[slot], self.a_offset[:, slot], self.a_rows[:, slot],
+                      self.b_offset[:, slot], self.rank[:, slot], self.h_start[:, slot], self.scale[:, slot]):
+            table.zero_()

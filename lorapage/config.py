@@ -1,0 +1,49 @@
+"""Frozen engine configuration, with vLLM-familiar names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything fixed when an :class:`~lorapage.Engine` starts.
+
+    Memory: one pool of ``num_pages`` pages (``None``: sized from ``max_num_seqs``,
+    ``max_model_len`` and ``max_loras`` adapters of ``max_lora_rank`` on every module) holds KV
+    blocks of ``block_size`` tokens and resident adapters alike.
+    """
+
+    model: str = str(TINY_MODEL_DIR / "base")
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
+    block_size: int = 16
+    num_pages: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    max_loras: int = 32  # adapter slots resident in the pool at once
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 128  # adapters kept in host RAM
+    max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
+    kernel_backend: str = "auto"  # auto | torch | triton
+    scheduler: str = "fcfs"
+    seed: int = 0
+    io_threads: int = 4  # adapter file reads run here, never on the event loop
+
+    def __post_init__(self) -> None:
+        allowed = {
+            "dtype": ("float32", "bfloat16", "float16"),
+            "kernel_backend": ("auto", "torch", "triton"),
+            "scheduler": ("fcfs", "vtc"),
+        }
+        for name, values in allowed.items():
+            if getattr(self, name) not in values:
+                raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")
+        positive = ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras", "io_threads")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1; got {getattr(self, name)}")

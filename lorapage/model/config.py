@@ -1,0 +1,116 @@
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The few numbers the decoder needs; everything else in config.json is ignored."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}")
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_params = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_dims(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of every LoRA-targetable projection, in the fixed module order."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def rope_inv_freq(self) -> list[float]:
+        """Inverse frequencies, with Llama-3 ``rope_type: llama3`` scaling applied when configured."""
+        dim = self.head_dim
+        inv = [1.0 / (self.rope_theta ** (k / dim)) for k in range(0, dim, 2)]
+        s = self.rope_scaling or {}
+        kind = s.get("rope_type", s.get("type"))
+        if kind == "llama3":
+            factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+            old_len = s["original_max_position_embeddings"]
+            low_wavelen, high_wavelen = old_len / low, old_len / high
+            out = []
+            for f in inv:
+                wavelen = 2 * math.pi / f
+                if wavelen < high_wavelen:
+                    out.append(f)
+                elif wavelen > low_wavelen:
+                    out.append(f / factor)
+                else:
+                    smooth = (old_len / wavelen - low) / (high - low)
+                    out.append((1 - smooth) * f / factor + smooth * f)
+            return out
+        if kind == "linear":
+            return [f / s["factor"] for f in inv]
+        if kind not in (None, "default"):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        return inv
+
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projection groups that share an input, so one LoRA shrink serves all of a group's modules and
+# the base runs one fused GEMM per group.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
