@@ -15,12 +15,14 @@ from torch import Tensor
 
 
 def write_kv_ref(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """``kv[:, 0].flatten(0, 1)[slot_mapping] = k`` and the same for v at ``kv[:, 1]``.
+    """``kv[s // bs, 0, s % bs] = k[t]`` and ``kv[s // bs, 1, s % bs] = v[t]`` for ``s = slot_mapping[t]``.
 
     Shapes: kv [num_pages, 2, block_size, H_kv, D], k and v [T, H_kv, D], slot_mapping [T] int64.
     """
-    kv[:, 0].flatten(0, 1).index_copy_(0, slot_mapping, k)
-    kv[:, 1].flatten(0, 1).index_copy_(0, slot_mapping, v)
+    block_size = kv.shape[2]
+    pages, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv[pages, 0, offsets] = k
+    kv[pages, 1, offsets] = v
 
 
 def _gather_context(kv: Tensor, block_table: Tensor, max_blocks: int) -> tuple[Tensor, Tensor]:

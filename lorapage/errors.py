@@ -60,3 +60,10 @@ class EngineClosedError(LorapageError):
 
     status = 503
     code = "engine_closed"
+
+
+class AdapterBusyError(LorapageError):
+    """The adapter has requests in flight; the operation would break them."""
+
+    status = 409
+    code = "adapter_busy"

@@ -82,33 +82,29 @@ class ModelConfig:
             "down_proj": (i, h),
         }
 
-    def rope_inv_freq(self) -> list[float]:
-        """Inverse frequencies, with Llama-3 ``rope_type: llama3`` scaling applied when configured."""
+    def rope_inv_freq(self) -> "torch.Tensor":
+        """float32 inverse frequencies, computed as HF computes them (so positions match bit for
+        bit), with Llama-3 ``rope_type: llama3`` or ``linear`` scaling applied when configured."""
+        import torch
+
         dim = self.head_dim
-        inv = [1.0 / (self.rope_theta ** (k / dim)) for k in range(0, dim, 2)]
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         s = self.rope_scaling or {}
         kind = s.get("rope_type", s.get("type"))
         if kind == "llama3":
             factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
             old_len = s["original_max_position_embeddings"]
-            low_wavelen, high_wavelen = old_len / low, old_len / high
-            out = []
-            for f in inv:
-                wavelen = 2 * math.pi / f
-                if wavelen < high_wavelen:
-                    out.append(f)
-                elif wavelen > low_wavelen:
-                    out.append(f / factor)
-                else:
-                    smooth = (old_len / wavelen - low) / (high - low)
-                    out.append((1 - smooth) * f / factor + smooth * f)
-            return out
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+            smooth = (old_len / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+            return torch.where(medium, smoothed, scaled)
         if kind == "linear":
-            return [f / s["factor"] for f in inv]
+            return inv / s["factor"]
         if kind not in (None, "default"):
             raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
         return inv
-
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projection groups that share an input, so one LoRA shrink serves all of a group's modules and

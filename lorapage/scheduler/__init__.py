@@ -1,0 +1,47 @@
+"""Scheduling policies: which waiting request joins the batch, and whom to preempt."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from lorapage.scheduler.base import AdmissionContext, SchedRequest, SchedulerPolicy
+from lorapage.scheduler.fcfs import FcfsScheduler
+from lorapage.scheduler.metrics import MeteredPolicy, SchedulerMetrics
+from lorapage.scheduler.vtc import VtcConfig, VtcScheduler
+
+POLICIES = ("fcfs", "vtc")
+
+__all__ = [
+    "POLICIES",
+    "AdmissionContext",
+    "FcfsScheduler",
+    "MeteredPolicy",
+    "SchedRequest",
+    "SchedulerMetrics",
+    "SchedulerPolicy",
+    "VtcConfig",
+    "VtcScheduler",
+    "make_policy",
+]
+
+
+def make_policy(
+    name: str,
+    *,
+    vtc: VtcConfig | None = None,
+    tenant_weights: Mapping[str, float] | None = None,
+    metrics: SchedulerMetrics | None = None,
+) -> SchedulerPolicy:
+    """The policy called ``name`` ("fcfs" or "vtc"), recording into ``metrics`` when given.
+
+    ``vtc`` and ``tenant_weights`` configure VTC (FCFS has no knobs): build ``vtc`` with
+    ``max_loras`` from the engine config and the weights from the tenants file.
+    """
+    policy: SchedulerPolicy
+    if name == "vtc":
+        policy = VtcScheduler(vtc, tenant_weights)
+    elif name == "fcfs":
+        policy = FcfsScheduler()
+    else:
+        raise ValueError(f"scheduler must be one of {POLICIES}; got {name!r}")
+    return MeteredPolicy(policy, metrics) if metrics is not None else policy

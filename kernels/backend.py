@@ -1,0 +1,90 @@
+"""Choosing the kernel implementation once, at start-up.
+
+``torch`` runs the PyTorch references (the CPU path). ``triton`` runs the Triton kernels: compiled
+on CUDA, and under Triton's interpreter on a machine without CUDA (that is how the CPU test suite
+checks them; it is far too slow to serve with). ``auto`` picks Triton on CUDA when it is installed
+and PyTorch otherwise. Triton is imported only when the ``triton`` backend is chosen, so a CPU-only
+install without it still runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+
+from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
+from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+
+BACKENDS = ("auto", "torch", "triton")
+F = TypeVar("F", bound=Callable)
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The five ops the model calls; every backend provides the same signatures."""
+
+    name: str
+    lora_shrink: Callable
+    lora_expand: Callable
+    write_kv: Callable
+    paged_decode_attention: Callable
+    prefill_attention: Callable
+
+
+TORCH_OPS = KernelOps(
+    "torch", lora_shrink_ref, lora_expand_ref, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
+)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """Whether the Triton kernels are built for the interpreter (no CUDA, or TRITON_INTERPRET=1)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available()
+
+
+def triton_jit(fn: F) -> F:
+    """``triton.jit``, built for the interpreter when :func:`triton_interpreted` says so.
+
+    Triton has no CPU code generator; on a machine without CUDA the kernels are decorated for the
+    interpreter (which runs them on CPU tensors) without changing the process-wide setting.
+    """
+    import triton
+
+    if not triton_interpreted() or triton.knobs.runtime.interpret:
+        return triton.jit(fn)
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        return triton.jit(fn)
+
+
+def _triton_ops() -> KernelOps:
+    from lorapage.kernels.attention_triton import paged_decode_attention, write_kv
+    from lorapage.kernels.lora_triton import lora_expand, lora_shrink
+
+    # Prefill attention runs once per prompt, not per decode step: PyTorch SDPA is enough.
+    return KernelOps("triton", lora_shrink, lora_expand, write_kv, paged_decode_attention, prefill_attention_ref)
+
+
+def select_backend(name: str, device: torch.device) -> KernelOps:
+    """The ops for ``name`` (``auto``, ``torch`` or ``triton``) on ``device``; called once at start-up."""
+    if name not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {BACKENDS}; got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        return TORCH_OPS
+    if not triton_available():
+        raise ValueError("kernel_backend='triton' needs the triton package; install lorapage[triton] or use 'torch'")
+    if device.type == "cpu" and not triton_interpreted():
+        raise ValueError("kernel_backend='triton' on a CPU device needs TRITON_INTERPRET=1 when CUDA is present")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kernel_backend='triton' runs on CUDA (or CPU under the interpreter), not {device.type}")
+    return _triton_ops()

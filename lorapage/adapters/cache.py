@@ -1,0 +1,291 @@
+"""The tiered adapter cache: disk -> host RAM -> pool pages, loaded without blocking the step loop.
+
+Every method runs on the engine's event loop, which owns this state. File reads and parsing run
+in an I/O thread pool; the copy into pool pages runs on the forward thread, between steps, so it
+never races a forward pass. A request for a non-resident adapter only starts (or joins) a load;
+the scheduler admits it once :meth:`AdapterCache.is_ready` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import torch
+
+from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec
+from lorapage.errors import AdapterBusyError, AdapterLoadError, AdapterNotFoundError, LorapageError
+from lorapage.memory.pool import PageKind, PagePool
+from lorapage.model.config import ModelConfig
+
+RATE_HALF_LIFE_S = 60.0  # how fast an adapter's recent request rate forgets old traffic
+
+
+@dataclass(eq=False)
+class AdapterEntry:
+    """One registered adapter and where it currently is."""
+
+    name: str
+    spec: AdapterSpec
+    layout: AdapterLayout
+    slot: int = 0  # 0 = not resident in the pool
+    pages: list[int] = field(default_factory=list)
+    running: int = 0  # admitted requests using it: never evicted while > 0
+    waiting: int = 0  # queued requests for it
+    load_task: asyncio.Task | None = None
+    error: LorapageError | None = None  # the last load failure, reported to its waiting requests
+    rate: float = 0.0  # exponentially decayed request count
+    rate_time: float = 0.0
+
+    def touch(self, now: float) -> None:
+        self.rate = self.rate_at(now) + 1.0
+        self.rate_time = now
+
+    def rate_at(self, now: float) -> float:
+        return self.rate * math.exp2(-(now - self.rate_time) / RATE_HALF_LIFE_S)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What callers (the server's admin routes, ``Engine.adapter_info``) see of an adapter."""
+
+    name: str
+    path: str
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    num_params: int
+    num_pages: int
+    tier: str  # gpu | ram | disk
+
+
+class AdapterCache:
+    """Registry, host-RAM LRU and pool residency of adapters, with value-per-page eviction."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        pool: PagePool,
+        tables: LoraTables,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        io_executor: Executor,
+        run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
+        on_ready: Callable[[], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.model, self.pool, self.tables = model, pool, tables
+        self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
+        self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
+        self.entries: dict[str, AdapterEntry] = {}
+        self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
+        self._free_slots = list(range(max_loras, 0, -1))
+        self._by_slot: dict[int, AdapterEntry] = {}
+        self._memory_freed = asyncio.Event()
+        self.evictions: list[float] = []  # times of pool evictions (for evictions per minute)
+        self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
+
+    # -- registry -------------------------------------------------------------------------------
+
+    def register(self, name: str, path: str) -> AdapterInfo:
+        """Validate a PEFT directory against the base and register it (weights load lazily)."""
+        if name in self.entries:
+            raise LorapageError(f"adapter {name!r} is already registered", param="name")
+        spec = read_adapter_spec(path, self.model, self.max_lora_rank)
+        layout = AdapterLayout.plan(spec, self.model, self.pool.page_size)
+        if layout.num_pages > self.pool.capacity:
+            raise LorapageError(f"adapter {name!r} needs {layout.num_pages} pages; the pool has {self.pool.capacity}")
+        self.entries[name] = AdapterEntry(name, spec, layout)
+        return self.info(name)
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter. Refused while requests for it are queued or running."""
+        entry = self.get(name)
+        if entry.running or entry.waiting:
+            raise AdapterBusyError(
+                f"adapter {name!r} has {entry.running} running and {entry.waiting} queued requests; "
+                "retry once they finish"
+            )
+        if entry.load_task is not None:
+            entry.load_task.cancel()
+        if entry.slot:
+            self._evict(entry)
+        self._host.pop(name, None)
+        del self.entries[name]
+
+    def get(self, name: str) -> AdapterEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model") from None
+
+    def tier(self, name: str) -> str:
+        entry = self.get(name)
+        return "gpu" if entry.slot else "ram" if name in self._host else "disk"
+
+    def info(self, name: str) -> AdapterInfo:
+        e = self.get(name)
+        return AdapterInfo(
+            name=name,
+            path=str(e.spec.path),
+            rank=e.spec.max_rank,
+            target_modules=e.spec.target_modules,
+            size_bytes=e.spec.size_bytes,
+            num_params=e.spec.num_params(self.model),
+            num_pages=e.layout.num_pages,
+            tier=self.tier(name),
+        )
+
+    # -- residency ------------------------------------------------------------------------------
+
+    def is_ready(self, name: str) -> bool:
+        return self.get(name).slot != 0
+
+    def ensure(self, name: str) -> None:
+        """Start making ``name`` resident if it is not (returns at once)."""
+        entry = self.get(name)
+        if entry.slot or entry.load_task is not None:
+            return
+        entry.error = None
+        entry.load_task = asyncio.get_running_loop().create_task(self._load(entry))
+
+    async def wait_resident(self, name: str) -> None:
+        """Load ``name`` and wait until it is resident (admin pre-warm)."""
+        self.ensure(name)
+        entry = self.get(name)
+        if entry.load_task is not None:
+            await asyncio.shield(entry.load_task)
+        if entry.error is not None:
+            raise entry.error
+
+    def unload(self, name: str) -> bool:
+        """Drop ``name`` from the pool if no request is running on it; True if it was resident."""
+        entry = self.get(name)
+        if entry.running:
+            raise AdapterBusyError(f"adapter {name!r} has {entry.running} running requests")
+        if not entry.slot:
+            return False
+        self._evict(entry)
+        return True
+
+    def acquire(self, name: str) -> int:
+        """A request using ``name`` is admitted: pin it and return its slot."""
+        entry = self.get(name)
+        entry.running += 1
+        return entry.slot
+
+    def release(self, name: str) -> None:
+        self.get(name).running -= 1
+
+    def pending_pages(self) -> int:
+        """Pages that loads waiting for memory will need: admission leaves them free."""
+        return sum(
+            e.layout.num_pages for e in self.entries.values() if e.load_task is not None and not e.slot and e.waiting
+        )
+
+    def take_failed(self) -> dict[str, LorapageError]:
+        """Adapters whose load failed since the last call, with the error (their queued requests
+        get it; a later request retries the load)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def rebind_loop(self) -> None:
+        """The engine moved to a new event loop: loads started on the old one died with it."""
+        self._memory_freed = asyncio.Event()
+        for entry in self.entries.values():
+            entry.load_task = None
+
+    def notify_memory_freed(self) -> None:
+        self._memory_freed.set()
+
+    def evict_idle(self, pages_needed: int, *, keep: AdapterEntry | None = None) -> bool:
+        """Evict idle adapters, least valuable per page first, until ``pages_needed`` are free."""
+        now = self._clock()
+        idle = [e for e in self._by_slot.values() if e.running == 0 and e is not keep]
+        # Adapters with queued requests are kept longest: evicting them means reloading at once.
+        idle.sort(key=lambda e: (e.waiting > 0, e.rate_at(now) / e.layout.num_pages))
+        for entry in idle:
+            if self.pool.num_free >= pages_needed:
+                break
+            self._evict(entry)
+        return self.pool.num_free >= pages_needed
+
+    def resident(self) -> list[str]:
+        return [e.name for e in self._by_slot.values()]
+
+    def in_host(self) -> list[str]:
+        return list(self._host)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _evict(self, entry: AdapterEntry) -> None:
+        self.tables.clear_slot(entry.slot)
+        self.pool.free(entry.pages, PageKind.ADAPTER)
+        del self._by_slot[entry.slot]
+        self._free_slots.append(entry.slot)
+        entry.slot, entry.pages = 0, []
+        self.evictions.append(self._clock())
+
+    async def _load(self, entry: AdapterEntry) -> None:
+        try:
+            packed = self._host.get(entry.name)
+            if packed is None:
+                loop = asyncio.get_running_loop()
+                packed = await loop.run_in_executor(self._io, self._read_and_pack, entry)
+            self._host[entry.name] = packed
+            self._host.move_to_end(entry.name)
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+            slot, pages = await self._reserve(entry)
+            await self._run_on_device(lambda: self._copy_in(entry, packed, slot, pages))
+            entry.slot, entry.pages = slot, pages
+            self._by_slot[slot] = entry
+        except LorapageError as e:
+            entry.error = self._failed[entry.name] = e
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bad file must fail its own requests, not the engine
+            entry.error = self._failed[entry.name] = AdapterLoadError(f"adapter {entry.name!r} failed to load: {e}")
+        finally:
+            entry.load_task = None
+            self._on_ready()
+
+    def _read_and_pack(self, entry: AdapterEntry) -> torch.Tensor:
+        tensors = load_adapter_tensors(entry.spec, self.dtype)
+        packed = entry.layout.pack(tensors, self.pool.page_size)
+        return packed.pin_memory() if self.pool.storage.is_cuda else packed
+
+    async def _reserve(self, entry: AdapterEntry) -> tuple[int, list[int]]:
+        """A free slot and pages, evicting idle adapters; waits while running requests hold them."""
+        need = entry.layout.num_pages
+        while True:
+            if not self._free_slots:
+                victims = [e for e in self._by_slot.values() if e.running == 0]
+                if victims:
+                    now = self._clock()
+                    self._evict(min(victims, key=lambda e: (e.waiting > 0, e.rate_at(now) / e.layout.num_pages)))
+            if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need, keep=entry)):
+                pages = self.pool.allocate(need, PageKind.ADAPTER)
+                if pages is not None:
+                    return self._free_slots.pop(), pages
+            self._memory_freed.clear()
+            await self._memory_freed.wait()
+
+    def _copy_in(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
+        """Host RAM -> pool pages, then point the slot's table rows at them (forward thread)."""
+        n, size = len(pages), self.pool.page_size
+        src = packed.view(packed.shape[0], n, size)
+        storage = self.pool.storage
+        if pages[-1] - pages[0] == n - 1:
+            storage[:, pages[0] : pages[0] + n].copy_(src, non_blocking=True)
+        else:
+            storage[:, torch.tensor(pages, device=storage.device)] = src.to(storage.device, non_blocking=True)
+        self.tables.write_slot(slot, entry.layout, pages)

@@ -1,0 +1,298 @@
+"""The embedded engine: submit requests, stream outputs; one event loop owns all state.
+
+The step loop runs as a task on the loop the engine is first used from. Each step it lets the
+scheduling policy admit waiting requests, makes room for decodes (evicting idle adapters, then
+preempting), and hands a :class:`~lorapage.model.runner.StepPlan` to the single forward thread.
+Adapter loads run beside it (see :mod:`lorapage.adapters.cache`) and never block it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterable
+
+import torch
+
+from lorapage.adapters.cache import AdapterCache, AdapterInfo
+from lorapage.adapters.layout import LoraTables, max_adapter_pages
+from lorapage.config import EngineConfig
+from lorapage.engine_step import StepState
+from lorapage.errors import (
+    AdapterNotFoundError,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from lorapage.kernels.backend import select_backend
+from lorapage.memory.pool import PageKind, PagePool
+from lorapage.model.config import ModelConfig
+from lorapage.model.llama import LlamaModel, lora_h_width
+from lorapage.model.loader import load_state_dict, model_digest
+from lorapage.model.runner import ModelRunner
+from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
+from lorapage.request import Request, RequestOutput
+from lorapage.sampling import SamplingParams
+from lorapage.scheduler import make_policy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_TENANT = "default"
+CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Engine:
+    """One base model, many LoRA adapters, continuous batching over one unified page pool."""
+
+    def __init__(self, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        self.device = _device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        model_dir = Path(config.model)
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.base_name = model_dir.name
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.eos_token_ids = frozenset(mc.eos_token_ids or (self.tokenizer.eos_token_id,)) - {None}
+        self._digest: str | None = None
+        bs = config.block_size
+        page_size = 2 * bs * mc.kv_size
+        adapter_pages = max_adapter_pages(mc, config.max_lora_rank, page_size)
+        max_blocks = -(-self.max_model_len // bs)
+        self.pool = PagePool(mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size,
+                             self.dtype, self.device)
+        self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
+        model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.ops = select_backend(config.kernel_backend, self.device)
+        self.runner = ModelRunner(
+            model, self.pool, self.tables, self.ops, bs, config.max_num_seqs,
+            self.max_num_batched_tokens, max_blocks, lora_h_width(mc, config.max_lora_rank),
+        )
+        self._forward = ThreadPoolExecutor(1, thread_name_prefix="lorapage-forward")
+        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
+        self.adapters = AdapterCache(
+            mc, self.pool, self.tables,
+            max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
+            dtype=self.dtype, io_executor=self._io, run_on_device=self._run_on_device,
+            on_ready=self._wake_up, clock=clock,
+        )
+        self.policy = make_policy(config.scheduler)
+        self.state = StepState(self)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self._closed = False
+
+    def _num_pages(self, adapter_pages: int, max_blocks: int, page_size: int) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        want = 1 + self.config.max_num_seqs * max_blocks + self.config.max_loras * adapter_pages
+        if self.device.type == "cpu":
+            per_page = self.model_config.num_layers * page_size * torch.finfo(self.dtype).bits // 8
+            want = min(want, CPU_POOL_BYTES // per_page)
+        return want
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the base checkpoint's weight files (adapters are pinned to it)."""
+        if self._digest is None:
+            self._digest = model_digest(self.config.model)
+        return self._digest
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Register a PEFT LoRA directory under ``name``; it is validated now and loaded lazily."""
+        return self.adapters.register(name, str(path))
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
+
+    def adapter_info(self, name: str) -> AdapterInfo:
+        return self.adapters.info(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [self.adapters.info(n) for n in self.adapters.entries]
+
+    async def load_adapter(self, name: str) -> None:
+        """Make ``name`` resident in the pool now (pre-warm)."""
+        self._bind_loop()
+        await self.adapters.wait_resident(name)
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running."""
+        self._bind_loop()
+        return self.adapters.unload(name)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        adapter: str | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
+
+        Stopping iteration early (a client went away) aborts the request and frees its pages.
+        """
+        self._bind_loop()
+        req = self._make_request(prompt, adapter, sampling or SamplingParams(), tenant, request_id)
+        self.state.submit(req)
+        self._wake_up()
+        finished = False
+        try:
+            while not finished:
+                out = await req.outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def generate_batch(
+        self, items: Iterable[tuple[str | list[int], str | None]], sampling: SamplingParams | None = None,
+        *, tenant: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``(prompt, adapter)`` pairs together and return their final outputs, in order.
+
+        For plain scripts: call it where no event loop is running in this thread.
+        """
+        async def one(prompt, adapter):
+            last = None
+            async for last in self.generate(prompt, adapter, sampling, tenant=tenant):
+                pass
+            return last
+
+        async def run_all():
+            return await asyncio.gather(*(one(p, a) for p, a in items))
+
+        return asyncio.run(run_all())
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages are freed within one step."""
+        self.state.abort(request_id)
+        self._wake_up()
+
+    def pool_free_pages(self) -> int:
+        return self.pool.num_free
+
+    def stats(self) -> dict:
+        """Resident and host-RAM adapters, queue depth, running sequences, pool use, evictions."""
+        now = self.clock()
+        return {
+            "resident_adapters": self.adapters.resident(),
+            "host_ram_adapters": self.adapters.in_host(),
+            "registered_adapters": len(self.adapters.entries),
+            "queue_depth": self.policy.num_waiting(),
+            "running": len(self.state.running),
+            "pool_pages_total": self.pool.capacity,
+            "pool_pages_kv": self.pool.used[PageKind.KV],
+            "pool_pages_adapters": self.pool.used[PageKind.ADAPTER],
+            "pool_pages_free": self.pool.num_free,
+            "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),
+            "preemptions": self.state.num_preemptions,
+        }
+
+    async def close(self) -> None:
+        """Abort everything in flight and stop the step loop and worker threads."""
+        self._closed = True
+        for rid in list(self.state.requests):
+            self.state.abort(rid)
+        self._wake_up()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._forward.shutdown(wait=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _make_request(self, prompt, adapter, sampling, tenant, request_id) -> Request:
+        if self._closed:
+            raise EngineClosedError("the engine has been closed")
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError("sampling must be a SamplingParams", param="sampling")
+        if adapter is not None and adapter not in self.adapters.entries:
+            raise AdapterNotFoundError(f"adapter {adapter!r} does not exist", param="model")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
+            )
+        if self.policy.num_waiting() >= self.config.max_queue_len:
+            raise EngineOverloadedError(f"the queue holds {self.config.max_queue_len} requests; retry shortly")
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator().manual_seed(sampling.seed)
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            tenant=tenant or DEFAULT_TENANT,
+            adapter=adapter,
+            prompt_ids=ids,
+            sampling=sampling,
+            arrival_time=self.clock(),
+            adapter_tier=self.adapters.tier(adapter) if adapter else "none",
+            outputs=asyncio.Queue(),
+            detokenizer=IncrementalDecoder(self.tokenizer, ids),
+            generator=gen,
+            logprobs=[] if sampling.logprobs is not None else None,
+        )
+
+    def _bind_loop(self) -> None:
+        """Run the step loop on the current event loop (re-binding when a previous loop ended)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.state.requests:
+            raise RuntimeError("this engine has requests in flight on another event loop")
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self.adapters.rebind_loop()
+        self._task = loop.create_task(self._run(), name="lorapage-step-loop")
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run_on_device(self, fn: Callable[[], None]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._forward, fn)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                plan = self.state.plan_step()
+                if plan is None:
+                    break
+                result = await asyncio.get_running_loop().run_in_executor(self._forward, self.runner.execute, plan)
+                self.state.apply(plan, *result)

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the unified page pool.
+
+The base runs one fused GEMM per projection group (qkv, o, gate_up, down) for the whole batch;
+each group's LoRA update is a shrink into ``h`` then an expand into the group's output, every
+token using its own adapter slot. Attention writes the step's K and V into the tokens' pages,
+then reads each sequence's context back from its pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lorapage.adapters.layout import LoraTables
+from lorapage.kernels import LoraIndices
+from lorapage.kernels.backend import KernelOps
+from lorapage.model.config import GROUPS, MODULES, ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the pool and what each sequence attends to.
+
+    Rows ``[0, num_decode)`` are decode tokens (one per sequence); the rest are prefill tokens,
+    sequence by sequence. Tensors are views of buffers the runner allocated once.
+    """
+
+    slot_mapping: Tensor  # [T] int64: page * block_size + offset of each token's K/V
+    num_decode: int
+    decode_block_table: Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: Tensor  # [num_decode] int32
+    prefill_block_table: Tensor  # [num_prefill, max_blocks] int32
+    prefill_query_starts: list[int]  # offsets (from num_decode) of each prefill sequence's tokens, + end
+    prefill_context_lens: list[int]
+
+
+def _group_module_slices() -> list[tuple[int, int]]:
+    """(first, end) module indices of each group in the MODULES order."""
+    out, i = [], 0
+    for group in GROUPS:
+        out.append((i, i + len(group)))
+        i += len(group)
+    return out
+
+
+GROUP_MODULES = _group_module_slices()
+
+
+class LlamaModel:
+    """Weights and forward pass. Stateless across steps: the KV lives in the pool."""
+
+    def __init__(
+        self, config: ModelConfig, state: dict[str, Tensor], device: torch.device, dtype: torch.dtype, max_len: int
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        c = config
+        get = lambda k: state.pop(k).to(device=device, dtype=dtype)  # noqa: E731
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in state else get("lm_head.weight")
+        state.pop("lm_head.weight", None)
+        self.final_norm = get("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "in_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
+                "qkv": torch.cat([get(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]),
+                "o": get(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([get(p + f"mlp.{m}.weight") for m in ("gate_proj", "up_proj")]),
+                "down": get(p + "mlp.down_proj.weight"),
+            }
+            if c.attention_bias:
+                layer["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")])
+            self.layers.append(layer)
+        dims = c.module_dims()
+        # Column where each module's output starts inside its group's fused output.
+        self.out_starts = []
+        for group in GROUPS:
+            starts, col = [], 0
+            for m in group:
+                starts.append(col)
+                col += dims[m][1]
+            self.out_starts.append(tuple(starts))
+        # cos / sin for every position, computed once in float32 exactly as HF does per step.
+        inv_freq = c.rope_inv_freq()
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_cache = emb.cos().to(device, dtype)
+        self.sin_cache = emb.sin().to(device, dtype)
+        self.scale = c.head_dim**-0.5
+
+    def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    @staticmethod
+    def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+    def _lora(
+        self, ops: KernelOps, y: Tensor, x: Tensor, layer: int, group: int, slab: Tensor,
+        tables: LoraTables, lora: LoraIndices, h: Tensor,
+    ) -> None:
+        m0, m1 = GROUP_MODULES[group]
+        ops.lora_shrink(h, x, slab, tables.page_table, lora, tables.a_offset[layer, :, group], tables.a_rows[layer, :, group])
+        ops.lora_expand(
+            y, h, slab, tables.page_table, lora,
+            tables.b_offset[layer, :, m0:m1], tables.rank[layer, :, m0:m1],
+            tables.h_start[layer, :, m0:m1], tables.scale[layer, :, m0:m1], self.out_starts[group],
+        )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: AttentionMetadata,
+        pool: Tensor,
+        block_size: int,
+        ops: KernelOps,
+        tables: LoraTables,
+        lora: LoraIndices | None,
+        lora_h: Tensor,
+    ) -> Tensor:
+        """Hidden states [T, hidden] after the final norm for this step's tokens.
+
+        ``pool`` is the page storage [num_layers, num_pages, page_size]; ``lora_h`` a scratch
+        buffer [>= T, >= max group rank] for the shrink output.
+        """
+        c = self.config
+        T = input_ids.shape[0]
+        x = self.embed[input_ids]
+        cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+        nd = attn.num_decode
+        q_size, kv_size = c.q_size, c.kv_size
+        h = lora_h[:T]
+        use_lora = lora is not None and bool(lora.segments)
+        for i, w in enumerate(self.layers):
+            slab = pool[i]
+            kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
+            hs = self._rms_norm(x, w["in_norm"])
+            qkv = hs @ w["qkv"].t()
+            if "qkv_bias" in w:
+                qkv += w["qkv_bias"]
+            if use_lora:
+                self._lora(ops, qkv, hs, i, 0, slab, tables, lora, h)
+            q = self._apply_rope(qkv[:, :q_size].view(T, c.num_heads, c.head_dim), cos, sin)
+            k = self._apply_rope(qkv[:, q_size : q_size + kv_size].view(T, c.num_kv_heads, c.head_dim), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
+            ops.write_kv(kv, k, v, attn.slot_mapping)
+            out = torch.empty_like(q)
+            if nd:
+                ops.paged_decode_attention(out[:nd], q[:nd], kv, attn.decode_block_table, attn.decode_context_lens, self.scale)
+            if T > nd:
+                ops.prefill_attention(
+                    out[nd:], q[nd:], kv, attn.prefill_block_table, attn.prefill_query_starts,
+                    attn.prefill_context_lens, self.scale,
+                )
+            attn_out = out.view(T, q_size)
+            o = attn_out @ w["o"].t()
+            if use_lora:
+                self._lora(ops, o, attn_out, i, 1, slab, tables, lora, h)
+            x = x + o
+            hs = self._rms_norm(x, w["post_norm"])
+            gu = hs @ w["gate_up"].t()
+            if use_lora:
+                self._lora(ops, gu, hs, i, 2, slab, tables, lora, h)
+            inter = c.intermediate_size
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            d = act @ w["down"].t()
+            if use_lora:
+                self._lora(ops, d, act, i, 3, slab, tables, lora, h)
+            x = x + d
+        return self._rms_norm(x, self.final_norm)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits [N, vocab] for the given final hidden states."""
+        return (hidden @ self.lm_head.t()).float()
+
+
+def lora_h_width(config: ModelConfig, max_rank: int) -> int:
+    """Widest shrink output: a group's modules all at ``max_rank``."""
+    return max(len(g) for g in GROUPS) * max_rank
+
+
+__all__ = ["LlamaModel", "AttentionMetadata", "lora_h_width", "MODULES"]

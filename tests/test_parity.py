@@ -1,0 +1,93 @@
+"""lorapage against transformers + peft: one heterogeneous batch, every row as if alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
+from lorapage import Engine, EngineConfig, SamplingParams
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    # name: (rank, targets, extra LoraConfig kwargs)
+    "attn_r4": (4, ["q_proj", "v_proj"], {}),
+    "all_r8": (8, ALL, {}),
+    "rslora_r16": (16, ALL, {"use_rslora": True}),
+    "pattern_r64": (64, ALL, {"rank_pattern": {"down_proj": 4, "layers.0.self_attn.k_proj": 2},
+                              "alpha_pattern": {"q_proj": 40}}),
+    "qko_r8": (8, ["q_proj", "k_proj", "o_proj", "up_proj"], {}),
+}
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    base = make_random_llama(root / "base", layers=3)
+    adapters = {
+        name: make_peft_adapter(base, root / name, r=r, targets=t, seed=i + 1, **kw)
+        for i, (name, (r, t, kw)) in enumerate(ADAPTERS.items())
+    }
+    return base, adapters
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+
+
+def test_heterogeneous_batch_matches_peft_row_by_row(checkpoint):
+    base, adapters = checkpoint
+    engine = Engine(EngineConfig(model=str(base), max_lora_rank=64, max_loras=8, block_size=4))
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    rows = [*adapters, None, *adapters, None]
+    prompts = _prompts(len(rows), seed=7)
+    outs = engine.generate_batch(list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0))
+    for prompt, adapter, out in zip(prompts, rows, outs):
+        ref_tokens, ref_lps = peft_greedy(base, adapters.get(adapter), prompt, MAX_TOKENS)
+        assert out.token_ids == ref_tokens, f"adapter {adapter}"
+        got = [lp.logprob for lp in out.logprobs]
+        assert got == pytest.approx(ref_lps, abs=1e-4), f"adapter {adapter}"
+
+
+def test_unmerged_equals_merged_copy(checkpoint, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    import shutil
+
+    base, adapters = checkpoint
+    merged_dir = tmp_path / "merged"
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapters["all_r8"])
+    model.merge_and_unload().save_pretrained(merged_dir, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / f, merged_dir / f)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    prompts = _prompts(4, seed=11)
+    unmerged = Engine(EngineConfig(model=str(base), max_lora_rank=64, max_loras=4))
+    unmerged.add_adapter("a", adapters["all_r8"])
+    merged = Engine(EngineConfig(model=str(merged_dir)))
+    got = unmerged.generate_batch([(p, "a") for p in prompts], params)
+    want = merged.generate_batch([(p, None) for p in prompts], params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-4)
+
+
+def test_alone_equals_in_batch_with_31_other_adapters(checkpoint, tmp_path):
+    base, adapters = checkpoint
+    engine = Engine(EngineConfig(model=str(base), max_lora_rank=16, max_loras=32, block_size=8))
+    names = []
+    for i in range(32):
+        r = (4, 8, 16)[i % 3]
+        targets = ALL if i % 2 else ["q_proj", "v_proj", "o_proj"]
+        names.append(f"t{i}")
+        engine.add_adapter(names[-1], make_peft_adapter(base, tmp_path / names[-1], r=r, targets=targets, seed=100 + i))
+    prompts = _prompts(32, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    batch = engine.generate_batch(list(zip(prompts, names)), params)
+    for i in (0, 13, 31):
+        alone = engine.generate_batch([(prompts[i], names[i])], params)[0]
+        assert alone.token_ids == batch[i].token_ids
