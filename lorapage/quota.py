@@ -1,0 +1,198 @@
+"""Per-tenant quotas: token buckets for requests and tokens per minute, a cap on concurrency.
+
+A bucket holds up to ``burst`` tokens and refills continuously at ``limit / 60`` per second, so
+over any interval of T seconds a tenant gets at most ``burst + limit * T / 60``: no fixed-window
+double burst at a minute boundary. A request is charged one RPM token and ``prompt + max_tokens``
+TPM tokens up front; :meth:`QuotaManager.release` refunds the tokens it did not generate. Time
+is injected as ``now`` (seconds).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from lorapage.tenants import TenantConfig, TenantsConfig
+
+_EPS = 1e-9  # relative slack on float comparisons, so refill arithmetic lands on whole tokens
+
+
+class TokenBucket:
+    """``capacity`` tokens at most, refilled at ``rate`` per second; starts full."""
+
+    def __init__(self, capacity: float, rate: float, now: float) -> None:
+        self.capacity = capacity
+        self.rate = rate
+        self.level = capacity
+        self.updated = now
+
+    def refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def has(self, n: float, now: float) -> bool:
+        self.refill(now)
+        return self.level + _EPS * max(1.0, n) >= n
+
+    def take(self, n: float) -> None:
+        """Take ``n`` (after :meth:`has` said yes at the same ``now``)."""
+        self.level = max(0.0, self.level - n)
+
+    def give_back(self, n: float, now: float) -> None:
+        self.refill(now)
+        self.level = min(self.capacity, self.level + n)
+
+    def retry_after_s(self, n: float, now: float) -> int | None:
+        """Whole seconds until ``n`` tokens are there (at least 1), or None if ``n`` exceeds the
+        capacity. Checked against :meth:`has`' own arithmetic, so retrying exactly then works
+        and a second earlier would not."""
+        if n > self.capacity * (1 + _EPS):
+            return None
+        self.refill(now)
+        need = (n - self.level) / self.rate
+        k = max(1, math.ceil(need - 1e-6))
+        while not self._would_have(n, k):
+            k += 1
+        while k > 1 and self._would_have(n, k - 1):
+            k -= 1
+        return k
+
+    def reconfigure(self, capacity: float, rate: float, now: float) -> None:
+        self.refill(now)
+        self.capacity = capacity
+        self.rate = rate
+        self.level = min(self.level, capacity)
+
+    def _would_have(self, n: float, seconds: int) -> bool:
+        return min(self.capacity, self.level + seconds * self.rate) + _EPS * max(1.0, n) >= n
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What a request holds against its tenant's quota until :meth:`QuotaManager.release`."""
+
+    id: int
+    tenant: str
+    tokens: int  # prompt + max_tokens taken from the TPM bucket
+
+
+@dataclass(frozen=True)
+class QuotaExceeded:
+    """Refused: answer 429 with ``Retry-After: retry_after_s``. ``retry_after_s`` is None when
+    retrying cannot help (the request is bigger than the tenant's TPM burst): answer without
+    Retry-After and tell the caller to lower ``max_tokens``."""
+
+    which: str  # "rpm" | "tpm" | "concurrency"
+    retry_after_s: int | None
+    message: str
+
+
+class _TenantQuota:
+    """One tenant's buckets and in-flight count; kept (and reconfigured in place) across reloads
+    so that reservations made before a reload release correctly after it."""
+
+    def __init__(self, cfg: TenantConfig, now: float) -> None:
+        self.rpm: TokenBucket | None = None
+        self.tpm: TokenBucket | None = None
+        self.in_flight = 0
+        self.configure(cfg, now)
+
+    def configure(self, cfg: TenantConfig, now: float) -> None:
+        self.max_concurrency = cfg.max_concurrency
+        self.rpm = _bucket(self.rpm, cfg.rpm, cfg.rpm_bucket, now)
+        self.tpm = _bucket(self.tpm, cfg.tpm, cfg.tpm_bucket, now)
+
+
+def _bucket(bucket: TokenBucket | None, per_minute: int | None, burst: int | None, now: float) -> TokenBucket | None:
+    if per_minute is None or burst is None:
+        return None
+    if bucket is None:
+        return TokenBucket(burst, per_minute / 60.0, now)
+    bucket.reconfigure(burst, per_minute / 60.0, now)
+    return bucket
+
+
+class QuotaManager:
+    """Checks and reserves each tenant's RPM, TPM and concurrency; one tenant's exhaustion
+    touches no other tenant's buckets."""
+
+    def __init__(self, config: TenantsConfig, now: float = 0.0, concurrency_retry_after_s: int = 1) -> None:
+        self.concurrency_retry_after_s = concurrency_retry_after_s  # nobody knows when one finishes
+        self._states: dict[str, _TenantQuota] = {}
+        self._live: dict[int, tuple[Reservation, _TenantQuota]] = {}
+        self._ids = itertools.count(1)
+        self.reload(config, now)
+
+    def reload(self, config: TenantsConfig, now: float = 0.0) -> None:
+        """Apply a new tenants file (SIGHUP). Buckets keep their level (clipped to a smaller
+        burst), in-flight requests stay counted, and every outstanding reservation stays valid,
+        including those of tenants the new file removes."""
+        states = {}
+        for name, cfg in config.tenants.items():
+            state = self._states.get(name)
+            if state is None:
+                state = _TenantQuota(cfg, now)
+            else:
+                state.configure(cfg, now)
+            states[name] = state
+        self._states = states
+
+    def check_and_reserve(self, tenant: str, prompt_tokens: int, max_tokens: int, now: float) -> Reservation | QuotaExceeded:
+        """Reserve one request's worth of ``tenant``'s quota, or say which limit refused it and
+        when to retry (all-or-nothing: a refusal takes nothing)."""
+        state = self._states.get(tenant)
+        if state is None:
+            raise KeyError(f"unknown tenant {tenant!r}; configured: {sorted(self._states)}")
+        tokens = prompt_tokens + max_tokens
+        refusals = []
+        if state.rpm is not None and not state.rpm.has(1, now):
+            refusals.append(("rpm", state.rpm.retry_after_s(1, now), "requests per minute"))
+        if state.tpm is not None and not state.tpm.has(tokens, now):
+            retry = state.tpm.retry_after_s(tokens, now)
+            if retry is None:
+                return QuotaExceeded(
+                    "tpm", None,
+                    f"the request needs {tokens} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}) but "
+                    f"tenant {tenant!r} may use at most {state.tpm.capacity:.0f} at once (tpm_burst); lower max_tokens",
+                )  # fmt: skip
+            refusals.append(("tpm", retry, "tokens per minute"))
+        if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
+            refusals.append(("concurrency", self.concurrency_retry_after_s, "concurrent requests"))
+        if refusals:
+            which, retry, what = max(refusals, key=lambda r: r[1])
+            return QuotaExceeded(which, retry, f"tenant {tenant!r} is over its {what} quota; retry after {retry} s")
+        if state.rpm is not None:
+            state.rpm.take(1)
+        if state.tpm is not None:
+            state.tpm.take(tokens)
+        state.in_flight += 1
+        reservation = Reservation(next(self._ids), tenant, tokens)
+        self._live[reservation.id] = (reservation, state)
+        return reservation
+
+    def release(self, reservation: Reservation, used_tokens: int, now: float) -> None:
+        """The request ended having used ``used_tokens`` (prompt + generated): refund the rest of
+        its TPM charge and free its concurrency slot. Releasing twice is harmless."""
+        live = self._live.pop(reservation.id, None)
+        if live is None:
+            return
+        _, state = live
+        state.in_flight -= 1
+        unused = reservation.tokens - used_tokens
+        if state.tpm is not None and unused > 0:
+            state.tpm.give_back(unused, now)
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._states.get(tenant)
+        return state.in_flight if state else 0
+
+
+def overload_retry_after_s(queue_len: int, max_queue_len: int, admitted_per_s: float, ceiling_s: int = 60) -> int:
+    """Retry-After for a 503 from a full queue: seconds for admission to drain the queue below its
+    bound at the recent admission rate, clamped to [1, ceiling_s]."""
+    excess = queue_len - max_queue_len + 1
+    if admitted_per_s <= 0:
+        return ceiling_s
+    return min(ceiling_s, max(1, math.ceil(excess / admitted_per_s)))

@@ -1,0 +1,168 @@
+"""Pure scheduling metrics: per-tenant counters and per-step histograms, no exporter attached.
+
+The server turns a :class:`SchedulerMetrics` into Prometheus series; the simulator and tests read
+it directly. :class:`MeteredPolicy` fills it around any :class:`SchedulerPolicy`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lorapage.scheduler.base import AdmissionContext, SchedRequest, SchedulerPolicy
+
+WAIT_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DISTINCT_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Histogram:
+    """Observation counts per upper bound (last bucket: above every bound), with sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # counts[i]: observations in (bounds[i-1], bounds[i]]
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+
+@dataclass
+class TenantStats:
+    """What one tenant was admitted, refused and served, and how long it queued."""
+
+    admitted_requests: int = 0
+    admitted_prompt_tokens: int = 0
+    served_input_tokens: int = 0
+    served_output_tokens: int = 0
+    rejected_requests: Counter[str] = field(default_factory=Counter)  # reason -> requests
+    rejected_tokens: Counter[str] = field(default_factory=Counter)  # reason -> prompt + max_tokens
+    wait_adapter_s: Histogram = field(default_factory=lambda: Histogram(WAIT_BOUNDS_S))
+    wait_capacity_s: Histogram = field(default_factory=lambda: Histogram(WAIT_BOUNDS_S))
+
+
+class SchedulerMetrics:
+    """Per-tenant stats and per-step histograms (batch size, distinct adapters in the batch)."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, TenantStats] = {}
+        self.batch_size = Histogram(BATCH_BOUNDS)
+        self.distinct_adapters = Histogram(DISTINCT_BOUNDS)
+
+    def tenant(self, name: str) -> TenantStats:
+        stats = self.tenants.get(name)
+        if stats is None:
+            stats = self.tenants[name] = TenantStats()
+        return stats
+
+    def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
+        """A request refused before queueing (``reason``: rpm, tpm, concurrency, queue_full...)."""
+        stats = self.tenant(tenant)
+        stats.rejected_requests[reason] += 1
+        stats.rejected_tokens[reason] += tokens
+
+    def record_admitted(self, tenant: str, prompt_tokens: int, adapter_wait_s: float, capacity_wait_s: float) -> None:
+        stats = self.tenant(tenant)
+        stats.admitted_requests += 1
+        stats.admitted_prompt_tokens += prompt_tokens
+        stats.wait_adapter_s.observe(adapter_wait_s)
+        stats.wait_capacity_s.observe(capacity_wait_s)
+
+    def record_served(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
+        stats = self.tenant(tenant)
+        stats.served_input_tokens += input_tokens
+        stats.served_output_tokens += output_tokens
+
+    def record_step(self, batch_size: int, distinct_adapters: int) -> None:
+        self.batch_size.observe(batch_size)
+        self.distinct_adapters.observe(distinct_adapters)
+
+
+class _ObservingContext:
+    """Passes the policy's questions through, noting when a request's adapter was not ready."""
+
+    def __init__(self, ctx: AdmissionContext, now: float, unready_at: dict[str, float]) -> None:
+        self._ctx = ctx
+        self._now = now
+        self._unready_at = unready_at
+
+    def adapter_ready(self, req: SchedRequest) -> bool:
+        ready = self._ctx.adapter_ready(req)
+        if not ready:
+            self._unready_at[req.request_id] = self._now
+        return ready
+
+    def running_adapters(self) -> set[str | None]:
+        return self._ctx.running_adapters()
+
+    def try_admit(self, req: SchedRequest) -> bool:
+        return self._ctx.try_admit(req)
+
+
+class MeteredPolicy:
+    """Any policy, with its admissions, service and steps recorded in a :class:`SchedulerMetrics`.
+
+    Queue wait splits at the last step the policy saw the request's adapter not ready: before it
+    the request waited for an adapter load, after it for capacity (rows, pages, its VTC turn).
+    """
+
+    def __init__(self, policy: SchedulerPolicy, metrics: SchedulerMetrics) -> None:
+        self.policy = policy
+        self.metrics = metrics
+        self._enqueued_at: dict[str, float] = {}
+        self._unready_at: dict[str, float] = {}
+        self._running: dict[str, str | None] = {}  # request_id -> adapter
+        self._adapters: Counter[str] = Counter()  # adapter -> running requests
+
+    def add(self, req: SchedRequest, now: float) -> None:
+        if req.request_id in self._running:
+            self._stopped(req)
+        self._enqueued_at[req.request_id] = now
+        self.policy.add(req, now)
+
+    def remove(self, req: SchedRequest) -> None:
+        self._enqueued_at.pop(req.request_id, None)
+        self._unready_at.pop(req.request_id, None)
+        self.policy.remove(req)
+
+    def schedule(self, now: float, ctx: AdmissionContext) -> list[SchedRequest]:
+        admitted = self.policy.schedule(now, _ObservingContext(ctx, now, self._unready_at))
+        for req in admitted:
+            enqueued = self._enqueued_at.pop(req.request_id, now)
+            loaded = max(enqueued, self._unready_at.pop(req.request_id, enqueued))
+            self.metrics.record_admitted(req.tenant, req.num_prompt_tokens, loaded - enqueued, now - loaded)
+            self._running[req.request_id] = req.adapter
+            if req.adapter is not None:
+                self._adapters[req.adapter] += 1
+        self.metrics.record_step(len(self._running), len(self._adapters))
+        return admitted
+
+    def on_service(self, req: SchedRequest, input_tokens: int, output_tokens: int, now: float) -> None:
+        self.policy.on_service(req, input_tokens, output_tokens, now)
+        self.metrics.record_served(req.tenant, input_tokens, output_tokens)
+
+    def on_finish(self, req: SchedRequest, now: float) -> None:
+        if req.request_id in self._running:
+            self._stopped(req)
+        else:
+            self._enqueued_at.pop(req.request_id, None)
+            self._unready_at.pop(req.request_id, None)
+        self.policy.on_finish(req, now)
+
+    def pick_victim(self, running: list[SchedRequest]) -> SchedRequest:
+        return self.policy.pick_victim(running)
+
+    def num_waiting(self) -> int:
+        return self.policy.num_waiting()
+
+    def _stopped(self, req: SchedRequest) -> None:
+        adapter = self._running.pop(req.request_id)
+        if adapter is not None:
+            self._adapters[adapter] -= 1
+            if not self._adapters[adapter]:
+                del self._adapters[adapter]

@@ -1,0 +1,204 @@
+"""Step-level simulation of the engine around an unmodified :class:`SchedulerPolicy`.
+
+The model: a step prefills the requests admitted in it (prompt plus, after a preemption, what it
+had generated) and decodes one token for every other running request; every running request
+gains one token per step. A step costs ``CostModel`` seconds of virtual time. KV pages are
+reserved for the prompt at admission and grow a block at a time while decoding; when they run
+out, the policy picks a victim, which loses its pages and queues again (recompute). An adapter
+becomes ready ``adapter_load_s`` after its first request arrives and stays resident.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from lorapage.scheduler.base import SchedRequest, SchedulerPolicy
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """A request of a trace. It generates exactly ``max_tokens`` tokens."""
+
+    request_id: str
+    tenant: str
+    adapter: str | None
+    arrival_time: float
+    num_prompt_tokens: int
+    max_tokens: int
+    admitted_at: float | None = None  # first admission
+    finished_at: float | None = None
+    generated: int = 0
+    preemptions: int = 0
+
+    @property
+    def queue_wait(self) -> float:
+        assert self.admitted_at is not None, f"{self.request_id} was never admitted"
+        return self.admitted_at - self.arrival_time
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one step: fixed + per token processed + per distinct adapter in the batch."""
+
+    step_s: float = 0.010
+    per_token_s: float = 20e-6
+    per_adapter_s: float = 0.2e-3
+
+    def step_time(self, tokens: int, distinct_adapters: int) -> float:
+        return self.step_s + self.per_token_s * tokens + self.per_adapter_s * distinct_adapters
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    num_kv_pages: int = 4096
+    block_size: int = 16
+    adapter_load_s: float = 0.05
+    cost: CostModel = field(default_factory=CostModel)
+
+
+class _Context:
+    """The engine's side of :class:`~lorapage.scheduler.base.AdmissionContext` for one step."""
+
+    def __init__(self, sim: Simulator, now: float) -> None:
+        self._sim = sim
+        self._now = now
+        self.admitted: list[SimRequest] = []
+        self.tokens = len(sim.running)  # one decode token per running request
+
+    def adapter_ready(self, req: SchedRequest) -> bool:
+        return req.adapter is None or self._sim.ready_at[req.adapter] <= self._now
+
+    def running_adapters(self) -> set[str | None]:
+        return {r.adapter for r in self._sim.running} | {r.adapter for r in self.admitted}
+
+    def try_admit(self, req: SchedRequest) -> bool:
+        assert isinstance(req, SimRequest)
+        sim = self._sim
+        prefill = req.num_prompt_tokens + req.generated
+        pages = sim.pages_for(prefill + 1)
+        if (
+            len(sim.running) + len(self.admitted) >= sim.config.max_num_seqs
+            or self.tokens + prefill > sim.config.max_num_batched_tokens
+            or pages > sim.free_pages
+        ):
+            return False
+        sim.free_pages -= pages
+        sim.pages[req.request_id] = pages
+        self.tokens += prefill
+        self.admitted.append(req)
+        return True
+
+
+class Simulator:
+    """Runs ``trace`` through ``policy`` on a virtual clock; results land on the requests and in
+    ``served`` (tenant -> [input tokens, output tokens], counting each token once)."""
+
+    def __init__(self, policy: SchedulerPolicy, config: SimConfig, trace: Iterable[SimRequest]) -> None:
+        self.policy = policy
+        self.config = config
+        self.trace = sorted(trace, key=lambda r: r.arrival_time)
+        self._next = 0  # index in trace of the next arrival
+        self.now = 0.0
+        self.running: list[SimRequest] = []
+        self.waiting: set[SimRequest] = set()
+        self.pages: dict[str, int] = {}  # request_id -> KV pages held
+        self.free_pages = config.num_kv_pages
+        self.ready_at: dict[str, float] = {}  # adapter -> when its load completes
+        self.served: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.steps = 0
+        self.last_batch_size = 0  # rows of the latest step
+        self.preemptions = 0
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.config.block_size)
+
+    def run(self, until: float = math.inf, on_step: Callable[[Simulator], None] | None = None) -> None:
+        """Simulate until every request finished or the clock passes ``until`` (call again to go on)."""
+        while self.now < until:
+            while self._next < len(self.trace) and self.trace[self._next].arrival_time <= self.now:
+                self._arrive(self.trace[self._next])
+                self._next += 1
+            if not self.running and not self.waiting:
+                if self._next == len(self.trace):
+                    return
+                self.now = self.trace[self._next].arrival_time
+                continue
+            self._make_room_for_decode()
+            ctx = _Context(self, self.now)
+            self.policy.schedule(self.now, ctx)
+            if not self.running and not ctx.admitted:
+                self.now = self._next_event()
+                continue
+            self._step(ctx)
+            if on_step is not None:
+                on_step(self)
+
+    def _arrive(self, req: SimRequest) -> None:
+        if req.adapter is not None and req.adapter not in self.ready_at:
+            self.ready_at[req.adapter] = self.now + self.config.adapter_load_s
+        self.waiting.add(req)
+        self.policy.add(req, self.now)
+
+    def _next_event(self) -> float:
+        later = [t for t in self.ready_at.values() if t > self.now]
+        if self._next < len(self.trace):
+            later.append(self.trace[self._next].arrival_time)
+        if not later:
+            raise RuntimeError(f"{len(self.waiting)} waiting requests can never be admitted at t={self.now}")
+        return min(later)
+
+    def _make_room_for_decode(self) -> None:
+        """Give each running request a page for its next token, preempting when pages run out."""
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted below, earlier in this loop
+            while self.pages_for(req.num_prompt_tokens + req.generated + 1) > self.pages[req.request_id]:
+                if self.free_pages:
+                    self.free_pages -= 1
+                    self.pages[req.request_id] += 1
+                    continue
+                victim = self.policy.pick_victim(list(self.running))
+                assert isinstance(victim, SimRequest)
+                self._preempt(victim)
+                if victim is req:
+                    break
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.free_pages += self.pages.pop(req.request_id)
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.add(req)
+        self.policy.add(req, self.now)
+
+    def _step(self, ctx: _Context) -> None:
+        batch = self.running + ctx.admitted
+        distinct = len({r.adapter for r in batch if r.adapter is not None})
+        started = self.now
+        self.now += self.config.cost.step_time(ctx.tokens, distinct)
+        self.steps += 1
+        self.last_batch_size = len(batch)
+        for req in ctx.admitted:
+            self.waiting.discard(req)
+            if req.admitted_at is None:
+                req.admitted_at = started
+                self.served[req.tenant][0] += req.num_prompt_tokens
+            self._serve(req, req.num_prompt_tokens + req.generated)
+        for req in self.running:
+            self._serve(req, 0)
+        self.running = batch
+        for req in [r for r in batch if r.generated >= r.max_tokens]:
+            self.running.remove(req)
+            self.free_pages += self.pages.pop(req.request_id)
+            req.finished_at = self.now
+            self.policy.on_finish(req, self.now)
+
+    def _serve(self, req: SimRequest, input_tokens: int) -> None:
+        req.generated += 1
+        self.served[req.tenant][1] += 1
+        self.policy.on_service(req, input_tokens, 1, self.now)

@@ -1,0 +1,197 @@
+"""Tenants: who may call, with which adapters, at what VTC share and quota. Parsed from TOML.
+
+```toml
+[admin]
+key_sha256 = ["<sha256 hex of the admin key>"]
+
+[tenants.acme]
+key_sha256 = ["<sha256 hex of each API key>"]
+adapters = ["acme-support"]   # adapters this tenant may use; omit for all, [] for the base only
+weight = 1.0                  # VTC share
+rpm = 600                     # requests per minute  (omit: unlimited)
+rpm_burst = 600               # bucket size, default rpm
+tpm = 200000                  # prompt + max_tokens per minute (omit: unlimited)
+tpm_burst = 200000            # bucket size, default tpm; a larger request can never be admitted
+max_concurrency = 32          # requests in flight (omit: unlimited)
+```
+
+Keys are stored only as sha256 hex digests; a presented key is hashed and compared with every
+stored digest in constant time per digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+DEFAULT_TENANT = "default"  # the embedded engine's tenant when none is named
+
+_TENANT_FIELDS = (
+    "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
+)  # fmt: skip
+
+
+class TenantsConfigError(ValueError):
+    """The tenants file is malformed; the message names the field and what it accepts."""
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant's keys, adapters, VTC weight and quota (``None``: unlimited)."""
+
+    name: str
+    key_sha256: tuple[str, ...] = ()
+    adapters: frozenset[str] | None = None  # None: every adapter
+    weight: float = 1.0
+    rpm: int | None = None
+    rpm_burst: int | None = None  # None: rpm
+    tpm: int | None = None
+    tpm_burst: int | None = None  # None: tpm
+    max_concurrency: int | None = None
+
+    def may_use(self, adapter: str | None) -> bool:
+        """Whether this tenant may send requests for ``adapter`` (None: the base model)."""
+        return adapter is None or self.adapters is None or adapter in self.adapters
+
+    @property
+    def rpm_bucket(self) -> int | None:
+        return self.rpm_burst if self.rpm_burst is not None else self.rpm
+
+    @property
+    def tpm_bucket(self) -> int | None:
+        return self.tpm_burst if self.tpm_burst is not None else self.tpm
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    """Every tenant and the admin keys; immutable (a reload builds a new one)."""
+
+    tenants: Mapping[str, TenantConfig]
+    admin_key_sha256: tuple[str, ...] = ()
+    _digests: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (digest, tenant) pairs
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
+        pairs = [(d, name) for name, t in self.tenants.items() for d in t.key_sha256]
+        owner: dict[str, str] = {d: "[admin]" for d in self.admin_key_sha256}
+        for digest, name in pairs:
+            if digest in owner:
+                raise TenantsConfigError(
+                    f"tenants.{name}.key_sha256: digest {digest[:12]}... is also a key of {owner[digest]}; "
+                    "each API key must belong to one tenant"
+                )
+            owner[digest] = f"tenants.{name}"
+        object.__setattr__(self, "_digests", tuple(pairs))
+
+    @classmethod
+    def single(cls, name: str = DEFAULT_TENANT) -> TenantsConfig:
+        """One unlimited tenant that may use every adapter: the embedded engine's default."""
+        return cls({name: TenantConfig(name)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TenantsConfig:
+        path = Path(path)
+        return cls.from_toml(path.read_text(encoding="utf-8"), source=str(path))
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "<tenants>") -> TenantsConfig:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise TenantsConfigError(f"{source}: not valid TOML: {e}") from e
+        unknown = set(doc) - {"admin", "tenants"}
+        if unknown:
+            raise TenantsConfigError(f"{source}: unknown section(s) {sorted(unknown)}; expected [admin] and [tenants.<name>]")
+        admin = _table(doc.get("admin", {}), "admin")
+        extra = set(admin) - {"key_sha256"}
+        if extra:
+            raise TenantsConfigError(f"admin: unknown field(s) {sorted(extra)}; expected key_sha256")
+        tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in _table(doc.get("tenants", {}), "tenants").items()}
+        return cls(tenants, _digests_field(admin, "admin"))
+
+    def get(self, name: str) -> TenantConfig:
+        try:
+            return self.tenants[name]
+        except KeyError:
+            raise KeyError(f"unknown tenant {name!r}; configured: {sorted(self.tenants)}") from None
+
+    def weights(self) -> dict[str, float]:
+        return {name: t.weight for name, t in self.tenants.items()}
+
+    def authenticate(self, api_key: str) -> str | None:
+        """The tenant owning ``api_key``, or None. Every digest is compared, so the time taken
+        does not depend on which one (if any) matches."""
+        digest = _sha256_hex(api_key)
+        found = None
+        for stored, name in self._digests:
+            if hmac.compare_digest(stored, digest):
+                found = name
+        return found
+
+    def is_admin(self, api_key: str) -> bool:
+        digest = _sha256_hex(api_key)
+        return any([hmac.compare_digest(stored, digest) for stored in self.admin_key_sha256])
+
+
+def _sha256_hex(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TenantsConfigError(f"{where}: expected a table, got {type(value).__name__}")
+    return value
+
+
+def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
+    where = f"tenants.{name}"
+    unknown = set(t) - set(_TENANT_FIELDS)
+    if unknown:
+        raise TenantsConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known fields: {', '.join(_TENANT_FIELDS)}")
+    adapters = t.get("adapters")
+    if adapters is not None and not (isinstance(adapters, list) and all(isinstance(a, str) for a in adapters)):
+        raise TenantsConfigError(f"{where}.adapters: expected a list of adapter names, got {adapters!r}")
+    weight = t.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise TenantsConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
+    limits = {k: _positive_int(t, k, where) for k in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency")}
+    for burst, rate in (("rpm_burst", "rpm"), ("tpm_burst", "tpm")):
+        if limits[burst] is not None and limits[rate] is None:
+            raise TenantsConfigError(f"{where}.{burst}: set {rate} too (a burst size needs a rate)")
+    return TenantConfig(
+        name=name,
+        key_sha256=_digests_field(t, where),
+        adapters=frozenset(adapters) if adapters is not None else None,
+        weight=float(weight),
+        **limits,
+    )
+
+
+def _positive_int(t: dict[str, Any], key: str, where: str) -> int | None:
+    value = t.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TenantsConfigError(f"{where}.{key}: expected an integer >= 1 (omit it for no limit), got {value!r}")
+    return value
+
+
+def _digests_field(t: dict[str, Any], where: str) -> tuple[str, ...]:
+    digests = t.get("key_sha256", [])
+    if not isinstance(digests, list):
+        raise TenantsConfigError(f"{where}.key_sha256: expected a list of sha256 hex digests, got {digests!r}")
+    out = []
+    for d in digests:
+        ok = isinstance(d, str) and len(d) == 64 and all(c in "0123456789abcdef" for c in d.lower())
+        if not ok:
+            raise TenantsConfigError(
+                f"{where}.key_sha256: {d!r} is not a sha256 hex digest (64 hex characters); "
+                "store sha256(api_key).hexdigest(), never the key itself"
+            )
+        out.append(d.lower())
+    return tuple(out)
