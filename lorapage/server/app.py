@@ -1,0 +1,287 @@
+"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py).
+
+Every request is checked in the same order: API key (401), body size (413), JSON and types
+(400), field ranges (400), model visibility (404), prompt length against the context (400), the
+tenant's quota (429); only then does the engine see it (503 when its queue is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from lorapage.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError, LorapageError
+from lorapage.quota import QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
+from lorapage.server import protocol
+from lorapage.server.admin import add_admin_routes
+from lorapage.server.auth import Access
+from lorapage.server.errors import BodyTooLargeError, QuotaExceededError, ServiceUnavailableError, error_middleware
+from lorapage.server.generation import Job, respond
+from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
+from lorapage.server.responses import Model, ModelList
+from lorapage.tenants import TenantsConfig, TenantsConfigError
+
+log = logging.getLogger("lorapage.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_ADMISSION_WINDOW_S = 10.0  # recent admission rate, for the Retry-After of a 503
+
+
+class ServerState:
+    """What the handlers share: the engine, who may use what, metrics, and requests in flight."""
+
+    def __init__(self, engine: Any, access: Access, *, max_body_bytes: int, shutdown_grace_s: float) -> None:
+        self.engine = engine
+        self.access = access
+        self.quotas = QuotaManager(access.tenants, now=time.monotonic())
+        self.admissions: deque[float] = deque()  # when recent requests got their first output
+        self.metrics = ServerMetrics(engine.stats)
+        self.max_body_bytes = max_body_bytes
+        self.shutdown_grace_s = shutdown_grace_s
+        self.started = int(time.time())
+        self.in_flight: Counter[str | None] = Counter()  # adapter (None: base) -> requests running
+        self.request_ids: set[str] = set()
+        self.draining: set[str] = set()  # adapters being deleted: invisible to new requests
+        self.closing = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise ServiceUnavailableError("the server is shutting down; retry on another replica", retry_after=5)
+
+    def is_registered(self, adapter: str) -> bool:
+        try:
+            self.engine.adapter_info(adapter)
+        except AdapterNotFoundError:
+            return False
+        return True
+
+    def visible(self, tenant: str, adapter: str) -> bool:
+        return (
+            self.access.may_use(tenant, adapter)
+            and adapter not in self.draining
+            and self.is_registered(adapter)
+        )
+
+    def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
+        """``(id to echo, adapter or None)`` for ``base``, ``base:adapter`` or ``adapter``; else 404."""
+        base = self.engine.base_name
+        if model == base:
+            return base, None
+        prefix, sep, name = model.rpartition(":")
+        if sep and prefix != base:
+            name = ""
+        if name and self.visible(tenant, name):
+            return name, name
+        raise AdapterNotFoundError(
+            f"The model `{model}` does not exist or you do not have access to it.", param="model"
+        )
+
+    def reserve(self, job: Job) -> Reservation:
+        """Charge the tenant's quota up front (429 with Retry-After when it is spent)."""
+        got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+        if isinstance(got, QuotaExceeded):
+            raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
+        return got
+
+    def overload_retry_after(self) -> int:
+        now = time.monotonic()
+        while self.admissions and now - self.admissions[0] > _ADMISSION_WINDOW_S:
+            self.admissions.popleft()
+        return overload_retry_after_s(
+            self.engine.stats()["queue_depth"], self.engine.config.max_queue_len,
+            len(self.admissions) / _ADMISSION_WINDOW_S,
+        )
+
+    async def run(self, request: web.Request, job: Job) -> web.StreamResponse:
+        reservation = self.reserve(job)
+        self.in_flight[job.adapter] += 1
+        self.request_ids.add(job.request_id)
+        self.idle.clear()
+        try:
+            return await respond(request, self.engine, job, self.metrics, self.admissions)
+        except EngineOverloadedError as exc:
+            exc.retry_after = self.overload_retry_after()
+            raise
+        finally:
+            # Refund everything when nothing was generated (refused by the engine, or cut early).
+            used = len(job.prompt) + job.generated if job.generated else 0
+            self.quotas.release(reservation, used, time.monotonic())
+            self.request_ids.discard(job.request_id)
+            self.in_flight[job.adapter] -= 1
+            if self.in_flight[job.adapter] <= 0:
+                del self.in_flight[job.adapter]
+            if not self.request_ids:
+                self.idle.set()
+
+
+STATE = web.AppKey("lorapage_state", ServerState)
+
+
+def reload_tenants(app: web.Application, path: str) -> None:
+    """Apply an edited tenants file (SIGHUP): new keys, adapter lists and quotas; a bad file is
+    logged and the old one kept. Buckets keep their level and running requests their reservations."""
+    state = app[STATE]
+    try:
+        config = TenantsConfig.load(path)
+    except (OSError, TenantsConfigError) as exc:
+        log.error("tenants file not reloaded, keeping the old one: %s", exc)
+        return
+    state.access.tenants = config
+    state.quotas.reload(config, now=time.monotonic())
+    log.info("tenants file reloaded: %d tenants", len(config.tenants))
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body, refused with 413 past the limit before reading it when the length is known."""
+    limit = request.app[STATE].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLargeError(f"request body is {request.content_length} bytes; the limit is {limit}")
+    return await request.read()
+
+
+def _job(
+    state: ServerState, kind: str, req: Any, tenant: str, prompt: str | list[int], logprobs: int | None, arrival: float
+) -> Job:
+    model, adapter = state.resolve(req.model, tenant)
+    tokenizer = state.engine.tokenizer
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=kind == "completion")
+    else:
+        ids = prompt
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
+    sampling = protocol.sampling_params(req, len(ids), state.engine.max_model_len, logprobs, kind)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival)
+
+
+def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
+    """The conversation through the model's chat template; a template that refuses it is a 400."""
+    try:
+        return state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except LorapageError:
+        raise
+    except Exception as exc:  # jinja errors of third-party templates: the messages do not fit them
+        raise InvalidRequestError(
+            f"the model's chat template could not render these messages ({type(exc).__name__}: {exc})",
+            param="messages",
+        ) from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    tenant = state.access.tenant_for(request)
+    state.check_open()
+    req = protocol.decode(await read_body(request), protocol.ChatCompletionRequest)
+    protocol.check_common(req)
+    logprobs = protocol.chat_logprobs(req)
+    messages = protocol.chat_messages(req)
+    state.resolve(req.model, tenant)  # 404 before the template runs
+    return await state.run(request, _job(state, "chat", req, tenant, _render_chat(state, messages), logprobs, arrival))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    tenant = state.access.tenant_for(request)
+    state.check_open()
+    req = protocol.decode(await read_body(request), protocol.CompletionRequest)
+    protocol.check_common(req)
+    logprobs = protocol.completion_logprobs(req)
+    prompt = protocol.completion_prompt(req, state.engine.model_config.vocab_size)
+    return await state.run(request, _job(state, "completion", req, tenant, prompt, logprobs, arrival))
+
+
+def _models(state: ServerState, tenant: str) -> list[Model]:
+    base, max_len = state.engine.base_name, state.engine.max_model_len
+    out = [Model(id=base, created=state.started, owned_by="lorapage", root=base, max_model_len=max_len)]
+    for name in sorted(info.name for info in state.engine.list_adapters()):
+        if state.visible(tenant, name):
+            out.append(Model(
+                id=name, created=state.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len
+            ))
+    return out
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    data = _models(state, state.access.tenant_for(request))
+    return web.Response(body=msgspec.json.encode(ModelList(data=data)), content_type="application/json")
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tenant = state.access.tenant_for(request)
+    wanted = request.match_info["model"]
+    model, _ = state.resolve(wanted, tenant)
+    found = next(m for m in _models(state, tenant) if m.id == model)
+    return web.Response(body=msgspec.json.encode(found), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.closing:
+        return web.json_response({"status": "shutting_down"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+@web.middleware
+async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Count answers by route and status (the route's pattern, so the label set stays small)."""
+    response = await handler(request)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[STATE].metrics.requests.labels(route, str(response.status)).inc()
+    return response
+
+
+async def _drain_on_shutdown(app: web.Application) -> None:
+    """Stop taking requests, give running ones ``shutdown_grace_s`` to finish, then abort the rest."""
+    state = app[STATE]
+    state.closing = True
+    try:
+        await asyncio.wait_for(state.idle.wait(), timeout=state.shutdown_grace_s)
+    except TimeoutError:
+        log.warning("aborting %d requests still running after %.0fs", len(state.request_ids), state.shutdown_grace_s)
+        for rid in list(state.request_ids):
+            state.engine.abort(rid)
+        try:
+            await asyncio.wait_for(state.idle.wait(), timeout=5.0)
+        except TimeoutError:
+            pass
+
+
+def create_app(
+    engine: Any,
+    access: Access,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_grace_s: float = 10.0,
+) -> web.Application:
+    """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[count_middleware, error_middleware])
+    app[STATE] = ServerState(engine, access, max_body_bytes=max_body_bytes, shutdown_grace_s=shutdown_grace_s)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    add_admin_routes(app, STATE)
+    app.on_shutdown.append(_drain_on_shutdown)
+    return app
+

@@ -1,0 +1,214 @@
+"""Running one request through the engine and answering it, whole or as a stream.
+
+The engine's first output is awaited before any byte is sent, so every refusal that happens at
+submission (queue full, prompt too long, adapter unreadable) is still a proper HTTP error with
+its status. After the stream has started, a failure becomes an ``error`` event before
+``[DONE]``. Whatever ends the handler (finish, failure, client gone), ``finally`` closes the
+engine's generator, which aborts an unfinished request and frees its pages within one step.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from lorapage.errors import LorapageError
+from lorapage.sampling import SamplingParams
+from lorapage.server import responses as r
+from lorapage.server.errors import ServiceUnavailableError, error_payload
+from lorapage.server.metrics import ServerMetrics
+from lorapage.server.sse import EventStream
+
+
+@dataclass
+class Job:
+    """A validated request, ready for the engine."""
+
+    kind: str  # "chat" | "completion"
+    model: str  # the id echoed back (as /v1/models lists it)
+    adapter: str | None
+    tenant: str
+    prompt: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    arrival: float = field(default_factory=time.monotonic)
+    request_id: str = ""
+    generated: int = 0  # tokens generated so far (what the quota is charged for)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Timing:
+    """Feeds the latency histograms from the outputs of one request."""
+
+    def __init__(self, job: Job, metrics: ServerMetrics, admissions: deque[float]) -> None:
+        self.job, self.metrics, self.admissions = job, metrics, admissions
+        self.seen = 0
+        self.last = job.arrival
+        self.tier = "none"
+
+    def observe(self, out: Any) -> None:
+        self.tier = out.adapter_tier or "none"
+        now, n = time.monotonic(), len(out.token_ids)
+        new = n - self.seen
+        if new <= 0:
+            return
+        labels = (self.job.tenant, self.tier)
+        self.job.generated = n
+        self.metrics.generation_tokens.labels(self.job.tenant).inc(new)
+        if self.seen == 0:
+            self.admissions.append(now)
+            self.metrics.prompt_tokens.labels(self.job.tenant).inc(len(out.prompt_token_ids))
+            self.metrics.ttft.labels(*labels).observe(now - self.last)
+        else:
+            gap = self.metrics.itl.labels(*labels)
+            for _ in range(new):  # tokens that arrived together split the wait evenly
+                gap.observe((now - self.last) / new)
+        self.seen, self.last = n, now
+
+    def finish(self) -> None:
+        self.metrics.e2e.labels(self.job.tenant, self.tier).observe(time.monotonic() - self.job.arrival)
+
+
+def _usage(out: Any) -> r.Usage:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return r.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _finish_reason(out: Any) -> str:
+    if out.finish_reason == "abort":
+        raise ServiceUnavailableError("the request was aborted: the server is shutting down; retry elsewhere")
+    return out.finish_reason or "stop"
+
+
+class _Formatter:
+    """Builds one request's chat or completion bodies, including logprobs, from engine outputs."""
+
+    def __init__(self, job: Job, tokenizer: Any) -> None:
+        self.job, self.tokenizer = job, tokenizer
+        self.logprobs_sent = 0
+        self.text_offset = 0
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, items: list) -> r.ChatLogprobs:
+        content = []
+        for lp in items:
+            tok = self._token(lp.token_id)
+            top = [r.TopLogprob(t, v, list(t.encode())) for t, v in ((self._token(i), v) for i, v in lp.top)]
+            content.append(r.ChatTokenLogprob(tok, lp.logprob, list(tok.encode()), top))
+        return r.ChatLogprobs(content=content)
+
+    def _completion_logprobs(self, items: list) -> r.CompletionLogprobs:
+        out = r.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in items:
+            tok = self._token(lp.token_id)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self._token(i): v for i, v in lp.top})
+            out.text_offset.append(self.text_offset)
+            self.text_offset += len(tok)
+        return out
+
+    def _new_logprobs(self, out: Any) -> Any:
+        """Logprobs of the tokens not reported yet (``None`` when there are none)."""
+        items = (out.logprobs or [])[self.logprobs_sent:]
+        if not items:
+            return None
+        self.logprobs_sent += len(items)
+        return self._chat_logprobs(items) if self.job.kind == "chat" else self._completion_logprobs(items)
+
+    def whole(self, out: Any) -> r.ChatCompletion | r.Completion:
+        j, reason, logprobs = self.job, _finish_reason(out), self._new_logprobs(out)
+        if j.kind == "chat":
+            choice = r.ChatChoice(message=r.AssistantMessage(content=out.text), finish_reason=reason, logprobs=logprobs)
+            return r.ChatCompletion(
+                id=j.request_id, created=j.created, model=j.model, choices=[choice], usage=_usage(out)
+            )
+        choice = r.CompletionChoice(text=out.text, finish_reason=reason, logprobs=logprobs)
+        return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=[choice], usage=_usage(out))
+
+    def chunk(self, text: str | None, logprobs: Any = None, finish: str | None = None, *, role: bool = False):
+        j = self.job
+        if j.kind == "chat":
+            delta = r.ChatDelta(role="assistant" if role else None, content=text)
+            choice = r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
+            return r.ChatCompletionChunk(id=j.request_id, created=j.created, model=j.model, choices=[choice])
+        choice = r.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs)
+        return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=[choice])
+
+    def delta(self, out: Any):
+        """The chunk carrying what ``out`` adds, or ``None`` when it adds nothing to show."""
+        logprobs = self._new_logprobs(out)
+        if not out.delta_text and logprobs is None:
+            return None
+        return self.chunk(out.delta_text, logprobs)
+
+    def usage(self, out: Any):
+        j = self.job
+        kind = r.ChatCompletionChunk if j.kind == "chat" else r.Completion
+        return kind(id=j.request_id, created=j.created, model=j.model, choices=[], usage=_usage(out))
+
+
+def adapter_headers(job: Job, tier: str) -> dict[str, str]:
+    return {"x-adapter-id": job.adapter or "none", "x-adapter-tier": tier or "none", "x-request-id": job.request_id}
+
+
+async def respond(
+    request: web.Request, engine: Any, job: Job, metrics: ServerMetrics, admissions: deque[float]
+) -> web.StreamResponse:
+    """Run ``job`` and answer it: one JSON body, or an SSE stream when the client asked for one.
+    The time of its first output is appended to ``admissions``."""
+    timing = _Timing(job, metrics, admissions)
+    fmt = _Formatter(job, engine.tokenizer)
+    outputs = engine.generate(job.prompt, job.adapter, job.sampling, tenant=job.tenant, request_id=job.request_id)
+    try:
+        out = await anext(outputs)
+        timing.observe(out)
+        if not job.stream:
+            while not out.finished:
+                out = await anext(outputs)
+                timing.observe(out)
+            timing.finish()
+            body = fmt.whole(out)
+            return web.Response(
+                body=msgspec.json.encode(body), content_type="application/json",
+                headers=adapter_headers(job, out.adapter_tier),
+            )
+        return await _stream(request, outputs, out, job, fmt, timing)
+    finally:
+        await outputs.aclose()
+
+
+async def _stream(request, outputs, out, job: Job, fmt: _Formatter, timing: _Timing) -> web.StreamResponse:
+    stream = EventStream(adapter_headers(job, out.adapter_tier))
+    await stream.open(request)
+    try:
+        if job.kind == "chat":
+            await stream.send(fmt.chunk("", role=True))
+        while True:
+            if (chunk := fmt.delta(out)) is not None:
+                await stream.send(chunk)
+            if out.finished:
+                break
+            out = await anext(outputs)
+            timing.observe(out)
+        timing.finish()
+        await stream.send(fmt.chunk(None if job.kind == "chat" else "", finish=_finish_reason(out)))
+        if job.include_usage:
+            await stream.send(fmt.usage(out))
+    except LorapageError as exc:
+        await stream.send(error_payload(exc.status, exc.message, exc.code, exc.param))
+    await stream.done()
+    return stream.response

@@ -1,0 +1,131 @@
+"""OpenAI response bodies (completions, chat, their stream chunks, models) as msgspec structs."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChatLogprobs | None = None
+    index: int = 0
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+    index: int = 0
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+    system_fingerprint: None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    index: int = 0
+
+
+class Completion(msgspec.Struct):
+    """A whole completion, and also the shape of each streamed completion chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    system_fingerprint: None = None
+
+
+class Model(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str
+    parent: str | None = None
+    root: str | None = None
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[Model]
+    object: str = "list"
+
+
+class AdapterOut(msgspec.Struct):
+    """An adapter as the admin routes describe it."""
+
+    id: str
+    owner: str | None
+    parent: str
+    path: str
+    rank: int
+    target_modules: list[str]
+    size_bytes: int
+    num_params: int
+    tier: str
+    in_flight: int
+    object: str = "adapter"

@@ -1,0 +1,55 @@
+"""Starting and stopping a server: listen, serve until SIGTERM / SIGINT, shut down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from typing import Any, Callable
+
+from aiohttp import web
+
+
+async def start(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
+    """Listen on ``host:port`` (0: an ephemeral port) and return the runner and the bound port.
+
+    Handlers are cancelled when their client disconnects, which aborts the engine request and
+    frees its pages without waiting for the next write to fail.
+    """
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        await runner.cleanup()
+        raise
+    site = web.SockSite(runner, sock)
+    await site.start()
+    return runner, sock.getsockname()[1]
+
+
+async def serve_until_signal(
+    app: web.Application, engine: Any, host: str, port: int, on_ready: Callable[[int], None],
+    on_reload: Callable[[], None] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then stop accepting, let running requests finish (or abort
+    them after the grace period), and close the engine. SIGHUP calls ``on_reload``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_reload)
+    runner, bound = await start(app, host, port)
+    on_ready(bound)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        await engine.close()

@@ -1,0 +1,70 @@
+"""``lorapage serve`` as a subprocess: demo defaults, printed key, graceful exit on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+
+import aiohttp
+import pytest
+
+from lorapage.tiny import demo_adapter_dirs
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    seen: dict[str, str] = {}
+    while "url" not in seen:
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=120)).decode()
+        if not line:
+            raise AssertionError(f"lorapage serve exited early with {await proc.wait()}")
+        if m := re.search(r"demo tenant key: (\S+)", line):
+            seen["key"] = m.group(1)
+        if m := re.search(r"listening on (http://\S+)", line):
+            seen["url"] = m.group(1)
+    return proc, seen
+
+
+async def test_serve_demo_defaults_then_sigterm_mid_stream():
+    proc, seen = await _start("--shutdown-timeout", "0")
+    try:
+        assert seen["url"].startswith("http://127.0.0.1:") and seen["key"]
+        headers = {"Authorization": f"Bearer {seen['key']}"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.get(seen["url"] + "/v1/models", headers=headers) as resp:
+                ids = {m["id"] for m in (await resp.json())["data"]}
+            assert set(demo_adapter_dirs()) <= ids
+            body = {"model": "acme", "prompt": "hi", "max_tokens": 400, "stream": True}
+            async with session.post(seen["url"] + "/v1/completions", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.content.readline()
+                proc.send_signal(signal.SIGTERM)
+                rest = (await resp.read()).decode()
+            events = [line for line in rest.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"  # finished (or cancelled with an error event), never cut
+            for event in events[:-1]:
+                json.loads(event[len("data: "):])
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", "--lora-modules", f"broken={tmp_path}",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode == 2 and b"broken" in err and b"adapter_config.json" in err
