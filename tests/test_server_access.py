@@ -196,3 +196,30 @@ async def test_quota_refusal_is_429_with_retry_after(server):
     assert payload["error"]["code"] == "rate_limit_exceeded" and int(headers["Retry-After"]) >= 1
     assert (await server.post(COMP, _body("acme"), tenant="gamma"))[0] == 404  # base model only
     assert (await server.post(COMP, body, tenant="alpha"))[0] == 200  # other tenants unaffected
+
+
+async def test_tenants_file_and_reload(server, tmp_path):
+    """A server built from a TOML file; SIGHUP's reload swaps keys and adapter lists in place."""
+    from lorapage.server import Access
+    from lorapage.server.app import reload_tenants
+    from lorapage.server.auth import hash_key
+
+    def write(key: str, adapters: list[str]) -> None:
+        path.write_text(
+            f'[admin]\nkey_sha256 = ["{hash_key("adm")}"]\n'
+            f'[tenants.t]\nkey_sha256 = ["{hash_key(key)}"]\nadapters = {json.dumps(adapters)}\n'
+        )
+
+    path = tmp_path / "tenants.toml"
+    write("old-key", ["acme"])
+    async with running_server(server.engine, Access.from_file(path)) as srv:
+        old, new = {"Authorization": "Bearer old-key"}, {"Authorization": "Bearer new-key"}
+        assert (await srv.post(COMP, _body("acme"), tenant=None, headers=old))[0] == 200
+        write("new-key", ["globex"])
+        reload_tenants(srv.app, str(path))
+        assert (await srv.post(COMP, _body("acme"), tenant=None, headers=old))[0] == 401
+        assert (await srv.post(COMP, _body("acme"), tenant=None, headers=new))[0] == 404
+        assert (await srv.post(COMP, _body("globex"), tenant=None, headers=new))[0] == 200
+        path.write_text("[tenants.t]\nkey_sha256 = ['not-a-digest']\n")
+        reload_tenants(srv.app, str(path))  # refused: the previous file stays in force
+        assert (await srv.post(COMP, _body("globex"), tenant=None, headers=new))[0] == 200

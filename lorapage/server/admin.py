@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 import msgspec
 from aiohttp import web
 
-from lorapage.errors import AdapterFormatError, InvalidRequestError
+from lorapage.errors import AdapterBusyError, AdapterFormatError, InvalidRequestError
 from lorapage.server import protocol
 from lorapage.server.errors import ConflictError
 from lorapage.server.responses import AdapterOut
@@ -115,17 +115,16 @@ class AdminRoutes:
         if running:
             state.draining.add(adapter)
             try:
-                if not await _wait_until(lambda: state.in_flight.get(adapter, 0) == 0, timeout):
+                if not await _wait_until(lambda: _removed_when_idle(state, adapter), timeout):
                     raise ConflictError(
                         f"adapter {adapter!r} still had {state.in_flight.get(adapter, 0)} requests in flight "
                         f"after draining for {timeout:g}s; it was not deleted and serves again",
                         param="id",
                     )
-                state.engine.remove_adapter(adapter)
             finally:
                 state.draining.discard(adapter)
         else:
-            state.engine.remove_adapter(adapter)
+            state.engine.remove_adapter(adapter)  # 409 from the engine if it still holds requests
         state.access.owners.pop(adapter, None)
         return _json({"id": adapter, "object": "adapter", "deleted": True, "drained_requests": running})
 
@@ -160,6 +159,17 @@ def _timeout(raw: str) -> float:
     if not 0 <= value <= 3600:
         raise InvalidRequestError(f"timeout must be seconds between 0 and 3600; got {raw!r}", param="timeout")
     return value
+
+
+def _removed_when_idle(state, adapter: str) -> bool:
+    """Remove ``adapter`` once the server has no request for it and the engine has let go of it."""
+    if state.in_flight.get(adapter, 0):
+        return False
+    try:
+        state.engine.remove_adapter(adapter)
+    except AdapterBusyError:
+        return False
+    return True
 
 
 async def _wait_until(done, timeout: float) -> bool:

@@ -80,8 +80,9 @@ class ServerState:
             name = ""
         if name and self.visible(tenant, name):
             return name, name
+        shown = model if len(model) <= 200 else model[:200] + "..."
         raise AdapterNotFoundError(
-            f"The model `{model}` does not exist or you do not have access to it.", param="model"
+            f"The model `{shown}` does not exist or you do not have access to it.", param="model"
         )
 
     def reserve(self, job: Job) -> Reservation:
