@@ -10,8 +10,10 @@ install without it still runs.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 
@@ -19,7 +21,6 @@ from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_a
 from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 
 BACKENDS = ("auto", "torch", "triton")
-F = TypeVar("F", bound=Callable)
 
 
 @dataclass(frozen=True)
@@ -43,26 +44,23 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_interpreted() -> bool:
-    """Whether the Triton kernels are built for the interpreter (no CUDA, or TRITON_INTERPRET=1)."""
-    import triton
+def import_triton():
+    """``import triton``; on a machine without CUDA, first switch Triton to its interpreter.
 
-    return bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available()
-
-
-def triton_jit(fn: F) -> F:
-    """``triton.jit``, built for the interpreter when :func:`triton_interpreted` says so.
-
-    Triton has no CPU code generator; on a machine without CUDA the kernels are decorated for the
-    interpreter (which runs them on CPU tensors) without changing the process-wide setting.
+    Triton decorates its own standard library when it is imported, so TRITON_INTERPRET must be
+    set before the first import, not just before our kernels are decorated. Without CUDA nothing
+    in this process could run a compiled Triton kernel anyway, so the switch changes nothing else.
     """
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
 
-    if not triton_interpreted() or triton.knobs.runtime.interpret:
-        return triton.jit(fn)
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = True
-        return triton.jit(fn)
+    return triton
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter (on CPU tensors) in this process."""
+    return bool(import_triton().knobs.runtime.interpret)
 
 
 def _triton_ops() -> KernelOps:
@@ -84,7 +82,10 @@ def select_backend(name: str, device: torch.device) -> KernelOps:
     if not triton_available():
         raise ValueError("kernel_backend='triton' needs the triton package; install lorapage[triton] or use 'torch'")
     if device.type == "cpu" and not triton_interpreted():
-        raise ValueError("kernel_backend='triton' on a CPU device needs TRITON_INTERPRET=1 when CUDA is present")
+        raise ValueError(
+            "kernel_backend='triton' on a CPU device runs Triton's interpreter, which must be on before triton is "
+            "first imported: set TRITON_INTERPRET=1 (or use 'torch')"
+        )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"kernel_backend='triton' runs on CUDA (or CPU under the interpreter), not {device.type}")
     return _triton_ops()

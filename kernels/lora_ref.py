@@ -11,7 +11,7 @@ These references are what runs on CPU; the Triton launchers implement the same s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,16 @@ class LoraIndices:
     token_slot: Tensor  # [T] int32: adapter slot of token t (0 = no adapter)
     segments: tuple[tuple[int, int, int], ...]  # (start, end, slot) with slot != 0, host side
     max_rows: int = 0  # largest a_rows over the slots present (width of h actually used)
+    # [len(segments), 3] int32 on the device: row i is segments[i] as (start, end, slot). None:
+    # the Triton launchers run BGMV (one token per program, reads only token_slot: what a captured
+    # decode graph uses); set: they run SGMV over these segments (eager prefill and mixed steps).
+    segment_table: Tensor | None = None
+
+    def with_segment_table(self) -> "LoraIndices":
+        """A copy carrying ``segment_table`` (one small host-to-device copy), for SGMV launches."""
+        rows = list(self.segments) or [(0, 0, 0)]
+        table = torch.tensor(rows, dtype=torch.int32).to(self.token_slot.device)
+        return replace(self, segment_table=table[: len(self.segments)])
 
 
 def page_span(pool: Tensor, pages: np.ndarray, offset: int, numel: int) -> Tensor:

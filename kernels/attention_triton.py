@@ -1,0 +1,134 @@
+"""Triton KV write and paged decode attention over the pool's KV pages.
+
+Same signatures and semantics as :mod:`lorapage.kernels.attention_ref`. One layer's KV pages are
+``kv [num_pages, 2, block_size, H_kv, D]``, a view of the pool slab. Both kernels launch a grid
+that depends only on tensor shapes and read lengths and pages from device tensors, so they can
+be captured in a CUDA graph and replayed after the block tables change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lorapage.kernels.backend import import_triton
+
+triton = import_triton()
+import triton.language as tl  # noqa: E402  (after import_triton picked compiled or interpreted)
+
+WRITE_BLOCK = 1024  # elements of one token's K (or V) row copied per program
+
+
+@triton.jit
+def _write_kv_kernel(
+    kv, k, v, slot_mapping, stride_k, stride_v,
+    BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < ROW
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    dst = kv + (slot // BLOCK_SIZE) * (2 * BLOCK_SIZE * ROW) + (slot % BLOCK_SIZE) * ROW + i
+    src = t.to(tl.int64)
+    tl.store(dst, tl.load(k + src * stride_k + i, mask=mask), mask=mask)
+    tl.store(dst + BLOCK_SIZE * ROW, tl.load(v + src * stride_v + i, mask=mask), mask=mask)
+
+
+def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """``kv[:, 0].flatten(0, 1)[slot_mapping] = k`` and the same for v at ``kv[:, 1]``.
+
+    Shapes: kv [num_pages, 2, block_size, H_kv, D] contiguous; k and v [T, H_kv, D] with each
+    token's heads contiguous (rows may be strided, e.g. slices of a fused qkv output);
+    slot_mapping [T] int64 with every entry a valid slot (padded rows point into page 0).
+    """
+    assert kv.dim() == 5 and kv.shape[1] == 2 and kv.is_contiguous(), "kv must be [num_pages, 2, block_size, H_kv, D]"
+    T, heads, dim = k.shape
+    assert v.shape == k.shape and (heads, dim) == tuple(kv.shape[3:]), f"k, v {tuple(k.shape)} vs kv {tuple(kv.shape)}"
+    for name, t in (("k", k), ("v", v)):
+        assert t.dtype == kv.dtype and t.stride(2) == 1 and t.stride(1) == dim, f"{name}: {kv.dtype} with contiguous heads"
+    assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert len({kv.device, k.device, v.device, slot_mapping.device}) == 1, "all tensors must be on one device"
+    if T == 0:
+        return
+    row = heads * dim
+    block = min(WRITE_BLOCK, triton.next_power_of_2(row))
+    _write_kv_kernel[(T, triton.cdiv(row, block))](
+        kv, k, v, slot_mapping, k.stride(0), v.stride(0), BLOCK_SIZE=kv.shape[2], ROW=row, BLOCK=block
+    )
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out, q, kv, block_table, context_lens, scale,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One program per (row, KV head): the GROUP query heads sharing that KV head, online softmax
+    over the row's pages one page at a time."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ctx = tl.load(context_lens + b)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    p = tl.arange(0, BLOCK_P)
+    g_mask, d_mask = g < GROUP, d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q_ptrs = q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    qv = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
+
+    row = KV_HEADS * HEAD_DIM
+    page_stride = 2 * BLOCK_SIZE * row
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
+    num_pages = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
+    for j in range(0, num_pages):
+        page = tl.load(block_table + b.to(tl.int64) * stride_bt + j).to(tl.int64)
+        p_mask = (p < BLOCK_SIZE) & (j * BLOCK_SIZE + p < ctx)
+        offs = page * page_stride + p[:, None] * row + kv_head * HEAD_DIM + d[None, :]
+        mask = p_mask[:, None] & d_mask[None, :]
+        kt = tl.load(kv + offs, mask=mask, other=0.0).to(tl.float32)  # [P, D]
+        scores = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2)  # [G, P]
+        scores = tl.where(p_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        probs = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, axis=1)
+        vt = tl.load(kv + offs + BLOCK_SIZE * row, mask=mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(probs[:, :, None] * vt[None, :, :], axis=1)
+        m_i = m_new
+    o_ptrs = out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+def paged_decode_attention(
+    out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+) -> None:
+    """``out[b] = softmax(q[b] @ K_b.T * scale) @ V_b`` over the first ``context_lens[b]`` positions.
+
+    As :func:`paged_decode_attention_ref`: one query token per row, K_b and V_b read from the row's
+    pages, query head h reading KV head ``h // (H / H_kv)``. Shapes: out and q [B, H, D] (heads
+    contiguous; rows may be strided), kv [num_pages, 2, block_size, H_kv, D] contiguous,
+    block_table [B, max_blocks] int32 (a row-strided slice is fine), context_lens [B] int32 >= 1.
+    """
+    assert kv.dim() == 5 and kv.shape[1] == 2 and kv.is_contiguous(), "kv must be [num_pages, 2, block_size, H_kv, D]"
+    B, heads, dim = q.shape
+    block_size, kv_heads = kv.shape[2], kv.shape[3]
+    assert out.shape == q.shape and dim == kv.shape[4] and heads % kv_heads == 0, f"q {tuple(q.shape)} vs kv {tuple(kv.shape)}"
+    assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
+    assert q.dtype == out.dtype == kv.dtype, f"q, out and kv must share a dtype; got {q.dtype}, {out.dtype}, {kv.dtype}"
+    assert block_table.dim() == 2 and block_table.shape[0] == B and block_table.dtype == torch.int32
+    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
+    assert context_lens.shape == (B,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+    assert len({out.device, q.device, kv.device, block_table.device, context_lens.device}) == 1
+    if B == 0:
+        return
+    group = heads // kv_heads
+    _paged_decode_kernel[(B, kv_heads)](
+        out, q, kv, block_table, context_lens, float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block_size,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_P=triton.next_power_of_2(block_size),
+    )

@@ -1,0 +1,429 @@
+"""Triton LoRA shrink and expand reading A and B straight from the pool's pages.
+
+Same signatures and semantics as :mod:`lorapage.kernels.lora_ref`. Two launch shapes:
+
+* **BGMV** (``indices.segment_table is None``): one program per (token, tile); each token reads
+  its own slot from ``token_slot``. The grid depends only on tensor shapes, so a captured decode
+  graph stays valid whatever adapters the rows use next.
+* **SGMV** (``segment_table`` set): one program per (segment, block of tokens, tile); tokens of a
+  segment share their slot, so A and B tiles are read once per block and multiplied with
+  ``tl.dot``. For prefill and mixed steps (eager).
+
+Every matrix is read through the slot's page table. When the pages a program reads form one run
+of consecutive page ids (the allocator's usual case) and the start is aligned, the tile is
+addressed as a plain strided matrix (vector loads); otherwise each element's page is looked up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lorapage.kernels.backend import import_triton, triton_interpreted
+from lorapage.kernels.lora_ref import LoraIndices
+
+triton = import_triton()
+import triton.language as tl  # noqa: E402  (after import_triton picked compiled or interpreted)
+
+# Two interpreter quirks, worked around only when interpreting: its tl.dot mishandles bf16 (stored
+# as uint16), so dots multiply in float32; its float32 -> bf16 cast truncates where the GPU rounds
+# to nearest even, so stores round explicitly.
+_INTERPRETED = triton_interpreted()
+_MAX_MODULES = 3  # the largest projection group (q, k, v)
+# BGMV tiles. Decode reads each adapter row once per token, so speed is memory parallelism: a
+# shrink program takes a few A rows and a wide slice of d_in (16 KiB of bf16 in flight), which
+# gives hundreds of programs even for one rank-16 module at batch 32.
+BGMV_SHRINK_TILE = (2, 4096)  # (rows of A, columns of d_in) per program and step
+BGMV_ROW_PROGRAMS = 24  # shrink programs per token; each takes every 24th block of rows
+BGMV_EXPAND_BLOCK_N = 256  # output columns per program
+
+
+@triton.jit
+def _span_base(pages, f_lo, f_hi, PAGE: tl.constexpr):
+    """Pool element index of flat offset ``f_lo`` if flat ``[f_lo, f_hi)`` lies in consecutive
+    pages (page tables are ascending, so first and last page tell), else -1."""
+    i0 = f_lo // PAGE
+    i1 = (f_hi - 1) // PAGE
+    p0 = tl.load(pages + i0).to(tl.int64)
+    p1 = tl.load(pages + i1).to(tl.int64)
+    return tl.where(p1 - p0 == i1 - i0, p0 * PAGE + f_lo % PAGE, -1)
+
+
+@triton.jit
+def _load_flat(pool, pages, base, f0, rel, mask, DENSE: tl.constexpr, PAGE: tl.constexpr):
+    """Elements ``f0 + rel`` of a slot's flat buffer: from ``base + rel`` when DENSE, else page by page."""
+    if DENSE:
+        values = tl.load(pool + base + rel, mask=mask, other=0.0)
+    else:
+        f = f0 + rel
+        page = tl.load(pages + f // PAGE, mask=mask, other=0).to(tl.int64)
+        values = tl.load(pool + page * PAGE + f % PAGE, mask=mask, other=0.0)
+    return values
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    if INTERPRETED or a.dtype == tl.float32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _cast(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 ``v`` as ``dtype``, rounded to nearest even as the GPU's cast does."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        v = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _module_bounds(m, o0, o1, o2, w0, w1, w2):
+    """(first column in y, width) of module ``m`` of the group."""
+    o = tl.where(m == 0, o0, tl.where(m == 1, o1, o2))
+    w = tl.where(m == 0, w0, tl.where(m == 1, w1, w2))
+    return o, w
+
+
+# ---------------------------------------------------------------------------------------- shrink
+
+
+@triton.jit
+def _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, DENSE: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``A[:n_rows] @ x`` in float32, A being ``n_rows x d_in`` at flat offset f0."""
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, d_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < d_in
+        xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
+        mask = (r[:, None] < n_rows) & k_mask[None, :]
+        a = _load_flat(pool, pages, base, f0, r[:, None] * d_in + k[None, :], mask, DENSE, PAGE)
+        acc += tl.sum(a.to(tl.float32) * xv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+    h, x, pool, page_table, token_slot, a_offset, a_rows,
+    d_in, stride_h, stride_x, stride_pt, stride_tab,
+    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(token_slot + t)
+    if slot == 0:
+        return
+    rows = tl.load(a_rows + slot * stride_tab)
+    a_start = tl.load(a_offset + slot * stride_tab)
+    pages = page_table + slot.to(tl.int64) * stride_pt
+    x_row = x + t.to(tl.int64) * stride_x
+    r = tl.arange(0, BLOCK_R)
+    # The grid's second axis is fixed (graph-safe); its programs take turns over the row blocks,
+    # so the grid does not grow with the largest rank h can hold.
+    for r0 in range(tl.program_id(1) * BLOCK_R, rows, tl.num_programs(1) * BLOCK_R):
+        n_rows = tl.minimum(rows - r0, BLOCK_R)
+        f0 = a_start + r0 * d_in
+        base = _span_base(pages, f0, f0 + n_rows * d_in, PAGE)
+        if (base >= 0) & (base % ALIGN == 0) & (d_in % ALIGN == 0):
+            base = tl.multiple_of(base, ALIGN)
+            acc = _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, True, PAGE, BLOCK_R, BLOCK_K)
+        else:
+            acc = _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, False, PAGE, BLOCK_R, BLOCK_K)
+        tl.store(h + t.to(tl.int64) * stride_h + r0 + r, _cast(acc, h.dtype.element_ty, INTERPRETED), mask=r < n_rows)
+
+
+@triton.jit
+def _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, DENSE: tl.constexpr,
+               PAGE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """``x[t] @ A[:n_rows].T`` in float32 for a block of tokens t."""
+    r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, d_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < d_in
+        xt = tl.load(x + t[:, None].to(tl.int64) * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        mask = k_mask[:, None] & (r[None, :] < n_rows)
+        a_t = _load_flat(pool, pages, base, f0, r[None, :] * d_in + k[:, None], mask, DENSE, PAGE)  # [K, R]
+        acc = _dot(xt, a_t, acc, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    h, x, pool, page_table, segment_table, a_offset, a_rows,
+    d_in, stride_h, stride_x, stride_pt, stride_tab,
+    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    seg = segment_table + tl.program_id(0) * 3
+    start, end, slot = tl.load(seg), tl.load(seg + 1), tl.load(seg + 2)
+    t0 = start + tl.program_id(1) * BLOCK_T
+    r0 = tl.program_id(2) * BLOCK_R
+    rows = tl.load(a_rows + slot * stride_tab)
+    if (t0 >= end) | (r0 >= rows):
+        return
+    n_rows = tl.minimum(rows - r0, BLOCK_R)
+    f0 = tl.load(a_offset + slot * stride_tab) + r0 * d_in
+    pages = page_table + slot.to(tl.int64) * stride_pt
+    base = _span_base(pages, f0, f0 + n_rows * d_in, PAGE)
+    t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = t < end
+    if (base >= 0) & (base % ALIGN == 0) & (d_in % ALIGN == 0):
+        base = tl.multiple_of(base, ALIGN)
+        acc = _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, True, PAGE, INTERPRETED,
+                         BLOCK_T, BLOCK_R, BLOCK_K)
+    else:
+        acc = _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, False, PAGE, INTERPRETED,
+                         BLOCK_T, BLOCK_R, BLOCK_K)
+    r = tl.arange(0, BLOCK_R)
+    ptrs = h + t[:, None].to(tl.int64) * stride_h + r0 + r[None, :]
+    tl.store(ptrs, _cast(acc, h.dtype.element_ty, INTERPRETED), mask=t_mask[:, None] & (r[None, :] < n_rows))
+
+
+# ---------------------------------------------------------------------------------------- expand
+
+
+@triton.jit
+def _gemv_cols(h_row, pool, pages, base, f0, n_cols, r, DENSE: tl.constexpr, PAGE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr):
+    """``B[:n_cols] @ h_row[:r]`` in float32, B being ``n_cols x r`` at flat offset f0."""
+    n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, r, BLOCK_RANK):
+        j = j0 + tl.arange(0, BLOCK_RANK)
+        j_mask = j < r
+        hv = tl.load(h_row + j, mask=j_mask, other=0.0).to(tl.float32)
+        mask = (n[:, None] < n_cols) & j_mask[None, :]
+        b = _load_flat(pool, pages, base, f0, n[:, None] * r + j[None, :], mask, DENSE, PAGE)
+        acc += tl.sum(b.to(tl.float32) * hv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+    y, h, pool, page_table, token_slot, b_offset, rank, h_start, scale,
+    o0, o1, o2, w0, w1, w2, n_blocks,
+    stride_y, stride_h, stride_pt, stride_tab, stride_mod,
+    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    m = tl.program_id(1) // n_blocks
+    n0 = (tl.program_id(1) % n_blocks) * BLOCK_N
+    slot = tl.load(token_slot + t)
+    if slot == 0:
+        return
+    o, w = _module_bounds(m, o0, o1, o2, w0, w1, w2)
+    tab = slot * stride_tab + m * stride_mod
+    r = tl.load(rank + tab)
+    if (r == 0) | (n0 >= w):
+        return
+    n_cols = tl.minimum(w - n0, BLOCK_N)
+    f0 = tl.load(b_offset + tab) + n0 * r
+    pages = page_table + slot.to(tl.int64) * stride_pt
+    base = _span_base(pages, f0, f0 + n_cols * r, PAGE)
+    h_row = h + t.to(tl.int64) * stride_h + tl.load(h_start + tab)
+    if (base >= 0) & (base % ALIGN == 0) & (r % ALIGN == 0):
+        base = tl.multiple_of(base, ALIGN)
+        acc = _gemv_cols(h_row, pool, pages, base, f0, n_cols, tl.multiple_of(r, ALIGN), True, PAGE, BLOCK_N, BLOCK_RANK)
+    else:
+        acc = _gemv_cols(h_row, pool, pages, base, f0, n_cols, r, False, PAGE, BLOCK_N, BLOCK_RANK)
+    n = tl.arange(0, BLOCK_N)
+    ptrs = y + t.to(tl.int64) * stride_y + o + n0 + n
+    old = tl.load(ptrs, mask=n < n_cols, other=0.0).to(tl.float32)
+    new = old + tl.load(scale + tab) * acc
+    tl.store(ptrs, _cast(new, y.dtype.element_ty, INTERPRETED), mask=n < n_cols)
+
+
+@triton.jit
+def _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, r, DENSE: tl.constexpr,
+               PAGE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_RANK: tl.constexpr):
+    """``h[t, hs:hs+r] @ B[:n_cols].T`` in float32 for a block of tokens t."""
+    n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, r, BLOCK_RANK):
+        j = j0 + tl.arange(0, BLOCK_RANK)
+        j_mask = j < r
+        ht = tl.load(h + t[:, None].to(tl.int64) * stride_h + hs + j[None, :], mask=t_mask[:, None] & j_mask[None, :],
+                     other=0.0)
+        mask = j_mask[:, None] & (n[None, :] < n_cols)
+        b_t = _load_flat(pool, pages, base, f0, n[None, :] * r + j[:, None], mask, DENSE, PAGE)  # [RANK, N]
+        acc = _dot(ht, b_t, acc, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y, h, pool, page_table, segment_table, b_offset, rank, h_start, scale,
+    o0, o1, o2, w0, w1, w2, n_blocks,
+    stride_y, stride_h, stride_pt, stride_tab, stride_mod,
+    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
+):
+    seg = segment_table + tl.program_id(0) * 3
+    start, end, slot = tl.load(seg), tl.load(seg + 1), tl.load(seg + 2)
+    t0 = start + tl.program_id(1) * BLOCK_T
+    m = tl.program_id(2) // n_blocks
+    n0 = (tl.program_id(2) % n_blocks) * BLOCK_N
+    o, w = _module_bounds(m, o0, o1, o2, w0, w1, w2)
+    tab = slot * stride_tab + m * stride_mod
+    r = tl.load(rank + tab)
+    if (t0 >= end) | (r == 0) | (n0 >= w):
+        return
+    n_cols = tl.minimum(w - n0, BLOCK_N)
+    f0 = tl.load(b_offset + tab) + n0 * r
+    pages = page_table + slot.to(tl.int64) * stride_pt
+    base = _span_base(pages, f0, f0 + n_cols * r, PAGE)
+    hs = tl.load(h_start + tab)
+    t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = t < end
+    if (base >= 0) & (base % ALIGN == 0) & (r % ALIGN == 0):
+        base = tl.multiple_of(base, ALIGN)
+        acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, tl.multiple_of(r, ALIGN), True,
+                         PAGE, INTERPRETED, BLOCK_T, BLOCK_N, BLOCK_RANK)
+    else:
+        acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, r, False,
+                         PAGE, INTERPRETED, BLOCK_T, BLOCK_N, BLOCK_RANK)
+    n = tl.arange(0, BLOCK_N)
+    ptrs = y + t[:, None].to(tl.int64) * stride_y + o + n0 + n[None, :]
+    mask = t_mask[:, None] & (n[None, :] < n_cols)
+    old = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    new = old + tl.load(scale + tab) * acc
+    tl.store(ptrs, _cast(new, y.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+# -------------------------------------------------------------------------------------- launchers
+
+
+def _block(limit: int, n: int, floor: int = 1) -> int:
+    """The tile size: ``limit``, or the next power of two of ``n`` when that is smaller."""
+    return max(floor, min(limit, triton.next_power_of_2(max(n, 1))))
+
+
+def _check_common(out: Tensor, inp: Tensor, pool: Tensor, page_table: Tensor, indices: LoraIndices) -> None:
+    T = inp.shape[0]
+    assert out.dim() == 2 and inp.dim() == 2 and out.shape[0] == T, f"rows differ: {tuple(out.shape)} vs {tuple(inp.shape)}"
+    assert out.stride(1) == 1 and inp.stride(1) == 1, "rows of the activations must be contiguous"
+    assert inp.dtype == out.dtype == pool.dtype and pool.dtype in (torch.float16, torch.bfloat16, torch.float32), (
+        f"activations and pool must share one float dtype; got {inp.dtype}, {out.dtype}, {pool.dtype}"
+    )
+    assert pool.dim() == 2 and pool.is_contiguous(), "pool must be one layer's contiguous slab [num_pages, page_size]"
+    assert page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1
+    slot = indices.token_slot
+    assert slot.shape == (T,) and slot.dtype == torch.int32 and slot.is_contiguous(), "token_slot must be [T] int32"
+    table = indices.segment_table
+    if table is not None:
+        assert table.shape == (len(indices.segments), 3) and table.dtype == torch.int32 and table.is_contiguous()
+    devices = {t.device for t in (out, inp, pool, page_table, slot)}
+    assert len(devices) == 1, f"all tensors must be on one device; got {devices}"
+
+
+def _align(pool: Tensor) -> int:
+    """Elements per 16-byte vector: the alignment the dense path needs to use vector loads."""
+    return 16 // pool.element_size()
+
+
+def lora_shrink(
+    h: Tensor,
+    x: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    a_offset: Tensor,
+    a_rows: Tensor,
+) -> None:
+    """``h[t, :a_rows[s]] = x[t] @ A_s.T`` for every token t with slot ``s = token_slot[t] != 0``.
+
+    Exactly :func:`lora_shrink_ref` (see there for ``A_s``); accumulates in float32. Shapes:
+    h [T, R] with R >= every a_rows[s] used, x [T, d_in] (rows may be strided), pool
+    [num_pages, page_size] contiguous, page_table [S, max_pages] int32 with ascending rows,
+    a_offset [S] int64 and a_rows [S] int32 (strided views such as ``a_offset[l, :, g]`` are fine,
+    with the same stride). BGMV when ``indices.segment_table`` is None, SGMV otherwise.
+    """
+    _check_common(h, x, pool, page_table, indices)
+    assert a_offset.dim() == 1 and a_offset.dtype == torch.int64 and a_rows.dtype == torch.int32
+    assert a_rows.shape == a_offset.shape == (page_table.shape[0],), "one a_offset / a_rows entry per slot"
+    assert a_offset.stride() == a_rows.stride(), "a_offset and a_rows must be views with one stride"
+    T, d_in = x.shape
+    R = h.shape[1]
+    if T == 0:
+        return
+    common = (d_in, h.stride(0), x.stride(0), page_table.stride(0), a_offset.stride(0))
+    consts = dict(PAGE=pool.shape[1], ALIGN=_align(pool), INTERPRETED=_INTERPRETED)
+    if indices.segment_table is None:
+        block_r, block_k = BGMV_SHRINK_TILE
+        grid = (T, min(triton.cdiv(R, block_r), BGMV_ROW_PROGRAMS))
+        _bgmv_shrink_kernel[grid](h, x, pool, page_table, indices.token_slot, a_offset, a_rows, *common,
+                                  **consts, BLOCK_R=block_r, BLOCK_K=_block(block_k, d_in), num_warps=8)
+        return
+    if not indices.segments:
+        return
+    longest = max(end - start for start, end, _ in indices.segments)
+    block_t = _block(32, longest, floor=16)
+    grid = (len(indices.segments), triton.cdiv(longest, block_t), triton.cdiv(R, 16))
+    _sgmv_shrink_kernel[grid](h, x, pool, page_table, indices.segment_table, a_offset, a_rows, *common,
+                              **consts, BLOCK_T=block_t, BLOCK_R=16, BLOCK_K=_block(64, d_in, 16))
+
+
+def lora_expand(
+    y: Tensor,
+    h: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    b_offset: Tensor,
+    rank: Tensor,
+    h_start: Tensor,
+    scale: Tensor,
+    out_start: tuple[int, ...],
+) -> None:
+    """``y[t, o_m:o_m+w_m] += scale[s, m] * h[t, hs:hs+r] @ B_{s,m}.T`` for each module m of the group.
+
+    Exactly :func:`lora_expand_ref` (see there for ``B_{s,m}``, ``r``, ``hs``, ``w_m``), all of
+    the group's modules in one launch; accumulates in float32 and rounds once into y. Shapes:
+    y [T, sum w_m], h [T, R], b_offset int64 / rank int32 / h_start int32 / scale float32, each
+    [S, M] with M = len(out_start) <= 3 and one shared stride (views such as
+    ``b_offset[l, :, m0:m1]`` are fine). BGMV when ``indices.segment_table`` is None, SGMV otherwise.
+    """
+    _check_common(y, h, pool, page_table, indices)
+    M = len(out_start)
+    assert 1 <= M <= _MAX_MODULES and out_start[0] == 0 and list(out_start) == sorted(out_start)
+    assert out_start[-1] < y.shape[1], f"out_start {out_start} must lie inside y's {y.shape[1]} columns"
+    shape = (page_table.shape[0], M)
+    for name, t, dtype in (("b_offset", b_offset, torch.int64), ("rank", rank, torch.int32),
+                           ("h_start", h_start, torch.int32), ("scale", scale, torch.float32)):
+        assert t.shape == shape and t.dtype == dtype, f"{name} must be {shape} {dtype}; got {tuple(t.shape)} {t.dtype}"
+        assert t.stride() == b_offset.stride() and t.device == y.device, f"{name} must share b_offset's stride and device"
+    T, N = y.shape
+    if T == 0:
+        return
+    bounds = list(out_start) + [N]
+    widths = [bounds[m + 1] - bounds[m] for m in range(M)]
+    starts = list(out_start) + [0] * (_MAX_MODULES - M)
+    widths_arg = widths + [0] * (_MAX_MODULES - M)
+    strides = (y.stride(0), h.stride(0), page_table.stride(0), b_offset.stride(0), b_offset.stride(1))
+    consts = dict(PAGE=pool.shape[1], ALIGN=_align(pool), INTERPRETED=_INTERPRETED)
+    tables = (b_offset, rank, h_start, scale)
+    if indices.segment_table is None:
+        block_n = _block(BGMV_EXPAND_BLOCK_N, max(widths))
+        n_blocks = triton.cdiv(max(widths), block_n)
+        _bgmv_expand_kernel[(T, M * n_blocks)](y, h, pool, page_table, indices.token_slot, *tables, *starts,
+                                               *widths_arg, n_blocks, *strides, **consts,
+                                               BLOCK_N=block_n, BLOCK_RANK=16)
+        return
+    if not indices.segments:
+        return
+    longest = max(end - start for start, end, _ in indices.segments)
+    block_t = _block(32, longest, floor=16)
+    block_n = _block(64, max(widths), floor=16)
+    n_blocks = triton.cdiv(max(widths), block_n)
+    grid = (len(indices.segments), triton.cdiv(longest, block_t), M * n_blocks)
+    _sgmv_expand_kernel[grid](y, h, pool, page_table, indices.segment_table, *tables, *starts, *widths_arg,
+                              n_blocks, *strides, **consts,
+                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_RANK=16)
