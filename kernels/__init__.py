@@ -2,7 +2,8 @@
 
 Imported as ``lorapage.kernels``. Nothing here imports the engine: every op takes plain tensors
 (the pool slab of one layer, the lookup tables, the per-token indices) and writes into an output
-it is given. ``docs/kernels.md`` describes the index layout.
+it is given. ``docs/kernels.md`` describes the index layout. The Triton kernels
+(``lora_triton``, ``attention_triton``) are imported only by ``select_backend("triton", ...)``.
 """
 
 from lorapage.kernels.lora_ref import LoraIndices, lora_expand_ref, lora_shrink_ref
@@ -11,6 +12,7 @@ from lorapage.kernels.attention_ref import (
     prefill_attention_ref,
     write_kv_ref,
 )
+from lorapage.kernels.backend import KernelOps, select_backend
 
 __all__ = [
     "LoraIndices",
@@ -19,4 +21,6 @@ __all__ = [
     "write_kv_ref",
     "paged_decode_attention_ref",
     "prefill_attention_ref",
+    "KernelOps",
+    "select_backend",
 ]

@@ -60,7 +60,10 @@ def import_triton():
 
 def triton_interpreted() -> bool:
     """Whether Triton kernels run under the interpreter (on CPU tensors) in this process."""
-    return bool(import_triton().knobs.runtime.interpret)
+    knobs = getattr(import_triton(), "knobs", None)  # triton < 3.4 has no knobs: read the variable
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _triton_ops() -> KernelOps:

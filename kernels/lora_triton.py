@@ -350,6 +350,7 @@ def lora_shrink(
     assert a_offset.dim() == 1 and a_offset.dtype == torch.int64 and a_rows.dtype == torch.int32
     assert a_rows.shape == a_offset.shape == (page_table.shape[0],), "one a_offset / a_rows entry per slot"
     assert a_offset.stride() == a_rows.stride(), "a_offset and a_rows must be views with one stride"
+    assert a_offset.device == a_rows.device == h.device, "tables must be on the activations' device"
     T, d_in = x.shape
     R = h.shape[1]
     if T == 0:

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The kernels' device check, in one run (under 8 minutes on one H200):
+#   1. every kernel test compiled for the GPU: the interpreter-sized comparisons, the `gpu` ones at
+#      Llama-2-7B sizes, and CUDA-graph replay after adapters are swapped in the same pages;
+#   2. bench/bench_kernels.py --sweep (LoRA update vs base GEMMs, 32 distinct vs 1 adapter, bytes/s);
+#   3. a short table of both, printed last.
+# Logs land in $OUT (or bench/out). Works from a plain checkout: when lorapage is not installed it
+# is installed in place (editable, no downloads), or failing that put on the path with a shim.
+#
+#   bash bench/gpu_check.sh                   # on the GPU machine
+#   GPU_CHECK_TINY=1 bash bench/gpu_check.sh  # anywhere: a few CPU tests + bench --tiny, checks the script
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${OUT:-$root/bench/out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py="${PYTHON:-}"
+if [ -z "$py" ]; then
+  if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
+fi
+
+if ! "$py" -c "import lorapage.kernels" 2>/dev/null; then
+  "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e "$root" >"$out/install.log" 2>&1 || true
+fi
+if ! "$py" -c "import lorapage.kernels" 2>/dev/null; then
+  # lorapage.kernels lives in kernels/ (pyproject's package-dir); map it by hand.
+  shim="$(mktemp -d)"
+  cat >"$shim/sitecustomize.py" <<EOF
+import importlib.util, sys
+class _Kernels:
+    def find_spec(self, name, path=None, target=None):
+        if name == "lorapage.kernels":
+            return importlib.util.spec_from_file_location(
+                name, "$root/kernels/__init__.py", submodule_search_locations=["$root/kernels"])
+        return None
+sys.meta_path.append(_Kernels())
+EOF
+  export PYTHONPATH="$shim:$root${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if [ -n "${GPU_CHECK_TINY:-}" ]; then
+  tests=("tests/test_kernels_backend.py::test_unknown_backend_is_rejected" "tests/test_kernels_attention.py::test_write_kv")
+  bench_args=(--tiny)
+else
+  nvidia-smi -L || true
+  tests=(tests/test_kernels_*.py)
+  bench_args=(--sweep)
+fi
+"$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+
+start=$(date +%s)
+timeout 330 "$py" -m pytest -q -rfEs -p no:cacheprovider --durations=15 --junitxml="$out/kernel_tests.xml" \
+  "${tests[@]}" 2>&1 | tee "$out/kernel_tests.log"
+tests_rc=${PIPESTATUS[0]}
+tests_s=$(( $(date +%s) - start ))
+
+start=$(date +%s)
+timeout 240 "$py" bench/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$out/bench_kernels.log"
+bench_rc=${PIPESTATUS[0]}
+bench_s=$(( $(date +%s) - start ))
+
+"$py" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+out, tests_rc, tests_s, bench_rc, bench_s = sys.argv[1], *map(int, sys.argv[2:])
+counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+try:
+    suite = ET.parse(f"{out}/kernel_tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in counts}
+except (OSError, ET.ParseError, AttributeError):
+    pass
+bench = {}
+try:
+    lines = [l for l in open(f"{out}/bench_kernels.log").read().splitlines() if l.strip()]
+    bench = json.loads(lines[-1])
+except (OSError, IndexError, ValueError):
+    pass
+passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+rows = [("kernel tests", f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped",
+         "all pass", f"rc {tests_rc}, {tests_s} s")]
+if bench:
+    rows += [
+        ("LoRA 32 distinct / 1 adapter (all)", f"{bench['ratio_distinct_vs_one_all']:.2f}", f"<= {bench['target_ratio']}", ""),
+        ("LoRA / base GEMM, attention-only", f"{bench['fraction_of_base_attention']:.1%}", f"<= {bench['target_fraction_attention']:.0%}",
+         f"{bench['lora_attention_distinct_us']:.0f} / {bench['base_gemm_us']:.0f} us"),
+        ("LoRA / base GEMM, all modules", f"{bench['fraction_of_base_all']:.1%}", f"<= {bench['target_fraction_all']:.0%}",
+         f"{bench['lora_all_distinct_us']:.0f} / {bench['base_gemm_us']:.0f} us"),
+        ("bytes/s vs copy bandwidth", f"{bench['fraction_of_copy_bandwidth']:.1%}", "",
+         f"{bench['achieved_bytes_per_s'] / 1e12:.2f} of {bench['copy_bytes_per_s'] / 1e12:.2f} TB/s"),
+    ]
+rows.append(("bench_kernels.py", "ok" if bench_rc == 0 and bench else "FAILED", "", f"rc {bench_rc}, {bench_s} s"))
+print()
+print(f"gpu_check on {bench.get('device', '?')}")
+for name, value, target, note in rows:
+    print(f"  {name:<36} {value:<32} {target:<9} {note}")
+EOF
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
