@@ -139,7 +139,9 @@ class QuotaManager:
             states[name] = state
         self._states = states
 
-    def check_and_reserve(self, tenant: str, prompt_tokens: int, max_tokens: int, now: float) -> Reservation | QuotaExceeded:
+    def check_and_reserve(
+        self, tenant: str, prompt_tokens: int, max_tokens: int, now: float
+    ) -> Reservation | QuotaExceeded:
         """Reserve one request's worth of ``tenant``'s quota, or say which limit refused it and
         when to retry (all-or-nothing: a refusal takes nothing)."""
         state = self._states.get(tenant)

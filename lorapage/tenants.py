@@ -106,12 +106,15 @@ class TenantsConfig:
             raise TenantsConfigError(f"{source}: not valid TOML: {e}") from e
         unknown = set(doc) - {"admin", "tenants"}
         if unknown:
-            raise TenantsConfigError(f"{source}: unknown section(s) {sorted(unknown)}; expected [admin] and [tenants.<name>]")
+            raise TenantsConfigError(
+                f"{source}: unknown section(s) {sorted(unknown)}; expected [admin] and [tenants.<name>]"
+            )
         admin = _table(doc.get("admin", {}), "admin")
         extra = set(admin) - {"key_sha256"}
         if extra:
             raise TenantsConfigError(f"admin: unknown field(s) {sorted(extra)}; expected key_sha256")
-        tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in _table(doc.get("tenants", {}), "tenants").items()}
+        tables = _table(doc.get("tenants", {}), "tenants")
+        tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in tables.items()}
         return cls(tenants, _digests_field(admin, "admin"))
 
     def get(self, name: str) -> TenantConfig:
@@ -152,7 +155,9 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
     where = f"tenants.{name}"
     unknown = set(t) - set(_TENANT_FIELDS)
     if unknown:
-        raise TenantsConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known fields: {', '.join(_TENANT_FIELDS)}")
+        raise TenantsConfigError(
+            f"{where}: unknown field(s) {sorted(unknown)}; known fields: {', '.join(_TENANT_FIELDS)}"
+        )
     adapters = t.get("adapters")
     if adapters is not None and not (isinstance(adapters, list) and all(isinstance(a, str) for a in adapters)):
         raise TenantsConfigError(f"{where}.adapters: expected a list of adapter names, got {adapters!r}")

@@ -110,17 +110,18 @@ def test_capacity_shortage_ends_the_step_and_keeps_order():
     assert ids(vtc.schedule(6.0, Ctx(rows=5))) == ["a2"]
 
 
-def test_distinct_adapter_cap_lets_joins_through():
+def test_distinct_adapter_cap_lets_joins_through_and_gives_the_last_slot_to_the_biggest_group():
     vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_slots=0))
     for i, adapter in enumerate(["x", "y", "z", "x", "z"]):
         vtc.add(Req(f"r{i}", f"t{i}", adapter), 0.0)
     admitted = vtc.schedule(0.1, Ctx())
-    assert sorted(r.adapter for r in admitted) == ["x", "x", "y"]
+    # x opens the first of two free slots in VTC order; the last goes to z (2 waiting), not y (1)
+    assert [r.adapter for r in admitted] == ["x", "z", "x", "z"]
     assert vtc.slots.distinct() == 2
     for r in admitted:
-        if r.adapter == "y":
+        if r.adapter == "z":
             vtc.on_finish(r, 0.2)
-    assert sorted(r.adapter for r in vtc.schedule(0.3, Ctx())) == ["z", "z"]
+    assert ids(vtc.schedule(0.3, Ctx())) == ["r1"]
 
 
 def test_reserved_tail_slots_take_single_request_adapters_and_no_joins():
@@ -249,3 +250,35 @@ def test_metered_policy_splits_wait_into_adapter_load_and_capacity(name):
     assert stats.rejected_requests["tpm"] == 1 and stats.rejected_tokens["tpm"] == 120
     policy.on_finish(req, 3.0)
     assert policy.num_waiting() == 0
+
+
+class CountingCtx(Ctx):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.asked = 0
+
+    def adapter_ready(self, req: Req) -> bool:
+        self.asked += 1
+        return super().adapter_ready(req)
+
+
+def test_parked_tenants_cost_nothing_until_an_event_lets_them_in():
+    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_slots=0, age_deadline_s=100.0))
+    hot = [Req(f"h{i}", "hot", f"hot{i % 2}") for i in range(4)]
+    for r in hot:
+        vtc.add(r, 0.0)
+    assert len(vtc.schedule(0.0, Ctx())) == 4  # both slots taken
+    for i in range(500):  # 500 tenants, each with a pair of requests for its own adapter
+        vtc.add(Req(f"c{i}a", f"cold{i}", f"cold{i}"), 0.0)
+        vtc.add(Req(f"c{i}b", f"cold{i}", f"cold{i}"), 0.0)
+    first = CountingCtx()
+    assert vtc.schedule(1.0, first) == [] and first.asked >= 500  # each looked at once, then parked
+    later = CountingCtx()
+    assert vtc.schedule(2.0, later) == [] and later.asked == 0
+    vtc.on_finish(hot[0], 3.0)
+    vtc.on_finish(hot[2], 3.0)  # hot0 leaves: one general slot frees for the biggest group
+    after = CountingCtx()
+    admitted = vtc.schedule(3.0, after)
+    assert len(admitted) == 2 and admitted[0].tenant == admitted[1].tenant
+    assert after.asked < 50
+    assert vtc.num_waiting() == 998

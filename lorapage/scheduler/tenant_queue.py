@@ -1,0 +1,111 @@
+"""Tenants in VTC order: per tenant its waiting requests and counter, kept in lazy min-heaps.
+
+A tenant is IDLE (nothing waiting), ACTIVE (examined in counter order every step) or PARKED in
+one of three heaps, by the kind of event that could let one of its requests in. Counters only
+grow while an entry sits in a heap, so a stale entry is at worst too early: it is re-pushed when
+it reaches the top. A tenant has at most one valid entry, the one carrying its current stamp.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from enum import Enum
+
+from lorapage.scheduler.base import SchedRequest
+from lorapage.scheduler.slots import Blocked
+
+
+class TenantState(Enum):
+    IDLE = 0  # nothing waiting
+    ACTIVE = 1  # examined in VTC order every step
+    PARKED_ANY = 2  # waits for any free slot (it has a single-request or aged opener)
+    PARKED_GENERAL = 3  # waits for a free general slot
+    PARKED_ADAPTER = 4  # waits only for its adapters: to finish loading, close or take joins again
+
+    @classmethod
+    def parked_for(cls, reason: Blocked) -> TenantState:
+        by_reason = {Blocked.ANY: cls.PARKED_ANY, Blocked.GENERAL: cls.PARKED_GENERAL, Blocked.ADAPTER: cls.PARKED_ADAPTER}
+        return by_reason[reason]
+
+    @property
+    def openness(self) -> int:
+        """How many kinds of event can let it in: parked states only move up this order."""
+        return {TenantState.PARKED_ADAPTER: 0, TenantState.PARKED_GENERAL: 1, TenantState.PARKED_ANY: 2}.get(self, 3)
+
+
+@dataclass(eq=False, slots=True)
+class Waiting:
+    req: SchedRequest
+    enqueued_at: float  # arrival, or the requeue after a preemption: the age deadline counts from here
+
+
+@dataclass(eq=False, slots=True)
+class Tenant:
+    name: str
+    in_cost: float  # counter units per prompt token: input_weight / weight
+    out_cost: float  # counter units per generated token: output_weight / weight
+    counter: float = 0.0
+    waiting: dict[str, Waiting] = field(default_factory=dict)  # request_id -> entry, oldest first
+    state: TenantState = TenantState.IDLE
+    stamp: int = -1  # stamp of its one valid heap entry; -1: none (idle, or taken out this step)
+
+
+class TenantQueue:
+    """Every tenant by name, and one heap of (counter when pushed, stamp, name) per state."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, Tenant] = {}
+        self._heaps: dict[TenantState, list[tuple[float, int, str]]] = {
+            s: [] for s in TenantState if s is not TenantState.IDLE
+        }
+        self._stamp = 0
+
+    def set_state(self, t: Tenant, state: TenantState) -> None:
+        """Move ``t`` to ``state`` (re-pushing it at its current counter)."""
+        t.state = state
+        if state is TenantState.IDLE:
+            t.stamp = -1
+            return
+        self._stamp += 1
+        t.stamp = self._stamp
+        heapq.heappush(self._heaps[state], (t.counter, self._stamp, t.name))
+
+    def take_out(self, t: Tenant) -> None:
+        """``t`` is being examined: its entry is spent until :meth:`put_back`."""
+        t.stamp = -1
+
+    def put_back(self, t: Tenant) -> None:
+        if t.stamp == -1 and t.state is not TenantState.IDLE:  # not re-pushed meanwhile
+            self.set_state(t, t.state)
+
+    def activate(self, t: Tenant) -> None:
+        if t.state is not TenantState.IDLE and t.state is not TenantState.ACTIVE:
+            self.set_state(t, TenantState.ACTIVE)
+
+    def counter_dropped(self, t: Tenant) -> None:
+        """``t``'s counter went down (a refund): its entry's key is now too high."""
+        if t.state is not TenantState.IDLE and t.stamp != -1:
+            self.set_state(t, t.state)
+
+    def peek(self, state: TenantState) -> Tenant | None:
+        """The tenant in ``state`` with the smallest counter."""
+        heap = self._heaps[state]
+        while heap:
+            key, stamp, name = heap[0]
+            t = self.tenants[name]
+            if stamp != t.stamp or t.state is not state:
+                heapq.heappop(heap)
+            elif key < t.counter:
+                heapq.heappop(heap)
+                self.set_state(t, state)
+            else:
+                return t
+        return None
+
+    def lowest(self, states: tuple[TenantState, ...]) -> Tenant | None:
+        found = [t for s in states if (t := self.peek(s)) is not None]
+        return min(found, key=lambda t: (t.counter, t.stamp), default=None)
+
+    def backlogged_lowest(self) -> Tenant | None:
+        return self.lowest(tuple(self._heaps))
