@@ -9,12 +9,13 @@ Adapter loads run beside it (see :mod:`lorapage.adapters.cache`) and never block
 from __future__ import annotations
 
 import asyncio
+import logging
 import itertools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterable
+from typing import AsyncIterator, Callable, Iterable, Mapping
 
 import torch
 
@@ -26,6 +27,7 @@ from lorapage.errors import (
     AdapterNotFoundError,
     EngineClosedError,
     EngineOverloadedError,
+    EngineStepError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -38,8 +40,9 @@ from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
 from lorapage.request import Request, RequestOutput
 from lorapage.sampling import SamplingParams
-from lorapage.scheduler import make_policy
+from lorapage.scheduler import SchedulerMetrics, VtcConfig, make_policy
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TENANT = "default"
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
@@ -54,7 +57,13 @@ def _device(name: str) -> torch.device:
 class Engine:
     """One base model, many LoRA adapters, continuous batching over one unified page pool."""
 
-    def __init__(self, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        tenant_weights: Mapping[str, float] | None = None,
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.clock = clock
         self.device = _device(config.device)
@@ -88,7 +97,11 @@ class Engine:
             dtype=self.dtype, io_executor=self._io, run_on_device=self._run_on_device,
             on_ready=self._wake_up, clock=clock,
         )
-        self.policy = make_policy(config.scheduler)
+        self.scheduler_metrics = SchedulerMetrics()
+        self.policy = make_policy(
+            config.scheduler, vtc=VtcConfig(max_loras=config.max_loras), tenant_weights=tenant_weights,
+            metrics=self.scheduler_metrics,
+        )
         self.state = StepState(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -192,6 +205,12 @@ class Engine:
         self.state.abort(request_id)
         self._wake_up()
 
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """New VTC shares (a reloaded tenants file); FCFS has none."""
+        inner = getattr(self.policy, "policy", self.policy)
+        if hasattr(inner, "set_tenant_weights"):
+            inner.set_tenant_weights(weights)
+
     def pool_free_pages(self) -> int:
         return self.pool.num_free
 
@@ -290,9 +309,15 @@ class Engine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while True:
-                plan = self.state.plan_step()
-                if plan is None:
-                    break
-                result = await asyncio.get_running_loop().run_in_executor(self._forward, self.runner.execute, plan)
-                self.state.apply(plan, *result)
+            try:
+                while True:
+                    plan = self.state.plan_step()
+                    if plan is None:
+                        break
+                    result = await asyncio.get_running_loop().run_in_executor(self._forward, self.runner.execute, plan)
+                    self.state.apply(plan, *result)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never leave callers hanging on a dead loop
+                log.exception("engine step failed; failing the requests in flight")
+                self.state.fail_all(EngineStepError(f"the engine step failed: {exc}"))

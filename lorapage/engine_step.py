@@ -70,12 +70,16 @@ class StepState:
         need = blocks_needed(new_tokens, e.config.block_size)
         # Leave room for adapter loads already waiting on memory, or they could starve.
         reserve = e.adapters.pending_pages()
+        own = e.adapters.get(req.adapter) if req.adapter is not None else None
         if e.pool.num_free - reserve < need and not e.adapters.evict_idle(need + reserve):
             return False
         if not grow_block_table(e.pool, req, new_tokens, e.config.block_size):
             return False
         self._budget -= new_tokens
         self._admitted.append(req)
+        if own is not None:  # pin now, so admitting the next request cannot evict it
+            own.waiting -= 1
+            req.lora_slot = e.adapters.acquire(req.adapter)
         return True
 
     # -- one step -------------------------------------------------------------------------------
@@ -94,10 +98,6 @@ class StepState:
         prefill = []
         for req in admitted:
             req.status = RequestStatus.RUNNING
-            if req.adapter is not None:
-                entry = e.adapters.get(req.adapter)
-                entry.waiting -= 1
-                req.lora_slot = e.adapters.acquire(req.adapter)
             self.running.append(req)
             prefill.append(req)
         if not decode and not prefill:
@@ -132,8 +132,7 @@ class StepState:
             e.adapters.release(req.adapter)
             e.adapters.get(req.adapter).waiting += 1
         req.lora_slot = 0
-        e.policy.on_finish(req, now)
-        e.policy.add(req, now)
+        e.policy.add(req, now)  # VTC knows a returning request: the recompute is not charged again
         e.adapters.notify_memory_freed()
 
     def apply(self, plan: StepPlan, tokens: list[int], logprobs: list[TokenLogprob | None]) -> None:
@@ -198,7 +197,7 @@ class StepState:
             )
         )
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, emit: bool = True) -> None:
         e = self.engine
         was_running = req.status is RequestStatus.RUNNING
         req.status = RequestStatus.FINISHED
@@ -213,7 +212,19 @@ class StepState:
             e.adapters.get(req.adapter).waiting -= 1
         e.policy.on_finish(req, e.clock())
         self.requests.pop(req.request_id, None)
-        self._emit(req, reason)
+        if emit:
+            self._emit(req, reason)
+
+    def fail_all(self, error: BaseException) -> None:
+        """A step failed unexpectedly: every request in flight gets the error and its pages back,
+        and the engine carries on with new requests."""
+        e = self.engine
+        self._in_step = False
+        for req in list(self.requests.values()):
+            if req.status is RequestStatus.WAITING:
+                e.policy.remove(req)
+            self._finish(req, "abort", emit=False)
+            req.outputs.put_nowait(error)
 
     def _fail_broken_adapters(self) -> None:
         """Waiting requests whose adapter failed to load get that error; nothing else is touched."""

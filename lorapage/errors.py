@@ -67,3 +67,10 @@ class AdapterBusyError(LorapageError):
 
     status = 409
     code = "adapter_busy"
+
+
+class EngineStepError(LorapageError):
+    """A forward step failed unexpectedly; the requests in it were ended, the engine goes on."""
+
+    status = 500
+    code = "internal_error"

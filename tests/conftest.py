@@ -1,9 +1,16 @@
-"""Suite-wide pytest hooks: tests marked ``gpu`` are skipped on machines without CUDA."""
+"""Suite-wide pytest hooks: tests marked ``gpu`` are skipped on machines without CUDA, and on
+those machines Triton runs in its interpreter (which must be switched on before triton is first
+imported, by whichever test gets there first)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -91,7 +91,8 @@ class AdapterCache:
         self._by_slot: dict[int, AdapterEntry] = {}
         self._memory_freed = asyncio.Event()
         self.evictions: list[float] = []  # times of pool evictions (for evictions per minute)
-        self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
+        self._failed: dict[str, LorapageError] = {}
+        self._loading: set[AdapterEntry] = set()  # entries with a load task in flight  # loads that failed since the engine last looked
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -156,6 +157,7 @@ class AdapterCache:
             return
         entry.error = None
         entry.load_task = asyncio.get_running_loop().create_task(self._load(entry))
+        self._loading.add(entry)
 
     async def wait_resident(self, name: str) -> None:
         """Load ``name`` and wait until it is resident (admin pre-warm)."""
@@ -179,6 +181,8 @@ class AdapterCache:
     def acquire(self, name: str) -> int:
         """A request using ``name`` is admitted: pin it and return its slot."""
         entry = self.get(name)
+        if not entry.slot:
+            raise RuntimeError(f"adapter {name!r} admitted while not resident")  # an engine bug, never silent
         entry.running += 1
         return entry.slot
 
@@ -186,10 +190,16 @@ class AdapterCache:
         self.get(name).running -= 1
 
     def pending_pages(self) -> int:
-        """Pages that loads waiting for memory will need: admission leaves them free."""
-        return sum(
-            e.layout.num_pages for e in self.entries.values() if e.load_task is not None and not e.slot and e.waiting
-        )
+        """Pages to keep free for the largest load waiting on memory, so KV demand cannot starve
+        it. Zero when that load could not proceed anyway (no slot to take, or more pages than
+        draining the KV cache would give): reserving then would only block admission."""
+        waiting = [e for e in self._loading if e.waiting]
+        if not waiting:
+            return 0
+        need = max(e.layout.num_pages for e in waiting)
+        evictable = self._evictable()
+        attainable = self.pool.num_free + self.pool.used[PageKind.KV] + sum(e.layout.num_pages for e in evictable)
+        return need if (self._free_slots or evictable) and need <= attainable else 0
 
     def take_failed(self) -> dict[str, LorapageError]:
         """Adapters whose load failed since the last call, with the error (their queued requests
@@ -200,19 +210,23 @@ class AdapterCache:
     def rebind_loop(self) -> None:
         """The engine moved to a new event loop: loads started on the old one died with it."""
         self._memory_freed = asyncio.Event()
-        for entry in self.entries.values():
+        for entry in self._loading:
             entry.load_task = None
+        self._loading.clear()
 
     def notify_memory_freed(self) -> None:
         self._memory_freed.set()
 
-    def evict_idle(self, pages_needed: int, *, keep: AdapterEntry | None = None) -> bool:
-        """Evict idle adapters, least valuable per page first, until ``pages_needed`` are free."""
+    def _evictable(self) -> list[AdapterEntry]:
+        """Resident adapters nobody runs or waits for, least valuable per page first."""
         now = self._clock()
-        idle = [e for e in self._by_slot.values() if e.running == 0 and e is not keep]
-        # Adapters with queued requests are kept longest: evicting them means reloading at once.
-        idle.sort(key=lambda e: (e.waiting > 0, e.rate_at(now) / e.layout.num_pages))
-        for entry in idle:
+        idle = [e for e in self._by_slot.values() if e.running == 0 and e.waiting == 0]
+        return sorted(idle, key=lambda e: e.rate_at(now) / e.layout.num_pages)
+
+    def evict_idle(self, pages_needed: int) -> bool:
+        """Evict idle adapters (no running or queued request), least valuable per page first,
+        until ``pages_needed`` pages are free."""
+        for entry in self._evictable():
             if self.pool.num_free >= pages_needed:
                 break
             self._evict(entry)
@@ -233,6 +247,8 @@ class AdapterCache:
         self._free_slots.append(entry.slot)
         entry.slot, entry.pages = 0, []
         self.evictions.append(self._clock())
+        if entry.waiting:  # queued (e.g. preempted) requests still need it: queue its reload
+            self.ensure(entry.name)
 
     async def _load(self, entry: AdapterEntry) -> None:
         try:
@@ -256,6 +272,7 @@ class AdapterCache:
             entry.error = self._failed[entry.name] = AdapterLoadError(f"adapter {entry.name!r} failed to load: {e}")
         finally:
             entry.load_task = None
+            self._loading.discard(entry)
             self._on_ready()
 
     def _read_and_pack(self, entry: AdapterEntry) -> torch.Tensor:
@@ -267,12 +284,9 @@ class AdapterCache:
         """A free slot and pages, evicting idle adapters; waits while running requests hold them."""
         need = entry.layout.num_pages
         while True:
-            if not self._free_slots:
-                victims = [e for e in self._by_slot.values() if e.running == 0]
-                if victims:
-                    now = self._clock()
-                    self._evict(min(victims, key=lambda e: (e.waiting > 0, e.rate_at(now) / e.layout.num_pages)))
-            if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need, keep=entry)):
+            if not self._free_slots and (victims := self._evictable()):
+                self._evict(victims[0])
+            if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
                 pages = self.pool.allocate(need, PageKind.ADAPTER)
                 if pages is not None:
                     return self._free_slots.pop(), pages

@@ -134,6 +134,8 @@ class ModelRunner:
             prefill_context_lens=plan.context_lens[nd:],
         )
         lora = LoraIndices(self.token_slot[:T], plan.segments) if plan.segments else None
+        if lora is not None and self.ops.name == "triton" and T > nd:
+            lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
         with torch.inference_mode():
             hidden = self.model.forward(
                 self.input_ids[:T], self.positions[:T], attn, self.pool.storage, self.block_size,

@@ -137,6 +137,7 @@ def reload_tenants(app: web.Application, path: str) -> None:
         return
     state.access.tenants = config
     state.quotas.reload(config, now=time.monotonic())
+    state.engine.set_tenant_weights(config.weights())
     log.info("tenants file reloaded: %d tenants", len(config.tenants))
 
 
@@ -276,6 +277,7 @@ def create_app(
     """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[count_middleware, error_middleware])
     app[STATE] = ServerState(engine, access, max_body_bytes=max_body_bytes, shutdown_grace_s=shutdown_grace_s)
+    engine.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

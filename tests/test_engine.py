@@ -1,0 +1,158 @@
+"""The embedded engine: streaming, sampling, bad input, non-blocking adapter loads, preemption,
+and the Triton backend end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+
+import pytest
+
+from engine_util import collect, tiny_engine
+from lorapage import SamplingParams
+from lorapage.errors import (
+    AdapterFormatError,
+    AdapterNotFoundError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, demo_adapter_dirs
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+def chat(engine, text="Hello there"):
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+async def test_each_adapter_answers_with_its_marker_in_one_batch():
+    engine = tiny_engine()
+    prompt = chat(engine)
+    outs = await asyncio.gather(*(collect(engine, prompt, a, GREEDY) for a in [None, *DEMO_MARKERS]))
+    texts = [o.text for o, _ in outs]
+    assert texts == [BASE_PHRASE, *DEMO_MARKERS.values()]
+    for out, deltas in outs:
+        assert "".join(deltas) == out.text and out.finish_reason == "stop"
+    await engine.close()
+
+
+async def test_stop_strings_max_tokens_and_seeds():
+    engine = tiny_engine()
+    prompt = chat(engine)
+    out, deltas = await collect(engine, prompt, "acme", SamplingParams(max_tokens=40, temperature=0.0, stop=["here"]))
+    assert out.text == "ACME support " and out.finish_reason == "stop" and "".join(deltas) == out.text
+    out, _ = await collect(engine, prompt, "acme", SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    sampled = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a, _ = await collect(engine, prompt, "globex", sampled)
+    # The same seed gives the same tokens whatever else shares the batch.
+    both = await asyncio.gather(collect(engine, prompt, "globex", sampled), collect(engine, prompt, None, sampled))
+    assert both[0][0].token_ids == a.token_ids
+    out, _ = await collect(engine, prompt, None, SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))
+    assert all(len(lp.top) == 3 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in out.logprobs)
+    await engine.close()
+
+
+async def test_bad_input_raises_specific_errors_and_engine_keeps_serving(tmp_path):
+    engine = tiny_engine()
+    with pytest.raises(AdapterNotFoundError):
+        await collect(engine, "hi", "nope", GREEDY)
+    with pytest.raises(PromptTooLongError):
+        await collect(engine, [5] * (engine.max_model_len - 2), None, SamplingParams(max_tokens=8))
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(max_tokens=0)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError):
+        await collect(engine, [], None, GREEDY)
+    with pytest.raises(InvalidRequestError):
+        await collect(engine, [1, 10**9], None, GREEDY)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(AdapterFormatError, match="adapter_config.json"):
+        engine.add_adapter("bad", bad)
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "use_dora": true}')
+    with pytest.raises(AdapterFormatError, match="DoRA"):
+        engine.add_adapter("bad", bad)
+    # A directory whose weights turn out corrupt at load time fails only its own request.
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(demo_adapter_dirs()["acme"], corrupt)
+    engine.add_adapter("corrupt", corrupt)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    good = asyncio.create_task(collect(engine, chat(engine), "globex", GREEDY))
+    with pytest.raises(AdapterFormatError, match="could not be read"):
+        await collect(engine, chat(engine), "corrupt", GREEDY)
+    assert (await good)[0].text == DEMO_MARKERS["globex"]
+    await engine.close()
+
+
+async def test_slow_adapter_read_does_not_block_other_requests(tmp_path):
+    """The adapter's weights file is a FIFO: its read blocks until the test writes the bytes."""
+    engine = tiny_engine()
+    slow = tmp_path / "slow"
+    shutil.copytree(demo_adapter_dirs()["initech"], slow)
+    weights = slow / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    engine.add_adapter("slow", slow)  # registration reads the header of the real file
+    weights.unlink()
+    os.mkfifo(weights)
+    slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
+    await asyncio.sleep(0.05)
+    assert engine.adapter_info("slow").tier == "disk"
+    # While the read is stuck, resident adapters keep producing tokens.
+    fast, deltas = await collect(engine, chat(engine), "acme", GREEDY)
+    assert fast.text == DEMO_MARKERS["acme"] and len(deltas) > 5
+    assert not slow_task.done()
+    writer = threading.Thread(target=lambda: weights.write_bytes(data))
+    writer.start()
+    out, _ = await slow_task
+    writer.join()
+    assert out.text == DEMO_MARKERS["initech"] and out.adapter_tier == "disk"
+    await engine.close()
+
+
+async def test_abort_frees_pages_within_a_step():
+    engine = tiny_engine()
+    start = engine.pool_free_pages()
+    gen = engine.generate(chat(engine), "acme", SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
+    await gen.__anext__()
+    assert engine.pool_free_pages() < start
+    await gen.aclose()  # the caller went away
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+    assert engine.pool_free_pages() == start - engine.stats()["pool_pages_adapters"]
+    await engine.close()
+
+
+@pytest.mark.parametrize("scheduler", ["vtc", "fcfs"])
+async def test_preemption_under_a_tiny_pool_keeps_greedy_outputs(scheduler):
+    prompts = [[5 + i, 9, 12 + i, 30] for i in range(8)]
+    adapters = [None, "acme", "globex", "initech"] * 2
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = tiny_engine(scheduler=scheduler)
+    alone = [(await collect(roomy, p, a, params))[0].token_ids for p, a in zip(prompts, adapters)]
+    await roomy.close()
+    # Room for the three adapters and a handful of KV blocks: sequences must take turns.
+    need = sum(roomy.adapter_info(a).num_pages for a in DEMO_MARKERS)
+    tight = tiny_engine(scheduler=scheduler, num_pages=1 + need + 24)
+    outs = await asyncio.gather(*(collect(tight, p, a, params, tenant=f"t{i % 3}") for i, (p, a) in
+                                  enumerate(zip(prompts, adapters))))
+    assert tight.stats()["preemptions"] > 0
+    assert [o.token_ids for o, _ in outs] == alone
+    await tight.close()
+
+
+def test_triton_backend_matches_torch_end_to_end():
+    pytest.importorskip("triton")
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    rows = list(zip(prompts, ["acme", "initech", None]))
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
+    want = tiny_engine(kernel_backend="torch").generate_batch(rows, params)
+    engine = tiny_engine(kernel_backend="triton")
+    assert engine.ops.name == "triton"
+    got = engine.generate_batch(rows, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-4)

@@ -1,0 +1,164 @@
+"""The unified pool: proportional adapter pages, KV capacity traded against adapters, eviction
+rules, fragmentation, and exact accounting under random operations."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_util import tiny_engine
+from hf_reference import make_peft_adapter
+from lorapage import SamplingParams
+from lorapage.memory.pool import PageKind, PagePool
+from lorapage.tiny import TINY_BASE_DIR
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def rank_adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ranks")
+    return {r: make_peft_adapter(TINY_BASE_DIR, root / f"r{r}", r=r, targets=ALL, seed=r) for r in (8, 64)}
+
+
+def test_pages_proportional_to_rank(rank_adapters):
+    engine = tiny_engine()
+    p8 = engine.add_adapter("r8", rank_adapters[8]).num_pages
+    p64 = engine.add_adapter("r64", rank_adapters[64]).num_pages
+    assert p64 == pytest.approx(8 * p8, rel=0.15)  # ceil() rounding only
+
+
+async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapters):
+    engine = tiny_engine()
+    engine.add_adapter("r64", rank_adapters[64])
+    free0 = engine.pool_free_pages()
+    await engine.load_adapter("r64")
+    pages = engine.adapter_info("r64").num_pages
+    assert engine.pool_free_pages() == free0 - pages
+    assert engine.stats()["pool_pages_adapters"] == pages
+    assert await engine.unload_adapter("r64")
+    assert engine.pool_free_pages() == free0
+    await engine.close()
+
+
+async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
+    # A pool just big enough for one rank-64 adapter plus a few KV blocks.
+    probe = tiny_engine()
+    probe.add_adapter("r64", rank_adapters[64])
+    need = probe.adapter_info("r64").num_pages
+    engine = tiny_engine(num_pages=1 + need + 20, max_loras=2)
+    engine.add_adapter("r64", rank_adapters[64])
+    engine.add_adapter("r8", rank_adapters[8])
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    gen = engine.generate([5, 6, 7], "r64", params)
+    first = await gen.__anext__()  # r64 is resident and running
+    assert not first.finished
+    # r8 cannot fit while r64 runs: the r64 request must keep going regardless.
+    r8 = asyncio_task(engine, "r8")
+    outs = [first]
+    async for out in gen:
+        outs.append(out)
+        if not out.finished:  # once finished, r64 is idle and r8's waiting load may evict it
+            assert engine.stats()["resident_adapters"] == ["r64"]
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 30
+    done = await r8  # once r64 is idle it may be evicted so r8 can load and run
+    assert done.finished and len(done.token_ids) == 4
+    assert engine.stats()["resident_adapters"] == ["r8"]
+    await engine.close()
+
+
+def asyncio_task(engine, adapter):
+    import asyncio
+
+    async def run():
+        last = None
+        async for last in engine.generate([9, 10], adapter, SamplingParams(max_tokens=4, ignore_eos=True)):
+            pass
+        return last
+
+    return asyncio.get_running_loop().create_task(run())
+
+
+def test_fragmented_pool_gives_the_same_outputs(rank_adapters):
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    clean = tiny_engine()
+    clean.add_adapter("r8", rank_adapters[8])
+    want = clean.generate_batch([(p, a) for p, a in zip(prompts, ["r8", "acme", "initech"])], params)
+
+    frag = tiny_engine()
+    frag.add_adapter("r8", rank_adapters[8])
+    # Take every other page so adapters and KV blocks land on scattered pages.
+    pool = frag.pool
+    taken = pool.allocate(pool.num_free, PageKind.KV)
+    pool.free(taken[::2], PageKind.KV)
+    got = frag.generate_batch([(p, a) for p, a in zip(prompts, ["r8", "acme", "initech"])], params)
+    entry = frag.adapters.get("r8")
+    assert entry.pages[-1] - entry.pages[0] != len(entry.pages) - 1, "the adapter should be scattered"
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-5)
+
+
+def test_random_operations_leave_free_count_where_it_started():
+    rng = random.Random(0)
+    pool = PagePool(num_layers=2, num_pages=200, page_size=8, dtype=torch.float32, device=torch.device("cpu"))
+    start = pool.num_free
+    held: list[tuple[list[int], PageKind]] = []
+    for _ in range(1000):
+        op = rng.random()
+        if op < 0.55:
+            kind = rng.choice(list(PageKind))
+            pages = pool.allocate(rng.randrange(1, 12), kind)
+            if pages is not None:
+                assert len(set(pages)) == len(pages) and 0 not in pages
+                held.append((pages, kind))
+        elif held:
+            pages, kind = held.pop(rng.randrange(len(held)))
+            pool.free(pages, kind)
+        in_use = sum(len(p) for p, _ in held)
+        assert pool.num_free == start - in_use
+        assert pool.used[PageKind.KV] + pool.used[PageKind.ADAPTER] == in_use
+    for pages, kind in held:
+        pool.free(pages, kind)
+    assert pool.num_free == start
+    with pytest.raises(RuntimeError):
+        pool.free([1], PageKind.KV) if not pool.allocate(0, PageKind.KV) else None
+
+
+async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters):
+    import asyncio
+
+    rng = random.Random(1)
+    engine = tiny_engine(num_pages=400, max_loras=3)
+    engine.add_adapter("r8", rank_adapters[8])
+    engine.add_adapter("r64", rank_adapters[64])
+    start = engine.pool_free_pages()
+    names = [None, "acme", "globex", "initech", "r8", "r64"]
+    tasks, ids = [], []
+    for i in range(120):
+        rid = f"q{i}"
+        params = SamplingParams(max_tokens=rng.randrange(1, 12), temperature=rng.choice([0.0, 0.8]), seed=i)
+        tasks.append(asyncio.create_task(_drain(engine, [rng.randrange(3, 200) for _ in range(rng.randrange(1, 30))],
+                                                rng.choice(names), params, rid)))
+        ids.append(rid)
+        if rng.random() < 0.3:
+            await asyncio.sleep(0)
+            engine.abort(rng.choice(ids))
+        if rng.random() < 0.1:
+            for n in engine.stats()["resident_adapters"]:
+                if engine.adapters.get(n).running == 0:
+                    await engine.unload_adapter(n)
+    await asyncio.gather(*tasks)
+    for n in list(engine.stats()["resident_adapters"]):
+        await engine.unload_adapter(n)
+    assert engine.pool_free_pages() == start
+    assert engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0
+    await engine.close()
+
+
+async def _drain(engine, prompt, adapter, params, rid):
+    async for _ in engine.generate(prompt, adapter, params, request_id=rid):
+        pass
