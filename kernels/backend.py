@@ -19,6 +19,7 @@ import torch
 
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -36,7 +37,7 @@ class KernelOps:
 
 
 TORCH_OPS = KernelOps(
-    "torch", lora_shrink_ref, lora_expand_ref, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
+    "torch", lora_shrink_torch, lora_expand_torch, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
 )
 
 
