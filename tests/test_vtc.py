@@ -237,19 +237,42 @@ def test_metered_policy_splits_wait_into_adapter_load_and_capacity(name):
     req = Req("r", "acme", "cold", num_prompt_tokens=7)
     policy.add(req, 0.0)
     assert policy.schedule(0.5, Ctx(loading={"cold"})) == []
-    assert policy.schedule(0.75, Ctx(rows=0)) == []
+    assert policy.schedule(0.75, Ctx(rows=0)) == []  # loaded by now: from here on it waits for a row
     assert ids(policy.schedule(2.0, Ctx())) == ["r"]
     policy.on_service(req, 7, 1, 2.1)
     stats = metrics.tenants["acme"]
     assert stats.admitted_requests == 1 and stats.admitted_prompt_tokens == 7
-    assert stats.wait_adapter_s.sum == pytest.approx(0.5)
-    assert stats.wait_capacity_s.sum == pytest.approx(1.5)
+    assert stats.wait_adapter_s.sum == pytest.approx(0.75)
+    assert stats.wait_capacity_s.sum == pytest.approx(1.25)
     assert (stats.served_input_tokens, stats.served_output_tokens) == (7, 1)
-    assert metrics.batch_size.count == 3 and metrics.distinct_adapters.sum == 1
+    assert metrics.batch_size.count == 1 and metrics.distinct_adapters.sum == 1  # idle steps: none
     metrics.record_rejected("acme", 120, "tpm")
     assert stats.rejected_requests["tpm"] == 1 and stats.rejected_tokens["tpm"] == 120
     policy.on_finish(req, 3.0)
     assert policy.num_waiting() == 0
+
+
+@pytest.mark.parametrize("name", ["vtc", "fcfs"])
+def test_metered_policy_load_ending_while_idle_is_adapter_wait(name):
+    """The engine steps only on arrival and when the load ends: the whole wait was the load."""
+    metrics = SchedulerMetrics()
+    policy = make_policy(name, metrics=metrics)
+    policy.add(Req("r", "acme", "cold"), 0.0)
+    assert policy.schedule(0.0, Ctx(loading={"cold"})) == []
+    assert ids(policy.schedule(3.0, Ctx())) == ["r"]
+    stats = metrics.tenants["acme"]
+    assert stats.wait_adapter_s.sum == pytest.approx(3.0) and stats.wait_capacity_s.sum == 0
+
+
+def test_metered_policy_readmission_after_preemption_is_not_a_new_admission():
+    metrics = SchedulerMetrics()
+    policy = make_policy("fcfs", metrics=metrics)
+    req = Req("r", "acme")
+    policy.add(req, 0.0)
+    assert ids(policy.schedule(0.0, Ctx())) == ["r"]
+    policy.add(req, 1.0)  # preempted
+    assert ids(policy.schedule(2.0, Ctx())) == ["r"]
+    assert metrics.tenants["acme"].admitted_requests == 1 and metrics.batch_size.count == 2
 
 
 class CountingCtx(Ctx):

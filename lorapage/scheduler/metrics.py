@@ -84,17 +84,20 @@ class SchedulerMetrics:
 
 
 class _ObservingContext:
-    """Passes the policy's questions through, noting when a request's adapter was not ready."""
+    """Passes the policy's questions through, noting when a request's adapter finished loading."""
 
-    def __init__(self, ctx: AdmissionContext, now: float, unready_at: dict[str, float]) -> None:
+    def __init__(self, ctx: AdmissionContext, now: float, loaded_at: dict[str, float | None]) -> None:
         self._ctx = ctx
         self._now = now
-        self._unready_at = unready_at
+        self._loaded_at = loaded_at  # request_id -> None while seen loading, then when seen ready
 
     def adapter_ready(self, req: SchedRequest) -> bool:
         ready = self._ctx.adapter_ready(req)
+        rid = req.request_id
         if not ready:
-            self._unready_at[req.request_id] = self._now
+            self._loaded_at[rid] = None
+        elif rid in self._loaded_at and self._loaded_at[rid] is None:
+            self._loaded_at[rid] = self._now
         return ready
 
     def running_adapters(self) -> set[str | None]:
@@ -107,39 +110,48 @@ class _ObservingContext:
 class MeteredPolicy:
     """Any policy, with its admissions, service and steps recorded in a :class:`SchedulerMetrics`.
 
-    Queue wait splits at the last step the policy saw the request's adapter not ready: before it
-    the request waited for an adapter load, after it for capacity (rows, pages, its VTC turn).
+    Queue wait splits at the first step the policy saw the request's adapter ready after seeing
+    it load: before it the request waited for an adapter load, after it for capacity (rows, pages,
+    its VTC turn). A load that ends while the engine idles wakes it, so that step is the load's end.
+    A request readmitted after preemption is not admitted again: counts and waits are per request.
+    Steps are recorded only when something runs.
     """
 
     def __init__(self, policy: SchedulerPolicy, metrics: SchedulerMetrics) -> None:
         self.policy = policy
         self.metrics = metrics
         self._enqueued_at: dict[str, float] = {}
-        self._unready_at: dict[str, float] = {}
+        self._loaded_at: dict[str, float | None] = {}
+        self._returning: set[str] = set()  # preempted, waiting to be readmitted
         self._running: dict[str, str | None] = {}  # request_id -> adapter
         self._adapters: Counter[str] = Counter()  # adapter -> running requests
 
     def add(self, req: SchedRequest, now: float) -> None:
         if req.request_id in self._running:
             self._stopped(req)
+            self._returning.add(req.request_id)
         self._enqueued_at[req.request_id] = now
         self.policy.add(req, now)
 
     def remove(self, req: SchedRequest) -> None:
-        self._enqueued_at.pop(req.request_id, None)
-        self._unready_at.pop(req.request_id, None)
+        self._forget(req)
         self.policy.remove(req)
 
     def schedule(self, now: float, ctx: AdmissionContext) -> list[SchedRequest]:
-        admitted = self.policy.schedule(now, _ObservingContext(ctx, now, self._unready_at))
+        admitted = self.policy.schedule(now, _ObservingContext(ctx, now, self._loaded_at))
         for req in admitted:
             enqueued = self._enqueued_at.pop(req.request_id, now)
-            loaded = max(enqueued, self._unready_at.pop(req.request_id, enqueued))
-            self.metrics.record_admitted(req.tenant, req.num_prompt_tokens, loaded - enqueued, now - loaded)
+            loaded_at = self._loaded_at.pop(req.request_id, enqueued)
+            loaded = now if loaded_at is None else max(enqueued, loaded_at)
+            if req.request_id in self._returning:
+                self._returning.discard(req.request_id)
+            else:
+                self.metrics.record_admitted(req.tenant, req.num_prompt_tokens, loaded - enqueued, now - loaded)
             self._running[req.request_id] = req.adapter
             if req.adapter is not None:
                 self._adapters[req.adapter] += 1
-        self.metrics.record_step(len(self._running), len(self._adapters))
+        if self._running:
+            self.metrics.record_step(len(self._running), len(self._adapters))
         return admitted
 
     def on_service(self, req: SchedRequest, input_tokens: int, output_tokens: int, now: float) -> None:
@@ -149,9 +161,7 @@ class MeteredPolicy:
     def on_finish(self, req: SchedRequest, now: float) -> None:
         if req.request_id in self._running:
             self._stopped(req)
-        else:
-            self._enqueued_at.pop(req.request_id, None)
-            self._unready_at.pop(req.request_id, None)
+        self._forget(req)
         self.policy.on_finish(req, now)
 
     def pick_victim(self, running: list[SchedRequest]) -> SchedRequest:
@@ -159,6 +169,11 @@ class MeteredPolicy:
 
     def num_waiting(self) -> int:
         return self.policy.num_waiting()
+
+    def _forget(self, req: SchedRequest) -> None:
+        self._enqueued_at.pop(req.request_id, None)
+        self._loaded_at.pop(req.request_id, None)
+        self._returning.discard(req.request_id)
 
     def _stopped(self, req: SchedRequest) -> None:
         adapter = self._running.pop(req.request_id)
