@@ -1,4 +1,5 @@
-"""Time-to-first-token and inter-token latency are Prometheus histograms by tenant and adapter tier."""
+"""/metrics over a real socket: latency histograms by tenant and adapter tier, and the scheduler's
+figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,34 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import BASE, make_engine, read_sse, running_server
 
+MAX_TOKENS = 6
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def _stream(srv, tenant: str, model: str) -> int:
+    body = {"model": model, "prompt": "hello", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    async with srv.session.post(srv.url + "/v1/completions", json=body, headers=srv.auth(tenant)) as r:
+        if r.status == 200:
+            async for _ in read_sse(r):
+                pass
+        return r.status
+
+
+async def _scrape(srv) -> str:
+    async with srv.session.get(srv.url + "/metrics") as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        return await resp.text()
+
+
+def _series(text: str, sample: str) -> dict[tuple, float]:
+    """Values of the samples named ``sample``, keyed by their label values (sorted by label name)."""
+    return {
+        tuple(v for _, v in sorted(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == sample
+    }
 
 
 def _samples(text: str, family: str) -> dict[tuple, float]:
@@ -25,14 +53,8 @@ async def test_latency_histograms_by_tenant_and_tier():
     try:
         async with running_server(engine) as srv:
             for tenant, model in (("alpha", "acme"), ("alpha", "acme"), ("beta", "initech"), ("beta", BASE)):
-                body = {"model": model, "prompt": "hello", "max_tokens": 6, "temperature": 0, "stream": True}
-                async with srv.session.post(srv.url + "/v1/completions", json=body, headers=srv.auth(tenant)) as r:
-                    assert r.status == 200
-                    async for _ in read_sse(r):
-                        pass
-            async with srv.session.get(srv.url + "/metrics") as resp:
-                assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
-                text = await resp.text()
+                assert await _stream(srv, tenant, model) == 200
+            text = await _scrape(srv)
             ttft = _samples(text, "lorapage_time_to_first_token_seconds")
             itl = _samples(text, "lorapage_inter_token_latency_seconds")
             assert ttft[("alpha", "disk")] == 1  # acme's first request found it on disk
@@ -40,5 +62,58 @@ async def test_latency_histograms_by_tenant_and_tier():
             assert ttft[("beta", "disk")] == 1 and ttft[("beta", "none")] == 1
             assert sum(itl.values()) >= 4 and {t for t, _ in itl} == {"alpha", "beta"}
             assert "lorapage_engine_pool_pages_free" in text and "lorapage_requests_total" in text
+    finally:
+        await engine.close()
+
+
+async def test_scheduler_figures_per_tenant_and_per_step():
+    engine = make_engine()
+    try:
+        async with running_server(engine) as srv:
+            sent = {"alpha": ["acme", "acme", BASE], "beta": ["initech"], "gamma": [BASE, BASE]}
+            for tenant, models in sent.items():
+                for model in models:
+                    assert await _stream(srv, tenant, model) == 200
+            assert await _stream(srv, "gamma", BASE) == 429  # gamma may send two a minute
+            text = await _scrape(srv)
+        prompt_len = len(engine.tokenizer.encode("hello"))
+
+        admitted = _series(text, "lorapage_tenant_admitted_requests_total")
+        assert admitted == {(t,): len(m) for t, m in sent.items()}
+        tokens = _series(text, "lorapage_tenant_admitted_prompt_tokens_total")
+        assert tokens[("gamma",)] == 2 * prompt_len
+        output = _series(text, "lorapage_tenant_served_output_tokens_total")
+        assert all(0 < output[(t,)] <= len(m) * MAX_TOKENS for t, m in sent.items())
+        assert _series(text, "lorapage_tenant_rejected_requests_total") == {("rpm", "gamma"): 1}
+        assert _series(text, "lorapage_tenant_rejected_tokens_total") == {("rpm", "gamma"): prompt_len + MAX_TOKENS}
+
+        waits = _series(text, "lorapage_queue_wait_seconds_count")
+        assert waits == {(kind, t): len(m) for t, m in sent.items() for kind in ("adapter_load", "capacity")}
+        load_wait = _series(text, "lorapage_queue_wait_seconds_sum")
+        assert load_wait[("adapter_load", "alpha")] > 0  # acme was read from disk first
+        assert load_wait[("adapter_load", "gamma")] == 0  # the base model never loads
+        assert all(v < 30 for v in load_wait.values())
+
+        vtc = _series(text, "lorapage_vtc_counter")
+        assert set(vtc) == {("alpha",), ("beta",), ("gamma",)} and all(v > 0 for v in vtc.values())
+
+        steps = _series(text, "lorapage_batch_size_count")[()]
+        assert steps >= sum(map(len, sent.values()))  # a step at least per request sent one at a time
+        batch = _series(text, "lorapage_batch_size_bucket")
+        assert batch[("1.0",)] == steps and _series(text, "lorapage_batch_size_sum")[()] == steps
+        distinct = _series(text, "lorapage_batch_distinct_adapters_bucket")
+        assert 0 < distinct[("0.0",)] < distinct[("1.0",)] == distinct[("+Inf",)] == steps  # base-only, one adapter
+    finally:
+        await engine.close()
+
+
+async def test_overload_is_a_rejection_of_its_tenant():
+    engine = make_engine(max_queue_len=0)  # every request finds the queue full
+    try:
+        async with running_server(engine) as srv:
+            assert await _stream(srv, "beta", "initech") == 503
+            text = await _scrape(srv)
+        assert _series(text, "lorapage_tenant_rejected_requests_total") == {("queue_full", "beta"): 1}
+        assert _series(text, "lorapage_tenant_admitted_requests_total") == {("beta",): 0}
     finally:
         await engine.close()

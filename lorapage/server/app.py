@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 from aiohttp import web
 
 from lorapage.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError, LorapageError
 from lorapage.quota import QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
+from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
 from lorapage.server import protocol
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
@@ -33,6 +34,12 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ADMISSION_WINDOW_S = 10.0  # recent admission rate, for the Retry-After of a 503
 
 
+def _vtc_counters(policy: SchedulerPolicy) -> Callable[[], dict[str, float]]:
+    """Each tenant's VTC counter, read at scrape time (none under FCFS)."""
+    inner = policy.policy if isinstance(policy, MeteredPolicy) else policy
+    return inner.counters if isinstance(inner, VtcScheduler) else dict
+
+
 class ServerState:
     """What the handlers share: the engine, who may use what, metrics, and requests in flight."""
 
@@ -41,7 +48,7 @@ class ServerState:
         self.access = access
         self.quotas = QuotaManager(access.tenants, now=time.monotonic())
         self.admissions: deque[float] = deque()  # when recent requests got their first output
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, engine.scheduler_metrics, _vtc_counters(engine.policy))
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
         self.started = int(time.time())
@@ -89,8 +96,13 @@ class ServerState:
         """Charge the tenant's quota up front (429 with Retry-After when it is spent)."""
         got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
         if isinstance(got, QuotaExceeded):
+            self.record_rejected(job, got.which)
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
         return got
+
+    def record_rejected(self, job: Job, reason: str) -> None:
+        tokens = len(job.prompt) + job.sampling.max_tokens
+        self.engine.scheduler_metrics.record_rejected(job.tenant, tokens, reason)
 
     def overload_retry_after(self) -> int:
         now = time.monotonic()
@@ -109,6 +121,7 @@ class ServerState:
         try:
             return await respond(request, self.engine, job, self.metrics, self.admissions)
         except EngineOverloadedError as exc:
+            self.record_rejected(job, "queue_full")
             exc.retry_after = self.overload_retry_after()
             raise
         finally:

@@ -2,17 +2,25 @@
 
 Latencies are labelled by tenant and by the tier the adapter was in when the request arrived
 (``gpu``, ``ram``, ``disk``; ``none`` for the base model), which is what tells a cold adapter's
-first token from a warm one's. Engine gauges are read from ``Engine.stats()`` at scrape time.
+first token from a warm one's. Engine gauges are read from ``Engine.stats()`` at scrape time, and
+the scheduler's figures (per tenant: admitted and rejected requests and tokens, queue wait split
+into adapter load and capacity, VTC counter; per step: batch size, distinct adapters) from its
+:class:`~lorapage.scheduler.SchedulerMetrics`.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter as TallyCounter
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
+
+from lorapage.scheduler.metrics import Histogram as SchedHistogram
+from lorapage.scheduler.metrics import SchedulerMetrics, TenantStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -34,10 +42,80 @@ class _EngineGauges:
             yield GaugeMetricFamily(name, f"Engine.stats()['{key}']", value=value)
 
 
+_PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
+    ("admitted_requests", "Requests admitted to the batch (a preempted one's return not again).",
+     lambda t: t.admitted_requests),
+    ("admitted_prompt_tokens", "Prompt tokens of admitted requests.", lambda t: t.admitted_prompt_tokens),
+    ("served_input_tokens", "Prompt tokens prefilled (recomputes included).", lambda t: t.served_input_tokens),
+    ("served_output_tokens", "Tokens generated.", lambda t: t.served_output_tokens),
+)
+_REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ...] = (
+    ("rejected_requests", "Requests refused before queueing, by reason (rpm, tpm, concurrency, queue_full).",
+     lambda t: t.rejected_requests),
+    ("rejected_tokens", "Prompt plus max_tokens of refused requests, by reason.", lambda t: t.rejected_tokens),
+)
+
+
+def _histogram(fam: HistogramMetricFamily, labels: list[str], hist: SchedHistogram) -> None:
+    buckets, total = [], 0
+    for bound, count in zip((*map(floatToGoString, hist.bounds), "+Inf"), hist.counts):
+        total += count
+        buckets.append((bound, total))
+    fam.add_metric(labels, buckets, hist.sum)
+
+
+class _SchedulerCollector:
+    """Exports a :class:`SchedulerMetrics` and the VTC counters as they are when scraped."""
+
+    def __init__(self, sched: SchedulerMetrics, counters: Callable[[], dict[str, float]]) -> None:
+        self._sched = sched
+        self._counters = counters
+
+    def collect(self):
+        tenants = self._sched.tenants
+        for field, doc, value in _PER_TENANT:
+            fam = CounterMetricFamily(f"lorapage_tenant_{field}", doc, labels=("tenant",))
+            for name, stats in tenants.items():
+                fam.add_metric([name], value(stats))
+            yield fam
+        for field, doc, by_reason in _REJECTED:
+            fam = CounterMetricFamily(f"lorapage_tenant_{field}", doc, labels=("tenant", "reason"))
+            for name, stats in tenants.items():
+                for reason, value in by_reason(stats).items():
+                    fam.add_metric([name, reason], value)
+            yield fam
+        wait = HistogramMetricFamily(
+            "lorapage_queue_wait_seconds",
+            "Arrival to admission, split into waiting for the adapter to load and waiting for capacity.",
+            labels=("tenant", "kind"),
+        )
+        for name, stats in tenants.items():
+            _histogram(wait, [name, "adapter_load"], stats.wait_adapter_s)
+            _histogram(wait, [name, "capacity"], stats.wait_capacity_s)
+        yield wait
+        vtc = GaugeMetricFamily("lorapage_vtc_counter", "Each tenant's VTC virtual counter.", labels=("tenant",))
+        for name, value in self._counters().items():
+            vtc.add_metric([name], value)
+        yield vtc
+        batch = HistogramMetricFamily("lorapage_batch_size", "Sequences in each step's batch.")
+        _histogram(batch, [], self._sched.batch_size)
+        yield batch
+        distinct = HistogramMetricFamily(
+            "lorapage_batch_distinct_adapters", "Distinct adapters in each step's batch (base model not counted)."
+        )
+        _histogram(distinct, [], self._sched.distinct_adapters)
+        yield distinct
+
+
 class ServerMetrics:
     """The histograms and counters the server updates as requests run."""
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict],
+        scheduler: SchedulerMetrics | None = None,
+        vtc_counters: Callable[[], dict[str, float]] = dict,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ("tenant", "adapter_tier")
         self.ttft = Histogram(
@@ -64,6 +142,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineGauges(stats))
+        if scheduler is not None:
+            self.registry.register(_SchedulerCollector(scheduler, vtc_counters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
