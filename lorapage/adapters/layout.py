@@ -13,6 +13,7 @@ adapter's page count is proportional to its rank and modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -63,6 +64,19 @@ class AdapterLayout:
         numel = max(sizes)
         return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size))
 
+    @cached_property
+    def table_rows(self) -> tuple[torch.Tensor, ...]:
+        """This adapter's rows of the lookup tables, built once (a load then only copies them):
+        a_offset, a_rows, b_offset, rank, h_start, scale, each ``[num_layers, ...]``."""
+        return (
+            torch.tensor(self.a_offset, dtype=torch.int64),
+            torch.tensor(self.a_rows, dtype=torch.int32),
+            torch.tensor(self.b_offset, dtype=torch.int64),
+            torch.tensor(self.rank, dtype=torch.int32),
+            torch.tensor(self.h_start, dtype=torch.int32),
+            torch.tensor(self.scale, dtype=torch.float32),
+        )
+
     def pack(self, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], page_size: int) -> torch.Tensor:
         """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages."""
         first = next(iter(tensors.values()))[0]
@@ -105,15 +119,9 @@ class LoraTables:
         """Point ``slot`` at an adapter now resident in ``pages``."""
         self.page_table[slot].zero_()
         self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        for table, values in (
-            (self.a_offset, layout.a_offset),
-            (self.a_rows, layout.a_rows),
-            (self.b_offset, layout.b_offset),
-            (self.rank, layout.rank),
-            (self.h_start, layout.h_start),
-            (self.scale, layout.scale),
-        ):
-            table[:, slot] = torch.tensor(values, dtype=table.dtype)
+        tables = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)
+        for table, rows in zip(tables, layout.table_rows):
+            table[:, slot].copy_(rows, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
