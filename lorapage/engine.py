@@ -32,6 +32,7 @@ from lorapage.errors import (
     PromptTooLongError,
 )
 from lorapage.kernels.backend import select_backend
+from lorapage.memory.kv import blocks_needed
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
@@ -84,6 +85,11 @@ class Engine:
         self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        if self.max_num_batched_tokens < self.max_model_len:
+            # Without chunked prefill a whole prompt (or a preempted sequence's recompute) must fit in one step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
         self.ops = select_backend(config.kernel_backend, self.device)
         self.runner = ModelRunner(
             model, self.pool, self.tables, self.ops, bs, config.max_num_seqs,
@@ -266,6 +272,11 @@ class Engine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the "
                 f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 param="max_tokens" if len(ids) < self.max_model_len else "prompt",
+            )
+        if blocks_needed(len(ids) + sampling.max_tokens, self.config.block_size) > self.pool.capacity:
+            raise PromptTooLongError(
+                f"prompt plus max_tokens needs {len(ids) + sampling.max_tokens} tokens of KV; the whole pool "
+                f"holds {self.pool.capacity * self.config.block_size}", param="max_tokens",
             )
         if self.policy.num_waiting() >= self.config.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.config.max_queue_len} requests; retry shortly")

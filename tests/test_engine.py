@@ -11,14 +11,14 @@ import threading
 import pytest
 
 from engine_util import collect, tiny_engine
-from lorapage import SamplingParams
+from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.errors import (
     AdapterFormatError,
     AdapterNotFoundError,
     InvalidRequestError,
     PromptTooLongError,
 )
-from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, demo_adapter_dirs
+from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
@@ -61,6 +61,9 @@ async def test_bad_input_raises_specific_errors_and_engine_keeps_serving(tmp_pat
         await collect(engine, "hi", "nope", GREEDY)
     with pytest.raises(PromptTooLongError):
         await collect(engine, [5] * (engine.max_model_len - 2), None, SamplingParams(max_tokens=8))
+    with pytest.raises(PromptTooLongError, match="whole pool"):
+        await collect(Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, num_pages=4)), [5] * 10, None,
+                      SamplingParams(max_tokens=20))
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(max_tokens=0)
     assert e.value.param == "max_tokens"
