@@ -14,10 +14,12 @@ from lorapage.kernels.backend import TORCH_OPS, triton_available
 OPS = ("lora_shrink", "lora_expand", "write_kv", "paged_decode_attention", "prefill_attention")
 
 
-def test_torch_and_auto_on_cpu_use_the_references() -> None:
+def test_torch_and_auto_on_cpu_use_the_pytorch_ops() -> None:
     assert select_backend("torch", torch.device("cpu")) is TORCH_OPS
     assert select_backend("auto", torch.device("cpu")) is TORCH_OPS
-    assert TORCH_OPS.lora_shrink.__name__ == "lora_shrink_ref"
+    # The batched PyTorch LoRA ops (tests/test_lora_torch.py checks them against the references).
+    assert TORCH_OPS.lora_shrink.__name__ == "lora_shrink_torch"
+    assert TORCH_OPS.write_kv.__name__ == "write_kv_ref"
 
 
 def test_unknown_backend_is_rejected() -> None:
