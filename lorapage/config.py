@@ -30,6 +30,7 @@ class EngineConfig:
     max_cpu_loras: int = 128  # adapters kept in host RAM
     max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
     kernel_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False  # True: no CUDA-graph capture of decode steps (CUDA + Triton only)
     scheduler: str = "vtc"  # vtc (fair across tenants) | fcfs
     seed: int = 0
     io_threads: int = 4  # adapter file reads run here, never on the event loop

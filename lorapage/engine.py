@@ -95,6 +95,8 @@ class Engine:
             model, self.pool, self.tables, self.ops, bs, config.max_num_seqs,
             self.max_num_batched_tokens, max_blocks, lora_h_width(mc, config.max_lora_rank),
         )
+        if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs)
         self._forward = ThreadPoolExecutor(1, thread_name_prefix="lorapage-forward")
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
         self.adapters = AdapterCache(
@@ -250,6 +252,11 @@ class Engine:
             except asyncio.CancelledError:
                 pass
         self._forward.shutdown(wait=True)
+        # Requests aborted while a step was in flight waited for that step's results, which the
+        # cancelled loop will never apply: finish them now that the forward thread is idle.
+        self.state._in_step = False
+        for rid in list(self.state.requests):
+            self.state.abort(rid)
         self._io.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ------------------------------------------------------------------------------
@@ -273,10 +280,13 @@ class Engine:
                 f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 param="max_tokens" if len(ids) < self.max_model_len else "prompt",
             )
-        if blocks_needed(len(ids) + sampling.max_tokens, self.config.block_size) > self.pool.capacity:
+        # The request's adapter stays resident (pinned) beside its KV for its whole life.
+        adapter_pages = self.adapters.get(adapter).layout.num_pages if adapter is not None else 0
+        if blocks_needed(len(ids) + sampling.max_tokens, self.config.block_size) + adapter_pages > self.pool.capacity:
             raise PromptTooLongError(
                 f"prompt plus max_tokens needs {len(ids) + sampling.max_tokens} tokens of KV; the whole pool "
-                f"holds {self.pool.capacity * self.config.block_size}", param="max_tokens",
+                f"holds {(self.pool.capacity - adapter_pages) * self.config.block_size} beside the adapter",
+                param="max_tokens",
             )
         if self.policy.num_waiting() >= self.config.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.config.max_queue_len} requests; retry shortly")

@@ -16,6 +16,7 @@ from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.memory.pool import PagePool
+from lorapage.model.cuda_graphs import DecodeGraphs
 from lorapage.model.llama import AttentionMetadata, LlamaModel
 from lorapage.model.sampler import SampleRow, TokenLogprob, sample
 from lorapage.request import Request
@@ -108,6 +109,11 @@ class ModelRunner:
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **i32)  # [row, i]: i-th KV page
         self.context_lens = torch.zeros(max_num_seqs, **i32)  # [row]: tokens of context incl. this step
         self.lora_h = torch.zeros(max_num_batched_tokens, lora_h_width, dtype=model.dtype, device=dev)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode steps as CUDA graphs (CUDA with the Triton kernels only)."""
+        self.graphs = DecodeGraphs(self, max_num_seqs)
 
     def execute(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprob | None]]:
         """Forward the plan's tokens and sample one token per sequence."""
@@ -119,11 +125,13 @@ class ModelRunner:
             (self.token_slot, plan.token_slot),
         ):
             buf[:T].copy_(torch.tensor(values, dtype=buf.dtype))
+        nd = plan.num_decode
+        if self.graphs is not None and nd == B and self.graphs.bucket(B) is not None:
+            return self._replay(plan)
         width = max(len(b) for b in plan.block_tables)
         padded = [b + [0] * (width - len(b)) for b in plan.block_tables]
         self.block_tables[:B, :width].copy_(torch.tensor(padded, dtype=torch.int32))
         self.context_lens[:B].copy_(torch.tensor(plan.context_lens, dtype=torch.int32))
-        nd = plan.num_decode
         attn = AttentionMetadata(
             slot_mapping=self.slot_mapping[:T],
             num_decode=nd,
@@ -143,3 +151,14 @@ class ModelRunner:
             )
             logits = self.model.logits(hidden[plan.sample_index])
             return sample(logits, plan.sample_rows)
+
+    def _replay(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprob | None]]:
+        """A decode-only step through its captured graph: write the rows, pad, replay."""
+        B = len(plan.block_tables)
+        full = self.block_tables.shape[1]  # graphs read the block table at its full width
+        padded = [b + [0] * (full - len(b)) for b in plan.block_tables]
+        self.block_tables[:B].copy_(torch.tensor(padded, dtype=torch.int32))
+        self.context_lens[:B].copy_(torch.tensor(plan.context_lens, dtype=torch.int32))
+        hidden = self.graphs.run(B)
+        with torch.inference_mode():
+            return sample(self.model.logits(hidden), plan.sample_rows)
