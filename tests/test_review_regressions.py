@@ -1,0 +1,82 @@
+"""Regression tests for bugs found in review: hangs and leaks on close, adapter-load failure and
+requests the pool could never hold together with their adapter; seeded sampling on a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from engine_util import collect, tiny_engine
+from lorapage import SamplingParams
+from lorapage.errors import AdapterLoadError, PromptTooLongError
+from lorapage.model.sampler import SampleRow, sample
+
+
+async def test_close_during_a_step_finishes_running_requests():
+    """close() while a forward step is in flight must still end every caller's stream."""
+    engine = tiny_engine()
+    execute = engine.runner.execute
+
+    def slow_execute(plan):
+        time.sleep(0.05)
+        return execute(plan)
+
+    engine.runner.execute = slow_execute
+    gen = engine.generate([5, 9, 12, 30], "acme", SamplingParams(max_tokens=200, ignore_eos=True))
+    await gen.__anext__()
+
+    async def drain():
+        last = None
+        async for last in gen:
+            pass
+        return last
+
+    consumer = asyncio.ensure_future(drain())
+    await asyncio.sleep(0.01)  # the next step is now running in the forward thread
+    await engine.close()
+    last = await asyncio.wait_for(consumer, 5)
+    assert last.finished and last.finish_reason == "abort"
+
+
+async def test_request_that_cannot_fit_beside_its_adapter_is_refused():
+    """KV for prompt + max_tokens fits the pool, but not beside the request's own adapter: it
+    could never be admitted (or would preempt itself forever), so it must be refused up front."""
+    probe = tiny_engine()
+    pages = probe.adapter_info("initech").num_pages
+    engine = tiny_engine(num_pages=1 + pages + 3)
+    with pytest.raises(PromptTooLongError):
+        await asyncio.wait_for(collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=20)), 10)
+    await engine.close()
+
+
+async def test_adapter_copy_failure_returns_its_slot_and_pages():
+    engine = tiny_engine(max_loras=2)
+    free = engine.pool_free_pages()
+
+    def broken_copy(*args):
+        raise RuntimeError("device copy failed")
+
+    real_copy = engine.adapters._copy_in
+    engine.adapters._copy_in = broken_copy
+    with pytest.raises(AdapterLoadError):
+        await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
+    assert engine.pool_free_pages() == free
+    engine.adapters._copy_in = real_copy
+    outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4))
+                                  for a in ("acme", "globex")))
+    assert all(o.finish_reason == "length" for o, _ in outs)
+    await engine.close()
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_on_cuda_logits():
+    """The request's seeded generator is a CPU generator; sampling CUDA logits with it must work."""
+    logits = torch.randn(2, 50, device="cuda")
+    rows = [SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []),
+            SampleRow(SamplingParams(top_p=0.9, top_k=5), None, [])]
+    tokens, _ = sample(logits, rows)
+    again, _ = sample(logits, [SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []), rows[1]])
+    assert tokens[0] == again[0]
