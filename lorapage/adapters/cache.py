@@ -261,7 +261,14 @@ class AdapterCache:
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
             slot, pages = await self._reserve(entry)
-            await self._run_on_device(lambda: self._copy_in(entry, packed, slot, pages))
+            try:
+                await self._run_on_device(lambda: self._copy_in(entry, packed, slot, pages))
+            except Exception:  # the copy ran and failed: give its slot and pages back
+                self.tables.clear_slot(slot)
+                self.pool.free(pages, PageKind.ADAPTER)
+                self._free_slots.append(slot)
+                self.notify_memory_freed()
+                raise
             entry.slot, entry.pages = slot, pages
             self._by_slot[slot] = entry
         except LorapageError as e:
