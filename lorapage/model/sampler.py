@@ -53,6 +53,8 @@ def _sample_row(logits: Tensor, row: SampleRow) -> int:
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if row.generator is not None and row.generator.device != probs.device:
+        probs = probs.to(row.generator.device)  # a request's seeded generator lives on the CPU
     return int(torch.multinomial(probs, 1, generator=row.generator))
 
 
