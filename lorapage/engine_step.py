@@ -210,6 +210,7 @@ class StepState:
             e.adapters.notify_memory_freed()
         elif req.adapter is not None:
             e.adapters.get(req.adapter).waiting -= 1
+            e.adapters.notify_memory_freed()  # the adapter may now be evictable for a waiting load
         e.policy.on_finish(req, e.clock())
         self.requests.pop(req.request_id, None)
         if emit:

@@ -156,6 +156,7 @@ class AdapterCache:
         if entry.slot or entry.load_task is not None:
             return
         entry.error = None
+        self._failed.pop(name, None)  # a retry: the last failure no longer speaks for it
         entry.load_task = asyncio.get_running_loop().create_task(self._load(entry))
         self._loading.add(entry)
 
