@@ -29,7 +29,6 @@ class LoraIndices:
 
     token_slot: Tensor  # [T] int32: adapter slot of token t (0 = no adapter)
     segments: tuple[tuple[int, int, int], ...]  # (start, end, slot) with slot != 0, host side
-    max_rows: int = 0  # largest a_rows over the slots present (width of h actually used)
     # [len(segments), 3] int32 on the device: row i is segments[i] as (start, end, slot). None:
     # the Triton launchers run BGMV (one token per program, reads only token_slot: what a captured
     # decode graph uses); set: they run SGMV over these segments (eager prefill and mixed steps).
