@@ -91,8 +91,8 @@ class AdapterCache:
         self._by_slot: dict[int, AdapterEntry] = {}
         self._memory_freed = asyncio.Event()
         self.evictions: list[float] = []  # times of pool evictions (for evictions per minute)
-        self._failed: dict[str, LorapageError] = {}
-        self._loading: set[AdapterEntry] = set()  # entries with a load task in flight  # loads that failed since the engine last looked
+        self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
+        self._loading: set[AdapterEntry] = set()  # entries with a load task in flight
 
     # -- registry -------------------------------------------------------------------------------
 
