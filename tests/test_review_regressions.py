@@ -4,6 +4,7 @@ requests the pool could never hold together with their adapter; seeded sampling 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -67,6 +68,34 @@ async def test_adapter_copy_failure_returns_its_slot_and_pages():
     engine.adapters._copy_in = real_copy
     outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4))
                                   for a in ("acme", "globex")))
+    assert all(o.finish_reason == "length" for o, _ in outs)
+    await engine.close()
+
+
+async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_pages():
+    """Unregistering an adapter whose copy waits on the busy forward thread must not leak its slot
+    and pages, nor free them before the queued copy has run."""
+    engine = tiny_engine(max_loras=2)
+    free, slots = engine.pool_free_pages(), len(engine.adapters._free_slots)
+    gate = threading.Event()
+    engine._forward.submit(gate.wait, 10)  # the forward thread is busy: the copy queues behind it
+    engine.adapters.ensure("acme")
+    for _ in range(500):
+        if engine.pool_free_pages() < free:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.pool_free_pages() < free, "the load should have reserved its pages"
+    engine.remove_adapter("acme")
+    await asyncio.sleep(0.05)
+    assert engine.pool_free_pages() < free, "pages went back while their copy was still queued"
+    gate.set()
+    for _ in range(500):
+        if engine.pool_free_pages() == free:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.pool_free_pages() == free and len(engine.adapters._free_slots) == slots
+    outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4))
+                                  for a in ("globex", "initech")))
     assert all(o.finish_reason == "length" for o, _ in outs)
     await engine.close()
 

@@ -262,13 +262,17 @@ class AdapterCache:
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
             slot, pages = await self._reserve(entry)
+            copy = asyncio.ensure_future(self._run_on_device(lambda: self._copy_in(entry, packed, slot, pages)))
             try:
-                await self._run_on_device(lambda: self._copy_in(entry, packed, slot, pages))
-            except Exception:  # the copy ran and failed: give its slot and pages back
-                self.tables.clear_slot(slot)
-                self.pool.free(pages, PageKind.ADAPTER)
-                self._free_slots.append(slot)
-                self.notify_memory_freed()
+                await asyncio.shield(copy)
+            except asyncio.CancelledError:
+                # Unregistered mid-load: the copy may still be queued or running on the forward
+                # thread, so its slot and pages go back only once it is done (earlier, the
+                # copy could overwrite pages already handed to someone else).
+                copy.add_done_callback(lambda _: self._give_back(slot, pages))
+                raise
+            except Exception:  # the copy ran and failed
+                self._give_back(slot, pages)
                 raise
             entry.slot, entry.pages = slot, pages
             self._by_slot[slot] = entry
@@ -282,6 +286,13 @@ class AdapterCache:
             entry.load_task = None
             self._loading.discard(entry)
             self._on_ready()
+
+    def _give_back(self, slot: int, pages: list[int]) -> None:
+        """Return a load's slot and pages that never became an adapter's."""
+        self.tables.clear_slot(slot)
+        self.pool.free(pages, PageKind.ADAPTER)
+        self._free_slots.append(slot)
+        self.notify_memory_freed()
 
     def _read_and_pack(self, entry: AdapterEntry) -> torch.Tensor:
         tensors = load_adapter_tensors(entry.spec, self.dtype)
