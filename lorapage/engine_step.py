@@ -94,7 +94,11 @@ class StepState:
         decode = [r for r in self.running if r.num_computed == r.num_tokens - 1]
         self._budget = e.max_num_batched_tokens - len(decode)
         self._admitted = []
-        admitted = e.policy.schedule(now, self)
+        try:
+            admitted = e.policy.schedule(now, self)
+        except BaseException:
+            self._undo_admissions()  # still WAITING to everyone else: nothing may stay pinned
+            raise
         prefill = []
         for req in admitted:
             req.status = RequestStatus.RUNNING
@@ -104,6 +108,17 @@ class StepState:
             return None
         self._in_step = True
         return StepPlan.build(decode, prefill, e.config.block_size)
+
+    def _undo_admissions(self) -> None:
+        """The policy failed mid-schedule: give back what this step's admissions took."""
+        e = self.engine
+        for req in self._admitted:
+            free_block_table(e.pool, req)
+            if req.adapter is not None:
+                e.adapters.release(req.adapter)
+                e.adapters.get(req.adapter).waiting += 1
+            req.lora_slot = 0
+        self._admitted = []
 
     def _make_room(self, decode: list[Request], now: float) -> None:
         """Each decode needs a page for its next token: evict idle adapters, then preempt."""

@@ -12,7 +12,7 @@ import torch
 
 from engine_util import collect, tiny_engine
 from lorapage import SamplingParams
-from lorapage.errors import AdapterLoadError, PromptTooLongError
+from lorapage.errors import AdapterLoadError, EngineStepError, PromptTooLongError
 from lorapage.model.sampler import SampleRow, sample
 
 
@@ -97,6 +97,31 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
     outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4))
                                   for a in ("globex", "initech")))
     assert all(o.finish_reason == "length" for o, _ in outs)
+    await engine.close()
+
+
+async def test_policy_failing_mid_schedule_leaks_nothing():
+    """A scheduling policy that raises after admitting requests: those requests get the error,
+    and their pages and adapter pins come back, so the engine serves the next request normally."""
+    engine = tiny_engine()
+    await engine.load_adapter("acme")
+    free = engine.pool_free_pages()
+    schedule = engine.policy.schedule
+
+    def failing_schedule(now, ctx):
+        if schedule(now, ctx):
+            engine.policy.schedule = schedule
+            raise RuntimeError("policy bug")
+        return []
+
+    engine.policy.schedule = failing_schedule
+    with pytest.raises(EngineStepError, match="policy bug"):
+        await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
+    entry = engine.adapters.get("acme")
+    assert (entry.running, entry.waiting) == (0, 0)
+    assert engine.pool_free_pages() == free
+    out, _ = await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
+    assert out.finish_reason == "length"
     await engine.close()
 
 
