@@ -28,6 +28,10 @@ class EngineConfig:
     max_loras: int = 32  # adapter slots resident in the pool at once
     max_lora_rank: int = 64
     max_cpu_loras: int = 128  # adapters kept in host RAM
+    # A load that has waited this long for a slot (every resident adapter busy) drains the least
+    # valuable busy adapter: it takes no new requests, and its slot goes to the load once its
+    # running requests finish. Without it a cold adapter could wait forever behind hot ones.
+    adapter_wait_s: float = 1.0
     max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
     kernel_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA-graph capture of decode steps (CUDA + Triton only)
@@ -44,6 +48,8 @@ class EngineConfig:
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")
+        if not self.adapter_wait_s >= 0:
+            raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
         positive = ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras", "io_threads")
         for name in positive:
             if getattr(self, name) < 1:

@@ -102,6 +102,7 @@ class Engine:
         self.adapters = AdapterCache(
             mc, self.pool, self.tables,
             max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
+            slot_wait_s=config.adapter_wait_s,
             dtype=self.dtype, io_executor=self._io, run_on_device=self._run_on_device,
             on_ready=self._wake_up, clock=clock,
         )

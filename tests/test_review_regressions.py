@@ -125,6 +125,36 @@ async def test_policy_failing_mid_schedule_leaks_nothing():
     await engine.close()
 
 
+async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
+    """Both slots belong to adapters that always have requests running and queued, so neither is
+    ever idle enough to evict. A request for a third adapter must still be served: past
+    ``adapter_wait_s`` its load drains one busy adapter and takes the slot, and the drained
+    adapter's queued requests are served again afterwards."""
+    engine = tiny_engine(max_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
+    stop = False
+    served: dict[str, int] = {"acme": 0, "globex": 0}
+
+    async def hot(adapter: str, max_tokens: int) -> None:
+        while not stop:
+            out, _ = await collect(engine, [5, 9, 12, 30], adapter,
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            assert out.finish_reason == "length"
+            served[adapter] += 1
+
+    workers = [asyncio.ensure_future(hot(a, n)) for a in ("acme", "globex") for n in (6, 9, 13)]
+    while min(served.values()) < 2:
+        await asyncio.sleep(0.01)
+    cold, _ = await asyncio.wait_for(collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=4)), 30)
+    assert cold.text == "Init"  # four byte tokens of "Initech TPS report filed."
+    after = dict(served)
+    while any(served[a] <= after[a] for a in served):  # both hot adapters are served again
+        await asyncio.sleep(0.01)
+    stop = True
+    await asyncio.wait_for(asyncio.gather(*workers), 30)
+    assert not any(e.draining for e in engine.adapters.entries.values())
+    await engine.close()
+
+
 @pytest.mark.gpu
 def test_seeded_sampling_on_cuda_logits():
     """The request's seeded generator is a CPU generator; sampling CUDA logits with it must work."""

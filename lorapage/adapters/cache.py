@@ -41,6 +41,7 @@ class AdapterEntry:
     error: LorapageError | None = None  # the last load failure, reported to its waiting requests
     rate: float = 0.0  # exponentially decayed request count
     rate_time: float = 0.0
+    draining: bool = False  # admits nothing new: a starving load takes its slot once it drains
 
     def touch(self, now: float) -> None:
         self.rate = self.rate_at(now) + 1.0
@@ -76,6 +77,7 @@ class AdapterCache:
         max_loras: int,
         max_cpu_loras: int,
         max_lora_rank: int,
+        slot_wait_s: float,
         dtype: torch.dtype,
         io_executor: Executor,
         run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
@@ -84,6 +86,7 @@ class AdapterCache:
     ) -> None:
         self.model, self.pool, self.tables = model, pool, tables
         self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
+        self.slot_wait_s = slot_wait_s
         self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
         self.entries: dict[str, AdapterEntry] = {}
         self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
@@ -148,7 +151,9 @@ class AdapterCache:
     # -- residency ------------------------------------------------------------------------------
 
     def is_ready(self, name: str) -> bool:
-        return self.get(name).slot != 0
+        """Resident and taking requests (a draining adapter takes none)."""
+        entry = self.get(name)
+        return entry.slot != 0 and not entry.draining
 
     def ensure(self, name: str) -> None:
         """Start making ``name`` resident if it is not (returns at once)."""
@@ -246,7 +251,7 @@ class AdapterCache:
         self.pool.free(entry.pages, PageKind.ADAPTER)
         del self._by_slot[entry.slot]
         self._free_slots.append(entry.slot)
-        entry.slot, entry.pages = 0, []
+        entry.slot, entry.pages, entry.draining = 0, [], False
         self.evictions.append(self._clock())
         if entry.waiting:  # queued (e.g. preempted) requests still need it: queue its reload
             self.ensure(entry.name)
@@ -300,17 +305,54 @@ class AdapterCache:
         return packed.pin_memory() if self.pool.storage.is_cuda else packed
 
     async def _reserve(self, entry: AdapterEntry) -> tuple[int, list[int]]:
-        """A free slot and pages, evicting idle adapters; waits while running requests hold them."""
+        """A free slot and pages, evicting idle adapters; waits while running requests hold them.
+
+        When every slot stays busy for ``slot_wait_s``, one busy adapter is drained for this load
+        (see :meth:`_drain_one`), so hot adapters with endless queues cannot starve a cold one.
+        """
         need = entry.layout.num_pages
-        while True:
-            if not self._free_slots and (victims := self._evictable()):
-                self._evict(victims[0])
-            if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
-                pages = self.pool.allocate(need, PageKind.ADAPTER)
-                if pages is not None:
-                    return self._free_slots.pop(), pages
-            self._memory_freed.clear()
-            await self._memory_freed.wait()
+        started = self._clock()
+        drained: AdapterEntry | None = None
+        try:
+            while True:
+                if not self._free_slots:
+                    victims = self._evictable()
+                    if not victims and drained is not None and drained.slot and drained.running == 0:
+                        victims = [drained]  # drained for this load: its slot is ours
+                    if victims:
+                        self._evict(victims[0])
+                if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
+                    pages = self.pool.allocate(need, PageKind.ADAPTER)
+                    if pages is not None:
+                        return self._free_slots.pop(), pages
+                timeout = None
+                if drained is None and not self._free_slots:
+                    timeout = started + self.slot_wait_s - self._clock()
+                    if timeout <= 0:
+                        drained, timeout = self._drain_one(), None
+                        if drained is not None:
+                            continue  # it may be idle of running requests already
+                self._memory_freed.clear()
+                try:
+                    await asyncio.wait_for(self._memory_freed.wait(), timeout)
+                except TimeoutError:
+                    pass
+        finally:
+            if drained is not None and drained.draining:  # not evicted (we are done or cancelled)
+                drained.draining = False
+                self._on_ready()  # its queued requests may be admitted again
+
+    def _drain_one(self) -> AdapterEntry | None:
+        """Stop admitting to the least valuable busy resident adapter (per page, as eviction
+        ranks), so its slot frees once its running requests finish. Its queued requests wait
+        and reload it afterwards: busy adapters take turns rather than one holding on forever."""
+        now = self._clock()
+        busy = [e for e in self._by_slot.values() if not e.draining]
+        if not busy:
+            return None
+        victim = min(busy, key=lambda e: e.rate_at(now) / e.layout.num_pages)
+        victim.draining = True
+        return victim
 
     def _copy_in(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
         """Host RAM -> pool pages, then point the slot's table rows at them (forward thread)."""
