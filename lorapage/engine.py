@@ -252,7 +252,11 @@ class Engine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._forward.shutdown(wait=True)
+        try:  # wait, without blocking the loop, for the step in flight and any queued copies
+            await asyncio.wrap_future(self._forward.submit(lambda: None))
+        except RuntimeError:  # closed before: the forward thread is gone already
+            pass
+        self._forward.shutdown(wait=True)  # idle by now: returns at once
         # Requests aborted while a step was in flight waited for that step's results, which the
         # cancelled loop will never apply: finish them now that the forward thread is idle.
         self.state._in_step = False

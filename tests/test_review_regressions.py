@@ -42,6 +42,33 @@ async def test_close_during_a_step_finishes_running_requests():
     assert last.finished and last.finish_reason == "abort"
 
 
+async def test_close_keeps_the_event_loop_serving_while_the_step_in_flight_finishes():
+    """close() waits for the forward thread's step without blocking the event loop (an HTTP server
+    on the same loop keeps answering meanwhile), and a second close() is harmless."""
+    engine = tiny_engine()
+    execute = engine.runner.execute
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated_execute(plan):
+        entered.set()
+        gate.wait(10)
+        return execute(plan)
+
+    engine.runner.execute = gated_execute
+    outputs = asyncio.ensure_future(collect(engine, [5, 9, 12, 30], "acme",
+                                            SamplingParams(max_tokens=50, ignore_eos=True)))
+    while not entered.is_set():
+        await asyncio.sleep(0.005)
+    closing = asyncio.ensure_future(engine.close())
+    await asyncio.sleep(0.05)
+    assert not closing.done(), "close() must wait for the step in flight"
+    gate.set()  # this line runs only because close() left the loop free
+    await asyncio.wait_for(closing, 10)
+    last, _ = await asyncio.wait_for(outputs, 10)
+    assert last.finished and last.finish_reason == "abort"
+    await engine.close()
+
+
 async def test_request_that_cannot_fit_beside_its_adapter_is_refused():
     """KV for prompt + max_tokens fits the pool, but not beside the request's own adapter: it
     could never be admitted (or would preempt itself forever), so it must be refused up front."""
