@@ -50,9 +50,23 @@ CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 
 
 def _device(name: str) -> torch.device:
+    """The device for ``EngineConfig.device``; a CUDA device always carries its index, so the
+    forward thread and graph capture can be bound to it (a new thread starts on cuda:0)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device={name!r} but no CUDA device is available; use 'auto' or 'cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _bind_thread(device: torch.device) -> None:
+    """Make ``device`` current in a worker thread: Triton launches on the thread's current device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 class Engine:
@@ -96,8 +110,10 @@ class Engine:
             self.max_num_batched_tokens, max_blocks, lora_h_width(mc, config.max_lora_rank),
         )
         if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs)
-        self._forward = ThreadPoolExecutor(1, thread_name_prefix="lorapage-forward")
+            with torch.cuda.device(self.device):
+                self.runner.capture_decode_graphs(config.max_num_seqs)
+        self._forward = ThreadPoolExecutor(1, thread_name_prefix="lorapage-forward", initializer=_bind_thread,
+                                           initargs=(self.device,))
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
         self.adapters = AdapterCache(
             mc, self.pool, self.tables,

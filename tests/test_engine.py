@@ -9,6 +9,7 @@ import shutil
 import threading
 
 import pytest
+import torch
 
 from engine_util import collect, tiny_engine
 from lorapage import Engine, EngineConfig, SamplingParams
@@ -159,3 +160,23 @@ def test_triton_backend_matches_torch_end_to_end():
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(dtype="float64"), "EngineConfig.dtype must be one of"),
+        (dict(kernel_backend="cuda"), "EngineConfig.kernel_backend must be one of"),
+        (dict(max_loras=0), "EngineConfig.max_loras must be >= 1"),
+        (dict(adapter_wait_s=-1.0), "EngineConfig.adapter_wait_s must be >= 0"),
+    ],
+)
+def test_config_rejects_bad_values_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**overrides)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA device is available"):
+        Engine(EngineConfig(device="cuda"))
