@@ -37,10 +37,10 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in batch_buckets(max_num_seqs):
             self._pad(0, size)
-            self._forward(size)  # warm-up: compiles kernels outside the capture
+            decode_forward(self.runner, size)  # warm-up: compiles kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(size)
+                hidden = decode_forward(self.runner, size)
             self.graphs[size] = (graph, hidden)
         torch.cuda.synchronize()
 
@@ -64,22 +64,27 @@ class DecodeGraphs:
             buf[start:end].zero_()
         r.context_lens[start:end].fill_(1)
 
-    def _forward(self, size: int) -> Tensor:
-        r = self.runner
-        attn = AttentionMetadata(
-            slot_mapping=r.slot_mapping[:size],
-            num_decode=size,
-            decode_block_table=r.block_tables[:size],
-            decode_context_lens=r.context_lens[:size],
-            prefill_block_table=r.block_tables[:0],
-            prefill_query_starts=[0],
-            prefill_context_lens=[],
+
+def decode_forward(runner: "ModelRunner", size: int) -> Tensor:
+    """The decode step a graph captures: the first ``size`` rows of the runner's static buffers
+    through the model. Everything it reads is a view of a buffer allocated once or a constant of
+    ``size``; ``tests/test_kernels_graph_safety.py`` checks that its kernel launches do not change
+    with the adapters, slots, pages or positions written into those buffers."""
+    r = runner
+    attn = AttentionMetadata(
+        slot_mapping=r.slot_mapping[:size],
+        num_decode=size,
+        decode_block_table=r.block_tables[:size],
+        decode_context_lens=r.context_lens[:size],
+        prefill_block_table=r.block_tables[:0],
+        prefill_query_starts=[0],
+        prefill_context_lens=[],
+    )
+    # The segments are a placeholder: BGMV reads token_slot on the device, so the LoRA kernels
+    # are always in the graph and rows with slot 0 skip them.
+    lora = LoraIndices(r.token_slot[:size], ((0, size, 0),))
+    with torch.inference_mode():
+        return r.model.forward(
+            r.input_ids[:size], r.positions[:size], attn, r.pool.storage, r.block_size,
+            r.ops, r.tables, lora, r.lora_h,
         )
-        # The segments are a placeholder: BGMV reads token_slot on the device, so the LoRA kernels
-        # are always in the graph and rows with slot 0 skip them.
-        lora = LoraIndices(r.token_slot[:size], ((0, size, 0),))
-        with torch.inference_mode():
-            return r.model.forward(
-                r.input_ids[:size], r.positions[:size], attn, r.pool.storage, r.block_size,
-                r.ops, r.tables, lora, r.lora_h,
-            )
