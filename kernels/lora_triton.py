@@ -129,7 +129,7 @@ def _bgmv_shrink_kernel(
         f0 = a_start + r0 * d_in
         base = _span_base(pages, f0, f0 + n_rows * d_in, PAGE)
         if (base >= 0) & (base % ALIGN == 0) & (d_in % ALIGN == 0):
-            base = tl.multiple_of(base, ALIGN)
+            base = (base // ALIGN) * ALIGN  # == base here; says so to the compiler (vector loads)
             acc = _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, True, PAGE, BLOCK_R, BLOCK_K)
         else:
             acc = _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, False, PAGE, BLOCK_R, BLOCK_K)
@@ -174,7 +174,7 @@ def _sgmv_shrink_kernel(
     t = t0 + tl.arange(0, BLOCK_T)
     t_mask = t < end
     if (base >= 0) & (base % ALIGN == 0) & (d_in % ALIGN == 0):
-        base = tl.multiple_of(base, ALIGN)
+        base = (base // ALIGN) * ALIGN  # == base here; says so to the compiler (vector loads)
         acc = _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, True, PAGE, INTERPRETED,
                          BLOCK_T, BLOCK_R, BLOCK_K)
     else:
@@ -229,8 +229,8 @@ def _bgmv_expand_kernel(
     base = _span_base(pages, f0, f0 + n_cols * r, PAGE)
     h_row = h + t.to(tl.int64) * stride_h + tl.load(h_start + tab)
     if (base >= 0) & (base % ALIGN == 0) & (r % ALIGN == 0):
-        base = tl.multiple_of(base, ALIGN)
-        acc = _gemv_cols(h_row, pool, pages, base, f0, n_cols, tl.multiple_of(r, ALIGN), True, PAGE, BLOCK_N, BLOCK_RANK)
+        base = (base // ALIGN) * ALIGN  # == base and r here; says so to the compiler (vector loads)
+        acc = _gemv_cols(h_row, pool, pages, base, f0, n_cols, (r // ALIGN) * ALIGN, True, PAGE, BLOCK_N, BLOCK_RANK)
     else:
         acc = _gemv_cols(h_row, pool, pages, base, f0, n_cols, r, False, PAGE, BLOCK_N, BLOCK_RANK)
     n = tl.arange(0, BLOCK_N)
@@ -284,8 +284,8 @@ def _sgmv_expand_kernel(
     t = t0 + tl.arange(0, BLOCK_T)
     t_mask = t < end
     if (base >= 0) & (base % ALIGN == 0) & (r % ALIGN == 0):
-        base = tl.multiple_of(base, ALIGN)
-        acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, tl.multiple_of(r, ALIGN), True,
+        base = (base // ALIGN) * ALIGN  # == base and r here; says so to the compiler (vector loads)
+        acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, (r // ALIGN) * ALIGN, True,
                          PAGE, INTERPRETED, BLOCK_T, BLOCK_N, BLOCK_RANK)
     else:
         acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, r, False,

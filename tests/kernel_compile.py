@@ -164,7 +164,8 @@ def main() -> int:
     seen: dict[str, dict] = {}
     failures = []
     print(f"triton {triton.__version__}, target sm_{args.arch}")
-    print(f"{'kernel':<22} {'signature (pointers)':<28} {'constexprs':<52} {'regs':>4} {'smem':>6} {'local':>5} {'s':>5}")
+    print(f"{'kernel':<22} {'signature (pointers)':<28} {'constexprs':<52} {'regs':>4} {'smem':>6} {'local':>5} "
+          f"{'16B':>4} {'s':>5}")
     for fn, grid, call_args, kwargs in calls:
         if not hasattr(fn, "_pack_args"):
             print(f"this Triton ({triton.__version__}) has no JITFunction._pack_args")
@@ -188,12 +189,15 @@ def main() -> int:
             continue
         usage = resource_usage(compiled.asm["cubin"])
         threads = options.num_warps * 32
+        ptx = compiled.asm["ptx"]
+        # 16-byte accesses: vector loads, or the async copies software pipelining turns them into.
+        wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global", ptx))
         row = dict(kernel=fn.__name__, pointers=pointers, constexprs=consts, num_warps=options.num_warps,
                    registers=usage.get("REG", 0), shared=compiled.metadata.shared, local=usage.get("LOCAL", 0),
-                   seconds=round(time.perf_counter() - start, 2))
+                   wide_loads=wide, seconds=round(time.perf_counter() - start, 2))
         seen[key] = row
         print(f"{fn.__name__:<22} {pointers:<28} {consts:<52} {row['registers']:>4} {row['shared']:>6} "
-              f"{row['local']:>5} {row['seconds']:>5}")
+              f"{row['local']:>5} {row['wide_loads']:>4} {row['seconds']:>5}")
         if row["registers"] * threads > REGISTERS_PER_SM:
             failures.append(f"{fn.__name__} ({consts}): {row['registers']} registers x {threads} threads > one SM")
         if row["shared"] > SHARED_PER_BLOCK.get(args.arch, 99 * 1024):

@@ -21,7 +21,7 @@ def test_buckets_cover_every_batch_size_largest_first():
 
 
 def test_cpu_engine_captures_nothing():
-    assert tiny_engine().runner.graphs is None
+    assert tiny_engine(device="cpu").runner.graphs is None
 
 
 @pytest.mark.gpu

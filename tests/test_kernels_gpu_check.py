@@ -38,3 +38,14 @@ def test_gpu_check_script_runs_tiny(tmp_path: Path) -> None:
     bench_lines = (tmp_path / "bench_kernels.log").read_text().strip().splitlines()
     figures = json.loads(bench_lines[-1])  # every bench ends with one JSON object
     assert figures["bench"] == "kernels" and all(key in figures for key in FIGURES)
+
+
+def test_kernel_tests_need_no_pytest_asyncio() -> None:
+    """The device image that runs ``tests/test_kernels_*.py`` has no pytest-asyncio, where an
+    ``async def`` test fails outright: those files keep their tests synchronous."""
+    import ast
+
+    for path in sorted((ROOT / "tests").glob("test_kernels_*.py")):
+        tree = ast.parse(path.read_text())
+        async_tests = [n.name for n in tree.body if isinstance(n, ast.AsyncFunctionDef) and n.name.startswith("test_")]
+        assert not async_tests, f"{path.name}: {async_tests}"

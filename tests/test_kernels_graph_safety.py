@@ -15,6 +15,8 @@ graphs; this is the part of that guarantee a machine without CUDA can check.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -73,8 +75,13 @@ def write_rows(engine, slots: list[int], positions: list[int], kv_pages: list[in
         r.context_lens[i] = pos + 1
 
 
-async def test_decode_step_launches_do_not_depend_on_adapters_slots_or_pages():
-    engine = tiny_engine(kernel_backend="triton", max_num_seqs=ROWS, max_loras=3)
+def test_decode_step_launches_do_not_depend_on_adapters_slots_or_pages():
+    # Synchronous on purpose: the device image that runs the kernel tests has no pytest-asyncio.
+    asyncio.run(_check_launches())
+
+
+async def _check_launches() -> None:
+    engine = tiny_engine(kernel_backend="triton", max_num_seqs=ROWS, max_loras=3, enforce_eager=True)
     statics = static_buffers(engine)
 
     def describe(value):
