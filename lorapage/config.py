@@ -24,6 +24,10 @@ class EngineConfig:
     block_size: int = 16
     num_pages: int | None = None
     max_num_seqs: int = 64
+    # On CUDA an auto-sized pool (num_pages=None) stops where the device would pass this fraction
+    # of its memory, counting the weights already loaded and one step's activations (as vLLM's
+    # gpu_memory_utilization); an explicit num_pages is taken as given.
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
     max_loras: int = 32  # adapter slots resident in the pool at once
     max_lora_rank: int = 64
@@ -48,6 +52,8 @@ class EngineConfig:
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
         positive = ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras", "io_threads")

@@ -34,6 +34,7 @@ from lorapage.errors import (
 from lorapage.kernels.backend import select_backend
 from lorapage.memory.kv import blocks_needed
 from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
@@ -94,16 +95,17 @@ class Engine:
         page_size = 2 * bs * mc.kv_size
         adapter_pages = max_adapter_pages(mc, config.max_lora_rank, page_size)
         max_blocks = -(-self.max_model_len // bs)
-        self.pool = PagePool(mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size,
-                             self.dtype, self.device)
-        self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
-        model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
         if self.max_num_batched_tokens < self.max_model_len:
             # Without chunked prefill a whole prompt (or a preempted sequence's recompute) must fit in one step.
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
+        # Weights first: on CUDA the pool is sized from the memory they leave.
+        model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
+        self.pool = PagePool(mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size,
+                             self.dtype, self.device)
+        self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
         self.ops = select_backend(config.kernel_backend, self.device)
         self.runner = ModelRunner(
             model, self.pool, self.tables, self.ops, bs, config.max_num_seqs,
@@ -138,10 +140,17 @@ class Engine:
         if self.config.num_pages is not None:
             return self.config.num_pages
         want = 1 + self.config.max_num_seqs * max_blocks + self.config.max_loras * adapter_pages
+        mc, elem = self.model_config, torch.finfo(self.dtype).bits // 8
+        per_page = mc.num_layers * page_size * elem
         if self.device.type == "cpu":
-            per_page = self.model_config.num_layers * page_size * torch.finfo(self.dtype).bits // 8
-            want = min(want, CPU_POOL_BYTES // per_page)
-        return want
+            return min(want, CPU_POOL_BYTES // per_page)
+        free, total = torch.cuda.mem_get_info(self.device)
+        activations = step_activation_bytes(
+            self.max_num_batched_tokens, self.config.max_num_seqs, mc.hidden_size, mc.q_size + 2 * mc.kv_size,
+            mc.intermediate_size, mc.vocab_size, elem,
+        )
+        return pages_for_memory(want, per_page, total=total, free=free,
+                                utilization=self.config.gpu_memory_utilization, activations=activations)
 
     @property
     def digest(self) -> str:
