@@ -263,6 +263,7 @@ class Engine:
             "pool_pages_free": self.pool.num_free,
             "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),
             "preemptions": self.state.num_preemptions,
+            "adapter_drains": self.adapters.drains,
         }
 
     async def close(self) -> None:

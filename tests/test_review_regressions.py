@@ -179,6 +179,7 @@ async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     assert not any(e.draining for e in engine.adapters.entries.values())
+    assert engine.stats()["adapter_drains"] >= 1
     await engine.close()
 
 

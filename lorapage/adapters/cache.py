@@ -94,6 +94,7 @@ class AdapterCache:
         self._by_slot: dict[int, AdapterEntry] = {}
         self._memory_freed = asyncio.Event()
         self.evictions: list[float] = []  # times of pool evictions (for evictions per minute)
+        self.drains = 0  # busy adapters drained for a load that waited adapter_wait_s for a slot
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
         self._loading: set[AdapterEntry] = set()  # entries with a load task in flight
 
@@ -352,6 +353,7 @@ class AdapterCache:
             return None
         victim = min(busy, key=lambda e: e.rate_at(now) / e.layout.num_pages)
         victim.draining = True
+        self.drains += 1
         return victim
 
     def _copy_in(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
