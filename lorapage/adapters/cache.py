@@ -303,7 +303,12 @@ class AdapterCache:
     def _read_and_pack(self, entry: AdapterEntry) -> torch.Tensor:
         tensors = load_adapter_tensors(entry.spec, self.dtype)
         packed = entry.layout.pack(tensors, self.pool.page_size)
-        return packed.pin_memory() if self.pool.storage.is_cuda else packed
+        # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
+        # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras
+        # pinned adapters could hold up to twice their size in page-locked RAM for good. A pageable
+        # copy to the GPU is slower per byte (the driver stages it), a few ms per 7B adapter
+        # against a sub-second TTFT budget.
+        return packed
 
     async def _reserve(self, entry: AdapterEntry) -> tuple[int, list[int]]:
         """A free slot and pages, evicting idle adapters; waits while running requests hold them.
