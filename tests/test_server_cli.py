@@ -68,3 +68,25 @@ async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 2 and b"broken" in err and b"adapter_config.json" in err
+
+
+async def test_engine_flags_reach_the_config_by_their_vllm_names():
+    from lorapage.server.serve import _engine_config, build_parser
+
+    args = build_parser().parse_args([
+        "--gpu-memory-utilization", "0.8", "--enforce-eager", "--kernel-backend", "torch", "--num-pages", "512",
+        "--block-size", "8", "--max-num-batched-tokens", "4096", "--adapter-wait-s", "0.5", "--max-loras", "4",
+    ])
+    cfg = _engine_config(args)
+    assert (cfg.gpu_memory_utilization, cfg.enforce_eager, cfg.kernel_backend, cfg.num_pages, cfg.block_size,
+            cfg.max_num_batched_tokens, cfg.adapter_wait_s, cfg.max_loras) == (0.8, True, "torch", 512, 8, 4096, 0.5, 4)
+    assert _engine_config(build_parser().parse_args([])).enforce_eager is False  # unset flags keep the defaults
+
+
+async def test_serve_names_a_bad_flag_value():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", "--gpu-memory-utilization", "1.5",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode == 1 and b"gpu_memory_utilization must be in (0, 1]" in err
