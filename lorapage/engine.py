@@ -142,7 +142,7 @@ class Engine:
         want = 1 + self.config.max_num_seqs * max_blocks + self.config.max_loras * adapter_pages
         mc, elem = self.model_config, torch.finfo(self.dtype).bits // 8
         per_page = mc.num_layers * page_size * elem
-        if self.device.type == "cpu":
+        if self.device.type != "cuda":
             return min(want, CPU_POOL_BYTES // per_page)
         free, total = torch.cuda.mem_get_info(self.device)
         activations = step_activation_bytes(

@@ -78,8 +78,8 @@ class StepState:
         self._budget -= new_tokens
         self._admitted.append(req)
         if own is not None:  # pin now, so admitting the next request cannot evict it
-            own.waiting -= 1
             req.lora_slot = e.adapters.acquire(req.adapter)
+            own.waiting -= 1
         return True
 
     # -- one step -------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class StepState:
         e = self.engine
         for req in self._admitted:
             free_block_table(e.pool, req)
-            if req.adapter is not None:
+            if req.lora_slot:  # pinned (acquire raises before pinning, and then nothing is owed)
                 e.adapters.release(req.adapter)
                 e.adapters.get(req.adapter).waiting += 1
             req.lora_slot = 0

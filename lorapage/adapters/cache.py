@@ -42,6 +42,7 @@ class AdapterEntry:
     rate: float = 0.0  # exponentially decayed request count
     rate_time: float = 0.0
     draining: bool = False  # admits nothing new: a starving load takes its slot once it drains
+    resident_since: float = 0.0  # when it last became resident (a drain spares it slot_wait_s)
 
     def touch(self, now: float) -> None:
         self.rate = self.rate_at(now) + 1.0
@@ -95,6 +96,7 @@ class AdapterCache:
         self._memory_freed = asyncio.Event()
         self.evictions: list[float] = []  # times of pool evictions (for evictions per minute)
         self.drains = 0  # busy adapters drained for a load that waited adapter_wait_s for a slot
+        self._starving: list[AdapterEntry] = []  # loads past adapter_wait_s without a slot, in order
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
         self._loading: set[AdapterEntry] = set()  # entries with a load task in flight
 
@@ -204,9 +206,10 @@ class AdapterCache:
         if not waiting:
             return 0
         need = max(e.layout.num_pages for e in waiting)
-        evictable = self._evictable()
-        attainable = self.pool.num_free + self.pool.used[PageKind.KV] + sum(e.layout.num_pages for e in evictable)
-        return need if (self._free_slots or evictable) and need <= attainable else 0
+        # Idle adapters can be evicted now; draining ones will be, for the load they drain for.
+        freeable = self._evictable() + [e for e in self._by_slot.values() if e.draining]
+        attainable = self.pool.num_free + self.pool.used[PageKind.KV] + sum(e.layout.num_pages for e in freeable)
+        return need if (self._free_slots or freeable) and need <= attainable else 0
 
     def take_failed(self) -> dict[str, LorapageError]:
         """Adapters whose load failed since the last call, with the error (their queued requests
@@ -220,6 +223,9 @@ class AdapterCache:
         for entry in self._loading:
             entry.load_task = None
         self._loading.clear()
+        self._starving.clear()
+        for entry in self.entries.values():  # drained for a load that died with the old loop
+            entry.draining = False
 
     def notify_memory_freed(self) -> None:
         self._memory_freed.set()
@@ -254,6 +260,7 @@ class AdapterCache:
         self._free_slots.append(entry.slot)
         entry.slot, entry.pages, entry.draining = 0, [], False
         self.evictions.append(self._clock())
+        self.notify_memory_freed()  # a slot is free: loads waiting for one look again
         if entry.waiting:  # queued (e.g. preempted) requests still need it: queue its reload
             self.ensure(entry.name)
 
@@ -275,12 +282,17 @@ class AdapterCache:
                 # Unregistered mid-load: the copy may still be queued or running on the forward
                 # thread, so its slot and pages go back only once it is done (earlier, the
                 # copy could overwrite pages already handed to someone else).
-                copy.add_done_callback(lambda _: self._give_back(slot, pages))
+                def give_back(done: asyncio.Future) -> None:
+                    if not done.cancelled():
+                        done.exception()  # read, so a failed copy is not logged as never retrieved
+                    self._give_back(slot, pages)
+
+                copy.add_done_callback(give_back)
                 raise
             except Exception:  # the copy ran and failed
                 self._give_back(slot, pages)
                 raise
-            entry.slot, entry.pages = slot, pages
+            entry.slot, entry.pages, entry.resident_since = slot, pages, self._clock()
             self._by_slot[slot] = entry
         except LorapageError as e:
             entry.error = self._failed[entry.name] = e
@@ -292,6 +304,7 @@ class AdapterCache:
             entry.load_task = None
             self._loading.discard(entry)
             self._on_ready()
+            self.notify_memory_freed()  # a new resident adapter may be drainable for a starving load
 
     def _give_back(self, slot: int, pages: list[int]) -> None:
         """Return a load's slot and pages that never became an adapter's."""
@@ -313,20 +326,26 @@ class AdapterCache:
     async def _reserve(self, entry: AdapterEntry) -> tuple[int, list[int]]:
         """A free slot and pages, evicting idle adapters; waits while running requests hold them.
 
-        When every slot stays busy for ``slot_wait_s``, one busy adapter is drained for this load
-        (see :meth:`_drain_one`), so hot adapters with endless queues cannot starve a cold one.
+        When every slot stays busy for ``slot_wait_s`` and requests wait for this load, the load
+        joins the line of starving loads; the first in line drains one busy adapter (see
+        :meth:`_drain_one`) and takes its slot once it is idle and its pages make room. So hot
+        adapters with endless queues cannot starve a cold one, and starving loads go in order.
         """
         need = entry.layout.num_pages
         started = self._clock()
         drained: AdapterEntry | None = None
         try:
             while True:
+                if drained is not None and not drained.draining:
+                    drained = None  # evicted or unloaded meanwhile: drain again if still starving
                 if not self._free_slots:
                     victims = self._evictable()
-                    if not victims and drained is not None and drained.slot and drained.running == 0:
-                        victims = [drained]  # drained for this load: its slot is ours
                     if victims:
                         self._evict(victims[0])
+                    elif (drained is not None and drained.running == 0
+                          and self.pool.num_free + len(drained.pages) >= need):
+                        self._evict(drained)  # drained for this load: its slot and pages are ours
+                        drained = None
                 if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
                     pages = self.pool.allocate(need, PageKind.ADAPTER)
                     if pages is not None:
@@ -335,15 +354,29 @@ class AdapterCache:
                 if drained is None and not self._free_slots:
                     timeout = started + self.slot_wait_s - self._clock()
                     if timeout <= 0:
-                        drained, timeout = self._drain_one(), None
-                        if drained is not None:
-                            continue  # it may be idle of running requests already
+                        timeout = None
+                        if not entry.waiting:  # a pre-warm, or its requests left: look again later
+                            timeout = self.slot_wait_s
+                            if entry in self._starving:
+                                self._starving.remove(entry)
+                                self.notify_memory_freed()  # the next in line may drain now
+                        else:
+                            if entry not in self._starving:
+                                self._starving.append(entry)
+                            if self._starving[0] is entry:
+                                drained = self._drain_one()
+                                if drained is not None:
+                                    continue  # it may be idle of running requests already
+                                timeout = self.slot_wait_s  # none may be drained yet: look again
                 self._memory_freed.clear()
                 try:
                     await asyncio.wait_for(self._memory_freed.wait(), timeout)
                 except TimeoutError:
                     pass
         finally:
+            if entry in self._starving:
+                self._starving.remove(entry)
+                self.notify_memory_freed()  # the next in line may drain now
             if drained is not None and drained.draining:  # not evicted (we are done or cancelled)
                 drained.draining = False
                 self._on_ready()  # its queued requests may be admitted again
@@ -351,9 +384,11 @@ class AdapterCache:
     def _drain_one(self) -> AdapterEntry | None:
         """Stop admitting to the least valuable busy resident adapter (per page, as eviction
         ranks), so its slot frees once its running requests finish. Its queued requests wait
-        and reload it afterwards: busy adapters take turns rather than one holding on forever."""
+        and reload it afterwards: busy adapters take turns rather than one holding on forever.
+        An adapter resident for less than ``slot_wait_s`` is spared, so every turn lasts at
+        least that long and the slot does not change hands after every batch."""
         now = self._clock()
-        busy = [e for e in self._by_slot.values() if not e.draining]
+        busy = [e for e in self._by_slot.values() if not e.draining and now - e.resident_since >= self.slot_wait_s]
         if not busy:
             return None
         victim = min(busy, key=lambda e: e.rate_at(now) / e.layout.num_pages)
