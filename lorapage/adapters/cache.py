@@ -24,6 +24,7 @@ from lorapage.memory.pool import PageKind, PagePool
 from lorapage.model.config import ModelConfig
 
 RATE_HALF_LIFE_S = 60.0  # how fast an adapter's recent request rate forgets old traffic
+MIN_RECHECK_S = 0.05  # a load with nothing to wait on looks again this often (adapter_wait_s may be 0)
 
 
 @dataclass(eq=False)
@@ -356,7 +357,7 @@ class AdapterCache:
                     if timeout <= 0:
                         timeout = None
                         if not entry.waiting:  # a pre-warm, or its requests left: look again later
-                            timeout = self.slot_wait_s
+                            timeout = max(self.slot_wait_s, MIN_RECHECK_S)
                             if entry in self._starving:
                                 self._starving.remove(entry)
                                 self.notify_memory_freed()  # the next in line may drain now
@@ -367,7 +368,7 @@ class AdapterCache:
                                 drained = self._drain_one()
                                 if drained is not None:
                                     continue  # it may be idle of running requests already
-                                timeout = self.slot_wait_s  # none may be drained yet: look again
+                                timeout = max(self.slot_wait_s, MIN_RECHECK_S)  # none drainable yet
                 self._memory_freed.clear()
                 try:
                     await asyncio.wait_for(self._memory_freed.wait(), timeout)
