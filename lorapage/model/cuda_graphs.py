@@ -10,7 +10,7 @@ invalidates a graph. Only decode-only steps replay; steps with prefill tokens ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -28,21 +28,42 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(sizes, reverse=True)
 
 
-class DecodeGraphs:
-    """Captured decode steps, keyed by bucket size; ``run`` pads a batch to its bucket and replays."""
+# A capture turns a step (a function returning its output tensor) into (replay, output): calling
+# replay reruns the step on whatever the static buffers hold now, leaving its result in output.
+Capture = Callable[[Callable[[], Tensor]], tuple[Callable[[], None], Tensor]]
 
-    def __init__(self, runner: "ModelRunner", max_num_seqs: int) -> None:
+
+def cuda_graph_capture() -> Capture:
+    """Captures as CUDA graphs sharing one memory pool (capture the largest bucket first)."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(step: Callable[[], Tensor]) -> tuple[Callable[[], None], Tensor]:
+        step()  # warm-up: compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+        return graph.replay, out
+
+    return capture
+
+
+class DecodeGraphs:
+    """Captured decode steps, keyed by bucket size; ``run`` pads a batch to its bucket and replays.
+
+    ``capture`` defaults to CUDA graphs. Tests on a machine without CUDA pass one that reruns the
+    step on replay, so the padding, bucket choice and buffer writes around a replay are checked
+    there too (``tests/test_kernels_graph_safety.py``).
+    """
+
+    def __init__(self, runner: "ModelRunner", max_num_seqs: int, capture: Capture | None = None) -> None:
         self.runner = runner
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[Callable[[], None], Tensor]] = {}
+        capture = capture or cuda_graph_capture()
         for size in batch_buckets(max_num_seqs):
             self._pad(0, size)
-            decode_forward(self.runner, size)  # warm-up: compiles kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = decode_forward(self.runner, size)
-            self.graphs[size] = (graph, hidden)
-        torch.cuda.synchronize()
+            self.graphs[size] = capture(lambda size=size: decode_forward(self.runner, size))
+        if runner.pool.storage.is_cuda:
+            torch.cuda.synchronize()
 
     def bucket(self, batch: int) -> int | None:
         fits = [b for b in self.graphs if b >= batch]
@@ -52,8 +73,8 @@ class DecodeGraphs:
         """Replay for the first ``batch`` rows already written into the runner's buffers."""
         size = self.bucket(batch)
         self._pad(batch, size)
-        graph, hidden = self.graphs[size]
-        graph.replay()
+        replay, hidden = self.graphs[size]
+        replay()
         return hidden[:batch]
 
     def _pad(self, start: int, end: int) -> None:

@@ -16,7 +16,7 @@ from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.memory.pool import PagePool
-from lorapage.model.cuda_graphs import DecodeGraphs
+from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.llama import AttentionMetadata, LlamaModel
 from lorapage.model.sampler import SampleRow, TokenLogprob, sample
 from lorapage.request import Request
@@ -111,9 +111,10 @@ class ModelRunner:
         self.lora_h = torch.zeros(max_num_batched_tokens, lora_h_width, dtype=model.dtype, device=dev)
         self.graphs: DecodeGraphs | None = None
 
-    def capture_decode_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode steps as CUDA graphs (CUDA with the Triton kernels only)."""
-        self.graphs = DecodeGraphs(self, max_num_seqs)
+    def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
+        """Capture decode steps as CUDA graphs (CUDA with the Triton kernels only; ``capture``:
+        see :class:`DecodeGraphs`)."""
+        self.graphs = DecodeGraphs(self, max_num_seqs, capture)
 
     def execute(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprob | None]]:
         """Forward the plan's tokens and sample one token per sequence."""
