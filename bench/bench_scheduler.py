@@ -19,9 +19,9 @@ import itertools
 import json
 import random
 import time
-from dataclasses import dataclass
 
 from lorapage.scheduler import VtcConfig, VtcScheduler
+from lorapage.sim import SimRequest as Req
 
 ROWS = 256
 TENANTS = 1000
@@ -29,17 +29,6 @@ BACKLOG = 4096  # waiting requests kept in the queue (deep enough to keep all 25
 STEP_S = 0.025  # virtual time per step
 LOAD_S = 0.05  # an adapter is ready this long after its first request
 TARGET_US, TARGET_RATIO = 1000.0, 1.2
-
-
-@dataclass(eq=False)
-class Req:
-    request_id: str
-    tenant: str
-    adapter: str | None
-    arrival_time: float
-    num_prompt_tokens: int
-    max_tokens: int
-    generated: int = 0
 
 
 class FakeEngine:

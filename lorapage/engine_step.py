@@ -111,14 +111,19 @@ class StepState:
 
     def _undo_admissions(self) -> None:
         """The policy failed mid-schedule: give back what this step's admissions took."""
-        e = self.engine
         for req in self._admitted:
-            free_block_table(e.pool, req)
-            if req.lora_slot:  # pinned (acquire raises before pinning, and then nothing is owed)
-                e.adapters.release(req.adapter)
-                e.adapters.get(req.adapter).waiting += 1
-            req.lora_slot = 0
+            self._unadmit(req)
         self._admitted = []
+
+    def _unadmit(self, req: Request) -> None:
+        """Give back what admission took: KV pages, and the adapter pin (the request counts as
+        queued for its adapter again). Nothing is owed for a pin that acquire() refused."""
+        e = self.engine
+        free_block_table(e.pool, req)
+        if req.lora_slot:
+            e.adapters.release(req.adapter)
+            e.adapters.get(req.adapter).waiting += 1
+        req.lora_slot = 0
 
     def _make_room(self, decode: list[Request], now: float) -> None:
         """Each decode needs a page for its next token: evict idle adapters, then preempt."""
@@ -138,15 +143,11 @@ class StepState:
     def _preempt(self, req: Request, now: float) -> None:
         """Free ``req``'s pages and queue it again; it recomputes its KV when readmitted."""
         e = self.engine
-        free_block_table(e.pool, req)
+        self._unadmit(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if req.adapter is not None:
-            e.adapters.release(req.adapter)
-            e.adapters.get(req.adapter).waiting += 1
-        req.lora_slot = 0
         e.policy.add(req, now)  # VTC knows a returning request: the recompute is not charged again
         e.adapters.notify_memory_freed()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
+import pytest_asyncio
 
 from lorapage import Engine, EngineConfig
 from lorapage.server import Access, create_app, hash_key
@@ -126,3 +127,12 @@ async def read_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
             return
         yield json.loads(data)
     raise AssertionError("the stream ended without data: [DONE]")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server() -> AsyncIterator[Server]:
+    """One server per test module (import this fixture into the module to use it)."""
+    engine = make_engine()
+    async with running_server(engine) as srv:
+        yield srv
+    await engine.close()

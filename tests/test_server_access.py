@@ -7,25 +7,16 @@ import json
 import shutil
 
 import pytest
-import pytest_asyncio
 import torch
 from safetensors.torch import load_file, save_file
 
 from lorapage.server.app import STATE
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
-from server_harness import BASE, assert_openai_error, make_engine, running_server
+from server_harness import BASE, assert_openai_error, running_server, server  # noqa: F401 (the module's fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server():
-    engine = make_engine()
-    async with running_server(engine) as srv:
-        yield srv
-    await engine.close()
 
 
 def _body(model: str, **extra) -> dict:

@@ -6,9 +6,8 @@ import asyncio
 import json
 
 import pytest
-import pytest_asyncio
 
-from server_harness import ADMIN_KEY, BASE, assert_openai_error, make_engine, running_server
+from server_harness import ADMIN_KEY, BASE, assert_openai_error, make_engine, running_server, server  # noqa: F401 (the module's fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -109,14 +108,6 @@ DEFAULTS_ACCEPTED = [
     comp(echo=False, best_of=1, suffix=None, logit_bias={}, logprobs=None, prompt=["hi"]),
     comp(prompt=[104, 105]),
 ]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server():
-    engine = make_engine()
-    async with running_server(engine) as srv:
-        yield srv
-    await engine.close()
 
 
 async def test_table_of_malformed_requests(server):

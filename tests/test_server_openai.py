@@ -8,20 +8,12 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI, NotFoundError
 
-from server_harness import BASE, KEYS, expected_text, make_engine, read_sse, running_server
+from server_harness import BASE, KEYS, expected_text, read_sse, server  # noqa: F401 (the module's fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODELS = [BASE, "acme", f"{BASE}:globex"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server():
-    engine = make_engine()
-    async with running_server(engine) as srv:
-        yield srv
-    await engine.close()
 
 
 @pytest_asyncio.fixture(loop_scope="module")

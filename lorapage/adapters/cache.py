@@ -255,13 +255,10 @@ class AdapterCache:
     # -- internals ------------------------------------------------------------------------------
 
     def _evict(self, entry: AdapterEntry) -> None:
-        self.tables.clear_slot(entry.slot)
-        self.pool.free(entry.pages, PageKind.ADAPTER)
         del self._by_slot[entry.slot]
-        self._free_slots.append(entry.slot)
+        self._give_back(entry.slot, entry.pages)  # wakes loads waiting for a slot
         entry.slot, entry.pages, entry.draining = 0, [], False
         self.evictions.append(self._clock())
-        self.notify_memory_freed()  # a slot is free: loads waiting for one look again
         if entry.waiting:  # queued (e.g. preempted) requests still need it: queue its reload
             self.ensure(entry.name)
 
@@ -308,7 +305,7 @@ class AdapterCache:
             self.notify_memory_freed()  # a new resident adapter may be drainable for a starving load
 
     def _give_back(self, slot: int, pages: list[int]) -> None:
-        """Return a load's slot and pages that never became an adapter's."""
+        """Return a slot and its pages (an evicted adapter's, or a load's that never became one)."""
         self.tables.clear_slot(slot)
         self.pool.free(pages, PageKind.ADAPTER)
         self._free_slots.append(slot)
