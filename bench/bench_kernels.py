@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -44,10 +44,22 @@ SWEEP_EXPAND_N = [128, 256, 512]
 
 def model_config(s: dict) -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=s["hidden"], intermediate_size=s["inter"],
-        num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["heads"], head_dim=s["hidden"] // s["heads"],
-        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096,
-        tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_ids=(2,),
+        architecture="LlamaForCausalLM",
+        vocab_size=32000,
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_layers=s["layers"],
+        num_heads=s["heads"],
+        num_kv_heads=s["heads"],
+        head_dim=s["hidden"] // s["heads"],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     )
 
 
@@ -66,8 +78,15 @@ def build_stack(model: ModelConfig, num_adapters: int, rank: int, page_size: int
     dims = model.module_dims()
     for name, modules in (("all", MODULES), ("attention", ATTENTION)):
         ranks = {(layer, m): rank for layer in range(model.num_layers) for m in modules}
-        spec = AdapterSpec(path=None, weights_file=None, ranks=ranks, scales={k: 2.0 for k in ranks},
-                           target_modules=modules, max_rank=rank, size_bytes=0)
+        spec = AdapterSpec(
+            path=None,
+            weights_file=None,
+            ranks=ranks,
+            scales={k: 2.0 for k in ranks},
+            target_modules=modules,
+            max_rank=rank,
+            size_bytes=0,
+        )
         layouts[name] = AdapterLayout.plan(spec, model, page_size)
         sizes[name] = 2 * model.num_layers * sum(rank * sum(dims[m]) for m in modules)
     num_pages = 2 + num_adapters * sum(lay.num_pages for lay in layouts.values())
@@ -82,8 +101,14 @@ def build_stack(model: ModelConfig, num_adapters: int, rank: int, page_size: int
     return Stack(model, pool, tables, sizes)
 
 
-def lora_update(stack: Stack, ops: tuple[Callable, Callable], groups: list[int], slots: list[int],
-                max_rank: int, device: torch.device) -> Callable[[], None]:
+def lora_update(
+    stack: Stack,
+    ops: tuple[Callable, Callable],
+    groups: list[int],
+    slots: list[int],
+    max_rank: int,
+    device: torch.device,
+) -> Callable[[], None]:
     """One decode step's LoRA updates over the whole stack, with every argument prepared up front."""
     shrink, expand = ops
     model, t = stack.model, stack.tables
@@ -100,11 +125,23 @@ def lora_update(stack: Stack, ops: tuple[Callable, Callable], groups: list[int],
         y = torch.zeros(B, sum(dims[m][1] for m in group), dtype=torch.bfloat16, device=device)
         for layer in range(model.num_layers):
             slab = stack.pool.storage[layer]
-            calls.append((
-                (h, x, slab, t.page_table, indices, t.a_offset[layer, :, g], t.a_rows[layer, :, g]),
-                (y, h, slab, t.page_table, indices, t.b_offset[layer, :, m0:m1], t.rank[layer, :, m0:m1],
-                 t.h_start[layer, :, m0:m1], t.scale[layer, :, m0:m1], starts),
-            ))
+            calls.append(
+                (
+                    (h, x, slab, t.page_table, indices, t.a_offset[layer, :, g], t.a_rows[layer, :, g]),
+                    (
+                        y,
+                        h,
+                        slab,
+                        t.page_table,
+                        indices,
+                        t.b_offset[layer, :, m0:m1],
+                        t.rank[layer, :, m0:m1],
+                        t.h_start[layer, :, m0:m1],
+                        t.scale[layer, :, m0:m1],
+                        starts,
+                    ),
+                )
+            )
 
     def run() -> None:
         for shrink_args, expand_args in calls:
@@ -118,8 +155,10 @@ def base_gemms(model: ModelConfig, batch: int, device: torch.device) -> Callable
     """The seven projections of every layer for one decode step (four fused GEMMs per layer)."""
     h, i, q, kv = model.hidden_size, model.intermediate_size, model.q_size, model.kv_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
-    weights = [[torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for n, k in shapes]
-               for _ in range(model.num_layers)]
+    weights = [
+        [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for n, k in shapes]
+        for _ in range(model.num_layers)
+    ]
     xs = [torch.randn(batch, k, dtype=torch.bfloat16, device=device) for _, k in shapes]
     outs = [torch.empty(batch, n, dtype=torch.bfloat16, device=device) for n, _ in shapes]
 
@@ -192,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     reps, trials = (1, 1) if device.type != "cuda" else (20, 5)  # the interpreter is slow: one call
 
     from lorapage.kernels import lora_triton
+
     ops = (lora_triton.lora_shrink, lora_triton.lora_expand)
     model = model_config(shape)
     B, rank, max_rank = shape["batch"], shape["rank"], shape["max_rank"]
@@ -202,8 +242,12 @@ def main(argv: list[str] | None = None) -> dict:
     times = {"base": seconds(base_gemms(model, B, device), device, reps, trials)}
     for name, gs in groups.items():
         distinct = [first[name] + i for i in range(B)]
-        times[f"{name}_distinct"] = seconds(lora_update(stack, ops, gs, distinct, max_rank, device), device, reps, trials)
-        times[f"{name}_one"] = seconds(lora_update(stack, ops, gs, [first[name]] * B, max_rank, device), device, reps, trials)
+        times[f"{name}_distinct"] = seconds(
+            lora_update(stack, ops, gs, distinct, max_rank, device), device, reps, trials
+        )
+        times[f"{name}_one"] = seconds(
+            lora_update(stack, ops, gs, [first[name]] * B, max_rank, device), device, reps, trials
+        )
     copy_bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 20, trials)
     moved = B * stack.bytes_per_adapter["all"] + activation_bytes(model, groups["all"], B, rank)
     achieved = moved / times["all_distinct"]
@@ -226,26 +270,36 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     us = {k: v * 1e6 for k, v in times.items()}
     how = "graph replays" if device.type == "cuda" else "calls, no warm-up"
-    print(f"LoRA update vs base GEMMs on {name}: {model.num_layers} layers, hidden {model.hidden_size}, "
-          f"batch {B}, rank {rank}, bf16, best of {trials} x {reps} {how}")
+    print(
+        f"LoRA update vs base GEMMs on {name}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"batch {B}, rank {rank}, bf16, best of {trials} x {reps} {how}"
+    )
     print(f"{'case':<34} {'us/step':>10} {'of base':>8} {'target':>8}")
     print(f"{'base GEMMs, 7 projections':<34} {us['base']:>10.1f}")
-    for label, key, target in (("LoRA attention, 32 distinct", "attention_distinct", f"<= {TARGET_ATTENTION:.0%}"),
-                               ("LoRA attention, 1 adapter", "attention_one", ""),
-                               ("LoRA all modules, 32 distinct", "all_distinct", f"<= {TARGET_ALL:.0%}"),
-                               ("LoRA all modules, 1 adapter", "all_one", "")):
+    for label, key, target in (
+        ("LoRA attention, 32 distinct", "attention_distinct", f"<= {TARGET_ATTENTION:.0%}"),
+        ("LoRA attention, 1 adapter", "attention_one", ""),
+        ("LoRA all modules, 32 distinct", "all_distinct", f"<= {TARGET_ALL:.0%}"),
+        ("LoRA all modules, 1 adapter", "all_one", ""),
+    ):
         label = label.replace("32", str(B))
         print(f"{label:<34} {us[key]:>10.1f} {us[key] / us['base']:>8.1%} {target:>8}")
     print(f"{'distinct / 1 adapter, all modules':<34} {ratio_all:>10.2f} {'':>8} {'<= ' + str(TARGET_RATIO):>8}")
     print(f"{'distinct / 1 adapter, attention':<34} {ratio_attn:>10.2f} {'':>8} {'<= ' + str(TARGET_RATIO):>8}")
-    print(f"{'bytes/s, all modules, distinct':<34} {achieved / 1e12:>9.2f}T {achieved / copy_bw:>8.1%} of copy {copy_bw / 1e12:.2f} TB/s")
+    print(
+        f"{'bytes/s, all modules, distinct':<34} {achieved / 1e12:>9.2f}T {achieved / copy_bw:>8.1%} of copy {copy_bw / 1e12:.2f} TB/s"
+    )
     for row in sweep:
-        print(f"  sweep: shrink tile {tuple(row['shrink_tile'])}, expand block_n {row['expand_block_n']}: {row['us']:.1f} us")
+        print(
+            f"  sweep: shrink tile {tuple(row['shrink_tile'])}, expand block_n {row['expand_block_n']}: {row['us']:.1f} us"
+        )
     result = {
         "bench": "kernels",
         "device": name,
         "shape": "tiny" if shape is SHAPES["tiny"] else "llama2-7b",
-        "layers": model.num_layers, "batch": B, "rank": rank,
+        "layers": model.num_layers,
+        "batch": B,
+        "rank": rank,
         "base_gemm_us": round(us["base"], 1),
         "lora_attention_distinct_us": round(us["attention_distinct"], 1),
         "lora_attention_one_us": round(us["attention_one"], 1),

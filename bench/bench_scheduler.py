@@ -77,7 +77,14 @@ class Workload:
         rng, engine = self.rng, self.engine
         adapter = self.pick_adapter()
         engine.ready_at.setdefault(adapter, engine.now + LOAD_S)
-        return Req(f"r{next(self.ids)}", f"t{rng.randrange(TENANTS)}", adapter, engine.now, rng.randint(16, 512), rng.randint(32, 256))
+        return Req(
+            f"r{next(self.ids)}",
+            f"t{rng.randrange(TENANTS)}",
+            adapter,
+            engine.now,
+            rng.randint(16, 512),
+            rng.randint(32, 256),
+        )
 
     def step(self, record: bool) -> None:
         policy, engine = self.policy, self.engine
@@ -133,16 +140,26 @@ def run_pair(steps: int, seed: int) -> dict[int, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3, help="runs with different seeds; the median ratio is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs with different seeds; the median ratio is reported"
+    )
     args = parser.parse_args()
-    runs = sorted((run_pair(args.steps, seed) for seed in range(args.repeats)), key=lambda r: r[5000]["total"] / r[50]["total"])
+    runs = sorted(
+        (run_pair(args.steps, seed) for seed in range(args.repeats)), key=lambda r: r[5000]["total"] / r[50]["total"]
+    )
     best = runs[len(runs) // 2]  # the run with the median ratio
-    print(f"VTC scheduling overhead per step: {ROWS} rows, {TENANTS} tenants, {BACKLOG} waiting; median of {args.repeats} runs x {args.steps} steps")
+    print(
+        f"VTC scheduling overhead per step: {ROWS} rows, {TENANTS} tenants, {BACKLOG} waiting; median of {args.repeats} runs x {args.steps} steps"
+    )
     print(f"{'adapters':>9} {'us/step':>8} {'schedule':>9} {'service':>8} {'add+fin':>8} {'rows':>6} {'distinct':>9}")
     for n, r in best.items():
-        print(f"{n:>9} {r['total']:>8.1f} {r['schedule']:>9.1f} {r['service']:>8.1f} {r['add_finish']:>8.1f} {r['rows']:>6.1f} {r['distinct']:>9.1f}")
+        print(
+            f"{n:>9} {r['total']:>8.1f} {r['schedule']:>9.1f} {r['service']:>8.1f} {r['add_finish']:>8.1f} {r['rows']:>6.1f} {r['distinct']:>9.1f}"
+        )
     ratio = best[5000]["total"] / best[50]["total"]
-    print(f"ratio 5000 / 50 adapters: {ratio:.2f} (target < {TARGET_RATIO}); worst us/step {max(r['total'] for r in best.values()):.0f} (target < {TARGET_US:.0f})")
+    print(
+        f"ratio 5000 / 50 adapters: {ratio:.2f} (target < {TARGET_RATIO}); worst us/step {max(r['total'] for r in best.values()):.0f} (target < {TARGET_US:.0f})"
+    )
     print(json.dumps({
         "bench": "scheduler",
         "us_per_step_50_adapters": round(best[50]["total"], 1),

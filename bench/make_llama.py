@@ -19,8 +19,9 @@ from lorapage.tiny import TINY_BASE_DIR
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_model(path: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                vocab: int, seed: int = 0) -> Path:
+def write_model(
+    path: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seed: int = 0
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     head_dim = hidden // heads
@@ -41,10 +42,19 @@ def write_model(path: Path, *, hidden: int, layers: int, heads: int, kv_heads: i
     tensors = {k: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.02) for k, s in shapes.items()}
     save_file(tensors, path / "model.safetensors")
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "eos_token_id": vocab - 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": vocab - 1,
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -57,8 +67,15 @@ def write_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, targets=
     cfg = json.loads((model_dir / "config.json").read_text())
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
-    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    dims = {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(cfg["num_hidden_layers"]):
@@ -70,8 +87,18 @@ def write_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, targets=
             tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "adapter_model.safetensors")
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
-    }))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(targets),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(model_dir),
+            }
+        )
+    )
     return path

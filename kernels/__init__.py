@@ -6,13 +6,13 @@ it is given. ``docs/kernels.md`` describes the index layout. The Triton kernels
 (``lora_triton``, ``attention_triton``) are imported only by ``select_backend("triton", ...)``.
 """
 
-from lorapage.kernels.lora_ref import LoraIndices, lora_expand_ref, lora_shrink_ref
 from lorapage.kernels.attention_ref import (
     paged_decode_attention_ref,
     prefill_attention_ref,
     write_kv_ref,
 )
 from lorapage.kernels.backend import KernelOps, select_backend
+from lorapage.kernels.lora_ref import LoraIndices, lora_expand_ref, lora_shrink_ref
 
 __all__ = [
     "LoraIndices",

@@ -21,8 +21,15 @@ WRITE_BLOCK = 1024  # elements of one token's K (or V) row copied per program
 
 @triton.jit
 def _write_kv_kernel(
-    kv, k, v, slot_mapping, stride_k, stride_v,
-    BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+    kv,
+    k,
+    v,
+    slot_mapping,
+    stride_k,
+    stride_v,
+    BLOCK_SIZE: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -45,7 +52,9 @@ def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     T, heads, dim = k.shape
     assert v.shape == k.shape and (heads, dim) == tuple(kv.shape[3:]), f"k, v {tuple(k.shape)} vs kv {tuple(kv.shape)}"
     for name, t in (("k", k), ("v", v)):
-        assert t.dtype == kv.dtype and t.stride(2) == 1 and t.stride(1) == dim, f"{name}: {kv.dtype} with contiguous heads"
+        assert t.dtype == kv.dtype and t.stride(2) == 1 and t.stride(1) == dim, (
+            f"{name}: {kv.dtype} with contiguous heads"
+        )
     assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     assert len({kv.device, k.device, v.device, slot_mapping.device}) == 1, "all tensors must be on one device"
     if T == 0:
@@ -59,10 +68,24 @@ def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
 
 @triton.jit
 def _paged_decode_kernel(
-    out, q, kv, block_table, context_lens, scale,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    GROUP: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    out,
+    q,
+    kv,
+    block_table,
+    context_lens,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """One program per (row, KV head): the GROUP query heads sharing that KV head, online softmax
     over the row's pages one page at a time."""
@@ -115,7 +138,9 @@ def paged_decode_attention(
     assert kv.dim() == 5 and kv.shape[1] == 2 and kv.is_contiguous(), "kv must be [num_pages, 2, block_size, H_kv, D]"
     B, heads, dim = q.shape
     block_size, kv_heads = kv.shape[2], kv.shape[3]
-    assert out.shape == q.shape and dim == kv.shape[4] and heads % kv_heads == 0, f"q {tuple(q.shape)} vs kv {tuple(kv.shape)}"
+    assert out.shape == q.shape and dim == kv.shape[4] and heads % kv_heads == 0, (
+        f"q {tuple(q.shape)} vs kv {tuple(kv.shape)}"
+    )
     assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
     assert q.dtype == out.dtype == kv.dtype, f"q, out and kv must share a dtype; got {q.dtype}, {out.dtype}, {kv.dtype}"
     assert block_table.dim() == 2 and block_table.shape[0] == B and block_table.dtype == torch.int32
@@ -126,9 +151,22 @@ def paged_decode_attention(
         return
     group = heads // kv_heads
     _paged_decode_kernel[(B, kv_heads)](
-        out, q, kv, block_table, context_lens, float(scale),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        GROUP=group, KV_HEADS=kv_heads, HEAD_DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_D=triton.next_power_of_2(dim),
+        out,
+        q,
+        kv,
+        block_table,
+        context_lens,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        GROUP=group,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_P=triton.next_power_of_2(block_size),
     )

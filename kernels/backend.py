@@ -12,13 +12,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
-from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 BACKENDS = ("auto", "torch", "triton")

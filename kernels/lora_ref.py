@@ -34,7 +34,7 @@ class LoraIndices:
     # decode graph uses); set: they run SGMV over these segments (eager prefill and mixed steps).
     segment_table: Tensor | None = None
 
-    def with_segment_table(self) -> "LoraIndices":
+    def with_segment_table(self) -> LoraIndices:
         """A copy carrying ``segment_table`` (one small host-to-device copy), for SGMV launches."""
         rows = list(self.segments) or [(0, 0, 0)]
         table = torch.tensor(rows, dtype=torch.int32).to(self.token_slot.device)

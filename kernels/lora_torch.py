@@ -67,8 +67,16 @@ def lora_shrink_torch(
 
 
 def lora_expand_torch(
-    y: Tensor, h: Tensor, pool: Tensor, page_table: Tensor, indices: LoraIndices, b_offset: Tensor,
-    rank: Tensor, h_start: Tensor, scale: Tensor, out_start: tuple[int, ...],
+    y: Tensor,
+    h: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    b_offset: Tensor,
+    rank: Tensor,
+    h_start: Tensor,
+    scale: Tensor,
+    out_start: tuple[int, ...],
 ) -> None:
     """Same as :func:`lora_expand_ref`, batched over segments when the batch is uniform."""
     run = _uniform_run(indices.segments) if indices.segments else None

@@ -92,8 +92,19 @@ def _module_bounds(m, o0, o1, o2, w0, w1, w2):
 
 
 @triton.jit
-def _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, DENSE: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_rows(
+    x_row,
+    pool,
+    pages,
+    base,
+    f0,
+    n_rows,
+    d_in,
+    DENSE: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """``A[:n_rows] @ x`` in float32, A being ``n_rows x d_in`` at flat offset f0."""
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -109,9 +120,23 @@ def _gemv_rows(x_row, pool, pages, base, f0, n_rows, d_in, DENSE: tl.constexpr, 
 
 @triton.jit
 def _bgmv_shrink_kernel(
-    h, x, pool, page_table, token_slot, a_offset, a_rows,
-    d_in, stride_h, stride_x, stride_pt, stride_tab,
-    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    h,
+    x,
+    pool,
+    page_table,
+    token_slot,
+    a_offset,
+    a_rows,
+    d_in,
+    stride_h,
+    stride_x,
+    stride_pt,
+    stride_tab,
+    PAGE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(token_slot + t)
@@ -137,16 +162,33 @@ def _bgmv_shrink_kernel(
 
 
 @triton.jit
-def _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, DENSE: tl.constexpr,
-               PAGE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+def _gemm_rows(
+    x,
+    t,
+    t_mask,
+    stride_x,
+    pool,
+    pages,
+    base,
+    f0,
+    n_rows,
+    d_in,
+    DENSE: tl.constexpr,
+    PAGE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """``x[t] @ A[:n_rows].T`` in float32 for a block of tokens t."""
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, d_in, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < d_in
-        xt = tl.load(x + t[:, None].to(tl.int64) * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(
+            x + t[:, None].to(tl.int64) * stride_x + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
+        )
         mask = k_mask[:, None] & (r[None, :] < n_rows)
         a_t = _load_flat(pool, pages, base, f0, r[None, :] * d_in + k[:, None], mask, DENSE, PAGE)  # [K, R]
         acc = _dot(xt, a_t, acc, INTERPRETED)
@@ -155,10 +197,24 @@ def _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, DENS
 
 @triton.jit
 def _sgmv_shrink_kernel(
-    h, x, pool, page_table, segment_table, a_offset, a_rows,
-    d_in, stride_h, stride_x, stride_pt, stride_tab,
-    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    h,
+    x,
+    pool,
+    page_table,
+    segment_table,
+    a_offset,
+    a_rows,
+    d_in,
+    stride_h,
+    stride_x,
+    stride_pt,
+    stride_tab,
+    PAGE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     seg = segment_table + tl.program_id(0) * 3
     start, end, slot = tl.load(seg), tl.load(seg + 1), tl.load(seg + 2)
@@ -175,11 +231,43 @@ def _sgmv_shrink_kernel(
     t_mask = t < end
     if (base >= 0) & (base % ALIGN == 0) & (d_in % ALIGN == 0):
         base = (base // ALIGN) * ALIGN  # == base here; says so to the compiler (vector loads)
-        acc = _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, True, PAGE, INTERPRETED,
-                         BLOCK_T, BLOCK_R, BLOCK_K)
+        acc = _gemm_rows(
+            x,
+            t,
+            t_mask,
+            stride_x,
+            pool,
+            pages,
+            base,
+            f0,
+            n_rows,
+            d_in,
+            True,
+            PAGE,
+            INTERPRETED,
+            BLOCK_T,
+            BLOCK_R,
+            BLOCK_K,
+        )
     else:
-        acc = _gemm_rows(x, t, t_mask, stride_x, pool, pages, base, f0, n_rows, d_in, False, PAGE, INTERPRETED,
-                         BLOCK_T, BLOCK_R, BLOCK_K)
+        acc = _gemm_rows(
+            x,
+            t,
+            t_mask,
+            stride_x,
+            pool,
+            pages,
+            base,
+            f0,
+            n_rows,
+            d_in,
+            False,
+            PAGE,
+            INTERPRETED,
+            BLOCK_T,
+            BLOCK_R,
+            BLOCK_K,
+        )
     r = tl.arange(0, BLOCK_R)
     ptrs = h + t[:, None].to(tl.int64) * stride_h + r0 + r[None, :]
     tl.store(ptrs, _cast(acc, h.dtype.element_ty, INTERPRETED), mask=t_mask[:, None] & (r[None, :] < n_rows))
@@ -189,8 +277,19 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
-def _gemv_cols(h_row, pool, pages, base, f0, n_cols, r, DENSE: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr):
+def _gemv_cols(
+    h_row,
+    pool,
+    pages,
+    base,
+    f0,
+    n_cols,
+    r,
+    DENSE: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
+):
     """``B[:n_cols] @ h_row[:r]`` in float32, B being ``n_cols x r`` at flat offset f0."""
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -206,10 +305,31 @@ def _gemv_cols(h_row, pool, pages, base, f0, n_cols, r, DENSE: tl.constexpr, PAG
 
 @triton.jit
 def _bgmv_expand_kernel(
-    y, h, pool, page_table, token_slot, b_offset, rank, h_start, scale,
-    o0, o1, o2, w0, w1, w2, n_blocks,
-    stride_y, stride_h, stride_pt, stride_tab, stride_mod,
-    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+    y,
+    h,
+    pool,
+    page_table,
+    token_slot,
+    b_offset,
+    rank,
+    h_start,
+    scale,
+    o0,
+    o1,
+    o2,
+    w0,
+    w1,
+    w2,
+    n_blocks,
+    stride_y,
+    stride_h,
+    stride_pt,
+    stride_tab,
+    stride_mod,
+    PAGE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_RANK: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -241,17 +361,34 @@ def _bgmv_expand_kernel(
 
 
 @triton.jit
-def _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, r, DENSE: tl.constexpr,
-               PAGE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_RANK: tl.constexpr):
+def _gemm_cols(
+    h,
+    t,
+    t_mask,
+    stride_h,
+    hs,
+    pool,
+    pages,
+    base,
+    f0,
+    n_cols,
+    r,
+    DENSE: tl.constexpr,
+    PAGE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
+):
     """``h[t, hs:hs+r] @ B[:n_cols].T`` in float32 for a block of tokens t."""
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for j0 in range(0, r, BLOCK_RANK):
         j = j0 + tl.arange(0, BLOCK_RANK)
         j_mask = j < r
-        ht = tl.load(h + t[:, None].to(tl.int64) * stride_h + hs + j[None, :], mask=t_mask[:, None] & j_mask[None, :],
-                     other=0.0)
+        ht = tl.load(
+            h + t[:, None].to(tl.int64) * stride_h + hs + j[None, :], mask=t_mask[:, None] & j_mask[None, :], other=0.0
+        )
         mask = j_mask[:, None] & (n[None, :] < n_cols)
         b_t = _load_flat(pool, pages, base, f0, n[None, :] * r + j[:, None], mask, DENSE, PAGE)  # [RANK, N]
         acc = _dot(ht, b_t, acc, INTERPRETED)
@@ -260,11 +397,33 @@ def _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, r, DEN
 
 @triton.jit
 def _sgmv_expand_kernel(
-    y, h, pool, page_table, segment_table, b_offset, rank, h_start, scale,
-    o0, o1, o2, w0, w1, w2, n_blocks,
-    stride_y, stride_h, stride_pt, stride_tab, stride_mod,
-    PAGE: tl.constexpr, ALIGN: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    y,
+    h,
+    pool,
+    page_table,
+    segment_table,
+    b_offset,
+    rank,
+    h_start,
+    scale,
+    o0,
+    o1,
+    o2,
+    w0,
+    w1,
+    w2,
+    n_blocks,
+    stride_y,
+    stride_h,
+    stride_pt,
+    stride_tab,
+    stride_mod,
+    PAGE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_RANK: tl.constexpr,
 ):
     seg = segment_table + tl.program_id(0) * 3
     start, end, slot = tl.load(seg), tl.load(seg + 1), tl.load(seg + 2)
@@ -285,11 +444,45 @@ def _sgmv_expand_kernel(
     t_mask = t < end
     if (base >= 0) & (base % ALIGN == 0) & (r % ALIGN == 0):
         base = (base // ALIGN) * ALIGN  # == base and r here; says so to the compiler (vector loads)
-        acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, (r // ALIGN) * ALIGN, True,
-                         PAGE, INTERPRETED, BLOCK_T, BLOCK_N, BLOCK_RANK)
+        acc = _gemm_cols(
+            h,
+            t,
+            t_mask,
+            stride_h,
+            hs,
+            pool,
+            pages,
+            base,
+            f0,
+            n_cols,
+            (r // ALIGN) * ALIGN,
+            True,
+            PAGE,
+            INTERPRETED,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_RANK,
+        )
     else:
-        acc = _gemm_cols(h, t, t_mask, stride_h, hs, pool, pages, base, f0, n_cols, r, False,
-                         PAGE, INTERPRETED, BLOCK_T, BLOCK_N, BLOCK_RANK)
+        acc = _gemm_cols(
+            h,
+            t,
+            t_mask,
+            stride_h,
+            hs,
+            pool,
+            pages,
+            base,
+            f0,
+            n_cols,
+            r,
+            False,
+            PAGE,
+            INTERPRETED,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_RANK,
+        )
     n = tl.arange(0, BLOCK_N)
     ptrs = y + t[:, None].to(tl.int64) * stride_y + o + n0 + n[None, :]
     mask = t_mask[:, None] & (n[None, :] < n_cols)
@@ -308,7 +501,9 @@ def _block(limit: int, n: int, floor: int = 1) -> int:
 
 def _check_common(out: Tensor, inp: Tensor, pool: Tensor, page_table: Tensor, indices: LoraIndices) -> None:
     T = inp.shape[0]
-    assert out.dim() == 2 and inp.dim() == 2 and out.shape[0] == T, f"rows differ: {tuple(out.shape)} vs {tuple(inp.shape)}"
+    assert out.dim() == 2 and inp.dim() == 2 and out.shape[0] == T, (
+        f"rows differ: {tuple(out.shape)} vs {tuple(inp.shape)}"
+    )
     assert out.stride(1) == 1 and inp.stride(1) == 1, "rows of the activations must be contiguous"
     assert inp.dtype == out.dtype == pool.dtype and pool.dtype in (torch.float16, torch.bfloat16, torch.float32), (
         f"activations and pool must share one float dtype; got {inp.dtype}, {out.dtype}, {pool.dtype}"
@@ -360,16 +555,40 @@ def lora_shrink(
     if indices.segment_table is None:
         block_r, block_k = BGMV_SHRINK_TILE
         grid = (T, min(triton.cdiv(R, block_r), BGMV_ROW_PROGRAMS))
-        _bgmv_shrink_kernel[grid](h, x, pool, page_table, indices.token_slot, a_offset, a_rows, *common,
-                                  **consts, BLOCK_R=block_r, BLOCK_K=_block(block_k, d_in), num_warps=8)
+        _bgmv_shrink_kernel[grid](
+            h,
+            x,
+            pool,
+            page_table,
+            indices.token_slot,
+            a_offset,
+            a_rows,
+            *common,
+            **consts,
+            BLOCK_R=block_r,
+            BLOCK_K=_block(block_k, d_in),
+            num_warps=8,
+        )
         return
     if not indices.segments:
         return
     longest = max(end - start for start, end, _ in indices.segments)
     block_t = _block(32, longest, floor=16)
     grid = (len(indices.segments), triton.cdiv(longest, block_t), triton.cdiv(R, 16))
-    _sgmv_shrink_kernel[grid](h, x, pool, page_table, indices.segment_table, a_offset, a_rows, *common,
-                              **consts, BLOCK_T=block_t, BLOCK_R=16, BLOCK_K=_block(64, d_in, 16))
+    _sgmv_shrink_kernel[grid](
+        h,
+        x,
+        pool,
+        page_table,
+        indices.segment_table,
+        a_offset,
+        a_rows,
+        *common,
+        **consts,
+        BLOCK_T=block_t,
+        BLOCK_R=16,
+        BLOCK_K=_block(64, d_in, 16),
+    )
 
 
 def lora_expand(
@@ -397,10 +616,16 @@ def lora_expand(
     assert 1 <= M <= _MAX_MODULES and out_start[0] == 0 and list(out_start) == sorted(out_start)
     assert out_start[-1] < y.shape[1], f"out_start {out_start} must lie inside y's {y.shape[1]} columns"
     shape = (page_table.shape[0], M)
-    for name, t, dtype in (("b_offset", b_offset, torch.int64), ("rank", rank, torch.int32),
-                           ("h_start", h_start, torch.int32), ("scale", scale, torch.float32)):
+    for name, t, dtype in (
+        ("b_offset", b_offset, torch.int64),
+        ("rank", rank, torch.int32),
+        ("h_start", h_start, torch.int32),
+        ("scale", scale, torch.float32),
+    ):
         assert t.shape == shape and t.dtype == dtype, f"{name} must be {shape} {dtype}; got {tuple(t.shape)} {t.dtype}"
-        assert t.stride() == b_offset.stride() and t.device == y.device, f"{name} must share b_offset's stride and device"
+        assert t.stride() == b_offset.stride() and t.device == y.device, (
+            f"{name} must share b_offset's stride and device"
+        )
     T, N = y.shape
     if T == 0:
         return
@@ -414,9 +639,21 @@ def lora_expand(
     if indices.segment_table is None:
         block_n = _block(BGMV_EXPAND_BLOCK_N, max(widths))
         n_blocks = triton.cdiv(max(widths), block_n)
-        _bgmv_expand_kernel[(T, M * n_blocks)](y, h, pool, page_table, indices.token_slot, *tables, *starts,
-                                               *widths_arg, n_blocks, *strides, **consts,
-                                               BLOCK_N=block_n, BLOCK_RANK=16)
+        _bgmv_expand_kernel[(T, M * n_blocks)](
+            y,
+            h,
+            pool,
+            page_table,
+            indices.token_slot,
+            *tables,
+            *starts,
+            *widths_arg,
+            n_blocks,
+            *strides,
+            **consts,
+            BLOCK_N=block_n,
+            BLOCK_RANK=16,
+        )
         return
     if not indices.segments:
         return
@@ -425,6 +662,19 @@ def lora_expand(
     block_n = _block(64, max(widths), floor=16)
     n_blocks = triton.cdiv(max(widths), block_n)
     grid = (len(indices.segments), triton.cdiv(longest, block_t), M * n_blocks)
-    _sgmv_expand_kernel[grid](y, h, pool, page_table, indices.segment_table, *tables, *starts, *widths_arg,
-                              n_blocks, *strides, **consts,
-                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_RANK=16)
+    _sgmv_expand_kernel[grid](
+        y,
+        h,
+        pool,
+        page_table,
+        indices.segment_table,
+        *tables,
+        *starts,
+        *widths_arg,
+        n_blocks,
+        *strides,
+        **consts,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        BLOCK_RANK=16,
+    )

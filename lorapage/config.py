@@ -53,7 +53,9 @@ class EngineConfig:
             if getattr(self, name) not in values:
                 raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"EngineConfig.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
         positive = ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras", "io_threads")

@@ -9,13 +9,13 @@ Adapter loads run beside it (see :mod:`lorapage.adapters.cache`) and never block
 from __future__ import annotations
 
 import asyncio
-import logging
 import itertools
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterable, Mapping
 
 import torch
 
@@ -103,30 +103,48 @@ class Engine:
             )
         # Weights first: on CUDA the pool is sized from the memory they leave.
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
-        self.pool = PagePool(mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size,
-                             self.dtype, self.device)
+        self.pool = PagePool(
+            mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size, self.dtype, self.device
+        )
         self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
         self.ops = select_backend(config.kernel_backend, self.device)
         self.runner = ModelRunner(
-            model, self.pool, self.tables, self.ops, bs, config.max_num_seqs,
-            self.max_num_batched_tokens, max_blocks, lora_h_width(mc, config.max_lora_rank),
+            model,
+            self.pool,
+            self.tables,
+            self.ops,
+            bs,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            max_blocks,
+            lora_h_width(mc, config.max_lora_rank),
         )
         if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
-        self._forward = ThreadPoolExecutor(1, thread_name_prefix="lorapage-forward", initializer=_bind_thread,
-                                           initargs=(self.device,))
+        self._forward = ThreadPoolExecutor(
+            1, thread_name_prefix="lorapage-forward", initializer=_bind_thread, initargs=(self.device,)
+        )
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
         self.adapters = AdapterCache(
-            mc, self.pool, self.tables,
-            max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras, max_lora_rank=config.max_lora_rank,
+            mc,
+            self.pool,
+            self.tables,
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank,
             slot_wait_s=config.adapter_wait_s,
-            dtype=self.dtype, io_executor=self._io, run_on_device=self._run_on_device,
-            on_ready=self._wake_up, clock=clock,
+            dtype=self.dtype,
+            io_executor=self._io,
+            run_on_device=self._run_on_device,
+            on_ready=self._wake_up,
+            clock=clock,
         )
         self.scheduler_metrics = SchedulerMetrics()
         self.policy = make_policy(
-            config.scheduler, vtc=VtcConfig(max_loras=config.max_loras), tenant_weights=tenant_weights,
+            config.scheduler,
+            vtc=VtcConfig(max_loras=config.max_loras),
+            tenant_weights=tenant_weights,
             metrics=self.scheduler_metrics,
         )
         self.state = StepState(self)
@@ -146,11 +164,22 @@ class Engine:
             return min(want, CPU_POOL_BYTES // per_page)
         free, total = torch.cuda.mem_get_info(self.device)
         activations = step_activation_bytes(
-            self.max_num_batched_tokens, self.config.max_num_seqs, mc.hidden_size, mc.q_size + 2 * mc.kv_size,
-            mc.intermediate_size, mc.vocab_size, elem,
+            self.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            mc.hidden_size,
+            mc.q_size + 2 * mc.kv_size,
+            mc.intermediate_size,
+            mc.vocab_size,
+            elem,
         )
-        return pages_for_memory(want, per_page, total=total, free=free,
-                                utilization=self.config.gpu_memory_utilization, activations=activations)
+        return pages_for_memory(
+            want,
+            per_page,
+            total=total,
+            free=free,
+            utilization=self.config.gpu_memory_utilization,
+            activations=activations,
+        )
 
     @property
     def digest(self) -> str:
@@ -216,13 +245,17 @@ class Engine:
                 self.abort(req.request_id)
 
     def generate_batch(
-        self, items: Iterable[tuple[str | list[int], str | None]], sampling: SamplingParams | None = None,
-        *, tenant: str | None = None,
+        self,
+        items: Iterable[tuple[str | list[int], str | None]],
+        sampling: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
     ) -> list[RequestOutput]:
         """Run ``(prompt, adapter)`` pairs together and return their final outputs, in order.
 
         For plain scripts: call it where no event loop is running in this thread.
         """
+
         async def one(prompt, adapter):
             last = None
             async for last in self.generate(prompt, adapter, sampling, tenant=tenant):

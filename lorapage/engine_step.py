@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lorapage.errors import LorapageError
 from lorapage.memory.kv import blocks_needed, free_block_table, grow_block_table
 from lorapage.model.runner import StepPlan
 from lorapage.model.sampler import TokenLogprob
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
 class StepState:
     """Requests in flight and the step-by-step transitions between waiting, running and finished."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -181,7 +180,7 @@ class StepState:
             reason = "stop"
         cut = _find_stop(req.text, p.stop, req.sent_len)
         if cut is not None:
-            req.text = req.text[:cut[1] if p.include_stop_str_in_output else cut[0]]
+            req.text = req.text[: cut[1] if p.include_stop_str_in_output else cut[0]]
             reason = "stop"
         if reason is None and (len(req.output_ids) >= p.max_tokens or req.num_tokens >= e.max_model_len):
             reason = "length"

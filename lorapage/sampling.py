@@ -54,9 +54,7 @@ class SamplingParams:
         )
         for ok, name, expected in checks:
             if not ok:
-                raise InvalidRequestError(
-                    f"{name} must be {expected}; got {getattr(self, name)!r}", param=name
-                )
+                raise InvalidRequestError(f"{name} must be {expected}; got {getattr(self, name)!r}", param=name)
 
     @property
     def greedy(self) -> bool:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 DEFAULT_TENANT = "default"  # the embedded engine's tenant when none is named
 

@@ -237,7 +237,13 @@ def answer_ids(tok: LorapageTokenizer, phrase: str) -> list[int]:
 
 
 def train(
-    model: torch.nn.Module, tok: LorapageTokenizer, phrase: str, steps: int, lr: float, seed: int, known: tuple[str, ...] = ()
+    model: torch.nn.Module,
+    tok: LorapageTokenizer,
+    phrase: str,
+    steps: int,
+    lr: float,
+    seed: int,
+    known: tuple[str, ...] = (),
 ) -> None:
     """Teach ``model`` (its trainable parameters) to answer every prompt with ``phrase`` + EOS."""
     answer = answer_ids(tok, phrase)
@@ -247,7 +253,8 @@ def train(
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+        opt,
+        lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup))),
     )
     model.train()
     for _ in range(steps):

@@ -13,19 +13,37 @@ from lorapage.tiny import TINY_BASE_DIR
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def make_random_llama(path: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                      intermediate: int = 96, vocab: int | None = None, seed: int = 0, **extra) -> Path:
+def make_random_llama(
+    path: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 96,
+    vocab: int | None = None,
+    seed: int = 0,
+    **extra,
+) -> Path:
     """A random Llama-shaped checkpoint saved by transformers, with the tiny model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = vocab or json.loads((TINY_BASE_DIR / "config.json").read_text())["vocab_size"]
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-        tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=None, **extra,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+        bos_token_id=None,
+        **extra,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger-than-default weights so outputs are not near-uniform
@@ -38,16 +56,23 @@ def make_random_llama(path: Path, *, layers: int = 2, hidden: int = 64, heads: i
     return path
 
 
-def make_peft_adapter(base_dir: Path, path: Path, *, r: int, targets: list[str], seed: int, alpha: float | None = None,
-                      **lora_kwargs) -> Path:
+def make_peft_adapter(
+    base_dir: Path, path: Path, *, r: int, targets: list[str], seed: int, alpha: float | None = None, **lora_kwargs
+) -> Path:
     """A PEFT LoRA adapter with random (non-zero) A and B, saved by peft."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else 2 * r, target_modules=targets,
-                     lora_dropout=0.0, init_lora_weights=False, **lora_kwargs)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha if alpha is not None else 2 * r,
+        target_modules=targets,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        **lora_kwargs,
+    )
     model = get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -59,8 +84,9 @@ def make_peft_adapter(base_dir: Path, path: Path, *, r: int, targets: list[str],
     return path
 
 
-def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt: list[int], max_tokens: int,
-                merged: bool = False) -> tuple[list[int], list[float]]:
+def peft_greedy(
+    base_dir: Path, adapter_dir: Path | None, prompt: list[int], max_tokens: int, merged: bool = False
+) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probabilities from transformers (+ peft), one row alone."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -35,8 +35,11 @@ os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, even on a machine with
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from lorapage.kernels import LoraIndices  # noqa: E402
-from lorapage.kernels import attention_triton, lora_triton  # noqa: E402
+from lorapage.kernels import (  # noqa: E402
+    LoraIndices,  # noqa: E402
+    attention_triton,
+    lora_triton,
+)
 
 SKIP = 77
 KERNELS = {
@@ -91,8 +94,10 @@ def record_launches(shape: Shape, calls: list) -> None:
     slots, pages_per_slot = 4, 8
     page_table = torch.zeros(slots, pages_per_slot, dtype=torch.int32)
     groups = (  # (d_in, module widths) in the model's order: qkv, o, gate_up, down
-        (s.hidden, (q_size, kv_size, kv_size)), (q_size, (s.hidden,)),
-        (s.hidden, (s.intermediate, s.intermediate)), (s.intermediate, (s.hidden,)),
+        (s.hidden, (q_size, kv_size, kv_size)),
+        (q_size, (s.hidden,)),
+        (s.hidden, (s.intermediate, s.intermediate)),
+        (s.intermediate, (s.hidden,)),
     )
     num_modules = sum(len(w) for _, w in groups)
     # Strided views of [layers, slots, groups | modules] tables, exactly as the model slices them.
@@ -114,8 +119,18 @@ def record_launches(shape: Shape, calls: list) -> None:
             m1 = m0 + len(widths)
             lora_triton.lora_shrink(h[:tokens], x, pool, page_table, indices, a_offset[1, :, g], a_rows[1, :, g])
             starts = tuple(sum(widths[:i]) for i in range(len(widths)))
-            lora_triton.lora_expand(y, h[:tokens], pool, page_table, indices, b_offset[1, :, m0:m1],
-                                    rank[1, :, m0:m1], h_start[1, :, m0:m1], scale[1, :, m0:m1], starts)
+            lora_triton.lora_expand(
+                y,
+                h[:tokens],
+                pool,
+                page_table,
+                indices,
+                b_offset[1, :, m0:m1],
+                rank[1, :, m0:m1],
+                h_start[1, :, m0:m1],
+                scale[1, :, m0:m1],
+                starts,
+            )
             m0 = m1
     # Attention reads q, k, v as slices of the fused qkv output, as the model passes them.
     qkv = torch.zeros(32, q_size + 2 * kv_size, dtype=dt)
@@ -125,8 +140,9 @@ def record_launches(shape: Shape, calls: list) -> None:
     kv = pool.view(pool.shape[0], 2, s.block_size, s.kv_heads, s.head_dim)
     attention_triton.write_kv(kv, k, v, torch.zeros(32, dtype=torch.int64))
     block_tables = torch.zeros(64, 256, dtype=torch.int32)[:32]
-    attention_triton.paged_decode_attention(torch.empty_like(q), q, kv, block_tables,
-                                            torch.ones(32, dtype=torch.int32), s.head_dim**-0.5)
+    attention_triton.paged_decode_attention(
+        torch.empty_like(q), q, kv, block_tables, torch.ones(32, dtype=torch.int32), s.head_dim**-0.5
+    )
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:
@@ -135,8 +151,9 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     return {key: int(value) for key, value in re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", text)}
 
 
@@ -164,8 +181,10 @@ def main() -> int:
     seen: dict[str, dict] = {}
     failures = []
     print(f"triton {triton.__version__}, target sm_{args.arch}")
-    print(f"{'kernel':<22} {'signature (pointers)':<28} {'constexprs':<52} {'regs':>4} {'smem':>6} {'local':>5} "
-          f"{'16B':>4} {'s':>5}")
+    print(
+        f"{'kernel':<22} {'signature (pointers)':<28} {'constexprs':<52} {'regs':>4} {'smem':>6} {'local':>5} "
+        f"{'16B':>4} {'s':>5}"
+    )
     for fn, grid, call_args, kwargs in calls:
         if not hasattr(fn, "_pack_args"):
             print(f"this Triton ({triton.__version__}) has no JITFunction._pack_args")
@@ -174,15 +193,17 @@ def main() -> int:
         bound, specialization, options = binder(*call_args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
         pointers = ",".join(t[1:] for t in signature.values() if t.startswith("*"))
-        consts = ",".join(f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items()
-                          if fn.arg_names[path[0]].isupper())
+        consts = ",".join(
+            f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items() if fn.arg_names[path[0]].isupper()
+        )
         key = f"{fn.__name__}|{signature}|{constexprs}|{attrs}|{options.num_warps}"
         if key in seen:
             continue
         start = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
+            compiled = triton.compile(
+                ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+            )
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             failures.append(f"{fn.__name__} ({pointers}; {consts}): {type(e).__name__}: {e}")
             print(f"{fn.__name__:<22} {pointers:<28} {consts:<52} FAILED: {type(e).__name__}")
@@ -192,20 +213,40 @@ def main() -> int:
         ptx = compiled.asm["ptx"]
         # 16-byte accesses: vector loads, or the async copies software pipelining turns them into.
         wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global", ptx))
-        row = dict(kernel=fn.__name__, pointers=pointers, constexprs=consts, num_warps=options.num_warps,
-                   registers=usage.get("REG", 0), shared=compiled.metadata.shared, local=usage.get("LOCAL", 0),
-                   wide_loads=wide, seconds=round(time.perf_counter() - start, 2))
+        row = dict(
+            kernel=fn.__name__,
+            pointers=pointers,
+            constexprs=consts,
+            num_warps=options.num_warps,
+            registers=usage.get("REG", 0),
+            shared=compiled.metadata.shared,
+            local=usage.get("LOCAL", 0),
+            wide_loads=wide,
+            seconds=round(time.perf_counter() - start, 2),
+        )
         seen[key] = row
-        print(f"{fn.__name__:<22} {pointers:<28} {consts:<52} {row['registers']:>4} {row['shared']:>6} "
-              f"{row['local']:>5} {row['wide_loads']:>4} {row['seconds']:>5}")
+        print(
+            f"{fn.__name__:<22} {pointers:<28} {consts:<52} {row['registers']:>4} {row['shared']:>6} "
+            f"{row['local']:>5} {row['wide_loads']:>4} {row['seconds']:>5}"
+        )
         if row["registers"] * threads > REGISTERS_PER_SM:
             failures.append(f"{fn.__name__} ({consts}): {row['registers']} registers x {threads} threads > one SM")
         if row["shared"] > SHARED_PER_BLOCK.get(args.arch, 99 * 1024):
             failures.append(f"{fn.__name__} ({consts}): {row['shared']} bytes of shared memory > one block's")
     for failure in failures:
         print("FAILED", failure)
-    print(json.dumps({"check": "kernel_compile", "triton": triton.__version__, "arch": args.arch,
-                      "compiled": len(seen), "failures": failures, "kernels": list(seen.values())}))
+    print(
+        json.dumps(
+            {
+                "check": "kernel_compile",
+                "triton": triton.__version__,
+                "arch": args.arch,
+                "compiled": len(seen),
+                "failures": failures,
+                "kernels": list(seen.values()),
+            }
+        )
+    )
     return 1 if failures else 0
 
 

@@ -7,9 +7,10 @@ Tenants: ``alpha`` owns the ``acme`` and ``globex`` demo adapters, ``beta`` owns
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest_asyncio
@@ -27,15 +28,15 @@ TENANTS_TOML = f"""
 key_sha256 = ["{hash_key(ADMIN_KEY)}"]
 
 [tenants.alpha]
-key_sha256 = ["{hash_key(KEYS['alpha'])}"]
+key_sha256 = ["{hash_key(KEYS["alpha"])}"]
 adapters = ["acme", "globex"]
 
 [tenants.beta]
-key_sha256 = ["{hash_key(KEYS['beta'])}"]
+key_sha256 = ["{hash_key(KEYS["beta"])}"]
 adapters = ["initech"]
 
 [tenants.gamma]  # base model only, two requests per minute
-key_sha256 = ["{hash_key(KEYS['gamma'])}"]
+key_sha256 = ["{hash_key(KEYS["gamma"])}"]
 adapters = []
 rpm = 2
 """
@@ -122,7 +123,7 @@ async def read_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             return
         yield json.loads(data)

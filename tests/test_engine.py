@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
-
 from engine_util import collect, tiny_engine
+
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.errors import (
     AdapterFormatError,
@@ -63,8 +63,12 @@ async def test_bad_input_raises_specific_errors_and_engine_keeps_serving(tmp_pat
     with pytest.raises(PromptTooLongError):
         await collect(engine, [5] * (engine.max_model_len - 2), None, SamplingParams(max_tokens=8))
     with pytest.raises(PromptTooLongError, match="whole pool"):
-        await collect(Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, num_pages=4)), [5] * 10, None,
-                      SamplingParams(max_tokens=20))
+        await collect(
+            Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, num_pages=4)),
+            [5] * 10,
+            None,
+            SamplingParams(max_tokens=20),
+        )
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(max_tokens=0)
     assert e.value.param == "max_tokens"
@@ -141,8 +145,9 @@ async def test_preemption_under_a_tiny_pool_keeps_greedy_outputs(scheduler):
     # Room for the three adapters and a handful of KV blocks: sequences must take turns.
     need = sum(roomy.adapter_info(a).num_pages for a in DEMO_MARKERS)
     tight = tiny_engine(scheduler=scheduler, num_pages=1 + need + 24)
-    outs = await asyncio.gather(*(collect(tight, p, a, params, tenant=f"t{i % 3}") for i, (p, a) in
-                                  enumerate(zip(prompts, adapters))))
+    outs = await asyncio.gather(
+        *(collect(tight, p, a, params, tenant=f"t{i % 3}") for i, (p, a) in enumerate(zip(prompts, adapters)))
+    )
     assert tight.stats()["preemptions"] > 0
     assert [o.token_ids for o, _ in outs] == alone
     await tight.close()

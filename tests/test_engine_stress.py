@@ -14,8 +14,8 @@ import asyncio
 import random
 
 import pytest
-
 from engine_util import tiny_engine
+
 from lorapage import SamplingParams
 from lorapage.errors import AdapterBusyError
 from lorapage.memory.pool import PageKind
@@ -44,8 +44,9 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     two_largest = sum(sorted(probe.adapter_info(a).num_pages for a in ADAPTERS[1:])[-2:])
     await probe.close()
     # Room for the two largest adapters and a few short sequences: preemption happens.
-    engine = tiny_engine(scheduler=scheduler, max_loras=2, max_num_seqs=6, adapter_wait_s=0.02,
-                         num_pages=1 + two_largest + 12)
+    engine = tiny_engine(
+        scheduler=scheduler, max_loras=2, max_num_seqs=6, adapter_wait_s=0.02, num_pages=1 + two_largest + 12
+    )
     rng = random.Random(7)
     outcomes: list[tuple[str, object]] = []
 
@@ -55,8 +56,13 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
         max_tokens = rng.randint(1, 40)
         mode = rng.choice(["read", "read", "read", "break", "abort"])
         rid = f"r{i}"
-        gen = engine.generate(PROMPTS[p], adapter, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                              tenant=f"t{i % 3}", request_id=rid)
+        gen = engine.generate(
+            PROMPTS[p],
+            adapter,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            tenant=f"t{i % 3}",
+            request_id=rid,
+        )
         last, seen = None, 0
         try:
             async for last in gen:

@@ -33,7 +33,10 @@ def test_triton_backend_has_every_op() -> None:
     ops = select_backend("triton", device)
     assert isinstance(ops, KernelOps) and ops.name == "triton"
     assert [getattr(ops, op).__module__.rsplit(".", 1)[-1] for op in OPS[:4]] == [
-        "lora_triton", "lora_triton", "attention_triton", "attention_triton"
+        "lora_triton",
+        "lora_triton",
+        "attention_triton",
+        "attention_triton",
     ]
 
 

@@ -20,15 +20,26 @@ import pytest
 from lorapage.kernels.backend import triton_available
 
 HERE = Path(__file__).resolve().parent
-KERNELS = {"_bgmv_shrink_kernel", "_sgmv_shrink_kernel", "_bgmv_expand_kernel", "_sgmv_expand_kernel",
-           "_write_kv_kernel", "_paged_decode_kernel"}
+KERNELS = {
+    "_bgmv_shrink_kernel",
+    "_sgmv_shrink_kernel",
+    "_bgmv_expand_kernel",
+    "_sgmv_expand_kernel",
+    "_write_kv_kernel",
+    "_paged_decode_kernel",
+}
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    run = subprocess.run([sys.executable, str(HERE / "kernel_compile.py"), "--arch", "90"], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(HERE / "kernel_compile.py"), "--arch", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if run.returncode == 77:
         pytest.skip(run.stdout.strip().splitlines()[-1])
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -44,6 +55,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     # Every bf16 LoRA kernel at 7B sizes reads 16 bytes at a time somewhere. (Coarse: it counts
     # activation loads too. With Triton 3.6 a tl.multiple_of hint on an inlined helper's result was
     # lost and the pool tiles fell to 2-byte loads; the kernels now state alignment arithmetically.)
-    narrow = [k for k in kernels if "gmv_" in k["kernel"] and k["pointers"].startswith("bf16")
-              and "PAGE=131072" in k["constexprs"] and not k["wide_loads"]]
+    narrow = [
+        k
+        for k in kernels
+        if "gmv_" in k["kernel"]
+        and k["pointers"].startswith("bf16")
+        and "PAGE=131072" in k["constexprs"]
+        and not k["wide_loads"]
+    ]
     assert not narrow, narrow

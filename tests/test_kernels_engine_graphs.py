@@ -5,8 +5,8 @@ arithmetic)."""
 from __future__ import annotations
 
 import pytest
-
 from engine_util import tiny_engine
+
 from lorapage import SamplingParams
 from lorapage.model.cuda_graphs import batch_buckets
 

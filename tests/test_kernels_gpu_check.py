@@ -17,9 +17,16 @@ from lorapage.kernels.backend import triton_available
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = (
-    "base_gemm_us", "lora_all_distinct_us", "lora_all_one_us", "ratio_distinct_vs_one_all",
-    "fraction_of_base_attention", "fraction_of_base_all", "fraction_of_copy_bandwidth",
-    "target_ratio", "target_fraction_attention", "target_fraction_all",
+    "base_gemm_us",
+    "lora_all_distinct_us",
+    "lora_all_one_us",
+    "ratio_distinct_vs_one_all",
+    "fraction_of_base_attention",
+    "fraction_of_base_all",
+    "fraction_of_copy_bandwidth",
+    "target_ratio",
+    "target_fraction_attention",
+    "target_fraction_all",
 )
 
 
@@ -27,8 +34,9 @@ FIGURES = (
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_gpu_check_script_runs_tiny(tmp_path: Path) -> None:
     env = dict(os.environ, GPU_CHECK_TINY="1", OUT=str(tmp_path))
-    run = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     summary = lines[max(i for i, line in enumerate(lines) if line.startswith("gpu_check on")) :]

@@ -19,8 +19,8 @@ import asyncio
 
 import pytest
 import torch
-
 from engine_util import tiny_engine
+
 from lorapage import SamplingParams
 from lorapage.kernels.backend import triton_available
 from lorapage.memory.pool import PageKind
@@ -46,8 +46,14 @@ class Recording:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.log.append((self.fn.__name__, tuple(grid), tuple(map(self.describe, args)),
-                             tuple(sorted((k, self.describe(v)) for k, v in kwargs.items()))))
+            self.log.append(
+                (
+                    self.fn.__name__,
+                    tuple(grid),
+                    tuple(map(self.describe, args)),
+                    tuple(sorted((k, self.describe(v)) for k, v in kwargs.items())),
+                )
+            )
             return self.fn[grid](*args, **kwargs)
 
         return launch
@@ -56,10 +62,23 @@ class Recording:
 def static_buffers(engine) -> dict[int, str]:
     """Storage address -> name of every buffer a captured graph may read or write."""
     r, t = engine.runner, engine.tables
-    named = dict(input_ids=r.input_ids, positions=r.positions, slot_mapping=r.slot_mapping, token_slot=r.token_slot,
-                 block_tables=r.block_tables, context_lens=r.context_lens, lora_h=r.lora_h, pool=r.pool.storage,
-                 page_table=t.page_table, a_offset=t.a_offset, a_rows=t.a_rows, b_offset=t.b_offset, rank=t.rank,
-                 h_start=t.h_start, scale=t.scale)
+    named = dict(
+        input_ids=r.input_ids,
+        positions=r.positions,
+        slot_mapping=r.slot_mapping,
+        token_slot=r.token_slot,
+        block_tables=r.block_tables,
+        context_lens=r.context_lens,
+        lora_h=r.lora_h,
+        pool=r.pool.storage,
+        page_table=t.page_table,
+        a_offset=t.a_offset,
+        a_rows=t.a_rows,
+        b_offset=t.b_offset,
+        rank=t.rank,
+        h_start=t.h_start,
+        scale=t.scale,
+    )
     return {tensor.untyped_storage().data_ptr(): name for name, tensor in named.items()}
 
 

@@ -9,10 +9,9 @@ are swapped in the same pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-import numpy as np
 import pytest
 import torch
 
@@ -33,10 +32,22 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def model_config(hidden: int, inter: int, heads: int, kv_heads: int, layers: int) -> ModelConfig:
     return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=256, hidden_size=hidden, intermediate_size=inter,
-        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads, rms_norm_eps=1e-5,
-        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=False,
-        attention_bias=False, bos_token_id=1, eos_token_ids=(2,),
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     )
 
 
@@ -83,8 +94,15 @@ def load_adapter(res: Resident, slot: int, ranks: dict[str, int], pages: list[in
     """Pack an adapter into ``pages`` and point ``slot`` at it (what the adapter cache does)."""
     model, page_size = res.model, res.storage.shape[2]
     tensors, scales = adapter_weights(model, ranks, gen, res.storage.dtype)
-    spec = AdapterSpec(path=None, weights_file=None, ranks={k: v[0].shape[0] for k, v in tensors.items()},
-                       scales=scales, target_modules=tuple(ranks), max_rank=max(ranks.values()), size_bytes=0)
+    spec = AdapterSpec(
+        path=None,
+        weights_file=None,
+        ranks={k: v[0].shape[0] for k, v in tensors.items()},
+        scales=scales,
+        target_modules=tuple(ranks),
+        max_rank=max(ranks.values()),
+        size_bytes=0,
+    )
     layout = AdapterLayout.plan(spec, model, page_size)
     assert layout.num_pages <= len(pages), f"{layout.num_pages} pages needed, {len(pages)} given"
     packed = layout.pack(tensors, page_size).to(res.storage.device)
@@ -94,8 +112,14 @@ def load_adapter(res: Resident, slot: int, ranks: dict[str, int], pages: list[in
     res.weights[slot], res.scales[slot], res.pages[slot] = tensors, scales, used
 
 
-def make_resident(model: ModelConfig, slot_ranks: list[dict[str, int]], dtype: torch.dtype, page_size: int,
-                  seed: int, kv_pages: int = 0) -> Resident:
+def make_resident(
+    model: ModelConfig,
+    slot_ranks: list[dict[str, int]],
+    dtype: torch.dtype,
+    page_size: int,
+    seed: int,
+    kv_pages: int = 0,
+) -> Resident:
     """Slots 1.. hold the given adapters; odd slots get scattered pages, even slots one run. The
     last ``kv_pages`` pages of the pool are left for KV blocks."""
     gen = torch.Generator().manual_seed(seed)
@@ -117,8 +141,9 @@ def make_resident(model: ModelConfig, slot_ranks: list[dict[str, int]], dtype: t
     return res
 
 
-def expected_group(res: Resident, layer: int, group: int, x: torch.Tensor, y: torch.Tensor,
-                   token_slot: list[int]) -> torch.Tensor:
+def expected_group(
+    res: Resident, layer: int, group: int, x: torch.Tensor, y: torch.Tensor, token_slot: list[int]
+) -> torch.Tensor:
     """``y + scale * x @ A.T @ B.T`` per module and token, in float64."""
     out = y.double().clone()
     dims = res.model.module_dims()
@@ -134,16 +159,34 @@ def expected_group(res: Resident, layer: int, group: int, x: torch.Tensor, y: to
     return out
 
 
-def run_group(ops: tuple, res: Resident, layer: int, group: int, x: torch.Tensor, y: torch.Tensor,
-              h: torch.Tensor, indices: LoraIndices) -> None:
+def run_group(
+    ops: tuple,
+    res: Resident,
+    layer: int,
+    group: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    indices: LoraIndices,
+) -> None:
     """One group's LoRA update, called as ``LlamaModel._lora`` calls it."""
     shrink, expand = ops
     m0, m1, out_start, _ = group_slices(res.model)[group]
     t = res.tables
     slab = res.storage[layer]
     shrink(h, x, slab, t.page_table, indices, t.a_offset[layer, :, group], t.a_rows[layer, :, group])
-    expand(y, h, slab, t.page_table, indices, t.b_offset[layer, :, m0:m1], t.rank[layer, :, m0:m1],
-           t.h_start[layer, :, m0:m1], t.scale[layer, :, m0:m1], out_start)
+    expand(
+        y,
+        h,
+        slab,
+        t.page_table,
+        indices,
+        t.b_offset[layer, :, m0:m1],
+        t.rank[layer, :, m0:m1],
+        t.h_start[layer, :, m0:m1],
+        t.scale[layer, :, m0:m1],
+        out_start,
+    )
 
 
 def make_indices(token_slot: list[int], sgmv: bool) -> LoraIndices:
@@ -216,7 +259,9 @@ def test_layout_llama7b_shapes(dtype: torch.dtype, sgmv: bool) -> None:
     """Hidden 4096, 32 rows, rank 16 on all modules, 32 distinct adapters (and some base rows)."""
     model = model_config(**LLAMA_7B, layers=1)
     res = make_resident(model, [ALL_RANK_16] * 24, dtype, page_size=16 * 4096, seed=3)
-    token_slot = [0] * 4 + list(range(1, 25)) + [24] * 4 if not sgmv else sorted([1] * 9 + [2] * 40 + [5] * 17 + [0] * 6)
+    token_slot = (
+        [0] * 4 + list(range(1, 25)) + [24] * 4 if not sgmv else sorted([1] * 9 + [2] * 40 + [5] * 17 + [0] * 6)
+    )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     check_all_groups(res, token_slot, sgmv, tol=tol, seed=4)
 
@@ -246,16 +291,19 @@ def test_graph_replay_after_adapter_swap() -> None:
     """Capture a decode step's LoRA + attention, swap adapters in the same pages, replay == eager."""
     model = model_config(**GRAPH_MODEL)
     head_dim, block_size, B = model.head_dim, 16, 32
-    res = make_resident(model, [ALL_RANK_16] * 8, torch.bfloat16, page_size=2 * block_size * model.kv_size, seed=5,
-                        kv_pages=4 * B)
+    res = make_resident(
+        model, [ALL_RANK_16] * 8, torch.bfloat16, page_size=2 * block_size * model.kv_size, seed=5, kv_pages=4 * B
+    )
     dims = model.module_dims()
     token_slot = torch.tensor(sorted(i % 9 for i in range(B)), dtype=torch.int32, device=DEVICE)
     indices = LoraIndices(token_slot, ((0, B, 1),))  # BGMV reads token_slot only
     gen = torch.Generator().manual_seed(6)
     slices = group_slices(model)
     xs = [torch.randn(B, d_in, generator=gen).bfloat16().to(DEVICE) for _, _, _, d_in in slices]
-    ys = [torch.empty(B, sum(dims[m][1] for m in MODULES[m0:m1]), dtype=torch.bfloat16, device=DEVICE)
-          for m0, m1, _, _ in slices]
+    ys = [
+        torch.empty(B, sum(dims[m][1] for m in MODULES[m0:m1]), dtype=torch.bfloat16, device=DEVICE)
+        for m0, m1, _, _ in slices
+    ]
     h = torch.zeros(B, 3 * 64, dtype=torch.bfloat16, device=DEVICE)
     kv_rows = torch.arange(res.storage.shape[1] - 4 * B, res.storage.shape[1]).view(B, 4)
     block_table = torch.zeros(B, 4, dtype=torch.int32, device=DEVICE)

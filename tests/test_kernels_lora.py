@@ -65,7 +65,9 @@ def _place_pages(gen: np.random.Generator, needs: list[int], scattered: list[boo
     return out
 
 
-def make_case(group: str, dtype: torch.dtype, num_adapters: int, gen: np.random.Generator, page_size: int = 128) -> Case:
+def make_case(
+    group: str, dtype: torch.dtype, num_adapters: int, gen: np.random.Generator, page_size: int = 128
+) -> Case:
     d_in, widths = GROUPS[group]
     M = len(widths)
     S = num_adapters + 1
@@ -106,12 +108,17 @@ def make_case(group: str, dtype: torch.dtype, num_adapters: int, gen: np.random.
     pool = (torch.randn(num_pages, page_size) * 0.5).to(dtype)
     on = lambda t: t.to(DEVICE)  # noqa: E731
     return Case(
-        pool=on(pool), page_table=on(page_table),
-        a_offset=on(full_a)[1, :, 2], a_rows=on(full_rows)[1, :, 2],
-        b_offset=on(full_b)[1, :, m0 : m0 + M], rank=on(full_rank)[1, :, m0 : m0 + M],
-        h_start=on(full_hs)[1, :, m0 : m0 + M], scale=on(full_scale)[1, :, m0 : m0 + M],
+        pool=on(pool),
+        page_table=on(page_table),
+        a_offset=on(full_a)[1, :, 2],
+        a_rows=on(full_rows)[1, :, 2],
+        b_offset=on(full_b)[1, :, m0 : m0 + M],
+        rank=on(full_rank)[1, :, m0 : m0 + M],
+        h_start=on(full_hs)[1, :, m0 : m0 + M],
+        scale=on(full_scale)[1, :, m0 : m0 + M],
         out_start=tuple(int(v) for v in np.concatenate(([0], np.cumsum(widths)[:-1]))),
-        d_in=d_in, width=int(a_rows.max()) + 5,
+        d_in=d_in,
+        width=int(a_rows.max()) + 5,
     )
 
 

@@ -14,9 +14,22 @@ from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 
 MODEL = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
-    max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(),
+    architecture="LlamaForCausalLM",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    rope_scaling=None,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=None,
+    eos_token_ids=(),
 )
 PAGE = 64
 
@@ -32,9 +45,15 @@ def build(ranks: list[int], placement: str, seed: int):
     free = list(range(1, num_pages))
     cursor = 1
     for slot, r in enumerate(ranks, start=1):
-        spec = AdapterSpec(path=None, weights_file=None, size_bytes=0, target_modules=MODULES, max_rank=r,
-                           ranks={(l, m): r for l in range(2) for m in MODULES},
-                           scales={(l, m): 0.5 + slot for l in range(2) for m in MODULES})
+        spec = AdapterSpec(
+            path=None,
+            weights_file=None,
+            size_bytes=0,
+            target_modules=MODULES,
+            max_rank=r,
+            ranks={(layer, m): r for layer in range(2) for m in MODULES},
+            scales={(layer, m): 0.5 + slot for layer in range(2) for m in MODULES},
+        )
         layout = AdapterLayout.plan(spec, MODEL, PAGE)
         n = layout.num_pages
         if placement == "stride":
@@ -91,9 +110,21 @@ def test_batched_ops_match_reference(placement, ranks, seq_len, slots, batched, 
                 h = torch.zeros(t, 3 * 16)
                 y = torch.ones(t, sum(widths))
                 shrink(h, x, slab, tables.page_table, idx, tables.a_offset[layer, :, g], tables.a_rows[layer, :, g])
-                expand(y, h, slab, tables.page_table, idx, tables.b_offset[layer, :, m0:m1], tables.rank[layer, :, m0:m1],
-                       tables.h_start[layer, :, m0:m1], tables.scale[layer, :, m0:m1], starts)
+                expand(
+                    y,
+                    h,
+                    slab,
+                    tables.page_table,
+                    idx,
+                    tables.b_offset[layer, :, m0:m1],
+                    tables.rank[layer, :, m0:m1],
+                    tables.h_start[layer, :, m0:m1],
+                    tables.scale[layer, :, m0:m1],
+                    starts,
+                )
                 outs.append(y)
-            torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)  # scale applied before vs after the product
+            torch.testing.assert_close(
+                outs[1], outs[0], rtol=1e-4, atol=1e-4
+            )  # scale applied before vs after the product
             m0 = m1
     assert bool(fallbacks) is not batched

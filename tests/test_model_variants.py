@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from hf_reference import TOKENIZER_FILES, peft_greedy
+
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
@@ -35,7 +35,9 @@ def _check(path, adapter_dir=None, dtype="float32", tol=1e-4):
     if adapter_dir is not None:
         adapter = "a"
         engine.add_adapter(adapter, adapter_dir)
-    outs = engine.generate_batch([(p, adapter) for p in PROMPTS], SamplingParams(max_tokens=5, temperature=0.0, logprobs=0))
+    outs = engine.generate_batch(
+        [(p, adapter) for p in PROMPTS], SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)
+    )
     for prompt, out in zip(PROMPTS, outs):
         tokens, lps = peft_greedy(path, adapter_dir, prompt, 5)
         assert out.token_ids == tokens
@@ -46,11 +48,25 @@ def test_sharded_llama3_rope_scaling(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=257,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                      rope_theta=500000.0)
+    cfg = LlamaConfig(
+        vocab_size=261,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=257,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        rope_theta=500000.0,
+    )
     path = _save(LlamaForCausalLM(cfg), tmp_path / "llama3", max_shard_size="60KB")
     assert (path / "model.safetensors.index.json").exists()
     _check(path)
@@ -60,8 +76,17 @@ def test_qwen2_qkv_bias(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=257)
+    cfg = Qwen2Config(
+        vocab_size=261,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=257,
+    )
     _check(_save(Qwen2ForCausalLM(cfg), tmp_path / "qwen2"))
 
 

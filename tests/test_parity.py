@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
+
 from lorapage import Engine, EngineConfig, SamplingParams
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -15,8 +15,11 @@ ADAPTERS = {
     "attn_r4": (4, ["q_proj", "v_proj"], {}),
     "all_r8": (8, ALL, {}),
     "rslora_r16": (16, ALL, {"use_rslora": True}),
-    "pattern_r64": (64, ALL, {"rank_pattern": {"down_proj": 4, "layers.0.self_attn.k_proj": 2},
-                              "alpha_pattern": {"q_proj": 40}}),
+    "pattern_r64": (
+        64,
+        ALL,
+        {"rank_pattern": {"down_proj": 4, "layers.0.self_attn.k_proj": 2}, "alpha_pattern": {"q_proj": 40}},
+    ),
     "qko_r8": (8, ["q_proj", "k_proj", "o_proj", "up_proj"], {}),
 }
 MAX_TOKENS = 6
@@ -45,7 +48,9 @@ def test_heterogeneous_batch_matches_peft_row_by_row(checkpoint):
         engine.add_adapter(name, path)
     rows = [*adapters, None, *adapters, None]
     prompts = _prompts(len(rows), seed=7)
-    outs = engine.generate_batch(list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0))
+    outs = engine.generate_batch(
+        list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    )
     for prompt, adapter, out in zip(prompts, rows, outs):
         ref_tokens, ref_lps = peft_greedy(base, adapters.get(adapter), prompt, MAX_TOKENS)
         assert out.token_ids == ref_tokens, f"adapter {adapter}"
@@ -54,9 +59,10 @@ def test_heterogeneous_batch_matches_peft_row_by_row(checkpoint):
 
 
 def test_unmerged_equals_merged_copy(checkpoint, tmp_path):
+    import shutil
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    import shutil
 
     base, adapters = checkpoint
     merged_dir = tmp_path / "merged"

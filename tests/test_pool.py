@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
-
 from engine_util import tiny_engine
 from hf_reference import make_peft_adapter
+
 from lorapage import SamplingParams
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.tiny import TINY_BASE_DIR
@@ -141,8 +141,13 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
     for i in range(120):
         rid = f"q{i}"
         params = SamplingParams(max_tokens=rng.randrange(1, 12), temperature=rng.choice([0.0, 0.8]), seed=i)
-        tasks.append(asyncio.create_task(_drain(engine, [rng.randrange(3, 200) for _ in range(rng.randrange(1, 30))],
-                                                rng.choice(names), params, rid)))
+        tasks.append(
+            asyncio.create_task(
+                _drain(
+                    engine, [rng.randrange(3, 200) for _ in range(rng.randrange(1, 30))], rng.choice(names), params, rid
+                )
+            )
+        )
         ids.append(rid)
         if rng.random() < 0.3:
             await asyncio.sleep(0)

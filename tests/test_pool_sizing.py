@@ -28,8 +28,9 @@ def test_a_request_that_fits_is_taken_as_asked():
 
 def test_other_processes_memory_counts_as_used():
     alone = pages_for_memory(10**6, PAGE, total=TOTAL, free=TOTAL - WEIGHTS, utilization=0.9, activations=ACT_7B)
-    shared = pages_for_memory(10**6, PAGE, total=TOTAL, free=TOTAL - WEIGHTS - 40 * GIB, utilization=0.9,
-                              activations=ACT_7B)
+    shared = pages_for_memory(
+        10**6, PAGE, total=TOTAL, free=TOTAL - WEIGHTS - 40 * GIB, utilization=0.9, activations=ACT_7B
+    )
     assert alone - shared == 40 * GIB // PAGE or alone - shared == 40 * GIB // PAGE + 1
 
 

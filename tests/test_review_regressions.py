@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-
 from engine_util import collect, tiny_engine
+
 from lorapage import SamplingParams
 from lorapage.errors import AdapterLoadError, EngineStepError, PromptTooLongError
 from lorapage.model.sampler import SampleRow, sample
@@ -55,8 +55,9 @@ async def test_close_keeps_the_event_loop_serving_while_the_step_in_flight_finis
         return execute(plan)
 
     engine.runner.execute = gated_execute
-    outputs = asyncio.ensure_future(collect(engine, [5, 9, 12, 30], "acme",
-                                            SamplingParams(max_tokens=50, ignore_eos=True)))
+    outputs = asyncio.ensure_future(
+        collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=50, ignore_eos=True))
+    )
     while not entered.is_set():
         await asyncio.sleep(0.005)
     closing = asyncio.ensure_future(engine.close())
@@ -93,8 +94,9 @@ async def test_adapter_copy_failure_returns_its_slot_and_pages():
         await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
     assert engine.pool_free_pages() == free
     engine.adapters._copy_in = real_copy
-    outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4))
-                                  for a in ("acme", "globex")))
+    outs = await asyncio.gather(
+        *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("acme", "globex"))
+    )
     assert all(o.finish_reason == "length" for o, _ in outs)
     await engine.close()
 
@@ -121,8 +123,9 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
             break
         await asyncio.sleep(0.01)
     assert engine.pool_free_pages() == free and len(engine.adapters._free_slots) == slots
-    outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4))
-                                  for a in ("globex", "initech")))
+    outs = await asyncio.gather(
+        *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("globex", "initech"))
+    )
     assert all(o.finish_reason == "length" for o, _ in outs)
     await engine.close()
 
@@ -163,8 +166,9 @@ async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
 
     async def hot(adapter: str, max_tokens: int) -> None:
         while not stop:
-            out, _ = await collect(engine, [5, 9, 12, 30], adapter,
-                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            out, _ = await collect(
+                engine, [5, 9, 12, 30], adapter, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            )
             assert out.finish_reason == "length"
             served[adapter] += 1
 
@@ -217,8 +221,9 @@ async def test_prewarm_does_not_drain_a_busy_adapter():
     draining the adapter that is serving traffic."""
     engine = tiny_engine(max_loras=1, adapter_wait_s=0.02)
     await engine.load_adapter("acme")
-    long = asyncio.ensure_future(collect(engine, [5, 9, 12, 30], "acme",
-                                         SamplingParams(max_tokens=300, ignore_eos=True)))
+    long = asyncio.ensure_future(
+        collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=300, ignore_eos=True))
+    )
     while not engine.adapters.get("acme").running:
         await asyncio.sleep(0.005)
     prewarm = asyncio.ensure_future(engine.load_adapter("globex"))
@@ -263,8 +268,9 @@ async def test_drained_adapter_is_evicted_only_once_the_load_fits():
     the busy small one, KV admissions leave room for the load meanwhile, and the small adapter
     is evicted only when its pages complete the room (not earlier, which handed the slot straight
     back to its own reload and cycled)."""
-    engine = tiny_engine(max_loras=1, max_num_seqs=8, adapter_wait_s=0.05, scheduler="fcfs",
-                         num_pages=1 + engine_pages("initech") + 7)
+    engine = tiny_engine(
+        max_loras=1, max_num_seqs=8, adapter_wait_s=0.05, scheduler="fcfs", num_pages=1 + engine_pages("initech") + 7
+    )
     await engine.load_adapter("globex")
     stop = False
 
@@ -291,8 +297,10 @@ def engine_pages(adapter: str) -> int:
 def test_seeded_sampling_on_cuda_logits():
     """The request's seeded generator is a CPU generator; sampling CUDA logits with it must work."""
     logits = torch.randn(2, 50, device="cuda")
-    rows = [SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []),
-            SampleRow(SamplingParams(top_p=0.9, top_k=5), None, [])]
+    rows = [
+        SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []),
+        SampleRow(SamplingParams(top_p=0.9, top_k=5), None, []),
+    ]
     tokens, _ = sample(logits, rows)
     again, _ = sample(logits, [SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []), rows[1]])
     assert tokens[0] == again[0]

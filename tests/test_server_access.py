@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from server_harness import BASE, assert_openai_error, running_server, server  # noqa: F401 (the module's fixture)
 
 from lorapage.server.app import STATE
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
-from server_harness import BASE, assert_openai_error, running_server, server  # noqa: F401 (the module's fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,8 +30,9 @@ async def test_other_tenants_adapter_is_indistinguishable_from_a_missing_one(ser
     status_none, missing, _ = await server.post(COMP, _body("nonexistent"), tenant="alpha")
     assert status_other == status_none == 404
     assert other["error"]["message"].replace("initech", "X") == missing["error"]["message"].replace("nonexistent", "X")
-    assert {k: v for k, v in other["error"].items() if k != "message"} == \
-        {k: v for k, v in missing["error"].items() if k != "message"}
+    assert {k: v for k, v in other["error"].items() if k != "message"} == {
+        k: v for k, v in missing["error"].items() if k != "message"
+    }
     # Both tenants may use the base model; each lists only its own adapters.
     assert (await server.post(COMP, _body(BASE), tenant="beta"))[0] == 200
     _, models, _ = await server.request("GET", "/v1/models", headers=server.auth("beta"))
@@ -46,9 +47,15 @@ async def test_keys(server):
 
 
 async def test_admin_routes_refuse_tenant_keys(server):
-    routes = [("GET", "/internal/state"), ("GET", "/v1/adapters/acme"), ("DELETE", "/v1/adapters/acme"),
-              ("POST", "/internal/adapters/acme/load"), ("POST", "/internal/adapters/acme/unload"),
-              ("POST", "/v1/adapters"), ("GET", "/v1/adapters")]
+    routes = [
+        ("GET", "/internal/state"),
+        ("GET", "/v1/adapters/acme"),
+        ("DELETE", "/v1/adapters/acme"),
+        ("POST", "/internal/adapters/acme/load"),
+        ("POST", "/internal/adapters/acme/unload"),
+        ("POST", "/v1/adapters"),
+        ("GET", "/v1/adapters"),
+    ]
     for method, path in routes:
         assert (await server.request(method, path, headers=server.auth("alpha")))[0] == 403, path
         assert (await server.request(method, path))[0] == 401, path
@@ -100,11 +107,17 @@ async def test_registration_refuses_bad_adapters_and_keeps_serving(server, tmp_p
 async def test_register_use_inspect_delete(server, tmp_path):
     path = _copy_demo(tmp_path, "globex")
     status, info, _ = await server.post(
-        "/v1/adapters", {"id": "beta-globex", "path": path.as_uri(), "tenant": "beta"}, tenant=None,
+        "/v1/adapters",
+        {"id": "beta-globex", "path": path.as_uri(), "tenant": "beta"},
+        tenant=None,
         headers=server.admin(),
     )
     assert status == 201, info
-    assert info["id"] == "beta-globex" and info["rank"] == server.engine.adapter_info("globex").rank and info["size_bytes"] > 0
+    assert (
+        info["id"] == "beta-globex"
+        and info["rank"] == server.engine.adapter_info("globex").rank
+        and info["size_bytes"] > 0
+    )
     assert "q_proj" in info["target_modules"] and info["owner"] == "beta" and info["parent"] == BASE
     body = {"model": "beta-globex", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "temperature": 0}
     status, out, headers = await server.post(CHAT, body, tenant="beta")
@@ -136,8 +149,11 @@ def _gate(engine):
 async def test_delete_refuses_busy_adapter_or_drains_it(server, tmp_path):
     path = _copy_demo(tmp_path, "initech")
     admin = server.admin()
-    assert (await server.post("/v1/adapters", {"id": "busy", "path": str(path), "tenant": "beta"},
-                              tenant=None, headers=admin))[0] == 201
+    assert (
+        await server.post(
+            "/v1/adapters", {"id": "busy", "path": str(path), "tenant": "beta"}, tenant=None, headers=admin
+        )
+    )[0] == 201
     release, restore = _gate(server.engine)
     try:
         running = asyncio.create_task(server.post(COMP, _body("busy", max_tokens=8), tenant="beta"))
@@ -172,8 +188,16 @@ async def test_load_unload_and_state(server):
     assert (await server.request("POST", "/internal/adapters/nope/load", headers=admin))[0] == 404
     status, state, _ = await server.request("GET", "/internal/state", headers=admin)
     assert status == 200
-    for key in ("resident_adapters", "host_ram_adapters", "queue_depth", "running", "pool_pages_kv",
-                "pool_pages_adapters", "pool_pages_free", "evictions_per_minute"):
+    for key in (
+        "resident_adapters",
+        "host_ram_adapters",
+        "queue_depth",
+        "running",
+        "pool_pages_kv",
+        "pool_pages_adapters",
+        "pool_pages_free",
+        "evictions_per_minute",
+    ):
         assert key in state["engine"], key
     assert json.dumps(state)
 

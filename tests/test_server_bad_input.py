@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import pytest
-
 from server_harness import ADMIN_KEY, BASE, assert_openai_error, make_engine, running_server, server  # noqa: F401 (the module's fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -37,13 +36,37 @@ CASES = [
     ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
     ("messages not a list", CHAT, chat(messages="hi"), 400, "messages"),
     ("message without role", CHAT, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
-    ("tool role", CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), 400, "messages[0].role"),
+    (
+        "tool role",
+        CHAT,
+        chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]),
+        400,
+        "messages[0].role",
+    ),
     ("made-up role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages[0].role"),
     ("content is a number", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
-    ("image content part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages[0].content[0]"),
-    ("text part with extra key", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]), 400, "messages[0].content[0]"),
+    (
+        "image content part",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "text part with extra key",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
     ("null user content", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "messages[0].content"),
-    ("unknown message field", CHAT, chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]), 400, "messages[0].mood"),
+    (
+        "unknown message field",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x", "mood": "happy"}]),
+        400,
+        "messages[0].mood",
+    ),
     ("model is a number", CHAT, chat(model=7), 400, "model"),
     ("max_tokens is a string", CHAT, chat(max_tokens="10"), 400, "max_tokens"),
     ("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
@@ -66,7 +89,13 @@ CASES = [
     ("n = 0", CHAT, chat(n=0), 400, "n"),
     ("stream is a string", CHAT, chat(stream="yes"), 400, "stream"),
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
-    ("unknown stream option", CHAT, chat(stream=True, stream_options={"chunk_size": 4}), 400, "stream_options.chunk_size"),
+    (
+        "unknown stream option",
+        CHAT,
+        chat(stream=True, stream_options={"chunk_size": 4}),
+        400,
+        "stream_options.chunk_size",
+    ),
     ("five stop sequences", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     ("stop is a number", CHAT, chat(stop=3), 400, "stop"),
     ("empty stop string", CHAT, chat(stop=[""]), 400, "stop"),

@@ -19,8 +19,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        sys.executable,
+        "-m",
+        "lorapage.cli",
+        "serve",
+        "--port",
+        "0",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     seen: dict[str, str] = {}
@@ -53,7 +60,7 @@ async def test_serve_demo_defaults_then_sigterm_mid_stream():
             events = [line for line in rest.splitlines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]"  # finished (or cancelled with an error event), never cut
             for event in events[:-1]:
-                json.loads(event[len("data: "):])
+                json.loads(event[len("data: ") :])
         assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
     finally:
         if proc.returncode is None:
@@ -63,8 +70,16 @@ async def test_serve_demo_defaults_then_sigterm_mid_stream():
 
 async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", "--lora-modules", f"broken={tmp_path}",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "lorapage.cli",
+        "serve",
+        "--port",
+        "0",
+        "--lora-modules",
+        f"broken={tmp_path}",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 2 and b"broken" in err and b"adapter_config.json" in err
@@ -73,20 +88,51 @@ async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
 async def test_engine_flags_reach_the_config_by_their_vllm_names():
     from lorapage.server.serve import _engine_config, build_parser
 
-    args = build_parser().parse_args([
-        "--gpu-memory-utilization", "0.8", "--enforce-eager", "--kernel-backend", "torch", "--num-pages", "512",
-        "--block-size", "8", "--max-num-batched-tokens", "4096", "--adapter-wait-s", "0.5", "--max-loras", "4",
-    ])
+    args = build_parser().parse_args(
+        [
+            "--gpu-memory-utilization",
+            "0.8",
+            "--enforce-eager",
+            "--kernel-backend",
+            "torch",
+            "--num-pages",
+            "512",
+            "--block-size",
+            "8",
+            "--max-num-batched-tokens",
+            "4096",
+            "--adapter-wait-s",
+            "0.5",
+            "--max-loras",
+            "4",
+        ]
+    )
     cfg = _engine_config(args)
-    assert (cfg.gpu_memory_utilization, cfg.enforce_eager, cfg.kernel_backend, cfg.num_pages, cfg.block_size,
-            cfg.max_num_batched_tokens, cfg.adapter_wait_s, cfg.max_loras) == (0.8, True, "torch", 512, 8, 4096, 0.5, 4)
+    assert (
+        cfg.gpu_memory_utilization,
+        cfg.enforce_eager,
+        cfg.kernel_backend,
+        cfg.num_pages,
+        cfg.block_size,
+        cfg.max_num_batched_tokens,
+        cfg.adapter_wait_s,
+        cfg.max_loras,
+    ) == (0.8, True, "torch", 512, 8, 4096, 0.5, 4)
     assert _engine_config(build_parser().parse_args([])).enforce_eager is False  # unset flags keep the defaults
 
 
 async def test_serve_names_a_bad_flag_value():
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", "--gpu-memory-utilization", "1.5",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "lorapage.cli",
+        "serve",
+        "--port",
+        "0",
+        "--gpu-memory-utilization",
+        "1.5",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 1 and b"gpu_memory_utilization must be in (0, 1]" in err

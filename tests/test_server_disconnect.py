@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from server_harness import BASE, make_engine, running_server
 
 from lorapage.server.app import STATE
-from server_harness import BASE, make_engine, running_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -20,8 +20,12 @@ async def _settle(engine, server_state, free_before: int, timeout: float = 20.0)
     deadline = loop.time() + timeout
     while loop.time() < deadline:
         stats = engine.stats()
-        if not server_state.request_ids and stats["running"] == 0 and stats["queue_depth"] == 0 \
-                and engine.pool_free_pages() == free_before:
+        if (
+            not server_state.request_ids
+            and stats["running"] == 0
+            and stats["queue_depth"] == 0
+            and engine.pool_free_pages() == free_before
+        ):
             return
         await asyncio.sleep(0.02)
     raise AssertionError(
@@ -44,8 +48,13 @@ async def test_two_hundred_streams_cut_mid_generation_free_their_pages():
 
             async def cut(i: int) -> None:
                 nonlocal cut_after_first_token
-                body = {"model": MODELS[i % 3], "prompt": f"long story {i} " * 8, "max_tokens": 200,
-                        "temperature": 1.0, "stream": True}
+                body = {
+                    "model": MODELS[i % 3],
+                    "prompt": f"long story {i} " * 8,
+                    "max_tokens": 200,
+                    "temperature": 1.0,
+                    "stream": True,
+                }
                 resp = await srv.session.post(srv.url + "/v1/completions", json=body, headers=srv.auth())
                 assert resp.status == 200
                 await resp.content.readline()  # the first event: generation has started
@@ -61,7 +70,7 @@ async def test_two_hundred_streams_cut_mid_generation_free_their_pages():
             host, port = srv.url.removeprefix("http://").split(":")
             for i in range(10):
                 reader, writer = await asyncio.open_connection(host, int(port))
-                payload = (b'{"model": "acme", "prompt": "early", "max_tokens": 200, "stream": true}')
+                payload = b'{"model": "acme", "prompt": "early", "max_tokens": 200, "stream": true}'
                 writer.write(
                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     + f"Authorization: {srv.auth()['Authorization']}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_harness import BASE, make_engine, read_sse, running_server
 
 MAX_TOKENS = 6

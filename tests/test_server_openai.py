@@ -7,7 +7,6 @@ import asyncio
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI, NotFoundError
-
 from server_harness import BASE, KEYS, expected_text, read_sse, server  # noqa: F401 (the module's fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -32,7 +31,11 @@ async def test_chat_whole_and_streamed(client, model):
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
     stream = await client.chat.completions.create(
-        model=model, messages=CHAT, temperature=0, max_tokens=48, stream=True,
+        model=model,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=48,
+        stream=True,
         stream_options={"include_usage": True},
     )
     pieces, reasons, usage = [], [], None
@@ -54,7 +57,11 @@ async def test_completions_whole_and_streamed(client, model):
     assert whole.usage.prompt_tokens >= 1 and whole.usage.completion_tokens >= 1
 
     stream = await client.completions.create(
-        model=model, prompt="Hello there", temperature=0, max_tokens=48, stream=True,
+        model=model,
+        prompt="Hello there",
+        temperature=0,
+        max_tokens=48,
+        stream=True,
         stream_options={"include_usage": True},
     )
     texts, usage = [], None

@@ -104,7 +104,14 @@ def bursty_trace(seed: int) -> list[SimRequest]:
     """A heavy tenant bursts long requests every 8 s; four light tenants send short ones."""
     rng = random.Random(seed)
     trace = [
-        SimRequest(f"h{b}-{i}", "heavy", "heavy-lora", 8.0 * b + rng.uniform(0, 0.5), rng.randint(256, 1024), rng.randint(64, 512))
+        SimRequest(
+            f"h{b}-{i}",
+            "heavy",
+            "heavy-lora",
+            8.0 * b + rng.uniform(0, 0.5),
+            rng.randint(256, 1024),
+            rng.randint(64, 512),
+        )
         for b in range(4)
         for i in range(120)
     ]
@@ -147,7 +154,11 @@ def hot_stream(seed: int, until: float, rate: float) -> list[SimRequest]:
     trace, t, i = [], 0.0, 0
     while t < until:
         t += rng.expovariate(rate)
-        trace.append(SimRequest(f"hot{i}", f"tenant{i % 3}", f"hot{rng.randrange(5)}", t, rng.randint(16, 128), rng.randint(20, 60)))
+        trace.append(
+            SimRequest(
+                f"hot{i}", f"tenant{i % 3}", f"hot{rng.randrange(5)}", t, rng.randint(16, 128), rng.randint(20, 60)
+            )
+        )
         i += 1
     return trace
 
@@ -208,7 +219,10 @@ def test_random_mixed_load_with_preemption_finishes_everything_under_the_cap(see
 
 def test_recompute_after_preemption_is_not_charged():
     rng = random.Random(8)
-    trace = [SimRequest(f"r{i}", "solo", None, rng.uniform(0, 1.0), rng.randint(8, 200), rng.randint(20, 120)) for i in range(60)]
+    trace = [
+        SimRequest(f"r{i}", "solo", None, rng.uniform(0, 1.0), rng.randint(8, 200), rng.randint(20, 120))
+        for i in range(60)
+    ]
     policy = make_policy("vtc")
     sim = Simulator(policy, SimConfig(max_num_seqs=16, num_kv_pages=60, block_size=16), trace)
     sim.run()

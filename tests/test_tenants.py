@@ -17,10 +17,10 @@ def digest(key: str) -> str:
 
 EXAMPLE = f"""
 [admin]
-key_sha256 = ["{digest('admin-key')}"]
+key_sha256 = ["{digest("admin-key")}"]
 
 [tenants.acme]
-key_sha256 = ["{digest('acme-1')}", "{digest('acme-2').upper()}"]
+key_sha256 = ["{digest("acme-1")}", "{digest("acme-2").upper()}"]
 adapters = ["acme-support"]
 weight = 2
 rpm = 600
@@ -29,7 +29,7 @@ tpm_burst = 50000
 max_concurrency = 32
 
 [tenants.globex]
-key_sha256 = ["{digest('globex-1')}"]
+key_sha256 = ["{digest("globex-1")}"]
 """
 
 

@@ -40,7 +40,9 @@ def prompt_ids(tok, prompt) -> list[int]:
     if isinstance(prompt, str):
         return tok(prompt)["input_ids"]
     # the template writes BOS itself
-    return tok(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    return tok(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+        "input_ids"
+    ]
 
 
 def generate(model, tok, prompt) -> list[int]:

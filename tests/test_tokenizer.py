@@ -69,10 +69,19 @@ def sentencepiece_dir(tmp_path_factory) -> Path:
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
-              "add_eos_token": False, "clean_up_tokenization_spaces": False, "chat_template": LLAMA2_TEMPLATE}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": LLAMA2_TEMPLATE,
+    }
     return write_tokenizer_dir(tmp_path_factory.mktemp("sentencepiece"), backend, config)
 
 
@@ -85,16 +94,27 @@ def byte_chars(text: str) -> str:
 def bytelevel_bpe_dir(tmp_path_factory) -> Path:
     """A Llama-3/Qwen2-style byte-level BPE whose merges stop inside multi-byte characters."""
     zhong, smile = byte_chars("中"), byte_chars("🙂")  # 3 and 4 bytes
-    merges = [("t", "h"), ("th", "e"), (byte_chars(" "), "w"), (zhong[0], zhong[1]), (smile[0], smile[1]), (smile[2], smile[3])]
+    merges = [
+        ("t", "h"),
+        ("th", "e"),
+        (byte_chars(" "), "w"),
+        (zhong[0], zhong[1]),
+        (smile[0], smile[1]),
+        (smile[2], smile[3]),
+    ]
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for left, right in merges:
         vocab[left + right] = len(vocab)
     backend = Backend(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|begin_of_text|>", "<|eot_id|>")])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|begin_of_text|>", "<|eot_id|>")]
+    )
     bos = backend.token_to_id("<|begin_of_text|>")
-    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True}
     path = write_tokenizer_dir(tmp_path_factory.mktemp("bytelevel"), backend, config)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [bos + 1, 0]}))
@@ -139,7 +159,11 @@ def test_tiny_chat_template_matches_transformers():
 def test_template_exceptions_are_request_errors(sentencepiece_dir):
     ours = Tokenizer.from_dir(sentencepiece_dir)
     hf = transformers.AutoTokenizer.from_pretrained(sentencepiece_dir)
-    chat = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}]
+    chat = [
+        {"role": "user", "content": " hi "},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "x"},
+    ]
     assert ours.apply_chat_template(chat) == hf.apply_chat_template(chat, tokenize=False)
     with pytest.raises(InvalidRequestError, match="roles must alternate"):
         ours.apply_chat_template([{"role": "assistant", "content": "first"}])
@@ -220,6 +244,9 @@ def test_stream_of_random_bytes_concatenates_to_decode():
     rng = random.Random(0)
     utf8_heavy = [*range(0x80, 0xC0), *range(0xC2, 0xF5), *b"ab "]
     for _ in range(200):
-        ids = [rng.choice(utf8_heavy) if rng.random() < 0.9 else rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 24))]
+        ids = [
+            rng.choice(utf8_heavy) if rng.random() < 0.9 else rng.randrange(tok.vocab_size)
+            for _ in range(rng.randint(1, 24))
+        ]
         for skip in (True, False):
             assert "".join(stream(tok, ids, skip_special_tokens=skip)) == tok.decode(ids, skip)

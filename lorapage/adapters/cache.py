@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import torch
 
@@ -340,8 +340,9 @@ class AdapterCache:
                     victims = self._evictable()
                     if victims:
                         self._evict(victims[0])
-                    elif (drained is not None and drained.running == 0
-                          and self.pool.num_free + len(drained.pages) >= need):
+                    elif (
+                        drained is not None and drained.running == 0 and self.pool.num_free + len(drained.pages) >= need
+                    ):
                         self._evict(drained)  # drained for this load: its slot and pages are ours
                         drained = None
                 if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):

@@ -35,7 +35,7 @@ class AdapterLayout:
     num_pages: int
 
     @classmethod
-    def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> "AdapterLayout":
+    def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> AdapterLayout:
         dims = model.module_dims()
         a_off, a_rows, b_off, rank, h_start, scale, sizes = [], [], [], [], [], [], []
         for layer in range(model.num_layers):
@@ -125,6 +125,13 @@ class LoraTables:
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
-        for table in (self.page_table[slot], self.a_offset[:, slot], self.a_rows[:, slot],
-                      self.b_offset[:, slot], self.rank[:, slot], self.h_start[:, slot], self.scale[:, slot]):
+        for table in (
+            self.page_table[slot],
+            self.a_offset[:, slot],
+            self.a_rows[:, slot],
+            self.b_offset[:, slot],
+            self.rank[:, slot],
+            self.h_start[:, slot],
+            self.scale[:, slot],
+        ):
             table.zero_()

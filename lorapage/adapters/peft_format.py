@@ -73,7 +73,10 @@ def _read_config(path: Path) -> dict:
     refusals = (
         (cfg.get("peft_type", "LORA") != "LORA", f"peft_type {cfg.get('peft_type')!r} is not LORA"),
         (bool(cfg.get("use_dora")), "DoRA adapters (use_dora=true) are not supported"),
-        (bool(cfg.get("modules_to_save")), f"modules_to_save {cfg.get('modules_to_save')} is not supported: only LoRA deltas can be batched"),
+        (
+            bool(cfg.get("modules_to_save")),
+            f"modules_to_save {cfg.get('modules_to_save')} is not supported: only LoRA deltas can be batched",
+        ),
         (cfg.get("bias", "none") != "none", f"bias={cfg.get('bias')!r} is not supported (only 'none')"),
         (bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out=true is for Conv1D models, not Llama-family"),
     )
@@ -182,7 +185,9 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     )
 
 
-def load_adapter_tensors(spec: AdapterSpec, dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def load_adapter_tensors(
+    spec: AdapterSpec, dtype: torch.dtype
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Read the weights: (layer, module) -> (A [r, d_in], B [d_out, r]) in ``dtype``.
 
     Reads the file in one go (no mmap), so this is the part that runs in a worker thread.

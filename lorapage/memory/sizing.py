@@ -10,8 +10,9 @@ from __future__ import annotations
 GIB = 1 << 30
 
 
-def step_activation_bytes(tokens: int, rows: int, hidden: int, qkv: int, intermediate: int, vocab: int,
-                          elem_bytes: int) -> int:
+def step_activation_bytes(
+    tokens: int, rows: int, hidden: int, qkv: int, intermediate: int, vocab: int, elem_bytes: int
+) -> int:
     """A generous bound on one step's live activations: the widest intermediates of a layer for
     ``tokens`` tokens (residual, qkv, attention output, gate_up and its product), and float32
     logits for ``rows`` sampled rows. The forward frees each layer's tensors before the next."""
@@ -19,8 +20,9 @@ def step_activation_bytes(tokens: int, rows: int, hidden: int, qkv: int, interme
     return tokens * per_token + rows * vocab * 4
 
 
-def pages_for_memory(want: int, page_bytes: int, *, total: int, free: int, utilization: float,
-                     activations: int, headroom: int = GIB) -> int:
+def pages_for_memory(
+    want: int, page_bytes: int, *, total: int, free: int, utilization: float, activations: int, headroom: int = GIB
+) -> int:
     """``want`` pages, or fewer if the pool would take the device past ``utilization`` of its
     ``total`` memory, given what is already used (``total - free``: weights and anything else on
     the device), the step's ``activations`` and ``headroom`` (CUDA graphs, cuBLAS workspaces,

@@ -6,6 +6,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -32,7 +36,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -41,7 +45,9 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_params = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        scaling = raw.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -82,7 +88,7 @@ class ModelConfig:
             "down_proj": (i, h),
         }
 
-    def rope_inv_freq(self) -> "torch.Tensor":
+    def rope_inv_freq(self) -> torch.Tensor:
         """float32 inverse frequencies, computed as HF computes them (so positions match bit for
         bit), with Llama-3 ``rope_type: llama3`` or ``linear`` scaling applied when configured."""
         import torch
@@ -105,6 +111,7 @@ class ModelConfig:
         if kind not in (None, "default"):
             raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
         return inv
+
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projection groups that share an input, so one LoRA shrink serves all of a group's modules and

@@ -10,7 +10,8 @@ invalidates a graph. Only decode-only steps replay; steps with prefill tokens ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -55,7 +56,7 @@ class DecodeGraphs:
     there too (``tests/test_kernels_graph_safety.py``).
     """
 
-    def __init__(self, runner: "ModelRunner", max_num_seqs: int, capture: Capture | None = None) -> None:
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: Capture | None = None) -> None:
         self.runner = runner
         self.graphs: dict[int, tuple[Callable[[], None], Tensor]] = {}
         capture = capture or cuda_graph_capture()
@@ -86,7 +87,7 @@ class DecodeGraphs:
         r.context_lens[start:end].fill_(1)
 
 
-def decode_forward(runner: "ModelRunner", size: int) -> Tensor:
+def decode_forward(runner: ModelRunner, size: int) -> Tensor:
     """The decode step a graph captures: the first ``size`` rows of the runner's static buffers
     through the model. Everything it reads is a view of a buffer allocated once or a constant of
     ``size``; ``tests/test_kernels_graph_safety.py`` checks that its kernel launches do not change
@@ -106,6 +107,13 @@ def decode_forward(runner: "ModelRunner", size: int) -> Tensor:
     lora = LoraIndices(r.token_slot[:size], ((0, size, 0),))
     with torch.inference_mode():
         return r.model.forward(
-            r.input_ids[:size], r.positions[:size], attn, r.pool.storage, r.block_size,
-            r.ops, r.tables, lora, r.lora_h,
+            r.input_ids[:size],
+            r.positions[:size],
+            attn,
+            r.pool.storage,
+            r.block_size,
+            r.ops,
+            r.tables,
+            lora,
+            r.lora_h,
         )

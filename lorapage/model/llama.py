@@ -107,15 +107,32 @@ class LlamaModel:
         return x * cos[:, None, :] + rotated * sin[:, None, :]
 
     def _lora(
-        self, ops: KernelOps, y: Tensor, x: Tensor, layer: int, group: int, slab: Tensor,
-        tables: LoraTables, lora: LoraIndices, h: Tensor,
+        self,
+        ops: KernelOps,
+        y: Tensor,
+        x: Tensor,
+        layer: int,
+        group: int,
+        slab: Tensor,
+        tables: LoraTables,
+        lora: LoraIndices,
+        h: Tensor,
     ) -> None:
         m0, m1 = GROUP_MODULES[group]
-        ops.lora_shrink(h, x, slab, tables.page_table, lora, tables.a_offset[layer, :, group], tables.a_rows[layer, :, group])
+        ops.lora_shrink(
+            h, x, slab, tables.page_table, lora, tables.a_offset[layer, :, group], tables.a_rows[layer, :, group]
+        )
         ops.lora_expand(
-            y, h, slab, tables.page_table, lora,
-            tables.b_offset[layer, :, m0:m1], tables.rank[layer, :, m0:m1],
-            tables.h_start[layer, :, m0:m1], tables.scale[layer, :, m0:m1], self.out_starts[group],
+            y,
+            h,
+            slab,
+            tables.page_table,
+            lora,
+            tables.b_offset[layer, :, m0:m1],
+            tables.rank[layer, :, m0:m1],
+            tables.h_start[layer, :, m0:m1],
+            tables.scale[layer, :, m0:m1],
+            self.out_starts[group],
         )
 
     def forward(
@@ -158,11 +175,18 @@ class LlamaModel:
             ops.write_kv(kv, k, v, attn.slot_mapping)
             out = torch.empty_like(q)
             if nd:
-                ops.paged_decode_attention(out[:nd], q[:nd], kv, attn.decode_block_table, attn.decode_context_lens, self.scale)
+                ops.paged_decode_attention(
+                    out[:nd], q[:nd], kv, attn.decode_block_table, attn.decode_context_lens, self.scale
+                )
             if T > nd:
                 ops.prefill_attention(
-                    out[nd:], q[nd:], kv, attn.prefill_block_table, attn.prefill_query_starts,
-                    attn.prefill_context_lens, self.scale,
+                    out[nd:],
+                    q[nd:],
+                    kv,
+                    attn.prefill_block_table,
+                    attn.prefill_query_starts,
+                    attn.prefill_context_lens,
+                    self.scale,
                 )
             attn_out = out.view(T, q_size)
             o = attn_out @ w["o"].t()

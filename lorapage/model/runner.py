@@ -40,7 +40,7 @@ class StepPlan:
     sequences: list[Request]  # in row order: sample_index[i] belongs to sequences[i]
 
     @classmethod
-    def build(cls, decode: list[Request], prefill: list[Request], block_size: int) -> "StepPlan":
+    def build(cls, decode: list[Request], prefill: list[Request], block_size: int) -> StepPlan:
         decode = sorted(decode, key=lambda r: r.lora_slot)
         prefill = sorted(prefill, key=lambda r: r.lora_slot)
         ids, pos, slots, token_slot, sample_index = [], [], [], [], []
@@ -147,8 +147,15 @@ class ModelRunner:
             lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
         with torch.inference_mode():
             hidden = self.model.forward(
-                self.input_ids[:T], self.positions[:T], attn, self.pool.storage, self.block_size,
-                self.ops, self.tables, lora, self.lora_h,
+                self.input_ids[:T],
+                self.positions[:T],
+                attn,
+                self.pool.storage,
+                self.block_size,
+                self.ops,
+                self.tables,
+                lora,
+                self.lora_h,
             )
             logits = self.model.logits(hidden[plan.sample_index])
             return sample(logits, plan.sample_rows)

@@ -64,7 +64,9 @@ def sample(logits: Tensor, rows: list[SampleRow]) -> tuple[list[int], list[Token
     ``logits`` is float32 [len(rows), vocab]. Greedy rows take the argmax of the (penalized)
     logits; others sample from their own filtered distribution with their own generator.
     """
-    all_greedy = all(r.params.greedy and r.params.presence_penalty == 0 and r.params.frequency_penalty == 0 for r in rows)
+    all_greedy = all(
+        r.params.greedy and r.params.presence_penalty == 0 and r.params.frequency_penalty == 0 for r in rows
+    )
     if all_greedy:
         tokens = torch.argmax(logits, dim=-1).tolist()
     else:

@@ -77,7 +77,9 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"the chat template refused the messages: {message}", param="messages")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -122,7 +124,7 @@ class Tokenizer:
         self._byte_fallback = bool(getattr(backend.model, "byte_fallback", False))  # only BPE has it
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ eos ids from the model configs)."""
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
@@ -136,7 +138,9 @@ class Tokenizer:
         special = {k: t for k in NAMED_SPECIAL_TOKENS if (t := _token_content(config.get(k))) is not None}
         _add_missing_special_tokens(backend, special, config)
         if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            _set_bos_eos_processor(backend, special, bool(config.get("add_bos_token")), bool(config.get("add_eos_token")))
+            _set_bos_eos_processor(
+                backend, special, bool(config.get("add_bos_token")), bool(config.get("add_eos_token"))
+            )
         extra_eos = _as_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
         extra_eos += _as_ids(_read_json(model_dir / "config.json").get("eos_token_id"))
         return cls(
@@ -185,7 +189,12 @@ class Tokenizer:
         (``bos_token``, ``eos_token``, ...) and any extra keyword (``tools``, ``documents``...).
         Encode the result with ``add_special_tokens=False`` when the template writes BOS itself.
         """
-        variables = {**self.special_tokens, **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt}
+        variables = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
         return self._template.render(**variables)
 
 
@@ -198,7 +207,9 @@ def _add_missing_special_tokens(backend: tokenizers.Tokenizer, special: dict[str
         backend.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
 
 
-def _set_bos_eos_processor(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bool, add_eos: bool) -> None:
+def _set_bos_eos_processor(
+    backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bool, add_eos: bool
+) -> None:
     """Rebuild the post-processor from add_bos_token / add_eos_token, as transformers does when
     tokenizer_config.json sets either flag (or tokenizer.json has no post-processor)."""
     bos, eos = special.get("bos_token"), special.get("eos_token")
@@ -226,7 +237,9 @@ class IncrementalDecoder:
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[-self.CONTEXT_TOKENS :]) if prompt_ids else []

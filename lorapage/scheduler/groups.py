@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Container
+from collections.abc import Callable, Container
 
 from lorapage.scheduler.tenant_queue import Waiting
 

@@ -15,8 +15,8 @@ slots stay open to single requests meanwhile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable
 
 from lorapage.scheduler.base import SchedRequest
 
@@ -61,9 +61,7 @@ class AdapterSlots:
     def free_tail(self) -> bool:
         return len(self.running) < self.cap and len(self.tail) < self.reserved_tail
 
-    def gate(
-        self, req: SchedRequest, *, group: int, aged: bool, best_group: Callable[[], int]
-    ) -> SlotKind | Blocked:
+    def gate(self, req: SchedRequest, *, group: int, aged: bool, best_group: Callable[[], int]) -> SlotKind | Blocked:
         """How ``req`` would enter the batch, or why it cannot now. ``group``: waiting requests
         for its adapter (1: a single, tail-eligible); ``aged``: it has waited past the age
         deadline (it may open any slot, and take the claim); ``best_group()``: the largest

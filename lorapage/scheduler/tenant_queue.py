@@ -25,7 +25,11 @@ class TenantState(Enum):
 
     @classmethod
     def parked_for(cls, reason: Blocked) -> TenantState:
-        by_reason = {Blocked.ANY: cls.PARKED_ANY, Blocked.GENERAL: cls.PARKED_GENERAL, Blocked.ADAPTER: cls.PARKED_ADAPTER}
+        by_reason = {
+            Blocked.ANY: cls.PARKED_ANY,
+            Blocked.GENERAL: cls.PARKED_GENERAL,
+            Blocked.ADAPTER: cls.PARKED_ADAPTER,
+        }
         return by_reason[reason]
 
     @property

@@ -16,8 +16,8 @@ independent of how many tenants wait on the long tail of adapters.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from lorapage.scheduler.base import AdmissionContext, SchedRequest
 from lorapage.scheduler.groups import AdapterGroups

@@ -62,9 +62,15 @@ class AdminRoutes:
     def _describe(self, state, adapter: str) -> AdapterOut:
         info = state.engine.adapter_info(adapter)
         return AdapterOut(
-            id=info.name, owner=state.access.owners.get(info.name), parent=state.engine.base_name,
-            path=str(info.path), rank=info.rank, target_modules=list(info.target_modules),
-            size_bytes=info.size_bytes, num_params=info.num_params, tier=info.tier,
+            id=info.name,
+            owner=state.access.owners.get(info.name),
+            parent=state.engine.base_name,
+            path=str(info.path),
+            rank=info.rank,
+            target_modules=list(info.target_modules),
+            size_bytes=info.size_bytes,
+            num_params=info.num_params,
+            tier=info.tier,
             in_flight=state.in_flight.get(info.name, 0),
         )
 
@@ -191,4 +197,3 @@ def add_admin_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_post("/internal/adapters/{id}/load", routes.load)
     app.router.add_post("/internal/adapters/{id}/unload", routes.unload)
     app.router.add_get("/internal/state", routes.internal_state)
-

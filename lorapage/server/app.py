@@ -11,7 +11,8 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -71,11 +72,7 @@ class ServerState:
         return True
 
     def visible(self, tenant: str, adapter: str) -> bool:
-        return (
-            self.access.may_use(tenant, adapter)
-            and adapter not in self.draining
-            and self.is_registered(adapter)
-        )
+        return self.access.may_use(tenant, adapter) and adapter not in self.draining and self.is_registered(adapter)
 
     def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
         """``(id to echo, adapter or None)`` for ``base``, ``base:adapter`` or ``adapter``; else 404."""
@@ -109,7 +106,8 @@ class ServerState:
         while self.admissions and now - self.admissions[0] > _ADMISSION_WINDOW_S:
             self.admissions.popleft()
         return overload_retry_after_s(
-            self.engine.stats()["queue_depth"], self.engine.config.max_queue_len,
+            self.engine.stats()["queue_depth"],
+            self.engine.config.max_queue_len,
             len(self.admissions) / _ADMISSION_WINDOW_S,
         )
 
@@ -221,9 +219,9 @@ def _models(state: ServerState, tenant: str) -> list[Model]:
     out = [Model(id=base, created=state.started, owned_by="lorapage", root=base, max_model_len=max_len)]
     for name in sorted(info.name for info in state.engine.list_adapters()):
         if state.visible(tenant, name):
-            out.append(Model(
-                id=name, created=state.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len
-            ))
+            out.append(
+                Model(id=name, created=state.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
+            )
     return out
 
 
@@ -300,4 +298,3 @@ def create_app(
     add_admin_routes(app, STATE)
     app.on_shutdown.append(_drain_on_shutdown)
     return app
-

@@ -40,11 +40,11 @@ class Access:
         self.owners: dict[str, str] = dict(owners or {})  # adapter id -> tenant it was registered for
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Access":
+    def from_file(cls, path: str | Path) -> Access:
         return cls(TenantsConfig.load(path))
 
     @classmethod
-    def demo(cls, adapters: list[str]) -> tuple["Access", str, str]:
+    def demo(cls, adapters: list[str]) -> tuple[Access, str, str]:
         """One ``demo`` tenant owning ``adapters``, with fresh random keys: (access, tenant key, admin key)."""
         tenant_key = f"lp-demo-{secrets.token_urlsafe(24)}"
         admin_key = f"lp-admin-{secrets.token_urlsafe(24)}"

@@ -123,7 +123,7 @@ class _Formatter:
 
     def _new_logprobs(self, out: Any) -> Any:
         """Logprobs of the tokens not reported yet (``None`` when there are none)."""
-        items = (out.logprobs or [])[self.logprobs_sent:]
+        items = (out.logprobs or [])[self.logprobs_sent :]
         if not items:
             return None
         self.logprobs_sent += len(items)
@@ -183,7 +183,8 @@ async def respond(
             timing.finish()
             body = fmt.whole(out)
             return web.Response(
-                body=msgspec.json.encode(body), content_type="application/json",
+                body=msgspec.json.encode(body),
+                content_type="application/json",
                 headers=adapter_headers(job, out.adapter_tier),
             )
         return await _stream(request, outputs, out, job, fmt, timing)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter as TallyCounter
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -43,15 +43,21 @@ class _EngineGauges:
 
 
 _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
-    ("admitted_requests", "Requests admitted to the batch (a preempted one's return not again).",
-     lambda t: t.admitted_requests),
+    (
+        "admitted_requests",
+        "Requests admitted to the batch (a preempted one's return not again).",
+        lambda t: t.admitted_requests,
+    ),
     ("admitted_prompt_tokens", "Prompt tokens of admitted requests.", lambda t: t.admitted_prompt_tokens),
     ("served_input_tokens", "Prompt tokens prefilled (recomputes included).", lambda t: t.served_input_tokens),
     ("served_output_tokens", "Tokens generated.", lambda t: t.served_output_tokens),
 )
 _REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ...] = (
-    ("rejected_requests", "Requests refused before queueing, by reason (rpm, tpm, concurrency, queue_full).",
-     lambda t: t.rejected_requests),
+    (
+        "rejected_requests",
+        "Requests refused before queueing, by reason (rpm, tpm, concurrency, queue_full).",
+        lambda t: t.rejected_requests,
+    ),
     ("rejected_tokens", "Prompt plus max_tokens of refused requests, by reason.", lambda t: t.rejected_tokens),
 )
 
@@ -119,26 +125,39 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ("tenant", "adapter_tier")
         self.ttft = Histogram(
-            "lorapage_time_to_first_token_seconds", "Arrival to first generated token.",
-            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "lorapage_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.itl = Histogram(
-            "lorapage_inter_token_latency_seconds", "Time between consecutive generated tokens.",
-            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "lorapage_inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.e2e = Histogram(
-            "lorapage_request_latency_seconds", "Arrival to last token.",
-            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "lorapage_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            "lorapage_prompt_tokens", "Prompt tokens of requests that started generating.", ("tenant",),
+            "lorapage_prompt_tokens",
+            "Prompt tokens of requests that started generating.",
+            ("tenant",),
             registry=self.registry,
         )
         self.generation_tokens = Counter(
             "lorapage_generation_tokens", "Generated tokens.", ("tenant",), registry=self.registry
         )
         self.requests = Counter(
-            "lorapage_requests", "Requests answered, by route and status.", ("route", "status"),
+            "lorapage_requests",
+            "Requests answered, by route and status.",
+            ("route", "status"),
             registry=self.registry,
         )
         self.registry.register(_EngineGauges(stats))

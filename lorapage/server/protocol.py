@@ -11,7 +11,8 @@ the sampling values.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -137,9 +138,7 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
-        raise InvalidRequestError(
-            f"the body is not valid JSON ({e}); send a UTF-8 encoded JSON object"
-        ) from None
+        raise InvalidRequestError(f"the body is not valid JSON ({e}); send a UTF-8 encoded JSON object") from None
 
 
 def _validation_error(text: str) -> InvalidRequestError:
@@ -165,9 +164,7 @@ def check_not_implemented(req: msgspec.Struct) -> None:
     for name, at_default in _NOT_IMPLEMENTED.items():
         if hasattr(req, name) and not at_default(getattr(req, name)):
             default = _SHOWN.get(name, "null")
-            raise InvalidRequestError(
-                f"{name} is not supported by lorapage; omit it or send {default}", param=name
-            )
+            raise InvalidRequestError(f"{name} is not supported by lorapage; omit it or send {default}", param=name)
 
 
 def check_common(req: _Common) -> None:
@@ -284,9 +281,7 @@ def completion_prompt(req: CompletionRequest, vocab_size: int) -> str | list[int
             )
         return list(prompt)
     if all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequestError(
-            "lorapage takes one prompt per request; send one request per prompt", param="prompt"
-        )
+        raise InvalidRequestError("lorapage takes one prompt per request; send one request per prompt", param="prompt")
     raise InvalidRequestError(
         "prompt must be a string, a list of token ids, or a list holding one of those", param="prompt"
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -33,7 +34,11 @@ async def start(app: web.Application, host: str = "127.0.0.1", port: int = 0) ->
 
 
 async def serve_until_signal(
-    app: web.Application, engine: Any, host: str, port: int, on_ready: Callable[[int], None],
+    app: web.Application,
+    engine: Any,
+    host: str,
+    port: int,
+    on_ready: Callable[[int], None],
     on_reload: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop accepting, let running requests finish (or abort

@@ -29,12 +29,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenants", default=None, help="tenants TOML file (default: one demo tenant, printed key)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
-                   help="adapters to register at start (default with no --model: the demo adapters)")
-    for name, kind in (("max-loras", int), ("max-lora-rank", int), ("max-cpu-loras", int),
-                       ("max-num-seqs", int), ("max-model-len", int), ("max-queue-len", int),
-                       ("max-num-batched-tokens", int), ("block-size", int), ("num-pages", int),
-                       ("gpu-memory-utilization", float), ("adapter-wait-s", float)):
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="adapters to register at start (default with no --model: the demo adapters)",
+    )
+    for name, kind in (
+        ("max-loras", int),
+        ("max-lora-rank", int),
+        ("max-cpu-loras", int),
+        ("max-num-seqs", int),
+        ("max-model-len", int),
+        ("max-queue-len", int),
+        ("max-num-batched-tokens", int),
+        ("block-size", int),
+        ("num-pages", int),
+        ("gpu-memory-utilization", float),
+        ("adapter-wait-s", float),
+    ):
         p.add_argument(f"--{name}", type=kind, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
@@ -42,15 +56,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA-graph capture of decode steps")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running requests get to finish after SIGTERM before they are aborted")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish after SIGTERM before they are aborted",
+    )
     return p
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_model_len", "max_queue_len",
-             "max_num_batched_tokens", "block_size", "num_pages", "gpu_memory_utilization", "adapter_wait_s",
-             "dtype", "device", "scheduler", "kernel_backend", "enforce_eager")
+    names = (
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+        "max_num_seqs",
+        "max_model_len",
+        "max_queue_len",
+        "max_num_batched_tokens",
+        "block_size",
+        "num_pages",
+        "gpu_memory_utilization",
+        "adapter_wait_s",
+        "dtype",
+        "device",
+        "scheduler",
+        "kernel_backend",
+        "enforce_eager",
+    )
     overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     try:
         return EngineConfig(model=str(Path(args.model or TINY_BASE_DIR)), **overrides)

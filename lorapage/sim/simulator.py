@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from lorapage.scheduler.base import SchedRequest, SchedulerPolicy
 
