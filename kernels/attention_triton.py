@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lorapage.kernels.backend import import_triton
+from lorapage.kernels.triton_import import import_triton
 
 triton = import_triton()
 import triton.language as tl  # noqa: E402  (after import_triton picked compiled or interpreted)

@@ -9,9 +9,6 @@ install without it still runs.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +16,7 @@ import torch
 
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
+from lorapage.kernels.triton_import import triton_available, triton_interpreted
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -38,32 +36,6 @@ class KernelOps:
 TORCH_OPS = KernelOps(
     "torch", lora_shrink_torch, lora_expand_torch, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
 )
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def import_triton():
-    """``import triton``; on a machine without CUDA, first switch Triton to its interpreter.
-
-    Triton decorates its own standard library when it is imported, so TRITON_INTERPRET must be
-    set before the first import, not just before our kernels are decorated. Without CUDA nothing
-    in this process could run a compiled Triton kernel anyway, so the switch changes nothing else.
-    """
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
-
-    return triton
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run under the interpreter (on CPU tensors) in this process."""
-    knobs = getattr(import_triton(), "knobs", None)  # triton < 3.4 has no knobs: read the variable
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _triton_ops() -> KernelOps:

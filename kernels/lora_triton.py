@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lorapage.kernels.backend import import_triton, triton_interpreted
 from lorapage.kernels.lora_ref import LoraIndices
+from lorapage.kernels.triton_import import import_triton, triton_interpreted
 
 triton = import_triton()
 import triton.language as tl  # noqa: E402  (after import_triton picked compiled or interpreted)

@@ -12,6 +12,6 @@ The embedded API::
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.request import RequestOutput
-from lorapage.sampling import SamplingParams
+from lorapage.sampling_params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]

@@ -6,6 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
+DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names none
+
+# The values EngineConfig accepts for its option fields (the CLI offers the same).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+SCHEDULERS = ("fcfs", "vtc")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""Errors a caller can act on. Each names what was wrong and what would be accepted.
+"""Errors a caller can act on, for the embedded engine and the server alike: one hierarchy.
 
-The server maps them to OpenAI error JSON: ``status`` is the HTTP status, ``code`` the machine
-readable code, ``param`` the request field at fault (when there is one).
+Each names what was wrong and what would be accepted. ``status`` is the HTTP status the server
+answers with, ``code`` OpenAI's machine-readable code, ``param`` the request field at fault (when
+there is one) and ``retry_after`` the seconds after which a retry may succeed (``None``: waiting
+does not help, or nobody knows). :mod:`lorapage.server.error_json` writes them as OpenAI error JSON.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ class LorapageError(Exception):
 
     status = 400
     code = "invalid_request"
+    retry_after: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+# --- 400: the request itself ---------------------------------------------------------------
 
 
 class InvalidRequestError(LorapageError):
@@ -27,13 +33,6 @@ class PromptTooLongError(LorapageError):
     """Prompt plus requested tokens do not fit in the model's context."""
 
     code = "context_length_exceeded"
-
-
-class AdapterNotFoundError(LorapageError):
-    """The named adapter is not registered (or not visible to the caller)."""
-
-    status = 404
-    code = "model_not_found"
 
 
 class AdapterFormatError(LorapageError):
@@ -48,25 +47,97 @@ class AdapterLoadError(LorapageError):
     code = "adapter_load_failed"
 
 
-class EngineOverloadedError(LorapageError):
-    """The waiting queue is at its bound; retry after a while."""
+class SamplingError(LorapageError):
+    """A request's next-token distribution could not be sampled (not finite); that request ends
+    alone, every other row of the step goes on."""
+
+    code = "sampling_failed"
+
+
+# --- 401, 403, 404: who may use what --------------------------------------------------------
+
+
+class AuthenticationError(LorapageError):
+    """No API key, one that matches no tenant, or one that is not UTF-8."""
+
+    status = 401
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(LorapageError):
+    """A valid key that may not do this (a tenant key on an admin route, a path outside the roots)."""
+
+    status = 403
+    code = "permission_denied"
+
+
+class AdapterNotFoundError(LorapageError):
+    """The named adapter is not registered, or not visible to the caller: the two look the same."""
+
+    status = 404
+    code = "model_not_found"
+
+
+# --- 409, 413, 429: the server's state or limits --------------------------------------------
+
+
+class ConflictError(LorapageError):
+    """The request clashes with the server's state (an adapter id already taken)."""
+
+    status = 409
+    code = "conflict"
+
+
+class AdapterBusyError(ConflictError):
+    """The adapter has requests in flight; the operation would break them."""
+
+    code = "adapter_busy"
+
+
+class BodyTooLargeError(LorapageError):
+    """The request body is over the server's limit."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class QuotaExceededError(LorapageError):
+    """The tenant's RPM, TPM or concurrency quota is spent. ``retry_after`` is None when waiting
+    cannot help (the request alone exceeds the tenant's token burst)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+# --- 5xx: the service, not the request ------------------------------------------------------
+
+
+class ServiceUnavailableError(LorapageError):
+    """No capacity for the request now (shutting down, queue full); retry after ``retry_after``
+    seconds (``None``: the server answers with its default of one second)."""
 
     status = 503
+    code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineOverloadedError(ServiceUnavailableError):
+    """The waiting queue is at its bound; retry after a while."""
+
     code = "overloaded"
 
 
-class EngineClosedError(LorapageError):
+class EngineClosedError(ServiceUnavailableError):
     """The engine has been shut down."""
 
-    status = 503
     code = "engine_closed"
-
-
-class AdapterBusyError(LorapageError):
-    """The adapter has requests in flight; the operation would break them."""
-
-    status = 409
-    code = "adapter_busy"
 
 
 class EngineStepError(LorapageError):

@@ -8,14 +8,22 @@ from enum import Enum
 
 import torch
 
-from lorapage.model.sampler import TokenLogprob
-from lorapage.sampling import SamplingParams
+from lorapage.sampling_params import SamplingParams
 
 
 class RequestStatus(Enum):
     WAITING = "waiting"  # queued: adapter loading and / or no capacity yet
     RUNNING = "running"  # has KV pages and a batch row
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,59 @@ class RequestOutput:
     adapter_tier: str  # where the adapter was when the request arrived: gpu | ram | disk | none
 
 
+class OutputChannel:
+    """A request's outputs on their way to its reader, coalesced: at most one pending item.
+
+    The engine publishes the request's state after every step; a reader that falls behind skips
+    the states in between and reads the latest, whose ``delta_text`` covers all it has not seen.
+    The output is built when it is read, from the request's own growing lists, so a slow reader
+    costs its own tokens and one pending record, never a backlog of cumulative copies.
+    """
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+        self._ready = asyncio.Event()
+        self._pending: tuple[int, int, str | None] | BaseException | None = None
+        self._read_len = 0  # characters of text the reader has had
+
+    def publish(self, visible_len: int, finish_reason: str | None) -> None:
+        """The first ``visible_len`` characters of text may be shown; ``finish_reason`` ends it."""
+        self._pending = (visible_len, len(self._req.output_ids), finish_reason)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (raised to the reader instead of an output)."""
+        self._pending = error
+        self._ready.set()
+
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    async def get(self) -> RequestOutput:
+        """The latest state; raises the error the request failed with."""
+        await self._ready.wait()
+        self._ready.clear()
+        pending, self._pending = self._pending, None
+        if isinstance(pending, BaseException):
+            raise pending
+        assert pending is not None
+        visible, n, reason = pending
+        r = self._req
+        text = r.text[:visible]
+        delta, self._read_len = text[self._read_len :], max(self._read_len, visible)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_ids,
+            token_ids=r.output_ids[:n],
+            text=text,
+            delta_text=delta,
+            logprobs=r.logprobs[:n] if r.logprobs is not None else None,
+            finished=reason is not None,
+            finish_reason=reason,
+            adapter_tier=r.adapter_tier,
+        )
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request as the engine tracks it. Mutated only on the engine's event loop."""
@@ -45,7 +106,6 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     adapter_tier: str
-    outputs: asyncio.Queue
     detokenizer: object
     generator: torch.Generator | None
     status: RequestStatus = RequestStatus.WAITING
@@ -59,7 +119,11 @@ class Request:
     aborted: bool = False
     num_preemptions: int = 0
     first_token_time: float | None = None
-    sent_len: int = 0  # characters of text already streamed to the caller
+    sent_len: int = 0  # characters of text released to the caller (stop-string prefixes held back)
+    outputs: OutputChannel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outputs = OutputChannel(self)
 
     @property
     def num_prompt_tokens(self) -> int:

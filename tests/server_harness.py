@@ -1,15 +1,19 @@
 """A real lorapage server on an ephemeral 127.0.0.1 port, over the tiny model and demo adapters.
 
-Tenants: ``alpha`` owns the ``acme`` and ``globex`` demo adapters, ``beta`` owns ``initech``,
-``gamma`` may use the base model only, at two requests per minute.
+Tenants: ``alpha`` may use the ``acme`` and ``globex`` demo adapters, ``beta`` ``initech``,
+``gamma`` the base model only, at two requests per minute. ``METRICS_KEY`` opens ``/metrics`` only.
+The module fixture's server may register adapters over HTTP from under ``Server.adapter_root``.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,14 +22,18 @@ import pytest_asyncio
 from lorapage import Engine, EngineConfig
 from lorapage.server import Access, create_app, hash_key
 from lorapage.server.run import start
-from lorapage.tenants import TenantsConfig
+from lorapage.server.tenants import TenantsConfig
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 KEYS = {"alpha": "key-alpha", "beta": "key-beta", "gamma": "key-gamma"}
 ADMIN_KEY = "key-admin"
+METRICS_KEY = "key-metrics"
 TENANTS_TOML = f"""
 [admin]
 key_sha256 = ["{hash_key(ADMIN_KEY)}"]
+
+[metrics]
+key_sha256 = ["{hash_key(METRICS_KEY)}"]
 
 [tenants.alpha]
 key_sha256 = ["{hash_key(KEYS["alpha"])}"]
@@ -66,6 +74,7 @@ class Server:
     engine: Engine
     app: Any
     session: aiohttp.ClientSession
+    adapter_root: Path | None = None  # where POST /v1/adapters may read from
 
     @staticmethod
     def auth(tenant: str = "alpha") -> dict[str, str]:
@@ -95,22 +104,42 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
+# OpenAI's error "type" for each status lorapage answers with.
+OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
 def assert_openai_error(body: Any, status: int, param: str | None = None) -> None:
+    """``body`` is OpenAI's error JSON for ``status`` (and names ``param``, when one is given)."""
     assert isinstance(body, dict) and set(body) == {"error"}, body
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"], err
+    assert err["type"] == OPENAI_ERROR_TYPES[status], err
+    assert isinstance(err["code"], str) and err["code"], err
     if param is not None:
         assert err["param"] == param, err
 
 
 @asynccontextmanager
 async def running_server(engine: Engine, access: Access | None = None, **app_options: Any) -> AsyncIterator[Server]:
+    """A server over ``engine``; ``app_options`` go to :func:`create_app` (``adapter_roots``...)."""
     app = create_app(engine, access or make_access(), **app_options)
     runner, port = await start(app, "127.0.0.1", 0)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+    roots = app_options.get("adapter_roots") or [None]
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine, app, session)
+        yield Server(f"http://127.0.0.1:{port}", engine, app, session, roots[0])
     finally:
         await session.close()
         await runner.cleanup()
@@ -134,6 +163,10 @@ async def read_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
 async def server() -> AsyncIterator[Server]:
     """One server per test module (import this fixture into the module to use it)."""
     engine = make_engine()
-    async with running_server(engine) as srv:
-        yield srv
-    await engine.close()
+    root = Path(tempfile.mkdtemp(prefix="lorapage-adapter-root-")).resolve()
+    try:
+        async with running_server(engine, adapter_roots=[root]) as srv:
+            yield srv
+    finally:
+        await engine.close()
+        shutil.rmtree(root)

@@ -3,7 +3,7 @@
 Three adapters compete for two slots (so loads wait, drain busy adapters and reload), the pool
 is small enough to preempt, clients break off streams or abort, and adapters are unloaded and
 reloaded while requests for them run and queue. Afterwards every caller has an answer, every
-page and pin is back, nothing is left queued or draining, and every completed greedy answer
+page and pin is back, nothing is left queued or yielding, and every completed greedy answer
 equals the one the same request gets on a quiet engine (preemption recomputes, it never changes
 tokens).
 """
@@ -110,12 +110,12 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     assert sum(kind in ("length", "stop") for kind, _ in outcomes) >= 24
     # Sized so that a run usually preempts (12-20 times here) and drains; how often depends on
     # timing, so it is not asserted (tests/test_engine.py and test_review_regressions.py force each).
-    # The books: nothing in flight, every KV page back, every adapter unpinned and not draining.
+    # The books: nothing in flight, every KV page back, every adapter unpinned and not yielding.
     await asyncio.sleep(0.05)
-    state = engine.state
+    state = engine.scheduler
     assert not state.requests and not state.running and engine.policy.num_waiting() == 0
     for entry in engine.adapters.entries.values():
-        assert (entry.running, entry.waiting, entry.draining, entry.load_task) == (0, 0, False, None), entry.name
+        assert (entry.running, entry.waiting, entry.yielding, entry.load_task) == (0, 0, False, None), entry.name
     pool = engine.pool
     assert pool.used[PageKind.KV] == 0
     resident = sum(e.layout.num_pages for e in engine.adapters.entries.values() if e.slot)

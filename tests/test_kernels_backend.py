@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lorapage.kernels import KernelOps, select_backend
-from lorapage.kernels.backend import TORCH_OPS, triton_available
+from lorapage.kernels.backend import TORCH_OPS
+from lorapage.kernels.triton_import import triton_available
 
 OPS = ("lora_shrink", "lora_expand", "write_kv", "paged_decode_attention", "prefill_attention")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lorapage.kernels.backend import triton_available
+from lorapage.kernels.triton_import import triton_available
 
 HERE = Path(__file__).resolve().parent
 KERNELS = {

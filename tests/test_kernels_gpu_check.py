@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorapage.kernels.backend import triton_available
+from lorapage.kernels.triton_import import triton_available
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = (

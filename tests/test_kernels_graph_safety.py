@@ -22,9 +22,9 @@ import torch
 from engine_util import tiny_engine
 
 from lorapage import SamplingParams
-from lorapage.kernels.backend import triton_available
+from lorapage.kernels.triton_import import triton_available
 from lorapage.memory.pool import PageKind
-from lorapage.model.cuda_graphs import decode_forward
+from lorapage.model.forward import decode_forward
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -61,7 +61,7 @@ class Recording:
 
 def static_buffers(engine) -> dict[int, str]:
     """Storage address -> name of every buffer a captured graph may read or write."""
-    r, t = engine.runner, engine.tables
+    r, t = engine.runner.buffers, engine.tables
     named = dict(
         input_ids=r.input_ids,
         positions=r.positions,
@@ -70,7 +70,7 @@ def static_buffers(engine) -> dict[int, str]:
         block_tables=r.block_tables,
         context_lens=r.context_lens,
         lora_h=r.lora_h,
-        pool=r.pool.storage,
+        pool=engine.pool.storage,
         page_table=t.page_table,
         a_offset=t.a_offset,
         a_rows=t.a_rows,
@@ -83,8 +83,8 @@ def static_buffers(engine) -> dict[int, str]:
 
 
 def write_rows(engine, slots: list[int], positions: list[int], kv_pages: list[int], tokens: list[int]) -> None:
-    """Decode rows into the runner's static buffers, as ``ModelRunner._replay`` writes them."""
-    r, bs = engine.runner, engine.config.block_size
+    """Decode rows into the runner's static buffers, as ``ModelRunner`` writes them before a replay."""
+    r, bs = engine.runner.buffers, engine.config.block_size
     per_row = len(kv_pages) // ROWS
     for i, (slot, pos, token) in enumerate(zip(slots, positions, tokens)):
         pages = kv_pages[i * per_row : (i + 1) * per_row]
@@ -122,7 +122,7 @@ async def _check_launches() -> None:
         acme_before = (slot["acme"], list(engine.adapters.get("acme").pages))
         kv = engine.pool.allocate(2 * ROWS, PageKind.KV)
         write_rows(engine, [slot["acme"], slot["globex"], 0, slot["acme"]], [3, 5, 0, 6], kv, [11, 12, 13, 14])
-        first_hidden = decode_forward(engine.runner, ROWS).clone()
+        first_hidden = decode_forward(engine.runner.ctx, ROWS).clone()
         first, log[:] = list(log), []
 
         # Other adapters, in other slots and pages; other rows, positions and KV pages.
@@ -134,7 +134,7 @@ async def _check_launches() -> None:
         assert (moved["acme"], engine.adapters.get("acme").pages) != acme_before, "acme did not move"
         kv2 = engine.pool.allocate(2 * ROWS, PageKind.KV)
         write_rows(engine, [moved["initech"], 0, moved["acme"], moved["acme"]], [7, 2, 4, 1], kv2, [21, 22, 23, 24])
-        second_hidden = decode_forward(engine.runner, ROWS)
+        second_hidden = decode_forward(engine.runner.ctx, ROWS)
         second = list(log)
     finally:
         for (module, name), fn in originals.items():

@@ -18,7 +18,7 @@ import torch
 from lorapage.adapters.layout import AdapterLayout, LoraTables
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices, lora_expand_ref, lora_shrink_ref
-from lorapage.kernels.backend import triton_available
+from lorapage.kernels.triton_import import triton_available
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 
 if not triton_available():

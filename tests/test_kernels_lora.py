@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lorapage.kernels import LoraIndices, lora_expand_ref, lora_shrink_ref
-from lorapage.kernels.backend import triton_available
+from lorapage.kernels.triton_import import triton_available
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)

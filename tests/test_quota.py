@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lorapage.quota import QuotaExceeded, QuotaManager, Reservation, TokenBucket, overload_retry_after_s
-from lorapage.tenants import TenantConfig, TenantsConfig
+from lorapage.server.quota import (
+    AdmissionRate,
+    QuotaExceeded,
+    QuotaManager,
+    Reservation,
+    TokenBucket,
+    overload_retry_after_s,
+)
+from lorapage.server.tenants import TenantConfig, TenantsConfig
 
 
 def manager(**limits) -> QuotaManager:
@@ -154,8 +161,27 @@ def test_reload_keeps_bucket_levels_and_clips_to_a_smaller_burst():
 
 
 def test_unlimited_tenant_and_overload_retry_after():
-    quota = QuotaManager(TenantsConfig.single())
-    assert all(isinstance(quota.check_and_reserve("default", 10**6, 10**6, 0.0), Reservation) for _ in range(1000))
+    quota = QuotaManager(TenantsConfig({"free": TenantConfig("free")}))
+    assert all(isinstance(quota.check_and_reserve("free", 10**6, 10**6, 0.0), Reservation) for _ in range(1000))
     assert overload_retry_after_s(queue_len=100, max_queue_len=100, admitted_per_s=0.5) == 2
     assert overload_retry_after_s(queue_len=4096, max_queue_len=4096, admitted_per_s=50.0) == 1
     assert overload_retry_after_s(queue_len=10, max_queue_len=10, admitted_per_s=0.0) == 60
+
+
+def test_admission_rate_counts_the_last_window_only():
+    rate = AdmissionRate(window_s=10)
+    for i in range(50):
+        rate.record(100.0 + i * 0.1)  # 10 per second over [100, 105)
+    assert rate.per_second(104.9) == 5.0  # 50 in the window, averaged over 10 s
+    assert rate.per_second(110.5) == 4.0  # the second starting at 100 has left the window
+    assert rate.per_second(115.0) == 0.0
+    rate.record(200.0)
+    assert rate.per_second(200.0) == 0.1  # a bucket reused for a new second starts from zero
+
+
+def test_admission_rate_memory_does_not_grow_with_traffic():
+    rate = AdmissionRate(window_s=10)
+    for i in range(200_000):
+        rate.record(i * 0.001)  # 1,000 a second for 200 s
+    assert rate.per_second(199.9995) == 1000.0
+    assert len(rate._counts) == len(rate._seconds) == 10

@@ -22,7 +22,7 @@ async def _stream(srv, tenant: str, model: str) -> int:
 
 
 async def _scrape(srv) -> str:
-    async with srv.session.get(srv.url + "/metrics") as resp:
+    async with srv.session.get(srv.url + "/metrics", headers=srv.admin()) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
         return await resp.text()
 

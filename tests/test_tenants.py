@@ -1,4 +1,4 @@
-"""Tenants file parsing, validation errors and API-key lookup."""
+"""Tenants file parsing, validation errors, API-key lookup and who may use which adapter."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import hashlib
 
 import pytest
 
-import lorapage.tenants as tenants_mod
-from lorapage.tenants import DEFAULT_TENANT, TenantsConfig, TenantsConfigError
+import lorapage.server.tenants as tenants_mod
+from lorapage.server import Access, hash_key
+from lorapage.server.tenants import SHARED, TenantsConfig, TenantsConfigError
 
 
 def digest(key: str) -> str:
@@ -30,6 +31,12 @@ max_concurrency = 32
 
 [tenants.globex]
 key_sha256 = ["{digest("globex-1")}"]
+
+[tenants.initech]
+adapters = ["*"]
+
+[metrics]
+key_sha256 = ["{digest("scraper")}"]
 """
 
 
@@ -39,11 +46,12 @@ def test_parses_the_documented_shape():
     assert acme.weight == 2.0 and acme.rpm == 600 and acme.tpm == 200000 and acme.max_concurrency == 32
     assert acme.rpm_bucket == 600  # burst defaults to the per-minute limit
     assert acme.tpm_bucket == 50000
-    assert acme.may_use("acme-support") and acme.may_use(None) and not acme.may_use("globex-bot")
+    assert acme.adapters == {"acme-support"}
     globex = cfg.get("globex")
-    assert globex.adapters is None and globex.may_use("anything")  # omitted: every adapter
+    assert globex.adapters == frozenset()  # omitted: no shared adapter
     assert (globex.rpm, globex.tpm, globex.max_concurrency, globex.rpm_bucket) == (None, None, None, None)
-    assert cfg.weights() == {"acme": 2.0, "globex": 1.0}
+    assert cfg.get("initech").adapters == {SHARED}
+    assert cfg.weights() == {"acme": 2.0, "globex": 1.0, "initech": 1.0}
 
 
 def test_api_keys_resolve_by_digest():
@@ -53,7 +61,23 @@ def test_api_keys_resolve_by_digest():
     assert cfg.authenticate("globex-1") == "globex"
     assert cfg.authenticate("nope") is None
     assert cfg.authenticate(digest("acme-1")) is None  # the digest itself is not a key
-    assert cfg.is_admin("admin-key") and not cfg.is_admin("acme-1")
+    assert cfg.is_admin("admin-key") and not cfg.is_admin("acme-1") and not cfg.is_admin("scraper")
+    assert cfg.may_scrape("scraper") and cfg.may_scrape("admin-key") and not cfg.may_scrape("acme-1")
+    assert hash_key("acme-1") == digest("acme-1")
+
+
+def test_access_fails_closed_and_the_owner_wins():
+    access = Access(TenantsConfig.from_toml(EXAMPLE))
+    # Unowned adapters (from --lora-modules): by name, or every one with "*"; never by omission.
+    assert access.may_use("acme", "acme-support") and not access.may_use("acme", "shared-bot")
+    assert access.may_use("initech", "shared-bot") and access.may_use("initech", "acme-support")
+    assert not access.may_use("globex", "shared-bot") and not access.may_use("globex", "acme-support")
+    # Owned adapters: their owner only, whatever a list says.
+    access.owners.update({"acme-support": "globex", "globex-bot": "globex"})
+    assert access.may_use("globex", "acme-support") and access.may_use("globex", "globex-bot")
+    assert not access.may_use("acme", "acme-support")  # named in acme's list, but the admin gave it to globex
+    assert not access.may_use("initech", "globex-bot")  # "*" opens unowned adapters only
+    assert not access.may_use("nobody", "shared-bot")  # an unknown tenant gets nothing
 
 
 def test_every_digest_is_compared_in_constant_time(monkeypatch):
@@ -68,13 +92,9 @@ def test_every_digest_is_compared_in_constant_time(monkeypatch):
     cfg = TenantsConfig.from_toml(EXAMPLE)
     assert cfg.authenticate("acme-1") == "acme"
     assert len(calls) == 3  # no early exit on the first match
-
-
-def test_default_tenant_for_the_embedded_engine():
-    cfg = TenantsConfig.single()
-    t = cfg.get(DEFAULT_TENANT)
-    assert t.may_use("any-adapter") and t.rpm is None and t.weight == 1.0
-    assert cfg.authenticate("anything") is None
+    calls.clear()
+    assert cfg.may_scrape("scraper")
+    assert len(calls) == 2  # the admin digest and the metrics digest
 
 
 def test_config_is_immutable():
@@ -88,7 +108,7 @@ def test_config_is_immutable():
 def test_load_from_file(tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text(EXAMPLE)
-    assert sorted(TenantsConfig.load(path).tenants) == ["acme", "globex"]
+    assert sorted(TenantsConfig.load(path).tenants) == ["acme", "globex", "initech"]
 
 
 @pytest.mark.parametrize(
@@ -105,6 +125,7 @@ def test_load_from_file(tmp_path):
         ("[tenants.a]\nkey_sha256 = ['my-secret-key']\n", r"tenants\.a\.key_sha256: .*not a sha256 hex digest"),
         ("[tenants.a]\nkey_sha256 = 'abc'\n", r"tenants\.a\.key_sha256: expected a list"),
         ("[admin]\nkeys = []\n", r"admin: unknown field"),
+        ("[metrics]\nkey = 'x'\n", r"metrics: unknown field"),
         ("[tenant.a]\n", r"unknown section"),
         ("tenants = 3\n", r"tenants: expected a table"),
         ("[tenants.a\n", r"not valid TOML"),
@@ -121,4 +142,7 @@ def test_a_key_belongs_to_one_tenant():
         TenantsConfig.from_toml(body)
     body = f"[admin]\nkey_sha256 = ['{digest('k')}']\n[tenants.a]\nkey_sha256 = ['{digest('k')}']\n"
     with pytest.raises(TenantsConfigError, match=r"also a key of \[admin\]"):
+        TenantsConfig.from_toml(body)
+    body = f"[admin]\nkey_sha256 = ['{digest('k')}']\n[metrics]\nkey_sha256 = ['{digest('k')}']\n"
+    with pytest.raises(TenantsConfigError, match=r"metrics\.key_sha256: .*also a key of \[admin\]"):
         TenantsConfig.from_toml(body)

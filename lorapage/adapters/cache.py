@@ -10,21 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
 from lorapage.adapters.layout import AdapterLayout, LoraTables
 from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec
-from lorapage.errors import AdapterBusyError, AdapterLoadError, AdapterNotFoundError, LorapageError
+from lorapage.errors import (
+    AdapterBusyError,
+    AdapterFormatError,
+    AdapterLoadError,
+    AdapterNotFoundError,
+    LorapageError,
+)
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.model.config import ModelConfig
 
 RATE_HALF_LIFE_S = 60.0  # how fast an adapter's recent request rate forgets old traffic
 MIN_RECHECK_S = 0.05  # a load with nothing to wait on looks again this often (adapter_wait_s may be 0)
+EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
+
+
+class LoadWait(Enum):
+    """What a load that found no room waits for."""
+
+    ROOM = "room"  # a lora slot is free but pages are short: until pages free
+    YIELDED = "yielded"  # a busy adapter yields its slot to this load: until it is idle
+    PATIENT = "patient"  # every slot busy for less than slot_wait_s: until one frees, or slot_wait_s
+    STARVING = "starving"  # every slot busy for slot_wait_s, requests wait: in line to make one yield
+    PREWARM = "prewarm"  # every slot busy and no request waits (a pre-warm): look again now and then
 
 
 @dataclass(eq=False)
@@ -42,8 +60,8 @@ class AdapterEntry:
     error: LorapageError | None = None  # the last load failure, reported to its waiting requests
     rate: float = 0.0  # exponentially decayed request count
     rate_time: float = 0.0
-    draining: bool = False  # admits nothing new: a starving load takes its slot once it drains
-    resident_since: float = 0.0  # when it last became resident (a drain spares it slot_wait_s)
+    yielding: bool = False  # admits nothing new: a starving load takes its lora slot once it is idle
+    resident_since: float = 0.0  # when it last became resident (it yields only after slot_wait_s)
 
     def touch(self, now: float) -> None:
         self.rate = self.rate_at(now) + 1.0
@@ -95,8 +113,8 @@ class AdapterCache:
         self._free_slots = list(range(max_loras, 0, -1))
         self._by_slot: dict[int, AdapterEntry] = {}
         self._memory_freed = asyncio.Event()
-        self.evictions: list[float] = []  # times of pool evictions (for evictions per minute)
-        self.drains = 0  # busy adapters drained for a load that waited adapter_wait_s for a slot
+        self.evictions: deque[float] = deque()  # times of pool evictions in the last EVICTION_WINDOW_S
+        self.yields = 0  # busy adapters made to yield their slot to a load that waited adapter_wait_s
         self._starving: list[AdapterEntry] = []  # loads past adapter_wait_s without a slot, in order
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
         self._loading: set[AdapterEntry] = set()  # entries with a load task in flight
@@ -104,13 +122,32 @@ class AdapterCache:
     # -- registry -------------------------------------------------------------------------------
 
     def register(self, name: str, path: str) -> AdapterInfo:
-        """Validate a PEFT directory against the base and register it (weights load lazily)."""
+        """Validate a PEFT directory against the base and register it (weights load lazily).
+        Reads the whole adapter: use :meth:`validate` in a worker and :meth:`add` to keep the
+        event loop free."""
+        self.check_name_free(name)
+        return self.add(name, *self.validate(path))
+
+    def check_name_free(self, name: str) -> None:
         if name in self.entries:
             raise LorapageError(f"adapter {name!r} is already registered", param="name")
+
+    def validate(self, path: str) -> tuple[AdapterSpec, AdapterLayout]:
+        """Read and check an adapter directory: config, tensor names and shapes against the base,
+        every weight finite, and a size the pool can hold. Touches no engine state, so it may run
+        in any thread."""
         spec = read_adapter_spec(path, self.model, self.max_lora_rank)
         layout = AdapterLayout.plan(spec, self.model, self.pool.page_size)
         if layout.num_pages > self.pool.capacity:
-            raise LorapageError(f"adapter {name!r} needs {layout.num_pages} pages; the pool has {self.pool.capacity}")
+            raise AdapterFormatError(
+                f"adapter at {path!r} needs {layout.num_pages} pages; the pool has {self.pool.capacity}"
+            )
+        load_adapter_tensors(spec, self.dtype)  # refuses NaN / Inf weights now, not at the first request
+        return spec, layout
+
+    def add(self, name: str, spec: AdapterSpec, layout: AdapterLayout) -> AdapterInfo:
+        """Register an adapter :meth:`validate` accepted."""
+        self.check_name_free(name)
         self.entries[name] = AdapterEntry(name, spec, layout)
         return self.info(name)
 
@@ -155,9 +192,9 @@ class AdapterCache:
     # -- residency ------------------------------------------------------------------------------
 
     def is_ready(self, name: str) -> bool:
-        """Resident and taking requests (a draining adapter takes none)."""
+        """Resident and taking requests (a yielding adapter takes none)."""
         entry = self.get(name)
-        return entry.slot != 0 and not entry.draining
+        return entry.slot != 0 and not entry.yielding
 
     def ensure(self, name: str) -> None:
         """Start making ``name`` resident if it is not (returns at once)."""
@@ -188,27 +225,52 @@ class AdapterCache:
         self._evict(entry)
         return True
 
-    def acquire(self, name: str) -> int:
-        """A request using ``name`` is admitted: pin it and return its slot."""
+    # -- the requests an adapter serves: queued (``waiting``) and admitted (``running``) -----------
+
+    def enqueue(self, name: str, now: float) -> None:
+        """A request for ``name`` arrived: count it as queued, note the traffic, and start the
+        load now, so fetching overlaps queueing."""
+        entry = self.get(name)
+        entry.waiting += 1
+        entry.touch(now)
+        self.ensure(name)
+
+    def dequeue(self, name: str) -> None:
+        """A queued request for ``name`` left without running (aborted, or its load failed)."""
+        self.get(name).waiting -= 1
+        self.notify_memory_freed()  # the adapter may now be evictable for a waiting load
+
+    def pin(self, name: str) -> int:
+        """A queued request for ``name`` is admitted: pin the adapter resident for it (it is
+        never evicted while pinned) and return its lora slot."""
         entry = self.get(name)
         if not entry.slot:
             raise RuntimeError(f"adapter {name!r} admitted while not resident")  # an engine bug, never silent
         entry.running += 1
+        entry.waiting -= 1
         return entry.slot
 
-    def release(self, name: str) -> None:
+    def unpin(self, name: str) -> None:
+        """An admitted request for ``name`` finished."""
         self.get(name).running -= 1
+
+    def requeue(self, name: str) -> None:
+        """An admitted request for ``name`` goes back to the queue (preempted, or its admission
+        undone): unpinned, and queued again."""
+        entry = self.get(name)
+        entry.running -= 1
+        entry.waiting += 1
 
     def pending_pages(self) -> int:
         """Pages to keep free for the largest load waiting on memory, so KV demand cannot starve
         it. Zero when that load could not proceed anyway (no slot to take, or more pages than
-        draining the KV cache would give): reserving then would only block admission."""
+        freeing the whole KV cache would give): reserving then would only block admission."""
         waiting = [e for e in self._loading if e.waiting]
         if not waiting:
             return 0
         need = max(e.layout.num_pages for e in waiting)
-        # Idle adapters can be evicted now; draining ones will be, for the load they drain for.
-        freeable = self._evictable() + [e for e in self._by_slot.values() if e.draining]
+        # Idle adapters can be evicted now; yielding ones will be, for the load they yield to.
+        freeable = self._evictable() + [e for e in self._by_slot.values() if e.yielding]
         attainable = self.pool.num_free + self.pool.used[PageKind.KV] + sum(e.layout.num_pages for e in freeable)
         return need if (self._free_slots or freeable) and need <= attainable else 0
 
@@ -225,8 +287,8 @@ class AdapterCache:
             entry.load_task = None
         self._loading.clear()
         self._starving.clear()
-        for entry in self.entries.values():  # drained for a load that died with the old loop
-            entry.draining = False
+        for entry in self.entries.values():  # yielding to a load that died with the old loop
+            entry.yielding = False
 
     def notify_memory_freed(self) -> None:
         self._memory_freed.set()
@@ -257,8 +319,11 @@ class AdapterCache:
     def _evict(self, entry: AdapterEntry) -> None:
         del self._by_slot[entry.slot]
         self._give_back(entry.slot, entry.pages)  # wakes loads waiting for a slot
-        entry.slot, entry.pages, entry.draining = 0, [], False
-        self.evictions.append(self._clock())
+        entry.slot, entry.pages, entry.yielding = 0, [], False
+        now = self._clock()
+        self.evictions.append(now)
+        while now - self.evictions[0] > EVICTION_WINDOW_S:
+            self.evictions.popleft()
         if entry.waiting:  # queued (e.g. preempted) requests still need it: queue its reload
             self.ensure(entry.name)
 
@@ -302,7 +367,7 @@ class AdapterCache:
             entry.load_task = None
             self._loading.discard(entry)
             self._on_ready()
-            self.notify_memory_freed()  # a new resident adapter may be drainable for a starving load
+            self.notify_memory_freed()  # a new resident adapter may yield to a starving load
 
     def _give_back(self, slot: int, pages: list[int]) -> None:
         """Return a slot and its pages (an evicted adapter's, or a load's that never became one)."""
@@ -322,77 +387,93 @@ class AdapterCache:
         return packed
 
     async def _reserve(self, entry: AdapterEntry) -> tuple[int, list[int]]:
-        """A free slot and pages, evicting idle adapters; waits while running requests hold them.
+        """A free lora slot and pages, evicting idle adapters; waits while running requests hold
+        them. How it waits is the :class:`LoadWait` it is in, looked at again on every wake-up.
 
         When every slot stays busy for ``slot_wait_s`` and requests wait for this load, the load
-        joins the line of starving loads; the first in line drains one busy adapter (see
-        :meth:`_drain_one`) and takes its slot once it is idle and its pages make room. So hot
-        adapters with endless queues cannot starve a cold one, and starving loads go in order.
+        joins the line of starving loads; the first in line makes one busy adapter yield (see
+        :meth:`_make_one_yield`) and takes its slot once it is idle and its pages make room. So
+        hot adapters with endless queues cannot starve a cold one, and starving loads go in order.
         """
         need = entry.layout.num_pages
         started = self._clock()
-        drained: AdapterEntry | None = None
+        yielded: AdapterEntry | None = None  # the busy adapter yielding its slot to this load
         try:
             while True:
-                if drained is not None and not drained.draining:
-                    drained = None  # evicted or unloaded meanwhile: drain again if still starving
-                if not self._free_slots:
-                    victims = self._evictable()
-                    if victims:
-                        self._evict(victims[0])
-                    elif (
-                        drained is not None and drained.running == 0 and self.pool.num_free + len(drained.pages) >= need
-                    ):
-                        self._evict(drained)  # drained for this load: its slot and pages are ours
-                        drained = None
-                if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
-                    pages = self.pool.allocate(need, PageKind.ADAPTER)
-                    if pages is not None:
-                        return self._free_slots.pop(), pages
-                timeout = None
-                if drained is None and not self._free_slots:
+                if yielded is not None and not yielded.yielding:
+                    yielded = None  # evicted or unloaded meanwhile: make another yield if still starving
+                room = self._take_room(need, yielded)
+                if room is not None:
+                    return room
+                state = self._wait_state(entry, yielded, started)
+                timeout: float | None = None  # None: until memory or a slot frees
+                if state is LoadWait.PATIENT:
                     timeout = started + self.slot_wait_s - self._clock()
-                    if timeout <= 0:
-                        timeout = None
-                        if not entry.waiting:  # a pre-warm, or its requests left: look again later
-                            timeout = max(self.slot_wait_s, MIN_RECHECK_S)
-                            if entry in self._starving:
-                                self._starving.remove(entry)
-                                self.notify_memory_freed()  # the next in line may drain now
-                        else:
-                            if entry not in self._starving:
-                                self._starving.append(entry)
-                            if self._starving[0] is entry:
-                                drained = self._drain_one()
-                                if drained is not None:
-                                    continue  # it may be idle of running requests already
-                                timeout = max(self.slot_wait_s, MIN_RECHECK_S)  # none drainable yet
+                elif state is LoadWait.PREWARM:
+                    self._leave_line(entry)
+                    timeout = max(self.slot_wait_s, MIN_RECHECK_S)
+                elif state is LoadWait.STARVING:
+                    if entry not in self._starving:
+                        self._starving.append(entry)
+                    if self._starving[0] is entry:
+                        yielded = self._make_one_yield()
+                        if yielded is not None:
+                            continue  # it may be idle of running requests already
+                        timeout = max(self.slot_wait_s, MIN_RECHECK_S)  # none may yield yet
                 self._memory_freed.clear()
                 try:
                     await asyncio.wait_for(self._memory_freed.wait(), timeout)
                 except TimeoutError:
                     pass
         finally:
-            if entry in self._starving:
-                self._starving.remove(entry)
-                self.notify_memory_freed()  # the next in line may drain now
-            if drained is not None and drained.draining:  # not evicted (we are done or cancelled)
-                drained.draining = False
+            self._leave_line(entry)
+            if yielded is not None and yielded.yielding:  # not evicted (we are done or cancelled)
+                yielded.yielding = False
                 self._on_ready()  # its queued requests may be admitted again
 
-    def _drain_one(self) -> AdapterEntry | None:
+    def _take_room(self, need: int, yielded: AdapterEntry | None) -> tuple[int, list[int]] | None:
+        """A lora slot and ``need`` pages if they can be had now: an idle adapter gives up its
+        slot, or the adapter that yielded to this load does once it is idle and its pages
+        complete the room."""
+        if not self._free_slots:
+            victims = self._evictable()
+            if victims:
+                self._evict(victims[0])
+            elif yielded is not None and yielded.running == 0 and self.pool.num_free + len(yielded.pages) >= need:
+                self._evict(yielded)  # it yielded for this load: its slot and pages are ours
+        if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
+            pages = self.pool.allocate(need, PageKind.ADAPTER)
+            if pages is not None:
+                return self._free_slots.pop(), pages
+        return None
+
+    def _wait_state(self, entry: AdapterEntry, yielded: AdapterEntry | None, started: float) -> LoadWait:
+        if yielded is not None:
+            return LoadWait.YIELDED
+        if self._free_slots:
+            return LoadWait.ROOM
+        if self._clock() - started < self.slot_wait_s:
+            return LoadWait.PATIENT
+        return LoadWait.STARVING if entry.waiting else LoadWait.PREWARM
+
+    def _leave_line(self, entry: AdapterEntry) -> None:
+        if entry in self._starving:
+            self._starving.remove(entry)
+            self.notify_memory_freed()  # the next in line may make an adapter yield now
+
+    def _make_one_yield(self) -> AdapterEntry | None:
         """Stop admitting to the least valuable busy resident adapter (per page, as eviction
         ranks), so its slot frees once its running requests finish. Its queued requests wait
         and reload it afterwards: busy adapters take turns rather than one holding on forever.
         An adapter resident for less than ``slot_wait_s`` is spared, so every turn lasts at
         least that long and the slot does not change hands after every batch."""
         now = self._clock()
-        busy = [e for e in self._by_slot.values() if not e.draining and now - e.resident_since >= self.slot_wait_s]
+        busy = [e for e in self._by_slot.values() if not e.yielding and now - e.resident_since >= self.slot_wait_s]
         if not busy:
             return None
         victim = min(busy, key=lambda e: e.rate_at(now) / e.layout.num_pages)
-        victim.draining = True
-        self.drains += 1
+        victim.yielding = True
+        self.yields += 1
         return victim
 
     def _copy_in(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:

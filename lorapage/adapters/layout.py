@@ -37,10 +37,17 @@ class AdapterLayout:
     @classmethod
     def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> AdapterLayout:
         dims = model.module_dims()
-        a_off, a_rows, b_off, rank, h_start, scale, sizes = [], [], [], [], [], [], []
+        a_off: list[list[int]] = []
+        a_rows: list[list[int]] = []
+        b_off: list[list[int]] = []
+        rank: list[list[int]] = []
+        h_start: list[list[int]] = []
+        scale: list[list[float]] = []
+        sizes: list[int] = []
         for layer in range(model.num_layers):
             cursor = 0
-            ao, ar = [], []
+            ao: list[int] = []
+            ar: list[int] = []
             bo, rk, hs, sc = [0] * len(MODULES), [0] * len(MODULES), [0] * len(MODULES), [0.0] * len(MODULES)
             for group in GROUPS:
                 d_in = dims[group[0]][0]
@@ -58,8 +65,12 @@ class AdapterLayout:
                     i = MODULES.index(m)
                     bo[i] = cursor
                     cursor += dims[m][1] * rk[i]
-            for lst, v in ((a_off, ao), (a_rows, ar), (b_off, bo), (rank, rk), (h_start, hs), (scale, sc)):
-                lst.append(v)
+            a_off.append(ao)
+            a_rows.append(ar)
+            b_off.append(bo)
+            rank.append(rk)
+            h_start.append(hs)
+            scale.append(sc)
             sizes.append(cursor)
         numel = max(sizes)
         return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size))
@@ -106,14 +117,14 @@ class LoraTables:
 
     def __init__(self, model: ModelConfig, max_loras: int, max_pages: int, device: torch.device) -> None:
         L, S, G, M = model.num_layers, max_loras + 1, len(GROUPS), len(MODULES)
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.page_table = torch.zeros(S, max_pages, **i32)  # [slot, i]: i-th page of the slot's adapter
-        self.a_offset = torch.zeros(L, S, G, **i64)  # [layer, slot, group]: start of stacked A
-        self.a_rows = torch.zeros(L, S, G, **i32)  # [layer, slot, group]: rows of stacked A
-        self.b_offset = torch.zeros(L, S, M, **i64)  # [layer, slot, module]: start of B_m
-        self.rank = torch.zeros(L, S, M, **i32)  # [layer, slot, module]: r_m, 0 = untargeted
-        self.h_start = torch.zeros(L, S, M, **i32)  # [layer, slot, module]: column of r_m block in h
-        self.scale = torch.zeros(L, S, M, dtype=torch.float32, device=device)  # [layer, slot, module]
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        self.page_table = torch.zeros(S, max_pages, dtype=i32, device=device)  # [slot, i]: i-th page of the adapter
+        self.a_offset = torch.zeros(L, S, G, dtype=i64, device=device)  # [layer, slot, group]: start of stacked A
+        self.a_rows = torch.zeros(L, S, G, dtype=i32, device=device)  # [layer, slot, group]: rows of stacked A
+        self.b_offset = torch.zeros(L, S, M, dtype=i64, device=device)  # [layer, slot, module]: start of B_m
+        self.rank = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m, 0 = untargeted
+        self.h_start = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m's column in h
+        self.scale = torch.zeros(L, S, M, dtype=f32, device=device)  # [layer, slot, module]: alpha / r
 
     def write_slot(self, slot: int, layout: AdapterLayout, pages: list[int]) -> None:
         """Point ``slot`` at an adapter now resident in ``pages``."""

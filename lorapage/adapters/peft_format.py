@@ -1,21 +1,25 @@
-"""Reading PEFT LoRA directories: ``adapter_config.json`` + ``adapter_model.safetensors`` (or .bin).
+"""Reading PEFT LoRA directories: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
 Registration reads the config and the safetensors header (shapes only) and refuses anything the
 engine would serve wrongly; the weights themselves are read later, in a worker thread, when a
-request first needs them. ``base_model_name_or_path`` is never trusted: shapes are checked
-against the loaded base instead.
+request first needs them, and are refused then if any value is NaN or Inf. Nothing user-supplied
+can run code or take unbounded time: ``adapter_model.bin`` (a pickle) is never opened, and PEFT's
+``rank_pattern`` / ``alpha_pattern`` keys, which are regexes, are bounded and matched with RE2
+(linear time). ``base_model_name_or_path`` is never trusted: shapes are checked against the
+loaded base instead.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
+import re2
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
@@ -27,6 +31,15 @@ _KEY = re.compile(
 )
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+# Bounds on rank_pattern / alpha_pattern: PEFT writes at most one key per module (under 900 on
+# the largest Llama), and a key longer than a module name has no reason to be.
+MAX_PATTERN_KEYS = 1024
+MAX_PATTERN_KEY_CHARS = 512
+_Regex: TypeAlias = re2._Regexp  # google-re2 has no public name for a compiled pattern
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused key is reported to the caller, not logged by RE2
+_RE2_OPTIONS.never_capture = True  # only "does it match" is asked: lets RE2 use its DFA
+_RE2_OPTIONS.max_mem = 64 << 10  # a key whose program outgrows this (e.g. nested {999}) is refused
 
 
 @dataclass(frozen=True)
@@ -50,12 +63,48 @@ def _fail(path: Path, why: str) -> AdapterFormatError:
     return AdapterFormatError(f"adapter at {path}: {why}")
 
 
-def _pattern_value(patterns: dict, module_name: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: first key matching the module name's suffix."""
+def _compile_patterns(path: Path, cfg: dict, field: str) -> list[tuple[_Regex, object]]:
+    r"""``cfg[field]`` as (compiled key, value) pairs in PEFT's order, or a specific refusal.
+
+    PEFT (``peft.utils.other.get_pattern_key``) takes the first key for which
+    ``re.match(rf"(.*\.)?({key})$", module_name)`` matches; the same template is compiled here
+    with RE2, which refuses what it cannot run in linear time (backreferences, lookaround).
+    """
+    patterns = cfg.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise _fail(path, f"{field} must be a JSON object of module-name regex -> value")
+    if len(patterns) > MAX_PATTERN_KEYS:
+        raise _fail(path, f"{field} has {len(patterns)} keys; at most {MAX_PATTERN_KEYS} are accepted")
+    compiled = []
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?{key}$", module_name):
+        shown = key if len(key) <= 80 else f"{key[:80]}..."
+        if len(key) > MAX_PATTERN_KEY_CHARS:
+            raise _fail(path, f"{field} key {shown!r} is {len(key)} characters; at most {MAX_PATTERN_KEY_CHARS}")
+        try:
+            compiled.append((re2.compile(rf"(.*\.)?({key})$", _RE2_OPTIONS), value))
+        except re2.error as e:
+            why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+            raise _fail(
+                path,
+                f"{field} key {shown!r} is not a regex RE2 accepts ({why}); keys are matched in linear "
+                "time, so backreferences, lookaround and very large repetitions are refused",
+            ) from None
+    return compiled
+
+
+def _pattern_value(patterns: list[tuple[_Regex, object]], module_name: str, default: object) -> object:
+    """PEFT's rank_pattern / alpha_pattern lookup: the value of the first key that matches."""
+    for regex, value in patterns:
+        if regex.match(module_name):
             return value
     return default
+
+
+def _alpha(path: Path, value: object, where: str) -> float:
+    # JSON admits NaN and Infinity; a non-finite alpha would make every output of the adapter NaN.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(path, f"{where} must be a finite number; got {value!r}")
+    return float(value)
 
 
 def _read_config(path: Path) -> dict:
@@ -107,24 +156,20 @@ def read_safetensors_header(path: Path) -> dict:
 
 def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]]]:
     st = path / "adapter_model.safetensors"
-    if st.exists():
-        header = read_safetensors_header(st)
-        for key, meta in header.items():
-            if meta.get("dtype") not in SAFETENSORS_DTYPES:
-                raise _fail(path, f"tensor {key} has dtype {meta.get('dtype')}; expected F32, F16 or BF16")
-        return st, {k: v["shape"] for k, v in header.items()}
-    binf = path / "adapter_model.bin"
-    if binf.exists():
-        state = _load_bin(binf)
-        return binf, {k: list(v.shape) for k, v in state.items()}
-    raise _fail(path, "no adapter_model.safetensors or adapter_model.bin")
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a bad pickle
-        raise _fail(path.parent, f"{path.name} could not be read ({e})") from None
+    if not st.exists():
+        if (path / "adapter_model.bin").exists():
+            # A pickle can run code when unpickled (even torch's weights_only loader has had holes).
+            raise _fail(
+                path,
+                "adapter_model.bin (a pickle) is never loaded; convert it to adapter_model.safetensors "
+                "(PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True))",
+            )
+        raise _fail(path, "no adapter_model.safetensors")
+    header = read_safetensors_header(st)
+    for key, meta in header.items():
+        if meta.get("dtype") not in SAFETENSORS_DTYPES:
+            raise _fail(path, f"tensor {key} has dtype {meta.get('dtype')}; expected F32, F16 or BF16")
+    return st, {k: v["shape"] for k, v in header.items()}
 
 
 def parse_key(path: Path, key: str) -> tuple[int, str, str]:
@@ -154,24 +199,27 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         pairs.setdefault((layer, module), {})[ab] = shape
     if not pairs:
         raise _fail(path, "no LoRA weights found")
-    ranks, scales = {}, {}
-    alpha_default = cfg.get("lora_alpha", cfg.get("r", 8))
-    for (layer, module), ab in sorted(pairs.items()):
+    ranks: dict[tuple[int, str], int] = {}
+    scales: dict[tuple[int, str], float] = {}
+    alpha_default = _alpha(path, cfg.get("lora_alpha", cfg.get("r", 8)), "lora_alpha")
+    alpha_pattern = _compile_patterns(path, cfg, "alpha_pattern")
+    _compile_patterns(path, cfg, "rank_pattern")  # ranks come from the shapes; its keys are refused alike
+    for (layer, module), halves in sorted(pairs.items()):
         where = f"layers.{layer}.{module}"
-        if set(ab) != {"A", "B"}:
-            raise _fail(path, f"{where} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        if set(halves) != {"A", "B"}:
+            raise _fail(path, f"{where} has lora_{''.join(halves)} but not both lora_A and lora_B")
         d_in, d_out = dims[module]
-        r = ab["A"][0] if len(ab["A"]) == 2 else -1
-        if ab["A"] != [r, d_in] or ab["B"] != [d_out, r]:
+        r = halves["A"][0] if len(halves["A"]) == 2 else -1
+        if halves["A"] != [r, d_in] or halves["B"] != [d_out, r]:
             raise _fail(
                 path,
-                f"{where}: lora_A {ab['A']} / lora_B {ab['B']} do not fit the base "
+                f"{where}: lora_A {halves['A']} / lora_B {halves['B']} do not fit the base "
                 f"(expected [r, {d_in}] and [{d_out}, r]); was it trained on another model?",
             )
         if not 1 <= r <= max_lora_rank:
             raise _fail(path, f"{where}: rank {r} exceeds max_lora_rank {max_lora_rank}")
         name = f"model.layers.{layer}.{'self_attn' if module in MODULES[:4] else 'mlp'}.{module}"
-        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, name, alpha_default)
+        alpha = _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
         ranks[(layer, module)] = r
         scales[(layer, module)] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return AdapterSpec(
@@ -190,22 +238,29 @@ def load_adapter_tensors(
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Read the weights: (layer, module) -> (A [r, d_in], B [d_out, r]) in ``dtype``.
 
-    Reads the file in one go (no mmap), so this is the part that runs in a worker thread.
+    Reads the file in one go (no mmap), so this is the part that runs in a worker thread. A
+    weight with a NaN or Inf value (or one that overflows ``dtype``) is refused, naming it.
     """
-    if spec.weights_file.suffix == ".bin":
-        state = _load_bin(spec.weights_file)
-    else:
-        try:
-            state = load_safetensors_bytes(spec.weights_file.read_bytes())
-        except Exception as e:  # safetensors raises its own error types for truncated files
-            raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
+    try:
+        state = load_safetensors_bytes(spec.weights_file.read_bytes())
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
     out: dict[tuple[int, str], list] = {}
     for key, t in state.items():
         layer, module, ab = parse_key(spec.path, key)
-        out.setdefault((layer, module), [None, None])["AB".index(ab)] = t.to(dtype)
+        out.setdefault((layer, module), [None, None])["AB".index(ab)] = _finite(spec.path, key, t, dtype)
     if out.keys() != spec.ranks.keys():
         raise _fail(spec.path, "weights changed since registration (targeted modules differ)")
-    for key, (a, b) in out.items():
-        if a.shape[0] != spec.ranks[key] or b.shape[1] != spec.ranks[key]:
-            raise _fail(spec.path, f"weights changed since registration (rank of {key} differs)")
+    for pair, (a, b) in out.items():
+        if a.shape[0] != spec.ranks[pair] or b.shape[1] != spec.ranks[pair]:
+            raise _fail(spec.path, f"weights changed since registration (rank of {pair} differs)")
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _finite(path: Path, key: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in ``dtype``, or a refusal naming it if a value is not finite there."""
+    converted = weight.to(dtype)
+    if not torch.isfinite(converted).all():
+        why = "has NaN or Inf values" if not torch.isfinite(weight).all() else f"has values that overflow {dtype}"
+        raise _fail(path, f"adapter weight {key!r} {why}; the adapter cannot be served")
+    return converted

@@ -1,28 +1,32 @@
-"""KV block bookkeeping for sequences: how many pages a sequence needs and handing them out."""
+"""KV block bookkeeping: how many pages a sequence needs, and growing or freeing its block table.
+
+A block table is a sequence's list of page ids, one KV block each. These functions know pages,
+not requests: what a freed table means for the sequence (its KV must be recomputed) is the
+caller's business.
+"""
 
 from __future__ import annotations
 
 from lorapage.memory.pool import PageKind, PagePool
-from lorapage.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def grow_block_table(pool: PagePool, req: Request, num_tokens: int, block_size: int) -> bool:
-    """Give ``req`` pages for its first ``num_tokens`` tokens; False (nothing taken) if short."""
-    missing = blocks_needed(num_tokens, block_size) - len(req.block_table)
+def grow_block_table(pool: PagePool, block_table: list[int], num_tokens: int, block_size: int) -> bool:
+    """Extend ``block_table`` to hold ``num_tokens`` tokens; False (nothing taken) if short."""
+    missing = blocks_needed(num_tokens, block_size) - len(block_table)
     if missing <= 0:
         return True
     pages = pool.allocate(missing, PageKind.KV)
     if pages is None:
         return False
-    req.block_table.extend(pages)
+    block_table.extend(pages)
     return True
 
 
-def free_block_table(pool: PagePool, req: Request) -> None:
-    pool.free(req.block_table, PageKind.KV)
-    req.block_table = []
-    req.num_computed = 0
+def free_block_table(pool: PagePool, block_table: list[int]) -> None:
+    """Give every page of ``block_table`` back to the pool and empty it."""
+    pool.free(block_table, PageKind.KV)
+    block_table.clear()

@@ -10,17 +10,13 @@ invalidates a graph. Only decode-only steps replay; steps with prefill tokens ru
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from lorapage.kernels import LoraIndices
-from lorapage.model.llama import AttentionMetadata
-
-if TYPE_CHECKING:
-    from lorapage.model.runner import ModelRunner
+from lorapage.model.forward import ForwardContext, decode_forward
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -56,14 +52,14 @@ class DecodeGraphs:
     there too (``tests/test_kernels_graph_safety.py``).
     """
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: Capture | None = None) -> None:
-        self.runner = runner
+    def __init__(self, ctx: ForwardContext, max_num_seqs: int, capture: Capture | None = None) -> None:
+        self.buffers = ctx.buffers
         self.graphs: dict[int, tuple[Callable[[], None], Tensor]] = {}
         capture = capture or cuda_graph_capture()
         for size in batch_buckets(max_num_seqs):
-            self._pad(0, size)
-            self.graphs[size] = capture(lambda size=size: decode_forward(self.runner, size))
-        if runner.pool.storage.is_cuda:
+            self.buffers.pad_rows(0, size)
+            self.graphs[size] = capture(functools.partial(decode_forward, ctx, size))
+        if ctx.pool.storage.is_cuda:
             torch.cuda.synchronize()
 
     def bucket(self, batch: int) -> int | None:
@@ -71,49 +67,12 @@ class DecodeGraphs:
         return min(fits) if fits else None
 
     def run(self, batch: int) -> Tensor:
-        """Replay for the first ``batch`` rows already written into the runner's buffers."""
+        """Replay for the first ``batch`` rows already written into the step buffers (a batch
+        that fits a bucket: check with :meth:`bucket` first)."""
         size = self.bucket(batch)
-        self._pad(batch, size)
+        if size is None:
+            raise ValueError(f"no captured graph holds {batch} rows")
+        self.buffers.pad_rows(batch, size)
         replay, hidden = self.graphs[size]
         replay()
         return hidden[:batch]
-
-    def _pad(self, start: int, end: int) -> None:
-        """Rows [start, end) become harmless: token 0 at position 0, no adapter, writing their K/V
-        into the dummy page 0 and attending over it alone."""
-        r = self.runner
-        for buf in (r.input_ids, r.positions, r.slot_mapping, r.token_slot, r.block_tables):
-            buf[start:end].zero_()
-        r.context_lens[start:end].fill_(1)
-
-
-def decode_forward(runner: ModelRunner, size: int) -> Tensor:
-    """The decode step a graph captures: the first ``size`` rows of the runner's static buffers
-    through the model. Everything it reads is a view of a buffer allocated once or a constant of
-    ``size``; ``tests/test_kernels_graph_safety.py`` checks that its kernel launches do not change
-    with the adapters, slots, pages or positions written into those buffers."""
-    r = runner
-    attn = AttentionMetadata(
-        slot_mapping=r.slot_mapping[:size],
-        num_decode=size,
-        decode_block_table=r.block_tables[:size],
-        decode_context_lens=r.context_lens[:size],
-        prefill_block_table=r.block_tables[:0],
-        prefill_query_starts=[0],
-        prefill_context_lens=[],
-    )
-    # The segments are a placeholder: BGMV reads token_slot on the device, so the LoRA kernels
-    # are always in the graph and rows with slot 0 skip them.
-    lora = LoraIndices(r.token_slot[:size], ((0, size, 0),))
-    with torch.inference_mode():
-        return r.model.forward(
-            r.input_ids[:size],
-            r.positions[:size],
-            attn,
-            r.pool.storage,
-            r.block_size,
-            r.ops,
-            r.tables,
-            lora,
-            r.lora_h,
-        )

@@ -17,8 +17,10 @@ from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
+from lorapage.model.forward import ForwardContext
 from lorapage.model.llama import AttentionMetadata, LlamaModel
-from lorapage.model.sampler import SampleRow, TokenLogprob, sample
+from lorapage.model.sampler import SampleOutput, SampleRow, sample
+from lorapage.model.step_buffers import StepBuffers
 from lorapage.request import Request
 
 
@@ -43,7 +45,11 @@ class StepPlan:
     def build(cls, decode: list[Request], prefill: list[Request], block_size: int) -> StepPlan:
         decode = sorted(decode, key=lambda r: r.lora_slot)
         prefill = sorted(prefill, key=lambda r: r.lora_slot)
-        ids, pos, slots, token_slot, sample_index = [], [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        token_slot: list[int] = []
+        sample_index: list[int] = []
         starts = [0]
         for r in decode + prefill:
             seq = r.all_ids()
@@ -62,7 +68,7 @@ class StepPlan:
             token_slot=token_slot,
             segments=_segments(token_slot),
             num_decode=len(decode),
-            block_tables=[r.block_table for r in decode + prefill],
+            block_tables=[list(r.block_table) for r in decode + prefill],  # a snapshot for the forward thread
             context_lens=[r.num_tokens for r in decode + prefill],
             prefill_query_starts=starts,
             sample_index=sample_index,
@@ -83,7 +89,7 @@ def _segments(token_slot: list[int]) -> tuple[tuple[int, int, int], ...]:
 
 
 class ModelRunner:
-    """Owns the model, the ops and the step buffers; runs one step at a time (one thread)."""
+    """Owns the step buffers and the decode graphs; runs one step at a time (one thread)."""
 
     def __init__(
         self,
@@ -97,76 +103,66 @@ class ModelRunner:
         max_blocks_per_seq: int,
         lora_h_width: int,
     ) -> None:
-        self.model, self.pool, self.tables, self.ops = model, pool, tables, ops
-        self.block_size = block_size
-        dev = model.device
-        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
-        # Step buffers, allocated once at their maximum size and only written into.
-        self.input_ids = torch.zeros(max_num_batched_tokens, **i64)  # [t]: token id
-        self.positions = torch.zeros(max_num_batched_tokens, **i64)  # [t]: position in its sequence
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, **i64)  # [t]: page * block_size + offset
-        self.token_slot = torch.zeros(max_num_batched_tokens, **i32)  # [t]: adapter slot (0 = none)
-        self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, **i32)  # [row, i]: i-th KV page
-        self.context_lens = torch.zeros(max_num_seqs, **i32)  # [row]: tokens of context incl. this step
-        self.lora_h = torch.zeros(max_num_batched_tokens, lora_h_width, dtype=model.dtype, device=dev)
+        self.buffers = StepBuffers.allocate(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            lora_h_width=lora_h_width,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.ctx = ForwardContext(model, ops, pool, tables, self.buffers, block_size)
         self.graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
         """Capture decode steps as CUDA graphs (CUDA with the Triton kernels only; ``capture``:
         see :class:`DecodeGraphs`)."""
-        self.graphs = DecodeGraphs(self, max_num_seqs, capture)
+        self.graphs = DecodeGraphs(self.ctx, max_num_seqs, capture)
 
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprob | None]]:
+    def execute(self, plan: StepPlan) -> SampleOutput:
         """Forward the plan's tokens and sample one token per sequence."""
+        b, model = self.buffers, self.ctx.model
         T, B = len(plan.input_ids), len(plan.block_tables)
         for buf, values in (
-            (self.input_ids, plan.input_ids),
-            (self.positions, plan.positions),
-            (self.slot_mapping, plan.slot_mapping),
-            (self.token_slot, plan.token_slot),
+            (b.input_ids, plan.input_ids),
+            (b.positions, plan.positions),
+            (b.slot_mapping, plan.slot_mapping),
+            (b.token_slot, plan.token_slot),
         ):
             buf[:T].copy_(torch.tensor(values, dtype=buf.dtype))
         nd = plan.num_decode
         if self.graphs is not None and nd == B and self.graphs.bucket(B) is not None:
             return self._replay(plan)
-        width = max(len(b) for b in plan.block_tables)
-        padded = [b + [0] * (width - len(b)) for b in plan.block_tables]
-        self.block_tables[:B, :width].copy_(torch.tensor(padded, dtype=torch.int32))
-        self.context_lens[:B].copy_(torch.tensor(plan.context_lens, dtype=torch.int32))
+        width = max(len(t) for t in plan.block_tables)
+        self._write_rows(plan, width)
         attn = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:T],
+            slot_mapping=b.slot_mapping[:T],
             num_decode=nd,
-            decode_block_table=self.block_tables[:nd, :width],
-            decode_context_lens=self.context_lens[:nd],
-            prefill_block_table=self.block_tables[nd:B, :width],
+            decode_block_table=b.block_tables[:nd, :width],
+            decode_context_lens=b.context_lens[:nd],
+            prefill_block_table=b.block_tables[nd:B, :width],
             prefill_query_starts=plan.prefill_query_starts,
             prefill_context_lens=plan.context_lens[nd:],
         )
-        lora = LoraIndices(self.token_slot[:T], plan.segments) if plan.segments else None
-        if lora is not None and self.ops.name == "triton" and T > nd:
+        lora = LoraIndices(b.token_slot[:T], plan.segments) if plan.segments else None
+        if lora is not None and self.ctx.ops.name == "triton" and T > nd:
             lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
         with torch.inference_mode():
-            hidden = self.model.forward(
-                self.input_ids[:T],
-                self.positions[:T],
-                attn,
-                self.pool.storage,
-                self.block_size,
-                self.ops,
-                self.tables,
-                lora,
-                self.lora_h,
-            )
-            logits = self.model.logits(hidden[plan.sample_index])
+            hidden = self.ctx.forward(T, attn, lora)
+            logits = model.logits(hidden[plan.sample_index])
             return sample(logits, plan.sample_rows)
 
-    def _replay(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprob | None]]:
+    def _replay(self, plan: StepPlan) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""
-        B = len(plan.block_tables)
-        full = self.block_tables.shape[1]  # graphs read the block table at its full width
-        padded = [b + [0] * (full - len(b)) for b in plan.block_tables]
-        self.block_tables[:B].copy_(torch.tensor(padded, dtype=torch.int32))
-        self.context_lens[:B].copy_(torch.tensor(plan.context_lens, dtype=torch.int32))
-        hidden = self.graphs.run(B)
+        assert self.graphs is not None
+        self._write_rows(plan, self.buffers.block_tables.shape[1])  # graphs read the full width
+        hidden = self.graphs.run(len(plan.block_tables))
         with torch.inference_mode():
-            return sample(self.model.logits(hidden), plan.sample_rows)
+            return sample(self.ctx.model.logits(hidden), plan.sample_rows)
+
+    def _write_rows(self, plan: StepPlan, width: int) -> None:
+        """Block tables (zero-padded to ``width``) and context lengths of the plan's rows."""
+        B = len(plan.block_tables)
+        padded = [t + [0] * (width - len(t)) for t in plan.block_tables]
+        self.buffers.block_tables[:B, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+        self.buffers.context_lens[:B].copy_(torch.tensor(plan.context_lens, dtype=torch.int32))

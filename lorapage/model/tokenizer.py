@@ -9,6 +9,7 @@ streamed text disagree with the final text), and ``decode`` skips special tokens
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -155,6 +156,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added (special) tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most input characters one token can stand for: the longest vocabulary entry (added
+        tokens included), times 4 when the tokenizer normalizes its input first (Unicode
+        composition turns at most 4 code points into one). A prompt of more than
+        ``max_model_len x`` this many characters cannot fit the context, so it can be refused
+        without tokenizing it.
+
+        A byte-level entry has one character per byte and a byte-fallback piece (``<0xE2>``) six
+        characters for one byte, so the entry's length bounds the characters it covers from above.
+        """
+        longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self.backend.normalizer is not None else 1)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -1,7 +1,9 @@
 """Admin routes: register, inspect and delete adapters, pre-warm or drop them, read engine state.
 
 All of them take the admin key only. Registration is the one place where the server reads a path
-named in a request, and it reads it only for the admin.
+named in a request: only for the admin, and only under the ``--adapter-root`` directories. The
+path is resolved first (symlinks and ``..`` followed), and so is every file in the directory, so
+neither the path nor a link inside it can reach outside a root. Without a root it is refused.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from urllib.parse import unquote, urlparse
 import msgspec
 from aiohttp import web
 
-from lorapage.errors import AdapterBusyError, AdapterFormatError, InvalidRequestError
+from lorapage.errors import (
+    AdapterBusyError,
+    AdapterFormatError,
+    ConflictError,
+    InvalidRequestError,
+    PermissionDeniedError,
+)
 from lorapage.server import protocol
-from lorapage.server.errors import ConflictError
 from lorapage.server.responses import AdapterOut
 
 _ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -28,8 +35,9 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
-def _local_path(raw: str) -> Path:
-    """A directory on this server's disk from a path or ``file://`` URI; other schemes are refused."""
+def _local_path(raw: str, roots: tuple[Path, ...]) -> Path:
+    """The resolved directory a path or ``file://`` URI names, inside one of ``roots``; other
+    schemes, paths outside the roots and directories holding links out of them are refused."""
     if "://" in raw:
         uri = urlparse(raw)
         if uri.scheme != "file":
@@ -43,9 +51,37 @@ def _local_path(raw: str) -> Path:
     path = Path(raw)
     if not path.is_absolute():
         raise InvalidRequestError(f"path must be absolute; got {raw!r}", param="path")
-    if not path.is_dir():
+    if not roots:
+        raise PermissionDeniedError(
+            "registering adapters from a path is disabled: start the server with --adapter-root DIR "
+            "to allow adapter directories under DIR",
+            param="path",
+        )
+    resolved = _resolve(path)
+    root = next((r for r in roots if resolved.is_relative_to(r)), None)
+    if root is None:
+        shown = ", ".join(map(str, roots))
+        raise PermissionDeniedError(
+            f"adapter path {path} resolves to {resolved}, outside the adapter roots ({shown}); "
+            "put the adapter under a root, or start the server with another --adapter-root",
+            param="path",
+        )
+    if not resolved.is_dir():
         raise InvalidRequestError(f"adapter at {path}: no such directory on the server", param="path")
-    return path
+    for entry in resolved.iterdir():
+        if not _resolve(entry).is_relative_to(root):
+            raise PermissionDeniedError(
+                f"adapter at {path}: {entry.name} links outside the adapter root {root}; copy the file in instead",
+                param="path",
+            )
+    return resolved
+
+
+def _resolve(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise InvalidRequestError(f"adapter path {path} cannot be resolved ({exc})", param="path") from None
 
 
 class AdminRoutes:
@@ -89,7 +125,7 @@ class AdminRoutes:
         if state.is_registered(req.id):
             raise ConflictError(f"adapter id {req.id!r} is already registered; DELETE it first", param="id")
         try:
-            state.engine.add_adapter(req.id, _local_path(req.path))
+            state.engine.add_adapter(req.id, _local_path(req.path, state.adapter_roots))
         except AdapterFormatError as exc:
             exc.param = exc.param or "path"
             raise
@@ -113,7 +149,7 @@ class AdminRoutes:
         timeout = _timeout(request.query.get("timeout", "60"))
         running = state.in_flight.get(adapter, 0)
         if running and not drain:
-            raise ConflictError(
+            raise AdapterBusyError(
                 f"adapter {adapter!r} has {running} requests in flight; retry when they finish, or DELETE "
                 "with ?drain=true to refuse new requests and remove it once they end",
                 param="id",
@@ -122,7 +158,7 @@ class AdminRoutes:
             state.draining.add(adapter)
             try:
                 if not await _wait_until(lambda: _removed_when_idle(state, adapter), timeout):
-                    raise ConflictError(
+                    raise AdapterBusyError(
                         f"adapter {adapter!r} still had {state.in_flight.get(adapter, 0)} requests in flight "
                         f"after draining for {timeout:g}s; it was not deleted and serves again",
                         param="id",

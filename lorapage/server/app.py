@@ -1,8 +1,9 @@
 """The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py).
 
 Every request is checked in the same order: API key (401), body size (413), JSON and types
-(400), field ranges (400), model visibility (404), prompt length against the context (400), the
-tenant's quota (429); only then does the engine see it (503 when its queue is full).
+(400), field ranges (400), model visibility (404), prompt length against the context (400: first
+a bound on characters, then, off the event loop, the template and the tokenizer), the tenant's
+quota (429); only then does the engine see it (503 when its queue is full).
 """
 
 from __future__ import annotations
@@ -10,29 +11,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from lorapage.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError, LorapageError
-from lorapage.quota import QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
+from lorapage.errors import (
+    AdapterNotFoundError,
+    BodyTooLargeError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    QuotaExceededError,
+    ServiceUnavailableError,
+)
 from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
 from lorapage.server import protocol
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
-from lorapage.server.errors import BodyTooLargeError, QuotaExceededError, ServiceUnavailableError, error_middleware
+from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.generation import Job, respond
+from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
+from lorapage.server.prompts import PromptBuilder
+from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
 from lorapage.server.responses import Model, ModelList
-from lorapage.tenants import TenantsConfig, TenantsConfigError
+from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 
 log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-_ADMISSION_WINDOW_S = 10.0  # recent admission rate, for the Retry-After of a 503
+_ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
 
 
 def _vtc_counters(policy: SchedulerPolicy) -> Callable[[], dict[str, float]]:
@@ -44,14 +55,30 @@ def _vtc_counters(policy: SchedulerPolicy) -> Callable[[], dict[str, float]]:
 class ServerState:
     """What the handlers share: the engine, who may use what, metrics, and requests in flight."""
 
-    def __init__(self, engine: Any, access: Access, *, max_body_bytes: int, shutdown_grace_s: float) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        access: Access,
+        *,
+        max_body_bytes: int,
+        shutdown_grace_s: float,
+        metrics_public: bool,
+        adapter_roots: Sequence[str | Path],
+    ) -> None:
         self.engine = engine
         self.access = access
         self.quotas = QuotaManager(access.tenants, now=time.monotonic())
-        self.admissions: deque[float] = deque()  # when recent requests got their first output
-        self.metrics = ServerMetrics(engine.stats, engine.scheduler_metrics, _vtc_counters(engine.policy))
+        self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
+        self.loop_lag = LoopLagMonitor()
+        self.metrics = ServerMetrics(
+            engine.stats, engine.scheduler_metrics, _vtc_counters(engine.policy), loop_lag=self.loop_lag
+        )
+        self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
+        self.metrics_public = metrics_public
+        # Admin registration reads adapter directories under these only (resolved: no symlink games).
+        self.adapter_roots = tuple(Path(root).resolve() for root in adapter_roots)
         self.started = int(time.time())
         self.in_flight: Counter[str | None] = Counter()  # adapter (None: base) -> requests running
         self.request_ids: set[str] = set()
@@ -102,13 +129,10 @@ class ServerState:
         self.engine.scheduler_metrics.record_rejected(job.tenant, tokens, reason)
 
     def overload_retry_after(self) -> int:
-        now = time.monotonic()
-        while self.admissions and now - self.admissions[0] > _ADMISSION_WINDOW_S:
-            self.admissions.popleft()
         return overload_retry_after_s(
             self.engine.stats()["queue_depth"],
             self.engine.config.max_queue_len,
-            len(self.admissions) / _ADMISSION_WINDOW_S,
+            self.admissions.per_second(time.monotonic()),
         )
 
     async def run(self, request: web.Request, job: Job) -> web.StreamResponse:
@@ -161,32 +185,15 @@ async def read_body(request: web.Request) -> bytes:
 
 
 def _job(
-    state: ServerState, kind: str, req: Any, tenant: str, prompt: str | list[int], logprobs: int | None, arrival: float
+    state: ServerState, kind: str, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
 ) -> Job:
+    # Resolved again: the adapter may have been deleted while the prompt was tokenized.
     model, adapter = state.resolve(req.model, tenant)
-    tokenizer = state.engine.tokenizer
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special_tokens=kind == "completion")
-    else:
-        ids = prompt
     if not ids:
         raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
     sampling = protocol.sampling_params(req, len(ids), state.engine.max_model_len, logprobs, kind)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival)
-
-
-def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
-    """The conversation through the model's chat template; a template that refuses it is a 400."""
-    try:
-        return state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except LorapageError:
-        raise
-    except Exception as exc:  # jinja errors of third-party templates: the messages do not fit them
-        raise InvalidRequestError(
-            f"the model's chat template could not render these messages ({type(exc).__name__}: {exc})",
-            param="messages",
-        ) from None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -199,7 +206,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     logprobs = protocol.chat_logprobs(req)
     messages = protocol.chat_messages(req)
     state.resolve(req.model, tenant)  # 404 before the template runs
-    return await state.run(request, _job(state, "chat", req, tenant, _render_chat(state, messages), logprobs, arrival))
+    ids = await state.prompts.chat(messages)
+    return await state.run(request, _job(state, "chat", req, tenant, ids, logprobs, arrival))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -210,8 +218,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = protocol.decode(await read_body(request), protocol.CompletionRequest)
     protocol.check_common(req)
     logprobs = protocol.completion_logprobs(req)
-    prompt = protocol.completion_prompt(req, state.engine.model_config.vocab_size)
-    return await state.run(request, _job(state, "completion", req, tenant, prompt, logprobs, arrival))
+    prompt = protocol.completion_prompt(req, state.engine.model_config.vocab_size, state.engine.max_model_len)
+    state.resolve(req.model, tenant)  # 404 before the tokenizer runs
+    ids = await state.prompts.completion(prompt)
+    return await state.run(request, _job(state, "completion", req, tenant, ids, logprobs, arrival))
 
 
 def _models(state: ServerState, tenant: str) -> list[Model]:
@@ -248,12 +258,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    """Prometheus text; it names every tenant, so it takes a key unless started with --metrics-public."""
+    state = request.app[STATE]
+    if not state.metrics_public:
+        state.access.require_metrics(request)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 @web.middleware
-async def count_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count answers by route and status (the route's pattern, so the label set stays small)."""
     response = await handler(request)
     resource = request.match_info.route.resource
@@ -278,16 +291,38 @@ async def _drain_on_shutdown(app: web.Application) -> None:
             pass
 
 
+async def _start_loop_lag(app: web.Application) -> None:
+    app[STATE].loop_lag.start()
+
+
+async def _stop_workers(app: web.Application) -> None:
+    await app[STATE].loop_lag.stop()
+    app[STATE].prompts.close()
+
+
 def create_app(
     engine: Any,
     access: Access,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_grace_s: float = 10.0,
+    metrics_public: bool = False,
+    adapter_roots: Sequence[str | Path] = (),
 ) -> web.Application:
-    """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine."""
+    """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine.
+
+    ``/metrics`` takes the admin key or a ``[metrics]`` key unless ``metrics_public``. Admin
+    registration reads adapter directories only under ``adapter_roots`` (none: it is refused).
+    """
     app = web.Application(client_max_size=max_body_bytes, middlewares=[count_middleware, error_middleware])
-    app[STATE] = ServerState(engine, access, max_body_bytes=max_body_bytes, shutdown_grace_s=shutdown_grace_s)
+    app[STATE] = ServerState(
+        engine,
+        access,
+        max_body_bytes=max_body_bytes,
+        shutdown_grace_s=shutdown_grace_s,
+        metrics_public=metrics_public,
+        adapter_roots=adapter_roots,
+    )
     engine.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -296,5 +331,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, STATE)
+    app.on_startup.append(_start_loop_lag)
     app.on_shutdown.append(_drain_on_shutdown)
+    app.on_cleanup.append(_stop_workers)
     return app

@@ -1,34 +1,34 @@
-"""API keys -> tenants, which adapters each tenant may use, and the admin key.
+"""API keys -> tenants, which adapters each tenant may use, the admin key and the metrics keys.
 
-The tenants file (:mod:`lorapage.tenants`) holds only sha256 digests of keys. A tenant may use
-the base model, the adapters its ``adapters`` list names (when the list is omitted: every
-adapter not registered for another tenant), and the adapters the admin registered for it. Any
-other adapter is reported exactly like one that does not exist, so names do not leak across
-tenants.
+The tenants file (:mod:`lorapage.server.tenants`) holds only sha256 digests of keys. Access
+fails closed: a tenant may use the base model, the adapters the admin registered for it, and the
+adapters without an owner that its ``adapters`` list opens (by name, or all with ``"*"``). An
+owner set by the admin always wins over any list. Any other adapter is reported exactly like one
+that does not exist, so names do not leak across tenants.
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from pathlib import Path
 
 from aiohttp import web
 
-from lorapage.server.errors import AuthenticationError, PermissionDeniedError
-from lorapage.tenants import TenantConfig, TenantsConfig
-
-
-def hash_key(key: str) -> str:
-    """The sha256 hex digest under which a key is stored in the tenants file."""
-    return hashlib.sha256(key.encode()).hexdigest()
+from lorapage.errors import AuthenticationError, PermissionDeniedError
+from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, hash_key
 
 
 def bearer_key(request: web.Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>``; None when there is none; 401 when it is not UTF-8."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         return None
-    return key.strip()
+    key = key.strip()
+    try:
+        key.encode("utf-8")  # aiohttp keeps bytes that are not UTF-8 as lone surrogates
+    except UnicodeEncodeError:
+        raise AuthenticationError("the API key in the Authorization header is not valid UTF-8") from None
+    return key
 
 
 class Access:
@@ -45,7 +45,7 @@ class Access:
 
     @classmethod
     def demo(cls, adapters: list[str]) -> tuple[Access, str, str]:
-        """One ``demo`` tenant owning ``adapters``, with fresh random keys: (access, tenant key, admin key)."""
+        """One ``demo`` tenant that may use ``adapters``, with fresh random keys: (access, tenant key, admin key)."""
         tenant_key = f"lp-demo-{secrets.token_urlsafe(24)}"
         admin_key = f"lp-admin-{secrets.token_urlsafe(24)}"
         demo = TenantConfig("demo", key_sha256=(hash_key(tenant_key),), adapters=frozenset(adapters))
@@ -71,22 +71,33 @@ class Access:
             raise AuthenticationError("missing admin key: send it as 'Authorization: Bearer <key>'")
         if self.tenants.is_admin(key):
             return
-        if self.tenants.authenticate(key) is not None:
-            raise PermissionDeniedError("this route needs the admin key; a tenant key cannot use it")
+        self._refuse_known(key, "this route needs the admin key")
+
+    def require_metrics(self, request: web.Request) -> None:
+        """``/metrics`` names every tenant: it takes the admin key or a ``[metrics]`` key."""
+        key = bearer_key(request)
+        if key is None:
+            raise AuthenticationError(
+                "/metrics needs a key: send the admin key or a [metrics] key as 'Authorization: Bearer <key>'"
+            )
+        if self.tenants.may_scrape(key):
+            return
+        self._refuse_known(key, "/metrics needs the admin key or a [metrics] key")
+
+    def _refuse_known(self, key: str, why: str) -> None:
+        """403 for a key the file knows (it is valid, just not here), 401 for any other."""
+        if self.tenants.authenticate(key) is not None or self.tenants.may_scrape(key):
+            raise PermissionDeniedError(f"{why}; this key cannot use it")
         raise AuthenticationError("incorrect API key provided")
 
     def is_tenant(self, name: str) -> bool:
         return name in self.tenants.tenants
 
     def may_use(self, tenant: str, adapter: str) -> bool:
-        """Registered for this tenant, or named in its ``adapters`` list. A tenant without a list
-        may use every adapter that was not registered for some other tenant."""
+        """An adapter with an owner: only its owner. One without: the tenants whose ``adapters``
+        list names it or holds ``"*"``."""
         owner = self.owners.get(adapter)
-        if owner == tenant:
-            return True
+        if owner is not None:
+            return owner == tenant
         config = self.tenants.tenants.get(tenant)
-        if config is None:
-            return False
-        if config.adapters is None:
-            return owner is None
-        return adapter in config.adapters
+        return config is not None and (adapter in config.adapters or SHARED in config.adapters)

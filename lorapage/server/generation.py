@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from lorapage.errors import LorapageError
-from lorapage.sampling import SamplingParams
+from lorapage.errors import LorapageError, ServiceUnavailableError
+from lorapage.sampling_params import SamplingParams
 from lorapage.server import responses as r
-from lorapage.server.errors import ServiceUnavailableError, error_payload
+from lorapage.server.error_json import error_payload
 from lorapage.server.metrics import ServerMetrics
+from lorapage.server.quota import AdmissionRate
 from lorapage.server.sse import EventStream
 
 
@@ -51,7 +51,7 @@ class Job:
 class _Timing:
     """Feeds the latency histograms from the outputs of one request."""
 
-    def __init__(self, job: Job, metrics: ServerMetrics, admissions: deque[float]) -> None:
+    def __init__(self, job: Job, metrics: ServerMetrics, admissions: AdmissionRate) -> None:
         self.job, self.metrics, self.admissions = job, metrics, admissions
         self.seen = 0
         self.last = job.arrival
@@ -67,7 +67,7 @@ class _Timing:
         self.job.generated = n
         self.metrics.generation_tokens.labels(self.job.tenant).inc(new)
         if self.seen == 0:
-            self.admissions.append(now)
+            self.admissions.record(now)
             self.metrics.prompt_tokens.labels(self.job.tenant).inc(len(out.prompt_token_ids))
             self.metrics.ttft.labels(*labels).observe(now - self.last)
         else:
@@ -132,9 +132,10 @@ class _Formatter:
     def whole(self, out: Any) -> r.ChatCompletion | r.Completion:
         j, reason, logprobs = self.job, _finish_reason(out), self._new_logprobs(out)
         if j.kind == "chat":
-            choice = r.ChatChoice(message=r.AssistantMessage(content=out.text), finish_reason=reason, logprobs=logprobs)
+            message = r.AssistantMessage(content=out.text)
+            chat = r.ChatChoice(message=message, finish_reason=reason, logprobs=logprobs)
             return r.ChatCompletion(
-                id=j.request_id, created=j.created, model=j.model, choices=[choice], usage=_usage(out)
+                id=j.request_id, created=j.created, model=j.model, choices=[chat], usage=_usage(out)
             )
         choice = r.CompletionChoice(text=out.text, finish_reason=reason, logprobs=logprobs)
         return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=[choice], usage=_usage(out))
@@ -143,8 +144,8 @@ class _Formatter:
         j = self.job
         if j.kind == "chat":
             delta = r.ChatDelta(role="assistant" if role else None, content=text)
-            choice = r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
-            return r.ChatCompletionChunk(id=j.request_id, created=j.created, model=j.model, choices=[choice])
+            chat = r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
+            return r.ChatCompletionChunk(id=j.request_id, created=j.created, model=j.model, choices=[chat])
         choice = r.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs)
         return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=[choice])
 
@@ -166,10 +167,10 @@ def adapter_headers(job: Job, tier: str) -> dict[str, str]:
 
 
 async def respond(
-    request: web.Request, engine: Any, job: Job, metrics: ServerMetrics, admissions: deque[float]
+    request: web.Request, engine: Any, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
 ) -> web.StreamResponse:
     """Run ``job`` and answer it: one JSON body, or an SSE stream when the client asked for one.
-    The time of its first output is appended to ``admissions``."""
+    Its first output is recorded in ``admissions``."""
     timing = _Timing(job, metrics, admissions)
     fmt = _Formatter(job, engine.tokenizer)
     outputs = engine.generate(job.prompt, job.adapter, job.sampling, tenant=job.tenant, request_id=job.request_id)
@@ -210,6 +211,6 @@ async def _stream(request, outputs, out, job: Job, fmt: _Formatter, timing: _Tim
         if job.include_usage:
             await stream.send(fmt.usage(out))
     except LorapageError as exc:
-        await stream.send(error_payload(exc.status, exc.message, exc.code, exc.param))
+        await stream.send(error_payload(exc))
     await stream.done()
     return stream.response

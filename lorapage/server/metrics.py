@@ -5,12 +5,14 @@ Latencies are labelled by tenant and by the tier the adapter was in when the req
 first token from a warm one's. Engine gauges are read from ``Engine.stats()`` at scrape time, and
 the scheduler's figures (per tenant: admitted and rejected requests and tokens, queue wait split
 into adapter load and capacity, VTC counter; per step: batch size, distinct adapters) from its
-:class:`~lorapage.scheduler.SchedulerMetrics`.
+:class:`~lorapage.scheduler.SchedulerMetrics`. The event loop's lag comes from a
+:class:`~lorapage.server.loop_lag.LoopLagMonitor`.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter as TallyCounter
 from collections.abc import Callable
 
@@ -21,6 +23,7 @@ from prometheus_client.utils import floatToGoString
 
 from lorapage.scheduler.metrics import Histogram as SchedHistogram
 from lorapage.scheduler.metrics import SchedulerMetrics, TenantStats
+from lorapage.server.loop_lag import LoopLagMonitor
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -40,6 +43,24 @@ class _EngineGauges:
                 continue
             name = "lorapage_engine_" + _NAME.sub("_", key)
             yield GaugeMetricFamily(name, f"Engine.stats()['{key}']", value=value)
+
+
+class _LoopLagGauges:
+    """Exports a :class:`LoopLagMonitor`'s worst recent lag and its latest sample."""
+
+    def __init__(self, monitor: LoopLagMonitor) -> None:
+        self._monitor = monitor
+
+    def collect(self):
+        m = self._monitor
+        yield GaugeMetricFamily(
+            "lorapage_event_loop_lag_seconds",
+            f"Worst lateness of the event loop over the last {m.window_s:g} s (sampled every {m.interval_s:g} s).",
+            value=m.worst(time.monotonic()),
+        )
+        yield GaugeMetricFamily(
+            "lorapage_event_loop_lag_last_seconds", "Lateness of the event loop's latest sample.", value=m.last
+        )
 
 
 _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
@@ -79,16 +100,16 @@ class _SchedulerCollector:
 
     def collect(self):
         tenants = self._sched.tenants
-        for field, doc, value in _PER_TENANT:
+        for field, doc, read in _PER_TENANT:
             fam = CounterMetricFamily(f"lorapage_tenant_{field}", doc, labels=("tenant",))
             for name, stats in tenants.items():
-                fam.add_metric([name], value(stats))
+                fam.add_metric([name], read(stats))
             yield fam
         for field, doc, by_reason in _REJECTED:
             fam = CounterMetricFamily(f"lorapage_tenant_{field}", doc, labels=("tenant", "reason"))
             for name, stats in tenants.items():
-                for reason, value in by_reason(stats).items():
-                    fam.add_metric([name, reason], value)
+                for reason, count in by_reason(stats).items():
+                    fam.add_metric([name, reason], count)
             yield fam
         wait = HistogramMetricFamily(
             "lorapage_queue_wait_seconds",
@@ -100,8 +121,8 @@ class _SchedulerCollector:
             _histogram(wait, [name, "capacity"], stats.wait_capacity_s)
         yield wait
         vtc = GaugeMetricFamily("lorapage_vtc_counter", "Each tenant's VTC virtual counter.", labels=("tenant",))
-        for name, value in self._counters().items():
-            vtc.add_metric([name], value)
+        for name, counter in self._counters().items():
+            vtc.add_metric([name], counter)
         yield vtc
         batch = HistogramMetricFamily("lorapage_batch_size", "Sequences in each step's batch.")
         _histogram(batch, [], self._sched.batch_size)
@@ -121,6 +142,7 @@ class ServerMetrics:
         stats: Callable[[], dict],
         scheduler: SchedulerMetrics | None = None,
         vtc_counters: Callable[[], dict[str, float]] = dict,
+        loop_lag: LoopLagMonitor | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ("tenant", "adapter_tier")
@@ -163,6 +185,8 @@ class ServerMetrics:
         self.registry.register(_EngineGauges(stats))
         if scheduler is not None:
             self.registry.register(_SchedulerCollector(scheduler, vtc_counters))
+        if loop_lag is not None:
+            self.registry.register(_LoopLagGauges(loop_lag))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

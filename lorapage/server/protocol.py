@@ -4,7 +4,7 @@ Decoding is strict: a wrong type or a field OpenAI does not define is a 400 nami
 Fields OpenAI defines but lorapage does not implement (``tools``, ``logit_bias``, ...) decode as
 ``Any`` and are accepted only at their default (absent, null, or the documented default value);
 anything else is a 400 naming the field, so a client never silently gets behaviour it did not ask
-for. Ranges follow OpenAI's documentation; :class:`~lorapage.sampling.SamplingParams` re-checks
+for. Ranges follow OpenAI's documentation; :class:`~lorapage.sampling_params.SamplingParams` re-checks
 the sampling values.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from lorapage.errors import InvalidRequestError, PromptTooLongError
-from lorapage.sampling import SamplingParams
+from lorapage.sampling_params import SamplingParams
 
 INT64_MAX = 2**63 - 1
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -260,8 +260,9 @@ def _message_text(content: str | list[Any] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def completion_prompt(req: CompletionRequest, vocab_size: int) -> str | list[int]:
-    """The one prompt of a completion request: text, or token ids checked against the vocabulary."""
+def completion_prompt(req: CompletionRequest, vocab_size: int, max_model_len: int) -> str | list[int]:
+    """The one prompt of a completion request: text, or token ids checked against the vocabulary
+    (after their count, so a list too long for the context is refused without a scan)."""
     prompt = req.prompt
     if prompt is None:
         raise InvalidRequestError("missing required field: prompt", param="prompt")
@@ -273,6 +274,12 @@ def completion_prompt(req: CompletionRequest, vocab_size: int) -> str | list[int
             return prompt
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if type(prompt[0]) is int and len(prompt) > max_model_len:
+        raise PromptTooLongError(
+            f"The prompt is {len(prompt)} tokens; this model's maximum context length is {max_model_len} "
+            "tokens. Shorten the prompt.",
+            param="prompt",
+        )
     if all(type(t) is int for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -312,7 +319,7 @@ def sampling_params(
     top_k = max(req.top_k or 0, 0)
     if top_p == 0.0:
         top_p, top_k = 1.0, 1
-    stop = () if req.stop is None else req.stop
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,

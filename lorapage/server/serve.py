@@ -2,6 +2,8 @@
 
 With no arguments it serves the built-in tiny model and its demo adapters on 127.0.0.1:8000 to
 one ``demo`` tenant whose key (and an admin key) it prints; both keys are new on every start.
+``--lora-modules`` directories are the operator's and are read wherever they are; adapters the
+admin registers over HTTP must lie under an ``--adapter-root``.
 """
 
 from __future__ import annotations
@@ -12,15 +14,39 @@ import logging
 import sys
 from pathlib import Path
 
-from lorapage.config import EngineConfig
+from lorapage.config import DTYPE_NAMES, KERNEL_BACKENDS, SCHEDULERS, EngineConfig
+from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.run import serve_until_signal
-from lorapage.tenants import TenantsConfigError
+from lorapage.server.tenants import SHARED, TenantsConfigError
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 log = logging.getLogger("lorapage.serve")
+
+# Flags that set the EngineConfig field of the same name (dashes for underscores) when given.
+_ENGINE_FLAGS: tuple[tuple[str, type], ...] = (
+    ("max_loras", int),
+    ("max_lora_rank", int),
+    ("max_cpu_loras", int),
+    ("max_num_seqs", int),
+    ("max_model_len", int),
+    ("max_queue_len", int),
+    ("max_num_batched_tokens", int),
+    ("block_size", int),
+    ("num_pages", int),
+    ("gpu_memory_utilization", float),
+    ("adapter_wait_s", float),
+)
+_ENGINE_FIELDS = (
+    *(name for name, _ in _ENGINE_FLAGS),
+    "dtype",
+    "device",
+    "scheduler",
+    "kernel_backend",
+    "enforce_eager",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,25 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=DIR",
         help="adapters to register at start (default with no --model: the demo adapters)",
     )
-    for name, kind in (
-        ("max-loras", int),
-        ("max-lora-rank", int),
-        ("max-cpu-loras", int),
-        ("max-num-seqs", int),
-        ("max-model-len", int),
-        ("max-queue-len", int),
-        ("max-num-batched-tokens", int),
-        ("block-size", int),
-        ("num-pages", int),
-        ("gpu-memory-utilization", float),
-        ("adapter-wait-s", float),
-    ):
-        p.add_argument(f"--{name}", type=kind, default=None)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    for name, kind in _ENGINE_FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None)
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--scheduler", choices=("fcfs", "vtc"), default=None)
-    p.add_argument("--kernel-backend", choices=("auto", "torch", "triton"), default=None)
+    p.add_argument("--scheduler", choices=SCHEDULERS, default=None)
+    p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA-graph capture of decode steps")
+    p.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory under which POST /v1/adapters may read adapters (repeatable; none: HTTP registration refused)",
+    )
+    p.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without a key (it names every tenant; default: the admin key or a [metrics] key)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument(
         "--shutdown-timeout",
@@ -66,25 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = (
-        "max_loras",
-        "max_lora_rank",
-        "max_cpu_loras",
-        "max_num_seqs",
-        "max_model_len",
-        "max_queue_len",
-        "max_num_batched_tokens",
-        "block_size",
-        "num_pages",
-        "gpu_memory_utilization",
-        "adapter_wait_s",
-        "dtype",
-        "device",
-        "scheduler",
-        "kernel_backend",
-        "enforce_eager",
-    )
-    overrides = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    overrides = {n: getattr(args, n) for n in _ENGINE_FIELDS if getattr(args, n) is not None}
     try:
         return EngineConfig(model=str(Path(args.model or TINY_BASE_DIR)), **overrides)
     except ValueError as exc:  # a bad flag value: say which, not a traceback
@@ -112,18 +120,26 @@ def _access(args: argparse.Namespace, adapters: list[str]) -> Access:
     return access
 
 
+def _adapter_roots(args: argparse.Namespace) -> list[Path]:
+    roots = [Path(r) for r in args.adapter_root]
+    for root in roots:
+        if not root.is_dir():
+            raise SystemExit(f"lorapage serve: --adapter-root {root}: no such directory")
+    return roots
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = _lora_modules(args)
+    roots = _adapter_roots(args)
+    config = _engine_config(args)
     try:
         access = _access(args, list(modules))
     except (OSError, TenantsConfigError) as exc:
         print(f"lorapage serve: tenants file: {exc}", file=sys.stderr)
         return 2
-    from lorapage.engine import Engine  # heavy (torch): after argument errors are reported
-
-    engine = Engine(_engine_config(args))
+    engine = Engine(config)
     try:
         for name, path in modules.items():
             engine.add_adapter(name, path)
@@ -132,8 +148,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     unusable = [m for m in modules if not any(access.may_use(t, m) for t in access.tenants.tenants)]
     if unusable:
-        log.warning("no tenant may use %s; check the tenants file", ", ".join(unusable))
-    app = create_app(engine, access, max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_timeout)
+        log.warning(
+            "no tenant may use %s: access fails closed; name it in a tenant's `adapters`, or give a tenant "
+            '`adapters = ["%s"]` to open every adapter without an owner',
+            ", ".join(unusable),
+            SHARED,
+        )
+    app = create_app(
+        engine,
+        access,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_timeout,
+        metrics_public=args.metrics_public,
+        adapter_roots=roots,
+    )
     print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
 
     def ready(port: int) -> None:

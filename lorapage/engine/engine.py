@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -22,12 +21,14 @@ import torch
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.layout import LoraTables, max_adapter_pages
 from lorapage.config import EngineConfig
-from lorapage.engine_step import StepState
+from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
+from lorapage.engine.step_loop import StepLoop
+from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.errors import (
+    AdapterFormatError,
     AdapterNotFoundError,
     EngineClosedError,
     EngineOverloadedError,
-    EngineStepError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -41,33 +42,12 @@ from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
 from lorapage.request import Request, RequestOutput
-from lorapage.sampling import SamplingParams
+from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, VtcConfig, make_policy
 
-log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TENANT = "default"
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
-
-
-def _device(name: str) -> torch.device:
-    """The device for ``EngineConfig.device``; a CUDA device always carries its index, so the
-    forward thread and graph capture can be bound to it (a new thread starts on cuda:0)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"EngineConfig.device={name!r} but no CUDA device is available; use 'auto' or 'cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _bind_thread(device: torch.device) -> None:
-    """Make ``device`` current in a worker thread: Triton launches on the thread's current device."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this long
 
 
 class Engine:
@@ -82,7 +62,7 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.clock = clock
-        self.device = _device(config.device)
+        self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         model_dir = Path(config.model)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
@@ -99,7 +79,8 @@ class Engine:
         if self.max_num_batched_tokens < self.max_model_len:
             # Without chunked prefill a whole prompt (or a preempted sequence's recompute) must fit in one step.
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len})"
             )
         # Weights first: on CUDA the pool is sized from the memory they leave.
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
@@ -123,7 +104,7 @@ class Engine:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
         self._forward = ThreadPoolExecutor(
-            1, thread_name_prefix="lorapage-forward", initializer=_bind_thread, initargs=(self.device,)
+            1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
         )
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
         self.adapters = AdapterCache(
@@ -147,10 +128,11 @@ class Engine:
             tenant_weights=tenant_weights,
             metrics=self.scheduler_metrics,
         )
-        self.state = StepState(self)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        limits = StepLimits(
+            bs, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.eos_token_ids
+        )
+        self.scheduler = StepScheduler(self.policy, self.adapters, self.pool, limits, clock)
+        self.step_loop = StepLoop(self.scheduler, self.runner, self._forward, on_new_loop=self.adapters.rebind_loop)
         self._ids = itertools.count()
         self._closed = False
 
@@ -191,8 +173,24 @@ class Engine:
     # -- adapters -------------------------------------------------------------------------------
 
     def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        """Register a PEFT LoRA directory under ``name``; it is validated now and loaded lazily."""
+        """Register a PEFT LoRA directory under ``name``; it is validated now (read whole, in the
+        calling thread) and loaded lazily. From a running event loop use :meth:`register_adapter`."""
         return self.adapters.register(name, str(path))
+
+    async def register_adapter(
+        self, name: str, path: str | Path, *, timeout_s: float = REGISTRATION_TIMEOUT_S
+    ) -> AdapterInfo:
+        """:meth:`add_adapter` without holding the event loop: the adapter is read and checked in
+        a worker thread, and refused if that takes longer than ``timeout_s``."""
+        self.adapters.check_name_free(name)
+        work = asyncio.get_running_loop().run_in_executor(self._io, self.adapters.validate, str(path))
+        try:
+            spec, layout = await asyncio.wait_for(work, timeout_s)
+        except TimeoutError:
+            raise AdapterFormatError(
+                f"adapter {name!r} could not be read and checked within {timeout_s:g}s", param="path"
+            ) from None
+        return self.adapters.add(name, spec, layout)
 
     def remove_adapter(self, name: str) -> None:
         self.adapters.unregister(name)
@@ -205,12 +203,12 @@ class Engine:
 
     async def load_adapter(self, name: str) -> None:
         """Make ``name`` resident in the pool now (pre-warm)."""
-        self._bind_loop()
+        self.step_loop.bind()
         await self.adapters.wait_resident(name)
 
     async def unload_adapter(self, name: str) -> bool:
         """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running."""
-        self._bind_loop()
+        self.step_loop.bind()
         return self.adapters.unload(name)
 
     # -- requests -------------------------------------------------------------------------------
@@ -228,16 +226,17 @@ class Engine:
 
         Stopping iteration early (a client went away) aborts the request and frees its pages.
         """
-        self._bind_loop()
-        req = self._make_request(prompt, adapter, sampling or SamplingParams(), tenant, request_id)
-        self.state.submit(req)
+        self.step_loop.bind()
+        sampling = sampling or SamplingParams()
+        self._check_request(adapter, sampling)
+        ids = await self._prompt_ids(prompt)
+        req = self._make_request(ids, adapter, sampling, tenant, request_id)
+        self.scheduler.submit(req)
         self._wake_up()
         finished = False
         try:
             while not finished:
                 out = await req.outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
                 finished = out.finished
                 yield out
         finally:
@@ -269,7 +268,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its pages are freed within one step."""
-        self.state.abort(request_id)
+        self.scheduler.abort(request_id)
         self._wake_up()
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
@@ -289,28 +288,23 @@ class Engine:
             "host_ram_adapters": self.adapters.in_host(),
             "registered_adapters": len(self.adapters.entries),
             "queue_depth": self.policy.num_waiting(),
-            "running": len(self.state.running),
+            "running": len(self.scheduler.running),
             "pool_pages_total": self.pool.capacity,
             "pool_pages_kv": self.pool.used[PageKind.KV],
             "pool_pages_adapters": self.pool.used[PageKind.ADAPTER],
             "pool_pages_free": self.pool.num_free,
             "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),
-            "preemptions": self.state.num_preemptions,
-            "adapter_drains": self.adapters.drains,
+            "preemptions": self.scheduler.num_preemptions,
+            "adapter_yields": self.adapters.yields,
         }
 
     async def close(self) -> None:
         """Abort everything in flight and stop the step loop and worker threads."""
         self._closed = True
-        for rid in list(self.state.requests):
-            self.state.abort(rid)
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
         self._wake_up()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await self.step_loop.stop()
         try:  # wait, without blocking the loop, for the step in flight and any queued copies
             await asyncio.wrap_future(self._forward.submit(lambda: None))
         except RuntimeError:  # closed before: the forward thread is gone already
@@ -318,21 +312,40 @@ class Engine:
         self._forward.shutdown(wait=True)  # idle by now: returns at once
         # Requests aborted while a step was in flight waited for that step's results, which the
         # cancelled loop will never apply: finish them now that the forward thread is idle.
-        self.state._in_step = False
-        for rid in list(self.state.requests):
-            self.state.abort(rid)
+        self.scheduler.abort_all_after_close()
         self._io.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _make_request(self, prompt, adapter, sampling, tenant, request_id) -> Request:
+    def _check_request(self, adapter: str | None, sampling: SamplingParams) -> None:
+        """What can be refused before the prompt is even looked at."""
         if self._closed:
             raise EngineClosedError("the engine has been closed")
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError("sampling must be a SamplingParams", param="sampling")
         if adapter is not None and adapter not in self.adapters.entries:
             raise AdapterNotFoundError(f"adapter {adapter!r} does not exist", param="model")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt``. Text is tokenized off the event loop, and only once a cheap
+        bound says it could fit: tokenizing a huge prompt would hold the loop for seconds."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        limit = self.max_model_len * self.tokenizer.max_chars_per_token
+        if len(prompt) > limit:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt)} characters; a context of {self.max_model_len} tokens holds at most "
+                f"{limit} ({self.tokenizer.max_chars_per_token} per token at most): shorten the prompt",
+                param="prompt",
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._io, self.tokenizer.encode, prompt)
+
+    def _make_request(
+        self, ids: list[int], adapter: str | None, sampling: SamplingParams, tenant: str | None, request_id: str | None
+    ) -> Request:
+        self._check_request(adapter, sampling)  # again: the engine or the adapter may have gone meanwhile
+        if request_id is not None and request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
@@ -365,44 +378,13 @@ class Engine:
             sampling=sampling,
             arrival_time=self.clock(),
             adapter_tier=self.adapters.tier(adapter) if adapter else "none",
-            outputs=asyncio.Queue(),
             detokenizer=IncrementalDecoder(self.tokenizer, ids),
             generator=gen,
             logprobs=[] if sampling.logprobs is not None else None,
         )
 
-    def _bind_loop(self) -> None:
-        """Run the step loop on the current event loop (re-binding when a previous loop ended)."""
-        loop = asyncio.get_running_loop()
-        if self._loop is loop and self._task is not None and not self._task.done():
-            return
-        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.state.requests:
-            raise RuntimeError("this engine has requests in flight on another event loop")
-        self._loop = loop
-        self._wake = asyncio.Event()
-        self.adapters.rebind_loop()
-        self._task = loop.create_task(self._run(), name="lorapage-step-loop")
-
     def _wake_up(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self.step_loop.wake()
 
     async def _run_on_device(self, fn: Callable[[], None]) -> None:
         await asyncio.get_running_loop().run_in_executor(self._forward, fn)
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                while True:
-                    plan = self.state.plan_step()
-                    if plan is None:
-                        break
-                    result = await asyncio.get_running_loop().run_in_executor(self._forward, self.runner.execute, plan)
-                    self.state.apply(plan, *result)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # never leave callers hanging on a dead loop
-                log.exception("engine step failed; failing the requests in flight")
-                self.state.fail_all(EngineStepError(f"the engine step failed: {exc}"))

@@ -4,9 +4,12 @@
 [admin]
 key_sha256 = ["<sha256 hex of the admin key>"]
 
+[metrics]                     # optional: keys that may only scrape /metrics (the admin key may too)
+key_sha256 = ["<sha256 hex of the scraper's key>"]
+
 [tenants.acme]
 key_sha256 = ["<sha256 hex of each API key>"]
-adapters = ["acme-support"]   # adapters this tenant may use; omit for all, [] for the base only
+adapters = ["acme-support"]   # adapters this tenant may use besides its own; "*": every shared one
 weight = 1.0                  # VTC share
 rpm = 600                     # requests per minute  (omit: unlimited)
 rpm_burst = 600               # bucket size, default rpm
@@ -14,6 +17,11 @@ tpm = 200000                  # prompt + max_tokens per minute (omit: unlimited)
 tpm_burst = 200000            # bucket size, default tpm; a larger request can never be admitted
 max_concurrency = 32          # requests in flight (omit: unlimited)
 ```
+
+Access fails closed. A tenant may always use the base model and the adapters the admin registered
+for it (their owner). ``adapters`` adds adapters without an owner (those from ``--lora-modules``):
+by name, or all of them with ``"*"`` (:data:`SHARED`). Omitting it (or ``[]``) opens none. No list
+can open an adapter whose owner is another tenant.
 
 Keys are stored only as sha256 hex digests; a presented key is hashed and compared with every
 stored digest in constant time per digest.
@@ -30,15 +38,27 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-DEFAULT_TENANT = "default"  # the embedded engine's tenant when none is named
+SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
 )  # fmt: skip
+_KEY_SECTIONS = ("admin", "metrics")  # sections that hold nothing but key_sha256
 
 
 class TenantsConfigError(ValueError):
     """The tenants file is malformed; the message names the field and what it accepts."""
+
+
+def hash_key(key: str) -> str:
+    """The sha256 hex digest under which a key is stored in the tenants file."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _matches(digests: tuple[str, ...], key: str) -> bool:
+    """Whether ``key`` hashes to one of ``digests``; every digest is compared (no early exit)."""
+    digest = hash_key(key)
+    return any([hmac.compare_digest(stored, digest) for stored in digests])
 
 
 @dataclass(frozen=True)
@@ -47,17 +67,13 @@ class TenantConfig:
 
     name: str
     key_sha256: tuple[str, ...] = ()
-    adapters: frozenset[str] | None = None  # None: every adapter
+    adapters: frozenset[str] = frozenset()  # unowned adapters it may use; SHARED: all of them
     weight: float = 1.0
     rpm: int | None = None
     rpm_burst: int | None = None  # None: rpm
     tpm: int | None = None
     tpm_burst: int | None = None  # None: tpm
     max_concurrency: int | None = None
-
-    def may_use(self, adapter: str | None) -> bool:
-        """Whether this tenant may send requests for ``adapter`` (None: the base model)."""
-        return adapter is None or self.adapters is None or adapter in self.adapters
 
     @property
     def rpm_bucket(self) -> int | None:
@@ -70,29 +86,27 @@ class TenantConfig:
 
 @dataclass(frozen=True)
 class TenantsConfig:
-    """Every tenant and the admin keys; immutable (a reload builds a new one)."""
+    """Every tenant, the admin keys and the metrics keys; immutable (a reload builds a new one)."""
 
     tenants: Mapping[str, TenantConfig]
     admin_key_sha256: tuple[str, ...] = ()
+    metrics_key_sha256: tuple[str, ...] = ()
     _digests: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (digest, tenant) pairs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
-        pairs = [(d, name) for name, t in self.tenants.items() for d in t.key_sha256]
-        owner: dict[str, str] = {d: "[admin]" for d in self.admin_key_sha256}
-        for digest, name in pairs:
-            if digest in owner:
-                raise TenantsConfigError(
-                    f"tenants.{name}.key_sha256: digest {digest[:12]}... is also a key of {owner[digest]}; "
-                    "each API key must belong to one tenant"
-                )
-            owner[digest] = f"tenants.{name}"
-        object.__setattr__(self, "_digests", tuple(pairs))
-
-    @classmethod
-    def single(cls, name: str = DEFAULT_TENANT) -> TenantsConfig:
-        """One unlimited tenant that may use every adapter: the embedded engine's default."""
-        return cls({name: TenantConfig(name)})
+        sections = [("admin", "[admin]", self.admin_key_sha256), ("metrics", "[metrics]", self.metrics_key_sha256)]
+        sections += [(f"tenants.{name}", f"tenants.{name}", t.key_sha256) for name, t in self.tenants.items()]
+        owner: dict[str, str] = {}
+        for where, label, digests in sections:
+            for digest in digests:
+                if owner.setdefault(digest, label) != label:
+                    raise TenantsConfigError(
+                        f"{where}.key_sha256: digest {digest[:12]}... is also a key of {owner[digest]}; "
+                        "each API key must belong to one tenant, or to [admin] or [metrics]"
+                    )
+        pairs = tuple((d, name) for name, t in self.tenants.items() for d in t.key_sha256)
+        object.__setattr__(self, "_digests", pairs)
 
     @classmethod
     def load(cls, path: str | Path) -> TenantsConfig:
@@ -105,18 +119,21 @@ class TenantsConfig:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise TenantsConfigError(f"{source}: not valid TOML: {e}") from e
-        unknown = set(doc) - {"admin", "tenants"}
+        unknown = set(doc) - {*_KEY_SECTIONS, "tenants"}
         if unknown:
             raise TenantsConfigError(
-                f"{source}: unknown section(s) {sorted(unknown)}; expected [admin] and [tenants.<name>]"
+                f"{source}: unknown section(s) {sorted(unknown)}; expected [admin], [metrics] and [tenants.<name>]"
             )
-        admin = _table(doc.get("admin", {}), "admin")
-        extra = set(admin) - {"key_sha256"}
-        if extra:
-            raise TenantsConfigError(f"admin: unknown field(s) {sorted(extra)}; expected key_sha256")
+        keys = {}
+        for section in _KEY_SECTIONS:
+            table = _table(doc.get(section, {}), section)
+            extra = set(table) - {"key_sha256"}
+            if extra:
+                raise TenantsConfigError(f"{section}: unknown field(s) {sorted(extra)}; expected key_sha256")
+            keys[section] = _digests_field(table, section)
         tables = _table(doc.get("tenants", {}), "tenants")
         tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in tables.items()}
-        return cls(tenants, _digests_field(admin, "admin"))
+        return cls(tenants, keys["admin"], keys["metrics"])
 
     def get(self, name: str) -> TenantConfig:
         try:
@@ -130,7 +147,7 @@ class TenantsConfig:
     def authenticate(self, api_key: str) -> str | None:
         """The tenant owning ``api_key``, or None. Every digest is compared, so the time taken
         does not depend on which one (if any) matches."""
-        digest = _sha256_hex(api_key)
+        digest = hash_key(api_key)
         found = None
         for stored, name in self._digests:
             if hmac.compare_digest(stored, digest):
@@ -138,12 +155,11 @@ class TenantsConfig:
         return found
 
     def is_admin(self, api_key: str) -> bool:
-        digest = _sha256_hex(api_key)
-        return any([hmac.compare_digest(stored, digest) for stored in self.admin_key_sha256])
+        return _matches(self.admin_key_sha256, api_key)
 
-
-def _sha256_hex(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    def may_scrape(self, api_key: str) -> bool:
+        """Whether ``api_key`` opens ``/metrics``: the admin key or a ``[metrics]`` key."""
+        return _matches(self.admin_key_sha256 + self.metrics_key_sha256, api_key)
 
 
 def _table(value: Any, where: str) -> dict[str, Any]:
@@ -159,9 +175,12 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         raise TenantsConfigError(
             f"{where}: unknown field(s) {sorted(unknown)}; known fields: {', '.join(_TENANT_FIELDS)}"
         )
-    adapters = t.get("adapters")
-    if adapters is not None and not (isinstance(adapters, list) and all(isinstance(a, str) for a in adapters)):
-        raise TenantsConfigError(f"{where}.adapters: expected a list of adapter names, got {adapters!r}")
+    adapters = t.get("adapters", [])
+    if not (isinstance(adapters, list) and all(isinstance(a, str) for a in adapters)):
+        raise TenantsConfigError(
+            f'{where}.adapters: expected a list of adapter names (or ["{SHARED}"] for every shared adapter), '
+            f"got {adapters!r}"
+        )
     weight = t.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise TenantsConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
@@ -172,7 +191,7 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
     return TenantConfig(
         name=name,
         key_sha256=_digests_field(t, where),
-        adapters=frozenset(adapters) if adapters is not None else None,
+        adapters=frozenset(adapters),
         weight=float(weight),
         **limits,
     )

@@ -13,7 +13,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from lorapage.tenants import TenantConfig, TenantsConfig
+from lorapage.server.tenants import TenantConfig, TenantsConfig
 
 _EPS = 1e-9  # relative slack on float comparisons, so refill arithmetic lands on whole tokens
 
@@ -148,9 +148,10 @@ class QuotaManager:
         if state is None:
             raise KeyError(f"unknown tenant {tenant!r}; configured: {sorted(self._states)}")
         tokens = prompt_tokens + max_tokens
-        refusals = []
+        refusals: list[tuple[str, int, str]] = []
         if state.rpm is not None and not state.rpm.has(1, now):
-            refusals.append(("rpm", state.rpm.retry_after_s(1, now), "requests per minute"))
+            # Never None: an rpm bucket holds at least one request.
+            refusals.append(("rpm", state.rpm.retry_after_s(1, now) or 1, "requests per minute"))
         if state.tpm is not None and not state.tpm.has(tokens, now):
             retry = state.tpm.retry_after_s(tokens, now)
             if retry is None:
@@ -198,3 +199,30 @@ def overload_retry_after_s(queue_len: int, max_queue_len: int, admitted_per_s: f
     if admitted_per_s <= 0:
         return ceiling_s
     return min(ceiling_s, max(1, math.ceil(excess / admitted_per_s)))
+
+
+class AdmissionRate:
+    """Requests admitted per second over the last ``window_s`` seconds, for :func:`overload_retry_after_s`.
+
+    Counted in one bucket per whole second, so memory is ``window_s`` counters however much
+    traffic passes (a list of timestamps would grow with it). ``now`` is injected (seconds).
+    """
+
+    def __init__(self, window_s: int = 10) -> None:
+        if window_s < 1:
+            raise ValueError(f"window_s must be >= 1; got {window_s}")
+        self.window_s = window_s
+        self._counts = [0] * window_s
+        self._seconds = [-1] * window_s  # the whole second bucket i counts (i = second % window_s)
+
+    def record(self, now: float) -> None:
+        second = math.floor(now)
+        i = second % self.window_s
+        if self._seconds[i] != second:
+            self._seconds[i], self._counts[i] = second, 0
+        self._counts[i] += 1
+
+    def per_second(self, now: float) -> float:
+        second = math.floor(now)
+        recent = (c for c, s in zip(self._counts, self._seconds) if second - self.window_s < s <= second)
+        return sum(recent) / self.window_s

@@ -6,12 +6,17 @@ from dataclasses import dataclass, field
 
 from lorapage.errors import InvalidRequestError
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM: logits / T would overflow
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # per stop string: the engine matches every stop against the text each token
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature`` below :data:`SAMPLING_EPS` (0 included) is greedy. ``top_k == 0`` and
+    ``top_p == 1`` disable those filters.
     ``logprobs`` is the number of top alternatives to report per token (``None`` reports none;
     ``0`` reports only the chosen token's log-probability). ``seed`` makes sampling reproducible
     for this request regardless of what else is in the batch.
@@ -49,13 +54,21 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "between 0 and 20"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "between -2 and 2"),
+            (len(self.stop) <= MAX_STOP_SEQUENCES, "stop", f"at most {MAX_STOP_SEQUENCES} sequences"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
-            (len(self.stop) <= 4, "stop", "at most 4 sequences"),
+            (
+                all(not isinstance(s, str) or len(s) <= MAX_STOP_CHARS for s in self.stop),
+                "stop",
+                f"strings of at most {MAX_STOP_CHARS} characters",
+            ),
         )
         for ok, name, expected in checks:
             if not ok:
-                raise InvalidRequestError(f"{name} must be {expected}; got {getattr(self, name)!r}", param=name)
+                got = repr(getattr(self, name))
+                got = got if len(got) <= 100 else f"{got[:100]}... ({len(got)} characters)"  # no echo of a huge value
+                raise InvalidRequestError(f"{name} must be {expected}; got {got}", param=name)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether this request takes the argmax (a temperature too small to divide by)."""
+        return self.temperature < SAMPLING_EPS

@@ -1,0 +1,72 @@
+"""The step loop: a task on the engine's event loop that plans a step, runs it on the single
+forward thread, and applies its results, for as long as there is work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from lorapage.engine.step_scheduler import StepScheduler
+from lorapage.errors import EngineStepError
+from lorapage.model.runner import ModelRunner
+
+log = logging.getLogger("lorapage.engine")
+
+
+class StepLoop:
+    """Runs steps while there is work and sleeps until :meth:`wake` otherwise."""
+
+    def __init__(
+        self, scheduler: StepScheduler, runner: ModelRunner, forward: Executor, on_new_loop: Callable[[], None]
+    ) -> None:
+        self.scheduler, self.runner, self.forward = scheduler, runner, forward
+        self._on_new_loop = on_new_loop  # state tied to the old loop (adapter loads) must reset
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def bind(self) -> None:
+        """Run on the current event loop (re-binding when a previous loop ended)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.scheduler.requests:
+            raise RuntimeError("this engine has requests in flight on another event loop")
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._on_new_loop()
+        self._task = loop.create_task(self._run(self._wake), name="lorapage-step-loop")
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def stop(self) -> None:
+        """Cancel the loop; a step in flight finishes on the forward thread, unapplied."""
+        if self._task is None:
+            return
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    async def _run(self, wake: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await wake.wait()
+            wake.clear()
+            try:
+                while True:
+                    plan = self.scheduler.plan_step()
+                    if plan is None:
+                        break
+                    sampled = await loop.run_in_executor(self.forward, self.runner.execute, plan)
+                    self.scheduler.apply(plan, sampled)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never leave callers hanging on a dead loop
+                log.exception("engine step failed; failing the requests in flight")
+                self.scheduler.fail_all(EngineStepError(f"the engine step failed: {exc}"))
