@@ -2,10 +2,15 @@
 adapters registered against 50. Only the policy's own calls are timed (schedule, one on_service
 per running request, on_finish, add); the fake engine around them is not.
 
-    .venv/bin/python bench/bench_scheduler.py [--steps N] [--repeats R]
+    .venv/bin/python bench/bench_scheduler.py [--steps N] [--repeats R] [--long [--long-steps N]]
 
 Both configurations are stepped alternately in one process, so other load on the machine lands
 on both alike; the run with the median ratio of three seeds is reported.
+
+``--long`` then runs the 5,000-adapter workload for 200,000 steps (many minutes) and times a
+window near step 2,000 against one near the end, stepped alternately like the pair: the cost must
+not grow with how long the server has run (target ratio <= 1.2). It also prints the sizes of the
+policy's lazy heaps at the end, beside what they index.
 
 Prints a table, then one JSON line with the figures and the targets (< 1 ms per step, ratio
 < 1.2: the cost must not grow with the number of adapters registered).
@@ -29,6 +34,10 @@ BACKLOG = 4096  # waiting requests kept in the queue (deep enough to keep all 25
 STEP_S = 0.025  # virtual time per step
 LOAD_S = 0.05  # an adapter is ready this long after its first request
 TARGET_US, TARGET_RATIO = 1000.0, 1.2
+LONG_ADAPTERS = 5000
+EARLY_STEP = 2000  # the long run's early window starts here
+WINDOW = 1000  # steps timed in each window of the long run
+TARGET_LONG_RATIO = 1.2
 
 
 class FakeEngine:
@@ -41,9 +50,6 @@ class FakeEngine:
 
     def adapter_ready(self, req: Req) -> bool:
         return req.adapter is None or self.ready_at[req.adapter] <= self.now
-
-    def running_adapters(self) -> set[str | None]:
-        return set()
 
     def try_admit(self, req: Req) -> bool:
         if self.free_rows == 0:
@@ -64,7 +70,7 @@ class Workload:
         self.rng = random.Random(seed)
         self.pick_adapter = zipf_sampler(num_adapters, self.rng)
         weights = {f"t{i}": self.rng.choice([1.0, 1.0, 2.0, 4.0]) for i in range(TENANTS)}
-        self.policy = VtcScheduler(VtcConfig(max_loras=32), weights)
+        self.policy: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=32), weights)
         self.engine = FakeEngine()
         self.ids = itertools.count()
         self.running: list[Req] = []
@@ -117,7 +123,7 @@ class Workload:
             self.timed["service"] += t3 - t2
             self.timed["add_finish"] += (t1 - t0) + (t5 - t4)
             self.rows += len(self.running)
-            self.distinct += policy.slots.distinct()
+            self.distinct += policy.lanes.distinct()
             self.steps += 1
 
     def result(self) -> dict[str, float]:
@@ -137,13 +143,51 @@ def run_pair(steps: int, seed: int) -> dict[int, dict[str, float]]:
     return {n: w.result() for n, w in pair.items()}
 
 
+def run_long(steps: int) -> tuple[dict[str, float], dict[str, float], dict[str, int]]:
+    """Per-step figures over ``WINDOW`` steps from ``EARLY_STEP`` and over the last ``WINDOW`` of
+    ``steps``, and the policy's heap sizes at the end. Two copies of one workload, the late one
+    advanced first, are then stepped alternately, so load from other processes hits both alike."""
+    late = Workload(LONG_ADAPTERS, seed=0)
+    for _ in range(steps - WINDOW):
+        late.step(record=False)
+    early = Workload(LONG_ADAPTERS, seed=0)
+    for _ in range(EARLY_STEP):
+        early.step(record=False)
+    for _ in range(WINDOW):
+        early.step(record=True)
+        late.step(record=True)
+    return early.result(), late.result(), late.policy.index_sizes()
+
+
+def print_long(steps: int, early: dict[str, float], late: dict[str, float], sizes: dict[str, int]) -> float:
+    """The long run's table; returns the late / early ratio."""
+    print(f"\nLong run: {LONG_ADAPTERS} adapters, {steps} steps; {WINDOW}-step windows")
+    print(f"{'from step':>9} {'us/step':>8} {'schedule':>9} {'service':>8} {'add+fin':>8} {'rows':>6} {'distinct':>9}")
+    for start, r in ((EARLY_STEP, early), (steps - WINDOW, late)):
+        print(
+            f"{start:>9} {r['total']:>8.1f} {r['schedule']:>9.1f} {r['service']:>8.1f} {r['add_finish']:>8.1f} {r['rows']:>6.1f} {r['distinct']:>9.1f}"
+        )
+    ratio = late["total"] / early["total"]
+    print(f"ratio near step {steps} / near step {EARLY_STEP}: {ratio:.2f} (target <= {TARGET_LONG_RATIO})")
+    print(
+        f"heaps at the end: tenants {sizes['tenant_heap_entries']} entries for {sizes['tenants_waiting']} waiting tenants; "
+        f"age line {sizes['line_entries']} for {sizes['waiting_or_running']} requests waiting or running; "
+        f"groups {sizes['group_heap_entries']} for {sizes['groups']} adapters"
+    )
+    return ratio
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs with different seeds; the median ratio is reported"
     )
+    parser.add_argument("--long", action="store_true", help="also time early against late steps of one long run")
+    parser.add_argument("--long-steps", type=int, default=200_000, help="length of the --long run")
     args = parser.parse_args()
+    if args.long and args.long_steps < EARLY_STEP + 2 * WINDOW:
+        parser.error(f"--long-steps must be at least {EARLY_STEP + 2 * WINDOW}")
     runs = sorted(
         (run_pair(args.steps, seed) for seed in range(args.repeats)), key=lambda r: r[5000]["total"] / r[50]["total"]
     )
@@ -160,7 +204,7 @@ def main() -> None:
     print(
         f"ratio 5000 / 50 adapters: {ratio:.2f} (target < {TARGET_RATIO}); worst us/step {max(r['total'] for r in best.values()):.0f} (target < {TARGET_US:.0f})"
     )
-    print(json.dumps({
+    figures = {
         "bench": "scheduler",
         "us_per_step_50_adapters": round(best[50]["total"], 1),
         "us_per_step_5000_adapters": round(best[5000]["total"], 1),
@@ -170,7 +214,21 @@ def main() -> None:
         "running": ROWS,
         "tenants": TENANTS,
         "pass": max(r["total"] for r in best.values()) < TARGET_US and ratio < TARGET_RATIO,
-    }))  # fmt: skip
+    }
+    if args.long:
+        early, late, sizes = run_long(args.long_steps)
+        long_ratio = print_long(args.long_steps, early, late, sizes)
+        figures.update({
+            "long_steps": args.long_steps,
+            "long_us_per_step_early": round(early["total"], 1),
+            "long_us_per_step_late": round(late["total"], 1),
+            "long_ratio": round(long_ratio, 3),
+            "target_long_ratio": TARGET_LONG_RATIO,
+            "long_rows_early": round(early["rows"], 1),
+            "long_rows_late": round(late["rows"], 1),
+            "pass": figures["pass"] and long_ratio <= TARGET_LONG_RATIO,
+        })  # fmt: skip
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ def paged_decode_attention_ref(
     k, v = k[:, :max_len].transpose(1, 2), v[:, :max_len].transpose(1, 2)  # [B, H_kv, L, D]
     positions = torch.arange(max_len, device=q.device)
     mask = positions[None, :] < context_lens[:, None].to(q.device)  # [B, L]
+    # Positions past a row's context hold whatever their page held before (another sequence's
+    # stale K/V, possibly NaN): a masked weight of 0 times NaN is still NaN, so zero them first,
+    # as the Triton kernel's masked loads do.
+    valid = mask[:, None, :, None]
+    k, v = k.masked_fill(~valid, 0.0), v.masked_fill(~valid, 0.0)
     attn = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         k,

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorapage.kernels.backend import BACKENDS
+
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
 DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names none
 
 # The values EngineConfig accepts for its option fields (the CLI offers the same).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
 
 
@@ -35,12 +37,12 @@ class EngineConfig:
     # gpu_memory_utilization); an explicit num_pages is taken as given.
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
-    max_loras: int = 32  # adapter slots resident in the pool at once
+    max_loras: int = 32  # lora slots: adapters resident in the pool at once
     max_lora_rank: int = 64
     max_cpu_loras: int = 128  # adapters kept in host RAM
-    # A load that has waited this long for a slot (every resident adapter busy) drains the least
-    # valuable busy adapter: it takes no new requests, and its slot goes to the load once its
-    # running requests finish. Without it a cold adapter could wait forever behind hot ones.
+    # A load that has waited this long for a lora slot (every resident adapter busy) makes the
+    # least valuable busy adapter yield: it takes no new requests, and its slot goes to the load
+    # once its running requests finish. Without it a cold adapter could wait forever behind hot ones.
     adapter_wait_s: float = 1.0
     max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
     kernel_backend: str = "auto"  # auto | torch | triton
@@ -50,11 +52,7 @@ class EngineConfig:
     io_threads: int = 4  # adapter file reads run here, never on the event loop
 
     def __post_init__(self) -> None:
-        allowed = {
-            "dtype": ("float32", "bfloat16", "float16"),
-            "kernel_backend": ("auto", "torch", "triton"),
-            "scheduler": ("fcfs", "vtc"),
-        }
+        allowed = {"dtype": DTYPE_NAMES, "kernel_backend": KERNEL_BACKENDS, "scheduler": SCHEDULERS}
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")

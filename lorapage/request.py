@@ -5,10 +5,19 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 
 from lorapage.sampling_params import SamplingParams
+
+
+class Detokenizer(Protocol):
+    """Turns a request's generated ids into text as they arrive (``IncrementalDecoder``)."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class RequestStatus(Enum):
@@ -106,7 +115,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float
     adapter_tier: str
-    detokenizer: object
+    detokenizer: Detokenizer
     generator: torch.Generator | None
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -22,3 +22,8 @@ async def collect(engine: Engine, prompt, adapter=None, sampling=None, **kw):
     async for last in engine.generate(prompt, adapter, sampling, **kw):
         deltas.append(last.delta_text)
     return last, deltas
+
+
+def engine_pages(adapter: str) -> int:
+    """Pool pages the demo ``adapter`` takes in the tiny engine."""
+    return tiny_engine().adapter_info(adapter).num_pages

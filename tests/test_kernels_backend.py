@@ -18,9 +18,7 @@ OPS = ("lora_shrink", "lora_expand", "write_kv", "paged_decode_attention", "pref
 def test_torch_and_auto_on_cpu_use_the_pytorch_ops() -> None:
     assert select_backend("torch", torch.device("cpu")) is TORCH_OPS
     assert select_backend("auto", torch.device("cpu")) is TORCH_OPS
-    # The batched PyTorch LoRA ops (tests/test_lora_torch.py checks them against the references).
-    assert TORCH_OPS.lora_shrink.__name__ == "lora_shrink_torch"
-    assert TORCH_OPS.write_kv.__name__ == "write_kv_ref"
+    assert TORCH_OPS.name == "torch"  # what each op computes: tests/test_lora_torch.py and the kernel tests
 
 
 def test_unknown_backend_is_rejected() -> None:
@@ -33,12 +31,7 @@ def test_triton_backend_has_every_op() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = select_backend("triton", device)
     assert isinstance(ops, KernelOps) and ops.name == "triton"
-    assert [getattr(ops, op).__module__.rsplit(".", 1)[-1] for op in OPS[:4]] == [
-        "lora_triton",
-        "lora_triton",
-        "attention_triton",
-        "attention_triton",
-    ]
+    assert all(callable(getattr(ops, op)) for op in OPS)
 
 
 @pytest.mark.gpu

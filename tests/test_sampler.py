@@ -116,3 +116,16 @@ def test_bad_rows_on_cuda_do_not_trip_a_device_assert(logits):
     out = sample(bad, [_bad_row(None), *_good_rows()])
     assert out.tokens[0] == FAILED_TOKEN and out.tokens[1:] == clean.tokens
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_on_cuda_logits():
+    """The request's seeded generator is a CPU generator; sampling CUDA logits with it must work."""
+    logits = torch.randn(2, 50, device="cuda")
+    rows = [
+        SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []),
+        SampleRow(SamplingParams(top_p=0.9, top_k=5), None, []),
+    ]
+    tokens = sample(logits, rows).tokens
+    again = sample(logits, [SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []), rows[1]]).tokens
+    assert tokens[0] == again[0]

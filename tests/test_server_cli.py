@@ -6,8 +6,10 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -37,6 +39,8 @@ async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]
             raise AssertionError(f"lorapage serve exited early with {await proc.wait()}")
         if m := re.search(r"demo tenant key: (\S+)", line):
             seen["key"] = m.group(1)
+        if m := re.search(r"admin key: +(\S+)", line):
+            seen["admin"] = m.group(1)
         if m := re.search(r"listening on (http://\S+)", line):
             seen["url"] = m.group(1)
     return proc, seen
@@ -51,6 +55,12 @@ async def test_serve_demo_defaults_then_sigterm_mid_stream():
             async with session.get(seen["url"] + "/v1/models", headers=headers) as resp:
                 ids = {m["id"] for m in (await resp.json())["data"]}
             assert set(demo_adapter_dirs()) <= ids
+            async with session.get(seen["url"] + "/metrics") as resp:
+                assert resp.status == 401  # it names every tenant: a key by default
+            async with session.get(
+                seen["url"] + "/metrics", headers={"Authorization": f"Bearer {seen['admin']}"}
+            ) as resp:
+                assert resp.status == 200
             body = {"model": "acme", "prompt": "hi", "max_tokens": 400, "stream": True}
             async with session.post(seen["url"] + "/v1/completions", json=body, headers=headers) as resp:
                 assert resp.status == 200
@@ -61,6 +71,31 @@ async def test_serve_demo_defaults_then_sigterm_mid_stream():
             assert events[-1] == "data: [DONE]"  # finished (or cancelled with an error event), never cut
             for event in events[:-1]:
                 json.loads(event[len("data: ") :])
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_serve_metrics_public_and_adapter_root(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(demo_adapter_dirs()["globex"], root / "globex-copy")
+    proc, seen = await _start("--metrics-public", "--adapter-root", str(root))
+    try:
+        admin = {"Authorization": f"Bearer {seen['admin']}"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.get(seen["url"] + "/metrics") as resp:
+                assert resp.status == 200 and "lorapage_event_loop_lag_seconds" in await resp.text()
+
+            async def register(adapter_id: str, path: Path) -> int:
+                body = {"id": adapter_id, "path": str(path), "tenant": "demo"}
+                async with session.post(seen["url"] + "/v1/adapters", json=body, headers=admin) as resp:
+                    return resp.status
+
+            assert await register("copy", root / "globex-copy") == 201
+            assert await register("outside", demo_adapter_dirs()["globex"]) == 403
+        proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
     finally:
         if proc.returncode is None:
@@ -136,3 +171,20 @@ async def test_serve_names_a_bad_flag_value():
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 1 and b"gpu_memory_utilization must be in (0, 1]" in err
+
+
+async def test_serve_names_a_missing_adapter_root(tmp_path):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lorapage.cli",
+        "serve",
+        "--port",
+        "0",
+        "--adapter-root",
+        str(tmp_path / "absent"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode == 1 and b"--adapter-root" in err and b"no such directory" in err

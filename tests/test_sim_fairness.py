@@ -173,22 +173,22 @@ def run_with_rare(vtc: VtcConfig) -> tuple[SimRequest, list[int]]:
     return rare, batch_sizes
 
 
-@pytest.mark.parametrize("tail_slots", [1, 0])
-def test_long_tail_adapter_is_admitted_within_the_age_deadline(tail_slots):
+@pytest.mark.parametrize("tail_lanes", [1, 0])
+def test_long_tail_adapter_is_admitted_within_the_age_deadline(tail_lanes):
     deadline = 1.0
-    rare, batch_sizes = run_with_rare(VtcConfig(max_loras=4, reserved_tail_slots=tail_slots, age_deadline_s=deadline))
+    rare, batch_sizes = run_with_rare(VtcConfig(max_loras=4, reserved_tail_lanes=tail_lanes, age_deadline_s=deadline))
     assert min(batch_sizes) == 32  # sustained load: every step runs a full batch
     assert rare.admitted_at is not None
-    if tail_slots:
-        assert rare.queue_wait <= deadline  # the reserved slot admits it without waiting to age
+    if tail_lanes:
+        assert rare.queue_wait <= deadline  # the reserved lane admits it without waiting to age
     else:
-        # it claims the next slot once aged; the drained adapter's rows finish within one
+        # it claims the next lane once aged; the closing adapter's rows finish within one
         # generation (<= 60 tokens of ~17 ms steps)
         assert deadline <= rare.queue_wait <= deadline + 60 * 0.02
 
 
-def test_without_tail_slots_or_deadline_the_tail_adapter_starves():
-    rare, _ = run_with_rare(VtcConfig(max_loras=4, reserved_tail_slots=0, age_deadline_s=float("inf")))
+def test_without_tail_lanes_or_deadline_the_tail_adapter_starves():
+    rare, _ = run_with_rare(VtcConfig(max_loras=4, reserved_tail_lanes=0, age_deadline_s=float("inf")))
     assert rare.admitted_at is None
 
 
@@ -204,7 +204,7 @@ def test_random_mixed_load_with_preemption_finishes_everything_under_the_cap(see
         )
         for i in range(400)
     ]  # fmt: skip
-    vtc = VtcConfig(max_loras=4, reserved_tail_slots=1, age_deadline_s=0.3)
+    vtc = VtcConfig(max_loras=4, reserved_tail_lanes=1, age_deadline_s=0.3)
     policy = make_policy("vtc", vtc=vtc)
     sim = Simulator(policy, SimConfig(max_num_seqs=16, num_kv_pages=120, block_size=16), trace)
     distinct: list[int] = []
@@ -212,7 +212,7 @@ def test_random_mixed_load_with_preemption_finishes_everything_under_the_cap(see
     assert all(r.finished_at is not None and r.generated == r.max_tokens for r in trace)
     assert max(distinct) <= 4
     assert sim.preemptions > 0
-    assert policy.num_waiting() == 0 and policy.num_running() == 0 and policy.slots.distinct() == 0
+    assert policy.num_waiting() == 0 and policy.num_running() == 0 and policy.lanes.distinct() == 0
     for tenant, (prompt, output) in sim.served.items():  # lifts only ever add
         assert policy.counter(tenant) >= prompt * W_IN + output * W_OUT - 1e-6
 

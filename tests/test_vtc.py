@@ -29,9 +29,6 @@ class Ctx:
     def adapter_ready(self, req: Req) -> bool:
         return req.adapter not in self.loading
 
-    def running_adapters(self) -> set[str | None]:
-        return set()
-
     def try_admit(self, req: Req) -> bool:
         if self.rows == 0:
             return False
@@ -110,56 +107,56 @@ def test_capacity_shortage_ends_the_step_and_keeps_order():
     assert ids(vtc.schedule(6.0, Ctx(rows=5))) == ["a2"]
 
 
-def test_distinct_adapter_cap_lets_joins_through_and_gives_the_last_slot_to_the_biggest_group():
-    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_slots=0))
+def test_distinct_adapter_cap_lets_joins_through_and_gives_the_last_lane_to_the_biggest_group():
+    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_lanes=0))
     for i, adapter in enumerate(["x", "y", "z", "x", "z"]):
         vtc.add(Req(f"r{i}", f"t{i}", adapter), 0.0)
     admitted = vtc.schedule(0.1, Ctx())
-    # x opens the first of two free slots in VTC order; the last goes to z (2 waiting), not y (1)
+    # x opens the first of two free lanes in VTC order; the last goes to z (2 waiting), not y (1)
     assert [r.adapter for r in admitted] == ["x", "z", "x", "z"]
-    assert vtc.slots.distinct() == 2
+    assert vtc.lanes.distinct() == 2
     for r in admitted:
         if r.adapter == "z":
             vtc.on_finish(r, 0.2)
     assert ids(vtc.schedule(0.3, Ctx())) == ["r1"]
 
 
-def test_reserved_tail_slots_take_single_request_adapters_and_no_joins():
-    vtc = VtcScheduler(VtcConfig(max_loras=3, reserved_tail_slots=1, age_deadline_s=100))
+def test_reserved_tail_lanes_take_single_request_adapters_and_no_joins():
+    vtc = VtcScheduler(VtcConfig(max_loras=3, reserved_tail_lanes=1, age_deadline_s=100))
     for i, adapter in enumerate(["g1", "g1", "g2", "g2", "g3", "g3", "solo"]):
         vtc.add(Req(f"r{i}", "t", adapter, arrival_time=i), float(i))
     admitted = vtc.schedule(10.0, Ctx())
-    # g1 and g2 fill the general slots; g3 is a group and may not take the tail slot; solo may.
+    # g1 and g2 fill the general lanes; g3 is a group and may not take the tail lane; solo may.
     assert [r.adapter for r in admitted] == ["g1", "g1", "g2", "g2", "solo"]
-    assert vtc.slots.tail == {"solo"}
+    assert vtc.lanes.tail == {"solo"}
     vtc.add(Req("late", "t", "solo", arrival_time=11), 11.0)
     assert vtc.schedule(11.0, Ctx()) == []  # a tail holder takes no joins
     vtc.on_finish(admitted[-1], 12.0)
     assert ids(vtc.schedule(12.0, Ctx())) == ["late"]
 
 
-def test_aged_request_claims_the_next_slot_and_drains_the_oldest_holder():
-    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_slots=0, age_deadline_s=1.0))
+def test_aged_request_claims_the_next_lane_and_closes_the_oldest_holder():
+    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_lanes=0, age_deadline_s=1.0))
     for i, adapter in enumerate(["hot1", "hot1", "hot2"]):
         vtc.add(Req(f"h{i}", "hot", adapter), 0.0)
     running = vtc.schedule(0.0, Ctx())
     vtc.add(Req("rare", "light", "rare"), 0.0)
-    assert vtc.schedule(0.5, Ctx()) == []  # no slot, not aged yet
+    assert vtc.schedule(0.5, Ctx()) == []  # no lane, not aged yet
     vtc.add(Req("h3", "hot", "hot1"), 0.5)
     vtc.add(Req("h4", "hot", "hot2"), 0.5)
     running += vtc.schedule(0.6, Ctx())
     assert ids(running) == ["h0", "h1", "h2", "h3", "h4"]  # joins go on meanwhile
-    assert vtc.schedule(1.5, Ctx()) == []  # aged: it claims; hot1, which came in first, drains
-    assert vtc.slots.claim is not None and vtc.slots.draining == "hot1"
+    assert vtc.schedule(1.5, Ctx()) == []  # aged: it claims; hot1, which came in first, closes
+    assert vtc.lanes.claim is not None and vtc.lanes.closing == "hot1"
     vtc.add(Req("h5", "hot", "hot1"), 1.5)
     vtc.add(Req("h6", "hot", "hot2"), 1.5)
-    assert ids(vtc.schedule(1.6, Ctx())) == ["h6"]  # hot1 takes no joins while draining
+    assert ids(vtc.schedule(1.6, Ctx())) == ["h6"]  # hot1 takes no joins while closing
     for r in running:
         if r.adapter == "hot1":
             vtc.on_finish(r, 2.0)
     assert ids(vtc.schedule(2.0, Ctx())) == ["rare"]
-    assert vtc.slots.claim is None and vtc.slots.draining is None
-    assert vtc.schedule(2.1, Ctx()) == []  # h5 waits for a slot like anyone else
+    assert vtc.lanes.claim is None and vtc.lanes.closing is None
+    assert vtc.schedule(2.1, Ctx()) == []  # h5 waits for a lane like anyone else
 
 
 def test_preempted_request_is_requeued_first_and_recompute_is_free():
@@ -171,8 +168,8 @@ def test_preempted_request_is_requeued_first_and_recompute_is_free():
     vtc.on_service(r1, 0, 4, 0.2)
     before = vtc.counter("a")
     vtc.add(r2, 1.0)
-    vtc.add(r1, 1.5)  # preempted
-    assert vtc.slots.distinct() == 0 and vtc.num_waiting() == 2
+    vtc.preempt(r1, 1.5)
+    assert vtc.lanes.distinct() == 0 and vtc.num_waiting() == 2
     assert ids(vtc.schedule(2.0, Ctx(rows=1))) == ["r1"]  # back in arrival order
     assert vtc.counter("a") == pytest.approx(before)  # no second prompt charge
     vtc.on_service(r1, 15, 1, 2.1)  # recompute of prompt + 5 generated tokens: free
@@ -212,11 +209,11 @@ def test_scan_budget_bounds_one_step():
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="reserved_tail_slots"):
-        VtcConfig(max_loras=4, reserved_tail_slots=4)
+    with pytest.raises(ValueError, match="reserved_tail_lanes"):
+        VtcConfig(max_loras=4, reserved_tail_lanes=4)
     with pytest.raises(ValueError, match="max_loras"):
         VtcConfig(max_loras=0)
-    assert VtcConfig(max_loras=32).tail_slots == 4
+    assert VtcConfig(max_loras=32).tail_lanes == 4
 
 
 def test_make_policy():
@@ -270,7 +267,7 @@ def test_metered_policy_readmission_after_preemption_is_not_a_new_admission():
     req = Req("r", "acme")
     policy.add(req, 0.0)
     assert ids(policy.schedule(0.0, Ctx())) == ["r"]
-    policy.add(req, 1.0)  # preempted
+    policy.preempt(req, 1.0)
     assert ids(policy.schedule(2.0, Ctx())) == ["r"]
     assert metrics.tenants["acme"].admitted_requests == 1 and metrics.batch_size.count == 2
 
@@ -286,11 +283,11 @@ class CountingCtx(Ctx):
 
 
 def test_parked_tenants_cost_nothing_until_an_event_lets_them_in():
-    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_slots=0, age_deadline_s=100.0))
+    vtc = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_lanes=0, age_deadline_s=100.0))
     hot = [Req(f"h{i}", "hot", f"hot{i % 2}") for i in range(4)]
     for r in hot:
         vtc.add(r, 0.0)
-    assert len(vtc.schedule(0.0, Ctx())) == 4  # both slots taken
+    assert len(vtc.schedule(0.0, Ctx())) == 4  # both lanes taken
     for i in range(500):  # 500 tenants, each with a pair of requests for its own adapter
         vtc.add(Req(f"c{i}a", f"cold{i}", f"cold{i}"), 0.0)
         vtc.add(Req(f"c{i}b", f"cold{i}", f"cold{i}"), 0.0)
@@ -299,7 +296,7 @@ def test_parked_tenants_cost_nothing_until_an_event_lets_them_in():
     later = CountingCtx()
     assert vtc.schedule(2.0, later) == [] and later.asked == 0
     vtc.on_finish(hot[0], 3.0)
-    vtc.on_finish(hot[2], 3.0)  # hot0 leaves: one general slot frees for the biggest group
+    vtc.on_finish(hot[2], 3.0)  # hot0 leaves: one general lane frees for the biggest group
     after = CountingCtx()
     admitted = vtc.schedule(3.0, after)
     assert len(admitted) == 2 and admitted[0].tenant == admitted[1].tenant

@@ -25,6 +25,7 @@ from lorapage.errors import (
     AdapterFormatError,
     AdapterLoadError,
     AdapterNotFoundError,
+    ConflictError,
     LorapageError,
 )
 from lorapage.memory.pool import PageKind, PagePool
@@ -130,7 +131,7 @@ class AdapterCache:
 
     def check_name_free(self, name: str) -> None:
         if name in self.entries:
-            raise LorapageError(f"adapter {name!r} is already registered", param="name")
+            raise ConflictError(f"adapter {name!r} is already registered", param="name")
 
     def validate(self, path: str) -> tuple[AdapterSpec, AdapterLayout]:
         """Read and check an adapter directory: config, tensor names and shapes against the base,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+# Keyed by lorapage.config.DTYPE_NAMES.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -20,7 +20,7 @@ import torch
 
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.layout import LoraTables, max_adapter_pages
-from lorapage.config import EngineConfig
+from lorapage.config import DEFAULT_TENANT, EngineConfig
 from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
@@ -45,7 +45,6 @@ from lorapage.request import Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, VtcConfig, make_policy
 
-DEFAULT_TENANT = "default"
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this long
 
@@ -69,7 +68,8 @@ class Engine:
         self.base_name = model_dir.name
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        self.eos_token_ids = frozenset(mc.eos_token_ids or (self.tokenizer.eos_token_id,)) - {None}
+        eos = mc.eos_token_ids or (self.tokenizer.eos_token_id,)
+        self.eos_token_ids: frozenset[int] = frozenset(t for t in eos if t is not None)
         self._digest: str | None = None
         bs = config.block_size
         page_size = 2 * bs * mc.kv_size

@@ -179,7 +179,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the model adds (BOS for Llama)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works and encode does not: a worker thread
+        # tokenizing a long prompt must not stall the event loop's thread meanwhile.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -227,9 +229,9 @@ def _set_bos_eos_processor(
 ) -> None:
     """Rebuild the post-processor from add_bos_token / add_eos_token, as transformers does when
     tokenizer_config.json sets either flag (or tokenizer.json has no post-processor)."""
-    bos, eos = special.get("bos_token"), special.get("eos_token")
-    add_bos = add_bos and bos is not None and backend.token_to_id(bos) is not None
-    add_eos = add_eos and eos is not None and backend.token_to_id(eos) is not None
+    bos, eos = special.get("bos_token", ""), special.get("eos_token", "")
+    add_bos = add_bos and backend.token_to_id(bos) is not None if bos else False
+    add_eos = add_eos and backend.token_to_id(eos) is not None if eos else False
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
     ids = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]

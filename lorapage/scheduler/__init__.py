@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lorapage.scheduler.base import AdmissionContext, SchedRequest, SchedulerPolicy
+from lorapage.scheduler.base import AdmissionContext, R, SchedRequest, SchedulerPolicy
 from lorapage.scheduler.fcfs import FcfsScheduler
 from lorapage.scheduler.metrics import MeteredPolicy, SchedulerMetrics
 from lorapage.scheduler.vtc import VtcConfig, VtcScheduler
@@ -31,13 +31,14 @@ def make_policy(
     vtc: VtcConfig | None = None,
     tenant_weights: Mapping[str, float] | None = None,
     metrics: SchedulerMetrics | None = None,
-) -> SchedulerPolicy:
+) -> SchedulerPolicy[R]:
     """The policy called ``name`` ("fcfs" or "vtc"), recording into ``metrics`` when given.
 
     ``vtc`` and ``tenant_weights`` configure VTC (FCFS has no knobs): build ``vtc`` with
-    ``max_loras`` from the engine config and the weights from the tenants file.
+    ``max_loras`` from the engine config and the weights from the tenants file. The request type
+    comes from the caller: ``policy: SchedulerPolicy[Request] = make_policy(...)``.
     """
-    policy: SchedulerPolicy
+    policy: SchedulerPolicy[R]
     if name == "vtc":
         policy = VtcScheduler(vtc, tenant_weights)
     elif name == "fcfs":

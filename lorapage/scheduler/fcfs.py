@@ -3,28 +3,31 @@
 from __future__ import annotations
 
 import bisect
+from typing import Generic
 
-from lorapage.scheduler.base import AdmissionContext, SchedRequest
+from lorapage.scheduler.base import AdmissionContext, R
 
 
-class FcfsScheduler:
+class FcfsScheduler(Generic[R]):
     """Admit in arrival order. A request whose adapter is still loading is passed over (it keeps
     its place) so it blocks nobody; the first request that does not fit ends the step's admission,
     so a large request is not overtaken indefinitely."""
 
     def __init__(self) -> None:
-        self._waiting: list[SchedRequest] = []
+        self._waiting: list[R] = []
 
-    def add(self, req: SchedRequest, now: float) -> None:
-        # A preempted request goes back in its arrival order, ahead of later arrivals.
+    def add(self, req: R, now: float) -> None:
         bisect.insort(self._waiting, req, key=lambda r: r.arrival_time)
 
-    def remove(self, req: SchedRequest) -> None:
+    def preempt(self, req: R, now: float) -> None:
+        self.add(req, now)  # back in its arrival order, ahead of later arrivals
+
+    def remove(self, req: R) -> None:
         if req in self._waiting:
             self._waiting.remove(req)
 
-    def schedule(self, now: float, ctx: AdmissionContext) -> list[SchedRequest]:
-        admitted: list[SchedRequest] = []
+    def schedule(self, now: float, ctx: AdmissionContext[R]) -> list[R]:
+        admitted: list[R] = []
         for req in list(self._waiting):
             if not ctx.adapter_ready(req):
                 continue
@@ -34,13 +37,13 @@ class FcfsScheduler:
             admitted.append(req)
         return admitted
 
-    def on_service(self, req: SchedRequest, input_tokens: int, output_tokens: int, now: float) -> None:
+    def on_service(self, req: R, input_tokens: int, output_tokens: int, now: float) -> None:
         pass
 
-    def on_finish(self, req: SchedRequest, now: float) -> None:
+    def on_finish(self, req: R, now: float) -> None:
         pass
 
-    def pick_victim(self, running: list[SchedRequest]) -> SchedRequest:
+    def pick_victim(self, running: list[R]) -> R:
         return max(running, key=lambda r: r.arrival_time)
 
     def num_waiting(self) -> int:

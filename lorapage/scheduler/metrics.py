@@ -1,7 +1,9 @@
 """Pure scheduling metrics: per-tenant counters and per-step histograms, no exporter attached.
 
 The server turns a :class:`SchedulerMetrics` into Prometheus series; the simulator and tests read
-it directly. :class:`MeteredPolicy` fills it around any :class:`SchedulerPolicy`.
+it directly. :class:`MeteredPolicy` fills it around any :class:`SchedulerPolicy`. Everything here
+is bounded: histograms have fixed buckets, stats are per tenant (the tenants file's) and per
+rejection reason, and the wrapper's books hold only requests in flight.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Generic
 
-from lorapage.scheduler.base import AdmissionContext, SchedRequest, SchedulerPolicy
+from lorapage.scheduler.base import AdmissionContext, R, SchedulerPolicy
 
 WAIT_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -83,15 +86,15 @@ class SchedulerMetrics:
         self.distinct_adapters.observe(distinct_adapters)
 
 
-class _ObservingContext:
+class _ObservingContext(Generic[R]):
     """Passes the policy's questions through, noting when a request's adapter finished loading."""
 
-    def __init__(self, ctx: AdmissionContext, now: float, loaded_at: dict[str, float | None]) -> None:
+    def __init__(self, ctx: AdmissionContext[R], now: float, loaded_at: dict[str, float | None]) -> None:
         self._ctx = ctx
         self._now = now
         self._loaded_at = loaded_at  # request_id -> None while seen loading, then when seen ready
 
-    def adapter_ready(self, req: SchedRequest) -> bool:
+    def adapter_ready(self, req: R) -> bool:
         ready = self._ctx.adapter_ready(req)
         rid = req.request_id
         if not ready:
@@ -100,14 +103,11 @@ class _ObservingContext:
             self._loaded_at[rid] = self._now
         return ready
 
-    def running_adapters(self) -> set[str | None]:
-        return self._ctx.running_adapters()
-
-    def try_admit(self, req: SchedRequest) -> bool:
+    def try_admit(self, req: R) -> bool:
         return self._ctx.try_admit(req)
 
 
-class MeteredPolicy:
+class MeteredPolicy(Generic[R]):
     """Any policy, with its admissions, service and steps recorded in a :class:`SchedulerMetrics`.
 
     Queue wait splits at the first step the policy saw the request's adapter ready after seeing
@@ -117,7 +117,7 @@ class MeteredPolicy:
     Steps are recorded only when something runs.
     """
 
-    def __init__(self, policy: SchedulerPolicy, metrics: SchedulerMetrics) -> None:
+    def __init__(self, policy: SchedulerPolicy[R], metrics: SchedulerMetrics) -> None:
         self.policy = policy
         self.metrics = metrics
         self._enqueued_at: dict[str, float] = {}
@@ -126,18 +126,21 @@ class MeteredPolicy:
         self._running: dict[str, str | None] = {}  # request_id -> adapter
         self._adapters: Counter[str] = Counter()  # adapter -> running requests
 
-    def add(self, req: SchedRequest, now: float) -> None:
-        if req.request_id in self._running:
-            self._stopped(req)
-            self._returning.add(req.request_id)
-        self._enqueued_at[req.request_id] = now
+    def add(self, req: R, now: float) -> None:
         self.policy.add(req, now)
+        self._enqueued_at[req.request_id] = now
 
-    def remove(self, req: SchedRequest) -> None:
+    def preempt(self, req: R, now: float) -> None:
+        self.policy.preempt(req, now)
+        self._stopped(req)
+        self._returning.add(req.request_id)  # its readmission is not a new admission
+        self._enqueued_at[req.request_id] = now
+
+    def remove(self, req: R) -> None:
         self._forget(req)
         self.policy.remove(req)
 
-    def schedule(self, now: float, ctx: AdmissionContext) -> list[SchedRequest]:
+    def schedule(self, now: float, ctx: AdmissionContext[R]) -> list[R]:
         admitted = self.policy.schedule(now, _ObservingContext(ctx, now, self._loaded_at))
         for req in admitted:
             enqueued = self._enqueued_at.pop(req.request_id, now)
@@ -154,28 +157,28 @@ class MeteredPolicy:
             self.metrics.record_step(len(self._running), len(self._adapters))
         return admitted
 
-    def on_service(self, req: SchedRequest, input_tokens: int, output_tokens: int, now: float) -> None:
+    def on_service(self, req: R, input_tokens: int, output_tokens: int, now: float) -> None:
         self.policy.on_service(req, input_tokens, output_tokens, now)
         self.metrics.record_served(req.tenant, input_tokens, output_tokens)
 
-    def on_finish(self, req: SchedRequest, now: float) -> None:
+    def on_finish(self, req: R, now: float) -> None:
         if req.request_id in self._running:
             self._stopped(req)
         self._forget(req)
         self.policy.on_finish(req, now)
 
-    def pick_victim(self, running: list[SchedRequest]) -> SchedRequest:
+    def pick_victim(self, running: list[R]) -> R:
         return self.policy.pick_victim(running)
 
     def num_waiting(self) -> int:
         return self.policy.num_waiting()
 
-    def _forget(self, req: SchedRequest) -> None:
+    def _forget(self, req: R) -> None:
         self._enqueued_at.pop(req.request_id, None)
         self._loaded_at.pop(req.request_id, None)
         self._returning.discard(req.request_id)
 
-    def _stopped(self, req: SchedRequest) -> None:
+    def _stopped(self, req: R) -> None:
         adapter = self._running.pop(req.request_id)
         if adapter is not None:
             self._adapters[adapter] -= 1

@@ -4,11 +4,11 @@ Every tenant carries a counter of the weighted service it has received: ``input_
 prompt token and ``output_weight`` per generated token, divided by the tenant's weight. Each
 admission goes to the backlogged tenant with the smallest counter. The prompt is charged when a
 request is admitted (so one step cannot hand one tenant every free row) and output as it is
-produced. Which adapters may enter is :mod:`lorapage.scheduler.slots`' business;
+produced. Which adapters may enter is :mod:`lorapage.scheduler.lanes`' business;
 docs/scheduling.md explains how the two interact.
 
 A tenant none of whose waiting requests can enter now is *parked*: it leaves VTC order and comes
-back only on an event that may let it in (a slot frees, its adapter opens, closes or loads, a
+back only on an event that may let it in (a lane frees, its adapter opens, closes or loads, a
 request of it ages past the deadline, it sends another request). That keeps a step's cost
 independent of how many tenants wait on the long tail of adapters.
 """
@@ -18,10 +18,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Generic
 
-from lorapage.scheduler.base import AdmissionContext, SchedRequest
+from lorapage.scheduler.base import AdmissionContext, R
 from lorapage.scheduler.groups import AdapterGroups
-from lorapage.scheduler.slots import AdapterSlots, Blocked, SlotKind
+from lorapage.scheduler.lanes import AdapterLanes, Blocked, LaneKind
 from lorapage.scheduler.tenant_queue import Tenant, TenantQueue, TenantState, Waiting
 
 ACTIVE, IDLE = TenantState.ACTIVE, TenantState.IDLE
@@ -34,8 +35,8 @@ class VtcConfig:
     input_weight: float = 1.0  # counter units per prompt token
     output_weight: float = 2.0  # counter units per generated token
     max_loras: int = 32  # distinct adapters the running batch may hold
-    reserved_tail_slots: int | None = None  # of max_loras, for single-request adapters; None: max_loras // 8
-    age_deadline_s: float = 1.0  # a request waiting this long may take any slot, or claim the next
+    reserved_tail_lanes: int | None = None  # of max_loras, for single-request adapters; None: max_loras // 8
+    age_deadline_s: float = 1.0  # a request waiting this long may take any lane, or claim the next
     max_scan: int = 1024  # waiting requests examined per step at most (bounds the step's cost)
 
     def __post_init__(self) -> None:
@@ -45,54 +46,58 @@ class VtcConfig:
         for name in ("max_loras", "max_scan"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VtcConfig.{name} must be >= 1; got {getattr(self, name)}")
-        if not 0 <= self.tail_slots < self.max_loras:
+        if not 0 <= self.tail_lanes < self.max_loras:
             raise ValueError(
-                f"VtcConfig.reserved_tail_slots must be in [0, max_loras={self.max_loras}); "
-                f"got {self.reserved_tail_slots}"
+                f"VtcConfig.reserved_tail_lanes must be in [0, max_loras={self.max_loras}); "
+                f"got {self.reserved_tail_lanes}"
             )
 
     @property
-    def tail_slots(self) -> int:
-        return self.max_loras // 8 if self.reserved_tail_slots is None else self.reserved_tail_slots
+    def tail_lanes(self) -> int:
+        return self.max_loras // 8 if self.reserved_tail_lanes is None else self.reserved_tail_lanes
+
+
+# Line entries beyond twice the requests that could still use one before the line is compacted.
+_COMPACT_SLACK = 64
 
 
 @dataclass(eq=False, slots=True)
-class _Ledger:
+class _Ledger(Generic[R]):
     """What a running request has been charged, so that nothing is charged twice."""
 
-    tenant: Tenant
+    tenant: Tenant[R]
     prepaid: int = 0  # prompt tokens charged at admission and not yet reported as served
     free: int = 0  # tokens a recompute after preemption may prefill without charge
     served_this_run: int = 0  # tokens served since the last (re)admission
 
 
-class VtcScheduler:
+class VtcScheduler(Generic[R]):
     """Fair admission across tenants by Virtual Token Counter, grouped by adapter.
 
     Contract with the engine (beyond :class:`~lorapage.scheduler.base.SchedulerPolicy`): each
-    admitted request ends with exactly one ``on_finish`` or, when preempted, one ``add`` (not
-    both); a recompute prefill is reported through ``on_service`` as input tokens and is free up
-    to what the request had been served before it was preempted.
+    admitted request ends with exactly one ``on_finish`` or one ``preempt`` (not both); a
+    recompute prefill is reported through ``on_service`` as input tokens and is free up to what
+    the request had been served before it was preempted.
     """
 
     def __init__(self, config: VtcConfig | None = None, tenant_weights: Mapping[str, float] | None = None) -> None:
         self.config = config or VtcConfig()
-        self.slots = AdapterSlots(self.config.max_loras, self.config.tail_slots)
+        self.lanes = AdapterLanes(self.config.max_loras, self.config.tail_lanes)
         self._weights: dict[str, float] = dict(tenant_weights or {})
-        self._queue = TenantQueue()
-        self._groups = AdapterGroups()
+        self._queue: TenantQueue[R] = TenantQueue()
+        self._groups: AdapterGroups[R] = AdapterGroups()
         self._floor = 0.0  # counter of the tenant admitted last: the lift when nobody is backlogged
-        self._running: dict[str, SchedRequest] = {}
-        self._ledger: dict[str, _Ledger] = {}
+        self._running: dict[str, R] = {}
+        self._ledger: dict[str, _Ledger[R]] = {}
         self._num_waiting = 0
-        # Parked requests that need a slot, oldest first; while no claim is pending, the oldest
+        # Parked requests that need a lane, oldest first; while no claim is pending, the oldest
         # past the age deadline is woken to take one. One entry per request (_in_line).
         self._line: list[tuple[float, str, str]] = []  # (enqueued_at, request_id, tenant)
         self._in_line: set[str] = set()
         # Requests of parked tenants to look at one by one next step, instead of waking the
         # whole tenant: new arrivals, and requests whose adapter is still loading.
-        self._fresh: list[Waiting] = []
-        self._loading: dict[str, Waiting] = {}
+        self._fresh: list[Waiting[R]] = []
+        self._loading: dict[str, Waiting[R]] = {}
 
     # --- tenants and counters ---------------------------------------------------------------
 
@@ -113,7 +118,7 @@ class VtcScheduler:
         weight = self._weights.get(tenant, 1.0)
         return self.config.input_weight / weight, self.config.output_weight / weight
 
-    def _tenant(self, name: str) -> Tenant:
+    def _tenant(self, name: str) -> Tenant[R]:
         t = self._queue.tenants.get(name)
         if t is None:
             t = self._queue.tenants[name] = Tenant(name, *self._costs(name))
@@ -121,29 +126,25 @@ class VtcScheduler:
 
     # --- SchedulerPolicy --------------------------------------------------------------------
 
-    def add(self, req: SchedRequest, now: float) -> None:
+    def add(self, req: R, now: float) -> None:
         if req.request_id in self._running:
-            self._requeue_preempted(req)
-        t = self._tenant(req.tenant)
-        if t.state is IDLE:
-            # No banked credit: a tenant that was not backlogged starts level with the least
-            # served backlogged tenant (or the one admitted last, when no one waits).
-            lowest = self._queue.backlogged_lowest()
-            t.counter = max(t.counter, lowest.counter if lowest else self._floor)
-        newest = next(reversed(t.waiting.values()), None)
-        entry = t.waiting[req.request_id] = Waiting(req, now)
-        if newest is not None and req.arrival_time < newest.req.arrival_time:
-            # A preempted request goes back in arrival order, ahead of its tenant's later ones.
-            t.waiting = dict(sorted(t.waiting.items(), key=lambda kv: kv[1].req.arrival_time))
-        if t.state is IDLE:
-            self._queue.set_state(t, ACTIVE)
-        elif t.state is not ACTIVE:
-            self._fresh.append(entry)  # parked: only this request needs a look
-        self._num_waiting += 1
-        if req.adapter is not None:
-            self._groups.add(entry, self.slots.running)
+            raise ValueError(
+                f"request {req.request_id!r} is running: a preempted request comes back through preempt(), not add()"
+            )
+        self._enqueue(req, now)
 
-    def remove(self, req: SchedRequest) -> None:
+    def preempt(self, req: R, now: float) -> None:
+        if req.request_id not in self._running:
+            raise ValueError(f"request {req.request_id!r} is not running: only an admitted request can be preempted")
+        del self._running[req.request_id]
+        self.lanes.release(req.adapter)
+        led = self._ledger[req.request_id]
+        self._refund_prepaid(led)
+        # Recomputing what it had been served is the engine's doing, not the tenant's.
+        led.free = led.served_this_run
+        self._enqueue(req, now)
+
+    def remove(self, req: R) -> None:
         t = self._queue.tenants.get(req.tenant)
         entry = t.waiting.pop(req.request_id, None) if t else None
         if t is None or entry is None:
@@ -152,11 +153,12 @@ class VtcScheduler:
         self._ledger.pop(req.request_id, None)
         if not t.waiting:
             self._queue.set_state(t, IDLE)
+        self._bound_line()
 
-    def schedule(self, now: float, ctx: AdmissionContext) -> list[SchedRequest]:
+    def schedule(self, now: float, ctx: AdmissionContext[R]) -> list[R]:
         self._wake(now, ctx)
-        admitted: list[SchedRequest] = []
-        examined: list[Tenant] = []  # put back (active or parked) at the end of the step
+        admitted: list[R] = []
+        examined: list[Tenant[R]] = []  # put back (active or parked) at the end of the step
         budget = self.config.max_scan
         while budget > 0:
             t = self._next_tenant()
@@ -177,7 +179,7 @@ class VtcScheduler:
             self._queue.put_back(t)
         return admitted
 
-    def on_service(self, req: SchedRequest, input_tokens: int, output_tokens: int, now: float) -> None:
+    def on_service(self, req: R, input_tokens: int, output_tokens: int, now: float) -> None:
         led = self._ledger.get(req.request_id)
         if led is None:
             return
@@ -192,14 +194,15 @@ class VtcScheduler:
             t.counter += (input_tokens - covered) * t.in_cost
         t.counter += output_tokens * t.out_cost
 
-    def on_finish(self, req: SchedRequest, now: float) -> None:
+    def on_finish(self, req: R, now: float) -> None:
         if self._running.pop(req.request_id, None) is None:
             self.remove(req)
             return
         self._refund_prepaid(self._ledger.pop(req.request_id))
-        self.slots.release(req.adapter)
+        self.lanes.release(req.adapter)
+        self._bound_line()
 
-    def pick_victim(self, running: list[SchedRequest]) -> SchedRequest:
+    def pick_victim(self, running: list[R]) -> R:
         """The newest request of the tenant with the largest counter: it has had the most service
         and the newest request has the least progress to recompute."""
         return max(running, key=lambda r: (self.counter(r.tenant), r.arrival_time))
@@ -210,25 +213,60 @@ class VtcScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    def index_sizes(self) -> dict[str, int]:
+        """Entries in the lazy heaps, stale ones included, beside what they index; each heap
+        stays within about twice its live count, however long the server runs."""
+        return {
+            "tenant_heap_entries": self._queue.heap_entries(),
+            "tenants_waiting": sum(1 for t in self._queue.tenants.values() if t.state is not IDLE),
+            "line_entries": len(self._line),
+            "waiting_or_running": self._num_waiting + len(self._running),
+            "group_heap_entries": self._groups.heap_entries(),
+            "groups": len(self._groups.groups),
+        }
+
+    # --- arrivals ---------------------------------------------------------------------------
+
+    def _enqueue(self, req: R, now: float) -> None:
+        """``req`` waits from ``now``: a new arrival, or a preempted request back in the queue."""
+        t = self._tenant(req.tenant)
+        if t.state is IDLE:
+            # No banked credit: a tenant that was not backlogged starts level with the least
+            # served backlogged tenant (or the one admitted last, when no one waits).
+            lowest = self._queue.backlogged_lowest()
+            t.counter = max(t.counter, lowest.counter if lowest else self._floor)
+        newest = next(reversed(t.waiting.values()), None)
+        entry = t.waiting[req.request_id] = Waiting(req, now)
+        if newest is not None and req.arrival_time < newest.req.arrival_time:
+            # A preempted request goes back in arrival order, ahead of its tenant's later ones.
+            t.waiting = dict(sorted(t.waiting.items(), key=lambda kv: kv[1].req.arrival_time))
+        if t.state is IDLE:
+            self._queue.set_state(t, ACTIVE)
+        elif t.state is not ACTIVE:
+            self._fresh.append(entry)  # parked: only this request needs a look
+        self._num_waiting += 1
+        if req.adapter is not None:
+            self._groups.add(entry, self.lanes.running)
+
     # --- one tenant's turn ------------------------------------------------------------------
 
-    def _next_tenant(self) -> Tenant | None:
+    def _next_tenant(self) -> Tenant[R] | None:
         """The lowest counter among active tenants and the parked tenants that could open a
-        free slot: a tail slot, or one of two or more unclaimed general slots (the last general
-        slot goes to the biggest group, whose tenants are woken for it)."""
+        free lane: a tail lane, or one of two or more unclaimed general lanes (the last general
+        lane goes to the biggest group, whose tenants are woken for it)."""
         states = [ACTIVE]
-        anyone_may_open = self.slots.claim is None and self.slots.free_general() >= 2
-        if anyone_may_open or self.slots.free_tail():
+        anyone_may_open = self.lanes.claim is None and self.lanes.free_general() >= 2
+        if anyone_may_open or self.lanes.free_tail():
             states.append(TenantState.PARKED_ANY)
         if anyone_may_open:
             states.append(TenantState.PARKED_GENERAL)
         return self._queue.lowest(tuple(states))
 
-    def _pick(self, t: Tenant, now: float, ctx: AdmissionContext, budget: int) -> tuple[SchedRequest | None, int, bool]:
+    def _pick(self, t: Tenant[R], now: float, ctx: AdmissionContext[R], budget: int) -> tuple[R | None, int, bool]:
         """Admit ``t``'s oldest request that can enter. Returns it (or None), the scan budget
         left, and whether capacity ran out, which ends the step: a later, smaller request must
         not overtake the tenant whose turn it is. With none that can enter, ``t`` is parked."""
-        blocked: list[tuple[Waiting, Blocked]] = []
+        blocked: list[tuple[Waiting[R], Blocked]] = []
         for entry in list(t.waiting.values()):
             if budget <= 0:
                 t.state = ACTIVE  # not fully examined: not parked
@@ -250,18 +288,18 @@ class VtcScheduler:
             self._park(t, entry, reason)
         return None, budget, False
 
-    def _gate(self, entry: Waiting, now: float, ctx: AdmissionContext) -> SlotKind | Blocked | None:
+    def _gate(self, entry: Waiting[R], now: float, ctx: AdmissionContext[R]) -> LaneKind | Blocked | None:
         """How ``entry`` would enter now, why it cannot, or None while its adapter loads."""
         req = entry.req
         if not ctx.adapter_ready(req):
-            self.slots.unclaim(req)  # loading (again): let others use the slot meanwhile
+            self.lanes.unclaim(req)  # loading (again): let others use the lane meanwhile
             self._loading[req.request_id] = entry
             return None
         aged = now - entry.enqueued_at >= self.config.age_deadline_s
         group = self._groups.size(req.adapter) if req.adapter is not None else 0
-        return self.slots.gate(req, group=group, aged=aged, best_group=lambda: self._biggest_group_size(ctx))
+        return self.lanes.gate(req, group=group, aged=aged, best_group=lambda: self._biggest_group_size(ctx))
 
-    def _park(self, t: Tenant, entry: Waiting, reason: Blocked) -> None:
+    def _park(self, t: Tenant[R], entry: Waiting[R], reason: Blocked) -> None:
         """``entry`` cannot enter for ``reason``: raise ``t``'s parked state to match, and put
         ``entry`` in line for the claim unless only its own adapter can let it in."""
         state = TenantState.parked_for(reason)
@@ -271,12 +309,24 @@ class VtcScheduler:
         if reason is not Blocked.ADAPTER and req.request_id not in self._in_line:
             heapq.heappush(self._line, (entry.enqueued_at, req.request_id, t.name))
             self._in_line.add(req.request_id)
+            self._bound_line()
 
-    def _admitted(self, t: Tenant, entry: Waiting, kind: SlotKind) -> None:
+    def _bound_line(self) -> None:
+        """Keep the line within twice the requests that may still use an entry (plus slack), by
+        dropping the entries of requests gone for good (finished or aborted): the line only ever
+        skipped them. A running request keeps its entry, which it finds again if preempted."""
+        if len(self._line) <= 2 * (self._num_waiting + len(self._running)) + _COMPACT_SLACK:
+            return
+        queue, running = self._queue, self._running
+        self._line[:] = [e for e in self._line if e[1] in running or e[1] in queue.tenants[e[2]].waiting]
+        heapq.heapify(self._line)
+        self._in_line = {e[1] for e in self._line}
+
+    def _admitted(self, t: Tenant[R], entry: Waiting[R], kind: LaneKind) -> None:
         req = entry.req
         del t.waiting[req.request_id]
         self._dequeued(entry)
-        self.slots.occupy(req, kind)
+        self.lanes.occupy(req, kind)
         self._running[req.request_id] = req
         led = self._ledger.get(req.request_id)
         if led is None:  # first admission: charge the prompt now, reconciled by on_service
@@ -285,21 +335,13 @@ class VtcScheduler:
         led.served_this_run = 0
         self._floor = t.counter
 
-    def _dequeued(self, entry: Waiting) -> None:
+    def _dequeued(self, entry: Waiting[R]) -> None:
         self._num_waiting -= 1
         if entry.req.adapter is not None:
-            self._groups.remove(entry, self.slots.running)
-        self.slots.unclaim(entry.req)
+            self._groups.remove(entry, self.lanes.running)
+        self.lanes.unclaim(entry.req)
 
-    def _requeue_preempted(self, req: SchedRequest) -> None:
-        del self._running[req.request_id]
-        self.slots.release(req.adapter)
-        led = self._ledger[req.request_id]
-        self._refund_prepaid(led)
-        # Recomputing what it had been served is the engine's doing, not the tenant's.
-        led.free = led.served_this_run
-
-    def _refund_prepaid(self, led: _Ledger) -> None:
+    def _refund_prepaid(self, led: _Ledger[R]) -> None:
         if led.prepaid:
             led.tenant.counter -= led.prepaid * led.tenant.in_cost
             led.prepaid = 0
@@ -307,17 +349,17 @@ class VtcScheduler:
 
     # --- waking parked tenants --------------------------------------------------------------
 
-    def _wake(self, now: float, ctx: AdmissionContext) -> None:
+    def _wake(self, now: float, ctx: AdmissionContext[R]) -> None:
         """Before a step: act on what happened since the last one."""
         fresh, self._fresh = self._fresh, []
         loading, self._loading = self._loading, {}
         self._look_at(fresh + list(loading.values()), now, ctx)
         self._wake_changed(now, ctx)
         self._wake_biggest_group(now, ctx)
-        claim = self.slots.claim
+        claim = self.lanes.claim
         if claim is not None:
-            if self.slots.free_general() or self.slots.free_tail():
-                self._queue.activate(self._queue.tenants[claim.tenant])  # its slot is here
+            if self.lanes.free_general() or self.lanes.free_tail():
+                self._queue.activate(self._queue.tenants[claim.tenant])  # its lane is here
             return
         line = self._line
         while line:  # no claim pending: the oldest parked request past the deadline may take it
@@ -331,7 +373,7 @@ class VtcScheduler:
                 self._queue.activate(t)
                 return
 
-    def _look_at(self, entries: list[Waiting], now: float, ctx: AdmissionContext) -> None:
+    def _look_at(self, entries: list[Waiting[R]], now: float, ctx: AdmissionContext[R]) -> None:
         """Wake the parked tenant of each entry that can enter now; register the others."""
         for entry in entries:
             req = entry.req
@@ -339,7 +381,7 @@ class VtcScheduler:
             if req.request_id not in t.waiting or t.state is IDLE or t.state is ACTIVE:
                 continue  # gone, or its tenant is examined in full anyway
             gate = self._gate(entry, now, ctx)
-            if isinstance(gate, SlotKind):
+            if isinstance(gate, LaneKind):
                 self._queue.activate(t)
             elif isinstance(gate, Blocked):
                 before = t.state
@@ -347,31 +389,31 @@ class VtcScheduler:
                 if t.state is not before:
                     self._queue.set_state(t, t.state)  # into the heap of its new state
 
-    def _wake_changed(self, now: float, ctx: AdmissionContext) -> None:
-        """Adapters opened, closed or stopped draining: look again at their waiting requests."""
-        changed = self.slots.changed
+    def _wake_changed(self, now: float, ctx: AdmissionContext[R]) -> None:
+        """Adapters opened, closed or stopped closing: look again at their waiting requests."""
+        changed = self.lanes.changed
         while changed:
             adapter = changed.pop()
-            self._groups.push(adapter, self.slots.running)  # it may have left the batch
+            self._groups.push(adapter, self.lanes.running)  # it may have left the batch
             self._look_at(self._groups.entries(adapter), now, ctx)
 
-    def _wake_biggest_group(self, now: float, ctx: AdmissionContext) -> None:
-        """A general slot is free: make sure a tenant waiting on the biggest group is active to
+    def _wake_biggest_group(self, now: float, ctx: AdmissionContext[R]) -> None:
+        """A general lane is free: make sure a tenant waiting on the biggest group is active to
         open it (once open, the rest of the group is looked at as joins)."""
-        if self.slots.claim is not None or not self.slots.free_general():
+        if self.lanes.claim is not None or not self.lanes.free_general():
             return
         best = self._biggest_group(ctx)
         for entry in self._groups.entries(best) if best is not None else ():
             t = self._queue.tenants[entry.req.tenant]
             if t.state is ACTIVE:
                 return
-            if isinstance(self._gate(entry, now, ctx), SlotKind):
+            if isinstance(self._gate(entry, now, ctx), LaneKind):
                 self._queue.activate(t)
                 return
 
-    def _biggest_group(self, ctx: AdmissionContext) -> str | None:
-        return self._groups.biggest(self.slots.running, lambda entry: ctx.adapter_ready(entry.req))
+    def _biggest_group(self, ctx: AdmissionContext[R]) -> str | None:
+        return self._groups.biggest(self.lanes.running, lambda entry: ctx.adapter_ready(entry.req))
 
-    def _biggest_group_size(self, ctx: AdmissionContext) -> int:
+    def _biggest_group_size(self, ctx: AdmissionContext[R]) -> int:
         best = self._biggest_group(ctx)
         return self._groups.size(best) if best is not None else 0

@@ -125,7 +125,8 @@ class AdminRoutes:
         if state.is_registered(req.id):
             raise ConflictError(f"adapter id {req.id!r} is already registered; DELETE it first", param="id")
         try:
-            state.engine.add_adapter(req.id, _local_path(req.path, state.adapter_roots))
+            # Read and checked in a worker with a deadline: an adapter's files are untrusted input.
+            await state.engine.register_adapter(req.id, _local_path(req.path, state.adapter_roots))
         except AdapterFormatError as exc:
             exc.param = exc.param or "path"
             raise

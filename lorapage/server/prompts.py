@@ -52,7 +52,7 @@ class PromptBuilder:
 
     def check_chars(self, chars: int, where: str) -> None:
         """Refuse ``chars`` characters of prompt that no tokenization could fit in the context."""
-        if chars > self.max_prompt_chars * 1000:
+        if chars > self.max_prompt_chars:
             raise PromptTooLongError(
                 f"The {where} is {chars} characters; this model's maximum context length is "
                 f"{self.max_model_len} tokens, which hold at most {self.max_prompt_chars} characters "

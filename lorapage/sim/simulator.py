@@ -4,7 +4,8 @@ The model: a step prefills the requests admitted in it (prompt plus, after a pre
 had generated) and decodes one token for every other running request; every running request
 gains one token per step. A step costs ``CostModel`` seconds of virtual time. KV pages are
 reserved for the prompt at admission and grow a block at a time while decoding; when they run
-out, the policy picks a victim, which loses its pages and queues again (recompute). An adapter
+out, the policy picks a victim, which loses its pages and queues again through
+``policy.preempt`` (recompute). An adapter
 becomes ready ``adapter_load_s`` after its first request arrives and stays resident.
 """
 
@@ -15,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lorapage.scheduler.base import SchedRequest, SchedulerPolicy
+from lorapage.scheduler.base import SchedulerPolicy
 
 
 @dataclass(eq=False)
@@ -70,14 +71,10 @@ class _Context:
         self.admitted: list[SimRequest] = []
         self.tokens = len(sim.running)  # one decode token per running request
 
-    def adapter_ready(self, req: SchedRequest) -> bool:
+    def adapter_ready(self, req: SimRequest) -> bool:
         return req.adapter is None or self._sim.ready_at[req.adapter] <= self._now
 
-    def running_adapters(self) -> set[str | None]:
-        return {r.adapter for r in self._sim.running} | {r.adapter for r in self.admitted}
-
-    def try_admit(self, req: SchedRequest) -> bool:
-        assert isinstance(req, SimRequest)
+    def try_admit(self, req: SimRequest) -> bool:
         sim = self._sim
         prefill = req.num_prompt_tokens + req.generated
         pages = sim.pages_for(prefill + 1)
@@ -98,7 +95,7 @@ class Simulator:
     """Runs ``trace`` through ``policy`` on a virtual clock; results land on the requests and in
     ``served`` (tenant -> [input tokens, output tokens], counting each token once)."""
 
-    def __init__(self, policy: SchedulerPolicy, config: SimConfig, trace: Iterable[SimRequest]) -> None:
+    def __init__(self, policy: SchedulerPolicy[SimRequest], config: SimConfig, trace: Iterable[SimRequest]) -> None:
         self.policy = policy
         self.config = config
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
@@ -163,7 +160,6 @@ class Simulator:
                     self.pages[req.request_id] += 1
                     continue
                 victim = self.policy.pick_victim(list(self.running))
-                assert isinstance(victim, SimRequest)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -174,7 +170,7 @@ class Simulator:
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.add(req)
-        self.policy.add(req, self.now)
+        self.policy.preempt(req, self.now)
 
     def _step(self, ctx: _Context) -> None:
         batch = self.running + ctx.admitted

@@ -1,0 +1,118 @@
+"""Distinct-adapter lanes of the running batch: the cap, the reserved tail, the age deadline.
+
+A *lane* is one distinct adapter's place in the running batch (not a lora slot, the adapter's row
+in the device lookup tables). Decode cost grows with the number of distinct adapters in a step,
+so the batch holds at most ``cap`` lanes. A request whose adapter is already in the batch *joins*
+its lane for free; one that needs a new adapter *opens* a lane. While two or more general lanes
+are free anyone may open one; the last one goes to the adapter with the most waiting requests
+(biggest groups first, so lanes fill rows). ``tail`` of the ``cap`` lanes are reserved for
+adapters with a single queued request, and an adapter that came in through a tail lane takes no
+joins, so tail lanes keep turning over instead of being captured by hot adapters. A request older
+than the age deadline that finds no lane *claims* the next general one: nobody else opens a
+general lane until it is in, and the general holder that opened its lane first is *closing*: it
+takes no joins until its rows finish and the lane frees, so hot adapters rotate through the
+general lanes instead of keeping them forever. Tail lanes stay open to single requests meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+
+from lorapage.scheduler.base import SchedRequest
+
+
+class LaneKind(Enum):
+    """How an admissible request enters the batch."""
+
+    BASE = "base"  # no adapter: needs no lane
+    JOIN = "join"  # its adapter's lane is already in the batch
+    GENERAL = "general"  # opens one of the cap - tail general lanes
+    TAIL = "tail"  # opens one of the reserved tail lanes
+
+
+class Blocked(Enum):
+    """Why a ready request cannot enter now, which says what event could let it in."""
+
+    ADAPTER = "adapter"  # its adapter is in the batch but takes no joins (a tail or closing lane)
+    GENERAL = "general"  # it must open a general lane and none is free (to a group its size)
+    ANY = "any"  # it may open any lane (single request or aged) but none is free, or it is claimed
+
+
+class AdapterLanes:
+    """Which adapters the running batch holds, and whether one more request may be admitted."""
+
+    def __init__(self, cap: int, tail: int) -> None:
+        self.cap = cap
+        self.reserved_tail = tail
+        self.running: dict[str, int] = {}  # adapter -> running requests using it, in opening order
+        self.tail: set[str] = set()  # holders that opened a tail lane; they take no joins
+        self.claim: SchedRequest | None = None  # an aged request owed the next lane that frees
+        self.closing: str | None = None  # holder taking no joins so that the claim gets a lane
+        self.changed: list[str] = []  # adapters that opened, closed or stopped closing (to wake waiters)
+
+    def distinct(self) -> int:
+        return len(self.running)
+
+    def free_general(self) -> int:
+        """General lanes free (0 when the cap is reached)."""
+        used = len(self.running)
+        return max(0, min(self.cap - used, self.cap - self.reserved_tail - (used - len(self.tail))))
+
+    def free_tail(self) -> bool:
+        return len(self.running) < self.cap and len(self.tail) < self.reserved_tail
+
+    def gate(self, req: SchedRequest, *, group: int, aged: bool, best_group: Callable[[], int]) -> LaneKind | Blocked:
+        """How ``req`` would enter the batch, or why it cannot now. ``group``: waiting requests
+        for its adapter (1: a single, tail-eligible); ``aged``: it has waited past the age
+        deadline (it may open any lane, and take the claim); ``best_group()``: the largest
+        waiting group of a ready adapter outside the batch, asked only for the last lane."""
+        adapter = req.adapter
+        if adapter is None:
+            return LaneKind.BASE
+        if adapter in self.running:
+            return Blocked.ADAPTER if adapter in self.tail or adapter == self.closing else LaneKind.JOIN
+        may_take_tail = group == 1 or aged
+        free = self.free_general()
+        claimed = self.claim is not None and self.claim is not req  # the next general lane is owed
+        if not claimed and (free >= 2 or (free == 1 and (aged or group >= best_group()))):
+            return LaneKind.GENERAL
+        if may_take_tail and self.free_tail():
+            return LaneKind.TAIL
+        if aged and self.claim is None:
+            self.claim = req
+            # Rotate through the general holders: the one that opened its lane first closes.
+            self.closing = next((a for a in self.running if a not in self.tail), None)
+        return Blocked.ANY if may_take_tail else Blocked.GENERAL
+
+    def occupy(self, req: SchedRequest, kind: LaneKind) -> None:
+        adapter = req.adapter
+        if adapter is None:
+            return
+        self.running[adapter] = self.running.get(adapter, 0) + 1
+        if kind is LaneKind.TAIL:
+            self.tail.add(adapter)
+        elif kind is LaneKind.GENERAL:
+            self.changed.append(adapter)  # its other waiting requests may join now
+
+    def release(self, adapter: str | None) -> None:
+        """A running request of ``adapter`` finished or was preempted."""
+        if adapter is None:
+            return
+        left = self.running[adapter] - 1
+        if left:
+            self.running[adapter] = left
+            return
+        del self.running[adapter]
+        self.tail.discard(adapter)
+        if self.closing == adapter:
+            self.closing = None
+        self.changed.append(adapter)
+
+    def unclaim(self, req: SchedRequest) -> None:
+        """``req`` got in, left the queue or is loading again: its claim (if any) lapses."""
+        if self.claim is req:
+            self.claim = None
+            if self.closing is not None:
+                self.changed.append(self.closing)
+                self.closing = None

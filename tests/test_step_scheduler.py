@@ -1,0 +1,75 @@
+"""The step scheduler's admissions: refused when they can never fit, undone cleanly when the policy or
+the adapter cache fails mid-step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from engine_util import collect, tiny_engine
+
+from lorapage import SamplingParams
+from lorapage.errors import EngineStepError, PromptTooLongError
+
+
+async def test_request_that_cannot_fit_beside_its_adapter_is_refused():
+    """KV for prompt + max_tokens fits the pool, but not beside the request's own adapter: it
+    could never be admitted (or would preempt itself forever), so it must be refused up front."""
+    probe = tiny_engine()
+    pages = probe.adapter_info("initech").num_pages
+    engine = tiny_engine(num_pages=1 + pages + 3)
+    with pytest.raises(PromptTooLongError):
+        await asyncio.wait_for(collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=20)), 10)
+    await engine.close()
+
+
+async def test_policy_failing_mid_schedule_leaks_nothing():
+    """A scheduling policy that raises after admitting requests: those requests get the error,
+    and their pages and adapter pins come back, so the engine serves the next request normally."""
+    engine = tiny_engine()
+    await engine.load_adapter("acme")
+    free = engine.pool_free_pages()
+    schedule = engine.policy.schedule
+
+    def failing_schedule(now, ctx):
+        if schedule(now, ctx):
+            engine.policy.schedule = schedule
+            raise RuntimeError("policy bug")
+        return []
+
+    engine.policy.schedule = failing_schedule
+    with pytest.raises(EngineStepError, match="policy bug"):
+        await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
+    entry = engine.adapters.get("acme")
+    assert (entry.running, entry.waiting) == (0, 0)
+    assert engine.pool_free_pages() == free
+    out, _ = await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
+    assert out.finish_reason == "length"
+    await engine.close()
+
+
+async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
+    """A policy bug admits a request whose adapter is still loading: acquire() refuses before
+    pinning anything, and the undo must not release a pin that was never taken."""
+    engine = tiny_engine(scheduler="fcfs")
+    gate = threading.Event()
+    engine._forward.submit(gate.wait, 10)  # globex's copy queues behind this: not resident yet
+    inner = engine.policy.policy
+    schedule = engine.policy.schedule
+
+    def forgets_adapter_ready(now, ctx):
+        for req in list(inner._waiting):
+            ctx.try_admit(req)
+        return []
+
+    engine.policy.schedule = forgets_adapter_ready
+    with pytest.raises(EngineStepError, match="admitted while not resident"):
+        await collect(engine, [5, 9, 12, 30], "globex", SamplingParams(max_tokens=4))
+    engine.policy.schedule = schedule
+    gate.set()
+    await asyncio.sleep(0.1)
+    entry = engine.adapters.get("globex")
+    assert (entry.running, entry.waiting) == (0, 0)
+    engine.remove_adapter("globex")  # refused if a pin had gone negative
+    await engine.close()
