@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": "lorapage.demo", "serve": "lorapage.server.serve"}
+    commands = {"demo": "lorapage.demo", "serve": "lorapage.server.serve", "replay": "lorapage.replay.cli"}
     if not argv or argv[0] not in commands:
         print(f"usage: lorapage {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

@@ -37,6 +37,9 @@ class EngineConfig:
     # gpu_memory_utilization); an explicit num_pages is taken as given.
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
+    # Prompts longer than a step's token budget are computed over several steps (decodes first,
+    # then prompt chunks), so max_num_batched_tokens may be far below max_model_len.
+    enable_chunked_prefill: bool = True
     max_loras: int = 32  # lora slots: adapters resident in the pool at once
     max_lora_rank: int = 64
     max_cpu_loras: int = 128  # adapters kept in host RAM

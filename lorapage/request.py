@@ -123,6 +123,7 @@ class Request:
     text: str = ""
     block_table: list[int] = field(default_factory=list)  # page ids holding this sequence's KV
     num_computed: int = 0  # tokens whose K/V are in the pool
+    num_scheduled: int = 0  # tokens the step being planned computes for it (admission sets it)
     lora_slot: int = 0
     finish_reason: str | None = None
     aborted: bool = False

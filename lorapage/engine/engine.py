@@ -76,11 +76,16 @@ class Engine:
         adapter_pages = max_adapter_pages(mc, config.max_lora_rank, page_size)
         max_blocks = -(-self.max_model_len // bs)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < self.max_model_len and not config.enable_chunked_prefill:
             # Without chunked prefill a whole prompt (or a preempted sequence's recompute) must fit in one step.
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len})"
+                f"max_model_len ({self.max_model_len}) unless enable_chunked_prefill is on"
+            )
+        if self.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({config.max_num_seqs}): every running sequence decodes one token per step"
             )
         # Weights first: on CUDA the pool is sized from the memory they leave.
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
@@ -129,7 +134,12 @@ class Engine:
             metrics=self.scheduler_metrics,
         )
         limits = StepLimits(
-            bs, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.eos_token_ids
+            bs,
+            config.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+            chunked_prefill=config.enable_chunked_prefill,
         )
         self.scheduler = StepScheduler(self.policy, self.adapters, self.pool, limits, clock)
         self.step_loop = StepLoop(self.scheduler, self.runner, self._forward, on_new_loop=self.adapters.rebind_loop)

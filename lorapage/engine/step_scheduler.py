@@ -16,7 +16,7 @@ from lorapage.errors import SamplingError
 from lorapage.memory.kv import blocks_needed, free_block_table, grow_block_table
 from lorapage.memory.pool import PagePool
 from lorapage.model.runner import StepPlan
-from lorapage.model.sampler import SampleOutput
+from lorapage.model.sampler import FAILED_TOKEN, SampleOutput
 from lorapage.request import Request, RequestStatus, TokenLogprob
 from lorapage.scheduler import SchedulerPolicy
 
@@ -30,6 +30,7 @@ class StepLimits:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: frozenset[int]
+    chunked_prefill: bool = True  # a prompt longer than the step's budget is computed over several steps
 
 
 class StepScheduler:
@@ -88,17 +89,19 @@ class StepScheduler:
 
     def try_admit(self, req: Request) -> bool:
         lim = self.limits
-        new_tokens = req.num_tokens
-        if len(self.running) + len(self._admitted) >= lim.max_num_seqs or new_tokens > self._budget:
+        remaining = req.num_tokens - req.num_computed
+        chunk = min(remaining, self._budget) if lim.chunked_prefill else remaining
+        if len(self.running) + len(self._admitted) >= lim.max_num_seqs or chunk <= 0 or chunk > self._budget:
             return False
-        need = blocks_needed(new_tokens, lim.block_size)
+        need = blocks_needed(req.num_computed + chunk, lim.block_size) - len(req.block_table)
         # Leave room for adapter loads already waiting on memory, or they could starve.
         reserve = self.adapters.pending_pages()
         if self.pool.num_free - reserve < need and not self.adapters.evict_idle(need + reserve):
             return False
-        if not grow_block_table(self.pool, req.block_table, new_tokens, lim.block_size):
+        if not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, lim.block_size):
             return False
-        self._budget -= new_tokens
+        self._budget -= chunk
+        req.num_scheduled = chunk
         self._admitted.append(req)
         if req.adapter is not None:  # pin now, so admitting the next request cannot evict it
             req.lora_slot = self.adapters.pin(req.adapter)
@@ -107,28 +110,56 @@ class StepScheduler:
     # -- one step -------------------------------------------------------------------------------
 
     def plan_step(self) -> StepPlan | None:
-        """Admit, make room for decodes, and return the step's plan (None: nothing can run)."""
+        """Admit, make room for decodes, and return the step's plan (None: nothing can run).
+
+        The step's token budget goes to decodes first (one token each), then to prompts already
+        being prefilled in chunks (oldest first), then to new admissions."""
         now = self.clock()
         self._fail_broken_adapters()
         decode = [r for r in self.running if r.num_computed == r.num_tokens - 1]
         self._make_room(decode, now)
         decode = [r for r in self.running if r.num_computed == r.num_tokens - 1]
         self._budget = self.limits.max_num_batched_tokens - len(decode)
+        chunks, stalled = self._continue_prefills()
         self._admitted = []
         try:
             admitted = self.policy.schedule(now, self)
         except BaseException:
             self._undo_admissions()  # still WAITING to everyone else: nothing may stay pinned
             raise
-        prefill = []
+        prefill = chunks
         for req in admitted:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            prefill.append(req)
+            prefill.append((req, req.num_scheduled))
         if not decode and not prefill:
+            if stalled:  # partial prefills that cannot grow and nothing else running: make room
+                self._preempt(self.policy.pick_victim(stalled), now)
+                return self.plan_step()
             return None
         self._in_step = True
         return StepPlan.build(decode, prefill, self.limits.block_size)
+
+    def _continue_prefills(self) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """The next chunk of each running prompt not fully computed yet, as far as the budget
+        and free pages go; also those that could not get pages for one."""
+        bs = self.limits.block_size
+        chunks: list[tuple[Request, int]] = []
+        stalled: list[Request] = []
+        partial = [r for r in self.running if r.num_computed < r.num_tokens - 1]
+        for req in sorted(partial, key=lambda r: r.arrival_time):
+            chunk = min(req.num_tokens - req.num_computed, self._budget)
+            if chunk <= 0:
+                break
+            need = blocks_needed(req.num_computed + chunk, bs) - len(req.block_table)
+            if self.pool.num_free < need:
+                self.adapters.evict_idle(need)
+            if not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, bs):
+                stalled.append(req)
+                continue
+            self._budget -= chunk
+            chunks.append((req, chunk))
+        return chunks, stalled
 
     def _undo_admissions(self) -> None:
         """The policy failed mid-schedule: give back what this step's admissions took."""
@@ -171,22 +202,25 @@ class StepScheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.policy.add(req, now)  # VTC knows a returning request: the recompute is not charged again
+        self.policy.preempt(req, now)  # it waits again; VTC does not charge its recompute
         self.adapters.notify_memory_freed()
 
     def apply(self, plan: StepPlan, sampled: SampleOutput) -> None:
-        """Record each sequence's new token, stream outputs, finish what is done. A row that
-        could not be sampled fails its own request alone."""
+        """Record each sequence's computed tokens and new token, stream outputs, finish what is
+        done. A row that could not be sampled fails its own request alone."""
         self._in_step = False
         now = self.clock()
-        for i, (req, token, lp, error) in enumerate(zip(plan.sequences, *sampled)):
-            fed = req.num_tokens - req.num_computed
-            req.num_computed = req.num_tokens
+        samples = zip(*sampled)
+        for i, (req, fed, completes) in enumerate(zip(plan.sequences, plan.fed, plan.completes)):
+            req.num_computed += fed
+            token, lp, error = next(samples) if completes else (FAILED_TOKEN, None, None)
             if req.aborted:
                 self._finish(req, "abort")
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
-            self.policy.on_service(req, fed if i >= plan.num_decode else 0, 1, now)
+            self.policy.on_service(req, fed if i >= plan.num_decode else 0, int(completes), now)
+            if not completes:
+                continue  # a chunk of a longer prompt: more of it next step
             if error is not None:
                 self._fail(req, SamplingError(f"request {req.request_id!r} could not be sampled: {error}"))
                 continue

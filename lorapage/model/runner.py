@@ -26,7 +26,13 @@ from lorapage.request import Request
 
 @dataclass
 class StepPlan:
-    """One step's inputs as host data, built on the event loop."""
+    """One step's inputs as host data, built on the event loop.
+
+    Each sequence feeds ``fed[i]`` tokens from its first uncomputed one: 1 for a decode, a whole
+    prompt or one chunk of it for a prefill. Only a sequence whose tokens are all computed after
+    this step samples its next token (``completes[i]``); a chunk of a longer prompt samples
+    nothing, so a seeded generator is drawn from once per generated token, chunked or not.
+    """
 
     input_ids: list[int]
     positions: list[int]
@@ -35,32 +41,39 @@ class StepPlan:
     segments: tuple[tuple[int, int, int], ...]
     num_decode: int
     block_tables: list[list[int]]  # per sequence, decode sequences first
-    context_lens: list[int]
+    context_lens: list[int]  # per sequence: tokens of context including this step's
     prefill_query_starts: list[int]  # relative to num_decode, with the end appended
-    sample_index: list[int]  # token index of each sequence's last token
-    sample_rows: list[SampleRow]
-    sequences: list[Request]  # in row order: sample_index[i] belongs to sequences[i]
+    sequences: list[Request]  # in row order
+    fed: list[int]  # tokens each sequence computes this step
+    completes: list[bool]  # whether each sequence samples a token this step
+    sample_index: list[int]  # token index of each sampling sequence's last token, in row order
+    sample_rows: list[SampleRow]  # one per sampling sequence, in row order
 
     @classmethod
-    def build(cls, decode: list[Request], prefill: list[Request], block_size: int) -> StepPlan:
+    def build(cls, decode: list[Request], prefill: list[tuple[Request, int]], block_size: int) -> StepPlan:
+        """``decode`` rows feed their one new token; each ``(request, n)`` of ``prefill`` feeds
+        its next ``n`` tokens."""
         decode = sorted(decode, key=lambda r: r.lora_slot)
-        prefill = sorted(prefill, key=lambda r: r.lora_slot)
+        prefill = sorted(prefill, key=lambda rn: rn[0].lora_slot)
+        rows = [(r, 1) for r in decode] + prefill
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         token_slot: list[int] = []
         sample_index: list[int] = []
         starts = [0]
-        for r in decode + prefill:
+        for r, n in rows:
             seq = r.all_ids()
-            new = range(r.num_computed, len(seq))
-            ids.extend(seq[r.num_computed :])
+            new = range(r.num_computed, r.num_computed + n)
+            ids.extend(seq[new.start : new.stop])
             pos.extend(new)
             slots.extend(r.block_table[p // block_size] * block_size + p % block_size for p in new)
-            token_slot.extend([r.lora_slot] * len(new))
-            sample_index.append(len(ids) - 1)
-        for r in prefill:
-            starts.append(starts[-1] + r.num_tokens - r.num_computed)
+            token_slot.extend([r.lora_slot] * n)
+            if new.stop == len(seq):
+                sample_index.append(len(ids) - 1)
+        for _, n in prefill:
+            starts.append(starts[-1] + n)
+        completes = [r.num_computed + n == r.num_tokens for r, n in rows]
         return cls(
             input_ids=ids,
             positions=pos,
@@ -68,12 +81,14 @@ class StepPlan:
             token_slot=token_slot,
             segments=_segments(token_slot),
             num_decode=len(decode),
-            block_tables=[list(r.block_table) for r in decode + prefill],  # a snapshot for the forward thread
-            context_lens=[r.num_tokens for r in decode + prefill],
+            block_tables=[list(r.block_table) for r, _ in rows],  # a snapshot for the forward thread
+            context_lens=[r.num_computed + n for r, n in rows],
             prefill_query_starts=starts,
+            sequences=[r for r, _ in rows],
+            fed=[n for _, n in rows],
+            completes=completes,
             sample_index=sample_index,
-            sample_rows=[SampleRow(r.sampling, r.generator, r.output_ids) for r in decode + prefill],
-            sequences=decode + prefill,
+            sample_rows=[SampleRow(r.sampling, r.generator, r.output_ids) for (r, _), c in zip(rows, completes) if c],
         )
 
 
@@ -149,6 +164,8 @@ class ModelRunner:
             lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
         with torch.inference_mode():
             hidden = self.ctx.forward(T, attn, lora)
+            if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
+                return SampleOutput([], [], [])
             logits = model.logits(hidden[plan.sample_index])
             return sample(logits, plan.sample_rows)
 

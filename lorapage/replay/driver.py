@@ -79,10 +79,11 @@ class _Run:
         self.counts: Counter[str] = Counter()
         self.samples: list[tuple[float, dict]] = []
 
-    async def one(self, index: int, scheduled: float) -> None:
+    async def one(self, index: int, scheduled: float | None) -> None:
+        """Send request ``index`` now (``scheduled``: when it was due; None, closed loop: now)."""
         res = Result()
         sent = self.clock()
-        self.started[index] = (scheduled, sent, res)
+        self.started[index] = (sent if scheduled is None else scheduled, sent, res)
         self.counts["sent"] += 1
         self._tell()
         try:
@@ -107,10 +108,11 @@ class _Run:
         if self.progress is not None:
             self.progress.update(self.counts)
 
-    def spawn(self, index: int, scheduled: float) -> None:
-        task = asyncio.create_task(self.one(index, scheduled))
+    def track(self, task: asyncio.Task) -> asyncio.Task:
+        """Keep ``task`` among those a stop cuts short, until it ends."""
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     async def _wait_until(self, when: float) -> bool:
         """Sleep until ``when`` on the clock; False when stopped meanwhile."""
@@ -125,7 +127,7 @@ class _Run:
             due = self.t0 + self.trace[i].arrival_s / self.opts.speed
             if not await self._wait_until(due):
                 return
-            self.spawn(i, due)
+            self.track(asyncio.create_task(self.one(i, due)))
 
     async def closed_loop(self, order: list[int], n: int) -> None:
         queue = iter(order)
@@ -134,11 +136,9 @@ class _Run:
             for i in queue:
                 if self.stop.is_set():
                     return
-                await self.one(i, self.clock())
+                await self.one(i, None)
 
-        workers = [asyncio.create_task(worker()) for _ in range(n)]
-        self.tasks.update(workers)
-        await asyncio.wait(workers)
+        await asyncio.wait([self.track(asyncio.create_task(worker())) for _ in range(n)])
 
     async def probe(self) -> None:
         interval = self.opts.probe_interval_s
@@ -212,4 +212,9 @@ async def replay(
         raise ValueError(f"speed must be > 0; got {opts.speed}")
     if opts.concurrency is not None and opts.concurrency < 1:
         raise ValueError(f"concurrency must be >= 1; got {opts.concurrency}")
+    for i, req in enumerate(trace):
+        try:
+            req.check()
+        except ValueError as exc:
+            raise ValueError(f"trace request {i}: {exc}") from None
     return await _Run(trace, target, opts, clock, stop or asyncio.Event(), progress).run()

@@ -86,7 +86,8 @@ class HttpTarget:
         body = self.body(req, index)
         if isinstance(body["prompt"], list):
             res.prompt_tokens = len(body["prompt"])
-        headers = {"Authorization": f"Bearer {self.keys.key_for(req.tenant)}"}
+        key = self.keys.key_for(req.tenant)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}  # no keys file: a server without auth
         try:
             async with self.session.post(self.url + "/v1/completions", json=body, headers=headers) as resp:
                 res.status = resp.status
@@ -129,7 +130,11 @@ class HttpTarget:
         try:
             async with self.session.get(self.url + "/metrics", headers=headers) as resp:
                 if resp.status != 200:
-                    hint = "; give the admin key (--admin-key or the keys file's admin)" if resp.status in (401, 403) else ""
+                    hint = (
+                        "; give the admin key (--admin-key or the keys file's admin)"
+                        if resp.status in (401, 403)
+                        else ""
+                    )
                     self.metrics_note = f"/metrics answered {resp.status}{hint}"
                     return None
                 return parse_prometheus(await resp.text())

@@ -20,7 +20,7 @@ import csv
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +67,7 @@ def parse_azure_timestamp(text: str) -> float:
     tz = m["tz"] or ""
     stamp = datetime.fromisoformat(f"{m['main']}.{frac}{'+00:00' if tz == 'Z' else tz}")
     if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=timezone.utc)
+        stamp = stamp.replace(tzinfo=UTC)
     return stamp.timestamp()
 
 

@@ -1,0 +1,259 @@
+"""Benchmarks through `lorapage replay` (the embedded engine, the ~100M bench model, CPU by default).
+
+1. S-LoRA's headline: the same closed-loop trace (N requests, 32 in flight, adapters Zipf(1.0))
+   with 5 and with 2,000 registered adapters (rank 16 on all seven projections). Target:
+   throughput with 2,000 >= 0.95 x with 5. Reports TTFT p95 of both. The 2,000 adapters are 5 real
+   PEFT directories each registered under 400 names: every name is a distinct adapter to the
+   engine (its own registry entry, host-RAM copy, pool pages and slot), so loads, evictions and
+   batching behave as with 2,000 directories without writing 20 GB.
+2. Fairness under a flood: one tenant sends 20x the others' rate, past the engine's capacity
+   (open loop, 8 rows); the three light tenants' p99 TTFT under FCFS and under VTC.
+   Target: FCFS / VTC >= 2.
+3. The seed workload (5,000 adapters, Zipf 1.3, 40 req/s) scaled to this CPU: p95 TTFT of
+   requests whose adapter was resident (tier gpu) against those that had to load it (ram / disk).
+   Targets: the seed's SLOs, 1 s warm and 2 s cold.
+
+    python bench/bench_replay.py [--quick] [--only slora,fairness,seed] [--out DIR]
+
+Each benchmark prints a table; the last line is one JSON object with every figure and target.
+Reports (report.md, plots) of every run are written under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from msgspec.structs import replace as with_fields
+
+sys.path.insert(0, str(Path(__file__).parent))
+from make_llama import write_adapter, write_model  # noqa: E402
+
+from lorapage import Engine, EngineConfig  # noqa: E402
+from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay  # noqa: E402
+from lorapage.replay.embedded import EmbeddedTarget  # noqa: E402
+from lorapage.replay.engine_flags import trace_adapters  # noqa: E402
+from lorapage.replay.report import build_report, write_report  # noqa: E402
+from lorapage.replay.stats import Slo, latency  # noqa: E402
+
+SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
+ADAPTER_DIRS = 5
+SHORT = dict(prompt_mean=32, prompt_sigma=0.3, prompt_max=64, output_mean=16, output_sigma=0.0, output_max=16)
+VARIED = {**SHORT, "output_sigma": 0.5, "output_max": 40}
+
+
+def make_assets(root: Path) -> tuple[Path, list[Path]]:
+    model = write_model(root / "base", **SHAPE)
+    dirs = [write_adapter(root / f"d{i}", model, rank=16, seed=i) for i in range(ADAPTER_DIRS)]
+    return model, dirs
+
+
+def engine_for(model: Path, dirs: list[Path], names: list[str], **config) -> tuple[Engine, float]:
+    """An engine with ``names`` registered on ``dirs`` in turn; returns it and the seconds registration took."""
+    cfg = dict(max_loras=32, max_lora_rank=16, max_num_seqs=32, max_model_len=256, max_cpu_loras=128)
+    engine = Engine(EngineConfig(model=str(model), **{**cfg, **config}))
+    start = time.perf_counter()
+    # Each directory is read and checked once, as add_adapter would for every name; the names
+    # are then registered on the checked result, each a distinct adapter of its own.
+    checked = [engine.adapters.validate(str(d)) for d in dirs]
+    for k, name in enumerate(names):
+        engine.adapters.add(name, *checked[k % len(dirs)])
+    return engine, time.perf_counter() - start
+
+
+async def run(engine: Engine, trace: list[TraceRequest], opts: RunOptions, out: Path, label: str, weights=None) -> dict:
+    """Warm the engine up on the base, replay ``trace``, write its report under ``out/label``."""
+    warm = [TraceRequest(arrival_s=0.0, tenant="warmup", model="base", max_tokens=4, prompt_len=16)] * 4
+    await replay(warm, EmbeddedTarget(engine), RunOptions(concurrency=4, probe_interval_s=None))
+    result = await replay(trace, EmbeddedTarget(engine), opts)
+    meta = {"trace": label, "target": EmbeddedTarget(engine).describe()}
+    report = build_report(trace, result, meta=meta, slo=Slo(), weights=weights)
+    write_report(out / label, result.records, report)
+    await engine.close()
+    return report
+
+
+def p(report: dict, *path: str) -> float | None:
+    node = report
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, (int, float)) else None
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:,.0f}"
+
+
+async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool) -> dict:
+    n = 64 if quick else 192
+    big = 2000
+    base = GenConfig(seed=11, num_requests=n, duration_s=None, adapters=big, zipf_alpha=1.0, tenants=8, **SHORT)
+    trace_big = generate(replace(base, shared_fraction=0.0))
+    width = len(str(big - 1))
+    # The same requests (arrivals, lengths, tenants) on 5 adapters: adapter k becomes k mod 5.
+    trace_small = [with_fields(r, model=f"a{int(r.model[1:]) % 5:0{width}d}") for r in trace_big]
+    opts = RunOptions(concurrency=32, probe_interval_s=0.5)
+    rows = {}
+    for label, trace, registered in (("slora-5", trace_small, 5), ("slora-2000", trace_big, big)):
+        names = [f"a{k:0{width}d}" for k in range(registered)]
+        assert set(trace_adapters(trace, "base")) <= set(names)
+        engine, reg_s = engine_for(model, dirs, names)
+        report = await run(engine, trace, opts, out, label)
+        rows[registered] = {
+            "registered": registered,
+            "distinct_in_trace": len({r.model for r in trace}),
+            "register_s": reg_s,
+            "tokens_per_s": p(report, "throughput", "output_tokens_per_s"),
+            "requests_per_s": p(report, "throughput", "requests_per_s"),
+            "ttft_p50": p(report, "latency", "overall", "ttft", "p50"),
+            "ttft_p95": p(report, "latency", "overall", "ttft", "p95"),
+            "ok": report["statuses"]["by_outcome"].get("ok", 0),
+        }
+    small, large = rows[5], rows[big]
+    ratio = large["tokens_per_s"] / small["tokens_per_s"]
+    print(f"\n1. S-LoRA headline: {n} requests, 32 in flight, Zipf(1.0) adapters, rank 16 all modules")
+    print(
+        "| registered | distinct in trace | register (s) | output tokens/s | requests/s | TTFT p50 (ms) | TTFT p95 (ms) | ok |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in (small, large):
+        print(
+            f"| {r['registered']:,} | {r['distinct_in_trace']} | {r['register_s']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{r['requests_per_s']:.2f} | {ms(r['ttft_p50'])} | {ms(r['ttft_p95'])} | {r['ok']} |"
+        )
+    print(f"throughput 2,000 / 5: {ratio:.3f} (target >= 0.95)")
+    return {
+        "slora_requests": n,
+        "slora_tokens_per_s_5": small["tokens_per_s"],
+        "slora_tokens_per_s_2000": large["tokens_per_s"],
+        "slora_throughput_ratio": ratio,
+        "slora_ttft_p95_5_s": small["ttft_p95"],
+        "slora_ttft_p95_2000_s": large["ttft_p95"],
+        "slora_target_ratio": 0.95,
+        "slora_pass": ratio >= 0.95,
+    }
+
+
+async def bench_fairness(model: Path, dirs: list[Path], out: Path, quick: bool) -> dict:
+    duration = 12.0 if quick else 30.0
+    # Four tenants on an adapter each; t0 floods at 20x each light tenant's rate, past capacity.
+    # Eight rows and varied output lengths, so rows free up one by one rather than in waves.
+    rates = {"t0": 4.0, "t1": 0.2, "t2": 0.2, "t3": 0.2}
+    trace = []
+    for i, (tenant, rate) in enumerate(rates.items()):
+        one = GenConfig(
+            seed=5 + i, rate=rate, duration_s=duration, adapters=1, tenants=1, shared_fraction=0.0, **VARIED
+        )
+        trace += [with_fields(r, tenant=tenant, model=f"a{i}") for r in generate(one)]
+    trace.sort(key=lambda r: r.arrival_s)
+    heavy = "t0"
+    opts = RunOptions(probe_interval_s=0.5)
+    rows = {}
+    for scheduler in ("fcfs", "vtc"):
+        engine, _ = engine_for(model, dirs, trace_adapters(trace, "base"), scheduler=scheduler, max_num_seqs=8)
+        report = await run(engine, trace, opts, out, f"fairness-{scheduler}")
+        light = [t for t in report["latency"]["by_tenant"] if t != heavy]
+        records = _records(out / f"fairness-{scheduler}")
+        light_lat = latency([r for r in records if r.tenant in light])
+        rows[scheduler] = {
+            "light_ttft_p50": light_lat["ttft"]["p50"],
+            "light_ttft_p99": light_lat["ttft"]["p99"],
+            "heavy_ttft_p99": p(report, "latency", "by_tenant", heavy, "ttft", "p99"),
+            "tokens_per_s": p(report, "throughput", "output_tokens_per_s"),
+            "light_requests": light_lat["ttft"]["count"],
+            "jain": p(report, "fairness", "jain_index"),
+        }
+    ratio = rows["fcfs"]["light_ttft_p99"] / rows["vtc"]["light_ttft_p99"]
+    print(f"\n2. One tenant flooding ({len(trace)} requests over {duration:g} s, open loop, rates {rates} req/s)")
+    print(
+        "| scheduler | light TTFT p50 (ms) | light TTFT p99 (ms) | heavy TTFT p99 (ms) | output tokens/s | light requests |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {ms(r['light_ttft_p50'])} | {ms(r['light_ttft_p99'])} | {ms(r['heavy_ttft_p99'])} | "
+            f"{r['tokens_per_s']:.1f} | {r['light_requests']} |"
+        )
+    print(f"light tenants' p99 TTFT, FCFS / VTC: {ratio:.2f} (target >= 2)")
+    return {
+        "fairness_requests": len(trace),
+        "fairness_light_ttft_p99_fcfs_s": rows["fcfs"]["light_ttft_p99"],
+        "fairness_light_ttft_p99_vtc_s": rows["vtc"]["light_ttft_p99"],
+        "fairness_heavy_ttft_p99_fcfs_s": rows["fcfs"]["heavy_ttft_p99"],
+        "fairness_heavy_ttft_p99_vtc_s": rows["vtc"]["heavy_ttft_p99"],
+        "fairness_light_p99_ratio": ratio,
+        "fairness_target_ratio": 2.0,
+        "fairness_pass": ratio >= 2.0,
+    }
+
+
+def _records(run_dir: Path):
+    from lorapage.replay.records import read_records
+
+    return read_records(run_dir / "records.jsonl")
+
+
+async def bench_seed(model: Path, dirs: list[Path], out: Path, quick: bool) -> dict:
+    scale = 0.05
+    cfg = GenConfig(
+        seed=3, scale=scale, duration_s=20.0 if quick else 60.0, system_prompt_len=16, shared_fraction=0.3, **SHORT
+    )
+    trace = generate(cfg)
+    names = trace_adapters(trace, "base")
+    adapters = cfg.scaled_adapters()
+    engine, _ = engine_for(model, dirs, [f"a{k:0{len(str(adapters - 1))}d}" for k in range(adapters)], max_loras=16)
+    report = await run(engine, trace, RunOptions(probe_interval_s=0.5), out, "seed")
+    tiers = report["latency"]["by_tier"]
+    warm = p(report, "latency", "by_tier", "gpu", "ttft", "p95")
+    records = [r for r in _records(out / "seed") if r.tier in ("ram", "disk")]
+    cold_lat = latency(records)["ttft"]
+    cold = cold_lat["p95"]
+    print(
+        f"\n3. Seed workload x{scale}: {len(trace)} requests over {cfg.duration_s:g} s at {cfg.scaled_rate():g} req/s, "
+        f"{adapters} adapters registered ({len(names)} in the trace), Zipf({cfg.zipf_alpha}), max_loras 16"
+    )
+    print("| tier | requests | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | goodput |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for tier, lat in tiers.items():
+        g = p(report, "goodput", "by_tier", tier, "fraction")
+        t = lat["ttft"]
+        print(f"| {tier} | {t['count']} | {ms(t['p50'])} | {ms(t['p95'])} | {ms(t['p99'])} | {g:.2f} |")
+    print(f"warm (gpu) p95 {ms(warm)} ms (target < 1,000); cold (ram + disk) p95 {ms(cold)} ms (target < 2,000)")
+    return {
+        "seed_requests": len(trace),
+        "seed_rate": cfg.scaled_rate(),
+        "seed_ttft_p95_warm_s": warm,
+        "seed_ttft_p95_cold_s": cold,
+        "seed_cold_requests": cold_lat["count"],
+        "seed_goodput_fraction": p(report, "goodput", "fraction"),
+        "seed_target_warm_s": 1.0,
+        "seed_target_cold_s": 2.0,
+        "seed_pass": warm is not None and cold is not None and warm < 1.0 and cold < 2.0,
+    }
+
+
+BENCHES = {"slora": bench_slora, "fairness": bench_fairness, "seed": bench_seed}
+
+
+async def main(args: argparse.Namespace) -> dict:
+    out = Path(args.out or tempfile.mkdtemp(prefix="lorapage-bench-replay-"))
+    model, dirs = make_assets(Path(tempfile.mkdtemp(prefix="lorapage-bench-model-")))
+    figures: dict = {"bench": "replay", "quick": args.quick, "reports": str(out)}
+    for name in args.only.split(","):
+        figures |= await BENCHES[name](model, dirs, out, args.quick)
+    figures["pass"] = all(v for k, v in figures.items() if k.endswith("_pass"))
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
+    parser.add_argument("--out", default=None, help="where the runs' reports go (default: a temporary directory)")
+    print(json.dumps(asyncio.run(main(parser.parse_args()))))

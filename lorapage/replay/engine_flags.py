@@ -1,0 +1,49 @@
+"""The embedded engine of ``replay run --embedded``, built from ``lorapage serve``'s own flags.
+
+The flags are parsed by serve's parser, so the two commands accept the same engine options
+(``--model``, ``--lora-modules``, ``--max-loras``, ``--scheduler``, ...) with the same defaults:
+no ``--model`` means the built-in tiny model and its demo adapters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from lorapage.engine import Engine
+from lorapage.errors import LorapageError
+from lorapage.replay.trace import TraceRequest
+from lorapage.server import serve
+
+
+def trace_adapters(trace: Iterable[TraceRequest], base_name: str) -> list[str]:
+    """The adapters a trace names (``base:adapter`` or ``adapter``; the base itself is not one)."""
+    names = set()
+    for req in trace:
+        prefix, sep, name = req.model.rpartition(":")
+        if req.model != base_name and (not sep or prefix == base_name):
+            names.add(name)
+    return sorted(names)
+
+
+def build_engine(
+    argv: Sequence[str], trace: Sequence[TraceRequest], adapter_dirs: Sequence[str], weights: Mapping[str, float]
+) -> Engine:
+    """An engine configured by serve's flags in ``argv``, with its ``--lora-modules`` registered
+    and, when ``adapter_dirs`` are given, every other adapter of the trace registered on them in
+    turn (so one directory can stand for many distinct adapters)."""
+    args, leftover = serve.build_parser().parse_known_args(list(argv))
+    if leftover:
+        raise SystemExit(f"lorapage replay run: unrecognized arguments: {' '.join(leftover)}")
+    config = serve._engine_config(args)
+    engine = Engine(config, tenant_weights=dict(weights) or None)
+    name = ""
+    try:
+        for name, path in serve._lora_modules(args).items():
+            engine.add_adapter(name, path)
+        known = {info.name for info in engine.list_adapters()}
+        missing = [a for a in trace_adapters(trace, engine.base_name) if a not in known]
+        for k, name in enumerate(missing if adapter_dirs else []):
+            engine.add_adapter(name, adapter_dirs[k % len(adapter_dirs)])
+    except LorapageError as exc:
+        raise SystemExit(f"lorapage replay run: adapter {name!r}: {exc.message}") from None
+    return engine
