@@ -121,7 +121,7 @@ async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
 
 
 async def test_engine_flags_reach_the_config_by_their_vllm_names():
-    from lorapage.server.serve import _engine_config, build_parser
+    from lorapage.server.serve import build_parser, engine_config
 
     args = build_parser().parse_args(
         [
@@ -142,7 +142,7 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
             "4",
         ]
     )
-    cfg = _engine_config(args)
+    cfg = engine_config(args)
     assert (
         cfg.gpu_memory_utilization,
         cfg.enforce_eager,
@@ -153,7 +153,7 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
         cfg.adapter_wait_s,
         cfg.max_loras,
     ) == (0.8, True, "torch", 512, 8, 4096, 0.5, 4)
-    assert _engine_config(build_parser().parse_args([])).enforce_eager is False  # unset flags keep the defaults
+    assert engine_config(build_parser().parse_args([])).enforce_eager is False  # unset flags keep the defaults
 
 
 async def test_serve_names_a_bad_flag_value():

@@ -43,7 +43,7 @@ from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
 from lorapage.request import Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
-from lorapage.scheduler import SchedulerMetrics, VtcConfig, make_policy
+from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this long
@@ -127,7 +127,7 @@ class Engine:
             clock=clock,
         )
         self.scheduler_metrics = SchedulerMetrics()
-        self.policy = make_policy(
+        self.policy: SchedulerPolicy[Request] = make_policy(
             config.scheduler,
             vtc=VtcConfig(max_loras=config.max_loras),
             tenant_weights=tenant_weights,

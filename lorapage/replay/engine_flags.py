@@ -1,18 +1,21 @@
 """The embedded engine of ``replay run --embedded``, built from ``lorapage serve``'s own flags.
 
-The flags are parsed by serve's parser, so the two commands accept the same engine options
+The flags are :func:`lorapage.server.serve.add_engine_arguments`, so the two commands accept the same engine options
 (``--model``, ``--lora-modules``, ``--max-loras``, ``--scheduler``, ...) with the same defaults:
 no ``--model`` means the built-in tiny model and its demo adapters.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable, Mapping, Sequence
 
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.replay.trace import TraceRequest
 from lorapage.server import serve
+
+PROG = "lorapage replay run"
 
 
 def trace_adapters(trace: Iterable[TraceRequest], base_name: str) -> list[str]:
@@ -31,19 +34,21 @@ def build_engine(
     """An engine configured by serve's flags in ``argv``, with its ``--lora-modules`` registered
     and, when ``adapter_dirs`` are given, every other adapter of the trace registered on them in
     turn (so one directory can stand for many distinct adapters)."""
-    args, leftover = serve.build_parser().parse_known_args(list(argv))
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False)
+    serve.add_engine_arguments(parser)
+    args, leftover = parser.parse_known_args(list(argv))
     if leftover:
-        raise SystemExit(f"lorapage replay run: unrecognized arguments: {' '.join(leftover)}")
-    config = serve._engine_config(args)
+        raise SystemExit(f"{PROG}: unrecognized engine arguments: {' '.join(leftover)}")
+    config = serve.engine_config(args, prog=PROG)
     engine = Engine(config, tenant_weights=dict(weights) or None)
     name = ""
     try:
-        for name, path in serve._lora_modules(args).items():
+        for name, path in serve.lora_modules(args, prog=PROG).items():
             engine.add_adapter(name, path)
         known = {info.name for info in engine.list_adapters()}
         missing = [a for a in trace_adapters(trace, engine.base_name) if a not in known]
         for k, name in enumerate(missing if adapter_dirs else []):
             engine.add_adapter(name, adapter_dirs[k % len(adapter_dirs)])
     except LorapageError as exc:
-        raise SystemExit(f"lorapage replay run: adapter {name!r}: {exc.message}") from None
+        raise SystemExit(f"{PROG}: adapter {name!r}: {exc.message}") from None
     return engine

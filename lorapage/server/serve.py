@@ -46,15 +46,14 @@ _ENGINE_FIELDS = (
     "scheduler",
     "kernel_backend",
     "enforce_eager",
+    "enable_chunked_prefill",
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lorapage serve", description=__doc__.splitlines()[0])
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, its adapters and every EngineConfig flag: what any command that builds an
+    engine takes (``lorapage serve``, ``lorapage replay run --embedded``)."""
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in tiny model)")
-    p.add_argument("--tenants", default=None, help="tenants TOML file (default: one demo tenant, printed key)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument(
         "--lora-modules",
         nargs="+",
@@ -69,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", choices=SCHEDULERS, default=None)
     p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA-graph capture of decode steps")
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compute prompts longer than --max-num-batched-tokens over several steps (default: on)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lorapage serve", description=__doc__.splitlines()[0])
+    add_engine_arguments(p)
+    p.add_argument("--tenants", default=None, help="tenants TOML file (default: one demo tenant, printed key)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument(
         "--adapter-root",
         action="append",
@@ -91,22 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, prog: str = "lorapage serve") -> EngineConfig:
+    """The EngineConfig that :func:`add_engine_arguments`' flags ask for; a bad value exits naming it."""
     overrides = {n: getattr(args, n) for n in _ENGINE_FIELDS if getattr(args, n) is not None}
     try:
         return EngineConfig(model=str(Path(args.model or TINY_BASE_DIR)), **overrides)
     except ValueError as exc:  # a bad flag value: say which, not a traceback
-        raise SystemExit(f"lorapage serve: {exc}") from None
+        raise SystemExit(f"{prog}: {exc}") from None
 
 
-def _lora_modules(args: argparse.Namespace) -> dict[str, str]:
+def lora_modules(args: argparse.Namespace, prog: str = "lorapage serve") -> dict[str, str]:
+    """``--lora-modules`` as name -> directory (the demo adapters when neither it nor --model is given)."""
     if not args.lora_modules and args.model is None:
         return {name: str(path) for name, path in demo_adapter_dirs().items()}
     modules = {}
     for item in args.lora_modules:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"lorapage serve: --lora-modules takes NAME=DIR; got {item!r}")
+            raise SystemExit(f"{prog}: --lora-modules takes NAME=DIR; got {item!r}")
         modules[name] = path
     return modules
 
@@ -131,9 +146,9 @@ def _adapter_roots(args: argparse.Namespace) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    modules = _lora_modules(args)
+    modules = lora_modules(args)
     roots = _adapter_roots(args)
-    config = _engine_config(args)
+    config = engine_config(args)
     try:
         access = _access(args, list(modules))
     except (OSError, TenantsConfigError) as exc:
