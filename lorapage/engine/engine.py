@@ -141,7 +141,9 @@ class Engine:
             self.eos_token_ids,
             chunked_prefill=config.enable_chunked_prefill,
         )
-        self.scheduler = StepScheduler(self.policy, self.adapters, self.pool, limits, clock)
+        self.scheduler = StepScheduler(
+            self.policy, self.adapters, self.pool, limits, clock, metrics=self.scheduler_metrics
+        )
         self.step_loop = StepLoop(self.scheduler, self.runner, self._forward, on_new_loop=self.adapters.rebind_loop)
         self._ids = itertools.count()
         self._closed = False

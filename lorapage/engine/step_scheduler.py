@@ -7,6 +7,7 @@ policy, the adapter cache, the page pool, the engine's limits and a clock. It is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from lorapage.memory.pool import PagePool
 from lorapage.model.runner import StepPlan
 from lorapage.model.sampler import FAILED_TOKEN, SampleOutput
 from lorapage.request import Request, RequestStatus, TokenLogprob
-from lorapage.scheduler import SchedulerPolicy
+from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,13 @@ class StepScheduler:
         pool: PagePool,
         limits: StepLimits,
         clock: Callable[[], float],
+        *,
+        metrics: SchedulerMetrics | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.policy, self.adapters, self.pool, self.limits, self.clock = policy, adapters, pool, limits, clock
+        self.metrics, self._timer = metrics, timer  # the policy's own time per step goes to metrics
+        self._policy_s = 0.0  # time spent in the policy for the step being planned and applied
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -122,11 +128,14 @@ class StepScheduler:
         self._budget = self.limits.max_num_batched_tokens - len(decode)
         chunks, stalled = self._continue_prefills()
         self._admitted = []
+        started = self._timer()
         try:
             admitted = self.policy.schedule(now, self)
         except BaseException:
             self._undo_admissions()  # still WAITING to everyone else: nothing may stay pinned
             raise
+        finally:
+            self._policy_s = self._timer() - started
         prefill = chunks
         for req in admitted:
             req.status = RequestStatus.RUNNING
@@ -218,13 +227,17 @@ class StepScheduler:
                 self._finish(req, "abort")
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
+            started = self._timer()
             self.policy.on_service(req, fed if i >= plan.num_decode else 0, int(completes), now)
+            self._policy_s += self._timer() - started
             if not completes:
                 continue  # a chunk of a longer prompt: more of it next step
             if error is not None:
                 self._fail(req, SamplingError(f"request {req.request_id!r} could not be sampled: {error}"))
                 continue
             self._append(req, token, lp, now)
+        if self.metrics is not None:
+            self.metrics.record_policy_time(self._policy_s)
 
     def _append(self, req: Request, token: int, lp: TokenLogprob | None, now: float) -> None:
         p = req.sampling

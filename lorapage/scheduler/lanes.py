@@ -81,8 +81,9 @@ class AdapterLanes:
             return LaneKind.TAIL
         if aged and self.claim is None:
             self.claim = req
-            # Rotate through the general holders: the one that opened its lane first closes.
-            self.closing = next((a for a in self.running if a not in self.tail), None)
+            if self.closing is None:
+                # Rotate through the general holders: the one that opened its lane first closes.
+                self.closing = next((a for a in self.running if a not in self.tail), None)
         return Blocked.ANY if may_take_tail else Blocked.GENERAL
 
     def occupy(self, req: SchedRequest, kind: LaneKind) -> None:
@@ -110,9 +111,11 @@ class AdapterLanes:
         self.changed.append(adapter)
 
     def unclaim(self, req: SchedRequest) -> None:
-        """``req`` got in, left the queue or is loading again: its claim (if any) lapses."""
+        """``req`` got in, left the queue or is loading again: its claim (if any) lapses.
+
+        The closing holder goes on closing until its lane frees. Reopening it here would wake its
+        whole waiting group only for the next aged request to close it again at once: under a
+        backlog of aged requests that cycle ran every step and made each step cost grow with the
+        backlog (``bench/bench_scheduler.py --long``)."""
         if self.claim is req:
             self.claim = None
-            if self.closing is not None:
-                self.changed.append(self.closing)
-                self.closing = None

@@ -18,6 +18,7 @@ from lorapage.scheduler.base import AdmissionContext, R, SchedulerPolicy
 WAIT_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DISTINCT_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+POLICY_BOUNDS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
 class Histogram:
@@ -50,12 +51,14 @@ class TenantStats:
 
 
 class SchedulerMetrics:
-    """Per-tenant stats and per-step histograms (batch size, distinct adapters in the batch)."""
+    """Per-tenant stats and per-step histograms (batch size, distinct adapters in the batch, and
+    the time the policy took, which the engine measures and hands in: the policy has no clock)."""
 
     def __init__(self) -> None:
         self.tenants: dict[str, TenantStats] = {}
         self.batch_size = Histogram(BATCH_BOUNDS)
         self.distinct_adapters = Histogram(DISTINCT_BOUNDS)
+        self.policy_s = Histogram(POLICY_BOUNDS_S)
 
     def tenant(self, name: str) -> TenantStats:
         stats = self.tenants.get(name)
@@ -84,6 +87,10 @@ class SchedulerMetrics:
     def record_step(self, batch_size: int, distinct_adapters: int) -> None:
         self.batch_size.observe(batch_size)
         self.distinct_adapters.observe(distinct_adapters)
+
+    def record_policy_time(self, seconds: float) -> None:
+        """Seconds one step spent in the policy (scheduling, service and finish accounting)."""
+        self.policy_s.observe(seconds)
 
 
 class _ObservingContext(Generic[R]):

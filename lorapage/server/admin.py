@@ -126,7 +126,8 @@ class AdminRoutes:
             raise ConflictError(f"adapter id {req.id!r} is already registered; DELETE it first", param="id")
         try:
             # Read and checked in a worker with a deadline: an adapter's files are untrusted input.
-            await state.engine.register_adapter(req.id, _local_path(req.path, state.adapter_roots))
+            path = await asyncio.get_running_loop().run_in_executor(None, _local_path, req.path, state.adapter_roots)
+            await state.engine.register_adapter(req.id, path)
         except AdapterFormatError as exc:
             exc.param = exc.param or "path"
             raise

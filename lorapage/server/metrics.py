@@ -132,6 +132,12 @@ class _SchedulerCollector:
         )
         _histogram(distinct, [], self._sched.distinct_adapters)
         yield distinct
+        policy = HistogramMetricFamily(
+            "lorapage_scheduler_policy_seconds",
+            "Seconds each step spent in the scheduling policy (admission and service accounting).",
+        )
+        _histogram(policy, [], self._sched.policy_s)
+        yield policy
 
 
 class ServerMetrics:
