@@ -20,7 +20,16 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def write_model(
-    path: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seed: int = 0
+    path: Path,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    seed: int = 0,
+    max_position_embeddings: int = 2048,
 ) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +59,7 @@ def write_model(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "vocab_size": vocab,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,

@@ -9,6 +9,7 @@ from lorapage.errors import InvalidRequestError
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM: logits / T would overflow
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # per stop string: the engine matches every stop against the text each token
+MAX_STOP_TOKEN_IDS = 64  # every generated token is looked up among them
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SamplingParams:
                 "stop",
                 f"strings of at most {MAX_STOP_CHARS} characters",
             ),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"),
         )
         for ok, name, expected in checks:
             if not ok:

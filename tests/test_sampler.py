@@ -129,3 +129,9 @@ def test_seeded_sampling_on_cuda_logits():
     tokens = sample(logits, rows).tokens
     again = sample(logits, [SampleRow(SamplingParams(seed=7), torch.Generator().manual_seed(7), []), rows[1]]).tokens
     assert tokens[0] == again[0]
+
+
+def test_stop_token_ids_are_bounded():
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=tuple(range(65)))
+    assert len(SamplingParams(stop_token_ids=tuple(range(64))).stop_token_ids) == 64

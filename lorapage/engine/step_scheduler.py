@@ -39,7 +39,7 @@ class StepScheduler:
 
     def __init__(
         self,
-        policy: SchedulerPolicy,
+        policy: SchedulerPolicy[Request],
         adapters: AdapterCache,
         pool: PagePool,
         limits: StepLimits,
@@ -89,9 +89,6 @@ class StepScheduler:
 
     def adapter_ready(self, req: Request) -> bool:
         return req.adapter is None or self.adapters.is_ready(req.adapter)
-
-    def running_adapters(self) -> set[str | None]:
-        return {r.adapter for r in self.running}
 
     def try_admit(self, req: Request) -> bool:
         lim = self.limits
