@@ -1,9 +1,11 @@
-"""Triton KV write and paged decode attention over the pool's KV pages.
+"""Triton KV write, paged decode attention and paged prefill attention over the pool's KV pages.
 
 Same signatures and semantics as :mod:`lorapage.kernels.attention_ref`. One layer's KV pages are
-``kv [num_pages, 2, block_size, H_kv, D]``, a view of the pool slab. Both kernels launch a grid
-that depends only on tensor shapes and read lengths and pages from device tensors, so they can
-be captured in a CUDA graph and replayed after the block tables change.
+``kv [num_pages, 2, block_size, H_kv, D]``, a view of the pool slab. The KV write and decode
+kernels launch a grid that depends only on tensor shapes and read lengths and pages from device
+tensors, so they can be captured in a CUDA graph and replayed after the block tables change.
+Prefill runs eagerly (graphs capture decode steps only): its launcher turns the host lists of
+query starts and context lengths into a small tile table on the device.
 """
 
 from __future__ import annotations
@@ -11,12 +13,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lorapage.kernels.triton_import import import_triton
+from lorapage.kernels.triton_import import import_triton, triton_interpreted
 
 triton = import_triton()
 import triton.language as tl  # noqa: E402  (after import_triton picked compiled or interpreted)
 
 WRITE_BLOCK = 1024  # elements of one token's K (or V) row copied per program
+# Prefill tiles: a program multiplies PREFILL_ROWS query rows (query tokens x the query heads of
+# one KV head) against PREFILL_BLOCK_N context positions at a time, spanning several pages.
+PREFILL_ROWS = 64
+PREFILL_BLOCK_N = 64
+# The interpreter's tl.dot mishandles bf16 and its float32 -> bf16 cast truncates where the GPU
+# rounds to nearest even: when interpreting, prefill multiplies in float32 and rounds its stores.
+_INTERPRETED = triton_interpreted()
 
 
 @triton.jit
@@ -169,4 +178,172 @@ def paged_decode_attention(
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_P=triton.next_power_of_2(block_size),
+    )
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    """``acc + a @ b`` in float32; half-precision operands multiply natively on the GPU."""
+    if INTERPRETED or b.dtype == tl.float32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a.to(b.dtype), b, acc)
+    return out
+
+
+@triton.jit
+def _cast(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 ``v`` as ``dtype``, rounded to nearest even as the GPU's cast does."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        v = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out,
+    q,
+    kv,
+    block_table,
+    tiles,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One program per (tile, KV head): BLOCK_M query tokens of one sequence times the GROUP query
+    heads sharing that KV head, as BLOCK_M * BLOCK_G rows, online softmax over BLOCK_N context
+    positions at a time. ``tiles[i] = (sequence, first query row, end of its rows, context length)``."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tiles + tile * 4).to(tl.int64)
+    q0 = tl.load(tiles + tile * 4 + 1)
+    q_end = tl.load(tiles + tile * 4 + 2)
+    ctx = tl.load(tiles + tile * 4 + 3)
+    r = tl.arange(0, BLOCK_M * BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    t = q0 + r // BLOCK_G  # query row of each tile row
+    heads = kv_head * GROUP + r % BLOCK_G
+    r_mask = (t < q_end) & (r % BLOCK_G < GROUP)
+    d_mask = d < HEAD_DIM
+    io_mask = r_mask[:, None] & d_mask[None, :]
+    qv = tl.load(q + t[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+    # The chunk is the last q_end - first-row-of-the-sequence positions of the context: query row t
+    # sits at position ctx - q_end + t and sees every position up to its own.
+    last = ctx - q_end + t
+    row = KV_HEADS * HEAD_DIM
+    page_stride = 2 * BLOCK_SIZE * row
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M * BLOCK_G], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M * BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
+    # Every row sees position 0, so after the first block no row's maximum is -inf (no NaN).
+    kv_end = ctx - q_end + tl.minimum(q0 + BLOCK_M, q_end)
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + n
+        p_mask = pos < ctx
+        page = tl.load(block_table + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
+        offs = page[:, None] * page_stride + (pos % BLOCK_SIZE)[:, None] * row + kv_head * HEAD_DIM + d[None, :]
+        # other=0: positions past the context may hold another sequence's stale K/V, even NaN.
+        mask = p_mask[:, None] & d_mask[None, :]
+        kt = tl.load(kv + offs, mask=mask, other=0.0)  # [N, D]
+        scores = _dot(qv, tl.trans(kt), tl.zeros([BLOCK_M * BLOCK_G, BLOCK_N], dtype=tl.float32), INTERPRETED)
+        visible = p_mask[None, :] & (pos[None, :] <= last[:, None])
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        probs = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, axis=1)
+        vt = tl.load(kv + offs + BLOCK_SIZE * row, mask=mask, other=0.0)
+        acc = _dot(probs, vt, acc * alpha[:, None], INTERPRETED)
+        m_i = m_new
+    o_ptrs = out + t[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, _cast(acc / l_i[:, None], out.dtype.element_ty, INTERPRETED), mask=io_mask)
+
+
+def prefill_attention(
+    out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    block_table: Tensor,
+    query_starts: list[int],
+    context_lens: list[int],
+    scale: float,
+) -> None:
+    """``out[rows_i] = softmax(q[rows_i] @ K_i.T * scale + causal_i) @ V_i`` for each sequence i.
+
+    As :func:`prefill_attention_ref`: sequence i owns query rows ``rows_i = query_starts[i] :
+    query_starts[i + 1]``, the last ``n_i`` of its ``context_lens[i]`` positions (their K and V
+    already written), and reads K_i, V_i from pages ``block_table[i]``; query j of the chunk sees
+    positions ``<= context_lens[i] - n_i + j``; query head h reads KV head ``h // (H / H_kv)``.
+    Shapes: out and q [T, H, D] (heads contiguous; rows may be strided), kv [num_pages, 2,
+    block_size, H_kv, D] contiguous, block_table [B, max_blocks] int32 (a row-strided slice is
+    fine), query_starts B + 1 ascending host ints, context_lens B host ints with
+    ``n_i <= context_lens[i] <= max_blocks * block_size``. Rows no sequence owns are left as they are.
+    """
+    assert kv.dim() == 5 and kv.shape[1] == 2 and kv.is_contiguous(), "kv must be [num_pages, 2, block_size, H_kv, D]"
+    T, heads, dim = q.shape
+    block_size, kv_heads = kv.shape[2], kv.shape[3]
+    assert out.shape == q.shape and dim == kv.shape[4] and heads % kv_heads == 0, (
+        f"q {tuple(q.shape)} vs kv {tuple(kv.shape)}"
+    )
+    assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
+    assert q.dtype == out.dtype == kv.dtype, f"q, out and kv must share a dtype; got {q.dtype}, {out.dtype}, {kv.dtype}"
+    B = len(context_lens)
+    assert block_table.dim() == 2 and block_table.shape[0] == B and block_table.dtype == torch.int32, (
+        f"block_table must be [{B}, max_blocks] int32; got {tuple(block_table.shape)} {block_table.dtype}"
+    )
+    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
+    assert len({out.device, q.device, kv.device, block_table.device}) == 1, "all tensors must be on one device"
+    assert len(query_starts) == B + 1 and 0 <= query_starts[0] and query_starts[-1] <= T, (
+        f"query_starts must be {B + 1} offsets into q's {T} rows; got {query_starts}"
+    )
+    group = heads // kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_m = max(PREFILL_ROWS // block_g, 1)
+    tiles = []
+    for i, ctx in enumerate(context_lens):
+        start, end = query_starts[i], query_starts[i + 1]
+        assert 0 <= end - start <= ctx <= block_table.shape[1] * block_size, (
+            f"sequence {i}: {end - start} queries, context {ctx}, {block_table.shape[1]} pages of {block_size}"
+        )
+        tiles += [(i, t, end, ctx) for t in range(start, end, block_m)]
+    if not tiles:
+        return
+    tile_table = torch.tensor(tiles, dtype=torch.int32, device=q.device)
+    _paged_prefill_kernel[(len(tiles), kv_heads)](
+        out,
+        q,
+        kv,
+        block_table,
+        tile_table,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        GROUP=group,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=block_g,
+        BLOCK_M=block_m,
+        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_N=PREFILL_BLOCK_N,
+        INTERPRETED=_INTERPRETED,
     )

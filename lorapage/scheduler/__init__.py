@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from lorapage.config import SCHEDULERS
 from lorapage.scheduler.base import AdmissionContext, R, SchedRequest, SchedulerPolicy
 from lorapage.scheduler.fcfs import FcfsScheduler
 from lorapage.scheduler.metrics import MeteredPolicy, SchedulerMetrics
 from lorapage.scheduler.vtc import VtcConfig, VtcScheduler
 
-POLICIES = ("fcfs", "vtc")
-
 __all__ = [
-    "POLICIES",
     "AdmissionContext",
     "FcfsScheduler",
     "MeteredPolicy",
@@ -44,5 +42,5 @@ def make_policy(
     elif name == "fcfs":
         policy = FcfsScheduler()
     else:
-        raise ValueError(f"scheduler must be one of {POLICIES}; got {name!r}")
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}; got {name!r}")
     return MeteredPolicy(policy, metrics) if metrics is not None else policy
