@@ -9,9 +9,7 @@ Adapter loads run beside it (see :mod:`lorapage.adapters.cache`) and never block
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,27 +18,23 @@ import torch
 
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.layout import LoraTables, max_adapter_pages
-from lorapage.config import DEFAULT_TENANT, EngineConfig
+from lorapage.config import EngineConfig
 from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
+from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.errors import (
     AdapterFormatError,
-    AdapterNotFoundError,
     EngineClosedError,
-    EngineOverloadedError,
-    InvalidRequestError,
-    PromptTooLongError,
 )
 from lorapage.kernels.backend import select_backend
-from lorapage.memory.kv import blocks_needed
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.runner import ModelRunner
-from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
+from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
@@ -145,7 +139,19 @@ class Engine:
             self.policy, self.adapters, self.pool, limits, clock, metrics=self.scheduler_metrics
         )
         self.step_loop = StepLoop(self.scheduler, self.runner, self._forward, on_new_loop=self.adapters.rebind_loop)
-        self._ids = itertools.count()
+        self.intake = RequestIntake(
+            tokenizer=self.tokenizer,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=bs,
+            max_queue_len=config.max_queue_len,
+            pool=self.pool,
+            adapters=self.adapters,
+            num_waiting=self.policy.num_waiting,
+            in_flight=self.scheduler.requests.keys(),
+            io=self._io,
+            clock=clock,
+        )
         self._closed = False
 
     def _num_pages(self, adapter_pages: int, max_blocks: int, page_size: int) -> int:
@@ -240,9 +246,11 @@ class Engine:
         """
         self.step_loop.bind()
         sampling = sampling or SamplingParams()
-        self._check_request(adapter, sampling)
-        ids = await self._prompt_ids(prompt)
-        req = self._make_request(ids, adapter, sampling, tenant, request_id)
+        self._check_open()
+        self.intake.check(adapter, sampling)
+        ids = await self.intake.prompt_ids(prompt)
+        self._check_open()  # closed while the prompt was tokenized
+        req = self.intake.build(ids, adapter, sampling, tenant, request_id)
         self.scheduler.submit(req)
         self._wake_up()
         finished = False
@@ -329,71 +337,9 @@ class Engine:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _check_request(self, adapter: str | None, sampling: SamplingParams) -> None:
-        """What can be refused before the prompt is even looked at."""
+    def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine has been closed")
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError("sampling must be a SamplingParams", param="sampling")
-        if adapter is not None and adapter not in self.adapters.entries:
-            raise AdapterNotFoundError(f"adapter {adapter!r} does not exist", param="model")
-
-    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of ``prompt``. Text is tokenized off the event loop, and only once a cheap
-        bound says it could fit: tokenizing a huge prompt would hold the loop for seconds."""
-        if not isinstance(prompt, str):
-            return list(prompt)
-        limit = self.max_model_len * self.tokenizer.max_chars_per_token
-        if len(prompt) > limit:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt)} characters; a context of {self.max_model_len} tokens holds at most "
-                f"{limit} ({self.tokenizer.max_chars_per_token} per token at most): shorten the prompt",
-                param="prompt",
-            )
-        return await asyncio.get_running_loop().run_in_executor(self._io, self.tokenizer.encode, prompt)
-
-    def _make_request(
-        self, ids: list[int], adapter: str | None, sampling: SamplingParams, tenant: str | None, request_id: str | None
-    ) -> Request:
-        self._check_request(adapter, sampling)  # again: the engine or the adapter may have gone meanwhile
-        if request_id is not None and request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if len(ids) + sampling.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
-                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
-            )
-        # The request's adapter stays resident (pinned) beside its KV for its whole life.
-        adapter_pages = self.adapters.get(adapter).layout.num_pages if adapter is not None else 0
-        if blocks_needed(len(ids) + sampling.max_tokens, self.config.block_size) + adapter_pages > self.pool.capacity:
-            raise PromptTooLongError(
-                f"prompt plus max_tokens needs {len(ids) + sampling.max_tokens} tokens of KV; the whole pool "
-                f"holds {(self.pool.capacity - adapter_pages) * self.config.block_size} beside the adapter",
-                param="max_tokens",
-            )
-        if self.policy.num_waiting() >= self.config.max_queue_len:
-            raise EngineOverloadedError(f"the queue holds {self.config.max_queue_len} requests; retry shortly")
-        gen = None
-        if sampling.seed is not None:
-            gen = torch.Generator().manual_seed(sampling.seed)
-        return Request(
-            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-            tenant=tenant or DEFAULT_TENANT,
-            adapter=adapter,
-            prompt_ids=ids,
-            sampling=sampling,
-            arrival_time=self.clock(),
-            adapter_tier=self.adapters.tier(adapter) if adapter else "none",
-            detokenizer=IncrementalDecoder(self.tokenizer, ids),
-            generator=gen,
-            logprobs=[] if sampling.logprobs is not None else None,
-        )
 
     def _wake_up(self) -> None:
         self.step_loop.wake()

@@ -1,0 +1,113 @@
+"""Turning a caller's prompt and parameters into a :class:`~lorapage.request.Request`, or a
+specific error: every check a request passes before it may queue.
+
+Cheap checks come first; text is tokenized in a worker thread and only once a bound on its
+characters says it could fit, so an untrusted prompt never holds the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Callable, Collection
+from concurrent.futures import Executor
+
+import torch
+
+from lorapage.adapters.cache import AdapterCache
+from lorapage.config import DEFAULT_TENANT
+from lorapage.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from lorapage.memory.kv import blocks_needed
+from lorapage.memory.pool import PagePool
+from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
+from lorapage.request import Request
+from lorapage.sampling_params import SamplingParams
+
+
+class RequestIntake:
+    """Validates and builds requests for one engine (its tokenizer, context, pool and adapters)."""
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        max_queue_len: int,
+        pool: PagePool,
+        adapters: AdapterCache,
+        num_waiting: Callable[[], int],
+        in_flight: Collection[str],
+        io: Executor,
+        clock: Callable[[], float],
+    ) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.block_size, self.max_queue_len = block_size, max_queue_len
+        self.pool, self.adapters, self._num_waiting, self._in_flight = pool, adapters, num_waiting, in_flight
+        self._io, self._clock = io, clock
+        self._ids = itertools.count()
+
+    def check(self, adapter: str | None, sampling: SamplingParams) -> None:
+        """What can be refused before the prompt is even looked at."""
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError("sampling must be a SamplingParams", param="sampling")
+        if adapter is not None and adapter not in self.adapters.entries:
+            raise AdapterNotFoundError(f"adapter {adapter!r} does not exist", param="model")
+
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of ``prompt``: text is bounded by its characters, then tokenized off the loop."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        per_token = self.tokenizer.max_chars_per_token
+        limit = self.max_model_len * per_token
+        if len(prompt) > limit:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt)} characters; a context of {self.max_model_len} tokens holds at most "
+                f"{limit} ({per_token} per token at most): shorten the prompt",
+                param="prompt",
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._io, self.tokenizer.encode, prompt)
+
+    def build(
+        self, ids: list[int], adapter: str | None, sampling: SamplingParams, tenant: str | None, request_id: str | None
+    ) -> Request:
+        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter."""
+        self.check(adapter, sampling)  # again: the adapter may have gone while the prompt was tokenized
+        if request_id is not None and request_id in self._in_flight:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        total = len(ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens" if len(ids) < self.max_model_len else "prompt",
+            )
+        # The request's adapter stays resident (pinned) beside its KV for its whole life.
+        adapter_pages = self.adapters.get(adapter).layout.num_pages if adapter is not None else 0
+        if blocks_needed(total, self.block_size) + adapter_pages > self.pool.capacity:
+            raise PromptTooLongError(
+                f"prompt plus max_tokens needs {total} tokens of KV; the whole pool "
+                f"holds {(self.pool.capacity - adapter_pages) * self.block_size} beside the adapter",
+                param="max_tokens",
+            )
+        if self._num_waiting() >= self.max_queue_len:
+            raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            tenant=tenant or DEFAULT_TENANT,
+            adapter=adapter,
+            prompt_ids=ids,
+            sampling=sampling,
+            arrival_time=self._clock(),
+            adapter_tier=self.adapters.tier(adapter) if adapter else "none",
+            detokenizer=IncrementalDecoder(self.tokenizer, ids),
+            generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
+            logprobs=[] if sampling.logprobs is not None else None,
+        )
