@@ -7,7 +7,11 @@ figure is one CUDA-graph replay of the whole stack (what a decode step runs), be
 * LoRA update (BGMV shrink + expand per targeted group and layer) with 32 distinct adapters vs
   all rows on 1 adapter, for attention-only (q, k, v, o) and all-module adapters;
 * that time as a fraction of the base GEMMs of the stack (all seven projections);
-* bytes the 32-adapter update must move, per second, against the device's copy bandwidth.
+* bytes the 32-adapter update must move, per second, against the device's copy bandwidth;
+* paged prefill attention of one layer (bf16, two whole prompts and two chunks after cached
+  prefixes, pages scattered over the pool): the Triton kernel against the PyTorch reference it
+  replaced, eager calls (the launcher builds its tile table on the host; graphs capture decode
+  steps only), with the kernel's error against the reference.
 
     .venv/bin/python bench/bench_kernels.py [--sweep]    # CUDA; --sweep also times other BGMV tiles
     .venv/bin/python bench/bench_kernels.py --tiny       # any machine: tiny shapes (Triton interpreter
@@ -38,6 +42,11 @@ SHAPES = {
 }
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGET_RATIO, TARGET_ATTENTION, TARGET_ALL = 1.2, 0.10, 0.25
+TARGET_PREFILL_ERR = 1e-2  # bf16 prefill attention against the reference, relative to its largest entry
+PREFILL = {  # (new tokens, context length) of each sequence of one prefill step
+    "llama2-7b": ((1024, 1024), (1024, 1024), (512, 2048), (512, 3072)),
+    "tiny": ((8, 8), (3, 11)),
+}
 SWEEP_SHRINK = [(2, 4096), (4, 2048), (8, 1024), (16, 512)]
 SWEEP_EXPAND_N = [128, 256, 512]
 
@@ -170,8 +179,9 @@ def base_gemms(model: ModelConfig, batch: int, device: torch.device) -> Callable
     return run
 
 
-def seconds(fn: Callable[[], None], device: torch.device, reps: int, trials: int) -> float:
-    """Best-of-trials time per call: a CUDA-graph replay on CUDA, a plain call elsewhere."""
+def seconds(fn: Callable[[], None], device: torch.device, reps: int, trials: int, graph: bool = True) -> float:
+    """Best-of-trials time per call: a CUDA-graph replay on CUDA (an eager call when not ``graph``),
+    a plain call elsewhere."""
     if device.type != "cuda":
         best = float("inf")
         for _ in range(trials):
@@ -180,22 +190,26 @@ def seconds(fn: Callable[[], None], device: torch.device, reps: int, trials: int
                 fn()
             best = min(best, (time.perf_counter() - start) / reps)
         return best
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile, warm up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compile, warm up
+        torch.cuda.current_stream().wait_stream(stream)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        run = captured.replay
+    else:
+        run = fn
+    run()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(trials):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
-            graph.replay()
+            run()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3 / reps)
@@ -219,6 +233,41 @@ def activation_bytes(model: ModelConfig, groups: list[int], batch: int, rank: in
         d_in, n = dims[group[0]][0], sum(dims[m][1] for m in group)
         total += batch * (d_in + 2 * rank * len(group) + 2 * n)
     return 2 * total * model.num_layers
+
+
+def prefill_attention_case(shape_name: str, device: torch.device, reps: int, trials: int) -> dict[str, float]:
+    """One layer's prefill attention, Triton vs the PyTorch reference; the Triton output's error."""
+    from lorapage.kernels import attention_triton, prefill_attention_ref
+
+    s = SHAPES[shape_name]
+    heads, dim, block_size = s["heads"], s["hidden"] // s["heads"], s["block_size"]
+    chunks, lens = zip(*PREFILL[shape_name])
+    gen = torch.Generator().manual_seed(0)
+    need = [-(-n // block_size) for n in lens]
+    pages = (torch.randperm(sum(need), generator=gen) + 1).to(torch.int32)  # scattered, page 0 unused
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for i, n in enumerate(need):
+        table[i, :n], pages = pages[:n], pages[n:]
+    table = table.to(device)
+    kv = torch.randn(1 + sum(need), 2, block_size, heads, dim, generator=gen).to(torch.bfloat16).to(device)
+    starts = [sum(chunks[:i]) for i in range(len(chunks) + 1)]
+    q = torch.randn(starts[-1], heads, dim, generator=gen).to(torch.bfloat16).to(device)
+    out, ref = torch.empty_like(q), torch.empty_like(q)
+    args = (q, kv, table, starts, list(lens), dim**-0.5)
+    triton_s = seconds(lambda: attention_triton.prefill_attention(out, *args), device, reps, trials, graph=False)
+    ref_s = seconds(lambda: prefill_attention_ref(ref, *args), device, reps, trials, graph=False)
+    # Causal: query j of a chunk of n over context c sees c - n + j + 1 positions; 4 flops per
+    # position and head dimension (q . k and p * v).
+    visible = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(chunks, lens))
+    err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    return {
+        "prefill_attention_triton_us": round(triton_s * 1e6, 1),
+        "prefill_attention_ref_us": round(ref_s * 1e6, 1),
+        "prefill_attention_speedup": round(ref_s / triton_s, 3),
+        "prefill_attention_tflops": round(4 * heads * dim * visible / triton_s / 1e12, 2),
+        "prefill_attention_rel_err": err,
+        "prefill_attention_tokens": starts[-1],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -263,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
                 sweep.append({"shrink_tile": list(tile), "expand_block_n": block_n, "us": round(t * 1e6, 1)})
         lora_triton.BGMV_SHRINK_TILE, lora_triton.BGMV_EXPAND_BLOCK_N = default_tile, default_n
 
+    prefill = prefill_attention_case("tiny" if shape is SHAPES["tiny"] else "llama2-7b", device, reps, trials)
+
     ratio_all = times["all_distinct"] / times["all_one"]
     ratio_attn = times["attention_distinct"] / times["attention_one"]
     frac_attn = times["attention_distinct"] / times["base"]
@@ -288,6 +339,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'distinct / 1 adapter, attention':<34} {ratio_attn:>10.2f} {'':>8} {'<= ' + str(TARGET_RATIO):>8}")
     print(
         f"{'bytes/s, all modules, distinct':<34} {achieved / 1e12:>9.2f}T {achieved / copy_bw:>8.1%} of copy {copy_bw / 1e12:.2f} TB/s"
+    )
+    print(
+        f"{'prefill attention, ' + str(prefill['prefill_attention_tokens']) + ' tokens':<34} "
+        f"{prefill['prefill_attention_triton_us']:>10.1f} Triton vs {prefill['prefill_attention_ref_us']:.1f} PyTorch "
+        f"({prefill['prefill_attention_speedup']:.2f}x, {prefill['prefill_attention_tflops']:.1f} TFLOP/s, "
+        f"rel err {prefill['prefill_attention_rel_err']:.1e})"
     )
     for row in sweep:
         print(
@@ -315,7 +372,12 @@ def main(argv: list[str] | None = None) -> dict:
         "target_ratio": TARGET_RATIO,
         "target_fraction_attention": TARGET_ATTENTION,
         "target_fraction_all": TARGET_ALL,
-        "pass": ratio_all <= TARGET_RATIO and frac_attn <= TARGET_ATTENTION and frac_all <= TARGET_ALL,
+        **prefill,
+        "target_prefill_rel_err": TARGET_PREFILL_ERR,
+        "pass": ratio_all <= TARGET_RATIO
+        and frac_attn <= TARGET_ATTENTION
+        and frac_all <= TARGET_ALL
+        and prefill["prefill_attention_rel_err"] <= TARGET_PREFILL_ERR,
         "sweep": sweep,
     }
     print(json.dumps(result))

@@ -2,7 +2,10 @@
 # The kernels' device check, in one run (under 8 minutes on one H200):
 #   1. every kernel test compiled for the GPU: the interpreter-sized comparisons, the `gpu` ones at
 #      Llama-2-7B sizes, and CUDA-graph replay after adapters are swapped in the same pages;
-#   2. bench/bench_kernels.py --sweep (LoRA update vs base GEMMs, 32 distinct vs 1 adapter, bytes/s);
+#   2. bench/bench_kernels.py --sweep (LoRA update vs base GEMMs, 32 distinct vs 1 adapter, bytes/s;
+#      paged prefill attention at Llama-2-7B sizes, Triton vs the PyTorch reference, and its error;
+#      the `gpu` test in tests/test_kernels_attention.py checks it against the reference at
+#      Llama-2-7B and Llama-3-8B sizes);
 #   3. a short table of both, printed last.
 # Logs land in $OUT (or bench/out). Works from a plain checkout: when lorapage is not installed it
 # is installed in place (editable, no downloads), or failing that put on the path with a shim.
@@ -92,6 +95,10 @@ if bench:
          f"{bench['lora_all_distinct_us']:.0f} / {bench['base_gemm_us']:.0f} us"),
         ("bytes/s vs copy bandwidth", f"{bench['fraction_of_copy_bandwidth']:.1%}", "",
          f"{bench['achieved_bytes_per_s'] / 1e12:.2f} of {bench['copy_bytes_per_s'] / 1e12:.2f} TB/s"),
+        ("prefill attention, PyTorch / Triton", f"{bench['prefill_attention_speedup']:.2f}x",
+         f"err<{bench['target_prefill_rel_err']:.0e}",
+         f"{bench['prefill_attention_ref_us']:.0f} / {bench['prefill_attention_triton_us']:.0f} us, "
+         f"{bench['prefill_attention_tflops']:.0f} TFLOP/s, err {bench['prefill_attention_rel_err']:.1e}"),
     ]
 rows.append(("bench_kernels.py", "ok" if bench_rc == 0 and bench else "FAILED", "", f"rc {bench_rc}, {bench_s} s"))
 print()

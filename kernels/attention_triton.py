@@ -241,9 +241,11 @@ def _paged_prefill_kernel(
     r_mask = (t < q_end) & (r % BLOCK_G < GROUP)
     d_mask = d < HEAD_DIM
     io_mask = r_mask[:, None] & d_mask[None, :]
-    qv = tl.load(q + t[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
-    # The chunk is the last q_end - first-row-of-the-sequence positions of the context: query row t
-    # sits at position ctx - q_end + t and sees every position up to its own.
+    qv = tl.load(
+        q + t[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0
+    )
+    # The sequence's rows, ending at q_end, are the last positions of its context: query row t sits
+    # at position ctx - q_end + t and sees every position up to its own.
     last = ctx - q_end + t
     row = KV_HEADS * HEAD_DIM
     page_stride = 2 * BLOCK_SIZE * row

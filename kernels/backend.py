@@ -39,11 +39,10 @@ TORCH_OPS = KernelOps(
 
 
 def _triton_ops() -> KernelOps:
-    from lorapage.kernels.attention_triton import paged_decode_attention, write_kv
+    from lorapage.kernels.attention_triton import paged_decode_attention, prefill_attention, write_kv
     from lorapage.kernels.lora_triton import lora_expand, lora_shrink
 
-    # Prefill attention runs once per prompt, not per decode step: PyTorch SDPA is enough.
-    return KernelOps("triton", lora_shrink, lora_expand, write_kv, paged_decode_attention, prefill_attention_ref)
+    return KernelOps("triton", lora_shrink, lora_expand, write_kv, paged_decode_attention, prefill_attention)
 
 
 def select_backend(name: str, device: torch.device) -> KernelOps:

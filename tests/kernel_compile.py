@@ -4,7 +4,7 @@ The interpreter (what the CPU suite runs) executes kernel bodies as Python, so i
 Triton's compiler: code it accepts can still fail to compile, or compile into something a GPU
 refuses to launch. This script closes that gap on any machine with the ``triton`` wheel (which
 ships ``ptxas``): it calls the real launchers (``lora_shrink``, ``lora_expand``, ``write_kv``,
-``paged_decode_attention``) on CPU tensors shaped like real models, records each kernel launch
+``paged_decode_attention``, ``prefill_attention``) on CPU tensors shaped like real models, records each kernel launch
 instead of running it, lets Triton's own binder specialize the arguments as a launch would, and
 compiles each distinct specialization to a cubin. It then reads each cubin's resource usage and
 checks that a block fits one SM (registers x threads, shared memory).
@@ -44,7 +44,7 @@ from lorapage.kernels import (  # noqa: E402
 SKIP = 77
 KERNELS = {
     lora_triton: ("_bgmv_shrink_kernel", "_sgmv_shrink_kernel", "_bgmv_expand_kernel", "_sgmv_expand_kernel"),
-    attention_triton: ("_write_kv_kernel", "_paged_decode_kernel"),
+    attention_triton: ("_write_kv_kernel", "_paged_decode_kernel", "_paged_prefill_kernel"),
 }
 # Per SM on sm_80 / sm_90: 64K 32-bit registers, and up to 227 KiB of shared memory per block.
 REGISTERS_PER_SM = 65536
@@ -85,7 +85,8 @@ class Recorder:
 
 
 def record_launches(shape: Shape, calls: list) -> None:
-    """Drive the launchers as one decode step (BGMV) and one prefill step (SGMV) of ``shape`` would."""
+    """Drive the launchers as one decode step (BGMV) and one prefill step (SGMV, paged prefill
+    attention over a whole prompt and a chunk after a cached prefix) of ``shape`` would."""
     s = shape
     dt = s.dtype
     q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -142,6 +143,11 @@ def record_launches(shape: Shape, calls: list) -> None:
     block_tables = torch.zeros(64, 256, dtype=torch.int32)[:32]
     attention_triton.paged_decode_attention(
         torch.empty_like(q), q, kv, block_tables, torch.ones(32, dtype=torch.int32), s.head_dim**-0.5
+    )
+    qkv = torch.zeros(80, q_size + 2 * kv_size, dtype=dt)
+    q = qkv[:, :q_size].view(80, s.heads, s.head_dim)
+    attention_triton.prefill_attention(
+        torch.empty_like(q), q, kv, block_tables[:2], [0, 16, 80], [16, 1000], s.head_dim**-0.5
     )
 
 

@@ -11,6 +11,7 @@ from engine_util import collect, tiny_engine
 from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.triton_import import triton_available
 from lorapage.tiny import DEMO_MARKERS
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
@@ -115,3 +116,19 @@ def test_demo_markers_survive_a_small_budget():
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
     outs = engine.generate_batch([(prompt, a) for a in DEMO_MARKERS], SamplingParams(max_tokens=40, temperature=0.0))
     assert [o.text for o in outs] == list(DEMO_MARKERS.values())
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+async def test_chunks_through_the_triton_prefill_kernel_match_the_torch_backend():
+    """The Triton backend (interpreted here) prefills chunks after a computed prefix with its
+    paged prefill kernel: the same tokens as the PyTorch backend unchunked."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
+    prompt = list(range(5, 27))
+    torch_engine = tiny_engine()
+    expected, _ = await collect(torch_engine, prompt, "globex", params)
+    await torch_engine.close()
+    engine = tiny_engine(kernel_backend="triton", max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
+    out, _ = await collect(engine, prompt, "globex", params)
+    assert out.token_ids == expected.token_ids
+    assert [x.logprob for x in out.logprobs] == pytest.approx([x.logprob for x in expected.logprobs], abs=1e-4)
+    await engine.close()

@@ -1,4 +1,4 @@
-"""Triton KV write and paged decode attention against the PyTorch references.
+"""Triton KV write, paged decode attention and paged prefill attention against the PyTorch references.
 
 Interpreted on CPU when there is no CUDA (see ``kernels/backend.py``), compiled otherwise.
 """
@@ -9,13 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from lorapage.kernels import paged_decode_attention_ref, write_kv_ref
+from lorapage.kernels import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.triton_import import triton_available
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from lorapage.kernels.attention_triton import paged_decode_attention, write_kv  # noqa: E402
+from lorapage.kernels.attention_triton import (  # noqa: E402
+    PREFILL_BLOCK_N,
+    paged_decode_attention,
+    prefill_attention,
+    write_kv,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -95,3 +100,119 @@ def test_decode_reads_what_write_kv_wrote() -> None:
     assert rel_err(out, ref) < 1e-5
     # A one-token context attends only to itself: the output is that token's V.
     assert torch.allclose(out[1], v[1].repeat_interleave(heads // kv_heads, dim=0), atol=1e-6)
+
+
+# (new tokens, context length) of the sequences of one prefill launch.
+PREFILL_CASES = {
+    # Whole prompts: one token, a few, and one spanning several query tiles and context blocks.
+    "whole_prompts": ((1, 1), (5, 5), (PREFILL_BLOCK_N + 7, PREFILL_BLOCK_N + 7)),
+    # Chunks after a prefix already in the pages: one token, a few, and a chunk past a block edge.
+    "chunks_after_prefix": ((1, 9), (3, 40), (17, PREFILL_BLOCK_N + 11)),
+    "mixed": ((6, 6), (2, 13), (1, 1)),
+}
+
+
+def scattered_tables(gen: np.random.Generator, lens: list[int], block_size: int, num_pages: int) -> torch.Tensor:
+    """A block table per sequence, pages drawn in random order (neither ascending nor adjacent)."""
+    width = max(-(-n // block_size) for n in lens) + 1
+    table = np.zeros((len(lens), width), np.int32)
+    free = gen.permutation(np.arange(1, num_pages))
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        table[i, :need], free = free[:need], free[need:]
+    return torch.from_numpy(table)
+
+
+def poison_past_contexts(kv: torch.Tensor, table: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """``kv`` with NaN in every slot no sequence's context covers: free pages, page 0, and the
+    tail of each sequence's last page (stale K/V of an earlier request)."""
+    block_size = kv.shape[2]
+    live = torch.zeros(kv.shape[0], block_size, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        for pos in range(n):
+            live[int(table[i, pos // block_size]), pos % block_size] = True
+    return kv.masked_fill(~live[:, None, :, None, None].to(kv.device), float("nan"))
+
+
+def prefill_inputs(case: str, heads: int, kv_heads: int, dtype: torch.dtype, seed: int):
+    gen = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    block_size, dim = 4, 16
+    chunks, lens = [c for c, _ in PREFILL_CASES[case]], [n for _, n in PREFILL_CASES[case]]
+    num_pages = sum(-(-n // block_size) for n in lens) + 6
+    table = scattered_tables(gen, lens, block_size, num_pages)
+    kv = torch.randn(num_pages, 2, block_size, kv_heads, dim).to(dtype).to(DEVICE)
+    kv = poison_past_contexts(kv, table, lens)
+    lead = 1  # row 0 belongs to no sequence (a decode row, in a mixed step): left as it is
+    starts = list(np.cumsum([lead, *chunks]))
+    T = starts[-1]
+    q_wide = torch.randn(T, heads + 2, dim).to(dtype).to(DEVICE)
+    q = q_wide[:, 1 : heads + 1]  # rows strided, as slices of a fused qkv output are
+    table_wide = torch.zeros(len(lens) + 1, table.shape[1] + 2, dtype=torch.int32)
+    table_wide[1:, : table.shape[1]] = table
+    block_table = table_wide.to(DEVICE)[1:, : table.shape[1]]  # a row-strided slice, as the runner passes
+    return q, kv, block_table, [int(s) for s in starts], lens, lead
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attention(case: str, heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    q, kv, block_table, starts, lens, lead = prefill_inputs(case, heads, kv_heads, dtype, seed=len(case) + heads)
+    ref = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    out = ref.clone()
+    prefill_attention_ref(ref, q, kv, block_table, starts, lens, 0.25)
+    prefill_attention(out, q, kv, block_table, starts, lens, 0.25)
+    assert out[:lead].isnan().all(), "a row no sequence owns was written"
+    assert rel_err(out[lead:], ref[lead:]) < TOLERANCE[dtype]
+
+
+def test_prefill_ignores_stale_nan_past_each_context() -> None:
+    """Exactly the output of a clean pool: NaN/inf past a context never reaches the sums."""
+    q, kv, block_table, starts, lens, lead = prefill_inputs("chunks_after_prefix", 8, 2, torch.float32, seed=5)
+    dead = kv.isnan()
+    clean = kv.masked_fill(dead, 0.0)
+    poisoned = kv.masked_fill(dead & (torch.rand_like(kv) < 0.5), float("inf"))  # NaN or +inf in every dead slot
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    prefill_attention(want, q, clean, block_table, starts, lens, 0.25)
+    prefill_attention(got, q, poisoned, block_table, starts, lens, 0.25)
+    assert torch.isfinite(got[lead:]).all()
+    assert torch.equal(got[lead:], want[lead:])
+
+
+def test_prefill_in_chunks_equals_the_whole_prompt() -> None:
+    """A prompt prefilled in three chunks (each over the pages the earlier ones wrote) gives the
+    rows the whole-prompt prefill gives: what chunked prefill and prefix hits rely on."""
+    gen = np.random.default_rng(11)
+    torch.manual_seed(11)
+    block_size, heads, kv_heads, dim, n = 4, 8, 2, 16, 29
+    table = scattered_tables(gen, [n], block_size, 12)
+    kv = torch.randn(12, 2, block_size, kv_heads, dim, device=DEVICE)
+    q = torch.randn(n, heads, dim, device=DEVICE)
+    whole = torch.empty_like(q)
+    prefill_attention(whole, q, kv, table.to(DEVICE), [0, n], [n], 0.3)
+    chunked = torch.full_like(q, float("nan"))
+    for lo, hi in ((0, 1), (1, 13), (13, n)):
+        prefill_attention(chunked[lo:hi], q[lo:hi], kv, table.to(DEVICE), [0, hi - lo], [hi], 0.3)
+    assert rel_err(chunked, whole) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [32, 8], ids=["llama-2-7b", "llama-3-8b"])
+def test_prefill_attention_at_7b_sizes(kv_heads: int) -> None:
+    """bf16, 32 heads of 128, 16-token pages: two whole prompts, two chunks after cached prefixes,
+    one single-token chunk, pages scattered over the pool."""
+    gen = np.random.default_rng(kv_heads)
+    torch.manual_seed(kv_heads)
+    block_size, heads, dim = 16, 32, 128
+    chunks, lens = [1000, 37, 512, 256, 1], [1000, 37, 1536, 2100, 3000]
+    num_pages = sum(-(-n // block_size) for n in lens) + 64
+    table = scattered_tables(gen, lens, block_size, num_pages).to(DEVICE)
+    kv = torch.randn(num_pages, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE)
+    kv = poison_past_contexts(kv, table.cpu(), lens)
+    starts = [int(s) for s in np.cumsum([0, *chunks])]
+    q = torch.randn(starts[-1], heads, dim, dtype=torch.bfloat16, device=DEVICE)
+    ref, out = torch.empty_like(q), torch.empty_like(q)
+    prefill_attention_ref(ref, q, kv, table, starts, lens, dim**-0.5)
+    prefill_attention(out, q, kv, table, starts, lens, dim**-0.5)
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]

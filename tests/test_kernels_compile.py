@@ -27,6 +27,7 @@ KERNELS = {
     "_sgmv_expand_kernel",
     "_write_kv_kernel",
     "_paged_decode_kernel",
+    "_paged_prefill_kernel",
 }
 
 

@@ -27,6 +27,8 @@ FIGURES = (
     "target_ratio",
     "target_fraction_attention",
     "target_fraction_all",
+    "prefill_attention_speedup",
+    "prefill_attention_rel_err",
 )
 
 
@@ -40,7 +42,7 @@ def test_gpu_check_script_runs_tiny(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     summary = lines[max(i for i, line in enumerate(lines) if line.startswith("gpu_check on")) :]
-    assert len(summary) == 7, "the summary table must come last"
+    assert len(summary) == 8, "the summary table must come last"
     assert "kernel tests" in summary[1] and "3 passed, 0 failed" in summary[1]
     assert "bench_kernels.py" in summary[-1] and " ok " in summary[-1]
     bench_lines = (tmp_path / "bench_kernels.log").read_text().strip().splitlines()

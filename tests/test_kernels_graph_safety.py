@@ -33,7 +33,7 @@ from lorapage.kernels import attention_triton, lora_triton  # noqa: E402
 
 KERNELS = {
     lora_triton: ("_bgmv_shrink_kernel", "_bgmv_expand_kernel", "_sgmv_shrink_kernel", "_sgmv_expand_kernel"),
-    attention_triton: ("_write_kv_kernel", "_paged_decode_kernel"),
+    attention_triton: ("_write_kv_kernel", "_paged_decode_kernel", "_paged_prefill_kernel"),
 }
 ROWS = 4
 
@@ -144,7 +144,8 @@ async def _check_launches() -> None:
     assert first, "the decode step launched no Triton kernel"
     names = {launch[0] for launch in first}
     assert {"_bgmv_shrink_kernel", "_bgmv_expand_kernel", "_write_kv_kernel", "_paged_decode_kernel"} <= names
-    assert not names & {"_sgmv_shrink_kernel", "_sgmv_expand_kernel"}, "SGMV reads host segments: not graph-safe"
+    host_tables = {"_sgmv_shrink_kernel", "_sgmv_expand_kernel", "_paged_prefill_kernel"}
+    assert not names & host_tables, "SGMV and prefill attention read tables built from host lists: not graph-safe"
     assert len(first) == len(second)
     for a, b in zip(first, second):
         assert a == b, f"a launch changed with the adapters:\n{a}\n{b}"
