@@ -40,6 +40,9 @@ class EngineConfig:
     # Prompts longer than a step's token budget are computed over several steps (decodes first,
     # then prompt chunks), so max_num_batched_tokens may be far below max_model_len.
     enable_chunked_prefill: bool = True
+    # Full KV blocks are kept by content (per base and adapter registration) and reused by later
+    # prompts that start the same way; idle cached blocks are the first pages given back.
+    enable_prefix_caching: bool = True
     max_loras: int = 32  # lora slots: adapters resident in the pool at once
     max_lora_rank: int = 64
     max_cpu_loras: int = 128  # adapters kept in host RAM

@@ -130,6 +130,12 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     sent_len: int = 0  # characters of text released to the caller (stop-string prefixes held back)
+    # Prefix caching: what the K/V depend on besides the tokens (None: this request caches
+    # nothing), the keys of its full blocks as far as they are known, and the prompt tokens a
+    # cache hit saved it.
+    cache_namespace: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
     outputs: OutputChannel = field(init=False)
 
     def __post_init__(self) -> None:

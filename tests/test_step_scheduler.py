@@ -73,3 +73,65 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     assert (entry.running, entry.waiting) == (0, 0)
     engine.remove_adapter("globex")  # refused if a pin had gone negative
     await engine.close()
+
+
+class _NoAdapters:
+    """The adapter cache's side of the step scheduler, for requests that use no adapter."""
+
+    def pending_pages(self) -> int:
+        return 0
+
+    def evict_idle(self, pages_needed: int) -> bool:
+        return False
+
+    def notify_memory_freed(self) -> None:
+        pass
+
+    def take_failed(self) -> dict:
+        return {}
+
+
+class _Letters:
+    def push(self, token_id: int) -> str:
+        return "x"
+
+    def flush(self) -> str:
+        return ""
+
+
+async def test_an_abort_of_a_prompt_left_out_of_the_running_step_ends_it_with_that_step():
+    """A prompt being prefilled in chunks gets no chunk this step (its pages are short); the
+    client goes away while the step runs. The request must end when the step is applied, not
+    hold its pages until it next runs."""
+    import torch
+
+    from lorapage.engine.step_scheduler import StepLimits, StepScheduler
+    from lorapage.memory.pool import PageKind, PagePool
+    from lorapage.model.sampler import SampleOutput
+    from lorapage.request import Request, RequestStatus
+    from lorapage.scheduler.fcfs import FcfsScheduler
+
+    pool = PagePool(1, 200, 8, torch.float32, torch.device("cpu"))
+    steps = StepScheduler(FcfsScheduler(), _NoAdapters(), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
+
+    def request(rid: str, n: int, t: float) -> Request:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        return Request(rid, "t", None, list(range(1, n + 1)), params, t, "none", _Letters(), None)
+
+    def run(plan) -> SampleOutput:
+        n = sum(plan.completes)
+        return SampleOutput([7] * n, [None] * n, [None] * n)
+
+    short, long = request("short", 3, 0.0), request("long", 30, 1.0)
+    for r in (short, long):
+        steps.submit(r)
+    for _ in range(2):
+        plan = steps.plan_step()
+        steps.apply(plan, run(plan))
+    pool.allocate(pool.num_free - 1, PageKind.ADAPTER)  # an adapter load took all but one free page
+    plan = steps.plan_step()
+    assert long not in plan.sequences and long.status is RequestStatus.RUNNING
+    steps.abort("long")
+    steps.apply(plan, run(plan))
+    assert long.status is RequestStatus.FINISHED and long.block_table == [] and "long" not in steps.requests
+    assert (await long.outputs.get()).finish_reason == "abort"

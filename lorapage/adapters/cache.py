@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -63,6 +64,9 @@ class AdapterEntry:
     rate_time: float = 0.0
     yielding: bool = False  # admits nothing new: a starving load takes its lora slot once it is idle
     resident_since: float = 0.0  # when it last became resident (it yields only after slot_wait_s)
+    # This registration's identity in prefix-cache keys: a new registration under the same name
+    # (other weights) never reuses the old one's cached KV blocks.
+    cache_id: bytes = field(default_factory=lambda: uuid.uuid4().bytes)
 
     def touch(self, now: float) -> None:
         self.rate = self.rate_at(now) + 1.0
@@ -104,11 +108,13 @@ class AdapterCache:
         run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
         on_ready: Callable[[], None],
         clock: Callable[[], float],
+        reclaim_kv: Callable[[int], int] | None = None,
     ) -> None:
         self.model, self.pool, self.tables = model, pool, tables
         self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
         self.slot_wait_s = slot_wait_s
         self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
+        self._reclaim_kv = reclaim_kv  # frees idle cached KV pages (the prefix cache's), up to n free
         self.entries: dict[str, AdapterEntry] = {}
         self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
         self._free_slots = list(range(max_loras, 0, -1))
@@ -301,8 +307,11 @@ class AdapterCache:
         return sorted(idle, key=lambda e: e.rate_at(now) / e.layout.num_pages)
 
     def evict_idle(self, pages_needed: int) -> bool:
-        """Evict idle adapters (no running or queued request), least valuable per page first,
-        until ``pages_needed`` pages are free."""
+        """Free pages until ``pages_needed`` are free: idle cached KV blocks first (they cost
+        a recompute of one block each), then idle adapters (no running or queued request), least
+        valuable per page first."""
+        if self.pool.num_free < pages_needed and self._reclaim_kv is not None:
+            self._reclaim_kv(pages_needed)
         for entry in self._evictable():
             if self.pool.num_free >= pages_needed:
                 break
@@ -440,8 +449,11 @@ class AdapterCache:
             victims = self._evictable()
             if victims:
                 self._evict(victims[0])
-            elif yielded is not None and yielded.running == 0 and self.pool.num_free + len(yielded.pages) >= need:
-                self._evict(yielded)  # it yielded for this load: its slot and pages are ours
+            elif yielded is not None and yielded.running == 0:
+                if self.pool.num_free + len(yielded.pages) < need and self._reclaim_kv is not None:
+                    self._reclaim_kv(need - len(yielded.pages))  # idle cached KV blocks complete the room
+                if self.pool.num_free + len(yielded.pages) >= need:
+                    self._evict(yielded)  # it yielded for this load: its slot and pages are ours
         if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):
             pages = self.pool.allocate(need, PageKind.ADAPTER)
             if pages is not None:

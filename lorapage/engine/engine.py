@@ -29,6 +29,7 @@ from lorapage.errors import (
 )
 from lorapage.kernels.backend import select_backend
 from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
@@ -106,6 +107,7 @@ class Engine:
             1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
         )
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
+        self.prefix_cache = PrefixCache(self.pool)
         self.adapters = AdapterCache(
             mc,
             self.pool,
@@ -119,6 +121,7 @@ class Engine:
             run_on_device=self._run_on_device,
             on_ready=self._wake_up,
             clock=clock,
+            reclaim_kv=self.prefix_cache.evict,
         )
         self.scheduler_metrics = SchedulerMetrics()
         self.policy: SchedulerPolicy[Request] = make_policy(
@@ -136,7 +139,13 @@ class Engine:
             chunked_prefill=config.enable_chunked_prefill,
         )
         self.scheduler = StepScheduler(
-            self.policy, self.adapters, self.pool, limits, clock, metrics=self.scheduler_metrics
+            self.policy,
+            self.adapters,
+            self.pool,
+            limits,
+            clock,
+            metrics=self.scheduler_metrics,
+            prefix_cache=self.prefix_cache,
         )
         self.step_loop = StepLoop(self.scheduler, self.runner, self._forward, on_new_loop=self.adapters.rebind_loop)
         self.intake = RequestIntake(
@@ -151,6 +160,8 @@ class Engine:
             in_flight=self.scheduler.requests.keys(),
             io=self._io,
             clock=clock,
+            # The cache lives as long as this engine, on one base: its name suffices to tell it apart.
+            prefix_namespace=f"base|{self.base_name}".encode() if config.enable_prefix_caching else None,
         )
         self._closed = False
 
@@ -200,6 +211,7 @@ class Engine:
     ) -> AdapterInfo:
         """:meth:`add_adapter` without holding the event loop: the adapter is read and checked in
         a worker thread, and refused if that takes longer than ``timeout_s``."""
+        self._check_open()
         self.adapters.check_name_free(name)
         work = asyncio.get_running_loop().run_in_executor(self._io, self.adapters.validate, str(path))
         try:
@@ -221,11 +233,13 @@ class Engine:
 
     async def load_adapter(self, name: str) -> None:
         """Make ``name`` resident in the pool now (pre-warm)."""
+        self._check_open()
         self.step_loop.bind()
         await self.adapters.wait_resident(name)
 
     async def unload_adapter(self, name: str) -> bool:
         """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running."""
+        self._check_open()
         self.step_loop.bind()
         return self.adapters.unload(name)
 
@@ -244,11 +258,17 @@ class Engine:
 
         Stopping iteration early (a client went away) aborts the request and frees its pages.
         """
+        self._check_open()
         self.step_loop.bind()
         sampling = sampling or SamplingParams()
-        self._check_open()
         self.intake.check(adapter, sampling)
-        ids = await self.intake.prompt_ids(prompt)
+        try:
+            ids = await self.intake.prompt_ids(prompt)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
+            raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
         req = self.intake.build(ids, adapter, sampling, tenant, request_id)
         self.scheduler.submit(req)
@@ -298,11 +318,13 @@ class Engine:
             inner.set_tenant_weights(weights)
 
     def pool_free_pages(self) -> int:
-        return self.pool.num_free
+        """Pages free for new work: free ones, and cached KV blocks nobody holds (given back first)."""
+        return self.pool.num_free + self.prefix_cache.num_idle
 
     def stats(self) -> dict:
         """Resident and host-RAM adapters, queue depth, running sequences, pool use, evictions."""
         now = self.clock()
+        hits, queried = self.scheduler.prefix_hit_tokens, self.scheduler.prefix_query_tokens
         return {
             "resident_adapters": self.adapters.resident(),
             "host_ram_adapters": self.adapters.in_host(),
@@ -310,9 +332,13 @@ class Engine:
             "queue_depth": self.policy.num_waiting(),
             "running": len(self.scheduler.running),
             "pool_pages_total": self.pool.capacity,
-            "pool_pages_kv": self.pool.used[PageKind.KV],
+            "pool_pages_kv": self.pool.used[PageKind.KV] - self.prefix_cache.num_idle,  # held by sequences
             "pool_pages_adapters": self.pool.used[PageKind.ADAPTER],
-            "pool_pages_free": self.pool.num_free,
+            "pool_pages_free": self.pool_free_pages(),
+            "pool_pages_cached": self.prefix_cache.num_cached,  # cached KV blocks, held or idle
+            "pool_pages_cached_idle": self.prefix_cache.num_idle,
+            "prefix_cache_hit_rate": _ratio(sum(hits.values()), sum(queried.values())),
+            "prefix_cache_hit_rate_by_tenant": {t: _ratio(hits[t], n) for t, n in queried.items()},
             "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),
             "preemptions": self.scheduler.num_preemptions,
             "adapter_yields": self.adapters.yields,
@@ -346,3 +372,7 @@ class Engine:
 
     async def _run_on_device(self, fn: Callable[[], None]) -> None:
         await asyncio.get_running_loop().run_in_executor(self._forward, fn)
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

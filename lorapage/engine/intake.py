@@ -20,6 +20,7 @@ from lorapage.config import DEFAULT_TENANT
 from lorapage.errors import AdapterNotFoundError, EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from lorapage.memory.kv import blocks_needed
 from lorapage.memory.pool import PagePool
+from lorapage.memory.prefix_cache import block_keys
 from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
 from lorapage.request import Request
 from lorapage.sampling_params import SamplingParams
@@ -42,11 +43,13 @@ class RequestIntake:
         in_flight: Collection[str],
         io: Executor,
         clock: Callable[[], float],
+        prefix_namespace: bytes | None = None,
     ) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.max_queue_len = block_size, max_queue_len
         self.pool, self.adapters, self._num_waiting, self._in_flight = pool, adapters, num_waiting, in_flight
         self._io, self._clock = io, clock
+        self._base_namespace = prefix_namespace  # None: prefix caching is off
         self._ids = itertools.count()
 
     def check(self, adapter: str | None, sampling: SamplingParams) -> None:
@@ -99,6 +102,7 @@ class RequestIntake:
             )
         if self._num_waiting() >= self.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
+        namespace = self._namespace(adapter)
         return Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             tenant=tenant or DEFAULT_TENANT,
@@ -110,4 +114,15 @@ class RequestIntake:
             detokenizer=IncrementalDecoder(self.tokenizer, ids),
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
             logprobs=[] if sampling.logprobs is not None else None,
+            cache_namespace=namespace,
+            block_keys=block_keys(namespace, ids, self.block_size) if namespace is not None else [],
         )
+
+    def _namespace(self, adapter: str | None) -> bytes | None:
+        """The base's namespace, and for an adapter this registration of it: two adapters, two
+        registrations of one name, or an adapter and the base never share a cached block."""
+        if self._base_namespace is None:
+            return None
+        if adapter is None:
+            return self._base_namespace + b"|base"
+        return self._base_namespace + b"|adapter|" + self.adapters.get(adapter).cache_id

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from lorapage.adapters.cache import AdapterCache
 from lorapage.engine.stops import find_stop, stop_prefix_len
 from lorapage.errors import SamplingError
-from lorapage.memory.kv import blocks_needed, free_block_table, grow_block_table
+from lorapage.memory.kv import blocks_needed, grow_block_table
 from lorapage.memory.pool import PagePool
+from lorapage.memory.prefix_cache import PrefixCache, block_keys
 from lorapage.model.runner import StepPlan
 from lorapage.model.sampler import FAILED_TOKEN, SampleOutput
 from lorapage.request import Request, RequestStatus, TokenLogprob
@@ -47,15 +48,21 @@ class StepScheduler:
         *,
         metrics: SchedulerMetrics | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.policy, self.adapters, self.pool, self.limits, self.clock = policy, adapters, pool, limits, clock
         self.metrics, self._timer = metrics, timer  # the policy's own time per step goes to metrics
         self._policy_s = 0.0  # time spent in the policy for the step being planned and applied
+        # Every sequence's blocks go back through it; with caching on it also hands out hits.
+        self.prefix = prefix_cache or PrefixCache(pool)
+        self.prefix_query_tokens: dict[str, int] = {}  # per tenant: prompt tokens admitted
+        self.prefix_hit_tokens: dict[str, int] = {}  # per tenant: of those, found in the cache
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._in_step = False  # a plan is on the forward thread: its pages may not be freed yet
         self._budget = 0  # prefill tokens still allowed this step
+        self._held: set[str] = set()  # preempted to unblock this very step: not readmitted in it
         self._admitted: list[Request] = []
 
     # -- arrivals and aborts --------------------------------------------------------------------
@@ -92,23 +99,67 @@ class StepScheduler:
 
     def try_admit(self, req: Request) -> bool:
         lim = self.limits
+        if len(self.running) + len(self._admitted) >= lim.max_num_seqs or self._budget <= 0:
+            return False
+        if req.request_id in self._held:
+            return False
+        hit = self._match_prefix(req)
         remaining = req.num_tokens - req.num_computed
         chunk = min(remaining, self._budget) if lim.chunked_prefill else remaining
-        if len(self.running) + len(self._admitted) >= lim.max_num_seqs or chunk <= 0 or chunk > self._budget:
-            return False
         need = blocks_needed(req.num_computed + chunk, lim.block_size) - len(req.block_table)
         # Leave room for adapter loads already waiting on memory, or they could starve.
         reserve = self.adapters.pending_pages()
-        if self.pool.num_free - reserve < need and not self.adapters.evict_idle(need + reserve):
-            return False
-        if not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, lim.block_size):
+        if (
+            chunk > self._budget
+            or (self.pool.num_free - reserve < need and not self.adapters.evict_idle(need + reserve))
+            or not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, lim.block_size)
+        ):
+            self._free_kv(req)  # the cache hit, if any, goes back
             return False
         self._budget -= chunk
         req.num_scheduled = chunk
+        req.num_cached_tokens = hit
+        if req.num_preemptions == 0:
+            t = req.tenant
+            self.prefix_query_tokens[t] = self.prefix_query_tokens.get(t, 0) + req.num_prompt_tokens
+            self.prefix_hit_tokens[t] = self.prefix_hit_tokens.get(t, 0) + hit
         self._admitted.append(req)
         if req.adapter is not None:  # pin now, so admitting the next request cannot evict it
             req.lora_slot = self.adapters.pin(req.adapter)
         return True
+
+    def _match_prefix(self, req: Request) -> int:
+        """Take the cached blocks of ``req``'s longest cached prefix (at least its last token is
+        left to compute, for its logits); returns the tokens they hold."""
+        if req.cache_namespace is None or req.block_table:
+            return 0
+        bs = self.limits.block_size
+        usable = (req.num_tokens - 1) // bs
+        self._extend_keys(req, usable * bs)
+        pages = self.prefix.match(req.block_keys[:usable])
+        req.block_table.extend(pages)
+        req.num_computed = len(pages) * bs
+        return req.num_computed
+
+    def _extend_keys(self, req: Request, num_tokens: int) -> None:
+        """Block keys of ``req``'s first ``num_tokens`` tokens (generated ones included)."""
+        assert req.cache_namespace is not None
+        have, bs = len(req.block_keys), self.limits.block_size
+        if num_tokens // bs > have:
+            ids = req.all_ids()[: num_tokens // bs * bs]
+            parent = req.block_keys[-1] if have else b""
+            req.block_keys += block_keys(req.cache_namespace, ids, bs, start=have, parent=parent)
+
+    def _offer_blocks(self, req: Request, computed_before: int) -> None:
+        """Blocks ``req`` filled this step join the cache, for later requests with that prefix."""
+        if req.cache_namespace is None:
+            return
+        bs = self.limits.block_size
+        first, last = computed_before // bs, req.num_computed // bs
+        if last > first:
+            self._extend_keys(req, last * bs)
+            for b in range(first, last):
+                self.prefix.offer(req.block_keys[b], req.block_table[b])
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -140,8 +191,15 @@ class StepScheduler:
             prefill.append((req, req.num_scheduled))
         if not decode and not prefill:
             if stalled:  # partial prefills that cannot grow and nothing else running: make room
-                self._preempt(self.policy.pick_victim(stalled), now)
-                return self.plan_step()
+                victim = self.policy.pick_victim(stalled)
+                self._preempt(victim, now)
+                # Held out of this step's admissions: readmitted at once, it would take the same
+                # pages back and stall again, while the queued requests that could free them wait.
+                self._held.add(victim.request_id)
+                try:
+                    return self.plan_step()
+                finally:
+                    self._held.discard(victim.request_id)
             return None
         self._in_step = True
         return StepPlan.build(decode, prefill, self.limits.block_size)
@@ -160,7 +218,10 @@ class StepScheduler:
             need = blocks_needed(req.num_computed + chunk, bs) - len(req.block_table)
             if self.pool.num_free < need:
                 self.adapters.evict_idle(need)
-            if not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, bs):
+            # As much of the chunk as the pages that can be had now hold: a long prompt moves on
+            # with what frees, instead of waiting for its whole chunk while others take each page.
+            chunk = min(chunk, (len(req.block_table) + self.pool.num_free) * bs - req.num_computed)
+            if chunk <= 0 or not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, bs):
                 stalled.append(req)
                 continue
             self._budget -= chunk
@@ -183,8 +244,9 @@ class StepScheduler:
         req.lora_slot = 0
 
     def _free_kv(self, req: Request) -> None:
-        """Give ``req``'s KV pages back: none of its tokens is computed any more."""
-        free_block_table(self.pool, req.block_table)
+        """Give ``req``'s KV pages back (cached blocks stay cached, idle once nobody holds them):
+        none of its tokens is computed any more."""
+        self.prefix.release(req.block_table)
         req.num_computed = 0
 
     def _make_room(self, decode: list[Request], now: float) -> None:
@@ -219,13 +281,17 @@ class StepScheduler:
         samples = zip(*sampled)
         for i, (req, fed, completes) in enumerate(zip(plan.sequences, plan.fed, plan.completes)):
             req.num_computed += fed
+            if not req.aborted:
+                self._offer_blocks(req, req.num_computed - fed)
             token, lp, error = next(samples) if completes else (FAILED_TOKEN, None, None)
             if req.aborted:
                 self._finish(req, "abort")
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
             started = self._timer()
-            self.policy.on_service(req, fed if i >= plan.num_decode else 0, int(completes), now)
+            # A decode row whose one token is still the prompt's last (a chunk stopped just short) is input too.
+            prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
+            self.policy.on_service(req, prompt_fed, int(completes), now)
             self._policy_s += self._timer() - started
             if not completes:
                 continue  # a chunk of a longer prompt: more of it next step
@@ -233,6 +299,10 @@ class StepScheduler:
                 self._fail(req, SamplingError(f"request {req.request_id!r} could not be sampled: {error}"))
                 continue
             self._append(req, token, lp, now)
+        # Aborted while this step ran, but not in it (a prompt chunk left out for budget or pages):
+        # nothing reads its pages now, so it ends here rather than whenever it next runs.
+        for req in [r for r in self.running if r.aborted]:
+            self._finish(req, "abort")
         if self.metrics is not None:
             self.metrics.record_policy_time(self._policy_s)
 

@@ -39,6 +39,13 @@ class _EngineGauges:
 
     def collect(self):
         for key, value in self._stats().items():
+            if key.endswith("_by_tenant") and isinstance(value, dict):  # {tenant: number}: one labelled gauge
+                name = "lorapage_engine_" + _NAME.sub("_", key.removesuffix("_by_tenant"))
+                family = GaugeMetricFamily(name, f"Engine.stats()['{key}']", labels=("tenant",))
+                for tenant, number in sorted(value.items()):
+                    family.add_metric([tenant], number)
+                yield family
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             name = "lorapage_engine_" + _NAME.sub("_", key)

@@ -47,6 +47,7 @@ _ENGINE_FIELDS = (
     "kernel_backend",
     "enforce_eager",
     "enable_chunked_prefill",
+    "enable_prefix_caching",
 )
 
 
@@ -73,6 +74,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="compute prompts longer than --max-num-batched-tokens over several steps (default: on)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse cached KV blocks of repeated prompt prefixes, per base and adapter (default: on)",
     )
 
 
