@@ -1,7 +1,9 @@
 """Prefix caching on a multi-tenant chat workload: prefill tokens computed and TTFT, on vs off.
 
 Several tenants, each with its own adapter and a long system prompt of its own, hold multi-turn
-chats: every turn resends the system prompt and the whole history, then asks for a short answer.
+chats: every turn resends the system prompt and the whole history (the model's answers
+included), then asks for a short answer. A tenant's chats start one after another's first answer
+(customers arrive over time) and then run side by side.
 The same requests run through two engines in one run, one after the other: caching off, then on.
 Figures: prompt tokens actually computed (the rest were cache hits), TTFT p50 / p95, hit rate.
 Targets: >= 4x fewer prefill tokens and >= 2x lower TTFT p50 with caching.
@@ -32,40 +34,51 @@ from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
 TARGETS = {"prefill_token_ratio": 4.0, "ttft_p50_ratio": 2.0}
 
 
-def chats(args: argparse.Namespace) -> list[list[tuple[str, list[int]]]]:
-    """Per chat, its turns as (tenant, prompt): each prompt extends the previous one."""
+def workload(args: argparse.Namespace) -> dict[str, tuple[list[int], list[list[int]]]]:
+    """Per tenant, its system prompt and, per chat, the user tokens of each turn."""
     rng = np.random.default_rng(0)
-    out = []
-    for t in range(args.tenants):
-        system = rng.integers(3, 4000, args.system).tolist()
-        for _ in range(args.chats):
-            history, turns = list(system), []
-            for _ in range(args.turns):
-                history = history + rng.integers(3, 4000, args.user).tolist()
-                turns.append((f"t{t}", list(history)))
-                history = history + rng.integers(3, 4000, args.answer).tolist()  # the answer, resent next turn
-            out.append(turns)
-    return out
+    return {
+        f"t{t}": (
+            rng.integers(3, 4000, args.system).tolist(),
+            [[rng.integers(3, 4000, args.user).tolist() for _ in range(args.turns)] for _ in range(args.chats)],
+        )
+        for t in range(args.tenants)
+    }
 
 
-async def run(engine: Engine, workload, args: argparse.Namespace) -> dict:
+async def run(engine: Engine, chats: dict, args: argparse.Namespace) -> dict:
+    """Every tenant's chats: a chat starts once the tenant's previous one has had its first
+    answer (customers arrive over time), and each turn resends the system prompt and the whole
+    history, the model's own answers included."""
     params = SamplingParams(max_tokens=args.answer, temperature=0.0, ignore_eos=True)
     ttfts: list[float] = []
 
-    async def chat(turns) -> None:
-        for tenant, prompt in turns:  # a chat's turns one after another; chats run concurrently
-            t0 = time.perf_counter()
-            first = None
-            async for _ in engine.generate(prompt, f"lora-{tenant}", params, tenant=tenant):
+    async def chat(
+        tenant: str, system: list[int], turns: list[list[int]], after: asyncio.Event | None, answered: asyncio.Event
+    ) -> None:
+        if after is not None:
+            await after.wait()
+        history = list(system)
+        for user in turns:
+            history += user
+            t0, first, out = time.perf_counter(), None, None
+            async for out in engine.generate(history, f"lora-{tenant}", params, tenant=tenant):
                 if first is None:
                     first = time.perf_counter() - t0
             ttfts.append(first or 0.0)
+            answered.set()
+            history += out.token_ids if out is not None else []
 
-    before_hits = sum(engine.scheduler.prefix_hit_tokens.values())
-    before_all = sum(engine.scheduler.prefix_query_tokens.values())
-    await asyncio.gather(*(chat(turns) for turns in workload))
-    hits = sum(engine.scheduler.prefix_hit_tokens.values()) - before_hits
-    total = sum(engine.scheduler.prefix_query_tokens.values()) - before_all
+    tasks = []
+    for tenant, (system, conversations) in chats.items():
+        previous = None
+        for turns in conversations:
+            answered = asyncio.Event()
+            tasks.append(chat(tenant, system, turns, previous, answered))
+            previous = answered
+    await asyncio.gather(*tasks)
+    hits = sum(engine.scheduler.prefix_hit_tokens.values())
+    total = sum(engine.scheduler.prefix_query_tokens.values())
     await engine.close()
     ordered = sorted(ttfts)
     return {
@@ -87,7 +100,7 @@ def main() -> None:
     parser.add_argument("--user", type=int, default=48, help="new user tokens per turn")
     parser.add_argument("--answer", type=int, default=16, help="tokens generated per turn")
     args = parser.parse_args()
-    workload = chats(args)
+    chats = workload(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(
             Path(tmp) / "model", hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1024, vocab=4096
@@ -107,7 +120,7 @@ def main() -> None:
             )
             for t in range(args.tenants):
                 engine.add_adapter(f"lora-t{t}", adapter)  # one registration per tenant: its own namespace
-            figures[name] = asyncio.run(run(engine, workload, args))
+            figures[name] = asyncio.run(run(engine, chats, args))
     off, on = figures["off"], figures["on"]
     token_ratio = off["prefill_tokens_computed"] / max(1, on["prefill_tokens_computed"])
     ttft_ratio = off["ttft_p50_s"] / on["ttft_p50_s"]
