@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -27,13 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lorapage.replay.stats import percentile  # noqa: E402
 
 TARGET_RATIO = 4.0
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 async def run(engine: Engine, args: argparse.Namespace) -> tuple[list[float], list[int], float]:
@@ -117,8 +112,8 @@ def main() -> None:
 
             gaps, tokens, ttft = asyncio.run(measure())
             figures[name] = {
-                "itl_p50_s": statistics.median(gaps),
-                "itl_p99_s": p99(gaps),
+                "itl_p50_s": percentile(gaps, 50),
+                "itl_p99_s": percentile(gaps, 99),
                 "itl_max_s": max(gaps),
                 "long_ttft_s": ttft,
                 "tokens": tokens,

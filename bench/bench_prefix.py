@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lorapage.replay.stats import percentile  # noqa: E402
 
 TARGETS = {"prefill_token_ratio": 4.0, "ttft_p50_ratio": 2.0}
 
@@ -80,14 +80,13 @@ async def run(engine: Engine, chats: dict, args: argparse.Namespace) -> dict:
     hits = sum(engine.scheduler.prefix_hit_tokens.values())
     total = sum(engine.scheduler.prefix_query_tokens.values())
     await engine.close()
-    ordered = sorted(ttfts)
     return {
         "prompt_tokens": total,
         "prefill_tokens_computed": total - hits,
         "hit_rate": hits / total if total else 0.0,
-        "ttft_p50_s": statistics.median(ordered),
-        "ttft_p95_s": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
-        "requests": len(ordered),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "requests": len(ttfts),
     }
 
 

@@ -51,6 +51,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
+from lorapage.replay.stats import percentile
 from lorapage.tiny import demo_adapter_dirs
 
 T = TypeVar("T")
@@ -460,8 +461,8 @@ def us_per_step(start: tuple[float, float], end: tuple[float, float]) -> float:
 
 
 def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+    p = percentile(values, 99)
+    return float("nan") if p is None else p
 
 
 async def settle(soak: Soak, timeout: float = 60.0) -> dict:

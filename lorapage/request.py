@@ -155,3 +155,10 @@ class Request:
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output, without copying the rest."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : end - n]

@@ -13,7 +13,6 @@ from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
-from lorapage.tiny import demo_adapter_dirs
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
 SYSTEM = list(range(3, 35))  # 32 tokens: 8 blocks of 4 shared by every turn
@@ -23,7 +22,7 @@ def test_keys_chain_and_depend_on_the_namespace():
     a = block_keys(b"base", list(range(12)), 4)
     assert len(a) == 3 and a == block_keys(b"base", list(range(13)), 4)  # a partial block has no key
     assert block_keys(b"base", list(range(8)), 4) == a[:2]
-    assert block_keys(b"base", list(range(12)), 4, start=2, parent=a[1]) == a[2:]
+    assert block_keys(b"base", list(range(8, 12)), 4, parent=a[1]) == a[2:]  # continuing a chain
     assert set(a).isdisjoint(block_keys(b"adapter", list(range(12)), 4))
     assert block_keys(b"base", [9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != a[1]  # the chain: same block, other parent
 
@@ -158,5 +157,4 @@ async def test_prefix_caching_can_be_turned_off():
     for _ in range(2):
         await collect(engine, SYSTEM + [9], "globex", GREEDY)
     assert engine.prefix_cache.num_cached == 0 and engine.stats()["prefix_cache_hit_rate"] == 0
-    assert demo_adapter_dirs()  # the demo adapters exist for the other tests
     await engine.close()

@@ -18,7 +18,7 @@ from lorapage.memory.kv import blocks_needed, grow_block_table
 from lorapage.memory.pool import PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
 from lorapage.model.runner import StepPlan
-from lorapage.model.sampler import FAILED_TOKEN, SampleOutput
+from lorapage.model.sampler import SampleOutput
 from lorapage.request import Request, RequestStatus, TokenLogprob
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
 
@@ -146,9 +146,9 @@ class StepScheduler:
         assert req.cache_namespace is not None
         have, bs = len(req.block_keys), self.limits.block_size
         if num_tokens // bs > have:
-            ids = req.all_ids()[: num_tokens // bs * bs]
+            ids = req.token_range(have * bs, num_tokens // bs * bs)
             parent = req.block_keys[-1] if have else b""
-            req.block_keys += block_keys(req.cache_namespace, ids, bs, start=have, parent=parent)
+            req.block_keys += block_keys(req.cache_namespace, ids, bs, parent=parent)
 
     def _offer_blocks(self, req: Request, computed_before: int) -> None:
         """Blocks ``req`` filled this step join the cache, for later requests with that prefix."""
@@ -274,31 +274,37 @@ class StepScheduler:
         self.adapters.notify_memory_freed()
 
     def apply(self, plan: StepPlan, sampled: SampleOutput) -> None:
-        """Record each sequence's computed tokens and new token, stream outputs, finish what is
-        done. A row that could not be sampled fails its own request alone."""
+        """Record each sequence's computed tokens and new token, charge the policy, stream
+        outputs, finish what is done. A row that could not be sampled fails its own request alone."""
         self._in_step = False
         now = self.clock()
-        samples = zip(*sampled)
-        for i, (req, fed, completes) in enumerate(zip(plan.sequences, plan.fed, plan.completes)):
+        samples = iter(zip(*sampled))
+        rows = [
+            (req, fed, next(samples) if completes else None)
+            for req, fed, completes in zip(plan.sequences, plan.fed, plan.completes)
+        ]
+        for req, fed, _ in rows:
             req.num_computed += fed
             if not req.aborted:
                 self._offer_blocks(req, req.num_computed - fed)
-            token, lp, error = next(samples) if completes else (FAILED_TOKEN, None, None)
+        started = self._timer()
+        for i, (req, fed, sample) in enumerate(rows):
             if req.aborted:
-                self._finish(req, "abort")
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
-            started = self._timer()
-            # A decode row whose one token is still the prompt's last (a chunk stopped just short) is input too.
+            # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
             prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
-            self.policy.on_service(req, prompt_fed, int(completes), now)
-            self._policy_s += self._timer() - started
-            if not completes:
+            self.policy.on_service(req, prompt_fed, int(sample is not None), now)
+        self._policy_s += self._timer() - started
+        for req, _, sample in rows:
+            if req.aborted:
+                self._finish(req, "abort")
+            elif sample is None:
                 continue  # a chunk of a longer prompt: more of it next step
-            if error is not None:
-                self._fail(req, SamplingError(f"request {req.request_id!r} could not be sampled: {error}"))
-                continue
-            self._append(req, token, lp, now)
+            elif sample[2] is not None:
+                self._fail(req, SamplingError(f"request {req.request_id!r} could not be sampled: {sample[2]}"))
+            else:
+                self._append(req, sample[0], sample[1], now)
         # Aborted while this step ran, but not in it (a prompt chunk left out for budget or pages):
         # nothing reads its pages now, so it ends here rather than whenever it next runs.
         for req in [r for r in self.running if r.aborted]:

@@ -21,14 +21,12 @@ from collections import OrderedDict
 from lorapage.memory.pool import PageKind, PagePool
 
 
-def block_keys(
-    namespace: bytes, token_ids: list[int], block_size: int, start: int = 0, parent: bytes = b""
-) -> list[bytes]:
-    """Keys of the full blocks of ``token_ids`` from block ``start`` on (``parent``: the key of
-    block ``start - 1``, or empty for the first block, which is chained to ``namespace``)."""
+def block_keys(namespace: bytes, token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """Keys of the full blocks of ``token_ids``, which continue the block whose key is
+    ``parent`` (empty: they are a sequence's first blocks, chained to ``namespace``)."""
     keys = []
     prev = parent or hashlib.sha256(namespace).digest()
-    for b in range(start, len(token_ids) // block_size):
+    for b in range(len(token_ids) // block_size):
         block = token_ids[b * block_size : (b + 1) * block_size]
         prev = hashlib.sha256(prev + struct.pack(f"<{len(block)}q", *block)).digest()
         keys.append(prev)
