@@ -56,6 +56,17 @@ class EngineConfig:
     scheduler: str = "vtc"  # vtc (fair across tenants) | fcfs
     seed: int = 0
     io_threads: int = 4  # adapter file reads run here, never on the event loop
+    # The adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3
+    # and survives restarts; None keeps it in memory for this engine's life.
+    state_dir: str | None = None
+    # Remote adapter sources (https, s3, hf) download into this content-addressed cache, at most
+    # adapter_cache_bytes (least recently used entries go first); None: STATE_DIR/adapter-cache,
+    # or no remote sources when there is no state_dir either.
+    adapter_cache_dir: str | None = None
+    adapter_cache_bytes: int = 20 << 30
+    max_adapter_download_bytes: int = 4 << 30  # one version's two files together
+    s3_endpoint_url: str | None = None  # an S3-compatible store (None: AWS's, from boto3's config)
+    hf_endpoint: str | None = None  # a Hugging Face Hub mirror (None: huggingface_hub's default)
 
     def __post_init__(self) -> None:
         allowed = {"dtype": DTYPE_NAMES, "kernel_backend": KERNEL_BACKENDS, "scheduler": SCHEDULERS}
@@ -68,7 +79,16 @@ class EngineConfig:
             )
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
-        positive = ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras", "io_threads")
+        positive = (
+            "block_size",
+            "max_num_seqs",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
+            "io_threads",
+            "adapter_cache_bytes",
+            "max_adapter_download_bytes",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1; got {getattr(self, name)}")

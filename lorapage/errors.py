@@ -94,6 +94,18 @@ class AdapterBusyError(ConflictError):
     code = "adapter_busy"
 
 
+class AdapterBaseMismatchError(ConflictError):
+    """An adapter version was validated against another base model than the one running."""
+
+    code = "adapter_base_mismatch"
+
+
+class PinLimitError(ConflictError):
+    """Pinning one more adapter resident would take more of the pool than pins may hold."""
+
+    code = "pin_limit_exceeded"
+
+
 class BodyTooLargeError(LorapageError):
     """The request body is over the server's limit."""
 
@@ -138,6 +150,20 @@ class EngineClosedError(ServiceUnavailableError):
     """The engine has been shut down."""
 
     code = "engine_closed"
+
+
+class AdapterSourceError(LorapageError):
+    """An adapter's weights could not be fetched from their source (unreachable, refused, over
+    the size cap); only the requests that need that adapter fail."""
+
+    status = 502
+    code = "adapter_source_failed"
+
+
+class AdapterIntegrityError(AdapterSourceError):
+    """Fetched adapter files do not match the digest they were registered with."""
+
+    code = "adapter_integrity_failed"
 
 
 class EngineStepError(LorapageError):

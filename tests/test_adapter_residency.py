@@ -40,7 +40,7 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
     free, slots = engine.pool_free_pages(), len(engine.adapters._free_slots)
     gate = threading.Event()
     engine._forward.submit(gate.wait, 10)  # the forward thread is busy: the copy queues behind it
-    engine.adapters.ensure("acme")
+    engine.adapters.ensure("acme@1")
     for _ in range(500):
         if engine.pool_free_pages() < free:
             break
@@ -111,7 +111,7 @@ async def test_starving_loads_take_turns_in_order():
     workers = [asyncio.ensure_future(hot(a, n)) for a in ("acme", "globex", "initech") for n in (20, 31)]
     turns: list[str] = []
     for _ in range(3000):
-        resident = engine.adapters.resident()
+        resident = [key.partition("@")[0] for key in engine.adapters.resident()]
         if resident and (not turns or turns[-1] != resident[0]):
             turns.append(resident[0])
         if len(turns) >= 7:
@@ -133,16 +133,16 @@ async def test_prewarm_does_not_make_a_busy_adapter_yield():
     long = asyncio.ensure_future(
         collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=300, ignore_eos=True))
     )
-    while not engine.adapters.get("acme").running:
+    while not engine.adapters.get("acme@1").running:
         await asyncio.sleep(0.005)
     prewarm = asyncio.ensure_future(engine.load_adapter("globex"))
     await asyncio.sleep(0.2)  # ten times adapter_wait_s
     assert not prewarm.done() and engine.adapters.yields == 0
-    assert not engine.adapters.get("acme").yielding
+    assert not engine.adapters.get("acme@1").yielding
     last, _ = await asyncio.wait_for(long, 60)
     assert last.finish_reason == "length"
     await asyncio.wait_for(prewarm, 10)  # acme idle now: the pre-warm gets the slot
-    assert engine.adapters.resident() == ["globex"]
+    assert engine.adapters.resident() == ["globex@1"]
     await engine.close()
 
 
@@ -152,7 +152,10 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
     is evicted only when its pages complete the room (not earlier, which handed the slot straight
     back to its own reload and cycled)."""
     engine = tiny_engine(
-        max_loras=1, max_num_seqs=8, adapter_wait_s=0.05, scheduler="fcfs", num_pages=1 + engine_pages("initech") + 7
+        max_loras=1, max_num_seqs=8, adapter_wait_s=0.05, scheduler="fcfs",
+        # initech fits beside one full-length (80-token) sequence, and no more.
+        num_pages=1 + engine_pages("initech") + 20,
+        max_model_len=80,
     )
     await engine.load_adapter("globex")
     stop = False

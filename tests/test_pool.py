@@ -48,7 +48,7 @@ async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
     probe = tiny_engine()
     probe.add_adapter("r64", rank_adapters[64])
     need = probe.adapter_info("r64").num_pages
-    engine = tiny_engine(num_pages=1 + need + 20, max_loras=2)
+    engine = tiny_engine(num_pages=1 + need + 20, max_loras=2, max_model_len=80)
     engine.add_adapter("r64", rank_adapters[64])
     engine.add_adapter("r8", rank_adapters[8])
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -95,7 +95,7 @@ def test_fragmented_pool_gives_the_same_outputs(rank_adapters):
     taken = pool.allocate(pool.num_free, PageKind.KV)
     pool.free(taken[::2], PageKind.KV)
     got = frag.generate_batch([(p, a) for p, a in zip(prompts, ["r8", "acme", "initech"])], params)
-    entry = frag.adapters.get("r8")
+    entry = frag.adapters.get("r8@1")
     assert entry.pages[-1] - entry.pages[0] != len(entry.pages) - 1, "the adapter should be scattered"
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids

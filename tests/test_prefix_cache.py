@@ -135,7 +135,7 @@ async def test_no_block_is_shared_across_adapters_registrations_or_the_base(chec
 async def test_cached_blocks_are_given_back_under_pressure_and_recomputed():
     """A pool that holds a few prompts' blocks: every new prompt evicts idle cached ones, and a
     prompt whose blocks were evicted is recomputed to the same answer."""
-    engine = tiny_engine(num_pages=1 + 37 + 46, max_num_seqs=2)  # acme's 37 pages and 46 for KV
+    engine = tiny_engine(num_pages=1 + 37 + 46, max_num_seqs=2, max_model_len=184)  # acme's 37 pages and 46 for KV
     quiet = tiny_engine(enable_prefix_caching=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[(11 * k + j) % 200 + 3 for j in range(48)] for k in range(6)]

@@ -293,7 +293,7 @@ async def test_an_adapter_that_overflows_fails_only_its_own_requests(srv, clean)
     for err in errors:
         assert err["code"] == "sampling_failed" and "could not be sampled" in err["message"], err
     # Failed requests let go of the adapter: it is idle, and can be deleted at once.
-    await until(lambda: srv.engine.adapters.get("overflow").running == 0)
+    await until(lambda: srv.engine.adapters.get("overflow@1").running == 0)
     assert await srv.delete("overflow") == 200
 
 
@@ -335,7 +335,7 @@ async def test_backtracking_pattern_keys_are_accepted_and_matched_in_linear_time
 
     status, body = await under_load(srv, clean, hostile)
     assert status == 200 and body["choices"][0]["text"], body
-    spec = srv.engine.adapters.get("patterned").spec
+    spec = srv.engine.adapters.get("patterned@1").spec
     rank = spec.ranks[(0, "q_proj")]
     assert spec.scales[(0, "q_proj")] == 2 * alpha / rank  # the last key matched q_proj
     assert spec.scales[(0, "v_proj")] == alpha / rank  # nothing matched v_proj: the default alpha

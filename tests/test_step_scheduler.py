@@ -9,19 +9,34 @@ import threading
 import pytest
 from engine_util import collect, tiny_engine
 
-from lorapage import SamplingParams
-from lorapage.errors import EngineStepError, PromptTooLongError
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.errors import AdapterFormatError, EngineStepError, PromptTooLongError
+from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 
-async def test_request_that_cannot_fit_beside_its_adapter_is_refused():
-    """KV for prompt + max_tokens fits the pool, but not beside the request's own adapter: it
-    could never be admitted (or would preempt itself forever), so it must be refused up front."""
+async def test_adapter_that_cannot_fit_beside_one_full_sequence_is_refused_at_registration():
+    """The serving envelope: an adapter whose pages and one full-length sequence's KV blocks do
+    not fit the pool could never serve a request, so registration refuses it with the arithmetic;
+    a shorter max_model_len that fits takes it and serves."""
     probe = tiny_engine()
     pages = probe.adapter_info("initech").num_pages
-    engine = tiny_engine(num_pages=1 + pages + 3)
-    with pytest.raises(PromptTooLongError):
-        await asyncio.wait_for(collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=20)), 10)
+    await probe.close()
+    base = dict(model=str(TINY_BASE_DIR), block_size=4, num_pages=1 + pages + 3, max_lora_rank=64)
+    engine = Engine(EngineConfig(**base))
+    with pytest.raises(AdapterFormatError) as exc:
+        engine.add_adapter("initech", demo_adapter_dirs()["initech"])
+    msg = str(exc.value)
+    blocks = -(-engine.max_model_len // 4)
+    for part in (f"needs {pages} pages", f"{blocks} pages for one full-length sequence", "max_lora_rank 64"):
+        assert part in msg, msg
+    assert f"the pool has {engine.pool.capacity} pages" in msg
+    assert engine.list_adapters() == []  # nothing half-registered
     await engine.close()
+    fits = Engine(EngineConfig(**base, max_model_len=12))  # 3 blocks of 4 beside the adapter
+    fits.add_adapter("initech", demo_adapter_dirs()["initech"])
+    out, _ = await asyncio.wait_for(collect(fits, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=8)), 10)
+    assert len(out.token_ids) == 8
+    await fits.close()
 
 
 async def test_policy_failing_mid_schedule_leaks_nothing():
@@ -41,7 +56,7 @@ async def test_policy_failing_mid_schedule_leaks_nothing():
     engine.policy.schedule = failing_schedule
     with pytest.raises(EngineStepError, match="policy bug"):
         await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
-    entry = engine.adapters.get("acme")
+    entry = engine.adapters.get("acme@1")
     assert (entry.running, entry.waiting) == (0, 0)
     assert engine.pool_free_pages() == free
     out, _ = await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
@@ -69,7 +84,7 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     engine.policy.schedule = schedule
     gate.set()
     await asyncio.sleep(0.1)
-    entry = engine.adapters.get("globex")
+    entry = engine.adapters.get("globex@1")
     assert (entry.running, entry.waiting) == (0, 0)
     engine.remove_adapter("globex")  # refused if a pin had gone negative
     await engine.close()

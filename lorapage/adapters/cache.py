@@ -14,16 +14,20 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 import torch
 
+from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.layout import AdapterLayout, LoraTables
-from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec
+from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec
 from lorapage.errors import (
     AdapterBusyError,
     AdapterFormatError,
+    AdapterIntegrityError,
     AdapterLoadError,
     AdapterNotFoundError,
     ConflictError,
@@ -54,6 +58,7 @@ class AdapterEntry:
     name: str
     spec: AdapterSpec
     layout: AdapterLayout
+    digest: str = ""  # content digest the files must match when read ("" : not checked)
     slot: int = 0  # 0 = not resident in the pool
     pages: list[int] = field(default_factory=list)
     running: int = 0  # admitted requests using it: never evicted while > 0
@@ -88,6 +93,13 @@ class AdapterInfo:
     num_params: int
     num_pages: int
     tier: str  # gpu | ram | disk
+    # The version this entry serves (filled in by the engine from the catalog).
+    adapter_id: str = ""
+    version: int = 0
+    digest: str = ""
+    source: str = ""
+    current: bool = False
+    created: bool = True  # False: a registration of content an existing version already had
 
 
 class AdapterCache:
@@ -109,12 +121,17 @@ class AdapterCache:
         on_ready: Callable[[], None],
         clock: Callable[[], float],
         reclaim_kv: Callable[[int], int] | None = None,
+        sequence_pages: int = 0,
     ) -> None:
         self.model, self.pool, self.tables = model, pool, tables
         self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
         self.slot_wait_s = slot_wait_s
         self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
         self._reclaim_kv = reclaim_kv  # frees idle cached KV pages (the prefix cache's), up to n free
+        self.sequence_pages = sequence_pages  # KV pages of one full-length sequence: an adapter must fit beside it
+        # Where a version's files are read from when it is not in host RAM: a block holding them
+        # fetched and verified (the catalog's sources); None: the directory its spec names.
+        self.locate: Callable[[str], AbstractAsyncContextManager[Path]] | None = None
         self.entries: dict[str, AdapterEntry] = {}
         self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
         self._free_slots = list(range(max_loras, 0, -1))
@@ -144,18 +161,32 @@ class AdapterCache:
         every weight finite, and a size the pool can hold. Touches no engine state, so it may run
         in any thread."""
         spec = read_adapter_spec(path, self.model, self.max_lora_rank)
-        layout = AdapterLayout.plan(spec, self.model, self.pool.page_size)
-        if layout.num_pages > self.pool.capacity:
-            raise AdapterFormatError(
-                f"adapter at {path!r} needs {layout.num_pages} pages; the pool has {self.pool.capacity}"
-            )
+        layout = self.plan(spec)
         load_adapter_tensors(spec, self.dtype)  # refuses NaN / Inf weights now, not at the first request
         return spec, layout
 
-    def add(self, name: str, spec: AdapterSpec, layout: AdapterLayout) -> AdapterInfo:
-        """Register an adapter :meth:`validate` accepted."""
+    def plan(self, spec: AdapterSpec) -> AdapterLayout:
+        """The adapter's page layout, refused (the serving envelope) when its pages cannot fit in
+        the pool beside one full-length sequence's KV blocks: it could never serve a request."""
+        layout = AdapterLayout.plan(spec, self.model, self.pool.page_size)
+        if layout.num_pages + self.sequence_pages > self.pool.capacity:
+            m, page_bytes = self.model, self.pool.page_size * self.pool.storage.element_size()
+            raise AdapterFormatError(
+                f"adapter at {str(spec.path)!r} can never be served here: rank {spec.max_rank} "
+                f"(max_lora_rank {self.max_lora_rank}) on {len(spec.target_modules)} modules "
+                f"({', '.join(spec.target_modules)}) x {m.num_layers} layers needs {layout.num_pages} pages of "
+                f"{page_bytes} bytes per layer; with {self.sequence_pages} pages for one full-length sequence "
+                f"that is {layout.num_pages + self.sequence_pages}, and the pool has {self.pool.capacity} "
+                "pages. Use a lower rank or fewer modules, or start the server with a larger pool "
+                "(--num-pages) or a shorter --max-model-len"
+            )
+        return layout
+
+    def add(self, name: str, spec: AdapterSpec, layout: AdapterLayout, digest: str = "") -> AdapterInfo:
+        """Register an adapter :meth:`validate` accepted; its files are held to ``digest`` (its
+        content digest, when known) at every read."""
         self.check_name_free(name)
-        self.entries[name] = AdapterEntry(name, spec, layout)
+        self.entries[name] = AdapterEntry(name, spec, layout, digest=digest)
         return self.info(name)
 
     def unregister(self, name: str) -> None:
@@ -341,8 +372,7 @@ class AdapterCache:
         try:
             packed = self._host.get(entry.name)
             if packed is None:
-                loop = asyncio.get_running_loop()
-                packed = await loop.run_in_executor(self._io, self._read_and_pack, entry)
+                packed = await self._read(entry)
             self._host[entry.name] = packed
             self._host.move_to_end(entry.name)
             while len(self._host) > self.max_cpu_loras:
@@ -386,8 +416,31 @@ class AdapterCache:
         self._free_slots.append(slot)
         self.notify_memory_freed()
 
-    def _read_and_pack(self, entry: AdapterEntry) -> torch.Tensor:
-        tensors = load_adapter_tensors(entry.spec, self.dtype)
+    async def _read(self, entry: AdapterEntry) -> torch.Tensor:
+        """Fetch (when a locator is set), read and pack the adapter, off the event loop."""
+        loop = asyncio.get_running_loop()
+        if self.locate is None:
+            return await loop.run_in_executor(self._io, self._read_and_pack, entry, entry.spec)
+        async with self.locate(entry.name) as path:  # held: a disk cache keeps it while it is read
+            return await loop.run_in_executor(self._io, self._read_and_pack, entry, at_path(entry.spec, path))
+
+    def _read_and_pack(self, entry: AdapterEntry, spec: AdapterSpec) -> torch.Tensor:
+        """Read both files once, check them against the registered digest (the bytes hashed are
+        the bytes used), then parse and pack."""
+        weights = spec.weights_file.read_bytes()
+        if entry.digest:
+            got = bytes_digest(
+                {
+                    "adapter_config.json": (spec.path / "adapter_config.json").read_bytes(),
+                    spec.weights_file.name: weights,
+                }
+            )
+            if got != entry.digest:
+                raise AdapterIntegrityError(
+                    f"adapter {entry.name}: files in {spec.path} changed after registration (sha256 {got}, "
+                    f"registered {entry.digest}); register the new content as a new version"
+                )
+        tensors = load_adapter_tensors(spec, self.dtype, weights)
         packed = entry.layout.pack(tensors, self.pool.page_size)
         # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
         # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras

@@ -11,6 +11,7 @@ loaded base instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -57,6 +58,11 @@ class AdapterSpec:
     def num_params(self, model: ModelConfig) -> int:
         dims = model.module_dims()
         return sum(r * sum(dims[m]) for (_, m), r in self.ranks.items())
+
+
+def at_path(spec: AdapterSpec, path: Path) -> AdapterSpec:
+    """The same spec, its files read from ``path`` (a fetched copy of the same content)."""
+    return dataclasses.replace(spec, path=path, weights_file=path / spec.weights_file.name)
 
 
 def _fail(path: Path, why: str) -> AdapterFormatError:
@@ -234,15 +240,16 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
 
 
 def load_adapter_tensors(
-    spec: AdapterSpec, dtype: torch.dtype
+    spec: AdapterSpec, dtype: torch.dtype, data: bytes | None = None
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Read the weights: (layer, module) -> (A [r, d_in], B [d_out, r]) in ``dtype``.
+    """Read the weights: (layer, module) -> (A [r, d_in], B [d_out, r]) in ``dtype``, from
+    ``data`` (the weights file's bytes, already read and verified) or the file.
 
     Reads the file in one go (no mmap), so this is the part that runs in a worker thread. A
     weight with a NaN or Inf value (or one that overflows ``dtype``) is refused, naming it.
     """
     try:
-        state = load_safetensors_bytes(spec.weights_file.read_bytes())
+        state = load_safetensors_bytes(spec.weights_file.read_bytes() if data is None else data)
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
     out: dict[tuple[int, str], list] = {}

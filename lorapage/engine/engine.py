@@ -9,24 +9,27 @@ Adapter loads run beside it (see :mod:`lorapage.adapters.cache`) and never block
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import torch
 
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
+from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog, VersionInfo
+from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.layout import LoraTables, max_adapter_pages
+from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
+from lorapage.adapters.sources import AdapterSources, FileSource, parse_source
 from lorapage.config import EngineConfig
 from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
-from lorapage.errors import (
-    AdapterFormatError,
-    EngineClosedError,
-)
+from lorapage.errors import AdapterBusyError, EngineClosedError
 from lorapage.kernels.backend import select_backend
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import PrefixCache
@@ -41,7 +44,9 @@ from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
-REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this long
+# The engine reads any directory its caller names: which paths an untrusted caller may name (the
+# server's --adapter-root) is checked where that caller is, before the engine sees the path.
+_ANY_PATH = (Path("/"),)
 
 
 class Engine:
@@ -122,6 +127,29 @@ class Engine:
             on_ready=self._wake_up,
             clock=clock,
             reclaim_kv=self.prefix_cache.evict,
+            sequence_pages=max_blocks,
+        )
+        state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
+        self.registry = Registry(state)
+        # Restores every version committed before a restart (reading no weights).
+        cache_dir = config.adapter_cache_dir or (
+            str(Path(config.state_dir) / "adapter-cache") if config.state_dir is not None else None
+        )
+        self.sources = AdapterSources(
+            Path(cache_dir) if cache_dir is not None else None,
+            config.adapter_cache_bytes,
+            max_download_bytes=config.max_adapter_download_bytes,
+            adapter_roots=_ANY_PATH,
+            executor=self._io,
+            s3_endpoint_url=config.s3_endpoint_url,
+            hf_endpoint=config.hf_endpoint,
+        )
+        self.catalog = AdapterCatalog(
+            self.adapters,
+            self.registry,
+            base_digest=lambda: self.digest,
+            io_executor=self._io,
+            locate=self._locate_version,
         )
         self.scheduler_metrics = SchedulerMetrics()
         self.policy: SchedulerPolicy[Request] = make_policy(
@@ -201,47 +229,107 @@ class Engine:
 
     # -- adapters -------------------------------------------------------------------------------
 
-    def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        """Register a PEFT LoRA directory under ``name``; it is validated now (read whole, in the
-        calling thread) and loaded lazily. From a running event loop use :meth:`register_adapter`."""
-        return self.adapters.register(name, str(path))
+    def add_adapter(self, name: str, path: str | Path, *, owner: str | None = None) -> AdapterInfo:
+        """Register a PEFT LoRA directory as a new version of ``name`` (the alias then points at
+        it); it is validated now (read whole, in the calling thread), committed to the registry
+        and loaded lazily. From a running event loop use :meth:`register_adapter`."""
+        version = self.catalog.register_now(name, Path(path), owner=owner)
+        return self.adapter_info(version.key)
 
     async def register_adapter(
-        self, name: str, path: str | Path, *, timeout_s: float = REGISTRATION_TIMEOUT_S
+        self,
+        name: str,
+        source: str | Path,
+        *,
+        owner: str | None = None,
+        sha256: str | None = None,
+        expected_base_digest: str | None = None,
+        activate: bool = True,
+        timeout_s: float = REGISTRATION_TIMEOUT_S,
     ) -> AdapterInfo:
-        """:meth:`add_adapter` without holding the event loop: the adapter is read and checked in
-        a worker thread, and refused if that takes longer than ``timeout_s``."""
+        """:meth:`add_adapter` without holding the event loop, from a directory or a source URI
+        (``file://``, ``https://``, ``s3://``, ``hf://``; see :mod:`lorapage.adapters.sources`):
+        fetched and verified against ``sha256`` when given, read and checked in a worker thread
+        (refused past ``timeout_s``), and committed before this returns. Content equal to an
+        existing version of ``name`` returns that version (``created`` False)."""
         self._check_open()
-        self.adapters.check_name_free(name)
-        work = asyncio.get_running_loop().run_in_executor(self._io, self.adapters.validate, str(path))
-        try:
-            spec, layout = await asyncio.wait_for(work, timeout_s)
-        except TimeoutError:
-            raise AdapterFormatError(
-                f"adapter {name!r} could not be read and checked within {timeout_s:g}s", param="path"
-            ) from None
-        return self.adapters.add(name, spec, layout)
+        src = parse_source(str(source), sha256=sha256, adapter_roots=_ANY_PATH)
+        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None) as path:
+            version, created = await self.catalog.register(
+                name,
+                path,
+                source=src.uri,
+                owner=owner,
+                sha256=sha256,
+                expected_base_digest=expected_base_digest,
+                activate=activate,
+                timeout_s=timeout_s,
+            )
+        return dataclasses.replace(self.adapter_info(version.key), created=created)
+
+    def _locate_version(self, row: VersionRow) -> AbstractAsyncContextManager[Path]:
+        """Version ``row``'s files from its source, verified against its digest."""
+        src = parse_source(row.source, sha256=row.digest, adapter_roots=_ANY_PATH)
+        # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
+        # a remote one was checked when it landed in the disk cache.
+        return self.sources.use(src, None if isinstance(src, FileSource) else row.digest)
+
+    def resolve_adapter(self, name: str) -> str:
+        """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
+        return self.catalog.resolve(name)
+
+    async def set_adapter_version(self, adapter_id: str, version: int) -> AdapterInfo:
+        """Point ``adapter_id`` at ``version`` (deploy, rollback); requests in flight finish on
+        the version they started with."""
+        info = await self.catalog.set_current(adapter_id, version)
+        return self.adapter_info(info.key)
 
     def remove_adapter(self, name: str) -> None:
-        self.adapters.unregister(name)
+        """Remove version ``id@N``, or every version of ``id``; refused (409) while any of them
+        has requests queued or running, and then nothing is removed."""
+        keys = self.catalog.removable(name)
+        for key in keys:
+            entry = self.adapters.entries.get(key)
+            if entry is not None and (entry.running or entry.waiting):
+                raise AdapterBusyError(
+                    f"adapter {key} has {entry.running} running and {entry.waiting} queued requests; "
+                    "retry once they finish"
+                )
+        for key in keys:
+            self.catalog.remove(key)
 
     def adapter_info(self, name: str) -> AdapterInfo:
-        return self.adapters.info(name)
+        """What ``name`` (``id`` or ``id@N``) is served by now."""
+        key = self.catalog.resolve(name)
+        version = self.catalog.version_info(key)
+        return dataclasses.replace(
+            self.adapters.info(key),
+            adapter_id=version.adapter_id,
+            version=version.version,
+            digest=version.digest,
+            source=version.source,
+            current=version.current,
+        )
+
+    def adapter_versions(self, adapter_id: str | None = None) -> list[VersionInfo]:
+        """Every version (of ``adapter_id``, or of all ids), servable here or not."""
+        return self.catalog.versions(adapter_id)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return [self.adapters.info(n) for n in self.adapters.entries]
+        """The versions the aliases point at, one per id."""
+        return [self.adapter_info(v.key) for v in self.catalog.versions() if v.current and v.servable]
 
     async def load_adapter(self, name: str) -> None:
         """Make ``name`` resident in the pool now (pre-warm)."""
         self._check_open()
         self.step_loop.bind()
-        await self.adapters.wait_resident(name)
+        await self.adapters.wait_resident(self.catalog.resolve(name))
 
     async def unload_adapter(self, name: str) -> bool:
         """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running."""
         self._check_open()
         self.step_loop.bind()
-        return self.adapters.unload(name)
+        return self.adapters.unload(self.catalog.resolve(name))
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -261,6 +349,8 @@ class Engine:
         self._check_open()
         self.step_loop.bind()
         sampling = sampling or SamplingParams()
+        if adapter is not None:
+            adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
         self.intake.check(adapter, sampling)
         try:
             ids = await self.intake.prompt_ids(prompt)
@@ -360,6 +450,8 @@ class Engine:
         # cancelled loop will never apply: finish them now that the forward thread is idle.
         self.scheduler.abort_all_after_close()
         self._io.shutdown(wait=False, cancel_futures=True)
+        await self.sources.close()
+        self.registry.close()  # waits for a commit in flight (the registry's lock)
 
     # -- internals ------------------------------------------------------------------------------
 

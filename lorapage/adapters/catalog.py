@@ -1,0 +1,387 @@
+"""Adapter ids, versions and aliases: the registry's live view, in front of the adapter cache.
+
+A registration of new content under an id makes an immutable version ``id@N``; the id itself is
+an alias for one of them (the current), re-pointed atomically by a deploy or a rollback. A
+request names ``id`` or ``id@N`` and is resolved to one version when it is submitted: it runs on
+that version to its end, whatever the alias does meanwhile, so no step ever mixes two versions of
+one request. The adapter cache serves each version under its key ``id@N`` and knows nothing of
+aliases.
+
+Every change is committed to the :class:`~lorapage.adapters.registry.Registry` (in a worker
+thread) before the live view shows it, so what a caller was told exists survives a restart.
+Each version records the digest of the base it was validated against; on a restart over another
+base those versions are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from concurrent.futures import Executor
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorapage.adapters.cache import AdapterCache
+from lorapage.adapters.digest import content_digest, normalize_digest
+from lorapage.adapters.layout import AdapterLayout
+from lorapage.adapters.peft_format import AdapterSpec
+from lorapage.adapters.registry import Registry, VersionRow, version_key
+from lorapage.errors import (
+    AdapterBaseMismatchError,
+    AdapterBusyError,
+    AdapterFormatError,
+    AdapterIntegrityError,
+    AdapterNotFoundError,
+    ConflictError,
+    InvalidRequestError,
+)
+
+REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this long
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One version as callers see it (admin routes, ``Engine.adapter_versions``)."""
+
+    adapter_id: str
+    version: int
+    key: str  # id@N: what the adapter cache and every request run on
+    digest: str
+    source: str
+    base_digest: str
+    created: float
+    current: bool
+    servable: bool  # False: validated against another base than the one running
+
+
+@dataclass
+class _Adapter:
+    owner: str | None
+    current: int | None
+    versions: dict[int, VersionRow] = field(default_factory=dict)
+
+
+class AdapterCatalog:
+    """The live registry: ids -> versions -> the cache's entries, written through to SQLite."""
+
+    def __init__(
+        self,
+        cache: AdapterCache,
+        registry: Registry,
+        *,
+        base_digest: Callable[[], str],
+        io_executor: Executor,
+        locate: Callable[[VersionRow], AbstractAsyncContextManager[Path]] | None = None,
+    ) -> None:
+        self.cache, self.registry = cache, registry
+        self._base_digest, self._io, self._locate_row = base_digest, io_executor, locate
+        self._ids: dict[str, _Adapter] = {}
+        self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
+        self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
+        self._restore()
+        if locate is not None:
+            cache.locate = self._locate
+
+    def _locate(self, key: str) -> AbstractAsyncContextManager[Path]:
+        """A block holding version ``key``'s files, fetched from its source and verified."""
+        assert self._locate_row is not None
+        adapter_id, _, number = key.rpartition("@")
+        return self._locate_row(self._ids[adapter_id].versions[int(number)])
+
+    # -- restart --------------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Rebuild the live view and the cache's entries from the registry, reading no weights."""
+        owners = {a.adapter_id: a for a in self.registry.adapters()}
+        rows = self.registry.versions()
+        base = self._base_digest() if rows else ""
+        for a in owners.values():
+            self._ids[a.adapter_id] = _Adapter(a.owner, a.current)
+        for row in rows:
+            self._ids[row.adapter_id].versions[row.version] = row
+            if row.base_digest != base:
+                continue  # kept, and refused by resolve: validated against another base
+            spec = spec_from_json(row.spec)
+            try:
+                self.cache.add(row.key, spec, self.cache.plan(spec), row.digest)
+            except AdapterFormatError as exc:  # this server's pool or max_lora_rank cannot serve it
+                self._unfit[row.key] = exc
+
+    # -- names ----------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> str:
+        """The version key ``name`` (``id`` or ``id@N``) serves now; 404 when there is none, 409
+        when the version was validated against another base."""
+        adapter_id, at, number = name.rpartition("@")
+        if not at:
+            adapter_id = name
+        adapter = self._ids.get(adapter_id)
+        version: int | None = None
+        if adapter is not None:
+            version = adapter.current if not at else (int(number) if number.isdigit() else None)
+        row = adapter.versions.get(version) if adapter is not None and version is not None else None
+        if row is None:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+        if row.key in self._unfit:
+            raise self._unfit[row.key]
+        if row.key not in self.cache.entries:
+            raise AdapterBaseMismatchError(
+                f"adapter {row.key} was validated against base {row.base_digest[:16]}…, but this server runs "
+                f"base {self._base_digest()[:16]}…; register it again on this base",
+                param="model",
+            )
+        return row.key
+
+    def owner(self, adapter_id: str) -> str | None:
+        adapter = self._ids.get(adapter_id)
+        return adapter.owner if adapter is not None else None
+
+    def ids(self) -> list[str]:
+        return [i for i, a in self._ids.items() if a.versions]
+
+    def versions(self, adapter_id: str | None = None) -> list[VersionInfo]:
+        chosen = [adapter_id] if adapter_id is not None else list(self._ids)
+        out = []
+        for i in chosen:
+            adapter = self._ids.get(i)
+            if adapter is None:
+                continue
+            for row in adapter.versions.values():
+                out.append(self._info(row, adapter))
+        return out
+
+    def version_info(self, name: str) -> VersionInfo:
+        """The version ``name`` names; a version on another base is described, not refused."""
+        adapter_id, at, number = name.rpartition("@")
+        adapter = self._ids.get(adapter_id if at else name)
+        version = (int(number) if number.isdigit() else None) if at else (adapter.current if adapter else None)
+        if adapter is None or version not in adapter.versions:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+        return self._info(adapter.versions[version], adapter)
+
+    def _info(self, row: VersionRow, adapter: _Adapter) -> VersionInfo:
+        return VersionInfo(
+            adapter_id=row.adapter_id,
+            version=row.version,
+            key=row.key,
+            digest=row.digest,
+            source=row.source,
+            base_digest=row.base_digest,
+            created=row.created,
+            current=adapter.current == row.version,
+            servable=row.key in self.cache.entries,
+        )
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def check_owner(self, adapter_id: str, owner: str | None) -> None:
+        """An id with versions belongs to the tenant that first registered it."""
+        adapter = self._ids.get(adapter_id)
+        if adapter is not None and adapter.versions and adapter.owner != owner:
+            raise ConflictError(f"adapter id {adapter_id!r} belongs to another tenant; choose another id", param="id")
+
+    def prepare(
+        self, path: Path, *, sha256: str | None, expected_base_digest: str | None
+    ) -> tuple[AdapterSpec, AdapterLayout, str]:
+        """Read and check an adapter directory (any thread): spec, layout and content digest;
+        refuses a digest or a base other than the ones the caller expects."""
+        if expected_base_digest is not None:
+            want = _digest_param(expected_base_digest, "expected_base_digest")
+            if want != self._base_digest():
+                raise AdapterBaseMismatchError(
+                    f"registration expects base {want[:16]}…, but this server runs base {self._base_digest()[:16]}…",
+                    param="expected_base_digest",
+                )
+        spec, layout = self.cache.validate(str(path))
+        digest = content_digest(path)
+        if sha256 is not None and _digest_param(sha256, "sha256") != digest:
+            raise AdapterIntegrityError(
+                f"adapter at {path} has content digest {digest}, not the sha256 given ({sha256})", param="sha256"
+            )
+        return spec, layout, digest
+
+    async def register(
+        self,
+        adapter_id: str,
+        path: Path,
+        *,
+        source: str | None = None,
+        owner: str | None = None,
+        sha256: str | None = None,
+        expected_base_digest: str | None = None,
+        activate: bool = True,
+        timeout_s: float = REGISTRATION_TIMEOUT_S,
+    ) -> tuple[VersionInfo, bool]:
+        """Register the adapter in ``path`` as a new version of ``adapter_id`` (read and checked
+        in a worker, within ``timeout_s``), committed before it is returned. Content equal to an
+        existing version makes no new one: that version is returned (and made current when
+        ``activate``). Returns the version and whether it was created."""
+        self.check_owner(adapter_id, owner)
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(
+            self._io,
+            lambda: self.prepare(path, sha256=sha256, expected_base_digest=expected_base_digest),
+        )
+        try:
+            spec, layout, digest = await asyncio.wait_for(work, timeout_s)
+        except TimeoutError:
+            raise AdapterFormatError(
+                f"adapter {adapter_id!r} could not be read and checked within {timeout_s:g}s", param="path"
+            ) from None
+        async with self._lock:
+            self.check_owner(adapter_id, owner)  # again: another registration may have taken the id
+            same = self._same_content(adapter_id, digest)
+            if same is not None:
+                if activate and self._ids[adapter_id].current != same.version:
+                    await loop.run_in_executor(self._io, self.registry.set_current, adapter_id, same.version)
+                    self._ids[adapter_id].current = same.version
+                return self._info(same, self._ids[adapter_id]), False
+            row = await loop.run_in_executor(
+                self._io,
+                lambda: self._commit(adapter_id, owner, spec, digest, source or path.resolve().as_uri(), activate),
+            )
+            return self._add_live(row, owner, spec, layout, activate), True
+
+    def register_now(self, adapter_id: str, path: Path, *, owner: str | None = None) -> VersionInfo:
+        """:meth:`register` in the calling thread (for scripts with no event loop running)."""
+        self.check_owner(adapter_id, owner)
+        spec, layout, digest = self.prepare(path, sha256=None, expected_base_digest=None)
+        same = self._same_content(adapter_id, digest)
+        if same is not None:
+            if self._ids[adapter_id].current != same.version:
+                self.registry.set_current(adapter_id, same.version)
+                self._ids[adapter_id].current = same.version
+            return self._info(same, self._ids[adapter_id])
+        row = self._commit(adapter_id, owner, spec, digest, path.resolve().as_uri(), True)
+        return self._add_live(row, owner, spec, layout, True)
+
+    def _same_content(self, adapter_id: str, digest: str) -> VersionRow | None:
+        adapter = self._ids.get(adapter_id)
+        if adapter is None:
+            return None
+        return next((r for r in adapter.versions.values() if r.digest == digest and r.key in self.cache.entries), None)
+
+    def _commit(
+        self, adapter_id: str, owner: str | None, spec: AdapterSpec, digest: str, source: str, activate: bool
+    ) -> VersionRow:
+        return self.registry.add_version(
+            adapter_id,
+            owner,
+            digest=digest,
+            source=source,
+            base_digest=self._base_digest(),
+            spec=spec_to_json(spec),
+            activate=activate,
+        )
+
+    def _add_live(
+        self, row: VersionRow, owner: str | None, spec: AdapterSpec, layout: AdapterLayout, activate: bool
+    ) -> VersionInfo:
+        adapter = self._ids.setdefault(row.adapter_id, _Adapter(owner, None))
+        if not adapter.versions:
+            adapter.owner = owner
+        adapter.versions[row.version] = row
+        if activate or adapter.current is None:
+            adapter.current = row.version
+        self.cache.add(row.key, spec, layout, row.digest)
+        return self._info(row, adapter)
+
+    # -- aliases and deletion -------------------------------------------------------------------
+
+    async def set_current(self, adapter_id: str, version: int) -> VersionInfo:
+        """Point ``adapter_id`` at ``version`` (deploy or rollback). Requests already submitted
+        keep the version they were resolved to."""
+        adapter = self._ids.get(adapter_id)
+        if adapter is None or version not in adapter.versions:
+            raise AdapterNotFoundError(f"adapter {version_key(adapter_id, version)!r} does not exist", param="version")
+        row = adapter.versions[version]
+        if row.key not in self.cache.entries:
+            self.resolve(row.key)  # raises the base mismatch
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._io, self.registry.set_current, adapter_id, version)
+            adapter.current = version
+        return self._info(row, adapter)
+
+    def removable(self, name: str) -> list[str]:
+        """The version keys deleting ``name`` removes: one for ``id@N``, every one for ``id``.
+        Deleting the current version of an id that has others is refused: re-point it first."""
+        adapter_id, at, number = name.rpartition("@")
+        if not at:
+            adapter_id = name
+        adapter = self._ids.get(adapter_id)
+        if adapter is None or not adapter.versions:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
+        if not at:
+            return [r.key for r in adapter.versions.values()]
+        version = int(number) if number.isdigit() else -1
+        if version not in adapter.versions:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
+        if version == adapter.current and len(adapter.versions) > 1:
+            others = ", ".join(str(v) for v in adapter.versions if v != version)
+            raise ConflictError(
+                f"{name} is the version {adapter_id!r} serves; point the alias at another version "
+                f"({others}) first, or DELETE {adapter_id} to remove every version",
+                param="id",
+            )
+        return [version_key(adapter_id, version)]
+
+    def remove(self, key: str) -> None:
+        """Forget one version (the cache refuses while requests for it queue or run), committed
+        first. The alias moves to the newest remaining version if it pointed here."""
+        adapter_id, _, number = key.rpartition("@")
+        adapter = self._ids[adapter_id]
+        version = int(number)
+        entry = self.cache.entries.get(key)
+        if entry is not None and (entry.running or entry.waiting):
+            raise AdapterBusyError(
+                f"adapter {key} has {entry.running} running and {entry.waiting} queued requests; retry once they finish"
+            )
+        rest = [v for v in adapter.versions if v != version]
+        new_current = adapter.current if adapter.current != version else (max(rest) if rest else None)
+        self.registry.delete_version(adapter_id, version, new_current)
+        if entry is not None:
+            self.cache.unregister(key)
+        del adapter.versions[version]
+        adapter.current = new_current
+        if not adapter.versions:
+            adapter.owner = None
+
+
+def _digest_param(raw: str, param: str) -> str:
+    try:
+        return normalize_digest(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param=param) from None
+
+
+def spec_to_json(spec: AdapterSpec) -> str:
+    """The spec as stored in the registry: enough to serve the version without re-reading it."""
+    return json.dumps(
+        {
+            "path": str(spec.path),
+            "weights_file": spec.weights_file.name,
+            "modules": [
+                [layer, module, spec.ranks[(layer, module)], spec.scales[(layer, module)]]
+                for (layer, module) in sorted(spec.ranks)
+            ],
+            "target_modules": list(spec.target_modules),
+            "max_rank": spec.max_rank,
+            "size_bytes": spec.size_bytes,
+        }
+    )
+
+
+def spec_from_json(text: str) -> AdapterSpec:
+    data = json.loads(text)
+    path = Path(data["path"])
+    return AdapterSpec(
+        path=path,
+        weights_file=path / data["weights_file"],
+        ranks={(layer, module): rank for layer, module, rank, _ in data["modules"]},
+        scales={(layer, module): scale for layer, module, _, scale in data["modules"]},
+        target_modules=tuple(data["target_modules"]),
+        max_rank=data["max_rank"],
+        size_bytes=data["size_bytes"],
+    )

@@ -1,0 +1,188 @@
+"""The durable adapter registry: adapter ids, their immutable versions and aliases, in SQLite.
+
+One file under ``--state-dir`` (``:memory:`` for an embedded engine given no path), in WAL mode
+with ``synchronous=FULL``: a registration is one transaction, so a ``kill -9`` at any moment
+leaves each version either committed whole or absent, and the server answers 201 only after the
+commit. The registry only persists; the engine keeps the live view in memory and writes here
+first (see :mod:`lorapage.adapters.catalog`).
+
+Tables:
+- ``adapters``: one row per id ever registered: its owner tenant, the version its alias points at
+  (``current``, NULL once every version is deleted) and the next version number. The row outlives
+  its versions so a number is never reused: ``id@3`` names the same bytes for good.
+- ``versions``: ``(id, version)`` with the content digest, the canonical source URI, the base
+  digest it was validated against and the adapter's spec (JSON: ranks and scales per module), so
+  a restart restores every version without reading or downloading any weights.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+REGISTRY_FILE = "registry.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS adapters (
+    id TEXT PRIMARY KEY,
+    owner TEXT,
+    current INTEGER,
+    next_version INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    id TEXT NOT NULL REFERENCES adapters(id),
+    version INTEGER NOT NULL,
+    digest TEXT NOT NULL,
+    source TEXT NOT NULL,
+    base_digest TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (id, version)
+);
+"""
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    """One immutable version of an adapter, as stored."""
+
+    adapter_id: str
+    version: int
+    digest: str
+    source: str
+    base_digest: str
+    spec: str
+    created: float
+
+    @property
+    def key(self) -> str:
+        return version_key(self.adapter_id, self.version)
+
+
+@dataclass(frozen=True)
+class AdapterRow:
+    adapter_id: str
+    owner: str | None
+    current: int | None
+
+
+def version_key(adapter_id: str, version: int) -> str:
+    """The name a version is served under: ``id@N``."""
+    return f"{adapter_id}@{version}"
+
+
+class Registry:
+    """SQLite persistence of adapter ids, versions and aliases. Thread-safe (one lock): the
+    engine calls it from a worker thread so a commit's fsync never holds the event loop."""
+
+    def __init__(self, path: str | Path = ":memory:") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT) below.
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before it returns
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self._lock, self._transaction():
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                self._db.execute(statement)
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"adapter registry {self.path} has schema {row[0]}; this lorapage reads schema {SCHEMA_VERSION}"
+                )
+
+    def _transaction(self):
+        return _Transaction(self._db)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def adapters(self) -> list[AdapterRow]:
+        with self._lock:
+            rows = self._db.execute("SELECT id, owner, current FROM adapters ORDER BY created, id").fetchall()
+        return [AdapterRow(*r) for r in rows]
+
+    def versions(self) -> list[VersionRow]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, version, digest, source, base_digest, spec, created FROM versions ORDER BY id, version"
+            ).fetchall()
+        return [VersionRow(*r) for r in rows]
+
+    # -- writes: each one transaction -----------------------------------------------------------
+
+    def add_version(
+        self,
+        adapter_id: str,
+        owner: str | None,
+        *,
+        digest: str,
+        source: str,
+        base_digest: str,
+        spec: str,
+        activate: bool,
+    ) -> VersionRow:
+        """Store a new version of ``adapter_id`` (creating the id, owned by ``owner``, on first
+        use) and point the alias at it when ``activate`` (or when the id has no current one)."""
+        now = time.time()
+        with self._lock, self._transaction():
+            row = self._db.execute("SELECT next_version, current FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+            if row is None:
+                version, current = 1, None
+                self._db.execute(
+                    "INSERT INTO adapters (id, owner, current, next_version, created) VALUES (?, ?, NULL, 2, ?)",
+                    (adapter_id, owner, now),
+                )
+            else:
+                version, current = row
+                self._db.execute(
+                    "UPDATE adapters SET next_version = ?, owner = COALESCE(owner, ?) WHERE id = ?",
+                    (version + 1, owner, adapter_id),
+                )
+            self._db.execute(
+                "INSERT INTO versions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (adapter_id, version, digest, source, base_digest, spec, now),
+            )
+            if activate or current is None:
+                self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (version, adapter_id))
+        return VersionRow(adapter_id, version, digest, source, base_digest, spec, now)
+
+    def set_current(self, adapter_id: str, version: int) -> None:
+        """Re-point the alias (deploy, rollback): one UPDATE, atomic."""
+        with self._lock, self._transaction():
+            self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (version, adapter_id))
+
+    def delete_version(self, adapter_id: str, version: int, new_current: int | None) -> None:
+        """Remove one version; the alias moves to ``new_current`` (None: no version left)."""
+        with self._lock, self._transaction():
+            self._db.execute("DELETE FROM versions WHERE id = ? AND version = ?", (adapter_id, version))
+            self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (new_current, adapter_id))
+            if new_current is None:  # the id is free for any tenant again; its numbers stay used
+                self._db.execute("UPDATE adapters SET owner = NULL WHERE id = ?", (adapter_id,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``, or ``ROLLBACK`` on an exception (the caller holds the lock)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")

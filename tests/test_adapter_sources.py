@@ -1,0 +1,414 @@
+"""Adapter sources: parsing, and fetches from real servers on 127.0.0.1 (an aiohttp file server,
+moto's S3 server, an aiohttp server speaking the Hub's resolve URLs) through the disk cache."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from lorapage.adapters.digest import ADAPTER_FILES, content_digest
+from lorapage.adapters.sources import AdapterSources, FileSource, HfSource, parse_source
+from lorapage.errors import (
+    AdapterIntegrityError,
+    AdapterSourceError,
+    InvalidRequestError,
+    PermissionDeniedError,
+)
+from lorapage.tiny import demo_adapter_dirs
+
+CAP = 1 << 20  # the download cap in these tests; the demo adapter is about 80 KB
+OTHER = "0" * 64  # a digest no adapter here has
+
+
+def make_adapter(dest: Path, variant: int = 0) -> Path:
+    """A real PEFT adapter directory; ``variant`` makes its content (and digest) distinct."""
+    dest.mkdir(parents=True)
+    src = demo_adapter_dirs()["acme"]
+    shutil.copy(src / "adapter_config.json", dest / "adapter_config.json")
+    weights = (src / "adapter_model.safetensors").read_bytes()
+    (dest / "adapter_model.safetensors").write_bytes(weights + b" " * variant)
+    return dest
+
+
+def cache_listing(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in cache_dir.iterdir())
+
+
+class FileServer:
+    """Serves ``files`` (url path -> bytes); counts hits, and can stall, truncate, drop the
+    Content-Length or refuse a path."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+        self.hits: Counter[str] = Counter()
+        self.truncate: set[str] = set()
+        self.chunked: set[str] = set()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.base = ""
+
+    def publish(self, prefix: str, adapter: Path) -> str:
+        for name in ADAPTER_FILES:
+            self.files[f"{prefix}/{name}"] = (adapter / name).read_bytes()
+        return f"{self.base}/{prefix}"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.match_info["path"]
+        self.hits[path] += 1
+        await self.gate.wait()
+        if path not in self.files:
+            return web.Response(status=404)
+        data = self.files[path]
+        resp = web.StreamResponse()
+        if path in self.chunked:
+            resp.enable_chunked_encoding()
+        else:
+            resp.content_length = len(data)
+        await resp.prepare(request)
+        if path in self.truncate:
+            await resp.write(data[: len(data) // 2])
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+
+async def start_server(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[FileServer]:
+    files = FileServer()
+    app = web.Application()
+    app.router.add_get("/{path:.*}", files.handle)
+    runner, files.base = await start_server(app)
+    yield files
+    await runner.cleanup()
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as pool:
+        yield pool
+
+
+@pytest.fixture
+async def make_sources(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[Callable[..., AdapterSources]]:
+    made: list[AdapterSources] = []
+
+    def make(cache_bytes: int = 1 << 30, **kw: object) -> AdapterSources:
+        options: dict = {"max_download_bytes": CAP, "adapter_roots": (tmp_path / "root",), "executor": executor}
+        sources = AdapterSources(tmp_path / "cache", cache_bytes, **(options | kw))
+        made.append(sources)
+        return sources
+
+    yield make
+    for sources in made:
+        await sources.close()
+
+
+def test_parse_source_canonical_forms(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    adapter = make_adapter(root / "a")
+    roots = (root,)
+    sha = "SHA256:" + "AB" * 32
+    assert parse_source(str(adapter), sha256=None, adapter_roots=roots) == FileSource(adapter.as_uri(), adapter)
+    assert parse_source(adapter.as_uri() + "/", sha256=None, adapter_roots=roots).uri == adapter.as_uri()
+    assert parse_source("HTTPS://Host.example/a/b/", sha256=sha, adapter_roots=()).uri == "https://host.example/a/b"
+    assert parse_source("http://127.0.0.1:8080/x", sha256=sha, adapter_roots=()).uri == "http://127.0.0.1:8080/x"
+    assert parse_source("s3://bucket/p/q/", sha256=None, adapter_roots=()).uri == "s3://bucket/p/q"
+    hf = parse_source("hf://org/repo", sha256=None, adapter_roots=())
+    assert hf == HfSource("hf://org/repo@main", "org/repo", "main") and not hf.pinned
+    stored = parse_source("hf://org/repo@v1.0", sha256=None, adapter_roots=())
+    assert parse_source(stored.uri, sha256=None, adapter_roots=()) == stored
+
+
+@pytest.mark.parametrize(
+    ("uri", "sha256", "error", "says"),
+    [
+        ("relative/dir", None, InvalidRequestError, "absolute"),
+        ("{tmp}/elsewhere", None, PermissionDeniedError, "outside the adapter roots"),
+        ("{tmp}/root/linked", None, PermissionDeniedError, "links outside"),
+        ("file://server/dir", None, InvalidRequestError, "local path"),
+        ("https://host/a", None, InvalidRequestError, "sha256"),
+        ("https://host/a", "abc", InvalidRequestError, "64 hex"),
+        ("http://example.com/a", "a" * 64, InvalidRequestError, "127.0.0.1"),
+        ("https://user:pw@host/a", "a" * 64, InvalidRequestError, "credentials"),
+        ("https://host/a?sig=1", "a" * 64, InvalidRequestError, "query"),
+        ("s3://Bad_Bucket/p", None, InvalidRequestError, "bucket"),
+        ("hf://just-a-repo", None, InvalidRequestError, "hf://org/repo@revision"),
+        ("ftp://host/a", None, InvalidRequestError, "not supported"),
+    ],
+)
+def test_parse_source_refuses(tmp_path: Path, uri: str, sha256: str | None, error: type, says: str) -> None:
+    root = tmp_path / "root"
+    make_adapter(tmp_path / "elsewhere")
+    make_adapter(root / "linked")
+    (root / "linked" / "adapter_model.safetensors").unlink()
+    (root / "linked" / "adapter_model.safetensors").symlink_to(tmp_path / "elsewhere" / "adapter_model.safetensors")
+    with pytest.raises(error, match=says) as info:
+        parse_source(uri.format(tmp=tmp_path), sha256=sha256, adapter_roots=(root,))
+    assert type(info.value) is error
+
+
+async def test_file_source_is_read_in_place_and_changes_after_registration_are_refused(
+    tmp_path: Path, make_sources: Callable[..., AdapterSources]
+) -> None:
+    adapter = make_adapter(tmp_path / "root" / "a")
+    digest = content_digest(adapter)
+    source = parse_source(str(adapter), sha256=None, adapter_roots=(tmp_path / "root",))
+    sources = make_sources()
+    assert await sources.fetch(source, digest) == adapter
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(AdapterIntegrityError, match=f"registered {digest}"):
+        await sources.fetch(source, digest)
+    assert sources.stats().failures == {"file": 1}
+
+
+async def test_https_fetch_verifies_caches_and_hits(
+    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    source = parse_source(server.publish("a", adapter), sha256=digest, adapter_roots=())
+    sources = make_sources()
+    path = await sources.fetch(source, digest)
+    assert path == tmp_path / "cache" / digest
+    for name in ADAPTER_FILES:
+        assert (path / name).read_bytes() == (adapter / name).read_bytes()
+    assert await sources.fetch(source, digest) == path
+    assert server.hits == {f"a/{name}": 1 for name in ADAPTER_FILES}
+    stats = sources.stats()
+    assert (stats.downloads, stats.cache_hits, stats.cache_entries) == ({"https": 1}, 1, 1)
+    assert stats.bytes_downloaded == {"https": stats.cache_bytes} and stats.cache_bytes > 0
+
+
+async def test_https_wrong_digest_leaves_nothing_and_the_next_fetch_retries(
+    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    source = parse_source(server.publish("a", adapter), sha256=OTHER, adapter_roots=())
+    sources = make_sources()
+    with pytest.raises(AdapterIntegrityError) as info:
+        await sources.fetch(source, OTHER)
+    assert all(part in info.value.message for part in (digest, OTHER, source.uri))
+    assert cache_listing(tmp_path / "cache") == []
+    assert (await sources.fetch(source, digest)).name == digest
+    assert sources.stats().integrity_failures == 1
+
+
+@pytest.mark.parametrize(
+    ("setup", "says"),
+    [
+        ("missing", "HTTP 404"),
+        ("truncated", "ended early"),
+        ("declared_over_cap", "declares"),
+        ("streamed_over_cap", "sent more than"),
+        ("unreachable", "unreachable"),
+    ],
+)
+async def test_https_failures_fail_only_that_fetch(
+    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources], setup: str, says: str
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    uri = server.publish("a", adapter)
+    weights = "a/adapter_model.safetensors"
+    big = b"x" * (CAP + 1)
+    match setup:
+        case "missing":
+            del server.files[weights]
+        case "truncated":
+            server.truncate.add(weights)
+        case "declared_over_cap":
+            server.files[weights] = big
+        case "streamed_over_cap":
+            server.files[weights] = big
+            server.chunked.add(weights)
+        case "unreachable":
+            uri = "http://127.0.0.1:9/a"  # the discard port: nothing listens
+    sources = make_sources()
+    with pytest.raises(AdapterSourceError, match=says) as info:
+        await sources.fetch(parse_source(uri, sha256=digest, adapter_roots=()), digest)
+    assert type(info.value) is AdapterSourceError
+    assert cache_listing(tmp_path / "cache") == []
+    assert sources.stats().failures == {"https": 1}
+
+
+async def test_concurrent_fetches_of_a_cold_adapter_share_one_download(
+    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    source = parse_source(server.publish("a", adapter), sha256=digest, adapter_roots=())
+    sources = make_sources()
+    server.gate.clear()
+    fetches = [asyncio.create_task(sources.fetch(source, digest)) for _ in range(8)]
+    while not server.hits:
+        await asyncio.sleep(0.01)
+    fetches[0].cancel()  # one caller gives up; the download goes on for the others
+    server.gate.set()
+    paths = await asyncio.gather(*fetches[1:])
+    assert set(paths) == {tmp_path / "cache" / digest}
+    assert server.hits == {f"a/{name}": 1 for name in ADAPTER_FILES}
+    assert sources.stats().downloads == {"https": 1}
+
+
+async def test_lru_eviction_keeps_recent_and_held_entries_under_the_byte_cap(
+    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+) -> None:
+    versions = []
+    for i in range(3):
+        adapter = make_adapter(tmp_path / f"v{i}", variant=i)
+        digest = content_digest(adapter)
+        versions.append((parse_source(server.publish(f"v{i}", adapter), sha256=digest, adapter_roots=()), digest))
+    size = sum((tmp_path / "v0" / name).stat().st_size for name in ADAPTER_FILES)
+    sources = make_sources(cache_bytes=2 * size + 2)  # two entries fit, not three
+    (s0, d0), (s1, d1), (s2, d2) = versions
+    await sources.fetch(s0, d0)
+    await sources.fetch(s1, d1)
+    await sources.fetch(s0, d0)  # v0 is now more recent than v1
+    await sources.fetch(s2, d2)
+    assert cache_listing(tmp_path / "cache") == sorted([d0, d2])
+    async with sources.use(s0, d0) as path:
+        await sources.fetch(s2, d2)  # v0 is the least recently used now, but held
+        await sources.fetch(s1, d1)
+        assert (path / "adapter_config.json").exists()
+    assert cache_listing(tmp_path / "cache") == sorted([d0, d1])
+    assert sources.stats().cache_evictions == 2
+
+
+async def test_cache_survives_restart_and_a_corrupted_entry_is_downloaded_again(
+    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    source = parse_source(server.publish("a", adapter), sha256=digest, adapter_roots=())
+    path = await make_sources().fetch(source, digest)
+    (tmp_path / "cache" / ".tmp-left-by-a-crash").mkdir()
+    again = make_sources()
+    assert cache_listing(tmp_path / "cache") == [digest]
+    assert await again.fetch(source, digest) == path
+    assert sum(server.hits.values()) == 2 and again.stats().cache_hits == 1
+    (path / "adapter_model.safetensors").write_bytes(b"bit rot")
+    assert content_digest(await again.fetch(source, digest)) == digest
+    assert sum(server.hits.values()) == 4
+
+
+# --- s3, against moto's server ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    moto_server = pytest.importorskip(
+        "moto.server", reason="the s3 tests need moto[server] (pip install 'moto[server]')"
+    )
+    pytest.importorskip("boto3", reason="s3 sources need boto3 (pip install 'lorapage[s3]')")
+    s3 = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    s3.start()
+    host, port = s3.get_host_and_port()
+    yield f"http://{host}:{port}"
+    s3.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, Path], None]:
+    import boto3
+
+    for var, value in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(var, value)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="adapters")
+
+    def upload(prefix: str, adapter: Path) -> None:
+        for name in ADAPTER_FILES:
+            client.upload_file(str(adapter / name), "adapters", f"{prefix}/{name}")
+
+    return upload
+
+
+async def test_s3_fetch_verifies_and_refuses_a_wrong_digest(
+    tmp_path: Path,
+    s3_endpoint: str,
+    s3_bucket: Callable[[str, Path], None],
+    make_sources: Callable[..., AdapterSources],
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    s3_bucket("team/a", adapter)
+    source = parse_source("s3://adapters/team/a/", sha256=None, adapter_roots=())
+    sources = make_sources(s3_endpoint_url=s3_endpoint)
+    with pytest.raises(AdapterIntegrityError, match=OTHER):
+        await sources.fetch(source, OTHER)
+    path = await sources.fetch(source, None)  # no digest given: it is what was downloaded
+    assert path.name == digest and content_digest(path) == digest
+    with pytest.raises(AdapterSourceError, match="404|NoSuchKey"):
+        await sources.fetch(parse_source("s3://adapters/team/b", sha256=None, adapter_roots=()), OTHER)
+    assert cache_listing(tmp_path / "cache") == [digest]
+
+
+async def test_s3_object_over_the_cap_fails_before_download(
+    tmp_path: Path,
+    s3_endpoint: str,
+    s3_bucket: Callable[[str, Path], None],
+    make_sources: Callable[..., AdapterSources],
+) -> None:
+    adapter = make_adapter(tmp_path / "a")
+    s3_bucket("a", adapter)
+    sources = make_sources(s3_endpoint_url=s3_endpoint, max_download_bytes=2000)
+    with pytest.raises(AdapterSourceError, match="declares"):
+        await sources.fetch(parse_source("s3://adapters/a", sha256=None, adapter_roots=()), None)
+    assert sources.stats().bytes_downloaded == {"s3": os.path.getsize(adapter / "adapter_config.json")}
+
+
+# --- hf, against a server speaking the Hub's resolve URLs ---------------------------------
+
+
+async def test_hf_fetch_at_a_revision(tmp_path: Path, make_sources: Callable[..., AdapterSources]) -> None:
+    pytest.importorskip("huggingface_hub", reason="hf sources need huggingface_hub (pip install 'lorapage[hf]')")
+    adapter = make_adapter(tmp_path / "a")
+    digest = content_digest(adapter)
+    commit = "c" * 40
+    asked: list[str] = []
+
+    async def resolve(request: web.Request) -> web.Response:
+        info = request.match_info
+        asked.append(f"{request.method} {info['rev']}")
+        if f"{info['org']}/{info['repo']}" != "org/repo" or info["rev"] not in ("v1", commit):
+            return web.Response(status=404, headers={"X-Error-Code": "RevisionNotFound"})
+        body = (adapter / info["file"]).read_bytes()
+        return web.Response(body=body, headers={"X-Repo-Commit": commit, "ETag": f'"{len(body)}"'})
+
+    app = web.Application()
+    app.router.add_get("/{org}/{repo}/resolve/{rev}/{file}", resolve)
+    runner, endpoint = await start_server(app)
+    try:
+        sources = make_sources(hf_endpoint=endpoint)
+        path = await sources.fetch(parse_source("hf://org/repo@v1", sha256=None, adapter_roots=()), digest)
+        assert content_digest(path) == digest and cache_listing(path) == sorted(ADAPTER_FILES)
+        assert asked[0] == "HEAD v1" and all(a.endswith(commit) for a in asked[1:])  # one commit for both
+        with pytest.raises(AdapterSourceError, match="hf://org/repo@nope"):
+            await sources.fetch(parse_source("hf://org/repo@nope", sha256=None, adapter_roots=()), OTHER)
+        assert sources.stats().downloads == {"hf": 1}
+    finally:
+        await runner.cleanup()
