@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lorapage.kernels.lora_plan import LoraBatch, plan_lora_batches
+
 
 @dataclass(frozen=True)
 class LoraIndices:
@@ -33,12 +35,22 @@ class LoraIndices:
     # the Triton launchers run BGMV (one token per program, reads only token_slot: what a captured
     # decode graph uses); set: they run SGMV over these segments (eager prefill and mixed steps).
     segment_table: Tensor | None = None
+    # The PyTorch ops' batches (lora_plan.py), planned once per step for every layer and module.
+    # None: each op plans its own call.
+    batches: tuple[LoraBatch, ...] | None = None
 
     def with_segment_table(self) -> LoraIndices:
         """A copy carrying ``segment_table`` (one small host-to-device copy), for SGMV launches."""
         rows = list(self.segments) or [(0, 0, 0)]
         table = torch.tensor(rows, dtype=torch.int32).to(self.token_slot.device)
         return replace(self, segment_table=table[: len(self.segments)])
+
+    def with_batches(self, page_table: Tensor, layout: tuple[Tensor, ...], pool: Tensor) -> LoraIndices:
+        """A copy carrying ``batches`` for the PyTorch ops. ``layout``: the per-layer lookup tables
+        (``[layers, slots, ...]``) whose rows must match for two slots to share a batch; ``pool``
+        one layer's slab."""
+        rows = [_host(t).swapaxes(0, 1) for t in layout]
+        return replace(self, batches=plan_lora_batches(self.segments, page_table, rows, pool))
 
 
 def page_span(pool: Tensor, pages: np.ndarray, offset: int, numel: int) -> Tensor:

@@ -7,10 +7,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any
 
 from lorapage.engine.step_scheduler import StepScheduler
 from lorapage.errors import EngineStepError
-from lorapage.model.runner import ModelRunner
+from lorapage.model.runner import ModelRunner, StepPlan
 
 log = logging.getLogger("lorapage.engine")
 
@@ -63,10 +64,20 @@ class StepLoop:
                     plan = self.scheduler.plan_step()
                     if plan is None:
                         break
-                    sampled = await loop.run_in_executor(self.forward, self.runner.execute, plan)
+                    sampled = await loop.run_in_executor(self.forward, _execute, self.runner, plan)
                     self.scheduler.apply(plan, sampled)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never leave callers hanging on a dead loop
                 log.exception("engine step failed; failing the requests in flight")
                 self.scheduler.fail_all(EngineStepError(f"the engine step failed: {exc}"))
+
+
+def _execute(runner: ModelRunner, plan: StepPlan) -> Any:
+    """``runner.execute(plan)`` on the forward thread. A StopIteration escaping it (a ``next()``
+    that ran dry) cannot be set on an asyncio future: the step would never end and every request
+    would hang. It is raised as the RuntimeError it is, so the step fails like any other."""
+    try:
+        return runner.execute(plan)
+    except StopIteration as exc:
+        raise RuntimeError(f"StopIteration escaped the forward pass: {exc!r}") from exc

@@ -162,12 +162,20 @@ class ModelRunner:
         lora = LoraIndices(b.token_slot[:T], plan.segments) if plan.segments else None
         if lora is not None and self.ctx.ops.name == "triton" and T > nd:
             lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
+        elif lora is not None and self.ctx.ops.name == "torch":
+            lora = self._with_batches(lora)
         with torch.inference_mode():
             hidden = self.ctx.forward(T, attn, lora)
             if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
                 return SampleOutput([], [], [])
             logits = model.logits(hidden[plan.sample_index])
             return sample(logits, plan.sample_rows)
+
+    def _with_batches(self, lora: LoraIndices) -> LoraIndices:
+        """The PyTorch ops' batches, planned once for every layer and module of the step."""
+        t = self.ctx.tables
+        layout = (t.a_offset, t.a_rows, t.b_offset, t.rank, t.h_start)
+        return lora.with_batches(t.page_table, layout, self.ctx.pool.storage[0])
 
     def _replay(self, plan: StepPlan) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""
