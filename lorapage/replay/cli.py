@@ -4,6 +4,7 @@ lorapage replay gen -o trace.jsonl --scale 0.05 --duration 60
 lorapage replay import azure AzureLLMInferenceTrace_conv.csv -o azure.jsonl --adapters 500
 lorapage replay run trace.jsonl --url http://127.0.0.1:8000 --keys keys.json --out runs/a
 lorapage replay run trace.jsonl --embedded --max-loras 8 --out runs/b
+lorapage replay run trace.jsonl --simulate --replicas 26 --router affinity,random --find-replicas 40
 lorapage replay compare runs/a runs/b
 """
 
@@ -96,6 +97,12 @@ def _run_parser(sub) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="an OpenAI-compatible server's root, e.g. http://127.0.0.1:8000")
     where.add_argument("--embedded", action="store_true", help="run the engine in this process")
+    where.add_argument(
+        "--simulate",
+        action="store_true",
+        help="run the fleet simulator (virtual clock, GPU cost model) instead of a server; engine flags "
+        "--max-loras, --max-cpu-loras, --max-num-seqs, --max-num-batched-tokens, --scheduler size each replica",
+    )
     p.add_argument("--keys", help='keys file: JSON or TOML {"tenants": {tenant: key, "*": key}, "admin": key}')
     p.add_argument("--admin-key", help="key for /metrics (lorapage: the admin key or a [metrics] key)")
     p.add_argument("--out", help="report directory (default runs/<trace>-<time>)")
@@ -119,6 +126,19 @@ def _run_parser(sub) -> None:
     )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    sim = p.add_argument_group("--simulate")
+    sim.add_argument("--replicas", type=int, default=26, help="replicas in the simulated fleet")
+    sim.add_argument(
+        "--router",
+        default="affinity,ray_default,least_loaded,random",
+        help="comma-separated routing policies to compare (affinity, ray_default, least_loaded, random)",
+    )
+    sim.add_argument("--warmup", type=float, default=0.0, help="seconds of trace run but left out of the figures")
+    sim.add_argument("--max-disk-loras", type=int, default=1000, help="adapters each replica's disk cache holds")
+    sim.add_argument(
+        "--find-replicas", type=int, default=0, help="also find the fewest replicas (up to N) meeting the SLO"
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seed of the randomised routers")
 
 
 def _compare_parser(sub) -> None:
@@ -310,7 +330,22 @@ async def _run(args: argparse.Namespace, trace: list[TraceRequest], engine_argv:
     return write_report(out, result.records, report, plots=not args.no_plots)
 
 
+def cmd_simulate(args: argparse.Namespace, trace: list[TraceRequest], rest: list[str]) -> int:
+    from lorapage.sim.cli import run_simulation
+
+    out = args.out or f"runs/{Path(args.trace).stem}-sim-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    slo = Slo(ttft_s=args.slo_ttft, ttft_cold_s=args.slo_ttft_cold, cold_tiers=("ram", "disk", "remote"))
+    print(run_simulation(args, trace, rest, slo, Path(out)))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.simulate:
+        try:
+            trace = read_trace(args.trace, args.limit)
+        except (OSError, TraceError) as exc:
+            raise SystemExit(f"lorapage replay run: {exc}") from None
+        return cmd_simulate(args, trace, rest)
     if rest and not args.embedded:
         raise SystemExit(
             f"lorapage replay run: unrecognized arguments: {' '.join(rest)} (engine flags need --embedded)"

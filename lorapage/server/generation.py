@@ -3,27 +3,33 @@
 The engine's first output is awaited before any byte is sent, so every refusal that happens at
 submission (queue full, prompt too long, adapter unreadable) is still a proper HTTP error with
 its status. After the stream has started, a failure becomes an ``error`` event before
-``[DONE]``. Whatever ends the handler (finish, failure, client gone), ``finally`` closes the
-engine's generator, which aborts an unfinished request and frees its pages within one step.
+``[DONE]``. Whatever ends the handler (finish, failure, client gone), the engine's generator is
+closed, which aborts an unfinished request and frees its pages within one step.
+
+:func:`answer` is the framework-neutral part (an :class:`Answer`: headers and a JSON body, or
+SSE frames); :func:`respond` writes it with aiohttp, and the Ray Serve ingress
+(``lorapage.fleet``) writes the same answer with Starlette.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from lorapage.errors import LorapageError, ServiceUnavailableError
+from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailableError
 from lorapage.sampling_params import SamplingParams
+from lorapage.server import protocol
 from lorapage.server import responses as r
 from lorapage.server.error_json import error_payload
 from lorapage.server.metrics import ServerMetrics
 from lorapage.server.quota import AdmissionRate
-from lorapage.server.sse import EventStream
+from lorapage.server.sse import DONE, EventStream, frame
 
 
 @dataclass
@@ -42,16 +48,40 @@ class Job:
     request_id: str = ""
     generated: int = 0  # tokens generated so far (what the quota is charged for)
     created: int = field(default_factory=lambda: int(time.time()))
+    adapter_version: int | None = None  # the immutable version the adapter resolved to, when versioned
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
 
 
-class _Timing:
-    """Feeds the latency histograms from the outputs of one request."""
+def make_job(
+    kind: str,
+    req: Any,
+    model: str,
+    adapter: str | None,
+    tenant: str,
+    ids: list[int],
+    max_model_len: int,
+    logprobs: int | None,
+    arrival: float,
+    request_id: str = "",
+) -> Job:
+    """The :class:`Job` of a decoded, checked and resolved request whose prompt is ``ids``
+    (400 when the prompt is empty or the completion budget does not fit the context); without a
+    ``request_id`` it gets a new one."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
+    sampling = protocol.sampling_params(req, len(ids), max_model_len, logprobs, kind)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival, request_id)
 
-    def __init__(self, job: Job, metrics: ServerMetrics, admissions: AdmissionRate) -> None:
+
+class Timing:
+    """Counts a request's generated tokens (what its quota is charged for) and, given metrics,
+    feeds the latency histograms from its outputs."""
+
+    def __init__(self, job: Job, metrics: ServerMetrics | None = None, admissions: AdmissionRate | None = None) -> None:
         self.job, self.metrics, self.admissions = job, metrics, admissions
         self.seen = 0
         self.last = job.arrival
@@ -63,8 +93,11 @@ class _Timing:
         new = n - self.seen
         if new <= 0:
             return
-        labels = (self.job.tenant, self.tier)
         self.job.generated = n
+        if self.metrics is None or self.admissions is None:
+            self.seen, self.last = n, now
+            return
+        labels = (self.job.tenant, self.tier)
         self.metrics.generation_tokens.labels(self.job.tenant).inc(new)
         if self.seen == 0:
             self.admissions.record(now)
@@ -77,7 +110,8 @@ class _Timing:
         self.seen, self.last = n, now
 
     def finish(self) -> None:
-        self.metrics.e2e.labels(self.job.tenant, self.tier).observe(time.monotonic() - self.job.arrival)
+        if self.metrics is not None:
+            self.metrics.e2e.labels(self.job.tenant, self.tier).observe(time.monotonic() - self.job.arrival)
 
 
 def _usage(out: Any) -> r.Usage:
@@ -91,7 +125,7 @@ def _finish_reason(out: Any) -> str:
     return out.finish_reason or "stop"
 
 
-class _Formatter:
+class Formatter:
     """Builds one request's chat or completion bodies, including logprobs, from engine outputs."""
 
     def __init__(self, job: Job, tokenizer: Any) -> None:
@@ -163,7 +197,67 @@ class _Formatter:
 
 
 def adapter_headers(job: Job, tier: str) -> dict[str, str]:
-    return {"x-adapter-id": job.adapter or "none", "x-adapter-tier": tier or "none", "x-request-id": job.request_id}
+    adapter_id = job.adapter.partition("@")[0] if job.adapter else "none"  # the version goes in its own header
+    headers = {"x-adapter-id": adapter_id, "x-adapter-tier": tier or "none", "x-request-id": job.request_id}
+    if job.adapter_version is not None:
+        headers["x-adapter-version"] = str(job.adapter_version)
+    return headers
+
+
+@dataclass
+class Answer:
+    """A request's answer, whatever serves it over HTTP: status 200 with ``headers`` and either one
+    JSON ``body`` or ``events``, the SSE frames up to and including ``[DONE]``. Closing ``events``
+    early (the client went away) closes the engine's generator, which aborts the request."""
+
+    headers: dict[str, str]
+    body: bytes | None = None
+    events: AsyncGenerator[bytes, None] | None = None
+
+
+async def answer(outputs: AsyncGenerator[Any, None], job: Job, fmt: Formatter, timing: Timing) -> Answer:
+    """Await ``outputs``' first item (a refusal raises here, before anything is sent), then
+    answer ``job`` whole or as a stream of SSE frames."""
+    streaming = False
+    try:
+        out = await anext(outputs)
+        timing.observe(out)
+        headers = adapter_headers(job, out.adapter_tier)
+        if job.stream:
+            streaming = True
+            return Answer(headers, events=_events(outputs, out, job, fmt, timing))
+        while not out.finished:
+            out = await anext(outputs)
+            timing.observe(out)
+        timing.finish()
+        return Answer(headers, body=msgspec.json.encode(fmt.whole(out)))
+    finally:
+        if not streaming:
+            await outputs.aclose()
+
+
+async def _events(
+    outputs: AsyncGenerator[Any, None], out: Any, job: Job, fmt: Formatter, timing: Timing
+) -> AsyncGenerator[bytes, None]:
+    try:
+        if job.kind == "chat":
+            yield frame(fmt.chunk("", role=True))
+        while True:
+            if (chunk := fmt.delta(out)) is not None:
+                yield frame(chunk)
+            if out.finished:
+                break
+            out = await anext(outputs)
+            timing.observe(out)
+        timing.finish()
+        yield frame(fmt.chunk(None if job.kind == "chat" else "", finish=_finish_reason(out)))
+        if job.include_usage:
+            yield frame(fmt.usage(out))
+    except LorapageError as exc:
+        yield frame(error_payload(exc))
+    finally:
+        await outputs.aclose()
+    yield DONE
 
 
 async def respond(
@@ -171,46 +265,19 @@ async def respond(
 ) -> web.StreamResponse:
     """Run ``job`` and answer it: one JSON body, or an SSE stream when the client asked for one.
     Its first output is recorded in ``admissions``."""
-    timing = _Timing(job, metrics, admissions)
-    fmt = _Formatter(job, engine.tokenizer)
+    timing = Timing(job, metrics, admissions)
+    fmt = Formatter(job, engine.tokenizer)
     outputs = engine.generate(job.prompt, job.adapter, job.sampling, tenant=job.tenant, request_id=job.request_id)
+    got = await answer(outputs, job, fmt, timing)
+    if got.events is None:
+        return web.Response(body=got.body, content_type="application/json", headers=got.headers)
+    stream = EventStream(got.headers)
+    events = got.events
     try:
-        out = await anext(outputs)
-        timing.observe(out)
-        if not job.stream:
-            while not out.finished:
-                out = await anext(outputs)
-                timing.observe(out)
-            timing.finish()
-            body = fmt.whole(out)
-            return web.Response(
-                body=msgspec.json.encode(body),
-                content_type="application/json",
-                headers=adapter_headers(job, out.adapter_tier),
-            )
-        return await _stream(request, outputs, out, job, fmt, timing)
+        await stream.open(request)
+        async for data in events:
+            await stream.write(data)
     finally:
-        await outputs.aclose()
-
-
-async def _stream(request, outputs, out, job: Job, fmt: _Formatter, timing: _Timing) -> web.StreamResponse:
-    stream = EventStream(adapter_headers(job, out.adapter_tier))
-    await stream.open(request)
-    try:
-        if job.kind == "chat":
-            await stream.send(fmt.chunk("", role=True))
-        while True:
-            if (chunk := fmt.delta(out)) is not None:
-                await stream.send(chunk)
-            if out.finished:
-                break
-            out = await anext(outputs)
-            timing.observe(out)
-        timing.finish()
-        await stream.send(fmt.chunk(None if job.kind == "chat" else "", finish=_finish_reason(out)))
-        if job.include_usage:
-            await stream.send(fmt.usage(out))
-    except LorapageError as exc:
-        await stream.send(error_payload(exc))
-    await stream.done()
+        await events.aclose()
+    await stream.close()
     return stream.response

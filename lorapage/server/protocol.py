@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from lorapage.errors import InvalidRequestError, PromptTooLongError
+from lorapage.errors import AdapterNotFoundError, InvalidRequestError, PromptTooLongError
 from lorapage.sampling_params import SamplingParams
 
 INT64_MAX = 2**63 - 1
@@ -93,11 +93,25 @@ class CompletionRequest(_Common):
 
 
 class AdapterCreateRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Admin registration: an adapter id, a PEFT directory on the server (or file:// URI), its owner."""
+    """Admin registration of a new version of an adapter id: where its files are (``source``: a
+    directory under an adapter root, ``file://``, ``https://``, ``s3://`` or ``hf://``; ``path``
+    is the older name for a directory), its owner tenant, the sha256 content digest it must have
+    (required for https), the base digest it was trained on, and whether the id's alias moves to
+    it now (``activate``; False registers it for a later deploy)."""
 
     id: str
-    path: str
     tenant: str
+    source: str | None = None
+    path: str | None = None
+    sha256: str | None = None
+    expected_base_digest: str | None = None
+    activate: bool = True
+
+
+class AdapterAliasRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Deploy or roll back: the version an adapter id serves from now on."""
+
+    version: int
 
 
 def _is(value: Any, *defaults: Any) -> bool:
@@ -331,3 +345,19 @@ def sampling_params(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
     )
+
+
+def resolve_model(model: str, base: str, version_of: Callable[[str], str | None]) -> tuple[str, str | None]:
+    """``(id to echo, adapter version or None)`` for ``base``, ``base:adapter`` or ``adapter``,
+    where ``version_of(adapter)`` is what the caller may run for that name (None: unknown or
+    forbidden, both 404 alike). Without versions, it returns the name itself."""
+    if model == base:
+        return base, None
+    prefix, sep, name = model.rpartition(":")
+    if sep and prefix != base:
+        name = ""
+    key = version_of(name) if name else None
+    if key is not None:
+        return name, key
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    raise AdapterNotFoundError(f"The model `{shown}` does not exist or you do not have access to it.", param="model")

@@ -5,8 +5,12 @@ had generated) and decodes one token for every other running request; every runn
 gains one token per step. A step costs ``CostModel`` seconds of virtual time. KV pages are
 reserved for the prompt at admission and grow a block at a time while decoding; when they run
 out, the policy picks a victim, which loses its pages and queues again through
-``policy.preempt`` (recompute). An adapter
-becomes ready ``adapter_load_s`` after its first request arrives and stays resident.
+``policy.preempt`` (recompute).
+
+Where adapters are is a :class:`Residency`: by default an adapter becomes ready
+``adapter_load_s`` after its first request arrives and stays resident; the fleet simulator passes
+:class:`~lorapage.sim.residency.AdapterResidency` (slots, host RAM, disk, loads by tier). A
+request's first token comes at the end of the step that prefilled it.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from lorapage.scheduler.base import SchedulerPolicy
+from lorapage.sim.costs import StepShape
 
 
 @dataclass(eq=False)
@@ -30,7 +36,9 @@ class SimRequest:
     num_prompt_tokens: int
     max_tokens: int
     admitted_at: float | None = None  # first admission
+    first_token_at: float | None = None  # end of the step that produced its first token
     finished_at: float | None = None
+    tier: str = "none"  # where its adapter was when it arrived (none: the base model)
     generated: int = 0
     preemptions: int = 0
 
@@ -51,6 +59,75 @@ class CostModel:
     def step_time(self, tokens: int, distinct_adapters: int) -> float:
         return self.step_s + self.per_token_s * tokens + self.per_adapter_s * distinct_adapters
 
+    def time(self, shape: StepShape) -> float:
+        tokens = shape.prefill_tokens + shape.decode_rows
+        return self.step_time(tokens, len(shape.adapter_ranks)) + shape.copy_s
+
+
+class StepCost(Protocol):
+    """Seconds of one step (:class:`CostModel`, :class:`~lorapage.sim.costs.StepCosts`)."""
+
+    def time(self, shape: StepShape) -> float: ...
+
+
+class Residency(Protocol):
+    """Where adapters are, as the simulator asks it (the engine's ``AdapterCache`` role)."""
+
+    def arrive(self, name: str, now: float) -> str:
+        """A request for ``name`` arrived: its tier, and its load starts if needed."""
+        ...
+
+    def ready(self, name: str) -> bool: ...
+
+    def pin(self, name: str) -> None: ...
+
+    def unpin(self, name: str, now: float) -> None: ...
+
+    def requeue(self, name: str, now: float) -> None: ...
+
+    def advance(self, now: float) -> float:
+        """Finish what is due by ``now``; the device seconds of copies it did (added to the step)."""
+        ...
+
+    def next_event(self, now: float) -> float | None:
+        """When a load next progresses on its own (None: never)."""
+        ...
+
+
+class FixedLoad:
+    """An adapter is ready ``load_s`` after its first request and stays resident (tier ``gpu``
+    once loaded, ``disk`` before)."""
+
+    def __init__(self, load_s: float) -> None:
+        self.load_s = load_s
+        self.ready_at: dict[str, float] = {}  # adapter -> when its load completes
+        self._now = 0.0
+
+    def arrive(self, name: str, now: float) -> str:
+        self._now = now
+        at = self.ready_at.setdefault(name, now + self.load_s)
+        return "gpu" if at <= now else "disk"
+
+    def ready(self, name: str) -> bool:
+        return self.ready_at[name] <= self._now
+
+    def pin(self, name: str) -> None:
+        return None
+
+    def unpin(self, name: str, now: float) -> None:
+        return None
+
+    def requeue(self, name: str, now: float) -> None:
+        return None
+
+    def advance(self, now: float) -> float:
+        self._now = now
+        return 0.0
+
+    def next_event(self, now: float) -> float | None:
+        later = [t for t in self.ready_at.values() if t > now]
+        return min(later) if later else None
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -58,8 +135,9 @@ class SimConfig:
     max_num_batched_tokens: int = 4096
     num_kv_pages: int = 4096
     block_size: int = 16
-    adapter_load_s: float = 0.05
-    cost: CostModel = field(default_factory=CostModel)
+    adapter_load_s: float = 0.05  # of the default FixedLoad residency
+    cost: StepCost = field(default_factory=CostModel)
+    adapter_rank: int = 16  # the rank the step cost charges each distinct adapter at
 
 
 class _Context:
@@ -72,7 +150,7 @@ class _Context:
         self.tokens = len(sim.running)  # one decode token per running request
 
     def adapter_ready(self, req: SimRequest) -> bool:
-        return req.adapter is None or self._sim.ready_at[req.adapter] <= self._now
+        return req.adapter is None or self._sim.residency.ready(req.adapter)
 
     def try_admit(self, req: SimRequest) -> bool:
         sim = self._sim
@@ -88,6 +166,8 @@ class _Context:
         sim.pages[req.request_id] = pages
         self.tokens += prefill
         self.admitted.append(req)
+        if req.adapter is not None:
+            sim.residency.pin(req.adapter)
         return True
 
 
@@ -95,9 +175,16 @@ class Simulator:
     """Runs ``trace`` through ``policy`` on a virtual clock; results land on the requests and in
     ``served`` (tenant -> [input tokens, output tokens], counting each token once)."""
 
-    def __init__(self, policy: SchedulerPolicy[SimRequest], config: SimConfig, trace: Iterable[SimRequest]) -> None:
+    def __init__(
+        self,
+        policy: SchedulerPolicy[SimRequest],
+        config: SimConfig,
+        trace: Iterable[SimRequest] = (),
+        residency: Residency | None = None,
+    ) -> None:
         self.policy = policy
         self.config = config
+        self.residency: Residency = residency if residency is not None else FixedLoad(config.adapter_load_s)
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
         self._next = 0  # index in trace of the next arrival
         self.now = 0.0
@@ -105,11 +192,22 @@ class Simulator:
         self.waiting: set[SimRequest] = set()
         self.pages: dict[str, int] = {}  # request_id -> KV pages held
         self.free_pages = config.num_kv_pages
-        self.ready_at: dict[str, float] = {}  # adapter -> when its load completes
+        self._copy_s = 0.0  # adapter copies done since the last step, charged to the next
         self.served: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
         self.steps = 0
         self.last_batch_size = 0  # rows of the latest step
         self.preemptions = 0
+
+    def submit(self, req: SimRequest) -> None:
+        """Add a request arriving at or after every one added so far (the fleet routes online)."""
+        if self.trace and req.arrival_time < self.trace[-1].arrival_time:
+            raise ValueError(f"{req.request_id} arrives at {req.arrival_time}, before the last submitted request")
+        self.trace.append(req)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running or waiting here."""
+        return len(self.running) + len(self.waiting) + len(self.trace) - self._next
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.config.block_size)
@@ -126,6 +224,7 @@ class Simulator:
                 self.now = self.trace[self._next].arrival_time
                 continue
             self._make_room_for_decode()
+            self._copy_s += self.residency.advance(self.now)
             ctx = _Context(self, self.now)
             self.policy.schedule(self.now, ctx)
             if not self.running and not ctx.admitted:
@@ -136,13 +235,14 @@ class Simulator:
                 on_step(self)
 
     def _arrive(self, req: SimRequest) -> None:
-        if req.adapter is not None and req.adapter not in self.ready_at:
-            self.ready_at[req.adapter] = self.now + self.config.adapter_load_s
+        if req.adapter is not None:
+            req.tier = self.residency.arrive(req.adapter, self.now)
         self.waiting.add(req)
         self.policy.add(req, self.now)
 
     def _next_event(self) -> float:
-        later = [t for t in self.ready_at.values() if t > self.now]
+        load = self.residency.next_event(self.now)
+        later = [load] if load is not None else []
         if self._next < len(self.trace):
             later.append(self.trace[self._next].arrival_time)
         if not later:
@@ -151,7 +251,10 @@ class Simulator:
 
     def _make_room_for_decode(self) -> None:
         """Give each running request a page for its next token, preempting when pages run out."""
-        for req in list(self.running):
+        block = self.config.block_size
+        pages = self.pages
+        needy = [r for r in self.running if r.num_prompt_tokens + r.generated + 1 > pages[r.request_id] * block]
+        for req in needy:
             if req not in self.running:
                 continue  # preempted below, earlier in this loop
             while self.pages_for(req.num_prompt_tokens + req.generated + 1) > self.pages[req.request_id]:
@@ -170,13 +273,18 @@ class Simulator:
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.add(req)
+        if req.adapter is not None:
+            self.residency.requeue(req.adapter, self.now)
         self.policy.preempt(req, self.now)
 
     def _step(self, ctx: _Context) -> None:
         batch = self.running + ctx.admitted
         distinct = len({r.adapter for r in batch if r.adapter is not None})
         started = self.now
-        self.now += self.config.cost.step_time(ctx.tokens, distinct)
+        prefill = ctx.tokens - len(self.running)
+        shape = StepShape(prefill, len(self.running), [self.config.adapter_rank] * distinct, self._copy_s)
+        self.now += self.config.cost.time(shape)
+        self._copy_s = 0.0
         self.steps += 1
         self.last_batch_size = len(batch)
         for req in ctx.admitted:
@@ -185,16 +293,23 @@ class Simulator:
                 req.admitted_at = started
                 self.served[req.tenant][0] += req.num_prompt_tokens
             self._serve(req, req.num_prompt_tokens + req.generated)
-        for req in self.running:
-            self._serve(req, 0)
+        served, on_service, now = self.served, self.policy.on_service, self.now
+        for req in self.running:  # _serve(req, 0), inlined: this loop is the simulator's hot path
+            req.generated += 1
+            served[req.tenant][1] += 1
+            on_service(req, 0, 1, now)
         self.running = batch
         for req in [r for r in batch if r.generated >= r.max_tokens]:
             self.running.remove(req)
             self.free_pages += self.pages.pop(req.request_id)
             req.finished_at = self.now
+            if req.adapter is not None:
+                self.residency.unpin(req.adapter, self.now)
             self.policy.on_finish(req, self.now)
 
     def _serve(self, req: SimRequest, input_tokens: int) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = self.now
         req.generated += 1
         self.served[req.tenant][1] += 1
         self.policy.on_service(req, input_tokens, 1, self.now)

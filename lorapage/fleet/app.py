@@ -1,0 +1,45 @@
+"""The fleet as one Ray Serve application: :class:`FleetIngress` bound to ``replicas`` :class:`EngineReplica`\\ s.
+
+The engine deployment names :class:`~lorapage.fleet.request_router.AffinityRequestRouter` as its
+request router, so every handle to it (the ingress's) routes by adapter affinity, and Ray Serve
+polls each replica's ``record_routing_stats`` for the residency the router prefers. Ray places
+and restarts the replicas; a replica whose process dies is replaced under a new replica id.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from lorapage.fleet.config import FleetConfig
+from lorapage.fleet.ingress import FleetIngress
+from lorapage.fleet.replica import EngineReplica
+from lorapage.fleet.request_router import AffinityRequestRouter
+
+APP_NAME = "lorapage"
+ENGINE_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "FleetIngress"
+
+
+def build_app(config: FleetConfig) -> Application:
+    """The bound application: run it with ``serve.run(build_app(config), name=APP_NAME, route_prefix="/")``."""
+    router = {  # Ray Serve's RequestRouterConfig
+        "request_router_class": AffinityRequestRouter,
+        "request_router_kwargs": {"policy": config.router, **config.router_options()},
+        "request_routing_stats_period_s": config.routing_stats_period_s,
+    }
+    engines = serve.deployment(
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
+        request_router_config=router,
+    )(EngineReplica).bind(config.engine, config.lora_modules)
+    # One ingress replica: it holds the tenants' token buckets, which makes quotas fleet-wide.
+    ingress = serve.deployment(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=max(1000, config.replicas * config.max_ongoing_requests),
+        ray_actor_options={"num_cpus": config.ingress_cpus},
+    )(FleetIngress)
+    return ingress.bind(engines, config)

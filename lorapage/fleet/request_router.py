@@ -1,0 +1,67 @@
+"""Adapter-affinity routing as a Ray Serve request router (``RequestRouterConfig.request_router_class``).
+
+Ray Serve's router lives in the caller (the ingress) and asks :meth:`choose_replicas` for ranked
+candidates; it then sends to the least-loaded replica of the first rank that accepts (below Ray's
+``max_ongoing_requests``). This router ranks the replica our pure policy
+(:mod:`lorapage.fleet.routing`) chooses first and every other one after it, least loaded first,
+so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView` per replica:
+
+- the adapter is the request's ``multiplexed_model_id`` (the ingress sets it; "" for the base);
+- ``in_flight`` is Ray's count of the replica's ongoing requests (its queue-length cache, which
+  counts every request this router sends the moment it sends it), or the replica's own report;
+- ``capacity``, ``pool``, ``host`` and ``disk`` come from the replica's ``record_routing_stats``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from lorapage.fleet.routing import ReplicaView, Router, make_router
+
+
+def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: Mapping[str, Any]) -> ReplicaView:
+    """A router's view of one replica from Ray's queue length (``None``: unknown) and its routing stats."""
+    in_flight = queued if queued is not None else int(stats.get("in_flight", 0))
+    return ReplicaView(
+        replica_id=replica_id,
+        in_flight=in_flight,
+        capacity=int(stats.get("capacity", max_ongoing)),
+        pool=frozenset(stats.get("pool", ())),
+        host=frozenset(stats.get("host", ())),
+        disk=frozenset(stats.get("disk", ())),
+    )
+
+
+class AffinityRequestRouter(RequestRouter):
+    """Ray Serve request router over a :mod:`lorapage.fleet.routing` policy (affinity by default)."""
+
+    policy: Router
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Called by Ray Serve with ``request_router_kwargs``: ``policy`` (a router name) and its options."""
+        options = dict(kwargs)
+        self.policy = make_router(str(options.pop("policy", "affinity")), **options)
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        return replica_view(
+            replica.replica_id.unique_id, queued, replica.max_ongoing_requests, replica.routing_stats or {}
+        )
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
+        chosen = self.policy.choose(adapter or None, list(views.values()))
+        first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
+        rest = sorted(
+            (r for r in candidate_replicas if r.replica_id.unique_id != chosen),
+            key=lambda r: (views[r.replica_id.unique_id].load, r.replica_id.unique_id),
+        )
+        return [first, rest] if rest else [first]

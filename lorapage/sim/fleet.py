@@ -1,0 +1,218 @@
+"""The fleet simulator: K replicas, each the step simulator around the real VTC policy with an
+adapter residency model, behind one of the pure routers of :mod:`lorapage.fleet.routing`.
+
+Time is virtual and shared: before each arrival every replica is run up to it, the router sees
+each replica's load and residency at that instant (what replicas report; here always fresh), and
+the request joins the chosen replica's queue. Requests are the same traces as ``lorapage
+replay``; their outputs are exactly ``max_tokens`` long. Results become replay
+:class:`~lorapage.replay.records.Record` objects, so TTFT percentiles and goodput come from
+:mod:`lorapage.replay.stats`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lorapage.fleet.routing import AffinityRouter, ReplicaView, Router, make_router
+from lorapage.replay.records import OK, TIMEOUT, Record
+from lorapage.replay.stats import Slo, percentile
+from lorapage.replay.trace import TraceRequest
+from lorapage.scheduler import SchedulerPolicy, VtcConfig, make_policy
+from lorapage.sim.costs import GPU_7B, StepCosts
+from lorapage.sim.residency import TIERS, AdapterResidency, ResidencyConfig
+from lorapage.sim.simulator import SimConfig, SimRequest, Simulator
+
+COLD_TIERS = ("ram", "disk", "remote")
+SEED_SLO = Slo(ttft_s=1.0, ttft_cold_s=2.0, cold_tiers=COLD_TIERS)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One fleet: replicas, their engine limits, the cost model and the router."""
+
+    replicas: int = 26
+    router: str = "affinity"
+    router_options: dict = field(default_factory=dict)  # AffinityRouter arguments
+    seed: int = 0
+    scheduler: str = "vtc"
+    engine: SimConfig = field(default_factory=lambda: SimConfig(max_num_seqs=32, max_num_batched_tokens=8192))
+    residency: ResidencyConfig = field(
+        # The seed's replica: 250 GPU slots, ~385 adapters in host RAM, 1,000 on local disk (80 GB).
+        default_factory=lambda: ResidencyConfig(max_loras=250, max_cpu_loras=400, max_disk_loras=1000)
+    )
+    costs: StepCosts = GPU_7B
+    warmup_s: float = 0.0  # requests arriving earlier are run but left out of the figures
+    drain_s: float = 120.0  # after the last arrival, run this long; what has no first token by then timed out
+    base_name: str = "base"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"a fleet needs at least one replica; got {self.replicas}")
+
+
+class Replica:
+    """One simulated engine: its policy, step simulator and adapter tiers."""
+
+    def __init__(self, replica_id: str, config: FleetConfig) -> None:
+        self.replica_id = replica_id
+        self.capacity = config.engine.max_num_seqs
+        vtc = VtcConfig(max_loras=min(config.residency.max_loras, config.engine.max_num_seqs))
+        policy: SchedulerPolicy[SimRequest] = make_policy(config.scheduler, vtc=vtc)
+        self.residency = AdapterResidency(config.residency, config.costs.loads)
+        engine = SimConfig(**{**config.engine.__dict__, "cost": config.costs, "adapter_rank": config.residency.rank})
+        self.sim = Simulator(policy, engine, residency=self.residency)
+
+    def view(self) -> ReplicaView:
+        pool, host, disk = self.residency.snapshot()
+        return ReplicaView(self.replica_id, self.sim.in_flight, self.capacity, pool, host, disk)
+
+
+@dataclass
+class FleetResult:
+    """A fleet run: one record per trace request (in trace order) and what each replica did."""
+
+    config: FleetConfig
+    records: list[Record]
+    measured: list[Record]  # those arriving after the warm-up
+    replica_of: list[str]  # per trace request, the replica that took it
+    steps: dict[str, int]
+    spills: int | None  # affinity only: requests sent beyond their owners
+
+    def summary(self, slo: Slo = SEED_SLO) -> dict:
+        """TTFT percentiles warm / cold / by tier, tier hit rates, SLO verdict, load spread."""
+        recs = self.measured
+        n = len(recs) or 1
+        groups: dict[str, list[Record]] = {
+            "all": recs,
+            "warm": [r for r in recs if r.tier not in slo.cold_tiers],
+            "cold": [r for r in recs if r.tier in slo.cold_tiers],
+        }
+        groups.update({t: [r for r in recs if r.tier == t] for t in (*TIERS, "none")})
+        ttft = {name: ttft_summary(g) for name, g in groups.items() if g or name in ("warm", "cold")}
+        warm_p95, cold_p95 = ttft["warm"]["p95"], ttft["cold"]["p95"]
+        per_replica = [self.replica_of[r.index] for r in recs]
+        loads = [per_replica.count(rid) for rid in sorted(set(self.replica_of))]
+        return {
+            "router": self.config.router,
+            "replicas": self.config.replicas,
+            "requests": len(recs),
+            "ttft": ttft,
+            "hit_rate": {t: sum(r.tier == t for r in recs) / n for t in (*TIERS, "none")},
+            "timed_out": sum(r.outcome == TIMEOUT for r in recs),
+            "goodput_fraction": sum(slo.met(r) for r in recs) / n,
+            "meets_slo": _le(warm_p95, slo.ttft_s) and _le(cold_p95, slo.ttft_cold_s),
+            "busiest_replica_share": max(loads) / n if loads else None,
+            "spills": self.spills,
+            "steps": sum(self.steps.values()),
+        }
+
+
+def _le(value: float | None, target: float) -> bool:
+    return value is None or value <= target  # no request of the kind: nothing missed it
+
+
+def ttft_summary(records: Sequence[Record]) -> dict[str, float | int | None]:
+    """Count and p50 / p95 / p99 TTFT; a request that never got a first token counts as infinite
+    (a percentile that reaches one is infinite)."""
+    finite = [r.ttft_s for r in records if r.ttft_s is not None]
+    top = max(finite, default=0.0)
+    values = finite + [math.inf] * (len(records) - len(finite))
+    out: dict[str, float | int | None] = {"count": len(values)}
+    for q in (50, 95, 99):
+        v = percentile([min(x, top + 1.0) for x in values], q)
+        out[f"p{q}"] = math.inf if v is not None and v > top else v
+    return out
+
+
+def adapter_of(model: str, base_name: str) -> str | None:
+    """The adapter a trace's ``model`` names (``None``: the base), as the server resolves it."""
+    if model == base_name:
+        return None
+    prefix, sep, name = model.rpartition(":")
+    return name if sep and prefix == base_name else model
+
+
+def to_sim_requests(trace: Sequence[TraceRequest], base_name: str) -> list[SimRequest]:
+    """One :class:`SimRequest` per trace request, ``request_id`` its index."""
+    out = []
+    for i, req in enumerate(trace):
+        prompt = req.prompt_len or len(req.prompt_ids or ()) or len(req.prompt or "")
+        out.append(
+            SimRequest(str(i), req.tenant, adapter_of(req.model, base_name), req.arrival_s, prompt, req.max_tokens)
+        )
+    return out
+
+
+def _record(i: int, req: TraceRequest, sim: SimRequest) -> Record:
+    ttft = None if sim.first_token_at is None else round(sim.first_token_at - sim.arrival_time, 6)
+    done = sim.finished_at is not None
+    return Record(
+        index=i,
+        tenant=req.tenant,
+        model=req.model,
+        tier=sim.tier,
+        outcome=OK if ttft is not None else TIMEOUT,
+        status=200 if ttft is not None else 0,
+        scheduled_s=sim.arrival_time,
+        sent_s=sim.arrival_time,
+        end_s=sim.finished_at if done else None,
+        ttft_s=ttft,
+        e2e_s=round(sim.finished_at - sim.arrival_time, 6) if sim.finished_at is not None else None,
+        prompt_tokens=sim.num_prompt_tokens,
+        output_tokens=sim.generated,
+        max_tokens=sim.max_tokens,
+        chunks_s=[ttft] if ttft is not None else [],
+    )
+
+
+def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router | None = None) -> FleetResult:
+    """Run ``trace`` through a fleet; deterministic for a config (and seed)."""
+    replicas = [Replica(f"r{k:03d}", config) for k in range(config.replicas)]
+    by_id = {r.replica_id: r for r in replicas}
+    router = router or make_router(config.router, seed=config.seed, **config.router_options)
+    reqs = to_sim_requests(trace, config.base_name)
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_time, i))
+    replica_of = [""] * len(reqs)
+    for i in order:
+        req = reqs[i]
+        for r in replicas:
+            r.sim.run(until=req.arrival_time)
+        chosen = router.choose(req.adapter, [r.view() for r in replicas])
+        replica_of[i] = chosen
+        by_id[chosen].sim.submit(req)
+    horizon = (reqs[order[-1]].arrival_time if reqs else 0.0) + config.drain_s
+    for r in replicas:
+        r.sim.run(until=horizon)
+    records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
+    return FleetResult(
+        config=config,
+        records=records,
+        measured=[rec for rec in records if rec.scheduled_s >= config.warmup_s],
+        replica_of=replica_of,
+        steps={r.replica_id: r.sim.steps for r in replicas},
+        spills=router.spills if isinstance(router, AffinityRouter) else None,
+    )
+
+
+def fewest_replicas(
+    trace: Sequence[TraceRequest], config: FleetConfig, *, most: int, slo: Slo = SEED_SLO
+) -> int | None:
+    """The fewest replicas (1..``most``) meeting ``slo`` for ``config``'s router, by bisection
+    (assumes more replicas never hurt); ``None`` when even ``most`` does not."""
+    from dataclasses import replace
+
+    def ok(k: int) -> bool:
+        return bool(simulate(trace, replace(config, replicas=k)).summary(slo)["meets_slo"])
+
+    if not ok(most):
+        return None
+    lo, hi = 0, most  # ok(hi) holds; ok(lo) does not (0 replicas serve nothing)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -1,0 +1,215 @@
+"""``lorapage fleet`` on a local Ray: one ingress and two engine replicas of the tiny model.
+
+Real HTTP to Ray Serve's proxy on a free 127.0.0.1 port. The engine deployment routes with one
+rendezvous owner per adapter (``owners=1``) and a batch capacity of four (``max_num_seqs``), so
+stickiness and spill are both visible with two replicas. The replica-kill test runs last: it
+replaces a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+
+ray = pytest.importorskip("ray", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
+serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
+
+from server_harness import BASE, KEYS, TENANTS_TOML, assert_openai_error, expected_text, make_engine  # noqa: E402
+
+from lorapage.config import EngineConfig  # noqa: E402
+from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
+from lorapage.fleet.config import FleetConfig  # noqa: E402
+from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
+from lorapage.fleet.routing import rendezvous_owners  # noqa: E402
+from lorapage.sampling_params import SamplingParams  # noqa: E402
+from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+CAPACITY = 4  # max_num_seqs of each replica: the load at which its adapters spill
+CHAT = [{"role": "user", "content": "Who are you?"}]
+
+
+@dataclass
+class Fleet:
+    url: str
+
+    async def post(self, path: str, body: dict, tenant: str = "alpha"):
+        """(status, parsed JSON, headers)."""
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(self.url + path, json=body, headers=headers) as resp:
+                text = await resp.text()
+                return resp.status, json.loads(text), resp.headers
+
+    async def stream(self, body: dict, started: asyncio.Event | None = None):
+        """(headers, the JSON payloads up to [DONE]) of a streamed completion; ``started`` is set
+        once the first token arrives."""
+        headers = {"Authorization": f"Bearer {KEYS['alpha']}"}
+        events = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(self.url + "/v1/completions", json={**body, "stream": True}, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line:
+                        continue
+                    if line == "data: [DONE]":
+                        return resp.headers, events
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if started is not None:
+                        started.set()
+        raise AssertionError("the stream ended without data: [DONE]")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def engine_replica_ids() -> list[str]:
+    """The live engine replicas' ids, from their Ray actor names (``...#EngineReplica#<id>``)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return sorted(n.rsplit("#", 1)[1] for n in names if f"#{ENGINE_DEPLOYMENT}#" in n)
+
+
+def owner(adapter: str) -> str:
+    return rendezvous_owners(adapter, engine_replica_ids(), 1)[0]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},  # two engines share two cores
+    )
+    port = _free_port()
+    config = FleetConfig(
+        engine=EngineConfig(model=str(TINY_BASE_DIR), device="cpu", max_num_seqs=CAPACITY),
+        tenants_toml=TENANTS_TOML,
+        lora_modules=tuple((name, str(path)) for name, path in demo_adapter_dirs().items()),
+        replicas=2,
+        replica_cpus=0.5,
+        ingress_cpus=0.25,
+        owners=1,
+        routing_stats_period_s=0.5,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        yield Fleet(f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def completion(model: str, **kw) -> dict:
+    return {"model": model, "prompt": "Hello there", "max_tokens": 48, "temperature": 0, **kw}
+
+
+async def test_outputs_equal_a_single_engines(fleet):
+    engine = make_engine(device="cpu")
+    try:
+        ids = engine.tokenizer.encode("Hello there", add_special_tokens=True)
+        for model, adapter in ((BASE, None), ("acme", "acme"), (f"{BASE}:globex", "globex")):
+            for sampling in (SamplingParams(max_tokens=48, temperature=0), SamplingParams(max_tokens=24, seed=7)):
+                async for last in engine.generate(ids, adapter, sampling):
+                    pass
+                status, body, headers = await fleet.post(
+                    "/v1/completions", completion(model, max_tokens=sampling.max_tokens,
+                                                  temperature=sampling.temperature, seed=sampling.seed),
+                )  # fmt: skip
+                assert status == 200, body
+                assert body["choices"][0]["text"] == last.text
+                assert headers["x-adapter-id"] == (adapter or "none")
+        status, body, _ = await fleet.post(
+            "/v1/chat/completions", {"model": "acme", "messages": CHAT, "temperature": 0}
+        )
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected_text("acme")
+    finally:
+        await engine.close()
+
+
+async def test_streaming_equals_whole(fleet):
+    status, whole, _ = await fleet.post("/v1/completions", completion("globex"))
+    assert status == 200
+    headers, events = await fleet.stream(completion("globex", stream_options={"include_usage": True}))
+    assert "".join(c["text"] for e in events for c in e["choices"]) == whole["choices"][0]["text"]
+    assert events[-1]["usage"] == whole["usage"]
+    assert headers["x-adapter-id"] == "globex" and headers["x-adapter-tier"] in ("gpu", "ram", "disk")
+    assert headers["Content-Type"].startswith("text/event-stream")
+    assert headers.getall("x-request-id") == [events[0]["id"].removeprefix("cmpl-")]
+
+
+async def test_requests_for_one_adapter_stick_to_its_owner(fleet):
+    for adapter in ("acme", "initech"):
+        tenant = "beta" if adapter == "initech" else "alpha"
+        served = set()
+        for _ in range(4):
+            status, body, headers = await fleet.post("/v1/completions", completion(adapter), tenant=tenant)
+            assert status == 200, body
+            served.add(headers[REPLICA_HEADER])
+        assert served == {owner(adapter)}
+
+
+async def test_saturated_owner_spills_to_the_other_replica(fleet):
+    # Sampled at a high temperature, the tiny model rarely meets EOS: each request runs its 96 tokens.
+    bodies = [completion("acme", temperature=2.0, seed=i, max_tokens=96) for i in range(3 * CAPACITY)]
+    answers = await asyncio.gather(*(fleet.post("/v1/completions", b) for b in bodies))
+    assert all(status == 200 for status, _, _ in answers), answers
+    served = Counter(headers[REPLICA_HEADER] for _, _, headers in answers)
+    assert set(served) == set(engine_replica_ids()), served
+    assert served[owner("acme")] >= CAPACITY, served
+
+
+async def test_tenant_isolation_and_fleet_wide_quota(fleet):
+    status, body, _ = await fleet.post("/v1/completions", completion("initech"))  # beta's
+    assert status == 404
+    assert_openai_error(body, 404, param="model")
+    status, missing, _ = await fleet.post("/v1/completions", completion("no-such-adapter"))
+    assert (
+        status == 404 and missing["error"]["message"].replace("no-such-adapter", "initech") == body["error"]["message"]
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.get(fleet.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['alpha']}"}) as resp:
+            assert {m["id"] for m in (await resp.json())["data"]} == {BASE, "acme", "globex"}
+        async with s.post(fleet.url + "/v1/completions", json=completion(BASE)) as resp:
+            assert resp.status == 401
+            assert_openai_error(await resp.json(), 401)
+    # gamma may send two requests a minute, whichever replica serves them.
+    got = [await fleet.post("/v1/completions", completion(BASE), tenant="gamma") for _ in range(3)]
+    assert [status for status, _, _ in got] == [200, 200, 429]
+    assert_openai_error(got[2][1], 429)
+    assert int(got[2][2]["Retry-After"]) >= 1
+
+
+async def test_killed_replica_loses_no_request_that_had_not_streamed(fleet):
+    victim = owner("globex")
+    long = completion("globex", temperature=2.0, max_tokens=400)
+    whole = [asyncio.create_task(fleet.post("/v1/completions", {**long, "seed": i})) for i in range(3)]
+    started = asyncio.Event()
+    streamed = asyncio.create_task(fleet.stream({**long, "seed": 99}, started))
+    await asyncio.wait_for(started.wait(), 30)
+    replica = next(n for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].endswith(f"#{victim}"))
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+
+    # The whole answers had sent nothing yet: resent to the other replica, they all succeed.
+    for status, body, headers in await asyncio.gather(*whole):
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] >= 1 and headers[REPLICA_HEADER] != victim
+    # The stream had started on the victim: it ends with a retryable error event, then [DONE].
+    headers, events = await streamed
+    assert headers[REPLICA_HEADER] == victim
+    assert events[-1]["error"]["code"] == "unavailable" and events[-1]["error"]["type"] == "server_error"
+    status, body, headers = await fleet.post("/v1/completions", completion("globex"))
+    assert status == 200 and body["choices"][0]["text"] == expected_text("globex")
