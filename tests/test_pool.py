@@ -61,11 +61,11 @@ async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
     async for out in gen:
         outs.append(out)
         if not out.finished:  # once finished, r64 is idle and r8's waiting load may evict it
-            assert engine.stats()["resident_adapters"] == ["r64"]
+            assert engine.stats()["resident_adapters"] == ["r64@1"]
     assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 30
     done = await r8  # once r64 is idle it may be evicted so r8 can load and run
     assert done.finished and len(done.token_ids) == 4
-    assert engine.stats()["resident_adapters"] == ["r8"]
+    assert engine.stats()["resident_adapters"] == ["r8@1"]
     await engine.close()
 
 
@@ -132,7 +132,7 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
     import asyncio
 
     rng = random.Random(1)
-    engine = tiny_engine(num_pages=400, max_loras=3)
+    engine = tiny_engine(num_pages=400, max_loras=3, max_model_len=256)
     engine.add_adapter("r8", rank_adapters[8])
     engine.add_adapter("r64", rank_adapters[64])
     start = engine.pool_free_pages()

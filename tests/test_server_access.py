@@ -94,7 +94,9 @@ async def test_registration_refuses_bad_adapters_and_keeps_serving(server, in_ro
         ({"id": "x3", "path": str(no_weights), "tenant": "beta"}, "path", "adapter_model"),
         ({"id": "x4", "path": str(in_root / "absent"), "tenant": "beta"}, "path", "no such directory"),
         ({"id": "x5", "path": "relative/dir", "tenant": "beta"}, "path", "absolute"),
-        ({"id": "x6", "path": "s3://bucket/adapter", "tenant": "beta"}, "path", "scheme"),
+        ({"id": "x6", "path": "ftp://host/adapter", "tenant": "beta"}, "path", "scheme"),
+        ({"id": "x9", "source": "https://127.0.0.1:9/a", "tenant": "beta"}, "sha256", "sha256"),
+        ({"id": "x10", "source": "s3://bucket/adapter", "tenant": "beta"}, "source", "--adapter-cache-dir"),
         ({"id": "x7", "path": str(mismatched), "tenant": "delta"}, "tenant", "tenant"),
         ({"id": "bad:id", "path": str(mismatched), "tenant": "beta"}, "id", "adapter id"),
         ({"id": BASE, "path": str(mismatched), "tenant": "beta"}, "id", "adapter id"),
@@ -166,12 +168,12 @@ async def test_delete_refuses_busy_adapter_or_drains_it(server, in_root):
     try:
         running = asyncio.create_task(server.post(COMP, _body("busy", max_tokens=8), tenant="beta"))
         state = server.app[STATE]
-        while state.in_flight.get("busy", 0) == 0:
+        while state.in_flight.get("busy@1", 0) == 0:
             await asyncio.sleep(0.01)
         status, refused, _ = await server.request("DELETE", "/v1/adapters/busy", headers=admin)
         assert status == 409 and "1 requests in flight" in refused["error"]["message"]
         draining = asyncio.create_task(server.request("DELETE", "/v1/adapters/busy?drain=true", headers=admin))
-        while "busy" not in state.draining:
+        while "busy@1" not in state.draining:
             await asyncio.sleep(0.01)
         assert (await server.post(COMP, _body("busy"), tenant="beta"))[0] == 404  # no new requests
         release.set()
@@ -197,7 +199,7 @@ async def test_load_unload_and_state(server):
     status, state, _ = await server.request("GET", "/internal/state", headers=admin)
     assert status == 200
     engine = state["engine"]
-    assert "globex" in engine["resident_adapters"]  # the last request brought it back from RAM
+    assert "globex@1" in engine["resident_adapters"]  # the last request brought it back from RAM
     assert set(engine["resident_adapters"]) <= {info.name for info in server.engine.list_adapters()}
     assert engine["queue_depth"] == 0 and engine["running"] == 0  # nothing in flight between requests
     pages = engine["pool_pages_kv"] + engine["pool_pages_adapters"] + engine["pool_pages_free"]

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -27,6 +28,8 @@ async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]
         "serve",
         "--port",
         "0",
+        "--state-dir",
+        tempfile.mkdtemp(prefix="lorapage-state-"),  # each server its own registry
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,

@@ -1,0 +1,173 @@
+"""Adapter versions and aliases: deploy and roll back with requests in flight (each request's
+tokens checked against transformers + peft on the version it started on), re-registration of
+known content, deletion per version, and base pinning."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from engine_util import collect
+from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
+from safetensors.torch import load_file, save_file
+from server_harness import assert_openai_error, make_access, make_engine, running_server
+
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.errors import AdapterBaseMismatchError, ConflictError
+from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
+
+PROMPT = [3, 17, 42, 5, 99, 23]
+TOKENS = 24
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+COMP = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A random Llama and two versions of one customer's adapter, with PEFT's greedy tokens."""
+    root = tmp_path_factory.mktemp("versions")
+    base = make_random_llama(root / "base", seed=11)
+    v1 = make_peft_adapter(base, root / "v1", r=8, targets=["q_proj", "v_proj", "down_proj"], seed=1)
+    v2 = make_peft_adapter(base, root / "v2", r=4, targets=["k_proj", "o_proj", "up_proj"], seed=2)
+    ref = {n: peft_greedy(base, p, PROMPT, TOKENS)[0] for n, p in (("v1", v1), ("v2", v2))}
+    assert ref["v1"] != ref["v2"]
+    return base, v1, v2, ref
+
+
+async def test_deploy_and_rollback_with_requests_in_flight_match_peft_per_version(checkpoint, tmp_path):
+    base, v1, v2, ref = checkpoint
+    engine = Engine(EngineConfig(model=str(base), block_size=4, state_dir=str(tmp_path / "state")))
+    first = engine.add_adapter("cust", v1)
+    assert (first.name, first.version, first.current) == ("cust@1", 1, True)
+    # A request starts on version 1 ...
+    on_v1 = engine.generate(PROMPT, "cust", GREEDY)
+    tokens_v1 = list((await on_v1.__anext__()).token_ids)
+    # ... version 2 is deployed while it runs ...
+    second = await engine.register_adapter("cust", v2)
+    assert (second.name, second.version, second.created) == ("cust@2", 2, True)
+    started_on_v2 = asyncio.ensure_future(collect(engine, PROMPT, "cust", GREEDY))
+    # ... and rolled back while both run: each finishes on the version it started with.
+    rolled = await engine.set_adapter_version("cust", 1)
+    assert rolled.name == "cust@1"
+    async for out in on_v1:
+        tokens_v1 = list(out.token_ids)
+    assert tokens_v1 == ref["v1"]
+    assert list((await started_on_v2)[0].token_ids) == ref["v2"]
+    assert list((await collect(engine, PROMPT, "cust", GREEDY))[0].token_ids) == ref["v1"]  # the alias again
+    assert list((await collect(engine, PROMPT, "cust@2", GREEDY))[0].token_ids) == ref["v2"]  # by version
+    # The same content again is the same version (made current), not a new one.
+    again = await engine.register_adapter("cust", v2)
+    assert (again.name, again.created, again.current) == ("cust@2", False, True)
+    assert [v.version for v in engine.adapter_versions("cust")] == [1, 2]
+    # The current version of several cannot be deleted; another one can, and its number is never reused.
+    with pytest.raises(ConflictError, match="point the alias"):
+        engine.remove_adapter("cust@2")
+    engine.remove_adapter("cust@1")
+    third = await engine.register_adapter("cust", v1)
+    assert third.name == "cust@3"
+    await engine.close()
+
+
+async def test_versions_aliases_and_owners_over_http(tmp_path):
+    """Registration answers 201 for new content and 200 for known content, x-adapter-version
+    names the version that served, PUT .../current deploys and rolls back, DELETE works per
+    version and per id."""
+    root = tmp_path / "root"
+    root.mkdir()
+    for name in ("acme", "globex"):
+        shutil.copytree(demo_adapter_dirs()[name], root / name)
+    engine = make_engine()
+    async with running_server(engine, adapter_roots=[root]) as srv:
+
+        async def register(src: str, expect: int):
+            status, body, _ = await srv.post(
+                "/v1/adapters", {"id": "cust", "source": str(root / src), "tenant": "alpha"}, headers=srv.admin()
+            )
+            assert status == expect, body
+            return body
+
+        async def answer(model: str, tenant: str = "alpha"):
+            body = {"model": model, "prompt": "Hi", "max_tokens": 40, "temperature": 0}
+            return await srv.post(COMP, body, tenant=tenant)
+
+        v1 = await register("acme", 201)
+        assert (v1["id"], v1["version"], v1["current"], v1["versions"]) == ("cust", 1, 1, [1])
+        assert v1["digest"] and v1["source"].startswith("file://")
+        status, body, headers = await answer("cust")
+        assert status == 200 and body["choices"][0]["text"] == DEMO_MARKERS["acme"]
+        assert (headers["x-adapter-id"], headers["x-adapter-version"]) == ("cust", "1")
+        v2 = await register("globex", 201)
+        assert (v2["version"], v2["current"], v2["versions"]) == (2, 2, [1, 2])
+        status, body, headers = await answer("cust")
+        assert body["choices"][0]["text"] == DEMO_MARKERS["globex"] and headers["x-adapter-version"] == "2"
+        status, body, headers = await answer("cust@1")  # an older version, named
+        assert body["choices"][0]["text"] == DEMO_MARKERS["acme"] and headers["x-adapter-version"] == "1"
+        # Another tenant neither sees it nor can take the id.
+        assert (await answer("cust", tenant="beta"))[0] == 404
+        status, body, _ = await srv.post(
+            "/v1/adapters", {"id": "cust", "source": str(root / "acme"), "tenant": "beta"}, headers=srv.admin()
+        )
+        assert status == 409, body
+        # Rollback, then the same content again: 200, the existing version made current.
+        status, body, _ = await srv.request("PUT", "/v1/adapters/cust/current", srv.admin(), {"version": 1})
+        assert status == 200 and body["current"] == 1 and body["version"] == 1
+        assert (await answer("cust"))[1]["choices"][0]["text"] == DEMO_MARKERS["acme"]
+        again = await register("globex", 200)
+        assert (again["version"], again["current"]) == (2, 2)
+        status, body, _ = await srv.request("PUT", "/v1/adapters/cust/current", srv.admin(), {"version": 7})
+        assert status == 404
+        assert_openai_error(body, 404, "version")
+        status, body, _ = await srv.request("GET", "/v1/adapters/cust/versions", srv.admin())
+        assert [(v["id"], v["current"], v["servable"]) for v in body["data"]] == [
+            ("cust@1", False, True),
+            ("cust@2", True, True),
+        ]
+        status, body, _ = await srv.request("DELETE", "/v1/adapters/cust@2", srv.admin())
+        assert status == 409 and "point the alias" in body["error"]["message"]
+        assert (await srv.request("DELETE", "/v1/adapters/cust@1", srv.admin()))[0] == 200
+        assert (await answer("cust@1"))[0] == 404
+        assert (await srv.request("DELETE", "/v1/adapters/cust", srv.admin()))[0] == 200
+        assert (await answer("cust"))[0] == 404
+        assert (await srv.request("GET", "/v1/adapters/cust", srv.admin()))[0] == 404
+    await engine.close()
+
+
+def _other_base(tmp_path: Path) -> Path:
+    """The tiny base with one weight nudged: same shapes and tokenizer, another digest."""
+    other = tmp_path / "other-base"
+    shutil.copytree(TINY_BASE_DIR, other)
+    weights = load_file(other / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    return other
+
+
+async def test_versions_of_another_base_are_kept_but_refused(tmp_path):
+    state = str(tmp_path / "state")
+    first = Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, state_dir=state))
+    first.add_adapter("acme", demo_adapter_dirs()["acme"])
+    trained_on = first.digest
+    await first.close()
+    other = _other_base(tmp_path)
+    engine = Engine(EngineConfig(model=str(other), block_size=4, state_dir=state))
+    assert engine.digest != trained_on
+    with pytest.raises(AdapterBaseMismatchError) as exc:
+        engine.resolve_adapter("acme")
+    assert trained_on[:16] in exc.value.message and engine.digest[:16] in exc.value.message
+    [kept] = engine.adapter_versions("acme")
+    assert (kept.key, kept.servable, kept.base_digest) == ("acme@1", False, trained_on)
+    with pytest.raises(AdapterBaseMismatchError, match="expects base"):
+        await engine.register_adapter("globex", demo_adapter_dirs()["globex"], expected_base_digest=trained_on)
+    info = await engine.register_adapter("globex", demo_adapter_dirs()["globex"], expected_base_digest=engine.digest)
+    assert info.name == "globex@1"
+    async with running_server(engine, make_access()) as srv:
+        status, body, _ = await srv.post(COMP, {"model": "acme", "prompt": "Hi", "max_tokens": 4})
+        assert status == 409, body
+        assert_openai_error(body, 409, "model")
+        assert body["error"]["code"] == "adapter_base_mismatch"
+        status, body, _ = await srv.post(COMP, {"model": "globex", "prompt": "Hi", "max_tokens": 4})
+        assert status == 200, body  # the others keep serving
+    await engine.close()

@@ -1,0 +1,167 @@
+"""The adapter registry across restarts and ``kill -9``, over a real ``lorapage serve`` subprocess.
+
+Registrations run concurrently while the server is killed at a seeded random moment; after a
+restart on the same ``--state-dir`` every registration that was answered 201 is there, with its
+owner, version and alias, and serves its adapter's output; every other one is either absent or
+just as whole (committed, its answer lost with the process); nothing is half made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sqlite3
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from server_harness import ADMIN_KEY, KEYS, TENANTS_TOML
+
+from lorapage.adapters.registry import REGISTRY_FILE
+from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+DEMOS = ("acme", "globex", "initech")
+
+
+class Serve:
+    """``lorapage serve`` on a free port over ``state`` (started, then killed or stopped)."""
+
+    def __init__(self, state: Path, root: Path, tenants: Path) -> None:
+        self.args = ["--state-dir", str(state), "--adapter-root", str(root), "--tenants", str(tenants)]
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Serve:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "lorapage.cli",
+            "serve",
+            "--port",
+            "0",
+            *self.args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        while not self.url:
+            line = (await asyncio.wait_for(self.proc.stdout.readline(), timeout=120)).decode()
+            if not line:
+                raise AssertionError(f"lorapage serve exited early with {await self.proc.wait()}")
+            if m := re.search(r"listening on (http://\S+)", line):
+                self.url = m.group(1)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)  # no shutdown code runs: what is on disk is all there is
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+def _setup(tmp_path: Path, n: int) -> tuple[Path, Path, Path]:
+    root = tmp_path / "root"
+    for i in range(n):
+        shutil.copytree(demo_adapter_dirs()[DEMOS[i % 3]], root / f"a{i}")
+    for name in DEMOS:
+        shutil.copytree(demo_adapter_dirs()[name], root / name)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS_TOML)
+    return tmp_path / "state", root, tenants
+
+
+async def _register(session, url: str, adapter_id: str, source: Path, tenant: str = "alpha"):
+    body = {"id": adapter_id, "source": str(source), "tenant": tenant}
+    async with session.post(f"{url}/v1/adapters", json=body, headers=ADMIN) as resp:
+        return resp.status, await resp.json()
+
+
+async def _complete(session, url: str, model: str, tenant: str = "alpha"):
+    body = {"model": model, "prompt": "Hi", "max_tokens": 40, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        return resp.status, json.loads(await resp.text()), resp.headers
+
+
+async def test_registrations_survive_restart_and_kill_9(tmp_path):
+    n = 24
+    state, root, tenants = _setup(tmp_path, n)
+    rng = random.Random(20261201)
+    answered: dict[str, int] = {}  # id -> status, for the answers that reached the client
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with Serve(state, root, tenants) as first:
+            # Committed before the kill: a deploy and a rollback of one id.
+            assert (await _register(session, first.url, "cust", root / "acme"))[0] == 201
+            assert (await _register(session, first.url, "cust", root / "globex"))[0] == 201
+            async with session.put(f"{first.url}/v1/adapters/cust/current", json={"version": 1}, headers=ADMIN) as r:
+                assert r.status == 200
+            pending = list(range(n))
+
+            async def worker() -> None:
+                while pending:
+                    i = pending.pop(0)
+                    try:
+                        status, _ = await _register(session, first.url, f"a{i}", root / f"a{i}")
+                    except (TimeoutError, aiohttp.ClientError):
+                        return  # the server died under this request
+                    answered[f"a{i}"] = status
+
+            workers = [asyncio.ensure_future(worker()) for _ in range(3)]
+            while not answered:  # kill only once registrations are flowing
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(rng.uniform(0.0, 0.25))
+            first.kill()
+            await asyncio.gather(*workers)
+        committed = {i for i, status in answered.items() if status == 201}
+        assert committed and len(committed) < n, f"the kill landed outside the registrations: {len(committed)}"
+        assert all(status == 201 for status in answered.values()), answered
+        with sqlite3.connect(state / REGISTRY_FILE) as db:
+            assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+        async with Serve(state, root, tenants) as second:
+            async with session.get(f"{second.url}/v1/adapters", headers=ADMIN) as resp:
+                listed = {a["id"]: a for a in (await resp.json())["data"]}
+            assert committed <= set(listed), committed - set(listed)
+            for i in range(n):
+                adapter_id = f"a{i}"
+                if adapter_id not in listed:
+                    continue  # never committed: absent, not half there
+                info = listed[adapter_id]
+                assert (info["owner"], info["version"], info["versions"]) == ("alpha", 1, [1]), info
+                status, body, headers = await _complete(session, second.url, adapter_id)
+                assert status == 200 and body["choices"][0]["text"] == DEMO_MARKERS[DEMOS[i % 3]], body
+                assert headers["x-adapter-version"] == "1"
+            # The alias kept its rollback; both versions and the owner came back.
+            cust = listed["cust"]
+            assert (cust["version"], cust["versions"], cust["owner"]) == (1, [1, 2], "alpha")
+            status, body, _ = await _complete(session, second.url, "cust")
+            assert body["choices"][0]["text"] == DEMO_MARKERS["acme"]
+            status, body, _ = await _complete(session, second.url, "cust@2")
+            assert body["choices"][0]["text"] == DEMO_MARKERS["globex"]
+            assert (await _complete(session, second.url, "cust", tenant="beta"))[0] == 404
+            # The registrations cut off by the kill can be made again, and a clean stop keeps it all.
+            for i in range(n):
+                if f"a{i}" not in listed:
+                    assert (await _register(session, second.url, f"a{i}", root / f"a{i}"))[0] == 201
+            assert second.proc is not None
+            second.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(second.proc.wait(), 60) == 0
+
+        async with Serve(state, root, tenants) as third:
+            async with session.get(f"{third.url}/v1/adapters", headers=ADMIN) as resp:
+                ids = {a["id"] for a in (await resp.json())["data"]}
+            assert ids == {f"a{i}" for i in range(n)} | {"cust"} | set(DEMOS)  # the demo adapters: --lora-modules
