@@ -115,6 +115,7 @@ OPENAI_ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    502: "server_error",
     503: "server_error",
 }
 

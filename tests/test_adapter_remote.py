@@ -1,0 +1,93 @@
+"""Adapters registered from remote sources through the admin API, end to end: an https source on
+a local aiohttp file server (a wrong checksum, a truncated body, a download that fails when a
+request needs it) and an s3 source on moto's S3 server. Bad downloads fail only the requests that
+need them; every other request is served."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from remote_sources import FileServer, s3_bucket, s3_endpoint, start_server
+from server_harness import assert_openai_error, make_engine, running_server
+
+from lorapage.adapters.digest import content_digest
+from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
+
+__all__ = ["s3_bucket", "s3_endpoint"]  # fixtures, imported to be found
+COMP = "/v1/completions"
+WRONG = "0" * 64
+
+
+@pytest.fixture
+async def files() -> AsyncIterator[FileServer]:
+    server = FileServer()
+    app = web.Application()
+    app.router.add_get("/{path:.*}", server.handle)
+    runner, server.base = await start_server(app)
+    yield server
+    await runner.cleanup()
+
+
+def _complete(model: str) -> dict:
+    return {"model": model, "prompt": "Hi", "max_tokens": 40, "temperature": 0}
+
+
+async def test_https_source_is_verified_and_a_failed_download_fails_only_its_requests(tmp_path, files):
+    acme = demo_adapter_dirs()["acme"]
+    url = files.publish("acme-v1", acme)
+    digest = content_digest(acme)
+    engine = make_engine(state_dir=str(tmp_path / "state"))
+    async with running_server(engine) as srv:
+
+        async def register(**body):
+            return await srv.post("/v1/adapters", {"id": "remote", "tenant": "alpha", **body}, headers=srv.admin())
+
+        status, body, _ = await register(source=url, sha256=WRONG)
+        assert status == 502, body
+        assert_openai_error(body, 502, "source")
+        assert body["error"]["code"] == "adapter_integrity_failed" and digest in body["error"]["message"]
+        files.truncate.add("acme-v1/adapter_model.safetensors")
+        status, body, _ = await register(source=url, sha256=digest)
+        assert status == 502 and body["error"]["code"] == "adapter_source_failed", body
+        assert "remote" not in engine.catalog.ids()  # nothing half registered
+        files.truncate.clear()
+        status, body, _ = await register(source=url, sha256=digest)
+        assert status == 201 and body["digest"] == digest and body["source"] == url, body
+        # The downloaded copy is gone and the source now cuts the body short: the request that
+        # needs the adapter fails with 502, the others are served, and a later one retries.
+        shutil.rmtree(tmp_path / "state" / "adapter-cache" / digest)
+        files.truncate.add("acme-v1/adapter_model.safetensors")
+        failing = asyncio.ensure_future(srv.post(COMP, _complete("remote")))
+        status, body, _ = await srv.post(COMP, _complete("globex"))
+        assert status == 200 and body["choices"][0]["text"] == DEMO_MARKERS["globex"]
+        status, body, _ = await failing
+        assert status == 502, body
+        assert_openai_error(body, 502)
+        files.truncate.clear()
+        status, body, headers = await srv.post(COMP, _complete("remote"))
+        assert status == 200 and body["choices"][0]["text"] == DEMO_MARKERS["acme"], body
+        assert headers["x-adapter-tier"] == "disk"
+    await engine.close()
+
+
+async def test_s3_source_registers_and_serves(tmp_path, s3_endpoint, s3_bucket):
+    globex = demo_adapter_dirs()["globex"]
+    s3_bucket("team/globex", globex)
+    engine = make_engine(state_dir=str(tmp_path / "state"), s3_endpoint_url=s3_endpoint)
+    async with running_server(engine) as srv:
+        body = {"id": "from-s3", "source": "s3://adapters/team/globex", "tenant": "alpha"}
+        status, info, _ = await srv.post("/v1/adapters", body, headers=srv.admin())
+        assert status == 201, info
+        assert info["digest"] == content_digest(globex) and info["source"] == "s3://adapters/team/globex"
+        status, out, headers = await srv.post(COMP, _complete("from-s3"))
+        assert status == 200 and out["choices"][0]["text"] == DEMO_MARKERS["globex"], out
+        assert headers["x-adapter-version"] == "1"
+        status, refused, _ = await srv.post(
+            "/v1/adapters", {**body, "id": "wrong", "sha256": WRONG}, headers=srv.admin()
+        )
+        assert status == 502 and refused["error"]["code"] == "adapter_integrity_failed", refused
+    await engine.close()
