@@ -121,7 +121,7 @@ async def test_outputs_equal_a_single_engines(fleet):
     engine = make_engine(device="cpu")
     try:
         ids = engine.tokenizer.encode("Hello there", add_special_tokens=True)
-        for model, adapter in ((BASE, None), ("acme", "acme"), (f"{BASE}:globex", "globex")):
+        for model, adapter in ((BASE, None), ("acme", "acme"), (f"{BASE}:globex", "globex"), ("acme@1", "acme")):
             for sampling in (SamplingParams(max_tokens=48, temperature=0), SamplingParams(max_tokens=24, seed=7)):
                 async for last in engine.generate(ids, adapter, sampling):
                     pass
@@ -132,6 +132,7 @@ async def test_outputs_equal_a_single_engines(fleet):
                 assert status == 200, body
                 assert body["choices"][0]["text"] == last.text
                 assert headers["x-adapter-id"] == (adapter or "none")
+                assert headers.get("x-adapter-version") == (adapter and "1")  # the version that served
         status, body, _ = await fleet.post(
             "/v1/chat/completions", {"model": "acme", "messages": CHAT, "temperature": 0}
         )

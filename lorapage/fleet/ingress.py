@@ -106,7 +106,9 @@ class FleetIngress:
         return self._prompts
 
     def visible(self, tenant: str, adapter: str) -> bool:
-        return adapter in self.adapters and self.access.may_use(tenant, adapter)
+        """``adapter`` (``id`` or ``id@N``; the replica resolves the version) may be used by ``tenant``."""
+        adapter_id = adapter.partition("@")[0]
+        return adapter_id in self.adapters and self.access.may_use(tenant, adapter_id)
 
     async def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
         base = (await self.profile()).base_name
@@ -238,6 +240,7 @@ class FleetIngress:
                 async for item in stream:
                     if isinstance(item, ReplicaStart):
                         served.append(item.replica_id)
+                        job.adapter_version = item.adapter_version
                     elif isinstance(item, LorapageError):
                         raise item
                     elif job.stream or item.finished:

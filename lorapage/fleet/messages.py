@@ -23,9 +23,11 @@ class EngineJob:
 
 @dataclass(frozen=True)
 class ReplicaStart:
-    """The first item of every replica stream: which replica (Ray's replica id) took the request."""
+    """The first item of every replica stream: which replica (Ray's replica id) took the request,
+    and the adapter version (``N`` of ``id@N``) it resolved the request to (None: the base)."""
 
     replica_id: str
+    adapter_version: int | None = None
 
 
 @dataclass(frozen=True)

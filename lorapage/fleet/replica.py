@@ -39,12 +39,17 @@ class EngineReplica:
         """:class:`ReplicaStart`, then the engine's outputs; a refusal is yielded (not raised) so it
         reaches the ingress as the error it is rather than wrapped in Ray's task error. Cancelling
         the stream (the client went away) closes the engine's generator, which aborts the request."""
-        yield ReplicaStart(self.replica_id)
+        try:
+            # One version for the whole request, named in the response's x-adapter-version.
+            key = self.engine.resolve_adapter(job.adapter) if job.adapter is not None else None
+        except LorapageError as exc:
+            yield ReplicaStart(self.replica_id)
+            yield exc
+            return
+        yield ReplicaStart(self.replica_id, int(key.rpartition("@")[2]) if key is not None else None)
         self.in_flight += 1
         try:
-            outputs = self.engine.generate(
-                job.prompt, job.adapter, job.sampling, tenant=job.tenant, request_id=job.request_id
-            )
+            outputs = self.engine.generate(job.prompt, key, job.sampling, tenant=job.tenant, request_id=job.request_id)
             async for out in outputs:
                 yield out
         except LorapageError as exc:
@@ -56,9 +61,9 @@ class EngineReplica:
         """Adapters by tier (pool pages, host RAM, only on disk), requests in flight, batch capacity.
         Async, so it reads the engine on the loop that owns it."""
         stats = self.engine.stats()
-        pool = set(stats["resident_adapters"])
-        host = set(stats["host_ram_adapters"]) - pool
-        disk = {info.name for info in self.engine.list_adapters()} - pool - host
+        pool = self._names(stats["resident_adapters"])
+        host = self._names(stats["host_ram_adapters"]) - pool
+        disk = self._names(v.key for v in self.engine.adapter_versions() if v.servable) - pool - host
         return {
             "pool": sorted(pool),
             "host": sorted(host),
@@ -66,6 +71,19 @@ class EngineReplica:
             "in_flight": self.in_flight,
             "capacity": self.engine.config.max_num_seqs,
         }
+
+    def _names(self, keys) -> set[str]:
+        """Version keys as requests name them: ``id@N``, and ``id`` too for the current version."""
+        names = set()
+        for key in keys:
+            names.add(key)
+            adapter_id = key.rpartition("@")[0]
+            try:
+                if self.engine.resolve_adapter(adapter_id) == key:
+                    names.add(adapter_id)
+            except LorapageError:
+                pass
+        return names
 
     async def register_adapter(self, name: str, path: str) -> None:
         await self.engine.register_adapter(name, path)
