@@ -50,6 +50,11 @@ class EngineConfig:
     # least valuable busy adapter yield: it takes no new requests, and its slot goes to the load
     # once its running requests finish. Without it a cold adapter could wait forever behind hot ones.
     adapter_wait_s: float = 1.0
+    # Admins may pin adapters resident (never evicted); together pins hold at most this fraction
+    # of the pool's pages (and always leave room for one full-length sequence and one adapter).
+    max_pinned_fraction: float = 0.5
+    # Per-adapter metrics name the top this many adapters by recent traffic; the rest are "other".
+    metrics_top_adapters: int = 20
     max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
     kernel_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # True: no CUDA-graph capture of decode steps (CUDA + Triton only)
@@ -79,6 +84,8 @@ class EngineConfig:
             )
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(f"EngineConfig.max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}")
         positive = (
             "block_size",
             "max_num_seqs",
@@ -88,6 +95,7 @@ class EngineConfig:
             "io_threads",
             "adapter_cache_bytes",
             "max_adapter_download_bytes",
+            "metrics_top_adapters",
         )
         for name in positive:
             if getattr(self, name) < 1:

@@ -1,11 +1,16 @@
 """/metrics over a real socket: latency histograms by tenant and adapter tier, and the scheduler's
-figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms)."""
+figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms);
+per-adapter series with their label set bounded to the top adapters by traffic."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import BASE, make_engine, read_sse, running_server
+
+from lorapage import SamplingParams
+from lorapage.adapters.metrics import LABEL_REFRESH_S, AdapterMetrics
+from lorapage.server.metrics import ServerMetrics
 
 MAX_TOKENS = 6
 
@@ -116,3 +121,42 @@ async def test_overload_is_a_rejection_of_its_tenant():
         assert _series(text, "lorapage_tenant_admitted_requests_total") == {("beta",): 0}
     finally:
         await engine.close()
+
+
+async def test_adapter_labels_are_the_top_k_ids_by_recent_traffic_and_the_rest_other():
+    metrics = AdapterMetrics(top_k=3)
+    for aid in "abcde":  # the first three ids get their label at once; the rest count as other
+        metrics.record_request(f"{aid}@1", "disk", 0.0)
+    assert metrics.labelled == {"a", "b", "c"}
+    assert metrics.requests[("other", "disk")] == 2
+    for _ in range(10):
+        metrics.record_request("e@2", "gpu", 1.0)  # e's second version: still adapter "e"
+    metrics.record_request("d@1", "gpu", LABEL_REFRESH_S + 1)  # the labelled set is chosen again
+    assert metrics.labelled == {"e", "d", "a"}  # by traffic (a, b, c tie: by name)
+    assert metrics.requests[("d", "gpu")] == 1 and metrics.requests[("other", "gpu")] == 10
+    text = ServerMetrics(dict, adapters=metrics).render().decode()
+    labels = {s.labels["adapter"] for s in _family_samples(text, "lorapage_adapter_requests_total")}
+    assert labels == {"a", "d", "other"}  # b and c lost their series; e's requests were counted as other
+
+
+async def test_adapter_series_are_bounded_by_the_top_k():
+    """Three adapters, K = 2: the third's requests, loads and evictions count as other."""
+    engine = make_engine(metrics_top_adapters=2, max_loras=1)
+    try:
+        for model in ("acme", "globex", "initech"):
+            async for out in engine.generate("hello", model, SamplingParams(max_tokens=2), tenant="alpha"):
+                pass
+        text = ServerMetrics(engine.stats, adapters=engine.adapter_metrics).render().decode()
+    finally:
+        await engine.close()
+    cold = {("acme", "disk"): 1, ("globex", "disk"): 1, ("other", "disk"): 1}
+    assert _series(text, "lorapage_adapter_requests_total") == cold
+    assert _series(text, "lorapage_adapter_loads_total") == cold
+    assert _series(text, "lorapage_adapter_evictions_total") == {("acme",): 1, ("globex",): 1}  # one slot
+    assert _series(text, "lorapage_adapter_load_seconds_count")[("disk",)] == 3
+    assert _series(text, "lorapage_adapter_pinned_pages") == {(): 0}
+    assert _series(text, "lorapage_adapter_download_bytes_total") == {}  # local files only
+
+
+def _family_samples(text: str, sample: str):
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == sample]

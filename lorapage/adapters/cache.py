@@ -4,14 +4,21 @@ Every method runs on the engine's event loop, which owns this state. File reads 
 in an I/O thread pool; the copy into pool pages runs on the forward thread, between steps, so it
 never races a forward pass. A request for a non-resident adapter only starts (or joins) a load;
 the scheduler admits it once :meth:`AdapterCache.is_ready` says so.
+
+Idle adapters leave the pool least valuable per page first (:mod:`lorapage.adapters.value`:
+recent request rate x measured reload cost from the tier each would fall to / pages), except
+those an admin pinned resident (:meth:`AdapterCache.pin_resident`), which never leave it nor
+yield. A tenant's request prefetches the tenant's other recent adapters into host RAM when the
+I/O pool has no load to serve.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager
@@ -22,8 +29,10 @@ from pathlib import Path
 import torch
 
 from lorapage.adapters.digest import bytes_digest
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
+from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec
+from lorapage.adapters.value import LoadTier, RecentAdapters, ReloadCosts, Stage, value_per_page
 from lorapage.errors import (
     AdapterBusyError,
     AdapterFormatError,
@@ -32,6 +41,7 @@ from lorapage.errors import (
     AdapterNotFoundError,
     ConflictError,
     LorapageError,
+    PinLimitError,
 )
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.model.config import ModelConfig
@@ -39,6 +49,7 @@ from lorapage.model.config import ModelConfig
 RATE_HALF_LIFE_S = 60.0  # how fast an adapter's recent request rate forgets old traffic
 MIN_RECHECK_S = 0.05  # a load with nothing to wait on looks again this often (adapter_wait_s may be 0)
 EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
+PREFETCH_QUEUE_LEN = 16  # prefetches waiting to start beyond this drop the oldest
 
 
 class LoadWait(Enum):
@@ -68,6 +79,7 @@ class AdapterEntry:
     rate: float = 0.0  # exponentially decayed request count
     rate_time: float = 0.0
     yielding: bool = False  # admits nothing new: a starving load takes its lora slot once it is idle
+    pinned: bool = False  # an admin pinned it resident: never evicted, never made to yield
     resident_since: float = 0.0  # when it last became resident (it yields only after slot_wait_s)
     # This registration's identity in prefix-cache keys: a new registration under the same name
     # (other weights) never reuses the old one's cached KV blocks.
@@ -100,10 +112,13 @@ class AdapterInfo:
     source: str = ""
     current: bool = False
     created: bool = True  # False: a registration of content an existing version already had
+    pinned: bool = False  # pinned resident by an admin (AdapterCache.pin_resident)
 
 
 class AdapterCache:
-    """Registry, host-RAM LRU and pool residency of adapters, with value-per-page eviction."""
+    """Registry, host-RAM LRU and pool residency of adapters, with value-per-page eviction,
+    admin pins (bounded by ``max_pinned_fraction`` of the pool) and per-tenant prefetch into host
+    RAM (at most ``max_prefetches`` reads at once; 0 turns it off)."""
 
     def __init__(
         self,
@@ -122,16 +137,29 @@ class AdapterCache:
         clock: Callable[[], float],
         reclaim_kv: Callable[[int], int] | None = None,
         sequence_pages: int = 0,
+        max_pinned_fraction: float = 0.5,
+        max_prefetches: int = 1,
+        metrics: AdapterMetrics | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model, self.pool, self.tables = model, pool, tables
         self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
-        self.slot_wait_s = slot_wait_s
+        self.slot_wait_s, self.max_loras = slot_wait_s, max_loras
         self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
         self._reclaim_kv = reclaim_kv  # frees idle cached KV pages (the prefix cache's), up to n free
         self.sequence_pages = sequence_pages  # KV pages of one full-length sequence: an adapter must fit beside it
         # Where a version's files are read from when it is not in host RAM: a block holding them
         # fetched and verified (the catalog's sources); None: the directory its spec names.
         self.locate: Callable[[str], AbstractAsyncContextManager[Path]] | None = None
+        # Where a version's files come from when not in host RAM: DISK or REMOTE (a remote source
+        # not in the disk cache); None: always DISK.
+        self.cold_tier: Callable[[str], LoadTier] | None = None
+        self.max_pinned_fraction, self.max_prefetches = max_pinned_fraction, max_prefetches
+        self.metrics = metrics or AdapterMetrics()
+        self._timer = timer  # wall time of loads, measured: the injected clock may be virtual
+        page_bytes = pool.storage.shape[0] * pool.page_size * pool.storage.element_size()
+        self.costs = ReloadCosts(page_bytes)
+        self._max_adapter_pages = max_adapter_pages(model, max_lora_rank, pool.page_size)
         self.entries: dict[str, AdapterEntry] = {}
         self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
         self._free_slots = list(range(max_loras, 0, -1))
@@ -142,6 +170,10 @@ class AdapterCache:
         self._starving: list[AdapterEntry] = []  # loads past adapter_wait_s without a slot, in order
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
         self._loading: set[AdapterEntry] = set()  # entries with a load task in flight
+        self._recent = RecentAdapters()  # per tenant, its recent adapters: what to prefetch
+        self._prefetch_queue: OrderedDict[str, None] = OrderedDict()  # names to prefetch, in order
+        self._prefetching: dict[str, asyncio.Task[torch.Tensor | None]] = {}  # name -> read to host RAM
+        self.prefetches: Counter[str] = Counter()  # started, done, failed, dropped (queue full)
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -199,9 +231,14 @@ class AdapterCache:
             )
         if entry.load_task is not None:
             entry.load_task.cancel()
+        if (prefetch := self._prefetching.pop(name, None)) is not None:
+            prefetch.cancel()
+        self._prefetch_queue.pop(name, None)
+        entry.pinned = False  # deleting a version drops its pin with it
         if entry.slot:
             self._evict(entry)
         self._host.pop(name, None)
+        self._recent.forget(name)
         del self.entries[name]
 
     def get(self, name: str) -> AdapterEntry:
@@ -214,6 +251,13 @@ class AdapterCache:
         entry = self.get(name)
         return "gpu" if entry.slot else "ram" if name in self._host else "disk"
 
+    def load_tier(self, name: str) -> LoadTier:
+        """Where a load of ``name`` into the pool would start now (for a resident adapter: where
+        it would fall to if evicted; its host copy stays)."""
+        if name in self._host:
+            return LoadTier.RAM
+        return self.cold_tier(name) if self.cold_tier is not None else LoadTier.DISK
+
     def info(self, name: str) -> AdapterInfo:
         e = self.get(name)
         return AdapterInfo(
@@ -225,6 +269,7 @@ class AdapterCache:
             num_params=e.spec.num_params(self.model),
             num_pages=e.layout.num_pages,
             tier=self.tier(name),
+            pinned=e.pinned,
         )
 
     # -- residency ------------------------------------------------------------------------------
@@ -258,20 +303,83 @@ class AdapterCache:
         entry = self.get(name)
         if entry.running:
             raise AdapterBusyError(f"adapter {name!r} has {entry.running} running requests")
+        if entry.pinned:
+            raise ConflictError(f"adapter {name!r} is pinned resident; unpin it first", param="id")
         if not entry.slot:
             return False
         self._evict(entry)
         return True
 
+    # -- admin pins: an adapter held resident by an operator (not :meth:`pin`, which holds an
+    # -- adapter for one admitted request)
+
+    def pin_limit(self) -> int:
+        """Pages admin pins may hold together: ``max_pinned_fraction`` of the pool, and never so
+        many that one full-length sequence beside the largest adapter allowed no longer fits in
+        the rest (requests could then wait forever for pages no one gives back)."""
+        cap = self.pool.capacity
+        room = cap - self.sequence_pages - self._max_adapter_pages
+        return max(0, min(math.floor(self.max_pinned_fraction * cap), room))
+
+    def pinned_pages(self) -> int:
+        """Pool pages the pinned adapters take (loaded or not yet)."""
+        return sum(e.layout.num_pages for e in self.entries.values() if e.pinned)
+
+    def check_pin(self, name: str) -> None:
+        """Refuse (:class:`~lorapage.errors.PinLimitError`, 409) pinning ``name`` past the
+        bounds: pins hold at most :meth:`pin_limit` pages and leave one lora slot unpinned."""
+        entry = self.get(name)
+        if entry.pinned:
+            return
+        pinned = [e for e in self.entries.values() if e.pinned]
+        held, asked, limit, cap = self.pinned_pages(), entry.layout.num_pages, self.pin_limit(), self.pool.capacity
+        if held + asked > limit:
+            raise PinLimitError(
+                f"pinning {name} asks for {asked} pages; pins hold {held} pages and may hold {limit} of the "
+                f"pool's {cap} (max_pinned_fraction {self.max_pinned_fraction:g} of the pool, leaving room for "
+                f"one full-length sequence of {self.sequence_pages} pages beside the largest adapter, "
+                f"{self._max_adapter_pages} pages); unpin an adapter or raise --max-pinned-fraction",
+                param="id",
+            )
+        if len(pinned) + 1 >= self.max_loras:
+            raise PinLimitError(
+                f"pinning {name} would leave no unpinned lora slot: {len(pinned)} of the {self.max_loras} "
+                "slots (--max-loras) are pinned and one must stay free for every other adapter; unpin an adapter",
+                param="id",
+            )
+
+    def pin_resident(self, name: str) -> None:
+        """An admin pins ``name`` resident: from now on it is never evicted nor made to yield (the
+        bounds: :meth:`check_pin`). This does not start its load: the caller does
+        (:meth:`ensure`) on the engine's loop, and :meth:`rebind_loop` does for every pinned
+        adapter when the engine starts on a loop. Not :meth:`pin` (an admitted request's hold)."""
+        self.check_pin(name)
+        entry = self.get(name)
+        entry.pinned = True
+        if entry.yielding:  # the load it yielded to makes another adapter yield instead
+            entry.yielding = False
+            self.notify_memory_freed()
+            self._on_ready()
+
+    def unpin_resident(self, name: str) -> None:
+        """Undo :meth:`pin_resident`: ``name`` stays where it is, evictable by value again. Not
+        :meth:`unpin` (an admitted request's end)."""
+        self.get(name).pinned = False
+        self.notify_memory_freed()  # it may be the idle adapter a waiting load needs
+
     # -- the requests an adapter serves: queued (``waiting``) and admitted (``running``) -----------
 
-    def enqueue(self, name: str, now: float) -> None:
-        """A request for ``name`` arrived: count it as queued, note the traffic, and start the
-        load now, so fetching overlaps queueing."""
+    def enqueue(self, name: str, now: float, tenant: str | None = None) -> None:
+        """A request for ``name`` (from ``tenant``) arrived: count it as queued, note the
+        traffic, and start the load now, so fetching overlaps queueing. The tenant's other
+        recent adapters are prefetched into host RAM (see :meth:`_prefetch_for`)."""
         entry = self.get(name)
+        self.metrics.record_request(name, self.tier(name), now)
         entry.waiting += 1
         entry.touch(now)
         self.ensure(name)
+        if tenant is not None:
+            self._prefetch_for(tenant, name, now)
 
     def dequeue(self, name: str) -> None:
         """A queued request for ``name`` left without running (aborted, or its load failed)."""
@@ -303,7 +411,7 @@ class AdapterCache:
         """Pages to keep free for the largest load waiting on memory, so KV demand cannot starve
         it. Zero when that load could not proceed anyway (no slot to take, or more pages than
         freeing the whole KV cache would give): reserving then would only block admission."""
-        waiting = [e for e in self._loading if e.waiting]
+        waiting = [e for e in self._loading if e.waiting or e.pinned]  # a pin is demand too
         if not waiting:
             return 0
         need = max(e.layout.num_pages for e in waiting)
@@ -319,23 +427,36 @@ class AdapterCache:
         return failed
 
     def rebind_loop(self) -> None:
-        """The engine moved to a new event loop: loads started on the old one died with it."""
+        """The engine moved to a new event loop (or starts on its first): loads and prefetches
+        started on the old one died with it, and the pinned adapters are loaded on this one."""
         self._memory_freed = asyncio.Event()
         for entry in self._loading:
             entry.load_task = None
         self._loading.clear()
         self._starving.clear()
+        self._prefetching.clear()
+        self._prefetch_queue.clear()
         for entry in self.entries.values():  # yielding to a load that died with the old loop
             entry.yielding = False
+        for entry in list(self.entries.values()):
+            if entry.pinned:
+                self.ensure(entry.name)
 
     def notify_memory_freed(self) -> None:
         self._memory_freed.set()
 
+    def value_per_page(self, entry: AdapterEntry, now: float) -> float:
+        """What ``entry``'s pool pages are worth: its recent request rate x the measured cost of
+        reloading it from the tier it would fall to / its pages."""
+        pages = entry.layout.num_pages
+        return value_per_page(entry.rate_at(now), self.costs.reload_s(self.load_tier(entry.name), pages), pages)
+
     def _evictable(self) -> list[AdapterEntry]:
-        """Resident adapters nobody runs or waits for, least valuable per page first."""
+        """Resident adapters nobody runs or waits for and no admin pinned, least valuable per
+        page first."""
         now = self._clock()
-        idle = [e for e in self._by_slot.values() if e.running == 0 and e.waiting == 0]
-        return sorted(idle, key=lambda e: e.rate_at(now) / e.layout.num_pages)
+        idle = [e for e in self._by_slot.values() if e.running == 0 and e.waiting == 0 and not e.pinned]
+        return sorted(idle, key=lambda e: self.value_per_page(e, now))
 
     def evict_idle(self, pages_needed: int) -> bool:
         """Free pages until ``pages_needed`` are free: idle cached KV blocks first (they cost
@@ -361,6 +482,7 @@ class AdapterCache:
         del self._by_slot[entry.slot]
         self._give_back(entry.slot, entry.pages)  # wakes loads waiting for a slot
         entry.slot, entry.pages, entry.yielding = 0, [], False
+        self.metrics.record_eviction(entry.name)
         now = self._clock()
         self.evictions.append(now)
         while now - self.evictions[0] > EVICTION_WINDOW_S:
@@ -370,14 +492,17 @@ class AdapterCache:
 
     async def _load(self, entry: AdapterEntry) -> None:
         try:
+            tier = self.load_tier(entry.name)
+            read_s = 0.0
             packed = self._host.get(entry.name)
             if packed is None:
-                packed = await self._read(entry)
-            self._host[entry.name] = packed
-            self._host.move_to_end(entry.name)
-            while len(self._host) > self.max_cpu_loras:
-                self._host.popitem(last=False)
+                started = self._timer()
+                packed = await self._fetch_packed(entry, tier)
+                read_s = self._timer() - started
+            self._keep_in_host(entry.name, packed)
+            self._start_prefetches()  # this load reads no more: queued prefetches may run
             slot, pages = await self._reserve(entry)
+            copy_started = self._timer()
             copy = asyncio.ensure_future(self._run_on_device(lambda: self._copy_in(entry, packed, slot, pages)))
             try:
                 await asyncio.shield(copy)
@@ -395,6 +520,9 @@ class AdapterCache:
             except Exception:  # the copy ran and failed
                 self._give_back(slot, pages)
                 raise
+            copy_s = self._timer() - copy_started
+            self.costs.observe(Stage.COPY, copy_s, len(pages))
+            self.metrics.record_load(entry.name, tier.value, read_s + copy_s)
             entry.slot, entry.pages, entry.resident_since = slot, pages, self._clock()
             self._by_slot[slot] = entry
         except LorapageError as e:
@@ -406,6 +534,9 @@ class AdapterCache:
         finally:
             entry.load_task = None
             self._loading.discard(entry)
+            task = asyncio.current_task()
+            if task is None or not task.cancelling():  # no new tasks from a load being torn down
+                self._start_prefetches()
             self._on_ready()
             self.notify_memory_freed()  # a new resident adapter may yield to a starving load
 
@@ -416,13 +547,96 @@ class AdapterCache:
         self._free_slots.append(slot)
         self.notify_memory_freed()
 
-    async def _read(self, entry: AdapterEntry) -> torch.Tensor:
-        """Fetch (when a locator is set), read and pack the adapter, off the event loop."""
+    def _keep_in_host(self, name: str, packed: torch.Tensor) -> None:
+        """``name``'s packed copy is the most recently used in host RAM (the LRU keeps
+        ``max_cpu_loras``)."""
+        self._host[name] = packed
+        self._host.move_to_end(name)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    async def _fetch_packed(self, entry: AdapterEntry, tier: LoadTier) -> torch.Tensor:
+        """The packed copy for a load into the pool: the prefetch of it in flight if there is
+        one (and it succeeds), else a read of its own."""
+        prefetch = self._prefetching.get(entry.name)
+        if prefetch is not None and (packed := await asyncio.shield(prefetch)) is not None:
+            return packed
+        return await self._read(entry, tier)
+
+    async def _read(self, entry: AdapterEntry, tier: LoadTier) -> torch.Tensor:
+        """Fetch (when a locator is set), read and pack the adapter, off the event loop; the
+        stages are timed into :attr:`costs`."""
         loop = asyncio.get_running_loop()
+        pages = entry.layout.num_pages
+        started = self._timer()
         if self.locate is None:
-            return await loop.run_in_executor(self._io, self._read_and_pack, entry, entry.spec)
+            packed = await loop.run_in_executor(self._io, self._read_and_pack, entry, entry.spec)
+            self.costs.observe(Stage.READ, self._timer() - started, pages)
+            return packed
         async with self.locate(entry.name) as path:  # held: a disk cache keeps it while it is read
-            return await loop.run_in_executor(self._io, self._read_and_pack, entry, at_path(entry.spec, path))
+            located = self._timer()
+            packed = await loop.run_in_executor(self._io, self._read_and_pack, entry, at_path(entry.spec, path))
+        done = self._timer()
+        if tier is LoadTier.REMOTE:  # located = downloaded; otherwise locating was part of reading
+            self.costs.observe(Stage.DOWNLOAD, located - started, pages)
+            started = located
+        self.costs.observe(Stage.READ, done - started, pages)
+        return packed
+
+    # -- prefetch into host RAM -----------------------------------------------------------------
+
+    def _prefetch_for(self, tenant: str, name: str, now: float) -> None:
+        """Queue ``tenant``'s other recent adapters (:class:`RecentAdapters`: its last few within
+        ten minutes) for a read into host RAM, so its next request for one skips the disk."""
+        for other in self._recent.use(tenant, name, now):
+            if other not in self._prefetch_queue and self._wants_prefetch(other):
+                self._prefetch_queue[other] = None
+                if len(self._prefetch_queue) > PREFETCH_QUEUE_LEN:
+                    self._prefetch_queue.popitem(last=False)
+                    self.prefetches["dropped"] += 1
+        self._start_prefetches()
+
+    def _wants_prefetch(self, name: str) -> bool:
+        """Registered, in no tier above disk, not loading nor prefetching. Remote sources not in
+        the disk cache are left alone: no downloads on speculation."""
+        entry = self.entries.get(name)
+        if entry is None or entry.slot or entry.load_task is not None:
+            return False
+        return name not in self._host and name not in self._prefetching and self.load_tier(name) is LoadTier.DISK
+
+    def _start_prefetches(self) -> None:
+        """Start queued prefetches while no load into the pool is reading files (a prefetch never
+        delays one: it waits, and runs once the loads have their host copies) and fewer than
+        ``max_prefetches`` run. A prefetch takes no lora slot and no pages; a load of an adapter
+        being prefetched joins that read."""
+        while self._prefetch_queue and len(self._prefetching) < self.max_prefetches and not self._loads_reading():
+            name, _ = self._prefetch_queue.popitem(last=False)
+            if self._wants_prefetch(name):
+                self.prefetches["started"] += 1
+                self._prefetching[name] = asyncio.get_running_loop().create_task(self._prefetch(self.entries[name]))
+
+    def _loads_reading(self) -> bool:
+        """Whether a load into the pool is reading files or about to (started, no host copy yet)."""
+        return any(e.name not in self._host for e in self._loading)
+
+    async def _prefetch(self, entry: AdapterEntry) -> torch.Tensor | None:
+        """Read and pack ``entry`` into host RAM; None when that failed (a load that joined it
+        then reads for itself and reports the error)."""
+        try:
+            packed = await self._read(entry, LoadTier.DISK)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.prefetches["failed"] += 1
+            return None
+        finally:
+            if self._prefetching.get(entry.name) is asyncio.current_task():
+                del self._prefetching[entry.name]
+                self._start_prefetches()
+        if self.entries.get(entry.name) is entry:  # still registered
+            self._keep_in_host(entry.name, packed)
+            self.prefetches["done"] += 1
+        return packed
 
     def _read_and_pack(self, entry: AdapterEntry, spec: AdapterSpec) -> torch.Tensor:
         """Read both files once, check them against the registered digest (the bytes hashed are
@@ -520,7 +734,8 @@ class AdapterCache:
             return LoadWait.ROOM
         if self._clock() - started < self.slot_wait_s:
             return LoadWait.PATIENT
-        return LoadWait.STARVING if entry.waiting else LoadWait.PREWARM
+        # An admin pin is demand too: it may make a busy adapter yield, as waiting requests do.
+        return LoadWait.STARVING if entry.waiting or entry.pinned else LoadWait.PREWARM
 
     def _leave_line(self, entry: AdapterEntry) -> None:
         if entry in self._starving:
@@ -529,15 +744,19 @@ class AdapterCache:
 
     def _make_one_yield(self) -> AdapterEntry | None:
         """Stop admitting to the least valuable busy resident adapter (per page, as eviction
-        ranks), so its slot frees once its running requests finish. Its queued requests wait
+        ranks; pinned ones never), so its slot frees once its running requests finish. Its queued requests wait
         and reload it afterwards: busy adapters take turns rather than one holding on forever.
         An adapter resident for less than ``slot_wait_s`` is spared, so every turn lasts at
         least that long and the slot does not change hands after every batch."""
         now = self._clock()
-        busy = [e for e in self._by_slot.values() if not e.yielding and now - e.resident_since >= self.slot_wait_s]
+        busy = [
+            e
+            for e in self._by_slot.values()
+            if not e.yielding and not e.pinned and now - e.resident_since >= self.slot_wait_s
+        ]
         if not busy:
             return None
-        victim = min(busy, key=lambda e: e.rate_at(now) / e.layout.num_pages)
+        victim = min(busy, key=lambda e: self.value_per_page(e, now))
         victim.yielding = True
         self.yields += 1
         return victim

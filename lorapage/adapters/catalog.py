@@ -11,12 +11,20 @@ Every change is committed to the :class:`~lorapage.adapters.registry.Registry` (
 thread) before the live view shows it, so what a caller was told exists survives a restart.
 Each version records the digest of the base it was validated against; on a restart over another
 base those versions are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`).
+
+Admin pins are written through the same way (:meth:`AdapterCatalog.set_pinned`). A restart marks
+the pinned versions in the cache as it restores them, reading nothing; their loads start when the
+engine's step loop first binds to an event loop (``AdapterCache.rebind_loop``), since a load is a
+task on that loop. A pin that no longer fits (a smaller pool, a lower ``max_pinned_fraction``) is
+logged and not applied, and kept in the registry for a later start that has the room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager
@@ -36,7 +44,10 @@ from lorapage.errors import (
     AdapterNotFoundError,
     ConflictError,
     InvalidRequestError,
+    PinLimitError,
 )
+
+log = logging.getLogger("lorapage.adapters")
 
 REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this long
 
@@ -108,6 +119,16 @@ class AdapterCatalog:
                 self.cache.add(row.key, spec, self.cache.plan(spec), row.digest)
             except AdapterFormatError as exc:  # this server's pool or max_lora_rank cannot serve it
                 self._unfit[row.key] = exc
+        self._restore_pins(rows)
+
+    def _restore_pins(self, rows: list[VersionRow]) -> None:
+        """Mark the pinned versions pinned in the cache (their entries exist by now), oldest
+        registration first while the bounds allow."""
+        for row in sorted((r for r in rows if r.pinned and r.key in self.cache.entries), key=lambda r: r.created):
+            try:
+                self.cache.pin_resident(row.key)
+            except PinLimitError as exc:
+                log.warning("adapter %s stays unpinned on this start: %s", row.key, exc.message)
 
     # -- names ----------------------------------------------------------------------------------
 
@@ -247,7 +268,22 @@ class AdapterCatalog:
     def register_now(self, adapter_id: str, path: Path, *, owner: str | None = None) -> VersionInfo:
         """:meth:`register` in the calling thread (for scripts with no event loop running)."""
         self.check_owner(adapter_id, owner)
-        spec, layout, digest = self.prepare(path, sha256=None, expected_base_digest=None)
+        return self.register_prepared(
+            adapter_id, path, self.prepare(path, sha256=None, expected_base_digest=None), owner=owner
+        )
+
+    def register_prepared(
+        self,
+        adapter_id: str,
+        path: Path,
+        prepared: tuple[AdapterSpec, AdapterLayout, str],
+        *,
+        owner: str | None = None,
+    ) -> VersionInfo:
+        """:meth:`register_now` of a directory :meth:`prepare` already read and checked: many ids
+        over one directory (benchmarks of thousands of adapters) read it once."""
+        self.check_owner(adapter_id, owner)
+        spec, layout, digest = prepared
         same = self._same_content(adapter_id, digest)
         if same is not None:
             if self._ids[adapter_id].current != same.version:
@@ -303,6 +339,25 @@ class AdapterCatalog:
             await asyncio.get_running_loop().run_in_executor(self._io, self.registry.set_current, adapter_id, version)
             adapter.current = version
         return self._info(row, adapter)
+
+    async def set_pinned(self, key: str, pinned: bool) -> None:
+        """Pin version ``key`` resident, or unpin it, committed before the cache applies it;
+        a pin past the bounds is refused (PinLimitError) before anything is written."""
+        adapter_id, _, number = key.rpartition("@")
+        adapter, version = self._ids.get(adapter_id), int(number)
+        async with self._lock:  # no other pin can take the room between the check and the pin
+            if adapter is None or version not in adapter.versions or key not in self.cache.entries:
+                raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")  # deleted meanwhile
+            if pinned:
+                self.cache.check_pin(key)
+            await asyncio.get_running_loop().run_in_executor(
+                self._io, self.registry.set_pinned, adapter_id, version, pinned
+            )
+            adapter.versions[version] = dataclasses.replace(adapter.versions[version], pinned=pinned)
+            if pinned:
+                self.cache.pin_resident(key)
+            else:
+                self.cache.unpin_resident(key)
 
     def removable(self, name: str) -> list[str]:
         """The version keys deleting ``name`` removes: one for ``id@N``, every one for ``id``.

@@ -12,7 +12,11 @@ Tables:
   its versions so a number is never reused: ``id@3`` names the same bytes for good.
 - ``versions``: ``(id, version)`` with the content digest, the canonical source URI, the base
   digest it was validated against and the adapter's spec (JSON: ranks and scales per module), so
-  a restart restores every version without reading or downloading any weights.
+  a restart restores every version without reading or downloading any weights; and whether an
+  admin pinned it resident (``pinned``, schema 2), so a restart loads it again.
+
+Schema 1 files (before pins) are migrated in place when opened: one ``ALTER TABLE`` adds
+``pinned`` (0 for every version) in the same transaction that records schema 2.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 REGISTRY_FILE = "registry.sqlite3"
 
 _SCHEMA = """
@@ -43,9 +47,12 @@ CREATE TABLE IF NOT EXISTS versions (
     base_digest TEXT NOT NULL,
     spec TEXT NOT NULL,
     created REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (id, version)
 );
 """
+# Each step takes a file from schema N to N + 1 (N is the key).
+_MIGRATIONS = {1: "ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class VersionRow:
     base_digest: str
     spec: str
     created: float
+    pinned: bool = False  # an admin pinned it resident: loaded at start, never evicted
 
     @property
     def key(self) -> str:
@@ -97,10 +105,20 @@ class Registry:
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"adapter registry {self.path} has schema {row[0]}; this lorapage reads schema {SCHEMA_VERSION}"
-                )
+            else:
+                self._migrate(int(row[0]))
+
+    def _migrate(self, found: int) -> None:
+        """Bring a file of schema ``found`` to :data:`SCHEMA_VERSION` (inside the opening
+        transaction: a crash leaves it as it was)."""
+        if not 1 <= found <= SCHEMA_VERSION:
+            raise RuntimeError(
+                f"adapter registry {self.path} has schema {found}; this lorapage reads schemas 1 to "
+                f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
+            )
+        for version in range(found, SCHEMA_VERSION):
+            self._db.execute(_MIGRATIONS[version])
+        self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 
     def _transaction(self):
         return _Transaction(self._db)
@@ -115,9 +133,10 @@ class Registry:
     def versions(self) -> list[VersionRow]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, version, digest, source, base_digest, spec, created FROM versions ORDER BY id, version"
+                "SELECT id, version, digest, source, base_digest, spec, created, pinned FROM versions "
+                "ORDER BY id, version"
             ).fetchall()
-        return [VersionRow(*r) for r in rows]
+        return [VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7])) for r in rows]
 
     # -- writes: each one transaction -----------------------------------------------------------
 
@@ -150,7 +169,8 @@ class Registry:
                     (version + 1, owner, adapter_id),
                 )
             self._db.execute(
-                "INSERT INTO versions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO versions (id, version, digest, source, base_digest, spec, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (adapter_id, version, digest, source, base_digest, spec, now),
             )
             if activate or current is None:
@@ -161,6 +181,13 @@ class Registry:
         """Re-point the alias (deploy, rollback): one UPDATE, atomic."""
         with self._lock, self._transaction():
             self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (version, adapter_id))
+
+    def set_pinned(self, adapter_id: str, version: int, pinned: bool) -> None:
+        """Record whether version ``adapter_id@version`` is pinned resident: one UPDATE."""
+        with self._lock, self._transaction():
+            self._db.execute(
+                "UPDATE versions SET pinned = ? WHERE id = ? AND version = ?", (int(pinned), adapter_id, version)
+            )
 
     def delete_version(self, adapter_id: str, version: int, new_current: int | None) -> None:
         """Remove one version; the alias moves to ``new_current`` (None: no version left)."""

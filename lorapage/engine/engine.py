@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractAsyncContextManager
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import torch
@@ -22,14 +22,22 @@ from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog, VersionInfo
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.layout import LoraTables, max_adapter_pages
+from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
 from lorapage.adapters.sources import AdapterSources, FileSource, parse_source
+from lorapage.adapters.value import LoadTier, Stage
 from lorapage.config import EngineConfig
 from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
-from lorapage.errors import AdapterBusyError, EngineClosedError
+from lorapage.errors import (
+    AdapterBusyError,
+    AdapterNotFoundError,
+    EngineClosedError,
+    InvalidRequestError,
+    LorapageError,
+)
 from lorapage.kernels.backend import select_backend
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import PrefixCache
@@ -44,6 +52,8 @@ from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
+MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
+PREFETCH_COUNTS = ("started", "done", "failed", "dropped")
 # The engine reads any directory its caller names: which paths an untrusted caller may name (the
 # server's --adapter-root) is checked where that caller is, before the engine sees the path.
 _ANY_PATH = (Path("/"),)
@@ -113,6 +123,11 @@ class Engine:
         )
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
         self.prefix_cache = PrefixCache(self.pool)
+        self.adapter_metrics = AdapterMetrics(
+            config.metrics_top_adapters,
+            bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
+            pinned_pages=lambda: self.adapters.pinned_pages(),
+        )
         self.adapters = AdapterCache(
             mc,
             self.pool,
@@ -128,13 +143,22 @@ class Engine:
             clock=clock,
             reclaim_kv=self.prefix_cache.evict,
             sequence_pages=max_blocks,
+            max_pinned_fraction=config.max_pinned_fraction,
+            max_prefetches=max(0, min(MAX_PREFETCHES, config.io_threads - 1)),
+            metrics=self.adapter_metrics,
         )
+        # Remote versions whose files a registration or fetch of this process landed in the disk
+        # cache: a reload reads them from disk. Approximate: an entry the disk cache evicts later
+        # still counts as on disk, and one landed before a restart counts as remote until fetched.
+        self._landed: set[str] = set()
+        self.adapters.cold_tier = self._cold_tier
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = Registry(state)
         # Restores every version committed before a restart (reading no weights).
         cache_dir = config.adapter_cache_dir or (
             str(Path(config.state_dir) / "adapter-cache") if config.state_dir is not None else None
         )
+        self.sources_cache_dir = cache_dir
         self.sources = AdapterSources(
             Path(cache_dir) if cache_dir is not None else None,
             config.adapter_cache_bytes,
@@ -254,6 +278,12 @@ class Engine:
         existing version of ``name`` returns that version (``created`` False)."""
         self._check_open()
         src = parse_source(str(source), sha256=sha256, adapter_roots=_ANY_PATH)
+        if not isinstance(src, FileSource) and self.sources_cache_dir is None:
+            raise InvalidRequestError(
+                f"adapter source {src.uri}: this engine has no disk cache for downloads; start the server with "
+                "--state-dir or --adapter-cache-dir (EngineConfig.state_dir / adapter_cache_dir)",
+                param="source",
+            )
         async with self.sources.use(src, normalize_digest(sha256) if sha256 else None) as path:
             version, created = await self.catalog.register(
                 name,
@@ -265,14 +295,30 @@ class Engine:
                 activate=activate,
                 timeout_s=timeout_s,
             )
+        if not isinstance(src, FileSource):
+            self._landed.add(version.key)  # the download is in the disk cache now
         return dataclasses.replace(self.adapter_info(version.key), created=created)
 
-    def _locate_version(self, row: VersionRow) -> AbstractAsyncContextManager[Path]:
+    @asynccontextmanager
+    async def _locate_version(self, row: VersionRow) -> AsyncIterator[Path]:
         """Version ``row``'s files from its source, verified against its digest."""
         src = parse_source(row.source, sha256=row.digest, adapter_roots=_ANY_PATH)
         # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
         # a remote one was checked when it landed in the disk cache.
-        return self.sources.use(src, None if isinstance(src, FileSource) else row.digest)
+        async with self.sources.use(src, None if isinstance(src, FileSource) else row.digest) as path:
+            if not isinstance(src, FileSource):
+                self._landed.add(row.key)
+            yield path
+
+    def _cold_tier(self, key: str) -> LoadTier:
+        """Where version ``key``'s files come from when it is not in host RAM."""
+        if key in self._landed:
+            return LoadTier.DISK
+        try:
+            scheme = self.catalog.version_info(key).source.partition("://")[0]
+        except AdapterNotFoundError:  # an entry added to the cache directly (benchmarks): a directory
+            return LoadTier.DISK
+        return LoadTier.DISK if scheme == "file" else LoadTier.REMOTE
 
     def resolve_adapter(self, name: str) -> str:
         """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
@@ -297,6 +343,7 @@ class Engine:
                 )
         for key in keys:
             self.catalog.remove(key)
+            self._landed.discard(key)
 
     def adapter_info(self, name: str) -> AdapterInfo:
         """What ``name`` (``id`` or ``id@N``) is served by now."""
@@ -326,10 +373,47 @@ class Engine:
         await self.adapters.wait_resident(self.catalog.resolve(name))
 
     async def unload_adapter(self, name: str) -> bool:
-        """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running."""
+        """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running or
+        pinned."""
         self._check_open()
         self.step_loop.bind()
         return self.adapters.unload(self.catalog.resolve(name))
+
+    async def pin_adapter(self, name: str) -> AdapterInfo:
+        """Pin the version ``name`` names (``id``: its current one, or ``id@N``) resident: it is
+        loaded now, never evicted nor made to yield, and pinned again after a restart. The pin is
+        on the version: after a deploy, pin the new one. Refused (409 ``PinLimitError``, with the
+        numbers) past ``max_pinned_fraction`` of the pool. If the load fails the pin is undone
+        and the load's error raised."""
+        self._check_open()
+        key = self.catalog.resolve(name)
+        self.step_loop.bind()
+        await self.catalog.set_pinned(key, True)
+        try:
+            await self.adapters.wait_resident(key)
+        except LorapageError:
+            if key in self.adapters.entries:
+                await self.catalog.set_pinned(key, False)
+            raise
+        return self.adapter_info(key)
+
+    async def unpin_adapter(self, name: str) -> AdapterInfo:
+        """Undo :meth:`pin_adapter`: the version stays resident, evictable by value again."""
+        self._check_open()
+        key = self.catalog.resolve(name)
+        await self.catalog.set_pinned(key, False)
+        return self.adapter_info(key)
+
+    async def restore_pins(self) -> list[str]:
+        """Start loading every pinned version that is not resident (returns at once, with their
+        keys). Pins restored from the registry load when the step loop first binds to an event
+        loop: the first request or admin call, or this, which a server calls at startup."""
+        self._check_open()
+        self.step_loop.bind()
+        pinned = [name for name, e in self.adapters.entries.items() if e.pinned]
+        for name in pinned:
+            self.adapters.ensure(name)
+        return pinned
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -432,6 +516,12 @@ class Engine:
             "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),
             "preemptions": self.scheduler.num_preemptions,
             "adapter_yields": self.adapters.yields,
+            "adapters_pinned": sum(1 for e in self.adapters.entries.values() if e.pinned),
+            "adapter_pinned_pages": self.adapters.pinned_pages(),
+            "adapter_pin_limit_pages": self.adapters.pin_limit(),
+            **{f"adapter_prefetches_{k}": self.adapters.prefetches[k] for k in PREFETCH_COUNTS},
+            # Measured reload costs (EWMA, seeded): seconds per page of each load stage.
+            **{f"adapter_{s.value}_s_per_page": self.adapters.costs.seconds_per_page(s) for s in Stage},
         }
 
     async def close(self) -> None:

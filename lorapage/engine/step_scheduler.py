@@ -70,7 +70,7 @@ class StepScheduler:
     def submit(self, req: Request) -> None:
         self.requests[req.request_id] = req
         if req.adapter is not None:
-            self.adapters.enqueue(req.adapter, req.arrival_time)
+            self.adapters.enqueue(req.adapter, req.arrival_time, req.tenant)
         self.policy.add(req, req.arrival_time)
 
     def abort(self, request_id: str) -> None:

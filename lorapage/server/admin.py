@@ -1,31 +1,34 @@
-"""Admin routes: register, inspect and delete adapters, pre-warm or drop them, read engine state.
+"""Admin routes: register adapter versions, deploy and roll back, inspect and delete them,
+pre-warm or drop them, read engine state.
 
 All of them take the admin key only. Registration is the one place where the server reads a path
-named in a request: only for the admin, and only under the ``--adapter-root`` directories. The
-path is resolved first (symlinks and ``..`` followed), and so is every file in the directory, so
-neither the path nor a link inside it can reach outside a root. Without a root it is refused.
+or fetches a URI named in a request: a directory only under the ``--adapter-root`` directories
+(resolved first, symlinks and ``..`` followed, and so is every file in it, so neither the path nor
+a link inside it reaches outside a root; without a root it is refused), or an https / s3 / hf
+source (see :mod:`lorapage.adapters.sources`). A version is answered 201 only once committed to
+the registry, so it survives a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.sources import parse_source
 from lorapage.errors import (
     AdapterBusyError,
     AdapterFormatError,
-    ConflictError,
+    AdapterNotFoundError,
+    AdapterSourceError,
     InvalidRequestError,
     PermissionDeniedError,
 )
 from lorapage.server import protocol
-from lorapage.server.responses import AdapterOut
+from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
 _ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RESERVED_IDS = ("none",)  # x-adapter-id of base-model requests
@@ -33,55 +36,6 @@ _RESERVED_IDS = ("none",)  # x-adapter-id of base-model requests
 
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
-
-
-def _local_path(raw: str, roots: tuple[Path, ...]) -> Path:
-    """The resolved directory a path or ``file://`` URI names, inside one of ``roots``; other
-    schemes, paths outside the roots and directories holding links out of them are refused."""
-    if "://" in raw:
-        uri = urlparse(raw)
-        if uri.scheme != "file":
-            raise InvalidRequestError(
-                f"path scheme {uri.scheme!r} is not supported; give a directory on the server or a file:// URI",
-                param="path",
-            )
-        if uri.netloc not in ("", "localhost"):
-            raise InvalidRequestError("file:// URIs must name a local path (file:///dir)", param="path")
-        raw = unquote(uri.path)
-    path = Path(raw)
-    if not path.is_absolute():
-        raise InvalidRequestError(f"path must be absolute; got {raw!r}", param="path")
-    if not roots:
-        raise PermissionDeniedError(
-            "registering adapters from a path is disabled: start the server with --adapter-root DIR "
-            "to allow adapter directories under DIR",
-            param="path",
-        )
-    resolved = _resolve(path)
-    root = next((r for r in roots if resolved.is_relative_to(r)), None)
-    if root is None:
-        shown = ", ".join(map(str, roots))
-        raise PermissionDeniedError(
-            f"adapter path {path} resolves to {resolved}, outside the adapter roots ({shown}); "
-            "put the adapter under a root, or start the server with another --adapter-root",
-            param="path",
-        )
-    if not resolved.is_dir():
-        raise InvalidRequestError(f"adapter at {path}: no such directory on the server", param="path")
-    for entry in resolved.iterdir():
-        if not _resolve(entry).is_relative_to(root):
-            raise PermissionDeniedError(
-                f"adapter at {path}: {entry.name} links outside the adapter root {root}; copy the file in instead",
-                param="path",
-            )
-    return resolved
-
-
-def _resolve(path: Path) -> Path:
-    try:
-        return path.resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop
-        raise InvalidRequestError(f"adapter path {path} cannot be resolved ({exc})", param="path") from None
 
 
 class AdminRoutes:
@@ -95,22 +49,33 @@ class AdminRoutes:
         state.access.require_admin(request)
         return state
 
-    def _describe(self, state, adapter: str) -> AdapterOut:
-        info = state.engine.adapter_info(adapter)
+    def _describe(self, state, name: str) -> AdapterOut:
+        """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
+        info = state.engine.adapter_info(name)
+        versions = state.engine.adapter_versions(info.adapter_id)
+        current = next((v.version for v in versions if v.current), None)
         return AdapterOut(
-            id=info.name,
-            owner=state.access.owners.get(info.name),
+            id=info.adapter_id,
+            owner=state.access.owners.get(info.adapter_id),
             parent=state.engine.base_name,
-            path=str(info.path),
+            path=info.path,
             rank=info.rank,
             target_modules=list(info.target_modules),
             size_bytes=info.size_bytes,
             num_params=info.num_params,
             tier=info.tier,
             in_flight=state.in_flight.get(info.name, 0),
+            pinned=info.pinned,
+            version=info.version,
+            current=current,
+            digest=info.digest,
+            source=info.source,
+            base_digest=state.engine.digest,
+            versions=[v.version for v in versions],
         )
 
     async def register(self, request: web.Request) -> web.Response:
+        """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state = self._state(request)
         body = await request.read()
         req = protocol.decode(body, protocol.AdapterCreateRequest)
@@ -122,17 +87,31 @@ class AdminRoutes:
             )
         if not state.access.is_tenant(req.tenant):
             raise InvalidRequestError(f"tenant {req.tenant!r} is not in the tenants file", param="tenant")
-        if state.is_registered(req.id):
-            raise ConflictError(f"adapter id {req.id!r} is already registered; DELETE it first", param="id")
+        raw = req.source if req.source is not None else req.path
+        if raw is None or (req.source is not None and req.path is not None):
+            raise InvalidRequestError(
+                "give the adapter's files as `source` (or the older `path`), once", param="source"
+            )
+        roots, field = state.adapter_roots, "source" if req.source is not None else "path"
         try:
-            # Read and checked in a worker with a deadline: an adapter's files are untrusted input.
-            path = await asyncio.get_running_loop().run_in_executor(None, _local_path, req.path, state.adapter_roots)
-            await state.engine.register_adapter(req.id, path)
-        except AdapterFormatError as exc:
-            exc.param = exc.param or "path"
+            # Checked in a worker (the file system is read: symlinks resolved, roots enforced).
+            source = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: parse_source(raw, sha256=req.sha256, adapter_roots=roots)
+            )
+            info = await state.engine.register_adapter(
+                req.id,
+                source.uri,
+                owner=req.tenant,
+                sha256=req.sha256,
+                expected_base_digest=req.expected_base_digest,
+                activate=req.activate,
+            )
+        except (AdapterFormatError, AdapterSourceError, InvalidRequestError, PermissionDeniedError) as exc:
+            if exc.param in (None, "source", "path"):  # about the files: named by the field the caller used
+                exc.param = field
             raise
         state.access.owners[req.id] = req.tenant
-        return _json(self._describe(state, req.id), status=201)
+        return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
     async def list(self, request: web.Request) -> web.Response:
         state = self._state(request)
@@ -142,35 +121,74 @@ class AdminRoutes:
         state = self._state(request)
         return _json(self._describe(state, request.match_info["id"]))
 
-    async def delete(self, request: web.Request) -> web.Response:
-        """Refuse (409) while requests run, or with ``?drain=true`` hide it and wait for them to end."""
+    async def versions(self, request: web.Request) -> web.Response:
+        """Every version of an id, servable on this base or not, oldest first."""
         state = self._state(request)
-        adapter = request.match_info["id"]
-        state.engine.adapter_info(adapter)  # 404 when unknown
+        adapter_id = request.match_info["id"]
+        versions = state.engine.adapter_versions(adapter_id)
+        if not versions:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
+        data = [
+            AdapterVersionOut(
+                id=v.key,
+                adapter_id=v.adapter_id,
+                version=v.version,
+                digest=v.digest,
+                source=v.source,
+                base_digest=v.base_digest,
+                created=v.created,
+                current=v.current,
+                servable=v.servable,
+                in_flight=state.in_flight.get(v.key, 0),
+            )
+            for v in sorted(versions, key=lambda v: v.version)
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def set_current(self, request: web.Request) -> web.Response:
+        """Deploy or roll back: point the id at another version, atomically. Requests in flight
+        finish on the version they started with; new ones get this one."""
+        state = self._state(request)
+        adapter_id = request.match_info["id"]
+        req = protocol.decode(await request.read(), protocol.AdapterAliasRequest)
+        if "@" in adapter_id or adapter_id not in state.engine.catalog.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        info = await state.engine.set_adapter_version(adapter_id, req.version)
+        return _json(self._describe(state, info.name))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """Delete ``id@N`` (one version) or ``id`` (every version). Refused (409) while requests
+        run, or with ``?drain=true`` hidden from new requests until the running ones end."""
+        state = self._state(request)
+        name = request.match_info["id"]
+        keys = state.engine.catalog.removable(name)  # 404 when unknown, 409 for the current of several
         drain = request.query.get("drain", "false").lower() in ("1", "true", "yes")
         timeout = _timeout(request.query.get("timeout", "60"))
-        running = state.in_flight.get(adapter, 0)
+        running = sum(state.in_flight.get(k, 0) for k in keys)
         if running and not drain:
             raise AdapterBusyError(
-                f"adapter {adapter!r} has {running} requests in flight; retry when they finish, or DELETE "
+                f"adapter {name!r} has {running} requests in flight; retry when they finish, or DELETE "
                 "with ?drain=true to refuse new requests and remove it once they end",
                 param="id",
             )
         if running:
-            state.draining.add(adapter)
+            state.draining.update(keys)
             try:
-                if not await _wait_until(lambda: _removed_when_idle(state, adapter), timeout):
+                if not await _wait_until(lambda: _removed_when_idle(state, name, keys), timeout):
+                    left = sum(state.in_flight.get(k, 0) for k in keys)
                     raise AdapterBusyError(
-                        f"adapter {adapter!r} still had {state.in_flight.get(adapter, 0)} requests in flight "
-                        f"after draining for {timeout:g}s; it was not deleted and serves again",
+                        f"adapter {name!r} still had {left} requests in flight after draining for "
+                        f"{timeout:g}s; it was not deleted and serves again",
                         param="id",
                     )
             finally:
-                state.draining.discard(adapter)
+                state.draining.difference_update(keys)
         else:
-            state.engine.remove_adapter(adapter)  # 409 from the engine if it still holds requests
-        state.access.owners.pop(adapter, None)
-        return _json({"id": adapter, "object": "adapter", "deleted": True, "drained_requests": running})
+            state.engine.remove_adapter(name)  # 409 from the engine if it still holds requests
+        adapter_id = name.partition("@")[0]
+        if adapter_id not in state.engine.catalog.ids():
+            state.access.owners.pop(adapter_id, None)
+        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
     async def load(self, request: web.Request) -> web.Response:
         state = self._state(request)
@@ -183,6 +201,20 @@ class AdminRoutes:
         adapter = request.match_info["id"]
         await state.engine.unload_adapter(adapter)
         return _json(self._describe(state, adapter))
+
+    async def pin(self, request: web.Request) -> web.Response:
+        """Pin a version resident (``id``: its current one, or ``id@N``): loaded now, never
+        evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
+        pins would pass ``--max-pinned-fraction`` of the pool."""
+        state = self._state(request)
+        info = await state.engine.pin_adapter(request.match_info["id"])
+        return _json(self._describe(state, info.name))
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        """Undo a pin: the version stays resident, evictable again."""
+        state = self._state(request)
+        info = await state.engine.unpin_adapter(request.match_info["id"])
+        return _json(self._describe(state, info.name))
 
     async def internal_state(self, request: web.Request) -> web.Response:
         state = self._state(request)
@@ -205,12 +237,13 @@ def _timeout(raw: str) -> float:
     return value
 
 
-def _removed_when_idle(state, adapter: str) -> bool:
-    """Remove ``adapter`` once the server has no request for it and the engine has let go of it."""
-    if state.in_flight.get(adapter, 0):
+def _removed_when_idle(state, name: str, keys: list[str]) -> bool:
+    """Remove ``name`` once the server has no request for its versions ``keys`` and the engine
+    has let go of them."""
+    if any(state.in_flight.get(k, 0) for k in keys):
         return False
     try:
-        state.engine.remove_adapter(adapter)
+        state.engine.remove_adapter(name)
     except AdapterBusyError:
         return False
     return True
@@ -232,6 +265,10 @@ def add_admin_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_get("/v1/adapters", routes.list)
     app.router.add_get("/v1/adapters/{id}", routes.get)
     app.router.add_delete("/v1/adapters/{id}", routes.delete)
+    app.router.add_get("/v1/adapters/{id}/versions", routes.versions)
+    app.router.add_put("/v1/adapters/{id}/current", routes.set_current)
+    app.router.add_put("/v1/adapters/{id}/pin", routes.pin)
+    app.router.add_delete("/v1/adapters/{id}/pin", routes.unpin)
     app.router.add_post("/internal/adapters/{id}/load", routes.load)
     app.router.add_post("/internal/adapters/{id}/unload", routes.unload)
     app.router.add_get("/internal/state", routes.internal_state)

@@ -23,7 +23,6 @@ from lorapage.errors import (
     AdapterNotFoundError,
     BodyTooLargeError,
     EngineOverloadedError,
-    InvalidRequestError,
     QuotaExceededError,
     ServiceUnavailableError,
 )
@@ -32,7 +31,7 @@ from lorapage.server import protocol
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
 from lorapage.server.error_json import Handler, error_middleware
-from lorapage.server.generation import Job, respond
+from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.prompts import PromptBuilder
@@ -67,11 +66,20 @@ class ServerState:
     ) -> None:
         self.engine = engine
         self.access = access
+        # Owners registered over the admin API survive restarts in the engine's registry.
+        for adapter_id in engine.catalog.ids():
+            owner = engine.catalog.owner(adapter_id)
+            if owner is not None:
+                access.owners[adapter_id] = owner
         self.quotas = QuotaManager(access.tenants, now=time.monotonic())
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
         self.loop_lag = LoopLagMonitor()
         self.metrics = ServerMetrics(
-            engine.stats, engine.scheduler_metrics, _vtc_counters(engine.policy), loop_lag=self.loop_lag
+            engine.stats,
+            engine.scheduler_metrics,
+            _vtc_counters(engine.policy),
+            loop_lag=self.loop_lag,
+            adapters=engine.adapter_metrics,
         )
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.max_body_bytes = max_body_bytes
@@ -80,9 +88,9 @@ class ServerState:
         # Admin registration reads adapter directories under these only (resolved: no symlink games).
         self.adapter_roots = tuple(Path(root).resolve() for root in adapter_roots)
         self.started = int(time.time())
-        self.in_flight: Counter[str | None] = Counter()  # adapter (None: base) -> requests running
+        self.in_flight: Counter[str | None] = Counter()  # adapter version id@N (None: base) -> requests running
         self.request_ids: set[str] = set()
-        self.draining: set[str] = set()  # adapters being deleted: invisible to new requests
+        self.draining: set[str] = set()  # adapter versions (id@N) being deleted: invisible to new requests
         self.closing = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -91,30 +99,23 @@ class ServerState:
         if self.closing:
             raise ServiceUnavailableError("the server is shutting down; retry on another replica", retry_after=5)
 
-    def is_registered(self, adapter: str) -> bool:
+    def version_of(self, tenant: str, name: str) -> str | None:
+        """The version key (``id@N``) ``name`` (``id`` or ``id@N``) serves for ``tenant`` now, or
+        None when it does not exist, is being deleted or is not the tenant's. A version on
+        another base raises its 409 (only to a tenant who may use the id)."""
+        adapter_id = name.partition("@")[0]
+        if not self.access.may_use(tenant, adapter_id):
+            return None
         try:
-            self.engine.adapter_info(adapter)
+            key = self.engine.resolve_adapter(name)
         except AdapterNotFoundError:
-            return False
-        return True
-
-    def visible(self, tenant: str, adapter: str) -> bool:
-        return self.access.may_use(tenant, adapter) and adapter not in self.draining and self.is_registered(adapter)
+            return None
+        return None if key in self.draining else key
 
     def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
-        """``(id to echo, adapter or None)`` for ``base``, ``base:adapter`` or ``adapter``; else 404."""
-        base = self.engine.base_name
-        if model == base:
-            return base, None
-        prefix, sep, name = model.rpartition(":")
-        if sep and prefix != base:
-            name = ""
-        if name and self.visible(tenant, name):
-            return name, name
-        shown = model if len(model) <= 200 else model[:200] + "..."
-        raise AdapterNotFoundError(
-            f"The model `{shown}` does not exist or you do not have access to it.", param="model"
-        )
+        """``(id to echo, adapter version or None)`` for ``base``, ``base:adapter`` or
+        ``adapter`` (each adapter as ``id`` or ``id@N``); else 404."""
+        return protocol.resolve_model(model, self.engine.base_name, lambda name: self.version_of(tenant, name))
 
     def reserve(self, job: Job) -> Reservation:
         """Charge the tenant's quota up front (429 with Retry-After when it is spent)."""
@@ -187,13 +188,12 @@ async def read_body(request: web.Request) -> bytes:
 def _job(
     state: ServerState, kind: str, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
 ) -> Job:
-    # Resolved again: the adapter may have been deleted while the prompt was tokenized.
+    # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
     model, adapter = state.resolve(req.model, tenant)
-    if not ids:
-        raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
-    sampling = protocol.sampling_params(req, len(ids), state.engine.max_model_len, logprobs, kind)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival)
+    job = make_job(kind, req, model, adapter, tenant, ids, state.engine.max_model_len, logprobs, arrival)
+    if adapter is not None:
+        job.adapter_version = int(adapter.rpartition("@")[2])  # the version this request runs on to its end
+    return job
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -227,8 +227,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 def _models(state: ServerState, tenant: str) -> list[Model]:
     base, max_len = state.engine.base_name, state.engine.max_model_len
     out = [Model(id=base, created=state.started, owned_by="lorapage", root=base, max_model_len=max_len)]
-    for name in sorted(info.name for info in state.engine.list_adapters()):
-        if state.visible(tenant, name):
+    for name in sorted(info.adapter_id for info in state.engine.list_adapters()):
+        if state.version_of(tenant, name) is not None:
             out.append(
                 Model(id=name, created=state.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
             )
@@ -246,7 +246,18 @@ async def get_model(request: web.Request) -> web.Response:
     tenant = state.access.tenant_for(request)
     wanted = request.match_info["model"]
     model, _ = state.resolve(wanted, tenant)
-    found = next(m for m in _models(state, tenant) if m.id == model)
+    found = next((m for m in _models(state, tenant) if m.id == model.partition("@")[0]), None)
+    if found is None:  # an older version, id@N, named explicitly
+        found = Model(
+            id=model,
+            created=state.started,
+            owned_by=tenant,
+            parent=state.engine.base_name,
+            root=state.engine.base_name,
+            max_model_len=state.engine.max_model_len,
+        )
+    elif found.id != model:
+        found = msgspec.structs.replace(found, id=model)
     return web.Response(body=msgspec.json.encode(found), content_type="application/json")
 
 
@@ -291,6 +302,11 @@ async def _drain_on_shutdown(app: web.Application) -> None:
             pass
 
 
+async def _restore_pins(app: web.Application) -> None:
+    """Adapters pinned before a restart load now, not at the first request."""
+    await app[STATE].engine.restore_pins()
+
+
 async def _start_loop_lag(app: web.Application) -> None:
     app[STATE].loop_lag.start()
 
@@ -332,6 +348,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
+    app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)
     app.on_cleanup.append(_stop_workers)
     return app

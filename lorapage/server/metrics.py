@@ -7,6 +7,12 @@ the scheduler's figures (per tenant: admitted and rejected requests and tokens, 
 into adapter load and capacity, VTC counter; per step: batch size, distinct adapters) from its
 :class:`~lorapage.scheduler.SchedulerMetrics`. The event loop's lag comes from a
 :class:`~lorapage.server.loop_lag.LoopLagMonitor`.
+
+Per-adapter series (``lorapage_adapter_*``) come from the engine's
+:class:`~lorapage.adapters.metrics.AdapterMetrics`. Their ``adapter`` label is bounded: an
+adapter id (versions aggregate) for the top ``--metrics-top-adapters`` ids by recent traffic
+(default 20), ``other`` for the rest, so a server with thousands of adapters still exports a
+few dozen series per family.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
+from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.scheduler.metrics import Histogram as SchedHistogram
 from lorapage.scheduler.metrics import SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
@@ -147,6 +154,62 @@ class _SchedulerCollector:
         yield policy
 
 
+class _AdapterCollector:
+    """Exports an :class:`AdapterMetrics` as it is when scraped."""
+
+    def __init__(self, adapters: AdapterMetrics) -> None:
+        self._adapters = adapters
+
+    def collect(self):
+        m = self._adapters
+        loads = CounterMetricFamily(
+            "lorapage_adapter_loads",
+            "Adapter loads into the pool, by adapter (top ids by traffic, else other) and the tier the "
+            "load started from (ram: host copy, disk, remote: a download).",
+            labels=("adapter", "tier"),
+        )
+        for (adapter, tier), count in sorted(m.loads.items()):
+            loads.add_metric([adapter, tier], count)
+        yield loads
+        seconds = HistogramMetricFamily(
+            "lorapage_adapter_load_seconds",
+            "Seconds an adapter load into the pool took, by the tier it started from (its own work: "
+            "download, read and copy, not the wait for room).",
+            labels=("tier",),
+        )
+        for tier, hist in m.load_seconds.items():
+            _histogram(seconds, [tier], hist)
+        yield seconds
+        requests = CounterMetricFamily(
+            "lorapage_adapter_requests",
+            "Requests by adapter (top ids by traffic, else other) and the tier it was in when they "
+            "arrived (gpu: a hit in the pool, ram, disk).",
+            labels=("adapter", "tier"),
+        )
+        for (adapter, tier), count in sorted(m.requests.items()):
+            requests.add_metric([adapter, tier], count)
+        yield requests
+        evictions = CounterMetricFamily(
+            "lorapage_adapter_evictions",
+            "Adapters leaving the pool, by adapter (top ids by traffic, else other).",
+            labels=("adapter",),
+        )
+        for adapter, count in sorted(m.evictions.items()):
+            evictions.add_metric([adapter], count)
+        yield evictions
+        downloads = CounterMetricFamily(
+            "lorapage_adapter_download_bytes",
+            "Bytes downloaded from remote adapter sources, by scheme (failed downloads included).",
+            labels=("scheme",),
+        )
+        for scheme, count in sorted(m.bytes_downloaded().items()):
+            downloads.add_metric([scheme], count)
+        yield downloads
+        yield GaugeMetricFamily(
+            "lorapage_adapter_pinned_pages", "Pool pages held by admin-pinned adapters.", value=m.pinned_pages()
+        )
+
+
 class ServerMetrics:
     """The histograms and counters the server updates as requests run."""
 
@@ -156,6 +219,7 @@ class ServerMetrics:
         scheduler: SchedulerMetrics | None = None,
         vtc_counters: Callable[[], dict[str, float]] = dict,
         loop_lag: LoopLagMonitor | None = None,
+        adapters: AdapterMetrics | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ("tenant", "adapter_tier")
@@ -200,6 +264,8 @@ class ServerMetrics:
             self.registry.register(_SchedulerCollector(scheduler, vtc_counters))
         if loop_lag is not None:
             self.registry.register(_LoopLagGauges(loop_lag))
+        if adapters is not None:
+            self.registry.register(_AdapterCollector(adapters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -115,6 +115,22 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
+class AdapterVersionOut(msgspec.Struct):
+    """One immutable version of an adapter id (``GET /v1/adapters/{id}/versions``)."""
+
+    id: str  # id@version
+    adapter_id: str
+    version: int
+    digest: str
+    source: str
+    base_digest: str
+    created: float
+    current: bool
+    servable: bool  # False: validated against another base than the one this server runs
+    in_flight: int
+    object: str = "adapter.version"
+
+
 class AdapterOut(msgspec.Struct):
     """An adapter as the admin routes describe it."""
 
@@ -128,4 +144,11 @@ class AdapterOut(msgspec.Struct):
     num_params: int
     tier: str
     in_flight: int
+    version: int = 0  # the version described (id@version); requests naming the id get `current`
+    current: int | None = None
+    digest: str = ""  # sha256 content digest of the version
+    source: str = ""
+    base_digest: str = ""
+    versions: list[int] = msgspec.field(default_factory=list)
+    pinned: bool = False  # pinned resident by an admin (PUT /v1/adapters/{id}/pin)
     object: str = "adapter"

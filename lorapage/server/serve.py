@@ -3,7 +3,9 @@
 With no arguments it serves the built-in tiny model and its demo adapters on 127.0.0.1:8000 to
 one ``demo`` tenant whose key (and an admin key) it prints; both keys are new on every start.
 ``--lora-modules`` directories are the operator's and are read wherever they are; adapters the
-admin registers over HTTP must lie under an ``--adapter-root``.
+admin registers over HTTP must lie under an ``--adapter-root`` or come from an https, s3 or hf
+source. Registrations, versions, aliases and owners persist in ``--state-dir`` across restarts;
+``--lora-modules`` are registered again at every start (the same content is the same version).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from lorapage.config import DTYPE_NAMES, KERNEL_BACKENDS, SCHEDULERS, EngineConfig
 from lorapage.engine import Engine
@@ -38,6 +42,8 @@ _ENGINE_FLAGS: tuple[tuple[str, type], ...] = (
     ("num_pages", int),
     ("gpu_memory_utilization", float),
     ("adapter_wait_s", float),
+    ("max_pinned_fraction", float),
+    ("metrics_top_adapters", int),
 )
 _ENGINE_FIELDS = (
     *(name for name, _ in _ENGINE_FLAGS),
@@ -83,9 +89,56 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def default_state_dir() -> str:
+    """``$LORAPAGE_STATE_DIR``, else ``$XDG_STATE_HOME/lorapage``, else ``~/.local/state/lorapage``."""
+    if env := os.environ.get("LORAPAGE_STATE_DIR"):
+        return env
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(xdg) / "lorapage")
+
+
+def add_state_arguments(p: argparse.ArgumentParser) -> None:
+    """Where a server keeps what must survive it: the adapter registry and downloaded adapters."""
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        help="the adapter registry (ids, versions, aliases, owners) lives here across restarts; "
+        "':memory:' keeps it for this run only (default: $LORAPAGE_STATE_DIR, $XDG_STATE_HOME/lorapage "
+        "or ~/.local/state/lorapage)",
+    )
+    p.add_argument(
+        "--adapter-cache-dir",
+        default=None,
+        help="content-addressed cache of adapters downloaded from https/s3/hf (default: STATE_DIR/adapter-cache)",
+    )
+    p.add_argument("--adapter-cache-bytes", type=int, default=None, help="cap of that cache (default 20 GiB)")
+    p.add_argument(
+        "--max-adapter-download-bytes", type=int, default=None, help="cap of one adapter download (default 4 GiB)"
+    )
+    p.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible store for s3:// sources")
+    p.add_argument("--hf-endpoint", default=None, help="a Hugging Face Hub mirror for hf:// sources")
+
+
+def state_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields :func:`add_state_arguments`' flags set."""
+    state = args.state_dir or default_state_dir()
+    out: dict[str, Any] = {"state_dir": None if state == ":memory:" else state}
+    for name in (
+        "adapter_cache_dir",
+        "adapter_cache_bytes",
+        "max_adapter_download_bytes",
+        "s3_endpoint_url",
+        "hf_endpoint",
+    ):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorapage serve", description=__doc__.splitlines()[0])
     add_engine_arguments(p)
+    add_state_arguments(p)
     p.add_argument("--tenants", default=None, help="tenants TOML file (default: one demo tenant, printed key)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -112,8 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace, prog: str = "lorapage serve") -> EngineConfig:
-    """The EngineConfig that :func:`add_engine_arguments`' flags ask for; a bad value exits naming it."""
-    overrides = {n: getattr(args, n) for n in _ENGINE_FIELDS if getattr(args, n) is not None}
+    """The EngineConfig that :func:`add_engine_arguments`' (and, where the parser has them,
+    :func:`add_state_arguments`') flags ask for; a bad value exits naming it."""
+    overrides: dict[str, Any] = {n: getattr(args, n) for n in _ENGINE_FIELDS if getattr(args, n) is not None}
+    if hasattr(args, "state_dir"):
+        overrides.update(state_overrides(args))
     try:
         return EngineConfig(model=str(Path(args.model or TINY_BASE_DIR)), **overrides)
     except ValueError as exc:  # a bad flag value: say which, not a traceback

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from lorapage.adapters.value import value_per_page
 from lorapage.sim.costs import LoadCosts
 
 RATE_HALF_LIFE_S = 60.0  # as lorapage.adapters.cache.RATE_HALF_LIFE_S (not imported: that pulls torch)
@@ -184,6 +185,14 @@ class AdapterResidency:
         entry.fetch_done = now + fetch
         self.loading[entry.name] = entry
 
+    def _value(self, entry: _Adapter, now: float) -> float:
+        """The engine's value per page (:func:`lorapage.adapters.value.value_per_page`): recent
+        rate x the cost of reloading from the tier it would fall to (host RAM, disk, remote)."""
+        in_disk = self.config.max_disk_loras is None or entry.name in self.disk
+        falls_to = RAM if entry.name in self.host else DISK if in_disk else REMOTE
+        fetch = {RAM: 0.0, DISK: self.loads.disk_s, REMOTE: self.loads.remote_s + self.loads.disk_s}[falls_to]
+        return value_per_page(entry.rate_at(now), fetch + self.loads.copy_s, entry.pages)
+
     def _fetched(self, entry: _Adapter, now: float) -> None:
         entry.fetch_done = None
         entry.slot_wait_since = now
@@ -195,7 +204,7 @@ class AdapterResidency:
         if not self.free_slots:
             idle = [e for e in self.resident.values() if e.running == 0 and e.waiting == 0]
             if idle:
-                self._evict(min(idle, key=lambda e: (e.rate_at(now) / e.pages, e.name)), now)
+                self._evict(min(idle, key=lambda e: (self._value(e, now), e.name)), now)
             else:
                 self._maybe_yield(entry, now)
         if not self.free_slots:
@@ -222,7 +231,7 @@ class AdapterResidency:
         if self.starving[0] is entry and not yielding:
             busy = [e for e in self.resident.values() if not e.yielding]
             if busy:
-                victim = min(busy, key=lambda e: (e.rate_at(now) / e.pages, e.name))
+                victim = min(busy, key=lambda e: (self._value(e, now), e.name))
                 victim.yielding = True
                 self.counters.yields += 1
                 if victim.running == 0:
