@@ -13,6 +13,7 @@ from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
+from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
 SYSTEM = list(range(3, 35))  # 32 tokens: 8 blocks of 4 shared by every turn
@@ -135,7 +136,10 @@ async def test_no_block_is_shared_across_adapters_registrations_or_the_base(chec
 async def test_cached_blocks_are_given_back_under_pressure_and_recomputed():
     """A pool that holds a few prompts' blocks: every new prompt evicts idle cached ones, and a
     prompt whose blocks were evicted is recomputed to the same answer."""
-    engine = tiny_engine(num_pages=1 + 37 + 46, max_num_seqs=2, max_model_len=184)  # acme's 37 pages and 46 for KV
+    # acme's 37 pages and 46 for KV (only acme: the larger demo adapters could never fit beside a sequence)
+    cfg = EngineConfig(model=str(TINY_BASE_DIR), block_size=4, num_pages=1 + 37 + 46, max_num_seqs=2, max_model_len=184)
+    engine = Engine(cfg)
+    engine.add_adapter("acme", demo_adapter_dirs()["acme"])
     quiet = tiny_engine(enable_prefix_caching=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[(11 * k + j) % 200 + 3 for j in range(48)] for k in range(6)]

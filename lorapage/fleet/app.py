@@ -25,7 +25,12 @@ def build_app(config: FleetConfig) -> Application:
     """The bound application: run it with ``serve.run(build_app(config), name=APP_NAME, route_prefix="/")``."""
     router = {  # Ray Serve's RequestRouterConfig
         "request_router_class": AffinityRequestRouter,
-        "request_router_kwargs": {"policy": config.router, **config.router_options()},
+        # capacity: what a replica counts as saturated before its first routing stats arrive.
+        "request_router_kwargs": {
+            "policy": config.router,
+            "capacity": config.engine.max_num_seqs,
+            **config.router_options(),
+        },
         "request_routing_stats_period_s": config.routing_stats_period_s,
     }
     engines = serve.deployment(

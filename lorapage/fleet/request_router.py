@@ -23,7 +23,8 @@ from lorapage.fleet.routing import ReplicaView, Router, make_router
 
 
 def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: Mapping[str, Any]) -> ReplicaView:
-    """A router's view of one replica from Ray's queue length (``None``: unknown) and its routing stats."""
+    """A router's view of one replica from Ray's queue length (``None``: unknown) and its routing
+    stats (``max_ongoing``: its capacity until they arrive)."""
     in_flight = queued if queued is not None else int(stats.get("in_flight", 0))
     return ReplicaView(
         replica_id=replica_id,
@@ -39,16 +40,21 @@ class AffinityRequestRouter(RequestRouter):
     """Ray Serve request router over a :mod:`lorapage.fleet.routing` policy (affinity by default)."""
 
     policy: Router
+    capacity: int | None
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Called by Ray Serve with ``request_router_kwargs``: ``policy`` (a router name) and its options."""
         options = dict(kwargs)
+        self.capacity = int(options.pop("capacity", 0)) or None  # every engine's max_num_seqs
         self.policy = make_router(str(options.pop("policy", "affinity")), **options)
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         queued = self.replica_queue_len_cache.get(replica.replica_id)
         return replica_view(
-            replica.replica_id.unique_id, queued, replica.max_ongoing_requests, replica.routing_stats or {}
+            replica.replica_id.unique_id,
+            queued,
+            self.capacity or replica.max_ongoing_requests,
+            replica.routing_stats or {},
         )
 
     async def choose_replicas(
