@@ -152,7 +152,10 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
     is evicted only when its pages complete the room (not earlier, which handed the slot straight
     back to its own reload and cycled)."""
     engine = tiny_engine(
-        max_loras=1, max_num_seqs=8, adapter_wait_s=0.05, scheduler="fcfs",
+        max_loras=1,
+        max_num_seqs=8,
+        adapter_wait_s=0.05,
+        scheduler="fcfs",
         # initech fits beside one full-length (80-token) sequence, and no more.
         num_pages=1 + engine_pages("initech") + 20,
         max_model_len=80,

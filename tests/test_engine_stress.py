@@ -45,7 +45,11 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     await probe.close()
     # Room for the two largest adapters and a few short sequences: preemption happens.
     engine = tiny_engine(
-        scheduler=scheduler, max_loras=2, max_num_seqs=6, adapter_wait_s=0.02, num_pages=1 + two_largest + 12,
+        scheduler=scheduler,
+        max_loras=2,
+        max_num_seqs=6,
+        adapter_wait_s=0.02,
+        num_pages=1 + two_largest + 12,
         max_model_len=64,  # the largest adapter still fits beside one full-length sequence
     )
     rng = random.Random(7)

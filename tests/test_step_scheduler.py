@@ -10,7 +10,7 @@ import pytest
 from engine_util import collect, tiny_engine
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.errors import AdapterFormatError, EngineStepError, PromptTooLongError
+from lorapage.errors import AdapterFormatError, EngineStepError
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 
