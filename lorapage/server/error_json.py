@@ -48,7 +48,7 @@ class _ErrorBody(msgspec.Struct):
     error: _ErrorDetail
 
 
-class _HttpError(LorapageError):
+class HttpError(LorapageError):
     """A refusal aiohttp (or an unexpected exception) produced, with its own status and code."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
@@ -62,26 +62,31 @@ def error_payload(exc: LorapageError) -> bytes:
     return msgspec.json.encode(_ErrorBody(error=detail))
 
 
-def error_response(exc: LorapageError) -> web.Response:
-    """The HTTP response for a refused request, with ``Retry-After`` where waiting helps."""
-    headers = {}
+def error_headers(exc: LorapageError) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, at least 1) where waiting helps: the error's own estimate,
+    or a default for a 503 without one."""
     retry_after = exc.retry_after
     if retry_after is None and exc.status == 503:
         retry_after = _DEFAULT_RETRY_AFTER_S
-    if retry_after is not None:
-        headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
-    return web.Response(status=exc.status, body=error_payload(exc), content_type="application/json", headers=headers)
+    return {} if retry_after is None else {"Retry-After": str(max(1, int(retry_after + 0.999)))}
+
+
+def error_response(exc: LorapageError) -> web.Response:
+    """The HTTP response for a refused request, with ``Retry-After`` where waiting helps."""
+    return web.Response(
+        status=exc.status, body=error_payload(exc), content_type="application/json", headers=error_headers(exc)
+    )
 
 
 def _from_http(exc: web.HTTPException) -> LorapageError:
     if exc.status == 413:
         return BodyTooLargeError(f"request body too large: {exc.text or 'over the limit'}")
     if exc.status == 404:
-        return _HttpError(404, "not_found", "no such route; see docs/api.md for the routes lorapage serves")
+        return HttpError(404, "not_found", "no such route; see docs/api.md for the routes lorapage serves")
     if exc.status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ())))
-        return _HttpError(405, "method_not_allowed", f"method not allowed; allowed: {allowed}")
-    return _HttpError(exc.status, LorapageError.code, exc.reason or "request refused")
+        return HttpError(405, "method_not_allowed", f"method not allowed; allowed: {allowed}")
+    return HttpError(exc.status, LorapageError.code, exc.reason or "request refused")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -103,5 +108,5 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("unexpected error serving %s %s", request.method, request.path)
         return error_response(
-            _HttpError(500, "internal_error", "internal server error; the failure is in the server log")
+            HttpError(500, "internal_error", "internal server error; the failure is in the server log")
         )
