@@ -242,12 +242,13 @@ BENCHES = {"slora": bench_slora, "fairness": bench_fairness, "seed": bench_seed}
 
 
 async def main(args: argparse.Namespace) -> dict:
-    out = Path(args.out or tempfile.mkdtemp(prefix="lorapage-bench-replay-"))
-    model, dirs = make_assets(Path(tempfile.mkdtemp(prefix="lorapage-bench-model-")))
+    out = Path(args.out or tempfile.mkdtemp(prefix="lorapage-bench-replay-"))  # the reports stay
     figures: dict = {"bench": "replay", "quick": args.quick, "reports": str(out)}
-    for name in args.only.split(","):
-        extra = {"scale": args.seed_scale} if name == "seed" else {}
-        figures |= await BENCHES[name](model, dirs, out, args.quick, **extra)
+    with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:  # the model and adapters do not
+        model, dirs = make_assets(Path(tmp))
+        for name in args.only.split(","):
+            extra = {"scale": args.seed_scale} if name == "seed" else {}
+            figures |= await BENCHES[name](model, dirs, out, args.quick, **extra)
     figures["pass"] = all(v for k, v in figures.items() if k.endswith("_pass"))
     return figures
 

@@ -58,7 +58,10 @@ def lora_expand_torch(
         rep = batch.rep
         rows = batch.alone  # one long segment: the reference's fused addmm_
         host_scales = _host(scale)[rep] if rows is not None else None
-        scales = None if rows is not None else scale.index_select(0, batch.slots).to(h.dtype)  # [cells, M]; holes: 0
+        scales = hb = None
+        if rows is None:
+            scales = scale.index_select(0, batch.slots).to(h.dtype)  # [cells, M]; holes: 0
+            hb = batch.rows_of(h[:, : int((starts[rep] + ranks[rep]).max())])  # every module's rows, gathered once
         for m, r in enumerate(ranks[rep].tolist()):
             if r == 0:
                 continue
@@ -69,5 +72,5 @@ def lora_expand_torch(
                 assert host_scales is not None
                 out[rows].addmm_(h[rows, hs : hs + r], b[0].t(), alpha=float(host_scales[m]))
             else:
-                assert scales is not None
-                batch.add_product(out, batch.rows_of(h[:, hs : hs + r]) * scales[:, m, None, None], b)
+                assert scales is not None and hb is not None
+                batch.add_product(out, hb[..., hs : hs + r] * scales[:, m, None, None], b)

@@ -105,6 +105,8 @@ CASES = {
     "mixed_ranks": ([4, 8, 16, 8, 1, 8], [0, 1, 2, 3, 4, 5, 6, 2, 5], [1, 1, 1, 1, 1, 1, 1, 7, 30]),
     # Short segments of one adapter, apart, adding up past the longest length class (slot 1: 8 tokens).
     "one_adapter_apart": ([8] * 3, [1, 2, 1, 2, 1, 3, 1], [1, 1, 2, 1, 3, 1, 2]),
+    # Two length classes interleaved: neither class's tokens are one range of rows.
+    "interleaved_classes": ([8] * 4, [1, 2, 3, 4], [1, 3, 1, 3]),
 }
 
 
@@ -175,6 +177,15 @@ def test_scattered_pages_are_copied_and_long_segments_run_alone():
     lengths = sorted((b.cells, b.length) for b in batches)
     assert lengths == [(1, 40), (3, 1)]
     assert all(b.pages is not None for b in batches)
+
+
+def test_gathered_rows_go_back_as_one_range_or_token_by_token():
+    # Decode rows out of page order: gathered, but their tokens are one range (a slice write).
+    batches = _plan("grid_holes", [0, 1, 2, 3, 4, 5, 6], [1] * 7)
+    assert all(b.gather is not None and b.span == slice(1, 7) and b.tokens is None for b in batches)
+    # Length classes interleaved: each class's tokens are apart (an indexed write).
+    batches = _plan("stride", [1, 2, 3, 4], [1, 3, 1, 3])
+    assert [b.tokens.tolist() for b in batches if b.tokens is not None] == [[0, 4], [1, 2, 3, 5, 6, 7]]
 
 
 def test_slot_zero_rows_are_skipped():
