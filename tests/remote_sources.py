@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +77,17 @@ async def start_server(app: web.Application) -> tuple[web.AppRunner, str]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@pytest.fixture
+async def files() -> AsyncIterator[FileServer]:
+    """A :class:`FileServer` on a free 127.0.0.1 port."""
+    server = FileServer()
+    app = web.Application()
+    app.router.add_get("/{path:.*}", server.handle)
+    runner, server.base = await start_server(app)
+    yield server
+    await runner.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -7,29 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator
 
-import pytest
-from aiohttp import web
-from remote_sources import FileServer, s3_bucket, s3_endpoint, start_server
+from remote_sources import files, s3_bucket, s3_endpoint
 from server_harness import assert_openai_error, make_engine, running_server
 
 from lorapage.adapters.digest import content_digest
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
-__all__ = ["s3_bucket", "s3_endpoint"]  # fixtures, imported to be found
+__all__ = ["files", "s3_bucket", "s3_endpoint"]  # fixtures, imported to be found
 COMP = "/v1/completions"
 WRONG = "0" * 64
-
-
-@pytest.fixture
-async def files() -> AsyncIterator[FileServer]:
-    server = FileServer()
-    app = web.Application()
-    app.router.add_get("/{path:.*}", server.handle)
-    runner, server.base = await start_server(app)
-    yield server
-    await runner.cleanup()
 
 
 def _complete(model: str) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from remote_sources import FileServer, cache_listing, make_adapter, s3_bucket, s3_endpoint, start_server
+from remote_sources import FileServer, cache_listing, files, make_adapter, s3_bucket, s3_endpoint, start_server
 
 from lorapage.adapters.digest import ADAPTER_FILES, content_digest
 from lorapage.adapters.sources import AdapterSources, FileSource, HfSource, parse_source
@@ -24,16 +24,6 @@ from lorapage.errors import (
 
 CAP = 1 << 20  # the download cap in these tests; the demo adapter is about 80 KB
 OTHER = "0" * 64  # a digest no adapter here has
-
-
-@pytest.fixture
-async def server() -> AsyncIterator[FileServer]:
-    files = FileServer()
-    app = web.Application()
-    app.router.add_get("/{path:.*}", files.handle)
-    runner, files.base = await start_server(app)
-    yield files
-    await runner.cleanup()
 
 
 @pytest.fixture
@@ -116,29 +106,29 @@ async def test_file_source_is_read_in_place_and_changes_after_registration_are_r
 
 
 async def test_https_fetch_verifies_caches_and_hits(
-    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+    tmp_path: Path, files: FileServer, make_sources: Callable[..., AdapterSources]
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(server.publish("a", adapter), sha256=digest, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=digest, adapter_roots=())
     sources = make_sources()
     path = await sources.fetch(source, digest)
     assert path == tmp_path / "cache" / digest
     for name in ADAPTER_FILES:
         assert (path / name).read_bytes() == (adapter / name).read_bytes()
     assert await sources.fetch(source, digest) == path
-    assert server.hits == {f"a/{name}": 1 for name in ADAPTER_FILES}
+    assert files.hits == {f"a/{name}": 1 for name in ADAPTER_FILES}
     stats = sources.stats()
     assert (stats.downloads, stats.cache_hits, stats.cache_entries) == ({"https": 1}, 1, 1)
     assert stats.bytes_downloaded == {"https": stats.cache_bytes} and stats.cache_bytes > 0
 
 
 async def test_https_wrong_digest_leaves_nothing_and_the_next_fetch_retries(
-    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+    tmp_path: Path, files: FileServer, make_sources: Callable[..., AdapterSources]
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(server.publish("a", adapter), sha256=OTHER, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=OTHER, adapter_roots=())
     sources = make_sources()
     with pytest.raises(AdapterIntegrityError) as info:
         await sources.fetch(source, OTHER)
@@ -159,23 +149,23 @@ async def test_https_wrong_digest_leaves_nothing_and_the_next_fetch_retries(
     ],
 )
 async def test_https_failures_fail_only_that_fetch(
-    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources], setup: str, says: str
+    tmp_path: Path, files: FileServer, make_sources: Callable[..., AdapterSources], setup: str, says: str
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    uri = server.publish("a", adapter)
+    uri = files.publish("a", adapter)
     weights = "a/adapter_model.safetensors"
     big = b"x" * (CAP + 1)
     match setup:
         case "missing":
-            del server.files[weights]
+            del files.files[weights]
         case "truncated":
-            server.truncate.add(weights)
+            files.truncate.add(weights)
         case "declared_over_cap":
-            server.files[weights] = big
+            files.files[weights] = big
         case "streamed_over_cap":
-            server.files[weights] = big
-            server.chunked.add(weights)
+            files.files[weights] = big
+            files.chunked.add(weights)
         case "unreachable":
             uri = "http://127.0.0.1:9/a"  # the discard port: nothing listens
     sources = make_sources()
@@ -187,32 +177,32 @@ async def test_https_failures_fail_only_that_fetch(
 
 
 async def test_concurrent_fetches_of_a_cold_adapter_share_one_download(
-    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+    tmp_path: Path, files: FileServer, make_sources: Callable[..., AdapterSources]
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(server.publish("a", adapter), sha256=digest, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=digest, adapter_roots=())
     sources = make_sources()
-    server.gate.clear()
+    files.gate.clear()
     fetches = [asyncio.create_task(sources.fetch(source, digest)) for _ in range(8)]
-    while not server.hits:
+    while not files.hits:
         await asyncio.sleep(0.01)
     fetches[0].cancel()  # one caller gives up; the download goes on for the others
-    server.gate.set()
+    files.gate.set()
     paths = await asyncio.gather(*fetches[1:])
     assert set(paths) == {tmp_path / "cache" / digest}
-    assert server.hits == {f"a/{name}": 1 for name in ADAPTER_FILES}
+    assert files.hits == {f"a/{name}": 1 for name in ADAPTER_FILES}
     assert sources.stats().downloads == {"https": 1}
 
 
 async def test_lru_eviction_keeps_recent_and_held_entries_under_the_byte_cap(
-    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+    tmp_path: Path, files: FileServer, make_sources: Callable[..., AdapterSources]
 ) -> None:
     versions = []
     for i in range(3):
         adapter = make_adapter(tmp_path / f"v{i}", variant=i)
         digest = content_digest(adapter)
-        versions.append((parse_source(server.publish(f"v{i}", adapter), sha256=digest, adapter_roots=()), digest))
+        versions.append((parse_source(files.publish(f"v{i}", adapter), sha256=digest, adapter_roots=()), digest))
     size = sum((tmp_path / "v0" / name).stat().st_size for name in ADAPTER_FILES)
     sources = make_sources(cache_bytes=2 * size + 2)  # two entries fit, not three
     (s0, d0), (s1, d1), (s2, d2) = versions
@@ -230,25 +220,25 @@ async def test_lru_eviction_keeps_recent_and_held_entries_under_the_byte_cap(
 
 
 async def test_cache_survives_restart_and_a_corrupted_entry_is_downloaded_again(
-    tmp_path: Path, server: FileServer, make_sources: Callable[..., AdapterSources]
+    tmp_path: Path, files: FileServer, make_sources: Callable[..., AdapterSources]
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(server.publish("a", adapter), sha256=digest, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=digest, adapter_roots=())
     path = await make_sources().fetch(source, digest)
     (tmp_path / "cache" / ".tmp-left-by-a-crash").mkdir()
     again = make_sources()
     assert cache_listing(tmp_path / "cache") == [digest]
     assert await again.fetch(source, digest) == path
-    assert sum(server.hits.values()) == 2 and again.stats().cache_hits == 1
+    assert sum(files.hits.values()) == 2 and again.stats().cache_hits == 1
     (path / "adapter_model.safetensors").write_bytes(b"bit rot")
     assert content_digest(await again.fetch(source, digest)) == digest
-    assert sum(server.hits.values()) == 4
+    assert sum(files.hits.values()) == 4
 
 
 # --- s3, against moto's server ------------------------------------------------------------
 
-__all__ = ["s3_bucket", "s3_endpoint"]  # fixtures, imported to be found
+__all__ = ["files", "s3_bucket", "s3_endpoint"]  # fixtures, imported to be found
 
 
 async def test_s3_fetch_verifies_and_refuses_a_wrong_digest(

@@ -35,7 +35,7 @@ from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import content_digest, normalize_digest
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.adapters.registry import Registry, VersionRow, version_key
+from lorapage.adapters.registry import Registry, VersionRow, parse_name, version_key
 from lorapage.errors import (
     AdapterBaseMismatchError,
     AdapterBusyError,
@@ -98,8 +98,9 @@ class AdapterCatalog:
     def _locate(self, key: str) -> AbstractAsyncContextManager[Path]:
         """A block holding version ``key``'s files, fetched from its source and verified."""
         assert self._locate_row is not None
-        adapter_id, _, number = key.rpartition("@")
-        return self._locate_row(self._ids[adapter_id].versions[int(number)])
+        row, _ = self._row(key)
+        assert row is not None, key  # the cache holds only registered versions
+        return self._locate_row(row)
 
     # -- restart --------------------------------------------------------------------------------
 
@@ -132,17 +133,19 @@ class AdapterCatalog:
 
     # -- names ----------------------------------------------------------------------------------
 
+    def _row(self, name: str) -> tuple[VersionRow | None, _Adapter | None]:
+        """The version ``name`` (``id``: its current one, or ``id@N``) names, and its id's entry."""
+        adapter_id, version = parse_name(name)
+        adapter = self._ids.get(adapter_id)
+        if adapter is None:
+            return None, None
+        number = adapter.current if version is None else version
+        return (adapter.versions.get(number) if number is not None else None), adapter
+
     def resolve(self, name: str) -> str:
         """The version key ``name`` (``id`` or ``id@N``) serves now; 404 when there is none, 409
         when the version was validated against another base."""
-        adapter_id, at, number = name.rpartition("@")
-        if not at:
-            adapter_id = name
-        adapter = self._ids.get(adapter_id)
-        version: int | None = None
-        if adapter is not None:
-            version = adapter.current if not at else (int(number) if number.isdigit() else None)
-        row = adapter.versions.get(version) if adapter is not None and version is not None else None
+        row, _ = self._row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         if row.key in self._unfit:
@@ -175,12 +178,10 @@ class AdapterCatalog:
 
     def version_info(self, name: str) -> VersionInfo:
         """The version ``name`` names; a version on another base is described, not refused."""
-        adapter_id, at, number = name.rpartition("@")
-        adapter = self._ids.get(adapter_id if at else name)
-        version = (int(number) if number.isdigit() else None) if at else (adapter.current if adapter else None)
-        if adapter is None or version not in adapter.versions:
+        row, adapter = self._row(name)
+        if row is None or adapter is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
-        return self._info(adapter.versions[version], adapter)
+        return self._info(row, adapter)
 
     def _info(self, row: VersionRow, adapter: _Adapter) -> VersionInfo:
         return VersionInfo(
@@ -343,8 +344,8 @@ class AdapterCatalog:
     async def set_pinned(self, key: str, pinned: bool) -> None:
         """Pin version ``key`` resident, or unpin it, committed before the cache applies it;
         a pin past the bounds is refused (PinLimitError) before anything is written."""
-        adapter_id, _, number = key.rpartition("@")
-        adapter, version = self._ids.get(adapter_id), int(number)
+        adapter_id, version = parse_name(key)
+        adapter = self._ids.get(adapter_id)
         async with self._lock:  # no other pin can take the room between the check and the pin
             if adapter is None or version not in adapter.versions or key not in self.cache.entries:
                 raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")  # deleted meanwhile
@@ -362,15 +363,12 @@ class AdapterCatalog:
     def removable(self, name: str) -> list[str]:
         """The version keys deleting ``name`` removes: one for ``id@N``, every one for ``id``.
         Deleting the current version of an id that has others is refused: re-point it first."""
-        adapter_id, at, number = name.rpartition("@")
-        if not at:
-            adapter_id = name
+        adapter_id, version = parse_name(name)
         adapter = self._ids.get(adapter_id)
         if adapter is None or not adapter.versions:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
-        if not at:
+        if version is None:
             return [r.key for r in adapter.versions.values()]
-        version = int(number) if number.isdigit() else -1
         if version not in adapter.versions:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
         if version == adapter.current and len(adapter.versions) > 1:
@@ -382,17 +380,29 @@ class AdapterCatalog:
             )
         return [version_key(adapter_id, version)]
 
-    def remove(self, key: str) -> None:
-        """Forget one version (the cache refuses while requests for it queue or run), committed
-        first. The alias moves to the newest remaining version if it pointed here."""
-        adapter_id, _, number = key.rpartition("@")
+    def remove(self, name: str) -> list[str]:
+        """Remove version ``id@N``, or every version of ``id`` (see :meth:`removable`); refused
+        (409) while any of them has requests queued or running, and then nothing is removed.
+        Returns the keys removed."""
+        keys = self.removable(name)
+        for key in keys:
+            entry = self.cache.entries.get(key)
+            if entry is not None and (entry.running or entry.waiting):
+                raise AdapterBusyError(
+                    f"adapter {key} has {entry.running} running and {entry.waiting} queued requests; "
+                    "retry once they finish"
+                )
+        for key in keys:
+            self._remove_version(key)
+        return keys
+
+    def _remove_version(self, key: str) -> None:
+        """Forget one idle version, committed first. The alias moves to the newest remaining
+        version if it pointed here."""
+        adapter_id, version = parse_name(key)
+        assert version is not None
         adapter = self._ids[adapter_id]
-        version = int(number)
         entry = self.cache.entries.get(key)
-        if entry is not None and (entry.running or entry.waiting):
-            raise AdapterBusyError(
-                f"adapter {key} has {entry.running} running and {entry.waiting} queued requests; retry once they finish"
-            )
         rest = [v for v in adapter.versions if v != version]
         new_current = adapter.current if adapter.current != version else (max(rest) if rest else None)
         self.registry.delete_version(adapter_id, version, new_current)

@@ -21,6 +21,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+from lorapage.adapters.registry import parse_name
 from lorapage.scheduler.metrics import Histogram
 
 OTHER = "other"  # the label of every adapter outside the top set
@@ -28,11 +29,6 @@ LABEL_REFRESH_S = 60.0  # the labelled set is chosen again this often
 TRAFFIC_HALF_LIFE_S = 300.0  # "recent traffic": request counts halve in weight every 5 minutes
 MAX_TRACKED_FACTOR = 16  # traffic is tracked for at most this many times top_k ids
 LOAD_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-def adapter_id(name: str) -> str:
-    """The id a cache name (``id@N``) belongs to."""
-    return name.rpartition("@")[0] or name
 
 
 class AdapterMetrics:
@@ -63,7 +59,7 @@ class AdapterMetrics:
 
     def record_request(self, name: str, tier: str, now: float) -> None:
         """A request for ``name`` arrived while its adapter was in ``tier`` (gpu, ram, disk)."""
-        aid = adapter_id(name)
+        aid, _ = parse_name(name)
         count, at = self._traffic.get(aid, (0.0, now))
         self._traffic[aid] = (_decay(count, now - at) + 1.0, now)
         if now - self._refreshed >= LABEL_REFRESH_S:
@@ -82,7 +78,7 @@ class AdapterMetrics:
         self.evictions[self.label(name)] += 1
 
     def label(self, name: str) -> str:
-        aid = adapter_id(name)
+        aid, _ = parse_name(name)
         return aid if aid in self.labelled else OTHER
 
     # -- the labelled set -----------------------------------------------------------------------

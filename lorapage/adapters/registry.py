@@ -85,6 +85,15 @@ def version_key(adapter_id: str, version: int) -> str:
     return f"{adapter_id}@{version}"
 
 
+def parse_name(name: str) -> tuple[str, int | None]:
+    """``id`` -> ``(id, None)`` (the alias), ``id@N`` -> ``(id, N)``; a suffix that is not a
+    number gives version -1, which names nothing. Ids never hold ``@``."""
+    adapter_id, at, number = name.rpartition("@")
+    if not at:
+        return name, None
+    return adapter_id, int(number) if number.isdigit() else -1
+
+
 class Registry:
     """SQLite persistence of adapter ids, versions and aliases. Thread-safe (one lock): the
     engine calls it from a worker thread so a commit's fsync never holds the event loop."""

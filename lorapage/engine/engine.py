@@ -32,7 +32,6 @@ from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.errors import (
-    AdapterBusyError,
     AdapterNotFoundError,
     EngineClosedError,
     InvalidRequestError,
@@ -333,16 +332,7 @@ class Engine:
     def remove_adapter(self, name: str) -> None:
         """Remove version ``id@N``, or every version of ``id``; refused (409) while any of them
         has requests queued or running, and then nothing is removed."""
-        keys = self.catalog.removable(name)
-        for key in keys:
-            entry = self.adapters.entries.get(key)
-            if entry is not None and (entry.running or entry.waiting):
-                raise AdapterBusyError(
-                    f"adapter {key} has {entry.running} running and {entry.waiting} queued requests; "
-                    "retry once they finish"
-                )
-        for key in keys:
-            self.catalog.remove(key)
+        for key in self.catalog.remove(name):
             self._landed.discard(key)
 
     def adapter_info(self, name: str) -> AdapterInfo:

@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from lorapage.adapters.registry import parse_name
 from lorapage.errors import BodyTooLargeError, LorapageError, QuotaExceededError, ServiceUnavailableError
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route
@@ -107,7 +108,7 @@ class FleetIngress:
 
     def visible(self, tenant: str, adapter: str) -> bool:
         """``adapter`` (``id`` or ``id@N``; the replica resolves the version) may be used by ``tenant``."""
-        adapter_id = adapter.partition("@")[0]
+        adapter_id, _ = parse_name(adapter)
         return adapter_id in self.adapters and self.access.may_use(tenant, adapter_id)
 
     async def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from lorapage.adapters.registry import parse_name
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
@@ -46,7 +47,7 @@ class EngineReplica:
             yield ReplicaStart(self.replica_id)
             yield exc
             return
-        yield ReplicaStart(self.replica_id, int(key.rpartition("@")[2]) if key is not None else None)
+        yield ReplicaStart(self.replica_id, parse_name(key)[1] if key is not None else None)
         self.in_flight += 1
         try:
             outputs = self.engine.generate(job.prompt, key, job.sampling, tenant=job.tenant, request_id=job.request_id)
@@ -77,7 +78,7 @@ class EngineReplica:
         names = set()
         for key in keys:
             names.add(key)
-            adapter_id = key.rpartition("@")[0]
+            adapter_id, _ = parse_name(key)
             try:
                 if self.engine.resolve_adapter(adapter_id) == key:
                     names.add(adapter_id)

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import parse_source
 from lorapage.errors import (
     AdapterBusyError,
@@ -185,7 +186,7 @@ class AdminRoutes:
                 state.draining.difference_update(keys)
         else:
             state.engine.remove_adapter(name)  # 409 from the engine if it still holds requests
-        adapter_id = name.partition("@")[0]
+        adapter_id, _ = parse_name(name)
         if adapter_id not in state.engine.catalog.ids():
             state.access.owners.pop(adapter_id, None)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.registry import parse_name
 from lorapage.errors import (
     AdapterNotFoundError,
     BodyTooLargeError,
@@ -103,7 +104,7 @@ class ServerState:
         """The version key (``id@N``) ``name`` (``id`` or ``id@N``) serves for ``tenant`` now, or
         None when it does not exist, is being deleted or is not the tenant's. A version on
         another base raises its 409 (only to a tenant who may use the id)."""
-        adapter_id = name.partition("@")[0]
+        adapter_id, _ = parse_name(name)
         if not self.access.may_use(tenant, adapter_id):
             return None
         try:
@@ -192,7 +193,7 @@ def _job(
     model, adapter = state.resolve(req.model, tenant)
     job = make_job(kind, req, model, adapter, tenant, ids, state.engine.max_model_len, logprobs, arrival)
     if adapter is not None:
-        job.adapter_version = int(adapter.rpartition("@")[2])  # the version this request runs on to its end
+        job.adapter_version = parse_name(adapter)[1]  # the version this request runs on to its end
     return job
 
 
@@ -246,7 +247,7 @@ async def get_model(request: web.Request) -> web.Response:
     tenant = state.access.tenant_for(request)
     wanted = request.match_info["model"]
     model, _ = state.resolve(wanted, tenant)
-    found = next((m for m in _models(state, tenant) if m.id == model.partition("@")[0]), None)
+    found = next((m for m in _models(state, tenant) if m.id == parse_name(model)[0]), None)
     if found is None:  # an older version, id@N, named explicitly
         found = Model(
             id=model,

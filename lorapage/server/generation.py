@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.registry import parse_name
 from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailableError
 from lorapage.sampling_params import SamplingParams
 from lorapage.server import protocol
@@ -197,7 +198,7 @@ class Formatter:
 
 
 def adapter_headers(job: Job, tier: str) -> dict[str, str]:
-    adapter_id = job.adapter.partition("@")[0] if job.adapter else "none"  # the version goes in its own header
+    adapter_id = parse_name(job.adapter)[0] if job.adapter else "none"  # the version goes in its own header
     headers = {"x-adapter-id": adapter_id, "x-adapter-tier": tier or "none", "x-request-id": job.request_id}
     if job.adapter_version is not None:
         headers["x-adapter-version"] = str(job.adapter_version)
