@@ -166,7 +166,13 @@ async def test_requests_for_one_adapter_stick_to_its_owner(fleet):
 async def test_saturated_owner_spills_to_the_other_replica(fleet):
     # Sampled at a high temperature, the tiny model rarely meets EOS: each request runs its 96 tokens.
     bodies = [completion("acme", temperature=2.0, seed=i, max_tokens=96) for i in range(3 * CAPACITY)]
-    answers = await asyncio.gather(*(fleet.post("/v1/completions", b) for b in bodies))
+    # Sent 50 ms apart, as traffic arrives: requests routed in the same instant all see the load
+    # Ray counted before any of them was sent (its queue-length cache counts a request once sent).
+    posts = []
+    for body in bodies:
+        posts.append(asyncio.ensure_future(fleet.post("/v1/completions", body)))
+        await asyncio.sleep(0.05)
+    answers = await asyncio.gather(*posts)
     assert all(status == 200 for status, _, _ in answers), answers
     served = Counter(headers[REPLICA_HEADER] for _, _, headers in answers)
     assert set(served) == set(engine_replica_ids()), served
