@@ -7,17 +7,18 @@ candidates; it then sends to the least-loaded replica of the first rank that acc
 so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView` per replica:
 
 - the adapter is the request's ``multiplexed_model_id`` (the ingress sets it; "" for the base);
-- ``in_flight`` is Ray's count of the replica's ongoing requests (its queue-length cache, which
-  counts every request this router sends the moment it sends it), or the replica's own report;
+- ``in_flight`` is the requests this router sent the replica that have not completed (counted
+  the moment each is sent), or Ray's queue-length cache where that is higher;
 - ``capacity``, ``pool``, ``host`` and ``disk`` come from the replica's ``record_routing_stats``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from lorapage.fleet.routing import ReplicaView, Router, make_router
 
@@ -41,15 +42,30 @@ class AffinityRequestRouter(RequestRouter):
 
     policy: Router
     capacity: int | None
+    sent: Counter[str]
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Called by Ray Serve with ``request_router_kwargs``: ``policy`` (a router name) and its options."""
         options = dict(kwargs)
         self.capacity = int(options.pop("capacity", 0)) or None  # every engine's max_num_seqs
+        # Requests this router sent and that have not completed, per replica. Ray's queue-length
+        # cache is kept only under strict max_ongoing_requests, and the replicas' own reports are
+        # up to a second old: a burst would all go to one owner before either counted it.
+        self.sent: Counter[str] = Counter()
         self.policy = make_router(str(options.pop("policy", "affinity")), **options)
 
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self.sent[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        if self.sent[replica_id.unique_id] > 0:  # also called for a request that failed before it was sent
+            self.sent[replica_id.unique_id] -= 1
+
     def _view(self, replica: RunningReplica) -> ReplicaView:
-        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        queued = max(cached or 0, self.sent[replica.replica_id.unique_id])
         return replica_view(
             replica.replica_id.unique_id,
             queued,
