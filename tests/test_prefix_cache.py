@@ -44,7 +44,7 @@ def test_refcounts_idle_blocks_and_eviction():
     assert cache.num_idle == 3 and pool.used[PageKind.KV] == 3
     assert cache.match(keys) == first and cache.num_idle == 0  # idle blocks are hits too
     cache.release(list(first))
-    assert cache.evict(pool.num_free + 2) == 2 and cache.num_cached == 1  # least recently used first
+    assert cache.evict(pool.num_free + 2) == 2 and cache.num_cached == 1  # lowest use rate first, leaves first
     cache.clear()
     assert cache.num_cached == 0 and pool.num_free == 9
 

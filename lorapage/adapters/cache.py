@@ -5,8 +5,9 @@ in an I/O thread pool; the copy into pool pages runs on the forward thread, betw
 never races a forward pass. A request for a non-resident adapter only starts (or joins) a load;
 the scheduler admits it once :meth:`AdapterCache.is_ready` says so.
 
-Idle adapters leave the pool least valuable per page first (:mod:`lorapage.adapters.value`:
-recent request rate x measured reload cost from the tier each would fall to / pages), except
+Idle adapters and idle cached KV blocks leave the pool least valuable per page first, in one
+ranking (:mod:`lorapage.adapters.value`: recent use rate x measured reload cost from the tier an
+adapter would fall to / its pages, or x the cost of recomputing a block / its one page), except
 those an admin pinned resident (:meth:`AdapterCache.pin_resident`), which never leave it nor
 yield. A tenant's request prefetches the tenant's other recent adapters into host RAM when the
 I/O pool has no load to serve.
@@ -32,7 +33,7 @@ from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec
-from lorapage.adapters.value import LoadTier, RecentAdapters, ReloadCosts, Stage, value_per_page
+from lorapage.adapters.value import LoadTier, RecentAdapters, RecomputeCost, ReloadCosts, Stage, value_per_page
 from lorapage.errors import (
     AdapterBusyError,
     AdapterFormatError,
@@ -44,9 +45,10 @@ from lorapage.errors import (
     PinLimitError,
 )
 from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.prefix_cache import HIT_HALF_LIFE_S, PrefixCache
 from lorapage.model.config import ModelConfig
 
-RATE_HALF_LIFE_S = 60.0  # how fast an adapter's recent request rate forgets old traffic
+RATE_HALF_LIFE_S = HIT_HALF_LIFE_S  # how fast a request rate forgets: as cached blocks' (one currency)
 MIN_RECHECK_S = 0.05  # a load with nothing to wait on looks again this often (adapter_wait_s may be 0)
 EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
 PREFETCH_QUEUE_LEN = 16  # prefetches waiting to start beyond this drop the oldest
@@ -135,7 +137,7 @@ class AdapterCache:
         run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
         on_ready: Callable[[], None],
         clock: Callable[[], float],
-        reclaim_kv: Callable[[int], int] | None = None,
+        idle_kv: PrefixCache | None = None,
         sequence_pages: int = 0,
         max_pinned_fraction: float = 0.5,
         max_prefetches: int = 1,
@@ -146,7 +148,7 @@ class AdapterCache:
         self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
         self.slot_wait_s, self.max_loras = slot_wait_s, max_loras
         self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
-        self._reclaim_kv = reclaim_kv  # frees idle cached KV pages (the prefix cache's), up to n free
+        self._idle_kv = idle_kv  # the prefix cache, whose idle blocks compete with idle adapters for pages
         self.sequence_pages = sequence_pages  # KV pages of one full-length sequence: an adapter must fit beside it
         # Where a version's files are read from when it is not in host RAM: a block holding them
         # fetched and verified (the catalog's sources); None: the directory its spec names.
@@ -159,6 +161,8 @@ class AdapterCache:
         self._timer = timer  # wall time of loads, measured: the injected clock may be virtual
         page_bytes = pool.storage.shape[0] * pool.page_size * pool.storage.element_size()
         self.costs = ReloadCosts(page_bytes)
+        # What losing an idle cached block costs (fed measured prefill timings by the engine).
+        self.recompute = RecomputeCost(page_bytes, max(1, pool.page_size // (2 * model.kv_size)))
         self._max_adapter_pages = max_adapter_pages(model, max_lora_rank, pool.page_size)
         self.entries: dict[str, AdapterEntry] = {}
         self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
@@ -454,20 +458,30 @@ class AdapterCache:
     def _evictable(self) -> list[AdapterEntry]:
         """Resident adapters nobody runs or waits for and no admin pinned, least valuable per
         page first."""
-        now = self._clock()
+        return [e for _, e in self._ranked_idle(self._clock())]
+
+    def _ranked_idle(self, now: float) -> list[tuple[float, AdapterEntry]]:
+        """:meth:`_evictable` with each one's value per page at ``now``."""
         idle = [e for e in self._by_slot.values() if e.running == 0 and e.waiting == 0 and not e.pinned]
-        return sorted(idle, key=lambda e: self.value_per_page(e, now))
+        return sorted(((self.value_per_page(e, now), e) for e in idle), key=lambda v: v[0])
 
     def evict_idle(self, pages_needed: int) -> bool:
-        """Free pages until ``pages_needed`` are free: idle cached KV blocks first (they cost
-        a recompute of one block each), then idle adapters (no running or queued request), least
-        valuable per page first."""
-        if self.pool.num_free < pages_needed and self._reclaim_kv is not None:
-            self._reclaim_kv(pages_needed)
-        for entry in self._evictable():
+        """Free pages until ``pages_needed`` are free: idle cached KV blocks and idle adapters (no
+        running or queued request) in one ranking, least valuable per page first (a block's use
+        rate x its recompute seconds, an adapter's :meth:`value_per_page`); at equal value the
+        blocks go first. The adapters are sorted (there are at most ``max_loras``); the blocks
+        already wait in their order (:class:`~lorapage.memory.prefix_cache.PrefixCache`), so
+        each run of them cheaper than the next adapter is given back in one call."""
+        if self.pool.num_free >= pages_needed:
+            return True
+        block_s = self.recompute.block_s()
+        for value, entry in [*self._ranked_idle(self._clock()), (math.inf, None)]:
             if self.pool.num_free >= pages_needed:
                 break
-            self._evict(entry)
+            if self._idle_kv is not None:  # the blocks worth no more than this adapter per page
+                self._idle_kv.evict(pages_needed, max_rate=value / block_s)
+            if entry is not None and self.pool.num_free < pages_needed:
+                self._evict(entry)
         return self.pool.num_free >= pages_needed
 
     def resident(self) -> list[str]:
@@ -717,8 +731,9 @@ class AdapterCache:
             if victims:
                 self._evict(victims[0])
             elif yielded is not None and yielded.running == 0:
-                if self.pool.num_free + len(yielded.pages) < need and self._reclaim_kv is not None:
-                    self._reclaim_kv(need - len(yielded.pages))  # idle cached KV blocks complete the room
+                if self.pool.num_free + len(yielded.pages) < need and self._idle_kv is not None:
+                    # No adapter is idle: idle cached KV blocks complete the room, cheapest first.
+                    self._idle_kv.evict(need - len(yielded.pages))
                 if self.pool.num_free + len(yielded.pages) >= need:
                     self._evict(yielded)  # it yielded for this load: its slot and pages are ours
         if self._free_slots and (self.pool.num_free >= need or self.evict_idle(need)):

@@ -119,6 +119,7 @@ class StepScheduler:
         self._budget -= chunk
         req.num_scheduled = chunk
         req.num_cached_tokens = hit
+        self.prefix.count_uses(req.block_table[: hit // lim.block_size])
         if req.num_preemptions == 0:
             t = req.tenant
             self.prefix_query_tokens[t] = self.prefix_query_tokens.get(t, 0) + req.num_prompt_tokens
@@ -136,7 +137,8 @@ class StepScheduler:
         bs = self.limits.block_size
         usable = (req.num_tokens - 1) // bs
         self._extend_keys(req, usable * bs)
-        pages = self.prefix.match(req.block_keys[:usable])
+        # Not counted as a use yet: an admission that fails for room retries every step.
+        pages = self.prefix.match(req.block_keys[:usable], count=False)
         req.block_table.extend(pages)
         req.num_computed = len(pages) * bs
         return req.num_computed
