@@ -2,14 +2,16 @@
 
 Real HTTP to Ray Serve's proxy on a free 127.0.0.1 port. The engine deployment routes with one
 rendezvous owner per adapter (``owners=1``) and a batch capacity of four (``max_num_seqs``), so
-stickiness and spill are both visible with two replicas. The replica-kill test runs last: it
-replaces a replica.
+stickiness and spill are both visible with two replicas. The admin tests register, deploy, pin
+and delete adapters through the ingress (a state directory holds the fleet's registry); the
+ingress-restart and replica-kill tests run last: they replace an ingress and a replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 from collections import Counter
 from collections.abc import Iterator
@@ -21,15 +23,26 @@ import pytest
 ray = pytest.importorskip("ray", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
 serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
 
-from server_harness import BASE, KEYS, TENANTS_TOML, assert_openai_error, expected_text, make_engine  # noqa: E402
+from server_harness import (  # noqa: E402
+    ADMIN_KEY,
+    BASE,
+    KEYS,
+    METRICS_KEY,
+    TENANTS_TOML,
+    assert_openai_error,
+    expected_text,
+    make_engine,
+)
 
+from lorapage.adapters.registry import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
 from lorapage.fleet.config import FleetConfig  # noqa: E402
 from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.routing import rendezvous_owners  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
-from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
+from lorapage.server.tenants import hash_key  # noqa: E402
+from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -40,6 +53,19 @@ CHAT = [{"role": "user", "content": "Who are you?"}]
 @dataclass
 class Fleet:
     url: str
+    state_dir: str
+    adapter_root: str
+
+    async def call(self, method: str, path: str, body: dict | None = None, key: str | None = ADMIN_KEY):
+        """(status, parsed JSON or text, headers) of one request, by default with the admin key."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.request(method, self.url + path, json=body, headers=headers) as resp:
+                text = await resp.text()
+                try:
+                    return resp.status, json.loads(text), resp.headers
+                except ValueError:
+                    return resp.status, text, resp.headers
 
     async def post(self, path: str, body: dict, tenant: str = "alpha"):
         """(status, parsed JSON, headers)."""
@@ -86,7 +112,10 @@ def owner(adapter: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(tmp_path_factory) -> Iterator[Fleet]:
+    state_dir, root = tmp_path_factory.mktemp("fleet-state"), tmp_path_factory.mktemp("adapter-root")
+    for name, path in demo_adapter_dirs().items():  # registrable copies of the demo adapters
+        shutil.copytree(path, root / name)
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -103,11 +132,14 @@ def fleet() -> Iterator[Fleet]:
         ingress_cpus=0.25,
         owners=1,
         routing_stats_period_s=0.5,
+        state_dir=str(state_dir),
+        adapter_roots=(str(root),),
+        sync_period_s=0.5,
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        yield Fleet(f"http://127.0.0.1:{port}")
+        yield Fleet(f"http://127.0.0.1:{port}", str(state_dir), str(root))
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -198,6 +230,122 @@ async def test_tenant_isolation_and_fleet_wide_quota(fleet):
     assert [status for status, _, _ in got] == [200, 200, 429]
     assert_openai_error(got[2][1], 429)
     assert int(got[2][2]["Retry-After"]) >= 1
+
+
+async def eventually(check, timeout_s: float = 15.0):
+    """``check()``'s value once it is truthy (heartbeats carry changes to every replica)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not (got := await check()):
+        assert asyncio.get_running_loop().time() < deadline, "not within the timeout"
+        await asyncio.sleep(0.25)
+    return got
+
+
+async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
+    source = f"{fleet.adapter_root}/acme"
+    status, body, _ = await fleet.call("POST", "/v1/adapters", {"id": "newco", "tenant": "alpha", "source": source})
+    assert status == 201, body
+    assert body["version"] == 1 and body["owner"] == "alpha" and body["current"] == 1
+    # Servable at once, on whichever replica the router picks, with the registered weights.
+    status, got, headers = await fleet.post("/v1/completions", completion("newco"))
+    assert status == 200 and got["choices"][0]["text"] == DEMO_MARKERS["acme"]
+    assert headers["x-adapter-version"] == "1"
+    status, _, _ = await fleet.post("/v1/completions", completion("newco"), tenant="beta")  # not beta's
+    assert status == 404
+    # Same content again: the same version (200); other content: version 2, deployed later.
+    status, again, _ = await fleet.call("POST", "/v1/adapters", {"id": "newco", "tenant": "alpha", "source": source})
+    assert status == 200 and again["version"] == 1
+    body2 = {"id": "newco", "tenant": "alpha", "source": f"{fleet.adapter_root}/globex", "activate": False}
+    status, v2, _ = await fleet.call("POST", "/v1/adapters", body2)
+    assert status == 201 and v2["version"] == 2 and v2["current"] == 1
+    status, got, _ = await fleet.post("/v1/completions", completion("newco"))
+    assert got["choices"][0]["text"] == DEMO_MARKERS["acme"]
+    status, _, _ = await fleet.call("PUT", "/v1/adapters/newco/current", {"version": 2})
+    assert status == 200
+    for model, text, version in (("newco", "globex", "2"), ("newco@1", "acme", "1")):
+        status, got, headers = await fleet.post("/v1/completions", completion(model))
+        assert status == 200 and got["choices"][0]["text"] == DEMO_MARKERS[text]
+        assert headers["x-adapter-version"] == version
+    status, versions, _ = await fleet.call("GET", "/v1/adapters/newco/versions")
+    assert [(v["version"], v["current"]) for v in versions["data"]] == [(1, False), (2, True)]
+    # Committed to the fleet's registry file before it was answered.
+    stored = Registry(f"{fleet.state_dir}/{REGISTRY_FILE}")
+    assert [(r.key, r.digest) for r in stored.versions() if r.adapter_id == "newco"] == [
+        ("newco@1", v["digest"]) if v["version"] == 1 else ("newco@2", v["digest"]) for v in versions["data"]
+    ]
+    stored.close()
+    status, err, _ = await fleet.call("DELETE", "/v1/adapters/newco@2")  # the current of two
+    assert status == 409
+    assert_openai_error(err, 409, param="id")
+    status, _, _ = await fleet.call("POST", "/v1/adapters", {"id": "newco", "tenant": "beta", "source": source})
+    assert status == 409  # alpha's id
+    status, gone, _ = await fleet.call("DELETE", "/v1/adapters/newco")
+    assert status == 200 and gone["deleted"] is True
+    status, err, _ = await fleet.post("/v1/completions", completion("newco"))
+    assert status == 404
+    status, err, _ = await fleet.call("POST", "/v1/adapters", {"id": "x", "tenant": "alpha", "source": "/etc"})
+    assert status in (400, 403) and err["error"]["param"] == "source"
+    status, err, _ = await fleet.call("GET", "/v1/adapters", key=KEYS["alpha"])  # a tenant key
+    assert status == 403
+    assert_openai_error(err, 403)
+
+
+async def test_pin_unload_metrics_and_state_reach_every_replica(fleet):
+    replicas = set(engine_replica_ids())
+    status, body, _ = await fleet.call("PUT", "/v1/adapters/globex/pin")
+    assert status == 200 and body["pinned"] is True
+
+    async def resident_everywhere():
+        status, body, _ = await fleet.call("GET", "/v1/adapters/globex")
+        return body if set(body["replicas"]) == replicas and body["tier"] == "gpu" else None
+
+    body = await eventually(resident_everywhere)
+    assert set(body["replicas"].values()) == {"gpu"}
+    status, body, _ = await fleet.call("DELETE", "/v1/adapters/globex/pin")
+    assert status == 200 and body["pinned"] is False
+    status, body, _ = await fleet.call("POST", "/internal/adapters/globex/unload")
+    assert status == 200 and "gpu" not in body["replicas"].values()
+
+    status, _, _ = await fleet.call("GET", "/metrics", key=None)
+    assert status == 401
+    status, text, headers = await fleet.call("GET", "/metrics", key=METRICS_KEY)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert "lorapage_fleet_replicas 2.0" in text
+    for rid in replicas:  # every replica's engine series, labelled with it
+        assert f'lorapage_engine_queue_depth{{replica="{rid}"}}' in text
+    assert 'lorapage_time_to_first_token_seconds_count{adapter_tier="' in text  # seen at the ingress
+    assert 'lorapage_requests_total{route="/v1/completions",status="200"}' in text
+    status, state, _ = await fleet.call("GET", "/internal/state")
+    assert status == 200 and set(state["replicas"]) == replicas
+    assert state["ingress"]["registry_generation"] >= 1
+
+
+async def test_tenants_reload_and_ingress_restart_keep_the_registry(fleet):
+    app = serve.get_app_handle(APP_NAME)
+    source = f"{fleet.adapter_root}/initech"
+    status, _, _ = await fleet.call("POST", "/v1/adapters", {"id": "keeper", "tenant": "delta", "source": source})
+    assert status == 400  # no tenant delta yet
+    reloaded = TENANTS_TOML + f'\n[tenants.delta]\nkey_sha256 = ["{hash_key("key-delta")}"]\nadapters = []\n'
+    assert "reloaded" in await app.reload_tenants.remote(reloaded)
+    assert "not reloaded" in await app.reload_tenants.remote("[tenants.bad]\nkey_sha256 = 3\n")
+    status, body, _ = await fleet.call("POST", "/v1/adapters", {"id": "keeper", "tenant": "delta", "source": source})
+    assert status == 201, body
+    status, got, _ = await fleet.call("POST", "/v1/completions", completion("keeper"), key="key-delta")
+    assert status == 200 and got["choices"][0]["text"] == DEMO_MARKERS["initech"]
+
+    # Ray restarts a killed ingress; it reopens the registry and the reloaded tenants file.
+    ingress = next(n for n in ray.util.list_named_actors(all_namespaces=True) if "#FleetIngress#" in n["name"])
+    ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=False)
+
+    async def served():
+        try:
+            status, got, _ = await fleet.call("POST", "/v1/completions", completion("keeper"), key="key-delta")
+        except aiohttp.ClientError:
+            return None
+        return got if status == 200 else None
+
+    got = await eventually(served, timeout_s=60)
+    assert got["choices"][0]["text"] == DEMO_MARKERS["initech"]
 
 
 async def test_killed_replica_loses_no_request_that_had_not_streamed(fleet):

@@ -35,7 +35,7 @@ from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import content_digest, normalize_digest
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.adapters.registry import Registry, VersionRow, parse_name, version_key
+from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
 from lorapage.errors import (
     AdapterBaseMismatchError,
     AdapterBusyError,
@@ -65,6 +65,20 @@ class VersionInfo:
     created: float
     current: bool
     servable: bool  # False: validated against another base than the one running
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """An adapter fetched, checked and digested, committed nowhere yet: what a registry held
+    elsewhere (the fleet's, :mod:`lorapage.fleet.registry`) stores as a version."""
+
+    source: str  # canonical source URI
+    digest: str
+    base_digest: str
+    spec: str  # spec_to_json
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
 
 
 @dataclass
@@ -113,14 +127,19 @@ class AdapterCatalog:
             self._ids[a.adapter_id] = _Adapter(a.owner, a.current)
         for row in rows:
             self._ids[row.adapter_id].versions[row.version] = row
-            if row.base_digest != base:
-                continue  # kept, and refused by resolve: validated against another base
-            spec = spec_from_json(row.spec)
-            try:
-                self.cache.add(row.key, spec, self.cache.plan(spec), row.digest)
-            except AdapterFormatError as exc:  # this server's pool or max_lora_rank cannot serve it
-                self._unfit[row.key] = exc
+            self._serve_stored(row, base)
         self._restore_pins(rows)
+
+    def _serve_stored(self, row: VersionRow, base: str) -> None:
+        """Give a stored version its cache entry (reading no weights), unless it was validated
+        against another base (kept, and refused by resolve) or this configuration cannot serve it."""
+        if row.base_digest != base:
+            return
+        spec = spec_from_json(row.spec)
+        try:
+            self.cache.add(row.key, spec, self.cache.plan(spec), row.digest)
+        except AdapterFormatError as exc:  # this server's pool or max_lora_rank cannot serve it
+            self._unfit[row.key] = exc
 
     def _restore_pins(self, rows: list[VersionRow]) -> None:
         """Mark the pinned versions pinned in the cache (their entries exist by now), oldest
@@ -224,6 +243,27 @@ class AdapterCatalog:
             )
         return spec, layout, digest
 
+    async def prepare_in_worker(
+        self,
+        adapter_id: str,
+        path: Path,
+        *,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        timeout_s: float = REGISTRATION_TIMEOUT_S,
+    ) -> tuple[AdapterSpec, AdapterLayout, str]:
+        """:meth:`prepare` in a worker thread, refused past ``timeout_s``."""
+        work = asyncio.get_running_loop().run_in_executor(
+            self._io,
+            lambda: self.prepare(path, sha256=sha256, expected_base_digest=expected_base_digest),
+        )
+        try:
+            return await asyncio.wait_for(work, timeout_s)
+        except TimeoutError:
+            raise AdapterFormatError(
+                f"adapter {adapter_id!r} could not be read and checked within {timeout_s:g}s", param="path"
+            ) from None
+
     async def register(
         self,
         adapter_id: str,
@@ -242,16 +282,9 @@ class AdapterCatalog:
         ``activate``). Returns the version and whether it was created."""
         self.check_owner(adapter_id, owner)
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(
-            self._io,
-            lambda: self.prepare(path, sha256=sha256, expected_base_digest=expected_base_digest),
+        spec, layout, digest = await self.prepare_in_worker(
+            adapter_id, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s
         )
-        try:
-            spec, layout, digest = await asyncio.wait_for(work, timeout_s)
-        except TimeoutError:
-            raise AdapterFormatError(
-                f"adapter {adapter_id!r} could not be read and checked within {timeout_s:g}s", param="path"
-            ) from None
         async with self._lock:
             self.check_owner(adapter_id, owner)  # again: another registration may have taken the id
             same = self._same_content(adapter_id, digest)
@@ -325,6 +358,49 @@ class AdapterCatalog:
         self.cache.add(row.key, spec, layout, row.digest)
         return self._info(row, adapter)
 
+    # -- a registry held elsewhere ---------------------------------------------------------------
+
+    def mirror(self, adapter_id: str, owner: str | None, current: int | None, rows: list[VersionRow]) -> list[str]:
+        """Make ``adapter_id``'s live view what a registry held elsewhere (the fleet's) says:
+        these versions (none: the id is gone), this alias and these pins. Writes nothing to this
+        catalog's own registry and reads no weights. A version to drop that still has requests
+        queued or running stays until a later call; returns those keys."""
+        adapter = self._ids.setdefault(adapter_id, _Adapter(owner, current))
+        wanted = {row.version: row for row in rows}
+        busy = []
+        for version in [v for v in adapter.versions if v not in wanted]:
+            key = version_key(adapter_id, version)
+            entry = self.cache.entries.get(key)
+            if entry is not None and (entry.running or entry.waiting):
+                busy.append(key)
+                continue
+            if entry is not None:
+                self.cache.unregister(key)
+            self._unfit.pop(key, None)
+            del adapter.versions[version]
+        base = self._base_digest()
+        for row in rows:
+            if row.version not in adapter.versions:
+                self._serve_stored(row, base)
+            adapter.versions[row.version] = row
+            self._mirror_pin(row)
+        adapter.owner, adapter.current = owner, current
+        if not adapter.versions:
+            del self._ids[adapter_id]
+        return busy
+
+    def _mirror_pin(self, row: VersionRow) -> None:
+        entry = self.cache.entries.get(row.key)
+        if entry is None or entry.pinned == row.pinned:
+            return
+        if not row.pinned:
+            self.cache.unpin_resident(row.key)
+            return
+        try:
+            self.cache.pin_resident(row.key)
+        except PinLimitError as exc:
+            log.warning("adapter %s stays unpinned here: %s", row.key, exc.message)
+
     # -- aliases and deletion -------------------------------------------------------------------
 
     async def set_current(self, adapter_id: str, version: int) -> VersionInfo:
@@ -361,24 +437,9 @@ class AdapterCatalog:
                 self.cache.unpin_resident(key)
 
     def removable(self, name: str) -> list[str]:
-        """The version keys deleting ``name`` removes: one for ``id@N``, every one for ``id``.
-        Deleting the current version of an id that has others is refused: re-point it first."""
-        adapter_id, version = parse_name(name)
-        adapter = self._ids.get(adapter_id)
-        if adapter is None or not adapter.versions:
-            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
-        if version is None:
-            return [r.key for r in adapter.versions.values()]
-        if version not in adapter.versions:
-            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
-        if version == adapter.current and len(adapter.versions) > 1:
-            others = ", ".join(str(v) for v in adapter.versions if v != version)
-            raise ConflictError(
-                f"{name} is the version {adapter_id!r} serves; point the alias at another version "
-                f"({others}) first, or DELETE {adapter_id} to remove every version",
-                param="id",
-            )
-        return [version_key(adapter_id, version)]
+        """The version keys deleting ``name`` removes (see :func:`~lorapage.adapters.registry.removable_keys`)."""
+        adapter = self._ids.get(parse_name(name)[0])
+        return removable_keys(name, adapter.versions if adapter else (), adapter.current if adapter else None)
 
     def remove(self, name: str) -> list[str]:
         """Remove version ``id@N``, or every version of ``id`` (see :meth:`removable`); refused

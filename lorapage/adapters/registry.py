@@ -24,8 +24,11 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+
+from lorapage.errors import AdapterNotFoundError, ConflictError
 
 SCHEMA_VERSION = 2
 REGISTRY_FILE = "registry.sqlite3"
@@ -92,6 +95,25 @@ def parse_name(name: str) -> tuple[str, int | None]:
     if not at:
         return name, None
     return adapter_id, int(number) if number.isdigit() else -1
+
+
+def removable_keys(name: str, versions: Collection[int], current: int | None) -> list[str]:
+    """The version keys deleting ``name`` removes, given the versions its id has and the one its
+    alias points at: one for ``id@N``, every one for ``id``. Deleting the current version of an
+    id that has others is refused (409): re-point the alias first."""
+    adapter_id, version = parse_name(name)
+    if not versions or (version is not None and version not in versions):
+        raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
+    if version is None:
+        return [version_key(adapter_id, v) for v in versions]
+    if version == current and len(versions) > 1:
+        others = ", ".join(str(v) for v in versions if v != version)
+        raise ConflictError(
+            f"{name} is the version {adapter_id!r} serves; point the alias at another version "
+            f"({others}) first, or DELETE {adapter_id} to remove every version",
+            param="id",
+        )
+    return [version_key(adapter_id, version)]
 
 
 class Registry:

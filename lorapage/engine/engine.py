@@ -1,8 +1,9 @@
 """The embedded engine: submit requests, stream outputs; one event loop owns all state.
 
 The step loop runs as a task on the loop the engine is first used from. Each step it lets the
-scheduling policy admit waiting requests, makes room for decodes (evicting idle adapters, then
-preempting), and hands a :class:`~lorapage.model.runner.StepPlan` to the single forward thread.
+scheduling policy admit waiting requests, makes room for decodes (evicting idle adapters and
+idle cached blocks, cheapest per page first, then preempting), and hands a
+:class:`~lorapage.model.runner.StepPlan` to the single forward thread.
 Adapter loads run beside it (see :mod:`lorapage.adapters.cache`) and never block it.
 """
 
@@ -19,12 +20,18 @@ from pathlib import Path
 import torch
 
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
-from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog, VersionInfo
+from lorapage.adapters.catalog import (
+    REGISTRATION_TIMEOUT_S,
+    AdapterCatalog,
+    PreparedVersion,
+    VersionInfo,
+    spec_to_json,
+)
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.layout import LoraTables, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
-from lorapage.adapters.sources import AdapterSources, FileSource, parse_source
+from lorapage.adapters.sources import AdapterSources, FileSource, Source, parse_source
 from lorapage.adapters.value import LoadTier, Stage
 from lorapage.config import EngineConfig
 from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
@@ -121,7 +128,7 @@ class Engine:
             1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
         )
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
-        self.prefix_cache = PrefixCache(self.pool)
+        self.prefix_cache = PrefixCache(self.pool, clock)
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
             bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
@@ -140,7 +147,7 @@ class Engine:
             run_on_device=self._run_on_device,
             on_ready=self._wake_up,
             clock=clock,
-            reclaim_kv=self.prefix_cache.evict,
+            idle_kv=self.prefix_cache,
             sequence_pages=max_blocks,
             max_pinned_fraction=config.max_pinned_fraction,
             max_prefetches=max(0, min(MAX_PREFETCHES, config.io_threads - 1)),
@@ -276,13 +283,7 @@ class Engine:
         (refused past ``timeout_s``), and committed before this returns. Content equal to an
         existing version of ``name`` returns that version (``created`` False)."""
         self._check_open()
-        src = parse_source(str(source), sha256=sha256, adapter_roots=_ANY_PATH)
-        if not isinstance(src, FileSource) and self.sources_cache_dir is None:
-            raise InvalidRequestError(
-                f"adapter source {src.uri}: this engine has no disk cache for downloads; start the server with "
-                "--state-dir or --adapter-cache-dir (EngineConfig.state_dir / adapter_cache_dir)",
-                param="source",
-            )
+        src = self._source(source, sha256)
         async with self.sources.use(src, normalize_digest(sha256) if sha256 else None) as path:
             version, created = await self.catalog.register(
                 name,
@@ -297,6 +298,43 @@ class Engine:
         if not isinstance(src, FileSource):
             self._landed.add(version.key)  # the download is in the disk cache now
         return dataclasses.replace(self.adapter_info(version.key), created=created)
+
+    async def prepare_adapter(
+        self,
+        source: str | Path,
+        *,
+        sha256: str | None = None,
+        expected_base_digest: str | None = None,
+        timeout_s: float = REGISTRATION_TIMEOUT_S,
+    ) -> PreparedVersion:
+        """Fetch and check an adapter as :meth:`register_adapter` does, committing it nowhere:
+        the version a registry held elsewhere (a fleet's) stores and this engine then mirrors
+        (``catalog.mirror``)."""
+        self._check_open()
+        src = self._source(source, sha256)
+        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None) as path:
+            spec, _, digest = await self.catalog.prepare_in_worker(
+                src.uri, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s
+            )
+        return PreparedVersion(
+            source=src.uri,
+            digest=digest,
+            base_digest=self.digest,
+            spec=spec_to_json(spec),
+            rank=spec.max_rank,
+            target_modules=spec.target_modules,
+            size_bytes=spec.size_bytes,
+        )
+
+    def _source(self, source: str | Path, sha256: str | None) -> Source:
+        src = parse_source(str(source), sha256=sha256, adapter_roots=_ANY_PATH)
+        if not isinstance(src, FileSource) and self.sources_cache_dir is None:
+            raise InvalidRequestError(
+                f"adapter source {src.uri}: this engine has no disk cache for downloads; start the server with "
+                "--state-dir or --adapter-cache-dir (EngineConfig.state_dir / adapter_cache_dir)",
+                param="source",
+            )
+        return src
 
     @asynccontextmanager
     async def _locate_version(self, row: VersionRow) -> AsyncIterator[Path]:
@@ -482,7 +520,8 @@ class Engine:
             inner.set_tenant_weights(weights)
 
     def pool_free_pages(self) -> int:
-        """Pages free for new work: free ones, and cached KV blocks nobody holds (given back first)."""
+        """Pages free for new work: free ones, and cached KV blocks nobody holds (given back by
+        value per page, with idle adapters)."""
         return self.pool.num_free + self.prefix_cache.num_idle
 
     def stats(self) -> dict:
@@ -501,6 +540,7 @@ class Engine:
             "pool_pages_free": self.pool_free_pages(),
             "pool_pages_cached": self.prefix_cache.num_cached,  # cached KV blocks, held or idle
             "pool_pages_cached_idle": self.prefix_cache.num_idle,
+            "prefix_cache_evicted_blocks": self.prefix_cache.evicted,  # idle cached blocks given back
             "prefix_cache_hit_rate": _ratio(sum(hits.values()), sum(queried.values())),
             "prefix_cache_hit_rate_by_tenant": {t: _ratio(hits[t], n) for t, n in queried.items()},
             "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),

@@ -11,14 +11,12 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
-from lorapage.fleet.config import FleetConfig
+from lorapage.fleet.config import APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, FleetConfig
 from lorapage.fleet.ingress import FleetIngress
 from lorapage.fleet.replica import EngineReplica
 from lorapage.fleet.request_router import AffinityRequestRouter
 
-APP_NAME = "lorapage"
-ENGINE_DEPLOYMENT = "EngineReplica"
-INGRESS_DEPLOYMENT = "FleetIngress"
+__all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "build_app"]
 
 
 def build_app(config: FleetConfig) -> Application:
@@ -39,7 +37,7 @@ def build_app(config: FleetConfig) -> Application:
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
         request_router_config=router,
-    )(EngineReplica).bind(config.engine, config.lora_modules)
+    )(EngineReplica).bind(config.engine, config.sync_period_s)
     # One ingress replica: it holds the tenants' token buckets, which makes quotas fleet-wide.
     ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from lorapage.config import EngineConfig
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
+APP_NAME = "lorapage"
+ENGINE_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "FleetIngress"
 
 
 @dataclass(frozen=True)
@@ -33,14 +36,24 @@ class FleetConfig:
     routing_stats_period_s: float = 1.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_retries: int = 3  # resubmissions of a request whose replica died before it answered
+    state_dir: str | None = None  # the fleet's adapter registry, on the ingress's node (None: in memory)
+    adapter_roots: tuple[str, ...] = ()  # directories POST /v1/adapters may read (none: refused)
+    metrics_public: bool = False  # /metrics without a key
+    sync_period_s: float = 1.0  # replica heartbeats: registry changes, stats and series
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1; got {self.replicas}")
-        if self.max_ongoing_requests < 1 or self.routing_stats_period_s <= 0 or self.request_retries < 0:
+        if (
+            self.max_ongoing_requests < 1
+            or self.routing_stats_period_s <= 0
+            or self.request_retries < 0
+            or self.sync_period_s <= 0
+        ):
             raise ValueError(
-                "max_ongoing_requests must be >= 1, routing_stats_period_s > 0 and request_retries >= 0; got "
-                f"{self.max_ongoing_requests}, {self.routing_stats_period_s}, {self.request_retries}"
+                "max_ongoing_requests must be >= 1, routing_stats_period_s > 0, request_retries >= 0 and "
+                f"sync_period_s > 0; got {self.max_ongoing_requests}, {self.routing_stats_period_s}, "
+                f"{self.request_retries}, {self.sync_period_s}"
             )
 
     def router_options(self) -> dict[str, object]:

@@ -8,7 +8,16 @@ replica through a deployment handle whose ``multiplexed_model_id`` is the adapte
 deployment's request router (:mod:`lorapage.fleet.request_router`) routes it by adapter affinity.
 
 Quotas are fleet-wide because this deployment runs exactly one replica and holds every tenant's
-token buckets (a restart of it refills them, as a restart of ``lorapage serve`` does).
+token buckets (a restart of it refills them, as a restart of ``lorapage serve`` does). It holds
+the fleet's adapter registry too (:mod:`lorapage.fleet.registry`; the admin routes:
+:mod:`lorapage.fleet.admin`) and resolves every request to one version ``id@N`` before it sends
+it; replicas mirror the registry through their heartbeats (:meth:`FleetIngress.sync`), whose
+stats and series ``/metrics`` and ``/internal/state`` re-export. ``--lora-modules`` are
+registered in the registry (checked on a replica) before the first request is answered.
+
+An edited tenants file reaches the ingress as :meth:`FleetIngress.reload_tenants` (``lorapage
+fleet`` calls it on SIGHUP). With a state directory the accepted text is kept there, so an
+ingress that Ray restarts keeps the reloaded keys rather than the file the fleet started with.
 
 A replica that dies is restarted by Ray. A request it held that had sent nothing to its client
 (every whole answer, and a stream before its first token) is sent again, to a live replica, up
@@ -19,10 +28,15 @@ to ``request_retries`` times; a stream already under way ends with a retryable `
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
+import os
 import re
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -30,26 +44,38 @@ from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from lorapage.adapters.registry import parse_name
-from lorapage.errors import BodyTooLargeError, LorapageError, QuotaExceededError, ServiceUnavailableError
+from lorapage.adapters.registry import REGISTRY_FILE, Registry, parse_name
+from lorapage.errors import (
+    AdapterNotFoundError,
+    BodyTooLargeError,
+    LorapageError,
+    QuotaExceededError,
+    ServiceUnavailableError,
+)
+from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route
-from lorapage.fleet.messages import EngineJob, EngineProfile, ReplicaStart
+from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
+from lorapage.fleet.registry import FleetRegistry
+from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol
 from lorapage.server.auth import Access
 from lorapage.server.generation import Formatter, Job, Timing, answer, make_job
+from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.prompts import PromptBuilder
-from lorapage.server.quota import QuotaExceeded, QuotaManager, Reservation
+from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
 from lorapage.server.responses import Model, ModelList
 from lorapage.server.sse import SSE_HEADERS
-from lorapage.server.tenants import TenantsConfig
+from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 
 log = logging.getLogger("lorapage.fleet")
 
 REPLICA_HEADER = "x-lorapage-replica"  # which engine replica answered (Ray's replica id)
 _RETRY_BACKOFF_S = 0.25  # before resending a request whose replica died (times the attempt)
 _RAY_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # Ray's (or the client's) id, if safe to echo
+_ADMISSION_WINDOW_S = 10
+TENANTS_FILE = "fleet-tenants.json"  # the last tenants text a reload accepted, and the start file it replaced
 
 
 class FleetIngress:
@@ -58,28 +84,62 @@ class FleetIngress:
     def __init__(self, engines: Any, config: FleetConfig) -> None:
         self.engines = engines  # a DeploymentHandle to the EngineReplica deployment
         self.config = config
-        self.access = Access(TenantsConfig.from_toml(config.tenants_toml))
+        self.access = Access(TenantsConfig.from_toml(self._tenants_text()))
         self.quotas = QuotaManager(self.access.tenants, now=time.monotonic())
-        self.adapters = {name for name, _ in config.lora_modules}  # registered on every replica
+        state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
+        self.registry = FleetRegistry(Registry(state))
+        for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
+            if (owner := self.registry.owner(adapter_id)) is not None:
+                self.access.owners[adapter_id] = owner
+        self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
+        self.metrics = ServerMetrics(dict)  # the ingress's own series; the replicas' are re-exported
+        self.metrics.registry.register(self.reports)
+        self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)
+        self.in_flight: Counter[str | None] = Counter()  # version id@N (None: base) -> requests running
+        self.draining: set[str] = set()  # versions being deleted: invisible to new requests
         self.tokenizer = Tokenizer.from_dir(config.engine.model)
         self.started = int(time.time())
         self._profile: EngineProfile | None = None
         self._prompts: PromptBuilder | None = None
+        self._modules_lock = asyncio.Lock()
+        self._modules_registered = not config.lora_modules
+        self.admin = FleetAdmin(
+            access=self.access,
+            registry=self.registry,
+            engines=engines,
+            reports=self.reports,
+            profile=self.profile,
+            in_flight=self.in_flight,
+            draining=self.draining,
+            adapter_roots=[Path(r).resolve() for r in config.adapter_roots],
+            sync_period_s=config.sync_period_s,
+        )
         self._routes = {
             "/v1/chat/completions": ("POST", self.chat_completions),
             "/v1/completions": ("POST", self.completions),
             "/v1/models": ("GET", self.list_models),
             "/health": ("GET", self.health),
+            "/metrics": ("GET", self.render_metrics),
         }
 
     async def __call__(self, request: Request) -> Response:
         try:
-            return await self._dispatch(request)
+            response = await self._dispatch(request)
         except LorapageError as exc:
-            return error_response(exc)
+            response = error_response(exc)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
-            return internal_error()
+            response = internal_error()
+        self.metrics.requests.labels(self._route_label(request.url.path), str(response.status_code)).inc()
+        return response
+
+    def _route_label(self, path: str) -> str:
+        """The route's pattern, as the server labels it, so the label set stays small."""
+        if path in self._routes:
+            return path
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{model}"
+        return self.admin.route_pattern(path) or "unmatched"
 
     async def _dispatch(self, request: Request) -> Response:
         path = request.url.path
@@ -87,11 +147,74 @@ class FleetIngress:
             method, handler = "GET", self.get_model
         elif path in self._routes:
             method, handler = self._routes[path]
+        elif (admin := self.admin.route(path)) is not None:
+            handlers, name = admin
+            if request.method not in handlers:
+                return method_not_allowed(", ".join(handlers))
+            self.access.require_admin(cast(Any, request))
+            await self.ready()
+            return await handlers[request.method](request, name)
         else:
             return no_route()
         if request.method != method:
             return method_not_allowed(method)
         return await handler(request)
+
+    # -- the fleet's own state --------------------------------------------------------------------
+
+    async def ready(self) -> list[str]:
+        """Register ``--lora-modules`` in the fleet's registry (once; each checked on a replica):
+        same content is the same version, new content a new one, as ``lorapage serve`` does at
+        each start. Returns the adapter ids."""
+        async with self._modules_lock:
+            for name, path in self.config.lora_modules if not self._modules_registered else ():
+                got = await self.engines.options(multiplexed_model_id=name).prepare_adapter.remote(path, None, None)
+                if isinstance(got, LorapageError):
+                    raise got
+                await asyncio.to_thread(self.registry.add, name, None, got, activate=True)
+            self._modules_registered = True
+        return self.registry.ids()
+
+    async def sync(self, beat: Heartbeat) -> SyncReply:
+        """A replica's heartbeat: recorded, and answered with what it must mirror."""
+        self.reports.record(beat)
+        return self.registry.changes_since(beat.epoch, beat.generation, self.access.tenants.weights())
+
+    def reload_tenants(self, text: str) -> str:
+        """Apply an edited tenants file: keys, adapter lists, quotas (buckets keep their level)
+        and VTC shares (at the replicas' next heartbeat); a bad file changes nothing. Returns
+        what happened, for the caller's log."""
+        try:
+            config = TenantsConfig.from_toml(text, source="the reloaded tenants file")
+        except TenantsConfigError as exc:
+            return f"tenants file not reloaded, keeping the old one: {exc}"
+        self.access.tenants = config
+        self.quotas.reload(config, now=time.monotonic())
+        if self.config.state_dir is not None:
+            record = {"origin": _sha256(self.config.tenants_toml), "text": text}
+            target = Path(self.config.state_dir) / TENANTS_FILE
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temp = target.with_suffix(".tmp")
+            temp.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(temp, target)
+        return f"tenants file reloaded: {len(config.tenants)} tenants"
+
+    def _tenants_text(self) -> str:
+        """The tenants text a reload accepted for this fleet's start file, else the start file."""
+        if self.config.state_dir is not None:
+            try:
+                record = json.loads((Path(self.config.state_dir) / TENANTS_FILE).read_text(encoding="utf-8"))
+                if record.get("origin") == _sha256(self.config.tenants_toml):
+                    return str(record["text"])
+            except (OSError, ValueError):
+                pass
+        return self.config.tenants_toml
+
+    async def render_metrics(self, request: Request) -> Response:
+        """Prometheus text: the ingress's series and every live replica's, labelled ``replica``."""
+        if not self.config.metrics_public:
+            self.access.require_metrics(cast(Any, request))
+        return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     # -- what the engines are ---------------------------------------------------------------------
 
@@ -106,14 +229,26 @@ class FleetIngress:
             self._prompts = PromptBuilder(self.tokenizer, (await self.profile()).max_model_len)
         return self._prompts
 
-    def visible(self, tenant: str, adapter: str) -> bool:
-        """``adapter`` (``id`` or ``id@N``; the replica resolves the version) may be used by ``tenant``."""
-        adapter_id, _ = parse_name(adapter)
-        return adapter_id in self.adapters and self.access.may_use(tenant, adapter_id)
+    def version_of(self, tenant: str, name: str, base_digest: str) -> str | None:
+        """The version key (``id@N``) ``name`` (``id`` or ``id@N``) serves for ``tenant`` now, or
+        None when it does not exist, is being deleted or is not the tenant's; a version on
+        another base raises its 409 (only to a tenant who may use the id)."""
+        adapter_id, _ = parse_name(name)
+        if not self.access.may_use(tenant, adapter_id):
+            return None
+        try:
+            key = self.registry.resolve(name, base_digest)
+        except AdapterNotFoundError:
+            return None
+        return None if key in self.draining else key
 
     async def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
-        base = (await self.profile()).base_name
-        return protocol.resolve_model(model, base, lambda name: name if self.visible(tenant, name) else None)
+        """``(id to echo, adapter version or None)``, as ``lorapage serve`` resolves it; else 404."""
+        await self.ready()
+        profile = await self.profile()
+        return protocol.resolve_model(
+            model, profile.base_name, lambda name: self.version_of(tenant, name, profile.base_digest)
+        )
 
     # -- routes -----------------------------------------------------------------------------------
 
@@ -163,16 +298,21 @@ class FleetIngress:
         # body's id ends with it, so a client's and Ray's logs name the same request.
         ray_id = request.headers.get("x-request-id", "")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{ray_id}" if _RAY_REQUEST_ID.match(ray_id) else ""
-        return make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, rid)
+        job = make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, rid)
+        if adapter is not None:
+            job.adapter_version = parse_name(adapter)[1]  # the version this request runs on to its end
+        return job
 
     async def _models(self, tenant: str) -> list[Model]:
+        await self.ready()
         profile = await self.profile()
         base, max_len = profile.base_name, profile.max_model_len
         out = [Model(id=base, created=self.started, owned_by="lorapage", root=base, max_model_len=max_len)]
-        for name in sorted(a for a in self.adapters if self.visible(tenant, a)):
-            out.append(
-                Model(id=name, created=self.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
-            )
+        for name in sorted(self.registry.ids()):
+            if self.version_of(tenant, name, profile.base_digest) is not None:
+                out.append(
+                    Model(id=name, created=self.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
+                )
         return out
 
     async def list_models(self, request: Request) -> Response:
@@ -182,7 +322,16 @@ class FleetIngress:
     async def get_model(self, request: Request) -> Response:
         tenant = self.tenant(request)
         model, _ = await self.resolve(request.url.path.removeprefix("/v1/models/"), tenant)
-        found = next(m for m in await self._models(tenant) if m.id == model)
+        profile = await self.profile()
+        found = next((m for m in await self._models(tenant) if m.id == parse_name(model)[0]), None)
+        if found is None:  # an older version, id@N, named explicitly
+            base = profile.base_name
+            found = Model(
+                id=model, created=self.started, owned_by=tenant, parent=base, root=base,
+                max_model_len=profile.max_model_len,
+            )  # fmt: skip
+        elif found.id != model:
+            found = msgspec.structs.replace(found, id=model)
         return Response(msgspec.json.encode(found), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
@@ -194,18 +343,23 @@ class FleetIngress:
         got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
         if isinstance(got, QuotaExceeded):
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
+        self.in_flight[job.adapter] += 1
         return got
 
     def release(self, job: Job, reservation: Reservation) -> None:
         # Refund everything when nothing was generated (refused, or cut before a token).
         used = len(job.prompt) + job.generated if job.generated else 0
         self.quotas.release(reservation, used, time.monotonic())
+        self.in_flight[job.adapter] -= 1
+        if not self.in_flight[job.adapter]:
+            del self.in_flight[job.adapter]
 
     async def run(self, job: Job) -> Response:
         reservation = self.reserve(job)
         served: list[str] = []  # the replica that took it (the last, after a retry)
+        timing = Timing(job, self.metrics, self.admissions)
         try:
-            got = await answer(self.outputs(job, served), job, Formatter(job, self.tokenizer), Timing(job))
+            got = await answer(self.outputs(job, served), job, Formatter(job, self.tokenizer), timing)
         except BaseException:
             self.release(job, reservation)
             raise
@@ -233,7 +387,10 @@ class FleetIngress:
         """The engine outputs of ``job`` from a replica the router picks; resent while nothing of it
         has been passed on. A whole answer passes on only its last output, so it can always be resent."""
         spec = EngineJob(job.prompt, job.adapter, job.sampling, job.tenant, job.request_id)
-        handle = self.engines.options(stream=True, multiplexed_model_id=job.adapter or "")
+        # Routed by adapter id: every version of an id shares its owners (a deploy lands where the
+        # previous version is warm).
+        adapter_id = parse_name(job.adapter)[0] if job.adapter is not None else ""
+        handle = self.engines.options(stream=True, multiplexed_model_id=adapter_id)
         for attempt in range(self.config.request_retries + 1):
             passed_on = False
             stream = handle.generate.remote(spec)
@@ -262,3 +419,7 @@ class FleetIngress:
             f"no engine replica could answer after {self.config.request_retries + 1} attempts; retry later",
             retry_after=5,
         )
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

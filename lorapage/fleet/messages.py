@@ -6,7 +6,9 @@ Kept free of Ray imports so the records (and their tests) load without the ``[fl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from lorapage.adapters.registry import VersionRow
 from lorapage.sampling_params import SamplingParams
 
 
@@ -37,3 +39,40 @@ class EngineProfile:
     base_name: str
     max_model_len: int
     vocab_size: int
+    base_digest: str  # what every adapter version must have been validated against
+
+
+@dataclass(frozen=True)
+class IdState:
+    """One adapter id as the fleet's registry holds it: what a replica mirrors (no versions: the
+    id is gone)."""
+
+    adapter_id: str
+    owner: str | None
+    current: int | None
+    versions: tuple[VersionRow, ...]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What an engine replica tells the ingress every ``sync_period_s``: the registry generation
+    it has mirrored (0: none yet), its ``Engine.stats()`` and its engine series (Prometheus text)."""
+
+    replica_id: str
+    epoch: str  # the ingress process the generation counts in ("" before the first reply)
+    generation: int
+    stats: dict[str, Any]
+    metrics: bytes
+
+
+@dataclass(frozen=True)
+class SyncReply:
+    """The ingress's answer: the ids changed since the replica's generation (``full``: every id,
+    and any other the replica holds is gone), admin unloads since then, and the VTC shares."""
+
+    epoch: str
+    generation: int
+    full: bool
+    ids: tuple[IdState, ...]
+    unloads: tuple[str, ...]
+    tenant_weights: dict[str, float]

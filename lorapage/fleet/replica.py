@@ -1,48 +1,88 @@
 """The engine replica: one :class:`~lorapage.Engine` in one Ray Serve replica.
 
-It does no HTTP and no auth: the ingress sends it checked, tokenized :class:`EngineJob` records and
-it streams back the engine's outputs. Ray Serve calls :meth:`EngineReplica.record_routing_stats`
-every ``request_routing_stats_period_s``; what it returns (adapters by tier, requests in flight,
-batch capacity) reaches the ingress's request router as ``RunningReplica.routing_stats``.
+It does no HTTP and no auth: the ingress sends it checked, tokenized :class:`EngineJob` records
+and it streams back the engine's outputs. Its adapters are a mirror of the fleet's registry (held
+by the ingress, :mod:`lorapage.fleet.registry`): every ``sync_period_s`` it sends a
+:class:`Heartbeat` (the generation it has, its stats and engine series) and applies the reply
+(ids changed, admin unloads, tenant shares); a job for a version it does not know yet makes it
+sync first. Ray Serve calls :meth:`EngineReplica.record_routing_stats` every
+``request_routing_stats_period_s``; what it returns (adapters by tier, requests in flight, batch
+capacity) reaches the ingress's request router as ``RunningReplica.routing_stats``.
+
+Downloads land in a disk cache of the replica's own (a fresh directory, removed when the replica
+stops): two engines never share one, whose eviction each would make behind the other's back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterable
 
+from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
+from lorapage.adapters.cache import AdapterInfo
+from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import parse_name
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
-from lorapage.errors import LorapageError
-from lorapage.fleet.messages import EngineJob, EngineProfile, ReplicaStart
+from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
+from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.request import RequestOutput
+from lorapage.server.metrics import register_engine_collectors, vtc_counters
 
 log = logging.getLogger("lorapage.fleet")
 
 
 class EngineReplica:
-    """An engine with the fleet's adapters registered, serving :class:`EngineJob` streams."""
+    """An engine mirroring the fleet's adapters, serving :class:`EngineJob` streams."""
 
-    def __init__(self, config: EngineConfig, lora_modules: tuple[tuple[str, str], ...]) -> None:
-        self.engine = Engine(config)
-        for name, path in lora_modules:
-            self.engine.add_adapter(name, path)
+    def __init__(self, config: EngineConfig, sync_period_s: float = 1.0) -> None:
+        self._cache_dir = tempfile.mkdtemp(prefix="lorapage-replica-cache-")
+        self.engine = Engine(
+            dataclasses.replace(config, state_dir=None, adapter_cache_dir=config.adapter_cache_dir or self._cache_dir)
+        )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.in_flight = 0
+        self.sync_period_s = sync_period_s
+        self._metrics = CollectorRegistry()
+        register_engine_collectors(
+            self._metrics,
+            self.engine.stats,
+            self.engine.scheduler_metrics,
+            vtc_counters(self.engine.policy),
+            self.engine.adapter_metrics,
+        )
+        self._epoch, self._generation = "", 0
+        self._deferred: dict[str, IdState] = {}  # ids whose busy versions could not be dropped yet
+        self._weights: dict[str, float] = {}
+        self._sync_lock = asyncio.Lock()
+        self._syncing: asyncio.Task | None = None
+        self._ingress: DeploymentHandle | None = None
+
+    def __del__(self) -> None:
+        shutil.rmtree(getattr(self, "_cache_dir", ""), ignore_errors=True)
 
     def profile(self) -> EngineProfile:
-        return EngineProfile(self.engine.base_name, self.engine.max_model_len, self.engine.model_config.vocab_size)
+        return EngineProfile(
+            self.engine.base_name, self.engine.max_model_len, self.engine.model_config.vocab_size, self.engine.digest
+        )
+
+    # -- requests ---------------------------------------------------------------------------------
 
     async def generate(self, job: EngineJob) -> AsyncIterator[ReplicaStart | RequestOutput | LorapageError]:
         """:class:`ReplicaStart`, then the engine's outputs; a refusal is yielded (not raised) so it
         reaches the ingress as the error it is rather than wrapped in Ray's task error. Cancelling
         the stream (the client went away) closes the engine's generator, which aborts the request."""
         try:
-            # One version for the whole request, named in the response's x-adapter-version.
-            key = self.engine.resolve_adapter(job.adapter) if job.adapter is not None else None
+            # The ingress resolved the version (id@N); one the mirror lacks was registered since its last sync.
+            key = await self._resolve(job.adapter) if job.adapter is not None else None
         except LorapageError as exc:
             yield ReplicaStart(self.replica_id)
             yield exc
@@ -58,9 +98,123 @@ class EngineReplica:
         finally:
             self.in_flight -= 1
 
+    async def _resolve(self, name: str) -> str:
+        self._start_syncing()
+        try:
+            return self.engine.resolve_adapter(name)
+        except AdapterNotFoundError:
+            await self.sync()
+            return self.engine.resolve_adapter(name)
+
+    # -- admin work the ingress hands one replica -------------------------------------------------
+
+    async def prepare_adapter(
+        self, source: str, sha256: str | None, expected_base_digest: str | None
+    ) -> PreparedVersion | LorapageError:
+        """Fetch and check an adapter for the fleet's registry (the error is returned, not raised)."""
+        self._start_syncing()
+        try:
+            return await self.engine.prepare_adapter(source, sha256=sha256, expected_base_digest=expected_base_digest)
+        except LorapageError as exc:
+            return exc
+
+    async def describe(self, keys: list[str]) -> list[AdapterInfo | LorapageError]:
+        """What this replica's engine knows of versions ``keys`` (syncing first when it lacks one)."""
+        self._start_syncing()
+        if any(k not in self.engine.adapters.entries for k in keys):
+            await self.sync()
+        return [self._info(k) for k in keys]
+
+    def _info(self, key: str) -> AdapterInfo | LorapageError:
+        try:
+            return self.engine.adapter_info(key)
+        except LorapageError as exc:
+            return exc
+
+    async def load_adapter(self, key: str) -> AdapterInfo | LorapageError:
+        """Pre-warm version ``key`` into this replica's pool (the router sent it to an owner)."""
+        try:
+            await self._resolve(key)
+            await self.engine.load_adapter(key)
+        except LorapageError as exc:
+            return exc
+        return self._info(key)
+
+    async def check_pin(self, key: str) -> LorapageError | None:
+        """Whether pinning ``key`` fits (every replica has the same pool, pins and adapters)."""
+        try:
+            await self._resolve(key)
+            self.engine.adapters.check_pin(key)
+        except LorapageError as exc:
+            return exc
+        return None
+
+    # -- the mirror -------------------------------------------------------------------------------
+
+    def _start_syncing(self) -> None:
+        if self._syncing is None or self._syncing.done():
+            self._syncing = asyncio.get_running_loop().create_task(self._sync_forever())
+
+    async def _sync_forever(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the ingress is (re)starting: keep serving the mirror as it is
+                log.warning("replica %s could not sync with the ingress: %s", self.replica_id, exc)
+            await asyncio.sleep(self.sync_period_s)
+
+    async def sync(self) -> None:
+        """One heartbeat to the ingress, and its reply applied."""
+        async with self._sync_lock:
+            beat = Heartbeat(
+                self.replica_id, self._epoch, self._generation, self.engine.stats(), generate_latest(self._metrics)
+            )
+            if self._ingress is None:
+                self._ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
+            reply: SyncReply = await self._ingress.sync.remote(beat)
+            await self._apply(reply)
+
+    async def _apply(self, reply: SyncReply) -> None:
+        catalog = self.engine.catalog
+        if reply.full:
+            listed = {s.adapter_id for s in reply.ids}
+            gone = [IdState(i, None, None, ()) for i in catalog.ids() if i not in listed]
+            self._deferred.clear()
+        else:
+            gone = []
+        for state in self._mirror([*self._deferred.values(), *reply.ids, *gone]):
+            self._deferred[state.adapter_id] = state
+        self._epoch, self._generation = reply.epoch, reply.generation
+        if any(e.pinned and not e.slot for e in self.engine.adapters.entries.values()):
+            await self.engine.restore_pins()  # start the loads of new pins
+        for key in reply.unloads:
+            try:
+                await self.engine.unload_adapter(key)
+            except LorapageError as exc:
+                log.info("replica %s kept %s resident: %s", self.replica_id, key, exc.message)
+        if reply.tenant_weights != self._weights:
+            self._weights = dict(reply.tenant_weights)
+            self.engine.set_tenant_weights(self._weights)
+
+    def _mirror(self, states: Iterable[IdState]) -> list[IdState]:
+        """Apply ``states`` (later ones win); the ones whose busy versions must be dropped later."""
+        latest = {s.adapter_id: s for s in states}
+        deferred = []
+        for state in latest.values():
+            self._deferred.pop(state.adapter_id, None)
+            busy = self.engine.catalog.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
+            if busy:
+                deferred.append(state)
+        return deferred
+
+    # -- what routing reads -----------------------------------------------------------------------
+
     async def record_routing_stats(self) -> dict[str, object]:
         """Adapters by tier (pool pages, host RAM, only on disk), requests in flight, batch capacity.
         Async, so it reads the engine on the loop that owns it."""
+        self._start_syncing()
         stats = self.engine.stats()
         pool = self._names(stats["resident_adapters"])
         host = self._names(stats["host_ram_adapters"]) - pool
@@ -73,7 +227,7 @@ class EngineReplica:
             "capacity": self.engine.config.max_num_seqs,
         }
 
-    def _names(self, keys) -> set[str]:
+    def _names(self, keys: Iterable[str]) -> set[str]:
         """Version keys as requests name them: ``id@N``, and ``id`` too for the current version."""
         names = set()
         for key in keys:
@@ -85,9 +239,3 @@ class EngineReplica:
             except LorapageError:
                 pass
         return names
-
-    async def register_adapter(self, name: str, path: str) -> None:
-        await self.engine.register_adapter(name, path)
-
-    def remove_adapter(self, name: str) -> None:
-        self.engine.remove_adapter(name)

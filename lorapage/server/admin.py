@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,10 +32,49 @@ from lorapage.errors import (
     PermissionDeniedError,
 )
 from lorapage.server import protocol
+from lorapage.server.auth import Access
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
 _ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RESERVED_IDS = ("none",)  # x-adapter-id of base-model requests
+
+
+def registration(body: bytes, base_name: str, access: Access) -> protocol.AdapterCreateRequest:
+    """A ``POST /v1/adapters`` body, decoded and checked: the id, the tenant, one source field."""
+    req = protocol.decode(body, protocol.AdapterCreateRequest)
+    if not _ADAPTER_ID.match(req.id) or req.id in _RESERVED_IDS or req.id == base_name:
+        raise InvalidRequestError(
+            f"adapter id {req.id!r} must be 1-128 letters, digits, '.', '_' or '-', start with a letter "
+            "or digit, and not be 'none' or the base model's name",
+            param="id",
+        )
+    if not access.is_tenant(req.tenant):
+        raise InvalidRequestError(f"tenant {req.tenant!r} is not in the tenants file", param="tenant")
+    if (req.source is None) == (req.path is None):
+        raise InvalidRequestError("give the adapter's files as `source` (or the older `path`), once", param="source")
+    return req
+
+
+async def checked_source(req: protocol.AdapterCreateRequest, roots: Sequence[Path]) -> str:
+    """The registration's source as a canonical URI; a directory only under ``roots``. Checked
+    in a worker (the file system is read: symlinks resolved, roots enforced)."""
+    raw = req.source if req.source is not None else req.path
+    assert raw is not None
+    parsed = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: parse_source(raw, sha256=req.sha256, adapter_roots=tuple(roots))
+    )
+    return parsed.uri
+
+
+@contextmanager
+def source_errors(req: protocol.AdapterCreateRequest) -> Iterator[None]:
+    """Errors about the adapter's files name the field the caller used (``source`` or ``path``)."""
+    try:
+        yield
+    except (AdapterFormatError, AdapterSourceError, InvalidRequestError, PermissionDeniedError) as exc:
+        if exc.param in (None, "source", "path"):
+            exc.param = "source" if req.source is not None else "path"
+        raise
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -78,39 +120,17 @@ class AdminRoutes:
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state = self._state(request)
-        body = await request.read()
-        req = protocol.decode(body, protocol.AdapterCreateRequest)
-        if not _ADAPTER_ID.match(req.id) or req.id in _RESERVED_IDS or req.id == state.engine.base_name:
-            raise InvalidRequestError(
-                f"adapter id {req.id!r} must be 1-128 letters, digits, '.', '_' or '-', start with a letter "
-                "or digit, and not be 'none' or the base model's name",
-                param="id",
-            )
-        if not state.access.is_tenant(req.tenant):
-            raise InvalidRequestError(f"tenant {req.tenant!r} is not in the tenants file", param="tenant")
-        raw = req.source if req.source is not None else req.path
-        if raw is None or (req.source is not None and req.path is not None):
-            raise InvalidRequestError(
-                "give the adapter's files as `source` (or the older `path`), once", param="source"
-            )
-        roots, field = state.adapter_roots, "source" if req.source is not None else "path"
-        try:
-            # Checked in a worker (the file system is read: symlinks resolved, roots enforced).
-            source = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: parse_source(raw, sha256=req.sha256, adapter_roots=roots)
-            )
+        req = registration(await request.read(), state.engine.base_name, state.access)
+        with source_errors(req):
+            source = await checked_source(req, state.adapter_roots)
             info = await state.engine.register_adapter(
                 req.id,
-                source.uri,
+                source,
                 owner=req.tenant,
                 sha256=req.sha256,
                 expected_base_digest=req.expected_base_digest,
                 activate=req.activate,
             )
-        except (AdapterFormatError, AdapterSourceError, InvalidRequestError, PermissionDeniedError) as exc:
-            if exc.param in (None, "source", "path"):  # about the files: named by the field the caller used
-                exc.param = field
-            raise
         state.access.owners[req.id] = req.tenant
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
@@ -164,7 +184,7 @@ class AdminRoutes:
         name = request.match_info["id"]
         keys = state.engine.catalog.removable(name)  # 404 when unknown, 409 for the current of several
         drain = request.query.get("drain", "false").lower() in ("1", "true", "yes")
-        timeout = _timeout(request.query.get("timeout", "60"))
+        timeout = drain_timeout(request.query.get("timeout", "60"))
         running = sum(state.in_flight.get(k, 0) for k in keys)
         if running and not drain:
             raise AdapterBusyError(
@@ -175,7 +195,7 @@ class AdminRoutes:
         if running:
             state.draining.update(keys)
             try:
-                if not await _wait_until(lambda: _removed_when_idle(state, name, keys), timeout):
+                if not await wait_until(lambda: _removed_when_idle(state, name, keys), timeout):
                     left = sum(state.in_flight.get(k, 0) for k in keys)
                     raise AdapterBusyError(
                         f"adapter {name!r} still had {left} requests in flight after draining for "
@@ -228,7 +248,7 @@ class AdminRoutes:
         return _json({"engine": state.engine.stats(), "server": server})
 
 
-def _timeout(raw: str) -> float:
+def drain_timeout(raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
@@ -250,7 +270,7 @@ def _removed_when_idle(state, name: str, keys: list[str]) -> bool:
     return True
 
 
-async def _wait_until(done, timeout: float) -> bool:
+async def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not done():

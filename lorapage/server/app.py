@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,13 @@ from lorapage.errors import (
     QuotaExceededError,
     ServiceUnavailableError,
 )
-from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
 from lorapage.server import protocol
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
 from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
-from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
+from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
 from lorapage.server.prompts import PromptBuilder
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
 from lorapage.server.responses import Model, ModelList
@@ -44,12 +43,6 @@ log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
-
-
-def _vtc_counters(policy: SchedulerPolicy) -> Callable[[], dict[str, float]]:
-    """Each tenant's VTC counter, read at scrape time (none under FCFS)."""
-    inner = policy.policy if isinstance(policy, MeteredPolicy) else policy
-    return inner.counters if isinstance(inner, VtcScheduler) else dict
 
 
 class ServerState:
@@ -78,7 +71,7 @@ class ServerState:
         self.metrics = ServerMetrics(
             engine.stats,
             engine.scheduler_metrics,
-            _vtc_counters(engine.policy),
+            vtc_counters(engine.policy),
             loop_lag=self.loop_lag,
             adapters=engine.adapter_metrics,
         )

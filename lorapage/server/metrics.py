@@ -28,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from lorapage.adapters.metrics import AdapterMetrics
+from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
 from lorapage.scheduler.metrics import Histogram as SchedHistogram
 from lorapage.scheduler.metrics import SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
@@ -210,6 +211,28 @@ class _AdapterCollector:
         )
 
 
+def register_engine_collectors(
+    registry: CollectorRegistry,
+    stats: Callable[[], dict],
+    scheduler: SchedulerMetrics | None = None,
+    vtc_counters: Callable[[], dict[str, float]] = dict,
+    adapters: AdapterMetrics | None = None,
+) -> None:
+    """Add the series one engine exports (its stats, scheduler and adapters, read when scraped):
+    a server's, or an engine replica's that the fleet's ingress re-exports (:mod:`lorapage.fleet.telemetry`)."""
+    registry.register(_EngineGauges(stats))
+    if scheduler is not None:
+        registry.register(_SchedulerCollector(scheduler, vtc_counters))
+    if adapters is not None:
+        registry.register(_AdapterCollector(adapters))
+
+
+def vtc_counters(policy: SchedulerPolicy) -> Callable[[], dict[str, float]]:
+    """Each tenant's VTC counter, read at scrape time (none under FCFS)."""
+    inner = policy.policy if isinstance(policy, MeteredPolicy) else policy
+    return inner.counters if isinstance(inner, VtcScheduler) else dict
+
+
 class ServerMetrics:
     """The histograms and counters the server updates as requests run."""
 
@@ -259,13 +282,9 @@ class ServerMetrics:
             ("route", "status"),
             registry=self.registry,
         )
-        self.registry.register(_EngineGauges(stats))
-        if scheduler is not None:
-            self.registry.register(_SchedulerCollector(scheduler, vtc_counters))
+        register_engine_collectors(self.registry, stats, scheduler, vtc_counters, adapters)
         if loop_lag is not None:
             self.registry.register(_LoopLagGauges(loop_lag))
-        if adapters is not None:
-            self.registry.register(_AdapterCollector(adapters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

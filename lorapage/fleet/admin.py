@@ -1,0 +1,282 @@
+"""The fleet's admin routes: those of ``lorapage serve`` (:mod:`lorapage.server.admin`), fleet-wide.
+
+The ingress holds the fleet's registry (:mod:`lorapage.fleet.registry`) and answers from it;
+what needs an engine goes to one replica through the adapter-affinity router, so it lands on
+the adapter's owner: a registration is fetched and checked there (then committed here, answered
+201, and servable on every replica at once, since a replica that meets a version it lacks syncs
+first), a pre-warm loads it there. What every replica must do follows the registry through the
+replicas' heartbeats (within ``sync_period_s``): a pin holds the version resident on **every**
+replica (bounded on each by ``--max-pinned-fraction``; the pin is checked and loaded on the
+owner before it is answered), an unload drops it from every pool, a delete drops it everywhere
+once its requests end. The ingress sees every request, so its own counts decide a delete's
+drain, exactly as on one server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lorapage.adapters.cache import AdapterInfo
+from lorapage.adapters.catalog import PreparedVersion
+from lorapage.adapters.registry import VersionRow, parse_name
+from lorapage.errors import AdapterBusyError, AdapterNotFoundError, LorapageError
+from lorapage.fleet.messages import EngineProfile
+from lorapage.fleet.registry import FleetRegistry
+from lorapage.fleet.telemetry import ReplicaReports
+from lorapage.server import protocol
+from lorapage.server.admin import checked_source, drain_timeout, registration, source_errors, wait_until
+from lorapage.server.auth import Access
+from lorapage.server.responses import AdapterOut, AdapterVersionOut
+
+T = TypeVar("T")
+Handler = Callable[[Request, str], Awaitable[Response]]
+_TIER_ORDER = ("gpu", "ram")  # the best tier of any replica is the adapter's tier
+
+
+class FleetAdapterOut(AdapterOut):
+    """An adapter as the fleet's admin routes describe it: also where it is on each replica."""
+
+    replicas: dict[str, str] = msgspec.field(default_factory=dict)  # replica id -> gpu | ram
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def _ok(got: T | LorapageError) -> T:
+    """A replica's answer, or the refusal it returned raised here."""
+    if isinstance(got, LorapageError):
+        raise got
+    return got
+
+
+class FleetAdmin:
+    """The admin handlers over the ingress's state (passed in: this module does not import the ingress)."""
+
+    def __init__(
+        self,
+        *,
+        access: Access,
+        registry: FleetRegistry,
+        engines: Any,  # the DeploymentHandle to the engine replicas
+        reports: ReplicaReports,
+        profile: Callable[[], Awaitable[EngineProfile]],
+        in_flight: Counter[str | None],
+        draining: set[str],
+        adapter_roots: Sequence[Path],
+        sync_period_s: float,
+    ) -> None:
+        self.access, self.registry, self.engines, self.reports = access, registry, engines, reports
+        self.profile, self.in_flight, self.draining = profile, in_flight, draining
+        self.adapter_roots, self.sync_period_s = tuple(adapter_roots), sync_period_s
+        self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
+        self._routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
+            (re.compile(r"/v1/adapters"), {"POST": self.register, "GET": self.list}),
+            (re.compile(r"/v1/adapters/([^/]+)"), {"GET": self.get, "DELETE": self.delete}),
+            (re.compile(r"/v1/adapters/([^/]+)/versions"), {"GET": self.versions}),
+            (re.compile(r"/v1/adapters/([^/]+)/current"), {"PUT": self.set_current}),
+            (re.compile(r"/v1/adapters/([^/]+)/pin"), {"PUT": self.pin, "DELETE": self.unpin}),
+            (re.compile(r"/internal/adapters/([^/]+)/load"), {"POST": self.load}),
+            (re.compile(r"/internal/adapters/([^/]+)/unload"), {"POST": self.unload}),
+            (re.compile(r"/internal/state"), {"GET": self.internal_state}),
+        ]
+
+    def route(self, path: str) -> tuple[dict[str, Handler], str] | None:
+        """The handlers of ``path`` by method, and the path's adapter name ("" when none)."""
+        for pattern, handlers in self._routes:
+            if m := pattern.fullmatch(path):
+                return handlers, m.group(1) if m.groups() else ""
+        return None
+
+    def route_pattern(self, path: str) -> str | None:
+        """``path``'s route as a pattern (``/v1/adapters/{id}``), for metrics labels."""
+        for pattern, _ in self._routes:
+            if pattern.fullmatch(path):
+                return pattern.pattern.replace("([^/]+)", "{id}")
+        return None
+
+    async def _write(self, change: Callable[[], T]) -> T:
+        async with self._writes:
+            return await asyncio.to_thread(change)
+
+    def _on_owner(self, name: str) -> Any:
+        """The replica handle routed like a request for ``name``'s adapter (to its owner)."""
+        return self.engines.options(multiplexed_model_id=parse_name(name)[0])
+
+    async def _resolve(self, name: str) -> str:
+        return self.registry.resolve(name, (await self.profile()).base_digest)
+
+    # -- describing -------------------------------------------------------------------------------
+
+    async def _describe(self, keys: list[str]) -> list[FleetAdapterOut]:
+        infos = await self.engines.describe.remote(keys) if keys else []
+        base = await self.profile()
+        return [self._out(k, _ok(info), base) for k, info in zip(keys, infos, strict=True)]
+
+    def _out(self, key: str, info: AdapterInfo, base: EngineProfile) -> FleetAdapterOut:
+        adapter_id, version = parse_name(key)
+        row = self.registry.row(key)
+        assert row is not None and version is not None, key
+        replicas = self.reports.tiers(key)
+        tier = next((t for t in _TIER_ORDER if t in replicas.values()), "disk")
+        return FleetAdapterOut(
+            id=adapter_id,
+            owner=self.registry.owner(adapter_id),
+            parent=base.base_name,
+            path=info.path,
+            rank=info.rank,
+            target_modules=list(info.target_modules),
+            size_bytes=info.size_bytes,
+            num_params=info.num_params,
+            tier=tier,
+            in_flight=self.in_flight.get(key, 0),
+            pinned=row.pinned,
+            version=version,
+            current=self.registry.current(adapter_id),
+            digest=row.digest,
+            source=row.source,
+            base_digest=base.base_digest,
+            versions=[r.version for r in self.registry.versions(adapter_id)],
+            replicas=replicas,
+        )
+
+    # -- routes -----------------------------------------------------------------------------------
+
+    async def register(self, request: Request, _: str) -> Response:
+        """A new version of ``id`` (201), or the existing version with the same content (200)."""
+        base = await self.profile()
+        req = registration(await request.body(), base.base_name, self.access)
+        self.registry.check_owner(req.id, req.tenant)
+        with source_errors(req):
+            source = await checked_source(req, self.adapter_roots)
+            got = self._on_owner(req.id).prepare_adapter.remote(source, req.sha256, req.expected_base_digest)
+            prepared: PreparedVersion = _ok(await got)
+        row, created = await self._write(lambda: self.registry.add(req.id, req.tenant, prepared, activate=req.activate))
+        self.access.owners[req.id] = req.tenant
+        return _json((await self._describe([row.key]))[0], status=201 if created else 200)
+
+    async def list(self, request: Request, _: str) -> Response:
+        keys = [row.key for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
+        base = (await self.profile()).base_digest
+        servable = [k for k in keys if (row := self.registry.row(k)) is not None and row.base_digest == base]
+        return _json({"object": "list", "data": await self._describe(servable)})
+
+    async def get(self, request: Request, name: str) -> Response:
+        return _json((await self._describe([await self._resolve(name)]))[0])
+
+    async def versions(self, request: Request, adapter_id: str) -> Response:
+        """Every version of an id, servable on the fleet's base or not, oldest first."""
+        rows = self.registry.versions(adapter_id)
+        if "@" in adapter_id or not rows:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
+        base, current = (await self.profile()).base_digest, self.registry.current(adapter_id)
+        return _json({"object": "list", "data": [self._version_out(r, base, current) for r in rows]})
+
+    def _version_out(self, row: VersionRow, base: str, current: int | None) -> AdapterVersionOut:
+        return AdapterVersionOut(
+            id=row.key,
+            adapter_id=row.adapter_id,
+            version=row.version,
+            digest=row.digest,
+            source=row.source,
+            base_digest=row.base_digest,
+            created=row.created,
+            current=row.version == current,
+            servable=row.base_digest == base,
+            in_flight=self.in_flight.get(row.key, 0),
+        )
+
+    async def set_current(self, request: Request, adapter_id: str) -> Response:
+        """Deploy or roll back, fleet-wide at once: the ingress resolves every request's version."""
+        req = protocol.decode(await request.body(), protocol.AdapterAliasRequest)
+        if "@" in adapter_id or adapter_id not in self.registry.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        row = self.registry.row(f"{adapter_id}@{req.version}")
+        if row is not None:
+            await self._resolve(row.key)  # a version on another base: 409 before the alias moves
+        row = await self._write(lambda: self.registry.set_current(adapter_id, req.version))
+        return _json((await self._describe([row.key]))[0])
+
+    async def delete(self, request: Request, name: str) -> Response:
+        """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
+        hidden from new requests until the running ones end."""
+        keys = self.registry.removable(name)
+        drain = request.query_params.get("drain", "false").lower() in ("1", "true", "yes")
+        timeout = drain_timeout(request.query_params.get("timeout", "60"))
+        running = sum(self.in_flight.get(k, 0) for k in keys)
+        if running and not drain:
+            raise AdapterBusyError(
+                f"adapter {name!r} has {running} requests in flight; retry when they finish, or DELETE "
+                "with ?drain=true to refuse new requests and remove it once they end",
+                param="id",
+            )
+        if running:
+            self.draining.update(keys)
+            try:
+                if not await wait_until(lambda: not any(self.in_flight.get(k, 0) for k in keys), timeout):
+                    left = sum(self.in_flight.get(k, 0) for k in keys)
+                    raise AdapterBusyError(
+                        f"adapter {name!r} still had {left} requests in flight after draining for "
+                        f"{timeout:g}s; it was not deleted and serves again",
+                        param="id",
+                    )
+            finally:
+                self.draining.difference_update(keys)
+        await self._write(lambda: self.registry.remove(self.registry.removable(name)))
+        adapter_id, _ = parse_name(name)
+        if adapter_id not in self.registry.ids():
+            self.access.owners.pop(adapter_id, None)
+        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
+
+    async def pin(self, request: Request, name: str) -> Response:
+        """Pin a version resident on every replica: checked against the bounds and loaded on its
+        owner before the answer, on the others within a heartbeat. 409 ``pin_limit_exceeded``
+        past ``--max-pinned-fraction`` (every replica holds the same pins)."""
+        key = await self._resolve(name)
+        owner = self._on_owner(key)
+        _ok(await owner.check_pin.remote(key))
+        await self._write(lambda: self.registry.set_pinned(key, True))
+        try:
+            _ok(await owner.load_adapter.remote(key))
+        except LorapageError:
+            await self._write(lambda: self.registry.set_pinned(key, False))
+            raise
+        return _json((await self._describe([key]))[0])
+
+    async def unpin(self, request: Request, name: str) -> Response:
+        key = await self._resolve(name)
+        await self._write(lambda: self.registry.set_pinned(key, False))
+        return _json((await self._describe([key]))[0])
+
+    async def load(self, request: Request, name: str) -> Response:
+        """Pre-warm a version on the replica the router sends its requests to (an owner)."""
+        key = await self._resolve(name)
+        _ok(await self._on_owner(key).load_adapter.remote(key))
+        return _json((await self._describe([key]))[0])
+
+    async def unload(self, request: Request, name: str) -> Response:
+        """Drop a version from every replica's pool (not while it runs there, nor if pinned);
+        answered once no replica reports it in its pool, or after a few heartbeats."""
+        key = await self._resolve(name)
+        await self._write(lambda: self.registry.unload(key))
+        await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
+        return _json((await self._describe([key]))[0])
+
+    async def internal_state(self, request: Request, _: str) -> Response:
+        ingress = {
+            "requests_in_flight": sum(self.in_flight.values()),
+            "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
+            "draining_adapters": sorted(self.draining),
+            "registry_generation": self.registry.generation,
+        }
+        replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
+        return _json({"ingress": ingress, "replicas": replicas})
