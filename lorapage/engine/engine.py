@@ -205,7 +205,13 @@ class Engine:
             metrics=self.scheduler_metrics,
             prefix_cache=self.prefix_cache,
         )
-        self.step_loop = StepLoop(self.scheduler, self.runner, self._forward, on_new_loop=self.adapters.rebind_loop)
+        self.step_loop = StepLoop(
+            self.scheduler,
+            self.runner,
+            self._forward,
+            on_new_loop=self.adapters.rebind_loop,
+            on_prefill=self.adapters.recompute.observe,
+        )
         self.intake = RequestIntake(
             tokenizer=self.tokenizer,
             vocab_size=mc.vocab_size,

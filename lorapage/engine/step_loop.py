@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -20,10 +21,17 @@ class StepLoop:
     """Runs steps while there is work and sleeps until :meth:`wake` otherwise."""
 
     def __init__(
-        self, scheduler: StepScheduler, runner: ModelRunner, forward: Executor, on_new_loop: Callable[[], None]
+        self,
+        scheduler: StepScheduler,
+        runner: ModelRunner,
+        forward: Executor,
+        on_new_loop: Callable[[], None],
+        on_prefill: Callable[[float, int], None] | None = None,
     ) -> None:
         self.scheduler, self.runner, self.forward = scheduler, runner, forward
         self._on_new_loop = on_new_loop  # state tied to the old loop (adapter loads) must reset
+        # Told (seconds, tokens) of each step that prefilled: what recomputing a cached block costs.
+        self._on_prefill = on_prefill
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -64,7 +72,10 @@ class StepLoop:
                     plan = self.scheduler.plan_step()
                     if plan is None:
                         break
+                    started = time.perf_counter()
                     sampled = await loop.run_in_executor(self.forward, _execute, self.runner, plan)
+                    if self._on_prefill is not None and len(plan.input_ids) > plan.num_decode:
+                        self._on_prefill(time.perf_counter() - started, len(plan.input_ids))
                     self.scheduler.apply(plan, sampled)
             except asyncio.CancelledError:
                 raise
