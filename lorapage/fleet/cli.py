@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     from lorapage.fleet.app import APP_NAME, build_app
 
     started = time.monotonic()
-    ray.init(address=args.address, num_cpus=args.num_cpus, include_dashboard=False)
+    # "local": a Ray of our own, even where another one runs on this machine (ray.init(None) would join it).
+    ray.init(address=args.address or "local", num_cpus=args.num_cpus, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     try:
