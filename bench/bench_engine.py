@@ -258,6 +258,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
     out = {
         "n_params": n_params,
         "adapter_bytes": per_adapter,
+        "stream_bytes_per_s": stream_bandwidth(BATCH * per_adapter),
         "rates": rates,
         "d_batches": d_batches,
         "f_batches": f_batches,
@@ -303,6 +304,19 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
     return out | {"residency": res}
 
 
+def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second this machine streams from memory now, on the bench's threads: the fastest
+    of ``repeats`` sums over ``nbytes`` of fp32 (what reading the distinct adapters of one decode
+    step at least costs)."""
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
 def report(r: dict) -> dict:
     rates = r["rates"]
     a, b, c, d = (rates[k] for k in ("a_base", "b_one_adapter", "c_distinct", "d_one_adapter_per_batch"))
@@ -341,8 +355,18 @@ def report(r: dict) -> dict:
     per_round = "; ".join(f"{k}: {', '.join(f'{v:.2f}' for v in vs)}" for k, vs in r["ratios_per_round"].items())
     print(f"      medians of {r['rounds']} rounds; per round, over base: {per_round}")
     print(
-        f"  c/a = {c / a:.2f}   e/a = {e / a:.2f}   c/b = {c / b:.2f} (target >= 0.8)   "
+        f"  c/a = {c / a:.2f} (target >= 0.85)   e/a = {e / a:.2f}   c/b = {c / b:.2f} (target >= 0.8)   "
         f"c/d = {c / d:.1f} (target {d_target.replace('>=', '>= ')})"
+    )
+    # The floor of (c): the base step plus reading each distinct adapter's weights once, at the
+    # bandwidth measured in this run. No LoRA path can do better than this c/a.
+    step_a = BATCH / a
+    read_s = BATCH * r["adapter_bytes"] / r["stream_bytes_per_s"]
+    floor = step_a / (step_a + read_s)
+    print(
+        f"  floor of c/a = {floor:.2f}: a {step_a * 1e3:.0f} ms base step + {BATCH * r['adapter_bytes'] / 1e6:.0f} MB "
+        f"of distinct adapters read at {r['stream_bytes_per_s'] / 1e9:.1f} GB/s ({read_s * 1e3:.0f} ms); "
+        f"c/a is {c / a / floor:.0%} of it"
     )
     # (f) is PEFT ``set_adapter``-style serving of a realistic mix: mixing must at least match it.
     print(
@@ -354,6 +378,8 @@ def report(r: dict) -> dict:
         "n_params": r["n_params"],
         "tokens_per_s": rates,
         "c_over_a": c / a,
+        "c_over_a_floor": floor,
+        "stream_bytes_per_s": r["stream_bytes_per_s"],
         "e_over_a": e / a,
         "c_over_b": c / b,
         "c_over_d": c / d,
@@ -363,7 +389,7 @@ def report(r: dict) -> dict:
         "scattered": r["placement"] is not None,
         "rounds": r["rounds"],
         "ratios_per_round": r["ratios_per_round"],
-        "targets": {"c_over_b": ">=0.8", "c_over_d": d_target, "e_over_f": ">=1.0"},
+        "targets": {"c_over_a": ">=0.85", "c_over_b": ">=0.8", "c_over_d": d_target, "e_over_f": ">=1.0"},
     }
     if "pa_prefill_base" in rates:
         pa, pb, pc = rates["pa_prefill_base"], rates["pb_prefill_one_adapter"], rates["pc_prefill_distinct"]

@@ -98,9 +98,10 @@ class LoraBatch:
     def add_product(self, t: Tensor, hm: Tensor, b: Tensor) -> None:
         """``t[token] += hm @ b.T`` for each real row; ``hm`` ``[cells, length, r]``, ``b`` ``[cells, w, r]``."""
         if self.gather is None:
-            t[self.start : self.start + self.cells * self.length].view(self.cells, self.length, -1).baddbmm_(
-                hm, b.transpose(1, 2)
-            )
+            # bmm into a new tensor, then one add_: ``t`` is a column slice of ``y``, and a
+            # ``baddbmm_`` into a strided output falls back to one ``addmm_`` per cell on CPU.
+            rows = t[self.start : self.start + self.cells * self.length]
+            rows.add_(torch.bmm(hm, b.transpose(1, 2)).view(rows.shape))
         elif self.span is not None:
             t[self.span].add_(self._real(hm @ b.transpose(1, 2)))
         else:
