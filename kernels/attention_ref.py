@@ -43,25 +43,31 @@ def paged_decode_attention_ref(
     """
     bsz, heads, dim = q.shape
     block_size, kv_heads = kv.shape[2], kv.shape[3]
-    max_len = int(context_lens.max())
-    k, v = _gather_context(kv, block_table, -(-max_len // block_size))
-    k, v = k[:, :max_len].transpose(1, 2), v[:, :max_len].transpose(1, 2)  # [B, H_kv, L, D]
-    positions = torch.arange(max_len, device=q.device)
-    mask = positions[None, :] < context_lens[:, None].to(q.device)  # [B, L]
+    blocks = -(-int(context_lens.max()) // block_size)
+    table, length = block_table[:, :blocks].reshape(-1).long(), blocks * block_size
+    # K and V gathered apart, each [B, L, H_kv, D] contiguous (fresh: written in place below);
+    # index_select copies whole blocks, ~3x faster on CPU than indexing with the table.
+    k = kv[:, 0].index_select(0, table).view(bsz, length, kv_heads, dim)
+    v = kv[:, 1].index_select(0, table).view(bsz, length, kv_heads, dim)
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].to(q.device)  # [B, L]
     # Positions past a row's context hold whatever their page held before (another sequence's
     # stale K/V, possibly NaN): a masked weight of 0 times NaN is still NaN, so zero them first,
-    # as the Triton kernel's masked loads do.
-    valid = mask[:, None, :, None]
-    k, v = k.masked_fill(~valid, 0.0), v.masked_fill(~valid, 0.0)
+    # as the Triton kernel's masked loads do: only those rows (an index_fill_ of them costs a
+    # fraction of a masked_fill_ over every position).
+    stale = torch.nonzero(~mask.view(-1)).view(-1)
+    k.view(bsz * length, -1).index_fill_(0, stale, 0.0)
+    v.view(bsz * length, -1).index_fill_(0, stale, 0.0)
+    # GQA without repeating K/V: the query heads that share KV head j (heads j*G .. j*G+G-1)
+    # are G queries against it, so attention runs over [B, H_kv, G, D] queries.
+    group = heads // kv_heads
     attn = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        k,
-        v,
+        q.reshape(bsz, kv_heads, group, dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         attn_mask=mask[:, None, None, :],
         scale=scale,
-        enable_gqa=heads != kv_heads,
     )
-    out.copy_(attn.squeeze(2))
+    out.copy_(attn.reshape(bsz, heads, dim))
 
 
 def prefill_attention_ref(
