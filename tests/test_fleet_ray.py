@@ -315,6 +315,7 @@ async def test_pin_unload_metrics_and_state_reach_every_replica(fleet):
         assert f'lorapage_engine_queue_depth{{replica="{rid}"}}' in text
     assert 'lorapage_time_to_first_token_seconds_count{adapter_tier="' in text  # seen at the ingress
     assert 'lorapage_requests_total{route="/v1/completions",status="200"}' in text
+    assert 'lorapage_fleet_rejected_requests_total{reason="rpm",tenant="gamma"} 1.0' in text  # the quota test's 429
     status, state, _ = await fleet.call("GET", "/internal/state")
     assert status == 200 and set(state["replicas"]) == replicas
     assert state["ingress"]["registry_generation"] >= 1

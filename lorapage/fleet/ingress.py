@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import msgspec
+from prometheus_client import Counter as MetricCounter
 from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -94,6 +95,12 @@ class FleetIngress:
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
         self.metrics = ServerMetrics(dict)  # the ingress's own series; the replicas' are re-exported
         self.metrics.registry.register(self.reports)
+        self.rejected = MetricCounter(
+            "lorapage_fleet_rejected_requests",
+            "Requests the ingress refused for a fleet-wide quota, by tenant and limit (rpm, tpm, concurrency).",
+            ("tenant", "reason"),
+            registry=self.metrics.registry,
+        )
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)
         self.in_flight: Counter[str | None] = Counter()  # version id@N (None: base) -> requests running
         self.draining: set[str] = set()  # versions being deleted: invisible to new requests
@@ -342,6 +349,7 @@ class FleetIngress:
     def reserve(self, job: Job) -> Reservation:
         got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
         if isinstance(got, QuotaExceeded):
+            self.rejected.labels(job.tenant, got.which).inc()
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
         self.in_flight[job.adapter] += 1
         return got
