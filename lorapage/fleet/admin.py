@@ -28,12 +28,12 @@ from starlette.responses import Response
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import VersionRow, parse_name
-from lorapage.errors import AdapterBusyError, AdapterNotFoundError, LorapageError
+from lorapage.errors import AdapterNotFoundError, LorapageError
 from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
-from lorapage.server.admin import checked_source, drain_timeout, registration, source_errors, wait_until
+from lorapage.server.admin import checked_source, registration, remove_when_idle, source_errors, wait_until
 from lorapage.server.auth import Access
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
@@ -165,10 +165,9 @@ class FleetAdmin:
         return _json((await self._describe([row.key]))[0], status=201 if created else 200)
 
     async def list(self, request: Request, _: str) -> Response:
-        keys = [row.key for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
         base = (await self.profile()).base_digest
-        servable = [k for k in keys if (row := self.registry.row(k)) is not None and row.base_digest == base]
-        return _json({"object": "list", "data": await self._describe(servable)})
+        rows = [row for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
+        return _json({"object": "list", "data": await self._describe([r.key for r in rows if r.base_digest == base])})
 
     async def get(self, request: Request, name: str) -> Response:
         return _json((await self._describe([await self._resolve(name)]))[0])
@@ -210,28 +209,11 @@ class FleetAdmin:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
         hidden from new requests until the running ones end."""
         keys = self.registry.removable(name)
-        drain = request.query_params.get("drain", "false").lower() in ("1", "true", "yes")
-        timeout = drain_timeout(request.query_params.get("timeout", "60"))
-        running = sum(self.in_flight.get(k, 0) for k in keys)
-        if running and not drain:
-            raise AdapterBusyError(
-                f"adapter {name!r} has {running} requests in flight; retry when they finish, or DELETE "
-                "with ?drain=true to refuse new requests and remove it once they end",
-                param="id",
-            )
-        if running:
-            self.draining.update(keys)
-            try:
-                if not await wait_until(lambda: not any(self.in_flight.get(k, 0) for k in keys), timeout):
-                    left = sum(self.in_flight.get(k, 0) for k in keys)
-                    raise AdapterBusyError(
-                        f"adapter {name!r} still had {left} requests in flight after draining for "
-                        f"{timeout:g}s; it was not deleted and serves again",
-                        param="id",
-                    )
-            finally:
-                self.draining.difference_update(keys)
-        await self._write(lambda: self.registry.remove(self.registry.removable(name)))
+
+        async def remove() -> None:
+            await self._write(lambda: self.registry.remove(self.registry.removable(name)))
+
+        running = await remove_when_idle(name, keys, request.query_params, self.in_flight, self.draining, remove)
         adapter_id, _ = parse_name(name)
         if adapter_id not in self.registry.ids():
             self.access.owners.pop(adapter_id, None)

@@ -173,6 +173,8 @@ class FleetIngress:
         """Register ``--lora-modules`` in the fleet's registry (once; each checked on a replica):
         same content is the same version, new content a new one, as ``lorapage serve`` does at
         each start. Returns the adapter ids."""
+        if self._modules_registered:  # every request asks: no lock once done
+            return self.registry.ids()
         async with self._modules_lock:
             for name, path in self.config.lora_modules if not self._modules_registered else ():
                 got = await self.engines.options(multiplexed_model_id=name).prepare_adapter.remote(path, None, None)

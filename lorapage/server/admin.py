@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -183,29 +183,11 @@ class AdminRoutes:
         state = self._state(request)
         name = request.match_info["id"]
         keys = state.engine.catalog.removable(name)  # 404 when unknown, 409 for the current of several
-        drain = request.query.get("drain", "false").lower() in ("1", "true", "yes")
-        timeout = drain_timeout(request.query.get("timeout", "60"))
-        running = sum(state.in_flight.get(k, 0) for k in keys)
-        if running and not drain:
-            raise AdapterBusyError(
-                f"adapter {name!r} has {running} requests in flight; retry when they finish, or DELETE "
-                "with ?drain=true to refuse new requests and remove it once they end",
-                param="id",
-            )
-        if running:
-            state.draining.update(keys)
-            try:
-                if not await wait_until(lambda: _removed_when_idle(state, name, keys), timeout):
-                    left = sum(state.in_flight.get(k, 0) for k in keys)
-                    raise AdapterBusyError(
-                        f"adapter {name!r} still had {left} requests in flight after draining for "
-                        f"{timeout:g}s; it was not deleted and serves again",
-                        param="id",
-                    )
-            finally:
-                state.draining.difference_update(keys)
-        else:
+
+        async def remove() -> None:
             state.engine.remove_adapter(name)  # 409 from the engine if it still holds requests
+
+        running = await remove_when_idle(name, keys, request.query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
         if adapter_id not in state.engine.catalog.ids():
             state.access.owners.pop(adapter_id, None)
@@ -248,7 +230,7 @@ class AdminRoutes:
         return _json({"engine": state.engine.stats(), "server": server})
 
 
-def drain_timeout(raw: str) -> float:
+def _drain_timeout(raw: str) -> float:
     try:
         value = float(raw)
     except ValueError:
@@ -258,16 +240,52 @@ def drain_timeout(raw: str) -> float:
     return value
 
 
-def _removed_when_idle(state, name: str, keys: list[str]) -> bool:
-    """Remove ``name`` once the server has no request for its versions ``keys`` and the engine
-    has let go of them."""
-    if any(state.in_flight.get(k, 0) for k in keys):
-        return False
+async def remove_when_idle(
+    name: str,
+    keys: list[str],
+    query: Mapping[str, str],
+    in_flight: Mapping[str | None, int],
+    draining: set[str],
+    remove: Callable[[], Awaitable[None]],
+) -> int:
+    """Delete ``name`` (its versions ``keys``) by ``remove()``, which raises AdapterBusyError
+    while an engine still holds requests for them. With requests in flight: 409, or with
+    ``?drain=true`` the versions are hidden from new requests (``draining``) and removed once
+    none runs, within ``?timeout`` seconds (else 409 and they serve again). Returns the requests
+    that were drained. Shared by ``lorapage serve`` and the fleet's ingress."""
+    drain = query.get("drain", "false").lower() in ("1", "true", "yes")
+    timeout = _drain_timeout(query.get("timeout", "60"))
+    running = sum(in_flight.get(k, 0) for k in keys)
+    if running and not drain:
+        raise AdapterBusyError(
+            f"adapter {name!r} has {running} requests in flight; retry when they finish, or DELETE "
+            "with ?drain=true to refuse new requests and remove it once they end",
+            param="id",
+        )
+    if not running:
+        await remove()
+        return 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    draining.update(keys)
     try:
-        state.engine.remove_adapter(name)
-    except AdapterBusyError:
-        return False
-    return True
+        while True:
+            if not any(in_flight.get(k, 0) for k in keys):
+                try:
+                    await remove()
+                    return running
+                except AdapterBusyError:
+                    pass  # the engine lets go of a finished request within a step
+            if loop.time() >= deadline:
+                left = sum(in_flight.get(k, 0) for k in keys)
+                raise AdapterBusyError(
+                    f"adapter {name!r} still had {left} requests in flight after draining for "
+                    f"{timeout:g}s; it was not deleted and serves again",
+                    param="id",
+                )
+            await asyncio.sleep(0.05)
+    finally:
+        draining.difference_update(keys)
 
 
 async def wait_until(done: Callable[[], bool], timeout: float) -> bool:
