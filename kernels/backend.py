@@ -1,9 +1,11 @@
 """Choosing the kernel implementation once, at start-up.
 
-``torch`` runs the PyTorch references (the CPU path). ``triton`` runs the Triton kernels: compiled
-on CUDA, and under Triton's interpreter on a machine without CUDA (that is how the CPU test suite
-checks them; it is far too slow to serve with). ``auto`` picks Triton on CUDA when it is installed
-and PyTorch otherwise. Triton is imported only when the ``triton`` backend is chosen, so a CPU-only
+``torch`` runs the PyTorch references and batched PyTorch LoRA ops. ``cpu`` is the same with the
+LoRA ops' short segments (decode rows) in the C kernels of ``lora_cpu.c``, built on first use with
+the system compiler. ``triton`` runs the Triton kernels: compiled on CUDA, and under Triton's
+interpreter on a machine without CUDA (that is how the CPU test suite checks them; it is far too
+slow to serve with). ``auto`` picks Triton on CUDA when it is installed, else ``cpu`` on a CPU
+where the C kernels build, else ``torch``. Triton is imported only when the ``triton`` backend is chosen, so a CPU-only
 install without it still runs.
 """
 
@@ -15,10 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
+from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 from lorapage.kernels.triton_import import triton_available, triton_interpreted
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class KernelOps:
 TORCH_OPS = KernelOps(
     "torch", lora_shrink_torch, lora_expand_torch, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
 )
+CPU_OPS = KernelOps(
+    "cpu", lora_shrink_cpu, lora_expand_cpu, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
+)
 
 
 def _triton_ops() -> KernelOps:
@@ -46,13 +53,21 @@ def _triton_ops() -> KernelOps:
 
 
 def select_backend(name: str, device: torch.device) -> KernelOps:
-    """The ops for ``name`` (``auto``, ``torch`` or ``triton``) on ``device``; called once at start-up."""
+    """The ops for ``name`` (one of ``BACKENDS``) on ``device``; called once at start-up."""
     if name not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}; got {name!r}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "auto" and device.type == "cuda":
+        name = "triton" if triton_available() else "torch"
+    elif name == "auto":
+        name = "cpu" if device.type == "cpu" and cpu_kernels() is not None else "torch"
     if name == "torch":
         return TORCH_OPS
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"kernel_backend='cpu' runs on the CPU, not {device.type}")
+        if cpu_kernels() is None:
+            raise ValueError("kernel_backend='cpu' needs its C kernels, which did not build here (see the log)")
+        return CPU_OPS
     if not triton_available():
         raise ValueError("kernel_backend='triton' needs the triton package; install lorapage[triton] or use 'torch'")
     if device.type == "cpu" and not triton_interpreted():

@@ -34,6 +34,50 @@ LENGTH_CLASSES = (1, 4)
 HOLE_BYTES = 1 << 20
 
 
+# With the C kernels built (lora_cpu.c), segments of up to this many tokens run there, grouped by
+# adapter: each adapter's matrices are read once for all its tokens, which are addressed through an
+# index rather than gathered. Longer ones stay on MKL's 2-D matmuls, which compute faster than the
+# C loops once FLOPs, not bytes, bound the segment.
+CELL_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class LoraCells:
+    """The step's short segments grouped by adapter, for the C kernels: cell i is adapter slot
+    ``slots[i]`` with the tokens ``tokens[begin[i]:begin[i + 1]]``."""
+
+    slots: Tensor  # [cells] int64: each cell's lora slot
+    begin: Tensor  # [cells + 1] int64: where each cell's tokens start in ``tokens``
+    tokens: Tensor  # [n] int64: token rows, ascending within a cell
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        """The C kernels' cell arguments: count, then the three tables' addresses."""
+        return (self.slots.shape[0], self.slots.data_ptr(), self.begin.data_ptr(), self.tokens.data_ptr())
+
+
+def split_cells(
+    segments: tuple[tuple[int, int, int], ...],
+) -> tuple[LoraCells | None, tuple[tuple[int, int, int], ...]]:
+    """The short segments as cells (None if there are none), and the long segments left over."""
+    tokens: dict[int, list[int]] = {}
+    long = []
+    for start, end, slot in segments:
+        if end - start > CELL_TOKENS:
+            long.append((start, end, slot))
+        elif slot:
+            tokens.setdefault(slot, []).extend(range(start, end))
+    if not tokens:
+        return None, tuple(long)
+    sizes = [len(t) for t in tokens.values()]
+    cells = LoraCells(
+        slots=torch.tensor(list(tokens), dtype=torch.int64),
+        begin=torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64),
+        tokens=torch.tensor([t for ts in tokens.values() for t in ts], dtype=torch.int64),
+    )
+    return cells, tuple(long)
+
+
 @dataclass(frozen=True)
 class LoraBatch:
     """Cells computed together. ``view_*`` places them in the pool, ``pages`` when copied."""

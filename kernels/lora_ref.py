@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lorapage.kernels.lora_plan import LoraBatch, plan_lora_batches
+from lorapage.kernels.lora_plan import LoraBatch, LoraCells, plan_lora_batches, split_cells
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class LoraIndices:
     # The PyTorch ops' batches (lora_plan.py), planned once per step for every layer and module.
     # None: each op plans its own call.
     batches: tuple[LoraBatch, ...] | None = None
+    # The C kernels' cells (short segments by adapter; lora_plan.py), planned once per step, with
+    # ``batches`` then holding the long segments only. None: no C kernels this step.
+    cells: LoraCells | None = None
 
     def with_segment_table(self) -> LoraIndices:
         """A copy carrying ``segment_table`` (one small host-to-device copy), for SGMV launches."""
@@ -51,6 +54,13 @@ class LoraIndices:
         one layer's slab."""
         rows = [_host(t).swapaxes(0, 1) for t in layout]
         return replace(self, batches=plan_lora_batches(self.segments, page_table, rows, pool))
+
+    def with_cells(self, page_table: Tensor, layout: tuple[Tensor, ...], pool: Tensor) -> LoraIndices:
+        """A copy carrying ``cells`` for the C kernels and ``batches`` for the long segments
+        (arguments as for :meth:`with_batches`)."""
+        cells, long = split_cells(self.segments)
+        rows = [_host(t).swapaxes(0, 1) for t in layout]
+        return replace(self, cells=cells, batches=plan_lora_batches(long, page_table, rows, pool))
 
 
 def page_span(pool: Tensor, pages: np.ndarray, offset: int, numel: int) -> Tensor:

@@ -56,7 +56,7 @@ class EngineConfig:
     # Per-adapter metrics name the top this many adapters by recent traffic; the rest are "other".
     metrics_top_adapters: int = 20
     max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
-    kernel_backend: str = "auto"  # auto | torch | triton
+    kernel_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # True: no CUDA-graph capture of decode steps (CUDA + Triton only)
     scheduler: str = "vtc"  # vtc (fair across tenants) | fcfs
     seed: int = 0

@@ -9,6 +9,7 @@ import torch
 from lorapage.adapters.layout import AdapterLayout, LoraTables
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
+from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_plan import plan_lora_batches
 from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
@@ -36,7 +37,7 @@ PAGE = 64
 PLACEMENTS = ("stride", "grid_holes", "runs", "scattered")
 
 
-def build(ranks: list[int], placement: str, seed: int):
+def build(ranks: list[int], placement: str, seed: int, model: ModelConfig = MODEL):
     """A pool holding one adapter per rank (all modules): back to back, on a page grid with
     holes and slots out of page order (what evictions leave), at irregular runs, or with each
     adapter's pages scattered one by one. Its free pages hold NaN: a hole that leaked into a
@@ -54,11 +55,11 @@ def build(ranks: list[int], placement: str, seed: int):
             ranks={(layer, m): r for layer in range(2) for m in MODULES},
             scales={(layer, m): 0.5 + slot for layer in range(2) for m in MODULES},
         )
-        layouts.append(AdapterLayout.plan(spec, MODEL, PAGE))
+        layouts.append(AdapterLayout.plan(spec, model, PAGE))
     cell = max(lay.num_pages for lay in layouts)
     num_pages = 2 + 3 * len(ranks) * cell
-    pool = torch.full((MODEL.num_layers, num_pages, PAGE), float("nan"))
-    tables = LoraTables(MODEL, len(ranks), cell, torch.device("cpu"))
+    pool = torch.full((model.num_layers, num_pages, PAGE), float("nan"))
+    tables = LoraTables(model, len(ranks), cell, torch.device("cpu"))
     free = list(range(1, num_pages))
     cursor = 1
     grid = rng.permutation(2 * len(ranks))
@@ -77,7 +78,7 @@ def build(ranks: list[int], placement: str, seed: int):
         else:
             pages = sorted(rng.choice(free, size=n, replace=False).tolist())
         free = [p for p in free if p not in pages]
-        pool[:, pages] = torch.randn(MODEL.num_layers, n, PAGE, generator=gen)
+        pool[:, pages] = torch.randn(model.num_layers, n, PAGE, generator=gen)
         tables.write_slot(slot, layout, pages)
     return pool, tables
 
@@ -110,16 +111,21 @@ CASES = {
 }
 
 
+OPS = {"torch": (lora_shrink_torch, lora_expand_torch), "cpu": (lora_shrink_cpu, lora_expand_cpu)}
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("planned", [True, False], ids=["step_plan", "per_op_plan"])
-def test_batched_ops_match_reference(placement, case, planned):
+@pytest.mark.parametrize("ops", sorted(OPS))
+def test_batched_ops_match_reference(placement, case, planned, ops):
     ranks, slots, lengths = CASES[case]
     pool, tables = build(ranks, placement, seed=len(ranks) + len(slots))
     idx, t = indices_for(slots, lengths)
     if planned:
         layout = (tables.a_offset, tables.a_rows, tables.b_offset, tables.rank, tables.h_start)
-        idx = idx.with_batches(tables.page_table, layout, pool[0])
+        plan = idx.with_cells if ops == "cpu" else idx.with_batches
+        idx = plan(tables.page_table, layout, pool[0])
     dims = MODEL.module_dims()
     gen = torch.Generator().manual_seed(1)
     for layer in range(2):
@@ -131,7 +137,7 @@ def test_batched_ops_match_reference(placement, case, planned):
             starts = tuple(int(x) for x in np.cumsum([0] + widths[:-1]))
             x = torch.randn(t, dims[group[0]][0], generator=gen)
             outs = []
-            for shrink, expand in ((lora_shrink_ref, lora_expand_ref), (lora_shrink_torch, lora_expand_torch)):
+            for shrink, expand in ((lora_shrink_ref, lora_expand_ref), OPS[ops]):
                 h = torch.zeros(t, 3 * 16)
                 y = torch.ones(t, sum(widths))
                 shrink(h, x, slab, tables.page_table, idx, tables.a_offset[layer, :, g], tables.a_rows[layer, :, g])

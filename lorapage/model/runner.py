@@ -162,7 +162,7 @@ class ModelRunner:
         lora = LoraIndices(b.token_slot[:T], plan.segments) if plan.segments else None
         if lora is not None and self.ctx.ops.name == "triton" and T > nd:
             lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
-        elif lora is not None and self.ctx.ops.name == "torch":
+        elif lora is not None and self.ctx.ops.name in ("torch", "cpu"):
             lora = self._with_batches(lora)
         with torch.inference_mode():
             hidden = self.ctx.forward(T, attn, lora)
@@ -172,10 +172,13 @@ class ModelRunner:
             return sample(logits, plan.sample_rows)
 
     def _with_batches(self, lora: LoraIndices) -> LoraIndices:
-        """The PyTorch ops' batches, planned once for every layer and module of the step."""
+        """The CPU ops' cells and batches, planned once for every layer and module of the step."""
         t = self.ctx.tables
         layout = (t.a_offset, t.a_rows, t.b_offset, t.rank, t.h_start)
-        return lora.with_batches(t.page_table, layout, self.ctx.pool.storage[0])
+        slab = self.ctx.pool.storage[0]
+        if self.ctx.ops.name == "cpu" and slab.dtype == torch.float32:  # the C kernels' dtype
+            return lora.with_cells(t.page_table, layout, slab)
+        return lora.with_batches(t.page_table, layout, slab)
 
     def _replay(self, plan: StepPlan) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""

@@ -1,0 +1,113 @@
+"""The CPU path's LoRA ops: short segments (decode rows) in the C kernels of ``lora_cpu.c``, long
+ones (prefill) through the batched PyTorch ops of :mod:`lorapage.kernels.lora_torch`.
+
+Same signatures and results as :mod:`lorapage.kernels.lora_ref`. The runner plans a step's cells
+and batches once (``LoraIndices.with_cells``); a caller without a plan gets one made for that call.
+The C kernels take float32 only: other dtypes run the PyTorch ops for every segment.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.lora_plan import LoraCells, plan_lora_batches, split_cells
+from lorapage.kernels.lora_ref import LoraIndices, _host
+from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
+
+
+def _planned(indices: LoraIndices, page_table: Tensor, pool: Tensor, *tables: Tensor) -> LoraIndices:
+    if indices.cells is not None or indices.batches is not None or pool.dtype != torch.float32:
+        return indices
+    cells, long = split_cells(indices.segments)
+    return replace(indices, cells=cells, batches=plan_lora_batches(long, page_table, [_host(t) for t in tables], pool))
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with unit stride along its rows' elements (the C loops index rows by a stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _cell_args(pool: Tensor, page_table: Tensor, cells: LoraCells) -> tuple[int, ...]:
+    assert pool.dtype == torch.float32 and pool.stride(1) == 1 and page_table.dtype == torch.int32
+    assert page_table.is_contiguous()
+    return (pool.data_ptr(), pool.stride(0), pool.shape[1], page_table.data_ptr(), page_table.stride(0), *cells.args)
+
+
+@functools.cache
+def _bounds(out_start: tuple[int, ...], width: int) -> Tensor:
+    """Each module's first output column, then the end: made once per group shape."""
+    return torch.tensor([*out_start, width], dtype=torch.int64)
+
+
+def lora_shrink_cpu(
+    h: Tensor, x: Tensor, pool: Tensor, page_table: Tensor, indices: LoraIndices, a_offset: Tensor, a_rows: Tensor
+) -> None:
+    """Same as :func:`lora_shrink_ref`: ``h[t, :a_rows[s]] = x[t] @ A_s.T``."""
+    indices = _planned(indices, page_table, pool, a_offset, a_rows)
+    if (cells := indices.cells) is not None:
+        lib = cpu_kernels()
+        assert lib is not None and h.stride(1) == 1 and a_offset.dtype == torch.int64 and a_rows.dtype == torch.int32
+        x = _rows(x)
+        d_in = x.shape[1]
+        lib.lora_shrink_f32(
+            h.data_ptr(),
+            h.stride(0),
+            x.data_ptr(),
+            x.stride(0),
+            d_in,
+            *_cell_args(pool, page_table, cells),
+            a_offset.data_ptr(),
+            a_offset.stride(0),
+            a_rows.data_ptr(),
+            a_rows.stride(0),
+            h.shape[1],  # the most rows an A has
+            torch.get_num_threads(),
+        )
+    if indices.batches != ():  # the long segments
+        lora_shrink_torch(h, x, pool, page_table, indices, a_offset, a_rows)
+
+
+def lora_expand_cpu(
+    y: Tensor,
+    h: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    b_offset: Tensor,
+    rank: Tensor,
+    h_start: Tensor,
+    scale: Tensor,
+    out_start: tuple[int, ...],
+) -> None:
+    """Same as :func:`lora_expand_ref`: ``y[t, o_m:o_m+w_m] += scale[s, m] * h[t, hs:hs+r] @ B_{s,m}.T``."""
+    indices = _planned(indices, page_table, pool, b_offset, rank, h_start)
+    if (cells := indices.cells) is not None:
+        lib = cpu_kernels()
+        assert lib is not None and y.stride(1) == 1 and h.stride(1) == 1
+        tables = (b_offset, rank, h_start, scale)
+        assert [t.dtype for t in tables] == [torch.int64, torch.int32, torch.int32, torch.float32]
+        assert all(t.stride() == b_offset.stride() for t in tables) and b_offset.stride(1) == 1
+        bounds = _bounds(out_start, y.shape[1])
+        lib.lora_expand_f32(
+            y.data_ptr(),
+            y.stride(0),
+            h.data_ptr(),
+            h.stride(0),
+            *_cell_args(pool, page_table, cells),
+            len(out_start),
+            bounds.data_ptr(),
+            b_offset.data_ptr(),
+            rank.data_ptr(),
+            h_start.data_ptr(),
+            scale.data_ptr(),
+            b_offset.stride(0),
+            h.shape[1],  # the highest rank a B has
+            torch.get_num_threads(),
+        )
+    if indices.batches != ():  # the long segments
+        lora_expand_torch(y, h, pool, page_table, indices, b_offset, rank, h_start, scale, out_start)

@@ -1,0 +1,111 @@
+"""The C kernels of the CPU path (kernels/lora_cpu.c) equal the per-segment reference.
+
+test_lora_torch.py runs them over every placement and step shape on its model; here the shapes
+reach the kernels' other branches: rows whose length is not a multiple of 8 (the scalar tail),
+rank 16 beside odd ranks, more A rows than one task's block, B wider than one task's block,
+cells of 1 to 64 tokens beside a long segment, and adapters whose pages are not one run (copied
+into scratch). Free pages hold NaN, so a read outside an adapter's pages would show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from test_lora_torch import MODEL, build, indices_for
+
+from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
+from lorapage.kernels.lora_plan import CELL_TOKENS
+from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from lorapage.model.config import GROUPS
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
+
+MODELS = {
+    # d_in 20 and 36: every dot product ends in the scalar tail; k/v are 10 wide.
+    "odd_widths": dataclasses.replace(MODEL, hidden_size=20, intermediate_size=36, num_heads=4, head_dim=5),
+    # gate/up 272 wide (two expand blocks of 256), qkv's stacked A 3 x 24 rows (five shrink blocks).
+    "wide": dataclasses.replace(MODEL, hidden_size=64, intermediate_size=272, num_heads=4, head_dim=16),
+}
+STEPS = {
+    # name: (ranks, slots per row, tokens per row)
+    "decode": ([3, 16, 24, 16], [1, 0, 2, 3, 4], [1] * 5),
+    "short_cells": ([3, 16, 24, 16], [2, 1, 4, 3, 2, 0], [5, 2, 13, 1, 3, 2]),
+    "cell_limit_and_long": ([16, 24], [1, 2, 1], [CELL_TOKENS, CELL_TOKENS + 1, 7]),
+}
+
+
+def run_group(model, pool, tables, idx, t, layer, g, m0, ops, gen_seed):
+    dims = model.module_dims()
+    group = GROUPS[g]
+    widths = [dims[m][1] for m in group]
+    starts = tuple(int(x) for x in np.cumsum([0] + widths[:-1]))
+    x = torch.randn(t, dims[group[0]][0], generator=torch.Generator().manual_seed(gen_seed))
+    shrink, expand = ops
+    h = torch.zeros(t, 3 * 24)
+    y = torch.ones(t, sum(widths))
+    m1 = m0 + len(group)
+    shrink(h, x, pool[layer], tables.page_table, idx, tables.a_offset[layer, :, g], tables.a_rows[layer, :, g])
+    expand(
+        y,
+        h,
+        pool[layer],
+        tables.page_table,
+        idx,
+        tables.b_offset[layer, :, m0:m1],
+        tables.rank[layer, :, m0:m1],
+        tables.h_start[layer, :, m0:m1],
+        tables.scale[layer, :, m0:m1],
+        starts,
+    )
+    return y
+
+
+@pytest.mark.parametrize("placement", ["grid_holes", "scattered"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_c_kernels_match_reference(model_name, step, placement):
+    model = MODELS[model_name]
+    ranks, slots, lengths = STEPS[step]
+    pool, tables = build(ranks, placement, seed=len(slots), model=model)
+    idx, t = indices_for(slots, lengths)
+    layout = (tables.a_offset, tables.a_rows, tables.b_offset, tables.rank, tables.h_start)
+    planned = idx.with_cells(tables.page_table, layout, pool[0])
+    assert planned.cells is not None  # the C kernels run
+    long = [s for s in idx.segments if s[1] - s[0] > CELL_TOKENS]
+    assert len(planned.batches) == len(long)  # and only the long segments go to the PyTorch ops
+    for layer in range(model.num_layers):
+        m0 = 0
+        for g, group in enumerate(GROUPS):
+            want = run_group(model, pool, tables, idx, t, layer, g, m0, (lora_shrink_ref, lora_expand_ref), g)
+            got = run_group(model, pool, tables, planned, t, layer, g, m0, (lora_shrink_cpu, lora_expand_cpu), g)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            m0 += len(group)
+
+
+def test_other_dtypes_run_the_pytorch_ops():
+    pool, tables = build([8, 8], "grid_holes", seed=0)
+    idx, t = indices_for([1, 2], [1, 1])
+    pool16 = pool.to(torch.bfloat16)
+    h = torch.zeros(t, 3 * 16, dtype=torch.bfloat16)
+    x = torch.randn(t, MODEL.hidden_size, dtype=torch.bfloat16)
+    want = h.clone()
+    lora_shrink_ref(want, x, pool16[0], tables.page_table, idx, tables.a_offset[0, :, 0], tables.a_rows[0, :, 0])
+    lora_shrink_cpu(h, x, pool16[0], tables.page_table, idx, tables.a_offset[0, :, 0], tables.a_rows[0, :, 0])
+    torch.testing.assert_close(h, want)
+
+
+def test_the_build_is_cached_per_machine(tmp_path, monkeypatch):
+    from lorapage.kernels import cpu_build
+
+    monkeypatch.setenv("LORAPAGE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_build._load()
+    built = sorted(tmp_path.glob("lora_cpu-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob(".build-*"))  # renamed into place, nothing left over
+    mtime = built[0].stat().st_mtime_ns
+    second = cpu_build._load()
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    assert first._name == second._name == str(built[0])
