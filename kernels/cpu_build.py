@@ -68,7 +68,12 @@ def _load() -> ctypes.CDLL:
     ).hexdigest()[:16]
     target = cache_dir() / f"lora_cpu-{key}.so"
     if not target.exists():
-        _build(compiler, gomp, target)
+        try:
+            _build(compiler, gomp, target)
+        except PermissionError:  # a read-only home: build for this user under the temp dir
+            target = Path(tempfile.gettempdir()) / f"lorapage-kernels-{os.getuid()}" / target.name
+            if not target.exists():
+                _build(compiler, gomp, target)
     lib = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
