@@ -20,7 +20,7 @@ first cycles twice as many adapters through the pool (loads that evict idle ones
 measured adapters sit at scattered pages with other adapters' pages between them and their slots
 out of page order, as after evictions, instead of loaded back to back. ``--skip-residency`` skips
 the residency timings. (a), (b), (c), (e) and the prefill figures are each the median of
-``--rounds`` passes (default 3) taken in turn; prefix caching is off, since every pass reuses its
+``--rounds`` passes (default 5) taken in turn; prefix caching is off, since every pass reuses its
 prompts.
 
     python bench/bench_engine.py [--quick] [--prefill] [--scattered] [--skip-residency] [--rounds N]
@@ -436,7 +436,7 @@ if __name__ == "__main__":
     parser.add_argument("--prefill", action="store_true", help="also the prefill-heavy figures")
     parser.add_argument("--scattered", action="store_true", help="measured adapters scattered in the pool")
     parser.add_argument("--skip-residency", action="store_true", help="throughput figures only")
-    parser.add_argument("--rounds", type=int, default=3, help="passes over (a), (b), (c), (e) and prefill (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="passes over (a), (b), (c), (e) and prefill (median)")
     args = parser.parse_args()
     result = asyncio.run(main(args.quick, args.prefill, args.scattered, not args.skip_residency, args.rounds))
     print(json.dumps(report(result)))
