@@ -4,7 +4,6 @@ adapter is not starved by hot ones holding every slot (busy adapters yield in tu
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 from engine_util import collect, engine_pages, tiny_engine
@@ -34,12 +33,18 @@ async def test_adapter_copy_failure_returns_its_slot_and_pages():
 
 
 async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_pages():
-    """Unregistering an adapter whose copy waits on the busy forward thread must not leak its slot
-    and pages, nor free them before the queued copy has run."""
+    """Unregistering an adapter whose copy is still queued (on CUDA, behind the step in flight on
+    the forward thread) must not leak its slot and pages, nor free them before the copy has run."""
     engine = tiny_engine(max_loras=2)
     free, slots = engine.pool_free_pages(), len(engine.adapters._free_slots)
-    gate = threading.Event()
-    engine._forward.submit(gate.wait, 10)  # the forward thread is busy: the copy queues behind it
+    gate = asyncio.Event()
+    run_on_device = engine.adapters._run_on_device
+
+    async def queued(fn):  # the copy waits its turn, as behind a busy forward thread
+        await gate.wait()
+        await run_on_device(fn)
+
+    engine.adapters._run_on_device = queued
     engine.adapters.ensure("acme@1")
     for _ in range(500):
         if engine.pool_free_pages() < free:

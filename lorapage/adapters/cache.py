@@ -777,7 +777,7 @@ class AdapterCache:
         return victim
 
     def _copy_in(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
-        """Host RAM -> pool pages, then point the slot's table rows at them (forward thread)."""
+        """Host RAM -> pool pages, then point the slot's table rows at them (``run_on_device``)."""
         n, size = len(pages), self.pool.page_size
         src = packed.view(packed.shape[0], n, size)
         storage = self.pool.storage

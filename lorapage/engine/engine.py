@@ -589,7 +589,13 @@ class Engine:
         self.step_loop.wake()
 
     async def _run_on_device(self, fn: Callable[[], None]) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._forward, fn)
+        """Run an adapter's copy into its pages. On CUDA it queues on the forward thread, ordered
+        with the steps on one stream (and between graph replays). On a CPU there is no stream, and
+        the copy writes only pages and a slot reserved for its load, which no step reads until
+        the load is done. So it runs on an I/O thread beside the step in flight rather than
+        behind it, which would add up to a whole step to every cold request's wait."""
+        executor = self._io if self.device.type == "cpu" else self._forward
+        await asyncio.get_running_loop().run_in_executor(executor, fn)
 
 
 def _ratio(part: int, whole: int) -> float:
