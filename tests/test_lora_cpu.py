@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
-from test_lora_torch import MODEL, build, indices_for
+from test_lora_torch import MODEL, REF_OPS, build, group_output, indices_for
 
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_plan import CELL_TOKENS
-from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from lorapage.kernels.lora_ref import lora_shrink_ref
 from lorapage.model.config import GROUPS
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
@@ -38,32 +37,6 @@ STEPS = {
 }
 
 
-def run_group(model, pool, tables, idx, t, layer, g, m0, ops, gen_seed):
-    dims = model.module_dims()
-    group = GROUPS[g]
-    widths = [dims[m][1] for m in group]
-    starts = tuple(int(x) for x in np.cumsum([0] + widths[:-1]))
-    x = torch.randn(t, dims[group[0]][0], generator=torch.Generator().manual_seed(gen_seed))
-    shrink, expand = ops
-    h = torch.zeros(t, 3 * 24)
-    y = torch.ones(t, sum(widths))
-    m1 = m0 + len(group)
-    shrink(h, x, pool[layer], tables.page_table, idx, tables.a_offset[layer, :, g], tables.a_rows[layer, :, g])
-    expand(
-        y,
-        h,
-        pool[layer],
-        tables.page_table,
-        idx,
-        tables.b_offset[layer, :, m0:m1],
-        tables.rank[layer, :, m0:m1],
-        tables.h_start[layer, :, m0:m1],
-        tables.scale[layer, :, m0:m1],
-        starts,
-    )
-    return y
-
-
 @pytest.mark.parametrize("placement", ["grid_holes", "scattered"])
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
@@ -77,13 +50,14 @@ def test_c_kernels_match_reference(model_name, step, placement):
     assert planned.cells is not None  # the C kernels run
     long = [s for s in idx.segments if s[1] - s[0] > CELL_TOKENS]
     assert len(planned.batches) == len(long)  # and only the long segments go to the PyTorch ops
+    dims = model.module_dims()
+    gen = torch.Generator().manual_seed(2)
     for layer in range(model.num_layers):
-        m0 = 0
         for g, group in enumerate(GROUPS):
-            want = run_group(model, pool, tables, idx, t, layer, g, m0, (lora_shrink_ref, lora_expand_ref), g)
-            got = run_group(model, pool, tables, planned, t, layer, g, m0, (lora_shrink_cpu, lora_expand_cpu), g)
+            x = torch.randn(t, dims[group[0]][0], generator=gen)
+            want = group_output(REF_OPS, model, pool, tables, idx, x, layer, g)
+            got = group_output((lora_shrink_cpu, lora_expand_cpu), model, pool, tables, planned, x, layer, g)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            m0 += len(group)
 
 
 def test_other_dtypes_run_the_pytorch_ops():

@@ -111,6 +111,7 @@ CASES = {
 }
 
 
+REF_OPS = (lora_shrink_ref, lora_expand_ref)
 OPS = {"torch": (lora_shrink_torch, lora_expand_torch), "cpu": (lora_shrink_cpu, lora_expand_cpu)}
 
 
@@ -129,34 +130,30 @@ def test_batched_ops_match_reference(placement, case, planned, ops):
     dims = MODEL.module_dims()
     gen = torch.Generator().manual_seed(1)
     for layer in range(2):
-        slab = pool[layer]
-        m0 = 0
         for g, group in enumerate(GROUPS):
-            m1 = m0 + len(group)
-            widths = [dims[m][1] for m in group]
-            starts = tuple(int(x) for x in np.cumsum([0] + widths[:-1]))
             x = torch.randn(t, dims[group[0]][0], generator=gen)
-            outs = []
-            for shrink, expand in ((lora_shrink_ref, lora_expand_ref), OPS[ops]):
-                h = torch.zeros(t, 3 * 16)
-                y = torch.ones(t, sum(widths))
-                shrink(h, x, slab, tables.page_table, idx, tables.a_offset[layer, :, g], tables.a_rows[layer, :, g])
-                expand(
-                    y,
-                    h,
-                    slab,
-                    tables.page_table,
-                    idx,
-                    tables.b_offset[layer, :, m0:m1],
-                    tables.rank[layer, :, m0:m1],
-                    tables.h_start[layer, :, m0:m1],
-                    tables.scale[layer, :, m0:m1],
-                    starts,
-                )
-                outs.append(y)
+            want = group_output(REF_OPS, MODEL, pool, tables, idx, x, layer, g)
+            got = group_output(OPS[ops], MODEL, pool, tables, idx, x, layer, g)
             # The scale is applied before the product here, after it in the reference.
-            torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
-            m0 = m1
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def group_output(ops, model, pool, tables, idx, x, layer, g):
+    """``ones + `` group ``g``'s LoRA delta for the token rows ``x``, through ``ops`` (shrink, expand)."""
+    dims = model.module_dims()
+    group = GROUPS[g]
+    m0 = sum(len(earlier) for earlier in GROUPS[:g])
+    m1 = m0 + len(group)
+    widths = [dims[m][1] for m in group]
+    starts = tuple(int(v) for v in np.cumsum([0] + widths[:-1]))
+    shrink, expand = ops
+    h = torch.zeros(x.shape[0], 3 * 24)  # room for 3 modules of the highest rank the tests use
+    y = torch.ones(x.shape[0], sum(widths))
+    slab, pt = pool[layer], tables.page_table
+    shrink(h, x, slab, pt, idx, tables.a_offset[layer, :, g], tables.a_rows[layer, :, g])
+    tabs = (tables.b_offset, tables.rank, tables.h_start, tables.scale)
+    expand(y, h, slab, pt, idx, *(t[layer, :, m0:m1] for t in tabs), starts)
+    return y
 
 
 def _plan(placement: str, slots: list[int], lengths: list[int]):
