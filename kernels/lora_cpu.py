@@ -21,7 +21,11 @@ from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 
 def _planned(indices: LoraIndices, page_table: Tensor, pool: Tensor, *tables: Tensor) -> LoraIndices:
+    """``indices`` with cells and batches for this call when the caller planned none (and the C
+    kernels can take them: float32, built)."""
     if indices.cells is not None or indices.batches is not None or pool.dtype != torch.float32:
+        return indices
+    if cpu_kernels() is None:
         return indices
     cells, long = split_cells(indices.segments)
     return replace(indices, cells=cells, batches=plan_lora_batches(long, page_table, [_host(t) for t in tables], pool))
