@@ -2,11 +2,11 @@
 
 ``torch`` runs the PyTorch references and batched PyTorch LoRA ops. ``cpu`` is the same with the
 LoRA ops' short segments (decode rows) in the C kernels of ``lora_cpu.c``, built on first use with
-the system compiler. ``triton`` runs the Triton kernels: compiled on CUDA, and under Triton's
+the system compiler (float32 models only). ``triton`` runs the Triton kernels: compiled on CUDA, and under Triton's
 interpreter on a machine without CUDA (that is how the CPU test suite checks them; it is far too
-slow to serve with). ``auto`` picks Triton on CUDA when it is installed, else ``cpu`` on a CPU
-where the C kernels build, else ``torch``. Triton is imported only when the ``triton`` backend is chosen, so a CPU-only
-install without it still runs.
+slow to serve with). ``auto`` picks Triton on CUDA when it is installed, else ``cpu`` for a
+float32 model on a CPU where the C kernels build, else ``torch``. Triton is imported only when the
+``triton`` backend is chosen, so a CPU-only install without it still runs.
 """
 
 from __future__ import annotations
@@ -52,19 +52,20 @@ def _triton_ops() -> KernelOps:
     return KernelOps("triton", lora_shrink, lora_expand, write_kv, paged_decode_attention, prefill_attention)
 
 
-def select_backend(name: str, device: torch.device) -> KernelOps:
-    """The ops for ``name`` (one of ``BACKENDS``) on ``device``; called once at start-up."""
+def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
+    """The ops for ``name`` (one of ``BACKENDS``) on ``device`` for a model in ``dtype``; called
+    once at start-up."""
     if name not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}; got {name!r}")
     if name == "auto" and device.type == "cuda":
         name = "triton" if triton_available() else "torch"
     elif name == "auto":
-        name = "cpu" if device.type == "cpu" and cpu_kernels() is not None else "torch"
+        name = "cpu" if device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None else "torch"
     if name == "torch":
         return TORCH_OPS
     if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"kernel_backend='cpu' runs on the CPU, not {device.type}")
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"kernel_backend='cpu' runs float32 on the CPU, not {dtype} on {device.type}")
         if cpu_kernels() is None:
             raise ValueError("kernel_backend='cpu' needs its C kernels, which did not build here (see the log)")
         return CPU_OPS

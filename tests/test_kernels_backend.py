@@ -28,6 +28,10 @@ def test_torch_on_cpu_uses_the_pytorch_ops_and_auto_the_c_kernels() -> None:
         assert cpu_kernels() is not None
     want = CPU_OPS if cpu_kernels() is not None else TORCH_OPS
     assert select_backend("auto", torch.device("cpu")) is want
+    # The C kernels take float32 only: another dtype gets the PyTorch ops, and asking for them is refused.
+    assert select_backend("auto", torch.device("cpu"), torch.bfloat16) is TORCH_OPS
+    with pytest.raises(ValueError, match="runs float32 on the CPU"):
+        select_backend("cpu", torch.device("cpu"), torch.bfloat16)
 
 
 def test_without_a_compiler_cpu_falls_back_to_torch(tmp_path) -> None:

@@ -109,7 +109,7 @@ class Engine:
             mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size, self.dtype, self.device
         )
         self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
-        self.ops = select_backend(config.kernel_backend, self.device)
+        self.ops = select_backend(config.kernel_backend, self.device, self.dtype)
         self.runner = ModelRunner(
             model,
             self.pool,

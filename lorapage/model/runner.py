@@ -175,10 +175,8 @@ class ModelRunner:
         """The CPU ops' cells and batches, planned once for every layer and module of the step."""
         t = self.ctx.tables
         layout = (t.a_offset, t.a_rows, t.b_offset, t.rank, t.h_start)
-        slab = self.ctx.pool.storage[0]
-        if self.ctx.ops.name == "cpu" and slab.dtype == torch.float32:  # the C kernels' dtype
-            return lora.with_cells(t.page_table, layout, slab)
-        return lora.with_batches(t.page_table, layout, slab)
+        plan = lora.with_cells if self.ctx.ops.name == "cpu" else lora.with_batches
+        return plan(t.page_table, layout, self.ctx.pool.storage[0])
 
     def _replay(self, plan: StepPlan) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""
