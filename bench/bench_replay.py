@@ -2,7 +2,8 @@
 
 1. S-LoRA's headline: the same closed-loop trace (N requests, 32 in flight, adapters Zipf(1.0))
    with 5 and with 2,000 registered adapters (rank 16 on all seven projections). Target:
-   throughput with 2,000 >= 0.95 x with 5 (medians of --rounds passes of each, taken in turn).
+   throughput with 2,000 >= 0.95 x with 5 (medians of --rounds passes of each, taken in turn in
+   alternating order).
    Reports TTFT p95 of both. The 2,000 adapters are 5 real
    PEFT directories each registered under 400 names: every name is a distinct adapter to the
    engine (its own registry entry, host-RAM copy, pool pages and slot), so loads, evictions and
@@ -15,7 +16,7 @@
    requests whose adapter was resident (tier gpu) against those that had to load it (ram / disk).
    Targets: the seed's SLOs, 1 s warm and 2 s cold.
 
-    python bench/bench_replay.py [--quick] [--only slora,fairness,seed] [--rounds 3] [--seed-scale 0.02] [--out DIR]
+    python bench/bench_replay.py [--quick] [--only slora,fairness,seed] [--rounds 4] [--seed-scale 0.02] [--out DIR]
 
 Each benchmark prints a table; the last line is one JSON object with every figure and target.
 Reports (report.md, plots) of every run are written under --out.
@@ -93,7 +94,7 @@ def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:,.0f}"
 
 
-async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rounds: int = 3) -> dict:
+async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rounds: int = 4) -> dict:
     n = 64 if quick else 192
     big = 2000
     base = GenConfig(seed=11, num_requests=n, duration_s=None, adapters=big, zipf_alpha=1.0, tenants=8, **SHORT)
@@ -103,10 +104,13 @@ async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rou
     trace_small = [with_fields(r, model=f"a{int(r.model[1:]) % 5:0{width}d}") for r in trace_big]
     opts = RunOptions(concurrency=32, probe_interval_s=0.5)
     # The two configurations run in turn, `rounds` times, each on a fresh engine; every figure is
-    # the median of its rounds. One pass of each swings by +-15% with the shared cores' load.
+    # the median of its rounds. One pass of each swings by +-15% with the shared cores' load, so
+    # the order alternates (5 first, then 2,000 first, ...): a drift in the machine's load over
+    # the run then falls on both alike instead of always on the one that runs second.
     samples: dict[int, list[dict]] = {5: [], big: []}
+    configs = (("slora-5", trace_small, 5), ("slora-2000", trace_big, big))
     for i in range(rounds):
-        for label, trace, registered in (("slora-5", trace_small, 5), ("slora-2000", trace_big, big)):
+        for label, trace, registered in configs if i % 2 == 0 else configs[::-1]:
             names = [f"a{k:0{width}d}" for k in range(registered)]
             assert set(trace_adapters(trace, "base")) <= set(names)
             engine, reg_s = engine_for(model, dirs, names)
@@ -130,7 +134,7 @@ async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rou
     ratio = large["tokens_per_s"] / small["tokens_per_s"]
     per_round = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(samples[5], samples[big])]
     print(f"\n1. S-LoRA headline: {n} requests, 32 in flight, Zipf(1.0) adapters, rank 16 all modules")
-    print(f"medians of {rounds} rounds, the two configurations in turn")
+    print(f"medians of {rounds} rounds, the two configurations in turn, in alternating order")
     print(
         "| registered | distinct in trace | register (s) | output tokens/s | requests/s | TTFT p50 (ms) | TTFT p95 (ms) | ok |"
     )
@@ -272,7 +276,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
-    parser.add_argument("--rounds", type=int, default=3, help="S-LoRA headline: passes of each configuration")
+    parser.add_argument("--rounds", type=int, default=4, help="S-LoRA headline: passes of each configuration")
     parser.add_argument("--seed-scale", type=float, default=0.02, help="scale of the seed workload (0.02: 0.8 req/s)")
     parser.add_argument("--out", default=None, help="where the runs' reports go (default: a temporary directory)")
     print(json.dumps(asyncio.run(main(parser.parse_args()))))

@@ -89,17 +89,25 @@ class AdapterLayout:
         )
 
     def pack(self, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], page_size: int) -> torch.Tensor:
-        """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages."""
+        """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages.
+
+        :meth:`plan` lays each layer out in the order its pieces are listed here (per group: its
+        targeted A's, then their B's), so the whole buffer is one ``torch.cat``: a single copy,
+        where writing each matrix into a zeroed buffer paid Python overhead per slice.
+        """
         first = next(iter(tensors.values()))[0]
-        out = torch.zeros(len(self.rank), self.num_pages * page_size, dtype=first.dtype)
-        for (layer, module), (a, b) in tensors.items():
-            i = MODULES.index(module)
-            g = next(j for j, grp in enumerate(GROUPS) if module in grp)
-            d_in = a.shape[1]
-            a_at = self.a_offset[layer][g] + self.h_start[layer][i] * d_in
-            out[layer, a_at : a_at + a.numel()] = a.reshape(-1)
-            out[layer, self.b_offset[layer][i] : self.b_offset[layer][i] + b.numel()] = b.reshape(-1)
-        return out
+        row = self.num_pages * page_size
+        padding = first.new_zeros(row)
+        parts: list[torch.Tensor] = []
+        for layer, ranks in enumerate(self.rank):
+            used = 0
+            for group in GROUPS:
+                pairs = [tensors[(layer, m)] for m in group if ranks[MODULES.index(m)]]
+                pieces = [a.reshape(-1) for a, _ in pairs] + [b.reshape(-1) for _, b in pairs]
+                parts += pieces
+                used += sum(x.numel() for x in pieces)
+            parts.append(padding[: row - used])
+        return torch.cat(parts).view(len(self.rank), row)
 
 
 def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:

@@ -255,19 +255,25 @@ def load_adapter_tensors(
     out: dict[tuple[int, str], list] = {}
     for key, t in state.items():
         layer, module, ab = parse_key(spec.path, key)
-        out.setdefault((layer, module), [None, None])["AB".index(ab)] = _finite(spec.path, key, t, dtype)
+        out.setdefault((layer, module), [None, None])["AB".index(ab)] = t if t.dtype == dtype else t.to(dtype)
     if out.keys() != spec.ranks.keys():
         raise _fail(spec.path, "weights changed since registration (targeted modules differ)")
     for pair, (a, b) in out.items():
         if a.shape[0] != spec.ranks[pair] or b.shape[1] != spec.ranks[pair]:
             raise _fail(spec.path, f"weights changed since registration (rank of {pair} differs)")
+    # One finite sum means every value is finite; only otherwise is each weight looked at, to name
+    # it. (A sum can overflow where no value does: then the per-weight check passes them all.)
+    converted = [t for pair in out.values() for t in pair]
+    if not torch.isfinite(torch.stack([t.sum() for t in converted])).all():
+        for key, t in state.items():
+            layer, module, ab = parse_key(spec.path, key)
+            _finite(spec.path, key, t, out[(layer, module)]["AB".index(ab)])
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def _finite(path: Path, key: str, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` in ``dtype``, or a refusal naming it if a value is not finite there."""
-    converted = weight.to(dtype)
+def _finite(path: Path, key: str, weight: torch.Tensor, converted: torch.Tensor) -> None:
+    """Refuse ``weight`` (as read) naming it, if a value of it is not finite once ``converted``."""
     if not torch.isfinite(converted).all():
-        why = "has NaN or Inf values" if not torch.isfinite(weight).all() else f"has values that overflow {dtype}"
+        overflow = torch.isfinite(weight).all()
+        why = f"has values that overflow {converted.dtype}" if overflow else "has NaN or Inf values"
         raise _fail(path, f"adapter weight {key!r} {why}; the adapter cannot be served")
-    return converted
