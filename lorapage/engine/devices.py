@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import torch
 
 # Keyed by lorapage.config.DTYPE_NAMES.
@@ -26,3 +30,21 @@ def bind_thread(device: torch.device) -> None:
     """Make ``device`` current in a worker thread: Triton launches on the thread's current device."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+# How much lower the I/O threads run than the forward on a CPU engine (Linux nice steps). On a
+# CPU the forward is the throughput; file reads, digests and copies are background work, and
+# `io_threads` of them at once would otherwise take turns with it on the same cores.
+IO_THREAD_NICENESS = 5
+
+
+def io_thread(device: torch.device) -> None:
+    """Initializer of an I/O worker: on a CPU engine under Linux, lower this thread's scheduling
+    priority (``setpriority`` on its thread id). On CUDA the forward mostly waits on the GPU and
+    the I/O threads keep their priority."""
+    if device.type == "cpu" and sys.platform == "linux":
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + IO_THREAD_NICENESS)
+        except OSError:  # a sandbox that refuses it: run at the process's priority
+            pass

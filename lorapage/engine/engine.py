@@ -34,7 +34,7 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
 from lorapage.adapters.sources import AdapterSources, FileSource, Source, parse_source
 from lorapage.adapters.value import LoadTier, Stage
 from lorapage.config import EngineConfig
-from lorapage.engine.devices import DTYPES, bind_thread, resolve_device
+from lorapage.engine.devices import DTYPES, bind_thread, io_thread, resolve_device
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
@@ -127,7 +127,9 @@ class Engine:
         self._forward = ThreadPoolExecutor(
             1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
         )
-        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="lorapage-io")
+        self._io = ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(self.device,)
+        )
         self.prefix_cache = PrefixCache(self.pool, clock)
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
