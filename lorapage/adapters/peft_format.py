@@ -253,9 +253,12 @@ def load_adapter_tensors(
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
     out: dict[tuple[int, str], list] = {}
+    read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)
     for key, t in state.items():
         layer, module, ab = parse_key(spec.path, key)
-        out.setdefault((layer, module), [None, None])["AB".index(ab)] = t if t.dtype == dtype else t.to(dtype)
+        converted = t if t.dtype == dtype else t.to(dtype)
+        out.setdefault((layer, module), [None, None])["AB".index(ab)] = converted
+        read.append((key, t, converted))
     if out.keys() != spec.ranks.keys():
         raise _fail(spec.path, "weights changed since registration (targeted modules differ)")
     for pair, (a, b) in out.items():
@@ -263,11 +266,9 @@ def load_adapter_tensors(
             raise _fail(spec.path, f"weights changed since registration (rank of {pair} differs)")
     # One finite sum means every value is finite; only otherwise is each weight looked at, to name
     # it. (A sum can overflow where no value does: then the per-weight check passes them all.)
-    converted = [t for pair in out.values() for t in pair]
-    if not torch.isfinite(torch.stack([t.sum() for t in converted])).all():
-        for key, t in state.items():
-            layer, module, ab = parse_key(spec.path, key)
-            _finite(spec.path, key, t, out[(layer, module)]["AB".index(ab)])
+    if not torch.isfinite(torch.stack([c.sum() for _, _, c in read])).all():
+        for key, t, converted in read:
+            _finite(spec.path, key, t, converted)
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
