@@ -60,7 +60,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA-graph capture of decode steps (CUDA + Triton only)
     scheduler: str = "vtc"  # vtc (fair across tenants) | fcfs
     seed: int = 0
-    io_threads: int = 4  # adapter file reads run here, never on the event loop
+    # Adapter file reads, digests and (on a CPU) copies into the pool run on these threads, never
+    # on the event loop. None: 4 on CUDA; on a CPU, the cores the forward's threads leave free (1-4).
+    io_threads: int | None = None
     # The adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3
     # and survives restarts; None keeps it in memory for this engine's life.
     state_dir: str | None = None
@@ -98,5 +100,5 @@ class EngineConfig:
             "metrics_top_adapters",
         )
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1; got {getattr(self, name)}")

@@ -1,4 +1,5 @@
-"""The engine's threads: on a CPU engine its I/O workers run below the forward's priority."""
+"""The engine's threads: how many I/O workers it starts, and on a CPU engine they run below the
+forward's priority."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from engine_util import tiny_engine
 
-from lorapage.engine.devices import IO_THREAD_NICENESS, io_thread
+from lorapage.engine.devices import CUDA_IO_THREADS, IO_THREAD_NICENESS, io_thread, io_thread_count
 
 
 def _niceness() -> int:
@@ -42,3 +43,25 @@ def test_io_thread_leaves_a_cuda_engines_workers_at_the_process_priority():
     t.start()
     t.join()
     assert seen == [_niceness()]
+
+
+def test_io_thread_count_is_the_configs_else_the_cores_a_cpu_forward_leaves_free(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert io_thread_count(3, cpu) == 3 and io_thread_count(3, cuda) == 3  # as configured
+    assert io_thread_count(None, cuda) == CUDA_IO_THREADS
+    cores = {"n": 2}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores["n"])), raising=False)
+    for n, torch_threads, want in ((2, 1, 1), (2, 2, 1), (8, 2, 4), (8, 6, 2), (16, 1, 4)):
+        cores["n"] = n
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=torch_threads: t)
+        assert io_thread_count(None, cpu) == want, (n, torch_threads)
+
+
+async def test_a_cpu_engine_starts_the_io_threads_it_counted():
+    engine = tiny_engine()
+    try:
+        assert engine.io_threads == io_thread_count(None, torch.device("cpu"))
+        assert engine._io._max_workers == engine.io_threads
+        assert engine.adapters.max_prefetches == max(0, min(2, engine.io_threads - 1))
+    finally:
+        await engine.close()

@@ -34,7 +34,7 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
 from lorapage.adapters.sources import AdapterSources, FileSource, Source, parse_source
 from lorapage.adapters.value import LoadTier, Stage
 from lorapage.config import EngineConfig
-from lorapage.engine.devices import DTYPES, bind_thread, io_thread, resolve_device
+from lorapage.engine.devices import DTYPES, bind_thread, io_thread, io_thread_count, resolve_device
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
@@ -127,8 +127,9 @@ class Engine:
         self._forward = ThreadPoolExecutor(
             1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
         )
+        self.io_threads = io_thread_count(config.io_threads, self.device)
         self._io = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(self.device,)
+            self.io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(self.device,)
         )
         self.prefix_cache = PrefixCache(self.pool, clock)
         self.adapter_metrics = AdapterMetrics(
@@ -152,7 +153,7 @@ class Engine:
             idle_kv=self.prefix_cache,
             sequence_pages=max_blocks,
             max_pinned_fraction=config.max_pinned_fraction,
-            max_prefetches=max(0, min(MAX_PREFETCHES, config.io_threads - 1)),
+            max_prefetches=max(0, min(MAX_PREFETCHES, self.io_threads - 1)),
             metrics=self.adapter_metrics,
         )
         # Remote versions whose files a registration or fetch of this process landed in the disk

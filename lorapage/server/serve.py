@@ -44,6 +44,7 @@ _ENGINE_FLAGS: tuple[tuple[str, type], ...] = (
     ("adapter_wait_s", float),
     ("max_pinned_fraction", float),
     ("metrics_top_adapters", int),
+    ("io_threads", int),
 )
 _ENGINE_FIELDS = (
     *(name for name, _ in _ENGINE_FLAGS),
