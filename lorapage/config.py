@@ -61,7 +61,7 @@ class EngineConfig:
     scheduler: str = "vtc"  # vtc (fair across tenants) | fcfs
     seed: int = 0
     # Adapter file reads, digests and (on a CPU) copies into the pool run on these threads, never
-    # on the event loop. None: 4 on CUDA; on a CPU, the cores the forward's threads leave free (1-4).
+    # on the event loop. None: 4 on CUDA; on a CPU, the cores the forward's threads leave free (2-4).
     io_threads: int | None = None
     # The adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3
     # and survives restarts; None keeps it in memory for this engine's life.

@@ -51,7 +51,7 @@ def test_io_thread_count_is_the_configs_else_the_cores_a_cpu_forward_leaves_free
     assert io_thread_count(None, cuda) == CUDA_IO_THREADS
     cores = {"n": 2}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores["n"])), raising=False)
-    for n, torch_threads, want in ((2, 1, 1), (2, 2, 1), (8, 2, 4), (8, 6, 2), (16, 1, 4)):
+    for n, torch_threads, want in ((2, 1, 2), (2, 2, 2), (8, 2, 4), (8, 5, 3), (16, 1, 4)):
         cores["n"] = n
         monkeypatch.setattr(torch, "get_num_threads", lambda t=torch_threads: t)
         assert io_thread_count(None, cpu) == want, (n, torch_threads)

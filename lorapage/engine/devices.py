@@ -39,18 +39,20 @@ CUDA_IO_THREADS = 4
 
 def io_thread_count(configured: int | None, device: torch.device) -> int:
     """Threads of the engine's I/O pool: ``configured`` when given; else ``CUDA_IO_THREADS`` on
-    CUDA, and on a CPU the cores the forward's threads leave free (at least 1, at most 4).
+    CUDA, and on a CPU the cores the forward's threads leave free (at least 2, at most 4).
 
     On a CPU more I/O threads than free cores only take turns with the forward: in the S-LoRA
     replay on 2 cores (forward at 1 thread, 2,000 adapters) the forward thread waited 1.8-1.9 s
     runnable with 4 I/O threads and 0.14-0.19 s with 1, of a 36-40 s pass (bench/RESULTS.md).
+    Never fewer than 2: on a CPU the copies into the pool run here too, so with one thread a
+    read stuck on a slow file would hold up every other adapter's load.
     """
     if configured is not None:
         return configured
     if device.type != "cpu":
         return CUDA_IO_THREADS
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(CUDA_IO_THREADS, cores - torch.get_num_threads()))
+    return max(2, min(CUDA_IO_THREADS, cores - torch.get_num_threads()))
 
 
 # How much lower the I/O threads run than the forward on a CPU engine (Linux nice steps). On a
