@@ -100,5 +100,6 @@ class EngineConfig:
             "metrics_top_adapters",
         )
         for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1; got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: io_threads counted from the device
+                raise ValueError(f"EngineConfig.{name} must be >= 1; got {value}")

@@ -274,9 +274,8 @@ async def wait_for(predicate, what: str) -> None:
 async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_has_read():
     """max_cpu_loras=1 and max_loras=1: acme falls off host RAM and the pool once tenant t moves
     on. t's request for initech queues a prefetch of acme, which starts only once initech's own
-    read is done, takes no slot, and makes t's next acme request a host-RAM hit. (io_threads=4:
-    a CPU engine on a small machine defaults to 1 I/O thread, which leaves none to prefetch.)"""
-    engine = engine_with(max_loras=1, max_cpu_loras=1, io_threads=4)
+    read is done, takes no slot, and makes t's next acme request a host-RAM hit."""
+    engine = engine_with(max_loras=1, max_cpu_loras=1)
     try:
         await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         await collect(engine, PROMPT, "globex", SHORT, tenant="t")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from engine_util import tiny_engine
 
-from lorapage.engine.devices import CUDA_IO_THREADS, IO_THREAD_NICENESS, io_thread, io_thread_count
+from lorapage.engine.devices import IO_THREAD_NICENESS, MAX_IO_THREADS, io_thread, io_thread_count
+from lorapage.engine.engine import MAX_PREFETCHES
 
 
 def _niceness() -> int:
@@ -48,7 +49,7 @@ def test_io_thread_leaves_a_cuda_engines_workers_at_the_process_priority():
 def test_io_thread_count_is_the_configs_else_the_cores_a_cpu_forward_leaves_free(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert io_thread_count(3, cpu) == 3 and io_thread_count(3, cuda) == 3  # as configured
-    assert io_thread_count(None, cuda) == CUDA_IO_THREADS
+    assert io_thread_count(None, cuda) == MAX_IO_THREADS
     cores = {"n": 2}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores["n"])), raising=False)
     for n, torch_threads, want in ((2, 1, 2), (2, 2, 2), (8, 2, 4), (8, 5, 3), (16, 1, 4)):
@@ -62,6 +63,6 @@ async def test_a_cpu_engine_starts_the_io_threads_it_counted():
     try:
         assert engine.io_threads == io_thread_count(None, torch.device("cpu"))
         assert engine._io._max_workers == engine.io_threads
-        assert engine.adapters.max_prefetches == max(0, min(2, engine.io_threads - 1))
+        assert engine.adapters.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
     finally:
         await engine.close()

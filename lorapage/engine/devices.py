@@ -32,13 +32,14 @@ def bind_thread(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-# I/O threads of a CUDA engine when the config names no number: its forward mostly waits on the
-# GPU, so reads of several adapters (and prefetches beside them) overlap.
-CUDA_IO_THREADS = 4
+# I/O threads of a CUDA engine when the config names no number (its forward mostly waits on the
+# GPU, so reads of several adapters and prefetches beside them overlap), and the most a CPU
+# engine starts.
+MAX_IO_THREADS = 4
 
 
 def io_thread_count(configured: int | None, device: torch.device) -> int:
-    """Threads of the engine's I/O pool: ``configured`` when given; else ``CUDA_IO_THREADS`` on
+    """Threads of the engine's I/O pool: ``configured`` when given; else ``MAX_IO_THREADS`` on
     CUDA, and on a CPU the cores the forward's threads leave free (at least 2, at most 4).
 
     On a CPU more I/O threads than free cores only take turns with the forward: in the S-LoRA
@@ -50,9 +51,9 @@ def io_thread_count(configured: int | None, device: torch.device) -> int:
     if configured is not None:
         return configured
     if device.type != "cpu":
-        return CUDA_IO_THREADS
+        return MAX_IO_THREADS
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(2, min(CUDA_IO_THREADS, cores - torch.get_num_threads()))
+    return max(2, min(MAX_IO_THREADS, cores - torch.get_num_threads()))
 
 
 # How much lower the I/O threads run than the forward on a CPU engine (Linux nice steps). On a
