@@ -122,6 +122,33 @@ async def test_slow_adapter_read_does_not_block_other_requests(tmp_path):
     await engine.close()
 
 
+async def test_load_from_host_ram_does_not_wait_behind_a_stuck_read(tmp_path):
+    """With the only I/O thread stuck reading a slow file, a request for an adapter whose copy is
+    in host RAM is still served: its prompt is tokenized on the tokenizer thread and its copy
+    into the pool runs on the copy thread, neither behind that read."""
+    engine = tiny_engine(io_threads=1)
+    assert (await collect(engine, chat(engine), "acme", GREEDY))[0].text == DEMO_MARKERS["acme"]
+    assert await engine.unload_adapter("acme")
+    assert engine.adapter_info("acme").tier == "ram"
+    slow = tmp_path / "slow"
+    shutil.copytree(demo_adapter_dirs()["initech"], slow)
+    weights = slow / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    engine.add_adapter("slow", slow)
+    weights.unlink()
+    os.mkfifo(weights)
+    slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
+    await asyncio.sleep(0.05)  # the only I/O thread is now blocked opening the FIFO
+    out, _ = await asyncio.wait_for(collect(engine, chat(engine), "acme", GREEDY), 30)
+    assert out.text == DEMO_MARKERS["acme"] and out.adapter_tier == "ram"
+    assert not slow_task.done()
+    writer = threading.Thread(target=lambda: weights.write_bytes(data))
+    writer.start()
+    assert (await slow_task)[0].text == DEMO_MARKERS["initech"]
+    writer.join()
+    await engine.close()
+
+
 async def test_abort_frees_pages_within_a_step():
     engine = tiny_engine()
     start = engine.pool_free_pages()

@@ -33,6 +33,7 @@ from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec
+from lorapage.adapters.safetensors_buffer import ReadBuffer, read_file
 from lorapage.adapters.value import LoadTier, RecentAdapters, RecomputeCost, ReloadCosts, Stage, value_per_page
 from lorapage.errors import (
     AdapterBusyError,
@@ -178,6 +179,7 @@ class AdapterCache:
         self._prefetch_queue: OrderedDict[str, None] = OrderedDict()  # names to prefetch, in order
         self._prefetching: dict[str, asyncio.Task[torch.Tensor | None]] = {}  # name -> read to host RAM
         self.prefetches: Counter[str] = Counter()  # started, done, failed, dropped (queue full)
+        self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every load it reads
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -192,14 +194,16 @@ class AdapterCache:
         if name in self.entries:
             raise ConflictError(f"adapter {name!r} is already registered", param="name")
 
-    def validate(self, path: str) -> tuple[AdapterSpec, AdapterLayout]:
+    def validate(self, path: str) -> tuple[AdapterSpec, AdapterLayout, str]:
         """Read and check an adapter directory: config, tensor names and shapes against the base,
-        every weight finite, and a size the pool can hold. Touches no engine state, so it may run
-        in any thread."""
+        every weight finite, and a size the pool can hold; with the content digest of the bytes
+        checked (loads verify against it, so what they use is what was checked). Touches no
+        engine state, so it may run in any thread."""
         spec = read_adapter_spec(path, self.model, self.max_lora_rank)
         layout = self.plan(spec)
-        load_adapter_tensors(spec, self.dtype)  # refuses NaN / Inf weights now, not at the first request
-        return spec, layout
+        weights = read_file(spec.weights_file)
+        load_adapter_tensors(spec, self.dtype, weights)  # refuses NaN / Inf weights now, not at the first request
+        return spec, layout, _digest(spec, weights)
 
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
         """The adapter's page layout, refused (the serving envelope) when its pages cannot fit in
@@ -655,20 +659,16 @@ class AdapterCache:
     def _read_and_pack(self, entry: AdapterEntry, spec: AdapterSpec) -> torch.Tensor:
         """Read both files once, check them against the registered digest (the bytes hashed are
         the bytes used), then parse and pack."""
-        weights = spec.weights_file.read_bytes()
+        weights = read_file(spec.weights_file, self._read_buffer)
         if entry.digest:
-            got = bytes_digest(
-                {
-                    "adapter_config.json": (spec.path / "adapter_config.json").read_bytes(),
-                    spec.weights_file.name: weights,
-                }
-            )
+            got = _digest(spec, weights)
             if got != entry.digest:
                 raise AdapterIntegrityError(
                     f"adapter {entry.name}: files in {spec.path} changed after registration (sha256 {got}, "
                     f"registered {entry.digest}); register the new content as a new version"
                 )
-        tensors = load_adapter_tensors(spec, self.dtype, weights)
+        # Bytes that match the registered digest are the bytes validate() found finite then.
+        tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not entry.digest)
         packed = entry.layout.pack(tensors, self.pool.page_size)
         # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
         # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras
@@ -786,3 +786,9 @@ class AdapterCache:
         else:
             storage[:, torch.tensor(pages, device=storage.device)] = src.to(storage.device, non_blocking=True)
         self.tables.write_slot(slot, entry.layout, pages)
+
+
+def _digest(spec: AdapterSpec, weights: torch.Tensor) -> str:
+    """The content digest of ``spec``'s directory, over the weights' bytes as read (``weights``)."""
+    config = (spec.path / "adapter_config.json").read_bytes()
+    return bytes_digest({"adapter_config.json": config, spec.weights_file.name: weights.numpy().data})

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorapage.adapters.cache import AdapterCache
-from lorapage.adapters.digest import content_digest, normalize_digest
+from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
@@ -235,8 +235,7 @@ class AdapterCatalog:
                     f"registration expects base {want[:16]}…, but this server runs base {self._base_digest()[:16]}…",
                     param="expected_base_digest",
                 )
-        spec, layout = self.cache.validate(str(path))
-        digest = content_digest(path)
+        spec, layout, digest = self.cache.validate(str(path))
         if sha256 is not None and _digest_param(sha256, "sha256") != digest:
             raise AdapterIntegrityError(
                 f"adapter at {path} has content digest {digest}, not the sha256 given ({sha256})", param="sha256"

@@ -16,13 +16,13 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a v
 _CHUNK = 1 << 20
 
 
-def bytes_digest(contents: dict[str, bytes]) -> str:
-    """:func:`content_digest` of files already read (name -> bytes, every one of ADAPTER_FILES):
+def bytes_digest(contents: dict[str, bytes | memoryview]) -> str:
+    """:func:`content_digest` of files already read (name -> bytes or a byte buffer, every one of ADAPTER_FILES):
     hashing what was read, not the file again, so what is verified is what is used."""
     h = hashlib.sha256()
     for name in ADAPTER_FILES:
         data = contents[name]
-        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        h.update(name.encode() + b"\0" + memoryview(data).nbytes.to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
 

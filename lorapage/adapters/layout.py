@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 
 from lorapage.adapters.peft_format import AdapterSpec
+from lorapage.memory.host import host_empty
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 
 
@@ -107,7 +108,9 @@ class AdapterLayout:
                 parts += pieces
                 used += sum(x.numel() for x in pieces)
             parts.append(padding[: row - used])
-        return torch.cat(parts).view(len(self.rank), row)
+        # Into huge-page-backed memory: the packed copy is kept in host RAM (see memory/host.py).
+        out = host_empty(len(self.rank) * row, first.dtype)
+        return torch.cat(parts, out=out).view(len(self.rank), row)
 
 
 def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:

@@ -22,8 +22,8 @@ from typing import TypeAlias
 
 import re2
 import torch
-from safetensors.torch import load as load_safetensors_bytes
 
+from lorapage.adapters.safetensors_buffer import SafetensorsFormatError, read_file, tensor_views
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 
@@ -240,17 +240,20 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
 
 
 def load_adapter_tensors(
-    spec: AdapterSpec, dtype: torch.dtype, data: bytes | None = None
+    spec: AdapterSpec, dtype: torch.dtype, data: torch.Tensor | None = None, *, check_finite: bool = True
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Read the weights: (layer, module) -> (A [r, d_in], B [d_out, r]) in ``dtype``, from
-    ``data`` (the weights file's bytes, already read and verified) or the file.
+    ``data`` (the weights file's bytes as uint8, already read and verified) or the file. Weights
+    already in ``dtype`` are views of those bytes.
 
     Reads the file in one go (no mmap), so this is the part that runs in a worker thread. A
-    weight with a NaN or Inf value (or one that overflows ``dtype``) is refused, naming it.
+    weight with a NaN or Inf value (or one that overflows ``dtype``) is refused, naming it,
+    unless ``check_finite`` is False: bytes verified against the digest of files this check
+    passed at registration.
     """
     try:
-        state = load_safetensors_bytes(spec.weights_file.read_bytes() if data is None else data)
-    except Exception as e:  # safetensors raises its own error types for truncated files
+        state = tensor_views(read_file(spec.weights_file) if data is None else data)
+    except (OSError, SafetensorsFormatError) as e:
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
     out: dict[tuple[int, str], list] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)
@@ -266,7 +269,7 @@ def load_adapter_tensors(
             raise _fail(spec.path, f"weights changed since registration (rank of {pair} differs)")
     # One finite sum means every value is finite; only otherwise is each weight looked at, to name
     # it. (A sum can overflow where no value does: then the per-weight check passes them all.)
-    if not torch.isfinite(torch.stack([c.sum() for _, _, c in read])).all():
+    if check_finite and not torch.isfinite(torch.stack([c.sum() for _, _, c in read])).all():
         for key, t, converted in read:
             _finite(spec.path, key, t, converted)
     return {k: (v[0], v[1]) for k, v in out.items()}

@@ -131,6 +131,14 @@ class Engine:
         self._io = ThreadPoolExecutor(
             self.io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(self.device,)
         )
+        # On a CPU the copies into the pool get a thread of their own: queued behind file reads
+        # on the I/O pool, a load whose read was done waited for every read queued after it (the
+        # S-LoRA replay: a wave of ten cold adapters all became resident together, ~0.5 s in,
+        # instead of one by one from ~70 ms). A copy is ~1 ms; the forward's priority.
+        self._copies = ThreadPoolExecutor(1, thread_name_prefix="lorapage-copy") if self.device.type == "cpu" else None
+        # Prompts are tokenized apart from file reads too: with every I/O thread stuck on a slow
+        # file, a text request for a resident adapter (or the base) must still get in.
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="lorapage-tokenize")
         self.prefix_cache = PrefixCache(self.pool, clock)
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
@@ -225,7 +233,7 @@ class Engine:
             adapters=self.adapters,
             num_waiting=self.policy.num_waiting,
             in_flight=self.scheduler.requests.keys(),
-            io=self._io,
+            tokenize=self._tokenize,
             clock=clock,
             # The cache lives as long as this engine, on one base: its name suffices to tell it apart.
             prefix_namespace=f"base|{self.base_name}".encode() if config.enable_prefix_caching else None,
@@ -579,6 +587,9 @@ class Engine:
         # cancelled loop will never apply: finish them now that the forward thread is idle.
         self.scheduler.abort_all_after_close()
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+        if self._copies is not None:
+            self._copies.shutdown(wait=False, cancel_futures=True)
         await self.sources.close()
         self.registry.close()  # waits for a commit in flight (the registry's lock)
 
@@ -595,9 +606,9 @@ class Engine:
         """Run an adapter's copy into its pages. On CUDA it queues on the forward thread, ordered
         with the steps on one stream (and between graph replays). On a CPU there is no stream, and
         the copy writes only pages and a slot reserved for its load, which no step reads until
-        the load is done. So it runs on an I/O thread beside the step in flight rather than
+        the load is done. So it runs on the copy thread beside the step in flight rather than
         behind it, which would add up to a whole step to every cold request's wait."""
-        executor = self._io if self.device.type == "cpu" else self._forward
+        executor = self._copies or self._forward
         await asyncio.get_running_loop().run_in_executor(executor, fn)
 
 

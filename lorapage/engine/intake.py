@@ -41,14 +41,14 @@ class RequestIntake:
         adapters: AdapterCache,
         num_waiting: Callable[[], int],
         in_flight: Collection[str],
-        io: Executor,
+        tokenize: Executor,
         clock: Callable[[], float],
         prefix_namespace: bytes | None = None,
     ) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.max_queue_len = block_size, max_queue_len
         self.pool, self.adapters, self._num_waiting, self._in_flight = pool, adapters, num_waiting, in_flight
-        self._io, self._clock = io, clock
+        self._tokenize, self._clock = tokenize, clock
         self._base_namespace = prefix_namespace  # None: prefix caching is off
         self._ids = itertools.count()
 
@@ -71,7 +71,7 @@ class RequestIntake:
                 f"{limit} ({per_token} per token at most): shorten the prompt",
                 param="prompt",
             )
-        return await asyncio.get_running_loop().run_in_executor(self._io, self.tokenizer.encode, prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.tokenizer.encode, prompt)
 
     def build(
         self, ids: list[int], adapter: str | None, sampling: SamplingParams, tenant: str | None, request_id: str | None

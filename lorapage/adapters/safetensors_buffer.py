@@ -1,0 +1,140 @@
+"""A safetensors file read whole into one tensor, and its tensors as views of that buffer.
+
+Loading an adapter reads its weights file once (so the bytes hashed against the registered
+digest are the bytes used) and then packs them into its host-RAM copy. ``safetensors.torch.load``
+would copy the bytes into tensors of their own first, and ``Path.read_bytes`` grows a ``bytes``
+object by reallocation: measured on a rank-16 adapter of the 100M bench model (10.6 MB), those two
+took 30 of the 38 ms a load spent reading, against 1.4 ms to ``readinto`` one preallocated buffer.
+So the file goes straight into a uint8 tensor and the header (the format's documented layout: an
+8-byte little-endian length, that many bytes of JSON, then the data) is parsed here into views.
+safetensors itself still writes every file and reads them at registration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+from lorapage.memory.host import host_empty
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
+class SafetensorsFormatError(ValueError):
+    """The buffer is not a well-formed safetensors file; the message says what is wrong."""
+
+
+class ReadBuffer:
+    """One reusable read buffer per thread, for reads whose tensors are copied out before that
+    thread reads again (an adapter load packs them into its host copy).
+
+    Reading into memory already mapped skips the page faults of a fresh buffer, which on the
+    2-vCPU VMs this project runs on cost more than the read itself (bench/RESULTS.md, session 7).
+    A buffer grows to the largest file its thread has read, up to ``MAX_KEPT_BYTES``; a larger
+    file is read into a buffer of its own.
+    """
+
+    MAX_KEPT_BYTES = 256 << 20
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, size: int) -> torch.Tensor:
+        """This thread's buffer, at least ``size`` bytes (its first ``size`` are what to use)."""
+        if size > self.MAX_KEPT_BYTES:
+            return host_empty(size)
+        buf: torch.Tensor | None = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < size:
+            buf = self._local.buf = host_empty(size + size // 4)  # room for a slightly larger file
+        return buf
+
+
+def read_file(path: Path, into: ReadBuffer | None = None) -> torch.Tensor:
+    """The file's bytes in one uint8 tensor, read without an intermediate copy: a fresh tensor,
+    or a view of this thread's buffer from ``into``. A file that is not a regular one (a pipe,
+    a device: no size to go by) is read to its end first."""
+    with open(path, "rb", buffering=0) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            data = f.read()
+            buf = host_empty(len(data)) if into is None else into.get(len(data))[: len(data)]
+            buf.numpy()[:] = memoryview(data)
+            return buf
+        size = info.st_size
+        buf = host_empty(size) if into is None else into.get(size)[:size]
+        view = buf.numpy().data.cast("B")
+        got = 0
+        while got < size and (n := f.readinto(view[got:])):
+            got += n
+        if got != size or f.read(1):
+            raise OSError(f"{path} changed size while it was read ({size} bytes when opened)")
+    return buf
+
+
+def tensor_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """name -> tensor for every tensor of the safetensors file held in ``buf`` (uint8), each a
+    view of ``buf`` (a copy only where a writer left data unaligned for its dtype).
+
+    Refuses what safetensors' reader refuses: a header that is not a JSON object of entries with
+    a known dtype, a shape and offsets whose byte count matches it, and data that the entries do
+    not cover exactly, in order, without gaps or overlaps.
+    """
+    size = buf.numel()
+    if size < 8:
+        raise SafetensorsFormatError(f"{size} bytes is shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise SafetensorsFormatError(f"header length {n} does not fit in a {size}-byte file")
+    try:
+        header = json.loads(buf[8 : 8 + n].numpy().tobytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsFormatError(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError("header is not a JSON object")
+    header.pop("__metadata__", None)
+    data = buf[8 + n :]
+    spans = []
+    for name, meta in header.items():
+        dtype, shape, offsets = _entry(name, meta)
+        begin, end = offsets
+        if not 0 <= begin <= end <= data.numel():
+            raise SafetensorsFormatError(f"tensor {name!r}: offsets {offsets} lie outside the {data.numel()}-byte data")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise SafetensorsFormatError(f"tensor {name!r}: {end - begin} bytes do not hold {shape} of {dtype}")
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort()
+    covered = 0
+    views: dict[str, torch.Tensor] = {}
+    for begin, end, name, dtype, shape in spans:
+        if begin != covered:
+            raise SafetensorsFormatError(f"tensor {name!r} starts at byte {begin}, not at {covered}: a gap or overlap")
+        covered = end
+        raw = data[begin:end]
+        if raw.storage_offset() % dtype.itemsize:
+            raw = raw.clone()  # unaligned for its dtype: a view cannot reinterpret it
+        views[name] = raw.view(dtype).view(shape)
+    if covered != data.numel():
+        raise SafetensorsFormatError(f"{data.numel() - covered} bytes after the last tensor")
+    return views
+
+
+def _entry(name: str, meta: object) -> tuple[torch.dtype, list[int], list[int]]:
+    if not isinstance(meta, dict):
+        raise SafetensorsFormatError(f"tensor {name!r}: entry is not a JSON object")
+    dtype = DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise SafetensorsFormatError(f"tensor {name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
+    shape, offsets = meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise SafetensorsFormatError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
+        raise SafetensorsFormatError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+    return dtype, shape, offsets
