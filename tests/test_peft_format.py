@@ -200,3 +200,12 @@ def test_base_model_name_is_never_trusted(acme):
     _edit_config(acme, base_model_name_or_path="/does/not/exist")
     spec = read_adapter_spec(acme, MODEL, 64)
     assert spec.max_rank == 8 and "gate_proj" in spec.target_modules
+
+
+def test_a_header_whose_dtype_is_not_a_string_is_refused_by_name(acme):
+    """A dtype field that is a JSON list (unhashable) is a format error naming the tensor, not a
+    TypeError from a dict lookup."""
+    text = json.dumps({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (acme / "adapter_model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + bytes(4))
+    with pytest.raises(AdapterFormatError, match=r"tensor x has dtype \['F32'\]"):
+        read_adapter_spec(acme, MODEL, 64)

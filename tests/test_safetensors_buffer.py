@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 import threading
 from pathlib import Path
 
@@ -112,7 +111,9 @@ def test_malformed_headers_are_refused(raw: bytes, why: str) -> None:
     ("entry", "data", "why"),
     [
         ({"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}, bytes(8), "dtype 'I64' is not one of"),
+        ({"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}, bytes(4), "dtype \\['F32'\\] is not one of"),
         ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, bytes(4), "is not a list of sizes"),
+        ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, bytes(4), "is not a list of sizes"),
         ({"dtype": "F32", "shape": [1], "data_offsets": [0]}, bytes(4), "is not \\[begin, end\\]"),
         ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, bytes(4), "lie outside"),
         ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, bytes(8), "do not hold"),
@@ -145,7 +146,9 @@ def test_host_empty_is_a_writable_tensor_of_the_shape_asked() -> None:
     assert host_empty(0).numel() == 0
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_HUGEPAGE is Linux's")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no transparent huge pages (Linux's)"
+)
 def test_large_host_buffers_are_advised_for_huge_pages() -> None:
     """The mapping carries the kernel's huge-page advice ("hg" in its VmFlags), whatever the
     system's THP mode makes of it, and is unmapped once its tensor is gone."""

@@ -173,8 +173,9 @@ def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]]]:
         raise _fail(path, "no adapter_model.safetensors")
     header = read_safetensors_header(st)
     for key, meta in header.items():
-        if meta.get("dtype") not in SAFETENSORS_DTYPES:
-            raise _fail(path, f"tensor {key} has dtype {meta.get('dtype')}; expected F32, F16 or BF16")
+        dtype = meta.get("dtype") if isinstance(meta, dict) else None
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            raise _fail(path, f"tensor {key} has dtype {dtype}; expected F32, F16 or BF16")
     return st, {k: v["shape"] for k, v in header.items()}
 
 

@@ -129,12 +129,13 @@ def tensor_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
 def _entry(name: str, meta: object) -> tuple[torch.dtype, list[int], list[int]]:
     if not isinstance(meta, dict):
         raise SafetensorsFormatError(f"tensor {name!r}: entry is not a JSON object")
-    dtype = DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
+    name_of_dtype = meta.get("dtype")
+    dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
     if dtype is None:
         raise SafetensorsFormatError(f"tensor {name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
     shape, offsets = meta.get("shape"), meta.get("data_offsets")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise SafetensorsFormatError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
         raise SafetensorsFormatError(f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
     return dtype, shape, offsets

@@ -1,0 +1,199 @@
+"""Where one pass of the S-LoRA headline spends its time: the forward, the LoRA ops, the steps'
+shapes, and every adapter load by stage.
+
+Runs one pass of `bench_replay.py`'s S-LoRA trace (192 requests, 32 in flight) per configuration
+given, each on a fresh engine, with timers wrapped around the engine's own methods (nothing is
+replaced: the pass is the benchmark's). Use it to see why the 2,000-adapter pass is slower than
+the 5-adapter one; the headline ratio itself is `bench_replay.py --only slora`'s.
+
+    python bench/profile_slora_pass.py [--cases 5,2000] [--warm-host]
+
+``--warm-host`` reads every adapter of the trace into host RAM before the pass (S-LoRA's own
+setting: all adapters in host memory), so only copies into the pool remain of its loads.
+The last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from msgspec.structs import replace as with_fields
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_replay as br  # noqa: E402
+
+from lorapage.adapters import cache as cache_mod  # noqa: E402
+from lorapage.adapters import layout as layout_mod  # noqa: E402
+from lorapage.model import forward as forward_mod  # noqa: E402
+from lorapage.model import llama as llama_mod  # noqa: E402
+from lorapage.model import runner as runner_mod  # noqa: E402
+from lorapage.replay import GenConfig, RunOptions, generate  # noqa: E402
+
+
+class Timers:
+    """Seconds (wall or this thread's CPU) and calls per key, from methods wrapped in place."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.steps: list[tuple[int, int, int, int, float]] = []  # decode rows, prefills, prefill tokens, slots, s
+        self.loads: list[float] = []
+
+    def wrap(self, owner: Any, name: str, key: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[key] += clock() - start
+                self.calls[key] += 1
+
+        setattr(owner, name, timed)
+
+    def wrap_execute(self) -> None:
+        inner = runner_mod.ModelRunner.execute
+
+        def execute(runner: Any, plan: Any) -> Any:
+            start = time.perf_counter()
+            out = inner(runner, plan)
+            prefills = len(plan.sequences) - plan.num_decode
+            tokens = len(plan.input_ids) - plan.num_decode
+            slots = len(set(plan.token_slot))
+            self.steps.append((plan.num_decode, prefills, tokens, slots, time.perf_counter() - start))
+            return out
+
+        runner_mod.ModelRunner.execute = execute  # type: ignore[method-assign]
+
+    def wrap_load(self) -> None:
+        inner = cache_mod.AdapterCache._load
+
+        async def load(cache: Any, entry: Any) -> None:
+            start = time.perf_counter()
+            await inner(cache, entry)
+            self.loads.append(time.perf_counter() - start)
+
+        cache_mod.AdapterCache._load = load  # type: ignore[method-assign]
+
+
+def install(t: Timers) -> None:
+    t.wrap(forward_mod.ForwardContext, "forward", "forward")
+    t.wrap(llama_mod.LlamaModel, "_lora", "lora")
+    t.wrap_execute()
+    t.wrap_load()
+    cpu = time.thread_time
+    t.wrap(cache_mod, "read_file", "load: read", cpu)
+    t.wrap(cache_mod, "_digest", "load: sha256", cpu)
+    t.wrap(cache_mod, "load_adapter_tensors", "load: parse", cpu)
+    t.wrap(layout_mod.AdapterLayout, "pack", "load: pack", cpu)
+    t.wrap(cache_mod.AdapterCache, "_copy_in", "load: copy in", cpu)
+
+
+def pct(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+async def one_pass(case: int, warm_host: bool, root: Path, t: Timers) -> dict:
+    model, dirs = root / "base", [root / f"d{i}" for i in range(br.ADAPTER_DIRS)]
+    cfg = GenConfig(seed=11, num_requests=192, duration_s=None, adapters=2000, zipf_alpha=1.0, tenants=8, **br.SHORT)
+    trace = generate(replace(cfg, shared_fraction=0.0))
+    if case == 5:
+        trace = [with_fields(r, model=f"a{int(r.model[1:]) % 5:04d}") for r in trace]
+    engine, _ = br.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)])
+    if warm_host:
+        cache = engine.adapters
+        for name in {r.model for r in trace}:
+            entry = cache.entries[engine.catalog.resolve(name)]
+            cache._keep_in_host(entry.name, cache._read_and_pack(entry, entry.spec))
+    for part in (t.seconds, t.calls, t.steps, t.loads):
+        part.clear()
+    cpu, wall = time.process_time(), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lorapage-profile-") as out:
+        report = await br.run(engine, trace, RunOptions(concurrency=32, probe_interval_s=0.5), Path(out), f"c{case}")
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    decode = [s for s in t.steps if s[1] == 0]
+    mixed = [s for s in t.steps if s[1] > 0]
+    loads = len(t.loads)
+    return {
+        "case": case,
+        "tokens_per_s": report["throughput"]["output_tokens_per_s"],
+        "wall_s": wall,
+        "process_cpu_s": cpu,
+        "forward_s": t.seconds["forward"],
+        "lora_s": t.seconds["lora"],
+        "steps": len(t.steps),
+        "decode_steps": len(decode),
+        "decode_rows_mean": statistics.mean(s[0] for s in decode) if decode else 0.0,
+        "decode_step_ms": 1e3 * statistics.mean(s[4] for s in decode) if decode else 0.0,
+        "prefill_steps": len(mixed),
+        "prefill_seqs_mean": statistics.mean(s[1] for s in mixed) if mixed else 0.0,
+        "prefill_step_ms": 1e3 * statistics.mean(s[4] for s in mixed) if mixed else 0.0,
+        "distinct_slots_per_step": statistics.mean(s[3] for s in t.steps) if t.steps else 0.0,
+        "loads": loads,
+        "load_wall_p50_ms": 1e3 * pct(t.loads, 0.5),
+        "load_wall_p90_ms": 1e3 * pct(t.loads, 0.9),
+        **{
+            f"{k.removeprefix('load: ').replace(' ', '_')}_cpu_ms_per_load": 1e3 * v / max(1, loads)
+            for k, v in t.seconds.items()
+            if k.startswith("load: ")
+        },
+    }
+
+
+async def main(args: argparse.Namespace) -> dict:
+    t = Timers()
+    install(t)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:
+        br.make_assets(Path(tmp))
+        for case in (int(c) for c in args.cases.split(",")):
+            rows.append(await one_pass(case, args.warm_host, Path(tmp), t))
+    cols = [
+        ("tok/s", "tokens_per_s", 1),
+        ("wall s", "wall_s", 1),
+        ("CPU s", "process_cpu_s", 1),
+        ("forward s", "forward_s", 2),
+        ("LoRA s", "lora_s", 2),
+        ("steps", "steps", 0),
+        ("decode ms", "decode_step_ms", 0),
+        ("prefill steps", "prefill_steps", 0),
+        ("prefills/step", "prefill_seqs_mean", 1),
+        ("slots/step", "distinct_slots_per_step", 1),
+        ("loads", "loads", 0),
+        ("load p50 ms", "load_wall_p50_ms", 0),
+    ]
+    print(f"\nOne pass per configuration{' (adapters warm in host RAM)' if args.warm_host else ''}")
+    print("| adapters | " + " | ".join(c for c, _, _ in cols) + " |")
+    print("| ---: " * (len(cols) + 1) + "|")
+    for r in rows:
+        print(f"| {r['case']:,} | " + " | ".join(f"{r[k]:.{d}f}" for _, k, d in cols) + " |")
+    stages = ["read", "sha256", "parse", "pack", "copy_in"]
+    print("\nCPU per load by stage (ms, the thread's own time)")
+    print("| adapters | " + " | ".join(stages) + " |")
+    print("| ---: " * (len(stages) + 1) + "|")
+    for r in rows:
+        print(f"| {r['case']:,} | " + " | ".join(f"{r.get(f'{s}_cpu_ms_per_load', 0.0):.1f}" for s in stages) + " |")
+    figures: dict = {"bench": "profile_slora_pass", "warm_host": args.warm_host, "passes": rows}
+    if len(rows) == 2 and rows[0]["tokens_per_s"]:
+        figures["ratio"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        print(f"\n{rows[1]['case']:,} / {rows[0]['case']:,} throughput, this one pass: {figures['ratio']:.3f}")
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="5,2000", help="registered adapters of each pass, in order")
+    parser.add_argument("--warm-host", action="store_true", help="every trace adapter in host RAM before the pass")
+    print(json.dumps(asyncio.run(main(parser.parse_args()))))
