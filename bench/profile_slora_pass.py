@@ -94,7 +94,7 @@ def install(t: Timers) -> None:
     t.wrap_execute()
     t.wrap_load()
     cpu = time.thread_time
-    t.wrap(cache_mod, "read_file", "load: read", cpu)
+    t.wrap(cache_mod, "read_weights", "load: read", cpu)
     t.wrap(cache_mod, "_digest", "load: sha256", cpu)
     t.wrap(cache_mod, "load_adapter_tensors", "load: parse", cpu)
     t.wrap(layout_mod.AdapterLayout, "pack", "load: pack", cpu)

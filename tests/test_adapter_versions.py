@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from server_harness import assert_openai_error, make_access, make_engine, running_server
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.errors import AdapterBaseMismatchError, ConflictError
+from lorapage.errors import AdapterBaseMismatchError, ConflictError, LorapageError
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPT = [3, 17, 42, 5, 99, 23]
@@ -170,4 +170,27 @@ async def test_versions_of_another_base_are_kept_but_refused(tmp_path):
         assert body["error"]["code"] == "adapter_base_mismatch"
         status, body, _ = await srv.post(COMP, {"model": "globex", "prompt": "Hi", "max_tokens": 4})
         assert status == 200, body  # the others keep serving
+    await engine.close()
+
+
+async def test_a_version_restored_under_another_dtype_is_checked_again_at_load(tmp_path):
+    """Loads skip the NaN/Inf scan only for bytes this process validated in its own dtype. A
+    version registered under float32 whose weights overflow float16 is refused when a float16
+    engine restores it from the registry and loads it, not served as Inf."""
+    state = str(tmp_path / "state")
+    big = tmp_path / "big"
+    shutil.copytree(demo_adapter_dirs()["acme"], big)
+    weights = load_file(big / "adapter_model.safetensors")
+    key = next(k for k in weights if k.endswith("q_proj.lora_A.weight"))
+    weights[key][0, 0] = 1e6  # finite in float32, inf in float16
+    save_file(weights, big / "adapter_model.safetensors")
+    first = Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, state_dir=state))
+    first.add_adapter("big", big)
+    await first.close()
+    engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, state_dir=state, dtype="float16"))
+    with pytest.raises(LorapageError, match="overflow torch.float16"):
+        await collect(engine, "Hi", "big", SamplingParams(max_tokens=2))
+    # The same engine validates a new registration in its own dtype, and refuses it at once.
+    with pytest.raises(LorapageError, match="overflow torch.float16"):
+        await engine.register_adapter("big2", big)
     await engine.close()

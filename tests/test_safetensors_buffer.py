@@ -100,6 +100,9 @@ def test_unaligned_data_is_copied_with_its_values() -> None:
         (struct.pack("<Q", 1000) + b"{}", "does not fit"),
         (struct.pack("<Q", 5) + b"{nope", "not JSON"),
         (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (struct.pack("<Q", 3) + b" {}", "must start with"),
+        (struct.pack("<Q", 4) + "{}".encode("utf-16"), "not UTF-8"),
+        (struct.pack("<Q", 26) + b'{"__metadata__": {"a": 1}}', "__metadata__ is not a JSON object of strings"),
     ],
 )
 def test_malformed_headers_are_refused(raw: bytes, why: str) -> None:

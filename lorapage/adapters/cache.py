@@ -32,8 +32,8 @@ import torch
 from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
-from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec
-from lorapage.adapters.safetensors_buffer import ReadBuffer, read_file
+from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec, read_weights
+from lorapage.adapters.safetensors_buffer import ReadBuffer
 from lorapage.adapters.value import LoadTier, RecentAdapters, RecomputeCost, ReloadCosts, Stage, value_per_page
 from lorapage.errors import (
     AdapterBusyError,
@@ -180,6 +180,7 @@ class AdapterCache:
         self._prefetching: dict[str, asyncio.Task[torch.Tensor | None]] = {}  # name -> read to host RAM
         self.prefetches: Counter[str] = Counter()  # started, done, failed, dropped (queue full)
         self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every load it reads
+        self._finite_digests: set[str] = set()  # digests of bytes validate() found finite in self.dtype
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -201,9 +202,11 @@ class AdapterCache:
         engine state, so it may run in any thread."""
         spec = read_adapter_spec(path, self.model, self.max_lora_rank)
         layout = self.plan(spec)
-        weights = read_file(spec.weights_file)
+        weights = read_weights(spec)
         load_adapter_tensors(spec, self.dtype, weights)  # refuses NaN / Inf weights now, not at the first request
-        return spec, layout, _digest(spec, weights)
+        digest = _digest(spec, weights)
+        self._finite_digests.add(digest)
+        return spec, layout, digest
 
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
         """The adapter's page layout, refused (the serving envelope) when its pages cannot fit in
@@ -659,7 +662,7 @@ class AdapterCache:
     def _read_and_pack(self, entry: AdapterEntry, spec: AdapterSpec) -> torch.Tensor:
         """Read both files once, check them against the registered digest (the bytes hashed are
         the bytes used), then parse and pack."""
-        weights = read_file(spec.weights_file, self._read_buffer)
+        weights = read_weights(spec, self._read_buffer)
         if entry.digest:
             got = _digest(spec, weights)
             if got != entry.digest:
@@ -667,8 +670,11 @@ class AdapterCache:
                     f"adapter {entry.name}: files in {spec.path} changed after registration (sha256 {got}, "
                     f"registered {entry.digest}); register the new content as a new version"
                 )
-        # Bytes that match the registered digest are the bytes validate() found finite then.
-        tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not entry.digest)
+        # Bytes that match a digest validate() returned are bytes it found finite in this dtype.
+        # A version restored from the registry was checked by an earlier process, perhaps in
+        # another dtype (bfloat16 weights can overflow float16): its loads check again.
+        finite = bool(entry.digest) and entry.digest in self._finite_digests
+        tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not finite)
         packed = entry.layout.pack(tensors, self.pool.page_size)
         # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
         # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras

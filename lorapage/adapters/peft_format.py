@@ -23,7 +23,7 @@ from typing import TypeAlias
 import re2
 import torch
 
-from lorapage.adapters.safetensors_buffer import SafetensorsFormatError, read_file, tensor_views
+from lorapage.adapters.safetensors_buffer import ReadBuffer, SafetensorsFormatError, read_file, tensor_views
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 
@@ -240,6 +240,14 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     )
 
 
+def read_weights(spec: AdapterSpec, into: ReadBuffer | None = None) -> torch.Tensor:
+    """The weights file's bytes (see :func:`read_file`); a failed read is a format error naming it."""
+    try:
+        return read_file(spec.weights_file, into)
+    except OSError as e:
+        raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
+
+
 def load_adapter_tensors(
     spec: AdapterSpec, dtype: torch.dtype, data: torch.Tensor | None = None, *, check_finite: bool = True
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
@@ -252,9 +260,10 @@ def load_adapter_tensors(
     unless ``check_finite`` is False: bytes verified against the digest of files this check
     passed at registration.
     """
+    weights = read_weights(spec) if data is None else data
     try:
-        state = tensor_views(read_file(spec.weights_file) if data is None else data)
-    except (OSError, SafetensorsFormatError) as e:
+        state = tensor_views(weights)
+    except SafetensorsFormatError as e:
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
     out: dict[tuple[int, str], list] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)

@@ -1,13 +1,14 @@
 """A safetensors file read whole into one tensor, and its tensors as views of that buffer.
 
 Loading an adapter reads its weights file once (so the bytes hashed against the registered
-digest are the bytes used) and then packs them into its host-RAM copy. ``safetensors.torch.load``
-would copy the bytes into tensors of their own first, and ``Path.read_bytes`` grows a ``bytes``
-object by reallocation: measured on a rank-16 adapter of the 100M bench model (10.6 MB), those two
-took 30 of the 38 ms a load spent reading, against 1.4 ms to ``readinto`` one preallocated buffer.
-So the file goes straight into a uint8 tensor and the header (the format's documented layout: an
-8-byte little-endian length, that many bytes of JSON, then the data) is parsed here into views.
-safetensors itself still writes every file and reads them at registration.
+digest are the bytes used) and then packs them into its host-RAM copy. ``Path.read_bytes`` grows
+a ``bytes`` object by reallocation and ``safetensors.torch.load`` then copies it into tensors of
+their own: two fresh buffers per load that are thrown away at once, and on the VMs this project
+runs on fresh memory costs more to touch than to copy (bench/RESULTS.md, session 7). So the file
+goes with ``readinto`` into a uint8 tensor (an I/O thread's reused buffer, for loads) and the
+header (the format's documented layout: an 8-byte little-endian length, that many bytes of UTF-8
+JSON starting with ``{``, then the data) is parsed here into views, refused where safetensors'
+own reader refuses. safetensors still writes the files (``save_file``) everywhere they are made.
 """
 
 from __future__ import annotations
@@ -94,12 +95,17 @@ def tensor_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     if n > min(MAX_HEADER_BYTES, size - 8):
         raise SafetensorsFormatError(f"header length {n} does not fit in a {size}-byte file")
     try:
-        header = json.loads(buf[8 : 8 + n].numpy().tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = buf[8 : 8 + n].numpy().tobytes().decode("utf-8")
+        header = json.loads(text) if text.startswith("{") else None
+    except UnicodeDecodeError as e:
+        raise SafetensorsFormatError(f"header is not UTF-8 ({e})") from None
+    except json.JSONDecodeError as e:
         raise SafetensorsFormatError(f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
-        raise SafetensorsFormatError("header is not a JSON object")
-    header.pop("__metadata__", None)
+        raise SafetensorsFormatError("header is not a JSON object (it must start with '{')")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsFormatError("__metadata__ is not a JSON object of strings")
     data = buf[8 + n :]
     spans = []
     for name, meta in header.items():

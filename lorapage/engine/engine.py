@@ -138,7 +138,7 @@ class Engine:
         self._copies = ThreadPoolExecutor(1, thread_name_prefix="lorapage-copy") if self.device.type == "cpu" else None
         # Prompts are tokenized apart from file reads too: with every I/O thread stuck on a slow
         # file, a text request for a resident adapter (or the base) must still get in.
-        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="lorapage-tokenize")
+        self._tokenize = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lorapage-tokenize")
         self.prefix_cache = PrefixCache(self.pool, clock)
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
