@@ -42,11 +42,10 @@ from lorapage.replay import GenConfig, RunOptions, generate  # noqa: E402
 
 
 class Timers:
-    """Seconds (wall or this thread's CPU) and calls per key, from methods wrapped in place."""
+    """Seconds (wall or this thread's CPU) per key, from methods wrapped in place."""
 
     def __init__(self) -> None:
         self.seconds: Counter[str] = Counter()
-        self.calls: Counter[str] = Counter()
         self.steps: list[tuple[int, int, int, int, float]] = []  # decode rows, prefills, prefill tokens, slots, s
         self.loads: list[float] = []
 
@@ -59,7 +58,6 @@ class Timers:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds[key] += clock() - start
-                self.calls[key] += 1
 
         setattr(owner, name, timed)
 
@@ -117,7 +115,7 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers) -> dict:
         for name in {r.model for r in trace}:
             entry = cache.entries[engine.catalog.resolve(name)]
             cache._keep_in_host(entry.name, cache._read_and_pack(entry, entry.spec))
-    for part in (t.seconds, t.calls, t.steps, t.loads):
+    for part in (t.seconds, t.steps, t.loads):
         part.clear()
     cpu, wall = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lorapage-profile-") as out:
@@ -152,6 +150,15 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers) -> dict:
     }
 
 
+def table(title: str, headers: list[str], rows: list[dict], cells: Callable[[dict], list[str]]) -> None:
+    """A markdown table of ``rows``, one per pass, led by its adapter count."""
+    print(f"\n{title}")
+    print("| adapters | " + " | ".join(headers) + " |")
+    print("| ---: " * (len(headers) + 1) + "|")
+    for r in rows:
+        print(f"| {r['case']:,} | " + " | ".join(cells(r)) + " |")
+
+
 async def main(args: argparse.Namespace) -> dict:
     t = Timers()
     install(t)
@@ -174,17 +181,15 @@ async def main(args: argparse.Namespace) -> dict:
         ("loads", "loads", 0),
         ("load p50 ms", "load_wall_p50_ms", 0),
     ]
-    print(f"\nOne pass per configuration{' (adapters warm in host RAM)' if args.warm_host else ''}")
-    print("| adapters | " + " | ".join(c for c, _, _ in cols) + " |")
-    print("| ---: " * (len(cols) + 1) + "|")
-    for r in rows:
-        print(f"| {r['case']:,} | " + " | ".join(f"{r[k]:.{d}f}" for _, k, d in cols) + " |")
+    title = f"One pass per configuration{' (adapters warm in host RAM)' if args.warm_host else ''}"
+    table(title, [c for c, _, _ in cols], rows, lambda r: [f"{r[k]:.{d}f}" for _, k, d in cols])
     stages = ["read", "sha256", "parse", "pack", "copy_in"]
-    print("\nCPU per load by stage (ms, the thread's own time)")
-    print("| adapters | " + " | ".join(stages) + " |")
-    print("| ---: " * (len(stages) + 1) + "|")
-    for r in rows:
-        print(f"| {r['case']:,} | " + " | ".join(f"{r.get(f'{s}_cpu_ms_per_load', 0.0):.1f}" for s in stages) + " |")
+    table(
+        "CPU per load by stage (ms, the thread's own time)",
+        stages,
+        rows,
+        lambda r: [f"{r.get(f'{s}_cpu_ms_per_load', 0.0):.1f}" for s in stages],
+    )
     figures: dict = {"bench": "profile_slora_pass", "warm_host": args.warm_host, "passes": rows}
     if len(rows) == 2 and rows[0]["tokens_per_s"]:
         figures["ratio"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]

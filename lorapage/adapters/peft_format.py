@@ -23,7 +23,7 @@ from typing import TypeAlias
 import re2
 import torch
 
-from lorapage.adapters.safetensors_buffer import ReadBuffer, SafetensorsFormatError, read_file, tensor_views
+from lorapage.adapters.safetensors_buffer import DTYPES, ReadBuffer, SafetensorsFormatError, read_file, tensor_views
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 
@@ -31,7 +31,6 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
-SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 # Bounds on rank_pattern / alpha_pattern: PEFT writes at most one key per module (under 900 on
 # the largest Llama), and a key longer than a module name has no reason to be.
 MAX_PATTERN_KEYS = 1024
@@ -174,7 +173,7 @@ def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]]]:
     header = read_safetensors_header(st)
     for key, meta in header.items():
         dtype = meta.get("dtype") if isinstance(meta, dict) else None
-        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise _fail(path, f"tensor {key} has dtype {dtype}; expected F32, F16 or BF16")
     return st, {k: v["shape"] for k, v in header.items()}
 

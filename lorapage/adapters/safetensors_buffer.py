@@ -66,11 +66,11 @@ def read_file(path: Path, into: ReadBuffer | None = None) -> torch.Tensor:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
             data = f.read()
-            buf = host_empty(len(data)) if into is None else into.get(len(data))[: len(data)]
+            buf = _buffer(len(data), into)
             buf.numpy()[:] = memoryview(data)
             return buf
         size = info.st_size
-        buf = host_empty(size) if into is None else into.get(size)[:size]
+        buf = _buffer(size, into)
         view = buf.numpy().data.cast("B")
         got = 0
         while got < size and (n := f.readinto(view[got:])):
@@ -78,6 +78,10 @@ def read_file(path: Path, into: ReadBuffer | None = None) -> torch.Tensor:
         if got != size or f.read(1):
             raise OSError(f"{path} changed size while it was read ({size} bytes when opened)")
     return buf
+
+
+def _buffer(size: int, into: ReadBuffer | None) -> torch.Tensor:
+    return host_empty(size) if into is None else into.get(size)[:size]
 
 
 def tensor_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -138,7 +142,7 @@ def _entry(name: str, meta: object) -> tuple[torch.dtype, list[int], list[int]]:
     name_of_dtype = meta.get("dtype")
     dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
     if dtype is None:
-        raise SafetensorsFormatError(f"tensor {name!r}: dtype {meta.get('dtype')!r} is not one of {sorted(DTYPES)}")
+        raise SafetensorsFormatError(f"tensor {name!r}: dtype {name_of_dtype!r} is not one of {sorted(DTYPES)}")
     shape, offsets = meta.get("shape"), meta.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise SafetensorsFormatError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")

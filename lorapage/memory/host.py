@@ -1,11 +1,12 @@
 """Host buffers for data written once and then kept: adapters' host-RAM copies and file reads.
 
-Memory fresh from the kernel is mapped page by page as it is first written. Under a hypervisor
-each 4 KB fault is costly: packing a 10.6 MB adapter of the 100M bench model into a new
-``torch.empty`` took 29 ms, against 2.4 ms into memory advised for transparent huge pages (2 MB,
-one fault for 512 small ones), on the 2-vCPU machines this project runs on. With thousands of
-adapters those faults were most of an I/O thread's time, taken from the cores the forward pass
-runs on. So these buffers are anonymous mappings with ``MADV_HUGEPAGE``, which takes effect
+Memory fresh from the kernel is mapped page by page as it is first written, and under a
+hypervisor each 4 KB fault is costly. Writing 10.6 MB (a rank-16 adapter of the 100M bench model)
+into a new ``torch.empty`` took 29 ms in isolation on the 2-vCPU machines this project runs on,
+against 2.4 ms into memory advised for transparent huge pages (one fault per 2 MB). Inside a
+replay pass the packed copy still took ~20 ms either way: there the VM's host was backing memory
+the guest had handed back (bench/RESULTS.md, session 7), which no advice avoids. So these
+buffers are anonymous mappings with ``MADV_HUGEPAGE``, which takes effect
 where the system's THP mode is ``madvise`` (a common default) or ``always``; elsewhere, and off
 Linux, they are plain ``torch.empty``. The mapping is unmapped when the last tensor viewing it
 is freed. (PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` does the same for every large CPU allocation of a
