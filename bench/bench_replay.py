@@ -16,7 +16,8 @@
    requests whose adapter was resident (tier gpu) against those that had to load it (ram / disk).
    Targets: the seed's SLOs, 1 s warm and 2 s cold.
 
-    python bench/bench_replay.py [--quick] [--only slora,fairness,seed] [--rounds 4] [--seed-scale 0.02] [--out DIR]
+    python bench/bench_replay.py [--quick] [--only slora,fairness,seed] [--rounds 4] [--lora-dtype auto]
+        [--seed-scale 0.02] [--out DIR]
 
 Each benchmark prints a table; the last line is one JSON object with every figure and target.
 Reports (report.md, plots) of every run are written under --out.
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig  # noqa: E402
+from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
 from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay  # noqa: E402
 from lorapage.replay.embedded import EmbeddedTarget  # noqa: E402
 from lorapage.replay.engine_flags import trace_adapters  # noqa: E402
@@ -94,7 +96,9 @@ def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:,.0f}"
 
 
-async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rounds: int = 4) -> dict:
+async def bench_slora(
+    model: Path, dirs: list[Path], out: Path, quick: bool, rounds: int = 4, lora_dtype: str = "auto"
+) -> dict:
     n = 64 if quick else 192
     big = 2000
     base = GenConfig(seed=11, num_requests=n, duration_s=None, adapters=big, zipf_alpha=1.0, tenants=8, **SHORT)
@@ -113,7 +117,7 @@ async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rou
         for label, trace, registered in configs if i % 2 == 0 else configs[::-1]:
             names = [f"a{k:0{width}d}" for k in range(registered)]
             assert set(trace_adapters(trace, "base")) <= set(names)
-            engine, reg_s = engine_for(model, dirs, names)
+            engine, reg_s = engine_for(model, dirs, names, lora_dtype=lora_dtype)
             report = await run(engine, trace, opts, out, f"{label}-round{i + 1}")
             samples[registered].append(
                 {
@@ -133,7 +137,9 @@ async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rou
     small, large = rows[5], rows[big]
     ratio = large["tokens_per_s"] / small["tokens_per_s"]
     per_round = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(samples[5], samples[big])]
-    print(f"\n1. S-LoRA headline: {n} requests, 32 in flight, Zipf(1.0) adapters, rank 16 all modules")
+    print(
+        f"\n1. S-LoRA headline: {n} requests, 32 in flight, Zipf(1.0) adapters, rank 16 all modules, lora_dtype {lora_dtype}"
+    )
     print(f"medians of {rounds} rounds, the two configurations in turn, in alternating order")
     print(
         "| registered | distinct in trace | register (s) | output tokens/s | requests/s | TTFT p50 (ms) | TTFT p95 (ms) | ok |"
@@ -148,6 +154,7 @@ async def bench_slora(model: Path, dirs: list[Path], out: Path, quick: bool, rou
     print(f"throughput 2,000 / 5: {ratio:.3f} (target >= 0.95); per round: {rounds_text}")
     return {
         "slora_requests": n,
+        "slora_lora_dtype": lora_dtype,
         "slora_rounds": rounds,
         "slora_tokens_per_s_5": small["tokens_per_s"],
         "slora_tokens_per_s_2000": large["tokens_per_s"],
@@ -266,7 +273,13 @@ async def main(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:  # the model and adapters do not
         model, dirs = make_assets(Path(tmp))
         for name in args.only.split(","):
-            extra = {"scale": args.seed_scale} if name == "seed" else {"rounds": args.rounds} if name == "slora" else {}
+            extra = (
+                {"scale": args.seed_scale}
+                if name == "seed"
+                else {"rounds": args.rounds, "lora_dtype": args.lora_dtype}
+                if name == "slora"
+                else {}
+            )
             figures |= await BENCHES[name](model, dirs, out, args.quick, **extra)
     figures["pass"] = all(v for k, v in figures.items() if k.endswith("_pass"))
     return figures
@@ -277,6 +290,9 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="fewer requests: a smoke run")
     parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
     parser.add_argument("--rounds", type=int, default=4, help="S-LoRA headline: passes of each configuration")
+    parser.add_argument(
+        "--lora-dtype", default="auto", choices=LORA_DTYPE_NAMES, help="S-LoRA headline: the engines' lora_dtype"
+    )
     parser.add_argument("--seed-scale", type=float, default=0.02, help="scale of the seed workload (0.02: 0.8 req/s)")
     parser.add_argument("--out", default=None, help="where the runs' reports go (default: a temporary directory)")
     print(json.dumps(asyncio.run(main(parser.parse_args()))))

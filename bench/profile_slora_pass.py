@@ -35,6 +35,7 @@ import bench_replay as br  # noqa: E402
 
 from lorapage.adapters import cache as cache_mod  # noqa: E402
 from lorapage.adapters import layout as layout_mod  # noqa: E402
+from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
 from lorapage.model import forward as forward_mod  # noqa: E402
 from lorapage.model import llama as llama_mod  # noqa: E402
 from lorapage.model import runner as runner_mod  # noqa: E402
@@ -103,13 +104,13 @@ def pct(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
-async def one_pass(case: int, warm_host: bool, root: Path, t: Timers) -> dict:
+async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype: str = "auto") -> dict:
     model, dirs = root / "base", [root / f"d{i}" for i in range(br.ADAPTER_DIRS)]
     cfg = GenConfig(seed=11, num_requests=192, duration_s=None, adapters=2000, zipf_alpha=1.0, tenants=8, **br.SHORT)
     trace = generate(replace(cfg, shared_fraction=0.0))
     if case == 5:
         trace = [with_fields(r, model=f"a{int(r.model[1:]) % 5:04d}") for r in trace]
-    engine, _ = br.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)])
+    engine, _ = br.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)], lora_dtype=lora_dtype)
     if warm_host:
         cache = engine.adapters
         for name in {r.model for r in trace}:
@@ -166,7 +167,7 @@ async def main(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:
         br.make_assets(Path(tmp))
         for case in (int(c) for c in args.cases.split(",")):
-            rows.append(await one_pass(case, args.warm_host, Path(tmp), t))
+            rows.append(await one_pass(case, args.warm_host, Path(tmp), t, args.lora_dtype))
     cols = [
         ("tok/s", "tokens_per_s", 1),
         ("wall s", "wall_s", 1),
@@ -190,7 +191,12 @@ async def main(args: argparse.Namespace) -> dict:
         rows,
         lambda r: [f"{r.get(f'{s}_cpu_ms_per_load', 0.0):.1f}" for s in stages],
     )
-    figures: dict = {"bench": "profile_slora_pass", "warm_host": args.warm_host, "passes": rows}
+    figures: dict = {
+        "bench": "profile_slora_pass",
+        "warm_host": args.warm_host,
+        "lora_dtype": args.lora_dtype,
+        "passes": rows,
+    }
     if len(rows) == 2 and rows[0]["tokens_per_s"]:
         figures["ratio"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
         print(f"\n{rows[1]['case']:,} / {rows[0]['case']:,} throughput, this one pass: {figures['ratio']:.3f}")
@@ -201,4 +207,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="5,2000", help="registered adapters of each pass, in order")
     parser.add_argument("--warm-host", action="store_true", help="every trace adapter in host RAM before the pass")
+    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPE_NAMES, help="the engines' lora_dtype")
     print(json.dumps(asyncio.run(main(parser.parse_args()))))

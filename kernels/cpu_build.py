@@ -1,4 +1,4 @@
-"""Compiling the CPU path's C kernels (``lora_cpu.c``) once per machine, and loading them.
+"""Compiling the CPU path's C kernels (``lora_cpu.c`` with ``lora_cpu_body.h``) once per machine, and loading them.
 
 The library is built with the system C compiler (``$CC``, else ``cc``) for this CPU
 (``-march=native``) into a cache keyed by the source, the flags, the compiler and the CPU, and
@@ -26,14 +26,18 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
+SOURCES = (SOURCE, SOURCE.with_name("lora_cpu_body.h"))  # what the build reads: the cache key
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Argument types, in the order of lora_cpu.c's signatures: pool slab, page stride, page size,
 # page table and its stride, then the cells (count and three tables).
 _CELLS = [_P, _I, _I, _P, _I, _I, _P, _P, _P]
+_SHRINK = [_P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _INT]  # h, x, d_in; cells; A tables
+_EXPAND = [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT]  # y, h; cells; B tables
+# One pair per page dtype the kernels read (float32 activations always).
+WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SIGNATURES = {
-    "lora_shrink_f32": [_P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _INT],  # h, x, d_in; cells; A tables
-    "lora_expand_f32": [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT],  # y, h; cells; B tables
+    f"lora_{op}_{w}": args for w in WEIGHT_DTYPES.values() for op, args in (("shrink", _SHRINK), ("expand", _EXPAND))
 }
 
 
@@ -64,7 +68,9 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("torch has no bundled libgomp to share its threads with")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     key = hashlib.sha256(
-        b"\0".join(s.encode() for s in (SOURCE.read_text(), " ".join(FLAGS), version, _cpu_name(), str(gomp)))
+        b"\0".join(
+            s.encode() for s in (*(f.read_text() for f in SOURCES), " ".join(FLAGS), version, _cpu_name(), str(gomp))
+        )
     ).hexdigest()[:16]
     target = cache_dir() / f"lora_cpu-{key}.so"
     if not target.exists():

@@ -3,7 +3,8 @@ ones (prefill) through the batched PyTorch ops of :mod:`lorapage.kernels.lora_to
 
 Same signatures and results as :mod:`lorapage.kernels.lora_ref`. The runner plans a step's cells
 and batches once (``LoraIndices.with_cells``); a caller without a plan gets one made for that call.
-The C kernels take float32 only: other dtypes run the PyTorch ops for every segment.
+The C kernels take float32 activations over float32 or bfloat16 pages; other dtypes run the
+PyTorch ops for every segment.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.cpu_build import WEIGHT_DTYPES, cpu_kernels
 from lorapage.kernels.lora_plan import LoraCells, plan_lora_batches, split_cells
 from lorapage.kernels.lora_ref import LoraIndices, _host
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 
-def _planned(indices: LoraIndices, page_table: Tensor, pool: Tensor, *tables: Tensor) -> LoraIndices:
+def _planned(indices: LoraIndices, page_table: Tensor, pool: Tensor, x: Tensor, *tables: Tensor) -> LoraIndices:
     """``indices`` with cells and batches for this call when the caller planned none (and the C
-    kernels can take them: float32, built)."""
-    if indices.cells is not None or indices.batches is not None or pool.dtype != torch.float32:
+    kernels can take them: float32 activations ``x``, pages they read, built)."""
+    if indices.cells is not None or indices.batches is not None:
+        return indices
+    if x.dtype != torch.float32 or pool.dtype not in WEIGHT_DTYPES:
         return indices
     if cpu_kernels() is None:
         return indices
@@ -37,9 +40,17 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def _cell_args(pool: Tensor, page_table: Tensor, cells: LoraCells) -> tuple[int, ...]:
-    assert pool.dtype == torch.float32 and pool.stride(1) == 1 and page_table.dtype == torch.int32
-    assert page_table.is_contiguous()
+    assert pool.stride(1) == 1 and page_table.dtype == torch.int32 and page_table.is_contiguous()
     return (pool.data_ptr(), pool.stride(0), pool.shape[1], page_table.data_ptr(), page_table.stride(0), *cells.args)
+
+
+def _kernel(op: str, pool: Tensor, *activations: Tensor):
+    """The C function of ``op`` for ``pool``'s page dtype; float32 activations only."""
+    assert all(t.dtype == torch.float32 for t in activations), "the C kernels compute in float32"
+    assert pool.dtype in WEIGHT_DTYPES, f"the C kernels read float32 or bfloat16 pages, not {pool.dtype}"
+    lib = cpu_kernels()
+    assert lib is not None
+    return getattr(lib, f"lora_{op}_{WEIGHT_DTYPES[pool.dtype]}")
 
 
 @functools.cache
@@ -52,13 +63,12 @@ def lora_shrink_cpu(
     h: Tensor, x: Tensor, pool: Tensor, page_table: Tensor, indices: LoraIndices, a_offset: Tensor, a_rows: Tensor
 ) -> None:
     """Same as :func:`lora_shrink_ref`: ``h[t, :a_rows[s]] = x[t] @ A_s.T``."""
-    indices = _planned(indices, page_table, pool, a_offset, a_rows)
+    indices = _planned(indices, page_table, pool, x, a_offset, a_rows)
     if (cells := indices.cells) is not None:
-        lib = cpu_kernels()
-        assert lib is not None and h.stride(1) == 1 and a_offset.dtype == torch.int64 and a_rows.dtype == torch.int32
+        assert h.stride(1) == 1 and a_offset.dtype == torch.int64 and a_rows.dtype == torch.int32
         x = _rows(x)
         d_in = x.shape[1]
-        lib.lora_shrink_f32(
+        _kernel("shrink", pool, h, x)(
             h.data_ptr(),
             h.stride(0),
             x.data_ptr(),
@@ -89,15 +99,14 @@ def lora_expand_cpu(
     out_start: tuple[int, ...],
 ) -> None:
     """Same as :func:`lora_expand_ref`: ``y[t, o_m:o_m+w_m] += scale[s, m] * h[t, hs:hs+r] @ B_{s,m}.T``."""
-    indices = _planned(indices, page_table, pool, b_offset, rank, h_start)
+    indices = _planned(indices, page_table, pool, y, b_offset, rank, h_start)
     if (cells := indices.cells) is not None:
-        lib = cpu_kernels()
-        assert lib is not None and y.stride(1) == 1 and h.stride(1) == 1
+        assert y.stride(1) == 1 and h.stride(1) == 1
         tables = (b_offset, rank, h_start, scale)
         assert [t.dtype for t in tables] == [torch.int64, torch.int32, torch.int32, torch.float32]
         assert all(t.stride() == b_offset.stride() for t in tables) and b_offset.stride(1) == 1
         bounds = _bounds(out_start, y.shape[1])
-        lib.lora_expand_f32(
+        _kernel("expand", pool, y, h)(
             y.data_ptr(),
             y.stride(0),
             h.data_ptr(),

@@ -7,6 +7,8 @@ stacked A matrix ``[sum of the group's ranks, d_in]`` at ``a_offset[s]`` and eac
 matrix ``[d_out_m, r_m]`` at ``b_offset[s, m]``. Slot 0 means "no adapter": its tokens are skipped.
 
 These references are what runs on CPU; the Triton launchers implement the same signatures.
+Adapter pages may be narrower than the activations (``--lora-dtype``): weights are read in the
+pool's dtype and computed in the activations'.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def lora_shrink_ref(
         r = rows[slot]
         if r == 0:
             continue
-        a = page_span(pool, pages[slot], offsets[slot], r * d_in).view(r, d_in)
+        a = page_span(pool, pages[slot], offsets[slot], r * d_in).view(r, d_in).to(x.dtype)
         h[start:end, :r] = x[start:end] @ a.t()
 
 
@@ -144,6 +146,6 @@ def lora_expand_ref(
             if r == 0:
                 continue
             width = bounds[m + 1] - bounds[m]
-            b = page_span(pool, pages[slot], offsets[slot][m], width * r).view(width, r)
+            b = page_span(pool, pages[slot], offsets[slot][m], width * r).view(width, r).to(y.dtype)
             hs = starts[slot][m]
             y[start:end, bounds[m] : bounds[m + 1]].addmm_(h[start:end, hs : hs + r], b.t(), alpha=scales[slot][m])

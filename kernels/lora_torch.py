@@ -30,7 +30,7 @@ def lora_shrink_torch(
         r = int(group_rows[batch.rep])
         if not r:
             continue
-        a = batch.matrices(pool, int(offsets[batch.rep]), r, d_in)
+        a = batch.matrices(pool, int(offsets[batch.rep]), r, d_in).to(x.dtype)  # pages may be narrower
         rows = batch.alone
         if rows is not None:
             h[rows, :r] = x[rows] @ a[0].t()
@@ -66,7 +66,7 @@ def lora_expand_torch(
             if r == 0:
                 continue
             width, hs = bounds[m + 1] - bounds[m], int(starts[rep, m])
-            b = batch.matrices(pool, int(offsets[rep, m]), width, r)
+            b = batch.matrices(pool, int(offsets[rep, m]), width, r).to(y.dtype)
             out = y[:, bounds[m] : bounds[m + 1]]
             if rows is not None:
                 assert host_scales is not None

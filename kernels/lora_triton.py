@@ -63,7 +63,8 @@ def _load_flat(pool, pages, base, f0, rel, mask, DENSE: tl.constexpr, PAGE: tl.c
 
 @triton.jit
 def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    if INTERPRETED or a.dtype == tl.float32:
+    # Activations and pages differ in dtype under --lora-dtype: both go through float32 then.
+    if INTERPRETED or a.dtype == tl.float32 or a.dtype != b.dtype:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         out = tl.dot(a, b, acc)
@@ -505,8 +506,9 @@ def _check_common(out: Tensor, inp: Tensor, pool: Tensor, page_table: Tensor, in
         f"rows differ: {tuple(out.shape)} vs {tuple(inp.shape)}"
     )
     assert out.stride(1) == 1 and inp.stride(1) == 1, "rows of the activations must be contiguous"
-    assert inp.dtype == out.dtype == pool.dtype and pool.dtype in (torch.float16, torch.bfloat16, torch.float32), (
-        f"activations and pool must share one float dtype; got {inp.dtype}, {out.dtype}, {pool.dtype}"
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    assert inp.dtype == out.dtype and inp.dtype in floats and pool.dtype in floats, (
+        f"activations must share one float dtype and pages be floats; got {inp.dtype}, {out.dtype}, {pool.dtype}"
     )
     assert pool.dim() == 2 and pool.is_contiguous(), "pool must be one layer's contiguous slab [num_pages, page_size]"
     assert page_table.dim() == 2 and page_table.dtype == torch.int32 and page_table.stride(1) == 1

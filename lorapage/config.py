@@ -12,6 +12,8 @@ DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names 
 
 # The values EngineConfig accepts for its option fields (the CLI offers the same).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
+NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
 
@@ -27,6 +29,12 @@ class EngineConfig:
 
     model: str = str(TINY_MODEL_DIR / "base")
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    # The dtype adapter weights are kept in, in the pool and in host RAM (vLLM's lora_dtype).
+    # auto: the model's. bfloat16 under a float32 model halves every adapter's bytes (twice the
+    # adapters per page budget, half the bytes a step reads per adapter) at bfloat16's rounding
+    # of each weight; the LoRA ops still compute in the model's dtype. Under a 16-bit model:
+    # that model's dtype only.
+    lora_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
     block_size: int = 16
@@ -63,6 +71,10 @@ class EngineConfig:
     # Adapter file reads, digests and (on a CPU) copies into the pool run on these threads, never
     # on the event loop. None: 4 on CUDA; on a CPU, the cores the forward's threads leave free (2-4).
     io_threads: int | None = None
+    # The engine makes Python's thread switch interval at most this (process-wide; None: leaves
+    # it): the forward thread re-takes the GIL after every op, and at CPython's default 5 ms a
+    # busy event loop can make it wait that long each time (engine/devices.py).
+    gil_switch_interval_s: float | None = 0.0005
     # The adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3
     # and survives restarts; None keeps it in memory for this engine's life.
     state_dir: str | None = None
@@ -75,15 +87,33 @@ class EngineConfig:
     s3_endpoint_url: str | None = None  # an S3-compatible store (None: AWS's, from boto3's config)
     hf_endpoint: str | None = None  # a Hugging Face Hub mirror (None: huggingface_hub's default)
 
+    @property
+    def resolved_lora_dtype(self) -> str:
+        """The adapters' dtype by name: ``lora_dtype``, with auto meaning the model's."""
+        return self.dtype if self.lora_dtype == "auto" else self.lora_dtype
+
     def __post_init__(self) -> None:
-        allowed = {"dtype": DTYPE_NAMES, "kernel_backend": KERNEL_BACKENDS, "scheduler": SCHEDULERS}
+        allowed = {
+            "dtype": DTYPE_NAMES,
+            "lora_dtype": LORA_DTYPE_NAMES,
+            "kernel_backend": KERNEL_BACKENDS,
+            "scheduler": SCHEDULERS,
+        }
         for name, values in allowed.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")
+        if self.resolved_lora_dtype not in (self.dtype, *NARROW_LORA_DTYPES.get(self.dtype, ())):
+            raise ValueError(
+                f"EngineConfig.lora_dtype {self.lora_dtype!r} cannot serve a {self.dtype} model: adapters are kept "
+                "in the model's dtype, or in bfloat16 / float16 under a float32 one (pages share the pool's "
+                "memory, and the ops widen weights to the model's dtype, which another 16-bit type is not)"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"EngineConfig.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
             )
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
+            raise ValueError(f"EngineConfig.gil_switch_interval_s must be > 0; got {self.gil_switch_interval_s}")
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
         if not 0 <= self.max_pinned_fraction <= 1:

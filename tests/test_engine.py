@@ -199,9 +199,13 @@ def test_triton_backend_matches_torch_end_to_end():
     "overrides, message",
     [
         (dict(dtype="float64"), "EngineConfig.dtype must be one of"),
+        (dict(lora_dtype="int8"), "EngineConfig.lora_dtype must be one of"),
+        (dict(dtype="bfloat16", lora_dtype="float32"), "lora_dtype 'float32' cannot serve a bfloat16 model"),
+        (dict(dtype="bfloat16", lora_dtype="float16"), "lora_dtype 'float16' cannot serve a bfloat16 model"),
         (dict(kernel_backend="cuda"), "EngineConfig.kernel_backend must be one of"),
         (dict(max_loras=0), "EngineConfig.max_loras must be >= 1"),
         (dict(adapter_wait_s=-1.0), "EngineConfig.adapter_wait_s must be >= 0"),
+        (dict(gil_switch_interval_s=0.0), "EngineConfig.gil_switch_interval_s must be > 0"),
     ],
 )
 def test_config_rejects_bad_values_by_name(overrides, message):

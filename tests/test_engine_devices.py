@@ -1,5 +1,5 @@
-"""The engine's threads: how many I/O workers it starts, and on a CPU engine they run below the
-forward's priority."""
+"""The engine's threads: how many I/O workers it starts, on a CPU engine they run below the
+forward's priority, and the GIL switch interval the forward thread gets."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import pytest
 import torch
 from engine_util import tiny_engine
 
-from lorapage.engine.devices import IO_THREAD_NICENESS, MAX_IO_THREADS, io_thread, io_thread_count
+from lorapage.engine.devices import (
+    IO_THREAD_NICENESS,
+    MAX_IO_THREADS,
+    io_thread,
+    io_thread_count,
+    shorten_switch_interval,
+)
 from lorapage.engine.engine import MAX_PREFETCHES
 
 
@@ -66,3 +72,24 @@ async def test_a_cpu_engine_starts_the_io_threads_it_counted():
         assert engine.adapters.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
     finally:
         await engine.close()
+
+
+@pytest.fixture
+def switch_interval():
+    """The process's switch interval, put back after the test."""
+    before = sys.getswitchinterval()
+    yield before
+    sys.setswitchinterval(before)
+
+
+async def test_an_engine_shortens_the_gil_switch_interval_and_never_lengthens_it(switch_interval):
+    sys.setswitchinterval(0.005)  # CPython's default
+    await tiny_engine(gil_switch_interval_s=0.001).close()
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    await tiny_engine(gil_switch_interval_s=0.002).close()  # longer than the process's now: left as it is
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    sys.setswitchinterval(0.005)
+    await tiny_engine(gil_switch_interval_s=None).close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    shorten_switch_interval(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)

@@ -168,10 +168,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(diff / ref.double()[keep].abs().max().clamp_min(1e-30))
 
 
-def run_case(group: str, spread: str, sgmv: bool, dtype: torch.dtype, seed: int) -> None:
+def run_case(
+    group: str, spread: str, sgmv: bool, dtype: torch.dtype, seed: int, pages: torch.dtype | None = None
+) -> None:
+    """Activations in ``dtype``, over pages in ``pages`` (default: ``dtype``)."""
     gen = np.random.default_rng(seed)
     num_adapters, num_seqs = 8, 8
-    case = make_case(group, dtype, num_adapters, gen)
+    case = make_case(group, pages or dtype, num_adapters, gen)
     seq_slots = sequence_slots(spread, num_seqs, num_adapters, gen)
     lengths = list(gen.integers(1, 7, num_seqs)) if sgmv else [1] * num_seqs
     indices = make_indices(seq_slots, lengths, sgmv)
@@ -206,6 +209,14 @@ def test_spreads_float32(spread: str, sgmv: bool) -> None:
 @pytest.mark.parametrize("group", ["qkv", "down"])
 def test_bfloat16(group: str, sgmv: bool) -> None:
     run_case(group, "uniform", sgmv, torch.bfloat16, seed=100 + sgmv)
+
+
+@pytest.mark.parametrize("sgmv", [False, True], ids=["bgmv", "sgmv"])
+@pytest.mark.parametrize("group", ["qkv", "down"])
+def test_float32_activations_over_bfloat16_pages(group: str, sgmv: bool) -> None:
+    """--lora-dtype bfloat16 under a float32 model: the reference widens the same bfloat16
+    weights, and both compute in float32."""
+    run_case(group, "skewed", sgmv, torch.float32, seed=300 + sgmv, pages=torch.bfloat16)
 
 
 @pytest.mark.parametrize("sgmv", [False, True], ids=["bgmv", "sgmv"])

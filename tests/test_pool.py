@@ -30,6 +30,41 @@ def test_pages_proportional_to_rank(rank_adapters):
     assert p64 == pytest.approx(8 * p8, rel=0.15)  # ceil() rounding only
 
 
+def test_adapter_pages_in_a_narrower_dtype_are_the_pools_own_memory():
+    pool = PagePool(2, 10, 8, torch.float32, torch.device("cpu"), adapter_dtype=torch.bfloat16)
+    assert pool.adapter_storage.shape == (2, 10, 16) and pool.adapter_page_size == 16
+    assert pool.adapter_storage.data_ptr() == pool.storage.data_ptr()  # one pool, no second allocation
+    pool.adapter_storage[1, 3] = 1.0  # written as adapter pages: page 3 of layer 1 and nothing else
+    assert pool.storage[1, 3].abs().sum() > 0
+    assert pool.storage[1, :3].abs().sum() == 0 and pool.storage[1, 4:].abs().sum() == 0
+    assert pool.storage[0].abs().sum() == 0
+    same = PagePool(1, 4, 8, torch.bfloat16, torch.device("cpu"))
+    assert same.adapter_storage.data_ptr() == same.storage.data_ptr() and same.adapter_page_size == 8
+    with pytest.raises(ValueError, match="must be no wider"):
+        PagePool(1, 4, 8, torch.bfloat16, torch.device("cpu"), adapter_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])  # C kernels, and the PyTorch ops alone
+def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora_dtype):
+    wide, narrow = tiny_engine(), tiny_engine(lora_dtype=lora_dtype)
+    # An auto-sized pool holds max_loras of the largest adapters beside the KV: fewer pages now.
+    assert narrow.pool.num_pages < wide.pool.num_pages
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    prompts = [[5, 9, 11, 40], [7, 3, 200, 17, 4, 90]]
+    outs = []
+    for engine in (wide, narrow):
+        engine.add_adapter("r64", rank_adapters[64])
+        outs.append(engine.generate_batch([(p, "r64") for p in prompts], params))  # loads it
+    pages = [e.adapter_info("r64").num_pages for e in (wide, narrow)]
+    assert pages[1] in (pages[0] // 2, pages[0] // 2 + 1)  # half, rounded up
+    assert [e.stats()["pool_pages_adapters"] for e in (wide, narrow)] == pages
+    host = [e.adapters._host["r64@1"] for e in (wide, narrow)]
+    assert host[1].dtype == getattr(torch, lora_dtype)
+    assert host[1].nbytes * 2 == pytest.approx(host[0].nbytes, rel=0.05)
+    for g, w in zip(outs[1], outs[0]):  # rounding each weight to 16 bits moves a logprob by far less than 0.05
+        assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=0.05)
+
+
 async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapters):
     engine = tiny_engine()
     engine.add_adapter("r64", rank_adapters[64])

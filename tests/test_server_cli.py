@@ -143,9 +143,12 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
             "0.5",
             "--max-loras",
             "4",
+            "--lora-dtype",
+            "bfloat16",
         ]
     )
     cfg = engine_config(args)
+    assert cfg.lora_dtype == "bfloat16"
     assert (
         cfg.gpu_memory_utilization,
         cfg.enforce_eager,
@@ -156,7 +159,8 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
         cfg.adapter_wait_s,
         cfg.max_loras,
     ) == (0.8, True, "torch", 512, 8, 4096, 0.5, 4)
-    assert engine_config(build_parser().parse_args([])).enforce_eager is False  # unset flags keep the defaults
+    defaults = engine_config(build_parser().parse_args([]))
+    assert defaults.enforce_eager is False and defaults.lora_dtype == "auto"  # unset flags keep the defaults
 
 
 async def test_serve_names_a_bad_flag_value():

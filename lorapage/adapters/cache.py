@@ -164,9 +164,10 @@ class AdapterCache:
         self.costs = ReloadCosts(page_bytes)
         # What losing an idle cached block costs (fed measured prefill timings by the engine).
         self.recompute = RecomputeCost(page_bytes, max(1, pool.page_size // (2 * model.kv_size)))
-        self._max_adapter_pages = max_adapter_pages(model, max_lora_rank, pool.page_size)
+        self._max_adapter_pages = max_adapter_pages(model, max_lora_rank, pool.adapter_page_size)
         self.entries: dict[str, AdapterEntry] = {}
-        self._host: OrderedDict[str, torch.Tensor] = OrderedDict()  # name -> packed [L, pages * page_size]
+        # name -> packed [L, pages * adapter_page_size], in the adapters' dtype
+        self._host: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._free_slots = list(range(max_loras, 0, -1))
         self._by_slot: dict[int, AdapterEntry] = {}
         self._memory_freed = asyncio.Event()
@@ -211,7 +212,7 @@ class AdapterCache:
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
         """The adapter's page layout, refused (the serving envelope) when its pages cannot fit in
         the pool beside one full-length sequence's KV blocks: it could never serve a request."""
-        layout = AdapterLayout.plan(spec, self.model, self.pool.page_size)
+        layout = AdapterLayout.plan(spec, self.model, self.pool.adapter_page_size)
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
             m, page_bytes = self.model, self.pool.page_size * self.pool.storage.element_size()
             raise AdapterFormatError(
@@ -675,7 +676,7 @@ class AdapterCache:
         # another dtype (bfloat16 weights can overflow float16): its loads check again.
         finite = bool(entry.digest) and entry.digest in self._finite_digests
         tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not finite)
-        packed = entry.layout.pack(tensors, self.pool.page_size)
+        packed = entry.layout.pack(tensors, self.pool.adapter_page_size)
         # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
         # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras
         # pinned adapters could hold up to twice their size in page-locked RAM for good. A pageable
@@ -784,9 +785,9 @@ class AdapterCache:
 
     def _copy_in(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
         """Host RAM -> pool pages, then point the slot's table rows at them (``run_on_device``)."""
-        n, size = len(pages), self.pool.page_size
+        n, size = len(pages), self.pool.adapter_page_size
         src = packed.view(packed.shape[0], n, size)
-        storage = self.pool.storage
+        storage = self.pool.adapter_storage
         if pages[-1] - pages[0] == n - 1:
             storage[:, pages[0] : pages[0] + n].copy_(src, non_blocking=True)
         else:

@@ -72,3 +72,19 @@ def io_thread(device: torch.device) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + IO_THREAD_NICENESS)
         except OSError:  # a sandbox that refuses it: run at the process's priority
             pass
+
+
+def shorten_switch_interval(seconds: float | None) -> None:
+    """Make CPython's thread switch interval at most ``seconds`` for this process (None: leave it).
+
+    The forward thread gives the GIL up at every torch op and C kernel call (~400 a decode step
+    of the bench model) and must take it back to dispatch the next. While another thread runs
+    Python (the event loop scheduling and streaming, an I/O thread parsing a file), CPython makes
+    it wait up to the switch interval, 5 ms by default, each time. A forward beside a thread busy
+    with Python 40% of the time took 28 ms a step at 5 ms against 24.5 ms at 0.5 ms (18 ms
+    alone); in the S-LoRA replay, whose 2,000-adapter case keeps the event loop busier with
+    loads, it is the difference in bench/RESULTS.md (round 2, session 8). Process-wide, and never
+    raised: an embedding application that set a shorter one keeps it.
+    """
+    if seconds is not None and sys.getswitchinterval() > seconds:
+        sys.setswitchinterval(seconds)

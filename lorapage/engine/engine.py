@@ -34,7 +34,14 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
 from lorapage.adapters.sources import AdapterSources, FileSource, Source, parse_source
 from lorapage.adapters.value import LoadTier, Stage
 from lorapage.config import EngineConfig
-from lorapage.engine.devices import DTYPES, bind_thread, io_thread, io_thread_count, resolve_device
+from lorapage.engine.devices import (
+    DTYPES,
+    bind_thread,
+    io_thread,
+    io_thread_count,
+    resolve_device,
+    shorten_switch_interval,
+)
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
@@ -79,6 +86,7 @@ class Engine:
         self.clock = clock
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.lora_dtype = DTYPES[config.resolved_lora_dtype]
         model_dir = Path(config.model)
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.base_name = model_dir.name
@@ -89,7 +97,9 @@ class Engine:
         self._digest: str | None = None
         bs = config.block_size
         page_size = 2 * bs * mc.kv_size
-        adapter_pages = max_adapter_pages(mc, config.max_lora_rank, page_size)
+        # A page holds this many adapter elements: more when adapters are narrower than KV.
+        adapter_page_size = page_size * self.dtype.itemsize // self.lora_dtype.itemsize
+        adapter_pages = max_adapter_pages(mc, config.max_lora_rank, adapter_page_size)
         max_blocks = -(-self.max_model_len // bs)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
         if self.max_num_batched_tokens < self.max_model_len and not config.enable_chunked_prefill:
@@ -105,9 +115,9 @@ class Engine:
             )
         # Weights first: on CUDA the pool is sized from the memory they leave.
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
-        self.pool = PagePool(
-            mc.num_layers, self._num_pages(adapter_pages, max_blocks, page_size), page_size, self.dtype, self.device
-        )
+        num_pages = self._num_pages(adapter_pages, max_blocks, page_size)
+        self.pool = PagePool(mc.num_layers, num_pages, page_size, self.dtype, self.device, self.lora_dtype)
+        assert self.pool.adapter_page_size == adapter_page_size
         self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
         self.ops = select_backend(config.kernel_backend, self.device, self.dtype)
         self.runner = ModelRunner(
@@ -124,6 +134,7 @@ class Engine:
         if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
+        shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
         self._forward = ThreadPoolExecutor(
             1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
         )
@@ -153,7 +164,7 @@ class Engine:
             max_cpu_loras=config.max_cpu_loras,
             max_lora_rank=config.max_lora_rank,
             slot_wait_s=config.adapter_wait_s,
-            dtype=self.dtype,
+            dtype=self.lora_dtype,
             io_executor=self._io,
             run_on_device=self._run_on_device,
             on_ready=self._wake_up,

@@ -4,6 +4,10 @@
 page p in every layer (its K and V for ``block_size`` positions), a resident adapter owns its
 pages in every layer (that layer's A and B matrices). Page 0 is never handed out: padded rows
 write to it and slot 0 / block 0 point at it. See docs/memory.md.
+
+Adapters may be kept in a narrower dtype than KV (``--lora-dtype``): they see the same bytes as
+``adapter_storage``, ``storage`` viewed in their dtype, so one page holds ``adapter_page_size``
+of their elements (twice ``page_size`` for bfloat16 adapters in a float32 pool).
 """
 
 from __future__ import annotations
@@ -27,13 +31,25 @@ class PagePool:
     """
 
     def __init__(
-        self, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        adapter_dtype: torch.dtype | None = None,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"the pool needs at least 2 pages (page 0 is reserved); got {num_pages}")
+        adapter_dtype = adapter_dtype or dtype
+        if dtype.itemsize % adapter_dtype.itemsize:
+            raise ValueError(f"adapter pages in {adapter_dtype} cannot share a {dtype} pool: they must be no wider")
         self.num_pages = num_pages
         self.page_size = page_size
         self.storage = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
+        # The same memory in the adapters' dtype: [num_layers, num_pages, adapter_page_size].
+        self.adapter_storage = self.storage.view(adapter_dtype)
+        self.adapter_page_size = self.adapter_storage.shape[2]
         self._free = np.ones(num_pages, dtype=bool)
         self._free[0] = False
         self._num_free = num_pages - 1

@@ -43,6 +43,7 @@ class ForwardContext:
             self.tables,
             lora,
             b.lora_h,
+            self.pool.adapter_storage,
         )
 
 

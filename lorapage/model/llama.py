@@ -146,11 +146,13 @@ class LlamaModel:
         tables: LoraTables,
         lora: LoraIndices | None,
         lora_h: Tensor,
+        adapter_pool: Tensor | None = None,
     ) -> Tensor:
         """Hidden states [T, hidden] after the final norm for this step's tokens.
 
-        ``pool`` is the page storage [num_layers, num_pages, page_size]; ``lora_h`` a scratch
-        buffer [>= T, >= max group rank] for the shrink output.
+        ``pool`` is the page storage [num_layers, num_pages, page_size]; ``adapter_pool`` the same
+        memory in the adapters' dtype (None: ``pool`` itself); ``lora_h`` a scratch buffer
+        [>= T, >= max group rank] for the shrink output.
         """
         c = self.config
         T = input_ids.shape[0]
@@ -160,15 +162,16 @@ class LlamaModel:
         q_size, kv_size = c.q_size, c.kv_size
         h = lora_h[:T]
         use_lora = lora is not None and bool(lora.segments)
+        adapter_pool = pool if adapter_pool is None else adapter_pool
         for i, w in enumerate(self.layers):
-            slab = pool[i]
+            slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
             hs = self._rms_norm(x, w["in_norm"])
             qkv = hs @ w["qkv"].t()
             if "qkv_bias" in w:
                 qkv += w["qkv_bias"]
             if use_lora:
-                self._lora(ops, qkv, hs, i, 0, slab, tables, lora, h)
+                self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             q = self._apply_rope(qkv[:, :q_size].view(T, c.num_heads, c.head_dim), cos, sin)
             k = self._apply_rope(qkv[:, q_size : q_size + kv_size].view(T, c.num_kv_heads, c.head_dim), cos, sin)
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
@@ -191,17 +194,17 @@ class LlamaModel:
             attn_out = out.view(T, q_size)
             o = attn_out @ w["o"].t()
             if use_lora:
-                self._lora(ops, o, attn_out, i, 1, slab, tables, lora, h)
+                self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
             gu = hs @ w["gate_up"].t()
             if use_lora:
-                self._lora(ops, gu, hs, i, 2, slab, tables, lora, h)
+                self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)
             inter = c.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             d = act @ w["down"].t()
             if use_lora:
-                self._lora(ops, d, act, i, 3, slab, tables, lora, h)
+                self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
             x = x + d
         return self._rms_norm(x, self.final_norm)
 

@@ -15,6 +15,7 @@ import torch
 from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
+from lorapage.kernels.cpu_build import WEIGHT_DTYPES
 from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.forward import ForwardContext
@@ -175,8 +176,12 @@ class ModelRunner:
         """The CPU ops' cells and batches, planned once for every layer and module of the step."""
         t = self.ctx.tables
         layout = (t.a_offset, t.a_rows, t.b_offset, t.rank, t.h_start)
-        plan = lora.with_cells if self.ctx.ops.name == "cpu" else lora.with_batches
-        return plan(t.page_table, layout, self.ctx.pool.storage[0])
+        pages = self.ctx.pool.adapter_storage[0]
+        # The C kernels take the short segments when they read the pages' dtype (float16 pages
+        # under a float32 model go to the PyTorch ops whole).
+        cells = self.ctx.ops.name == "cpu" and pages.dtype in WEIGHT_DTYPES
+        plan = lora.with_cells if cells else lora.with_batches
+        return plan(t.page_table, layout, pages)
 
     def _replay(self, plan: StepPlan) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lorapage.config import DTYPE_NAMES, KERNEL_BACKENDS, SCHEDULERS, EngineConfig
+from lorapage.config import DTYPE_NAMES, KERNEL_BACKENDS, LORA_DTYPE_NAMES, SCHEDULERS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
@@ -45,10 +45,12 @@ _ENGINE_FLAGS: tuple[tuple[str, type], ...] = (
     ("max_pinned_fraction", float),
     ("metrics_top_adapters", int),
     ("io_threads", int),
+    ("gil_switch_interval_s", float),
 )
 _ENGINE_FIELDS = (
     *(name for name, _ in _ENGINE_FLAGS),
     "dtype",
+    "lora_dtype",
     "device",
     "scheduler",
     "kernel_backend",
@@ -72,6 +74,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     for name, kind in _ENGINE_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=None)
+    p.add_argument(
+        "--lora-dtype",
+        choices=LORA_DTYPE_NAMES,
+        default=None,
+        help="adapter weights' dtype in memory (default auto: the model's; bfloat16 halves their bytes)",
+    )
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=None)
     p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default=None)

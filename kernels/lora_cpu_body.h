@@ -1,0 +1,192 @@
+/* The CPU LoRA kernels' body, included by lora_cpu.c once per weight type. Not a header of its
+ * own: it expects, defined by the includer,
+ *   W          the type of a weight in the pool's pages (float, or uint16_t for bfloat16)
+ *   F(name)    this weight type's name for a function (name_f32, name_bf16)
+ *   LDW(p)     8 weights at p as a v8 of floats;  LDW256(p) the same as an __m256
+ *   TOF(v)     one weight as a float
+ *   RANK16     1 where this weight type's rank-16 expand has its AVX path (LDW256 defined)
+ * Activations, products and sums are float32 for every W.
+ */
+
+static inline float F(dot)(const W *a, const float *x, int64_t d) {
+    v8 s = {0};
+    int64_t k = 0;
+    for (; k + 8 <= d; k += 8) s += LDW(a + k) * ld(x + k);
+    float r = hsum(s);
+    for (; k < d; k++) r += TOF(a[k]) * x[k];
+    return r;
+}
+
+/* One slot's flat buffer, read through its page table row. */
+typedef struct {
+    const W *slab;
+    int64_t page_stride; /* elements between pages in the slab */
+    int64_t page;        /* elements per page */
+    const int32_t *pages;
+} F(Buffer);
+
+static int F(is_run)(const F(Buffer) *b, int64_t off, int64_t n) {
+    int64_t first = off / b->page, last = (off + n - 1) / b->page;
+    return (int64_t)b->pages[last] - b->pages[first] == last - first;
+}
+
+/* Elements [off, off + n): in place when their pages are one run, else copied into scratch. */
+static const W *F(span)(const F(Buffer) *b, int64_t off, int64_t n, W **scratch, int64_t max_numel) {
+    int64_t first = off / b->page;
+    if (F(is_run)(b, off, n)) return b->slab + (int64_t)b->pages[first] * b->page_stride + (off - first * b->page);
+    if (!*scratch) *scratch = malloc((size_t)max_numel * sizeof(W));
+    for (int64_t done = 0, e = off; done < n;) {
+        int64_t o = e % b->page, take = b->page - o;
+        if (take > n - done) take = n - done;
+        memcpy(*scratch + done, b->slab + (int64_t)b->pages[e / b->page] * b->page_stride + o,
+               (size_t)take * sizeof(W));
+        done += take;
+        e += take;
+    }
+    return *scratch;
+}
+
+/* 4 rows of a (row stride d) against one token: 4 independent sums, so loads overlap. */
+static inline void F(rows4_tok1)(const W *a, int64_t d, const float *x, float *out) {
+    v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (int64_t k = 0; k < d; k += 8) {
+        v8 xv = ld(x + k);
+        s0 += LDW(a + k) * xv;
+        s1 += LDW(a + d + k) * xv;
+        s2 += LDW(a + 2 * d + k) * xv;
+        s3 += LDW(a + 3 * d + k) * xv;
+    }
+    out[0] = hsum(s0), out[1] = hsum(s1), out[2] = hsum(s2), out[3] = hsum(s3);
+}
+
+/* 2 rows of a against 4 tokens: each row is loaded once for the 4. */
+static inline void F(rows2_tok4)(const W *a, int64_t d, const float *const x[4], float out[2][4]) {
+    v8 s[2][4] = {{{0}}};
+    for (int64_t k = 0; k < d; k += 8) {
+        v8 a0 = LDW(a + k), a1 = LDW(a + d + k);
+        for (int j = 0; j < 4; j++) {
+            v8 xv = ld(x[j] + k);
+            s[0][j] += a0 * xv;
+            s[1][j] += a1 * xv;
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) out[i][j] = hsum(s[i][j]);
+}
+
+static void F(shrink_cell)(float *h, int64_t hs, const float *x, int64_t xs, int64_t d, const W *a, int64_t rows,
+                           const int64_t *tok, int64_t nt) {
+    int64_t i = 0;
+    if (d % 8) {
+        for (int64_t t = 0; t < nt; t++)
+            for (i = 0; i < rows; i++) h[tok[t] * hs + i] = F(dot)(a + i * d, x + tok[t] * xs, d);
+        return;
+    }
+    if (nt == 1) {
+        const float *xt = x + tok[0] * xs;
+        float *ht = h + tok[0] * hs;
+        for (; i + 4 <= rows; i += 4) F(rows4_tok1)(a + i * d, d, xt, ht + i);
+        for (; i < rows; i++) ht[i] = F(dot)(a + i * d, xt, d);
+        return;
+    }
+    for (int64_t t = 0; t < nt; t += 4) {
+        int64_t n = nt - t < 4 ? nt - t : 4;
+        const float *xp[4];
+        for (int j = 0; j < 4; j++) xp[j] = x + tok[t + (j < n ? j : 0)] * xs; /* padding repeats a token */
+        float o[2][4];
+        for (i = 0; i + 2 <= rows; i += 2) {
+            F(rows2_tok4)(a + i * d, d, xp, o);
+            for (int j = 0; j < n; j++) h[tok[t + j] * hs + i] = o[0][j], h[tok[t + j] * hs + i + 1] = o[1][j];
+        }
+        for (; i < rows; i++)
+            for (int j = 0; j < n; j++) h[tok[t + j] * hs + i] = F(dot)(a + i * d, xp[j], d);
+    }
+}
+
+void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride, int64_t d_in, const W *slab,
+                     int64_t page_stride, int64_t page, const int32_t *page_table, int64_t pt_stride, int64_t n_cells,
+                     const int64_t *cell_slot, const int64_t *cell_begin, const int64_t *tokens,
+                     const int64_t *a_offset, int64_t ao_stride, const int32_t *a_rows, int64_t ar_stride,
+                     int64_t max_rows, int nthreads) {
+    int64_t blocks = (max_rows + SHRINK_ROWS - 1) / SHRINK_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        W *scratch = NULL;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t c = 0; c < n_cells; c++) {
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                int64_t s = cell_slot[c], i0 = blk * SHRINK_ROWS, rows = a_rows[s * ar_stride] - i0;
+                if (rows <= 0) continue;
+                if (rows > SHRINK_ROWS) rows = SHRINK_ROWS;
+                F(Buffer) b = {slab, page_stride, page, page_table + s * pt_stride};
+                const W *a = F(span)(&b, a_offset[s * ao_stride] + i0 * d_in, rows * d_in, &scratch, SHRINK_ROWS * d_in);
+                F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a, rows, tokens + cell_begin[c],
+                            cell_begin[c + 1] - cell_begin[c]);
+            }
+        }
+        free(scratch);
+    }
+}
+
+#if RANK16
+/* Rank 16, 8 rows of b at a time: each row is two vectors against h. */
+static int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const float *hv) {
+    __m256 h0 = _mm256_loadu_ps(hv), h1 = _mm256_loadu_ps(hv + 8);
+    int64_t j = 0;
+    for (; j + 8 <= w; j += 8) {
+        const W *bj = b + j * 16;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++)
+            a[i] = _mm256_fmadd_ps(LDW256(bj + 16 * i + 8), h1, _mm256_mul_ps(LDW256(bj + 16 * i), h0));
+        __m256 sum = sums8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+        _mm256_storeu_ps(yt + j, _mm256_add_ps(_mm256_loadu_ps(yt + j), sum));
+    }
+    return j;
+}
+#else
+static int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const float *hv) {
+    (void)yt, (void)b, (void)w, (void)hv;
+    return 0;
+}
+#endif
+
+/* yt[j] += b[j, :] . hv for j < w, b [w, r] row-major. */
+static void F(expand_rows)(float *yt, const W *b, int64_t w, int64_t r, const float *hv) {
+    int64_t j = r == 16 ? F(expand_rank16)(yt, b, w, hv) : 0; /* the common rank */
+    for (; j < w; j++) yt[j] += F(dot)(b + j * r, hv, r);
+}
+
+void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride, const W *slab,
+                     int64_t page_stride, int64_t page, const int32_t *page_table, int64_t pt_stride, int64_t n_cells,
+                     const int64_t *cell_slot, const int64_t *cell_begin, const int64_t *tokens, int64_t n_modules,
+                     const int64_t *bounds, const int64_t *b_offset, const int32_t *rank, const int32_t *h_start,
+                     const float *scale, int64_t tab_stride, int64_t max_rank, int nthreads) {
+    int64_t widest = 0;
+    for (int64_t m = 0; m < n_modules; m++)
+        if (bounds[m + 1] - bounds[m] > widest) widest = bounds[m + 1] - bounds[m];
+    int64_t blocks = (widest + EXPAND_ROWS - 1) / EXPAND_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        W *scratch = NULL;
+#pragma omp for collapse(3) schedule(dynamic, 1)
+        for (int64_t c = 0; c < n_cells; c++) {
+            for (int64_t m = 0; m < n_modules; m++) {
+                for (int64_t blk = 0; blk < blocks; blk++) {
+                    int64_t s = cell_slot[c], at = s * tab_stride + m, r = rank[at];
+                    int64_t j0 = blk * EXPAND_ROWS, w = bounds[m + 1] - bounds[m] - j0;
+                    if (r == 0 || w <= 0) continue;
+                    if (w > EXPAND_ROWS) w = EXPAND_ROWS;
+                    F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
+                    const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
+                    float hv[r];
+                    for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++) {
+                        const float *ht = h + tokens[t] * h_stride + h_start[at];
+                        for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
+                        F(expand_rows)(y + tokens[t] * y_stride + bounds[m] + j0, bm, w, r, hv);
+                    }
+                }
+            }
+        }
+        free(scratch);
+    }
+}
