@@ -72,8 +72,8 @@ class EngineConfig:
     # on the event loop. None: 4 on CUDA; on a CPU, the cores the forward's threads leave free (2-4).
     io_threads: int | None = None
     # The engine makes Python's thread switch interval at most this (process-wide; None: leaves
-    # it): the forward thread re-takes the GIL after every op, and at CPython's default 5 ms a
-    # busy event loop can make it wait that long each time (engine/devices.py).
+    # it): the forward thread re-takes the GIL after every op, and at CPython's default 5 ms any
+    # other thread running Python can make it wait that long each time (engine/devices.py).
     gil_switch_interval_s: float | None = 0.0005
     # The adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3
     # and survives restarts; None keeps it in memory for this engine's life.

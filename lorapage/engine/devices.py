@@ -82,9 +82,10 @@ def shorten_switch_interval(seconds: float | None) -> None:
     Python (the event loop scheduling and streaming, an I/O thread parsing a file), CPython makes
     it wait up to the switch interval, 5 ms by default, each time. A forward beside a thread busy
     with Python 40% of the time took 28 ms a step at 5 ms against 24.5 ms at 0.5 ms (18 ms
-    alone); in the S-LoRA replay, whose 2,000-adapter case keeps the event loop busier with
-    loads, it is the difference in bench/RESULTS.md (round 2, session 8). Process-wide, and never
-    raised: an embedding application that set a shorter one keeps it.
+    alone). In the S-LoRA replay, whose 2,000-adapter case keeps the I/O threads parsing and
+    packing ~137 adapters a pass, the 2,000 case ran 6% faster at 0.5 ms, and the 5 case as
+    before (bench/RESULTS.md, round 2, session 8). Process-wide, and never raised: an embedding
+    application that set a shorter one keeps it.
     """
     if seconds is not None and sys.getswitchinterval() > seconds:
         sys.setswitchinterval(seconds)
