@@ -63,8 +63,8 @@ def _load_flat(pool, pages, base, f0, rel, mask, DENSE: tl.constexpr, PAGE: tl.c
 
 @triton.jit
 def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    # Activations and pages differ in dtype under --lora-dtype: both go through float32 then.
-    if INTERPRETED or a.dtype == tl.float32 or a.dtype != b.dtype:
+    # a is the activations: float32 ones (over pages of any dtype, --lora-dtype) multiply in float32.
+    if INTERPRETED or a.dtype == tl.float32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         out = tl.dot(a, b, acc)
