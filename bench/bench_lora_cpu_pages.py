@@ -23,32 +23,35 @@ import sys
 import time
 
 import torch
+from bench_replay import SHAPE
 
 from lorapage.adapters.layout import AdapterLayout, LoraTables
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
+from lorapage.memory.pool import adapter_page_size
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.llama import GROUP_MODULES
 from lorapage.tiny import TINY_BASE_DIR
 
 ROWS, RANK, TRIALS = 32, 16, 15
+# The replay bench's model (bench_replay.SHAPE), which the S-LoRA headline serves.
 MODEL = dataclasses.replace(
     ModelConfig.from_dir(TINY_BASE_DIR),
-    hidden_size=768,
-    intermediate_size=2048,
-    num_layers=12,
-    num_heads=12,
-    num_kv_heads=4,
-    head_dim=64,
+    hidden_size=SHAPE["hidden"],
+    intermediate_size=SHAPE["intermediate"],
+    num_layers=SHAPE["layers"],
+    num_heads=SHAPE["heads"],
+    num_kv_heads=SHAPE["kv_heads"],
+    head_dim=SHAPE["hidden"] // SHAPE["heads"],
 )
 PAGE = 2 * 16 * MODEL.kv_size  # the engine's page at block size 16, in float32 elements
 
 
 def step_ms(pages: torch.dtype, distinct: int) -> tuple[float, int]:
     """Best milliseconds of one step's LoRA update, and the bytes its adapters hold."""
-    per_page = PAGE * 4 // pages.itemsize
+    per_page = adapter_page_size(PAGE, torch.float32, pages)
     spec = AdapterSpec(
         path=None,
         weights_file=None,

@@ -21,14 +21,17 @@ from lorapage.kernels.lora_ref import LoraIndices, _host
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 
+def c_kernels_take(activations: torch.dtype, pages: torch.dtype) -> bool:
+    """Whether the C kernels compute over these dtypes: float32 activations, float32 or bfloat16 pages."""
+    return activations == torch.float32 and pages in WEIGHT_DTYPES
+
+
 def _planned(indices: LoraIndices, page_table: Tensor, pool: Tensor, x: Tensor, *tables: Tensor) -> LoraIndices:
     """``indices`` with cells and batches for this call when the caller planned none (and the C
-    kernels can take them: float32 activations ``x``, pages they read, built)."""
+    kernels can take them: see :func:`c_kernels_take`, and built)."""
     if indices.cells is not None or indices.batches is not None:
         return indices
-    if x.dtype != torch.float32 or pool.dtype not in WEIGHT_DTYPES:
-        return indices
-    if cpu_kernels() is None:
+    if not c_kernels_take(x.dtype, pool.dtype) or cpu_kernels() is None:
         return indices
     cells, long = split_cells(indices.segments)
     return replace(indices, cells=cells, batches=plan_lora_batches(long, page_table, [_host(t) for t in tables], pool))
@@ -45,9 +48,8 @@ def _cell_args(pool: Tensor, page_table: Tensor, cells: LoraCells) -> tuple[int,
 
 
 def _kernel(op: str, pool: Tensor, *activations: Tensor):
-    """The C function of ``op`` for ``pool``'s page dtype; float32 activations only."""
-    assert all(t.dtype == torch.float32 for t in activations), "the C kernels compute in float32"
-    assert pool.dtype in WEIGHT_DTYPES, f"the C kernels read float32 or bfloat16 pages, not {pool.dtype}"
+    """The C function of ``op`` for ``pool``'s page dtype."""
+    assert all(c_kernels_take(t.dtype, pool.dtype) for t in activations), f"no C kernels for {pool.dtype} pages"
     lib = cpu_kernels()
     assert lib is not None
     return getattr(lib, f"lora_{op}_{WEIGHT_DTYPES[pool.dtype]}")

@@ -44,21 +44,27 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
 
 
+def _batch_matches_peft(engine, base, rows, references, seed):
+    """One heterogeneous batch of ``rows`` (adapter names, None for the base): each row's greedy
+    tokens equal PEFT's alone on ``references[name]``, its logprobs within 1e-4. Returns the
+    prompts and outputs."""
+    prompts = _prompts(len(rows), seed=seed)
+    outs = engine.generate_batch(
+        list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    )
+    for prompt, adapter, out in zip(prompts, rows, outs):
+        ref_tokens, ref_lps = peft_greedy(base, references.get(adapter), prompt, MAX_TOKENS)
+        assert out.token_ids == ref_tokens, f"adapter {adapter}"
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(ref_lps, abs=1e-4), f"adapter {adapter}"
+    return prompts, outs
+
+
 def test_heterogeneous_batch_matches_peft_row_by_row(checkpoint):
     base, adapters = checkpoint
     engine = Engine(EngineConfig(model=str(base), max_lora_rank=64, max_loras=8, block_size=4))
     for name, path in adapters.items():
         engine.add_adapter(name, path)
-    rows = [*adapters, None, *adapters, None]
-    prompts = _prompts(len(rows), seed=7)
-    outs = engine.generate_batch(
-        list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
-    )
-    for prompt, adapter, out in zip(prompts, rows, outs):
-        ref_tokens, ref_lps = peft_greedy(base, adapters.get(adapter), prompt, MAX_TOKENS)
-        assert out.token_ids == ref_tokens, f"adapter {adapter}"
-        got = [lp.logprob for lp in out.logprobs]
-        assert got == pytest.approx(ref_lps, abs=1e-4), f"adapter {adapter}"
+    _batch_matches_peft(engine, base, [*adapters, None, *adapters, None], adapters, seed=7)
 
 
 def test_unmerged_equals_merged_copy(checkpoint, tmp_path):
@@ -124,15 +130,7 @@ def test_bfloat16_pages_match_peft_on_the_rounded_weights(checkpoint, tmp_path):
     for name, path in adapters.items():
         engine.add_adapter(name, path)  # the float32 files: the engine rounds them
         rounded[name] = _rounded_to_bfloat16(path, tmp_path / name)
-    rows = [*adapters, None]
-    prompts = _prompts(len(rows), seed=5)
-    outs = engine.generate_batch(
-        list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
-    )
-    for prompt, adapter, out in zip(prompts, rows, outs):
-        ref_tokens, ref_lps = peft_greedy(base, rounded.get(adapter), prompt, MAX_TOKENS)
-        assert out.token_ids == ref_tokens, f"adapter {adapter}"
-        assert [lp.logprob for lp in out.logprobs] == pytest.approx(ref_lps, abs=1e-4), f"adapter {adapter}"
+    prompts, outs = _batch_matches_peft(engine, base, [*adapters, None], rounded, seed=5)
     # And a BF16 file is served as it is: its values are bfloat16 already, so its pages hold the
     # very bits the float32 file rounded to, and its logprobs are the other row's (up to the
     # base GEMM's float32 sums, which may differ with a row's place in the batch).

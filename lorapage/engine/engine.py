@@ -52,7 +52,7 @@ from lorapage.errors import (
     LorapageError,
 )
 from lorapage.kernels.backend import select_backend
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pool import PageKind, PagePool, adapter_page_size
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
@@ -97,9 +97,10 @@ class Engine:
         self._digest: str | None = None
         bs = config.block_size
         page_size = 2 * bs * mc.kv_size
-        # A page holds this many adapter elements: more when adapters are narrower than KV.
-        adapter_page_size = page_size * self.dtype.itemsize // self.lora_dtype.itemsize
-        adapter_pages = max_adapter_pages(mc, config.max_lora_rank, adapter_page_size)
+        # A page holds more adapter elements when adapters are narrower than KV.
+        adapter_pages = max_adapter_pages(
+            mc, config.max_lora_rank, adapter_page_size(page_size, self.dtype, self.lora_dtype)
+        )
         max_blocks = -(-self.max_model_len // bs)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
         if self.max_num_batched_tokens < self.max_model_len and not config.enable_chunked_prefill:
@@ -117,7 +118,6 @@ class Engine:
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
         num_pages = self._num_pages(adapter_pages, max_blocks, page_size)
         self.pool = PagePool(mc.num_layers, num_pages, page_size, self.dtype, self.device, self.lora_dtype)
-        assert self.pool.adapter_page_size == adapter_page_size
         self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
         self.ops = select_backend(config.kernel_backend, self.device, self.dtype)
         self.runner = ModelRunner(

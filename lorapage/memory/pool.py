@@ -23,6 +23,13 @@ class PageKind(Enum):
     ADAPTER = "adapter"
 
 
+def adapter_page_size(page_size: int, dtype: torch.dtype, adapter_dtype: torch.dtype) -> int:
+    """Adapter elements one page of ``page_size`` ``dtype`` elements holds."""
+    if dtype.itemsize % adapter_dtype.itemsize:
+        raise ValueError(f"adapter pages in {adapter_dtype} cannot share a {dtype} pool: they must be no wider")
+    return page_size * dtype.itemsize // adapter_dtype.itemsize
+
+
 class PagePool:
     """The pool tensor plus the allocator that hands out its pages to KV blocks and adapters.
 
@@ -42,14 +49,12 @@ class PagePool:
         if num_pages < 2:
             raise ValueError(f"the pool needs at least 2 pages (page 0 is reserved); got {num_pages}")
         adapter_dtype = adapter_dtype or dtype
-        if dtype.itemsize % adapter_dtype.itemsize:
-            raise ValueError(f"adapter pages in {adapter_dtype} cannot share a {dtype} pool: they must be no wider")
+        self.adapter_page_size = adapter_page_size(page_size, dtype, adapter_dtype)
         self.num_pages = num_pages
         self.page_size = page_size
         self.storage = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
         # The same memory in the adapters' dtype: [num_layers, num_pages, adapter_page_size].
         self.adapter_storage = self.storage.view(adapter_dtype)
-        self.adapter_page_size = self.adapter_storage.shape[2]
         self._free = np.ones(num_pages, dtype=bool)
         self._free[0] = False
         self._num_free = num_pages - 1

@@ -38,12 +38,12 @@ class ForwardContext:
             b.positions[:num_tokens],
             attn,
             self.pool.storage,
+            self.pool.adapter_storage,
             self.block_size,
             self.ops,
             self.tables,
             lora,
             b.lora_h,
-            self.pool.adapter_storage,
         )
 
 

@@ -141,17 +141,17 @@ class LlamaModel:
         positions: Tensor,
         attn: AttentionMetadata,
         pool: Tensor,
+        adapter_pool: Tensor,
         block_size: int,
         ops: KernelOps,
         tables: LoraTables,
         lora: LoraIndices | None,
         lora_h: Tensor,
-        adapter_pool: Tensor | None = None,
     ) -> Tensor:
         """Hidden states [T, hidden] after the final norm for this step's tokens.
 
         ``pool`` is the page storage [num_layers, num_pages, page_size]; ``adapter_pool`` the same
-        memory in the adapters' dtype (None: ``pool`` itself); ``lora_h`` a scratch buffer
+        memory in the adapters' dtype (``pool`` itself when they match); ``lora_h`` a scratch buffer
         [>= T, >= max group rank] for the shrink output.
         """
         c = self.config
@@ -162,7 +162,6 @@ class LlamaModel:
         q_size, kv_size = c.q_size, c.kv_size
         h = lora_h[:T]
         use_lora = lora is not None and bool(lora.segments)
-        adapter_pool = pool if adapter_pool is None else adapter_pool
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)

@@ -15,7 +15,7 @@ import torch
 from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
-from lorapage.kernels.cpu_build import WEIGHT_DTYPES
+from lorapage.kernels.lora_cpu import c_kernels_take
 from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.forward import ForwardContext
@@ -179,7 +179,7 @@ class ModelRunner:
         pages = self.ctx.pool.adapter_storage[0]
         # The C kernels take the short segments when they read the pages' dtype (float16 pages
         # under a float32 model go to the PyTorch ops whole).
-        cells = self.ctx.ops.name == "cpu" and pages.dtype in WEIGHT_DTYPES
+        cells = self.ctx.ops.name == "cpu" and c_kernels_take(self.ctx.model.dtype, pages.dtype)
         plan = lora.with_cells if cells else lora.with_batches
         return plan(t.page_table, layout, pages)
 

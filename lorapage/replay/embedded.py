@@ -19,9 +19,6 @@ from lorapage.replay.trace import TraceRequest
 from lorapage.sampling_params import SamplingParams
 from lorapage.server.metrics import ServerMetrics
 
-# The engine settings a report names, so two runs can be told apart.
-CONFIG_FIELDS = ("max_loras", "max_cpu_loras", "max_num_seqs", "scheduler", "dtype", "lora_dtype")
-
 
 class EmbeddedTarget:
     """Runs each request on ``engine`` (the caller owns it and closes it)."""
@@ -38,7 +35,8 @@ class EmbeddedTarget:
             "kind": "embedded",
             "model": c.model,
             "adapters": len(self.engine.list_adapters()),
-            "config": {k: getattr(c, k) for k in CONFIG_FIELDS} | {"lora_dtype": c.resolved_lora_dtype},
+            "config": {k: getattr(c, k) for k in ("max_loras", "max_cpu_loras", "max_num_seqs", "scheduler", "dtype")}
+            | {"lora_dtype": c.resolved_lora_dtype},
             "device": str(self.engine.device),
         }
 
