@@ -58,6 +58,13 @@ static inline float hsum(v8 v) {
 #define RANK16_F32 1
 #include <immintrin.h>
 
+static inline __m256 row16_f32(const float *p, __m256 h0, __m256 h1) {
+    return _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), h1, _mm256_mul_ps(_mm256_loadu_ps(p), h0));
+}
+static inline void h_f32(const float *hv, __m256 *h0, __m256 *h1) {
+    *h0 = _mm256_loadu_ps(hv), *h1 = _mm256_loadu_ps(hv + 8);
+}
+
 /* The 8 sums of 8 vectors, as one vector: a horizontal-add tree instead of 8 separate reductions. */
 static inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
     __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -71,9 +78,20 @@ static inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define RANK16_BF16 1
-static inline __m256 ld256_bf16(const uint16_t *p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+/* A rank-16 row of bfloat16 weights (32 bytes) against h, as 8 partial sums, with no shuffle: the
+ * row's 32-bit words hold weights (2i, 2i + 1), so a shift gives the even weights as floats and a
+ * mask the odd ones; h0 and h1 are h's even and odd elements (h_bf16). Widening the row by
+ * shuffles instead (vpmovzxwd) took as many shuffle-port slots as the sums below, on the port the
+ * sums' shuffles need. */
+static inline __m256 row16_bf16(const uint16_t *p, __m256 h0, __m256 h1) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    return _mm256_fmadd_ps(odd, h1, _mm256_mul_ps(even, h0));
+}
+static inline void h_bf16(const float *hv, __m256 *h0, __m256 *h1) {
+    *h0 = _mm256_setr_ps(hv[0], hv[2], hv[4], hv[6], hv[8], hv[10], hv[12], hv[14]);
+    *h1 = _mm256_setr_ps(hv[1], hv[3], hv[5], hv[7], hv[9], hv[11], hv[13], hv[15]);
 }
 #else
 #define RANK16_BF16 0
@@ -83,24 +101,101 @@ static inline __m256 ld256_bf16(const uint16_t *p) {
 #define SHRINK_ROWS 16
 #define EXPAND_ROWS 256
 
+/* Lanes: the tokens of cells of at most LANE_TOKENS tokens (decode rows, ~1 per adapter in a step
+ * over many adapters) run LANES at a time in lockstep, each lane reading its own adapter's
+ * matrix. One core reads memory faster from several far-apart places at once than from one
+ * place after another (the hardware prefetchers follow one stream each): 24 adapters' stacked
+ * q/k/v A matrices, read 8 at a time in lockstep, went at 14.5 GB/s on one thread of the
+ * 2-vCPU Xeon of bench/RESULTS.md (session 9), against 9.3-10.2 GB/s one adapter after another.
+ * A cell of more tokens runs alone instead: its matrices are read once for all its tokens,
+ * where lanes of one cell would load them once per token (from L1, but the loads add up). */
+#define LANES 8
+#define LANE_TOKENS 2
+
+typedef struct {
+    int64_t slot, token;
+} Lane;
+
+/* A call's cells split into those that run alone (big) and lanes, grouped in packs of up to LANES:
+ * pack p is lanes[pack_begin[p] : pack_begin[p + 1]]. */
+typedef struct {
+    Lane *lanes;
+    int64_t *pack_begin, *big;
+    int64_t n_packs, n_big;
+} Plan;
+
+/* With ``lanes`` set and the memory to plan them, the tokens of short cells become lanes; a pack
+ * holds lanes of one ``key`` (key[slot * key_stride]: the shrink's A rows, which lanes in
+ * lockstep share), in cell order otherwise. Else every cell runs alone (big == NULL: cell i). */
+static Plan plan_lanes(int lanes, int64_t n_cells, const int64_t *cell_slot, const int64_t *cell_begin,
+                       const int64_t *tokens, const int32_t *key, int64_t key_stride) {
+    Plan p = {NULL, NULL, NULL, 0, n_cells};
+    int64_t n = 0;
+    for (int64_t c = 0; c < n_cells; c++)
+        if (cell_begin[c + 1] - cell_begin[c] <= LANE_TOKENS) n += cell_begin[c + 1] - cell_begin[c];
+    if (!lanes || n == 0) return p;
+    p.lanes = malloc((size_t)n * sizeof(Lane));
+    p.pack_begin = malloc((size_t)(n + 1) * sizeof(int64_t));
+    p.big = malloc((size_t)n_cells * sizeof(int64_t));
+    if (!p.lanes || !p.pack_begin || !p.big) {
+        free(p.lanes), free(p.pack_begin), free(p.big);
+        return (Plan){NULL, NULL, NULL, 0, n_cells};
+    }
+    int64_t k = 0;
+    p.n_big = 0;
+    for (int64_t c = 0; c < n_cells; c++) {
+        int64_t nt = cell_begin[c + 1] - cell_begin[c];
+        if (nt > LANE_TOKENS) {
+            p.big[p.n_big++] = c;
+            continue;
+        }
+        for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++) {
+            Lane l = {cell_slot[c], tokens[t]};
+            int64_t at = k++;
+            if (key) /* insertion sort, stable: lanes of one key stay in cell order */
+                for (; at > 0 && key[p.lanes[at - 1].slot * key_stride] > key[l.slot * key_stride]; at--)
+                    p.lanes[at] = p.lanes[at - 1];
+            p.lanes[at] = l;
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (i == 0 || i - p.pack_begin[p.n_packs - 1] == LANES ||
+            (key && key[p.lanes[i].slot * key_stride] != key[p.lanes[i - 1].slot * key_stride]))
+            p.pack_begin[p.n_packs++] = i;
+    p.pack_begin[p.n_packs] = n;
+    return p;
+}
+
+static void free_plan(Plan *p) { free(p->lanes), free(p->pack_begin), free(p->big); }
+
+/* Cells of at least this many tokens over bfloat16 pages widen each block of weights into float32
+ * once, and run the float32 loops over it, rather than widening every weight once per token. */
+#define WIDEN_TOKENS 3
+
 #define W float
 #define F(name) name##_f32
 #define LDW(p) ld(p)
-#define LDW256(p) _mm256_loadu_ps(p)
+#define ROW16(p, h0, h1) row16_f32(p, h0, h1)
+#define H16(hv, h0, h1) h_f32(hv, h0, h1)
 #define TOF(v) (v)
 #define RANK16 RANK16_F32
+#define NARROW 0
 #include "lora_cpu_body.h"
 #undef W
 #undef F
 #undef LDW
-#undef LDW256
+#undef ROW16
+#undef H16
 #undef TOF
 #undef RANK16
+#undef NARROW
 
 #define W uint16_t
 #define F(name) name##_bf16
 #define LDW(p) ld_bf16(p)
-#define LDW256(p) ld256_bf16(p)
+#define ROW16(p, h0, h1) row16_bf16(p, h0, h1)
+#define H16(hv, h0, h1) h_bf16(hv, h0, h1)
 #define TOF(v) bf16_to_f32(v)
 #define RANK16 RANK16_BF16
+#define NARROW 1
 #include "lora_cpu_body.h"

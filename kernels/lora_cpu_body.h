@@ -2,9 +2,14 @@
  * own: it expects, defined by the includer,
  *   W          the type of a weight in the pool's pages (float, or uint16_t for bfloat16)
  *   F(name)    this weight type's name for a function (name_f32, name_bf16)
- *   LDW(p)     8 weights at p as a v8 of floats;  LDW256(p) the same as an __m256
+ *   LDW(p)     8 weights at p as a v8 of floats
+ *   ROW16(p, h0, h1), H16(hv, &h0, &h1)
+ *              a rank-16 row of weights at p against h as 8 partial sums (an __m256), with h0
+ *              and h1 made from h by H16
  *   TOF(v)     one weight as a float
- *   RANK16     1 where this weight type's rank-16 expand has its AVX path (LDW256 defined)
+ *   RANK16     1 where this weight type's rank-16 expand has its AVX path (ROW16 defined)
+ *   NARROW     1 for weights narrower than float32: cells of WIDEN_TOKENS or more widen their
+ *              blocks into float32 once and run the _f32 loops (defined by the first include)
  * Activations, products and sums are float32 for every W.
  */
 
@@ -103,57 +108,145 @@ static void F(shrink_cell)(float *h, int64_t hs, const float *x, int64_t xs, int
     }
 }
 
+#if NARROW
+/* n weights at a, widened into float32 at out. */
+static void F(widen)(const W *a, int64_t n, float *out) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) *(v8u *)(out + k) = LDW(a + k);
+    for (; k < n; k++) out[k] = TOF(a[k]);
+}
+
+/* Per-thread float32 room for one block of widened weights, made on first use. */
+static const float *F(widened)(const W *a, int64_t n, float **room, int64_t max_numel) {
+    if (!*room) *room = malloc((size_t)max_numel * sizeof(float));
+    if (!*room) return NULL;
+    F(widen)(a, n, *room);
+    return *room;
+}
+#endif
+
+/* Lanes in lockstep (see LANES): row i of each lane's A against the lane's token, for
+ * i < rows. Every lane is filled (padding repeats lane 0 and writes elsewhere). d % 8 == 0. */
+static void F(shrink_lanes)(const W *const a[LANES], const float *const x[LANES], float *const h[LANES], int64_t d,
+                            int64_t rows) {
+    for (int64_t i = 0; i < rows; i++) {
+        v8 s[LANES] = {{0}};
+        for (int64_t k = 0; k < d; k += 8)
+#pragma GCC unroll 8 /* LANES: the sums stay in registers */
+            for (int e = 0; e < LANES; e++) s[e] += LDW(a[e] + i * d + k) * ld(x[e] + k);
+        for (int e = 0; e < LANES; e++) h[e][i] = hsum(s[e]);
+    }
+}
+
 void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride, int64_t d_in, const W *slab,
                      int64_t page_stride, int64_t page, const int32_t *page_table, int64_t pt_stride, int64_t n_cells,
                      const int64_t *cell_slot, const int64_t *cell_begin, const int64_t *tokens,
                      const int64_t *a_offset, int64_t ao_stride, const int32_t *a_rows, int64_t ar_stride,
                      int64_t max_rows, int nthreads) {
     int64_t blocks = (max_rows + SHRINK_ROWS - 1) / SHRINK_ROWS;
+    /* A pack's lanes share their A's row count, so they run the same rows in lockstep. */
+    Plan plan = plan_lanes(d_in % 8 == 0, n_cells, cell_slot, cell_begin, tokens, a_rows, ar_stride);
+    int64_t tasks = plan.n_big + plan.n_packs;
 #pragma omp parallel num_threads(nthreads)
     {
         W *scratch = NULL;
+        float *room = NULL; /* widened weights (NARROW) */
+        (void)room;
 #pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t c = 0; c < n_cells; c++) {
+        for (int64_t task = 0; task < tasks; task++) {
             for (int64_t blk = 0; blk < blocks; blk++) {
-                int64_t s = cell_slot[c], i0 = blk * SHRINK_ROWS, rows = a_rows[s * ar_stride] - i0;
+                int64_t i0 = blk * SHRINK_ROWS;
+                if (task < plan.n_big) { /* a cell alone */
+                    int64_t c = plan.big ? plan.big[task] : task;
+                    int64_t s = cell_slot[c], rows = a_rows[s * ar_stride] - i0;
+                    if (rows <= 0) continue;
+                    if (rows > SHRINK_ROWS) rows = SHRINK_ROWS;
+                    F(Buffer) b = {slab, page_stride, page, page_table + s * pt_stride};
+                    const W *a = F(span)(&b, a_offset[s * ao_stride] + i0 * d_in, rows * d_in, &scratch,
+                                         SHRINK_ROWS * d_in);
+                    int64_t nt = cell_begin[c + 1] - cell_begin[c];
+#if NARROW
+                    const float *wide = nt >= WIDEN_TOKENS ? F(widened)(a, rows * d_in, &room, SHRINK_ROWS * d_in) : NULL;
+                    if (wide) {
+                        shrink_cell_f32(h + i0, h_stride, x, x_stride, d_in, wide, rows, tokens + cell_begin[c], nt);
+                        continue;
+                    }
+#endif
+                    F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a, rows, tokens + cell_begin[c], nt);
+                    continue;
+                }
+                const Lane *lanes = plan.lanes + plan.pack_begin[task - plan.n_big];
+                int64_t n_lanes = plan.pack_begin[task - plan.n_big + 1] - plan.pack_begin[task - plan.n_big];
+                int64_t rows = a_rows[lanes[0].slot * ar_stride] - i0;
                 if (rows <= 0) continue;
                 if (rows > SHRINK_ROWS) rows = SHRINK_ROWS;
-                F(Buffer) b = {slab, page_stride, page, page_table + s * pt_stride};
-                const W *a = F(span)(&b, a_offset[s * ao_stride] + i0 * d_in, rows * d_in, &scratch, SHRINK_ROWS * d_in);
-                F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a, rows, tokens + cell_begin[c],
-                            cell_begin[c + 1] - cell_begin[c]);
+                const W *a[LANES];
+                const float *xl[LANES];
+                float *hl[LANES], dummy[SHRINK_ROWS];
+                int n = 0;
+                for (int64_t l = 0; l < n_lanes; l++) {
+                    int64_t s = lanes[l].slot, off = a_offset[s * ao_stride] + i0 * d_in;
+                    F(Buffer) b = {slab, page_stride, page, page_table + s * pt_stride};
+                    const W *al = F(span)(&b, off, rows * d_in, &scratch, SHRINK_ROWS * d_in);
+                    if (al == scratch) { /* its pages are not one run: it runs alone, from the copy */
+                        F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, al, rows, &lanes[l].token, 1);
+                        continue;
+                    }
+                    a[n] = al, xl[n] = x + lanes[l].token * x_stride, hl[n] = h + lanes[l].token * h_stride + i0;
+                    n++;
+                }
+                if (n <= 2) { /* too few to be worth the padding */
+                    for (int e = 0; e < n; e++) {
+                        for (int64_t i = 0; i + 4 <= rows; i += 4) F(rows4_tok1)(a[e] + i * d_in, d_in, xl[e], hl[e] + i);
+                        for (int64_t i = rows & ~(int64_t)3; i < rows; i++) hl[e][i] = F(dot)(a[e] + i * d_in, xl[e], d_in);
+                    }
+                    continue;
+                }
+                for (int e = n; e < LANES; e++) a[e] = a[0], xl[e] = xl[0], hl[e] = dummy;
+                F(shrink_lanes)(a, xl, hl, d_in, rows);
             }
         }
         free(scratch);
+        free(room);
     }
+    free_plan(&plan);
 }
 
 #if RANK16
 /* Rank 16, 8 rows of b at a time: each row is two vectors against h. */
-static int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const float *hv) {
-    __m256 h0 = _mm256_loadu_ps(hv), h1 = _mm256_loadu_ps(hv + 8);
+static inline int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const float *hv) {
+    __m256 h0, h1;
+    H16(hv, &h0, &h1);
     int64_t j = 0;
     for (; j + 8 <= w; j += 8) {
         const W *bj = b + j * 16;
         __m256 a[8];
-        for (int i = 0; i < 8; i++)
-            a[i] = _mm256_fmadd_ps(LDW256(bj + 16 * i + 8), h1, _mm256_mul_ps(LDW256(bj + 16 * i), h0));
+        for (int i = 0; i < 8; i++) a[i] = ROW16(bj + 16 * i, h0, h1);
         __m256 sum = sums8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
         _mm256_storeu_ps(yt + j, _mm256_add_ps(_mm256_loadu_ps(yt + j), sum));
     }
     return j;
 }
 #else
-static int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const float *hv) {
+static inline int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const float *hv) {
     (void)yt, (void)b, (void)w, (void)hv;
     return 0;
 }
 #endif
 
 /* yt[j] += b[j, :] . hv for j < w, b [w, r] row-major. */
-static void F(expand_rows)(float *yt, const W *b, int64_t w, int64_t r, const float *hv) {
+static inline void F(expand_rows)(float *yt, const W *b, int64_t w, int64_t r, const float *hv) {
     int64_t j = r == 16 ? F(expand_rank16)(yt, b, w, hv) : 0; /* the common rank */
     for (; j < w; j++) yt[j] += F(dot)(b + j * r, hv, r);
+}
+
+/* Lanes in lockstep (see LANES): yl[e][j] += bl[e][j, :] . hl[e] for j < w, 8 rows of each lane in turn. */
+static void F(expand_lanes)(float *const yl[LANES], const W *const bl[LANES], const float *const hl[LANES],
+                            const int64_t r[LANES], int n, int64_t w) {
+    for (int64_t j = 0; j < w; j += 8) {
+        int64_t m = w - j < 8 ? w - j : 8;
+        for (int e = 0; e < n; e++) F(expand_rows)(yl[e] + j, bl[e] + j * r[e], m, r[e], hl[e]);
+    }
 }
 
 void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride, const W *slab,
@@ -165,28 +258,75 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
     for (int64_t m = 0; m < n_modules; m++)
         if (bounds[m + 1] - bounds[m] > widest) widest = bounds[m + 1] - bounds[m];
     int64_t blocks = (widest + EXPAND_ROWS - 1) / EXPAND_ROWS;
+    Plan plan = plan_lanes(1, n_cells, cell_slot, cell_begin, tokens, NULL, 0);
+    int64_t tasks = plan.n_big + plan.n_packs;
 #pragma omp parallel num_threads(nthreads)
     {
         W *scratch = NULL;
+        float *room = NULL; /* widened weights (NARROW) */
+        (void)room;
 #pragma omp for collapse(3) schedule(dynamic, 1)
-        for (int64_t c = 0; c < n_cells; c++) {
+        for (int64_t task = 0; task < tasks; task++) {
             for (int64_t m = 0; m < n_modules; m++) {
                 for (int64_t blk = 0; blk < blocks; blk++) {
-                    int64_t s = cell_slot[c], at = s * tab_stride + m, r = rank[at];
                     int64_t j0 = blk * EXPAND_ROWS, w = bounds[m + 1] - bounds[m] - j0;
-                    if (r == 0 || w <= 0) continue;
+                    if (w <= 0) continue;
                     if (w > EXPAND_ROWS) w = EXPAND_ROWS;
-                    F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
-                    const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
-                    float hv[r];
-                    for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++) {
-                        const float *ht = h + tokens[t] * h_stride + h_start[at];
-                        for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
-                        F(expand_rows)(y + tokens[t] * y_stride + bounds[m] + j0, bm, w, r, hv);
+                    if (task < plan.n_big) { /* a cell alone */
+                        int64_t c = plan.big ? plan.big[task] : task;
+                        int64_t s = cell_slot[c], at = s * tab_stride + m, r = rank[at];
+                        if (r == 0) continue;
+                        F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
+                        const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
+                        float hv[r];
+#if NARROW
+                        const float *wide = cell_begin[c + 1] - cell_begin[c] >= WIDEN_TOKENS
+                                                ? F(widened)(bm, w * r, &room, EXPAND_ROWS * max_rank)
+                                                : NULL;
+#endif
+                        for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++) {
+                            const float *ht = h + tokens[t] * h_stride + h_start[at];
+                            for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
+                            float *yt = y + tokens[t] * y_stride + bounds[m] + j0;
+#if NARROW
+                            if (wide) {
+                                expand_rows_f32(yt, wide, w, r, hv);
+                                continue;
+                            }
+#endif
+                            F(expand_rows)(yt, bm, w, r, hv);
+                        }
+                        continue;
                     }
+                    const Lane *lanes = plan.lanes + plan.pack_begin[task - plan.n_big];
+                    int64_t n_lanes = plan.pack_begin[task - plan.n_big + 1] - plan.pack_begin[task - plan.n_big];
+                    float hvs[LANES * max_rank];
+                    float *yl[LANES];
+                    const W *bl[LANES];
+                    const float *hl[LANES];
+                    int64_t rl[LANES];
+                    int n = 0;
+                    for (int64_t l = 0; l < n_lanes; l++) {
+                        int64_t s = lanes[l].slot, at = s * tab_stride + m, r = rank[at];
+                        if (r == 0) continue;
+                        float *hv = hvs + n * max_rank, *yt = y + lanes[l].token * y_stride + bounds[m] + j0;
+                        const float *ht = h + lanes[l].token * h_stride + h_start[at];
+                        for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
+                        F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
+                        const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
+                        if (bm == scratch) { /* its pages are not one run: it runs alone, from the copy */
+                            F(expand_rows)(yt, bm, w, r, hv);
+                            continue;
+                        }
+                        yl[n] = yt, bl[n] = bm, hl[n] = hv, rl[n] = r;
+                        n++;
+                    }
+                    F(expand_lanes)(yl, bl, hl, rl, n, w);
                 }
             }
         }
         free(scratch);
+        free(room);
     }
+    free_plan(&plan);
 }

@@ -3,8 +3,10 @@
 test_lora_torch.py runs them over every placement and step shape on its model; here the shapes
 reach the kernels' other branches: rows whose length is not a multiple of 8 (the scalar tail),
 rank 16 beside odd ranks, more A rows than one task's block, B wider than one task's block,
-cells of 1 to 64 tokens beside a long segment, and adapters whose pages are not one run (copied
-into scratch). Free pages hold NaN, so a read outside an adapter's pages would show.
+cells of 1 to 64 tokens beside a long segment, decode rows run as lanes in lockstep (full,
+padded and too few to pad), cells of 3 or more tokens whose bfloat16 weights are widened once,
+and adapters whose pages are not one run (copied into scratch). Free pages hold NaN, so a read
+outside an adapter's pages would show.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ STEPS = {
     "decode": ([3, 16, 24, 16], [1, 0, 2, 3, 4], [1] * 5),
     "short_cells": ([3, 16, 24, 16], [2, 1, 4, 3, 2, 0], [5, 2, 13, 1, 3, 2]),
     "cell_limit_and_long": ([16, 24], [1, 2, 1], [CELL_TOKENS, CELL_TOKENS + 1, 7]),
+    # Decode rows on 15 adapters, as lanes in lockstep: 13 rank-16 lanes (a full pack of 8, then
+    # 5 padded), two lanes each of ranks 3 and 24 (packs too small to pad), three 2-token cells,
+    # and a 5-token cell beside them that runs alone.
+    "many_lanes": (
+        [16, 3, 16, 24, 16, 16, 3, 16, 16, 16, 24, 16, 16, 16, 16],
+        [*range(1, 16), 1, 5, 9, 0, 3],
+        [1] * 19 + [4],
+    ),
 }
 
 
