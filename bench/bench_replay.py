@@ -54,6 +54,23 @@ SHORT = dict(prompt_mean=32, prompt_sigma=0.3, prompt_max=64, output_mean=16, ou
 VARIED = {**SHORT, "output_sigma": 0.5, "output_max": 40}
 
 
+SLORA_ADAPTERS = 2000
+SLORA_OPTIONS = RunOptions(concurrency=32, probe_interval_s=0.5)  # closed loop, 32 in flight
+
+
+def slora_traces(n: int) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """The S-LoRA headline's ``n`` requests over 5 and over 2,000 adapters (names a0000...):
+    Zipf(1.0) over 2,000, and the same requests (arrivals, lengths, tenants) with adapter k
+    as k mod 5."""
+    base = GenConfig(
+        seed=11, num_requests=n, duration_s=None, adapters=SLORA_ADAPTERS, zipf_alpha=1.0, tenants=8, **SHORT
+    )
+    big = generate(replace(base, shared_fraction=0.0))
+    width = len(str(SLORA_ADAPTERS - 1))
+    small = [with_fields(r, model=f"a{int(r.model[1:]) % 5:0{width}d}") for r in big]
+    return small, big
+
+
 def make_assets(root: Path) -> tuple[Path, list[Path]]:
     model = write_model(root / "base", **SHAPE)
     dirs = [write_adapter(root / f"d{i}", model, rank=16, seed=i) for i in range(ADAPTER_DIRS)]
@@ -100,13 +117,10 @@ async def bench_slora(
     model: Path, dirs: list[Path], out: Path, quick: bool, rounds: int = 4, lora_dtype: str = "auto"
 ) -> dict:
     n = 64 if quick else 192
-    big = 2000
-    base = GenConfig(seed=11, num_requests=n, duration_s=None, adapters=big, zipf_alpha=1.0, tenants=8, **SHORT)
-    trace_big = generate(replace(base, shared_fraction=0.0))
+    big = SLORA_ADAPTERS
     width = len(str(big - 1))
-    # The same requests (arrivals, lengths, tenants) on 5 adapters: adapter k becomes k mod 5.
-    trace_small = [with_fields(r, model=f"a{int(r.model[1:]) % 5:0{width}d}") for r in trace_big]
-    opts = RunOptions(concurrency=32, probe_interval_s=0.5)
+    trace_small, trace_big = slora_traces(n)
+    opts = SLORA_OPTIONS
     # The two configurations run in turn, `rounds` times, each on a fresh engine; every figure is
     # the median of its rounds. One pass of each swings by +-15% with the shared cores' load, so
     # the order alternates (5 first, then 2,000 first, ...): a drift in the machine's load over

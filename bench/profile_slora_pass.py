@@ -24,11 +24,8 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-from msgspec.structs import replace as with_fields
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_replay as br  # noqa: E402
@@ -39,7 +36,6 @@ from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
 from lorapage.model import forward as forward_mod  # noqa: E402
 from lorapage.model import llama as llama_mod  # noqa: E402
 from lorapage.model import runner as runner_mod  # noqa: E402
-from lorapage.replay import GenConfig, RunOptions, generate  # noqa: E402
 
 
 class Timers:
@@ -106,10 +102,8 @@ def pct(values: list[float], q: float) -> float:
 
 async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype: str = "auto") -> dict:
     model, dirs = root / "base", [root / f"d{i}" for i in range(br.ADAPTER_DIRS)]
-    cfg = GenConfig(seed=11, num_requests=192, duration_s=None, adapters=2000, zipf_alpha=1.0, tenants=8, **br.SHORT)
-    trace = generate(replace(cfg, shared_fraction=0.0))
-    if case == 5:
-        trace = [with_fields(r, model=f"a{int(r.model[1:]) % 5:04d}") for r in trace]
+    small, big = br.slora_traces(192)
+    trace = small if case == 5 else big
     engine, _ = br.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)], lora_dtype=lora_dtype)
     if warm_host:
         cache = engine.adapters
@@ -120,7 +114,7 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
         part.clear()
     cpu, wall = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lorapage-profile-") as out:
-        report = await br.run(engine, trace, RunOptions(concurrency=32, probe_interval_s=0.5), Path(out), f"c{case}")
+        report = await br.run(engine, trace, br.SLORA_OPTIONS, Path(out), f"c{case}")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     decode = [s for s in t.steps if s[1] == 0]
     mixed = [s for s in t.steps if s[1] > 0]

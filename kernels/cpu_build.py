@@ -59,7 +59,16 @@ def cpu_kernels() -> ctypes.CDLL | None:
         return None
 
 
-def _load() -> ctypes.CDLL:
+def load_from(directory: Path) -> ctypes.CDLL:
+    """The kernels built from the sources in ``directory`` (``lora_cpu.c`` and what it includes,
+    by the names in :data:`SOURCES`), cached as :func:`cpu_kernels` caches its own. For A/B runs
+    of two revisions of the kernels in one process (``bench/bench_ab.py``); raises where
+    :func:`cpu_kernels` would return None."""
+    return _load(directory)
+
+
+def _load(directory: Path = SOURCE.parent) -> ctypes.CDLL:
+    sources = [directory / f.name for f in SOURCES]
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -69,17 +78,24 @@ def _load() -> ctypes.CDLL:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     key = hashlib.sha256(
         b"\0".join(
-            s.encode() for s in (*(f.read_text() for f in SOURCES), " ".join(FLAGS), version, _cpu_name(), str(gomp))
+            s.encode()
+            for s in (
+                *(f.read_text() if f.exists() else "" for f in sources),
+                " ".join(FLAGS),
+                version,
+                _cpu_name(),
+                str(gomp),
+            )
         )
     ).hexdigest()[:16]
     target = cache_dir() / f"lora_cpu-{key}.so"
     if not target.exists():
         try:
-            _build(compiler, gomp, target)
+            _build(compiler, gomp, target, sources[0])
         except PermissionError:  # a read-only home: build for this user under the temp dir
             target = Path(tempfile.gettempdir()) / f"lorapage-kernels-{os.getuid()}" / target.name
             if not target.exists():
-                _build(compiler, gomp, target)
+                _build(compiler, gomp, target, sources[0])
     lib = ctypes.CDLL(str(target))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
@@ -87,14 +103,14 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def _build(compiler: str, gomp: Path, target: Path) -> None:
+def _build(compiler: str, gomp: Path, target: Path, source: Path = SOURCE) -> None:
     """Compile into a temporary file beside ``target``, then rename: concurrent builders each
     finish whole, and a reader never sees a partial library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+        cmd = [compiler, *FLAGS, str(source), "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")

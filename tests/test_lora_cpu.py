@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_lora_torch import MODEL, REF_OPS, build, group_output, indices_for
 
+from lorapage.kernels import lora_cpu as lora_cpu_mod
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_plan import CELL_TOKENS
@@ -107,3 +108,32 @@ def test_the_build_is_cached_per_machine(tmp_path, monkeypatch):
     second = cpu_build._load()
     assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
     assert first._name == second._name == str(built[0])
+
+
+def test_kernels_from_other_sources_build_beside_the_default(tmp_path, monkeypatch):
+    """``load_from`` (bench/bench_ab.py's other revision) builds the sources of a directory into
+    a library of its own, keyed by their text, and it computes what the default one does."""
+    from lorapage.kernels import cpu_build
+
+    monkeypatch.setenv("LORAPAGE_KERNEL_CACHE", str(tmp_path / "cache"))
+    default = cpu_build._load()
+    other = tmp_path / "rev"
+    other.mkdir()
+    for source in cpu_build.SOURCES:
+        (other / source.name).write_text(source.read_text() + "\n/* another revision */\n")
+    lib = cpu_build.load_from(other)
+    assert lib._name != default._name and len(list((tmp_path / "cache").glob("lora_cpu-*.so"))) == 2
+    assert cpu_build.load_from(other)._name == lib._name  # cached like the default
+
+    ranks, slots, lengths = STEPS["many_lanes"]
+    pool, tables = build(ranks, "grid_holes", seed=3)
+    idx, t = indices_for(slots, lengths)
+    planned = idx.with_cells(
+        tables.page_table, (tables.a_offset, tables.a_rows, tables.b_offset, tables.rank, tables.h_start), pool[0]
+    )
+    x = torch.randn(t, MODEL.hidden_size, generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for chosen in (default, lib):
+        monkeypatch.setattr(lora_cpu_mod, "cpu_kernels", lambda chosen=chosen: chosen)
+        outputs.append(group_output((lora_shrink_cpu, lora_expand_cpu), MODEL, pool, tables, planned, x, 0, 0))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
