@@ -151,7 +151,6 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
     {
         W *scratch = NULL;
         float *room = NULL; /* widened weights (NARROW) */
-        (void)room;
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             for (int64_t blk = 0; blk < blocks; blk++) {
@@ -183,6 +182,7 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                 const W *a[LANES];
                 const float *xl[LANES];
                 float *hl[LANES], dummy[SHRINK_ROWS];
+                int64_t tl[LANES]; /* each lane's token row */
                 int n = 0;
                 for (int64_t l = 0; l < n_lanes; l++) {
                     int64_t s = lanes[l].slot, off = a_offset[s * ao_stride] + i0 * d_in;
@@ -192,14 +192,12 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                         F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, al, rows, &lanes[l].token, 1);
                         continue;
                     }
-                    a[n] = al, xl[n] = x + lanes[l].token * x_stride, hl[n] = h + lanes[l].token * h_stride + i0;
+                    a[n] = al, tl[n] = lanes[l].token;
+                    xl[n] = x + tl[n] * x_stride, hl[n] = h + tl[n] * h_stride + i0;
                     n++;
                 }
-                if (n <= 2) { /* too few to be worth the padding */
-                    for (int e = 0; e < n; e++) {
-                        for (int64_t i = 0; i + 4 <= rows; i += 4) F(rows4_tok1)(a[e] + i * d_in, d_in, xl[e], hl[e] + i);
-                        for (int64_t i = rows & ~(int64_t)3; i < rows; i++) hl[e][i] = F(dot)(a[e] + i * d_in, xl[e], d_in);
-                    }
+                if (n <= 2) { /* too few to be worth the padding: one by one */
+                    for (int e = 0; e < n; e++) F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a[e], rows, &tl[e], 1);
                     continue;
                 }
                 for (int e = n; e < LANES; e++) a[e] = a[0], xl[e] = xl[0], hl[e] = dummy;
@@ -264,7 +262,6 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
     {
         W *scratch = NULL;
         float *room = NULL; /* widened weights (NARROW) */
-        (void)room;
 #pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             for (int64_t m = 0; m < n_modules; m++) {
