@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lorapage.kernels.backend import BACKENDS
 
@@ -16,6 +17,32 @@ LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
+# The concerns a config's fields are grouped by, in the order --help lists them.
+GROUPS = {
+    "model": "model",
+    "memory": "memory: the page pool and prefix cache",
+    "scheduling": "scheduling",
+    "adapters": "adapters",
+    "kernels": "kernels and threads",
+    "state": "state: the adapter registry and downloads",
+}
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    group: str,
+    choices: tuple[str, ...] | None = None,
+    none: str | None = None,
+    shown: str | None = None,
+) -> Any:
+    """A config field declared once: its default, what it does (``help``), its concern (a key of
+    :data:`GROUPS`), the values it takes, what ``None`` means, and how --help shows the default
+    (``shown``; else the default itself)."""
+    assert group in GROUPS, group
+    meta = {"help": help, "group": group, "choices": choices, "none": none, "shown": shown}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -25,67 +52,136 @@ class EngineConfig:
     Memory: one pool of ``num_pages`` pages (``None``: sized from ``max_num_seqs``,
     ``max_model_len`` and ``max_loras`` adapters of ``max_lora_rank`` on every module) holds KV
     blocks of ``block_size`` tokens and resident adapters alike.
+
+    Each field is declared once, with its help and its concern (:func:`option`): the command-line
+    flags of ``lorapage serve``, ``fleet`` and ``replay run --embedded`` are made from these
+    declarations (:mod:`lorapage.flags`).
     """
 
-    model: str = str(TINY_MODEL_DIR / "base")
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    # The dtype adapter weights are kept in, in the pool and in host RAM (vLLM's lora_dtype).
-    # auto: the model's. bfloat16 under a float32 model halves every adapter's bytes (twice the
-    # adapters per page budget, half the bytes a step reads per adapter) at bfloat16's rounding
-    # of each weight; the LoRA ops still compute in the model's dtype. Under a 16-bit model:
-    # that model's dtype only.
-    lora_dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped at 8192)
-    block_size: int = 16
-    num_pages: int | None = None
-    max_num_seqs: int = 64
-    # On CUDA an auto-sized pool (num_pages=None) stops where the device would pass this fraction
-    # of its memory, counting the weights already loaded and one step's activations (as vLLM's
-    # gpu_memory_utilization); an explicit num_pages is taken as given.
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int | None = None  # None: max(2048, max_model_len)
-    # Prompts longer than a step's token budget are computed over several steps (decodes first,
-    # then prompt chunks), so max_num_batched_tokens may be far below max_model_len.
-    enable_chunked_prefill: bool = True
-    # Full KV blocks are kept by content (per base and adapter registration) and reused by later
-    # prompts that start the same way; idle cached blocks are the first pages given back.
-    enable_prefix_caching: bool = True
-    max_loras: int = 32  # lora slots: adapters resident in the pool at once
-    max_lora_rank: int = 64
-    max_cpu_loras: int = 128  # adapters kept in host RAM
-    # A load that has waited this long for a lora slot (every resident adapter busy) makes the
-    # least valuable busy adapter yield: it takes no new requests, and its slot goes to the load
-    # once its running requests finish. Without it a cold adapter could wait forever behind hot ones.
-    adapter_wait_s: float = 1.0
-    # Admins may pin adapters resident (never evicted); together pins hold at most this fraction
-    # of the pool's pages (and always leave room for one full-length sequence and one adapter).
-    max_pinned_fraction: float = 0.5
-    # Per-adapter metrics name the top this many adapters by recent traffic; the rest are "other".
-    metrics_top_adapters: int = 20
-    max_queue_len: int = 4096  # waiting requests beyond this are refused (overloaded)
-    kernel_backend: str = "auto"  # auto | torch | cpu | triton
-    enforce_eager: bool = False  # True: no CUDA-graph capture of decode steps (CUDA + Triton only)
-    scheduler: str = "vtc"  # vtc (fair across tenants) | fcfs
-    seed: int = 0
-    # Adapter file reads, digests and (on a CPU) copies into the pool run on these threads, never
-    # on the event loop. None: 4 on CUDA; on a CPU, the cores the forward's threads leave free (2-4).
-    io_threads: int | None = None
-    # The engine makes Python's thread switch interval at most this (process-wide; None: leaves
-    # it): the forward thread re-takes the GIL after every op, and at CPython's default 5 ms any
-    # other thread running Python can make it wait that long each time (engine/devices.py).
-    gil_switch_interval_s: float | None = 0.0005
-    # The adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3
-    # and survives restarts; None keeps it in memory for this engine's life.
-    state_dir: str | None = None
-    # Remote adapter sources (https, s3, hf) download into this content-addressed cache, at most
-    # adapter_cache_bytes (least recently used entries go first); None: STATE_DIR/adapter-cache,
-    # or no remote sources when there is no state_dir either.
-    adapter_cache_dir: str | None = None
-    adapter_cache_bytes: int = 20 << 30
-    max_adapter_download_bytes: int = 4 << 30  # one version's two files together
-    s3_endpoint_url: str | None = None  # an S3-compatible store (None: AWS's, from boto3's config)
-    hf_endpoint: str | None = None  # a Hugging Face Hub mirror (None: huggingface_hub's default)
+    # -- model ----------------------------------------------------------------------------------
+    model: str = option(
+        str(TINY_MODEL_DIR / "base"), "Hugging Face model directory", group="model", shown="the built-in tiny model"
+    )
+    dtype: str = option("float32", "the model's dtype", group="model", choices=DTYPE_NAMES)
+    lora_dtype: str = option(
+        "auto",
+        "the dtype adapter weights are kept in, in the pool and in host RAM (vLLM's lora_dtype); auto: the "
+        "model's. bfloat16 under a float32 model halves every adapter's bytes (twice the adapters per page "
+        "budget, half the bytes a step reads per adapter) at bfloat16's rounding of each weight; the LoRA ops "
+        "still compute in the model's dtype. Under a 16-bit model: that model's dtype only",
+        group="model",
+        choices=LORA_DTYPE_NAMES,
+    )
+    device: str = option("auto", "auto | cpu | cuda | cuda:N", group="model")
+    max_model_len: int | None = option(
+        None, "the longest sequence (prompt + output) in tokens", group="model", none="the model's context, <= 8192"
+    )
+    # -- memory ---------------------------------------------------------------------------------
+    block_size: int = option(16, "tokens per KV block (one page)", group="memory")
+    num_pages: int | None = option(
+        None,
+        "pages in the one pool of KV blocks and adapter weights",
+        group="memory",
+        none="sized for max_num_seqs full-length sequences and max_loras adapters of max_lora_rank, within "
+        "gpu_memory_utilization on CUDA and 4 GiB on a CPU",
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "on CUDA an auto-sized pool stops where the device would pass this fraction of its memory, counting "
+        "the weights and one step's activations (as vLLM's); an explicit --num-pages is taken as given",
+        group="memory",
+    )
+    # -- scheduling -----------------------------------------------------------------------------
+    max_num_seqs: int = option(64, "sequences running at once (rows of a decode step)", group="scheduling")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens one step computes", group="scheduling", none="max(2048, max_model_len)"
+    )
+    enable_chunked_prefill: bool = option(
+        True,
+        "compute prompts longer than max_num_batched_tokens over several steps (decodes first, then prompt "
+        "chunks), so max_num_batched_tokens may be far below max_model_len",
+        group="scheduling",
+    )
+    scheduler: str = option(
+        "vtc", "vtc: fair across tenants (Virtual Token Counter); fcfs: first come first served",
+        group="scheduling", choices=SCHEDULERS,
+    )  # fmt: skip
+    max_queue_len: int = option(4096, "waiting requests beyond this are refused (overloaded)", group="scheduling")
+    # -- prefix cache ---------------------------------------------------------------------------
+    enable_prefix_caching: bool = option(
+        True,
+        "keep full KV blocks by content (per base and adapter registration) and reuse them for later prompts "
+        "that start the same way; idle cached blocks are the first pages given back",
+        group="memory",
+    )
+    # -- adapters -------------------------------------------------------------------------------
+    max_loras: int = option(32, "lora slots: adapters resident in the pool at once", group="adapters")
+    max_lora_rank: int = option(64, "the highest adapter rank accepted", group="adapters")
+    max_cpu_loras: int = option(128, "adapters kept in host RAM", group="adapters")
+    adapter_wait_s: float = option(
+        1.0,
+        "a load that has waited this long for a lora slot (every resident adapter busy) makes the least "
+        "valuable busy adapter yield: it takes no new requests, and its slot goes to the load once its running "
+        "requests finish (without it a cold adapter could wait forever behind hot ones)",
+        group="adapters",
+    )
+    max_pinned_fraction: float = option(
+        0.5,
+        "admins may pin adapters resident (never evicted); together pins hold at most this fraction of the "
+        "pool's pages (and always leave room for one full-length sequence and one adapter)",
+        group="adapters",
+    )
+    metrics_top_adapters: int = option(
+        20, "per-adapter metrics name the top this many adapters by recent traffic; the rest are 'other'",
+        group="adapters",
+    )  # fmt: skip
+    # -- kernels and threads --------------------------------------------------------------------
+    kernel_backend: str = option(
+        "auto",
+        "the LoRA and attention ops; auto: triton on CUDA, the C kernels on a CPU (torch where they cannot build)",
+        group="kernels",
+        choices=KERNEL_BACKENDS,
+    )
+    enforce_eager: bool = option(False, "no CUDA-graph capture of decode steps (CUDA + Triton only)", group="kernels")
+    io_threads: int | None = option(
+        None,
+        "threads for adapter file reads, digests and (on a CPU) copies into the pool, never the event loop",
+        group="kernels",
+        none="4 on CUDA; on a CPU, the cores the forward's threads leave free (2-4)",
+    )
+    gil_switch_interval_s: float | None = option(
+        0.0005,
+        "the engine makes Python's thread switch interval at most this (process-wide): the forward thread "
+        "re-takes the GIL after every op, and at CPython's default 5 ms any other thread running Python can "
+        "make it wait that long each time",
+        group="kernels",
+        none="leave it",
+    )
+    # -- state ----------------------------------------------------------------------------------
+    state_dir: str | None = option(
+        None,
+        "the adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3 across restarts",
+        group="state",
+        none="in memory for this engine's life",
+    )
+    adapter_cache_dir: str | None = option(
+        None,
+        "remote adapter sources (https, s3, hf) download into this content-addressed cache",
+        group="state",
+        none="STATE_DIR/adapter-cache, or no remote sources without a state dir",
+    )
+    adapter_cache_bytes: int = option(
+        20 << 30, "cap of that cache (least recently used entries go first)", group="state", shown="20 GiB"
+    )
+    max_adapter_download_bytes: int = option(
+        4 << 30, "cap of one adapter download (its two files together)", group="state", shown="4 GiB"
+    )
+    s3_endpoint_url: str | None = option(
+        None, "an S3-compatible store for s3:// sources", group="state", none="AWS's, from boto3's config"
+    )
+    hf_endpoint: str | None = option(
+        None, "a Hugging Face Hub mirror for hf:// sources", group="state", none="huggingface_hub's default"
+    )
 
     @property
     def resolved_lora_dtype(self) -> str:

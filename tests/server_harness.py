@@ -136,7 +136,7 @@ def assert_openai_error(body: Any, status: int, param: str | None = None) -> Non
 async def running_server(engine: Engine, access: Access | None = None, **app_options: Any) -> AsyncIterator[Server]:
     """A server over ``engine``; ``app_options`` go to :func:`create_app` (``adapter_roots``...)."""
     app = create_app(engine, access or make_access(), **app_options)
-    runner, port = await start(app, "127.0.0.1", 0)
+    runner, port = await start(app, ("127.0.0.1", 0))
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
     roots = app_options.get("adapter_roots") or [None]
     try:

@@ -86,3 +86,69 @@ async def test_sighup_reloads_the_tenants_file_and_sigterm_stops(tmp_path: Path)
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_replica_cpus_fit_the_machine_or_the_error_names_the_flags() -> None:
+    from lorapage.fleet.config import INGRESS_CPUS, replica_cpus_for
+
+    assert replica_cpus_for(2.0, 2, INGRESS_CPUS, None) == 0.75  # 2 x 0.75 + 0.5 = 2
+    assert replica_cpus_for(16.0, 2, INGRESS_CPUS, None) == 1.0  # room to spare: one each
+    assert replica_cpus_for(2.0, 3, INGRESS_CPUS, None) == 0.5
+    for cpus in (1.0, 2.0, 3.0, 4.0, 7.0):
+        for replicas in range(1, 6):
+            share = replica_cpus_for(cpus, replicas, INGRESS_CPUS, None)
+            assert replicas * share + INGRESS_CPUS <= cpus
+    assert replica_cpus_for(4.0, 2, INGRESS_CPUS, 1.5) == 1.5
+    with pytest.raises(ValueError, match=r"--replica-cpus 1 x 2 replicas \+ 0.5 for the ingress = 2.5 CPUs.*has 2"):
+        replica_cpus_for(2.0, 2, INGRESS_CPUS, 1.0)
+    with pytest.raises(ValueError, match="--replicas.*--num-cpus"):
+        replica_cpus_for(1.0, 8, INGRESS_CPUS, None)
+
+
+async def _run_fleet(*args: str, timeout_s: float = 240) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorapage.cli", "fleet", "--port", str(_free_port()), "--state-dir", ":memory:", *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_replica_cpus_that_cannot_fit_are_refused_before_ray_starts() -> None:
+    code, out, err = await _run_fleet("--replicas", "2", "--num-cpus", "2", "--replica-cpus", "1", timeout_s=60)
+    assert code == 2 and "--replica-cpus" in err and "--num-cpus" in err and "2.5 CPUs" in err
+    assert "key" not in out and "Traceback" not in err
+
+
+async def test_a_deployment_ray_cannot_place_ends_the_command_with_rays_reason() -> None:
+    # A GPU this machine lacks: Ray never schedules the replica. The command must not hang.
+    code, out, err = await _run_fleet(
+        "--replicas", "1", "--num-cpus", "2", "--replica-gpus", "1", "--start-timeout", "15"
+    )  # fmt: skip
+    assert code == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "--start-timeout" in last and "EngineReplica" in last and "GPU" in last, last
+
+
+async def test_two_replicas_with_no_resource_flags_fit_a_two_cpu_ray(tmp_path: Path) -> None:
+    """The README's `lorapage fleet --replicas 2` on a 2-CPU machine: sized to fit, and it answers."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS_TOML)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorapage.cli", "fleet", "--replicas", "2", "--num-cpus", "2",
+        "--port", str(_free_port()), "--tenants", str(tenants), "--state-dir", ":memory:",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        up = await _line(proc, r"fleet of 2 replicas .*listening on (http://\S+)")
+        assert await _completion(up.group(1), "key-alpha") == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 120) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -177,7 +177,8 @@ async def test_serve_names_a_bad_flag_value():
         stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    assert proc.returncode == 1 and b"gpu_memory_utilization must be in (0, 1]" in err
+    assert proc.returncode == 2 and b"gpu_memory_utilization must be in (0, 1]" in err
+    assert b"Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 async def test_serve_names_a_missing_adapter_root(tmp_path):
@@ -194,4 +195,4 @@ async def test_serve_names_a_missing_adapter_root(tmp_path):
         stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    assert proc.returncode == 1 and b"--adapter-root" in err and b"no such directory" in err
+    assert proc.returncode == 2 and b"--adapter-root" in err and b"no such directory" in err

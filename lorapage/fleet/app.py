@@ -35,7 +35,7 @@ def build_app(config: FleetConfig) -> Application:
         name=ENGINE_DEPLOYMENT,
         num_replicas=config.replicas,
         max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
+        ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
         request_router_config=router,
     )(EngineReplica).bind(config.engine, config.sync_period_s)
     # One ingress replica: it holds the tenants' token buckets, which makes quotas fleet-wide.

@@ -11,48 +11,63 @@ ingress; SIGINT or SIGTERM stops (taking the application down).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-from lorapage.fleet.config import DEFAULT_MAX_BODY_BYTES, FleetConfig
+from lorapage.flags import fail, parser
+from lorapage.fleet.config import INGRESS_CPUS, FleetConfig, replica_cpus_for
 from lorapage.fleet.routing import ROUTERS
-from lorapage.server.serve import add_engine_arguments, add_state_arguments, engine_config, lora_modules
+from lorapage.fleet.start import START_TIMEOUT_S, StartError, run_app
+from lorapage.server.run import listen
+from lorapage.server.serve import (
+    adapter_roots,
+    add_engine_arguments,
+    add_front_end_arguments,
+    add_state_arguments,
+    engine_config,
+    lora_modules,
+)
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError, hash_key
 
 PROG = "lorapage fleet"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = parser(PROG, __doc__)
     add_engine_arguments(p)
     add_state_arguments(p)
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (one Engine each)")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local Ray)")
-    p.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
-    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
-    p.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per engine replica")
-    p.add_argument("--router", choices=ROUTERS, default="affinity", help="routing policy (default: affinity)")
-    p.add_argument("--owners", type=int, default=2, help="rendezvous owners per adapter (affinity)")
-    p.add_argument(
+    add_front_end_arguments(p)
+    ray_group = p.add_argument_group("Ray")
+    ray_group.add_argument("--replicas", type=int, default=2, help="engine replicas (one Engine each)")
+    ray_group.add_argument(
+        "--address", default=None, help="Ray cluster to join, ray://HOST:10001 or auto (default: start a local Ray)"
+    )
+    ray_group.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all cores)")
+    ray_group.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves per engine replica (default: 1, or what the cluster's CPUs leave each replica "
+        f"after the ingress's {INGRESS_CPUS})",
+    )
+    ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per engine replica")
+    ray_group.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        help="seconds every deployment gets to be running; past it the command exits with Ray's reason",
+    )
+    routing = p.add_argument_group("routing")
+    routing.add_argument("--router", choices=ROUTERS, default="affinity", help="routing policy")
+    routing.add_argument("--owners", type=int, default=2, help="rendezvous owners per adapter (affinity)")
+    routing.add_argument(
         "--spill-load", type=float, default=1.0, help="owner load (fraction of max_num_seqs) past which requests spill"
     )
-    p.add_argument("--tenants", default=None, help="tenants TOML file (default: one demo tenant, printed key)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument(
-        "--adapter-root",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="directory under which POST /v1/adapters may read adapters (repeatable; a directory every "
-        "replica's node can read: shared storage on a cluster; none: directory registration refused)",
-    )
-    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
-    p.add_argument(
+    routing.add_argument(
         "--sync-period", type=float, default=1.0, help="seconds between replica heartbeats (registry, stats)"
     )
     return p
@@ -77,27 +92,21 @@ def _tenants_toml(path: str | None, adapters: list[str]) -> str:
     ).replace("'", '"')
 
 
-def fleet_config(args: argparse.Namespace) -> FleetConfig:
-    modules = lora_modules(args, PROG)
-    try:
-        tenants = _tenants_toml(args.tenants, list(modules))
-    except (OSError, TenantsConfigError) as exc:
-        raise SystemExit(f"{PROG}: tenants file: {exc}") from None
+def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: str) -> FleetConfig:
+    """The fleet the flags ask for; a bad flag ends the command naming it."""
     engine = engine_config(args, PROG)
-    for root in args.adapter_root:
-        if not Path(root).is_dir():
-            raise SystemExit(f"{PROG}: --adapter-root {root}: no such directory")
+    modules = lora_modules(args, PROG)
     try:
         return FleetConfig(
             engine=engine,
             state_dir=engine.state_dir,
-            adapter_roots=tuple(str(Path(r).resolve()) for r in args.adapter_root),
+            adapter_roots=tuple(str(r.resolve()) for r in adapter_roots(args, PROG)),
             metrics_public=args.metrics_public,
             sync_period_s=args.sync_period,
-            tenants_toml=tenants,
+            tenants_toml=tenants_toml,
             lora_modules=tuple((name, str(Path(path).resolve())) for name, path in modules.items()),
             replicas=args.replicas,
-            replica_cpus=args.replica_cpus,
+            replica_cpus=replica_cpus,
             replica_gpus=args.replica_gpus,
             router=args.router,
             owners=args.owners,
@@ -105,27 +114,54 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
             max_body_bytes=args.max_body_bytes,
         )
     except ValueError as exc:
-        raise SystemExit(f"{PROG}: {exc}") from None
+        fail(PROG, str(exc))
+
+
+def _replica_cpus(args: argparse.Namespace, cpus: float) -> float:
+    try:
+        return replica_cpus_for(cpus, args.replicas, INGRESS_CPUS, args.replica_cpus)
+    except ValueError as exc:
+        fail(PROG, str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    config = fleet_config(args)
+    if args.replicas < 1:
+        fail(PROG, f"--replicas must be >= 1; got {args.replicas}")
+    # Everything that can be checked before Ray starts: the flags, what a local Ray would hold,
+    # the port (Ray's proxy binds it later) and the tenants file.
+    fleet_config(args, 1.0, "")
+    if args.address is None:
+        _replica_cpus(args, args.num_cpus or float(os.cpu_count() or 1))
+    try:
+        listen(args.host, args.port).close()
+    except OSError as exc:
+        fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    modules = lora_modules(args, PROG)
+    try:
+        tenants = _tenants_toml(args.tenants, list(modules))
+    except (OSError, TenantsConfigError) as exc:
+        fail(PROG, f"tenants file: {exc}")
     import ray
     from ray import serve
 
-    from lorapage.fleet.app import APP_NAME, build_app
+    from lorapage.fleet.app import build_app
 
     started = time.monotonic()
     # "local": a Ray of our own, even where another one runs on this machine (ray.init(None) would join it).
     ray.init(address=args.address or "local", num_cpus=args.num_cpus, include_dashboard=False)
+    config = fleet_config(args, _replica_cpus(args, float(ray.cluster_resources().get("CPU", 0.0))), tenants)
     serve.start(http_options={"host": args.host, "port": args.port})
-    app = serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    try:
+        app = run_app(build_app(config), config.replica_needs(), args.start_timeout)
+    except StartError as exc:
+        _stop(args.address)
+        fail(PROG, str(exc))
     try:
         adapters = app.ready.remote().result()  # the --lora-modules, checked on a replica
     except Exception as exc:
-        serve.delete(APP_NAME)
-        raise SystemExit(f"{PROG}: --lora-modules: {exc}") from None
+        _stop(args.address)
+        fail(PROG, f"--lora-modules: {exc}")
     print(
         f"lorapage: fleet of {config.replicas} replicas ({config.router} routing) up in "
         f"{time.monotonic() - started:.0f}s; adapters: {', '.join(adapters) or 'none'}; "
@@ -154,12 +190,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"lorapage: tenants file not reloaded, keeping the old one: {exc}", flush=True)
                 continue
             print(f"lorapage: {app.reload_tenants.remote(text).result()}", flush=True)
-    serve.delete(APP_NAME)
-    if args.address is None:
-        serve.shutdown()
-        ray.shutdown()
+    _stop(args.address)
     print("lorapage: stopped", flush=True)
     return 0
+
+
+def _stop(address: str | None) -> None:
+    """Take the application down, and the local Ray with it (a joined cluster stays up)."""
+    import ray
+    from ray import serve
+
+    from lorapage.fleet.app import APP_NAME
+
+    serve.delete(APP_NAME)
+    if address is None:
+        serve.shutdown()
+        ray.shutdown()
 
 
 if __name__ == "__main__":

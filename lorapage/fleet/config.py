@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lorapage.config import EngineConfig
@@ -10,6 +11,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
 APP_NAME = "lorapage"
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "FleetIngress"
+INGRESS_CPUS = 0.5
+MIN_REPLICA_CPUS = 0.1  # below this an engine replica's share of a core is no use
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class FleetConfig:
     replicas: int = 2
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0
-    ingress_cpus: float = 0.5
+    ingress_cpus: float = INGRESS_CPUS
     router: str = "affinity"  # a name of lorapage.fleet.routing.ROUTERS
     owners: int = 2
     spill_load: float = 1.0
@@ -56,8 +59,42 @@ class FleetConfig:
                 f"{self.request_retries}, {self.sync_period_s}"
             )
 
+    def cpus_needed(self) -> float:
+        """CPUs Ray must find for the whole application: every engine replica and the ingress."""
+        return self.replicas * self.replica_cpus + self.ingress_cpus
+
+    def replica_needs(self) -> dict[str, dict[str, float]]:
+        """What one replica of each deployment reserves from Ray."""
+        return {
+            ENGINE_DEPLOYMENT: {"CPU": self.replica_cpus, "GPU": self.replica_gpus},
+            INGRESS_DEPLOYMENT: {"CPU": self.ingress_cpus},
+        }
+
     def router_options(self) -> dict[str, object]:
         """Keyword options for :func:`~lorapage.fleet.routing.make_router`."""
         if self.router == "affinity":
             return {"owners": self.owners, "spill_load": self.spill_load}
         return {}
+
+
+def replica_cpus_for(cpus: float, replicas: int, ingress_cpus: float, wanted: float | None) -> float:
+    """CPUs to reserve per engine replica on a cluster of ``cpus`` CPUs so that ``replicas`` of
+    them and the ingress fit: ``wanted`` when given and it fits, else as much as fits up to one
+    each. Raises ValueError with the arithmetic and the flags to change when nothing fits."""
+    room = cpus - ingress_cpus
+    if wanted is None:
+        share = math.floor(min(1.0, room / replicas) * 1000) / 1000  # rounded down: the sum must fit
+        if share >= MIN_REPLICA_CPUS:
+            return share
+        raise ValueError(
+            f"{replicas} engine replicas and the ingress ({ingress_cpus} CPU) do not fit in {cpus:g} CPUs: each "
+            f"replica would get {room / replicas:.3f} CPU (< {MIN_REPLICA_CPUS}); pass fewer --replicas, or more "
+            "--num-cpus (a local Ray) / a bigger cluster"
+        )
+    if replicas * wanted + ingress_cpus > cpus:
+        raise ValueError(
+            f"--replica-cpus {wanted:g} x {replicas} replicas + {ingress_cpus} for the ingress = "
+            f"{replicas * wanted + ingress_cpus:g} CPUs, but Ray has {cpus:g}: Ray would never schedule them all. "
+            f"Pass --replica-cpus {room / replicas:.2f} or less, fewer --replicas, or more --num-cpus"
+        )
+    return wanted

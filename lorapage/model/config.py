@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
+# What config.json must say; everything else has the defaults transformers gives it.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -38,6 +41,11 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("config.json is not a JSON object")
+        missing = [k for k in REQUIRED_KEYS if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}")

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 
+from lorapage.flags import HelpFormatter, parser
 from lorapage.replay.driver import RunOptions, Target, replay
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.importers import IMPORTERS, ImportOptions
@@ -58,26 +59,32 @@ _GEN_FLAGS: tuple[tuple[str, str, type, str], ...] = (
 
 
 def _gen_parser(sub) -> None:
-    p = sub.add_parser("gen", help="write a seeded synthetic trace", description=_doc("generator"))
+    p = sub.add_parser(
+        "gen", help="write a seeded synthetic trace", description=_doc("generator"), formatter_class=HelpFormatter
+    )
     p.add_argument("-o", "--output", required=True, help="trace JSONL to write")
     defaults = {f.name: f.default for f in fields(GenConfig)}
     for flag, name, kind, text in _GEN_FLAGS:
-        p.add_argument(flag, dest=name, type=kind, default=defaults[name], help=f"{text} (default {defaults[name]})")
+        p.add_argument(flag, dest=name, type=kind, default=defaults[name], help=text)
     p.add_argument("--tenant-weights", default=None, help="comma-separated traffic weights, one per tenant")
 
 
 def _import_parser(sub) -> None:
-    p = sub.add_parser("import", help="convert a public trace CSV", description=_doc("importers"))
-    p.add_argument("format", choices=sorted(IMPORTERS))
-    p.add_argument("csv")
+    p = sub.add_parser(
+        "import", help="convert a public trace CSV", description=_doc("importers"), formatter_class=HelpFormatter
+    )
+    p.add_argument("format", choices=sorted(IMPORTERS), help="the CSV's format")
+    p.add_argument("csv", help="the trace CSV to convert")
     p.add_argument("-o", "--output", required=True, help="trace JSONL to write")
     d = ImportOptions()
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed of the adapter and tenant draws")
     p.add_argument("--adapters", type=int, default=d.adapters, help="adapters to spread rows over (Zipf)")
-    p.add_argument("--zipf", dest="zipf_alpha", type=float, default=d.zipf_alpha)
-    p.add_argument("--tenants", type=int, default=d.tenants)
-    p.add_argument("--base-fraction", type=float, default=d.base_fraction)
-    p.add_argument("--base-name", default=d.base_name)
+    p.add_argument("--zipf", dest="zipf_alpha", type=float, default=d.zipf_alpha, help="Zipf exponent over adapters")
+    p.add_argument("--tenants", type=int, default=d.tenants, help="number of tenants owning the adapters")
+    p.add_argument(
+        "--base-fraction", type=float, default=d.base_fraction, help="fraction of rows sent to the base model alone"
+    )
+    p.add_argument("--base-name", default=d.base_name, help="the base model's name on the target")
     p.add_argument("--start", dest="start_s", type=float, default=0.0, help="skip the first seconds of the trace")
     p.add_argument("--duration", dest="duration_s", type=float, default=None, help="keep this many seconds")
     p.add_argument("--limit", type=int, default=None, help="keep at most this many rows")
@@ -92,8 +99,9 @@ def _run_parser(sub) -> None:
         description="Replay a trace against --url or --embedded; with --embedded every engine flag of "
         "`lorapage serve` (--model, --lora-modules, --max-loras, --scheduler, ...) is accepted.",
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("trace")
+    p.add_argument("trace", help="trace JSONL (lorapage replay gen or import)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="an OpenAI-compatible server's root, e.g. http://127.0.0.1:8000")
     where.add_argument("--embedded", action="store_true", help="run the engine in this process")
@@ -124,8 +132,8 @@ def _run_parser(sub) -> None:
         metavar="DIR",
         help="register every adapter the trace names and the engine lacks, on these directories in turn",
     )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="write the report without plots")
     sim = p.add_argument_group("--simulate")
     sim.add_argument("--replicas", type=int, default=26, help="replicas in the simulated fleet")
     sim.add_argument(
@@ -142,9 +150,14 @@ def _run_parser(sub) -> None:
 
 
 def _compare_parser(sub) -> None:
-    p = sub.add_parser("compare", help="two runs side by side, TTFT CDFs overlaid")
-    p.add_argument("a")
-    p.add_argument("b")
+    p = sub.add_parser(
+        "compare",
+        help="two runs side by side, TTFT CDFs overlaid",
+        description="Two runs' reports side by side, TTFT CDFs overlaid.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("a", help="the first run's report directory")
+    p.add_argument("b", help="the second run's report directory")
     p.add_argument("--plot", default="compare_ttft_cdf.png", help="where to write the overlay ('' for none)")
 
 
@@ -156,7 +169,7 @@ def _doc(module: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lorapage replay", description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = parser("lorapage replay", __doc__, allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_gen_parser, _import_parser, _run_parser, _compare_parser):
         add(sub)

@@ -11,14 +11,9 @@ from typing import Any
 from aiohttp import web
 
 
-async def start(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Listen on ``host:port`` (0: an ephemeral port) and return the runner and the bound port.
-
-    Handlers are cancelled when their client disconnects, which aborts the engine request and
-    frees its pages without waiting for the next write to fail.
-    """
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
-    await runner.setup()
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: an ephemeral port), not yet accepting; raises OSError
+    (a busy port, an address not on this machine) before anything else has started."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -26,8 +21,21 @@ async def start(app: web.Application, host: str = "127.0.0.1", port: int = 0) ->
         sock.bind((host, port))
     except OSError:
         sock.close()
-        await runner.cleanup()
         raise
+    return sock
+
+
+async def start(app: web.Application, sock: socket.socket | tuple[str, int]) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``sock`` (or on a new socket bound to ``(host, port)``) and return the
+    runner and the bound port.
+
+    Handlers are cancelled when their client disconnects, which aborts the engine request and
+    frees its pages without waiting for the next write to fail.
+    """
+    if isinstance(sock, tuple):
+        sock = listen(*sock)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()
     return runner, sock.getsockname()[1]
@@ -36,8 +44,7 @@ async def start(app: web.Application, host: str = "127.0.0.1", port: int = 0) ->
 async def serve_until_signal(
     app: web.Application,
     engine: Any,
-    host: str,
-    port: int,
+    sock: socket.socket,
     on_ready: Callable[[int], None],
     on_reload: Callable[[], None] | None = None,
 ) -> None:
@@ -49,7 +56,7 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
     if on_reload is not None:
         loop.add_signal_handler(signal.SIGHUP, on_reload)
-    runner, bound = await start(app, host, port)
+    runner, bound = await start(app, sock)
     on_ready(bound)
     try:
         await stop.wait()

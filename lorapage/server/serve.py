@@ -15,87 +15,48 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from lorapage.config import DTYPE_NAMES, KERNEL_BACKENDS, LORA_DTYPE_NAMES, SCHEDULERS, EngineConfig
+from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
+from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
-from lorapage.server.run import serve_until_signal
+from lorapage.server.run import listen, serve_until_signal
 from lorapage.server.tenants import SHARED, TenantsConfigError
-from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
+from lorapage.tiny import demo_adapter_dirs
 
 log = logging.getLogger("lorapage.serve")
-
-# Flags that set the EngineConfig field of the same name (dashes for underscores) when given.
-_ENGINE_FLAGS: tuple[tuple[str, type], ...] = (
-    ("max_loras", int),
-    ("max_lora_rank", int),
-    ("max_cpu_loras", int),
-    ("max_num_seqs", int),
-    ("max_model_len", int),
-    ("max_queue_len", int),
-    ("max_num_batched_tokens", int),
-    ("block_size", int),
-    ("num_pages", int),
-    ("gpu_memory_utilization", float),
-    ("adapter_wait_s", float),
-    ("max_pinned_fraction", float),
-    ("metrics_top_adapters", int),
-    ("io_threads", int),
-    ("gil_switch_interval_s", float),
+# EngineConfig fields that are where a server keeps its state (flags: add_state_arguments).
+STATE_FIELDS = (
+    "adapter_cache_dir",
+    "adapter_cache_bytes",
+    "max_adapter_download_bytes",
+    "s3_endpoint_url",
+    "hf_endpoint",
 )
-_ENGINE_FIELDS = (
-    *(name for name, _ in _ENGINE_FLAGS),
-    "dtype",
-    "lora_dtype",
-    "device",
-    "scheduler",
-    "kernel_backend",
-    "enforce_eager",
-    "enable_chunked_prefill",
-    "enable_prefix_caching",
-)
+ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "state_dir")
+PROG = "lorapage serve"
+# Flags of their own below: a server keeps its registry on disk by default, an engine in memory.
+_STATE_FLAG = "state_dir"
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, its adapters and every EngineConfig flag: what any command that builds an
-    engine takes (``lorapage serve``, ``lorapage replay run --embedded``)."""
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in tiny model)")
+def add_engine_arguments(p: argparse.ArgumentParser) -> list[str]:
+    """The model, its adapters and every EngineConfig flag except the state ones: what any command
+    that builds an engine takes (``lorapage serve``, ``fleet``, ``replay run --embedded``).
+    Returns the config fields it made flags for."""
+    names = add_config_flags(p, EngineConfig, skip=(*STATE_FIELDS, _STATE_FLAG))
     p.add_argument(
         "--lora-modules",
         nargs="+",
         default=[],
         metavar="NAME=DIR",
-        help="adapters to register at start (default with no --model: the demo adapters)",
+        help="PEFT adapter directories to register at start (default with no --model: the demo adapters)",
     )
-    for name, kind in _ENGINE_FLAGS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None)
-    p.add_argument(
-        "--lora-dtype",
-        choices=LORA_DTYPE_NAMES,
-        default=None,
-        help="adapter weights' dtype in memory (default auto: the model's; bfloat16 halves their bytes)",
-    )
-    p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--scheduler", choices=SCHEDULERS, default=None)
-    p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default=None)
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA-graph capture of decode steps")
-    p.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compute prompts longer than --max-num-batched-tokens over several steps (default: on)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse cached KV blocks of repeated prompt prefixes, per base and adapter (default: on)",
-    )
+    return names
 
 
 def default_state_dir() -> str:
@@ -106,64 +67,59 @@ def default_state_dir() -> str:
     return str(Path(xdg) / "lorapage")
 
 
-def add_state_arguments(p: argparse.ArgumentParser) -> None:
+def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
     """Where a server keeps what must survive it: the adapter registry and downloaded adapters."""
-    p.add_argument(
+    group = p.add_argument_group(GROUPS["state"])
+    group.add_argument(
         "--state-dir",
         default=None,
         help="the adapter registry (ids, versions, aliases, owners) lives here across restarts; "
         "':memory:' keeps it for this run only (default: $LORAPAGE_STATE_DIR, $XDG_STATE_HOME/lorapage "
         "or ~/.local/state/lorapage)",
     )
-    p.add_argument(
-        "--adapter-cache-dir",
+    return add_config_flags(p, EngineConfig, only=STATE_FIELDS)
+
+
+def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``."""
+    group = p.add_argument_group("HTTP front end")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
+    group.add_argument(
+        "--tenants",
         default=None,
-        help="content-addressed cache of adapters downloaded from https/s3/hf (default: STATE_DIR/adapter-cache)",
+        metavar="FILE",
+        help="tenants TOML file: keys, quotas, weights, adapters (default: one demo tenant whose new key is printed)",
     )
-    p.add_argument("--adapter-cache-bytes", type=int, default=None, help="cap of that cache (default 20 GiB)")
-    p.add_argument(
-        "--max-adapter-download-bytes", type=int, default=None, help="cap of one adapter download (default 4 GiB)"
+    group.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory under which POST /v1/adapters may read adapters (repeatable; a directory every replica "
+        "can read on a cluster; default: none, and HTTP registration from directories is refused)",
     )
-    p.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible store for s3:// sources")
-    p.add_argument("--hf-endpoint", default=None, help="a Hugging Face Hub mirror for hf:// sources")
+    group.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without a key (it names every tenant; default: the admin key or a [metrics] key)",
+    )
+    group.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body accepted (413 past it)"
+    )
 
 
 def state_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields :func:`add_state_arguments`' flags set."""
     state = args.state_dir or default_state_dir()
-    out: dict[str, Any] = {"state_dir": None if state == ":memory:" else state}
-    for name in (
-        "adapter_cache_dir",
-        "adapter_cache_bytes",
-        "max_adapter_download_bytes",
-        "s3_endpoint_url",
-        "hf_endpoint",
-    ):
-        if getattr(args, name) is not None:
-            out[name] = getattr(args, name)
-    return out
+    return {"state_dir": None if state == ":memory:" else state, **config_overrides(args, STATE_FIELDS)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lorapage serve", description=__doc__.splitlines()[0])
+    p = parser(PROG, __doc__)
     add_engine_arguments(p)
     add_state_arguments(p)
-    p.add_argument("--tenants", default=None, help="tenants TOML file (default: one demo tenant, printed key)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument(
-        "--adapter-root",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="directory under which POST /v1/adapters may read adapters (repeatable; none: HTTP registration refused)",
-    )
-    p.add_argument(
-        "--metrics-public",
-        action="store_true",
-        help="serve /metrics without a key (it names every tenant; default: the admin key or a [metrics] key)",
-    )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    add_front_end_arguments(p)
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -173,19 +129,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(args: argparse.Namespace, prog: str = "lorapage serve") -> EngineConfig:
+def engine_config(args: argparse.Namespace, prog: str = PROG) -> EngineConfig:
     """The EngineConfig that :func:`add_engine_arguments`' (and, where the parser has them,
-    :func:`add_state_arguments`') flags ask for; a bad value exits naming it."""
-    overrides: dict[str, Any] = {n: getattr(args, n) for n in _ENGINE_FIELDS if getattr(args, n) is not None}
-    if hasattr(args, "state_dir"):
+    :func:`add_state_arguments`') flags ask for; a bad value ends the command naming it."""
+    overrides = config_overrides(args, ENGINE_FLAG_FIELDS)
+    if hasattr(args, _STATE_FLAG):
         overrides.update(state_overrides(args))
     try:
-        return EngineConfig(model=str(Path(args.model or TINY_BASE_DIR)), **overrides)
+        config = EngineConfig(**overrides)
     except ValueError as exc:  # a bad flag value: say which, not a traceback
-        raise SystemExit(f"{prog}: {exc}") from None
+        fail(prog, str(exc))
+    check_model_dir(config.model, prog)
+    return config
 
 
-def lora_modules(args: argparse.Namespace, prog: str = "lorapage serve") -> dict[str, str]:
+def check_model_dir(model: str, prog: str = PROG) -> None:
+    """End ``prog`` with one line when ``model`` is no readable Hugging Face model directory."""
+    config = Path(model) / "config.json"
+    try:
+        with config.open("rb"):
+            pass
+    except OSError as exc:
+        reason = "no such directory" if not Path(model).is_dir() else f"cannot read config.json ({exc.strerror})"
+        fail(prog, f"--model {model}: {reason}; expected a Hugging Face model directory (config.json, *.safetensors)")
+
+
+def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
     """``--lora-modules`` as name -> directory (the demo adapters when neither it nor --model is given)."""
     if not args.lora_modules and args.model is None:
         return {name: str(path) for name, path in demo_adapter_dirs().items()}
@@ -193,46 +162,56 @@ def lora_modules(args: argparse.Namespace, prog: str = "lorapage serve") -> dict
     for item in args.lora_modules:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"{prog}: --lora-modules takes NAME=DIR; got {item!r}")
+            fail(prog, f"--lora-modules takes NAME=DIR; got {item!r}")
         modules[name] = path
     return modules
 
 
-def _access(args: argparse.Namespace, adapters: list[str]) -> Access:
-    if args.tenants:
-        return Access.from_file(args.tenants)
+def adapter_roots(args: argparse.Namespace, prog: str = PROG) -> list[Path]:
+    """``--adapter-root`` directories, each checked to exist."""
+    roots = [Path(r) for r in args.adapter_root]
+    for root in roots:
+        if not root.is_dir():
+            fail(prog, f"--adapter-root {root}: no such directory")
+    return roots
+
+
+def _tenants_file(path: str) -> Access:
+    try:
+        return Access.from_file(path)
+    except (OSError, TenantsConfigError) as exc:
+        fail(PROG, f"tenants file: {exc}")
+
+
+def _demo_access(adapters: list[str]) -> Access:
     access, tenant_key, admin_key = Access.demo(adapters)
     print(f"lorapage: demo tenant key: {tenant_key}")
     print(f"lorapage: admin key:       {admin_key}")
     return access
 
 
-def _adapter_roots(args: argparse.Namespace) -> list[Path]:
-    roots = [Path(r) for r in args.adapter_root]
-    for root in roots:
-        if not root.is_dir():
-            raise SystemExit(f"lorapage serve: --adapter-root {root}: no such directory")
-    return roots
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
-    roots = _adapter_roots(args)
+    roots = adapter_roots(args)
     config = engine_config(args)
+    # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
-        access = _access(args, list(modules))
-    except (OSError, TenantsConfigError) as exc:
-        print(f"lorapage serve: tenants file: {exc}", file=sys.stderr)
-        return 2
-    engine = Engine(config)
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    access = _tenants_file(args.tenants) if args.tenants else None
+    try:
+        engine = Engine(config)
+    except (OSError, ValueError) as exc:  # a model directory that is not one lorapage can serve
+        fail(PROG, f"--model {config.model}: {exc}")
     try:
         for name, path in modules.items():
             engine.add_adapter(name, path)
     except LorapageError as exc:
-        print(f"lorapage serve: adapter {name!r}: {exc.message}", file=sys.stderr)
-        return 2
+        fail(PROG, f"adapter {name!r}: {exc.message}")
+    access = access or _demo_access(list(modules))  # new keys only for a server that is about to listen
     unusable = [m for m in modules if not any(access.may_use(t, m) for t in access.tenants.tenants)]
     if unusable:
         log.warning(
@@ -259,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             reload_tenants(app, args.tenants)
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(serve_until_signal(app, engine, args.host, args.port, ready, on_reload=reload))
+        runner.run(serve_until_signal(app, engine, sock, ready, on_reload=reload))
     print("lorapage: stopped", flush=True)
     return 0
 

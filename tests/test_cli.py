@@ -1,0 +1,95 @@
+"""The ``lorapage`` command explains itself: commands and version, every flag's help and default
+in plain text, and one clear line (exit 2, no traceback) for a busy port, a model directory it
+cannot read or a bad value, with no keys printed by a server that is not going to listen."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorapage import EngineConfig
+from lorapage.cli import COMMANDS
+
+_CONFIG_FLAGS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def lorapage(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lorapage.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_clear_line(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert all(w in done.stderr for w in words), done.stderr
+    assert "key" not in done.stdout  # no keys for a server that never listened
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_command_with_a_line(flag):
+    done = lorapage(flag)
+    assert done.returncode == 0
+    for name, (_, summary) in COMMANDS.items():
+        assert f"  {name}" in done.stdout and summary in done.stdout
+
+
+def test_version_and_unknown_command():
+    done = lorapage("--version")
+    assert done.returncode == 0 and done.stdout.startswith("lorapage ") and done.stdout.split()[1][0].isdigit()
+    done = lorapage("srve")
+    assert done.returncode == 2 and "unknown command 'srve'" in done.stderr and "serve" in done.stderr
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    from lorapage.fleet.cli import build_parser as fleet
+    from lorapage.replay.cli import build_parser as replay
+    from lorapage.server.serve import build_parser as serve
+
+    found = {"serve": serve(), "fleet": fleet()}
+    sub = next(a for a in replay()._actions if isinstance(a, argparse._SubParsersAction))
+    found.update({f"replay {name}": p for name, p in sub.choices.items()})
+    return found
+
+
+@pytest.mark.parametrize("command", sorted(_parsers()))
+def test_every_flag_has_plain_help_and_shows_its_default(command):
+    p = _parsers()[command]
+    text = p.format_help()
+    assert "``" not in text and ":func:" not in text
+    for action in p._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{command} {action.option_strings or action.dest} has no help"
+        help_text = p._get_formatter()._expand_help(action)
+        takes_value = action.option_strings and action.nargs != 0
+        if takes_value and action.default is not None and action.default != [] or action.dest in _CONFIG_FLAGS:
+            assert "default" in help_text, f"{command} {action.option_strings}: {help_text}"
+
+
+def test_serve_on_a_busy_port_says_so_before_loading_anything():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = lorapage("serve", "--port", str(port), "--state-dir", ":memory:")
+    one_clear_line(done, f"127.0.0.1:{port}", "in use")
+
+
+def test_serve_names_a_model_directory_it_cannot_use(tmp_path: Path):
+    absent = str(tmp_path / "absent")
+    one_clear_line(lorapage("serve", "--port", "0", "--model", absent), "--model", "no such directory")
+    one_clear_line(lorapage("serve", "--port", "0", "--model", str(tmp_path)), "--model", "config.json")
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    one_clear_line(lorapage("serve", "--port", "0", "--model", str(tmp_path)), "config.json lacks", "vocab_size")
+
+
+def test_bad_values_are_one_line():
+    one_clear_line(lorapage("serve", "--port", "0", "--max-loras", "0"), "max_loras must be >= 1")
+    one_clear_line(lorapage("demo", "--max-tokens", "0"), "--max-tokens", "max_tokens")
