@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from lorapage.sampling_params import SamplingParams
+from lorapage.structured.grammars import Constraint
 
 
 class Detokenizer(Protocol):
@@ -136,6 +137,11 @@ class Request:
     cache_namespace: bytes | None = None
     block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Sampling state made at intake: the tokens min_tokens holds back (EOS unless ignored, the
+    # stop token ids), each bad word's token ids, and the structured-output constraint.
+    stop_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    constraint: Constraint | None = None
     outputs: OutputChannel = field(init=False)
 
     def __post_init__(self) -> None:

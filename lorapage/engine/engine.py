@@ -63,6 +63,7 @@ from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
+from lorapage.structured.grammars import GrammarCompiler
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
@@ -234,6 +235,11 @@ class Engine:
             on_new_loop=self.adapters.rebind_loop,
             on_prefill=self.adapters.recompute.observe,
         )
+        # Structured output: grammars compile on a thread of their own, never behind prompts.
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="lorapage-grammar")
+        self.grammars = GrammarCompiler(
+            self.tokenizer.backend.to_str(), mc.vocab_size, tuple(sorted(self.eos_token_ids)), self._grammar_thread
+        )
         self.intake = RequestIntake(
             tokenizer=self.tokenizer,
             vocab_size=mc.vocab_size,
@@ -246,6 +252,8 @@ class Engine:
             in_flight=self.scheduler.requests.keys(),
             tokenize=self._tokenize,
             clock=clock,
+            eos_token_ids=self.eos_token_ids,
+            grammars=self.grammars,
             # The cache lives as long as this engine, on one base: its name suffices to tell it apart.
             prefix_namespace=f"base|{self.base_name}".encode() if config.enable_prefix_caching else None,
         )
@@ -493,14 +501,18 @@ class Engine:
             adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
         self.intake.check(adapter, sampling)
         try:
-            ids = await self.intake.prompt_ids(prompt)
+            ids, constraint, bad_words = await asyncio.gather(
+                self.intake.prompt_ids(prompt), self.intake.constraint(sampling), self.intake.bad_words_ids(sampling)
+            )
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
                 raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
             raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
-        req = self.intake.build(ids, adapter, sampling, tenant, request_id)
+        req = self.intake.build(
+            ids, adapter, sampling, tenant, request_id, constraint=constraint, bad_words_ids=bad_words
+        )
         self.scheduler.submit(req)
         self._wake_up()
         finished = False
@@ -599,6 +611,8 @@ class Engine:
         self.scheduler.abort_all_after_close()
         self._io.shutdown(wait=False, cancel_futures=True)
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()
         if self._copies is not None:
             self._copies.shutdown(wait=False, cancel_futures=True)
         await self.sources.close()

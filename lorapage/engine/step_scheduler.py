@@ -323,9 +323,18 @@ class StepScheduler:
             req.first_token_time = now
         reason = None
         is_stop_token = (token in self.limits.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if req.constraint is not None:
+            req.constraint.consume(token)
+            if (problem := req.constraint.error) is not None:
+                self._fail(req, SamplingError(f"request {req.request_id!r} left its output constraint: {problem}"))
+                return
+            # A complete grammar ends the output (its EOS, or no possible continuation).
+            is_stop_token = is_stop_token or (req.constraint.done and token in self.limits.eos_token_ids)
         if not is_stop_token:
             req.text += req.detokenizer.push(token)
         else:
+            reason = "stop"
+        if reason is None and req.constraint is not None and req.constraint.done:
             reason = "stop"
         cut = find_stop(req.text, p.stop, req.sent_len)
         if cut is not None:
