@@ -47,6 +47,8 @@ class RequestOutput:
     text: str
     delta_text: str
     logprobs: list[TokenLogprob] | None
+    # The prompt's tokens' logprobs (the first is None: nothing predicts it), when asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     adapter_tier: str  # where the adapter was when the request arrived: gpu | ram | disk | none
@@ -99,6 +101,7 @@ class OutputChannel:
             text=text,
             delta_text=delta,
             logprobs=r.logprobs[:n] if r.logprobs is not None else None,
+            prompt_logprobs=r.prompt_logprobs,
             finished=reason is not None,
             finish_reason=reason,
             adapter_tier=r.adapter_tier,
@@ -121,6 +124,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by prefill chunks (sampling.prompt_logprobs)
     text: str = ""
     block_table: list[int] = field(default_factory=list)  # page ids holding this sequence's KV
     num_computed: int = 0  # tokens whose K/V are in the pool

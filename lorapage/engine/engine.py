@@ -237,8 +237,14 @@ class Engine:
         )
         # Structured output: grammars compile on a thread of their own, never behind prompts.
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="lorapage-grammar")
+        # The grammar engine knows the tokenizer's tokens only: an EOS id past them (a config whose
+        # vocabulary is padded beyond the tokenizer's) is left to the engine's own stop check.
+        known = self.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        grammar_eos = tuple(sorted(t for t in self.eos_token_ids if t < known))
+        if not grammar_eos and self.tokenizer.eos_token_id is not None:
+            grammar_eos = (self.tokenizer.eos_token_id,)
         self.grammars = GrammarCompiler(
-            self.tokenizer.backend.to_str(), mc.vocab_size, tuple(sorted(self.eos_token_ids)), self._grammar_thread
+            self.tokenizer.backend.to_str(), mc.vocab_size, grammar_eos, self._grammar_thread
         )
         self.intake = RequestIntake(
             tokenizer=self.tokenizer,

@@ -149,7 +149,8 @@ class RequestIntake:
             )
         if self._num_waiting() >= self.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
-        namespace = self._namespace(adapter)
+        # Prompt logprobs come from computing the prompt: a request that asks takes no cached block.
+        namespace = self._namespace(adapter) if sampling.prompt_logprobs is None else None
         return Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             tenant=tenant or DEFAULT_TENANT,
@@ -161,6 +162,7 @@ class RequestIntake:
             detokenizer=IncrementalDecoder(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
             logprobs=[] if sampling.logprobs is not None else None,
+            prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
             cache_namespace=namespace,
             block_keys=block_keys(namespace, ids, self.block_size) if namespace is not None else [],
             stop_ids=(() if sampling.ignore_eos else self._eos) + sampling.stop_token_ids,

@@ -280,7 +280,11 @@ class StepScheduler:
         outputs, finish what is done. A row that could not be sampled fails its own request alone."""
         self._in_step = False
         now = self.clock()
-        samples = iter(zip(*sampled))
+        samples = iter(zip(sampled.tokens, sampled.logprobs, sampled.errors))
+        for i, first, logprobs in sampled.prompt_logprobs:
+            req = plan.sequences[i]
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) == first:  # not a recompute
+                req.prompt_logprobs.extend(logprobs)
         rows = [
             (req, fed, next(samples) if completes else None)
             for req, fed, completes in zip(plan.sequences, plan.fed, plan.completes)

@@ -22,9 +22,9 @@ from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.forward import ForwardContext
 from lorapage.model.llama import AttentionMetadata, LlamaModel
-from lorapage.model.sampler import SampleOutput, SampleRow, sample
+from lorapage.model.sampler import SampleOutput, SampleRow, sample, token_logprobs
 from lorapage.model.step_buffers import StepBuffers
-from lorapage.request import Request
+from lorapage.request import Request, TokenLogprob
 from lorapage.structured.masks import bitmask_words, fill_bitmask
 
 
@@ -203,9 +203,27 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.ctx.forward(T, attn, lora)
             if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
-                return SampleOutput([], [], [])
+                return SampleOutput([], [], [], self._prompt_logprobs(plan, hidden))
+            prompt_logprobs = self._prompt_logprobs(plan, hidden)
             logits = model.logits(hidden[plan.sample_index])
-            return sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
+            out = sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
+            return out._replace(prompt_logprobs=prompt_logprobs) if prompt_logprobs else out
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: Tensor) -> tuple[tuple[int, int, list[TokenLogprob]], ...]:
+        """For each prefill row that asked (``prompt_logprobs``): the logprobs of the prompt tokens
+        its chunk predicts, from the chunk's own hidden states. Rows that did not ask cost nothing."""
+        out = []
+        for i in range(plan.num_decode, len(plan.sequences)):
+            req = plan.sequences[i]
+            top = req.sampling.prompt_logprobs
+            start = plan.num_decode + plan.prefill_query_starts[i - plan.num_decode]
+            first = plan.positions[start]  # the chunk's first position: it predicts token first + 1
+            end = min(first + plan.fed[i], req.num_prompt_tokens - 1)  # positions predicting prompt tokens
+            if top is None or end <= first:
+                continue
+            logits = self.ctx.model.logits(hidden[start : start + end - first])
+            out.append((i, first + 1, token_logprobs(logits, req.prompt_ids[first + 1 : end + 1], top)))
+        return tuple(out)
 
     def _with_batches(self, lora: LoraIndices) -> LoraIndices:
         """The CPU ops' cells and batches, planned once for every layer and module of the step."""

@@ -30,11 +30,14 @@ _ERRORS = {
 
 
 class SampleOutput(NamedTuple):
-    """One step's sampling, row by row (unpacks as ``tokens, logprobs, errors``)."""
+    """One step's sampling, row by row over the sampling sequences; and the prompt logprobs of the
+    prefill chunks that asked for them."""
 
     tokens: list[int]  # the next token; FAILED_TOKEN where the row failed
     logprobs: list[TokenLogprob | None]  # where the row asked for them; None where it failed
     errors: list[str | None]  # None where the row sampled; else why it could not (fail that request)
+    # (sequence index in the plan, index of the first prompt token covered, their logprobs)
+    prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
 
 
 # top-p looks for the nucleus among this many most likely tokens first (a partial sort), and
@@ -100,6 +103,19 @@ def _top_p(probs: Tensor, top_p: list[float]) -> Tensor:
     kept = (before < limit).sum(-1, keepdim=True).clamp(min=1)
     edge = ranked.gather(1, kept - 1)
     return probs.masked_fill(probs < edge, 0.0)
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's logprob of ``tokens[i]`` and its ``top`` most likely alternatives (raw model)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    top_v, top_i = torch.topk(lp, top, dim=-1)
+    return [
+        TokenLogprob(t, c, tuple(zip(ids, values)))
+        for t, c, ids, values in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
+    ]
 
 
 def _logprobs(logits: Tensor, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:

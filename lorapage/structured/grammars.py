@@ -83,7 +83,7 @@ class GrammarCompiler:
     @cached_property
     def tokenizer(self):
         """llguidance's view of the model's tokenizer (built once, in a worker, on first use)."""
-        return self._llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
+        return self._llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None)
 
     @cached_property
     def limits(self):
