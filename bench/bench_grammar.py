@@ -132,7 +132,10 @@ def xgrammar_engine(tok: Tokenizer):
         return lambda: xgr.GrammarMatcher(compiled)
 
     def fill(matcher, row):
-        matcher.fill_next_token_bitmask(row.view(1, -1), 0)
+        if matcher.is_terminated():  # took its stop token: nothing may follow
+            row.zero_()
+        else:
+            matcher.fill_next_token_bitmask(row.view(1, -1), 0)
 
     def consume(matcher, token):
         matcher.accept_token(token)

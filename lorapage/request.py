@@ -52,6 +52,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     adapter_tier: str  # where the adapter was when the request arrived: gpu | ram | disk | none
+    index: int = 0  # which of a request's n sequences (SamplingParams.n)
 
 
 class OutputChannel:

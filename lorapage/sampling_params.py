@@ -16,6 +16,7 @@ MAX_STOP_TOKEN_IDS = 64  # every generated token is looked up among them
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI: values in [-100, 100])
 MAX_ALLOWED_TOKEN_IDS = 262_144  # a whole large vocabulary
 MAX_BAD_WORDS = 64
+MAX_N = 64  # sequences per request
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    n: int = 1  # sequences from one prompt: one prefill, then branches (seed k + i for branch i)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -72,6 +74,7 @@ class SamplingParams:
         """Raise :class:`InvalidRequestError` naming the first field outside its range."""
         checks = (
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (type(self.n) is int and 1 <= self.n <= MAX_N, "n", f"an integer between 1 and {MAX_N}"),
             (0.0 <= self.temperature <= 2.0, "temperature", "between 0 and 2"),
             (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)"),

@@ -507,8 +507,10 @@ class Engine:
             adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
         self.intake.check(adapter, sampling)
         try:
-            ids, constraint, bad_words = await asyncio.gather(
-                self.intake.prompt_ids(prompt), self.intake.constraint(sampling), self.intake.bad_words_ids(sampling)
+            ids, constraints, bad_words = await asyncio.gather(
+                self.intake.prompt_ids(prompt),
+                asyncio.gather(*(self.intake.constraint(sampling) for _ in range(sampling.n))),
+                self.intake.bad_words_ids(sampling),
             )
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -516,20 +518,69 @@ class Engine:
                 raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
             raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
-        req = self.intake.build(
-            ids, adapter, sampling, tenant, request_id, constraint=constraint, bad_words_ids=bad_words
-        )
+
+        def build(k: int) -> Request:
+            rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
+            branch = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + k)
+            return self.intake.build(
+                ids, adapter, branch, tenant, rid, constraint=constraints[k], bad_words_ids=bad_words
+            )
+
+        req = build(0)
         self.scheduler.submit(req)
         self._wake_up()
-        finished = False
+        if sampling.n == 1:
+            finished = False
+            try:
+                while not finished:
+                    out = await req.outputs.get()
+                    finished = out.finished
+                    yield out
+            finally:
+                if not finished:
+                    self.abort(req.request_id)
+            return
+        async for out in self._branches(req, build, sampling.n):
+            yield out
+
+    async def _branches(self, first: Request, build: Callable[[int], Request], n: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of ``n`` sequences from one prompt, as they come (``index`` says which). The
+        first computes the prompt; the others are submitted once it has, so they take its full
+        KV blocks from the prefix cache and compute only what the last, partial block holds."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        requests = [first]
+
+        async def pump(k: int, req: Request) -> None:
+            try:
+                while True:
+                    out = await req.outputs.get()
+                    queue.put_nowait((k, out))
+                    if out.finished:
+                        return
+            except BaseException as exc:  # the branch's own error, raised to the caller
+                queue.put_nowait((k, exc))
+
+        pumps = [asyncio.ensure_future(pump(0, first))]
+        done = 0
         try:
-            while not finished:
-                out = await req.outputs.get()
-                finished = out.finished
-                yield out
+            while done < n:
+                k, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if k == 0 and len(requests) == 1:  # the prompt is computed: branch off
+                    for j in range(1, n):
+                        requests.append(build(j))
+                        self.scheduler.submit(requests[j])
+                        pumps.append(asyncio.ensure_future(pump(j, requests[j])))
+                    self._wake_up()
+                done += item.finished
+                yield dataclasses.replace(item, index=k)
         finally:
-            if not finished:
-                self.abort(req.request_id)
+            for task in pumps:
+                task.cancel()
+            for req in requests:
+                if req.finish_reason is None:
+                    self.abort(req.request_id)
 
     def generate_batch(
         self,

@@ -60,6 +60,7 @@ class StepScheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prompt tokens prefilled (cache hits not counted; recomputes are)
         self._in_step = False  # a plan is on the forward thread: its pages may not be freed yet
         self._budget = 0  # prefill tokens still allowed this step
         self._held: set[str] = set()  # preempted to unblock this very step: not readmitted in it
@@ -300,6 +301,7 @@ class StepScheduler:
             # Charged before a failure too: a request that cannot be sampled still took the step.
             # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
             prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
+            self.prompt_tokens_computed += prompt_fed
             self.policy.on_service(req, prompt_fed, int(sample is not None), now)
         self._policy_s += self._timer() - started
         for req, _, sample in rows:
