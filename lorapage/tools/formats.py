@@ -110,7 +110,9 @@ class HermesFormat(ToolFormat):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        content, calls, rest = [], [], text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        rest = text
         while (start := rest.find(self.OPEN)) >= 0:
             if not calls or rest[:start].strip():  # whitespace between calls is no content
                 content.append(rest[:start])
