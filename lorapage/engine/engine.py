@@ -481,10 +481,15 @@ class Engine:
         *,
         tenant: str | None = None,
         request_id: str | None = None,
+        prefix_group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
-        Stopping iteration early (a client went away) aborts the request and frees its pages.
+        Cached prompt prefixes are shared only among one tenant's requests (without ``tenant``:
+        the default tenant's), or among the requests that name one ``prefix_group``.
+        ``request_id`` must be unique among the requests in flight, whatever their tenant (a
+        server makes its own rather than take a client's). Stopping iteration early (a client
+        went away) aborts the request and frees its pages.
         """
         self._check_open()
         self.step_loop.bind()
@@ -500,7 +505,7 @@ class Engine:
                 raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
             raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
-        req = self.intake.build(ids, adapter, sampling, tenant, request_id)
+        req = self.intake.build(ids, adapter, sampling, tenant, request_id, prefix_group)
         self.scheduler.submit(req)
         self._wake_up()
         finished = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
 import uuid
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor
@@ -74,9 +75,17 @@ class RequestIntake:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.tokenizer.encode, prompt)
 
     def build(
-        self, ids: list[int], adapter: str | None, sampling: SamplingParams, tenant: str | None, request_id: str | None
+        self,
+        ids: list[int],
+        adapter: str | None,
+        sampling: SamplingParams,
+        tenant: str | None,
+        request_id: str | None,
+        prefix_group: str | None = None,
     ) -> Request:
-        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter."""
+        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter.
+        Its cached prefix blocks are shared with ``prefix_group``'s requests, or without one with
+        its tenant's only."""
         self.check(adapter, sampling)  # again: the adapter may have gone while the prompt was tokenized
         if request_id is not None and request_id in self._in_flight:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
@@ -102,10 +111,11 @@ class RequestIntake:
             )
         if self._num_waiting() >= self.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
-        namespace = self._namespace(adapter)
+        tenant = tenant or DEFAULT_TENANT
+        namespace = self._namespace(adapter, tenant, prefix_group)
         return Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-            tenant=tenant or DEFAULT_TENANT,
+            tenant=tenant,
             adapter=adapter,
             prompt_ids=ids,
             sampling=sampling,
@@ -118,11 +128,17 @@ class RequestIntake:
             block_keys=block_keys(namespace, ids, self.block_size) if namespace is not None else [],
         )
 
-    def _namespace(self, adapter: str | None) -> bytes | None:
-        """The base's namespace, and for an adapter this registration of it: two adapters, two
-        registrations of one name, or an adapter and the base never share a cached block."""
+    def _namespace(self, adapter: str | None, tenant: str, prefix_group: str | None) -> bytes | None:
+        """Who may share the request's cached blocks: its tenant, or the tenants of its group
+        (a hit is a faster first token, which would tell one tenant what another sent); then the
+        base, and for an adapter this registration of it: two adapters, two registrations of one
+        name, or an adapter and the base never share a cached block."""
         if self._base_namespace is None:
             return None
+        kind, name = (b"group", prefix_group) if prefix_group is not None else (b"tenant", tenant)
+        raw = name.encode("utf-8", "surrogatepass")
+        # Length-framed, so no tenant or group name can spell another's scope.
+        scope = b"|" + kind + struct.pack("<I", len(raw)) + raw
         if adapter is None:
-            return self._base_namespace + b"|base"
-        return self._base_namespace + b"|adapter|" + self.adapters.get(adapter).cache_id
+            return self._base_namespace + scope + b"|base"
+        return self._base_namespace + scope + b"|adapter|" + self.adapters.get(adapter).cache_id
