@@ -495,10 +495,15 @@ class Engine:
         *,
         tenant: str | None = None,
         request_id: str | None = None,
+        prefix_group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
-        Stopping iteration early (a client went away) aborts the request and frees its pages.
+        Cached prompt prefixes are shared only among one tenant's requests (without ``tenant``:
+        the default tenant's), or among the requests that name one ``prefix_group``.
+        ``request_id`` must be unique among the requests in flight, whatever their tenant (a
+        server makes its own rather than take a client's). Stopping iteration early (a client
+        went away) aborts the request and frees its pages.
         """
         self._check_open()
         self.step_loop.bind()
@@ -523,7 +528,7 @@ class Engine:
             rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
             branch = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + k)
             return self.intake.build(
-                ids, adapter, branch, tenant, rid, constraint=constraints[k], bad_words_ids=bad_words
+                ids, adapter, branch, tenant, rid, prefix_group, constraint=constraints[k], bad_words_ids=bad_words
             )
 
         req = build(0)

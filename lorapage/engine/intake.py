@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
 import uuid
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor
@@ -117,11 +118,14 @@ class RequestIntake:
         sampling: SamplingParams,
         tenant: str | None,
         request_id: str | None,
+        prefix_group: str | None = None,
         *,
         constraint: Constraint | None = None,
         bad_words_ids: tuple[tuple[int, ...], ...] = (),
     ) -> Request:
-        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter."""
+        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter.
+        Its cached prefix blocks are shared with ``prefix_group``'s requests, or without one with
+        its tenant's only."""
         self.check(adapter, sampling)  # again: the adapter may have gone while the prompt was tokenized
         if request_id is not None and request_id in self._in_flight:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
@@ -149,11 +153,12 @@ class RequestIntake:
             )
         if self._num_waiting() >= self.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
+        tenant = tenant or DEFAULT_TENANT
         # Prompt logprobs come from computing the prompt: a request that asks takes no cached block.
-        namespace = self._namespace(adapter) if sampling.prompt_logprobs is None else None
+        namespace = self._namespace(adapter, tenant, prefix_group) if sampling.prompt_logprobs is None else None
         return Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-            tenant=tenant or DEFAULT_TENANT,
+            tenant=tenant,
             adapter=adapter,
             prompt_ids=ids,
             sampling=sampling,
@@ -170,11 +175,17 @@ class RequestIntake:
             constraint=constraint,
         )
 
-    def _namespace(self, adapter: str | None) -> bytes | None:
-        """The base's namespace, and for an adapter this registration of it: two adapters, two
-        registrations of one name, or an adapter and the base never share a cached block."""
+    def _namespace(self, adapter: str | None, tenant: str, prefix_group: str | None) -> bytes | None:
+        """Who may share the request's cached blocks: its tenant, or the tenants of its group
+        (a hit is a faster first token, which would tell one tenant what another sent); then the
+        base, and for an adapter this registration of it: two adapters, two registrations of one
+        name, or an adapter and the base never share a cached block."""
         if self._base_namespace is None:
             return None
+        kind, name = (b"group", prefix_group) if prefix_group is not None else (b"tenant", tenant)
+        raw = name.encode("utf-8", "surrogatepass")
+        # Length-framed, so no tenant or group name can spell another's scope.
+        scope = b"|" + kind + struct.pack("<I", len(raw)) + raw
         if adapter is None:
-            return self._base_namespace + b"|base"
-        return self._base_namespace + b"|adapter|" + self.adapters.get(adapter).cache_id
+            return self._base_namespace + scope + b"|base"
+        return self._base_namespace + scope + b"|adapter|" + self.adapters.get(adapter).cache_id
