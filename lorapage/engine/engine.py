@@ -64,6 +64,7 @@ from lorapage.request import Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 from lorapage.structured.grammars import GrammarCompiler
+from lorapage.usage import Usage, UsageLedger
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
@@ -152,8 +153,10 @@ class Engine:
         # file, a text request for a resident adapter (or the base) must still get in.
         self._tokenize = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lorapage-tokenize")
         self.prefix_cache = PrefixCache(self.pool, clock)
+        self.usage = UsageLedger()
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
+            usage=self.usage,
             bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
             pinned_pages=lambda: self.adapters.pinned_pages(),
         )
@@ -227,6 +230,7 @@ class Engine:
             clock,
             metrics=self.scheduler_metrics,
             prefix_cache=self.prefix_cache,
+            usage=self.usage,
         )
         self.step_loop = StepLoop(
             self.scheduler,
@@ -620,6 +624,16 @@ class Engine:
         inner = getattr(self.policy, "policy", self.policy)
         if hasattr(inner, "set_tenant_weights"):
             inner.set_tenant_weights(weights)
+
+    def usage_rows(
+        self, *, tenants: set[str] | None = None, adapters: set[str] | None = None, since_hour: int | None = None
+    ) -> list[tuple[tuple[int, str, str], Usage]]:
+        """Cost attribution, ``((hour, tenant, adapter), usage)`` in order (see
+        :mod:`lorapage.usage.ledger`), residency charged up to now; hours use the engine's clock."""
+        now = self.clock()
+        self.usage.record_residency(now, self.adapters.resident_pages())
+        self.usage.prune(now)
+        return self.usage.query(tenants=tenants, adapters=adapters, since_hour=since_hour)
 
     def pool_free_pages(self) -> int:
         """Pages free for new work: free ones, and cached KV blocks nobody holds (given back by
