@@ -133,7 +133,7 @@ class Engine:
             max_blocks,
             lora_h_width(mc, config.max_lora_rank),
         )
-        if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
+        if self.device.type == "cuda" and self.ops.captures_graphs and not config.enforce_eager:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
         shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
