@@ -22,9 +22,8 @@ from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
+from lorapage.kernels.names import BACKENDS
 from lorapage.kernels.triton_import import triton_available, triton_interpreted
-
-BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class LoraShrink(Protocol):

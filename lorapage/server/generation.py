@@ -25,8 +25,7 @@ from aiohttp import web
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailableError
 from lorapage.sampling_params import SamplingParams
-from lorapage.server import protocol
-from lorapage.server import responses as r
+from lorapage.server import protocol, responses as r
 from lorapage.server.auth import Access
 from lorapage.server.error_json import error_payload
 from lorapage.server.metrics import ServerMetrics

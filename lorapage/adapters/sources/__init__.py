@@ -44,27 +44,35 @@ after it matched, and is shared by concurrent fetches of the same version. Error
 extra) or 502 ``adapter_integrity_failed`` (expected and received digest, and the uri).
 """
 
-from lorapage.adapters.sources.fetch import AdapterSources, SourceStats
-from lorapage.adapters.sources.parse import (
-    FileSource,
-    HfSource,
-    HttpsSource,
-    RemoteSource,
-    S3Source,
-    Source,
-    check_local_dir,
-    parse_source,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "AdapterSources",
-    "FileSource",
-    "HfSource",
-    "HttpsSource",
-    "RemoteSource",
-    "S3Source",
-    "Source",
-    "SourceStats",
-    "check_local_dir",
-    "parse_source",
-]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.adapters.sources.fetch import AdapterSources as AdapterSources, SourceStats as SourceStats
+    from lorapage.adapters.sources.parse import (
+        FileSource as FileSource,
+        HfSource as HfSource,
+        HttpsSource as HttpsSource,
+        RemoteSource as RemoteSource,
+        S3Source as S3Source,
+        Source as Source,
+        check_local_dir as check_local_dir,
+        parse_source as parse_source,
+    )
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "AdapterSources": "lorapage.adapters.sources.fetch",
+        "SourceStats": "lorapage.adapters.sources.fetch",
+        "FileSource": "lorapage.adapters.sources.parse",
+        "HfSource": "lorapage.adapters.sources.parse",
+        "HttpsSource": "lorapage.adapters.sources.parse",
+        "RemoteSource": "lorapage.adapters.sources.parse",
+        "S3Source": "lorapage.adapters.sources.parse",
+        "Source": "lorapage.adapters.sources.parse",
+        "check_local_dir": "lorapage.adapters.sources.parse",
+        "parse_source": "lorapage.adapters.sources.parse",
+    },
+)
