@@ -111,6 +111,11 @@ class AdapterLanes:
         """``req`` may open any lane and may be waiting for one: the tail lanes are reserved."""
         self.wanting[req.request_id] = req
 
+    def unwant(self, req: SchedRequest) -> None:
+        """``req`` wants no tail lane now (its adapter has more waiting requests); a claim stays."""
+        if req is not self.claim:
+            self.wanting.pop(req.request_id, None)
+
     def recall(self) -> None:
         """A request is ``wanting`` a lane and none is free to it while tail lanes are lent: the
         oldest general holder closes, so a lane (now a tail lane) frees within one generation."""

@@ -248,8 +248,11 @@ class VtcScheduler(Generic[R]):
         self._num_waiting += 1
         if req.adapter is not None:
             self._groups.add(entry, self.lanes.running)
-            if self._groups.size(req.adapter) == 1:
+            size = self._groups.size(req.adapter)
+            if size == 1:
                 self.lanes.want(req)  # it may take a tail lane: keep them from being lent
+            elif size == 2:  # the other one is no single any more (aged, it asks again when refused)
+                self.lanes.unwant(next(iter(self._groups.groups[req.adapter].values())).req)
 
     # --- one tenant's turn ------------------------------------------------------------------
 
