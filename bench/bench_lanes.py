@@ -10,9 +10,10 @@ configuration runs one batch of requests submitted together, 16-token prompts, 3
             2, 1, 1, 1, 1), in a fixed shuffled order, from 4 tenants, at max_loras=16
 
 through one engine with ``scheduler="vtc"`` and one with ``"fcfs"``, all configurations and both
-schedulers interleaved round by round (the machine is noisy). Throughput is generated tokens over
-the wall time of the batch; steps and rows per step come from the engine's scheduler metrics.
-Each figure is the median of its rounds, the VTC / FCFS ratio the median of the per-round ratios.
+schedulers interleaved round by round, which of the two goes first alternating (the machine is
+noisy). Throughput is generated tokens over the wall time of the batch; steps and rows per step
+come from the engine's scheduler metrics. Each figure is the median of its rounds, the VTC / FCFS
+ratio the median of the per-round ratios.
 Then the policy-only companion: the same batches through the real policies in the simulator on a
 virtual clock (deterministic: ``tests/test_vtc_lanes.py`` asserts these counts).
 
@@ -157,9 +158,9 @@ async def measure(root: Path, rounds: int, quick: bool) -> dict:
             await run_batch(engine, Mix("warm-up", mix.max_loras, mix.adapters[:4], (None,) * 4), 2)
             engines[mix.name, scheduler] = engine
     samples: dict[tuple[str, str], list[dict[str, float]]] = {key: [] for key in engines}
-    for _ in range(rounds):
+    for turn in range(rounds):
         for mix in runs:
-            for scheduler in SCHEDULERS:
+            for scheduler in SCHEDULERS[:: 1 if turn % 2 == 0 else -1]:  # who goes first alternates
                 samples[mix.name, scheduler].append(await run_batch(engines[mix.name, scheduler], mix, new_tokens))
     for engine in engines.values():
         await engine.close()
@@ -222,7 +223,7 @@ def report(results: dict, rounds: int, threads: int, new_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; figures are their medians")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds; figures are their medians")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads of the forward pass")
     parser.add_argument("--quick", action="store_true", help="two configurations, 16 tokens, one round")
     args = parser.parse_args()
