@@ -35,7 +35,7 @@ class LaneKind(Enum):
 
     BASE = "base"  # no adapter: needs no lane
     JOIN = "join"  # its adapter's lane is already in the batch
-    GENERAL = "general"  # opens one of the cap - tail general lanes
+    GENERAL = "general"  # opens one of the cap - tail general lanes (or a tail lane lent)
     TAIL = "tail"  # opens one of the reserved tail lanes
 
 
@@ -54,9 +54,9 @@ class AdapterLanes:
         self.cap = cap
         self.reserved_tail = tail
         self.running: dict[str, int] = {}  # adapter -> running requests using it, in opening order
-        self.tail: set[str] = set()  # holders that opened a tail lane; they take no joins
+        self.tail: set[str] = set()  # holders that opened a tail lane; they take no joins until lent
         self.claim: SchedRequest | None = None  # an aged request owed the next lane that frees
-        self.closing: str | None = None  # holder taking no joins so that the claim gets a lane
+        self.closing: str | None = None  # holder taking no joins so that a lane frees (claim, recall)
         self.changed: list[str] = []  # adapters that opened, closed or stopped closing (to wake waiters)
         # Requests that may open any lane (single-request adapter, or aged) and may be waiting for
         # one, oldest first: while any does, the tail lanes are reserved. Entries go stale (the
