@@ -60,7 +60,7 @@ from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.request import Request, RequestOutput
+from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 
@@ -481,10 +481,12 @@ class Engine:
         *,
         tenant: str | None = None,
         request_id: str | None = None,
+        progress: PromptProgress | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
         Stopping iteration early (a client went away) aborts the request and frees its pages.
+        ``progress``, when given, holds the prompt tokens computed for it once the generator ends.
         """
         self._check_open()
         self.step_loop.bind()
@@ -512,6 +514,8 @@ class Engine:
         finally:
             if not finished:
                 self.abort(req.request_id)
+            if progress is not None:
+                progress.computed = req.prompt_computed
 
     def generate_batch(
         self,

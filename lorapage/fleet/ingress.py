@@ -91,7 +91,7 @@ class FleetIngress:
         self.registry = FleetRegistry(Registry(state))
         for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
             if (owner := self.registry.owner(adapter_id)) is not None:
-                self.access.owners[adapter_id] = owner
+                self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
         self.metrics = ServerMetrics(dict)  # the ingress's own series; the replicas' are re-exported
         self.metrics.registry.register(self.reports)

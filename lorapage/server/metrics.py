@@ -94,7 +94,11 @@ _REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ..
         "Requests refused before queueing, by reason (rpm, tpm, concurrency, queue_full).",
         lambda t: t.rejected_requests,
     ),
-    ("rejected_tokens", "Prompt plus max_tokens of refused requests, by reason.", lambda t: t.rejected_tokens),
+    (
+        "rejected_tokens",
+        "Prompt plus max_tokens of refused requests, by reason (none for a request refused before its body was read).",
+        lambda t: t.rejected_tokens,
+    ),
 )
 
 

@@ -23,6 +23,7 @@ from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
+from lorapage.server.admin import check_adapter_id
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.run import listen, serve_until_signal
@@ -163,6 +164,10 @@ def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             fail(prog, f"--lora-modules takes NAME=DIR; got {item!r}")
+        try:
+            check_adapter_id(name, base_name="")
+        except LorapageError as exc:
+            fail(prog, f"--lora-modules {item}: {exc.message}")
         modules[name] = path
     return modules
 
