@@ -87,6 +87,10 @@ class AdapterRow:
     current: int | None
 
 
+class RegistrySchemaError(RuntimeError):
+    """The registry file has a schema this lorapage cannot read."""
+
+
 def version_key(adapter_id: str, version: int) -> str:
     """The name a version is served under: ``id@N``."""
     return f"{adapter_id}@{version}"
@@ -147,7 +151,7 @@ class Registry:
         """Bring a file of schema ``found`` to :data:`SCHEMA_VERSION` (inside the opening
         transaction: a crash leaves it as it was)."""
         if not 1 <= found <= SCHEMA_VERSION:
-            raise RuntimeError(
+            raise RegistrySchemaError(
                 f"adapter registry {self.path} has schema {found}; this lorapage reads schemas 1 to "
                 f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
             )
