@@ -76,6 +76,12 @@ class _LoopLagGauges:
         yield GaugeMetricFamily(
             "lorapage_event_loop_lag_last_seconds", "Lateness of the event loop's latest sample.", value=m.last
         )
+        samples = HistogramMetricFamily(
+            "lorapage_event_loop_lag_samples_seconds",
+            f"Lateness of the event loop, every sample (one each {m.interval_s:g} s).",
+        )
+        _histogram(samples, [], m.histogram)
+        yield samples
 
 
 _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
