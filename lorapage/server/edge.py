@@ -32,7 +32,7 @@ class EdgeLimits:
     """Connection-level bounds (``max_connections_per_ip`` 0: no cap)."""
 
     header_timeout_s: float = 20.0
-    max_connections_per_ip: int = 256
+    max_connections_per_ip: int = 1024
 
     def __post_init__(self) -> None:
         if not self.header_timeout_s > 0:
@@ -139,14 +139,18 @@ class GuardedSite(web.SockSite):
 
 class OneLineLog(logging.LoggerAdapter):
     """aiohttp's connection log with a request it could not parse (a malformed request line or
-    header, a bad Content-Length) as one warning line: anyone can send those, and a traceback
-    each would fill the log. Anything else keeps its traceback."""
+    header, a bad Content-Length) as one warning line, and a client that went away mid-answer as
+    one info line: anyone can cause those, and a traceback each would fill the log. Anything else
+    keeps its traceback."""
 
     def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
         exc = exc_info if isinstance(exc_info, BaseException) else None
         if isinstance(exc, HttpProcessingError):
             detail = " ".join(str(exc.message or type(exc).__name__).split())[:200]
             self.warning(f"{msg}: malformed request: {exc.code} {detail}", *args)
+            return
+        if isinstance(exc, ConnectionError):
+            self.info(f"{msg}: the client went away: {type(exc).__name__}: {str(exc)[:200]}", *args)
             return
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 

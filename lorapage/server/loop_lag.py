@@ -20,6 +20,7 @@ from lorapage.scheduler.metrics import Histogram
 
 LAG_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
+
 class LoopLagMonitor:
     """Samples the loop's lag every ``interval_s``; keeps the samples of the last ``window_s``."""
 

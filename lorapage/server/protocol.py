@@ -67,9 +67,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(
-        default_factory=list
-    )
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
