@@ -16,12 +16,17 @@ rpm_burst = 600               # bucket size, default rpm
 tpm = 200000                  # prompt + max_tokens per minute (omit: unlimited)
 tpm_burst = 200000            # bucket size, default tpm; a larger request can never be admitted
 max_concurrency = 32          # requests in flight (omit: unlimited)
+prefix_cache_group = "acme-family"  # tenants naming one group share cached prompt prefixes (omit: its own)
 ```
 
 Access fails closed. A tenant may always use the base model and the adapters the admin registered
 for it (their owner). ``adapters`` adds adapters without an owner (those from ``--lora-modules``):
 by name, or all of them with ``"*"`` (:data:`SHARED`). Omitting it (or ``[]``) opens none. No list
 can open an adapter whose owner is another tenant.
+
+Nothing one tenant caches is observable by another unless the operator grouped them: cached
+prompt prefixes are the tenant's own unless tenants name one ``prefix_cache_group`` (then, and only
+then, one of them can tell by a faster first token that another sent a prompt).
 
 Keys are stored only as sha256 hex digests. A presented key is hashed once and looked up by its
 digest in a dict: constant time in the number of keys, and what the lookup's timing depends on is
@@ -43,7 +48,9 @@ SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
+    "prefix_cache_group",
 )  # fmt: skip
+MAX_GROUP_NAME = 128  # characters of a prefix_cache_group
 _KEY_SECTIONS = ("admin", "metrics")  # sections that hold nothing but key_sha256
 
 
@@ -75,6 +82,7 @@ class TenantConfig:
     tpm: int | None = None
     tpm_burst: int | None = None  # None: tpm
     max_concurrency: int | None = None
+    prefix_cache_group: str | None = None  # tenants naming one group share cached prefixes; None: its own
 
     @property
     def rpm_bucket(self) -> int | None:
@@ -93,6 +101,8 @@ class TenantsConfig:
     admin_key_sha256: tuple[str, ...] = ()
     metrics_key_sha256: tuple[str, ...] = ()
     _tenant_of: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant
+    _open_to_all: tuple[str, ...] = field(default=(), repr=False)  # tenants whose `adapters` holds SHARED
+    _named_by: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)  # adapter -> tenants naming it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
@@ -108,6 +118,12 @@ class TenantsConfig:
                     )
         tenant_of = {d: name for name, t in self.tenants.items() for d in t.key_sha256}
         object.__setattr__(self, "_tenant_of", MappingProxyType(tenant_of))
+        named: dict[str, list[str]] = {}
+        for name, t in self.tenants.items():
+            for adapter in t.adapters - {SHARED}:
+                named.setdefault(adapter, []).append(name)
+        object.__setattr__(self, "_named_by", MappingProxyType({a: tuple(ts) for a, ts in named.items()}))
+        object.__setattr__(self, "_open_to_all", tuple(n for n, t in self.tenants.items() if SHARED in t.adapters))
 
     @classmethod
     def load(cls, path: str | Path) -> TenantsConfig:
@@ -141,6 +157,13 @@ class TenantsConfig:
             return self.tenants[name]
         except KeyError:
             raise KeyError(f"unknown tenant {name!r}; configured: {sorted(self.tenants)}") from None
+
+    def others_may_use_unowned(self, tenant: str, adapter: str) -> bool:
+        """Whether a tenant other than ``tenant`` may use ``adapter`` if it has no owner (its
+        ``adapters`` list names it or holds ``"*"``). Constant time in the number of tenants: at
+        most two names of each list are looked at."""
+        lists = (self._open_to_all, self._named_by.get(adapter, ()))
+        return any(other != tenant for names in lists for other in names[:2])
 
     def weights(self) -> dict[str, float]:
         return {name: t.weight for name, t in self.tenants.items()}
@@ -180,6 +203,12 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
     weight = t.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise TenantsConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
+    group = t.get("prefix_cache_group")
+    if group is not None and not (isinstance(group, str) and 0 < len(group) <= MAX_GROUP_NAME):
+        raise TenantsConfigError(
+            f"{where}.prefix_cache_group: expected a name of 1 to {MAX_GROUP_NAME} characters "
+            f"(tenants naming one group share cached prompt prefixes; omit it to share with none), got {group!r}"
+        )
     limits = {k: _positive_int(t, k, where) for k in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency")}
     for burst, rate in (("rpm_burst", "rpm"), ("tpm_burst", "tpm")):
         if limits[burst] is not None and limits[rate] is None:
@@ -189,6 +218,7 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         key_sha256=_digests_field(t, where),
         adapters=frozenset(adapters),
         weight=float(weight),
+        prefix_cache_group=group,
         **limits,
     )
 
