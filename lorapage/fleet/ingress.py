@@ -62,6 +62,7 @@ from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol
 from lorapage.server.auth import Access
+from lorapage.server.error_json import log_refusal
 from lorapage.server.generation import Formatter, Job, Timing, answer, make_job
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.models_view import BaseCard, ModelsView
@@ -136,6 +137,7 @@ class FleetIngress:
         try:
             response = await self._dispatch(request)
         except LorapageError as exc:
+            log_refusal(request.method, request.url.path, request.client.host if request.client else None, exc)
             response = error_response(exc)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
