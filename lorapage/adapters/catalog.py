@@ -105,6 +105,7 @@ class AdapterCatalog:
         self._ids: dict[str, _Adapter] = {}
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
+        self.generation = 0  # grows at every change of the live view (ids, versions, aliases, owners)
         self._restore()
         if locate is not None:
             cache.locate = self._locate
@@ -291,6 +292,7 @@ class AdapterCatalog:
                 if activate and self._ids[adapter_id].current != same.version:
                     await loop.run_in_executor(self._io, self.registry.set_current, adapter_id, same.version)
                     self._ids[adapter_id].current = same.version
+                    self.generation += 1
                 return self._info(same, self._ids[adapter_id]), False
             row = await loop.run_in_executor(
                 self._io,
@@ -322,6 +324,7 @@ class AdapterCatalog:
             if self._ids[adapter_id].current != same.version:
                 self.registry.set_current(adapter_id, same.version)
                 self._ids[adapter_id].current = same.version
+                self.generation += 1
             return self._info(same, self._ids[adapter_id])
         row = self._commit(adapter_id, owner, spec, digest, path.resolve().as_uri(), True)
         return self._add_live(row, owner, spec, layout, True)
@@ -355,6 +358,7 @@ class AdapterCatalog:
         if activate or adapter.current is None:
             adapter.current = row.version
         self.cache.add(row.key, spec, layout, row.digest)
+        self.generation += 1
         return self._info(row, adapter)
 
     # -- a registry held elsewhere ---------------------------------------------------------------
@@ -386,6 +390,7 @@ class AdapterCatalog:
         adapter.owner, adapter.current = owner, current
         if not adapter.versions:
             del self._ids[adapter_id]
+        self.generation += 1
         return busy
 
     def _mirror_pin(self, row: VersionRow) -> None:
@@ -414,6 +419,7 @@ class AdapterCatalog:
         async with self._lock:
             await asyncio.get_running_loop().run_in_executor(self._io, self.registry.set_current, adapter_id, version)
             adapter.current = version
+            self.generation += 1
         return self._info(row, adapter)
 
     async def set_pinned(self, key: str, pinned: bool) -> None:
@@ -470,6 +476,7 @@ class AdapterCatalog:
             self.cache.unregister(key)
         del adapter.versions[version]
         adapter.current = new_current
+        self.generation += 1
         if not adapter.versions:
             adapter.owner = None
 

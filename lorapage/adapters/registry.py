@@ -21,6 +21,7 @@ Schema 1 files (before pins) are migrated in place when opened: one ``ALTER TABL
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 import time
@@ -32,6 +33,9 @@ from lorapage.errors import AdapterNotFoundError, ConflictError
 
 SCHEMA_VERSION = 2
 REGISTRY_FILE = "registry.sqlite3"
+# A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
+# ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
+_VERSION = re.compile(r"[0-9]{1,18}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -83,6 +87,10 @@ class AdapterRow:
     current: int | None
 
 
+class RegistrySchemaError(RuntimeError):
+    """The registry file has a schema this lorapage cannot read."""
+
+
 def version_key(adapter_id: str, version: int) -> str:
     """The name a version is served under: ``id@N``."""
     return f"{adapter_id}@{version}"
@@ -90,11 +98,11 @@ def version_key(adapter_id: str, version: int) -> str:
 
 def parse_name(name: str) -> tuple[str, int | None]:
     """``id`` -> ``(id, None)`` (the alias), ``id@N`` -> ``(id, N)``; a suffix that is not a
-    number gives version -1, which names nothing. Ids never hold ``@``."""
+    number of at most 18 ASCII digits gives version -1, which names nothing. Ids never hold ``@``."""
     adapter_id, at, number = name.rpartition("@")
     if not at:
         return name, None
-    return adapter_id, int(number) if number.isdigit() else -1
+    return adapter_id, int(number) if _VERSION.fullmatch(number) else -1
 
 
 def removable_keys(name: str, versions: Collection[int], current: int | None) -> list[str]:
@@ -143,7 +151,7 @@ class Registry:
         """Bring a file of schema ``found`` to :data:`SCHEMA_VERSION` (inside the opening
         transaction: a crash leaves it as it was)."""
         if not 1 <= found <= SCHEMA_VERSION:
-            raise RuntimeError(
+            raise RegistrySchemaError(
                 f"adapter registry {self.path} has schema {found}; this lorapage reads schemas 1 to "
                 f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
             )

@@ -60,7 +60,7 @@ from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.request import Request, RequestOutput
+from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 from lorapage.structured.grammars import GrammarCompiler
@@ -500,6 +500,7 @@ class Engine:
         tenant: str | None = None,
         request_id: str | None = None,
         prefix_group: str | None = None,
+        progress: PromptProgress | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
@@ -507,7 +508,9 @@ class Engine:
         the default tenant's), or among the requests that name one ``prefix_group``.
         ``request_id`` must be unique among the requests in flight, whatever their tenant (a
         server makes its own rather than take a client's). Stopping iteration early (a client
-        went away) aborts the request and frees its pages.
+        went away) aborts the request and frees its pages. ``progress``, when given, holds the
+        prompt tokens computed for it once the generator ends (what a quota charges a request cut
+        before its first token).
         """
         self._check_open()
         self.step_loop.bind()
@@ -548,11 +551,15 @@ class Engine:
             finally:
                 if not finished:
                     self.abort(req.request_id)
+                if progress is not None:
+                    progress.computed = req.prompt_computed
             return
-        async for out in self._branches(req, build, sampling.n):
+        async for out in self._branches(req, build, sampling.n, progress):
             yield out
 
-    async def _branches(self, first: Request, build: Callable[[int], Request], n: int) -> AsyncIterator[RequestOutput]:
+    async def _branches(
+        self, first: Request, build: Callable[[int], Request], n: int, progress: PromptProgress | None
+    ) -> AsyncIterator[RequestOutput]:
         """The outputs of ``n`` sequences from one prompt, as they come (``index`` says which). The
         first computes the prompt; the others are submitted once it has, so they take its full
         KV blocks from the prefix cache and compute only what the last, partial block holds."""
@@ -590,6 +597,8 @@ class Engine:
             for req in requests:
                 if req.finish_reason is None:
                     self.abort(req.request_id)
+            if progress is not None:
+                progress.computed = max(r.prompt_computed for r in requests)  # the prompt, computed once
 
     def generate_batch(
         self,

@@ -297,6 +297,7 @@ class StepScheduler:
         ]
         for req, fed, _ in rows:
             req.num_computed += fed
+            req.prompt_computed = max(req.prompt_computed, min(req.num_computed, req.num_prompt_tokens))
             if not req.aborted:
                 self._offer_blocks(req, req.num_computed - fed)
         started = self._timer()

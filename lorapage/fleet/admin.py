@@ -161,7 +161,7 @@ class FleetAdmin:
             got = self._on_owner(req.id).prepare_adapter.remote(source, req.sha256, req.expected_base_digest)
             prepared: PreparedVersion = _ok(await got)
         row, created = await self._write(lambda: self.registry.add(req.id, req.tenant, prepared, activate=req.activate))
-        self.access.owners[req.id] = req.tenant
+        self.access.set_owner(req.id, req.tenant)
         return _json((await self._describe([row.key]))[0], status=201 if created else 200)
 
     async def list(self, request: Request, _: str) -> Response:
@@ -216,7 +216,7 @@ class FleetAdmin:
         running = await remove_when_idle(name, keys, request.query_params, self.in_flight, self.draining, remove)
         adapter_id, _ = parse_name(name)
         if adapter_id not in self.registry.ids():
-            self.access.owners.pop(adapter_id, None)
+            self.access.drop_owner(adapter_id)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
     async def pin(self, request: Request, name: str) -> Response:

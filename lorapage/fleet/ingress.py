@@ -62,11 +62,12 @@ from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol
 from lorapage.server.auth import Access
+from lorapage.server.error_json import log_refusal
 from lorapage.server.generation import Formatter, Job, Timing, answer, make_job
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
+from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompts import PromptBuilder
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
-from lorapage.server.responses import Model, ModelList
 from lorapage.server.sse import SSE_HEADERS
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 
@@ -86,12 +87,14 @@ class FleetIngress:
         self.engines = engines  # a DeploymentHandle to the EngineReplica deployment
         self.config = config
         self.access = Access(TenantsConfig.from_toml(self._tenants_text()))
-        self.quotas = QuotaManager(self.access.tenants, now=time.monotonic())
+        # A tenant without max_concurrency may hold its share of the replicas' queues together.
+        queue_len = config.engine.max_queue_len * config.replicas
+        self.quotas = QuotaManager(self.access.tenants, now=time.monotonic(), queue_len=queue_len)
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = FleetRegistry(Registry(state))
         for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
             if (owner := self.registry.owner(adapter_id)) is not None:
-                self.access.owners[adapter_id] = owner
+                self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
         self.metrics = ServerMetrics(dict)  # the ingress's own series; the replicas' are re-exported
         self.metrics.registry.register(self.reports)
@@ -108,6 +111,7 @@ class FleetIngress:
         self.started = int(time.time())
         self._profile: EngineProfile | None = None
         self._prompts: PromptBuilder | None = None
+        self._models: ModelsView | None = None
         self._modules_lock = asyncio.Lock()
         self._modules_registered = not config.lora_modules
         self.admin = FleetAdmin(
@@ -133,6 +137,7 @@ class FleetIngress:
         try:
             response = await self._dispatch(request)
         except LorapageError as exc:
+            log_refusal(request.method, request.url.path, request.client.host if request.client else None, exc)
             response = error_response(exc)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
@@ -276,27 +281,36 @@ class FleetIngress:
         return body
 
     async def chat_completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        tenant = self.tenant(request)
-        req = protocol.decode(await self.body(request), protocol.ChatCompletionRequest)
-        protocol.check_common(req)
-        logprobs = protocol.chat_logprobs(req)
-        messages = protocol.chat_messages(req)
-        await self.resolve(req.model, tenant)  # 404 before the template runs
-        ids = await (await self.prompts()).chat(messages)
-        return await self.run(await self._job("chat", request, req, tenant, ids, logprobs, arrival))
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        """One request, checked as ``lorapage serve`` checks it: its tenant's rate and share taken
+        before its body is read, then the body, the model, the prompt (in the tenant's turn) and
+        its tokens."""
         arrival = time.monotonic()
         tenant = self.tenant(request)
-        req = protocol.decode(await self.body(request), protocol.CompletionRequest)
-        protocol.check_common(req)
-        logprobs = protocol.completion_logprobs(req)
-        profile = await self.profile()
-        prompt = protocol.completion_prompt(req, profile.vocab_size, profile.max_model_len)
-        await self.resolve(req.model, tenant)  # 404 before the tokenizer runs
-        ids = await (await self.prompts()).completion(prompt)
-        return await self.run(await self._job("completion", request, req, tenant, ids, logprobs, arrival))
+        reservation = self.admit(tenant)
+        try:
+            body = await self.body(request)
+            profile, prompts = await self.profile(), await self.prompts()
+            if kind == "chat":
+                parsed = await prompts.parse(tenant, body, protocol.parse_chat)
+            else:
+                vocab, max_len = profile.vocab_size, profile.max_model_len
+                parsed = await prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
+            await self.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+            if kind == "chat":
+                ids = await prompts.chat(tenant, cast(list[dict[str, str]], parsed.prompt))
+            else:
+                ids = await prompts.completion(tenant, cast(str | list[int], parsed.prompt))
+            job = await self._job(kind, request, parsed.req, tenant, ids, parsed.logprobs, arrival)
+            return await self.run(job, reservation)
+        except BaseException:
+            self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
+            raise
 
     async def _job(
         self, kind: str, request: Request, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
@@ -310,35 +324,40 @@ class FleetIngress:
         # Only echoed: the engine's id is the job's own (a client's could name another tenant's request).
         return make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, self.access, rid)
 
-    async def _models(self, tenant: str) -> list[Model]:
-        await self.ready()
-        profile = await self.profile()
-        base, max_len = profile.base_name, profile.max_model_len
-        out = [Model(id=base, created=self.started, owned_by="lorapage", root=base, max_model_len=max_len)]
-        for name in sorted(self.registry.ids()):
-            if self.version_of(tenant, name, profile.base_digest) is not None:
-                out.append(
-                    Model(id=name, created=self.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
-                )
-        return out
+    async def models(self) -> ModelsView:
+        """The per-tenant ``/v1/models`` view over the fleet's registry (built once the engines' profile is known)."""
+        if self._models is None:
+            profile = await self.profile()
+            card = BaseCard(profile.base_name, profile.max_model_len, self.started)
+
+            def serving() -> list[str]:
+                return [i for i in self.registry.ids() if self.version_of_any(i, profile.base_digest)]
+
+            self._models = ModelsView(
+                self.access, card, serving=serving, key=lambda: (self.registry.generation, frozenset(self.draining))
+            )
+        return self._models
+
+    def version_of_any(self, adapter_id: str, base_digest: str) -> bool:
+        """Whether ``adapter_id`` serves a version on this base now (whoever asks)."""
+        try:
+            return self.registry.resolve(adapter_id, base_digest) not in self.draining
+        except LorapageError:  # none, or one validated against another base
+            return False
 
     async def list_models(self, request: Request) -> Response:
-        data = await self._models(self.tenant(request))
-        return Response(msgspec.json.encode(ModelList(data=data)), media_type="application/json")
+        """The base and the adapters the tenant may use; one of its requests per minute."""
+        tenant = self.tenant(request)
+        self.quotas.release(self.admit(tenant), 0, time.monotonic())
+        await self.ready()
+        return Response((await self.models()).body(tenant), media_type="application/json")
 
     async def get_model(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        model, _ = await self.resolve(request.url.path.removeprefix("/v1/models/"), tenant)
-        profile = await self.profile()
-        found = next((m for m in await self._models(tenant) if m.id == parse_name(model)[0]), None)
-        if found is None:  # an older version, id@N, named explicitly
-            base = profile.base_name
-            found = Model(
-                id=model, created=self.started, owned_by=tenant, parent=base, root=base,
-                max_model_len=profile.max_model_len,
-            )  # fmt: skip
-        elif found.id != model:
-            found = msgspec.structs.replace(found, id=model)
+        self.quotas.release(self.admit(tenant), 0, time.monotonic())
+        model, adapter = await self.resolve(request.url.path.removeprefix("/v1/models/"), tenant)
+        card = (await self.models()).card
+        found = card.base() if adapter is None else card.adapter(model, tenant)
         return Response(msgspec.json.encode(found), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
@@ -346,24 +365,32 @@ class FleetIngress:
 
     # -- running a request on the engines ---------------------------------------------------------
 
-    def reserve(self, job: Job) -> Reservation:
-        got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+    def admit(self, tenant: str) -> Reservation:
+        """The tenant's rate and its share of concurrency, before anything of the request is read."""
+        got = self.quotas.admit(tenant, time.monotonic())
         if isinstance(got, QuotaExceeded):
-            self.rejected.labels(job.tenant, got.which).inc()
+            self.rejected.labels(tenant, got.which).inc()
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
-        self.in_flight[job.adapter] += 1
         return got
 
+    def charge(self, job: Job, reservation: Reservation) -> None:
+        """The request's tokens from its tenant's TPM (429 when short); then it counts as in flight."""
+        refused = self.quotas.charge(reservation, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+        if refused is not None:
+            self.rejected.labels(job.tenant, refused.which).inc()
+            raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
+        self.in_flight[job.adapter] += 1
+
     def release(self, job: Job, reservation: Reservation) -> None:
-        # Refund everything when nothing was generated (refused, or cut before a token).
-        used = len(job.prompt) + job.generated if job.generated else 0
+        # Refund what was not used: max_tokens not generated, and the prompt when no replica took it.
+        used = len(job.prompt) + job.generated if job.generated else job.prompt_computed
         self.quotas.release(reservation, used, time.monotonic())
         self.in_flight[job.adapter] -= 1
         if not self.in_flight[job.adapter]:
             del self.in_flight[job.adapter]
 
-    async def run(self, job: Job) -> Response:
-        reservation = self.reserve(job)
+    async def run(self, job: Job, reservation: Reservation) -> Response:
+        self.charge(job, reservation)
         served: list[str] = []  # the replica that took it (the last, after a retry)
         timing = Timing(job, self.metrics, self.admissions)
         try:
@@ -407,13 +434,18 @@ class FleetIngress:
                     if isinstance(item, ReplicaStart):
                         served.append(item.replica_id)
                         job.adapter_version = item.adapter_version
+                        # What the replica computes does not come back when the client cuts the
+                        # stream: once a replica has taken the request, its whole prompt counts.
+                        job.prompt_computed = len(job.prompt)
                     elif isinstance(item, LorapageError):
+                        job.prompt_computed = 0  # refused: nothing was computed
                         raise item
                     elif job.stream or item.finished:
                         passed_on = True
                         yield item
                 return
             except RayActorError:
+                job.prompt_computed = 0  # resent: the next replica's start counts it again
                 if passed_on:
                     raise ServiceUnavailableError(
                         "the engine replica serving this request stopped mid-answer; send the request again",

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.metrics import OTHER
 from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import parse_source
 from lorapage.errors import (
@@ -35,21 +36,29 @@ from lorapage.server import protocol
 from lorapage.server.auth import Access
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
-_ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_RESERVED_IDS = ("none",)  # x-adapter-id of base-model requests
+# Matched whole (fullmatch): with ``match`` and ``$``, "a-priv\n" passed and was listed beside "a-priv".
+_ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+# x-adapter-id of base-model requests, and the metrics' label of every adapter outside the top set.
+RESERVED_IDS = ("none", OTHER)
+
+
+def check_adapter_id(adapter_id: str, base_name: str, param: str = "id") -> None:
+    """400 unless ``adapter_id`` is a name an adapter may take (ASCII, bounded, not reserved)."""
+    if not _ADAPTER_ID.fullmatch(adapter_id) or adapter_id in RESERVED_IDS or adapter_id == base_name:
+        shown = adapter_id if len(adapter_id) <= 160 else adapter_id[:160] + "..."
+        raise InvalidRequestError(
+            f"adapter id {shown!r} must be 1-128 ASCII letters, digits, '.', '_' or '-', start with a letter "
+            f"or digit, and not be {' or '.join(repr(r) for r in RESERVED_IDS)} (reserved) or the base model's name",
+            param=param,
+        )
 
 
 def registration(body: bytes, base_name: str, access: Access) -> protocol.AdapterCreateRequest:
     """A ``POST /v1/adapters`` body, decoded and checked: the id, the tenant, one source field."""
     req = protocol.decode(body, protocol.AdapterCreateRequest)
-    if not _ADAPTER_ID.match(req.id) or req.id in _RESERVED_IDS or req.id == base_name:
-        raise InvalidRequestError(
-            f"adapter id {req.id!r} must be 1-128 letters, digits, '.', '_' or '-', start with a letter "
-            "or digit, and not be 'none' or the base model's name",
-            param="id",
-        )
+    check_adapter_id(req.id, base_name)
     if not access.is_tenant(req.tenant):
-        raise InvalidRequestError(f"tenant {req.tenant!r} is not in the tenants file", param="tenant")
+        raise InvalidRequestError(f"tenant {req.tenant[:100]!r} is not in the tenants file", param="tenant")
     if (req.source is None) == (req.path is None):
         raise InvalidRequestError("give the adapter's files as `source` (or the older `path`), once", param="source")
     return req
@@ -131,7 +140,7 @@ class AdminRoutes:
                 expected_base_digest=req.expected_base_digest,
                 activate=req.activate,
             )
-        state.access.owners[req.id] = req.tenant
+        state.access.set_owner(req.id, req.tenant)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
     async def list(self, request: web.Request) -> web.Response:
@@ -190,7 +199,7 @@ class AdminRoutes:
         running = await remove_when_idle(name, keys, request.query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
         if adapter_id not in state.engine.catalog.ids():
-            state.access.owners.pop(adapter_id, None)
+            state.access.drop_owner(adapter_id)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
     async def load(self, request: web.Request) -> web.Response:

@@ -92,17 +92,27 @@ def _from_http(exc: web.HTTPException) -> LorapageError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def log_refusal(method: str, path: str, remote: str | None, exc: LorapageError) -> None:
+    """One line per refused request, no traceback: anyone can send bad requests, and a
+    traceback each would bury the log (unexpected exceptions keep theirs)."""
+    detail = " ".join(exc.message.split())[:200]
+    log.info("refused %s %s from %s: %d %s: %s", method, path[:200], remote or "-", exc.status, exc.code, detail)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Map every failure of a handler onto an OpenAI-shaped error response."""
+    """Map every failure of a handler onto an OpenAI-shaped error response (a refusal logged in one line)."""
     try:
         return await handler(request)
     except LorapageError as exc:
+        log_refusal(request.method, request.path, request.remote, exc)
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(_from_http(exc))
+        refusal = _from_http(exc)
+        log_refusal(request.method, request.path, request.remote, refusal)
+        return error_response(refusal)
     except (ConnectionResetError, ConnectionAbortedError):
         raise
     except Exception:

@@ -75,6 +75,12 @@ class _LoopLagGauges:
         yield GaugeMetricFamily(
             "lorapage_event_loop_lag_last_seconds", "Lateness of the event loop's latest sample.", value=m.last
         )
+        samples = HistogramMetricFamily(
+            "lorapage_event_loop_lag_samples_seconds",
+            f"Lateness of the event loop, every sample (one each {m.interval_s:g} s).",
+        )
+        _histogram(samples, [], m.histogram)
+        yield samples
 
 
 _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
@@ -93,7 +99,11 @@ _REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ..
         "Requests refused before queueing, by reason (rpm, tpm, concurrency, queue_full).",
         lambda t: t.rejected_requests,
     ),
-    ("rejected_tokens", "Prompt plus max_tokens of refused requests, by reason.", lambda t: t.rejected_tokens),
+    (
+        "rejected_tokens",
+        "Prompt plus max_tokens of refused requests, by reason (none for a request refused before its body was read).",
+        lambda t: t.rejected_tokens,
+    ),
 )
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
@@ -20,6 +21,11 @@ from lorapage.errors import AdapterNotFoundError, InvalidRequestError, PromptToo
 from lorapage.sampling_params import SamplingParams
 
 INT64_MAX = 2**63 - 1
+# Bounds on what a body may hold, checked while it is decoded (msgspec) or right after, before
+# any per-item Python work: 140,000 empty messages once cost the loop a second before any check.
+MAX_MESSAGES = 4096  # a chat's messages
+MAX_CONTENT_PARTS = 4096  # content parts of all its messages together
+MAX_MODEL_CHARS = 512  # a model name longer than this names nothing (ids are at most 128 characters)
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]*)`")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]*)`")
@@ -61,7 +67,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = msgspec.field(default_factory=list)
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -144,7 +150,10 @@ _SHOWN = {"response_format": '{"type": "text"}', "modalities": '["text"]'}
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a JSON body into ``kind``; any failure is a 400 naming the field when known."""
+    """Decode a JSON body into ``kind``; any failure is a 400 naming the field when known.
+
+    Nesting is bounded by the decoder's recursion guard (about a thousand levels): deeper JSON
+    is a 400, not a ``RecursionError``."""
     if not body.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
@@ -153,6 +162,10 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise InvalidRequestError(f"the body is not valid JSON ({e}); send a UTF-8 encoded JSON object") from None
+    except RecursionError:
+        raise InvalidRequestError(
+            "the body nests JSON arrays or objects too deeply; no field lorapage accepts needs more than a few levels"
+        ) from None
 
 
 def _validation_error(text: str) -> InvalidRequestError:
@@ -240,6 +253,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     """The conversation as ``{"role", "content"}`` text messages for the chat template."""
     if not req.messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
+    parts = sum(len(m.content) for m in req.messages if isinstance(m.content, list))
+    if parts > MAX_CONTENT_PARTS:
+        raise InvalidRequestError(
+            f"the messages hold {parts} content parts together; at most {MAX_CONTENT_PARTS} are accepted",
+            param="messages",
+        )
     out = []
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
@@ -288,7 +307,10 @@ def completion_prompt(req: CompletionRequest, vocab_size: int, max_model_len: in
             return prompt
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", param="prompt")
-    if type(prompt[0]) is int and len(prompt) > max_model_len:
+    # Counted before any scan: token ids past the context, or (a list of prompts) more than one.
+    if len(prompt) > max_model_len and type(prompt[0]) is not int:
+        raise InvalidRequestError("lorapage takes one prompt per request; send one request per prompt", param="prompt")
+    if len(prompt) > max_model_len:
         raise PromptTooLongError(
             f"The prompt is {len(prompt)} tokens; this model's maximum context length is {max_model_len} "
             "tokens. Shorten the prompt.",
@@ -306,6 +328,33 @@ def completion_prompt(req: CompletionRequest, vocab_size: int, max_model_len: in
     raise InvalidRequestError(
         "prompt must be a string, a list of token ids, or a list holding one of those", param="prompt"
     )
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A body decoded and checked, up to what needs the server's state (model, quota, tokens):
+    the request, its logprobs count, and its prompt (chat messages, text or token ids)."""
+
+    req: Any
+    logprobs: int | None
+    prompt: list[dict[str, str]] | str | list[int]
+
+
+def parse_chat(body: bytes) -> Parsed:
+    """A chat completion body, decoded and checked (its work is bounded by the body's size and
+    :data:`MAX_MESSAGES`; the caller runs it off the event loop when the body is big)."""
+    req = decode(body, ChatCompletionRequest)
+    check_common(req)
+    logprobs = chat_logprobs(req)
+    return Parsed(req, logprobs, chat_messages(req))
+
+
+def parse_completion(body: bytes, vocab_size: int, max_model_len: int) -> Parsed:
+    """A completion body, decoded and checked, as :func:`parse_chat`."""
+    req = decode(body, CompletionRequest)
+    check_common(req)
+    logprobs = completion_logprobs(req)
+    return Parsed(req, logprobs, completion_prompt(req, vocab_size, max_model_len))
 
 
 def sampling_params(
@@ -353,6 +402,10 @@ def resolve_model(model: str, base: str, version_of: Callable[[str], str | None]
     forbidden, both 404 alike). Without versions, it returns the name itself."""
     if model == base:
         return base, None
+    if len(model) > MAX_MODEL_CHARS:
+        raise AdapterNotFoundError(
+            f"The model `{model[:200]}...` does not exist or you do not have access to it.", param="model"
+        )
     prefix, sep, name = model.rpartition(":")
     if sep and prefix != base:
         name = ""

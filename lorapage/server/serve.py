@@ -14,17 +14,22 @@ import argparse
 import asyncio
 import logging
 import os
+import sqlite3
 import sys
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from lorapage.adapters.registry import REGISTRY_FILE, RegistrySchemaError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
+from lorapage.server.admin import check_adapter_id
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
+from lorapage.server.edge import EdgeLimits
 from lorapage.server.run import listen, serve_until_signal
 from lorapage.server.tenants import SHARED, TenantsConfigError
 from lorapage.tiny import demo_adapter_dirs
@@ -80,8 +85,10 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
     return add_config_flags(p, EngineConfig, only=STATE_FIELDS)
 
 
-def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
-    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``."""
+def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = False) -> None:
+    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``; with
+    ``connections``, the connection-level bounds too (``lorapage serve`` only: in a fleet, Ray
+    Serve's proxy holds the connections)."""
     group = p.add_argument_group("HTTP front end")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
@@ -107,6 +114,25 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body accepted (413 past it)"
     )
+    if not connections:
+        return
+    defaults = EdgeLimits()
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout_s,
+        metavar="SECONDS",
+        help="a connection that has not sent a whole request's headers this long after it opened (or after its "
+        "previous answer) is closed; idle keep-alive connections close after it too",
+    )
+    group.add_argument(
+        "--max-connections-per-ip",
+        type=int,
+        default=defaults.max_connections_per_ip,
+        metavar="N",
+        help="connections one client address may hold at once; more are answered 429 and closed (0: no cap; "
+        "behind a proxy every client has the proxy's address)",
+    )
 
 
 def state_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser(PROG, __doc__)
     add_engine_arguments(p)
     add_state_arguments(p)
-    add_front_end_arguments(p)
+    add_front_end_arguments(p, connections=True)
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -163,6 +189,10 @@ def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             fail(prog, f"--lora-modules takes NAME=DIR; got {item!r}")
+        try:
+            check_adapter_id(name, base_name="")
+        except LorapageError as exc:
+            fail(prog, f"--lora-modules {item}: {exc.message}")
         modules[name] = path
     return modules
 
@@ -174,6 +204,32 @@ def adapter_roots(args: argparse.Namespace, prog: str = PROG) -> list[Path]:
         if not root.is_dir():
             fail(prog, f"--adapter-root {root}: no such directory")
     return roots
+
+
+def check_state_dir(state_dir: str | None) -> None:
+    """End ``lorapage serve`` with one line when ``state_dir`` cannot hold its state: not a
+    directory, or one it cannot write (permissions, a read-only file system)."""
+    if state_dir is None:
+        return
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=state_dir):
+            pass
+    except OSError as exc:
+        fail(PROG, f"--state-dir {state_dir}: cannot write there ({exc.strerror or exc}); give a writable directory")
+
+
+def state_dir_problem(exc: BaseException) -> str:
+    """What is wrong with the adapter registry in a state directory, and what to do, in one line."""
+    text = " ".join(str(exc).split())
+    if "not a database" in text or "malformed" in text:
+        return (
+            f"the adapter registry ({REGISTRY_FILE}) is corrupt ({text}); restore it from a backup, or move "
+            "it away to start with an empty registry"
+        )
+    if "readonly" in text or "read-only" in text:
+        return f"the adapter registry ({REGISTRY_FILE}) is read-only ({text}); make it writable"
+    return f"the adapter registry ({REGISTRY_FILE}) cannot be used: {text}"
 
 
 def _tenants_file(path: str) -> Access:
@@ -195,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
     roots = adapter_roots(args)
+    if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
+        fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
+    edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
     # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
@@ -202,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     access = _tenants_file(args.tenants) if args.tenants else None
+    check_state_dir(config.state_dir)
     try:
         engine = Engine(config)
+    except (sqlite3.Error, RegistrySchemaError) as exc:  # the registry file itself
+        fail(PROG, f"--state-dir {config.state_dir}: {state_dir_problem(exc)}")
     except (OSError, ValueError) as exc:  # a model directory that is not one lorapage can serve
         fail(PROG, f"--model {config.model}: {exc}")
     try:
@@ -227,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_grace_s=args.shutdown_timeout,
         metrics_public=args.metrics_public,
         adapter_roots=roots,
+        edge=edge,
     )
     print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
 

@@ -28,8 +28,9 @@ Nothing one tenant caches is observable by another unless the operator grouped t
 prompt prefixes are the tenant's own unless tenants name one ``prefix_cache_group`` (then, and only
 then, one of them can tell by a faster first token that another sent a prompt).
 
-Keys are stored only as sha256 hex digests; a presented key is hashed and compared with every
-stored digest in constant time per digest.
+Keys are stored only as sha256 hex digests. A presented key is hashed once and looked up by its
+digest in a dict: constant time in the number of keys, and what the lookup's timing depends on is
+the digest, which says nothing usable about a key that would produce it.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class TenantsConfig:
     tenants: Mapping[str, TenantConfig]
     admin_key_sha256: tuple[str, ...] = ()
     metrics_key_sha256: tuple[str, ...] = ()
-    _digests: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (digest, tenant) pairs
+    _tenant_of: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant
     _open_to_all: tuple[str, ...] = field(default=(), repr=False)  # tenants whose `adapters` holds SHARED
     _named_by: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)  # adapter -> tenants naming it
 
@@ -115,8 +116,8 @@ class TenantsConfig:
                         f"{where}.key_sha256: digest {digest[:12]}... is also a key of {owner[digest]}; "
                         "each API key must belong to one tenant, or to [admin] or [metrics]"
                     )
-        pairs = tuple((d, name) for name, t in self.tenants.items() for d in t.key_sha256)
-        object.__setattr__(self, "_digests", pairs)
+        tenant_of = {d: name for name, t in self.tenants.items() for d in t.key_sha256}
+        object.__setattr__(self, "_tenant_of", MappingProxyType(tenant_of))
         named: dict[str, list[str]] = {}
         for name, t in self.tenants.items():
             for adapter in t.adapters - {SHARED}:
@@ -168,14 +169,9 @@ class TenantsConfig:
         return {name: t.weight for name, t in self.tenants.items()}
 
     def authenticate(self, api_key: str) -> str | None:
-        """The tenant owning ``api_key``, or None. Every digest is compared, so the time taken
-        does not depend on which one (if any) matches."""
-        digest = hash_key(api_key)
-        found = None
-        for stored, name in self._digests:
-            if hmac.compare_digest(stored, digest):
-                found = name
-        return found
+        """The tenant owning ``api_key``, or None: one hash and one dict lookup, however many
+        keys the file holds (a bogus key costs what a good one does)."""
+        return self._tenant_of.get(hash_key(api_key))
 
     def is_admin(self, api_key: str) -> bool:
         return _matches(self.admin_key_sha256, api_key)
