@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.replay.stats import percentile  # noqa: E402
+from lorapage.traces.stats import percentile  # noqa: E402
 
 TARGET_RATIO = 4.0
 

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 SHAPES = {
     "llama2-7b": dict(hidden=4096, inter=11008, heads=32, layers=32, batch=32, rank=16, max_rank=64, block_size=16),

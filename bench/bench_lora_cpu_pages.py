@@ -25,7 +25,7 @@ import time
 import torch
 from bench_replay import SHAPE
 
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
@@ -33,6 +33,7 @@ from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.memory.pool import adapter_page_size
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.llama import GROUP_MODULES
+from lorapage.model.lora_tables import LoraTables
 from lorapage.tiny import TINY_BASE_DIR
 
 ROWS, RANK, TRIALS = 32, 16, 15

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.replay.stats import percentile  # noqa: E402
+from lorapage.traces.stats import percentile  # noqa: E402
 
 TARGETS = {"prefill_token_ratio": 4.0, "ttft_p50_ratio": 2.0}
 

@@ -46,7 +46,7 @@ from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, repla
 from lorapage.replay.embedded import EmbeddedTarget  # noqa: E402
 from lorapage.replay.engine_flags import trace_adapters  # noqa: E402
 from lorapage.replay.report import build_report, write_report  # noqa: E402
-from lorapage.replay.stats import Slo, latency  # noqa: E402
+from lorapage.traces.stats import Slo, latency  # noqa: E402
 
 SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
 ADAPTER_DIRS = 5
@@ -235,7 +235,7 @@ async def bench_fairness(model: Path, dirs: list[Path], out: Path, quick: bool) 
 
 
 def _records(run_dir: Path):
-    from lorapage.replay.records import read_records
+    from lorapage.traces.records import read_records
 
     return read_records(run_dir / "records.jsonl")
 

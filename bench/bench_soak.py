@@ -61,8 +61,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from lorapage.replay.stats import percentile
 from lorapage.tiny import demo_adapter_dirs
+from lorapage.traces.stats import percentile
 
 T = TypeVar("T")
 GOOD_TENANTS, GOOD_WORKERS = 3, 2  # well-behaved tenants, and concurrent streams each

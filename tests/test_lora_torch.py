@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.cpu_build import cpu_kernels
@@ -15,6 +15,7 @@ from lorapage.kernels.lora_plan import plan_lora_batches
 from lorapage.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 MODEL = ModelConfig(
     architecture="LlamaForCausalLM",

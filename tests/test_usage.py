@@ -10,8 +10,8 @@ from server_harness import make_engine
 
 from lorapage.replay.driver import RunOptions, replay
 from lorapage.replay.embedded import EmbeddedTarget
-from lorapage.replay.records import OK
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.records import OK
+from lorapage.traces.trace import TraceRequest
 from lorapage.usage import USAGE_FIELDS, Usage
 
 MODELS = ["base", "base:acme", "base:globex", "base:initech"]

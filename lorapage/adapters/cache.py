@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from lorapage.adapters.digest import bytes_digest
-from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
+from lorapage.adapters.layout import AdapterLayout, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec, read_weights
 from lorapage.adapters.safetensors_buffer import ReadBuffer
@@ -48,6 +48,7 @@ from lorapage.errors import (
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import HIT_HALF_LIFE_S, PrefixCache
 from lorapage.model.config import ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 RATE_HALF_LIFE_S = HIT_HALF_LIFE_S  # how fast a request rate forgets: as cached blocks' (one currency)
 MIN_RECHECK_S = 0.05  # a load with nothing to wait on looks again this often (adapter_wait_s may be 0)

@@ -28,7 +28,7 @@ from lorapage.adapters.catalog import (
     spec_to_json,
 )
 from lorapage.adapters.digest import normalize_digest
-from lorapage.adapters.layout import LoraTables, max_adapter_pages
+from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
 from lorapage.adapters.sources import AdapterSources, FileSource, Source, parse_source
@@ -58,6 +58,7 @@ from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
+from lorapage.model.lora_tables import LoraTables
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import PromptProgress, Request, RequestOutput

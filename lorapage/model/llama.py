@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 
 @dataclass

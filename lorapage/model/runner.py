@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.forward import ForwardContext
 from lorapage.model.llama import AttentionMetadata, LlamaModel
+from lorapage.model.lora_tables import LoraTables
 from lorapage.model.sampler import SampleOutput, SampleRow, sample, token_logprobs
 from lorapage.model.step_buffers import StepBuffers
 from lorapage.request import Request, TokenLogprob
