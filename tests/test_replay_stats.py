@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lorapage.replay import stats
 from lorapage.replay.scrape import delta, highlights, parse_prometheus
+from lorapage.traces import stats
 from lorapage.traces.records import HTTP_ERROR, NOT_SENT, OK, STREAM_ERROR, Record
 
 

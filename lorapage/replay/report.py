@@ -8,9 +8,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lorapage.replay import stats
 from lorapage.replay.driver import RunResult
 from lorapage.replay.scrape import delta, highlights
+from lorapage.traces import stats
 from lorapage.traces.records import Record, write_records
 from lorapage.traces.trace import TraceRequest
 
