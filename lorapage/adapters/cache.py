@@ -32,7 +32,14 @@ import torch
 from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
-from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec, read_weights
+from lorapage.adapters.peft_format import (
+    AdapterSpec,
+    at_path,
+    load_adapter_tensors,
+    read_adapter_spec,
+    read_config_bytes,
+    read_weights,
+)
 from lorapage.adapters.safetensors_buffer import ReadBuffer
 from lorapage.adapters.value import LoadTier, RecentAdapters, RecomputeCost, ReloadCosts, Stage, value_per_page
 from lorapage.errors import (
@@ -797,5 +804,5 @@ class AdapterCache:
 
 def _digest(spec: AdapterSpec, weights: torch.Tensor) -> str:
     """The content digest of ``spec``'s directory, over the weights' bytes as read (``weights``)."""
-    config = (spec.path / "adapter_config.json").read_bytes()
+    config = read_config_bytes(spec.path)
     return bytes_digest({"adapter_config.json": config, spec.weights_file.name: weights.numpy().data})
