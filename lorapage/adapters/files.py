@@ -11,10 +11,10 @@ opened), without waiting (``O_NONBLOCK``: a FIFO opens at once), must be a regul
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -29,7 +29,7 @@ class UntrustedFileError(OSError):
     """A file is not one the server reads: not a regular file, or over its size cap."""
 
 
-def open_regular(path: Path, max_bytes: int | None = None) -> tuple[BinaryIO, int]:
+def open_regular(path: Path, max_bytes: int | None = None) -> tuple[io.FileIO, int]:
     """``path`` open for reading (unbuffered) and its size in bytes; UntrustedFileError when it
     is not a regular file or is larger than ``max_bytes`` (None: no cap). Never blocks (a FIFO
     is refused, not waited on). Links on the way are followed once, to the real path, and that
@@ -44,7 +44,7 @@ def open_regular(path: Path, max_bytes: int | None = None) -> tuple[BinaryIO, in
         if max_bytes is not None and info.st_size > max_bytes:
             raise UntrustedFileError(f"{path.name} is {info.st_size} bytes, over the limit of {max_bytes}")
         os.set_blocking(fd, True)  # a regular file: reads behave as usual
-        return os.fdopen(fd, "rb", buffering=0), info.st_size
+        return io.FileIO(fd, "rb"), info.st_size
     except BaseException:
         os.close(fd)
         raise
