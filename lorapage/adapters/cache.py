@@ -624,8 +624,7 @@ class AdapterCache:
             self.costs.observe(Stage.READ, self._timer() - started, pages)
             return packed
         async with contextlib.AsyncExitStack() as held:  # a disk cache keeps the entry while it is read
-            downloading = tier is LoadTier.REMOTE
-            if downloading:  # it reads no files until the download is done: prefetches may
+            if tier is LoadTier.REMOTE:  # no file is read until the download is done: prefetches may
                 self._downloading.add(entry.name)
                 self._start_prefetches()
             try:

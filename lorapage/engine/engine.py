@@ -56,6 +56,7 @@ from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.errors import (
     AdapterNotFoundError,
+    AdapterSourceError,
     EngineClosedError,
     InvalidRequestError,
     LorapageError,
@@ -188,10 +189,6 @@ class Engine:
             max_prefetches=max(0, min(MAX_PREFETCHES, self.io_threads - 1)),
             metrics=self.adapter_metrics,
         )
-        # Remote versions whose files a registration or fetch of this process landed in the disk
-        # cache: a reload reads them from disk. Approximate: an entry the disk cache evicts later
-        # still counts as on disk, and one landed before a restart counts as remote until fetched.
-        self._landed: set[str] = set()
         self.adapters.cold_tier = self._cold_tier
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = Registry(state)
@@ -343,8 +340,6 @@ class Engine:
                 activate=activate,
                 timeout_s=timeout_s,
             )
-        if not isinstance(src, FileSource):
-            self._landed.add(version.key)  # the download is in the disk cache now
         return dataclasses.replace(self.adapter_info(version.key), created=created)
 
     async def prepare_adapter(
@@ -390,25 +385,27 @@ class Engine:
     async def _locate_version(self, row: VersionRow, owner: str | None) -> AsyncIterator[Path]:
         """Version ``row``'s files from its source, checked against the roots ``owner`` may read
         from (a directory) and verified against its digest."""
-        src = await asyncio.to_thread(
-            parse_source, row.source, sha256=row.digest, roots=self.adapter_roots, owner=owner
-        )
+        try:
+            src = await asyncio.to_thread(
+                parse_source, row.source, sha256=row.digest, roots=self.adapter_roots, owner=owner
+            )
+        except LorapageError as exc:  # a directory that moved, links out now, or a root dropped
+            raise AdapterSourceError(f"adapter source {row.source} is no longer usable: {exc.message}") from None
         # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
         # a remote one was checked when it landed in the disk cache.
         async with self.sources.use(src, None if isinstance(src, FileSource) else row.digest, owner) as path:
-            if not isinstance(src, FileSource):
-                self._landed.add(row.key)
             yield path
 
     def _cold_tier(self, key: str) -> LoadTier:
-        """Where version ``key``'s files come from when it is not in host RAM."""
-        if key in self._landed:
-            return LoadTier.DISK
+        """Where version ``key``'s files come from when it is not in host RAM: a directory or the
+        disk cache, else its remote source (a download)."""
         try:
-            scheme = self.catalog.version_info(key).source.partition("://")[0]
+            version = self.catalog.version_info(key)
         except AdapterNotFoundError:  # an entry added to the cache directly (benchmarks): a directory
             return LoadTier.DISK
-        return LoadTier.DISK if scheme == "file" else LoadTier.REMOTE
+        if version.source.startswith("file:") or self.sources.cached(version.digest):
+            return LoadTier.DISK
+        return LoadTier.REMOTE
 
     def resolve_adapter(self, name: str) -> str:
         """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
@@ -423,8 +420,7 @@ class Engine:
     def remove_adapter(self, name: str) -> None:
         """Remove version ``id@N``, or every version of ``id``; refused (409) while any of them
         has requests queued or running, and then nothing is removed."""
-        for key in self.catalog.remove(name):
-            self._landed.discard(key)
+        self.catalog.remove(name)
 
     def adapter_info(self, name: str) -> AdapterInfo:
         """What ``name`` (``id`` or ``id@N``) is served by now."""

@@ -150,6 +150,10 @@ class AdapterSources:
         if self._session is not None:
             await self._session.close()
 
+    def cached(self, digest: str) -> bool:
+        """Whether the disk cache holds ``digest`` (by its bookkeeping: no disk is read)."""
+        return self._cache is not None and self._cache.contains(digest)
+
     def downloads_running(self, owner: str | None) -> int:
         """``owner``'s downloads holding one of its slots now."""
         return self._slots.running(owner if owner is not None else _SHARED)
