@@ -27,6 +27,7 @@ class StateDirLock:
 
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / LOCK_FILE
+        self._fd: int | None = None
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -44,7 +45,7 @@ class StateDirLock:
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd: int | None = fd
+        self._fd = fd
 
     def __del__(self) -> None:  # an engine that failed to start after taking it
         self.release()

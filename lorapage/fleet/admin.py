@@ -161,8 +161,9 @@ class FleetAdmin:
 
     async def register(self, request: Request, _: str) -> Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
+        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
         base = await self.profile()
-        req = registration(await read_body(request, ADMIN_MAX_BODY_BYTES), base.base_name, self.access)
+        req = registration(body, base.base_name, self.access)
         self.registry.check_owner(req.id, req.tenant)
         with source_errors(req):
             source = await checked_source(req, self.adapter_roots, self.access)
