@@ -30,12 +30,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_replay as br  # noqa: E402
 
-from lorapage.adapters import cache as cache_mod  # noqa: E402
-from lorapage.adapters import layout as layout_mod  # noqa: E402
+from lorapage.adapters import (
+    cache as cache_mod,  # noqa: E402
+    layout as layout_mod,  # noqa: E402
+)
 from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
-from lorapage.model import forward as forward_mod  # noqa: E402
-from lorapage.model import llama as llama_mod  # noqa: E402
-from lorapage.model import runner as runner_mod  # noqa: E402
+from lorapage.model import (
+    forward as forward_mod,  # noqa: E402
+    llama as llama_mod,  # noqa: E402
+    runner as runner_mod,  # noqa: E402
+)
 
 
 class Timers:

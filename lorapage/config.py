@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorapage.kernels.backend import BACKENDS
+from lorapage.kernels.names import BACKENDS
 
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
 DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names none

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from lorapage.sampling_params import SamplingParams
+from lorapage.structured.grammars import Constraint
 
 
 class Detokenizer(Protocol):
@@ -46,9 +47,12 @@ class RequestOutput:
     text: str
     delta_text: str
     logprobs: list[TokenLogprob] | None
+    # The prompt's tokens' logprobs (the first is None: nothing predicts it), when asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     adapter_tier: str  # where the adapter was when the request arrived: gpu | ram | disk | none
+    index: int = 0  # which of a request's n sequences (SamplingParams.n)
 
 
 class OutputChannel:
@@ -98,6 +102,7 @@ class OutputChannel:
             text=text,
             delta_text=delta,
             logprobs=r.logprobs[:n] if r.logprobs is not None else None,
+            prompt_logprobs=r.prompt_logprobs,
             finished=reason is not None,
             finish_reason=reason,
             adapter_tier=r.adapter_tier,
@@ -120,6 +125,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by prefill chunks (sampling.prompt_logprobs)
     text: str = ""
     block_table: list[int] = field(default_factory=list)  # page ids holding this sequence's KV
     num_computed: int = 0  # tokens whose K/V are in the pool
@@ -136,6 +142,11 @@ class Request:
     cache_namespace: bytes | None = None
     block_keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Sampling state made at intake: the tokens min_tokens holds back (EOS unless ignored, the
+    # stop token ids), each bad word's token ids, and the structured-output constraint.
+    stop_ids: tuple[int, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    constraint: Constraint | None = None
     outputs: OutputChannel = field(init=False)
 
     def __post_init__(self) -> None:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lorapage.errors import InvalidRequestError
+from lorapage.structured.spec import StructuredSpec
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM: logits / T would overflow
-MAX_STOP_SEQUENCES = 4  # as OpenAI
+MAX_STOP_SEQUENCES = 16  # OpenAI takes 4; lm-eval sends its `until` strings plus EOS
 MAX_STOP_CHARS = 256  # per stop string: the engine matches every stop against the text each token
 MAX_STOP_TOKEN_IDS = 64  # every generated token is looked up among them
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI: values in [-100, 100])
+MAX_ALLOWED_TOKEN_IDS = 262_144  # a whole large vocabulary
+MAX_BAD_WORDS = 64
+MAX_N = 64  # sequences per request
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    n: int = 1  # sequences from one prompt: one prefill, then branches (seed k + i for branch i)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -35,6 +43,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    # vLLM's extras: per row, like everything above.
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (HF's rule)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be chosen
+    bad_words: tuple[str, ...] = ()  # these words are never completed (token ids made at intake)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
+    prompt_logprobs: int | None = None  # logprobs of every prompt token, with this many alternatives
+    structured: StructuredSpec | None = None  # the output must follow it (JSON schema, regex, ...)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -43,12 +62,19 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple((k, v) for k, v in self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`InvalidRequestError` naming the first field outside its range."""
         checks = (
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (type(self.n) is int and 1 <= self.n <= MAX_N, "n", f"an integer between 1 and {MAX_N}"),
             (0.0 <= self.temperature <= 2.0, "temperature", "between 0 and 2"),
             (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)"),
@@ -63,6 +89,44 @@ class SamplingParams:
                 f"strings of at most {MAX_STOP_CHARS} characters",
             ),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"),
+            (_ints(self.stop_token_ids), "stop_token_ids", "token ids (integers >= 0)"),
+            (
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "an integer between 0 and max_tokens",
+            ),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "in (0, 10]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "between 0 and 1"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} entries"),
+            (
+                all(_int(k) and math.isfinite(v) and -100 <= v <= 100 for k, v in self.logit_bias),
+                "logit_bias",
+                "token ids mapped to biases between -100 and 100",
+            ),
+            (
+                self.allowed_token_ids is None
+                or (0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS and _ints(self.allowed_token_ids)),
+                "allowed_token_ids",
+                f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids",
+            ),
+            (
+                len(self.bad_words) <= MAX_BAD_WORDS
+                and all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_CHARS for w in self.bad_words),
+                "bad_words",
+                f"at most {MAX_BAD_WORDS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+            ),
+            (
+                self.truncate_prompt_tokens is None
+                or (_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1),
+                "truncate_prompt_tokens",
+                "an integer >= 1",
+            ),
+            (
+                self.prompt_logprobs is None or (_int(self.prompt_logprobs) and self.prompt_logprobs <= 20),
+                "prompt_logprobs",
+                "between 0 and 20",
+            ),
+            (self.structured is None or isinstance(self.structured, StructuredSpec), "structured", "a StructuredSpec"),
         )
         for ok, name, expected in checks:
             if not ok:
@@ -74,3 +138,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request takes the argmax (a temperature too small to divide by)."""
         return self.temperature < SAMPLING_EPS
+
+
+def _int(v: object) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _ints(values: tuple) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)

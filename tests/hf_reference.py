@@ -108,3 +108,17 @@ def peft_greedy(
             logprobs.append(float(lp[t]))
             ids.append(t)
     return tokens, logprobs
+
+
+def peft_prompt_logprobs(base_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probabilities [len(prompt), vocab] from transformers (+ peft): row k is
+    the distribution of token k + 1 given the prompt's first k + 1 tokens."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)

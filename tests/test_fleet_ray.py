@@ -232,6 +232,37 @@ async def test_tenant_isolation_and_fleet_wide_quota(fleet):
     assert int(got[2][2]["Retry-After"]) >= 1
 
 
+async def test_two_tenants_sending_one_x_request_id_at_once_both_succeed(fleet):
+    """A client's x-request-id was the engine's request id, so a tenant that predicted another's
+    id could send it first and have the other's request refused (400: already in flight). Four
+    overlapping streams on two replicas: at least two of them run on one engine at once."""
+    client_id = "predictable-id-1"
+
+    async def send(tenant: str, seed: int, started: asyncio.Event) -> tuple[int, str, str]:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}", "x-request-id": client_id}
+        # Sampled at a high temperature, the tiny model rarely meets EOS: each stream runs long.
+        body = completion(BASE, temperature=2.0, seed=seed, max_tokens=400, stream=True)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(fleet.url + "/v1/completions", json=body, headers=headers) as resp:
+                first_id = ""
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {") and not first_id:
+                        first_id = json.loads(line.removeprefix("data: ")).get("id", "")
+                        started.set()
+                started.set()  # refused: nothing streamed
+                return resp.status, resp.headers.get("x-request-id", ""), first_id
+
+    tasks = []
+    for seed, tenant in enumerate(("alpha", "beta", "alpha", "beta")):
+        started = asyncio.Event()
+        tasks.append(asyncio.ensure_future(send(tenant, seed, started)))
+        await started.wait()  # under way before the next is sent
+    answers = await asyncio.gather(*tasks)
+    assert [status for status, _, _ in answers] == [200] * 4, answers
+    assert all(echoed == client_id and body_id == f"cmpl-{client_id}" for _, echoed, body_id in answers), answers
+
+
 async def eventually(check, timeout_s: float = 15.0):
     """``check()``'s value once it is truthy (heartbeats carry changes to every replica)."""
     deadline = asyncio.get_running_loop().time() + timeout_s

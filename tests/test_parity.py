@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
+from hf_reference import make_peft_adapter, make_random_llama, peft_greedy, peft_prompt_logprobs
 
 from lorapage import Engine, EngineConfig, SamplingParams
 
@@ -139,3 +139,33 @@ def test_bfloat16_pages_match_peft_on_the_rounded_weights(checkpoint, tmp_path):
     alone = engine.generate_batch([(prompts[1], "bf16_file"), (prompts[1], "all_r8")], params)
     assert alone[0].token_ids == alone[1].token_ids == outs[1].token_ids
     assert [lp.logprob for lp in alone[0].logprobs] == pytest.approx([lp.logprob for lp in alone[1].logprobs], abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole_prompts", "chunked_prefill"])
+def test_prompt_logprobs_equal_pefts_teacher_forced_ones(checkpoint, chunk):
+    """echo / prompt_logprobs: every prompt token's logprob (and the top 3) of each adapter and the
+    base, computed in one heterogeneous batch, equal PEFT's teacher-forced ones within 1e-3."""
+    base, adapters = checkpoint
+    cfg = dict(model=str(base), max_lora_rank=64, max_loras=8, block_size=4)
+    if chunk:
+        cfg.update(max_num_batched_tokens=chunk, max_num_seqs=4)
+    engine = Engine(EngineConfig(**cfg))
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    rows = [*adapters, None]
+    prompts = _prompts(len(rows), seed=11)
+    outs = engine.generate_batch(
+        list(zip(prompts, rows)), SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    )
+    for prompt, adapter, out in zip(prompts, rows, outs):
+        ref = peft_prompt_logprobs(base, adapters.get(adapter), prompt)
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        for k in range(1, len(prompt)):
+            assert got[k].token_id == prompt[k]
+            assert got[k].logprob == pytest.approx(float(ref[k - 1, prompt[k]]), abs=1e-3), (adapter, k)
+            top_v, top_i = torch.topk(ref[k - 1], 3)
+            assert [v for _, v in got[k].top] == pytest.approx(top_v.tolist(), abs=1e-3)
+    # The same prompt without prompt logprobs may hit the cache (those above could not): same tokens.
+    plain = engine.generate_batch([(prompts[0], rows[0])], SamplingParams(max_tokens=2, temperature=0.0))
+    assert plain[0].prompt_logprobs is None and plain[0].token_ids == outs[0].token_ids

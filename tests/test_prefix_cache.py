@@ -1,6 +1,7 @@
 """Prefix caching: full KV blocks reused by content within one base and one adapter registration,
-never across adapters, registrations or the base; idle cached blocks given back under pressure;
-outputs identical with caching on and off (and to transformers + peft)."""
+never across adapters, registrations or the base, nor across tenants outside one prefix group;
+idle cached blocks given back under pressure; outputs identical with caching on and off (and to
+transformers + peft)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from engine_util import collect, tiny_engine
 from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.config import DEFAULT_TENANT
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
@@ -130,6 +132,37 @@ async def test_no_block_is_shared_across_adapters_registrations_or_the_base(chec
     engine.remove_adapter("one")
     engine.add_adapter("one", two)  # the same name, other weights
     assert await hit_tokens("one") == 0
+    await engine.close()
+
+
+async def test_no_block_is_shared_across_tenants_outside_one_prefix_group(checkpoint):
+    """A hit is a faster first token: were blocks shared, tenant a could tell that tenant b sent a
+    prompt. Each tenant (no tenant: the default one) has its own blocks, on the base and on an
+    adapter alike, unless the requests name one prefix group."""
+    base, one, _ = checkpoint
+    engine = engine_for(base)
+    engine.add_adapter("one", one)
+    prompt = SYSTEM + [7, 8, 9]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    hits = engine.scheduler.prefix_hit_tokens
+
+    async def hit_tokens(adapter, tenant=None, group=None) -> int:
+        name = tenant or DEFAULT_TENANT
+        before = hits.get(name, 0)
+        await collect(engine, prompt, adapter, params, tenant=tenant, prefix_group=group)
+        return hits[name] - before
+
+    for adapter in (None, "one"):
+        assert await hit_tokens(adapter, "b") == 0  # b's prompt is cached now
+        assert await hit_tokens(adapter, "a") == 0  # the same tokens from a: no hit
+        assert await hit_tokens(adapter, "a") == len(SYSTEM)  # its own blocks
+        assert await hit_tokens(adapter, "b") == len(SYSTEM)
+        assert await hit_tokens(adapter) == 0  # the embedded API's requests: the default tenant's
+        assert await hit_tokens(adapter, DEFAULT_TENANT) == len(SYSTEM)
+        assert await hit_tokens(adapter, "c", group="family") == 0
+        assert await hit_tokens(adapter, "d", group="family") == len(SYSTEM)  # c's, shared in the group
+        assert await hit_tokens(adapter, "family") == 0  # a tenant named like a group is not in it
+        assert await hit_tokens(adapter, "c") == 0  # nor is c outside its group
     await engine.close()
 
 

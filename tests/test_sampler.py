@@ -7,7 +7,7 @@ import torch
 
 from lorapage.errors import InvalidRequestError
 from lorapage.model.sampler import FAILED_TOKEN, SampleRow, sample
-from lorapage.sampling_params import MAX_STOP_CHARS, SamplingParams
+from lorapage.sampling_params import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, SamplingParams
 
 VOCAB = 64
 
@@ -97,12 +97,12 @@ def test_tiny_temperatures_are_greedy(temperature):
 
 
 def test_stop_strings_are_bounded():
-    SamplingParams(stop=["x" * MAX_STOP_CHARS] * 4)
+    SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_SEQUENCES)
     with pytest.raises(InvalidRequestError, match="at most 256 characters") as e:
         SamplingParams(stop=["ok", "x" * 3_000_000])
     assert e.value.param == "stop" and len(e.value.message) < 400  # the huge value is not echoed back
-    with pytest.raises(InvalidRequestError, match="at most 4 sequences"):
-        SamplingParams(stop=["a", "b", "c", "d", "e"])
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_SEQUENCES} sequences"):
+        SamplingParams(stop=[str(i) for i in range(MAX_STOP_SEQUENCES + 1)])
     with pytest.raises(InvalidRequestError, match="non-empty strings"):
         SamplingParams(stop=["a", 3])
 

@@ -96,7 +96,7 @@ CASES = [
         400,
         "stream_options.chunk_size",
     ),
-    ("five stop sequences", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("seventeen stop sequences", CHAT, chat(stop=[str(i) for i in range(17)]), 400, "stop"),
     ("stop is a number", CHAT, chat(stop=3), 400, "stop"),
     ("empty stop string", CHAT, chat(stop=[""]), 400, "stop"),
     ("presence_penalty 3", CHAT, chat(presence_penalty=3), 400, "presence_penalty"),

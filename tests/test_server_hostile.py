@@ -382,7 +382,7 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_401(srv, clean):
         assert_refused(status, payload, 401, "invalid_api_key")
 
 
-@pytest.mark.parametrize("stop", [["x" * 257], "y" * 100_000, ["a", "b", "c", "d", "e"], [""]])
+@pytest.mark.parametrize("stop", [["x" * 257], "y" * 100_000, [str(i) for i in range(17)], [""]])
 async def test_stop_strings_beyond_the_bounds_are_a_400(srv, clean, stop):
     status, body = await under_load(srv, clean, lambda: srv.post(COMP, {**HOSTILE_GREEDY, "stop": stop}))
     assert_refused(status, body, 400, "invalid_request", "stop")

@@ -10,7 +10,11 @@ what it imports itself.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"lorapage": ROOT / "lorapage", "lorapage.kernels": ROOT / "kernels"}
@@ -149,3 +153,48 @@ def test_lower_layers_do_not_import_upper_ones():
         if any(target == f or target.startswith(f + ".") for f in forbidden)
     ]
     assert wrong == []
+
+
+BLOCK_TORCH = """
+import importlib, sys
+class Block:
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is made unimportable here")
+sys.meta_path.insert(0, Block())
+module = importlib.import_module(sys.argv[1])
+for name in getattr(module, "__all__", []):
+    getattr(module, name)  # the lazy exports too
+"""
+
+
+@pytest.mark.parametrize("module", ["lorapage.sim", "lorapage.fleet.routing", "lorapage.scheduler", "lorapage.config"])
+def test_pure_parts_import_without_torch(module):
+    """The policies the simulator shares with the engine must not need a tensor library."""
+    done = subprocess.run([sys.executable, "-c", BLOCK_TORCH, module], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_every_package_face_exports_lazily_what_it_declares():
+    """One rule for ``__init__`` files: a docstring, exports through ``lorapage._exports.lazy``
+    only, and the names its ``TYPE_CHECKING`` block imports (for type checkers) are exactly its
+    table's, from the same modules."""
+    for name, path in module_files().items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{name} has no docstring"
+        typed: dict[str, str] = {}
+        table: dict[str, str] = {}
+        for node in tree.body:
+            if isinstance(node, ast.If):  # if TYPE_CHECKING:
+                for imp in node.body:
+                    assert isinstance(imp, ast.ImportFrom) and imp.module
+                    typed.update({a.asname or a.name: imp.module for a in imp.names})
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                table = {k.value: v.value for k, v in zip(node.value.args[1].keys, node.value.args[1].values)}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module in ("typing", "lorapage._exports", "__future__"), f"{name} imports {node.module}"
+            else:
+                assert isinstance(node, ast.Expr), f"{name} defines {ast.dump(node)[:80]}"  # the docstring
+        assert typed == table, name

@@ -28,6 +28,7 @@ rpm = 600
 tpm = 200000
 tpm_burst = 50000
 max_concurrency = 32
+prefix_cache_group = "acme-family"
 
 [tenants.globex]
 key_sha256 = ["{digest("globex-1")}"]
@@ -47,10 +48,12 @@ def test_parses_the_documented_shape():
     assert acme.rpm_bucket == 600  # burst defaults to the per-minute limit
     assert acme.tpm_bucket == 50000
     assert acme.adapters == {"acme-support"}
+    assert acme.prefix_cache_group == "acme-family"
     globex = cfg.get("globex")
     assert globex.adapters == frozenset()  # omitted: no shared adapter
     assert (globex.rpm, globex.tpm, globex.max_concurrency, globex.rpm_bucket) == (None, None, None, None)
     assert cfg.get("initech").adapters == {SHARED}
+    assert globex.prefix_cache_group is None  # omitted: its cached prefixes are its own
     assert cfg.weights() == {"acme": 2.0, "globex": 1.0, "initech": 1.0}
 
 
@@ -78,6 +81,23 @@ def test_access_fails_closed_and_the_owner_wins():
     assert not access.may_use("acme", "acme-support")  # named in acme's list, but the admin gave it to globex
     assert not access.may_use("initech", "globex-bot")  # "*" opens unowned adapters only
     assert not access.may_use("nobody", "shared-bot")  # an unknown tenant gets nothing
+
+
+def test_only_the_sole_user_of_an_adapter_may_see_where_it_is():
+    """``x-adapter-tier`` shows another tenant's use of an adapter both may use: it is shown only
+    to a tenant no other may use the adapter beside."""
+    body = EXAMPLE + '[tenants.umbrella]\nadapters = ["acme-support", "umbrella-bot"]\n'
+    access = Access(TenantsConfig.from_toml(body))
+    assert not access.sole_user("acme", "acme-support")  # initech ("*") and umbrella may use it too
+    assert not access.sole_user("umbrella", "umbrella-bot")  # initech may, through "*"
+    assert not access.sole_user("globex", "acme-support")  # not globex's at all
+    access = Access(TenantsConfig.from_toml(body.replace('adapters = ["*"]', "")))  # initech opens none
+    assert access.sole_user("umbrella", "umbrella-bot") and not access.sole_user("acme", "acme-support")
+    access.owners.update({"acme-support": "globex", "umbrella-bot": "acme"})
+    assert access.sole_user("globex", "acme-support")  # the owner alone may use it, whatever the lists say
+    assert not access.sole_user("umbrella", "umbrella-bot") and not access.sole_user("acme", "globex-bot")
+    assert access.prefix_group("acme") == "acme-family" and access.prefix_group("globex") is None
+    assert access.prefix_group("nobody") is None
 
 
 def test_every_digest_is_compared_in_constant_time(monkeypatch):
@@ -122,6 +142,9 @@ def test_load_from_file(tmp_path):
         ("[tenants.a]\nmax_concurrency = true\n", r"tenants\.a\.max_concurrency"),
         ("[tenants.a]\nrpm_burst = 10\n", r"tenants\.a\.rpm_burst: set rpm too"),
         ("[tenants.a]\nadapters = 'x'\n", r"tenants\.a\.adapters: expected a list"),
+        ("[tenants.a]\nprefix_cache_group = ''\n", r"tenants\.a\.prefix_cache_group: expected a name of 1 to"),
+        ("[tenants.a]\nprefix_cache_group = 3\n", r"tenants\.a\.prefix_cache_group"),
+        (f"[tenants.a]\nprefix_cache_group = '{'g' * 129}'\n", r"tenants\.a\.prefix_cache_group"),
         ("[tenants.a]\nkey_sha256 = ['my-secret-key']\n", r"tenants\.a\.key_sha256: .*not a sha256 hex digest"),
         ("[tenants.a]\nkey_sha256 = 'abc'\n", r"tenants\.a\.key_sha256: expected a list"),
         ("[admin]\nkeys = []\n", r"admin: unknown field"),

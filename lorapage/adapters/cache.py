@@ -516,6 +516,10 @@ class AdapterCache:
     def resident(self) -> list[str]:
         return [e.name for e in self._by_slot.values()]
 
+    def resident_pages(self) -> dict[str, int]:
+        """Pool pages of each resident version."""
+        return {e.name: len(e.pages) for e in self._by_slot.values()}
+
     def in_host(self) -> list[str]:
         return list(self._host)
 
@@ -565,7 +569,8 @@ class AdapterCache:
                 raise
             copy_s = self._timer() - copy_started
             self.costs.observe(Stage.COPY, copy_s, len(pages))
-            self.metrics.record_load(entry.name, tier.value, read_s + copy_s)
+            nbytes = packed.numel() * packed.element_size()
+            self.metrics.record_load(entry.name, tier.value, read_s + copy_s, nbytes, self._clock())
             entry.slot, entry.pages, entry.resident_since = slot, pages, self._clock()
             self._by_slot[slot] = entry
         except LorapageError as e:

@@ -73,6 +73,8 @@ from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
+from lorapage.structured.grammars import GrammarCompiler
+from lorapage.usage import Usage, UsageLedger
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
@@ -145,7 +147,7 @@ class Engine:
             max_blocks,
             lora_h_width(mc, config.max_lora_rank),
         )
-        if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
+        if self.device.type == "cuda" and self.ops.captures_graphs and not config.enforce_eager:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
         shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
@@ -165,8 +167,10 @@ class Engine:
         # file, a text request for a resident adapter (or the base) must still get in.
         self._tokenize = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lorapage-tokenize")
         self.prefix_cache = PrefixCache(self.pool, clock)
+        self.usage = UsageLedger()
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
+            usage=self.usage,
             bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
             pinned_pages=lambda: self.adapters.pinned_pages(),
         )
@@ -241,6 +245,7 @@ class Engine:
             clock,
             metrics=self.scheduler_metrics,
             prefix_cache=self.prefix_cache,
+            usage=self.usage,
         )
         self.step_loop = StepLoop(
             self.scheduler,
@@ -248,6 +253,17 @@ class Engine:
             self._forward,
             on_new_loop=self.adapters.rebind_loop,
             on_prefill=self.adapters.recompute.observe,
+        )
+        # Structured output: grammars compile on a thread of their own, never behind prompts.
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="lorapage-grammar")
+        # The grammar engine knows the tokenizer's tokens only: an EOS id past them (a config whose
+        # vocabulary is padded beyond the tokenizer's) is left to the engine's own stop check.
+        known = self.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        grammar_eos = tuple(sorted(t for t in self.eos_token_ids if t < known))
+        if not grammar_eos and self.tokenizer.eos_token_id is not None:
+            grammar_eos = (self.tokenizer.eos_token_id,)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.backend.to_str(), mc.vocab_size, grammar_eos, self._grammar_thread
         )
         self.intake = RequestIntake(
             tokenizer=self.tokenizer,
@@ -261,6 +277,8 @@ class Engine:
             in_flight=self.scheduler.requests.keys(),
             tokenize=self._tokenize,
             clock=clock,
+            eos_token_ids=self.eos_token_ids,
+            grammars=self.grammars,
             # The cache lives as long as this engine, on one base: its name suffices to tell it apart.
             prefix_namespace=f"base|{self.base_name}".encode() if config.enable_prefix_caching else None,
         )
@@ -502,10 +520,15 @@ class Engine:
         *,
         tenant: str | None = None,
         request_id: str | None = None,
+        prefix_group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
-        Stopping iteration early (a client went away) aborts the request and frees its pages.
+        Cached prompt prefixes are shared only among one tenant's requests (without ``tenant``:
+        the default tenant's), or among the requests that name one ``prefix_group``.
+        ``request_id`` must be unique among the requests in flight, whatever their tenant (a
+        server makes its own rather than take a client's). Stopping iteration early (a client
+        went away) aborts the request and frees its pages.
         """
         self._check_open()
         self.step_loop.bind()
@@ -514,25 +537,80 @@ class Engine:
             adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
         self.intake.check(adapter, sampling)
         try:
-            ids = await self.intake.prompt_ids(prompt)
+            ids, constraints, bad_words = await asyncio.gather(
+                self.intake.prompt_ids(prompt),
+                asyncio.gather(*(self.intake.constraint(sampling) for _ in range(sampling.n))),
+                self.intake.bad_words_ids(sampling),
+            )
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closed and task is not None and not task.cancelling():
                 raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
             raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
-        req = self.intake.build(ids, adapter, sampling, tenant, request_id)
+
+        def build(k: int) -> Request:
+            rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
+            branch = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + k)
+            return self.intake.build(
+                ids, adapter, branch, tenant, rid, prefix_group, constraint=constraints[k], bad_words_ids=bad_words
+            )
+
+        req = build(0)
         self.scheduler.submit(req)
         self._wake_up()
-        finished = False
+        if sampling.n == 1:
+            finished = False
+            try:
+                while not finished:
+                    out = await req.outputs.get()
+                    finished = out.finished
+                    yield out
+            finally:
+                if not finished:
+                    self.abort(req.request_id)
+            return
+        async for out in self._branches(req, build, sampling.n):
+            yield out
+
+    async def _branches(self, first: Request, build: Callable[[int], Request], n: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of ``n`` sequences from one prompt, as they come (``index`` says which). The
+        first computes the prompt; the others are submitted once it has, so they take its full
+        KV blocks from the prefix cache and compute only what the last, partial block holds."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        requests = [first]
+
+        async def pump(k: int, req: Request) -> None:
+            try:
+                while True:
+                    out = await req.outputs.get()
+                    queue.put_nowait((k, out))
+                    if out.finished:
+                        return
+            except BaseException as exc:  # the branch's own error, raised to the caller
+                queue.put_nowait((k, exc))
+
+        pumps = [asyncio.ensure_future(pump(0, first))]
+        done = 0
         try:
-            while not finished:
-                out = await req.outputs.get()
-                finished = out.finished
-                yield out
+            while done < n:
+                k, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if k == 0 and len(requests) == 1:  # the prompt is computed: branch off
+                    for j in range(1, n):
+                        requests.append(build(j))
+                        self.scheduler.submit(requests[j])
+                        pumps.append(asyncio.ensure_future(pump(j, requests[j])))
+                    self._wake_up()
+                done += item.finished
+                yield dataclasses.replace(item, index=k)
         finally:
-            if not finished:
-                self.abort(req.request_id)
+            for task in pumps:
+                task.cancel()
+            for req in requests:
+                if req.finish_reason is None:
+                    self.abort(req.request_id)
 
     def generate_batch(
         self,
@@ -567,6 +645,16 @@ class Engine:
         inner = getattr(self.policy, "policy", self.policy)
         if hasattr(inner, "set_tenant_weights"):
             inner.set_tenant_weights(weights)
+
+    def usage_rows(
+        self, *, tenants: set[str] | None = None, adapters: set[str] | None = None, since_hour: int | None = None
+    ) -> list[tuple[tuple[int, str, str], Usage]]:
+        """Cost attribution, ``((hour, tenant, adapter), usage)`` in order (see
+        :mod:`lorapage.usage.ledger`), residency charged up to now; hours use the engine's clock."""
+        now = self.clock()
+        self.usage.record_residency(now, self.adapters.resident_pages())
+        self.usage.prune(now)
+        return self.usage.query(tenants=tenants, adapters=adapters, since_hour=since_hour)
 
     def pool_free_pages(self) -> int:
         """Pages free for new work: free ones, and cached KV blocks nobody holds (given back by
@@ -620,6 +708,8 @@ class Engine:
         self.scheduler.abort_all_after_close()
         self._io.shutdown(wait=False, cancel_futures=True)
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()
         if self._copies is not None:
             self._copies.shutdown(wait=False, cancel_futures=True)
         await self.sources.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import struct
 import uuid
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor
@@ -24,6 +25,7 @@ from lorapage.memory.prefix_cache import block_keys
 from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
 from lorapage.request import Request
 from lorapage.sampling_params import SamplingParams
+from lorapage.structured.grammars import Constraint, GrammarCompiler
 
 
 class RequestIntake:
@@ -43,12 +45,16 @@ class RequestIntake:
         in_flight: Collection[str],
         tokenize: Executor,
         clock: Callable[[], float],
+        eos_token_ids: Collection[int] = (),
+        grammars: GrammarCompiler | None = None,
         prefix_namespace: bytes | None = None,
     ) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.block_size, self.max_queue_len = block_size, max_queue_len
         self.pool, self.adapters, self._num_waiting, self._in_flight = pool, adapters, num_waiting, in_flight
         self._tokenize, self._clock = tokenize, clock
+        self._eos = tuple(sorted(eos_token_ids))
+        self._grammars = grammars
         self._base_namespace = prefix_namespace  # None: prefix caching is off
         self._ids = itertools.count()
 
@@ -58,6 +64,38 @@ class RequestIntake:
             raise InvalidRequestError("sampling must be a SamplingParams", param="sampling")
         if adapter is not None and adapter not in self.adapters.entries:
             raise AdapterNotFoundError(f"adapter {adapter!r} does not exist", param="model")
+        vocab = self.vocab_size
+        for name, ids in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", [t for t, _ in sampling.logit_bias]),
+            ("allowed_token_ids", sampling.allowed_token_ids or ()),
+        ):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError(f"{name}: token ids must be below the vocabulary size {vocab}", param=name)
+        if sampling.structured is not None and self._grammars is None:
+            raise InvalidRequestError("this engine has no structured-output support", param=sampling.structured.param)
+
+    async def constraint(self, sampling: SamplingParams) -> Constraint | None:
+        """The compiled structured-output constraint a request's sampling asks for (in a worker)."""
+        if sampling.structured is None or self._grammars is None:
+            return None
+        return await self._grammars.constraint(sampling.structured)
+
+    async def bad_words_ids(self, sampling: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, as it would start the text and after a space (vLLM's rule)."""
+        if not sampling.bad_words:
+            return ()
+
+        def encode() -> tuple[tuple[int, ...], ...]:
+            out: dict[tuple[int, ...], None] = {}
+            for word in sampling.bad_words:
+                for text in (word, " " + word.lstrip()):
+                    ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    if ids:
+                        out[ids] = None
+            return tuple(out)
+
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of ``prompt``: text is bounded by its characters, then tokenized off the loop."""
@@ -74,12 +112,25 @@ class RequestIntake:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize, self.tokenizer.encode, prompt)
 
     def build(
-        self, ids: list[int], adapter: str | None, sampling: SamplingParams, tenant: str | None, request_id: str | None
+        self,
+        ids: list[int],
+        adapter: str | None,
+        sampling: SamplingParams,
+        tenant: str | None,
+        request_id: str | None,
+        prefix_group: str | None = None,
+        *,
+        constraint: Constraint | None = None,
+        bad_words_ids: tuple[tuple[int, ...], ...] = (),
     ) -> Request:
-        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter."""
+        """The request, once its ids fit the vocabulary, the context and the pool beside its adapter.
+        Its cached prefix blocks are shared with ``prefix_group``'s requests, or without one with
+        its tenant's only."""
         self.check(adapter, sampling)  # again: the adapter may have gone while the prompt was tokenized
         if request_id is not None and request_id in self._in_flight:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
+        if sampling.truncate_prompt_tokens is not None:
+            ids = ids[-sampling.truncate_prompt_tokens :]
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.vocab_size
@@ -102,27 +153,39 @@ class RequestIntake:
             )
         if self._num_waiting() >= self.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
-        namespace = self._namespace(adapter)
+        tenant = tenant or DEFAULT_TENANT
+        # Prompt logprobs come from computing the prompt: a request that asks takes no cached block.
+        namespace = self._namespace(adapter, tenant, prefix_group) if sampling.prompt_logprobs is None else None
         return Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-            tenant=tenant or DEFAULT_TENANT,
+            tenant=tenant,
             adapter=adapter,
             prompt_ids=ids,
             sampling=sampling,
             arrival_time=self._clock(),
             adapter_tier=self.adapters.tier(adapter) if adapter else "none",
-            detokenizer=IncrementalDecoder(self.tokenizer, ids),
+            detokenizer=IncrementalDecoder(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
             logprobs=[] if sampling.logprobs is not None else None,
+            prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
             cache_namespace=namespace,
             block_keys=block_keys(namespace, ids, self.block_size) if namespace is not None else [],
+            stop_ids=(() if sampling.ignore_eos else self._eos) + sampling.stop_token_ids,
+            bad_words_ids=bad_words_ids,
+            constraint=constraint,
         )
 
-    def _namespace(self, adapter: str | None) -> bytes | None:
-        """The base's namespace, and for an adapter this registration of it: two adapters, two
-        registrations of one name, or an adapter and the base never share a cached block."""
+    def _namespace(self, adapter: str | None, tenant: str, prefix_group: str | None) -> bytes | None:
+        """Who may share the request's cached blocks: its tenant, or the tenants of its group
+        (a hit is a faster first token, which would tell one tenant what another sent); then the
+        base, and for an adapter this registration of it: two adapters, two registrations of one
+        name, or an adapter and the base never share a cached block."""
         if self._base_namespace is None:
             return None
+        kind, name = (b"group", prefix_group) if prefix_group is not None else (b"tenant", tenant)
+        raw = name.encode("utf-8", "surrogatepass")
+        # Length-framed, so no tenant or group name can spell another's scope.
+        scope = b"|" + kind + struct.pack("<I", len(raw)) + raw
         if adapter is None:
-            return self._base_namespace + b"|base"
-        return self._base_namespace + b"|adapter|" + self.adapters.get(adapter).cache_id
+            return self._base_namespace + scope + b"|base"
+        return self._base_namespace + scope + b"|adapter|" + self.adapters.get(adapter).cache_id

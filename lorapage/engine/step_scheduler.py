@@ -21,6 +21,7 @@ from lorapage.model.runner import StepPlan
 from lorapage.model.sampler import SampleOutput
 from lorapage.request import Request, RequestStatus, TokenLogprob
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
+from lorapage.usage import StepRow, UsageLedger
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,10 @@ class StepScheduler:
         metrics: SchedulerMetrics | None = None,
         timer: Callable[[], float] = time.perf_counter,
         prefix_cache: PrefixCache | None = None,
+        usage: UsageLedger | None = None,
     ) -> None:
         self.policy, self.adapters, self.pool, self.limits, self.clock = policy, adapters, pool, limits, clock
+        self.usage = usage  # cost attribution: every step's rows and the adapters resident
         self.metrics, self._timer = metrics, timer  # the policy's own time per step goes to metrics
         self._policy_s = 0.0  # time spent in the policy for the step being planned and applied
         # Every sequence's blocks go back through it; with caching on it also hands out hits.
@@ -60,6 +63,7 @@ class StepScheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prompt tokens prefilled (cache hits not counted; recomputes are)
         self._in_step = False  # a plan is on the forward thread: its pages may not be freed yet
         self._budget = 0  # prefill tokens still allowed this step
         self._held: set[str] = set()  # preempted to unblock this very step: not readmitted in it
@@ -69,6 +73,8 @@ class StepScheduler:
 
     def submit(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if self.usage is not None:
+            self.usage.record_request(req.arrival_time, req.tenant, req.adapter or "")
         if req.adapter is not None:
             self.adapters.enqueue(req.adapter, req.arrival_time, req.tenant)
         self.policy.add(req, req.arrival_time)
@@ -275,12 +281,16 @@ class StepScheduler:
         self.policy.preempt(req, now)  # it waits again; VTC does not charge its recompute
         self.adapters.notify_memory_freed()
 
-    def apply(self, plan: StepPlan, sampled: SampleOutput) -> None:
+    def apply(self, plan: StepPlan, sampled: SampleOutput, step_s: float = 0.0) -> None:
         """Record each sequence's computed tokens and new token, charge the policy, stream
         outputs, finish what is done. A row that could not be sampled fails its own request alone."""
         self._in_step = False
         now = self.clock()
-        samples = iter(zip(*sampled))
+        samples = iter(zip(sampled.tokens, sampled.logprobs, sampled.errors))
+        for i, first, logprobs in sampled.prompt_logprobs:
+            req = plan.sequences[i]
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) == first:  # not a recompute
+                req.prompt_logprobs.extend(logprobs)
         rows = [
             (req, fed, next(samples) if completes else None)
             for req, fed, completes in zip(plan.sequences, plan.fed, plan.completes)
@@ -290,14 +300,21 @@ class StepScheduler:
             if not req.aborted:
                 self._offer_blocks(req, req.num_computed - fed)
         started = self._timer()
+        charged = []
         for i, (req, fed, sample) in enumerate(rows):
+            # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
+            prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
+            sampled_one = int(sample is not None)
+            charged.append(StepRow(req.tenant, req.adapter or "", prompt_fed, sampled_one, len(req.block_table)))
             if req.aborted:
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
-            # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
-            prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
-            self.policy.on_service(req, prompt_fed, int(sample is not None), now)
+            self.prompt_tokens_computed += prompt_fed
+            self.policy.on_service(req, prompt_fed, sampled_one, now)
         self._policy_s += self._timer() - started
+        if self.usage is not None:
+            self.usage.record_step(now, step_s, charged)
+            self.usage.record_residency(now, self.adapters.resident_pages())
         for req, _, sample in rows:
             if req.aborted:
                 self._finish(req, "abort")
@@ -323,9 +340,18 @@ class StepScheduler:
             req.first_token_time = now
         reason = None
         is_stop_token = (token in self.limits.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if req.constraint is not None:
+            req.constraint.consume(token)
+            if (problem := req.constraint.error) is not None:
+                self._fail(req, SamplingError(f"request {req.request_id!r} left its output constraint: {problem}"))
+                return
+            # A complete grammar ends the output (its EOS, or no possible continuation).
+            is_stop_token = is_stop_token or (req.constraint.done and token in self.limits.eos_token_ids)
         if not is_stop_token:
             req.text += req.detokenizer.push(token)
         else:
+            reason = "stop"
+        if reason is None and req.constraint is not None and req.constraint.done:
             reason = "stop"
         cut = find_stop(req.text, p.stop, req.sent_len)
         if cut is not None:

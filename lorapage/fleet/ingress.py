@@ -302,10 +302,8 @@ class FleetIngress:
         # body's id ends with it, so a client's and Ray's logs name the same request.
         ray_id = request.headers.get("x-request-id", "")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{ray_id}" if _RAY_REQUEST_ID.match(ray_id) else ""
-        job = make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, rid)
-        if adapter is not None:
-            job.adapter_version = parse_name(adapter)[1]  # the version this request runs on to its end
-        return job
+        # Only echoed: the engine's id is the job's own (a client's could name another tenant's request).
+        return make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, self.access, rid)
 
     async def _models(self, tenant: str) -> list[Model]:
         await self.ready()
@@ -391,7 +389,7 @@ class FleetIngress:
     async def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
         """The engine outputs of ``job`` from a replica the router picks; resent while nothing of it
         has been passed on. A whole answer passes on only its last output, so it can always be resent."""
-        spec = EngineJob(job.prompt, job.adapter, job.sampling, job.tenant, job.request_id)
+        spec = EngineJob(job.prompt, job.adapter, job.sampling, job.tenant, job.engine_id, job.prefix_group)
         # Routed by adapter id: every version of an id shares its owners (a deploy lands where the
         # previous version is warm).
         adapter_id = parse_name(job.adapter)[0] if job.adapter is not None else ""

@@ -20,7 +20,8 @@ class EngineJob:
     adapter: str | None
     sampling: SamplingParams
     tenant: str
-    request_id: str
+    request_id: str  # the engine's id: made by the ingress, never a client's
+    prefix_group: str | None = None  # whose cached prompt prefixes it shares (None: its tenant's only)
 
 
 @dataclass(frozen=True)

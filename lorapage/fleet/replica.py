@@ -94,7 +94,14 @@ class EngineReplica:
         yield ReplicaStart(self.replica_id, parse_name(key)[1] if key is not None else None)
         self.in_flight += 1
         try:
-            outputs = self.engine.generate(job.prompt, key, job.sampling, tenant=job.tenant, request_id=job.request_id)
+            outputs = self.engine.generate(
+                job.prompt,
+                key,
+                job.sampling,
+                tenant=job.tenant,
+                request_id=job.request_id,
+                prefix_group=job.prefix_group,
+            )
             async for out in outputs:
                 yield out
         except LorapageError as exc:

@@ -2,9 +2,11 @@
 
 A block's key is a hash chain: ``sha256(parent key, the block's token ids)``, seeded by a
 *namespace* that names everything the K/V depend on besides the tokens: the base checkpoint and
-the adapter registration (the base alone for base-model requests). Two adapters, two
-registrations of one adapter name, or an adapter and the base therefore never share a block,
-even for identical tokens. Only full blocks are cached, and a sequence only ever writes past the
+the adapter registration (the base alone for base-model requests), and who may share them: the
+tenant, or the prefix group its operator put it in (a hit is a faster first token, which would
+tell one tenant what another sent). Two adapters, two registrations of one adapter name, an
+adapter and the base, or two tenants outside one group therefore never share a block, even for
+identical tokens. Only full blocks are cached, and a sequence only ever writes past the
 blocks it matched, so a shared page is never written again (no copy-on-write).
 
 Pages stay in the pool as KV pages. A cached page is *in use* while sequences hold it (a

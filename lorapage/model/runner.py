@@ -8,21 +8,23 @@ tokens; within each part sequences are sorted by adapter slot so a slot's tokens
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
-from lorapage.kernels.lora_cpu import c_kernels_take
 from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.forward import ForwardContext
 from lorapage.model.llama import AttentionMetadata, LlamaModel
-from lorapage.model.sampler import SampleOutput, SampleRow, sample
+from lorapage.model.sampler import SampleOutput, SampleRow, sample, token_logprobs
 from lorapage.model.step_buffers import StepBuffers
-from lorapage.request import Request
+from lorapage.request import Request, TokenLogprob
+from lorapage.structured.masks import bitmask_words, fill_bitmask
 
 
 @dataclass
@@ -89,8 +91,12 @@ class StepPlan:
             fed=[n for _, n in rows],
             completes=completes,
             sample_index=sample_index,
-            sample_rows=[SampleRow(r.sampling, r.generator, r.output_ids) for (r, _), c in zip(rows, completes) if c],
+            sample_rows=[_sample_row(r) for (r, _), c in zip(rows, completes) if c],
         )
+
+
+def _sample_row(r: Request) -> SampleRow:
+    return SampleRow(r.sampling, r.generator, r.output_ids, r.prompt_ids, r.stop_ids, r.bad_words_ids, r.constraint)
 
 
 def _segments(token_slot: list[int]) -> tuple[tuple[int, int, int], ...]:
@@ -129,6 +135,33 @@ class ModelRunner:
         )
         self.ctx = ForwardContext(model, ops, pool, tables, self.buffers, block_size)
         self.graphs: DecodeGraphs | None = None
+        # Structured-output masks of a step's constrained rows, filled on a thread of their own
+        # while the forward runs (allocated on the first constrained step).
+        self._bitmask = torch.empty(0, dtype=torch.int32)
+        self._bitmask_rows, self._vocab_size = max_num_seqs, model.config.vocab_size
+        self._masks: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        """Stop the mask thread (if a constrained step ever started it)."""
+        if self._masks is not None:
+            self._masks.shutdown(wait=True)
+
+    def _start_masks(self, plan: StepPlan) -> Future[Tensor] | None:
+        """Fill the bitmasks of the plan's constrained rows beside the forward; None if it has none."""
+        constraints = [r.constraint for r in plan.sample_rows if r.constraint is not None]
+        if not constraints:
+            return None
+        if not self._bitmask.numel():
+            self._bitmask = torch.empty(self._bitmask_rows, bitmask_words(self._vocab_size), dtype=torch.int32)
+            self._masks = ThreadPoolExecutor(1, thread_name_prefix="lorapage-masks")
+        assert self._masks is not None
+        out = self._bitmask[: len(constraints)]
+
+        def fill() -> Tensor:
+            fill_bitmask(constraints, out)
+            return out
+
+        return self._masks.submit(fill)
 
     def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
         """Capture decode steps as CUDA graphs (CUDA with the Triton kernels only; ``capture``:
@@ -147,8 +180,9 @@ class ModelRunner:
         ):
             buf[:T].copy_(torch.tensor(values, dtype=buf.dtype))
         nd = plan.num_decode
+        masks = self._start_masks(plan)
         if self.graphs is not None and nd == B and self.graphs.bucket(B) is not None:
-            return self._replay(plan)
+            return self._replay(plan, masks)
         width = max(len(t) for t in plan.block_tables)
         self._write_rows(plan, width)
         attn = AttentionMetadata(
@@ -160,36 +194,46 @@ class ModelRunner:
             prefill_query_starts=plan.prefill_query_starts,
             prefill_context_lens=plan.context_lens[nd:],
         )
-        lora = LoraIndices(b.token_slot[:T], plan.segments) if plan.segments else None
-        if lora is not None and self.ctx.ops.name == "triton" and T > nd:
-            lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
-        elif lora is not None and self.ctx.ops.name in ("torch", "cpu"):
-            lora = self._with_batches(lora)
+        lora = self._plan_lora(LoraIndices(b.token_slot[:T], plan.segments), T > nd) if plan.segments else None
         with torch.inference_mode():
             hidden = self.ctx.forward(T, attn, lora)
             if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
-                return SampleOutput([], [], [])
+                return SampleOutput([], [], [], self._prompt_logprobs(plan, hidden))
+            prompt_logprobs = self._prompt_logprobs(plan, hidden)
             logits = model.logits(hidden[plan.sample_index])
-            return sample(logits, plan.sample_rows)
+            out = sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
+            return out._replace(prompt_logprobs=prompt_logprobs) if prompt_logprobs else out
 
-    def _with_batches(self, lora: LoraIndices) -> LoraIndices:
-        """The CPU ops' cells and batches, planned once for every layer and module of the step."""
+    def _prompt_logprobs(self, plan: StepPlan, hidden: Tensor) -> tuple[tuple[int, int, list[TokenLogprob]], ...]:
+        """For each prefill row that asked (``prompt_logprobs``): the logprobs of the prompt tokens
+        its chunk predicts, from the chunk's own hidden states. Rows that did not ask cost nothing."""
+        out = []
+        for i in range(plan.num_decode, len(plan.sequences)):
+            req = plan.sequences[i]
+            top = req.sampling.prompt_logprobs
+            start = plan.num_decode + plan.prefill_query_starts[i - plan.num_decode]
+            first = plan.positions[start]  # the chunk's first position: it predicts token first + 1
+            end = min(first + plan.fed[i], req.num_prompt_tokens - 1)  # positions predicting prompt tokens
+            if top is None or end <= first:
+                continue
+            logits = self.ctx.model.logits(hidden[start : start + end - first])
+            out.append((i, first + 1, token_logprobs(logits, req.prompt_ids[first + 1 : end + 1], top)))
+        return tuple(out)
+
+    def _plan_lora(self, lora: LoraIndices, prefill: bool) -> LoraIndices:
+        """The step's LoRA indices as the backend's ops want them, planned once for every layer."""
         t = self.ctx.tables
         layout = (t.a_offset, t.a_rows, t.b_offset, t.rank, t.h_start)
         pages = self.ctx.pool.adapter_storage[0]
-        # The C kernels take the short segments when they read the pages' dtype (float16 pages
-        # under a float32 model go to the PyTorch ops whole).
-        cells = self.ctx.ops.name == "cpu" and c_kernels_take(self.ctx.model.dtype, pages.dtype)
-        plan = lora.with_cells if cells else lora.with_batches
-        return plan(t.page_table, layout, pages)
+        return self.ctx.ops.plan_lora(lora, t.page_table, layout, pages, self.ctx.model.dtype, prefill)
 
-    def _replay(self, plan: StepPlan) -> SampleOutput:
+    def _replay(self, plan: StepPlan, masks: Future[Tensor] | None) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""
         assert self.graphs is not None
         self._write_rows(plan, self.buffers.block_tables.shape[1])  # graphs read the full width
         hidden = self.graphs.run(len(plan.block_tables))
         with torch.inference_mode():
-            return sample(self.ctx.model.logits(hidden), plan.sample_rows)
+            return sample(self.ctx.model.logits(hidden), plan.sample_rows, masks.result() if masks else None)
 
     def _write_rows(self, plan: StepPlan, width: int) -> None:
         """Block tables (zero-padded to ``width``) and context lengths of the plan's rows."""

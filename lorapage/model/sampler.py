@@ -9,84 +9,113 @@ also copies its distribution to its CPU generator).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from lorapage.model.logits_processors import NEG_INF, SampleRow, process
 from lorapage.request import TokenLogprob
 from lorapage.sampling_params import SamplingParams
+
+__all__ = ["FAILED_TOKEN", "SampleOutput", "SampleRow", "sample"]
 
 FAILED_TOKEN = -1  # the token reported for a row that could not be sampled
 _BAD_LOGITS, _BAD_DISTRIBUTION = -1, -2  # status codes of a failed row, read back with the tokens
 _ERRORS = {
     _BAD_LOGITS: "the model produced NaN or Inf logits for this request (a broken adapter or overflow)",
-    _BAD_DISTRIBUTION: "the sampling distribution is not finite after temperature / top-k / top-p",
+    _BAD_DISTRIBUTION: "the sampling distribution is not finite after temperature / top-k / top-p, or no token "
+    "is left after this request's bans, allowed tokens and output constraint",
 }
 
 
-@dataclass
-class SampleRow:
-    """What the sampler needs of one sequence this step."""
-
-    params: SamplingParams
-    generator: torch.Generator | None  # seeded per request, so a row's draws ignore its batch
-    output_ids: list[int]  # generated so far (for presence / frequency penalties)
-
-
 class SampleOutput(NamedTuple):
-    """One step's sampling, row by row (unpacks as ``tokens, logprobs, errors``)."""
+    """One step's sampling, row by row over the sampling sequences; and the prompt logprobs of the
+    prefill chunks that asked for them."""
 
     tokens: list[int]  # the next token; FAILED_TOKEN where the row failed
     logprobs: list[TokenLogprob | None]  # where the row asked for them; None where it failed
     errors: list[str | None]  # None where the row sampled; else why it could not (fail that request)
+    # (sequence index in the plan, index of the first prompt token covered, their logprobs)
+    prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
 
 
-def _has_penalty(row: SampleRow) -> bool:
-    p = row.params
-    return bool(row.output_ids) and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+# top-p looks for the nucleus among this many most likely tokens first (a partial sort), and
+# sorts a row's whole vocabulary only when their mass falls short of its top_p.
+TOP_P_CANDIDATES = 512
 
 
-def _penalize(logits: Tensor, row: SampleRow) -> Tensor:
-    p = row.params
-    ids = torch.tensor(row.output_ids, device=logits.device)
-    counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
-    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+def filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Each row's distribution after its temperature, top-k, min-p and top-p (not normalized:
+    the tokens a filter drops are 0)."""
+    dev, (m, vocab) = logits.device, logits.shape
+    rows = params
+    temps = torch.tensor([r.temperature for r in rows], dtype=logits.dtype, device=dev)[:, None]
+    x = logits / temps
+    ks = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values
+        kth = top[torch.arange(m, device=dev), torch.tensor([max(k, 1) - 1 for k in ks], device=dev)]
+        kth = torch.where(torch.tensor(ks, device=dev) > 0, kth, torch.full_like(kth, NEG_INF))
+        x = x.masked_fill(x < kth[:, None], NEG_INF)
+    probs = torch.softmax(x, dim=-1)
+    min_p = [r.min_p for r in rows]
+    if any(min_p):
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0]
+    if nucleus:
+        probs[nucleus] = _top_p(probs[nucleus], [rows[i].top_p for i in nucleus])
+    return probs
 
 
-def _penalized(logits: Tensor, rows: list[SampleRow]) -> Tensor:
-    if not any(_has_penalty(r) for r in rows):
-        return logits
-    out = logits.clone()
-    for i, row in enumerate(rows):
-        if _has_penalty(row):
-            out[i] = _penalize(logits[i], row)
-    return out
-
-
-def _draw(logits: Tensor, row: SampleRow) -> tuple[Tensor, Tensor]:
-    """(token, ok) of one non-greedy row, both 0-d tensors; ``ok`` is False if nothing finite
-    was left to draw from, in which case the token is meaningless."""
-    p = row.params
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
-    total = probs.sum()  # at most the vocabulary size: NaN or Inf only if some entry is
+def _draw(logits: Tensor, rows: list[SampleRow]) -> tuple[Tensor, Tensor]:
+    """(tokens, ok) of non-greedy rows: one draw per row from its filtered distribution, each
+    seeded row from its own generator (so its draw ignores the batch). ``ok`` is False where
+    nothing finite was left to draw from; that row's token is meaningless."""
+    dev, m = logits.device, logits.shape[0]
+    probs = filtered_probs(logits, [r.params for r in rows])
+    total = probs.sum(-1)  # at most the vocabulary size: NaN or Inf only if some entry is
     ok = torch.isfinite(total) & (total > 0)
     # A bad row draws from a harmless stand-in instead of raising (or tripping a device assert on
     # CUDA), so no host sync is needed to decide whether to draw; its token is discarded.
-    probs = torch.where(ok, probs, torch.ones_like(probs))
-    if row.generator is not None and row.generator.device != probs.device:
-        probs = probs.to(row.generator.device)  # a request's seeded generator lives on the CPU
-    return torch.multinomial(probs, 1, generator=row.generator)[0], ok
+    probs = torch.where(ok[:, None], probs, torch.ones_like(probs))
+    tokens = torch.empty(m, dtype=torch.long, device=dev)
+    free = [i for i, r in enumerate(rows) if r.generator is None]
+    if free:
+        tokens[free] = torch.multinomial(probs[free], 1)[:, 0]
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            p = probs[i] if row.generator.device == probs.device else probs[i].to(row.generator.device)
+            tokens[i] = torch.multinomial(p, 1, generator=row.generator)[0]
+    return tokens, ok
+
+
+def _top_p(probs: Tensor, top_p: list[float]) -> Tensor:
+    """``probs`` with only each row's nucleus kept: the most likely tokens whose mass first reaches
+    its top_p, the token crossing it included (ties at the edge kept too)."""
+    limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+    k = min(TOP_P_CANDIDATES, probs.shape[1])
+    ranked = torch.topk(probs, k, dim=-1).values
+    if k < probs.shape[1] and not bool((ranked.sum(-1, keepdim=True) >= limit).all()):
+        ranked = torch.sort(probs, dim=-1, descending=True).values  # a flat row: its nucleus is wider
+    before = ranked.cumsum(-1) - ranked  # mass of the tokens ranked above each one
+    kept = (before < limit).sum(-1, keepdim=True).clamp(min=1)
+    edge = ranked.gather(1, kept - 1)
+    return probs.masked_fill(probs < edge, 0.0)
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's logprob of ``tokens[i]`` and its ``top`` most likely alternatives (raw model)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    top_v, top_i = torch.topk(lp, top, dim=-1)
+    return [
+        TokenLogprob(t, c, tuple(zip(ids, values)))
+        for t, c, ids, values in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
+    ]
 
 
 def _logprobs(logits: Tensor, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:
@@ -106,24 +135,28 @@ def _logprobs(logits: Tensor, rows: list[SampleRow], tokens: list[int]) -> list[
     return out
 
 
-def sample(logits: Tensor, rows: list[SampleRow]) -> SampleOutput:
+def sample(logits: Tensor, rows: list[SampleRow], masks: Tensor | None = None) -> SampleOutput:
     """Next token of each row, its logprobs where the row asked for them, and per-row errors.
 
-    ``logits`` is float32 [len(rows), vocab]. Greedy rows (temperature below
-    :data:`~lorapage.sampling_params.SAMPLING_EPS`) take the argmax of the penalized logits; others
-    sample from their own filtered distribution with their own generator, so a seeded row's draw
-    depends on nothing else in the batch. A row is failed (``errors[i]`` set, token
-    :data:`FAILED_TOKEN`, logprobs None) when its logits hold NaN or Inf or its filtered
-    distribution is not finite; that never changes another row's token or logprobs. (Unseeded
-    rows share the global generator, so their draws are fresh per step either way.)
+    ``logits`` is float32 [len(rows), vocab]; ``masks`` the structured-output bitmasks of the
+    constrained rows, in row order. Each row's processors run first
+    (:mod:`lorapage.model.logits_processors`). Greedy rows (temperature below
+    :data:`~lorapage.sampling_params.SAMPLING_EPS`) take the argmax; others sample from their own
+    filtered distribution with their own generator, so a seeded row's draw depends on nothing
+    else in the batch. A row is failed (``errors[i]`` set, token :data:`FAILED_TOKEN`, logprobs
+    None) when its logits hold NaN or Inf, or when nothing is left to choose from after its
+    processors and filters; that never changes another row's token or logprobs. Logprobs are the
+    raw model's (before any processing), as vLLM reports them. (Unseeded rows share the global
+    generator, so their draws are fresh per step either way.)
     """
-    penalized = _penalized(logits, rows)
-    picked = torch.argmax(penalized, dim=-1)
-    drawn_ok = torch.ones(len(rows), dtype=torch.bool, device=logits.device)
-    for i, row in enumerate(rows):
-        if not row.params.greedy:
-            token, ok = _draw(penalized[i], row)
-            picked[i], drawn_ok[i] = token, ok
+    processed = process(logits, rows, masks)
+    picked = torch.argmax(processed, dim=-1)
+    # A row whose every token is excluded (a grammar with no way on) has nothing to choose.
+    drawn_ok = processed.amax(dim=-1) > NEG_INF
+    free = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if free:
+        drawn, ok = _draw(processed[free], [rows[i] for i in free])
+        picked[free], drawn_ok[free] = drawn, ok & drawn_ok[free]
     # All finite exactly when the row's max and min are (both propagate NaN); two vectorized
     # reductions, where isfinite().all() on CPU costs ~20x as much for a batch of logits.
     finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))

@@ -2,7 +2,8 @@
 with ``stream: true``, so the first token and every later one are timed as they arrive.
 
 From a lorapage server it also reads ``x-adapter-tier`` (where the adapter was when the request
-arrived) and scrapes ``/metrics`` (with the admin key when one is given) before, during and after
+arrived; ``shared`` for an adapter other tenants may use too, whose tier the server keeps to
+itself) and scrapes ``/metrics`` (with the admin key when one is given) before, during and after
 the run. Another server's answers count the same; its tier is ``unknown``.
 """
 

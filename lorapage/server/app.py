@@ -78,7 +78,7 @@ class ServerState:
         self.metrics_public = metrics_public
         self.started = int(time.time())
         self.in_flight: Counter[str | None] = Counter()  # adapter version id@N (None: base) -> requests running
-        self.request_ids: set[str] = set()
+        self.request_ids: set[str] = set()  # the engine's ids of the requests in flight
         self.draining: set[str] = set()  # adapter versions (id@N) being deleted: invisible to new requests
         self.closing = False
         self.idle = asyncio.Event()
@@ -128,7 +128,7 @@ class ServerState:
     async def run(self, request: web.Request, job: Job) -> web.StreamResponse:
         reservation = self.reserve(job)
         self.in_flight[job.adapter] += 1
-        self.request_ids.add(job.request_id)
+        self.request_ids.add(job.engine_id)
         self.idle.clear()
         try:
             return await respond(request, self.engine, job, self.metrics, self.admissions)
@@ -140,7 +140,7 @@ class ServerState:
             # Refund everything when nothing was generated (refused by the engine, or cut early).
             used = len(job.prompt) + job.generated if job.generated else 0
             self.quotas.release(reservation, used, time.monotonic())
-            self.request_ids.discard(job.request_id)
+            self.request_ids.discard(job.engine_id)
             self.in_flight[job.adapter] -= 1
             if self.in_flight[job.adapter] <= 0:
                 del self.in_flight[job.adapter]
@@ -179,10 +179,7 @@ def _job(
 ) -> Job:
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
     model, adapter = state.resolve(req.model, tenant)
-    job = make_job(kind, req, model, adapter, tenant, ids, state.engine.max_model_len, logprobs, arrival)
-    if adapter is not None:
-        job.adapter_version = parse_name(adapter)[1]  # the version this request runs on to its end
-    return job
+    return make_job(kind, req, model, adapter, tenant, ids, state.engine.max_model_len, logprobs, arrival, state.access)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -5,6 +5,10 @@ fails closed: a tenant may use the base model, the adapters the admin registered
 adapters without an owner that its ``adapters`` list opens (by name, or all with ``"*"``). An
 owner set by the admin always wins over any list. Any other adapter is reported exactly like one
 that does not exist, so names do not leak across tenants.
+
+Nor does one tenant's traffic: what a response tells of the engine's caches (where an adapter
+was, whether a prompt prefix was cached) reflects only the tenant's own requests, or those of the
+tenants its operator put in its ``prefix_cache_group``.
 """
 
 from __future__ import annotations
@@ -101,3 +105,17 @@ class Access:
             return owner == tenant
         config = self.tenants.tenants.get(tenant)
         return config is not None and (adapter in config.adapters or SHARED in config.adapters)
+
+    def sole_user(self, tenant: str, adapter: str) -> bool:
+        """Whether ``tenant`` is the only tenant that may use ``adapter`` (its owner, or an adapter
+        without an owner that no other tenant's list opens): only then may it see where the
+        adapter is (``x-adapter-tier``), which would otherwise tell it of another tenant's use."""
+        owner = self.owners.get(adapter)
+        if owner is not None:
+            return owner == tenant
+        return self.may_use(tenant, adapter) and not self.tenants.others_may_use_unowned(tenant, adapter)
+
+    def prefix_group(self, tenant: str) -> str | None:
+        """The group whose tenants share ``tenant``'s cached prompt prefixes (None: only its own)."""
+        config = self.tenants.tenants.get(tenant)
+        return config.prefix_cache_group if config is not None else None

@@ -25,8 +25,8 @@ from aiohttp import web
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailableError
 from lorapage.sampling_params import SamplingParams
-from lorapage.server import protocol
-from lorapage.server import responses as r
+from lorapage.server import protocol, responses as r
+from lorapage.server.auth import Access
 from lorapage.server.error_json import error_payload
 from lorapage.server.metrics import ServerMetrics
 from lorapage.server.quota import AdmissionRate
@@ -46,14 +46,20 @@ class Job:
     stream: bool
     include_usage: bool
     arrival: float = field(default_factory=time.monotonic)
-    request_id: str = ""
+    request_id: str = ""  # what the client is told (the body's id, x-request-id); may carry the client's id
     generated: int = 0  # tokens generated so far (what the quota is charged for)
     created: int = field(default_factory=lambda: int(time.time()))
     adapter_version: int | None = None  # the immutable version the adapter resolved to, when versioned
+    # The engine's id for it: always made here, never the client's, so no tenant can name (and
+    # so collide with or refuse) another's request by predicting its id.
+    engine_id: str = ""
+    prefix_group: str | None = None  # whose cached prompt prefixes it shares (None: its tenant's only)
+    show_tier: bool = False  # x-adapter-tier tells where the adapter was (only the tenant uses it)
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        self.request_id = self.request_id or f"{prefix}-{uuid.uuid4().hex}"
+        self.engine_id = self.engine_id or f"{prefix}-{uuid.uuid4().hex}"
+        self.request_id = self.request_id or self.engine_id
 
 
 def make_job(
@@ -66,16 +72,23 @@ def make_job(
     max_model_len: int,
     logprobs: int | None,
     arrival: float,
+    access: Access,
     request_id: str = "",
 ) -> Job:
     """The :class:`Job` of a decoded, checked and resolved request whose prompt is ``ids``
-    (400 when the prompt is empty or the completion budget does not fit the context); without a
-    ``request_id`` it gets a new one."""
+    (400 when the prompt is empty or the completion budget does not fit the context), with what
+    ``access`` lets its tenant share and see; without a ``request_id`` to tell the client it gets
+    a new one (the engine's id is always new)."""
     if not ids:
         raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
     sampling = protocol.sampling_params(req, len(ids), max_model_len, logprobs, kind)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival, request_id)
+    job = Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival, request_id)
+    job.prefix_group = access.prefix_group(tenant)
+    if adapter is not None:
+        adapter_id, job.adapter_version = parse_name(adapter)  # the version this request runs on to its end
+        job.show_tier = access.sole_user(tenant, adapter_id)
+    return job
 
 
 class Timing:
@@ -197,9 +210,15 @@ class Formatter:
         return kind(id=j.request_id, created=j.created, model=j.model, choices=[], usage=_usage(out))
 
 
+SHARED_TIER = "shared"  # x-adapter-tier of an adapter other tenants may use too: where it is would tell of their use
+
+
 def adapter_headers(job: Job, tier: str) -> dict[str, str]:
+    """``x-adapter-id``, ``x-adapter-version``, ``x-adapter-tier`` (the tier only for an adapter
+    no other tenant may use; ``none`` for the base) and ``x-request-id``."""
     adapter_id = parse_name(job.adapter)[0] if job.adapter else "none"  # the version goes in its own header
-    headers = {"x-adapter-id": adapter_id, "x-adapter-tier": tier or "none", "x-request-id": job.request_id}
+    shown = (tier or "none") if job.adapter is None or job.show_tier else SHARED_TIER
+    headers = {"x-adapter-id": adapter_id, "x-adapter-tier": shown, "x-request-id": job.request_id}
     if job.adapter_version is not None:
         headers["x-adapter-version"] = str(job.adapter_version)
     return headers
@@ -268,7 +287,14 @@ async def respond(
     Its first output is recorded in ``admissions``."""
     timing = Timing(job, metrics, admissions)
     fmt = Formatter(job, engine.tokenizer)
-    outputs = engine.generate(job.prompt, job.adapter, job.sampling, tenant=job.tenant, request_id=job.request_id)
+    outputs = engine.generate(
+        job.prompt,
+        job.adapter,
+        job.sampling,
+        tenant=job.tenant,
+        request_id=job.engine_id,
+        prefix_group=job.prefix_group,
+    )
     got = await answer(outputs, job, fmt, timing)
     if got.events is None:
         return web.Response(body=got.body, content_type="application/json", headers=got.headers)

@@ -29,8 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
-from lorapage.scheduler.metrics import Histogram as SchedHistogram
-from lorapage.scheduler.metrics import SchedulerMetrics, TenantStats
+from lorapage.scheduler.metrics import Histogram as SchedHistogram, SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

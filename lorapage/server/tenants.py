@@ -18,6 +18,7 @@ tpm_burst = 200000            # bucket size, default tpm; a larger request can n
 max_concurrency = 32          # requests in flight (omit: unlimited)
 s3_buckets = ["acme-adapters"]  # s3:// buckets the admin may register this tenant's adapters from
 hf_orgs = ["acme"]            # hf:// organisations (or users) likewise; "*": any, in either list
+prefix_cache_group = "acme-family"  # tenants naming one group share cached prompt prefixes (omit: its own)
 ```
 
 Access fails closed. A tenant may always use the base model and the adapters the admin registered
@@ -29,6 +30,10 @@ A registration for a tenant fetches from ``s3://`` or ``hf://`` with the server'
 it may name only the buckets and Hub organisations the tenant's ``s3_buckets`` and ``hf_orgs``
 list (none by default): another tenant's bucket or a private repository the server can read is
 not the tenant's to register from.
+
+Nothing one tenant caches is observable by another unless the operator grouped them: cached
+prompt prefixes are the tenant's own unless tenants name one ``prefix_cache_group`` (then, and only
+then, one of them can tell by a faster first token that another sent a prompt).
 
 Keys are stored only as sha256 hex digests; a presented key is hashed and compared with every
 stored digest in constant time per digest.
@@ -50,7 +55,9 @@ SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
     "s3_buckets", "hf_orgs",
+    "prefix_cache_group",
 )  # fmt: skip
+MAX_GROUP_NAME = 128  # characters of a prefix_cache_group
 _KEY_SECTIONS = ("admin", "metrics")  # sections that hold nothing but key_sha256
 
 
@@ -84,6 +91,7 @@ class TenantConfig:
     max_concurrency: int | None = None
     s3_buckets: frozenset[str] = frozenset()  # s3:// buckets its adapters may come from; SHARED: any
     hf_orgs: frozenset[str] = frozenset()  # hf:// organisations (or users) likewise
+    prefix_cache_group: str | None = None  # tenants naming one group share cached prefixes; None: its own
 
     def may_read_bucket(self, bucket: str) -> bool:
         """Whether this tenant's adapters may come from the S3 bucket ``bucket``."""
@@ -110,6 +118,8 @@ class TenantsConfig:
     admin_key_sha256: tuple[str, ...] = ()
     metrics_key_sha256: tuple[str, ...] = ()
     _digests: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (digest, tenant) pairs
+    _open_to_all: tuple[str, ...] = field(default=(), repr=False)  # tenants whose `adapters` holds SHARED
+    _named_by: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)  # adapter -> tenants naming it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
@@ -125,6 +135,12 @@ class TenantsConfig:
                     )
         pairs = tuple((d, name) for name, t in self.tenants.items() for d in t.key_sha256)
         object.__setattr__(self, "_digests", pairs)
+        named: dict[str, list[str]] = {}
+        for name, t in self.tenants.items():
+            for adapter in t.adapters - {SHARED}:
+                named.setdefault(adapter, []).append(name)
+        object.__setattr__(self, "_named_by", MappingProxyType({a: tuple(ts) for a, ts in named.items()}))
+        object.__setattr__(self, "_open_to_all", tuple(n for n, t in self.tenants.items() if SHARED in t.adapters))
 
     @classmethod
     def load(cls, path: str | Path) -> TenantsConfig:
@@ -158,6 +174,13 @@ class TenantsConfig:
             return self.tenants[name]
         except KeyError:
             raise KeyError(f"unknown tenant {name!r}; configured: {sorted(self.tenants)}") from None
+
+    def others_may_use_unowned(self, tenant: str, adapter: str) -> bool:
+        """Whether a tenant other than ``tenant`` may use ``adapter`` if it has no owner (its
+        ``adapters`` list names it or holds ``"*"``). Constant time in the number of tenants: at
+        most two names of each list are looked at."""
+        lists = (self._open_to_all, self._named_by.get(adapter, ()))
+        return any(other != tenant for names in lists for other in names[:2])
 
     def weights(self) -> dict[str, float]:
         return {name: t.weight for name, t in self.tenants.items()}
@@ -210,6 +233,12 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
     weight = t.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise TenantsConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
+    group = t.get("prefix_cache_group")
+    if group is not None and not (isinstance(group, str) and 0 < len(group) <= MAX_GROUP_NAME):
+        raise TenantsConfigError(
+            f"{where}.prefix_cache_group: expected a name of 1 to {MAX_GROUP_NAME} characters "
+            f"(tenants naming one group share cached prompt prefixes; omit it to share with none), got {group!r}"
+        )
     limits = {k: _positive_int(t, k, where) for k in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency")}
     for burst, rate in (("rpm_burst", "rpm"), ("tpm_burst", "tpm")):
         if limits[burst] is not None and limits[rate] is None:
@@ -221,6 +250,7 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         weight=float(weight),
         s3_buckets=frozenset(t.get("s3_buckets", [])),
         hf_orgs=frozenset(t.get("hf_orgs", [])),
+        prefix_cache_group=group,
         **limits,
     )
 

@@ -57,32 +57,45 @@ who registered; a tenant whose request needed the version gets a generic error o
 (the server's log has the detail).
 """
 
-from lorapage.adapters.sources.download import DownloadLimits
-from lorapage.adapters.sources.fetch import AdapterSources, SourceStats
-from lorapage.adapters.sources.parse import (
-    FileSource,
-    HfSource,
-    HttpsSource,
-    RemoteSource,
-    S3Source,
-    Source,
-    parse_source,
-)
-from lorapage.adapters.sources.roots import ANYWHERE, NO_ROOTS, AdapterRoots, check_local_dir
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ANYWHERE",
-    "NO_ROOTS",
-    "AdapterRoots",
-    "AdapterSources",
-    "DownloadLimits",
-    "FileSource",
-    "HfSource",
-    "HttpsSource",
-    "RemoteSource",
-    "S3Source",
-    "Source",
-    "SourceStats",
-    "check_local_dir",
-    "parse_source",
-]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.adapters.sources.download import DownloadLimits as DownloadLimits
+    from lorapage.adapters.sources.fetch import AdapterSources as AdapterSources, SourceStats as SourceStats
+    from lorapage.adapters.sources.parse import (
+        FileSource as FileSource,
+        HfSource as HfSource,
+        HttpsSource as HttpsSource,
+        RemoteSource as RemoteSource,
+        S3Source as S3Source,
+        Source as Source,
+        parse_source as parse_source,
+    )
+    from lorapage.adapters.sources.roots import (
+        ANYWHERE as ANYWHERE,
+        NO_ROOTS as NO_ROOTS,
+        AdapterRoots as AdapterRoots,
+        check_local_dir as check_local_dir,
+    )
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "AdapterSources": "lorapage.adapters.sources.fetch",
+        "SourceStats": "lorapage.adapters.sources.fetch",
+        "DownloadLimits": "lorapage.adapters.sources.download",
+        "FileSource": "lorapage.adapters.sources.parse",
+        "HfSource": "lorapage.adapters.sources.parse",
+        "HttpsSource": "lorapage.adapters.sources.parse",
+        "RemoteSource": "lorapage.adapters.sources.parse",
+        "S3Source": "lorapage.adapters.sources.parse",
+        "Source": "lorapage.adapters.sources.parse",
+        "parse_source": "lorapage.adapters.sources.parse",
+        "ANYWHERE": "lorapage.adapters.sources.roots",
+        "NO_ROOTS": "lorapage.adapters.sources.roots",
+        "AdapterRoots": "lorapage.adapters.sources.roots",
+        "check_local_dir": "lorapage.adapters.sources.roots",
+    },
+)

@@ -1,0 +1,234 @@
+"""How a model family writes tool calls: parsing them out of its output (whole or streamed), and
+the grammar that makes it write valid ones (``tool_choice`` ``required`` or a named function).
+
+Three formats, as vLLM's parsers of the same names read them:
+
+- ``hermes`` (Hermes, Qwen 2 / 2.5 / 3): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  one block per call, text allowed around them;
+- ``llama3_json`` (Llama 3.1+): the whole output is ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``), calls separated by ``;``;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+MAX_PARALLEL_CALLS = 4  # calls a constrained output may hold with parallel_tool_calls (else one)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: its OpenAI id, the function's name, its arguments as JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_urlsafe(18)
+
+
+def _call(obj: object, args_key: str) -> ToolCall | None:
+    """A call from a parsed JSON object ``{"name": ..., args_key: {...}}``; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def call_schema(tools: list[dict], args_key: str) -> dict:
+    """JSON schema of one call to any of ``tools`` (OpenAI function tools), as the format writes it."""
+    options = []
+    for tool in tools:
+        fn = tool["function"]
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {"x-guidance": {"whitespace_flexible": False}, **schema}
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _more(parallel: bool, separator: str) -> str:
+    """Lark for the calls after the first: up to MAX_PARALLEL_CALLS - 1 more with ``parallel``."""
+    if not parallel:
+        return ""
+    more = f"({_lark_literal(separator)} call)" if separator else "call"
+    return f" {more}{{0,{MAX_PARALLEL_CALLS - 1}}}"
+
+
+class ToolFormat(ABC):
+    """One family's way of writing tool calls."""
+
+    name: str
+    args_key: str = "arguments"
+    markers: tuple[str, ...] = ()  # text that starts a call (held back from content when streaming)
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A finished output as ``(content, calls)``; text that is no valid call stays content."""
+
+    @abstractmethod
+    def grammar(self, tools: list[dict], parallel: bool = True) -> str:
+        """A Lark grammar (llguidance's, with ``%json``) of calls to ``tools`` and nothing else: one,
+        or with ``parallel`` one to :data:`MAX_PARALLEL_CALLS`."""
+
+    def call_start(self, text: str) -> int:
+        """Where the first call starts in ``text`` (-1: none yet)."""
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found) if found else -1
+
+    def held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` that may be the start of a marker."""
+        return max((k for m in self.markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        rest = text
+        while (start := rest.find(self.OPEN)) >= 0:
+            if not calls or rest[:start].strip():  # whitespace between calls is no content
+                content.append(rest[:start])
+            end = rest.find(self.CLOSE, start)
+            body = rest[start + len(self.OPEN) : end if end >= 0 else len(rest)]
+            call = _parse_json_call(body, self.args_key)
+            if call is None:  # not a call after all: it stays text
+                content.append(rest[start : end + len(self.CLOSE) if end >= 0 else len(rest)])
+            else:
+                calls.append(call)
+            rest = rest[end + len(self.CLOSE) :] if end >= 0 else ""
+        if not calls or rest.strip():
+            content.append(rest)
+        return _content("".join(content), calls), calls
+
+    def grammar(self, tools: list[dict], parallel: bool = True) -> str:
+        schema = json.dumps(call_schema(tools, self.args_key), ensure_ascii=False)
+        opening, closing = _lark_literal(self.OPEN + "\n"), _lark_literal("\n" + self.CLOSE + "\n")
+        return f"start: call{_more(parallel, '')}\ncall: {opening} %json {schema} {closing}\n"
+
+
+class Llama3JsonFormat(ToolFormat):
+    name = "llama3_json"
+    args_key = "parameters"
+    TAG = "<|python_tag|>"
+    markers = (TAG,)
+
+    def call_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped.startswith(("{", self.TAG)):
+            return len(text) - len(stripped)
+        return super().call_start(text)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip()
+        body = body[len(self.TAG) :].strip() if body.startswith(self.TAG) else body
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_top_level(body, ";"):
+            call = _parse_json_call(part, self.args_key)
+            if call is None:
+                return text, []
+            calls.append(call)
+        return "", calls
+
+    def grammar(self, tools: list[dict], parallel: bool = True) -> str:
+        schema = json.dumps(call_schema(tools, self.args_key), ensure_ascii=False)
+        return f"start: call{_more(parallel, '; ')}\ncall: %json {schema}\n"
+
+
+class MistralFormat(ToolFormat):
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+    markers = (TAG,)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        start = text.find(self.TAG)
+        if start < 0:
+            return text, []
+        try:
+            items = json.loads(text[start + len(self.TAG) :].strip())
+        except ValueError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        found = [_call(item, self.args_key) for item in items]
+        calls = [c for c in found if c is not None]
+        if not calls or len(calls) < len(found):
+            return text, []
+        return _content(text[:start], calls), calls
+
+    def grammar(self, tools: list[dict], parallel: bool = True) -> str:
+        schema = json.dumps(call_schema(tools, self.args_key), ensure_ascii=False)
+        return f'start: {_lark_literal(self.TAG + "[")} call{_more(parallel, ", ")} "]"\ncall: %json {schema}\n'
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())}
+
+
+def detect_format(chat_template: str | None) -> ToolFormat:
+    """The format a chat template writes tool calls in (what vLLM's ``--tool-call-parser`` names);
+    Hermes for templates that show none (lorapage then describes the tools in Hermes's words)."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"]
+    if "<|python_tag|>" in template or ("ipython" in template and '"parameters"' in template):
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def _parse_json_call(text: str, args_key: str) -> ToolCall | None:
+    try:
+        return _call(json.loads(text.strip()), args_key)
+    except ValueError:
+        return None
+
+
+def _content(text: str, calls: list[ToolCall]) -> str:
+    """What is left as content beside calls: nothing when it is only whitespace."""
+    return text if not calls or text.strip() else ""
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside JSON strings and brackets."""
+    parts, depth, start, in_str, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            escaped, in_str = (False, in_str) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]

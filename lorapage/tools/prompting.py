@@ -1,0 +1,79 @@
+"""A conversation with tools, as the model's chat template takes it.
+
+A template that knows tools (it reads ``tools``) gets them and the OpenAI messages as
+transformers would pass them: assistant ``tool_calls`` with their arguments as objects, ``tool``
+messages as they are. A template that does not (the built-in tiny model's) gets the tools
+described in a system message in the Hermes format's words, assistant calls written out as
+``<tool_call>`` blocks and tool results as user turns in ``<tool_response>`` tags: the way
+Hermes and Qwen templates render them, through the roles the template has.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lorapage.tools.formats import ToolFormat
+
+TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}'
+    "\n</tool_call>"
+)
+
+
+def template_knows_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template  # type: ignore[operator]
+
+
+def conversation(
+    messages: list[dict[str, Any]], tools: list[dict] | None, fmt: ToolFormat, chat_template: str | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(messages, template keyword arguments)`` for the chat template. ``messages`` are OpenAI
+    chat messages already checked (roles system, user, assistant, tool)."""
+    if template_knows_tools(chat_template):
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                calls = [
+                    {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": _args(c)}}
+                    for c in m["tool_calls"]
+                ]
+                m = {**m, "tool_calls": calls, "content": m.get("content") or ""}
+            out.append(m)
+        return out, ({"tools": tools} if tools else {})
+    out = []
+    if tools:
+        described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        system = TOOLS_PROMPT.format(tools=described)
+        if messages and messages[0]["role"] == "system":
+            system = messages[0]["content"] + "\n\n" + system
+            messages = messages[1:]
+        out.append({"role": "system", "content": system})
+    for m in messages:
+        if m["role"] == "tool":
+            body = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + body}
+            else:
+                out.append({"role": "user", "content": body})
+        elif m.get("tool_calls"):
+            blocks = "".join(_hermes_block(c) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m.get("content") or "") + blocks})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    return out, {}
+
+
+def _args(call: dict[str, Any]) -> Any:
+    try:
+        return json.loads(call["arguments"])
+    except (ValueError, TypeError):
+        return call["arguments"]
+
+
+def _hermes_block(call: dict[str, Any]) -> str:
+    body = json.dumps({"name": call["name"], "arguments": _args(call)}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>\n"
