@@ -176,6 +176,24 @@ class EngineConfig:
     max_adapter_download_bytes: int = option(
         4 << 30, "cap of one adapter download (its two files together)", group="state", shown="4 GiB"
     )
+    adapter_download_timeout_s: float = option(
+        600.0,
+        "a download of one adapter (both files) still running after this long is cut: the registration, or the "
+        "requests waiting for the load, fail (502) rather than wait on a source that never finishes",
+        group="state",
+    )
+    min_adapter_download_bytes_per_s: int = option(
+        64 << 10,
+        "a download averaging fewer bytes per second than this, once its first 10 s have passed, is cut "
+        "(0: no floor): a source that trickles a byte now and then cannot hold a registration or a load",
+        group="state",
+    )
+    allow_private_adapter_sources: bool = option(
+        False,
+        "https adapter sources, and every redirect they follow, may reach loopback and private addresses (a "
+        "local mirror, tests); without it only public ones. Link-local addresses (cloud metadata) never",
+        group="state",
+    )
     s3_endpoint_url: str | None = option(
         None, "an S3-compatible store for s3:// sources", group="state", none="AWS's, from boto3's config"
     )
@@ -212,6 +230,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gil_switch_interval_s must be > 0; got {self.gil_switch_interval_s}")
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
+        if not self.adapter_download_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.adapter_download_timeout_s must be > 0; got {self.adapter_download_timeout_s}"
+            )
+        if self.min_adapter_download_bytes_per_s < 0:
+            floor = self.min_adapter_download_bytes_per_s
+            raise ValueError(f"EngineConfig.min_adapter_download_bytes_per_s must be >= 0; got {floor}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError(f"EngineConfig.max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}")
         positive = (

@@ -96,7 +96,7 @@ async def test_registration_refuses_bad_adapters_and_keeps_serving(server, in_ro
         ({"id": "x5", "path": "relative/dir", "tenant": "beta"}, "path", "absolute"),
         ({"id": "x6", "path": "ftp://host/adapter", "tenant": "beta"}, "path", "scheme"),
         ({"id": "x9", "source": "https://127.0.0.1:9/a", "tenant": "beta"}, "sha256", "sha256"),
-        ({"id": "x10", "source": "s3://bucket/adapter", "tenant": "beta"}, "source", "--adapter-cache-dir"),
+        ({"id": "x10", "source": "s3://adapters/adapter", "tenant": "alpha"}, "source", "--adapter-cache-dir"),
         ({"id": "x7", "path": str(mismatched), "tenant": "delta"}, "tenant", "tenant"),
         ({"id": "bad:id", "path": str(mismatched), "tenant": "beta"}, "id", "adapter id"),
         ({"id": BASE, "path": str(mismatched), "tenant": "beta"}, "id", "adapter id"),

@@ -196,3 +196,33 @@ async def test_serve_names_a_missing_adapter_root(tmp_path):
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 2 and b"--adapter-root" in err and b"no such directory" in err
+
+
+async def test_a_second_server_on_one_state_dir_exits_with_one_line(tmp_path):
+    """A rolling restart that starts the new server before the old one stops: the new one
+    refuses the held --state-dir (exit 2, one line naming it), the old one serves on."""
+    state = str(tmp_path / "state")
+    first, seen = await _start("--state-dir", state)
+    try:
+        second = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "lorapage.cli",
+            "serve",
+            "--port",
+            "0",
+            "--state-dir",
+            state,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(second.communicate(), timeout=120)
+        assert second.returncode == 2, err
+        assert b"is in use by another lorapage process" in err and state.encode() in err, err
+        assert b"Traceback" not in err and len(err.strip().splitlines()) == 1
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.get(seen["url"] + "/health") as resp:
+                assert resp.status == 200
+    finally:
+        first.terminate()
+        await asyncio.wait_for(first.wait(), timeout=30)

@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
-from server_harness import BASE, assert_openai_error, make_engine, read_sse, running_server
+from server_harness import BASE, assert_openai_error, make_engine, make_roots, read_sse, running_server
 
 from lorapage.server import Access, hash_key
 from lorapage.server.app import STATE
@@ -163,11 +163,11 @@ async def until(done: Callable[[], bool], timeout: float = 30.0) -> None:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def srv() -> AsyncIterator[Server]:
-    engine = make_engine()
     root = Path(tempfile.mkdtemp(prefix="lorapage-hostile-root-")).resolve()
+    engine = make_engine(make_roots(root))
     access = Access(TenantsConfig.from_toml(TENANTS_TOML))
     try:
-        async with running_server(engine, access, adapter_roots=[root]) as base:
+        async with running_server(engine, access) as base:
             yield Server(base.url, base.app, base.session, root)
     finally:
         await engine.close()

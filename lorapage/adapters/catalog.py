@@ -98,7 +98,7 @@ class AdapterCatalog:
         *,
         base_digest: Callable[[], str],
         io_executor: Executor,
-        locate: Callable[[VersionRow], AbstractAsyncContextManager[Path]] | None = None,
+        locate: Callable[[VersionRow, str | None], AbstractAsyncContextManager[Path]] | None = None,
     ) -> None:
         self.cache, self.registry = cache, registry
         self._base_digest, self._io, self._locate_row = base_digest, io_executor, locate
@@ -111,11 +111,11 @@ class AdapterCatalog:
             cache.locate = self._locate
 
     def _locate(self, key: str) -> AbstractAsyncContextManager[Path]:
-        """A block holding version ``key``'s files, fetched from its source and verified."""
+        """A block holding version ``key``'s files, fetched from its source (for its owner) and verified."""
         assert self._locate_row is not None
-        row, _ = self._row(key)
-        assert row is not None, key  # the cache holds only registered versions
-        return self._locate_row(row)
+        row, adapter = self._row(key)
+        assert row is not None and adapter is not None, key  # the cache holds only registered versions
+        return self._locate_row(row, adapter.owner)
 
     # -- restart --------------------------------------------------------------------------------
 

@@ -191,10 +191,15 @@ class Registry:
         activate: bool,
     ) -> VersionRow:
         """Store a new version of ``adapter_id`` (creating the id, owned by ``owner``, on first
-        use) and point the alias at it when ``activate`` (or when the id has no current one)."""
+        use) and point the alias at it when ``activate`` (or when the id has no current one).
+        ConflictError, and nothing stored, when the id has versions of another owner."""
         now = time.time()
         with self._lock, self._transaction():
-            row = self._db.execute("SELECT next_version, current FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT next_version, current, owner, EXISTS (SELECT 1 FROM versions WHERE id = adapters.id) "
+                "FROM adapters WHERE id = ?",
+                (adapter_id,),
+            ).fetchone()
             if row is None:
                 version, current = 1, None
                 self._db.execute(
@@ -202,10 +207,15 @@ class Registry:
                     (adapter_id, owner, now),
                 )
             else:
-                version, current = row
+                version, current, stored_owner, has_versions = row
+                # Checked here, in the transaction, not only in a live view: another process (or
+                # one that started before this id was taken) must not add content under its owner.
+                if has_versions and stored_owner != owner:
+                    raise ConflictError(
+                        f"adapter id {adapter_id!r} belongs to another tenant; choose another id", param="id"
+                    )
                 self._db.execute(
-                    "UPDATE adapters SET next_version = ?, owner = COALESCE(owner, ?) WHERE id = ?",
-                    (version + 1, owner, adapter_id),
+                    "UPDATE adapters SET next_version = ?, owner = ? WHERE id = ?", (version + 1, owner, adapter_id)
                 )
             self._db.execute(
                 "INSERT INTO versions (id, version, digest, source, base_digest, spec, created) "

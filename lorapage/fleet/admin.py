@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -28,12 +27,21 @@ from starlette.responses import Response
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import VersionRow, parse_name
+from lorapage.adapters.sources import AdapterRoots
 from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.fleet.http import read_body
 from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
-from lorapage.server.admin import checked_source, registration, remove_when_idle, source_errors, wait_until
+from lorapage.server.admin import (
+    ADMIN_MAX_BODY_BYTES,
+    checked_source,
+    registration,
+    remove_when_idle,
+    source_errors,
+    wait_until,
+)
 from lorapage.server.auth import Access
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
@@ -72,12 +80,12 @@ class FleetAdmin:
         profile: Callable[[], Awaitable[EngineProfile]],
         in_flight: Counter[str | None],
         draining: set[str],
-        adapter_roots: Sequence[Path],
+        adapter_roots: AdapterRoots,
         sync_period_s: float,
     ) -> None:
         self.access, self.registry, self.engines, self.reports = access, registry, engines, reports
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
-        self.adapter_roots, self.sync_period_s = tuple(adapter_roots), sync_period_s
+        self.adapter_roots, self.sync_period_s = adapter_roots, sync_period_s
         self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
         self._routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
             (re.compile(r"/v1/adapters"), {"POST": self.register, "GET": self.list}),
@@ -153,12 +161,15 @@ class FleetAdmin:
 
     async def register(self, request: Request, _: str) -> Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
+        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
         base = await self.profile()
-        req = registration(await request.body(), base.base_name, self.access)
+        req = registration(body, base.base_name, self.access)
         self.registry.check_owner(req.id, req.tenant)
         with source_errors(req):
-            source = await checked_source(req, self.adapter_roots)
-            got = self._on_owner(req.id).prepare_adapter.remote(source, req.sha256, req.expected_base_digest)
+            source = await checked_source(req, self.adapter_roots, self.access)
+            got = self._on_owner(req.id).prepare_adapter.remote(
+                source, req.sha256, req.expected_base_digest, req.tenant
+            )
             prepared: PreparedVersion = _ok(await got)
         row, created = await self._write(lambda: self.registry.add(req.id, req.tenant, prepared, activate=req.activate))
         self.access.set_owner(req.id, req.tenant)
@@ -196,7 +207,7 @@ class FleetAdmin:
 
     async def set_current(self, request: Request, adapter_id: str) -> Response:
         """Deploy or roll back, fleet-wide at once: the ingress resolves every request's version."""
-        req = protocol.decode(await request.body(), protocol.AdapterAliasRequest)
+        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
         if "@" in adapter_id or adapter_id not in self.registry.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         row = self.registry.row(f"{adapter_id}@{req.version}")

@@ -28,6 +28,7 @@ from lorapage.server.serve import (
     add_engine_arguments,
     add_front_end_arguments,
     add_state_arguments,
+    check_root_tenants,
     engine_config,
     lora_modules,
 )
@@ -100,7 +101,7 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
         return FleetConfig(
             engine=engine,
             state_dir=engine.state_dir,
-            adapter_roots=tuple(str(r.resolve()) for r in adapter_roots(args, PROG)),
+            adapter_roots=adapter_roots(args, modules, PROG).values(),
             metrics_public=args.metrics_public,
             sync_period_s=args.sync_period,
             tenants_toml=tenants_toml,
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants = _tenants_toml(args.tenants, list(modules))
     except (OSError, TenantsConfigError) as exc:
         fail(PROG, f"tenants file: {exc}")
+    check_root_tenants(adapter_roots(args, modules, PROG), TenantsConfig.from_toml(tenants).tenants, PROG)
     import ray
     from ray import serve
 

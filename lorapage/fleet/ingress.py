@@ -46,16 +46,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, parse_name
+from lorapage.adapters.state_lock import StateDirLock
 from lorapage.errors import (
     AdapterNotFoundError,
-    BodyTooLargeError,
     LorapageError,
     QuotaExceededError,
     ServiceUnavailableError,
 )
 from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.config import FleetConfig
-from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route
+from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
@@ -90,6 +90,8 @@ class FleetIngress:
         # A tenant without max_concurrency may hold its share of the replicas' queues together.
         queue_len = config.engine.max_queue_len * config.replicas
         self.quotas = QuotaManager(self.access.tenants, now=time.monotonic(), queue_len=queue_len)
+        # One writer per state dir: a second fleet (or server) on it fails to deploy, saying why.
+        self._state_lock = StateDirLock(Path(config.state_dir)) if config.state_dir is not None else None
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = FleetRegistry(Registry(state))
         for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
@@ -122,7 +124,7 @@ class FleetIngress:
             profile=self.profile,
             in_flight=self.in_flight,
             draining=self.draining,
-            adapter_roots=[Path(r).resolve() for r in config.adapter_roots],
+            adapter_roots=config.roots(),
             sync_period_s=config.sync_period_s,
         )
         self._routes = {
@@ -271,14 +273,7 @@ class FleetIngress:
         return self.access.tenant_for(cast(Any, request))
 
     async def body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise BodyTooLargeError(f"request body is {length} bytes; the limit is {limit}")
-        body = await request.body()
-        if len(body) > limit:
-            raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
-        return body
+        return await read_body(request, self.config.max_body_bytes)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")

@@ -1,21 +1,23 @@
 """Admin routes: register adapter versions, deploy and roll back, inspect and delete them,
 pre-warm or drop them, read engine state.
 
-All of them take the admin key only. Registration is the one place where the server reads a path
-or fetches a URI named in a request: a directory only under the ``--adapter-root`` directories
-(resolved first, symlinks and ``..`` followed, and so is every file in it, so neither the path nor
-a link inside it reaches outside a root; without a root it is refused), or an https / s3 / hf
-source (see :mod:`lorapage.adapters.sources`). A version is answered 201 only once committed to
-the registry, so it survives a restart.
+All of them take the admin key only, and a body of at most :data:`ADMIN_MAX_BODY_BYTES` (read
+as it streams: nothing past the limit is read). Registration is the one place where the server
+reads a path or fetches a URI named in a request: a directory only under the adapter roots the
+tenant may read from (its own ``--adapter-root TENANT=DIR``, else the shared ones; resolved
+first, symlinks and ``..`` followed, and so is every file in it, so neither the path nor a link
+inside it reaches outside those roots or into another tenant's; without a root it is refused), an
+https source, or an s3 / hf one from a bucket or organisation the tenant's entry in the tenants
+file lists (see :mod:`lorapage.adapters.sources`). A version is answered 201 only once committed
+to the registry, so it survives a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,18 +25,20 @@ from aiohttp import web
 
 from lorapage.adapters.metrics import OTHER
 from lorapage.adapters.registry import parse_name
-from lorapage.adapters.sources import parse_source
+from lorapage.adapters.sources import AdapterRoots, HfSource, S3Source, Source, parse_source
 from lorapage.errors import (
     AdapterBusyError,
     AdapterFormatError,
     AdapterNotFoundError,
     AdapterSourceError,
+    BodyTooLargeError,
     InvalidRequestError,
     PermissionDeniedError,
 )
 from lorapage.server import protocol
 from lorapage.server.auth import Access
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
+from lorapage.server.tenants import TenantConfig
 
 # Matched whole (fullmatch): with ``match`` and ``$``, "a-priv\n" passed and was listed beside "a-priv".
 _ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
@@ -53,6 +57,34 @@ def check_adapter_id(adapter_id: str, base_name: str, param: str = "id") -> None
         )
 
 
+# An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
+ADMIN_MAX_BODY_BYTES = 64 << 10
+
+
+def check_body_length(length: int | None, limit: int) -> None:
+    """Refuse (413) a body whose declared length is over ``limit``, before reading any of it."""
+    if length is not None and length > limit:
+        raise BodyTooLargeError(f"request body is {length} bytes; the limit is {limit}")
+
+
+def body_too_large(limit: int) -> BodyTooLargeError:
+    """The 413 for a body that streamed past ``limit`` (no length declared, or a wrong one)."""
+    return BodyTooLargeError(f"request body is over the limit of {limit} bytes; reading stopped there")
+
+
+async def read_admin_body(request: web.Request, limit: int = ADMIN_MAX_BODY_BYTES) -> bytes:
+    """An admin route's body, read as it streams and refused (413) once past ``limit``: a body
+    without a Content-Length (chunked) is never read whole first."""
+    check_body_length(request.content_length, limit)
+    chunks, size = [], 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def registration(body: bytes, base_name: str, access: Access) -> protocol.AdapterCreateRequest:
     """A ``POST /v1/adapters`` body, decoded and checked: the id, the tenant, one source field."""
     req = protocol.decode(body, protocol.AdapterCreateRequest)
@@ -64,15 +96,33 @@ def registration(body: bytes, base_name: str, access: Access) -> protocol.Adapte
     return req
 
 
-async def checked_source(req: protocol.AdapterCreateRequest, roots: Sequence[Path]) -> str:
-    """The registration's source as a canonical URI; a directory only under ``roots``. Checked
+async def checked_source(req: protocol.AdapterCreateRequest, roots: AdapterRoots, access: Access) -> str:
+    """The registration's source as a canonical URI: a directory only under the ``roots`` its
+    tenant may read from, a bucket or an organisation only one its tenant's entry lists. Checked
     in a worker (the file system is read: symlinks resolved, roots enforced)."""
     raw = req.source if req.source is not None else req.path
     assert raw is not None
     parsed = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: parse_source(raw, sha256=req.sha256, adapter_roots=tuple(roots))
+        None, lambda: parse_source(raw, sha256=req.sha256, roots=roots.for_requests(), owner=req.tenant)
     )
+    check_origin(parsed, access.tenants.get(req.tenant))
     return parsed.uri
+
+
+def check_origin(source: Source, tenant: TenantConfig) -> None:
+    """Refuse (403) an s3 bucket or an hf organisation ``tenant``'s entry does not list: the
+    server's credentials reach buckets and private repositories that are not the tenant's."""
+    if isinstance(source, S3Source) and not tenant.may_read_bucket(source.bucket):
+        field, name = "s3_buckets", source.bucket
+    elif isinstance(source, HfSource) and not tenant.may_read_hf_org(org := source.repo_id.partition("/")[0]):
+        field, name = "hf_orgs", org
+    else:
+        return
+    raise PermissionDeniedError(
+        f"tenant {tenant.name!r} may not register adapters from {name!r}: list it in tenants.{tenant.name}.{field} "
+        "in the tenants file",
+        param="source",
+    )
 
 
 @contextmanager
@@ -129,9 +179,9 @@ class AdminRoutes:
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state = self._state(request)
-        req = registration(await request.read(), state.engine.base_name, state.access)
+        req = registration(await read_admin_body(request), state.engine.base_name, state.access)
         with source_errors(req):
-            source = await checked_source(req, state.adapter_roots)
+            source = await checked_source(req, state.engine.adapter_roots, state.access)
             info = await state.engine.register_adapter(
                 req.id,
                 source,
@@ -180,7 +230,7 @@ class AdminRoutes:
         finish on the version they started with; new ones get this one."""
         state = self._state(request)
         adapter_id = request.match_info["id"]
-        req = protocol.decode(await request.read(), protocol.AdapterAliasRequest)
+        req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         if "@" in adapter_id or adapter_id not in state.engine.catalog.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         info = await state.engine.set_adapter_version(adapter_id, req.version)

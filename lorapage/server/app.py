@@ -16,8 +16,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -61,7 +59,6 @@ class ServerState:
         max_body_bytes: int,
         shutdown_grace_s: float,
         metrics_public: bool,
-        adapter_roots: Sequence[str | Path],
     ) -> None:
         self.engine = engine
         self.access = access
@@ -85,8 +82,6 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
         self.metrics_public = metrics_public
-        # Admin registration reads adapter directories under these only (resolved: no symlink games).
-        self.adapter_roots = tuple(Path(root).resolve() for root in adapter_roots)
         self.started = int(time.time())
         self.in_flight: Counter[str | None] = Counter()  # adapter version id@N (None: base) -> requests running
         self.request_ids: set[str] = set()  # the engine's ids of the requests in flight
@@ -329,14 +324,14 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_grace_s: float = 10.0,
     metrics_public: bool = False,
-    adapter_roots: Sequence[str | Path] = (),
     edge: EdgeLimits | None = None,
 ) -> web.Application:
     """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine.
 
     ``/metrics`` takes the admin key or a ``[metrics]`` key unless ``metrics_public``. Admin
-    registration reads adapter directories only under ``adapter_roots`` (none: it is refused).
-    ``edge`` bounds connections (header timeout, per-address cap) when served by :func:`~lorapage.server.run.start`.
+    registration reads adapter directories only under the engine's ``adapter_roots`` (an engine
+    built to read any directory lets HTTP registration read none). ``edge`` bounds connections
+    (header timeout, per-address cap) when served by :func:`~lorapage.server.run.start`.
     """
     app = web.Application(client_max_size=max_body_bytes, middlewares=[count_middleware, error_middleware])
     app[EDGE_LIMITS] = edge or EdgeLimits()
@@ -346,7 +341,6 @@ def create_app(
         max_body_bytes=max_body_bytes,
         shutdown_grace_s=shutdown_grace_s,
         metrics_public=metrics_public,
-        adapter_roots=adapter_roots,
     )
     engine.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
     app.router.add_post("/v1/chat/completions", chat_completions)

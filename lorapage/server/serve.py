@@ -3,9 +3,11 @@
 With no arguments it serves the built-in tiny model and its demo adapters on 127.0.0.1:8000 to
 one ``demo`` tenant whose key (and an admin key) it prints; both keys are new on every start.
 ``--lora-modules`` directories are the operator's and are read wherever they are; adapters the
-admin registers over HTTP must lie under an ``--adapter-root`` or come from an https, s3 or hf
-source. Registrations, versions, aliases and owners persist in ``--state-dir`` across restarts;
-``--lora-modules`` are registered again at every start (the same content is the same version).
+admin registers over HTTP for a tenant must lie under an ``--adapter-root`` that tenant may read
+from (its own ``TENANT=DIR`` ones, else the shared ones) or come from an https, s3 or hf source.
+Registrations, versions, aliases and owners persist in ``--state-dir`` across restarts, which one
+server at a time holds (a second one on it refuses to start); ``--lora-modules`` are registered
+again at every start (the same content is the same version).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import os
 import sqlite3
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from lorapage.adapters.registry import REGISTRY_FILE, RegistrySchemaError
+from lorapage.adapters.sources import AdapterRoots
+from lorapage.adapters.state_lock import StateDirError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
@@ -40,6 +45,9 @@ STATE_FIELDS = (
     "adapter_cache_dir",
     "adapter_cache_bytes",
     "max_adapter_download_bytes",
+    "adapter_download_timeout_s",
+    "min_adapter_download_bytes_per_s",
+    "allow_private_adapter_sources",
     "s3_endpoint_url",
     "hf_endpoint",
 )
@@ -102,9 +110,11 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
         "--adapter-root",
         action="append",
         default=[],
-        metavar="DIR",
+        metavar="[TENANT=]DIR",
         help="directory under which POST /v1/adapters may read adapters (repeatable; a directory every replica "
-        "can read on a cluster; default: none, and HTTP registration from directories is refused)",
+        "can read on a cluster). TENANT=DIR: that tenant's own, and then its only ones; DIR: shared, for tenants "
+        "with none of their own. No entry may link outside or into another tenant's (default: none, and HTTP "
+        "registration from directories is refused)",
     )
     group.add_argument(
         "--metrics-public",
@@ -197,10 +207,14 @@ def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
     return modules
 
 
-def adapter_roots(args: argparse.Namespace, prog: str = PROG) -> list[Path]:
-    """``--adapter-root`` directories, each checked to exist."""
-    roots = [Path(r) for r in args.adapter_root]
-    for root in roots:
+def adapter_roots(args: argparse.Namespace, modules: dict[str, str], prog: str = PROG) -> AdapterRoots:
+    """``--adapter-root`` values (``DIR`` or ``TENANT=DIR``, each checked to exist), with the
+    ``--lora-modules`` directories as the operator's own."""
+    try:
+        roots = AdapterRoots.parse(args.adapter_root, operator=modules.values())
+    except ValueError as exc:
+        fail(prog, str(exc))
+    for root in roots.all_roots():
         if not root.is_dir():
             fail(prog, f"--adapter-root {root}: no such directory")
     return roots
@@ -232,6 +246,13 @@ def state_dir_problem(exc: BaseException) -> str:
     return f"the adapter registry ({REGISTRY_FILE}) cannot be used: {text}"
 
 
+def check_root_tenants(roots: AdapterRoots, tenants: Iterable[str], prog: str = PROG) -> None:
+    """End ``prog`` when a ``TENANT=DIR`` root names a tenant the tenants file does not have."""
+    unknown = sorted(set(roots.tenants) - set(tenants))
+    if unknown:
+        fail(prog, f"--adapter-root names tenant(s) {', '.join(unknown)}, not in the tenants file")
+
+
 def _tenants_file(path: str) -> Access:
     try:
         return Access.from_file(path)
@@ -250,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
-    roots = adapter_roots(args)
+    roots = adapter_roots(args, modules)
     if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
@@ -262,8 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     access = _tenants_file(args.tenants) if args.tenants else None
     check_state_dir(config.state_dir)
+    if access is not None:
+        check_root_tenants(roots, access.tenants.tenants)
     try:
-        engine = Engine(config)
+        engine = Engine(config, adapter_roots=roots)
+    except StateDirError as exc:  # another server holds it
+        fail(PROG, str(exc))
     except (sqlite3.Error, RegistrySchemaError) as exc:  # the registry file itself
         fail(PROG, f"--state-dir {config.state_dir}: {state_dir_problem(exc)}")
     except (OSError, ValueError) as exc:  # a model directory that is not one lorapage can serve
@@ -288,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         metrics_public=args.metrics_public,
-        adapter_roots=roots,
         edge=edge,
     )
     print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")

@@ -16,6 +16,8 @@ rpm_burst = 600               # bucket size, default rpm
 tpm = 200000                  # prompt + max_tokens per minute (omit: unlimited)
 tpm_burst = 200000            # bucket size, default tpm; a larger request can never be admitted
 max_concurrency = 32          # requests in flight (omit: unlimited)
+s3_buckets = ["acme-adapters"]  # s3:// buckets the admin may register this tenant's adapters from
+hf_orgs = ["acme"]            # hf:// organisations (or users) likewise; "*": any, in either list
 prefix_cache_group = "acme-family"  # tenants naming one group share cached prompt prefixes (omit: its own)
 ```
 
@@ -23,6 +25,11 @@ Access fails closed. A tenant may always use the base model and the adapters the
 for it (their owner). ``adapters`` adds adapters without an owner (those from ``--lora-modules``):
 by name, or all of them with ``"*"`` (:data:`SHARED`). Omitting it (or ``[]``) opens none. No list
 can open an adapter whose owner is another tenant.
+
+A registration for a tenant fetches from ``s3://`` or ``hf://`` with the server's credentials, so
+it may name only the buckets and Hub organisations the tenant's ``s3_buckets`` and ``hf_orgs``
+list (none by default): another tenant's bucket or a private repository the server can read is
+not the tenant's to register from.
 
 Nothing one tenant caches is observable by another unless the operator grouped them: cached
 prompt prefixes are the tenant's own unless tenants name one ``prefix_cache_group`` (then, and only
@@ -48,6 +55,7 @@ SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
+    "s3_buckets", "hf_orgs",
     "prefix_cache_group",
 )  # fmt: skip
 MAX_GROUP_NAME = 128  # characters of a prefix_cache_group
@@ -82,7 +90,17 @@ class TenantConfig:
     tpm: int | None = None
     tpm_burst: int | None = None  # None: tpm
     max_concurrency: int | None = None
+    s3_buckets: frozenset[str] = frozenset()  # s3:// buckets its adapters may come from; SHARED: any
+    hf_orgs: frozenset[str] = frozenset()  # hf:// organisations (or users) likewise
     prefix_cache_group: str | None = None  # tenants naming one group share cached prefixes; None: its own
+
+    def may_read_bucket(self, bucket: str) -> bool:
+        """Whether this tenant's adapters may come from the S3 bucket ``bucket``."""
+        return SHARED in self.s3_buckets or bucket in self.s3_buckets
+
+    def may_read_hf_org(self, org: str) -> bool:
+        """Whether this tenant's adapters may come from the Hub organisation (or user) ``org``."""
+        return SHARED in self.hf_orgs or org in self.hf_orgs
 
     @property
     def rpm_bucket(self) -> int | None:
@@ -200,6 +218,14 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
             f'{where}.adapters: expected a list of adapter names (or ["{SHARED}"] for every shared adapter), '
             f"got {adapters!r}"
         )
+    origins = {}
+    for key, what in (("s3_buckets", "S3 bucket names"), ("hf_orgs", "Hugging Face organisations")):
+        names = t.get(key, [])
+        if not (isinstance(names, list) and all(isinstance(n, str) and n for n in names)):
+            raise TenantsConfigError(
+                f'{where}.{key}: expected a list of {what} (or ["{SHARED}"] for any), got {names!r}'
+            )
+        origins[key] = frozenset(names)
     weight = t.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise TenantsConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
@@ -218,6 +244,8 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         key_sha256=_digests_field(t, where),
         adapters=frozenset(adapters),
         weight=float(weight),
+        s3_buckets=frozenset(t.get("s3_buckets", [])),
+        hf_orgs=frozenset(t.get("hf_orgs", [])),
         prefix_cache_group=group,
         **limits,
     )
