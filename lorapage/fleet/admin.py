@@ -33,7 +33,14 @@ from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
-from lorapage.server.admin import checked_source, registration, remove_when_idle, source_errors, wait_until
+from lorapage.server.admin import (
+    checked_source,
+    cost_fields,
+    registration,
+    remove_when_idle,
+    source_errors,
+    wait_until,
+)
 from lorapage.server.auth import Access
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
@@ -147,6 +154,7 @@ class FleetAdmin:
             base_digest=base.base_digest,
             versions=[r.version for r in self.registry.versions(adapter_id)],
             replicas=replicas,
+            **cost_fields(info),
         )
 
     # -- routes -----------------------------------------------------------------------------------
@@ -192,6 +200,7 @@ class FleetAdmin:
             current=row.version == current,
             servable=row.base_digest == base,
             in_flight=self.in_flight.get(row.key, 0),
+            projected_cost_pct=row.projected_cost_pct,
         )
 
     async def set_current(self, request: Request, adapter_id: str) -> Response:

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import parse_source
 from lorapage.errors import (
@@ -33,7 +34,7 @@ from lorapage.errors import (
 )
 from lorapage.server import protocol
 from lorapage.server.auth import Access
-from lorapage.server.responses import AdapterOut, AdapterVersionOut
+from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut
 
 _ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RESERVED_IDS = ("none",)  # x-adapter-id of base-model requests
@@ -77,6 +78,16 @@ def source_errors(req: protocol.AdapterCreateRequest) -> Iterator[None]:
         raise
 
 
+def cost_fields(info: AdapterInfo) -> dict[str, Any]:
+    """An adapter's projected cost and serving tier as the admin routes show them (here and in the fleet)."""
+    cost = info.cost
+    return {
+        "projected_cost_pct": None if cost is None else cost.projected_cost_pct,
+        "cost": None if cost is None else AdapterCostOut.of(cost),
+        "serving_tier": info.serving_tier,
+    }
+
+
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
@@ -115,6 +126,7 @@ class AdminRoutes:
             source=info.source,
             base_digest=state.engine.digest,
             versions=[v.version for v in versions],
+            **cost_fields(info),
         )
 
     async def register(self, request: web.Request) -> web.Response:
@@ -161,6 +173,7 @@ class AdminRoutes:
                 current=v.current,
                 servable=v.servable,
                 in_flight=state.in_flight.get(v.key, 0),
+                projected_cost_pct=v.projected_cost_pct,
             )
             for v in sorted(versions, key=lambda v: v.version)
         ]
