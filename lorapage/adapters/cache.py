@@ -234,7 +234,8 @@ class AdapterCache:
             page_bytes = self.pool.page_size * self.pool.storage.element_size()
             shape = describe_shape(spec.max_rank, spec.target_modules, self.model.num_layers)
             raise AdapterFormatError(
-                f"adapter at {str(spec.path)!r} does not fit this server's pool: {shape} needs "
+                f"adapter at {str(spec.path)!r} does not fit this server's pool: {shape} "
+                f"(max_lora_rank {self.max_lora_rank}) needs "
                 f"{layout.num_pages} pages of {page_bytes} bytes per layer; with {self.sequence_pages} pages for one "
                 f"full-length sequence that is {layout.num_pages + self.sequence_pages}, and the pool has "
                 f"{self.pool.capacity} pages. Use a lower rank or fewer modules, or ask the operator for a larger "
