@@ -17,6 +17,8 @@ LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
+# The module classes a shared-envelope rule names (lorapage.adapters.envelope maps them to modules).
+ENVELOPE_MODULE_CLASSES = ("attention", "mlp", "all")
 # The concerns a config's fields are grouped by, in the order --help lists them.
 GROUPS = {
     "model": "model",
@@ -131,6 +133,29 @@ class EngineConfig:
         "pool's pages (and always leave room for one full-length sequence and one adapter)",
         group="adapters",
     )
+    cost_reference_batch: int = option(
+        64,
+        "rows of a decode step, each on its own adapter, that an adapter's projected cost assumes (the design's "
+        "64): projected cost = batch x adapter bytes / base bytes, since the base is read once per step and each "
+        "distinct adapter once for its rows (docs/capacity.md)",
+        group="adapters",
+    )
+    shared_envelope: str = option(
+        "all:16",
+        "adapter shapes the shared pool serves: comma-separated MODULES:RANK rules, MODULES one of attention "
+        "(q/k/v/o_proj only), mlp (gate/up/down_proj only) or all; an adapter within a rule (and within "
+        "shared_max_cost_pct) is tier shared, any other is tier dedicated, served by a dedicated merged deployment "
+        "of its own, and refused with its projected cost while none is configured. The design's envelope for its "
+        "70B is attention:16,all:8; '' sets no shape rule",
+        group="adapters",
+    )
+    shared_max_cost_pct: float | None = option(
+        None,
+        "an adapter whose projected decode cost at cost_reference_batch is above this percent of the base's is tier "
+        "dedicated (the design's bound is 10)",
+        group="adapters",
+        none="no bound on the cost",
+    )
     metrics_top_adapters: int = option(
         20, "per-adapter metrics name the top this many adapters by recent traffic; the rest are 'other'",
         group="adapters",
@@ -237,6 +262,9 @@ class EngineConfig:
         if self.min_adapter_download_bytes_per_s < 0:
             floor = self.min_adapter_download_bytes_per_s
             raise ValueError(f"EngineConfig.min_adapter_download_bytes_per_s must be >= 0; got {floor}")
+        parse_envelope_rules(self.shared_envelope)
+        if self.shared_max_cost_pct is not None and not self.shared_max_cost_pct >= 0:
+            raise ValueError(f"EngineConfig.shared_max_cost_pct must be >= 0; got {self.shared_max_cost_pct}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError(f"EngineConfig.max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}")
         positive = (
@@ -249,8 +277,24 @@ class EngineConfig:
             "adapter_cache_bytes",
             "max_adapter_download_bytes",
             "metrics_top_adapters",
+            "cost_reference_batch",
         )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:  # None: io_threads counted from the device
                 raise ValueError(f"EngineConfig.{name} must be >= 1; got {value}")
+
+
+def parse_envelope_rules(text: str) -> tuple[tuple[str, int], ...]:
+    """``shared_envelope`` as (module class, highest rank) rules: ``"attention:16,all:8"`` ->
+    ``(("attention", 16), ("all", 8))``; ``""`` -> no rule. Raises ValueError naming the bad rule."""
+    rules = []
+    for raw in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, rank = raw.partition(":")
+        if kind.strip() not in ENVELOPE_MODULE_CLASSES or not rank.strip().isdigit() or int(rank) < 1:
+            raise ValueError(
+                f"EngineConfig.shared_envelope rule {raw!r} is not MODULES:RANK with MODULES one of "
+                f"{', '.join(ENVELOPE_MODULE_CLASSES)} and RANK >= 1 (e.g. attention:16,all:8)"
+            )
+        rules.append((kind.strip(), int(rank)))
+    return tuple(rules)

@@ -41,6 +41,13 @@ class AdapterFormatError(LorapageError):
     code = "invalid_adapter"
 
 
+class AdapterEnvelopeError(AdapterFormatError):
+    """An adapter's shape is outside the shared serving envelope (tier dedicated) and no
+    dedicated deployment serves it; the message carries its projected cost and the allowed shapes."""
+
+    code = "adapter_outside_envelope"
+
+
 class AdapterLoadError(LorapageError):
     """Reading an adapter's weights failed when a request needed them."""
 

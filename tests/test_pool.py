@@ -17,6 +17,12 @@ from lorapage.tiny import TINY_BASE_DIR
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def pool_engine(**overrides):
+    """The tiny engine taking rank-64 all-module adapters: outside the default shared envelope
+    (tier dedicated, refused), but these tests are about pages, not about what an adapter costs."""
+    return tiny_engine(shared_envelope="all:64", **overrides)
+
+
 @pytest.fixture(scope="module")
 def rank_adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
@@ -24,7 +30,7 @@ def rank_adapters(tmp_path_factory):
 
 
 def test_pages_proportional_to_rank(rank_adapters):
-    engine = tiny_engine()
+    engine = pool_engine()
     p8 = engine.add_adapter("r8", rank_adapters[8]).num_pages
     p64 = engine.add_adapter("r64", rank_adapters[64]).num_pages
     assert p64 == pytest.approx(8 * p8, rel=0.15)  # ceil() rounding only
@@ -46,7 +52,7 @@ def test_adapter_pages_in_a_narrower_dtype_are_the_pools_own_memory():
 
 @pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])  # C kernels, and the PyTorch ops alone
 def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora_dtype):
-    wide, narrow = tiny_engine(), tiny_engine(lora_dtype=lora_dtype)
+    wide, narrow = pool_engine(), pool_engine(lora_dtype=lora_dtype)
     # An auto-sized pool holds max_loras of the largest adapters beside the KV: fewer pages now.
     assert narrow.pool.num_pages < wide.pool.num_pages
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
@@ -66,7 +72,7 @@ def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora
 
 
 async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapters):
-    engine = tiny_engine()
+    engine = pool_engine()
     engine.add_adapter("r64", rank_adapters[64])
     free0 = engine.pool_free_pages()
     await engine.load_adapter("r64")
@@ -80,10 +86,10 @@ async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapter
 
 async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
     # A pool just big enough for one rank-64 adapter plus a few KV blocks.
-    probe = tiny_engine()
+    probe = pool_engine()
     probe.add_adapter("r64", rank_adapters[64])
     need = probe.adapter_info("r64").num_pages
-    engine = tiny_engine(num_pages=1 + need + 20, max_loras=2, max_model_len=80)
+    engine = pool_engine(num_pages=1 + need + 20, max_loras=2, max_model_len=80)
     engine.add_adapter("r64", rank_adapters[64])
     engine.add_adapter("r8", rank_adapters[8])
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -119,11 +125,11 @@ def asyncio_task(engine, adapter):
 def test_fragmented_pool_gives_the_same_outputs(rank_adapters):
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
-    clean = tiny_engine()
+    clean = pool_engine()
     clean.add_adapter("r8", rank_adapters[8])
     want = clean.generate_batch([(p, a) for p, a in zip(prompts, ["r8", "acme", "initech"])], params)
 
-    frag = tiny_engine()
+    frag = pool_engine()
     frag.add_adapter("r8", rank_adapters[8])
     # Take every other page so adapters and KV blocks land on scattered pages.
     pool = frag.pool
@@ -167,7 +173,7 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
     import asyncio
 
     rng = random.Random(1)
-    engine = tiny_engine(num_pages=400, max_loras=3, max_model_len=256)
+    engine = pool_engine(num_pages=400, max_loras=3, max_model_len=256)
     engine.add_adapter("r8", rank_adapters[8])
     engine.add_adapter("r64", rank_adapters[64])
     start = engine.pool_free_pages()

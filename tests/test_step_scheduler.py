@@ -15,7 +15,7 @@ from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 
 async def test_adapter_that_cannot_fit_beside_one_full_sequence_is_refused_at_registration():
-    """The serving envelope: an adapter whose pages and one full-length sequence's KV blocks do
+    """Pool fit: an adapter whose pages and one full-length sequence's KV blocks do
     not fit the pool could never serve a request, so registration refuses it with the arithmetic;
     a shorter max_model_len that fits takes it and serves."""
     probe = tiny_engine()

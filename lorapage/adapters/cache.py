@@ -37,7 +37,9 @@ from pathlib import Path
 
 import torch
 
+from lorapage.adapters.cost import AdapterCost
 from lorapage.adapters.digest import bytes_digest
+from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, refusal
 from lorapage.adapters.layout import AdapterLayout, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import (
@@ -135,12 +137,15 @@ class AdapterInfo:
     current: bool = False
     created: bool = True  # False: a registration of content an existing version already had
     pinned: bool = False  # pinned resident by an admin (AdapterCache.pin_resident)
+    cost: AdapterCost | None = None  # projected cost against the base (lorapage.adapters.cost)
+    serving_tier: str = ServingTier.SHARED.value  # from its shape (lorapage.adapters.envelope)
 
 
 class AdapterCache:
     """Registry, host-RAM LRU and pool residency of adapters, with value-per-page eviction,
     admin pins (bounded by ``max_pinned_fraction`` of the pool) and per-tenant prefetch into host
-    RAM (at most ``max_prefetches`` reads at once; 0 turns it off)."""
+    RAM (at most ``max_prefetches`` reads at once; 0 turns it off). Only adapters inside the shared
+    serving ``envelope`` are registered."""
 
     def __init__(
         self,
@@ -153,6 +158,7 @@ class AdapterCache:
         max_lora_rank: int,
         slot_wait_s: float,
         dtype: torch.dtype,
+        envelope: Envelope,
         io_executor: Executor,
         run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
         on_ready: Callable[[], None],
@@ -167,6 +173,7 @@ class AdapterCache:
         self.model, self.pool, self.tables = model, pool, tables
         self.max_cpu_loras, self.max_lora_rank, self.dtype = max_cpu_loras, max_lora_rank, dtype
         self.slot_wait_s, self.max_loras = slot_wait_s, max_loras
+        self.envelope = envelope
         self._io, self._run_on_device, self._on_ready, self._clock = io_executor, run_on_device, on_ready, clock
         self._idle_kv = idle_kv  # the prefix cache, whose idle blocks compete with idle adapters for pages
         self.sequence_pages = sequence_pages  # KV pages of one full-length sequence: an adapter must fit beside it
@@ -219,10 +226,11 @@ class AdapterCache:
 
     def validate(self, path: str) -> tuple[AdapterSpec, AdapterLayout, str]:
         """Read and check an adapter directory: config, tensor names and shapes against the base,
-        every weight finite, and a size the pool can hold; with the content digest of the bytes
-        checked (loads verify against it, so what they use is what was checked). Touches no
-        engine state, so it may run in any thread."""
+        every weight finite, a shape inside the shared serving envelope and a size the pool can
+        hold; with the content digest of the bytes checked (loads verify against it, so what they
+        use is what was checked). Touches no engine state, so it may run in any thread."""
         spec = read_adapter_spec(path, self.model, self.max_lora_rank)
+        self.check_envelope(spec)
         layout = self.plan(spec)
         weights = read_weights(spec)
         load_adapter_tensors(spec, self.dtype, weights)  # refuses NaN / Inf weights now, not at the first request
@@ -230,20 +238,29 @@ class AdapterCache:
         self._finite_digests.add(digest)
         return spec, layout, digest
 
+    def check_envelope(self, spec: AdapterSpec) -> AdapterCost:
+        """The adapter's projected cost; refused (400, with that cost and the allowed shapes) when
+        its shape is outside the shared envelope. Its tier is then ``dedicated``, which only a
+        dedicated deployment serves, and none exists yet: it is never shared silently."""
+        cost = self.envelope.cost(spec.ranks)
+        if self.envelope.tier(spec.ranks, cost) is ServingTier.DEDICATED:
+            raise refusal(str(spec.path), self.envelope, spec.ranks, cost)
+        return cost
+
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
-        """The adapter's page layout, refused (the serving envelope) when its pages cannot fit in
-        the pool beside one full-length sequence's KV blocks: it could never serve a request."""
+        """The adapter's page layout, refused when its pages cannot fit in the pool beside one
+        full-length sequence's KV blocks: it could never serve a request here."""
         layout = AdapterLayout.plan(spec, self.model, self.pool.adapter_page_size)
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
-            m, page_bytes = self.model, self.pool.page_size * self.pool.storage.element_size()
+            page_bytes = self.pool.page_size * self.pool.storage.element_size()
+            shape = describe_shape(spec.max_rank, spec.target_modules, self.model.num_layers)
             raise AdapterFormatError(
-                f"adapter at {str(spec.path)!r} can never be served here: rank {spec.max_rank} "
-                f"(max_lora_rank {self.max_lora_rank}) on {len(spec.target_modules)} modules "
-                f"({', '.join(spec.target_modules)}) x {m.num_layers} layers needs {layout.num_pages} pages of "
-                f"{page_bytes} bytes per layer; with {self.sequence_pages} pages for one full-length sequence "
-                f"that is {layout.num_pages + self.sequence_pages}, and the pool has {self.pool.capacity} "
-                "pages. Use a lower rank or fewer modules, or start the server with a larger pool "
-                "(--num-pages) or a shorter --max-model-len"
+                f"adapter at {str(spec.path)!r} does not fit this server's pool: {shape} "
+                f"(max_lora_rank {self.max_lora_rank}) needs "
+                f"{layout.num_pages} pages of {page_bytes} bytes per layer; with {self.sequence_pages} pages for one "
+                f"full-length sequence that is {layout.num_pages + self.sequence_pages}, and the pool has "
+                f"{self.pool.capacity} pages. Use a lower rank or fewer modules, or ask the operator for a larger "
+                "pool (--num-pages) or a shorter --max-model-len"
             )
         return layout
 
@@ -293,6 +310,7 @@ class AdapterCache:
 
     def info(self, name: str) -> AdapterInfo:
         e = self.get(name)
+        cost = self.envelope.cost(e.spec.ranks)
         return AdapterInfo(
             name=name,
             path=str(e.spec.path),
@@ -303,6 +321,8 @@ class AdapterCache:
             num_pages=e.layout.num_pages,
             tier=self.tier(name),
             pinned=e.pinned,
+            cost=cost,
+            serving_tier=self.envelope.tier(e.spec.ranks, cost).value,
         )
 
     # -- residency ------------------------------------------------------------------------------

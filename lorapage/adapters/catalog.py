@@ -65,6 +65,7 @@ class VersionInfo:
     created: float
     current: bool
     servable: bool  # False: validated against another base than the one running
+    projected_cost_pct: float | None = None  # as stored (lorapage.adapters.cost); None: on another base, never costed
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class PreparedVersion:
     rank: int
     target_modules: tuple[str, ...]
     size_bytes: int
+    projected_cost_pct: float  # at the preparing engine's reference batch
 
 
 @dataclass
@@ -124,6 +126,7 @@ class AdapterCatalog:
         owners = {a.adapter_id: a for a in self.registry.adapters()}
         rows = self.registry.versions()
         base = self._base_digest() if rows else ""
+        rows = self._costed(rows, base)
         for a in owners.values():
             self._ids[a.adapter_id] = _Adapter(a.owner, a.current)
         for row in rows:
@@ -131,15 +134,37 @@ class AdapterCatalog:
             self._serve_stored(row, base)
         self._restore_pins(rows)
 
+    def _costed(self, rows: list[VersionRow], base: str) -> list[VersionRow]:
+        """``rows``, each version on ``base`` with its projected cost as this configuration
+        computes it; stored first where the registry holds none (a migrated file) or another (a
+        new reference batch or adapter dtype). Versions on other bases keep theirs."""
+        changed = {}
+        for row in rows:
+            if row.base_digest == base:
+                pct = self.cache.envelope.cost(spec_from_json(row.spec).ranks).projected_cost_pct
+                if row.projected_cost_pct is None or abs(row.projected_cost_pct - pct) > 1e-9 * max(1.0, pct):
+                    changed[(row.adapter_id, row.version)] = pct
+        if changed:
+            self.registry.set_projected_costs(changed)
+        return [
+            dataclasses.replace(r, projected_cost_pct=changed[(r.adapter_id, r.version)])
+            if (r.adapter_id, r.version) in changed
+            else r
+            for r in rows
+        ]
+
     def _serve_stored(self, row: VersionRow, base: str) -> None:
         """Give a stored version its cache entry (reading no weights), unless it was validated
-        against another base (kept, and refused by resolve) or this configuration cannot serve it."""
+        against another base (kept, and refused by resolve) or this configuration cannot serve it:
+        its pool, its max_lora_rank or its shared envelope (never shared silently: refused by
+        resolve with the envelope's 400)."""
         if row.base_digest != base:
             return
         spec = spec_from_json(row.spec)
         try:
+            self.cache.check_envelope(spec)
             self.cache.add(row.key, spec, self.cache.plan(spec), row.digest)
-        except AdapterFormatError as exc:  # this server's pool or max_lora_rank cannot serve it
+        except AdapterFormatError as exc:
             self._unfit[row.key] = exc
 
     def _restore_pins(self, rows: list[VersionRow]) -> None:
@@ -214,7 +239,17 @@ class AdapterCatalog:
             created=row.created,
             current=adapter.current == row.version,
             servable=row.key in self.cache.entries,
+            projected_cost_pct=row.projected_cost_pct,
         )
+
+    def current_costs(self) -> dict[str, float]:
+        """Each id's current version's projected cost, for those this engine serves (metrics)."""
+        out = {}
+        for adapter_id, adapter in self._ids.items():
+            row = adapter.versions.get(adapter.current) if adapter.current is not None else None
+            if row is not None and row.projected_cost_pct is not None and row.key in self.cache.entries:
+                out[adapter_id] = row.projected_cost_pct
+        return out
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -346,6 +381,7 @@ class AdapterCatalog:
             base_digest=self._base_digest(),
             spec=spec_to_json(spec),
             activate=activate,
+            projected_cost_pct=self.cache.envelope.cost(spec.ranks).projected_cost_pct,
         )
 
     def _add_live(

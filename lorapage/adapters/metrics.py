@@ -3,8 +3,9 @@ rest together as ``other``.
 
 Counted by the adapter cache: requests by the tier their adapter was in when they arrived, loads
 into the pool and their seconds by the tier they started from (``ram``, ``disk``, ``remote``), and
-pool evictions. Labels are adapter ids, not versions (``acme@3`` counts as ``acme``), so a deploy
-does not mint new series.
+pool evictions. Read at scrape time: each id's projected cost (its current version's, from the
+registry), exported by name for the labelled ids and as a histogram over every id. Labels are
+adapter ids, not versions (``acme@3`` counts as ``acme``), so a deploy does not mint new series.
 
 Cardinality rule: at most ``top_k`` adapter labels plus ``other``. An event is counted under its
 adapter's own label when that adapter is labelled at the time, else under ``other``, so every
@@ -29,6 +30,8 @@ OTHER = "other"  # the label of every adapter outside the top set
 LABEL_REFRESH_S = 60.0  # the labelled set is chosen again this often
 TRAFFIC_HALF_LIFE_S = 300.0  # "recent traffic": request counts halve in weight every 5 minutes
 MAX_TRACKED_FACTOR = 16  # traffic is tracked for at most this many times top_k ids
+# Buckets of the projected-cost histogram (% of the base's decode bytes at the reference batch).
+COST_BOUNDS_PCT = (1.0, 2.5, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 LOAD_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -43,6 +46,7 @@ class AdapterMetrics:
         bytes_downloaded: Callable[[], Mapping[str, int]] = dict,
         pinned_pages: Callable[[], int] = int,
         usage: UsageLedger | None = None,
+        projected_costs: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1; got {top_k}")
@@ -50,6 +54,7 @@ class AdapterMetrics:
         self.bytes_downloaded = bytes_downloaded  # by scheme: the adapter sources' counters
         self.pinned_pages = pinned_pages  # pool pages held by admin pins now
         self.usage = usage  # loads are also charged to their version there
+        self.projected_costs = projected_costs  # adapter id -> its current version's projected cost (%)
         self.requests: Counter[tuple[str, str]] = Counter()  # (label, tier at arrival) -> requests
         self.loads: Counter[tuple[str, str]] = Counter()  # (label, load tier) -> loads into the pool
         self.evictions: Counter[str] = Counter()  # label -> pool evictions

@@ -12,11 +12,14 @@ Tables:
   its versions so a number is never reused: ``id@3`` names the same bytes for good.
 - ``versions``: ``(id, version)`` with the content digest, the canonical source URI, the base
   digest it was validated against and the adapter's spec (JSON: ranks and scales per module), so
-  a restart restores every version without reading or downloading any weights; and whether an
-  admin pinned it resident (``pinned``, schema 2), so a restart loads it again.
+  a restart restores every version without reading or downloading any weights; whether an
+  admin pinned it resident (``pinned``, schema 2), so a restart loads it again; and its projected
+  decode cost in % of the base's (``projected_cost_pct``, schema 3; see
+  :mod:`lorapage.adapters.cost`), so "which adapters are expensive" is a query.
 
-Schema 1 files (before pins) are migrated in place when opened: one ``ALTER TABLE`` adds
-``pinned`` (0 for every version) in the same transaction that records schema 2.
+Older files are migrated in place when opened, each step one ``ALTER TABLE`` in the transaction
+that records the new schema: schema 1 (before pins) gains ``pinned`` (0 for every version),
+schema 2 gains ``projected_cost_pct`` (NULL until an engine on that base fills it in at start).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from lorapage.errors import AdapterNotFoundError, ConflictError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 REGISTRY_FILE = "registry.sqlite3"
 # A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
 # ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
@@ -55,11 +58,15 @@ CREATE TABLE IF NOT EXISTS versions (
     spec TEXT NOT NULL,
     created REAL NOT NULL,
     pinned INTEGER NOT NULL DEFAULT 0,
+    projected_cost_pct REAL,
     PRIMARY KEY (id, version)
 );
 """
 # Each step takes a file from schema N to N + 1 (N is the key).
-_MIGRATIONS = {1: "ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0"}
+_MIGRATIONS = {
+    1: "ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
+    2: "ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",
+}
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class VersionRow:
     spec: str
     created: float
     pinned: bool = False  # an admin pinned it resident: loaded at start, never evicted
+    projected_cost_pct: float | None = None  # extra decode bytes at the reference batch, % of the base's
 
     @property
     def key(self) -> str:
@@ -172,10 +180,10 @@ class Registry:
     def versions(self) -> list[VersionRow]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, version, digest, source, base_digest, spec, created, pinned FROM versions "
-                "ORDER BY id, version"
+                "SELECT id, version, digest, source, base_digest, spec, created, pinned, projected_cost_pct "
+                "FROM versions ORDER BY id, version"
             ).fetchall()
-        return [VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7])) for r in rows]
+        return [VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8]) for r in rows]
 
     # -- writes: each one transaction -----------------------------------------------------------
 
@@ -189,6 +197,7 @@ class Registry:
         base_digest: str,
         spec: str,
         activate: bool,
+        projected_cost_pct: float | None = None,
     ) -> VersionRow:
         """Store a new version of ``adapter_id`` (creating the id, owned by ``owner``, on first
         use) and point the alias at it when ``activate`` (or when the id has no current one).
@@ -218,13 +227,15 @@ class Registry:
                     "UPDATE adapters SET next_version = ?, owner = ? WHERE id = ?", (version + 1, owner, adapter_id)
                 )
             self._db.execute(
-                "INSERT INTO versions (id, version, digest, source, base_digest, spec, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (adapter_id, version, digest, source, base_digest, spec, now),
+                "INSERT INTO versions (id, version, digest, source, base_digest, spec, created, projected_cost_pct) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (adapter_id, version, digest, source, base_digest, spec, now, projected_cost_pct),
             )
             if activate or current is None:
                 self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (version, adapter_id))
-        return VersionRow(adapter_id, version, digest, source, base_digest, spec, now)
+        return VersionRow(
+            adapter_id, version, digest, source, base_digest, spec, now, projected_cost_pct=projected_cost_pct
+        )
 
     def set_current(self, adapter_id: str, version: int) -> None:
         """Re-point the alias (deploy, rollback): one UPDATE, atomic."""
@@ -236,6 +247,15 @@ class Registry:
         with self._lock, self._transaction():
             self._db.execute(
                 "UPDATE versions SET pinned = ? WHERE id = ? AND version = ?", (int(pinned), adapter_id, version)
+            )
+
+    def set_projected_costs(self, costs: dict[tuple[str, int], float]) -> None:
+        """Record versions' projected costs ((id, version) -> %), all in one transaction: those
+        a migration left NULL, or computed for another reference batch or dtype."""
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "UPDATE versions SET projected_cost_pct = ? WHERE id = ? AND version = ?",
+                [(pct, adapter_id, version) for (adapter_id, version), pct in costs.items()],
             )
 
     def delete_version(self, adapter_id: str, version: int, new_current: int | None) -> None:

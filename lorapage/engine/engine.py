@@ -28,6 +28,7 @@ from lorapage.adapters.catalog import (
     spec_to_json,
 )
 from lorapage.adapters.digest import normalize_digest
+from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
@@ -174,6 +175,7 @@ class Engine:
             usage=self.usage,
             bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
             pinned_pages=lambda: self.adapters.pinned_pages(),
+            projected_costs=lambda: self.catalog.current_costs(),
         )
         self.adapters = AdapterCache(
             mc,
@@ -184,6 +186,7 @@ class Engine:
             max_lora_rank=config.max_lora_rank,
             slot_wait_s=config.adapter_wait_s,
             dtype=self.lora_dtype,
+            envelope=Envelope.from_config(config, mc, self.dtype.itemsize, self.lora_dtype.itemsize),
             io_executor=self._io,
             run_on_device=self._run_on_device,
             on_ready=self._wake_up,
@@ -387,6 +390,7 @@ class Engine:
             rank=spec.max_rank,
             target_modules=spec.target_modules,
             size_bytes=spec.size_bytes,
+            projected_cost_pct=self.adapters.envelope.cost(spec.ranks).projected_cost_pct,
         )
 
     async def _source(self, source: str | Path, sha256: str | None, owner: str | None) -> Source:

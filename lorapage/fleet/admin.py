@@ -37,6 +37,7 @@ from lorapage.server import protocol
 from lorapage.server.admin import (
     ADMIN_MAX_BODY_BYTES,
     checked_source,
+    cost_fields,
     registration,
     remove_when_idle,
     source_errors,
@@ -155,6 +156,7 @@ class FleetAdmin:
             base_digest=base.base_digest,
             versions=[r.version for r in self.registry.versions(adapter_id)],
             replicas=replicas,
+            **cost_fields(info),
         )
 
     # -- routes -----------------------------------------------------------------------------------
@@ -203,6 +205,7 @@ class FleetAdmin:
             current=row.version == current,
             servable=row.base_digest == base,
             in_flight=self.in_flight.get(row.key, 0),
+            projected_cost_pct=row.projected_cost_pct,
         )
 
     async def set_current(self, request: Request, adapter_id: str) -> Response:

@@ -119,6 +119,7 @@ class FleetRegistry:
             base_digest=prepared.base_digest,
             spec=prepared.spec,
             activate=activate,
+            projected_cost_pct=prepared.projected_cost_pct,
         )
         entry = self._ids.setdefault(adapter_id, _Id(owner, None))
         if not entry.versions:

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.metrics import OTHER
 from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots, HfSource, S3Source, Source, parse_source
@@ -37,7 +38,7 @@ from lorapage.errors import (
 )
 from lorapage.server import protocol
 from lorapage.server.auth import Access
-from lorapage.server.responses import AdapterOut, AdapterVersionOut
+from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut
 from lorapage.server.tenants import TenantConfig
 
 # Matched whole (fullmatch): with ``match`` and ``$``, "a-priv\n" passed and was listed beside "a-priv".
@@ -136,6 +137,16 @@ def source_errors(req: protocol.AdapterCreateRequest) -> Iterator[None]:
         raise
 
 
+def cost_fields(info: AdapterInfo) -> dict[str, Any]:
+    """An adapter's projected cost and serving tier as the admin routes show them (here and in the fleet)."""
+    cost = info.cost
+    return {
+        "projected_cost_pct": None if cost is None else cost.projected_cost_pct,
+        "cost": None if cost is None else AdapterCostOut.of(cost),
+        "serving_tier": info.serving_tier,
+    }
+
+
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
@@ -174,6 +185,7 @@ class AdminRoutes:
             source=info.source,
             base_digest=state.engine.digest,
             versions=[v.version for v in versions],
+            **cost_fields(info),
         )
 
     async def register(self, request: web.Request) -> web.Response:
@@ -220,6 +232,7 @@ class AdminRoutes:
                 current=v.current,
                 servable=v.servable,
                 in_flight=state.in_flight.get(v.key, 0),
+                projected_cost_pct=v.projected_cost_pct,
             )
             for v in sorted(versions, key=lambda v: v.version)
         ]

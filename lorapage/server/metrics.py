@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from lorapage.adapters.metrics import AdapterMetrics
+from lorapage.adapters.metrics import COST_BOUNDS_PCT, AdapterMetrics
 from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
 from lorapage.scheduler.metrics import Histogram as SchedHistogram, SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
@@ -218,6 +218,31 @@ class _AdapterCollector:
         yield GaugeMetricFamily(
             "lorapage_adapter_pinned_pages", "Pool pages held by admin-pinned adapters.", value=m.pinned_pages()
         )
+        yield from _cost_families(m)
+
+
+def _cost_families(m: AdapterMetrics):
+    """Projected costs: by name for the labelled ids (bounded like every adapter label), and over
+    every served id as a histogram whose sum is what capacity planning adds up."""
+    costs = m.projected_costs()
+    gauge = GaugeMetricFamily(
+        "lorapage_adapter_projected_cost_pct",
+        "Projected extra decode bytes per token of an adapter's current version at the reference batch "
+        "(--cost-reference-batch rows, each on its own adapter), in % of the base's; top ids by traffic only.",
+        labels=("adapter",),
+    )
+    for adapter in sorted(m.labelled & costs.keys()):
+        gauge.add_metric([adapter], costs[adapter])
+    yield gauge
+    hist = SchedHistogram(COST_BOUNDS_PCT)
+    for pct in costs.values():
+        hist.observe(pct)
+    family = HistogramMetricFamily(
+        "lorapage_adapters_projected_cost_pct",
+        "Served adapter ids (current versions) by projected decode cost in % of the base's; the sum adds them up.",
+    )
+    _histogram(family, [], hist)
+    yield family
 
 
 def register_engine_collectors(

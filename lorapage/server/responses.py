@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from lorapage.adapters.cost import AdapterCost
+
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
@@ -128,7 +130,32 @@ class AdapterVersionOut(msgspec.Struct):
     current: bool
     servable: bool  # False: validated against another base than the one this server runs
     in_flight: int
+    projected_cost_pct: float | None = None  # as stored at registration (None: never costed on this base)
     object: str = "adapter.version"
+
+
+class AdapterCostOut(msgspec.Struct):
+    """How an adapter's projected cost was computed (docs/capacity.md has the formula)."""
+
+    reference_batch: int  # rows, each on its own adapter
+    decode_bytes_pct: float  # extra decode bytes per token at that batch, % of the base's: projected_cost_pct
+    flops_pct: float  # extra FLOPs per token, % of the base's (any batch)
+    adapter_bytes: int  # read once per step by each batch holding the adapter
+    base_bytes: int  # read once per step by every batch
+    adapter_params: int
+    base_params: int
+
+    @classmethod
+    def of(cls, cost: AdapterCost) -> AdapterCostOut:
+        return cls(
+            reference_batch=cost.reference_batch,
+            decode_bytes_pct=cost.projected_cost_pct,
+            flops_pct=cost.flops_pct,
+            adapter_bytes=cost.adapter_bytes,
+            base_bytes=cost.base_bytes,
+            adapter_params=cost.adapter_params,
+            base_params=cost.base_params,
+        )
 
 
 class AdapterOut(msgspec.Struct):
@@ -151,4 +178,8 @@ class AdapterOut(msgspec.Struct):
     base_digest: str = ""
     versions: list[int] = msgspec.field(default_factory=list)
     pinned: bool = False  # pinned resident by an admin (PUT /v1/adapters/{id}/pin)
+    # Extra decode bytes per token at the reference batch, % of the base's; its arithmetic in `cost`.
+    projected_cost_pct: float | None = None
+    cost: AdapterCostOut | None = None
+    serving_tier: str = "shared"  # shared | dedicated, from its shape and the serving envelope
     object: str = "adapter"
