@@ -63,10 +63,10 @@ from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol
 from lorapage.server.auth import Access
 from lorapage.server.error_json import log_refusal
-from lorapage.server.generation import Formatter, Job, Timing, answer, make_job
+from lorapage.server.generation import Formatter, Job, Timing, answer, make_job, merged
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.models_view import BaseCard, ModelsView
-from lorapage.server.prompts import PromptBuilder
+from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
 from lorapage.server.sse import SSE_HEADERS
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
@@ -297,27 +297,26 @@ class FleetIngress:
                 vocab, max_len = profile.vocab_size, profile.max_model_len
                 parsed = await prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
             await self.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
-            if kind == "chat":
-                ids = await prompts.chat(tenant, cast(list[dict[str, str]], parsed.prompt))
-            else:
-                ids = await prompts.completion(tenant, cast(str | list[int], parsed.prompt))
-            job = await self._job(kind, request, parsed.req, tenant, ids, parsed.logprobs, arrival)
+            job = await self._job(kind, request, parsed, tenant, await prompts.of(kind, tenant, parsed), arrival)
             return await self.run(job, reservation)
         except BaseException:
             self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
             raise
 
     async def _job(
-        self, kind: str, request: Request, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
+        self, kind: str, request: Request, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float
     ) -> Job:
-        model, adapter = await self.resolve(req.model, tenant)
+        model, adapter = await self.resolve(parsed.req.model, tenant)
         max_len = (await self.profile()).max_model_len
         # Ray's proxy answers with the x-request-id it gave the request (or the client sent): the
         # body's id ends with it, so a client's and Ray's logs name the same request.
         ray_id = request.headers.get("x-request-id", "")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{ray_id}" if _RAY_REQUEST_ID.match(ray_id) else ""
         # Only echoed: the engine's id is the job's own (a client's could name another tenant's request).
-        return make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, self.access, rid)
+        return make_job(
+            kind, parsed, model, adapter, tenant, prompts.ids, max_len, arrival, self.access, rid,
+            tools=prompts.tools, prompt_texts=prompts.texts,
+        )  # fmt: skip
 
     async def models(self) -> ModelsView:
         """The per-tenant ``/v1/models`` view over the fleet's registry (built once the engines' profile is known)."""
@@ -370,7 +369,7 @@ class FleetIngress:
 
     def charge(self, job: Job, reservation: Reservation) -> None:
         """The request's tokens from its tenant's TPM (429 when short); then it counts as in flight."""
-        refused = self.quotas.charge(reservation, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+        refused = self.quotas.charge(reservation, job.prompt_tokens, job.completion_budget(), time.monotonic())
         if refused is not None:
             self.rejected.labels(job.tenant, refused.which).inc()
             raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
@@ -378,7 +377,7 @@ class FleetIngress:
 
     def release(self, job: Job, reservation: Reservation) -> None:
         # Refund what was not used: max_tokens not generated, and the prompt when no replica took it.
-        used = len(job.prompt) + job.generated if job.generated else job.prompt_computed
+        used = job.prompt_tokens + job.generated if job.generated else job.prompt_computed
         self.quotas.release(reservation, used, time.monotonic())
         self.in_flight[job.adapter] -= 1
         if not self.in_flight[job.adapter]:
@@ -413,14 +412,21 @@ class FleetIngress:
             await events.aclose()
             self.release(job, reservation)
 
-    async def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
-        """The engine outputs of ``job`` from a replica the router picks; resent while nothing of it
-        has been passed on. A whole answer passes on only its last output, so it can always be resent."""
-        spec = EngineJob(job.prompt, job.adapter, job.sampling, job.tenant, job.engine_id, job.prefix_group)
+    def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
+        """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its own)."""
+        return merged([self.prompt_outputs(job, served, i) for i in range(len(job.prompts))], job.sampling.n)
+
+    async def prompt_outputs(self, job: Job, served: list[str], i: int) -> AsyncGenerator[Any, None]:
+        """The engine outputs of ``job``'s prompt ``i`` from a replica the router picks; resent while
+        nothing of it has been passed on. A whole answer passes on only its last outputs, so it can
+        always be resent."""
+        prompt = job.prompts[i]
+        spec = EngineJob(prompt, job.adapter, job.sampling, job.tenant, job.engine_ids()[i], job.prefix_group)
         # Routed by adapter id: every version of an id shares its owners (a deploy lands where the
         # previous version is warm).
         adapter_id = parse_name(job.adapter)[0] if job.adapter is not None else ""
         handle = self.engines.options(stream=True, multiplexed_model_id=adapter_id)
+        counted = 0  # of this prompt's tokens, in job.prompt_computed
         for attempt in range(self.config.request_retries + 1):
             passed_on = False
             stream = handle.generate.remote(spec)
@@ -431,16 +437,19 @@ class FleetIngress:
                         job.adapter_version = item.adapter_version
                         # What the replica computes does not come back when the client cuts the
                         # stream: once a replica has taken the request, its whole prompt counts.
-                        job.prompt_computed = len(job.prompt)
+                        job.prompt_computed += len(prompt) - counted
+                        counted = len(prompt)
                     elif isinstance(item, LorapageError):
-                        job.prompt_computed = 0  # refused: nothing was computed
+                        job.prompt_computed -= counted  # refused: nothing was computed
+                        counted = 0
                         raise item
                     elif job.stream or item.finished:
                         passed_on = True
                         yield item
                 return
             except RayActorError:
-                job.prompt_computed = 0  # resent: the next replica's start counts it again
+                job.prompt_computed -= counted  # resent: the next replica's start counts it again
+                counted = 0
                 if passed_on:
                     raise ServiceUnavailableError(
                         "the engine replica serving this request stopped mid-answer; send the request again",

@@ -19,6 +19,7 @@ max_concurrency = 32          # requests in flight (omit: unlimited)
 s3_buckets = ["acme-adapters"]  # s3:// buckets the admin may register this tenant's adapters from
 hf_orgs = ["acme"]            # hf:// organisations (or users) likewise; "*": any, in either list
 prefix_cache_group = "acme-family"  # tenants naming one group share cached prompt prefixes (omit: its own)
+default_max_tokens = 512      # TPM reserved for a request without max_tokens, settled at its end
 ```
 
 Access fails closed. A tenant may always use the base model and the adapters the admin registered
@@ -56,8 +57,11 @@ SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
     "s3_buckets", "hf_orgs",
-    "prefix_cache_group",
+    "prefix_cache_group", "default_max_tokens",
 )  # fmt: skip
+# What a chat without max_tokens reserves from its tenant's TPM up front (the rest of its answer
+# is charged when it ends, and may put the tenant in debt until its bucket refills).
+DEFAULT_MAX_TOKENS = 512
 MAX_GROUP_NAME = 128  # characters of a prefix_cache_group
 _KEY_SECTIONS = ("admin", "metrics")  # sections that hold nothing but key_sha256
 
@@ -93,6 +97,8 @@ class TenantConfig:
     s3_buckets: frozenset[str] = frozenset()  # s3:// buckets its adapters may come from; SHARED: any
     hf_orgs: frozenset[str] = frozenset()  # hf:// organisations (or users) likewise
     prefix_cache_group: str | None = None  # tenants naming one group share cached prefixes; None: its own
+    # TPM reserved up front for a request without max_tokens; the difference is settled at its end.
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
 
     def may_read_bucket(self, bucket: str) -> bool:
         """Whether this tenant's adapters may come from the S3 bucket ``bucket``."""
@@ -236,6 +242,7 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
             f"(tenants naming one group share cached prompt prefixes; omit it to share with none), got {group!r}"
         )
     limits = {k: _positive_int(t, k, where) for k in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency")}
+    default_max_tokens = _positive_int(t, "default_max_tokens", where) or DEFAULT_MAX_TOKENS
     for burst, rate in (("rpm_burst", "rpm"), ("tpm_burst", "tpm")):
         if limits[burst] is not None and limits[rate] is None:
             raise TenantsConfigError(f"{where}.{burst}: set {rate} too (a burst size needs a rate)")
@@ -247,6 +254,7 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         s3_buckets=frozenset(t.get("s3_buckets", [])),
         hf_orgs=frozenset(t.get("hf_orgs", [])),
         prefix_cache_group=group,
+        default_max_tokens=default_max_tokens,
         **limits,
     )
 
