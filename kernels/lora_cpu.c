@@ -17,6 +17,10 @@
  * loaders defined. A bfloat16 weight is the top half of a float32: it is widened exactly (a
  * shift), and every product and sum is float32, as in the float32 kernels.
  *
+ * ISA: built once per variant (kernels/cpu_isa.py: baseline x86-64, AVX, AVX2, AVX-512, portable),
+ * never -march=native; the __AVX__ / __AVX2__ paths below are compiled in where the variant has
+ * them, and every variant's results are within float32's any-order bound of the exact ones.
+ *
  * Threads: OpenMP, linked against the libgomp that torch loads, so these loops share torch's
  * thread pool instead of a second one competing for the same cores.
  */
