@@ -186,15 +186,15 @@ class LlamaCppPeer:
         """One ``llama_decode`` of ``(sequence, position, token, wants_logits)`` entries; the argmax
         token of each entry that wanted logits, in order."""
         b = self._batch
-        for k, (seq, pos, token, logits) in enumerate(entries):
-            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = token, pos, 1, logits
+        for k, (seq, pos, token, wants) in enumerate(entries):
+            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = token, pos, 1, wants
             b.seq_id[k][0] = seq
         b.n_tokens = len(entries)
         if rc := self._lc.llama_decode(self._ctx, b):
             raise RuntimeError(f"llama_decode returned {rc}")
         n_out = sum(e[3] for e in entries)
-        logits = np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx), shape=(n_out, self._vocab))
-        return logits.argmax(axis=1).tolist()
+        rows = np.ctypeslib.as_array(self._lc.llama_get_logits(self._ctx), shape=(n_out, self._vocab))
+        return rows.argmax(axis=1).tolist()
 
     def close(self) -> None:
         """Free the batch, adapters, context and model."""

@@ -211,16 +211,15 @@ def interleaved(runs: dict[str, Run], rounds: int) -> tuple[dict[str, list[float
 def agreement_table(agree: dict[str, dict[int, int]], threads: Sequence[int], of: int) -> str:
     """Per configuration and thread count, how many of ``of`` requests have the reference's tokens."""
     width = max(len(k) for k in agree) + 2
-    lines = [f"{f'greedy tokens equal to transformers + PEFT (of {of} requests)':<{width}}"]
+    lines = [f"{f'requests (of {of}) whose tokens equal PEFT':<{width}}" + "".join(f"{t:>14}" for t in _heads(threads))]
     lines += [f"{name:<{width}}" + "".join(f"{per[t]:>14}" for t in threads) for name, per in agree.items()]
     return "\n".join(lines)
 
 
 def rate_table(rates: dict[str, dict[int, list[float]]], threads: Sequence[int], unit: str = "tokens/s") -> str:
     """Median rate per configuration (rows) and thread count (columns), with the rounds measured."""
-    heads = [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
     width = max(len(k) for k in rates) + 2
-    lines = [f"{'configuration (' + unit + ', median)':<{width}}" + "".join(f"{h:>14}" for h in heads)]
+    lines = [f"{'configuration (' + unit + ', median)':<{width}}" + "".join(f"{h:>14}" for h in _heads(threads))]
     for name, per_thread in rates.items():
         cells = "".join(f"{statistics.median(per_thread[t]):>14,.0f}" for t in threads)
         lines.append(f"{name:<{width}}{cells}")
@@ -230,3 +229,7 @@ def rate_table(rates: dict[str, dict[int, list[float]]], threads: Sequence[int],
 def medians(rates: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
     """Each configuration's median per thread count."""
     return {name: {t: statistics.median(v) for t, v in per.items()} for name, per in rates.items()}
+
+
+def _heads(threads: Sequence[int]) -> list[str]:
+    return [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
