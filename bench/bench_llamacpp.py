@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +53,7 @@ from peer_setup import (
     peft_generate,
     prompts,
     rate_table,
+    round_ratios,
 )
 
 REQUESTS, ADAPTERS, NEW = 32, 8, 32
@@ -120,6 +123,7 @@ def main() -> None:
     )
     p.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="llama.cpp's KV cache type (default: its own)")
     args = p.parse_args()
+    load_start = os.getloadavg()  # the machine's load, reported beside the figures
     threads = [int(t) for t in args.threads.split(",")]
     rounds = 1 if args.quick else args.rounds
     tree = converter_dir(args.llama_cpp)
@@ -140,10 +144,10 @@ def main() -> None:
             for name in CONFIGS:
                 rates[name][n] = per_config[name]
                 agree[name][n] = agreeing(tokens[name], reference[name not in BASE_CONFIGS])
-    report(rates, agree, threads, reference, convert_s, rounds, args.kv_type)
+    report(rates, agree, threads, reference, convert_s, rounds, args.kv_type, load_start)
 
 
-def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_type: str) -> None:
+def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_type: str, load_start) -> None:
     med = medians(rates)
     adapters_matter = REQUESTS - agreeing(reference[True], reference[False])
     print(
@@ -154,7 +158,7 @@ def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_t
     )
     print(rate_table(rates, threads))
     print(agreement_table(agree, threads, REQUESTS) + f"\n(adapters change the tokens of {adapters_matter} requests)")
-    ratios = {}
+    ratios, per_round = {}, {}
     for t in threads:
         best_llama = max(med[LLAMA_GROUPED][t], med[LLAMA_SWITCH][t])
         ratios[t] = {
@@ -162,11 +166,18 @@ def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_t
             "fcfs_mixed_over_llamacpp_best_mixed": med[OURS_FCFS][t] / best_llama,
             "base_over_llamacpp_base": med[OURS_BASE][t] / med[LLAMA_BASE][t],
         }
-        r = ratios[t]
+        per_round[t] = {
+            "mixed_over_llamacpp_best_mixed": round_ratios(
+                rates[OURS_VTC][t], rates[LLAMA_GROUPED][t], rates[LLAMA_SWITCH][t]
+            ),
+            "base_over_llamacpp_base": round_ratios(rates[OURS_BASE][t], rates[LLAMA_BASE][t]),
+        }
+        r, pr = ratios[t], {k: statistics.median(v) for k, v in per_round[t].items()}
         print(
             f"{t} thread(s): lorapage mixed (vtc) / llama.cpp best mixed = {r['mixed_over_llamacpp_best_mixed']:.2f} "
-            f"(target >= 2.0; fcfs: {r['fcfs_mixed_over_llamacpp_best_mixed']:.2f}); "
-            f"lorapage base / llama.cpp base = {r['base_over_llamacpp_base']:.2f} (target >= 0.8)"
+            f"(median per round {pr['mixed_over_llamacpp_best_mixed']:.2f}; target >= 2.0; "
+            f"fcfs: {r['fcfs_mixed_over_llamacpp_best_mixed']:.2f}); lorapage base / llama.cpp base = "
+            f"{r['base_over_llamacpp_base']:.2f} (median per round {pr['base_over_llamacpp_base']:.2f}; target >= 0.8)"
         )
     summary = {
         "bench": "llamacpp",
@@ -176,6 +187,8 @@ def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_t
         "tokens_per_s": med,
         "rates_per_round": rates,
         "ratios": ratios,
+        "ratios_per_round": per_round,
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "agreeing_requests": agree,
         "requests": REQUESTS,
         "adapters_change_tokens": adapters_matter,

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -47,6 +49,7 @@ from peer_setup import (
     peft_generate,
     prompts,
     rate_table,
+    round_ratios,
 )
 
 from lorapage.replay.population import zipf_weights
@@ -93,6 +96,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
     args = p.parse_args()
+    load_start = os.getloadavg()  # the machine's load, reported beside the figures
     threads = [int(t) for t in args.threads.split(",")]
     requests, new, rounds = (16, 8, 1) if args.quick else (args.requests, 32, args.rounds)
     rows = trace(requests, args.zipf)
@@ -109,10 +113,10 @@ def main() -> None:
             for name in CONFIGS:
                 rates[name][n] = per_config[name]
                 agree[name][n] = agreeing(tokens[name], reference)
-    report(rates, agree, threads, rows, new, rounds, args.zipf)
+    report(rates, agree, threads, rows, new, rounds, args.zipf, load_start)
 
 
-def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float) -> None:
+def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float, load_start) -> None:
     med = medians(rates)
     distinct = len({a for _, a in rows})
     print(
@@ -122,16 +126,20 @@ def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float) -> 
     )
     print(rate_table(rates, threads))
     print(agreement_table(agree, threads, len(rows)))
-    ratios = {}
+    ratios, per_round = {}, {}
     for t in threads:
         best_peft = max(med[PEFT_MIXED][t], med[PEFT_GROUPED][t])
         ratios[t] = {
             "mixed_over_peft_best": med[OURS_VTC][t] / best_peft,
             "fcfs_mixed_over_peft_best": med[OURS_FCFS][t] / best_peft,
         }
+        per_round[t] = {
+            "mixed_over_peft_best": round_ratios(rates[OURS_VTC][t], rates[PEFT_MIXED][t], rates[PEFT_GROUPED][t])
+        }
         print(
             f"{t} thread(s): lorapage mixed (vtc) / PEFT's best = {ratios[t]['mixed_over_peft_best']:.2f} "
-            f"(target >= 2.5; fcfs: {ratios[t]['fcfs_mixed_over_peft_best']:.2f})"
+            f"(median per round {statistics.median(per_round[t]['mixed_over_peft_best']):.2f}; target >= 2.5; "
+            f"fcfs: {ratios[t]['fcfs_mixed_over_peft_best']:.2f})"
         )
     summary = {
         "bench": "peft",
@@ -144,6 +152,8 @@ def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float) -> 
         "tokens_per_s": med,
         "rates_per_round": rates,
         "ratios": ratios,
+        "ratios_per_round": per_round,
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "agreeing_requests": agree,
         "targets": {"mixed_over_peft_best": ">=2.5"},
     }

@@ -30,18 +30,24 @@ KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids (GGML_TYPE_F32, GGML_TYPE_F16)
 
 
 def converter_dir(source: Path | None) -> Path:
-    """The llama.cpp source holding the converters: ``source`` itself (a llama.cpp tree, or the
-    ``vendor/llama.cpp`` of an unpacked llama-cpp-python sdist), the tree inside ``source`` when it is
-    the sdist (``.tar.gz``, unpacked once into the cache), or, with no ``source``, the sdist of the
-    installed llama-cpp-python, downloaded once into the cache."""
-    if source is not None and source.is_dir():
+    """The llama.cpp source holding the converters: ``source`` itself (a llama.cpp tree, or an unpacked
+    llama-cpp-python sdist), the tree inside ``source`` when it is the sdist (``.tar.gz``, unpacked once
+    into the cache), or, with no ``source``, the sdist of the installed llama-cpp-python, fetched once
+    into the cache."""
+    if source is None:
+        return _unpack(_download_sdist())
+    if source.is_dir():
         tree = source / "vendor" / "llama.cpp" if (source / "vendor" / "llama.cpp").is_dir() else source
-        if not all((tree / c).is_file() for c in CONVERTERS):
+        if not _has_converters(tree):
             raise SystemExit(f"{source} holds no llama.cpp converters ({', '.join(CONVERTERS)})")
         return tree
-    if source is None:
-        source = _download_sdist()
+    if not source.is_file():
+        raise SystemExit(f"--llama-cpp {source}: no such directory or sdist")
     return _unpack(source)
+
+
+def _has_converters(tree: Path) -> bool:
+    return all((tree / c).is_file() for c in CONVERTERS)
 
 
 def _download_sdist() -> Path:
@@ -51,24 +57,31 @@ def _download_sdist() -> Path:
     sdist = CACHE / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.exists():
         print(f"fetching the llama-cpp-python {version} sdist for llama.cpp's converters into {CACHE}", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-        subprocess.run([*cmd, "-d", str(CACHE), f"llama-cpp-python=={version}"], check=True, capture_output=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(CACHE)]
+        done = subprocess.run([*cmd, f"llama-cpp-python=={version}"], capture_output=True, text=True)
+        if done.returncode or not sdist.exists():
+            raise SystemExit(
+                f"pip could not fetch the llama-cpp-python {version} sdist ({done.stderr.strip()[-500:]}); fetch it "
+                f"where pip can (pip download --no-binary :all: --no-deps llama-cpp-python=={version}) and pass "
+                "it with --llama-cpp"
+            )
     return sdist
 
 
 def _unpack(sdist: Path) -> Path:
     """The converters' part of the llama.cpp tree inside ``sdist``, extracted once into the cache."""
     out = CACHE / sdist.name.removesuffix(".tar.gz")
+    cached = out / out.name / "vendor" / "llama.cpp"  # an sdist's files sit under its own name
+    if _has_converters(cached):
+        return cached
     with tarfile.open(sdist) as tar:
         root = tar.getnames()[0].split("/")[0]
-        tree = out / root / "vendor" / "llama.cpp"
-        if not all((tree / c).is_file() for c in CONVERTERS):
-            prefix = f"{root}/vendor/llama.cpp/"
-            members = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(_SOURCE_PARTS)]
-            if not members:
-                raise SystemExit(f"{sdist} holds no vendor/llama.cpp converters: is it the llama-cpp-python sdist?")
-            tar.extractall(out, members=members, filter="data")
-    return tree
+        prefix = f"{root}/vendor/llama.cpp/"
+        members = [m for m in tar.getmembers() if m.name.removeprefix(prefix).startswith(_SOURCE_PARTS)]
+        if not members:
+            raise SystemExit(f"{sdist} holds no vendor/llama.cpp converters: is it the llama-cpp-python sdist?")
+        tar.extractall(out, members=members, filter="data")
+    return out / root / "vendor" / "llama.cpp"
 
 
 def convert(tree: Path, model: Path, adapters: dict[str, Path], out: Path) -> tuple[Path, dict[str, Path]]:

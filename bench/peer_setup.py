@@ -231,5 +231,11 @@ def medians(rates: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, flo
     return {name: {t: statistics.median(v) for t, v in per.items()} for name, per in rates.items()}
 
 
+def round_ratios(ours: Sequence[float], *peers: Sequence[float]) -> list[float]:
+    """Per round, ``ours`` over the best of ``peers`` in the same round: measured close together in
+    time, these hold up better than a ratio of medians when the machine's load changes under the run."""
+    return [o / max(p[r] for p in peers) for r, o in enumerate(ours)]
+
+
 def _heads(threads: Sequence[int]) -> list[str]:
     return [f"{t} thread{'s' if t > 1 else ''}" for t in threads]
