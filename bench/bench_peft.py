@@ -82,7 +82,7 @@ def measure_at(threads: int, model: Path, adapters: dict[str, Path], peft, rows,
         PEFT_GROUPED: lambda: peft_generate(peft, rows, new, "grouped"),
     }
     try:
-        return interleaved(runs, rounds)
+        return interleaved(runs, rounds, warm=(OURS_VTC, OURS_FCFS))  # the reference pass warmed PEFT up
     finally:
         close(vtc)
         close(fcfs)
@@ -91,7 +91,7 @@ def measure_at(threads: int, model: Path, adapters: dict[str, Path], peft, rows,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="16 requests, 8 tokens, one round (a smoke run)")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of adapter popularity")
@@ -122,7 +122,7 @@ def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float, loa
     print(
         f"model: hidden 512, 4 layers, vocab 4,096, fp32; {len(rows)} requests of {PROMPT_LEN} prompt tokens on "
         f"{distinct} distinct adapters (Zipf({alpha}) over {ADAPTERS}, rank 16, all modules), {new} greedy tokens "
-        f"each, EOS ignored; {rounds} interleaved round(s) after a warm-up, medians"
+        f"each, EOS ignored; {rounds} interleaved round(s) after a warm-up of lorapage, medians"
     )
     print(rate_table(rates, threads))
     print(agreement_table(agree, threads, len(rows)))

@@ -192,13 +192,15 @@ def agreeing(tokens: Sequence[list[int]], reference: Sequence[list[int]]) -> int
 Run = Callable[[], tuple[float, list[list[int]]]]  # one pass of a configuration: its tokens/s and tokens
 
 
-def interleaved(runs: dict[str, Run], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
-    """A warm-up pass of every run (adapters loaded, kernels built), then ``rounds`` rounds of all of
-    them, each round starting one later so no configuration always runs first. Rates per run, and the
-    tokens of each run's last pass."""
+def interleaved(
+    runs: dict[str, Run], rounds: int, warm: Sequence[str] | None = None
+) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """A warm-up pass of the runs named in ``warm`` (all when None: adapters loaded, kernels built),
+    then ``rounds`` rounds of all of them, each round starting one later so no configuration always
+    runs first. Rates per run, and the tokens of each run's last pass."""
     names = list(runs)
-    for run in runs.values():
-        run()
+    for name in names if warm is None else warm:
+        runs[name]()
     rates: dict[str, list[float]] = {name: [] for name in names}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(rounds):
