@@ -90,7 +90,7 @@ class Job:
 
     def engine_ids(self) -> list[str]:
         """The engine's id of each prompt's request."""
-        return [self.engine_id if i == 0 else f"{self.engine_id}-{i}" for i in range(len(self.prompts))]
+        return [self.engine_id if i == 0 else f"{self.engine_id}-p{i}" for i in range(len(self.prompts))]
 
     def completion_budget(self) -> int:
         """Completion tokens the TPM bucket is charged up front, every choice together."""
@@ -187,6 +187,7 @@ async def merged(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGener
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # out of the streams before closing them
         for stream in streams:
             await stream.aclose()
 
