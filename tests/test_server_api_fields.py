@@ -201,10 +201,8 @@ async def test_default_parameter_chats_fit_a_small_tpm_and_settle_into_debt():
     """A tenant whose TPM burst is below the context is served without max_tokens (its
     default_max_tokens is reserved); a long answer is charged in full at its end, and the tenant's
     next request waits."""
-    toml = (
-        TENANTS_TOML
-        + f'\n[tenants.small]\nkey_sha256 = ["{hash_key("key-small")}"]\nadapters = ["acme"]\ntpm = 300\ndefault_max_tokens = 50\n'
-    )
+    small = f'key_sha256 = ["{hash_key("key-small")}"]\nadapters = ["acme"]\ntpm = 300\ndefault_max_tokens = 50\n'
+    toml = TENANTS_TOML + "\n[tenants.small]\n" + small
     engine = make_engine()
     try:
         async with running_server(engine, Access(TenantsConfig.from_toml(toml))) as srv:
