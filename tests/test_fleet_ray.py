@@ -184,6 +184,32 @@ async def test_streaming_equals_whole(fleet):
     assert headers.getall("x-request-id") == [events[0]["id"].removeprefix("cmpl-")]
 
 
+async def test_the_api_fields_work_through_the_fleet(fleet):
+    """The cases of test_server_api_fields that the fleet's front end serves the same way:
+    structured output, required tools, n and batched prompts, echo."""
+    schema = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["d"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    status, body, _ = await fleet.post(
+        "/v1/chat/completions", {"model": "acme", "messages": CHAT, "response_format": fmt, "max_tokens": 40}
+    )
+    assert status == 200, body
+    assert 1 <= json.loads(body["choices"][0]["message"]["content"])["d"] <= 9
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    status, body, _ = await fleet.post(
+        "/v1/chat/completions",
+        {"model": "globex", "messages": CHAT, "tools": [tool], "tool_choice": "required",
+         "parallel_tool_calls": False, "max_tokens": 60},
+    )  # fmt: skip
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls", body
+    assert json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["d"] >= 1
+    status, body, _ = await fleet.post(
+        "/v1/completions", completion("acme", prompt=["Hello", "Hi"], n=2, max_tokens=4, echo=True, logprobs=1)
+    )
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3], body
+    assert body["choices"][2]["text"].startswith("Hi") and body["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
 async def test_requests_for_one_adapter_stick_to_its_owner(fleet):
     for adapter in ("acme", "initech"):
         tenant = "beta" if adapter == "initech" else "alpha"

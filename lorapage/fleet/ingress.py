@@ -63,7 +63,7 @@ from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol
 from lorapage.server.auth import Access
 from lorapage.server.error_json import log_refusal
-from lorapage.server.generation import Formatter, Job, Timing, answer, make_job, merged
+from lorapage.server.generation import Formatter, Job, Timing, answer, chained, make_job
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompts import PromptBuilder, Prompts
@@ -413,8 +413,10 @@ class FleetIngress:
             self.release(job, reservation)
 
     def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
-        """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its own)."""
-        return merged([self.prompt_outputs(job, served, i) for i in range(len(job.prompts))], job.sampling.n)
+        """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its
+        own). One after another: Ray Serve gives the calls a request makes its own request id, and
+        two at once under one id left the second unrouted."""
+        return chained([self.prompt_outputs(job, served, i) for i in range(len(job.prompts))], job.sampling.n)
 
     async def prompt_outputs(self, job: Job, served: list[str], i: int) -> AsyncGenerator[Any, None]:
         """The engine outputs of ``job``'s prompt ``i`` from a replica the router picks; resent while

@@ -152,6 +152,17 @@ def make_job(
     return job
 
 
+async def chained(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGenerator[Any, None]:
+    """As :func:`merged`, one stream after another (each prompt starts when the one before ends)."""
+    try:
+        for i, stream in enumerate(streams):
+            async for out in stream:
+                yield dataclasses.replace(out, index=i * n + out.index)
+    finally:
+        for stream in streams:
+            await stream.aclose()
+
+
 async def merged(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGenerator[Any, None]:
     """The outputs of several prompts' streams as one, each output's ``index`` made its choice's
     (``prompt * n + index``). A stream's error is raised at once; closing this closes them all."""
