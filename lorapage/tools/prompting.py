@@ -44,7 +44,7 @@ def conversation(
         return out, ({"tools": tools} if tools else {})
     out = []
     if tools:
-        described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        described = "\n".join(json.dumps(t, ensure_ascii=False, separators=(",", ":")) for t in tools)
         system = TOOLS_PROMPT.format(tools=described)
         if messages and messages[0]["role"] == "system":
             system = messages[0]["content"] + "\n\n" + system
