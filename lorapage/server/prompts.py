@@ -21,7 +21,7 @@ its whole length. One that fits is then tokenized whole, so its ids are exactly 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorapage.errors import InvalidRequestError, LorapageError, PromptTooLongError
 from lorapage.server.fair_workers import FairWorkers
@@ -83,7 +83,7 @@ class PromptBuilder:
                 param=where,
             )
 
-    def check_chat(self, messages: list[dict[str, str]]) -> None:
+    def check_chat(self, messages: list[dict[str, Any]]) -> None:
         if len(messages) > self.max_model_len:
             raise PromptTooLongError(
                 f"{len(messages)} messages cannot fit in this model's maximum context length of "
@@ -111,6 +111,31 @@ class PromptBuilder:
         self.check_chars(len(prompt), "prompt")
         return await self._encode(tenant, prompt, "prompt", add_special_tokens=True)
 
+    async def tokens(self, tenant: str, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
+        """``text`` tokenized as it is (``add_special_tokens``: BOS as the tokenizer config says),
+        bounded like a prompt: vLLM's ``/tokenize`` of a prompt."""
+        self.check_chars(len(text), where)
+        return await self._encode(tenant, text, where, add_special_tokens=add_special_tokens)
+
+    async def chat_tokens(
+        self,
+        tenant: str,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """:meth:`chat` with the template's options: the generation prompt or not, special tokens
+        on top of the template's, and extra template variables (``tools``)."""
+        self.check_chat(messages)
+        text = await self.workers.run(tenant, self._render, messages, add_generation_prompt, template_kwargs)
+        return await self._encode(tenant, text, "messages", add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, tenant: str, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (vLLM's ``/detokenize``), in ``tenant``'s turn."""
+        return await self.workers.run(tenant, self.tokenizer.decode, ids, False)
+
     def close(self) -> None:
         self.workers.close()
 
@@ -128,9 +153,16 @@ class PromptBuilder:
                     )
         return await self.workers.run(tenant, encode, text, add_special_tokens)
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            )
         except LorapageError:
             raise
         except Exception as exc:  # jinja errors of third-party templates: the messages do not fit them
