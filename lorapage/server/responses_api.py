@@ -292,7 +292,13 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         raise InvalidRequestError("input must hold at least one item", param="input")
     if len(req.input) > MAX_MESSAGES:
         raise InvalidRequestError(f"input holds {len(req.input)} items; at most {MAX_MESSAGES}", param="input")
-    parts = sum(len(i["content"]) for i in req.input if isinstance(i, dict) and isinstance(i.get("content"), list))
+    parts = sum(
+        len(value)
+        for item in req.input
+        if isinstance(item, dict)
+        for value in (item.get("content"), item.get("output"))
+        if isinstance(value, list)
+    )
     if parts > MAX_CONTENT_PARTS:
         raise InvalidRequestError(
             f"the input holds {parts} content parts together; at most {MAX_CONTENT_PARTS} are accepted", param="input"

@@ -117,8 +117,18 @@ def responses_job(
     if not ids:
         raise InvalidRequestError("the input is empty", param="input")
     sampling = plan.sampling(len(ids), max_model_len)
-    stream = bool(plan.req.stream)
-    job = Job("responses", model, adapter, tenant, ids, sampling, stream, False, arrival, plan.response_id)
+    job = Job(
+        kind="responses",
+        model=model,
+        adapter=adapter,
+        tenant=tenant,
+        prompt=ids,
+        sampling=sampling,
+        stream=bool(plan.req.stream),
+        include_usage=False,
+        arrival=arrival,
+        request_id=plan.response_id,
+    )
     job.prefix_group = access.prefix_group(tenant)
     if adapter is not None:
         adapter_id, job.adapter_version = parse_name(adapter)  # the version this request runs on to its end

@@ -162,12 +162,11 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
 def api_keys(args: argparse.Namespace, prog: str = PROG) -> list[str]:
     """``--api-key`` values, else ``$LORAPAGE_API_KEY`` (none: []); refused beside ``--tenants``."""
     keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
     if keys and args.tenants:
-        source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
         fail(prog, f"{source} is for single-tenant use; with --tenants, give the keys in the tenants file")
-    for key in keys:
-        if not key.strip() or key != key.strip() or any(c.isspace() for c in key):
-            fail(prog, "--api-key: a key must be non-empty text without spaces (clients send it as 'Bearer KEY')")
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        fail(prog, f"{source}: a key must be non-empty text without spaces (clients send it as 'Bearer KEY')")
     return keys
 
 
