@@ -122,6 +122,19 @@ async def test_replica_cpus_that_cannot_fit_are_refused_before_ray_starts() -> N
     assert "key" not in out and "Traceback" not in err
 
 
+async def test_api_key_is_the_single_tenant_and_not_beside_a_tenants_file(tmp_path: Path, capsys) -> None:
+    from lorapage.fleet.cli import _tenants_toml
+    from lorapage.server.tenants import TenantsConfig
+
+    config = TenantsConfig.from_toml(_tenants_toml(None, ["acme"], ["sk-fleet"]))
+    assert config.authenticate("sk-fleet") == "default" and config.is_admin("sk-fleet")
+    assert "demo tenant key" not in capsys.readouterr().out
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS_TOML)
+    code, out, err = await _run_fleet("--api-key", "sk-fleet", "--tenants", str(tenants), timeout_s=60)
+    assert code == 2 and "--api-key is for single-tenant use" in err and "Traceback" not in err
+
+
 async def test_a_deployment_ray_cannot_place_ends_the_command_with_rays_reason() -> None:
     # A GPU this machine lacks: Ray never schedules the replica. The command must not hang.
     code, out, err = await _run_fleet(

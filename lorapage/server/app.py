@@ -1,4 +1,5 @@
-"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py).
+"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py; vLLM's
+extra routes and /v1/responses: extra_routes.py).
 
 Every request is checked in the same order, cheapest first, and takes its tenant's quota before
 any work that grows with its body: API key (401), declared body size (413), the tenant's
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -34,6 +36,7 @@ from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.error_json import Handler, error_middleware
+from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
@@ -46,6 +49,10 @@ log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
+
+
+# Runs a job on the engine and answers it over HTTP (generation.respond's signature).
+Responder = Callable[[web.Request, Any, Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
 
 
 class ServerState:
@@ -153,13 +160,17 @@ class ServerState:
             self.admissions.per_second(time.monotonic()),
         )
 
-    async def run(self, request: web.Request, job: Job, reservation: Reservation) -> web.StreamResponse:
+    async def run(
+        self, request: web.Request, job: Job, reservation: Reservation, responder: Responder = respond
+    ) -> web.StreamResponse:
+        """Charge ``job``'s tokens, run it and answer it with ``responder`` (chat and completions'
+        shapes by default; ``/v1/responses`` brings its own), counted in flight meanwhile."""
         self.charge(reservation, job)
         self.in_flight[job.adapter] += 1
         self.request_ids.add(job.engine_id)
         self.idle.clear()
         try:
-            return await respond(request, self.engine, job, self.metrics, self.admissions)
+            return await responder(request, self.engine, job, self.metrics, self.admissions)
         except EngineOverloadedError as exc:
             self.record_rejected(job, "queue_full")
             exc.retry_after = self.overload_retry_after()
@@ -357,6 +368,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, STATE)
+    add_extra_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)

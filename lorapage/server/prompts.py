@@ -138,6 +138,31 @@ class PromptBuilder:
         self.check_chars(len(prompt), "prompt")
         return await self._encode(tenant, prompt, "prompt", add_special_tokens=True)
 
+    async def tokens(self, tenant: str, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
+        """``text`` tokenized as it is (``add_special_tokens``: BOS as the tokenizer config says),
+        bounded like a prompt: vLLM's ``/tokenize`` of a prompt."""
+        self.check_chars(len(text), where)
+        return await self._encode(tenant, text, where, add_special_tokens=add_special_tokens)
+
+    async def chat_tokens(
+        self,
+        tenant: str,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """:meth:`chat` with the template's options: the generation prompt or not, special tokens
+        on top of the template's, and extra template variables (``tools``)."""
+        self.check_chat(messages)
+        text = await self.workers.run(tenant, self._render, messages, None, add_generation_prompt, template_kwargs)
+        return await self._encode(tenant, text, "messages", add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, tenant: str, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (vLLM's ``/detokenize``), in ``tenant``'s turn."""
+        return await self.workers.run(tenant, self.tokenizer.decode, ids, False)
+
     def close(self) -> None:
         self.workers.close()
 
@@ -155,13 +180,20 @@ class PromptBuilder:
                     )
         return await self.workers.run(tenant, encode, text, add_special_tokens)
 
-    def _render(self, messages: list[dict[str, Any]], tools: ToolUse | None) -> str:
-        kwargs: dict[str, Any] = {}
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: ToolUse | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             fmt = tools.fmt if tools is not None else self.tool_format
-            messages, kwargs = conversation(messages, tools.tools if tools else None, fmt, self.tokenizer.chat_template)
+            messages, extra = conversation(messages, tools.tools if tools else None, fmt, self.tokenizer.chat_template)
+            kwargs.update(extra)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except LorapageError:
             raise
         except Exception as exc:  # jinja errors of third-party templates: the messages do not fit them

@@ -3,6 +3,7 @@
 ```toml
 [admin]
 key_sha256 = ["<sha256 hex of the admin key>"]
+tenant = "default"            # optional: the admin keys are this tenant's keys too (single-tenant use)
 
 [metrics]                     # optional: keys that may only scrape /metrics (the admin key may too)
 key_sha256 = ["<sha256 hex of the scraper's key>"]
@@ -35,6 +36,10 @@ not the tenant's to register from.
 Nothing one tenant caches is observable by another unless the operator grouped them: cached
 prompt prefixes are the tenant's own unless tenants name one ``prefix_cache_group`` (then, and only
 then, one of them can tell by a faster first token that another sent a prompt).
+
+One operator serving only itself (``lorapage serve --api-key KEY``, vLLM's flag) gets one tenant
+whose keys are the admin keys (``[admin] tenant``): one key opens every route, as vLLM's
+``--api-key`` does. Otherwise a key belongs to one tenant, or to ``[admin]`` or ``[metrics]``.
 
 Keys are stored only as sha256 hex digests. A presented key is hashed once and looked up by its
 digest in a dict: constant time in the number of keys, and what the lookup's timing depends on is
@@ -124,6 +129,7 @@ class TenantsConfig:
     tenants: Mapping[str, TenantConfig]
     admin_key_sha256: tuple[str, ...] = ()
     metrics_key_sha256: tuple[str, ...] = ()
+    admin_tenant: str | None = None  # the tenant the admin keys authenticate as too (None: none)
     _tenant_of: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant
     _open_to_all: tuple[str, ...] = field(default=(), repr=False)  # tenants whose `adapters` holds SHARED
     _named_by: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)  # adapter -> tenants naming it
@@ -141,6 +147,12 @@ class TenantsConfig:
                         "each API key must belong to one tenant, or to [admin] or [metrics]"
                     )
         tenant_of = {d: name for name, t in self.tenants.items() for d in t.key_sha256}
+        if self.admin_tenant is not None:
+            if self.admin_tenant not in self.tenants:
+                raise TenantsConfigError(
+                    f"admin.tenant: {self.admin_tenant!r} is not a tenant; add [tenants.{self.admin_tenant}]"
+                )
+            tenant_of.update(dict.fromkeys(self.admin_key_sha256, self.admin_tenant))
         object.__setattr__(self, "_tenant_of", MappingProxyType(tenant_of))
         named: dict[str, list[str]] = {}
         for name, t in self.tenants.items():
@@ -168,13 +180,17 @@ class TenantsConfig:
         keys = {}
         for section in _KEY_SECTIONS:
             table = _table(doc.get(section, {}), section)
-            extra = set(table) - {"key_sha256"}
+            fields = ("key_sha256", "tenant") if section == "admin" else ("key_sha256",)
+            extra = set(table) - set(fields)
             if extra:
-                raise TenantsConfigError(f"{section}: unknown field(s) {sorted(extra)}; expected key_sha256")
+                raise TenantsConfigError(f"{section}: unknown field(s) {sorted(extra)}; expected {', '.join(fields)}")
             keys[section] = _digests_field(table, section)
+        admin_tenant = _table(doc.get("admin", {}), "admin").get("tenant")
+        if admin_tenant is not None and not isinstance(admin_tenant, str):
+            raise TenantsConfigError(f"admin.tenant: expected a tenant's name, got {admin_tenant!r}")
         tables = _table(doc.get("tenants", {}), "tenants")
         tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in tables.items()}
-        return cls(tenants, keys["admin"], keys["metrics"])
+        return cls(tenants, keys["admin"], keys["metrics"], admin_tenant)
 
     def get(self, name: str) -> TenantConfig:
         try:
