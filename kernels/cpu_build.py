@@ -1,4 +1,5 @@
-"""Compiling the CPU path's C kernels (``lora_cpu.c`` with ``lora_cpu_body.h``) once per variant, and loading them.
+"""Compiling the CPU path's C kernels (``lora_cpu.c`` with ``lora_cpu_body.h`` and ``attention_cpu.h``) once
+per variant, and loading them.
 
 A variant (``cpu_isa.py``) is the kernels built for one ISA level (baseline x86-64, AVX, AVX2,
 AVX-512; a portable build elsewhere); :func:`cpu_kernels` loads the best one this CPU runs, or
@@ -31,7 +32,7 @@ from lorapage.kernels.cpu_isa import Variant
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
-SOURCES = (SOURCE, SOURCE.with_name("lora_cpu_body.h"))  # what the build reads: the cache key
+SOURCES = (SOURCE, SOURCE.with_name("lora_cpu_body.h"), SOURCE.with_name("attention_cpu.h"))  # the cache key
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")  # then the variant's
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Argument types, in the order of lora_cpu.c's signatures: pool slab, page stride, page size,
@@ -41,8 +42,18 @@ _SHRINK = [_P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _INT]  # h, x, d_in;
 _EXPAND = [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT]  # y, h; cells; B tables
 # One pair per page dtype the kernels read (float32 activations always).
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-SIGNATURES = {
-    f"lora_{op}_{w}": args for w in WEIGHT_DTYPES.values() for op, args in (("shrink", _SHRINK), ("expand", _EXPAND))
+_F = ctypes.c_float
+# out, its row stride, q, its row stride; the KV slab, page stride, block size, KV heads, head dim,
+# heads; block table, its stride; context lengths, rows, scale, threads.
+_DECODE_ATTENTION = [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _F, _INT]
+# name: (argument types, result type)
+SIGNATURES: dict[str, tuple[list, type | None]] = {
+    **{
+        f"lora_{op}_{w}": (args, None)
+        for w in WEIGHT_DTYPES.values()
+        for op, args in (("shrink", _SHRINK), ("expand", _EXPAND))
+    },
+    "decode_attention_f32": (_DECODE_ATTENTION, ctypes.c_int),
 }
 
 
@@ -156,9 +167,9 @@ def _load(
             if not target.exists():
                 _build(toolchain, flags, target, sources[0])
     lib = ctypes.CDLL(str(target))
-    for name, argtypes in SIGNATURES.items():
+    for name, (argtypes, restype) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -170,7 +181,7 @@ def _build(toolchain: _Toolchain, flags: tuple[str, ...], target: Path, source: 
     os.close(fd)
     gomp = toolchain.gomp
     try:
-        cmd = [toolchain.compiler, *flags, str(source), "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+        cmd = [toolchain.compiler, *flags, str(source), "-o", tmp, str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")

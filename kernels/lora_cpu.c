@@ -1,5 +1,5 @@
 /* The CPU path's LoRA shrink and expand for short segments (decode rows), reading adapters
- * straight from pool pages.
+ * straight from pool pages; and (attention_cpu.h, included at the end) its decode attention.
  *
  * Same results as kernels/lora_ref.py, cell by cell (a cell: one adapter slot and its tokens):
  *   shrink: h[t, :a_rows[s]] = x[t] @ A_s.T
@@ -218,3 +218,13 @@ static void free_plan(Plan *p) { free(p->lanes), free(p->pack_begin), free(p->bi
 #define RANK16 RANK16_BF16
 #define NARROW 1
 #include "lora_cpu_body.h"
+#undef W
+#undef F
+#undef LDW
+#undef ROW16
+#undef H16
+#undef TOF
+#undef RANK16
+#undef NARROW
+
+#include "attention_cpu.h"

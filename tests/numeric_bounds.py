@@ -52,6 +52,7 @@ shrink term dropped moves an output 340 times past it, and one B weight 2% off 2
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -132,3 +133,45 @@ def assert_within(got: Tensor, want: Tensor, bound: Tensor, what: str = "output"
             f"got {float(got64[at])!r}, float64 reference {float(want64[at])!r}, "
             f"|diff| {abs(float(got64[at] - want64[at])):.3g} > bound {float(bound64[at]):.3g}"
         )
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, scale: float, u: float = U32) -> Tensor:
+    """The bound on a float32 decode attention's error per output element, from float64 copies of
+    its inputs: ``q`` [B, H, D], ``k`` and ``v`` [B, L, H, D] (each query head's keys and values,
+    GQA already resolved), ``lens`` [B] the positions each row attends to.
+
+    **Scores.** ``s_p = scale * sum_d q_d k_pd``: D products and the scale, so ``|s^_p - s_p| <=
+    e_p = g(D + 1) |scale| sum_d |q_d k_pd|``. Softmax is unchanged by subtracting a constant;
+    the kernel subtracts its largest score m^ (one rounding, at most ``u |s^_p - m^|``) and calls
+    ``expf``, taken to be within ``4u`` of exact (glibc's is within one ulp, ``2u``; the margin is
+    for other C libraries). Each weight is then ``exp(s_p - C) exp(eta_p)`` for one constant C with
+    ``|eta_p| <= E_p = e_p + u (|s_p - m| + 2 max e) - log(1 - 4u)``; with ``E = max_p E_p`` the
+    normalized weights are within ``exp(2E) - 1`` of the exact ones, relatively.
+
+    **Sums.** The denominator adds L positive weights (``g(L - 1)``); each output element adds L
+    products to 0 (``g(L + 1)`` of ``sum_p w^_p |v_pd|``); a reciprocal and a product follow (two
+    more roundings). So, with ``A_d = sum_p a_p |v_pd|`` (a: the exact softmax),
+
+        |o^_d - o_d| <= [exp(2E) - 1 + exp(2E) g(L + 1) (2 + g(L + 1))] A_d.
+
+    The float64 reference is within the same at ``u = 2**-53`` (added in).
+    """
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    _, length, _, dim = k.shape
+    mask = torch.arange(length)[None, :] < lens[:, None]  # [B, L]
+    scores = torch.einsum("bhd,blhd->bhl", q, k) * scale
+    spread = torch.einsum("bhd,blhd->bhl", q.abs(), k.abs()) * abs(scale)  # sum_d |q_d k_pd scale|
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # [B, H, L]
+    a = torch.einsum("bhl,blhd->bhd", weights, v.abs())
+    total = torch.zeros_like(a)
+    for unit in (u, U64):
+        e = (gamma(dim + 1, unit) * spread).masked_fill(~mask[:, None, :], 0.0)
+        e_max = e.amax(-1, keepdim=True)
+        top = scores.amax(-1, keepdim=True)
+        gap = (top - scores).masked_fill(~mask[:, None, :], 0.0)
+        big_e = (e + unit * (gap + 2 * e_max) - math.log1p(-4 * unit)).amax(-1)  # [B, H]
+        g = torch.tensor([gamma(int(n) + 1, unit) for n in lens], dtype=torch.float64)[:, None]
+        grow = torch.exp(2 * big_e)
+        total += ((grow - 1) + grow * g * (2 + g))[..., None] * a
+    return total * (1 + gamma(dim + int(lens.max()) + 2, U64))
