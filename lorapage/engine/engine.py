@@ -186,7 +186,7 @@ class Engine:
             usable_cores(),
         )
         self.prefix_cache = PrefixCache(self.pool, clock)
-        self.usage = UsageLedger()
+        self.usage = UsageLedger(wall_offset=time.time() - clock())  # hours of the calendar
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
             usage=self.usage,
