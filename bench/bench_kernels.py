@@ -33,7 +33,8 @@ import torch
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.lora_tables import LoraTables
 

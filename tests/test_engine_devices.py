@@ -69,7 +69,7 @@ async def test_a_cpu_engine_starts_the_io_threads_it_counted():
     try:
         assert engine.io_threads == io_thread_count(None, torch.device("cpu"))
         assert engine._io._max_workers == engine.io_threads
-        assert engine.adapters.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
+        assert engine.residency.limits.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
     finally:
         await engine.close()
 

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lorapage.adapters.value import value_per_page
+from lorapage.memory.reclaim import value_per_page
 from lorapage.sim.costs import LoadCosts
 
 RATE_HALF_LIFE_S = 60.0  # as lorapage.adapters.cache.RATE_HALF_LIFE_S (not imported: that pulls torch)
