@@ -218,7 +218,17 @@ for name in getattr(module, "__all__", []):
 """
 
 
-@pytest.mark.parametrize("module", ["lorapage.sim", "lorapage.fleet.routing", "lorapage.scheduler", "lorapage.config"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "lorapage.sim",
+        "lorapage.sim.fleet",
+        "lorapage.fleet.routing",
+        "lorapage.scheduler",
+        "lorapage.config",
+        "lorapage.adapters.residency",
+    ],
+)
 def test_pure_parts_import_without_torch(module):
     """The policies the simulator shares with the engine must not need a tensor library."""
     done = subprocess.run([sys.executable, "-c", BLOCK_TORCH, module], capture_output=True, text=True, timeout=120)

@@ -621,7 +621,7 @@ class Residency:
         """Each load waiting for room, longest waiting first, tries again; again while a pass
         changed anything (an eviction or a yield may let an earlier load in)."""
         out: list[Decision] = []
-        while True:
+        while self._loads:
             placing = sorted(
                 (r for r in self._loads.values() if r.phase is Phase.PLACING), key=lambda r: (r.since, r.order)
             )
@@ -631,7 +631,8 @@ class Residency:
                     changed += self._try_place(r, now)
             out += changed
             if not changed:
-                return out
+                break
+        return out
 
     def _try_place(self, r: Residence, now: float) -> list[Decision]:
         """One look at ``r``'s room, as its :class:`LoadWait` state allows."""
@@ -737,7 +738,7 @@ class Residency:
     def _start_prefetches(self) -> list[Decision]:
         """Start queued prefetches while no load into the pool is reading files (a prefetch never
         delays one: it waits, and runs once the loads have their host copies)."""
-        if self._loads_reading():
+        if not self.prefetch.max_running or self._loads_reading():
             return []
         return [Prefetch(key, tenant) for key, tenant in self.prefetch.start(self._wants_prefetch)]
 

@@ -177,7 +177,8 @@ class Engine:
         # the loader that carries them out, the cache of registered versions, the catalog.
         self.prefix_cache = PrefixCache(self.pool, clock)
         page_bytes = mc.num_layers * page_size * self.pool.storage.element_size()
-        self.reclaim = Reclaim(self.pool, self.prefix_cache, RecomputeCost(page_bytes, bs))
+        recompute = RecomputeCost(page_bytes, bs)  # fed measured prefill timings by the step loop
+        self.reclaim = Reclaim(self.pool, self.prefix_cache, recompute)
         costs = ReloadCosts(page_bytes)
         self.residency = Residency(
             ResidencyLimits(
@@ -284,7 +285,7 @@ class Engine:
             self.runner,
             self._forward,
             on_new_loop=self.adapters.rebind_loop,
-            on_prefill=self.reclaim.recompute.observe,
+            on_prefill=recompute.observe,
         )
         # Structured output: grammars compile on a thread of their own, never behind prompts.
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="lorapage-grammar")

@@ -78,9 +78,13 @@ class IdleBlocks(Protocol):
 
 class Reclaim:
     """Frees pages by giving back the least valuable idle pages first, cached blocks and
-    adapters interleaved (``blocks`` None: adapters only)."""
+    adapters interleaved (``blocks`` None: adapters only; ``recompute`` is what a block costs)."""
 
-    def __init__(self, pages: FreePages, blocks: IdleBlocks | None, recompute: RecomputeCost) -> None:
+    def __init__(
+        self, pages: FreePages, blocks: IdleBlocks | None = None, recompute: RecomputeCost | None = None
+    ) -> None:
+        if blocks is not None and recompute is None:
+            raise ValueError("idle blocks are ranked by their recompute cost: pass one")
         self.pages, self.blocks, self.recompute = pages, blocks, recompute
 
     def run(self, pages_needed: int, adapters: Iterable[tuple[float, str]], evict: Callable[[str], None]) -> bool:
@@ -91,12 +95,11 @@ class Reclaim:
         each run of them cheaper than the next adapter is given back in one call."""
         if self.pages.num_free >= pages_needed:
             return True
-        block_s = self.recompute.block_s()
         for value, key in [*sorted(adapters), (math.inf, None)]:
             if self.pages.num_free >= pages_needed:
                 break
-            if self.blocks is not None:  # the blocks worth no more than this adapter per page
-                self.blocks.evict(pages_needed, max_rate=value / block_s)
+            if self.blocks is not None and self.recompute is not None:  # the blocks worth no more per page
+                self.blocks.evict(pages_needed, max_rate=value / self.recompute.block_s())
             if key is not None and self.pages.num_free < pages_needed:
                 evict(key)
         return self.pages.num_free >= pages_needed
