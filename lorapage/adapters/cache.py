@@ -209,6 +209,7 @@ class AdapterCache:
         self.get(name)
         self._apply(self.residency.remove(name, self._clock()))
         del self.entries[name]
+        self._staged.pop(name, None)  # a load that waited for room
         self._load_meta.pop(name, None)
         self._fail_waiters(name, AdapterNotFoundError(f"adapter {name!r} was removed", param="model"))
         self._kick()
