@@ -6,20 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from lorapage.adapters.decisions import Cancel, DropHost, Evict, Load, Prefetch, Read, Ready, Release, Yield
 from lorapage.adapters.pins import PinBounds
-from lorapage.adapters.residency import (
-    Cancel,
-    DropHost,
-    Evict,
-    Load,
-    Prefetch,
-    Read,
-    Ready,
-    Release,
-    Residency,
-    ResidencyLimits,
-    Yield,
-)
+from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.value import LoadTier, ReloadCosts
 from lorapage.errors import AdapterBusyError, ConflictError, PinLimitError
 from lorapage.memory.pages import PageAllocator, PageKind

@@ -20,7 +20,8 @@ import dataclasses
 from engine_util import collect
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.adapters.residency import Decision, Evict, HistoryEntry, Load, Read
+from lorapage.adapters.decisions import Decision, Evict, Load, Read
+from lorapage.adapters.residency import HistoryEntry
 from lorapage.sim.costs import GPU_7B, LoadCosts
 from lorapage.sim.fleet import FleetConfig, Replica
 from lorapage.sim.loader import ResidencyConfig

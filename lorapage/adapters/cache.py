@@ -27,24 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from lorapage.adapters.cost import AdapterCost
+from lorapage.adapters.decisions import Cancel, Decision, DropHost, Evict, Load, Prefetch, Read, Ready, Release, Yield
 from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, refusal
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterLoader, Origin, content_digest
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec, read_weights
-from lorapage.adapters.residency import (
-    Cancel,
-    Decision,
-    DropHost,
-    Evict,
-    Load,
-    Prefetch,
-    Read,
-    Ready,
-    Release,
-    Residency,
-    Yield,
-)
+from lorapage.adapters.residency import Residency
 from lorapage.adapters.value import LoadTier
 from lorapage.errors import AdapterFormatError, AdapterLoadError, AdapterNotFoundError, ConflictError, LorapageError
 from lorapage.memory.pool import PagePool

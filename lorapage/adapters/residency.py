@@ -18,8 +18,9 @@ copy, an LRU of ``max_cpu_loras``), the local disk, or remote (a source not in t
 - admin pins hold a version resident, bounded by :class:`~lorapage.adapters.pins.PinBounds`;
 - KV admission keeps :meth:`Residency.pending_pages` free for the largest load waiting on memory.
 
-The rules take the time as an argument and answer with *decisions* (:data:`Decision`): what to
-read, prefetch, copy into which slot and pages, evict, drop from host RAM. Whoever drives them
+The rules take the time as an argument and answer with *decisions*
+(:mod:`lorapage.adapters.decisions`): what to read, prefetch, copy into which slot and pages,
+evict, drop from host RAM. Whoever drives them
 carries the decisions out and reports back when a read or a copy is done: the engine's
 :class:`~lorapage.adapters.cache.AdapterCache` with I/O threads and the device, the simulator's
 :class:`~lorapage.sim.loader.SimLoader` on a virtual clock. So a rule is written once, here.
@@ -37,6 +38,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from lorapage.adapters.decisions import (
+    Cancel,
+    Decision,
+    DropHost,
+    Evict,
+    Load,
+    Prefetch,
+    Read,
+    Ready,
+    Release,
+    Yield,
+)
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.prefetch import PrefetchQueue
 from lorapage.adapters.value import LoadTier, RecentAdapters
@@ -47,84 +60,6 @@ from lorapage.memory.reclaim import RATE_HALF_LIFE_S, Reclaim, value_per_page
 GPU, RAM = "gpu", "ram"  # tiers above the cold ones (LoadTier.DISK, LoadTier.REMOTE)
 EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
 HISTORY_LEN = 512  # events kept with their decisions
-
-
-# -- decisions: what the rules ask the loader to do ---------------------------------------------
-
-
-@dataclass(frozen=True)
-class Read:
-    """Bring ``key``'s packed copy into host RAM for a load from ``tier`` (RAM: it is there
-    already; REMOTE: download first), then report :meth:`Residency.read_done`."""
-
-    key: str
-    tier: LoadTier
-
-
-@dataclass(frozen=True)
-class Prefetch:
-    """Read ``key`` into host RAM only, for ``tenant``, then report :meth:`Residency.prefetch_done`."""
-
-    key: str
-    tenant: str
-
-
-@dataclass(frozen=True)
-class DropHost:
-    """``key``'s host-RAM copy leaves (the LRU is full); a load waiting on it keeps its own."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Load:
-    """Copy ``key``'s packed copy into ``pages`` and point lora ``slot`` at them, then report
-    :meth:`Residency.copy_done`. The slot and pages are reserved for it."""
-
-    key: str
-    slot: int
-    pages: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Evict:
-    """Lora ``slot`` no longer holds ``key``: clear its table rows (its pages are free already)."""
-
-    key: str
-    slot: int
-
-
-@dataclass(frozen=True)
-class Release:
-    """The slot and pages a load reserved went back (its copy failed, or its version was removed
-    while it ran): clear lora ``slot``'s table rows, which the copy may have written."""
-
-    key: str
-    slot: int
-
-
-@dataclass(frozen=True)
-class Yield:
-    """Resident ``key`` admits nothing new: a starving load takes its slot once it is idle."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Ready:
-    """Resident ``key`` admits requests (again): its queued requests may run."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """``key`` was unregistered: stop its read or prefetch in flight; nothing reports back."""
-
-    key: str
-
-
-Decision = Read | Prefetch | DropHost | Load | Evict | Release | Yield | Ready | Cancel
 
 
 # -- state ----------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class StepScheduler:
         try:
             admitted = self.policy.schedule(now, self)
         except BaseException:
-            self._undo_admissions()  # still WAITING to everyone else: nothing may stay pinned
+            self._undo_admissions()  # still WAITING to everyone else: none may stay admitted on its adapter
             raise
         finally:
             self._policy_s = self._timer() - started

@@ -25,16 +25,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lorapage.adapters.residency import (
-    GPU,
-    RAM,
-    Decision,
-    Load,
-    Prefetch,
-    Read,
-    Residency,
-    ResidencyLimits,
-)
+from lorapage.adapters.decisions import Decision, Load, Prefetch, Read
+from lorapage.adapters.residency import GPU, RAM, Residency, ResidencyLimits
 from lorapage.adapters.value import LoadTier
 from lorapage.memory.pages import PageAllocator
 from lorapage.memory.reclaim import Reclaim
