@@ -117,6 +117,7 @@ class AdapterCache:
         self._load_meta: dict[str, tuple[LoadTier, float]] = {}  # key -> (tier its load started from, read s)
         self._reads: dict[str, asyncio.Task[None]] = {}
         self._prefetches: dict[str, asyncio.Task[None]] = {}
+        self._copies: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}  # admin loads waiting for residency
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
         self._tick_soon: asyncio.Handle | None = None
@@ -349,6 +350,7 @@ class AdapterCache:
         started on the old one died with it, and the pinned adapters are loaded on this one."""
         self._reads.clear()
         self._prefetches.clear()
+        self._copies.clear()
         self._staged.clear()
         self._waiters.clear()
         self._tick_soon = self._tick_timer = None
@@ -446,7 +448,9 @@ class AdapterCache:
     def _start_copy(self, d: Load) -> None:
         entry = self.entries[d.key]
         packed = self._staged.pop(d.key)
-        asyncio.get_running_loop().create_task(self._copy(entry, packed, d.slot, list(d.pages)))
+        task = asyncio.get_running_loop().create_task(self._copy(entry, packed, d.slot, list(d.pages)))
+        self._copies.add(task)
+        task.add_done_callback(self._copies.discard)
 
     async def _copy(self, entry: AdapterEntry, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
         """The copy into the pool. Never cancelled: its slot and pages go back only once it is
