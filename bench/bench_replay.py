@@ -42,6 +42,7 @@ from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig  # noqa: E402
 from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay  # noqa: E402
 from lorapage.replay.embedded import EmbeddedTarget  # noqa: E402
 from lorapage.replay.engine_flags import trace_adapters  # noqa: E402
@@ -283,7 +284,8 @@ BENCHES = {"slora": bench_slora, "fairness": bench_fairness, "seed": bench_seed}
 
 async def main(args: argparse.Namespace) -> dict:
     out = Path(args.out or tempfile.mkdtemp(prefix="lorapage-bench-replay-"))  # the reports stay
-    figures: dict = {"bench": "replay", "quick": args.quick, "reports": str(out)}
+    figures: dict = {"bench": "replay", "quick": args.quick, "reports": str(out), **machine_info()}
+    print(machine_line())
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:  # the model and adapters do not
         model, dirs = make_assets(Path(tmp))
         for name in args.only.split(","):

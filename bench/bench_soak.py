@@ -61,6 +61,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.tiny import demo_adapter_dirs
 from lorapage.traces.stats import percentile
 
@@ -856,6 +857,7 @@ def verdicts(r: dict) -> dict[str, bool]:
 
 
 def print_table(r: dict, met: dict[str, bool]) -> None:
+    print(machine_line())
     print(
         f"Soak: {r['duration_s']:.0f} s; {GOOD_TENANTS}x{GOOD_WORKERS} good streams, 1 hostile, {SLOW_READERS} slow, {DISCONNECTORS} hanging up"
         + (f" (without {', '.join(r['without'])})" if r["without"] else "")
@@ -965,7 +967,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     met = verdicts(result)
     print_table(result, met)
-    print(json.dumps({**result, "targets": TARGETS, "met": met, "all_met": all(met.values())}))
+    print(json.dumps({**result, "targets": TARGETS, "met": met, "all_met": all(met.values()), **machine_info()}))
 
 
 if __name__ == "__main__":

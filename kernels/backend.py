@@ -1,12 +1,13 @@
 """Choosing the kernel implementation once, at start-up.
 
 ``torch`` runs the PyTorch references and batched PyTorch LoRA ops. ``cpu`` is the same with the
-LoRA ops' short segments (decode rows) in the C kernels of ``lora_cpu.c``, built on first use with
-the system compiler (float32 models only). ``triton`` runs the Triton kernels: compiled on CUDA, and under Triton's
-interpreter on a machine without CUDA (that is how the CPU test suite checks them; it is far too
-slow to serve with). ``auto`` picks Triton on CUDA when it is installed, else ``cpu`` for a
-float32 model on a CPU where the C kernels build, else ``torch``. Triton is imported only when the
-``triton`` backend is chosen, so a CPU-only install without it still runs.
+LoRA ops' short segments (decode rows) and decode attention in the C kernels of ``lora_cpu.c``,
+built on first use with the system compiler (float32 models only). ``triton`` runs the Triton
+kernels: compiled on CUDA, and under Triton's interpreter on a machine without CUDA (that is how
+the CPU test suite checks them; it is far too slow to serve with). ``auto`` picks Triton on CUDA
+when it is installed, else ``cpu`` for a float32 model on a CPU where the C kernels build, else
+``torch``. Triton is imported only when the ``triton`` backend is chosen, so a CPU-only install
+without it still runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from lorapage.kernels.attention_cpu import paged_decode_attention_cpu
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_shrink_cpu
@@ -134,7 +136,7 @@ TORCH_OPS = KernelOps(
     _plan_torch,
 )
 CPU_OPS = KernelOps(
-    "cpu", lora_shrink_cpu, lora_expand_cpu, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref, _plan_cpu
+    "cpu", lora_shrink_cpu, lora_expand_cpu, write_kv_ref, paged_decode_attention_cpu, prefill_attention_ref, _plan_cpu
 )
 
 

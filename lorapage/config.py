@@ -168,6 +168,13 @@ class EngineConfig:
         choices=KERNEL_BACKENDS,
     )
     enforce_eager: bool = option(False, "no CUDA-graph capture of decode steps (CUDA + Triton only)", group="kernels")
+    num_threads: int | None = option(
+        None,
+        "intra-op threads of the forward pass (torch's threads in the forward thread)",
+        group="kernels",
+        none="on a CPU, torch's setting (OMP_NUM_THREADS, torch.set_num_threads, else its core count), at most "
+        "the cores this process may run on; on CUDA, torch's setting",
+    )
     io_threads: int | None = option(
         None,
         "threads for adapter file reads, digests and (on a CPU) copies into the pool, never the event loop",
@@ -273,6 +280,7 @@ class EngineConfig:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "num_threads",
             "io_threads",
             "adapter_cache_bytes",
             "max_adapter_download_bytes",
@@ -281,7 +289,7 @@ class EngineConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if value is not None and value < 1:  # None: io_threads counted from the device
+            if value is not None and value < 1:  # None: counted from the device and its cores
                 raise ValueError(f"EngineConfig.{name} must be >= 1; got {value}")
 
 

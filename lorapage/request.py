@@ -34,6 +34,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + tokens more likely than it (prompt logprobs only)
 
 
 @dataclass

@@ -464,9 +464,9 @@ async def test_a_whole_answers_logprobs_are_formatted_while_it_runs(srv, monkeyp
     real = Formatter._new_logprobs
 
     def spy(self: Formatter, out: Any) -> Any:
-        before = self.logprobs_sent
+        before = self.choice(out.index).logprobs_sent
         got = real(self, out)
-        formatted.append((self.logprobs_sent - before, out.finished))
+        formatted.append((self.choice(out.index).logprobs_sent - before, out.finished))
         return got
 
     monkeypatch.setattr(Formatter, "_new_logprobs", spy)

@@ -154,6 +154,9 @@ def test_load_from_file(tmp_path):
         ("[tenants.a]\nkey_sha256 = 'abc'\n", r"tenants\.a\.key_sha256: expected a list"),
         ("[admin]\nkeys = []\n", r"admin: unknown field"),
         ("[metrics]\nkey = 'x'\n", r"metrics: unknown field"),
+        ("[metrics]\ntenant = 'a'\n[tenants.a]\n", r"metrics: unknown field"),
+        ("[admin]\ntenant = 'nobody'\n[tenants.a]\n", r"admin\.tenant: 'nobody' is not a tenant"),
+        ("[admin]\ntenant = 3\n", r"admin\.tenant: expected a tenant's name"),
         ("[tenant.a]\n", r"unknown section"),
         ("tenants = 3\n", r"tenants: expected a table"),
         ("[tenants.a\n", r"not valid TOML"),
@@ -174,3 +177,14 @@ def test_a_key_belongs_to_one_tenant():
     body = f"[admin]\nkey_sha256 = ['{digest('k')}']\n[metrics]\nkey_sha256 = ['{digest('k')}']\n"
     with pytest.raises(TenantsConfigError, match=r"metrics\.key_sha256: .*also a key of \[admin\]"):
         TenantsConfig.from_toml(body)
+
+
+def test_single_tenant_use_makes_the_admin_keys_a_tenants_keys():
+    """``[admin] tenant`` (what ``lorapage serve --api-key`` writes): the admin keys authenticate
+    as that tenant too, so one key opens every route, as vLLM's --api-key does."""
+    body = f"[admin]\nkey_sha256 = ['{digest('one')}', '{digest('two')}']\ntenant = 'default'\n[tenants.default]\n"
+    config = TenantsConfig.from_toml(body)
+    for key in ("one", "two"):
+        assert config.authenticate(key) == "default" and config.is_admin(key) and config.may_scrape(key)
+    assert config.authenticate("three") is None and not config.is_admin("three")
+    assert TenantsConfig.from_toml(EXAMPLE).authenticate("admin-key") is None  # without it: admin routes only

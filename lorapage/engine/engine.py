@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -50,11 +51,13 @@ from lorapage.adapters.value import ReloadCosts, Stage
 from lorapage.config import EngineConfig
 from lorapage.engine.devices import (
     DTYPES,
-    bind_thread,
+    forward_thread,
+    forward_thread_count,
     io_thread,
     io_thread_count,
     resolve_device,
     shorten_switch_interval,
+    usable_cores,
 )
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
@@ -85,6 +88,8 @@ from lorapage.usage import Usage, UsageLedger
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
+
+log = logging.getLogger("lorapage.engine")
 
 
 class Engine:
@@ -157,10 +162,14 @@ class Engine:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
         shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
+        self.forward_threads = forward_thread_count(config.num_threads, self.device)
         self._forward = ThreadPoolExecutor(
-            1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
+            1,
+            thread_name_prefix="lorapage-forward",
+            initializer=forward_thread,
+            initargs=(self.device, self.forward_threads),
         )
-        self.io_threads = io_thread_count(config.io_threads, self.device)
+        self.io_threads = io_thread_count(config.io_threads, self.device, self.forward_threads)
         self._io = ThreadPoolExecutor(
             self.io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(self.device,)
         )
@@ -172,6 +181,14 @@ class Engine:
         # Prompts are tokenized apart from file reads too: with every I/O thread stuck on a slow
         # file, a text request for a resident adapter (or the base) must still get in.
         self._tokenize = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lorapage-tokenize")
+        log.info(
+            "threads: forward %d intra-op (%s), %d I/O, %d tokenizer; %d usable cores",
+            self.forward_threads,
+            "num_threads" if config.num_threads is not None else "torch's setting",
+            self.io_threads,
+            self.io_threads,
+            usable_cores(),
+        )
         # Memory first: the pool's idle cached blocks and idle adapters are given back in one
         # ranking (Reclaim), which the adapters' residency rules call; then the adapters' rules,
         # the loader that carries them out, the cache of registered versions, the catalog.

@@ -8,12 +8,15 @@ before it is measured.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from starlette.requests import Request
 from starlette.responses import Response
 
 from lorapage.errors import LorapageError
 from lorapage.server.admin import body_too_large, check_body_length
 from lorapage.server.error_json import HttpError, error_headers, error_payload
+from lorapage.server.route_hints import not_found_message
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -37,8 +40,9 @@ def error_response(exc: LorapageError) -> Response:
     )
 
 
-def no_route() -> Response:
-    return error_response(HttpError(404, "not_found", "no such route; see docs/api.md for the routes lorapage serves"))
+def no_route(method: str, path: str, routes: Iterable[tuple[str, str]]) -> Response:
+    """The 404 of an unknown route, naming the nearest of the ingress's ``routes`` (as ``lorapage serve``'s does)."""
+    return error_response(HttpError(404, "not_found", not_found_message(method, path, routes)))
 
 
 def method_not_allowed(allowed: str) -> Response:

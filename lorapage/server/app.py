@@ -1,4 +1,5 @@
-"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py).
+"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py; vLLM's
+extra routes and /v1/responses: extra_routes.py).
 
 Every request is checked in the same order, cheapest first, and takes its tenant's quota before
 any work that grows with its body: API key (401), declared body size (413), the tenant's
@@ -16,7 +17,8 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -34,11 +36,12 @@ from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.error_json import Handler, error_middleware
+from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
 from lorapage.server.models_view import BaseCard, ModelsView
-from lorapage.server.prompts import PromptBuilder
+from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 
@@ -46,6 +49,10 @@ log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
+
+
+# Runs a job on the engine and answers it over HTTP (generation.respond's signature).
+Responder = Callable[[web.Request, Any, Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
 
 
 class ServerState:
@@ -137,13 +144,13 @@ class ServerState:
 
     def charge(self, reservation: Reservation, job: Job) -> None:
         """Take the request's tokens (prompt + max_tokens) from its tenant's TPM (429 when short)."""
-        refused = self.quotas.charge(reservation, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+        refused = self.quotas.charge(reservation, job.prompt_tokens, job.completion_budget(), time.monotonic())
         if refused is not None:
             self.record_rejected(job, refused.which)
             raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
 
     def record_rejected(self, job: Job, reason: str) -> None:
-        tokens = len(job.prompt) + job.sampling.max_tokens
+        tokens = job.prompt_tokens + job.completion_budget()
         self.engine.scheduler_metrics.record_rejected(job.tenant, tokens, reason)
 
     def overload_retry_after(self) -> int:
@@ -153,13 +160,17 @@ class ServerState:
             self.admissions.per_second(time.monotonic()),
         )
 
-    async def run(self, request: web.Request, job: Job, reservation: Reservation) -> web.StreamResponse:
+    async def run(
+        self, request: web.Request, job: Job, reservation: Reservation, responder: Responder = respond
+    ) -> web.StreamResponse:
+        """Charge ``job``'s tokens, run it and answer it with ``responder`` (chat and completions'
+        shapes by default; ``/v1/responses`` brings its own), counted in flight meanwhile."""
         self.charge(reservation, job)
         self.in_flight[job.adapter] += 1
         self.request_ids.add(job.engine_id)
         self.idle.clear()
         try:
-            return await respond(request, self.engine, job, self.metrics, self.admissions)
+            return await responder(request, self.engine, job, self.metrics, self.admissions)
         except EngineOverloadedError as exc:
             self.record_rejected(job, "queue_full")
             exc.retry_after = self.overload_retry_after()
@@ -167,7 +178,7 @@ class ServerState:
         finally:
             # Refund what was not used: max_tokens not generated, and when it was cut (or refused)
             # before its first token, the prompt tokens the engine did not compute.
-            used = len(job.prompt) + job.generated if job.generated else job.prompt_computed
+            used = job.prompt_tokens + job.generated if job.generated else job.prompt_computed
             self.release(reservation, used)
             self.request_ids.discard(job.engine_id)
             self.in_flight[job.adapter] -= 1
@@ -203,12 +214,22 @@ def check_length(request: web.Request) -> None:
         raise BodyTooLargeError(f"request body is {request.content_length} bytes; the limit is {limit}")
 
 
-def _job(
-    state: ServerState, kind: str, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
-) -> Job:
+def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float) -> Job:
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
-    model, adapter = state.resolve(req.model, tenant)
-    return make_job(kind, req, model, adapter, tenant, ids, state.engine.max_model_len, logprobs, arrival, state.access)
+    model, adapter = state.resolve(parsed.req.model, tenant)
+    return make_job(
+        kind,
+        parsed,
+        model,
+        adapter,
+        tenant,
+        prompts.ids,
+        state.engine.max_model_len,
+        arrival,
+        state.access,
+        tools=prompts.tools,
+        prompt_texts=prompts.texts,
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -235,11 +256,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
             parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
         state.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
-        if kind == "chat":
-            ids = await state.prompts.chat(tenant, cast(list[dict[str, str]], parsed.prompt))
-        else:
-            ids = await state.prompts.completion(tenant, cast(str | list[int], parsed.prompt))
-        job = _job(state, kind, parsed.req, tenant, ids, parsed.logprobs, arrival)
+        prompts = await state.prompts.of(kind, tenant, parsed)
+        job = _job(state, kind, parsed, tenant, prompts, arrival)
         return await state.run(request, job, reservation)
     finally:
         state.release(reservation)  # already released (with its usage) once it ran: then nothing
@@ -350,6 +368,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, STATE)
+    add_extra_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)

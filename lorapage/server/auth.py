@@ -141,6 +141,12 @@ class Access:
             return owner == tenant
         return self.may_use(tenant, adapter) and not self.tenants.others_may_use_unowned(tenant, adapter)
 
+    def default_max_tokens(self, tenant: str) -> int | None:
+        """What a request of ``tenant`` without max_tokens reserves from its TPM up front (None:
+        the whole budget, for a tenant the tenants file does not name)."""
+        config = self.tenants.tenants.get(tenant)
+        return config.default_max_tokens if config is not None else None
+
     def prefix_group(self, tenant: str) -> str | None:
         """The group whose tenants share ``tenant``'s cached prompt prefixes (None: only its own)."""
         config = self.tenants.tenants.get(tenant)

@@ -21,11 +21,15 @@ its whole length. One that fits is then tokenized whole, so its ids are exactly 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lorapage.errors import InvalidRequestError, LorapageError, PromptTooLongError
 from lorapage.server.fair_workers import FairWorkers
+from lorapage.server.fields import ToolUse, tool_use
 from lorapage.server.protocol import Parsed
+from lorapage.tools.formats import detect_format
+from lorapage.tools.prompting import conversation
 
 if TYPE_CHECKING:
     from lorapage.model.tokenizer import Tokenizer
@@ -63,6 +67,16 @@ def chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
         start = end
 
 
+@dataclass(frozen=True)
+class Prompts:
+    """A request's prompts as token ids, with what the answer needs of them: each one's text (an
+    echoed completion starts with it) and the chat's tools."""
+
+    ids: list[list[int]]
+    texts: list[str]
+    tools: ToolUse | None = None
+
+
 class PromptBuilder:
     """Bounds, renders and tokenizes prompts for one model, fairly across tenants; owns the workers."""
 
@@ -72,6 +86,7 @@ class PromptBuilder:
         self.chars_per_token = max_chars_per_token(tokenizer)
         self.max_prompt_chars = max_model_len * self.chars_per_token
         self.workers = FairWorkers(threads, name="lorapage-prompt")
+        self.tool_format = detect_format(tokenizer.chat_template)  # how this model writes tool calls
 
     def check_chars(self, chars: int, where: str) -> None:
         """Refuse ``chars`` characters of prompt that no tokenization could fit in the context."""
@@ -83,7 +98,7 @@ class PromptBuilder:
                 param=where,
             )
 
-    def check_chat(self, messages: list[dict[str, str]]) -> None:
+    def check_chat(self, messages: list[dict[str, Any]]) -> None:
         if len(messages) > self.max_model_len:
             raise PromptTooLongError(
                 f"{len(messages)} messages cannot fit in this model's maximum context length of "
@@ -98,11 +113,23 @@ class PromptBuilder:
             return parse(body)
         return await self.workers.run(tenant, parse, body)
 
-    async def chat(self, tenant: str, messages: list[dict[str, str]]) -> list[int]:
-        """The conversation through the chat template, tokenized (the template writes BOS itself)."""
+    async def chat(self, tenant: str, messages: list[dict[str, Any]], tools: ToolUse | None = None) -> list[int]:
+        """The conversation (with its tools, and earlier tool calls and results, as the template
+        takes them: :func:`lorapage.tools.conversation`) through the chat template, tokenized (the
+        template writes BOS itself)."""
         self.check_chat(messages)
-        text = await self.workers.run(tenant, self._render, messages)
+        text = await self.workers.run(tenant, self._render, messages, tools)
         return await self._encode(tenant, text, "messages", add_special_tokens=False)
+
+    async def of(self, kind: str, tenant: str, parsed: Parsed) -> Prompts:
+        """Every prompt of a parsed chat or completions request, tokenized in ``tenant``'s turn."""
+        if kind == "chat":
+            tools = tool_use(parsed.req, self.tool_format)
+            return Prompts([await self.chat(tenant, parsed.prompt, tools)], [], tools)
+        ids = [await self.completion(tenant, p) for p in parsed.prompts]
+        echo = bool(getattr(parsed.req, "echo", False))
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in parsed.prompts] if echo else []
+        return Prompts(ids, texts)
 
     async def completion(self, tenant: str, prompt: str | list[int]) -> list[int]:
         """Token ids of a completion prompt (BOS added as the tokenizer config says)."""
@@ -110,6 +137,31 @@ class PromptBuilder:
             return prompt
         self.check_chars(len(prompt), "prompt")
         return await self._encode(tenant, prompt, "prompt", add_special_tokens=True)
+
+    async def tokens(self, tenant: str, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
+        """``text`` tokenized as it is (``add_special_tokens``: BOS as the tokenizer config says),
+        bounded like a prompt: vLLM's ``/tokenize`` of a prompt."""
+        self.check_chars(len(text), where)
+        return await self._encode(tenant, text, where, add_special_tokens=add_special_tokens)
+
+    async def chat_tokens(
+        self,
+        tenant: str,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """:meth:`chat` with the template's options: the generation prompt or not, special tokens
+        on top of the template's, and extra template variables (``tools``)."""
+        self.check_chat(messages)
+        text = await self.workers.run(tenant, self._render, messages, None, add_generation_prompt, template_kwargs)
+        return await self._encode(tenant, text, "messages", add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, tenant: str, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (vLLM's ``/detokenize``), in ``tenant``'s turn."""
+        return await self.workers.run(tenant, self.tokenizer.decode, ids, False)
 
     def close(self) -> None:
         self.workers.close()
@@ -128,9 +180,20 @@ class PromptBuilder:
                     )
         return await self.workers.run(tenant, encode, text, add_special_tokens)
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: ToolUse | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            fmt = tools.fmt if tools is not None else self.tool_format
+            messages, extra = conversation(messages, tools.tools if tools else None, fmt, self.tokenizer.chat_template)
+            kwargs.update(extra)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except LorapageError:
             raise
         except Exception as exc:  # jinja errors of third-party templates: the messages do not fit them

@@ -28,6 +28,11 @@ class TokenBucket:
         self.level = capacity
         self.updated = now
 
+    def take_debt(self, tokens: float, now: float) -> None:
+        """Take ``tokens`` even past empty: the level may go below zero."""
+        self.refill(now)
+        self.level -= tokens
+
     def refill(self, now: float) -> None:
         if now > self.updated:
             self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
@@ -230,6 +235,11 @@ class QuotaManager:
         unused = held.tokens - used_tokens
         if held.state.tpm is not None and unused > 0:
             held.state.tpm.give_back(unused, now)
+        elif held.state.tpm is not None and unused < 0:
+            # Used more than was reserved (a request without max_tokens ran past its tenant's
+            # default_max_tokens): charged now, into debt if need be; the tenant's next requests
+            # wait (429, Retry-After) until the bucket is back above empty.
+            held.state.tpm.take_debt(-unused, now)
 
     def in_flight(self, tenant: str) -> int:
         state = self._states.get(tenant)

@@ -2,6 +2,9 @@
 
 With no arguments it serves the built-in tiny model and its demo adapters on 127.0.0.1:8000 to
 one ``demo`` tenant whose key (and an admin key) it prints; both keys are new on every start.
+``--api-key KEY`` (vLLM's flag; repeatable, or ``$LORAPAGE_API_KEY``) is single-tenant use instead:
+one tenant ``default`` whose fixed keys open every route, the admin routes included, as vLLM's
+``--api-key`` guards everything; it may use every adapter without an owner.
 ``--lora-modules`` directories are the operator's and are read wherever they are; adapters the
 admin registers over HTTP for a tenant must lie under an ``--adapter-root`` that tenant may read
 from (its own ``TENANT=DIR`` ones, else the shared ones) or come from an https, s3 or hf source.
@@ -31,12 +34,12 @@ from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
-from lorapage.server.admin import check_adapter_id
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
+from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
-from lorapage.server.tenants import SHARED, TenantsConfigError
+from lorapage.server.tenants import SHARED, TenantsConfig, TenantsConfigError, hash_key
 from lorapage.tiny import demo_adapter_dirs
 
 log = logging.getLogger("lorapage.serve")
@@ -53,6 +56,8 @@ STATE_FIELDS = (
 )
 ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "state_dir")
 PROG = "lorapage serve"
+API_KEY_ENV = "LORAPAGE_API_KEY"  # vLLM reads VLLM_API_KEY
+API_KEY_TENANT = "default"  # the one tenant of --api-key
 # Flags of their own below: a server keeps its registry on disk by default, an engine in memory.
 _STATE_FLAG = "state_dir"
 
@@ -107,6 +112,15 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
         help="tenants TOML file: keys, quotas, weights, adapters (default: one demo tenant whose new key is printed)",
     )
     group.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"single-tenant use, as vLLM's flag: with no --tenants, one tenant {API_KEY_TENANT!r} whose keys are "
+        "these (repeatable); it may use every adapter without an owner, and its key is the admin key too (it "
+        "opens every route, /metrics and the admin routes included). Default: $LORAPAGE_API_KEY (one key)",
+    )
+    group.add_argument(
         "--adapter-root",
         action="append",
         default=[],
@@ -142,6 +156,28 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
         metavar="N",
         help="connections one client address may hold at once; more are answered 429 and closed (0: no cap; "
         "behind a proxy every client has the proxy's address)",
+    )
+
+
+def api_keys(args: argparse.Namespace, prog: str = PROG) -> list[str]:
+    """``--api-key`` values, else ``$LORAPAGE_API_KEY`` (none: []); refused beside ``--tenants``."""
+    keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
+    if keys and args.tenants:
+        fail(prog, f"{source} is for single-tenant use; with --tenants, give the keys in the tenants file")
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        fail(prog, f"{source}: a key must be non-empty text without spaces (clients send it as 'Bearer KEY')")
+    return keys
+
+
+def api_key_tenants(keys: list[str]) -> str:
+    """The tenants file of single-tenant use: one tenant, :data:`API_KEY_TENANT`, authenticated by
+    ``keys``, which are the admin keys too; it may use every adapter without an owner and register
+    from any bucket or Hub organisation (the operator is the only user)."""
+    digests = ", ".join(f'"{hash_key(k)}"' for k in keys)
+    return (
+        f'[admin]\nkey_sha256 = [{digests}]\ntenant = "{API_KEY_TENANT}"\n\n'
+        f'[tenants.{API_KEY_TENANT}]\nadapters = ["{SHARED}"]\ns3_buckets = ["{SHARED}"]\nhf_orgs = ["{SHARED}"]\n'
     )
 
 
@@ -272,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
     roots = adapter_roots(args, modules)
+    keys = api_keys(args)
     if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
@@ -282,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     access = _tenants_file(args.tenants) if args.tenants else None
+    if keys:
+        access = Access(TenantsConfig.from_toml(api_key_tenants(keys), source="--api-key"))
+        print(f"lorapage: single tenant {API_KEY_TENANT!r}: its API key (--api-key) opens every route")
     check_state_dir(config.state_dir)
     if access is not None:
         check_root_tenants(roots, access.tenants.tenants)
