@@ -54,9 +54,11 @@ async def test_workers_run_units_in_threads_and_drop_cancelled_ones():
         other = await workers.run("b", threading.current_thread)  # b gets the other thread meanwhile
         assert other.name.startswith("test-fair-")
         queued.cancel()
+        # The cancel reaches the worker's future in a callback of the loop: let it run before the
+        # blocker ends, or a worker freed by it may start the unit first.
+        await asyncio.gather(queued, return_exceptions=True)
         release.set()
         assert await blocker is True
-        await asyncio.gather(queued, return_exceptions=True)
         assert await workers.run("a", lambda: "after") == "after"
         assert ran == []  # the cancelled unit never ran
         with pytest.raises(ZeroDivisionError):
