@@ -32,6 +32,7 @@ from lorapage.errors import (
     ServiceUnavailableError,
 )
 from lorapage.server import protocol
+from lorapage.server.access_log import JOB, AccessLog, access_log_middleware
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
@@ -167,6 +168,7 @@ class ServerState:
         """Charge ``job``'s tokens, run it and answer it with ``responder`` (chat and completions'
         shapes by default; ``/v1/responses`` brings its own), counted in flight meanwhile."""
         self.charge(reservation, job)
+        request[JOB] = job  # for the request log
         self.in_flight[job.adapter] += 1
         self.request_ids.add(job.engine_id)
         self.idle.clear()
@@ -344,15 +346,20 @@ def create_app(
     shutdown_grace_s: float = 10.0,
     metrics_public: bool = False,
     edge: EdgeLimits | None = None,
+    access_log: AccessLog | None = None,
 ) -> web.Application:
     """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine.
 
+    ``access_log``: one JSON line per answered request (:mod:`lorapage.server.access_log`).
     ``/metrics`` takes the admin key or a ``[metrics]`` key unless ``metrics_public``. Admin
     registration reads adapter directories only under the engine's ``adapter_roots`` (an engine
     built to read any directory lets HTTP registration read none). ``edge`` bounds connections
     (header timeout, per-address cap) when served by :func:`~lorapage.server.run.start`.
     """
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[count_middleware, error_middleware])
+    middlewares = [count_middleware, error_middleware]
+    if access_log is not None:
+        middlewares.insert(0, access_log_middleware(access_log))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[EDGE_LIMITS] = edge or EdgeLimits()
     app[STATE] = ServerState(
         engine,
@@ -375,4 +382,10 @@ def create_app(
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)
     app.on_cleanup.append(_stop_workers)
+    if access_log is not None:
+
+        async def _close_access_log(_: web.Application) -> None:
+            access_log.close()
+
+        app.on_cleanup.append(_close_access_log)
     return app

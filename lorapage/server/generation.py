@@ -70,6 +70,8 @@ class Job:
     # Tokens of max_tokens taken from the TPM bucket up front when the client set no max_tokens
     # (the tenant's default_max_tokens; the rest is settled when the request ends).
     reserve_tokens: int | None = None
+    first_token_at: float | None = None  # time.monotonic() of its first token (the request log's TTFT)
+    tier: str = "none"  # where its adapter was when it started (x-adapter-tier's value)
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -214,12 +216,14 @@ class Timing:
         self.tier = "none"
 
     def observe(self, out: Any) -> None:
-        self.tier = out.adapter_tier or "none"
+        self.tier = self.job.tier = out.adapter_tier or "none"
         now, n = time.monotonic(), len(out.token_ids)
         new = n - self.counts.get(out.index, 0)
         if new <= 0:
             return
         first = not self.counts
+        if first:
+            self.job.first_token_at = now
         self.counts[out.index] = n
         self.job.generated = sum(self.counts.values())
         if self.metrics is None or self.admissions is None:

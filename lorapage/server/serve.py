@@ -34,6 +34,7 @@ from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
+from lorapage.server.access_log import AccessLog
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
@@ -100,8 +101,8 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
 
 def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = False) -> None:
     """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``; with
-    ``connections``, the connection-level bounds too (``lorapage serve`` only: in a fleet, Ray
-    Serve's proxy holds the connections)."""
+    ``connections``, the connection-level bounds and the request log too (``lorapage serve``
+    only: in a fleet, Ray Serve's proxy holds the connections)."""
     group = p.add_argument_group("HTTP front end")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
@@ -140,6 +141,13 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
     )
     if not connections:
         return
+    group.add_argument(
+        "--access-log",
+        metavar="FILE|-",
+        help="one JSON line per answered request (request id, tenant, adapter@version, tier, tokens, TTFT, "
+        "end-to-end, status; never prompt text or keys), appended to FILE or written to standard output "
+        "(default: none)",
+    )
     defaults = EdgeLimits()
     group.add_argument(
         "--header-timeout",
@@ -313,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
+    try:
+        access_log = AccessLog(args.access_log) if args.access_log else None
+    except OSError as exc:
+        fail(PROG, f"--access-log {args.access_log}: {exc.strerror or exc}")
     # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
         sock = listen(args.host, args.port)
@@ -354,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_grace_s=args.shutdown_timeout,
         metrics_public=args.metrics_public,
         edge=edge,
+        access_log=access_log,
     )
     print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
 
