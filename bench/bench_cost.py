@@ -6,8 +6,11 @@ once for everyone, so ``D`` distinct adapters of ``W_a`` bytes cost ``100 * D * 
 is measured as the design defines it: one decode batch of 32 rows, every row on its own adapter
 (32 ids registered on the shape's files, each resident in its own pages), against the same 32
 requests on the base; and, beside it, the 32 rows on one adapter of the shape (``D = 1``).
-Measured overhead = base tokens/s / adapter tokens/s - 1 (extra step time), the median of
-``--rounds`` passes taken in turn.
+For each shape one full decode step of each mix (base, distinct, one) is captured from the engine
+(requests decoded through it, their adapters resident) and the three are then run in turns on the
+engine's forward thread, timed, ``--repeats`` turns: steps of a turn run back to back, so on
+shared cores each meets what the others meet. Measured overhead = the median over turns of
+(mix step / base step of the same turn) - 1.
 
 Shapes: attention-only rank 8 and 16, all modules rank 16 and 64, on the ~100M bench model
 (``make_llama``: hidden 768, 12 layers, MLP 2,048, vocab 32,000, fp32). The ranking of projected
@@ -16,7 +19,7 @@ adapters' bytes read at the bandwidth a ``sum`` streams here, over the measured 
 design's projection assumes a memory-bound base step, which a GPU decode step is; on this CPU the
 base step is compute-bound, so it overstates the overhead (the ratio is printed).
 
-    python bench/bench_cost.py [--quick] [--rounds N] [--tokens N]
+    python bench/bench_cost.py [--quick] [--repeats N]
 
 Prints a table, then one JSON line with every figure and its target.
 """
@@ -29,7 +32,9 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +43,7 @@ from bench_engine import decode_rate, stream_bandwidth  # noqa: E402
 from make_llama import MODULES, write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig  # noqa: E402
+from lorapage.model.runner import StepPlan  # noqa: E402
 
 BATCH = 32
 SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
@@ -49,6 +55,7 @@ SHAPES = {  # name: (rank, modules), in the order the design ranks them
     "all r64": (64, MODULES),
 }
 PROMPT_LEN = 16
+CAPTURE_TOKENS = 4  # tokens per request in the passes whose decode steps are captured
 
 
 def make_engine(model: Path, dirs: dict[str, Path]) -> tuple[Engine, dict[str, list[str]]]:
@@ -76,18 +83,61 @@ def make_engine(model: Path, dirs: dict[str, Path]) -> tuple[Engine, dict[str, l
     return engine, names
 
 
-async def measure(engine: Engine, names: dict[str, list[str]], rounds: int, tokens: int) -> dict[str, list[float]]:
-    """Decode tokens/s per mix, ``rounds`` passes each, the mixes in turn within a round."""
-    samples: dict[str, list[float]] = {}
+class PlanCapture:
+    """Keeps the last full decode step (``BATCH`` rows, no prompt tokens) the engine's runner
+    executes, so it can be run again and again, timed, after its requests finish."""
+
+    def __init__(self, engine: Engine) -> None:
+        runner = engine.runner
+        self.execute = runner.execute
+        self.last: StepPlan | None = None
+
+        def capture(plan: StepPlan) -> Any:
+            if plan.num_decode == len(plan.block_tables) == BATCH:
+                self.last = plan
+            return self.execute(plan)
+
+        runner.execute = capture  # type: ignore[method-assign]
+
+    async def plan_of(self, engine: Engine, rows: list[str | None]) -> StepPlan:
+        """A full decode step of ``rows``, from running them."""
+        self.last = None
+        await decode_rate(engine, rows, PROMPT_LEN, CAPTURE_TOKENS)
+        if self.last is None:
+            raise RuntimeError(f"no decode step of {BATCH} rows came out of the pass")
+        return self.last
+
+
+async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> dict[str, list[float]]:
+    """Per shape (its adapters resident): one full decode step each of the base, the rows on
+    distinct adapters and the rows on one adapter, captured from the engine, then run in turn
+    ``repeats`` times on the forward thread, timed. Steps of one turn run back to back, so each
+    meets what the others meet on shared cores; returns the base's step seconds and each mix's
+    step time over the base step of its turn, per turn."""
+    capture = PlanCapture(engine)
+    loop = asyncio.get_running_loop()
+    out: dict[str, list[float]] = {}
     await decode_rate(engine, [None] * 4, PROMPT_LEN, 3)  # warm-up
-    for _ in range(rounds):
-        samples.setdefault("base", []).append(await decode_rate(engine, [None] * BATCH, PROMPT_LEN, tokens))
-        for shape, ids in names.items():
-            await asyncio.gather(*(engine.load_adapter(n) for n in ids))  # evicts the previous shape's
-            samples.setdefault(f"{shape}|distinct", []).append(await decode_rate(engine, ids, PROMPT_LEN, tokens))
-            one = [ids[0]] * BATCH
-            samples.setdefault(f"{shape}|one", []).append(await decode_rate(engine, one, PROMPT_LEN, tokens))
-    return samples
+    for shape, ids in names.items():
+        await asyncio.gather(*(engine.load_adapter(n) for n in ids))  # evicts the previous shape's
+        plans = {
+            "base": await capture.plan_of(engine, [None] * BATCH),
+            f"{shape}|distinct": await capture.plan_of(engine, list(ids)),
+            f"{shape}|one": await capture.plan_of(engine, [ids[0]] * BATCH),
+        }
+        for _ in range(repeats):
+            times = {mix: await loop.run_in_executor(engine._forward, timed, capture.execute, plan)
+                     for mix, plan in plans.items()}  # fmt: skip
+            out.setdefault("base_step_s", []).append(times["base"])
+            for mix in list(plans)[1:]:
+                out.setdefault(mix, []).append(times[mix] / times["base"])
+    return out
+
+
+def timed(execute: Any, plan: StepPlan) -> float:
+    start = time.perf_counter()
+    execute(plan)
+    return time.perf_counter() - start
 
 
 def ranks_of(values: list[float]) -> list[int]:
@@ -95,11 +145,14 @@ def ranks_of(values: list[float]) -> list[int]:
     return [order.index(i) for i in range(len(values))]
 
 
-def report(engine_costs: dict, rates: dict[str, float], stream: float, rounds: int) -> dict:
-    base = rates["base"]
-    step_s = BATCH / base
-    print(f"decode, {BATCH} rows, on {torch.get_num_threads()} CPU threads; medians of {rounds} rounds")
-    print(f"base: {base:.1f} tokens/s ({step_s * 1e3:.0f} ms per step); memory streams at {stream / 1e9:.1f} GB/s")
+def report(engine_costs: dict, rates: dict[str, float], stream: float, repeats: int) -> dict:
+    """``rates``: the base's step seconds, and each mix's overhead over it (medians)."""
+    step_s = rates["base_step_s"]
+    print(
+        f"one decode step of {BATCH} rows, on {torch.get_num_threads()} CPU threads: median over {repeats} turns "
+        "of (step / base step of the same turn) - 1"
+    )
+    print(f"base: {step_s * 1e3:.0f} ms per decode step; memory streams at {stream / 1e9:.1f} GB/s")
     head = (
         f"{'shape':<15}{'adapter MB':>11}{'projected':>11}{'measured':>10}{'meas/proj':>10}"
         f"{'this CPU':>10}{'proj. 1':>9}{'meas. 1':>9}"
@@ -108,8 +161,7 @@ def report(engine_costs: dict, rates: dict[str, float], stream: float, rounds: i
     print(head)
     rows = {}
     for shape, cost in engine_costs.items():
-        distinct = base / rates[f"{shape}|distinct"] - 1
-        one = base / rates[f"{shape}|one"] - 1
+        distinct, one = rates[f"{shape}|distinct"], rates[f"{shape}|one"]
         projected = cost.bytes_pct_at(BATCH) / 100
         this_cpu = BATCH * cost.adapter_bytes / stream / step_s
         rows[shape] = {
@@ -133,20 +185,30 @@ def report(engine_costs: dict, rates: dict[str, float], stream: float, rounds: i
         f"ranking agrees: {'yes' if agree else 'no'} (target: yes); measured / projected "
         f"{min(ratios):.2f}-{max(ratios):.2f} (the design's projection assumes a memory-bound base step)"
     )
+    # This CPU's calibration: measured = fixed + slope x projected over every mix (distinct and one).
+    xs = [r[k] for r in rows.values() for k in ("projected_pct", "projected_one_pct")]
+    ys = [r[k] for r in rows.values() for k in ("measured_pct", "measured_one_pct")]
+    slope, fixed = statistics.linear_regression(xs, ys)
+    worst = max(abs(y - (fixed + slope * x)) for x, y in zip(xs, ys))
+    print(
+        f"calibrated for this CPU: measured = {fixed:.1f}% + {slope:.3f} x projected (the LoRA path's fixed "
+        f"cost per step, then bytes); worst residual {worst:.1f} points over the 8 mixes"
+    )
     return {
         "bench": "cost",
         "batch": BATCH,
-        "base_tokens_per_s": base,
+        "base_step_s": step_s,
         "stream_bytes_per_s": stream,
         "shapes": rows,
         "ranking_agrees": agree,
         "measured_over_projected": {"min": min(ratios), "max": max(ratios)},
-        "rounds": rounds,
+        "calibration": {"fixed_pct": fixed, "slope": slope, "worst_residual_points": worst},
+        "repeats": repeats,
         "targets": {"ranking_agrees": True},
     }
 
 
-async def main(rounds: int, tokens: int) -> dict:
+async def main(repeats: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-cost-") as tmp:
         root = Path(tmp)
         model = write_model(root / "base", **SHAPE)
@@ -156,18 +218,15 @@ async def main(rounds: int, tokens: int) -> dict:
         }
         engine, names = make_engine(model, dirs)
         costs = {shape: engine.adapter_info(ids[0]).cost for shape, ids in names.items()}
-        samples = await measure(engine, names, rounds, tokens)
+        samples = await measure(engine, names, repeats)
         await engine.close()
-    rates = {key: statistics.median(v) for key, v in samples.items()}
-    summary = report(costs, rates, stream_bandwidth(BATCH * costs["all r16"].adapter_bytes), rounds)
-    return summary | {"tokens_per_s": rates}
+    rates = {k: statistics.median(v) - (k != "base_step_s") for k, v in samples.items()}
+    return report(costs, rates, stream_bandwidth(BATCH * costs["all r16"].adapter_bytes), repeats)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 6 tokens: a smoke run")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=12, help="tokens each request decodes per pass")
+    ap.add_argument("--quick", action="store_true", help="5 turns per shape: a smoke run")
+    ap.add_argument("--repeats", type=int, default=80, help="turns per shape (base, distinct, one)")
     args = ap.parse_args()
-    rounds, tokens = (2, 6) if args.quick else (args.rounds, args.tokens)
-    print(json.dumps(asyncio.run(main(rounds, tokens)), default=float))
+    print(json.dumps(asyncio.run(main(5 if args.quick else args.repeats)), default=float))
