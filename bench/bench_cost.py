@@ -6,11 +6,11 @@ once for everyone, so ``D`` distinct adapters of ``W_a`` bytes cost ``100 * D * 
 is measured as the design defines it: one decode batch of 32 rows, every row on its own adapter
 (32 ids registered on the shape's files, each resident in its own pages), against the same 32
 requests on the base; and, beside it, the 32 rows on one adapter of the shape (``D = 1``).
-For each shape one full decode step of each mix (base, distinct, one) is captured from the engine
-(requests decoded through it, their adapters resident) and the three are then run in turns on the
-engine's forward thread, timed, ``--repeats`` turns: steps of a turn run back to back, so on
-shared cores each meets what the others meet. Measured overhead = the median over turns of
-(mix step / base step of the same turn) - 1.
+Every shape's adapters are resident at once. One full decode step of each mix (the base; per
+shape, distinct and one) is captured from the engine (requests decoded through it) and the nine
+are then run in turns on the engine's forward thread, timed, ``--repeats`` turns after a few
+untimed ones: the steps of a turn run back to back, so on shared cores each meets what the others
+meet. Measured overhead = the median over turns of (mix step / base step of the same turn) - 1.
 
 Shapes: attention-only rank 8 and 16, all modules rank 16 and 64, on the ~100M bench model
 (``make_llama``: hidden 768, 12 layers, MLP 2,048, vocab 32,000, fp32). The ranking of projected
@@ -56,17 +56,19 @@ SHAPES = {  # name: (rank, modules), in the order the design ranks them
 }
 PROMPT_LEN = 16
 CAPTURE_TOKENS = 4  # tokens per request in the passes whose decode steps are captured
+WARMUP_TURNS = 5  # turns run before the timed ones
 
 
 def make_engine(model: Path, dirs: dict[str, Path]) -> tuple[Engine, dict[str, list[str]]]:
-    """One engine with ``BATCH`` ids per shape, each id a distinct adapter over the shape's files."""
+    """One engine with ``BATCH`` ids per shape, each id a distinct adapter over the shape's files,
+    with lora slots (and pool pages) for all of them at once."""
     engine = Engine(
         EngineConfig(
             model=str(model),
-            max_loras=BATCH,
+            max_loras=BATCH * len(SHAPES),  # every shape's adapters resident at once
             max_lora_rank=64,
             shared_envelope="all:64",  # the bench costs shapes outside the default envelope on purpose
-            max_cpu_loras=BATCH,
+            max_cpu_loras=BATCH * len(SHAPES),
             max_num_seqs=BATCH,
             max_model_len=128,
             scheduler="fcfs",
@@ -109,27 +111,31 @@ class PlanCapture:
 
 
 async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> dict[str, list[float]]:
-    """Per shape (its adapters resident): one full decode step each of the base, the rows on
-    distinct adapters and the rows on one adapter, captured from the engine, then run in turn
-    ``repeats`` times on the forward thread, timed. Steps of one turn run back to back, so each
-    meets what the others meet on shared cores; returns the base's step seconds and each mix's
-    step time over the base step of its turn, per turn."""
+    """Every shape's adapters resident at once: one full decode step each of the base and, per
+    shape, the rows on distinct adapters and the rows on one adapter, captured from the engine,
+    then run in turns on the forward thread, timed, after ``WARMUP_TURNS`` untimed ones. A turn
+    runs every step back to back (starting one further along each turn), so on shared cores each
+    meets what the others meet; returns the base's step seconds and each mix's step time over the
+    base step of its turn, per turn."""
     capture = PlanCapture(engine)
     loop = asyncio.get_running_loop()
-    out: dict[str, list[float]] = {}
+    await asyncio.gather(*(engine.load_adapter(n) for ids in names.values() for n in ids))
     await decode_rate(engine, [None] * 4, PROMPT_LEN, 3)  # warm-up
+    plans = {"base": await capture.plan_of(engine, [None] * BATCH)}
     for shape, ids in names.items():
-        await asyncio.gather(*(engine.load_adapter(n) for n in ids))  # evicts the previous shape's
-        plans = {
-            "base": await capture.plan_of(engine, [None] * BATCH),
-            f"{shape}|distinct": await capture.plan_of(engine, list(ids)),
-            f"{shape}|one": await capture.plan_of(engine, [ids[0]] * BATCH),
-        }
-        for _ in range(repeats):
-            times = {mix: await loop.run_in_executor(engine._forward, timed, capture.execute, plan)
-                     for mix, plan in plans.items()}  # fmt: skip
+        plans[f"{shape}|distinct"] = await capture.plan_of(engine, list(ids))
+        plans[f"{shape}|one"] = await capture.plan_of(engine, [ids[0]] * BATCH)
+    assert all(engine.adapters.tier(engine.resolve_adapter(n)) == "gpu" for ids in names.values() for n in ids)
+    order = list(plans)
+    out: dict[str, list[float]] = {}
+    for turn in range(WARMUP_TURNS + repeats):
+        k = turn % len(order)
+        times = {}
+        for mix in order[k:] + order[:k]:
+            times[mix] = await loop.run_in_executor(engine._forward, timed, capture.execute, plans[mix])
+        if turn >= WARMUP_TURNS:
             out.setdefault("base_step_s", []).append(times["base"])
-            for mix in list(plans)[1:]:
+            for mix in order[1:]:
                 out.setdefault(mix, []).append(times[mix] / times["base"])
     return out
 
@@ -227,6 +233,6 @@ async def main(repeats: int) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 turns per shape: a smoke run")
-    ap.add_argument("--repeats", type=int, default=80, help="turns per shape (base, distinct, one)")
+    ap.add_argument("--repeats", type=int, default=60, help="timed turns (each runs every mix's step once)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(main(5 if args.quick else args.repeats)), default=float))
