@@ -109,7 +109,8 @@ async def main(args: argparse.Namespace) -> dict:
                 "passes_2000": b,
             }
         )
-    print(f"\nS-LoRA trace ({args.requests} requests, 32 in flight), {args.rounds} rounds, order reversing each round")
+    print("\n" + cpu_build.machine_line())
+    print(f"S-LoRA trace ({args.requests} requests, 32 in flight), {args.rounds} rounds, order reversing each round")
     print(f"medians; 'vs {first}': the median over rounds of this variant's tokens/s over {first}'s in that round")
     print(f"| variant | config | 5 tok/s | 2,000 tok/s | 2,000 / 5 (per round) | 5 vs {first} | 2,000 vs {first} |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
@@ -120,7 +121,13 @@ async def main(args: argparse.Namespace) -> dict:
             f"| {r['variant']} | {settings} | {r['tokens_per_s_5']:.1f} | {r['tokens_per_s_2000']:.1f} | "
             f"{r['ratio']:.3f} ({per_round}) | {r['vs_first_5']:.3f} | {r['vs_first_2000']:.3f} |"
         )
-    return {"bench": "ab", "requests": args.requests, "rounds": args.rounds, "variants": rows}
+    return {
+        "bench": "ab",
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "variants": rows,
+        **cpu_build.machine_info(),
+    }
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 
 BATCH, NEW = 64, 32
 
@@ -103,6 +104,7 @@ def main() -> None:
         r = asyncio.run(measure(Path(tmp), args.rounds, args.uniform))
     ours, theirs = (statistics.median(r["rates"][k]) for k in ("engine", "transformers"))
     shape = "16-token prompts" if args.uniform else "prompts of 32-128 tokens"
+    print(machine_line())
     print(
         f"model: 100M params fp32 on {torch.get_num_threads()} CPU threads; {BATCH} requests, {shape}, {NEW} new tokens"
     )
@@ -120,6 +122,7 @@ def main() -> None:
         "same_tokens": r["same_tokens"],
         "uniform_prompts": args.uniform,
         "targets": {"engine_over_transformers": ">=1.2", "same_tokens": True},
+        **machine_info(),
     }
     print(json.dumps(summary))
 

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.replay.stats import percentile  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
+from lorapage.traces.stats import percentile  # noqa: E402
 
 TARGET_RATIO = 4.0
 
@@ -120,6 +121,7 @@ def main() -> None:
             }
     a, b = figures["unchunked"], figures["chunked"]
     ratio = a["itl_p99_s"] / b["itl_p99_s"]
+    print(machine_line())
     print(f"{args.streams} streams decoding; a {args.prompt}-token prompt arrives (chunk {args.chunk})")
     print(f"{'':<12} {'ITL p50 s':>10} {'ITL p99 s':>10} {'ITL max s':>10} {'long TTFT s':>12}")
     for name, f in figures.items():
@@ -140,6 +142,7 @@ def main() -> None:
                 "outputs_equal": same,
                 "targets": {"p99_itl_ratio": f">={TARGET_RATIO:g}", "outputs_equal": True},
                 "pass": ratio >= TARGET_RATIO and same,
+                **machine_info(),
             }
         )
     )

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 
 BATCH = 32
 # Requests per adapter in (e)/(f), fixed so runs compare: Zipf-like (Zipf(1.0) over 8 adapters expects
@@ -327,6 +328,7 @@ def report(r: dict) -> dict:
     # adapter has one request (as in (c) now) (d) is batch 32 against batch 1 and the bar is >= 8.
     d_target = ">=8" if max(sizes) == 1 else ">=1.0"
     d_shape = ", ".join(f"{sizes.count(n)} of {n} request{'s' * (n > 1)}" for n in sorted(set(sizes), reverse=True))
+    print(machine_line())
     print(
         f"model: {r['n_params'] / 1e6:.0f}M params fp32 on {torch.get_num_threads()} CPU threads; "
         f"adapter rank 16 all modules = {r['adapter_bytes'] / 1e6:.1f} MB"
@@ -403,7 +405,7 @@ def report(r: dict) -> dict:
         figures, targets = residency_report(r)
         summary |= figures
         summary["targets"] |= targets
-    return summary
+    return summary | machine_info()
 
 
 def residency_report(r: dict) -> tuple[dict, dict]:

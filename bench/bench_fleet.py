@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 
 from lorapage.fleet.routing import ROUTERS
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.compare import compare_routers, render_table
 from lorapage.sim.fleet import SEED_SLO, FleetConfig
@@ -33,6 +34,7 @@ def main(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     rows = compare_routers(trace, config, args.routers.split(","), find_most=args.most)
     elapsed = time.perf_counter() - started
+    print(machine_line())
     print(
         f"seed workload: {len(trace)} requests over {args.duration:g} s (first {args.warmup:g} s warm-up), "
         f"{config.costs.name} costs\n"
@@ -64,6 +66,7 @@ def main(args: argparse.Namespace) -> dict:
             for r in rows
         },
         "simulation_s": round(elapsed, 1),
+        **machine_info(),
     }
 
 

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 SHAPES = {
     "llama2-7b": dict(hidden=4096, inter=11008, heads=32, layers=32, batch=32, rank=16, max_rank=64, block_size=16),
@@ -321,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     us = {k: v * 1e6 for k, v in times.items()}
     how = "graph replays" if device.type == "cuda" else "calls, no warm-up"
+    print(machine_line())
     print(
         f"LoRA update vs base GEMMs on {name}: {model.num_layers} layers, hidden {model.hidden_size}, "
         f"batch {B}, rank {rank}, bf16, best of {trials} x {reps} {how}"
@@ -379,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
         and frac_all <= TARGET_ALL
         and prefill["prefill_attention_rel_err"] <= TARGET_PREFILL_ERR,
         "sweep": sweep,
+        **machine_info(),
     }
     print(json.dumps(result))
     return result

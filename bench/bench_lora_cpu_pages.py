@@ -25,14 +25,15 @@ import time
 import torch
 from bench_replay import SHAPE
 
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.cpu_build import cpu_kernels, machine_info, machine_line
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.memory.pool import adapter_page_size
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.llama import GROUP_MODULES
+from lorapage.model.lora_tables import LoraTables
 from lorapage.tiny import TINY_BASE_DIR
 
 ROWS, RANK, TRIALS = 32, 16, 15
@@ -116,6 +117,7 @@ def main() -> dict:
         for pages in (torch.float32, torch.bfloat16):
             ms, nbytes = step_ms(pages, distinct)
             rows.append({"distinct": distinct, "pages": str(pages).removeprefix("torch."), "ms": ms, "bytes": nbytes})
+    print(machine_line())
     print(f"LoRA update of one decode step, {ROWS} rows, rank {RANK} on all modules, C kernels, 1 thread")
     print("| distinct adapters | pages | ms | MB held | GB/s |")
     print("| ---: | --- | ---: | ---: | ---: |")
@@ -131,6 +133,7 @@ def main() -> dict:
         "bf16_over_f32_24": by[(24, "bfloat16")] / by[(24, "float32")],
         "extra_ms_24_over_5_f32": by[(24, "float32")] - by[(5, "float32")],
         "extra_ms_24_over_5_bf16": by[(24, "bfloat16")] - by[(5, "bfloat16")],
+        **machine_info(),
     }
     print(
         f"bfloat16 / float32 pages: {figures['bf16_over_f32_5']:.2f} at 5 adapters, "

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.replay.stats import percentile  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
+from lorapage.traces.stats import percentile  # noqa: E402
 
 TARGETS = {"prefill_token_ratio": 4.0, "ttft_p50_ratio": 2.0}
 
@@ -123,6 +124,7 @@ def main() -> None:
     off, on = figures["off"], figures["on"]
     token_ratio = off["prefill_tokens_computed"] / max(1, on["prefill_tokens_computed"])
     ttft_ratio = off["ttft_p50_s"] / on["ttft_p50_s"]
+    print(machine_line())
     print(
         f"{args.tenants} tenants x {args.chats} chats x {args.turns} turns; system prompt {args.system} tokens, "
         f"+{args.user} user / {args.answer} answer tokens a turn"
@@ -146,6 +148,7 @@ def main() -> None:
                 "ttft_p50_ratio": ttft_ratio,
                 "targets": {k: f">={v:g}" for k, v in TARGETS.items()},
                 "pass": token_ratio >= TARGETS["prefill_token_ratio"] and ttft_ratio >= TARGETS["ttft_p50_ratio"],
+                **machine_info(),
             }
         )
     )

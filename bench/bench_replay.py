@@ -42,11 +42,12 @@ from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig  # noqa: E402
 from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay  # noqa: E402
 from lorapage.replay.embedded import EmbeddedTarget  # noqa: E402
 from lorapage.replay.engine_flags import trace_adapters  # noqa: E402
 from lorapage.replay.report import build_report, write_report  # noqa: E402
-from lorapage.replay.stats import Slo, latency  # noqa: E402
+from lorapage.traces.stats import Slo, latency  # noqa: E402
 
 SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
 ADAPTER_DIRS = 5
@@ -235,7 +236,7 @@ async def bench_fairness(model: Path, dirs: list[Path], out: Path, quick: bool) 
 
 
 def _records(run_dir: Path):
-    from lorapage.replay.records import read_records
+    from lorapage.traces.records import read_records
 
     return read_records(run_dir / "records.jsonl")
 
@@ -283,7 +284,8 @@ BENCHES = {"slora": bench_slora, "fairness": bench_fairness, "seed": bench_seed}
 
 async def main(args: argparse.Namespace) -> dict:
     out = Path(args.out or tempfile.mkdtemp(prefix="lorapage-bench-replay-"))  # the reports stay
-    figures: dict = {"bench": "replay", "quick": args.quick, "reports": str(out)}
+    figures: dict = {"bench": "replay", "quick": args.quick, "reports": str(out), **machine_info()}
+    print(machine_line())
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:  # the model and adapters do not
         model, dirs = make_assets(Path(tmp))
         for name in args.only.split(","):

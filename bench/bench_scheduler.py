@@ -25,6 +25,7 @@ import json
 import random
 import time
 
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.scheduler import VtcConfig, VtcScheduler
 from lorapage.sim import SimRequest as Req
 
@@ -192,6 +193,7 @@ def main() -> None:
         (run_pair(args.steps, seed) for seed in range(args.repeats)), key=lambda r: r[5000]["total"] / r[50]["total"]
     )
     best = runs[len(runs) // 2]  # the run with the median ratio
+    print(machine_line())
     print(
         f"VTC scheduling overhead per step: {ROWS} rows, {TENANTS} tenants, {BACKLOG} waiting; median of {args.repeats} runs x {args.steps} steps"
     )
@@ -214,6 +216,7 @@ def main() -> None:
         "running": ROWS,
         "tenants": TENANTS,
         "pass": max(r["total"] for r in best.values()) < TARGET_US and ratio < TARGET_RATIO,
+        **machine_info(),
     }
     if args.long:
         early, late, sizes = run_long(args.long_steps)

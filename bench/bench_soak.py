@@ -9,20 +9,29 @@ then runs two phases:
 - soak, for ``--duration`` seconds: the same well-behaved workload, beside a hostile tenant cycling
   through the hostile classes (tiny temperatures, NaN and overflowing adapters, a 3 MB prompt,
   backtracking and RE2-refused pattern keys, a key that is not UTF-8, an over-long stop string,
-  another tenant's adapter), slow readers (tiny socket buffers, one event, a stall, the rest) and
-  clients that hang up after the first event.
+  another tenant's adapter), slow readers (tiny socket buffers, one event, a stall, the rest),
+  clients that hang up after the first event, and the edge attacks of issue 26 (see
+  :func:`edge_cases`): 130,000 empty messages from a tenant allowed one request a minute, prompts
+  far over the context (the server runs a 65,536-token context), JSON nested 5,000 deep, model
+  names that are not names, adapter ids with a newline or reserved, bogus keys, malformed HTTP,
+  requests cut after their prefill started, non-streamed chats with 20 alternatives per token,
+  a tenant flooding the queue, ``/v1/models`` in a loop over 100 registered adapters, and
+  connections that send their headers a byte at a time.
 
     .venv/bin/python bench/bench_soak.py [--duration 180] [--quick] [--device cpu]
-        [--hostile-rate 5] [--without hostile|slow|hangups ...]
+        [--hostile-rate 5] [--edge-rate 5] [--without hostile|slow|hangups|edge ...]
 
 Prints a table, then, as its last line, one JSON object with the figures and their targets:
 server RSS growth (VmRSS of the server process; "late" is from a third of the soak on, past
 warm-up), the well-behaved tenants' p99 end-to-end latency and TTFT under soak against the clean
 run, their output mismatches against it, KV pages still held once all is done, 5xx answers, the
-worst loop lag, every hostile answer that was not the one expected, and the scheduling policy's
-us/step in the second half of the soak against the first (from ``lorapage_scheduler_policy_seconds``). The soak adds real work beside the good tenants (the slow readers' long
-answers, the hang-ups' prefills), so on a small shared CPU the latency ratio mostly prices that
-work; ``--without`` leaves a kind of client out to tell which costs what.
+worst loop lag and the p99 of its samples over the soak (``lorapage_event_loop_lag_samples_seconds``,
+to its bucket), every hostile or edge answer that was not the one expected, tracebacks in the
+server's log, and the scheduling policy's us/step in the second half of the soak against the first
+(from ``lorapage_scheduler_policy_seconds``). The soak adds real work beside the good tenants (the
+slow readers' long answers, the hang-ups' prefills, the flood's share of the batch), so on a small
+shared CPU the latency ratio mostly prices that work; ``--without`` leaves a kind of client out to
+tell which costs what.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import hashlib
 import itertools
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -51,8 +61,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from lorapage.replay.stats import percentile
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.tiny import demo_adapter_dirs
+from lorapage.traces.stats import percentile
 
 T = TypeVar("T")
 GOOD_TENANTS, GOOD_WORKERS = 3, 2  # well-behaved tenants, and concurrent streams each
@@ -73,9 +84,18 @@ TARGETS = {
     "client_errors": 0,
     "p99_e2e_ratio_max": 2.0,
     "rss_growth_late_mb_max": 50.0,
+    "rss_growth_late_pct_max": 10.0,
     "loop_lag_max_s": 1.0,
+    "loop_lag_p99_s_max": 0.1,
+    "edge_unexpected": 0,
+    "server_tracebacks": 0,
     "policy_drift_max": 1.2,
 }
+SERVER_FLAGS = [  # a context of 65,536 tokens (the prompts far over it must be cut short), a queue of 64
+    *("--max-model-len", "65536", "--num-pages", "8192", "--enable-chunked-prefill"),
+    *("--max-num-batched-tokens", "2048", "--max-queue-len", "64", "--header-timeout", "2"),
+]
+EDGE_ADAPTERS = 100  # ids registered for the /v1/models loop
 
 
 def good_body(model: str, prompt: str) -> dict:
@@ -99,6 +119,8 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     hostile: Counter[str] = field(default_factory=Counter)
     hostile_unexpected: list[str] = field(default_factory=list)
+    edge: Counter[str] = field(default_factory=Counter)  # edge case -> answers
+    edge_unexpected: list[str] = field(default_factory=list)
     slow: int = 0
     slow_mismatches: int = 0
     disconnects: int = 0
@@ -237,7 +259,7 @@ def _nan_first(key: str, value):
 
 def write_files(tmp: Path) -> tuple[dict[str, str], Path, Path]:
     """Keys, the tenants file and the adapter root with the hostile adapters in it."""
-    who = [*(f"good-{i}" for i in range(GOOD_TENANTS)), "hostile", "slow", "flaky", "admin"]
+    who = [*(f"good-{i}" for i in range(GOOD_TENANTS)), "hostile", "slow", "flaky", *EDGE_TENANTS, "admin"]
     keys = {w: f"lp-{w}-{secrets.token_hex(8)}" for w in who}
 
     def digest(w: str) -> str:
@@ -245,8 +267,9 @@ def write_files(tmp: Path) -> tuple[dict[str, str], Path, Path]:
 
     lines = [f'[admin]\nkey_sha256 = ["{digest("admin")}"]\n']
     for w in who[:-1]:
-        adapters = '["initech"]' if w == "hostile" else '["*"]'
-        lines.append(f'[tenants.{w}]\nkey_sha256 = ["{digest(w)}"]\nadapters = {adapters}\n')
+        adapters = '["initech"]' if w in ("hostile", "hog") else '["*"]'
+        limits = EDGE_TENANTS.get(w, "")
+        lines.append(f'[tenants.{w}]\nkey_sha256 = ["{digest(w)}"]\nadapters = {adapters}\n{limits}')
     tenants = tmp / "tenants.toml"
     tenants.write_text("\n".join(lines))
     root = tmp / "root"
@@ -261,7 +284,7 @@ def write_files(tmp: Path) -> tuple[dict[str, str], Path, Path]:
 def start_server(tmp: Path, tenants: Path, root: Path, device: str | None) -> tuple[subprocess.Popen, str]:
     modules = [f"{name}={path}" for name, path in demo_adapter_dirs().items()]
     cmd = [sys.executable, "-m", "lorapage.server.serve", "--port", "0", "--tenants", str(tenants)]
-    cmd += ["--adapter-root", str(root), "--lora-modules", *modules]
+    cmd += ["--adapter-root", str(root), *SERVER_FLAGS, "--lora-modules", *modules]
     if device:
         cmd += ["--device", device]
     log = open(tmp / "server.log", "wb")  # the server writes to it until it exits
@@ -432,18 +455,32 @@ async def hang_up(soak: Soak, body: dict, tally: Tally) -> None:
 
 
 async def watch(soak: Soak, more: Callable[[], bool], tally: Tally) -> None:
-    """Server RSS and the loop-lag gauge every two seconds."""
+    """Server RSS every half second (a sample may land on a request's transient buffers: medians
+    of many tell the trend), the loop-lag gauge every two seconds."""
     start = time.monotonic()
-    while more():
+    for n in itertools.count():
+        if not more():
+            return
         tally.rss_kb.append((time.monotonic() - start, soak.rss_kb()))
-        tally.loop_lag.append(metric_sum(await soak.metrics(), "lorapage_event_loop_lag_seconds"))
-        await asyncio.sleep(2.0)
+        if n % 4 == 0:
+            tally.loop_lag.append(metric_sum(await soak.metrics(), "lorapage_event_loop_lag_seconds"))
+        await asyncio.sleep(0.5)
 
 
 def metric_sum(text: str, name: str, keep: Callable[[dict], bool] = lambda labels: True) -> float:
     return sum(
         s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name and keep(s.labels)
     )
+
+
+def samples_by_labels(text: str, name: str) -> dict[tuple[str, ...], float]:
+    """``name``'s samples by their label values (in label order)."""
+    return {
+        tuple(s.labels.values()): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
 
 
 def policy_time(text: str) -> tuple[float, float]:
@@ -455,6 +492,193 @@ def policy_time(text: str) -> tuple[float, float]:
 def us_per_step(start: tuple[float, float], end: tuple[float, float]) -> float:
     steps = end[1] - start[1]
     return 1e6 * (end[0] - start[0]) / steps if steps else 0.0
+
+
+# --- edge attacks (issue 26): quota before work, shares of every shared queue, bounded input ----
+
+EDGE_TENANTS = {  # name -> its limits in the tenants file
+    "hog": "",  # no limits: bounded only by its share of the queue
+    "limited": "rpm = 1\n",
+    "metered": "tpm = 6000\n",
+    "lister": "rpm = 120\n",
+}
+FLOOD = 24  # requests the hog sends at once (its share of the queue is 64 / tenants)
+
+
+async def raw_status(soak: Soak, request: bytes, tally: Tally) -> int:
+    """Send ``request`` as bytes on a new connection; the status of the answer (0: closed unanswered)."""
+    reader, writer = await soak.raw(request)
+    try:
+        got = await asyncio.wait_for(reader.read(), REQUEST_TIMEOUT_S)
+    finally:
+        writer.close()
+    status = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/") else 0
+    tally.statuses[status] += 1
+    return status
+
+
+def edge_cases(soak: Soak, tally: Tally) -> dict[str, tuple[Callable[[], Awaitable], set]]:
+    """Name -> (the attack, returning what it got, and the answers it may get)."""
+    comp = "/v1/completions"
+    empty_messages = json.dumps(
+        {"model": "base", "messages": [{"role": "user", "content": ""}] * 130_000}, separators=(",", ":")
+    ).encode()  # 3.8 MB, encoded once
+    far_over = json.dumps({"model": "initech", "prompt": "lorem ipsum " * 75_000, "max_tokens": 8}).encode()
+    nested = b'{"model": "initech", "prompt": "hi", "echo": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    logprobs_chat = {
+        "model": "initech",
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+        **{"max_tokens": 300, "temperature": 2.0, "seed": 7, "logprobs": True, "top_logprobs": 20},
+    }
+
+    async def ask(path: str, body: dict | bytes, who: str) -> tuple[int, str | None]:
+        return await soak.ask(path, body, who, tally)
+
+    async def names():
+        got = {
+            await ask(comp, {"model": m, "prompt": "hi", "max_tokens": 2}, "hog")
+            for m in ("initech@²", "initech@" + "9" * 4301)
+        }
+        return got.pop() if len(got) == 1 else (0, f"{got}")
+
+    async def ids():
+        bodies = [{"id": i, "path": str(soak.root / "nan"), "tenant": "hog"} for i in ("a-priv\n", "other")]
+        got = {await ask("/v1/adapters", b, "admin") for b in bodies}
+        return got.pop() if len(got) == 1 else (0, f"{got}")
+
+    async def bogus_key():
+        headers = {"Authorization": f"Bearer lp-{secrets.token_hex(16)}", "Content-Type": "application/json"}
+        async with soak.session.post(soak.url + comp, data=b"{}", headers=headers) as resp:
+            tally.statuses[resp.status] += 1
+            return resp.status, (await resp.json(content_type=None))["error"]["code"]
+
+    async def malformed():
+        return await raw_status(soak, b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n", tally), None
+
+    async def cut():
+        """A long prompt of its own, hung up on shortly after it is sent (before its first token,
+        mostly): the tenant pays for what was computed, so it runs out of tokens."""
+        prompt = "".join(random.choice("abcdefghij ") for _ in range(4000))
+        body = {"model": "base", "prompt": prompt, "max_tokens": 16}
+        task = asyncio.create_task(ask(comp, body, "metered"))
+        await asyncio.sleep(random.uniform(0.01, 0.08))
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return "cut", None
+
+    async def logprobs():
+        status, payload = await soak.post("/v1/chat/completions", logprobs_chat, "hog", tally)
+        content = payload["choices"][0]["logprobs"]["content"] if status == 200 else []
+        return status, "20 each" if content and all(len(c["top_logprobs"]) == 20 for c in content) else "missing"
+
+    async def flood():
+        """The hog sends many long requests at once: past its share, 429 for it, never 503 for anyone."""
+        body = {**SLOW, "max_tokens": 48}
+        got = await asyncio.gather(*(ask(comp, {**body, "seed": i}, "hog") for i in range(FLOOD)))
+        statuses = Counter(status for status, _ in got)
+        return (429, "share") if set(statuses) == {200, 429} else (0, f"{dict(statuses)}")
+
+    async def models():
+        async with soak.session.get(soak.url + "/v1/models", headers=soak.auth("lister")) as resp:
+            tally.statuses[resp.status] += 1
+            listed = len((await resp.json())["data"]) if resp.status == 200 else 0
+            return resp.status, "all" if resp.status != 200 or listed == len(MODELS) + EDGE_ADAPTERS else listed
+
+    ok = (200, None)
+    return {
+        "130k_empty_messages": (
+            lambda: ask("/v1/chat/completions", empty_messages, "limited"),
+            {(400, "invalid_request"), (429, "rate_limit_exceeded")},
+        ),
+        "prompt_far_over_the_context": (lambda: ask(comp, far_over, "hog"), {(400, "context_length_exceeded")}),
+        "json_nested_5000_deep": (lambda: ask(comp, nested, "hog"), {(400, "invalid_request")}),
+        "model_names_not_names": (names, {(404, "model_not_found")}),
+        "adapter_ids_newline_or_reserved": (ids, {(400, "invalid_request")}),
+        "bogus_key": (bogus_key, {(401, "invalid_api_key")}),
+        "malformed_http": (malformed, {(400, None)}),
+        "cut_before_first_token": (cut, {("cut", None), (429, "rate_limit_exceeded"), ok}),
+        "top_logprobs_20_whole": (logprobs, {(200, "20 each")}),
+        "queue_flood": (flood, {(429, "share")}),
+        "models_list": (models, {(200, "all"), (429, "all")}),
+    }
+
+
+async def edge_worker(soak: Soak, more: Callable[[], bool], tally: Tally, rate: float, only: list[str]) -> None:
+    """The edge attacks in turn (``only`` these, when given), ``rate`` per second at most (a flood counts as one)."""
+    cases = {name: case for name, case in edge_cases(soak, tally).items() if not only or name in only}
+    if not cases:
+        return
+    start = time.monotonic()
+    for n, name in enumerate(itertools.cycle(cases)):
+        await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
+        if not more():
+            return
+        call, expected = cases[name]
+        got = await tally.guarded(f"edge {name}", call())
+        tally.edge[name] += 1
+        if got is None or tuple(got) not in expected:
+            tally.edge_unexpected.append(f"{name}: got {got}, expected one of {sorted(map(str, expected))}")
+
+
+async def _drip(writer: asyncio.StreamWriter) -> None:
+    while True:
+        writer.write(b"X")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+
+
+async def slow_headers(soak: Soak, more: Callable[[], bool], tally: Tally) -> None:
+    """A connection that sends a header byte every 100 ms and never ends them: the server must
+    close it (``--header-timeout``), again and again."""
+    while more():
+        reader, writer = await soak.raw(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+
+        dripping = asyncio.create_task(_drip(writer))
+        try:
+            closed = await asyncio.wait_for(reader.read(), 30.0) == b""
+        except (ConnectionResetError, BrokenPipeError):  # closed while a byte was on its way
+            closed = True
+        except TimeoutError:
+            closed = False
+        finally:
+            dripping.cancel()
+            await asyncio.gather(dripping, return_exceptions=True)
+            writer.close()
+        tally.edge["slow_headers"] += 1
+        if not closed:
+            tally.edge_unexpected.append("slow_headers: the connection was still open after 30 s")
+
+
+async def register_many(soak: Soak, n: int) -> None:
+    """``n`` adapter ids (copies of one demo adapter) for the /v1/models loop to list."""
+    root = soak.root / "many"
+    shutil.copytree(demo_adapter_dirs()["globex"], root)
+    for i in range(n):
+        body = {"id": f"many-{i}", "path": str(root), "tenant": "lister"}
+        status, code = await soak.ask("/v1/adapters", body, "admin", Tally())
+        if status not in (200, 201):
+            raise SystemExit(f"could not register many-{i}: {status} {code}")
+
+
+def lag_buckets(text: str) -> dict[float, float]:
+    """The cumulative bucket counts of ``lorapage_event_loop_lag_samples_seconds``, by upper bound."""
+    return {
+        float(s.labels["le"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "lorapage_event_loop_lag_samples_seconds_bucket"
+    }
+
+
+def lag_p99(start: dict[float, float], end: dict[float, float]) -> float:
+    """The p99 of the loop-lag samples taken between two scrapes: the bucket bound it falls under."""
+    total = end.get(float("inf"), 0.0) - start.get(float("inf"), 0.0)
+    for bound in sorted(end):
+        if total and end[bound] - start.get(bound, 0.0) >= 0.99 * total:
+            return bound
+    return 0.0
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -489,6 +713,8 @@ def _mismatches(soak: Tally, reference: dict[tuple[str, str], Answer]) -> tuple[
 
 
 async def run(args: argparse.Namespace, soak: Soak) -> dict:
+    if "edge" not in args.without:
+        await register_many(soak, EDGE_ADAPTERS)  # before the clean run: both phases list the same
     clean = Tally()
     reference = {}  # one answer to each request, alone: also warms every adapter into the pool
     for model, prompt in GOOD_REQUESTS:
@@ -510,7 +736,9 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
     soaked = Tally()
     end = time.monotonic() + args.duration
     more = lambda: time.monotonic() < end  # noqa: E731
-    policy_marks = [policy_time(await soak.metrics())]
+    start_text = await soak.metrics()
+    policy_marks = [policy_time(start_text)]
+    lag_start = lag_buckets(start_text)
 
     async def halfway() -> None:
         await asyncio.sleep(args.duration / 2)
@@ -531,6 +759,10 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
         tasks += [slow_reader(soak, more, soaked, want_slow, args.slow_stall) for _ in range(SLOW_READERS)]
     if "hangups" not in args.without:
         tasks += [disconnector(soak, more, soaked, i) for i in range(DISCONNECTORS)]
+    if "edge" not in args.without:
+        tasks.append(edge_worker(soak, more, soaked, args.edge_rate, args.edge_case))
+        if not args.edge_case or "slow_headers" in args.edge_case:
+            tasks.append(slow_headers(soak, more, soaked))
     await asyncio.gather(*tasks)
     engine = await settle(soak)
     rss_end = soak.rss_kb()
@@ -539,6 +771,8 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
     first_half, second_half = (us_per_step(a, b) for a, b in zip(policy_marks, policy_marks[1:]))
     mismatches, drift = _mismatches(soaked, reference)
     third = next((kb for t, kb in soaked.rss_kb if t >= args.duration / 3), rss_start)
+    rss_flat_pct = _rss_drift_pct([kb for _, kb in soaked.rss_kb])
+    rejected = samples_by_labels(text, "lorapage_tenant_rejected_requests_total")
     e2e_clean, e2e_soak = p99(clean.e2e), p99(soaked.e2e)
     ttft_clean, ttft_soak = p99(clean.ttft), p99(soaked.ttft)
     return {
@@ -552,6 +786,7 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
         "rss_end_mb": rss_end / 1024,
         "rss_growth_mb": (rss_end - rss_start) / 1024,
         "rss_growth_late_mb": (rss_end - third) / 1024,
+        "rss_growth_late_pct": rss_flat_pct,
         # Ten samples over the soak: a plateau is warm-up, a steady climb a leak.
         "rss_trace_mb": [round(kb / 1024, 1) for _, kb in soaked.rss_kb[:: max(1, len(soaked.rss_kb) // 10)]],
         "p99_e2e_clean_s": e2e_clean,
@@ -569,6 +804,11 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
         "hostile_by_case": dict(soaked.hostile),
         "hostile_unexpected": len(soaked.hostile_unexpected),
         "hostile_unexpected_examples": soaked.hostile_unexpected[:5],
+        "edge_requests": sum(soaked.edge.values()),
+        "edge_by_case": dict(soaked.edge),
+        "edge_unexpected": len(soaked.edge_unexpected),
+        "edge_unexpected_examples": soaked.edge_unexpected[:5],
+        "edge_rejected": {f"{t}/{r}": n for (r, t), n in rejected.items() if t in EDGE_TENANTS},
         "pages_leaked": engine["pool_pages_kv"],
         "pool_accounting_ok": engine["pool_pages_free"] + engine["pool_pages_adapters"] == engine["pool_pages_total"],
         "client_5xx": sum(n for s, n in (clean.statuses + soaked.statuses).items() if s >= 500),
@@ -577,10 +817,22 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
         "client_error_examples": (clean.errors + soaked.errors)[:5],
         "statuses": {str(s): n for s, n in sorted((clean.statuses + soaked.statuses).items())},
         "loop_lag_max_s": max(soaked.loop_lag, default=0.0),
+        "loop_lag_p99_s": lag_p99(lag_start, lag_buckets(text)),
         "policy_us_per_step_first_half": first_half,
         "policy_us_per_step_second_half": second_half,
         "policy_us_per_step_drift": second_half / first_half if first_half else None,
     }
+
+
+def _rss_drift_pct(trace_kb: list[int]) -> float:
+    """How far the server's RSS moved between the middle third of the soak and the last third, in
+    percent of the middle (medians: a sample may land on a request's transient buffers)."""
+    third = len(trace_kb) // 3
+    if third < 1:
+        return 0.0
+    middle, last = sorted(trace_kb[third : 2 * third]), sorted(trace_kb[2 * third :])
+    mid_median, last_median = middle[len(middle) // 2], last[len(last) // 2]
+    return 100.0 * (last_median - mid_median) / mid_median
 
 
 def verdicts(r: dict) -> dict[str, bool]:
@@ -594,13 +846,18 @@ def verdicts(r: dict) -> dict[str, bool]:
         "5xx": r["server_5xx"] == t["server_5xx"] and r["client_5xx"] == t["client_5xx"],
         "p99_e2e_ratio": r["p99_e2e_ratio"] <= t["p99_e2e_ratio_max"],
         "rss_growth_late_mb": r["rss_growth_late_mb"] <= t["rss_growth_late_mb_max"],
+        "rss_growth_late_pct": abs(r["rss_growth_late_pct"]) <= t["rss_growth_late_pct_max"],
         "loop_lag_max_s": r["loop_lag_max_s"] <= t["loop_lag_max_s"],
+        "loop_lag_p99_s": r["loop_lag_p99_s"] <= t["loop_lag_p99_s_max"],
+        "edge_unexpected": r["edge_unexpected"] == t["edge_unexpected"],
+        "server_tracebacks": r["server_tracebacks"] == t["server_tracebacks"],
         "policy_drift": r["policy_us_per_step_drift"] is not None
         and r["policy_us_per_step_drift"] <= t["policy_drift_max"],
     }
 
 
 def print_table(r: dict, met: dict[str, bool]) -> None:
+    print(machine_line())
     print(
         f"Soak: {r['duration_s']:.0f} s; {GOOD_TENANTS}x{GOOD_WORKERS} good streams, 1 hostile, {SLOW_READERS} slow, {DISCONNECTORS} hanging up"
         + (f" (without {', '.join(r['without'])})" if r["without"] else "")
@@ -625,6 +882,7 @@ def print_table(r: dict, met: dict[str, bool]) -> None:
         ("slow readers (wrong text)", f"{r['slow_reader_requests']} ({r['slow_reader_mismatches']})", ""),
         ("hang-ups", str(r["disconnects"]), ""),
         ("hostile requests (unexpected answers)", f"{r['hostile_requests']} ({r['hostile_unexpected']})", ""),
+        ("edge attacks (unexpected answers)", f"{r['edge_requests']} ({r['edge_unexpected']})", ""),
         (
             "KV pages held afterwards",
             str(r["pages_leaked"]),
@@ -634,9 +892,10 @@ def print_table(r: dict, met: dict[str, bool]) -> None:
         (
             "server RSS MB (start -> end)",
             f"{r['rss_start_mb']:.0f} -> {r['rss_end_mb']:.0f}",
-            f"after 1/3: +{r['rss_growth_late_mb']:.1f}",
+            f"after 1/3: {r['rss_growth_late_mb']:+.1f}; median drift {r['rss_growth_late_pct']:+.1f}%",
         ),
-        ("worst loop lag s", f"{r['loop_lag_max_s']:.3f}", ""),
+        ("loop lag s (worst / p99 of samples)", f"{r['loop_lag_max_s']:.3f} / {r['loop_lag_p99_s']:.3f}", ""),
+        ("tracebacks in the server log", str(r["server_tracebacks"]), ""),
         (
             "policy us/step (1st half / 2nd half)",
             f"{r['policy_us_per_step_first_half']:.1f} / {r['policy_us_per_step_second_half']:.1f}",
@@ -646,8 +905,12 @@ def print_table(r: dict, met: dict[str, bool]) -> None:
     for name, value, note in rows:
         print(f"{name:<40} {value:>22}  {note}")
     print(f"server RSS MB over the soak: {r['rss_trace_mb']}")
-    for example in r["hostile_unexpected_examples"]:
+    if r.get("server_traceback_example"):
+        print(f"first traceback in the server log:\n{r['server_traceback_example']}")
+    for example in r["hostile_unexpected_examples"] + r["edge_unexpected_examples"]:
         print(f"  unexpected: {example}")
+    if r["edge_by_case"]:
+        print(f"edge attacks by case: {r['edge_by_case']}; refused (tenant/reason): {r['edge_rejected']}")
     for example in r["client_error_examples"]:
         print(f"  client error: {example}")
     print("targets:", ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in met.items()))
@@ -663,6 +926,10 @@ async def amain(args: argparse.Namespace, tmp: Path) -> dict:
         await soak.session.close()
         result_code = stop_server(proc)
     result["server_exit_code"] = result_code
+    server_log = (tmp / "server.log").read_text(errors="replace")
+    result["server_tracebacks"] = server_log.count("Traceback")
+    first = server_log.find("Traceback")
+    result["server_traceback_example"] = server_log[max(0, first - 300) : first + 2500] if first >= 0 else ""
     return result
 
 
@@ -673,11 +940,19 @@ def main() -> None:
     parser.add_argument("--clean-requests", type=int, default=None, help="requests in the clean phase")
     parser.add_argument("--slow-stall", type=float, default=2.0, help="seconds a slow reader reads nothing")
     parser.add_argument("--hostile-rate", type=float, default=5.0, help="hostile requests per second, at most")
+    parser.add_argument("--edge-rate", type=float, default=2.0, help="edge attacks per second, at most")
+    parser.add_argument(
+        "--edge-case",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this edge attack (repeatable; names as in the result's edge_by_case)",
+    )
     parser.add_argument(
         "--without",
         action="append",
         default=[],
-        choices=("hostile", "slow", "hangups"),
+        choices=("hostile", "slow", "hangups", "edge"),
         help="leave a kind of client out of the soak (repeatable), to see what costs the good tenants latency",
     )
     parser.add_argument("--device", default=None, help="the server's --device (default: its own)")
@@ -692,7 +967,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     met = verdicts(result)
     print_table(result, met)
-    print(json.dumps({**result, "targets": TARGETS, "met": met, "all_met": all(met.values())}))
+    print(json.dumps({**result, "targets": TARGETS, "met": met, "all_met": all(met.values()), **machine_info()}))
 
 
 if __name__ == "__main__":

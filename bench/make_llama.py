@@ -30,7 +30,9 @@ def write_model(
     vocab: int,
     seed: int = 0,
     max_position_embeddings: int = 2048,
+    tokenizer_from: Path = TINY_BASE_DIR,
 ) -> Path:
+    """A Llama checkpoint of this shape with random weights, and the tokenizer files of ``tokenizer_from``."""
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     head_dim = hidden // heads
@@ -68,11 +70,12 @@ def write_model(
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY_BASE_DIR / f, path / f)
+        shutil.copy(tokenizer_from / f, path / f)
     return path
 
 
-def write_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, targets=MODULES) -> Path:
+def write_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, targets=MODULES, std: float = 0.01) -> Path:
+    """A PEFT LoRA adapter of ``rank`` on ``targets`` of every layer: A and B drawn with standard deviation ``std``."""
     cfg = json.loads((model_dir / "config.json").read_text())
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
@@ -92,8 +95,8 @@ def write_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, targets=
             d_in, d_out = dims[m]
             part = "self_attn" if m in MODULES[:4] else "mlp"
             key = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * std
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(

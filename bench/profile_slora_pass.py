@@ -30,12 +30,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_replay as br  # noqa: E402
 
-from lorapage.adapters import cache as cache_mod  # noqa: E402
-from lorapage.adapters import layout as layout_mod  # noqa: E402
+from lorapage.adapters import (
+    cache as cache_mod,  # noqa: E402
+    layout as layout_mod,  # noqa: E402
+)
 from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
-from lorapage.model import forward as forward_mod  # noqa: E402
-from lorapage.model import llama as llama_mod  # noqa: E402
-from lorapage.model import runner as runner_mod  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
+from lorapage.model import (
+    forward as forward_mod,  # noqa: E402
+    llama as llama_mod,  # noqa: E402
+    runner as runner_mod,  # noqa: E402
+)
 
 
 class Timers:
@@ -176,6 +181,7 @@ async def main(args: argparse.Namespace) -> dict:
         ("loads", "loads", 0),
         ("load p50 ms", "load_wall_p50_ms", 0),
     ]
+    print(machine_line())
     title = f"One pass per configuration{' (adapters warm in host RAM)' if args.warm_host else ''}"
     table(title, [c for c, _, _ in cols], rows, lambda r: [f"{r[k]:.{d}f}" for _, k, d in cols])
     stages = ["read", "sha256", "parse", "pack", "copy_in"]
@@ -190,6 +196,7 @@ async def main(args: argparse.Namespace) -> dict:
         "warm_host": args.warm_host,
         "lora_dtype": args.lora_dtype,
         "passes": rows,
+        **machine_info(),
     }
     if len(rows) == 2 and rows[0]["tokens_per_s"]:
         figures["ratio"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]

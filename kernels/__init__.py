@@ -6,21 +6,33 @@ it is given. ``docs/kernels.md`` describes the index layout. The Triton kernels
 (``lora_triton``, ``attention_triton``) are imported only by ``select_backend("triton", ...)``.
 """
 
-from lorapage.kernels.attention_ref import (
-    paged_decode_attention_ref,
-    prefill_attention_ref,
-    write_kv_ref,
-)
-from lorapage.kernels.backend import KernelOps, select_backend
-from lorapage.kernels.lora_ref import LoraIndices, lora_expand_ref, lora_shrink_ref
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "LoraIndices",
-    "lora_shrink_ref",
-    "lora_expand_ref",
-    "write_kv_ref",
-    "paged_decode_attention_ref",
-    "prefill_attention_ref",
-    "KernelOps",
-    "select_backend",
-]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.kernels.attention_ref import (
+        paged_decode_attention_ref as paged_decode_attention_ref,
+        prefill_attention_ref as prefill_attention_ref,
+        write_kv_ref as write_kv_ref,
+    )
+    from lorapage.kernels.backend import KernelOps as KernelOps, select_backend as select_backend
+    from lorapage.kernels.lora_ref import (
+        LoraIndices as LoraIndices,
+        lora_expand_ref as lora_expand_ref,
+        lora_shrink_ref as lora_shrink_ref,
+    )
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "LoraIndices": "lorapage.kernels.lora_ref",
+        "lora_shrink_ref": "lorapage.kernels.lora_ref",
+        "lora_expand_ref": "lorapage.kernels.lora_ref",
+        "write_kv_ref": "lorapage.kernels.attention_ref",
+        "paged_decode_attention_ref": "lorapage.kernels.attention_ref",
+        "prefill_attention_ref": "lorapage.kernels.attention_ref",
+        "KernelOps": "lorapage.kernels.backend",
+        "select_backend": "lorapage.kernels.backend",
+    },
+)

@@ -1,47 +1,142 @@
 """Choosing the kernel implementation once, at start-up.
 
 ``torch`` runs the PyTorch references and batched PyTorch LoRA ops. ``cpu`` is the same with the
-LoRA ops' short segments (decode rows) in the C kernels of ``lora_cpu.c``, built on first use with
-the system compiler (float32 models only). ``triton`` runs the Triton kernels: compiled on CUDA, and under Triton's
-interpreter on a machine without CUDA (that is how the CPU test suite checks them; it is far too
-slow to serve with). ``auto`` picks Triton on CUDA when it is installed, else ``cpu`` for a
-float32 model on a CPU where the C kernels build, else ``torch``. Triton is imported only when the
-``triton`` backend is chosen, so a CPU-only install without it still runs.
+LoRA ops' short segments (decode rows) and decode attention in the C kernels of ``lora_cpu.c``,
+built on first use with the system compiler (float32 models only). ``triton`` runs the Triton
+kernels: compiled on CUDA, and under Triton's interpreter on a machine without CUDA (that is how
+the CPU test suite checks them; it is far too slow to serve with). ``auto`` picks Triton on CUDA
+when it is installed, else ``cpu`` for a float32 model on a CPU where the C kernels build, else
+``torch``. Triton is imported only when the ``triton`` backend is chosen, so a CPU-only install
+without it still runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
+from lorapage.kernels.attention_cpu import paged_decode_attention_cpu
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.cpu_build import cpu_kernels
-from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
+from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_shrink_cpu
+from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
+from lorapage.kernels.names import BACKENDS
 from lorapage.kernels.triton_import import triton_available, triton_interpreted
 
-BACKENDS = ("auto", "torch", "cpu", "triton")
+
+class LoraShrink(Protocol):
+    """``h[t, :a_rows[s]] = x[t] @ A_s.T`` (see :func:`~lorapage.kernels.lora_ref.lora_shrink_ref`)."""
+
+    def __call__(
+        self,
+        h: Tensor,
+        x: Tensor,
+        pool: Tensor,
+        page_table: Tensor,
+        indices: LoraIndices,
+        a_offset: Tensor,
+        a_rows: Tensor,
+    ) -> None: ...
+
+
+class LoraExpand(Protocol):
+    """``y[t, o_m:o_m+w_m] += scale[s, m] * h[t, hs:hs+r] @ B_{s,m}.T`` (see
+    :func:`~lorapage.kernels.lora_ref.lora_expand_ref`)."""
+
+    def __call__(
+        self,
+        y: Tensor,
+        h: Tensor,
+        pool: Tensor,
+        page_table: Tensor,
+        indices: LoraIndices,
+        b_offset: Tensor,
+        rank: Tensor,
+        h_start: Tensor,
+        scale: Tensor,
+        out_start: tuple[int, ...],
+    ) -> None: ...
+
+
+class WriteKv(Protocol):
+    def __call__(self, kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None: ...
+
+
+class DecodeAttention(Protocol):
+    def __call__(
+        self, out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+    ) -> None: ...
+
+
+class PrefillAttention(Protocol):
+    def __call__(
+        self,
+        out: Tensor,
+        q: Tensor,
+        kv: Tensor,
+        block_table: Tensor,
+        query_starts: list[int],
+        context_lens: list[int],
+        scale: float,
+    ) -> None: ...
+
+
+class PlanLora(Protocol):
+    """A step's LoRA indices as this backend's ops want them, planned once for every layer:
+    ``tables`` the lookup tables (page table and the per-layer layout), ``pages`` one layer's
+    adapter slab, ``prefill`` whether the step has prompt tokens."""
+
+    def __call__(self, lora: LoraIndices, page_table: Tensor, layout: tuple[Tensor, ...], pages: Tensor,
+                 activations: torch.dtype, prefill: bool) -> LoraIndices: ...  # fmt: skip
+
+
+def _plan_torch(lora, page_table, layout, pages, activations, prefill):
+    return lora.with_batches(page_table, layout, pages)
+
+
+def _plan_cpu(lora, page_table, layout, pages, activations, prefill):
+    # The C kernels take the short segments when they read the pages' dtype (float16 pages
+    # under a float32 model go to the PyTorch ops whole).
+    plan = lora.with_cells if c_kernels_take(activations, pages.dtype) else lora.with_batches
+    return plan(page_table, layout, pages)
+
+
+def _plan_triton(lora, page_table, layout, pages, activations, prefill):
+    # Prefill tokens: segment-wise SGMV beats per-token BGMV; a decode step reads token_slot alone
+    # (what a captured graph replays).
+    return lora.with_segment_table() if prefill else lora
 
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The five ops the model calls; every backend provides the same signatures."""
+    """The ops the model calls, with the same signatures in every backend, and how the backend
+    wants a step's LoRA indices planned."""
 
     name: str
-    lora_shrink: Callable
-    lora_expand: Callable
-    write_kv: Callable
-    paged_decode_attention: Callable
-    prefill_attention: Callable
+    lora_shrink: LoraShrink
+    lora_expand: LoraExpand
+    write_kv: WriteKv
+    paged_decode_attention: DecodeAttention
+    prefill_attention: PrefillAttention
+    plan_lora: PlanLora
+    captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
 
 
 TORCH_OPS = KernelOps(
-    "torch", lora_shrink_torch, lora_expand_torch, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
+    "torch",
+    lora_shrink_torch,
+    lora_expand_torch,
+    write_kv_ref,
+    paged_decode_attention_ref,
+    prefill_attention_ref,
+    _plan_torch,
 )
 CPU_OPS = KernelOps(
-    "cpu", lora_shrink_cpu, lora_expand_cpu, write_kv_ref, paged_decode_attention_ref, prefill_attention_ref
+    "cpu", lora_shrink_cpu, lora_expand_cpu, write_kv_ref, paged_decode_attention_cpu, prefill_attention_ref, _plan_cpu
 )
 
 
@@ -49,7 +144,16 @@ def _triton_ops() -> KernelOps:
     from lorapage.kernels.attention_triton import paged_decode_attention, prefill_attention, write_kv
     from lorapage.kernels.lora_triton import lora_expand, lora_shrink
 
-    return KernelOps("triton", lora_shrink, lora_expand, write_kv, paged_decode_attention, prefill_attention)
+    return KernelOps(
+        "triton",
+        lora_shrink,
+        lora_expand,
+        write_kv,
+        paged_decode_attention,
+        prefill_attention,
+        _plan_triton,
+        captures_graphs=True,
+    )
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:

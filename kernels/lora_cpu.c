@@ -1,5 +1,5 @@
 /* The CPU path's LoRA shrink and expand for short segments (decode rows), reading adapters
- * straight from pool pages.
+ * straight from pool pages; and (attention_cpu.h, included at the end) its decode attention.
  *
  * Same results as kernels/lora_ref.py, cell by cell (a cell: one adapter slot and its tokens):
  *   shrink: h[t, :a_rows[s]] = x[t] @ A_s.T
@@ -17,6 +17,10 @@
  * loaders defined. A bfloat16 weight is the top half of a float32: it is widened exactly (a
  * shift), and every product and sum is float32, as in the float32 kernels.
  *
+ * ISA: built once per variant (kernels/cpu_isa.py: baseline x86-64, AVX, AVX2, AVX-512, portable),
+ * never -march=native; the __AVX__ / __AVX2__ paths below are compiled in where the variant has
+ * them, and every variant's results are within float32's any-order bound of the exact ones.
+ *
  * Threads: OpenMP, linked against the libgomp that torch loads, so these loops share torch's
  * thread pool instead of a second one competing for the same cores.
  */
@@ -30,13 +34,29 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 static inline v8 ld(const float *p) { return *(const v8u *)p; }
 
-/* 8 bfloat16 values as 8 floats: each is the high 16 bits of its float (the compiler makes the
- * loop one widening load and a shift). */
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* 8 bfloat16 values as 8 floats: each is the high 16 bits of its float. */
+#if defined(__AVX__) && !defined(__AVX2__)
+/* AVX without AVX2 has no 256-bit integer shift, and GCC 12 made the portable loop below 8 scalar
+ * loads and inserts (bfloat16 pages ran 4.8x slower than under AVX2, slower than SSE2's). Two
+ * 128-bit unpacks against zero put each weight in the high half of its word; one insert joins them. */
+static inline v8 ld_bf16(const uint16_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    __m256i lo = _mm256_castsi128_si256(_mm_unpacklo_epi16(z, v));
+    __m256i w = _mm256_insertf128_si256(lo, _mm_unpackhi_epi16(z, v), 1);
+    return (v8)_mm256_castsi256_ps(w);
+}
+#else
+/* The compiler makes the loop one widening load and a shift. */
 static inline v8 ld_bf16(const uint16_t *p) {
     u32x8 wide;
     for (int i = 0; i < 8; i++) wide[i] = (uint32_t)p[i] << 16;
     return (v8)wide;
 }
+#endif
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -56,7 +76,6 @@ static inline float hsum(v8 v) {
  * (the widening load). Without them a B row is read by the portable dot product. */
 #if defined(__AVX__) && defined(__FMA__)
 #define RANK16_F32 1
-#include <immintrin.h>
 
 static inline __m256 row16_f32(const float *p, __m256 h0, __m256 h1) {
     return _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), h1, _mm256_mul_ps(_mm256_loadu_ps(p), h0));
@@ -199,3 +218,13 @@ static void free_plan(Plan *p) { free(p->lanes), free(p->pack_begin), free(p->bi
 #define RANK16 RANK16_BF16
 #define NARROW 1
 #include "lora_cpu_body.h"
+#undef W
+#undef F
+#undef LDW
+#undef ROW16
+#undef H16
+#undef TOF
+#undef RANK16
+#undef NARROW
+
+#include "attention_cpu.h"

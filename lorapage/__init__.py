@@ -9,9 +9,22 @@ The embedded API::
         print(out.delta_text, end="")
 """
 
-from lorapage.config import EngineConfig
-from lorapage.engine import Engine
-from lorapage.request import RequestOutput
-from lorapage.sampling_params import SamplingParams
+from typing import TYPE_CHECKING
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.config import EngineConfig as EngineConfig
+    from lorapage.engine import Engine as Engine
+    from lorapage.request import RequestOutput as RequestOutput
+    from lorapage.sampling_params import SamplingParams as SamplingParams
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "Engine": "lorapage.engine",
+        "EngineConfig": "lorapage.config",
+        "SamplingParams": "lorapage.sampling_params",
+        "RequestOutput": "lorapage.request",
+    },
+)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorapage.kernels.backend import BACKENDS
+from lorapage.kernels.names import BACKENDS
 
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
 DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names none
@@ -168,6 +168,13 @@ class EngineConfig:
         choices=KERNEL_BACKENDS,
     )
     enforce_eager: bool = option(False, "no CUDA-graph capture of decode steps (CUDA + Triton only)", group="kernels")
+    num_threads: int | None = option(
+        None,
+        "intra-op threads of the forward pass (torch's threads in the forward thread)",
+        group="kernels",
+        none="on a CPU, torch's setting (OMP_NUM_THREADS, torch.set_num_threads, else its core count), at most "
+        "the cores this process may run on; on CUDA, torch's setting",
+    )
     io_threads: int | None = option(
         None,
         "threads for adapter file reads, digests and (on a CPU) copies into the pool, never the event loop",
@@ -200,6 +207,24 @@ class EngineConfig:
     )
     max_adapter_download_bytes: int = option(
         4 << 30, "cap of one adapter download (its two files together)", group="state", shown="4 GiB"
+    )
+    adapter_download_timeout_s: float = option(
+        600.0,
+        "a download of one adapter (both files) still running after this long is cut: the registration, or the "
+        "requests waiting for the load, fail (502) rather than wait on a source that never finishes",
+        group="state",
+    )
+    min_adapter_download_bytes_per_s: int = option(
+        64 << 10,
+        "a download averaging fewer bytes per second than this, once its first 10 s have passed, is cut "
+        "(0: no floor): a source that trickles a byte now and then cannot hold a registration or a load",
+        group="state",
+    )
+    allow_private_adapter_sources: bool = option(
+        False,
+        "https adapter sources, and every redirect they follow, may reach loopback and private addresses (a "
+        "local mirror, tests); without it only public ones. Link-local addresses (cloud metadata) never",
+        group="state",
     )
     s3_endpoint_url: str | None = option(
         None, "an S3-compatible store for s3:// sources", group="state", none="AWS's, from boto3's config"
@@ -237,6 +262,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gil_switch_interval_s must be > 0; got {self.gil_switch_interval_s}")
         if not self.adapter_wait_s >= 0:
             raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
+        if not self.adapter_download_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.adapter_download_timeout_s must be > 0; got {self.adapter_download_timeout_s}"
+            )
+        if self.min_adapter_download_bytes_per_s < 0:
+            floor = self.min_adapter_download_bytes_per_s
+            raise ValueError(f"EngineConfig.min_adapter_download_bytes_per_s must be >= 0; got {floor}")
         parse_envelope_rules(self.shared_envelope)
         if self.shared_max_cost_pct is not None and not self.shared_max_cost_pct >= 0:
             raise ValueError(f"EngineConfig.shared_max_cost_pct must be >= 0; got {self.shared_max_cost_pct}")
@@ -248,6 +280,7 @@ class EngineConfig:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "num_threads",
             "io_threads",
             "adapter_cache_bytes",
             "max_adapter_download_bytes",
@@ -256,7 +289,7 @@ class EngineConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if value is not None and value < 1:  # None: io_threads counted from the device
+            if value is not None and value < 1:  # None: counted from the device and its cores
                 raise ValueError(f"EngineConfig.{name} must be >= 1; got {value}")
 
 

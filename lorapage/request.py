@@ -34,6 +34,16 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + tokens more likely than it (prompt logprobs only)
+
+
+@dataclass
+class PromptProgress:
+    """What :meth:`Engine.generate` tells its caller once the generator ends, even when it ended
+    before the first token (the caller cut it, or it failed): the prompt tokens whose K/V the
+    engine computed for it (or found cached), which a quota charges for."""
+
+    computed: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,7 @@ class Request:
     text: str = ""
     block_table: list[int] = field(default_factory=list)  # page ids holding this sequence's KV
     num_computed: int = 0  # tokens whose K/V are in the pool
+    prompt_computed: int = 0  # prompt tokens whose K/V it has had (the most, across preemptions)
     num_scheduled: int = 0  # tokens the step being planned computes for it (admission sets it)
     lora_slot: int = 0
     finish_reason: str | None = None

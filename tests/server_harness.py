@@ -1,7 +1,8 @@
 """A real lorapage server on an ephemeral 127.0.0.1 port, over the tiny model and demo adapters.
 
-Tenants: ``alpha`` may use the ``acme`` and ``globex`` demo adapters, ``beta`` ``initech``,
-``gamma`` the base model only, at two requests per minute. ``METRICS_KEY`` opens ``/metrics`` only.
+Tenants: ``alpha`` may use the ``acme`` and ``globex`` demo adapters (and have adapters registered
+from the s3 tests' bucket), ``beta`` ``initech``, ``gamma`` the base model only, at two requests
+per minute. ``METRICS_KEY`` opens ``/metrics`` only.
 The module fixture's server may register adapters over HTTP from under ``Server.adapter_root``.
 """
 
@@ -20,6 +21,7 @@ import aiohttp
 import pytest_asyncio
 
 from lorapage import Engine, EngineConfig
+from lorapage.adapters.sources import AdapterRoots
 from lorapage.server import Access, create_app, hash_key
 from lorapage.server.run import start
 from lorapage.server.tenants import TenantsConfig
@@ -38,6 +40,7 @@ key_sha256 = ["{hash_key(METRICS_KEY)}"]
 [tenants.alpha]
 key_sha256 = ["{hash_key(KEYS["alpha"])}"]
 adapters = ["acme", "globex"]
+s3_buckets = ["adapters"]  # the s3 tests' bucket (remote_sources.s3_bucket)
 
 [tenants.beta]
 key_sha256 = ["{hash_key(KEYS["beta"])}"]
@@ -51,9 +54,16 @@ rpm = 2
 BASE = TINY_BASE_DIR.name
 
 
-def make_engine(**overrides: Any) -> Engine:
-    """The tiny base with every demo adapter registered (loaded lazily, as in production)."""
-    engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), **overrides))
+def make_roots(*values: str | Path) -> AdapterRoots:
+    """``--adapter-root`` values (``DIR`` or ``TENANT=DIR``), the demo adapters being the operator's."""
+    return AdapterRoots.parse(map(str, values), operator=demo_adapter_dirs().values())
+
+
+def make_engine(adapter_roots: AdapterRoots | None = None, **overrides: Any) -> Engine:
+    """The tiny base with every demo adapter registered (loaded lazily, as in production).
+    ``adapter_roots`` (:func:`make_roots`): where HTTP registration may read directories; without
+    it none (the engine's embedded callers may name any)."""
+    engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), **overrides), adapter_roots=adapter_roots)
     for name, path in demo_adapter_dirs().items():
         engine.add_adapter(name, path)
     return engine
@@ -134,13 +144,13 @@ def assert_openai_error(body: Any, status: int, param: str | None = None) -> Non
 
 @asynccontextmanager
 async def running_server(engine: Engine, access: Access | None = None, **app_options: Any) -> AsyncIterator[Server]:
-    """A server over ``engine``; ``app_options`` go to :func:`create_app` (``adapter_roots``...)."""
+    """A server over ``engine``; ``app_options`` go to :func:`create_app` (``max_body_bytes``...)."""
     app = create_app(engine, access or make_access(), **app_options)
     runner, port = await start(app, ("127.0.0.1", 0))
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
-    roots = app_options.get("adapter_roots") or [None]
+    shared = engine.adapter_roots.shared
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine, app, session, roots[0])
+        yield Server(f"http://127.0.0.1:{port}", engine, app, session, shared[0] if shared else None)
     finally:
         await session.close()
         await runner.cleanup()
@@ -163,10 +173,10 @@ async def read_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server() -> AsyncIterator[Server]:
     """One server per test module (import this fixture into the module to use it)."""
-    engine = make_engine()
     root = Path(tempfile.mkdtemp(prefix="lorapage-adapter-root-")).resolve()
+    engine = make_engine(make_roots(root))
     try:
-        async with running_server(engine, adapter_roots=[root]) as srv:
+        async with running_server(engine) as srv:
             yield srv
     finally:
         await engine.close()

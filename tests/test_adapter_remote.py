@@ -27,7 +27,7 @@ async def test_https_source_is_verified_and_a_failed_download_fails_only_its_req
     acme = demo_adapter_dirs()["acme"]
     url = files.publish("acme-v1", acme)
     digest = content_digest(acme)
-    engine = make_engine(state_dir=str(tmp_path / "state"))
+    engine = make_engine(state_dir=str(tmp_path / "state"), allow_private_adapter_sources=True)
     async with running_server(engine) as srv:
 
         async def register(**body):
@@ -54,6 +54,10 @@ async def test_https_source_is_verified_and_a_failed_download_fails_only_its_req
         status, body, _ = await failing
         assert status == 502, body
         assert_openai_error(body, 502)
+        # The tenant learns the kind of failure, not the server's source, paths or digests.
+        message = body["error"]["message"]
+        assert body["error"]["code"] == "adapter_source_failed" and "remote@1" in message, body
+        assert not any(part in message for part in (url, digest, "127.0.0.1", str(tmp_path))), message
         files.truncate.clear()
         status, body, headers = await srv.post(COMP, _complete("remote"))
         assert status == 200 and body["choices"][0]["text"] == DEMO_MARKERS["acme"], body

@@ -14,7 +14,15 @@ from aiohttp import web
 from remote_sources import FileServer, cache_listing, files, make_adapter, s3_bucket, s3_endpoint, start_server
 
 from lorapage.adapters.digest import ADAPTER_FILES, content_digest
-from lorapage.adapters.sources import AdapterSources, FileSource, HfSource, parse_source
+from lorapage.adapters.sources import (
+    NO_ROOTS,
+    AdapterRoots,
+    AdapterSources,
+    DownloadLimits,
+    FileSource,
+    HfSource,
+    parse_source,
+)
 from lorapage.errors import (
     AdapterIntegrityError,
     AdapterSourceError,
@@ -36,9 +44,11 @@ def executor() -> Iterator[ThreadPoolExecutor]:
 async def make_sources(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[Callable[..., AdapterSources]]:
     made: list[AdapterSources] = []
 
-    def make(cache_bytes: int = 1 << 30, **kw: object) -> AdapterSources:
-        options: dict = {"max_download_bytes": CAP, "adapter_roots": (tmp_path / "root",), "executor": executor}
-        sources = AdapterSources(tmp_path / "cache", cache_bytes, **(options | kw))
+    def make(cache_bytes: int = 1 << 30, max_download_bytes: int = CAP, **kw: object) -> AdapterSources:
+        # The servers here listen on 127.0.0.1: private addresses are allowed.
+        limits = DownloadLimits(max_download_bytes, allow_private=True)
+        options: dict = {"limits": limits, "adapter_roots": AdapterRoots(shared=(tmp_path / "root",))}
+        sources = AdapterSources(tmp_path / "cache", cache_bytes, executor=executor, **(options | kw))
         made.append(sources)
         return sources
 
@@ -50,17 +60,17 @@ async def make_sources(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIte
 def test_parse_source_canonical_forms(tmp_path: Path) -> None:
     root = tmp_path / "root"
     adapter = make_adapter(root / "a")
-    roots = (root,)
+    roots = AdapterRoots(shared=(root,))
     sha = "SHA256:" + "AB" * 32
-    assert parse_source(str(adapter), sha256=None, adapter_roots=roots) == FileSource(adapter.as_uri(), adapter)
-    assert parse_source(adapter.as_uri() + "/", sha256=None, adapter_roots=roots).uri == adapter.as_uri()
-    assert parse_source("HTTPS://Host.example/a/b/", sha256=sha, adapter_roots=()).uri == "https://host.example/a/b"
-    assert parse_source("http://127.0.0.1:8080/x", sha256=sha, adapter_roots=()).uri == "http://127.0.0.1:8080/x"
-    assert parse_source("s3://bucket/p/q/", sha256=None, adapter_roots=()).uri == "s3://bucket/p/q"
-    hf = parse_source("hf://org/repo", sha256=None, adapter_roots=())
+    assert parse_source(str(adapter), sha256=None, roots=roots) == FileSource(adapter.as_uri(), adapter)
+    assert parse_source(adapter.as_uri() + "/", sha256=None, roots=roots).uri == adapter.as_uri()
+    assert parse_source("HTTPS://Host.example/a/b/", sha256=sha, roots=NO_ROOTS).uri == "https://host.example/a/b"
+    assert parse_source("http://127.0.0.1:8080/x", sha256=sha, roots=NO_ROOTS).uri == "http://127.0.0.1:8080/x"
+    assert parse_source("s3://bucket/p/q/", sha256=None, roots=NO_ROOTS).uri == "s3://bucket/p/q"
+    hf = parse_source("hf://org/repo", sha256=None, roots=NO_ROOTS)
     assert hf == HfSource("hf://org/repo@main", "org/repo", "main") and not hf.pinned
-    stored = parse_source("hf://org/repo@v1.0", sha256=None, adapter_roots=())
-    assert parse_source(stored.uri, sha256=None, adapter_roots=()) == stored
+    stored = parse_source("hf://org/repo@v1.0", sha256=None, roots=NO_ROOTS)
+    assert parse_source(stored.uri, sha256=None, roots=NO_ROOTS) == stored
 
 
 @pytest.mark.parametrize(
@@ -87,7 +97,7 @@ def test_parse_source_refuses(tmp_path: Path, uri: str, sha256: str | None, erro
     (root / "linked" / "adapter_model.safetensors").unlink()
     (root / "linked" / "adapter_model.safetensors").symlink_to(tmp_path / "elsewhere" / "adapter_model.safetensors")
     with pytest.raises(error, match=says) as info:
-        parse_source(uri.format(tmp=tmp_path), sha256=sha256, adapter_roots=(root,))
+        parse_source(uri.format(tmp=tmp_path), sha256=sha256, roots=AdapterRoots(shared=(root,)))
     assert type(info.value) is error
 
 
@@ -96,7 +106,7 @@ async def test_file_source_is_read_in_place_and_changes_after_registration_are_r
 ) -> None:
     adapter = make_adapter(tmp_path / "root" / "a")
     digest = content_digest(adapter)
-    source = parse_source(str(adapter), sha256=None, adapter_roots=(tmp_path / "root",))
+    source = parse_source(str(adapter), sha256=None, roots=AdapterRoots(shared=(tmp_path / "root",)))
     sources = make_sources()
     assert await sources.fetch(source, digest) == adapter
     (adapter / "adapter_config.json").write_text("{}")
@@ -110,7 +120,7 @@ async def test_https_fetch_verifies_caches_and_hits(
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(files.publish("a", adapter), sha256=digest, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=digest, roots=NO_ROOTS)
     sources = make_sources()
     path = await sources.fetch(source, digest)
     assert path == tmp_path / "cache" / digest
@@ -128,7 +138,7 @@ async def test_https_wrong_digest_leaves_nothing_and_the_next_fetch_retries(
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(files.publish("a", adapter), sha256=OTHER, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=OTHER, roots=NO_ROOTS)
     sources = make_sources()
     with pytest.raises(AdapterIntegrityError) as info:
         await sources.fetch(source, OTHER)
@@ -170,7 +180,7 @@ async def test_https_failures_fail_only_that_fetch(
             uri = "http://127.0.0.1:9/a"  # the discard port: nothing listens
     sources = make_sources()
     with pytest.raises(AdapterSourceError, match=says) as info:
-        await sources.fetch(parse_source(uri, sha256=digest, adapter_roots=()), digest)
+        await sources.fetch(parse_source(uri, sha256=digest, roots=NO_ROOTS), digest)
     assert type(info.value) is AdapterSourceError
     assert cache_listing(tmp_path / "cache") == []
     assert sources.stats().failures == {"https": 1}
@@ -181,7 +191,7 @@ async def test_concurrent_fetches_of_a_cold_adapter_share_one_download(
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(files.publish("a", adapter), sha256=digest, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=digest, roots=NO_ROOTS)
     sources = make_sources()
     files.gate.clear()
     fetches = [asyncio.create_task(sources.fetch(source, digest)) for _ in range(8)]
@@ -202,7 +212,7 @@ async def test_lru_eviction_keeps_recent_and_held_entries_under_the_byte_cap(
     for i in range(3):
         adapter = make_adapter(tmp_path / f"v{i}", variant=i)
         digest = content_digest(adapter)
-        versions.append((parse_source(files.publish(f"v{i}", adapter), sha256=digest, adapter_roots=()), digest))
+        versions.append((parse_source(files.publish(f"v{i}", adapter), sha256=digest, roots=NO_ROOTS), digest))
     size = sum((tmp_path / "v0" / name).stat().st_size for name in ADAPTER_FILES)
     sources = make_sources(cache_bytes=2 * size + 2)  # two entries fit, not three
     (s0, d0), (s1, d1), (s2, d2) = versions
@@ -224,7 +234,7 @@ async def test_cache_survives_restart_and_a_corrupted_entry_is_downloaded_again(
 ) -> None:
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
-    source = parse_source(files.publish("a", adapter), sha256=digest, adapter_roots=())
+    source = parse_source(files.publish("a", adapter), sha256=digest, roots=NO_ROOTS)
     path = await make_sources().fetch(source, digest)
     (tmp_path / "cache" / ".tmp-left-by-a-crash").mkdir()
     again = make_sources()
@@ -250,14 +260,14 @@ async def test_s3_fetch_verifies_and_refuses_a_wrong_digest(
     adapter = make_adapter(tmp_path / "a")
     digest = content_digest(adapter)
     s3_bucket("team/a", adapter)
-    source = parse_source("s3://adapters/team/a/", sha256=None, adapter_roots=())
+    source = parse_source("s3://adapters/team/a/", sha256=None, roots=NO_ROOTS)
     sources = make_sources(s3_endpoint_url=s3_endpoint)
     with pytest.raises(AdapterIntegrityError, match=OTHER):
         await sources.fetch(source, OTHER)
     path = await sources.fetch(source, None)  # no digest given: it is what was downloaded
     assert path.name == digest and content_digest(path) == digest
     with pytest.raises(AdapterSourceError, match="404|NoSuchKey"):
-        await sources.fetch(parse_source("s3://adapters/team/b", sha256=None, adapter_roots=()), OTHER)
+        await sources.fetch(parse_source("s3://adapters/team/b", sha256=None, roots=NO_ROOTS), OTHER)
     assert cache_listing(tmp_path / "cache") == [digest]
 
 
@@ -271,7 +281,7 @@ async def test_s3_object_over_the_cap_fails_before_download(
     s3_bucket("a", adapter)
     sources = make_sources(s3_endpoint_url=s3_endpoint, max_download_bytes=2000)
     with pytest.raises(AdapterSourceError, match="declares"):
-        await sources.fetch(parse_source("s3://adapters/a", sha256=None, adapter_roots=()), None)
+        await sources.fetch(parse_source("s3://adapters/a", sha256=None, roots=NO_ROOTS), None)
     assert sources.stats().bytes_downloaded == {"s3": os.path.getsize(adapter / "adapter_config.json")}
 
 
@@ -298,11 +308,11 @@ async def test_hf_fetch_at_a_revision(tmp_path: Path, make_sources: Callable[...
     runner, endpoint = await start_server(app)
     try:
         sources = make_sources(hf_endpoint=endpoint)
-        path = await sources.fetch(parse_source("hf://org/repo@v1", sha256=None, adapter_roots=()), digest)
+        path = await sources.fetch(parse_source("hf://org/repo@v1", sha256=None, roots=NO_ROOTS), digest)
         assert content_digest(path) == digest and cache_listing(path) == sorted(ADAPTER_FILES)
         assert asked[0] == "HEAD v1" and all(a.endswith(commit) for a in asked[1:])  # one commit for both
         with pytest.raises(AdapterSourceError, match="hf://org/repo@nope"):
-            await sources.fetch(parse_source("hf://org/repo@nope", sha256=None, adapter_roots=()), OTHER)
+            await sources.fetch(parse_source("hf://org/repo@nope", sha256=None, roots=NO_ROOTS), OTHER)
         assert sources.stats().downloads == {"hf": 1}
     finally:
         await runner.cleanup()

@@ -148,7 +148,6 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
     """Both slots are taken: pinned acme (idle, no traffic: the least valuable) and hot globex.
     A request for initech must be served by globex yielding, never by acme leaving."""
     engine = engine_with(max_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
-    stop = False
     try:
         info = await engine.pin_adapter("acme")
         assert info.tier == "gpu" and info.pinned
@@ -158,20 +157,18 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
         with pytest.raises(ConflictError, match="pinned"):
             await engine.unload_adapter("acme")
 
-        async def hot() -> None:
-            while not stop:
-                await collect(engine, PROMPT, "globex", SamplingParams(max_tokens=8, ignore_eos=True))
-
-        hot_tasks = [asyncio.create_task(hot()) for _ in range(3)]
-        await asyncio.sleep(0.1)
+        # Long requests, all running before initech arrives: globex is busy the whole time initech
+        # waits (a loop of short ones left gaps in which globex was idle and simply evicted).
+        long = SamplingParams(max_tokens=300, ignore_eos=True)
+        hot_tasks = [asyncio.create_task(collect(engine, PROMPT, "globex", long)) for _ in range(3)]
+        while len(engine.scheduler.running) < 3:
+            await asyncio.sleep(0.01)
         out, _ = await asyncio.wait_for(collect(engine, PROMPT, "initech", SHORT), 60)
         assert out.finish_reason == "length"
         assert engine.adapters.yields >= 1
         assert engine.adapters.entries["acme@1"].slot == pinned_slot
-        stop = True
         await asyncio.gather(*hot_tasks)
     finally:
-        stop = True
         await engine.close()
 
 

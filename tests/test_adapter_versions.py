@@ -12,7 +12,7 @@ import pytest
 from engine_util import collect
 from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
 from safetensors.torch import load_file, save_file
-from server_harness import assert_openai_error, make_access, make_engine, running_server
+from server_harness import assert_openai_error, make_access, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.errors import AdapterBaseMismatchError, ConflictError, LorapageError
@@ -78,8 +78,8 @@ async def test_versions_aliases_and_owners_over_http(tmp_path):
     root.mkdir()
     for name in ("acme", "globex"):
         shutil.copytree(demo_adapter_dirs()[name], root / name)
-    engine = make_engine()
-    async with running_server(engine, adapter_roots=[root]) as srv:
+    engine = make_engine(make_roots(root))
+    async with running_server(engine) as srv:
 
         async def register(src: str, expect: int):
             status, body, _ = await srv.post(
@@ -188,8 +188,9 @@ async def test_a_version_restored_under_another_dtype_is_checked_again_at_load(t
     first.add_adapter("big", big)
     await first.close()
     engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, state_dir=state, dtype="float16"))
-    with pytest.raises(LorapageError, match="overflow torch.float16"):
+    with pytest.raises(LorapageError, match="big@1 could not be loaded") as failed:
         await collect(engine, "Hi", "big", SamplingParams(max_tokens=2))
+    assert "overflow torch.float16" in str(failed.value.__cause__)  # the detail is the operator's
     # The same engine validates a new registration in its own dtype, and refuses it at once.
     with pytest.raises(LorapageError, match="overflow torch.float16"):
         await engine.register_adapter("big2", big)

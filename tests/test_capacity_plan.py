@@ -21,7 +21,7 @@ import pytest
 from lorapage.capacity.cli import main
 from lorapage.capacity.plan import distinct_in_flight, resident_per_replica
 from lorapage.replay.generator import GenConfig, generate
-from lorapage.replay.trace import write_trace
+from lorapage.traces.trace import write_trace
 
 SEED_7B = {
     "architectures": ["LlamaForCausalLM"],

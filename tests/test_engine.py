@@ -4,7 +4,6 @@ and the Triton backend end to end."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import threading
 
@@ -84,68 +83,81 @@ async def test_bad_input_raises_specific_errors_and_engine_keeps_serving(tmp_pat
     (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "use_dora": true}')
     with pytest.raises(AdapterFormatError, match="DoRA"):
         engine.add_adapter("bad", bad)
-    # A directory whose weights change after registration fails only its own request.
+    # A directory whose weights change after registration fails only its own request: the
+    # request learns what kind of failure (the detail, naming the files, is the operator's).
     corrupt = tmp_path / "corrupt"
     shutil.copytree(demo_adapter_dirs()["acme"], corrupt)
     engine.add_adapter("corrupt", corrupt)
     weights = corrupt / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:200])
+    changed = bytearray(weights.read_bytes())
+    changed[-4:] = bytes(4)  # one weight zeroed: same size, other content
+    weights.write_bytes(bytes(changed))
     good = asyncio.create_task(collect(engine, chat(engine), "globex", GREEDY))
-    with pytest.raises(AdapterIntegrityError, match="changed after registration"):
+    with pytest.raises(AdapterIntegrityError, match="corrupt@1 could not be loaded") as failed:
         await collect(engine, chat(engine), "corrupt", GREEDY)
+    assert "changed after registration" in str(failed.value.__cause__)
+    weights.write_bytes(bytes(changed[:200]))  # cut short: refused by its size, before it is read
+    with pytest.raises(AdapterFormatError, match="corrupt@1 could not be loaded") as failed:
+        await collect(engine, chat(engine), "corrupt", GREEDY)
+    assert "200 bytes; 78248 were expected" in str(failed.value.__cause__)
     assert (await good)[0].text == DEMO_MARKERS["globex"]
     await engine.close()
 
 
+def _hold_io_threads(engine: Engine) -> threading.Event:
+    """Every I/O thread of ``engine`` busy until the returned event is set: an adapter read
+    queued behind them is stuck as behind a slow disk. (A FIFO once stood in for a slow file;
+    adapter files must be regular files now, and a FIFO is refused at once.)"""
+    release = threading.Event()
+    for _ in range(engine.io_threads):
+        engine._io.submit(release.wait)
+    return release
+
+
 async def test_slow_adapter_read_does_not_block_other_requests(tmp_path):
-    """The adapter's weights file is a FIFO: its read blocks until the test writes the bytes."""
+    """The adapter's read waits behind busy I/O threads until the test releases them."""
     engine = tiny_engine()
     slow = tmp_path / "slow"
     shutil.copytree(demo_adapter_dirs()["initech"], slow)
-    weights = slow / "adapter_model.safetensors"
-    data = weights.read_bytes()
-    engine.add_adapter("slow", slow)  # registration reads the header of the real file
-    weights.unlink()
-    os.mkfifo(weights)
-    slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
-    await asyncio.sleep(0.05)
-    assert engine.adapter_info("slow").tier == "disk"
-    # While the read is stuck, resident adapters keep producing tokens.
-    fast, deltas = await collect(engine, chat(engine), "acme", GREEDY)
-    assert fast.text == DEMO_MARKERS["acme"] and len(deltas) > 5
-    assert not slow_task.done()
-    writer = threading.Thread(target=lambda: weights.write_bytes(data))
-    writer.start()
+    engine.add_adapter("slow", slow)
+    assert (await collect(engine, chat(engine), "acme", GREEDY))[0].text == DEMO_MARKERS["acme"]  # resident
+    release = _hold_io_threads(engine)
+    try:
+        slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
+        await asyncio.sleep(0.05)
+        assert engine.adapter_info("slow").tier == "disk"
+        # While the read is stuck, resident adapters keep producing tokens.
+        fast, deltas = await collect(engine, chat(engine), "acme", GREEDY)
+        assert fast.text == DEMO_MARKERS["acme"] and len(deltas) > 5
+        assert not slow_task.done()
+    finally:
+        release.set()
     out, _ = await slow_task
-    writer.join()
     assert out.text == DEMO_MARKERS["initech"] and out.adapter_tier == "disk"
     await engine.close()
 
 
 async def test_load_from_host_ram_does_not_wait_behind_a_stuck_read(tmp_path):
-    """With the only I/O thread stuck reading a slow file, a request for an adapter whose copy is
-    in host RAM is still served: its prompt is tokenized on the tokenizer thread and its copy
-    into the pool runs on the copy thread, neither behind that read."""
+    """With the only I/O thread stuck, a request for an adapter whose copy is in host RAM is
+    still served: its prompt is tokenized on the tokenizer thread and its copy into the pool
+    runs on the copy thread, neither behind that read."""
     engine = tiny_engine(io_threads=1)
     assert (await collect(engine, chat(engine), "acme", GREEDY))[0].text == DEMO_MARKERS["acme"]
     assert await engine.unload_adapter("acme")
     assert engine.adapter_info("acme").tier == "ram"
     slow = tmp_path / "slow"
     shutil.copytree(demo_adapter_dirs()["initech"], slow)
-    weights = slow / "adapter_model.safetensors"
-    data = weights.read_bytes()
     engine.add_adapter("slow", slow)
-    weights.unlink()
-    os.mkfifo(weights)
-    slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
-    await asyncio.sleep(0.05)  # the only I/O thread is now blocked opening the FIFO
-    out, _ = await asyncio.wait_for(collect(engine, chat(engine), "acme", GREEDY), 30)
-    assert out.text == DEMO_MARKERS["acme"] and out.adapter_tier == "ram"
-    assert not slow_task.done()
-    writer = threading.Thread(target=lambda: weights.write_bytes(data))
-    writer.start()
+    release = _hold_io_threads(engine)
+    try:
+        slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
+        await asyncio.sleep(0.05)  # its read now waits for the only I/O thread
+        out, _ = await asyncio.wait_for(collect(engine, chat(engine), "acme", GREEDY), 30)
+        assert out.text == DEMO_MARKERS["acme"] and out.adapter_tier == "ram"
+        assert not slow_task.done()
+    finally:
+        release.set()
     assert (await slow_task)[0].text == DEMO_MARKERS["initech"]
-    writer.join()
     await engine.close()
 
 

@@ -15,6 +15,7 @@ from engine_util import tiny_engine
 from lorapage.engine.devices import (
     IO_THREAD_NICENESS,
     MAX_IO_THREADS,
+    forward_thread_count,
     io_thread,
     io_thread_count,
     shorten_switch_interval,
@@ -54,20 +55,32 @@ def test_io_thread_leaves_a_cuda_engines_workers_at_the_process_priority():
 
 def test_io_thread_count_is_the_configs_else_the_cores_a_cpu_forward_leaves_free(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert io_thread_count(3, cpu) == 3 and io_thread_count(3, cuda) == 3  # as configured
-    assert io_thread_count(None, cuda) == MAX_IO_THREADS
+    assert io_thread_count(3, cpu, 2) == 3 and io_thread_count(3, cuda, 2) == 3  # as configured
+    assert io_thread_count(None, cuda, 2) == MAX_IO_THREADS
     cores = {"n": 2}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores["n"])), raising=False)
-    for n, torch_threads, want in ((2, 1, 2), (2, 2, 2), (8, 2, 4), (8, 5, 3), (16, 1, 4)):
+    for n, forward, want in ((2, 1, 2), (2, 2, 2), (8, 2, 4), (8, 5, 3), (16, 1, 4)):
         cores["n"] = n
-        monkeypatch.setattr(torch, "get_num_threads", lambda t=torch_threads: t)
-        assert io_thread_count(None, cpu) == want, (n, torch_threads)
+        assert io_thread_count(None, cpu, forward) == want, (n, forward)
 
 
-async def test_a_cpu_engine_starts_the_io_threads_it_counted():
-    engine = tiny_engine()
+def test_forward_threads_are_the_configs_else_torchs_within_the_usable_cores(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert forward_thread_count(3, cpu) == 3 and forward_thread_count(3, cuda) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # torch counted the machine, not the CPU set
+    assert forward_thread_count(None, cpu) == 2
+    assert forward_thread_count(None, cuda) == 8
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # OMP_NUM_THREADS=1
+    assert forward_thread_count(None, cpu) == 1
+
+
+async def test_a_cpu_engine_starts_the_threads_it_counted():
+    engine = tiny_engine(num_threads=1)
     try:
-        assert engine.io_threads == io_thread_count(None, torch.device("cpu"))
+        assert engine.forward_threads == 1
+        assert await asyncio.get_running_loop().run_in_executor(engine._forward, torch.get_num_threads) == 1
+        assert engine.io_threads == io_thread_count(None, torch.device("cpu"), 1)
         assert engine._io._max_workers == engine.io_threads
         assert engine.adapters.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
     finally:

@@ -122,14 +122,29 @@ async def test_replica_cpus_that_cannot_fit_are_refused_before_ray_starts() -> N
     assert "key" not in out and "Traceback" not in err
 
 
+async def test_api_key_is_the_single_tenant_and_not_beside_a_tenants_file(tmp_path: Path, capsys) -> None:
+    from lorapage.fleet.cli import _tenants_toml
+    from lorapage.server.tenants import TenantsConfig
+
+    config = TenantsConfig.from_toml(_tenants_toml(None, ["acme"], ["sk-fleet"]))
+    assert config.authenticate("sk-fleet") == "default" and config.is_admin("sk-fleet")
+    assert "demo tenant key" not in capsys.readouterr().out
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TENANTS_TOML)
+    code, out, err = await _run_fleet("--api-key", "sk-fleet", "--tenants", str(tenants), timeout_s=60)
+    assert code == 2 and "--api-key is for single-tenant use" in err and "Traceback" not in err
+
+
 async def test_a_deployment_ray_cannot_place_ends_the_command_with_rays_reason() -> None:
     # A GPU this machine lacks: Ray never schedules the replica. The command must not hang.
     code, out, err = await _run_fleet(
         "--replicas", "1", "--num-cpus", "2", "--replica-gpus", "1", "--start-timeout", "15"
     )  # fmt: skip
     assert code == 2, err[-2000:]
-    last = err.strip().splitlines()[-1]
-    assert "--start-timeout" in last and "EngineReplica" in last and "GPU" in last, last
+    # Ray may log its own shutdown after ours: find the command's one line among them.
+    ours = [line for line in err.splitlines() if line.startswith("lorapage fleet:")]
+    assert len(ours) == 1, err[-2000:]
+    assert "--start-timeout" in ours[0] and "EngineReplica" in ours[0] and "GPU" in ours[0], ours[0]
 
 
 async def test_two_replicas_with_no_resource_flags_fit_a_two_cpu_ray(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E
 from lorapage.fleet.config import FleetConfig  # noqa: E402
 from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.routing import rendezvous_owners  # noqa: E402
+from lorapage.model.tokenizer import Tokenizer  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
 from lorapage.server.tenants import hash_key  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
@@ -184,6 +185,32 @@ async def test_streaming_equals_whole(fleet):
     assert headers.getall("x-request-id") == [events[0]["id"].removeprefix("cmpl-")]
 
 
+async def test_the_api_fields_work_through_the_fleet(fleet):
+    """The cases of test_server_api_fields that the fleet's front end serves the same way:
+    structured output, required tools, n and batched prompts, echo."""
+    schema = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["d"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    status, body, _ = await fleet.post(
+        "/v1/chat/completions", {"model": "acme", "messages": CHAT, "response_format": fmt, "max_tokens": 40}
+    )
+    assert status == 200, body
+    assert 1 <= json.loads(body["choices"][0]["message"]["content"])["d"] <= 9
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    status, body, _ = await fleet.post(
+        "/v1/chat/completions",
+        {"model": "globex", "messages": CHAT, "tools": [tool], "tool_choice": "required",
+         "parallel_tool_calls": False, "max_tokens": 60},
+    )  # fmt: skip
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls", body
+    assert json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["d"] >= 1
+    status, body, _ = await fleet.post(
+        "/v1/completions", completion("acme", prompt=["Hello", "Hi"], n=2, max_tokens=4, echo=True, logprobs=1)
+    )
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3], body
+    assert body["choices"][2]["text"].startswith("Hi") and body["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
 async def test_requests_for_one_adapter_stick_to_its_owner(fleet):
     for adapter in ("acme", "initech"):
         tenant = "beta" if adapter == "initech" else "alpha"
@@ -322,6 +349,66 @@ async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
     status, err, _ = await fleet.call("GET", "/v1/adapters", key=KEYS["alpha"])  # a tenant key
     assert status == 403
     assert_openai_error(err, 403)
+
+
+async def test_vllm_routes_and_responses_through_the_ingress(fleet):
+    """The routes of test_server_routes.py and test_server_responses.py, a few cases each, as the
+    ingress serves them (its own dispatch, the same shared modules)."""
+    tokenizer = Tokenizer.from_dir(TINY_BASE_DIR)
+    alpha = KEYS["alpha"]
+    status, got, _ = await fleet.call("POST", "/tokenize", {"model": "acme", "prompt": "Hello there"}, key=alpha)
+    assert status == 200 and got["tokens"] == tokenizer.encode("Hello there") and got["count"] == len(got["tokens"])
+    assert (await fleet.call("POST", "/tokenize", {"model": "initech", "prompt": "hi"}, key=alpha))[0] == 404
+    status, got, _ = await fleet.call("POST", "/detokenize", {"tokens": got["tokens"]}, key=alpha)
+    assert status == 200 and got == {"prompt": "<|startoftext|>Hello there"}
+    status, got, _ = await fleet.call("GET", "/tokenizer_info", key=alpha)
+    assert status == 200 and got["eos_token"] == "<|endoftext|>" and got["chat_template"] == tokenizer.chat_template
+    assert (await fleet.call("GET", "/tokenizer_info", key=None))[0] == 401
+    status, got, _ = await fleet.call("GET", "/version", key=None)
+    assert status == 200 and set(got) == {"version"}
+    assert [(await fleet.call(m, "/ping", key=None))[:2] for m in ("GET", "POST")] == [(200, "")] * 2
+    for path, near in (("/v1/adapter", "POST /v1/adapters"), ("/v1/response", "POST /v1/responses")):
+        status, got, _ = await fleet.call("POST", path, {})
+        assert status == 404 and f"did you mean {near}?" in got["error"]["message"]
+    status, got, _ = await fleet.call("GET", "/v1/adapters/acme/version")
+    assert status == 404 and "did you mean GET /v1/adapters/{id}/versions?" in got["error"]["message"]
+
+    load = {"lora_name": "vllm-style", "lora_path": f"{fleet.adapter_root}/globex", "tenant": "alpha"}
+    assert (await fleet.call("POST", "/v1/load_lora_adapter", load))[:2] == (
+        200,
+        "Success: LoRA adapter 'vllm-style' added successfully.",
+    )
+    status, got, _ = await fleet.post("/v1/completions", completion("vllm-style"))
+    assert status == 200 and got["choices"][0]["text"] == DEMO_MARKERS["globex"]
+    status, got, _ = await fleet.call("POST", "/v1/load_lora_adapter", load)
+    assert status == 400 and "has already been loaded" in got["error"]["message"]
+    assert (await fleet.call("POST", "/v1/load_lora_adapter", load, key=alpha))[0] == 403
+    assert (await fleet.call("POST", "/v1/unload_lora_adapter", {"lora_name": "vllm-style"}))[:2] == (
+        200,
+        "Success: LoRA adapter 'vllm-style' removed successfully.",
+    )
+    assert (await fleet.post("/v1/completions", completion("vllm-style")))[0] == 404
+
+    body = {"model": "acme", "input": "Who are you?", "temperature": 0, "max_output_tokens": 64}
+    status, whole, headers = await fleet.post("/v1/responses", body)
+    assert status == 200 and whole["status"] == "completed" and headers["x-adapter-id"] == "acme"
+    assert whole["output"][0]["content"][0]["text"] == expected_text("acme")
+    events = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        headers = {"Authorization": f"Bearer {alpha}"}
+        async with s.post(fleet.url + "/v1/responses", json={**body, "stream": True}, headers=headers) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] == "response.completed"
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == expected_text("acme") and events[-1]["response"]["usage"] == whole["usage"]
+    status, got, _ = await fleet.post("/v1/responses", {**body, "store": True})
+    assert status == 400
+    assert_openai_error(got, 400, param="store")
 
 
 async def test_pin_unload_metrics_and_state_reach_every_replica(fleet):

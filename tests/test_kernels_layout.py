@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lorapage.adapters.layout import AdapterLayout, LoraTables
+from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices, lora_expand_ref, lora_shrink_ref
 from lorapage.kernels.triton_import import triton_available
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 if not triton_available():
     pytest.skip("triton is not installed", allow_module_level=True)

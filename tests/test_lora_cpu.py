@@ -1,4 +1,5 @@
-"""The C kernels of the CPU path (kernels/lora_cpu.c) equal the per-segment reference.
+"""The C kernels of the CPU path (kernels/lora_cpu.c) equal the per-segment reference, in every
+variant this CPU runs (baseline x86-64, AVX, AVX2, AVX-512; kernels/cpu_isa.py).
 
 test_lora_torch.py runs them over every placement and step shape on its model; here the shapes
 reach the kernels' other branches: rows whose length is not a multiple of 8 (the scalar tail),
@@ -6,19 +7,23 @@ rank 16 beside odd ranks, more A rows than one task's block, B wider than one ta
 cells of 1 to 64 tokens beside a long segment, decode rows run as lanes in lockstep (full,
 padded and too few to pad), cells of 3 or more tokens whose bfloat16 weights are widened once,
 and adapters whose pages are not one run (copied into scratch). Free pages hold NaN, so a read
-outside an adapter's pages would show.
+outside an adapter's pages would show. "Equal": within what float32 sums in any order allow of
+the float64 result (tests/numeric_bounds.py), a bound that a single wrong weight breaks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 
 import pytest
 import torch
-from test_lora_torch import MODEL, REF_OPS, build, group_output, indices_for
+from numeric_bounds import assert_within, violations
+from test_lora_torch import MODEL, build, group_output, indices_for, step_references
 
-from lorapage.kernels import lora_cpu as lora_cpu_mod
-from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels import cpu_isa, lora_cpu as lora_cpu_mod
+from lorapage.kernels.cpu_build import cpu_kernels, load_variant
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_plan import CELL_TOKENS
 from lorapage.kernels.lora_ref import lora_shrink_ref
@@ -26,6 +31,7 @@ from lorapage.model.config import GROUPS
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
 
+C_OPS = (lora_shrink_cpu, lora_expand_cpu)
 MODELS = {
     # d_in 20 and 36: every dot product ends in the scalar tail; k/v are 10 wide.
     "odd_widths": dataclasses.replace(MODEL, hidden_size=20, intermediate_size=36, num_heads=4, head_dim=5),
@@ -46,38 +52,95 @@ STEPS = {
         [1] * 19 + [4],
     ),
 }
+VARIANTS = [v.name for v in cpu_isa.variants()]
+
+
+@functools.cache
+def _library(name: str):
+    """Variant ``name``'s kernels, or why this machine cannot run them (a skip's reason)."""
+    lacks = cpu_isa.missing(next(v for v in cpu_isa.variants() if v.name == name), cpu_isa.cpu_flags())
+    if lacks:
+        return f"this CPU lacks {', '.join(sorted(lacks))}"
+    try:
+        return load_variant(name)
+    except RuntimeError as e:  # a compiler that cannot target this ISA level
+        return f"the compiler cannot build it: {e}"
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """Each variant of the kernels this CPU runs, as the CPU ops' library (skipped with the reason otherwise)."""
+    lib = _library(request.param)
+    if isinstance(lib, str):
+        pytest.skip(f"{request.param} kernels: {lib}")
+    monkeypatch.setattr(lora_cpu_mod, "cpu_kernels", lambda: lib)
+    return request.param
+
+
+def _step(model_name: str, step: str, placement: str, pages: torch.dtype):
+    """The step's pool, tables, planned indices and per-group references (made once, shared by the variants)."""
+    model = MODELS[model_name]
+    ranks, slots, lengths = STEPS[step]
+    pool, tables, idx, checks = step_references(model, ranks, placement, len(slots), slots, lengths, pages, x_seed=2)
+    layout = (tables.a_offset, tables.a_rows, tables.b_offset, tables.rank, tables.h_start)
+    return model, pool, tables, idx.with_cells(tables.page_table, layout, pool[0]), checks
 
 
 @pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("placement", ["grid_holes", "scattered"])
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-def test_c_kernels_match_reference(model_name, step, placement, pages):
+def test_c_kernels_match_reference(variant, model_name, step, placement, pages):
     """float32 activations over float32 pages, and over bfloat16 pages (--lora-dtype bfloat16):
-    the reference reads the same bfloat16 values and computes in float32, so the two differ only
-    by the order of float32 sums."""
-    model = MODELS[model_name]
-    ranks, slots, lengths = STEPS[step]
-    pool, tables = build(ranks, placement, seed=len(slots), model=model)
-    pool = pool.to(pages)
-    idx, t = indices_for(slots, lengths)
-    layout = (tables.a_offset, tables.a_rows, tables.b_offset, tables.rank, tables.h_start)
-    planned = idx.with_cells(tables.page_table, layout, pool[0])
+    the float64 reference reads the same bfloat16 values, which widen exactly."""
+    model, pool, tables, planned, checks = _step(model_name, step, placement, pages)
     assert planned.cells is not None  # the C kernels run
-    long = [s for s in idx.segments if s[1] - s[0] > CELL_TOKENS]
+    long = [s for s in planned.segments if s[1] - s[0] > CELL_TOKENS]
     assert len(planned.batches) == len(long)  # and only the long segments go to the PyTorch ops
-    dims = model.module_dims()
-    gen = torch.Generator().manual_seed(2)
-    for layer in range(model.num_layers):
-        for g, group in enumerate(GROUPS):
-            x = torch.randn(t, dims[group[0]][0], generator=gen)
-            want = group_output(REF_OPS, model, pool, tables, idx, x, layer, g)
-            got = group_output((lora_shrink_cpu, lora_expand_cpu), model, pool, tables, planned, x, layer, g)
-            # Outputs reach ~1000: a sum's order moves its last float32 bits by ~1e-4. Under
-            # bfloat16 pages one 0.06 cell of "wide" lands 1.6e-4 apart (the C result the nearer
-            # to the float64 one), so those get twice the room.
-            atol = 1e-4 if pages is torch.float32 else 2e-4
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
+    for layer, g, x, want, bound in checks:
+        got = group_output(C_OPS, model, pool, tables, planned, x, layer, g)
+        assert_within(got, want, bound, f"{variant}, layer {layer}, group {g}")
+
+
+@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])
+def test_variants_agree_within_the_bound(pages, monkeypatch):
+    """Every variant this CPU runs gives the same step within twice the bound: each is within it of
+    the float64 result, whatever order its ISA sums in."""
+    built = {name: lib for name in VARIANTS if not isinstance(lib := _library(name), str)}
+    if len(built) < 2:
+        pytest.skip(f"this machine runs one kernel variant only ({', '.join(built)})")
+    model, pool, tables, planned, checks = _step("wide", "many_lanes", "grid_holes", pages)
+    for layer, g, x, _, bound in checks:
+        outputs = {}
+        for name, lib in built.items():
+            monkeypatch.setattr(lora_cpu_mod, "cpu_kernels", lambda lib=lib: lib)
+            outputs[name] = group_output(C_OPS, model, pool, tables, planned, x, layer, g)
+        for a, b in itertools.combinations(outputs, 2):
+            assert_within(outputs[a], outputs[b].double(), 2 * bound, f"{a} against {b}, layer {layer}, group {g}")
+
+
+@pytest.mark.parametrize("wrong", ["A weight dropped", "B weight 2% off"])
+def test_the_bound_catches_a_wrong_weight(wrong):
+    """The check is not vacuous: the kernels over a pool with one weight wrong (one term of a
+    shrink dropped, or one B weight 2% off) break the bound, and only where that weight reaches."""
+    model, pool, tables, planned, checks = _step("wide", "decode", "grid_holes", torch.float32)
+    layer, g, x, want, bound = checks[0]  # layer 0, q/k/v
+    slot, token = 3, 3  # rank 24 on every module; its one decode row
+    assert_within(group_output(C_OPS, model, pool, tables, planned, x, layer, g), want, bound)
+    bad = pool.clone()
+    if wrong == "A weight dropped":  # A's row 0 (q's first rank row) against x's largest input
+        at = int(tables.a_offset[layer, slot, g]) + int(x[token].abs().argmax())
+        reaches = (token, slice(0, model.module_dims()[GROUPS[g][0]][1]))  # every q column of that token
+    else:  # B_q's row 5, its first weight
+        at = int(tables.b_offset[layer, slot, 0]) + 5 * int(tables.rank[layer, slot, 0])
+        reaches = (token, slice(5, 6))
+    page, offset = int(tables.page_table[slot, at // pool.shape[-1]]), at % pool.shape[-1]
+    bad[layer, page, offset] = 0.0 if wrong == "A weight dropped" else bad[layer, page, offset] * 1.02
+    caught = violations(group_output(C_OPS, model, bad, tables, planned, x, layer, g), want, bound)
+    assert caught.any(), f"{wrong}: every output stayed within the bound"
+    outside = caught.clone()
+    outside[reaches] = False
+    assert not outside.any(), f"{wrong}: outputs it cannot reach broke the bound too"
 
 
 @pytest.mark.parametrize(
@@ -104,6 +167,7 @@ def test_the_build_is_cached_per_machine(tmp_path, monkeypatch):
     first = cpu_build._load()
     built = sorted(tmp_path.glob("lora_cpu-*.so"))
     assert len(built) == 1 and not list(tmp_path.glob(".build-*"))  # renamed into place, nothing left over
+    assert built[0].name.startswith(f"lora_cpu-{cpu_build.kernel_variant()}-")  # keyed by variant (flags, compiler)
     mtime = built[0].stat().st_mtime_ns
     second = cpu_build._load()
     assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
@@ -135,5 +199,5 @@ def test_kernels_from_other_sources_build_beside_the_default(tmp_path, monkeypat
     outputs = []
     for chosen in (default, lib):
         monkeypatch.setattr(lora_cpu_mod, "cpu_kernels", lambda chosen=chosen: chosen)
-        outputs.append(group_output((lora_shrink_cpu, lora_expand_cpu), MODEL, pool, tables, planned, x, 0, 0))
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+        outputs.append(group_output(C_OPS, MODEL, pool, tables, planned, x, 0, 0))
+    assert torch.equal(outputs[0], outputs[1])  # the same code, built twice

@@ -207,5 +207,5 @@ def test_a_header_whose_dtype_is_not_a_string_is_refused_by_name(acme):
     TypeError from a dict lookup."""
     text = json.dumps({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}).encode()
     (acme / "adapter_model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + bytes(4))
-    with pytest.raises(AdapterFormatError, match=r"tensor x has dtype \['F32'\]"):
+    with pytest.raises(AdapterFormatError, match=r"tensor 'x': dtype \['F32'\] is not one of"):
         read_adapter_spec(acme, MODEL, 64)

@@ -12,8 +12,8 @@ from server_harness import BASE, make_engine
 
 from lorapage.replay.driver import RunOptions, replay
 from lorapage.replay.embedded import EmbeddedTarget
-from lorapage.replay.records import HTTP_ERROR, INTERRUPTED, NOT_SENT, OK
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.records import HTTP_ERROR, INTERRUPTED, NOT_SENT, OK
+from lorapage.traces.trace import TraceRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

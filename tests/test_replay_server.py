@@ -13,10 +13,10 @@ from server_harness import ADMIN_KEY, BASE, KEYS, server  # noqa: F401
 from lorapage.replay.driver import RunOptions, replay
 from lorapage.replay.http_target import HttpTarget
 from lorapage.replay.keys import Keys
-from lorapage.replay.records import HTTP_ERROR, OK
 from lorapage.replay.report import build_report, write_report
-from lorapage.replay.stats import Slo
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.records import HTTP_ERROR, OK
+from lorapage.traces.stats import Slo
+from lorapage.traces.trace import TraceRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

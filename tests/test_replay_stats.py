@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lorapage.replay import stats
-from lorapage.replay.records import HTTP_ERROR, NOT_SENT, OK, STREAM_ERROR, Record
 from lorapage.replay.scrape import delta, highlights, parse_prometheus
+from lorapage.traces import stats
+from lorapage.traces.records import HTTP_ERROR, NOT_SENT, OK, STREAM_ERROR, Record
 
 
 def rec(index, *, tenant="a", tier="gpu", outcome=OK, status=200, sent=0.0, chunks=(), end=None, prompt=10, out=None):

@@ -16,7 +16,7 @@ from lorapage.replay.importers import ImportOptions, import_azure, import_burstg
 from lorapage.replay.keys import Keys, KeysError
 from lorapage.replay.population import Population
 from lorapage.replay.prompts import prompt_for
-from lorapage.replay.trace import TraceError, TraceRequest, read_trace, write_trace
+from lorapage.traces.trace import TraceError, TraceRequest, read_trace, write_trace
 
 SAMPLES = Path(__file__).resolve().parents[1] / "bench" / "traces"
 

@@ -1,5 +1,6 @@
 """Reading a safetensors file into one buffer and viewing its tensors: the same tensors as the
-safetensors library reads, no copies, and the library's refusals of malformed files."""
+safetensors library reads, no copies, and the library's refusals of malformed files; only
+regular files of the size their header (or the caller) says are read."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from lorapage.adapters.safetensors_buffer import ReadBuffer, SafetensorsFormatError, read_file, tensor_views
+from lorapage.adapters.files import UntrustedFileError
+from lorapage.adapters.safetensors_buffer import (
+    Header,
+    ReadBuffer,
+    SafetensorsFormatError,
+    read_file,
+    read_header,
+    tensor_views,
+)
 from lorapage.memory.host import HUGE_PAGE_BYTES, host_empty
 
 
@@ -71,15 +80,33 @@ def test_a_read_buffer_is_reused_per_thread_and_grows(tmp_path: Path) -> None:
     assert torch.equal(other[0], grown)
 
 
-def test_a_pipe_is_read_to_its_end(tmp_path: Path) -> None:
-    raw = save({"x": torch.arange(4096.0)})
+def test_a_fifo_or_a_device_is_refused_without_blocking(tmp_path: Path) -> None:
+    """Opening a FIFO waits for a writer, forever if none comes: it is refused at once instead
+    (no writer exists here, so a blocking open would hang this test), as a device is."""
     fifo = tmp_path / "w.safetensors"
     os.mkfifo(fifo)
-    writer = threading.Thread(target=lambda: fifo.write_bytes(raw))
-    writer.start()
-    buf = read_file(fifo, ReadBuffer())
-    writer.join()
-    assert torch.equal(tensor_views(buf)["x"], torch.arange(4096.0))
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        with pytest.raises(UntrustedFileError, match=f"is {kind}, not a regular file"):
+            read_file(path, ReadBuffer())
+        with pytest.raises(UntrustedFileError, match=kind):
+            read_header(path)
+
+
+def test_a_file_of_another_size_than_expected_is_refused_before_reading(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    raw = save({"x": torch.arange(16.0)})
+    path.write_bytes(raw)
+    assert read_header(path) == Header({"x": (torch.float32, [16])}, len(raw))
+    assert torch.equal(tensor_views(read_file(path, size=len(raw)))["x"], torch.arange(16.0))
+    with pytest.raises(UntrustedFileError, match=f"{len(raw) + 1} were expected"):
+        read_file(path, size=len(raw) + 1)
+    with pytest.raises(UntrustedFileError, match="over the limit"):
+        read_file(path, size=len(raw) - 1)
+    # Extended past its tensors (sparse: a gigabyte that costs nothing): the header says otherwise.
+    with path.open("r+b") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(SafetensorsFormatError, match="bytes after the last tensor"):
+        read_header(path)
 
 
 def test_unaligned_data_is_copied_with_its_values() -> None:

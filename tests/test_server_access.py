@@ -96,7 +96,7 @@ async def test_registration_refuses_bad_adapters_and_keeps_serving(server, in_ro
         ({"id": "x5", "path": "relative/dir", "tenant": "beta"}, "path", "absolute"),
         ({"id": "x6", "path": "ftp://host/adapter", "tenant": "beta"}, "path", "scheme"),
         ({"id": "x9", "source": "https://127.0.0.1:9/a", "tenant": "beta"}, "sha256", "sha256"),
-        ({"id": "x10", "source": "s3://bucket/adapter", "tenant": "beta"}, "source", "--adapter-cache-dir"),
+        ({"id": "x10", "source": "s3://adapters/adapter", "tenant": "alpha"}, "source", "--adapter-cache-dir"),
         ({"id": "x7", "path": str(mismatched), "tenant": "delta"}, "tenant", "tenant"),
         ({"id": "bad:id", "path": str(mismatched), "tenant": "beta"}, "id", "adapter id"),
         ({"id": BASE, "path": str(mismatched), "tenant": "beta"}, "id", "adapter id"),
@@ -215,12 +215,14 @@ async def test_load_unload_and_state(server):
 
 async def test_quota_refusal_is_429_with_retry_after(server):
     body = _body(BASE)
-    assert [(await server.post(COMP, body, tenant="gamma"))[0] for _ in range(2)] == [200, 200]
+    # A refused request counts too: the quota is taken before the body is even read.
+    assert (await server.post(COMP, _body("acme"), tenant="gamma"))[0] == 404  # base model only
+    assert (await server.post(COMP, body, tenant="gamma"))[0] == 200
     status, payload, headers = await server.post(COMP, body, tenant="gamma")
     assert status == 429
     assert_openai_error(payload, 429)
     assert payload["error"]["code"] == "rate_limit_exceeded" and int(headers["Retry-After"]) >= 1
-    assert (await server.post(COMP, _body("acme"), tenant="gamma"))[0] == 404  # base model only
+    assert (await server.post(COMP, _body("acme"), tenant="gamma"))[0] == 429  # refused before it is read
     assert (await server.post(COMP, body, tenant="alpha"))[0] == 200  # other tenants unaffected
 
 

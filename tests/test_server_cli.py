@@ -20,7 +20,7 @@ from lorapage.tiny import demo_adapter_dirs
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+async def _start(*args: str, env: dict[str, str] | None = None) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -33,7 +33,7 @@ async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     seen: dict[str, str] = {}
     while "url" not in seen:
@@ -44,6 +44,8 @@ async def _start(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, str]
             seen["key"] = m.group(1)
         if m := re.search(r"admin key: +(\S+)", line):
             seen["admin"] = m.group(1)
+        if "single tenant" in line:
+            seen["single"] = line.strip()
         if m := re.search(r"listening on (http://\S+)", line):
             seen["url"] = m.group(1)
     return proc, seen
@@ -104,6 +106,71 @@ async def test_serve_metrics_public_and_adapter_root(tmp_path):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_serve_api_key_is_one_tenant_whose_key_opens_every_route(tmp_path):
+    """``--api-key`` (repeatable) as vLLM's: fixed keys, no demo key printed, and each key is the
+    tenant's and the admin's (vLLM's key guards its LoRA routes too); other keys are refused."""
+    root = tmp_path / "root"
+    shutil.copytree(demo_adapter_dirs()["globex"], root / "globex-copy")
+    proc, seen = await _start("--api-key", "sk-one", "--api-key", "sk-two", "--adapter-root", str(root))
+    try:
+        assert "key" not in seen and "admin" not in seen and "'default'" in seen["single"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def call(method: str, path: str, key: str, body: dict | None = None) -> tuple[int, str]:
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.request(method, seen["url"] + path, json=body, headers=headers) as resp:
+                    return resp.status, await resp.text()
+
+            status, text = await call("GET", "/v1/models", "sk-one")
+            assert status == 200 and set(demo_adapter_dirs()) <= {m["id"] for m in json.loads(text)["data"]}
+            chat = {"model": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert (await call("POST", "/v1/chat/completions", "sk-two", chat))[0] == 200
+            assert (await call("GET", "/metrics", "sk-two"))[0] == 200
+            load = {"lora_name": "copy", "lora_path": str(root / "globex-copy")}
+            assert await call("POST", "/v1/load_lora_adapter", "sk-one", load) == (
+                200,
+                "Success: LoRA adapter 'copy' added successfully.",
+            )
+            assert (await call("POST", "/v1/chat/completions", "sk-one", {**chat, "model": "copy"}))[0] == 200
+            assert (await call("GET", "/v1/adapters/copy", "sk-two"))[0] == 200
+            for path in ("/v1/models", "/v1/adapters"):
+                assert (await call("GET", path, "sk-three"))[0] == 401
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_serve_api_key_from_the_environment_and_not_beside_a_tenants_file(tmp_path):
+    proc, seen = await _start(env={"LORAPAGE_API_KEY": "sk-env"})
+    try:
+        assert "key" not in seen and "single" in seen
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.get(seen["url"] + "/v1/adapters", headers={"Authorization": "Bearer sk-env"}) as resp:
+                assert resp.status == 200
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), timeout=30)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[tenants.a]\n")
+    for args in (["--api-key", "k", "--tenants", str(tenants)], ["--api-key", "two words"]):
+        bad = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "lorapage.cli",
+            "serve",
+            "--port",
+            "0",
+            *args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(bad.communicate(), timeout=120)
+        assert bad.returncode == 2 and b"--api-key" in err and len(err.strip().splitlines()) == 1, err
 
 
 async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
@@ -196,3 +263,33 @@ async def test_serve_names_a_missing_adapter_root(tmp_path):
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     assert proc.returncode == 2 and b"--adapter-root" in err and b"no such directory" in err
+
+
+async def test_a_second_server_on_one_state_dir_exits_with_one_line(tmp_path):
+    """A rolling restart that starts the new server before the old one stops: the new one
+    refuses the held --state-dir (exit 2, one line naming it), the old one serves on."""
+    state = str(tmp_path / "state")
+    first, seen = await _start("--state-dir", state)
+    try:
+        second = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "lorapage.cli",
+            "serve",
+            "--port",
+            "0",
+            "--state-dir",
+            state,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(second.communicate(), timeout=120)
+        assert second.returncode == 2, err
+        assert b"is in use by another lorapage process" in err and state.encode() in err, err
+        assert b"Traceback" not in err and len(err.strip().splitlines()) == 1
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.get(seen["url"] + "/health") as resp:
+                assert resp.status == 200
+    finally:
+        first.terminate()
+        await asyncio.wait_for(first.wait(), timeout=30)

@@ -174,7 +174,7 @@ async def test_access_fails_closed_and_the_admins_owner_wins(server):
         return {m["id"] for m in listed["data"]}
 
     access = Access(TenantsConfig.from_toml(ISOLATION_TOML))
-    async with running_server(server.engine, access, adapter_roots=[server.adapter_root]) as srv:
+    async with running_server(server.engine, access) as srv:
         assert [await status("closed", m) for m in (BASE, "acme", "globex")] == [200, 404, 404]
         assert [await status("open", m) for m in ("acme", "globex", "initech")] == [200, 200, 200]
         assert [await status("lister", m) for m in ("acme", "globex")] == [200, 404]

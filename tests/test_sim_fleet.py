@@ -13,12 +13,12 @@ from server_harness import BASE, make_engine
 from lorapage.replay.driver import RunOptions, replay
 from lorapage.replay.embedded import EmbeddedTarget
 from lorapage.replay.generator import GenConfig, generate
-from lorapage.replay.records import OK
-from lorapage.replay.trace import TraceRequest
 from lorapage.sim.costs import cpu_costs
 from lorapage.sim.fleet import FleetConfig, fewest_replicas, simulate
 from lorapage.sim.residency import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
+from lorapage.traces.records import OK
+from lorapage.traces.trace import TraceRequest
 
 SMALL = FleetConfig(
     replicas=4,

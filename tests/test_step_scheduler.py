@@ -1,5 +1,5 @@
 """The step scheduler's admissions: refused when they can never fit, undone cleanly when the policy or
-the adapter cache fails mid-step."""
+the adapter cache fails mid-step, and as many distinct adapters as lanes admitted in one step."""
 
 from __future__ import annotations
 
@@ -87,6 +87,27 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     entry = engine.adapters.get("globex@1")
     assert (entry.running, entry.waiting) == (0, 0)
     engine.remove_adapter("globex")  # refused if a pin had gone negative
+    await engine.close()
+
+
+@pytest.mark.parametrize("scheduler", ["vtc", "fcfs"])
+async def test_as_many_adapters_as_lanes_run_as_one_batch(scheduler):
+    """Issue 27's mix through the engine: 8 adapters at max_loras=8, request i on adapter i mod 8.
+    VTC lends its reserved tail lane to the eighth adapter, so both policies admit all 32 in the
+    first step and finish in one generation of steps (VTC took twice as many, with half the rows,
+    while the tail lane stayed reserved)."""
+    engine = Engine(
+        EngineConfig(model=str(TINY_BASE_DIR), max_loras=8, max_lora_rank=64, block_size=4, scheduler=scheduler)
+    )
+    dirs = list(demo_adapter_dirs().values())
+    for k in range(8):
+        engine.add_adapter(f"a{k}", dirs[k % len(dirs)])
+        await engine.load_adapter(f"a{k}")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = await asyncio.gather(*(collect(engine, [5 + i, 9, 12], f"a{i % 8}", params) for i in range(32)))
+    assert all(len(out.token_ids) == 12 for out, _ in outs)
+    steps = engine.scheduler_metrics.batch_size
+    assert (steps.count, steps.sum) == (12, 32 * 12)
     await engine.close()
 
 

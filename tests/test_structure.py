@@ -10,7 +10,11 @@ what it imports itself.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"lorapage": ROOT / "lorapage", "lorapage.kernels": ROOT / "kernels"}
@@ -117,35 +121,131 @@ def test_no_import_cycles_in_lorapage():
     assert find_cycles(import_graph()) == []
 
 
-def test_lower_layers_do_not_import_upper_ones():
-    """Errors and config at the bottom; policy and memory below requests; requests below the
-    model; kernels know nothing of the engine; nothing below the server imports it."""
-    graph = import_graph()
-    below = {
-        "lorapage.scheduler": ("lorapage.request", "lorapage.model", "lorapage.engine", "lorapage.server"),
-        "lorapage.memory": ("lorapage.request", "lorapage.model", "lorapage.engine", "lorapage.server"),
-        "lorapage.kernels": ("lorapage.engine", "lorapage.model", "lorapage.adapters", "lorapage.server"),
-        "lorapage.model": ("lorapage.engine", "lorapage.server"),
-        "lorapage.engine": ("lorapage.server",),
-        "lorapage.request": ("lorapage.model", "lorapage.engine", "lorapage.adapters", "lorapage.server"),
-        "lorapage.sampling_params": ("lorapage.request", "lorapage.model", "lorapage.engine", "lorapage.server"),
-        "lorapage.errors": ("lorapage",),
-        "lorapage.config": (
-            "lorapage.engine",
-            "lorapage.model",
-            "lorapage.adapters",
-            "lorapage.server",
-            "lorapage.scheduler",
-            "lorapage.memory",
-            "lorapage.request",
-        ),
+# The layers, top first: one row per package (or module), with what it is. A module may import
+# its own package and anything in a lower row, nothing in its row or above. docs/structure.md's
+# "Layers" block is this table rendered (checked below).
+LAYERS: tuple[tuple[str, str], ...] = (
+    ("lorapage.cli", "the `lorapage` command"),
+    ("lorapage.demo", "`lorapage demo`"),
+    ("lorapage", "the package face: Engine, EngineConfig, SamplingParams, RequestOutput"),
+    ("lorapage.fleet", "Ray Serve application: ingress, engine replicas, affinity router"),
+    ("lorapage.bases", "base upgrades: the drift check, `lorapage base check`"),
+    ("lorapage.capacity", "sizing: the design's arithmetic and the simulator's replicas, `lorapage plan`"),
+    ("lorapage.replay", "load replay: traces in, driver, reports and plots"),
+    ("lorapage.sim", "the fleet simulator: the real policies on a virtual clock"),
+    ("lorapage.server", "HTTP: routes, auth, tenants, quotas, SSE, metrics"),
+    ("lorapage.engine", "the Engine facade, the step scheduler, the step loop"),
+    ("lorapage.adapters", "PEFT format, layout in pages, tiered cache, registry, sources"),
+    ("lorapage.model", "Llama decoder, tokenizer, sampler, runner, lookup tables"),
+    ("lorapage.request", "Request, its OutputChannel, RequestOutput, TokenLogprob"),
+    ("lorapage.sampling_params", "SamplingParams (per request)"),
+    ("lorapage.traces", "trace format, records and statistics (replay and simulator)"),
+    ("lorapage.fleet.routing", "routing policies (the Ray router and the simulator)"),
+    ("lorapage.scheduler", "VTC and FCFS: pure policy"),
+    ("lorapage.memory", "the page pool, block tables, prefix cache, sizing"),
+    ("lorapage.usage", "cost attribution by tenant and adapter version"),
+    ("lorapage.tools", "tool-call formats, their grammars and parsers"),
+    ("lorapage.structured", "structured-output specs, grammars and masks"),
+    ("lorapage.flags", "command-line flags made from config declarations"),
+    ("lorapage.tiny", "where the built-in tiny model lives"),
+    ("lorapage.config", "EngineConfig, each field declared once"),
+    ("lorapage.kernels", "Triton and C kernels beside their PyTorch references"),
+    ("lorapage.errors", "errors a caller can act on"),
+    ("lorapage._exports", "how package faces export lazily"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The row of the most specific entry that contains ``module``."""
+    best = max((e for e, _ in LAYERS if module == e or module.startswith(e + ".")), key=len)
+    return next(i for i, (e, _) in enumerate(LAYERS) if e == best)
+
+
+def test_every_module_has_a_layer():
+    assert all(layer_of(m) >= 0 for m in module_files())
+    entries = {e for e, _ in LAYERS}
+    packages = {m for m, p in module_files().items() if p.name == "__init__.py"} | {
+        m for m in module_files() if m.count(".") == 1
     }
-    wrong = [
-        (module, target)
-        for module, targets in graph.items()
-        for layer, forbidden in below.items()
-        if module == layer or module.startswith(layer + ".")
-        for target in targets
-        if any(target == f or target.startswith(f + ".") for f in forbidden)
-    ]
+    missing = sorted(m for m in packages if m not in entries and not any(m.startswith(e + ".") for e in entries))
+    assert missing == []
+
+
+def test_modules_import_only_their_own_package_and_lower_layers():
+    graph = import_graph()
+    wrong = []
+    for module, targets in graph.items():
+        row = layer_of(module)
+        for target in targets:
+            if LAYERS[layer_of(target)][0] == LAYERS[row][0]:
+                continue  # within one entry (its own package)
+            if layer_of(target) <= row:
+                wrong.append(f"{module} -> {target}")
     assert wrong == []
+
+
+def test_no_loops_between_packages():
+    """Folder-level: the graph of layer entries (packages) has no cycle either."""
+    graph = import_graph()
+    folders: dict[str, set[str]] = {e: set() for e, _ in LAYERS}
+    for module, targets in graph.items():
+        here = LAYERS[layer_of(module)][0]
+        folders[here] |= {LAYERS[layer_of(t)][0] for t in targets} - {here}
+    assert find_cycles(folders) == []
+
+
+def render_layers() -> str:
+    width = max(len(e) for e, _ in LAYERS)
+    return "\n".join(f"  {e:<{width}}  {what}" for e, what in LAYERS)
+
+
+def test_docs_show_this_layer_table():
+    """docs/structure.md holds the table above, rendered, between its markers."""
+    text = (ROOT / "docs" / "structure.md").read_text()
+    block = text.split("<!-- layers -->\n```\n", 1)[1].split("\n```", 1)[0]
+    assert block == render_layers(), "docs/structure.md's layers are stale: paste render_layers()"
+
+
+BLOCK_TORCH = """
+import importlib, sys
+class Block:
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is made unimportable here")
+sys.meta_path.insert(0, Block())
+module = importlib.import_module(sys.argv[1])
+for name in getattr(module, "__all__", []):
+    getattr(module, name)  # the lazy exports too
+"""
+
+
+@pytest.mark.parametrize("module", ["lorapage.sim", "lorapage.fleet.routing", "lorapage.scheduler", "lorapage.config"])
+def test_pure_parts_import_without_torch(module):
+    """The policies the simulator shares with the engine must not need a tensor library."""
+    done = subprocess.run([sys.executable, "-c", BLOCK_TORCH, module], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_every_package_face_exports_lazily_what_it_declares():
+    """One rule for ``__init__`` files: a docstring, exports through ``lorapage._exports.lazy``
+    only, and the names its ``TYPE_CHECKING`` block imports (for type checkers) are exactly its
+    table's, from the same modules."""
+    for name, path in module_files().items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{name} has no docstring"
+        typed: dict[str, str] = {}
+        table: dict[str, str] = {}
+        for node in tree.body:
+            if isinstance(node, ast.If):  # if TYPE_CHECKING:
+                for imp in node.body:
+                    assert isinstance(imp, ast.ImportFrom) and imp.module
+                    typed.update({a.asname or a.name: imp.module for a in imp.names})
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                table = {k.value: v.value for k, v in zip(node.value.args[1].keys, node.value.args[1].values)}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module in ("typing", "lorapage._exports", "__future__"), f"{name} imports {node.module}"
+            else:
+                assert isinstance(node, ast.Expr), f"{name} defines {ast.dump(node)[:80]}"  # the docstring
+        assert typed == table, name

@@ -9,7 +9,7 @@ import pytest
 
 import lorapage.server.tenants as tenants_mod
 from lorapage.server import Access, hash_key
-from lorapage.server.tenants import SHARED, TenantsConfig, TenantsConfigError
+from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, TenantsConfigError
 
 
 def digest(key: str) -> str:
@@ -76,7 +76,8 @@ def test_access_fails_closed_and_the_owner_wins():
     assert access.may_use("initech", "shared-bot") and access.may_use("initech", "acme-support")
     assert not access.may_use("globex", "shared-bot") and not access.may_use("globex", "acme-support")
     # Owned adapters: their owner only, whatever a list says.
-    access.owners.update({"acme-support": "globex", "globex-bot": "globex"})
+    access.set_owner("acme-support", "globex")
+    access.set_owner("globex-bot", "globex")
     assert access.may_use("globex", "acme-support") and access.may_use("globex", "globex-bot")
     assert not access.may_use("acme", "acme-support")  # named in acme's list, but the admin gave it to globex
     assert not access.may_use("initech", "globex-bot")  # "*" opens unowned adapters only
@@ -93,28 +94,32 @@ def test_only_the_sole_user_of_an_adapter_may_see_where_it_is():
     assert not access.sole_user("globex", "acme-support")  # not globex's at all
     access = Access(TenantsConfig.from_toml(body.replace('adapters = ["*"]', "")))  # initech opens none
     assert access.sole_user("umbrella", "umbrella-bot") and not access.sole_user("acme", "acme-support")
-    access.owners.update({"acme-support": "globex", "umbrella-bot": "acme"})
+    access.set_owner("acme-support", "globex")
+    access.set_owner("umbrella-bot", "acme")
     assert access.sole_user("globex", "acme-support")  # the owner alone may use it, whatever the lists say
     assert not access.sole_user("umbrella", "umbrella-bot") and not access.sole_user("acme", "globex-bot")
     assert access.prefix_group("acme") == "acme-family" and access.prefix_group("globex") is None
     assert access.prefix_group("nobody") is None
 
 
-def test_every_digest_is_compared_in_constant_time(monkeypatch):
-    calls = []
-    real = tenants_mod.hmac.compare_digest
-
-    def spy(a, b):
-        calls.append(a)
-        return real(a, b)
-
-    monkeypatch.setattr(tenants_mod.hmac, "compare_digest", spy)
-    cfg = TenantsConfig.from_toml(EXAMPLE)
-    assert cfg.authenticate("acme-1") == "acme"
-    assert len(calls) == 3  # no early exit on the first match
-    calls.clear()
-    assert cfg.may_scrape("scraper")
-    assert len(calls) == 2  # the admin digest and the metrics digest
+def test_a_key_is_found_by_its_digest_whatever_the_number_of_keys(monkeypatch):
+    """A presented key is hashed once and looked up: no comparison with any stored digest, so a
+    bogus key costs the same at 50,000 keys as at 3 (it was compared with every one)."""
+    compared, hashed = [], []
+    real_compare, real_hash = tenants_mod.hmac.compare_digest, tenants_mod.hash_key
+    monkeypatch.setattr(tenants_mod.hmac, "compare_digest", lambda a, b: compared.append(a) or real_compare(a, b))
+    monkeypatch.setattr(tenants_mod, "hash_key", lambda key: hashed.append(key) or real_hash(key))
+    many = {f"t{i}": TenantConfig(f"t{i}", key_sha256=(real_hash(f"key-{i}"),)) for i in range(50_000)}
+    for cfg in (TenantsConfig.from_toml(EXAMPLE), TenantsConfig(many)):
+        compared.clear()
+        hashed.clear()
+        assert cfg.authenticate("not-a-key") is None
+        assert compared == [] and hashed == ["not-a-key"]
+    assert TenantsConfig(many).authenticate("key-31337") == "t31337"
+    assert TenantsConfig.from_toml(EXAMPLE).authenticate("acme-1") == "acme"
+    compared.clear()
+    assert TenantsConfig.from_toml(EXAMPLE).may_scrape("scraper")
+    assert len(compared) == 2  # the few admin and metrics digests: each compared in constant time
 
 
 def test_config_is_immutable():
@@ -149,6 +154,9 @@ def test_load_from_file(tmp_path):
         ("[tenants.a]\nkey_sha256 = 'abc'\n", r"tenants\.a\.key_sha256: expected a list"),
         ("[admin]\nkeys = []\n", r"admin: unknown field"),
         ("[metrics]\nkey = 'x'\n", r"metrics: unknown field"),
+        ("[metrics]\ntenant = 'a'\n[tenants.a]\n", r"metrics: unknown field"),
+        ("[admin]\ntenant = 'nobody'\n[tenants.a]\n", r"admin\.tenant: 'nobody' is not a tenant"),
+        ("[admin]\ntenant = 3\n", r"admin\.tenant: expected a tenant's name"),
         ("[tenant.a]\n", r"unknown section"),
         ("tenants = 3\n", r"tenants: expected a table"),
         ("[tenants.a\n", r"not valid TOML"),
@@ -169,3 +177,14 @@ def test_a_key_belongs_to_one_tenant():
     body = f"[admin]\nkey_sha256 = ['{digest('k')}']\n[metrics]\nkey_sha256 = ['{digest('k')}']\n"
     with pytest.raises(TenantsConfigError, match=r"metrics\.key_sha256: .*also a key of \[admin\]"):
         TenantsConfig.from_toml(body)
+
+
+def test_single_tenant_use_makes_the_admin_keys_a_tenants_keys():
+    """``[admin] tenant`` (what ``lorapage serve --api-key`` writes): the admin keys authenticate
+    as that tenant too, so one key opens every route, as vLLM's --api-key does."""
+    body = f"[admin]\nkey_sha256 = ['{digest('one')}', '{digest('two')}']\ntenant = 'default'\n[tenants.default]\n"
+    config = TenantsConfig.from_toml(body)
+    for key in ("one", "two"):
+        assert config.authenticate(key) == "default" and config.is_admin(key) and config.may_scrape(key)
+    assert config.authenticate("three") is None and not config.is_admin("three")
+    assert TenantsConfig.from_toml(EXAMPLE).authenticate("admin-key") is None  # without it: admin routes only

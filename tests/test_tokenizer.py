@@ -7,8 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import Tokenizer as Backend
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, processors
 
 from lorapage.errors import InvalidRequestError
 from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer

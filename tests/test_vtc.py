@@ -130,7 +130,8 @@ def test_reserved_tail_lanes_take_single_request_adapters_and_no_joins():
     assert [r.adapter for r in admitted] == ["g1", "g1", "g2", "g2", "solo"]
     assert vtc.lanes.tail == {"solo"}
     vtc.add(Req("late", "t", "solo", arrival_time=11), 11.0)
-    assert vtc.schedule(11.0, Ctx()) == []  # a tail holder takes no joins
+    vtc.add(Req("next", "t", "solo2", arrival_time=11), 11.0)  # another single wants the tail lane
+    assert vtc.schedule(11.0, Ctx()) == []  # so the tail holder takes no joins
     vtc.on_finish(admitted[-1], 12.0)
     assert ids(vtc.schedule(12.0, Ctx())) == ["late"]
 

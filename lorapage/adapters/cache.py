@@ -10,12 +10,20 @@ ranking (:mod:`lorapage.adapters.value`: recent use rate x measured reload cost 
 adapter would fall to / its pages, or x the cost of recomputing a block / its one page), except
 those an admin pinned resident (:meth:`AdapterCache.pin_resident`), which never leave it nor
 yield. A tenant's request prefetches the tenant's other recent adapters into host RAM when the
-I/O pool has no load to serve.
+I/O pool has no load reading files (a load waiting on a download does not count), at most
+:data:`PREFETCHES_PER_TENANT` of one tenant's at once.
+
+A load that fails fails the requests waiting for it with an error of its kind but no detail
+(paths, source URIs and digests are the operator's: the log has them); an admin's load or pin
+gets the detail.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+import logging
 import math
 import time
 import uuid
@@ -32,9 +40,16 @@ import torch
 from lorapage.adapters.cost import AdapterCost
 from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, refusal
-from lorapage.adapters.layout import AdapterLayout, LoraTables, max_adapter_pages
+from lorapage.adapters.layout import AdapterLayout, max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
-from lorapage.adapters.peft_format import AdapterSpec, at_path, load_adapter_tensors, read_adapter_spec, read_weights
+from lorapage.adapters.peft_format import (
+    AdapterSpec,
+    at_path,
+    load_adapter_tensors,
+    read_adapter_spec,
+    read_config_bytes,
+    read_weights,
+)
 from lorapage.adapters.safetensors_buffer import ReadBuffer
 from lorapage.adapters.value import LoadTier, RecentAdapters, RecomputeCost, ReloadCosts, Stage, value_per_page
 from lorapage.errors import (
@@ -50,11 +65,15 @@ from lorapage.errors import (
 from lorapage.memory.pool import PageKind, PagePool
 from lorapage.memory.prefix_cache import HIT_HALF_LIFE_S, PrefixCache
 from lorapage.model.config import ModelConfig
+from lorapage.model.lora_tables import LoraTables
 
 RATE_HALF_LIFE_S = HIT_HALF_LIFE_S  # how fast a request rate forgets: as cached blocks' (one currency)
 MIN_RECHECK_S = 0.05  # a load with nothing to wait on looks again this often (adapter_wait_s may be 0)
 EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
 PREFETCH_QUEUE_LEN = 16  # prefetches waiting to start beyond this drop the oldest
+PREFETCHES_PER_TENANT = 1  # one tenant's prefetches running at once: a slow one holds only its own
+
+log = logging.getLogger("lorapage.adapters")
 
 
 class LoadWait(Enum):
@@ -184,8 +203,10 @@ class AdapterCache:
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
         self._loading: set[AdapterEntry] = set()  # entries with a load task in flight
         self._recent = RecentAdapters()  # per tenant, its recent adapters: what to prefetch
-        self._prefetch_queue: OrderedDict[str, None] = OrderedDict()  # names to prefetch, in order
+        self._prefetch_queue: OrderedDict[str, str] = OrderedDict()  # names to prefetch, in order -> tenant
         self._prefetching: dict[str, asyncio.Task[torch.Tensor | None]] = {}  # name -> read to host RAM
+        self._prefetch_tenants: Counter[str] = Counter()  # per tenant: its prefetches running
+        self._downloading: set[str] = set()  # loads fetching from a source: they read no files meanwhile
         self.prefetches: Counter[str] = Counter()  # started, done, failed, dropped (queue full)
         self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every load it reads
         self._finite_digests: set[str] = set()  # digests of bytes validate() found finite in self.dtype
@@ -467,6 +488,7 @@ class AdapterCache:
         self._loading.clear()
         self._starving.clear()
         self._prefetching.clear()
+        self._prefetch_tenants.clear()
         self._prefetch_queue.clear()
         for entry in self.entries.values():  # yielding to a load that died with the old loop
             entry.yielding = False
@@ -514,6 +536,10 @@ class AdapterCache:
 
     def resident(self) -> list[str]:
         return [e.name for e in self._by_slot.values()]
+
+    def resident_pages(self) -> dict[str, int]:
+        """Pool pages of each resident version."""
+        return {e.name: len(e.pages) for e in self._by_slot.values()}
 
     def in_host(self) -> list[str]:
         return list(self._host)
@@ -564,15 +590,16 @@ class AdapterCache:
                 raise
             copy_s = self._timer() - copy_started
             self.costs.observe(Stage.COPY, copy_s, len(pages))
-            self.metrics.record_load(entry.name, tier.value, read_s + copy_s)
+            nbytes = packed.numel() * packed.element_size()
+            self.metrics.record_load(entry.name, tier.value, read_s + copy_s, nbytes, self._clock())
             entry.slot, entry.pages, entry.resident_since = slot, pages, self._clock()
             self._by_slot[slot] = entry
         except LorapageError as e:
-            entry.error = self._failed[entry.name] = e
+            self._fail_load(entry, e)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bad file must fail its own requests, not the engine
-            entry.error = self._failed[entry.name] = AdapterLoadError(f"adapter {entry.name!r} failed to load: {e}")
+            self._fail_load(entry, AdapterLoadError(f"adapter {entry.name!r} failed to load: {e}"))
         finally:
             entry.load_task = None
             self._loading.discard(entry)
@@ -581,6 +608,13 @@ class AdapterCache:
                 self._start_prefetches()
             self._on_ready()
             self.notify_memory_freed()  # a new resident adapter may yield to a starving load
+
+    def _fail_load(self, entry: AdapterEntry, error: LorapageError) -> None:
+        """Record a failed load: the detail for the log and an admin waiting on it, the kind alone
+        for the requests that needed it."""
+        log.warning("adapter %s failed to load: %s", entry.name, error.message)
+        entry.error = error
+        self._failed[entry.name] = for_requests(entry.name, error)
 
     def _give_back(self, slot: int, pages: list[int]) -> None:
         """Return a slot and its pages (an evicted adapter's, or a load's that never became one)."""
@@ -615,7 +649,14 @@ class AdapterCache:
             packed = await loop.run_in_executor(self._io, self._read_and_pack, entry, entry.spec)
             self.costs.observe(Stage.READ, self._timer() - started, pages)
             return packed
-        async with self.locate(entry.name) as path:  # held: a disk cache keeps it while it is read
+        async with contextlib.AsyncExitStack() as held:  # a disk cache keeps the entry while it is read
+            if tier is LoadTier.REMOTE:  # no file is read until the download is done: prefetches may
+                self._downloading.add(entry.name)
+                self._start_prefetches()
+            try:
+                path = await held.enter_async_context(self.locate(entry.name))
+            finally:
+                self._downloading.discard(entry.name)
             located = self._timer()
             packed = await loop.run_in_executor(self._io, self._read_and_pack, entry, at_path(entry.spec, path))
         done = self._timer()
@@ -632,7 +673,7 @@ class AdapterCache:
         ten minutes) for a read into host RAM, so its next request for one skips the disk."""
         for other in self._recent.use(tenant, name, now):
             if other not in self._prefetch_queue and self._wants_prefetch(other):
-                self._prefetch_queue[other] = None
+                self._prefetch_queue[other] = tenant
                 if len(self._prefetch_queue) > PREFETCH_QUEUE_LEN:
                     self._prefetch_queue.popitem(last=False)
                     self.prefetches["dropped"] += 1
@@ -649,19 +690,29 @@ class AdapterCache:
     def _start_prefetches(self) -> None:
         """Start queued prefetches while no load into the pool is reading files (a prefetch never
         delays one: it waits, and runs once the loads have their host copies) and fewer than
-        ``max_prefetches`` run. A prefetch takes no lora slot and no pages; a load of an adapter
-        being prefetched joins that read."""
-        while self._prefetch_queue and len(self._prefetching) < self.max_prefetches and not self._loads_reading():
-            name, _ = self._prefetch_queue.popitem(last=False)
+        ``max_prefetches`` run, oldest first among tenants with fewer than
+        :data:`PREFETCHES_PER_TENANT` running. A prefetch takes no lora slot and no pages; a load
+        of an adapter being prefetched joins that read."""
+        if self._loads_reading():
+            return
+        for name, tenant in list(self._prefetch_queue.items()):
+            if len(self._prefetching) >= self.max_prefetches:
+                return
+            if self._prefetch_tenants[tenant] >= PREFETCHES_PER_TENANT:
+                continue  # behind its own tenant's prefetch, not anyone else's
+            del self._prefetch_queue[name]
             if self._wants_prefetch(name):
                 self.prefetches["started"] += 1
-                self._prefetching[name] = asyncio.get_running_loop().create_task(self._prefetch(self.entries[name]))
+                self._prefetch_tenants[tenant] += 1
+                task = asyncio.get_running_loop().create_task(self._prefetch(self.entries[name], tenant))
+                self._prefetching[name] = task
 
     def _loads_reading(self) -> bool:
-        """Whether a load into the pool is reading files or about to (started, no host copy yet)."""
-        return any(e.name not in self._host for e in self._loading)
+        """Whether a load into the pool is reading files or about to (started, no host copy yet,
+        not waiting on a download)."""
+        return any(e.name not in self._host and e.name not in self._downloading for e in self._loading)
 
-    async def _prefetch(self, entry: AdapterEntry) -> torch.Tensor | None:
+    async def _prefetch(self, entry: AdapterEntry, tenant: str) -> torch.Tensor | None:
         """Read and pack ``entry`` into host RAM; None when that failed (a load that joined it
         then reads for itself and reports the error)."""
         try:
@@ -672,6 +723,9 @@ class AdapterCache:
             self.prefetches["failed"] += 1
             return None
         finally:
+            self._prefetch_tenants[tenant] -= 1
+            if not self._prefetch_tenants[tenant]:
+                del self._prefetch_tenants[tenant]
             if self._prefetching.get(entry.name) is asyncio.current_task():
                 del self._prefetching[entry.name]
                 self._start_prefetches()
@@ -815,7 +869,19 @@ class AdapterCache:
         self.tables.write_slot(slot, entry.layout, pages)
 
 
+def for_requests(name: str, error: LorapageError) -> LorapageError:
+    """What a request that needed version ``name`` is told of its failed load: the same kind of
+    error (status and code), without the paths, source URIs and digests its message holds, which
+    are the operator's (the original is its ``__cause__``, and in the log)."""
+    public = copy.copy(error)
+    public.message = f"adapter {name} could not be loaded ({error.code}); the server's log has the detail"
+    public.args = (public.message,)
+    public.param = "model"
+    public.__cause__ = error
+    return public
+
+
 def _digest(spec: AdapterSpec, weights: torch.Tensor) -> str:
     """The content digest of ``spec``'s directory, over the weights' bytes as read (``weights``)."""
-    config = (spec.path / "adapter_config.json").read_bytes()
+    config = read_config_bytes(spec.path)
     return bytes_digest({"adapter_config.json": config, spec.weights_file.name: weights.numpy().data})

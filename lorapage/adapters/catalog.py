@@ -100,23 +100,24 @@ class AdapterCatalog:
         *,
         base_digest: Callable[[], str],
         io_executor: Executor,
-        locate: Callable[[VersionRow], AbstractAsyncContextManager[Path]] | None = None,
+        locate: Callable[[VersionRow, str | None], AbstractAsyncContextManager[Path]] | None = None,
     ) -> None:
         self.cache, self.registry = cache, registry
         self._base_digest, self._io, self._locate_row = base_digest, io_executor, locate
         self._ids: dict[str, _Adapter] = {}
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
+        self.generation = 0  # grows at every change of the live view (ids, versions, aliases, owners)
         self._restore()
         if locate is not None:
             cache.locate = self._locate
 
     def _locate(self, key: str) -> AbstractAsyncContextManager[Path]:
-        """A block holding version ``key``'s files, fetched from its source and verified."""
+        """A block holding version ``key``'s files, fetched from its source (for its owner) and verified."""
         assert self._locate_row is not None
-        row, _ = self._row(key)
-        assert row is not None, key  # the cache holds only registered versions
-        return self._locate_row(row)
+        row, adapter = self._row(key)
+        assert row is not None and adapter is not None, key  # the cache holds only registered versions
+        return self._locate_row(row, adapter.owner)
 
     # -- restart --------------------------------------------------------------------------------
 
@@ -326,6 +327,7 @@ class AdapterCatalog:
                 if activate and self._ids[adapter_id].current != same.version:
                     await loop.run_in_executor(self._io, self.registry.set_current, adapter_id, same.version)
                     self._ids[adapter_id].current = same.version
+                    self.generation += 1
                 return self._info(same, self._ids[adapter_id]), False
             row = await loop.run_in_executor(
                 self._io,
@@ -357,6 +359,7 @@ class AdapterCatalog:
             if self._ids[adapter_id].current != same.version:
                 self.registry.set_current(adapter_id, same.version)
                 self._ids[adapter_id].current = same.version
+                self.generation += 1
             return self._info(same, self._ids[adapter_id])
         row = self._commit(adapter_id, owner, spec, digest, path.resolve().as_uri(), True)
         return self._add_live(row, owner, spec, layout, True)
@@ -391,6 +394,7 @@ class AdapterCatalog:
         if activate or adapter.current is None:
             adapter.current = row.version
         self.cache.add(row.key, spec, layout, row.digest)
+        self.generation += 1
         return self._info(row, adapter)
 
     # -- a registry held elsewhere ---------------------------------------------------------------
@@ -422,6 +426,7 @@ class AdapterCatalog:
         adapter.owner, adapter.current = owner, current
         if not adapter.versions:
             del self._ids[adapter_id]
+        self.generation += 1
         return busy
 
     def _mirror_pin(self, row: VersionRow) -> None:
@@ -450,6 +455,7 @@ class AdapterCatalog:
         async with self._lock:
             await asyncio.get_running_loop().run_in_executor(self._io, self.registry.set_current, adapter_id, version)
             adapter.current = version
+            self.generation += 1
         return self._info(row, adapter)
 
     async def set_pinned(self, key: str, pinned: bool) -> None:
@@ -506,6 +512,7 @@ class AdapterCatalog:
             self.cache.unregister(key)
         del adapter.versions[version]
         adapter.current = new_current
+        self.generation += 1
         if not adapter.versions:
             adapter.owner = None
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from lorapage.adapters.files import open_regular
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a version's content is
 _CHUNK = 1 << 20
 
@@ -27,17 +29,22 @@ def bytes_digest(contents: dict[str, bytes | memoryview]) -> str:
     return h.hexdigest()
 
 
-def content_digest(path: str | Path) -> str:
+def content_digest(path: str | Path, max_bytes: int | None = None) -> str:
     """The hex sha256 over ``ADAPTER_FILES`` in ``path``: for each, its name, a NUL, its length
-    as 8 little-endian bytes, then its bytes. Reads in chunks (hashlib releases the GIL)."""
+    as 8 little-endian bytes, then its bytes. Reads in chunks (hashlib releases the GIL) regular
+    files only, each of at most ``max_bytes`` when given (else UntrustedFileError, an OSError, before reading)."""
     root = Path(path)
     h = hashlib.sha256()
     for name in ADAPTER_FILES:
-        file = root / name
-        h.update(name.encode() + b"\0" + file.stat().st_size.to_bytes(8, "little"))
-        with file.open("rb") as f:
+        f, size = open_regular(root / name, max_bytes)
+        with f:
+            h.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
+            got = 0
             while chunk := f.read(_CHUNK):
+                got += len(chunk)
                 h.update(chunk)
+        if got != size:
+            raise OSError(f"{name} changed size while it was hashed ({size} bytes when opened)")
     return h.hexdigest()
 
 

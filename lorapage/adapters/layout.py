@@ -1,4 +1,5 @@
-"""Where an adapter's A and B matrices sit inside its pages, and the lookup tables kernels read.
+"""Where an adapter's A and B matrices sit inside its pages (the rows it writes into the kernels'
+lookup tables, :class:`~lorapage.model.lora_tables.LoraTables`).
 
 Per layer, an adapter's pages read in order form one flat buffer laid out group by group::
 
@@ -117,43 +118,3 @@ def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:
     """Pages of the largest adapter allowed: ``max_rank`` on every module."""
     per_layer = sum(max_rank * (d_in + d_out) for d_in, d_out in model.module_dims().values())
     return -(-per_layer // page_size)
-
-
-class LoraTables:
-    """Lookup tables the LoRA ops read, allocated once at ``max_loras + 1`` slots; slot 0 = none.
-
-    Loading or evicting an adapter only writes rows of these tensors, never reallocates them, so
-    a captured CUDA graph that reads them stays valid.
-    """
-
-    def __init__(self, model: ModelConfig, max_loras: int, max_pages: int, device: torch.device) -> None:
-        L, S, G, M = model.num_layers, max_loras + 1, len(GROUPS), len(MODULES)
-        i32, i64, f32 = torch.int32, torch.int64, torch.float32
-        self.page_table = torch.zeros(S, max_pages, dtype=i32, device=device)  # [slot, i]: i-th page of the adapter
-        self.a_offset = torch.zeros(L, S, G, dtype=i64, device=device)  # [layer, slot, group]: start of stacked A
-        self.a_rows = torch.zeros(L, S, G, dtype=i32, device=device)  # [layer, slot, group]: rows of stacked A
-        self.b_offset = torch.zeros(L, S, M, dtype=i64, device=device)  # [layer, slot, module]: start of B_m
-        self.rank = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m, 0 = untargeted
-        self.h_start = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m's column in h
-        self.scale = torch.zeros(L, S, M, dtype=f32, device=device)  # [layer, slot, module]: alpha / r
-
-    def write_slot(self, slot: int, layout: AdapterLayout, pages: list[int]) -> None:
-        """Point ``slot`` at an adapter now resident in ``pages``."""
-        self.page_table[slot].zero_()
-        self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        tables = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)
-        for table, rows in zip(tables, layout.table_rows):
-            table[:, slot].copy_(rows, non_blocking=True)
-
-    def clear_slot(self, slot: int) -> None:
-        """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
-        for table in (
-            self.page_table[slot],
-            self.a_offset[:, slot],
-            self.a_rows[:, slot],
-            self.b_offset[:, slot],
-            self.rank[:, slot],
-            self.h_start[:, slot],
-            self.scale[:, slot],
-        ):
-            table.zero_()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 
 from lorapage.adapters.registry import parse_name
 from lorapage.scheduler.metrics import Histogram
+from lorapage.usage import UsageLedger
 
 OTHER = "other"  # the label of every adapter outside the top set
 LABEL_REFRESH_S = 60.0  # the labelled set is chosen again this often
@@ -44,6 +45,7 @@ class AdapterMetrics:
         *,
         bytes_downloaded: Callable[[], Mapping[str, int]] = dict,
         pinned_pages: Callable[[], int] = int,
+        usage: UsageLedger | None = None,
         projected_costs: Callable[[], Mapping[str, float]] = dict,
     ) -> None:
         if top_k < 1:
@@ -51,6 +53,7 @@ class AdapterMetrics:
         self.top_k = top_k
         self.bytes_downloaded = bytes_downloaded  # by scheme: the adapter sources' counters
         self.pinned_pages = pinned_pages  # pool pages held by admin pins now
+        self.usage = usage  # loads are also charged to their version there
         self.projected_costs = projected_costs  # adapter id -> its current version's projected cost (%)
         self.requests: Counter[tuple[str, str]] = Counter()  # (label, tier at arrival) -> requests
         self.loads: Counter[tuple[str, str]] = Counter()  # (label, load tier) -> loads into the pool
@@ -73,11 +76,13 @@ class AdapterMetrics:
             self.labelled = self.labelled | {aid}
         self.requests[(self.label(name), tier)] += 1
 
-    def record_load(self, name: str, tier: str, seconds: float) -> None:
+    def record_load(self, name: str, tier: str, seconds: float, nbytes: int = 0, now: float = 0.0) -> None:
         """A load of ``name`` into the pool from ``tier`` (ram, disk, remote) took ``seconds``
-        (its own work: waiting for room in the pool is not counted)."""
+        (its own work: waiting for room in the pool is not counted) and moved ``nbytes``."""
         self.loads[(self.label(name), tier)] += 1
         self.load_seconds[tier].observe(seconds)
+        if self.usage is not None:
+            self.usage.record_load(now, name, nbytes, seconds)
 
     def record_eviction(self, name: str) -> None:
         self.evictions[self.label(name)] += 1

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -23,7 +22,14 @@ from typing import TypeAlias
 import re2
 import torch
 
-from lorapage.adapters.safetensors_buffer import DTYPES, ReadBuffer, SafetensorsFormatError, read_file, tensor_views
+from lorapage.adapters.files import read_regular
+from lorapage.adapters.safetensors_buffer import (
+    ReadBuffer,
+    SafetensorsFormatError,
+    read_file,
+    read_header,
+    tensor_views,
+)
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 
@@ -35,6 +41,11 @@ _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 # the largest Llama), and a key longer than a module name has no reason to be.
 MAX_PATTERN_KEYS = 1024
 MAX_PATTERN_KEY_CHARS = 512
+# Bounds on what registration reads before it knows the adapter fits the base: a config holding
+# the largest patterns above is about 1 MB; a header has one entry (~150 bytes) per weight, under
+# 2,000 on the largest Llama. The weights' bytes then follow from shapes checked against the base.
+MAX_CONFIG_BYTES = 4 << 20
+MAX_HEADER_BYTES = 16 << 20
 _Regex: TypeAlias = re2._Regexp  # google-re2 has no public name for a compiled pattern
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a refused key is reported to the caller, not logged by RE2
@@ -112,15 +123,24 @@ def _alpha(path: Path, value: object, where: str) -> float:
     return float(value)
 
 
-def _read_config(path: Path) -> dict:
+def read_config_bytes(path: Path) -> bytes:
+    """``adapter_config.json`` of the adapter directory ``path``, a regular file of at most
+    :data:`MAX_CONFIG_BYTES`; else an AdapterFormatError saying why."""
     cfg_file = path / "adapter_config.json"
     if not path.is_dir():
         raise _fail(path, "not a directory")
     if not cfg_file.exists():
         raise _fail(path, "no adapter_config.json (expected a PEFT LoRA directory)")
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+        return read_regular(cfg_file, MAX_CONFIG_BYTES)
+    except OSError as e:
+        raise _fail(path, f"adapter_config.json cannot be read ({e.strerror or e})") from None
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        cfg = json.loads(read_config_bytes(path))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise _fail(path, f"adapter_config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise _fail(path, "adapter_config.json must hold a JSON object")
@@ -145,21 +165,8 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
-def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (tensor names, dtypes, shapes), without its data."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
-                raise ValueError("header length is implausible")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise _fail(path.parent, f"{path.name} is not a readable safetensors file ({e})") from None
-    header.pop("__metadata__", None)
-    return header
-
-
-def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]]]:
+def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]], int]:
+    """The weights file, its tensors' shapes and its size, from its header alone."""
     st = path / "adapter_model.safetensors"
     if not st.exists():
         if (path / "adapter_model.bin").exists():
@@ -170,12 +177,13 @@ def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]]]:
                 "(PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True))",
             )
         raise _fail(path, "no adapter_model.safetensors")
-    header = read_safetensors_header(st)
-    for key, meta in header.items():
-        dtype = meta.get("dtype") if isinstance(meta, dict) else None
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise _fail(path, f"tensor {key} has dtype {dtype}; expected F32, F16 or BF16")
-    return st, {k: v["shape"] for k, v in header.items()}
+    try:
+        header = read_header(st, MAX_HEADER_BYTES)
+    except OSError as e:
+        raise _fail(path, f"{st.name} cannot be read ({e.strerror or e})") from None
+    except SafetensorsFormatError as e:
+        raise _fail(path, f"{st.name} is not a well-formed safetensors file ({e})") from None
+    return st, {k: shape for k, (_, shape) in header.shapes.items()}, header.size
 
 
 def parse_key(path: Path, key: str) -> tuple[int, str, str]:
@@ -195,14 +203,17 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     """Validate a PEFT LoRA directory against ``model`` without reading its weight data."""
     path = Path(path)
     cfg = _read_config(path)
-    weights_file, shapes = _tensor_shapes(path)
+    weights_file, shapes, size_bytes = _tensor_shapes(path)
     dims = model.module_dims()
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in shapes.items():
         layer, module, ab = parse_key(path, key)
         if layer >= model.num_layers:
             raise _fail(path, f"tensor {key}: layer {layer} does not exist (base has {model.num_layers})")
-        pairs.setdefault((layer, module), {})[ab] = shape
+        halves = pairs.setdefault((layer, module), {})
+        if ab in halves:  # spelled twice (prefixes differ): the file's size would not follow from the base
+            raise _fail(path, f"tensor {key}: a second lora_{ab} weight of layers.{layer}.{module}")
+        halves[ab] = shape
     if not pairs:
         raise _fail(path, "no LoRA weights found")
     ranks: dict[tuple[int, str], int] = {}
@@ -235,14 +246,15 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         scales=scales,
         target_modules=tuple(m for m in MODULES if any(k[1] == m for k in ranks)),
         max_rank=max(ranks.values()),
-        size_bytes=weights_file.stat().st_size,
+        size_bytes=size_bytes,
     )
 
 
 def read_weights(spec: AdapterSpec, into: ReadBuffer | None = None) -> torch.Tensor:
-    """The weights file's bytes (see :func:`read_file`); a failed read is a format error naming it."""
+    """The weights file's bytes (see :func:`read_file`), refused before any is read unless the
+    file is a regular one of the size registration found; a failed read is a format error naming it."""
     try:
-        return read_file(spec.weights_file, into)
+        return read_file(spec.weights_file, into, size=spec.size_bytes)
     except OSError as e:
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
 

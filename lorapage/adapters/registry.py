@@ -24,6 +24,7 @@ schema 2 gains ``projected_cost_pct`` (NULL until an engine on that base fills i
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 import time
@@ -35,6 +36,9 @@ from lorapage.errors import AdapterNotFoundError, ConflictError
 
 SCHEMA_VERSION = 3
 REGISTRY_FILE = "registry.sqlite3"
+# A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
+# ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
+_VERSION = re.compile(r"[0-9]{1,18}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -91,6 +95,10 @@ class AdapterRow:
     current: int | None
 
 
+class RegistrySchemaError(RuntimeError):
+    """The registry file has a schema this lorapage cannot read."""
+
+
 def version_key(adapter_id: str, version: int) -> str:
     """The name a version is served under: ``id@N``."""
     return f"{adapter_id}@{version}"
@@ -98,11 +106,11 @@ def version_key(adapter_id: str, version: int) -> str:
 
 def parse_name(name: str) -> tuple[str, int | None]:
     """``id`` -> ``(id, None)`` (the alias), ``id@N`` -> ``(id, N)``; a suffix that is not a
-    number gives version -1, which names nothing. Ids never hold ``@``."""
+    number of at most 18 ASCII digits gives version -1, which names nothing. Ids never hold ``@``."""
     adapter_id, at, number = name.rpartition("@")
     if not at:
         return name, None
-    return adapter_id, int(number) if number.isdigit() else -1
+    return adapter_id, int(number) if _VERSION.fullmatch(number) else -1
 
 
 def removable_keys(name: str, versions: Collection[int], current: int | None) -> list[str]:
@@ -151,7 +159,7 @@ class Registry:
         """Bring a file of schema ``found`` to :data:`SCHEMA_VERSION` (inside the opening
         transaction: a crash leaves it as it was)."""
         if not 1 <= found <= SCHEMA_VERSION:
-            raise RuntimeError(
+            raise RegistrySchemaError(
                 f"adapter registry {self.path} has schema {found}; this lorapage reads schemas 1 to "
                 f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
             )
@@ -192,10 +200,15 @@ class Registry:
         projected_cost_pct: float | None = None,
     ) -> VersionRow:
         """Store a new version of ``adapter_id`` (creating the id, owned by ``owner``, on first
-        use) and point the alias at it when ``activate`` (or when the id has no current one)."""
+        use) and point the alias at it when ``activate`` (or when the id has no current one).
+        ConflictError, and nothing stored, when the id has versions of another owner."""
         now = time.time()
         with self._lock, self._transaction():
-            row = self._db.execute("SELECT next_version, current FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT next_version, current, owner, EXISTS (SELECT 1 FROM versions WHERE id = adapters.id) "
+                "FROM adapters WHERE id = ?",
+                (adapter_id,),
+            ).fetchone()
             if row is None:
                 version, current = 1, None
                 self._db.execute(
@@ -203,10 +216,15 @@ class Registry:
                     (adapter_id, owner, now),
                 )
             else:
-                version, current = row
+                version, current, stored_owner, has_versions = row
+                # Checked here, in the transaction, not only in a live view: another process (or
+                # one that started before this id was taken) must not add content under its owner.
+                if has_versions and stored_owner != owner:
+                    raise ConflictError(
+                        f"adapter id {adapter_id!r} belongs to another tenant; choose another id", param="id"
+                    )
                 self._db.execute(
-                    "UPDATE adapters SET next_version = ?, owner = COALESCE(owner, ?) WHERE id = ?",
-                    (version + 1, owner, adapter_id),
+                    "UPDATE adapters SET next_version = ?, owner = ? WHERE id = ?", (version + 1, owner, adapter_id)
                 )
             self._db.execute(
                 "INSERT INTO versions (id, version, digest, source, base_digest, spec, created, projected_cost_pct) "

@@ -9,20 +9,23 @@ goes with ``readinto`` into a uint8 tensor (an I/O thread's reused buffer, for l
 header (the format's documented layout: an 8-byte little-endian length, that many bytes of UTF-8
 JSON starting with ``{``, then the data) is parsed here into views, refused where safetensors'
 own reader refuses. safetensors still writes the files (``save_file``) everywhere they are made.
+
+Only regular files are read (:mod:`lorapage.adapters.files`), and registration reads a header
+alone (:func:`read_header`), checked against the file's size before any data is read.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lorapage.adapters.files import UntrustedFileError, open_regular
 from lorapage.memory.host import host_empty
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -58,30 +61,52 @@ class ReadBuffer:
         return buf
 
 
-def read_file(path: Path, into: ReadBuffer | None = None) -> torch.Tensor:
+def read_file(path: Path, into: ReadBuffer | None = None, *, size: int | None = None) -> torch.Tensor:
     """The file's bytes in one uint8 tensor, read without an intermediate copy: a fresh tensor,
-    or a view of this thread's buffer from ``into``. A file that is not a regular one (a pipe,
-    a device: no size to go by) is read to its end first."""
-    with open(path, "rb", buffering=0) as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            data = f.read()
-            buf = _buffer(len(data), into)
-            buf.numpy()[:] = memoryview(data)
-            return buf
-        size = info.st_size
-        buf = _buffer(size, into)
+    or a view of this thread's buffer from ``into``. Only a regular file is read (a FIFO or a
+    device is refused without blocking, see :mod:`lorapage.adapters.files`), and with ``size``
+    only one of exactly that many bytes: any other is refused before a byte is read."""
+    f, actual = open_regular(path, max_bytes=size)
+    with f:
+        if size is not None and actual != size:
+            raise UntrustedFileError(f"{path.name} is {actual} bytes; {size} were expected")
+        buf = _buffer(actual, into)
         view = buf.numpy().data.cast("B")
         got = 0
-        while got < size and (n := f.readinto(view[got:])):
+        while got < actual and (n := f.readinto(view[got:])):
             got += n
-        if got != size or f.read(1):
-            raise OSError(f"{path} changed size while it was read ({size} bytes when opened)")
+        if got != actual or f.read(1):
+            raise OSError(f"{path.name} changed size while it was read ({actual} bytes when opened)")
     return buf
 
 
 def _buffer(size: int, into: ReadBuffer | None) -> torch.Tensor:
     return host_empty(size) if into is None else into.get(size)[:size]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a safetensors file's header says: each tensor's dtype and shape, and the file's size
+    in bytes (which the header describes exactly)."""
+
+    shapes: dict[str, tuple[torch.dtype, list[int]]]
+    size: int
+
+
+def read_header(path: Path, max_header_bytes: int = MAX_HEADER_BYTES) -> Header:
+    """The header of the safetensors file ``path``, reading nothing else. It must describe the
+    file's size exactly (the checks of :func:`tensor_views`, on the size the file has): a file
+    padded or extended past its tensors (a sparse file costs nothing to make) is refused before
+    its data is read. Only a regular file is opened."""
+    f, size = open_regular(path)
+    with f:
+        prefix = f.read(8)
+        n = _header_length(prefix, size, max_header_bytes)
+        raw = f.read(n)
+    if len(raw) != n:
+        raise SafetensorsFormatError(f"the file ended inside its {n}-byte header")
+    header = _decode_header(raw)
+    return Header({name: (dtype, shape) for _, _, name, dtype, shape in _spans(header, size - 8 - n)}, size)
 
 
 def tensor_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -93,47 +118,66 @@ def tensor_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     not cover exactly, in order, without gaps or overlaps.
     """
     size = buf.numel()
-    if size < 8:
+    n = _header_length(buf[:8].numpy().tobytes(), size, MAX_HEADER_BYTES)
+    header = _decode_header(buf[8 : 8 + n].numpy().tobytes())
+    data = buf[8 + n :]
+    views: dict[str, torch.Tensor] = {}
+    for begin, end, name, dtype, shape in _spans(header, data.numel()):
+        raw = data[begin:end]
+        if raw.storage_offset() % dtype.itemsize:
+            raw = raw.clone()  # unaligned for its dtype: a view cannot reinterpret it
+        views[name] = raw.view(dtype).view(shape)
+    return views
+
+
+def _header_length(prefix: bytes, size: int, limit: int) -> int:
+    if size < 8 or len(prefix) < 8:
         raise SafetensorsFormatError(f"{size} bytes is shorter than the 8-byte header length")
-    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
-    if n > min(MAX_HEADER_BYTES, size - 8):
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > size - 8:
         raise SafetensorsFormatError(f"header length {n} does not fit in a {size}-byte file")
+    if n > limit:
+        raise SafetensorsFormatError(f"header length {n} is over the limit of {limit} bytes")
+    return n
+
+
+def _decode_header(raw: bytes) -> dict:
     try:
-        text = buf[8 : 8 + n].numpy().tobytes().decode("utf-8")
+        text = raw.decode("utf-8")
         header = json.loads(text) if text.startswith("{") else None
     except UnicodeDecodeError as e:
         raise SafetensorsFormatError(f"header is not UTF-8 ({e})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise SafetensorsFormatError(f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise SafetensorsFormatError("header is not a JSON object (it must start with '{')")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsFormatError("__metadata__ is not a JSON object of strings")
-    data = buf[8 + n :]
+    return header
+
+
+def _spans(header: dict, data_size: int) -> list[tuple[int, int, str, torch.dtype, list[int]]]:
+    """The header's tensors as (begin, end, name, dtype, shape), in data order, checked to cover
+    ``data_size`` bytes exactly."""
     spans = []
     for name, meta in header.items():
         dtype, shape, offsets = _entry(name, meta)
         begin, end = offsets
-        if not 0 <= begin <= end <= data.numel():
-            raise SafetensorsFormatError(f"tensor {name!r}: offsets {offsets} lie outside the {data.numel()}-byte data")
+        if not 0 <= begin <= end <= data_size:
+            raise SafetensorsFormatError(f"tensor {name!r}: offsets {offsets} lie outside the {data_size}-byte data")
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise SafetensorsFormatError(f"tensor {name!r}: {end - begin} bytes do not hold {shape} of {dtype}")
         spans.append((begin, end, name, dtype, shape))
     spans.sort()
     covered = 0
-    views: dict[str, torch.Tensor] = {}
-    for begin, end, name, dtype, shape in spans:
+    for begin, end, name, _, _ in spans:
         if begin != covered:
             raise SafetensorsFormatError(f"tensor {name!r} starts at byte {begin}, not at {covered}: a gap or overlap")
         covered = end
-        raw = data[begin:end]
-        if raw.storage_offset() % dtype.itemsize:
-            raw = raw.clone()  # unaligned for its dtype: a view cannot reinterpret it
-        views[name] = raw.view(dtype).view(shape)
-    if covered != data.numel():
-        raise SafetensorsFormatError(f"{data.numel() - covered} bytes after the last tensor")
-    return views
+    if covered != data_size:
+        raise SafetensorsFormatError(f"{data_size - covered} bytes after the last tensor")
+    return spans
 
 
 def _entry(name: str, meta: object) -> tuple[torch.dtype, list[int], list[int]]:

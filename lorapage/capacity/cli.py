@@ -34,11 +34,11 @@ from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.population import zipf_weights
-from lorapage.replay.trace import TraceError, TraceRequest, read_trace
 from lorapage.sim.costs import COSTS
 from lorapage.sim.fleet import SEED_SLO, FleetConfig, adapter_of
 from lorapage.sim.residency import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
+from lorapage.traces.trace import TraceError, TraceRequest, read_trace
 
 PROG = "lorapage plan"
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,5 +1,15 @@
 """The embedded engine: :class:`Engine` is the face; the step scheduler and step loop sit behind it."""
 
-from lorapage.engine.engine import Engine
+from typing import TYPE_CHECKING
 
-__all__ = ["Engine"]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.engine.engine import Engine as Engine
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "Engine": "lorapage.engine.engine",
+    },
+)

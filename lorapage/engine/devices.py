@@ -32,15 +32,38 @@ def bind_thread(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def forward_thread(device: torch.device, threads: int) -> None:
+    """Initializer of the forward thread: its device, and ``threads`` intra-op threads (torch keeps
+    the count per thread: OpenMP's and MKL's settings are the calling thread's)."""
+    bind_thread(device)
+    torch.set_num_threads(threads)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def forward_thread_count(configured: int | None, device: torch.device) -> int:
+    """Intra-op threads of the forward: ``configured`` when given; else torch's setting, which
+    OMP_NUM_THREADS or ``torch.set_num_threads`` decide and otherwise is its count of cores; on a
+    CPU never more than the cores this process may run on (a container's CPU set can be smaller
+    than the machine torch counted, and a thread without a core stalls every parallel region)."""
+    if configured is not None:
+        return configured
+    threads = torch.get_num_threads()
+    return min(threads, usable_cores()) if device.type == "cpu" else threads
+
+
 # I/O threads of a CUDA engine when the config names no number (its forward mostly waits on the
 # GPU, so reads of several adapters and prefetches beside them overlap), and the most a CPU
 # engine starts.
 MAX_IO_THREADS = 4
 
 
-def io_thread_count(configured: int | None, device: torch.device) -> int:
+def io_thread_count(configured: int | None, device: torch.device, forward_threads: int) -> int:
     """Threads of the engine's I/O pool: ``configured`` when given; else ``MAX_IO_THREADS`` on
-    CUDA, and on a CPU the cores the forward's threads leave free (at least 2, at most 4).
+    CUDA, and on a CPU the cores the forward's ``forward_threads`` leave free (at least 2, at most 4).
 
     On a CPU more I/O threads than free cores only take turns with the forward: in the S-LoRA
     replay on 2 cores (forward at 1 thread, 2,000 adapters) the forward thread waited 1.8-1.9 s
@@ -52,8 +75,7 @@ def io_thread_count(configured: int | None, device: torch.device) -> int:
         return configured
     if device.type != "cpu":
         return MAX_IO_THREADS
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(2, min(MAX_IO_THREADS, cores - torch.get_num_threads()))
+    return max(2, min(MAX_IO_THREADS, usable_cores() - forward_threads))
 
 
 # How much lower the I/O threads run than the forward on a CPU engine (Linux nice steps). On a

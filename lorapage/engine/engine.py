@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,25 +30,37 @@ from lorapage.adapters.catalog import (
 )
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.envelope import Envelope
-from lorapage.adapters.layout import LoraTables, max_adapter_pages
+from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
-from lorapage.adapters.sources import AdapterSources, FileSource, Source, parse_source
+from lorapage.adapters.sources import (
+    ANYWHERE,
+    AdapterRoots,
+    AdapterSources,
+    DownloadLimits,
+    FileSource,
+    Source,
+    parse_source,
+)
+from lorapage.adapters.state_lock import StateDirLock
 from lorapage.adapters.value import LoadTier, Stage
 from lorapage.config import EngineConfig
 from lorapage.engine.devices import (
     DTYPES,
-    bind_thread,
+    forward_thread,
+    forward_thread_count,
     io_thread,
     io_thread_count,
     resolve_device,
     shorten_switch_interval,
+    usable_cores,
 )
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.errors import (
     AdapterNotFoundError,
+    AdapterSourceError,
     EngineClosedError,
     InvalidRequestError,
     LorapageError,
@@ -59,19 +72,20 @@ from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
+from lorapage.model.lora_tables import LoraTables
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.request import Request, RequestOutput
+from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 from lorapage.structured.grammars import GrammarCompiler
+from lorapage.usage import Usage, UsageLedger
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
 PREFETCH_COUNTS = ("started", "done", "failed", "dropped")
-# The engine reads any directory its caller names: which paths an untrusted caller may name (the
-# server's --adapter-root) is checked where that caller is, before the engine sees the path.
-_ANY_PATH = (Path("/"),)
+
+log = logging.getLogger("lorapage.engine")
 
 
 class Engine:
@@ -83,8 +97,15 @@ class Engine:
         *,
         clock: Callable[[], float] = time.monotonic,
         tenant_weights: Mapping[str, float] | None = None,
+        adapter_roots: AdapterRoots | None = None,
     ) -> None:
+        """``adapter_roots``: the directories adapter versions may be read from, per owner, at
+        registration and at every load (a server's ``--adapter-root``; default: any directory,
+        for an embedded engine whose caller is trusted)."""
         self.config = config = config or EngineConfig()
+        # First: a second engine on one state dir refuses to start before loading anything.
+        self._state_lock = StateDirLock(Path(config.state_dir)) if config.state_dir is not None else None
+        self.adapter_roots = adapter_roots if adapter_roots is not None else ANYWHERE
         self.clock = clock
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -133,14 +154,18 @@ class Engine:
             max_blocks,
             lora_h_width(mc, config.max_lora_rank),
         )
-        if self.device.type == "cuda" and self.ops.name == "triton" and not config.enforce_eager:
+        if self.device.type == "cuda" and self.ops.captures_graphs and not config.enforce_eager:
             with torch.cuda.device(self.device):
                 self.runner.capture_decode_graphs(config.max_num_seqs)
         shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
+        self.forward_threads = forward_thread_count(config.num_threads, self.device)
         self._forward = ThreadPoolExecutor(
-            1, thread_name_prefix="lorapage-forward", initializer=bind_thread, initargs=(self.device,)
+            1,
+            thread_name_prefix="lorapage-forward",
+            initializer=forward_thread,
+            initargs=(self.device, self.forward_threads),
         )
-        self.io_threads = io_thread_count(config.io_threads, self.device)
+        self.io_threads = io_thread_count(config.io_threads, self.device, self.forward_threads)
         self._io = ThreadPoolExecutor(
             self.io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(self.device,)
         )
@@ -152,9 +177,19 @@ class Engine:
         # Prompts are tokenized apart from file reads too: with every I/O thread stuck on a slow
         # file, a text request for a resident adapter (or the base) must still get in.
         self._tokenize = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lorapage-tokenize")
+        log.info(
+            "threads: forward %d intra-op (%s), %d I/O, %d tokenizer; %d usable cores",
+            self.forward_threads,
+            "num_threads" if config.num_threads is not None else "torch's setting",
+            self.io_threads,
+            self.io_threads,
+            usable_cores(),
+        )
         self.prefix_cache = PrefixCache(self.pool, clock)
+        self.usage = UsageLedger()
         self.adapter_metrics = AdapterMetrics(
             config.metrics_top_adapters,
+            usage=self.usage,
             bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
             pinned_pages=lambda: self.adapters.pinned_pages(),
             projected_costs=lambda: self.catalog.current_costs(),
@@ -179,10 +214,6 @@ class Engine:
             max_prefetches=max(0, min(MAX_PREFETCHES, self.io_threads - 1)),
             metrics=self.adapter_metrics,
         )
-        # Remote versions whose files a registration or fetch of this process landed in the disk
-        # cache: a reload reads them from disk. Approximate: an entry the disk cache evicts later
-        # still counts as on disk, and one landed before a restart counts as remote until fetched.
-        self._landed: set[str] = set()
         self.adapters.cold_tier = self._cold_tier
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = Registry(state)
@@ -194,8 +225,13 @@ class Engine:
         self.sources = AdapterSources(
             Path(cache_dir) if cache_dir is not None else None,
             config.adapter_cache_bytes,
-            max_download_bytes=config.max_adapter_download_bytes,
-            adapter_roots=_ANY_PATH,
+            limits=DownloadLimits(
+                config.max_adapter_download_bytes,
+                timeout_s=config.adapter_download_timeout_s,
+                min_bytes_per_s=config.min_adapter_download_bytes_per_s,
+                allow_private=config.allow_private_adapter_sources,
+            ),
+            adapter_roots=self.adapter_roots,
             executor=self._io,
             s3_endpoint_url=config.s3_endpoint_url,
             hf_endpoint=config.hf_endpoint,
@@ -230,6 +266,7 @@ class Engine:
             clock,
             metrics=self.scheduler_metrics,
             prefix_cache=self.prefix_cache,
+            usage=self.usage,
         )
         self.step_loop = StepLoop(
             self.scheduler,
@@ -307,7 +344,9 @@ class Engine:
     def add_adapter(self, name: str, path: str | Path, *, owner: str | None = None) -> AdapterInfo:
         """Register a PEFT LoRA directory as a new version of ``name`` (the alias then points at
         it); it is validated now (read whole, in the calling thread), committed to the registry
-        and loaded lazily. From a running event loop use :meth:`register_adapter`."""
+        and loaded lazily. The directory must be one ``owner``'s versions may be read from (see
+        ``adapter_roots``). From a running event loop use :meth:`register_adapter`."""
+        self.adapter_roots.check(Path(path), owner)
         version = self.catalog.register_now(name, Path(path), owner=owner)
         return self.adapter_info(version.key)
 
@@ -328,8 +367,8 @@ class Engine:
         (refused past ``timeout_s``), and committed before this returns. Content equal to an
         existing version of ``name`` returns that version (``created`` False)."""
         self._check_open()
-        src = self._source(source, sha256)
-        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None) as path:
+        src = await self._source(source, sha256, owner)
+        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
             version, created = await self.catalog.register(
                 name,
                 path,
@@ -340,8 +379,6 @@ class Engine:
                 activate=activate,
                 timeout_s=timeout_s,
             )
-        if not isinstance(src, FileSource):
-            self._landed.add(version.key)  # the download is in the disk cache now
         return dataclasses.replace(self.adapter_info(version.key), created=created)
 
     async def prepare_adapter(
@@ -351,13 +388,14 @@ class Engine:
         sha256: str | None = None,
         expected_base_digest: str | None = None,
         timeout_s: float = REGISTRATION_TIMEOUT_S,
+        owner: str | None = None,
     ) -> PreparedVersion:
-        """Fetch and check an adapter as :meth:`register_adapter` does, committing it nowhere:
-        the version a registry held elsewhere (a fleet's) stores and this engine then mirrors
-        (``catalog.mirror``)."""
+        """Fetch and check an adapter as :meth:`register_adapter` does (for ``owner``),
+        committing it nowhere: the version a registry held elsewhere (a fleet's) stores and this
+        engine then mirrors (``catalog.mirror``)."""
         self._check_open()
-        src = self._source(source, sha256)
-        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None) as path:
+        src = await self._source(source, sha256, owner)
+        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
             spec, _, digest = await self.catalog.prepare_in_worker(
                 src.uri, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s
             )
@@ -372,8 +410,9 @@ class Engine:
             projected_cost_pct=self.adapters.envelope.cost(spec.ranks).projected_cost_pct,
         )
 
-    def _source(self, source: str | Path, sha256: str | None) -> Source:
-        src = parse_source(str(source), sha256=sha256, adapter_roots=_ANY_PATH)
+    async def _source(self, source: str | Path, sha256: str | None, owner: str | None) -> Source:
+        """``source`` parsed for a version of ``owner`` (off the loop: a directory is looked at)."""
+        src = await asyncio.to_thread(parse_source, str(source), sha256=sha256, roots=self.adapter_roots, owner=owner)
         if not isinstance(src, FileSource) and self.sources_cache_dir is None:
             raise InvalidRequestError(
                 f"adapter source {src.uri}: this engine has no disk cache for downloads; start the server with "
@@ -383,25 +422,30 @@ class Engine:
         return src
 
     @asynccontextmanager
-    async def _locate_version(self, row: VersionRow) -> AsyncIterator[Path]:
-        """Version ``row``'s files from its source, verified against its digest."""
-        src = parse_source(row.source, sha256=row.digest, adapter_roots=_ANY_PATH)
+    async def _locate_version(self, row: VersionRow, owner: str | None) -> AsyncIterator[Path]:
+        """Version ``row``'s files from its source, checked against the roots ``owner`` may read
+        from (a directory) and verified against its digest."""
+        try:
+            src = await asyncio.to_thread(
+                parse_source, row.source, sha256=row.digest, roots=self.adapter_roots, owner=owner
+            )
+        except LorapageError as exc:  # a directory that moved, links out now, or a root dropped
+            raise AdapterSourceError(f"adapter source {row.source} is no longer usable: {exc.message}") from None
         # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
         # a remote one was checked when it landed in the disk cache.
-        async with self.sources.use(src, None if isinstance(src, FileSource) else row.digest) as path:
-            if not isinstance(src, FileSource):
-                self._landed.add(row.key)
+        async with self.sources.use(src, None if isinstance(src, FileSource) else row.digest, owner) as path:
             yield path
 
     def _cold_tier(self, key: str) -> LoadTier:
-        """Where version ``key``'s files come from when it is not in host RAM."""
-        if key in self._landed:
-            return LoadTier.DISK
+        """Where version ``key``'s files come from when it is not in host RAM: a directory or the
+        disk cache, else its remote source (a download)."""
         try:
-            scheme = self.catalog.version_info(key).source.partition("://")[0]
+            version = self.catalog.version_info(key)
         except AdapterNotFoundError:  # an entry added to the cache directly (benchmarks): a directory
             return LoadTier.DISK
-        return LoadTier.DISK if scheme == "file" else LoadTier.REMOTE
+        if version.source.startswith("file:") or self.sources.cached(version.digest):
+            return LoadTier.DISK
+        return LoadTier.REMOTE
 
     def resolve_adapter(self, name: str) -> str:
         """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
@@ -416,8 +460,7 @@ class Engine:
     def remove_adapter(self, name: str) -> None:
         """Remove version ``id@N``, or every version of ``id``; refused (409) while any of them
         has requests queued or running, and then nothing is removed."""
-        for key in self.catalog.remove(name):
-            self._landed.discard(key)
+        self.catalog.remove(name)
 
     def adapter_info(self, name: str) -> AdapterInfo:
         """What ``name`` (``id`` or ``id@N``) is served by now."""
@@ -500,6 +543,7 @@ class Engine:
         tenant: str | None = None,
         request_id: str | None = None,
         prefix_group: str | None = None,
+        progress: PromptProgress | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
@@ -507,7 +551,9 @@ class Engine:
         the default tenant's), or among the requests that name one ``prefix_group``.
         ``request_id`` must be unique among the requests in flight, whatever their tenant (a
         server makes its own rather than take a client's). Stopping iteration early (a client
-        went away) aborts the request and frees its pages.
+        went away) aborts the request and frees its pages. ``progress``, when given, holds the
+        prompt tokens computed for it once the generator ends (what a quota charges a request cut
+        before its first token).
         """
         self._check_open()
         self.step_loop.bind()
@@ -548,11 +594,15 @@ class Engine:
             finally:
                 if not finished:
                     self.abort(req.request_id)
+                if progress is not None:
+                    progress.computed = req.prompt_computed
             return
-        async for out in self._branches(req, build, sampling.n):
+        async for out in self._branches(req, build, sampling.n, progress):
             yield out
 
-    async def _branches(self, first: Request, build: Callable[[int], Request], n: int) -> AsyncIterator[RequestOutput]:
+    async def _branches(
+        self, first: Request, build: Callable[[int], Request], n: int, progress: PromptProgress | None
+    ) -> AsyncIterator[RequestOutput]:
         """The outputs of ``n`` sequences from one prompt, as they come (``index`` says which). The
         first computes the prompt; the others are submitted once it has, so they take its full
         KV blocks from the prefix cache and compute only what the last, partial block holds."""
@@ -590,6 +640,8 @@ class Engine:
             for req in requests:
                 if req.finish_reason is None:
                     self.abort(req.request_id)
+            if progress is not None:
+                progress.computed = max(r.prompt_computed for r in requests)  # the prompt, computed once
 
     def generate_batch(
         self,
@@ -624,6 +676,16 @@ class Engine:
         inner = getattr(self.policy, "policy", self.policy)
         if hasattr(inner, "set_tenant_weights"):
             inner.set_tenant_weights(weights)
+
+    def usage_rows(
+        self, *, tenants: set[str] | None = None, adapters: set[str] | None = None, since_hour: int | None = None
+    ) -> list[tuple[tuple[int, str, str], Usage]]:
+        """Cost attribution, ``((hour, tenant, adapter), usage)`` in order (see
+        :mod:`lorapage.usage.ledger`), residency charged up to now; hours use the engine's clock."""
+        now = self.clock()
+        self.usage.record_residency(now, self.adapters.resident_pages())
+        self.usage.prune(now)
+        return self.usage.query(tenants=tenants, adapters=adapters, since_hour=since_hour)
 
     def pool_free_pages(self) -> int:
         """Pages free for new work: free ones, and cached KV blocks nobody holds (given back by
@@ -683,6 +745,8 @@ class Engine:
             self._copies.shutdown(wait=False, cancel_futures=True)
         await self.sources.close()
         self.registry.close()  # waits for a commit in flight (the registry's lock)
+        if self._state_lock is not None:
+            self._state_lock.release()  # the state dir is another server's to take from here
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class StepLoop:
         # Told (seconds, tokens) of each step that prefilled: what recomputing a cached block costs.
         self._on_prefill = on_prefill
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.busy_s = 0.0  # time steps took, in all (the device time usage is apportioned from)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
@@ -74,9 +75,11 @@ class StepLoop:
                         break
                     started = time.perf_counter()
                     sampled = await loop.run_in_executor(self.forward, _execute, self.runner, plan)
+                    seconds = time.perf_counter() - started
+                    self.busy_s += seconds
                     if self._on_prefill is not None and len(plan.input_ids) > plan.num_decode:
-                        self._on_prefill(time.perf_counter() - started, len(plan.input_ids))
-                    self.scheduler.apply(plan, sampled)
+                        self._on_prefill(seconds, len(plan.input_ids))
+                    self.scheduler.apply(plan, sampled, seconds)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never leave callers hanging on a dead loop

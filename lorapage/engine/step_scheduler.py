@@ -21,6 +21,7 @@ from lorapage.model.runner import StepPlan
 from lorapage.model.sampler import SampleOutput
 from lorapage.request import Request, RequestStatus, TokenLogprob
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
+from lorapage.usage import StepRow, UsageLedger
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,10 @@ class StepScheduler:
         metrics: SchedulerMetrics | None = None,
         timer: Callable[[], float] = time.perf_counter,
         prefix_cache: PrefixCache | None = None,
+        usage: UsageLedger | None = None,
     ) -> None:
         self.policy, self.adapters, self.pool, self.limits, self.clock = policy, adapters, pool, limits, clock
+        self.usage = usage  # cost attribution: every step's rows and the adapters resident
         self.metrics, self._timer = metrics, timer  # the policy's own time per step goes to metrics
         self._policy_s = 0.0  # time spent in the policy for the step being planned and applied
         # Every sequence's blocks go back through it; with caching on it also hands out hits.
@@ -70,6 +73,8 @@ class StepScheduler:
 
     def submit(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if self.usage is not None:
+            self.usage.record_request(req.arrival_time, req.tenant, req.adapter or "")
         if req.adapter is not None:
             self.adapters.enqueue(req.adapter, req.arrival_time, req.tenant)
         self.policy.add(req, req.arrival_time)
@@ -276,7 +281,7 @@ class StepScheduler:
         self.policy.preempt(req, now)  # it waits again; VTC does not charge its recompute
         self.adapters.notify_memory_freed()
 
-    def apply(self, plan: StepPlan, sampled: SampleOutput) -> None:
+    def apply(self, plan: StepPlan, sampled: SampleOutput, step_s: float = 0.0) -> None:
         """Record each sequence's computed tokens and new token, charge the policy, stream
         outputs, finish what is done. A row that could not be sampled fails its own request alone."""
         self._in_step = False
@@ -292,18 +297,25 @@ class StepScheduler:
         ]
         for req, fed, _ in rows:
             req.num_computed += fed
+            req.prompt_computed = max(req.prompt_computed, min(req.num_computed, req.num_prompt_tokens))
             if not req.aborted:
                 self._offer_blocks(req, req.num_computed - fed)
         started = self._timer()
+        charged = []
         for i, (req, fed, sample) in enumerate(rows):
+            # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
+            prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
+            sampled_one = int(sample is not None)
+            charged.append(StepRow(req.tenant, req.adapter or "", prompt_fed, sampled_one, len(req.block_table)))
             if req.aborted:
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
-            # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
-            prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
             self.prompt_tokens_computed += prompt_fed
-            self.policy.on_service(req, prompt_fed, int(sample is not None), now)
+            self.policy.on_service(req, prompt_fed, sampled_one, now)
         self._policy_s += self._timer() - started
+        if self.usage is not None:
+            self.usage.record_step(now, step_s, charged)
+            self.usage.record_residency(now, self.adapters.resident_pages())
         for req, _, sample in rows:
             if req.aborted:
                 self._finish(req, "abort")

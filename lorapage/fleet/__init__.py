@@ -5,28 +5,36 @@ importing this package must never import Ray (the Ray Serve application lives in
 and needs the ``[fleet]`` extra).
 """
 
-from lorapage.fleet.routing import (
-    ROUTERS,
-    AffinityRouter,
-    LeastLoadedRouter,
-    RandomRouter,
-    RayDefaultRouter,
-    ReplicaView,
-    ResidencyBonus,
-    Router,
-    make_router,
-    rendezvous_owners,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "ROUTERS",
-    "AffinityRouter",
-    "LeastLoadedRouter",
-    "RandomRouter",
-    "RayDefaultRouter",
-    "ReplicaView",
-    "ResidencyBonus",
-    "Router",
-    "make_router",
-    "rendezvous_owners",
-]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.fleet.routing import (
+        ROUTERS as ROUTERS,
+        AffinityRouter as AffinityRouter,
+        LeastLoadedRouter as LeastLoadedRouter,
+        RandomRouter as RandomRouter,
+        RayDefaultRouter as RayDefaultRouter,
+        ReplicaView as ReplicaView,
+        ResidencyBonus as ResidencyBonus,
+        Router as Router,
+        make_router as make_router,
+        rendezvous_owners as rendezvous_owners,
+    )
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "ROUTERS": "lorapage.fleet.routing",
+        "AffinityRouter": "lorapage.fleet.routing",
+        "LeastLoadedRouter": "lorapage.fleet.routing",
+        "RandomRouter": "lorapage.fleet.routing",
+        "RayDefaultRouter": "lorapage.fleet.routing",
+        "ReplicaView": "lorapage.fleet.routing",
+        "ResidencyBonus": "lorapage.fleet.routing",
+        "Router": "lorapage.fleet.routing",
+        "make_router": "lorapage.fleet.routing",
+        "rendezvous_owners": "lorapage.fleet.routing",
+    },
+)

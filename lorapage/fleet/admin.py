@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -28,20 +27,17 @@ from starlette.responses import Response
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import VersionRow, parse_name
+from lorapage.adapters.sources import AdapterRoots
 from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.fleet.http import read_body
 from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
-from lorapage.server.admin import (
-    checked_source,
-    cost_fields,
-    registration,
-    remove_when_idle,
-    source_errors,
-    wait_until,
-)
+from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
 from lorapage.server.auth import Access
+from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
+from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
 
 T = TypeVar("T")
@@ -79,12 +75,12 @@ class FleetAdmin:
         profile: Callable[[], Awaitable[EngineProfile]],
         in_flight: Counter[str | None],
         draining: set[str],
-        adapter_roots: Sequence[Path],
+        adapter_roots: AdapterRoots,
         sync_period_s: float,
     ) -> None:
         self.access, self.registry, self.engines, self.reports = access, registry, engines, reports
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
-        self.adapter_roots, self.sync_period_s = tuple(adapter_roots), sync_period_s
+        self.adapter_roots, self.sync_period_s = adapter_roots, sync_period_s
         self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
         self._routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
             (re.compile(r"/v1/adapters"), {"POST": self.register, "GET": self.list}),
@@ -95,6 +91,8 @@ class FleetAdmin:
             (re.compile(r"/internal/adapters/([^/]+)/load"), {"POST": self.load}),
             (re.compile(r"/internal/adapters/([^/]+)/unload"), {"POST": self.unload}),
             (re.compile(r"/internal/state"), {"GET": self.internal_state}),
+            (re.compile(r"/v1/load_lora_adapter"), {"POST": self.load_lora}),
+            (re.compile(r"/v1/unload_lora_adapter"), {"POST": self.unload_lora}),
         ]
 
     def route(self, path: str) -> tuple[dict[str, Handler], str] | None:
@@ -103,6 +101,10 @@ class FleetAdmin:
             if m := pattern.fullmatch(path):
                 return handlers, m.group(1) if m.groups() else ""
         return None
+
+    def route_table(self) -> list[tuple[str, str]]:
+        """``(method, pattern)`` of every admin route."""
+        return [(method, pattern.pattern.replace("([^/]+)", "{id}")) for pattern, hs in self._routes for method in hs]
 
     def route_pattern(self, path: str) -> str | None:
         """``path``'s route as a pattern (``/v1/adapters/{id}``), for metrics labels."""
@@ -161,16 +163,37 @@ class FleetAdmin:
 
     async def register(self, request: Request, _: str) -> Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
+        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
         base = await self.profile()
-        req = registration(await request.body(), base.base_name, self.access)
-        self.registry.check_owner(req.id, req.tenant)
-        with source_errors(req):
-            source = await checked_source(req, self.adapter_roots)
-            got = self._on_owner(req.id).prepare_adapter.remote(source, req.sha256, req.expected_base_digest)
-            prepared: PreparedVersion = _ok(await got)
-        row, created = await self._write(lambda: self.registry.add(req.id, req.tenant, prepared, activate=req.activate))
-        self.access.owners[req.id] = req.tenant
+        row, created = await self._register(registration(body, base.base_name, self.access))
         return _json((await self._describe([row.key]))[0], status=201 if created else 200)
+
+    async def _register(self, reg: Registration) -> tuple[VersionRow, bool]:
+        """Fetched and checked on the id's owner replica, then committed here."""
+        self.registry.check_owner(reg.id, reg.owner)
+        with source_errors(reg):
+            source = await checked_source(reg, self.adapter_roots, self.access)
+            got = self._on_owner(reg.id).prepare_adapter.remote(source, reg.sha256, reg.expected_base_digest, reg.owner)
+            prepared: PreparedVersion = _ok(await got)
+        row, created = await self._write(lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate))
+        if reg.owner is not None:
+            self.access.set_owner(reg.id, reg.owner)
+        return row, created
+
+    async def load_lora(self, request: Request, _: str) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter``: a registration (:mod:`lorapage.server.lora_admin`)."""
+        body = await read_body(request, ADMIN_MAX_BODY_BYTES)
+        base = await self.profile()
+        reg = lora_registration(body, base.base_name, self.access, self.registry.ids())
+        await self._register(reg)
+        return Response(lora_success_text(reg.id, "added"), media_type="text/plain")
+
+    async def unload_lora(self, request: Request, _: str) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: every version of the id deleted, draining."""
+        name = lora_unload_name(await read_body(request, ADMIN_MAX_BODY_BYTES))
+        with lora_not_found(name):
+            await self._delete(name, {"drain": "true"})
+        return Response(lora_success_text(name, "removed"), media_type="text/plain")
 
     async def list(self, request: Request, _: str) -> Response:
         base = (await self.profile()).base_digest
@@ -205,7 +228,7 @@ class FleetAdmin:
 
     async def set_current(self, request: Request, adapter_id: str) -> Response:
         """Deploy or roll back, fleet-wide at once: the ingress resolves every request's version."""
-        req = protocol.decode(await request.body(), protocol.AdapterAliasRequest)
+        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
         if "@" in adapter_id or adapter_id not in self.registry.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         row = self.registry.row(f"{adapter_id}@{req.version}")
@@ -217,16 +240,20 @@ class FleetAdmin:
     async def delete(self, request: Request, name: str) -> Response:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
         hidden from new requests until the running ones end."""
+        running = await self._delete(name, request.query_params)
+        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
+
+    async def _delete(self, name: str, query: Mapping[str, str]) -> int:
         keys = self.registry.removable(name)
 
         async def remove() -> None:
             await self._write(lambda: self.registry.remove(self.registry.removable(name)))
 
-        running = await remove_when_idle(name, keys, request.query_params, self.in_flight, self.draining, remove)
+        running = await remove_when_idle(name, keys, query, self.in_flight, self.draining, remove)
         adapter_id, _ = parse_name(name)
         if adapter_id not in self.registry.ids():
-            self.access.owners.pop(adapter_id, None)
-        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
+            self.access.drop_owner(adapter_id)
+        return running
 
     async def pin(self, request: Request, name: str) -> Response:
         """Pin a version resident on every replica: checked against the bounds and loaded on its

@@ -37,7 +37,7 @@ def build_app(config: FleetConfig) -> Application:
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
         request_router_config=router,
-    )(EngineReplica).bind(config.engine, config.sync_period_s)
+    )(EngineReplica).bind(config.engine, config.sync_period_s, config.roots())
     # One ingress replica: it holds the tenants' token buckets, which makes quotas fleet-wide.
     ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,

@@ -3,9 +3,10 @@
 With ``--address`` it joins a running Ray cluster (``ray://host:10001`` or ``auto``); without, it
 starts a local Ray on this machine. The engine and server flags are those of ``lorapage serve``;
 with no ``--tenants`` file it prints a new demo tenant key and admin key, as ``lorapage serve``
-does. ``--state-dir`` holds the fleet's adapter registry on this machine (the ingress runs here
-unless the cluster places it elsewhere). SIGHUP re-reads the tenants file and hands it to the
-ingress; SIGINT or SIGTERM stops (taking the application down).
+does (``--api-key``: one tenant whose keys are those, the admin keys too). ``--state-dir`` holds
+the fleet's adapter registry on this machine (the ingress runs here unless the cluster places it
+elsewhere). SIGHUP re-reads the tenants file and hands it to the ingress; SIGINT or SIGTERM stops
+(taking the application down).
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from lorapage.fleet.routing import ROUTERS
 from lorapage.fleet.start import START_TIMEOUT_S, StartError, run_app
 from lorapage.server.run import listen
 from lorapage.server.serve import (
+    API_KEY_TENANT,
     adapter_roots,
     add_engine_arguments,
     add_front_end_arguments,
     add_state_arguments,
+    api_key_tenants,
+    api_keys,
+    check_root_tenants,
     engine_config,
     lora_modules,
 )
@@ -73,13 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tenants_toml(path: str | None, adapters: list[str]) -> str:
-    """The tenants file's text, checked here so a bad file fails before Ray starts; or a demo
-    tenant that may use ``adapters``, whose fresh keys are printed."""
+def _tenants_toml(path: str | None, adapters: list[str], keys: list[str]) -> str:
+    """The tenants file's text, checked here so a bad file fails before Ray starts; the single
+    tenant of ``--api-key`` ``keys``; or a demo tenant that may use ``adapters``, whose fresh keys
+    are printed."""
     if path is not None:
         text = Path(path).read_text(encoding="utf-8")
         TenantsConfig.from_toml(text, source=path)
         return text
+    if keys:
+        print(f"lorapage: single tenant {API_KEY_TENANT!r}: its API key (--api-key) opens every route")
+        return api_key_tenants(keys)
     import secrets
 
     tenant_key = f"lp-demo-{secrets.token_urlsafe(24)}"
@@ -100,7 +109,7 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
         return FleetConfig(
             engine=engine,
             state_dir=engine.state_dir,
-            adapter_roots=tuple(str(r.resolve()) for r in adapter_roots(args, PROG)),
+            adapter_roots=adapter_roots(args, modules, PROG).values(),
             metrics_public=args.metrics_public,
             sync_period_s=args.sync_period,
             tenants_toml=tenants_toml,
@@ -138,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     modules = lora_modules(args, PROG)
+    keys = api_keys(args, PROG)
     try:
-        tenants = _tenants_toml(args.tenants, list(modules))
+        tenants = _tenants_toml(args.tenants, list(modules), keys)
     except (OSError, TenantsConfigError) as exc:
         fail(PROG, f"tenants file: {exc}")
+    check_root_tenants(adapter_roots(args, modules, PROG), TenantsConfig.from_toml(tenants).tenants, PROG)
     import ray
     from ray import serve
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
@@ -40,7 +41,7 @@ class FleetConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_retries: int = 3  # resubmissions of a request whose replica died before it answered
     state_dir: str | None = None  # the fleet's adapter registry, on the ingress's node (None: in memory)
-    adapter_roots: tuple[str, ...] = ()  # directories POST /v1/adapters may read (none: refused)
+    adapter_roots: tuple[str, ...] = ()  # --adapter-root values, DIR or TENANT=DIR (none: directories refused)
     metrics_public: bool = False  # /metrics without a key
     sync_period_s: float = 1.0  # replica heartbeats: registry changes, stats and series
 
@@ -58,6 +59,10 @@ class FleetConfig:
                 f"sync_period_s > 0; got {self.max_ongoing_requests}, {self.routing_stats_period_s}, "
                 f"{self.request_retries}, {self.sync_period_s}"
             )
+
+    def roots(self) -> AdapterRoots:
+        """The adapter roots, at registration and at every load; ``lora_modules`` are the operator's."""
+        return AdapterRoots.parse(self.adapter_roots, operator=[path for _, path in self.lora_modules])
 
     def cpus_needed(self) -> float:
         """CPUs Ray must find for the whole application: every engine replica and the ingress."""

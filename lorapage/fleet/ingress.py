@@ -35,7 +35,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,29 +46,34 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, parse_name
+from lorapage.adapters.state_lock import StateDirLock
 from lorapage.errors import (
     AdapterNotFoundError,
-    BodyTooLargeError,
     LorapageError,
     QuotaExceededError,
     ServiceUnavailableError,
 )
 from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.config import FleetConfig
-from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route
+from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.server import protocol
+from lorapage.server import protocol, tokenization
 from lorapage.server.auth import Access
-from lorapage.server.generation import Formatter, Job, Timing, answer, make_job
+from lorapage.server.error_json import log_refusal
+from lorapage.server.generation import Answer, Formatter, Job, Timing, answer, chained, make_job
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
-from lorapage.server.prompts import PromptBuilder
+from lorapage.server.models_view import BaseCard, ModelsView
+from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
-from lorapage.server.responses import Model, ModelList
+from lorapage.server.responses_api import ResponsesPlan, parse_responses
+from lorapage.server.responses_output import answer_response, responses_job
 from lorapage.server.sse import SSE_HEADERS
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
+from lorapage.server.version import PING_BODY, version_body
+from lorapage.tools import detect_format
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -76,6 +81,9 @@ REPLICA_HEADER = "x-lorapage-replica"  # which engine replica answered (Ray's re
 _RETRY_BACKOFF_S = 0.25  # before resending a request whose replica died (times the attempt)
 _RAY_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # Ray's (or the client's) id, if safe to echo
 _ADMISSION_WINDOW_S = 10
+# A route's handler, and how a job's engine outputs become its answer (generation.answer's role).
+Handler = Callable[[Request], Awaitable[Response]]
+AnswerWith = Callable[[AsyncGenerator[Any, None], Job, Timing], Awaitable[Answer]]
 TENANTS_FILE = "fleet-tenants.json"  # the last tenants text a reload accepted, and the start file it replaced
 
 
@@ -86,12 +94,16 @@ class FleetIngress:
         self.engines = engines  # a DeploymentHandle to the EngineReplica deployment
         self.config = config
         self.access = Access(TenantsConfig.from_toml(self._tenants_text()))
-        self.quotas = QuotaManager(self.access.tenants, now=time.monotonic())
+        # A tenant without max_concurrency may hold its share of the replicas' queues together.
+        queue_len = config.engine.max_queue_len * config.replicas
+        self.quotas = QuotaManager(self.access.tenants, now=time.monotonic(), queue_len=queue_len)
+        # One writer per state dir: a second fleet (or server) on it fails to deploy, saying why.
+        self._state_lock = StateDirLock(Path(config.state_dir)) if config.state_dir is not None else None
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = FleetRegistry(Registry(state))
         for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
             if (owner := self.registry.owner(adapter_id)) is not None:
-                self.access.owners[adapter_id] = owner
+                self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
         self.metrics = ServerMetrics(dict)  # the ingress's own series; the replicas' are re-exported
         self.metrics.registry.register(self.reports)
@@ -108,6 +120,7 @@ class FleetIngress:
         self.started = int(time.time())
         self._profile: EngineProfile | None = None
         self._prompts: PromptBuilder | None = None
+        self._models: ModelsView | None = None
         self._modules_lock = asyncio.Lock()
         self._modules_registered = not config.lora_modules
         self.admin = FleetAdmin(
@@ -118,21 +131,29 @@ class FleetIngress:
             profile=self.profile,
             in_flight=self.in_flight,
             draining=self.draining,
-            adapter_roots=[Path(r).resolve() for r in config.adapter_roots],
+            adapter_roots=config.roots(),
             sync_period_s=config.sync_period_s,
         )
-        self._routes = {
-            "/v1/chat/completions": ("POST", self.chat_completions),
-            "/v1/completions": ("POST", self.completions),
-            "/v1/models": ("GET", self.list_models),
-            "/health": ("GET", self.health),
-            "/metrics": ("GET", self.render_metrics),
+        self._tool_format = detect_format(self.tokenizer.chat_template)
+        self._routes: dict[str, dict[str, Handler]] = {  # path -> method -> handler
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/completions": {"POST": self.completions},
+            "/v1/responses": {"POST": self.responses},
+            "/v1/models": {"GET": self.list_models},
+            "/health": {"GET": self.health},
+            "/metrics": {"GET": self.render_metrics},
+            "/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize},
+            "/tokenizer_info": {"GET": self.tokenizer_info},
+            "/version": {"GET": self.version},
+            "/ping": {"GET": self.ping, "POST": self.ping},
         }
 
     async def __call__(self, request: Request) -> Response:
         try:
             response = await self._dispatch(request)
         except LorapageError as exc:
+            log_refusal(request.method, request.url.path, request.client.host if request.client else None, exc)
             response = error_response(exc)
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
@@ -150,22 +171,28 @@ class FleetIngress:
 
     async def _dispatch(self, request: Request) -> Response:
         path = request.url.path
+        handlers: dict[str, Handler]
         if path.startswith("/v1/models/"):
-            method, handler = "GET", self.get_model
+            handlers = {"GET": self.get_model}
         elif path in self._routes:
-            method, handler = self._routes[path]
+            handlers = self._routes[path]
         elif (admin := self.admin.route(path)) is not None:
-            handlers, name = admin
-            if request.method not in handlers:
-                return method_not_allowed(", ".join(handlers))
+            admin_handlers, name = admin
+            if request.method not in admin_handlers:
+                return method_not_allowed(", ".join(admin_handlers))
             self.access.require_admin(cast(Any, request))
             await self.ready()
-            return await handlers[request.method](request, name)
+            return await admin_handlers[request.method](request, name)
         else:
-            return no_route()
-        if request.method != method:
-            return method_not_allowed(method)
-        return await handler(request)
+            return no_route(request.method, path, self.route_table())
+        if request.method not in handlers:
+            return method_not_allowed(", ".join(handlers))
+        return await handlers[request.method](request)
+
+    def route_table(self) -> list[tuple[str, str]]:
+        """``(method, pattern)`` of every route the ingress serves (what a 404 suggests from)."""
+        own = [(method, path) for path, handlers in self._routes.items() for method in handlers]
+        return [*own, ("GET", "/v1/models/{model}"), *self.admin.route_table()]
 
     # -- the fleet's own state --------------------------------------------------------------------
 
@@ -266,108 +293,184 @@ class FleetIngress:
         return self.access.tenant_for(cast(Any, request))
 
     async def body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise BodyTooLargeError(f"request body is {length} bytes; the limit is {limit}")
-        body = await request.body()
-        if len(body) > limit:
-            raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
-        return body
+        return await read_body(request, self.config.max_body_bytes)
 
     async def chat_completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        tenant = self.tenant(request)
-        req = protocol.decode(await self.body(request), protocol.ChatCompletionRequest)
-        protocol.check_common(req)
-        logprobs = protocol.chat_logprobs(req)
-        messages = protocol.chat_messages(req)
-        await self.resolve(req.model, tenant)  # 404 before the template runs
-        ids = await (await self.prompts()).chat(messages)
-        return await self.run(await self._job("chat", request, req, tenant, ids, logprobs, arrival))
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        """One request, checked as ``lorapage serve`` checks it: its tenant's rate and share taken
+        before its body is read, then the body, the model, the prompt (in the tenant's turn) and
+        its tokens."""
         arrival = time.monotonic()
         tenant = self.tenant(request)
-        req = protocol.decode(await self.body(request), protocol.CompletionRequest)
-        protocol.check_common(req)
-        logprobs = protocol.completion_logprobs(req)
-        profile = await self.profile()
-        prompt = protocol.completion_prompt(req, profile.vocab_size, profile.max_model_len)
-        await self.resolve(req.model, tenant)  # 404 before the tokenizer runs
-        ids = await (await self.prompts()).completion(prompt)
-        return await self.run(await self._job("completion", request, req, tenant, ids, logprobs, arrival))
+        reservation = self.admit(tenant)
+        try:
+            body = await self.body(request)
+            profile, prompts = await self.profile(), await self.prompts()
+            if kind == "chat":
+                parsed = await prompts.parse(tenant, body, protocol.parse_chat)
+            else:
+                vocab, max_len = profile.vocab_size, profile.max_model_len
+                parsed = await prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
+            await self.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+            job = await self._job(kind, request, parsed, tenant, await prompts.of(kind, tenant, parsed), arrival)
+            return await self.run(job, reservation)
+        except BaseException:
+            self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
+            raise
 
     async def _job(
-        self, kind: str, request: Request, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
+        self, kind: str, request: Request, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float
     ) -> Job:
-        model, adapter = await self.resolve(req.model, tenant)
+        model, adapter = await self.resolve(parsed.req.model, tenant)
         max_len = (await self.profile()).max_model_len
         # Ray's proxy answers with the x-request-id it gave the request (or the client sent): the
         # body's id ends with it, so a client's and Ray's logs name the same request.
         ray_id = request.headers.get("x-request-id", "")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{ray_id}" if _RAY_REQUEST_ID.match(ray_id) else ""
         # Only echoed: the engine's id is the job's own (a client's could name another tenant's request).
-        return make_job(kind, req, model, adapter, tenant, ids, max_len, logprobs, arrival, self.access, rid)
+        return make_job(
+            kind, parsed, model, adapter, tenant, prompts.ids, max_len, arrival, self.access, rid,
+            tools=prompts.tools, prompt_texts=prompts.texts,
+        )  # fmt: skip
 
-    async def _models(self, tenant: str) -> list[Model]:
-        await self.ready()
-        profile = await self.profile()
-        base, max_len = profile.base_name, profile.max_model_len
-        out = [Model(id=base, created=self.started, owned_by="lorapage", root=base, max_model_len=max_len)]
-        for name in sorted(self.registry.ids()):
-            if self.version_of(tenant, name, profile.base_digest) is not None:
-                out.append(
-                    Model(id=name, created=self.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
-                )
-        return out
+    async def models(self) -> ModelsView:
+        """The per-tenant ``/v1/models`` view over the fleet's registry (built once the engines' profile is known)."""
+        if self._models is None:
+            profile = await self.profile()
+            card = BaseCard(profile.base_name, profile.max_model_len, self.started)
+
+            def serving() -> list[str]:
+                return [i for i in self.registry.ids() if self.version_of_any(i, profile.base_digest)]
+
+            self._models = ModelsView(
+                self.access, card, serving=serving, key=lambda: (self.registry.generation, frozenset(self.draining))
+            )
+        return self._models
+
+    def version_of_any(self, adapter_id: str, base_digest: str) -> bool:
+        """Whether ``adapter_id`` serves a version on this base now (whoever asks)."""
+        try:
+            return self.registry.resolve(adapter_id, base_digest) not in self.draining
+        except LorapageError:  # none, or one validated against another base
+            return False
 
     async def list_models(self, request: Request) -> Response:
-        data = await self._models(self.tenant(request))
-        return Response(msgspec.json.encode(ModelList(data=data)), media_type="application/json")
+        """The base and the adapters the tenant may use; one of its requests per minute."""
+        tenant = self.tenant(request)
+        self.quotas.release(self.admit(tenant), 0, time.monotonic())
+        await self.ready()
+        return Response((await self.models()).body(tenant), media_type="application/json")
 
     async def get_model(self, request: Request) -> Response:
         tenant = self.tenant(request)
-        model, _ = await self.resolve(request.url.path.removeprefix("/v1/models/"), tenant)
-        profile = await self.profile()
-        found = next((m for m in await self._models(tenant) if m.id == parse_name(model)[0]), None)
-        if found is None:  # an older version, id@N, named explicitly
-            base = profile.base_name
-            found = Model(
-                id=model, created=self.started, owned_by=tenant, parent=base, root=base,
-                max_model_len=profile.max_model_len,
-            )  # fmt: skip
-        elif found.id != model:
-            found = msgspec.structs.replace(found, id=model)
+        self.quotas.release(self.admit(tenant), 0, time.monotonic())
+        model, adapter = await self.resolve(request.url.path.removeprefix("/v1/models/"), tenant)
+        card = (await self.models()).card
+        found = card.base() if adapter is None else card.adapter(model, tenant)
         return Response(msgspec.json.encode(found), media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
+    # -- vLLM's extra routes and /v1/responses (lorapage.server.extra_routes is lorapage serve's) --
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._tokenizer_route(request, tokenization.tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._tokenizer_route(request, tokenization.detokenize)
+
+    async def _tokenizer_route(self, request: Request, route: Any) -> Response:
+        """``/tokenize`` or ``/detokenize``: one of the tenant's requests per minute, the body, the work."""
+        tenant = self.tenant(request)
+        reservation = self.admit(tenant)
+        try:
+            body = await self.body(request)
+
+            async def resolve(model: str) -> object:
+                return await self.resolve(model, tenant)
+
+            return Response(msgspec.json.encode(await route(await self.prompts(), tenant, body, resolve)))
+        finally:
+            self.quotas.release(reservation, 0, time.monotonic())
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        tenant = self.tenant(request)
+        self.quotas.release(self.admit(tenant), 0, time.monotonic())
+        info = tokenization.tokenizer_info(await self.prompts())
+        return Response(msgspec.json.encode(info), media_type="application/json")
+
+    async def version(self, request: Request) -> Response:
+        return Response(version_body(), media_type="application/json")
+
+    async def ping(self, request: Request) -> Response:
+        return Response(PING_BODY)
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``, checked as ``lorapage serve`` checks it, run like a chat completion."""
+        arrival = time.monotonic()
+        tenant = self.tenant(request)
+        reservation = self.admit(tenant)
+        try:
+            body = await self.body(request)
+            profile, prompts = await self.profile(), await self.prompts()
+            template, fmt = self.tokenizer.chat_template, self._tool_format
+            parsed = await prompts.parse(tenant, body, lambda b: parse_responses(b, template, fmt))
+            plan: ResponsesPlan = parsed.req
+            await self.resolve(plan.req.model, tenant)  # 404 before the template or the tokenizer runs
+            ids = await prompts.chat_tokens(tenant, plan.messages, template_kwargs=plan.template_kwargs)
+            model, adapter = await self.resolve(plan.req.model, tenant)
+            job = responses_job(plan, model, adapter, tenant, ids, profile.max_model_len, arrival, self.access)
+            return await self.run(
+                job, reservation, lambda outputs, job, timing: answer_response(outputs, job, plan, timing)
+            )
+        except BaseException:
+            self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
+            raise
+
     # -- running a request on the engines ---------------------------------------------------------
 
-    def reserve(self, job: Job) -> Reservation:
-        got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+    def admit(self, tenant: str) -> Reservation:
+        """The tenant's rate and its share of concurrency, before anything of the request is read."""
+        got = self.quotas.admit(tenant, time.monotonic())
         if isinstance(got, QuotaExceeded):
-            self.rejected.labels(job.tenant, got.which).inc()
+            self.rejected.labels(tenant, got.which).inc()
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
-        self.in_flight[job.adapter] += 1
         return got
 
+    def charge(self, job: Job, reservation: Reservation) -> None:
+        """The request's tokens from its tenant's TPM (429 when short); then it counts as in flight."""
+        refused = self.quotas.charge(reservation, job.prompt_tokens, job.completion_budget(), time.monotonic())
+        if refused is not None:
+            self.rejected.labels(job.tenant, refused.which).inc()
+            raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
+        self.in_flight[job.adapter] += 1
+
     def release(self, job: Job, reservation: Reservation) -> None:
-        # Refund everything when nothing was generated (refused, or cut before a token).
-        used = len(job.prompt) + job.generated if job.generated else 0
+        # Refund what was not used: max_tokens not generated, and the prompt when no replica took it.
+        used = job.prompt_tokens + job.generated if job.generated else job.prompt_computed
         self.quotas.release(reservation, used, time.monotonic())
         self.in_flight[job.adapter] -= 1
         if not self.in_flight[job.adapter]:
             del self.in_flight[job.adapter]
 
-    async def run(self, job: Job) -> Response:
-        reservation = self.reserve(job)
+    async def run(self, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None) -> Response:
+        """Charge ``job``'s tokens, run it on a replica and answer it with ``answer_with`` (chat
+        and completions' shapes by default; ``/v1/responses`` brings its own)."""
+        self.charge(job, reservation)
         served: list[str] = []  # the replica that took it (the last, after a retry)
         timing = Timing(job, self.metrics, self.admissions)
         try:
-            got = await answer(self.outputs(job, served), job, Formatter(job, self.tokenizer), timing)
+            outputs = self.outputs(job, served)
+            if answer_with is None:
+                got = await answer(outputs, job, Formatter(job, self.tokenizer), timing)
+            else:
+                got = await answer_with(outputs, job, timing)
         except BaseException:
             self.release(job, reservation)
             raise
@@ -391,14 +494,23 @@ class FleetIngress:
             await events.aclose()
             self.release(job, reservation)
 
-    async def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
-        """The engine outputs of ``job`` from a replica the router picks; resent while nothing of it
-        has been passed on. A whole answer passes on only its last output, so it can always be resent."""
-        spec = EngineJob(job.prompt, job.adapter, job.sampling, job.tenant, job.engine_id, job.prefix_group)
+    def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
+        """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its
+        own). One after another: Ray Serve gives the calls a request makes its own request id, and
+        two at once under one id left the second unrouted."""
+        return chained([self.prompt_outputs(job, served, i) for i in range(len(job.prompts))], job.sampling.n)
+
+    async def prompt_outputs(self, job: Job, served: list[str], i: int) -> AsyncGenerator[Any, None]:
+        """The engine outputs of ``job``'s prompt ``i`` from a replica the router picks; resent while
+        nothing of it has been passed on. A whole answer passes on only its last outputs, so it can
+        always be resent."""
+        prompt = job.prompts[i]
+        spec = EngineJob(prompt, job.adapter, job.sampling, job.tenant, job.engine_ids()[i], job.prefix_group)
         # Routed by adapter id: every version of an id shares its owners (a deploy lands where the
         # previous version is warm).
         adapter_id = parse_name(job.adapter)[0] if job.adapter is not None else ""
         handle = self.engines.options(stream=True, multiplexed_model_id=adapter_id)
+        counted = 0  # of this prompt's tokens, in job.prompt_computed
         for attempt in range(self.config.request_retries + 1):
             passed_on = False
             stream = handle.generate.remote(spec)
@@ -407,13 +519,21 @@ class FleetIngress:
                     if isinstance(item, ReplicaStart):
                         served.append(item.replica_id)
                         job.adapter_version = item.adapter_version
+                        # What the replica computes does not come back when the client cuts the
+                        # stream: once a replica has taken the request, its whole prompt counts.
+                        job.prompt_computed += len(prompt) - counted
+                        counted = len(prompt)
                     elif isinstance(item, LorapageError):
+                        job.prompt_computed -= counted  # refused: nothing was computed
+                        counted = 0
                         raise item
                     elif job.stream or item.finished:
                         passed_on = True
                         yield item
                 return
             except RayActorError:
+                job.prompt_computed -= counted  # resent: the next replica's start counts it again
+                counted = 0
                 if passed_on:
                     raise ServiceUnavailableError(
                         "the engine replica serving this request stopped mid-answer; send the request again",

@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import parse_name
+from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import AdapterNotFoundError, LorapageError
@@ -43,10 +44,13 @@ log = logging.getLogger("lorapage.fleet")
 class EngineReplica:
     """An engine mirroring the fleet's adapters, serving :class:`EngineJob` streams."""
 
-    def __init__(self, config: EngineConfig, sync_period_s: float = 1.0) -> None:
+    def __init__(
+        self, config: EngineConfig, sync_period_s: float = 1.0, adapter_roots: AdapterRoots | None = None
+    ) -> None:
         self._cache_dir = tempfile.mkdtemp(prefix="lorapage-replica-cache-")
         self.engine = Engine(
-            dataclasses.replace(config, state_dir=None, adapter_cache_dir=config.adapter_cache_dir or self._cache_dir)
+            dataclasses.replace(config, state_dir=None, adapter_cache_dir=config.adapter_cache_dir or self._cache_dir),
+            adapter_roots=adapter_roots,
         )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.in_flight = 0
@@ -116,12 +120,15 @@ class EngineReplica:
     # -- admin work the ingress hands one replica -------------------------------------------------
 
     async def prepare_adapter(
-        self, source: str, sha256: str | None, expected_base_digest: str | None
+        self, source: str, sha256: str | None, expected_base_digest: str | None, owner: str | None = None
     ) -> PreparedVersion | LorapageError:
-        """Fetch and check an adapter for the fleet's registry (the error is returned, not raised)."""
+        """Fetch and check an adapter for the fleet's registry, for ``owner`` (the error is
+        returned, not raised)."""
         self._start_syncing()
         try:
-            return await self.engine.prepare_adapter(source, sha256=sha256, expected_base_digest=expected_base_digest)
+            return await self.engine.prepare_adapter(
+                source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
+            )
         except LorapageError as exc:
             return exc
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.memory.pool import PagePool
 from lorapage.model.llama import AttentionMetadata, LlamaModel
+from lorapage.model.lora_tables import LoraTables
 from lorapage.model.step_buffers import StepBuffers
 
 

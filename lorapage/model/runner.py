@@ -14,14 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorapage.adapters.layout import LoraTables
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
-from lorapage.kernels.lora_cpu import c_kernels_take
 from lorapage.memory.pool import PagePool
 from lorapage.model.cuda_graphs import Capture, DecodeGraphs
 from lorapage.model.forward import ForwardContext
 from lorapage.model.llama import AttentionMetadata, LlamaModel
+from lorapage.model.lora_tables import LoraTables
 from lorapage.model.sampler import SampleOutput, SampleRow, sample, token_logprobs
 from lorapage.model.step_buffers import StepBuffers
 from lorapage.request import Request, TokenLogprob
@@ -195,11 +194,7 @@ class ModelRunner:
             prefill_query_starts=plan.prefill_query_starts,
             prefill_context_lens=plan.context_lens[nd:],
         )
-        lora = LoraIndices(b.token_slot[:T], plan.segments) if plan.segments else None
-        if lora is not None and self.ctx.ops.name == "triton" and T > nd:
-            lora = lora.with_segment_table()  # prefill tokens: segment-wise SGMV beats per-token BGMV
-        elif lora is not None and self.ctx.ops.name in ("torch", "cpu"):
-            lora = self._with_batches(lora)
+        lora = self._plan_lora(LoraIndices(b.token_slot[:T], plan.segments), T > nd) if plan.segments else None
         with torch.inference_mode():
             hidden = self.ctx.forward(T, attn, lora)
             if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
@@ -225,16 +220,12 @@ class ModelRunner:
             out.append((i, first + 1, token_logprobs(logits, req.prompt_ids[first + 1 : end + 1], top)))
         return tuple(out)
 
-    def _with_batches(self, lora: LoraIndices) -> LoraIndices:
-        """The CPU ops' cells and batches, planned once for every layer and module of the step."""
+    def _plan_lora(self, lora: LoraIndices, prefill: bool) -> LoraIndices:
+        """The step's LoRA indices as the backend's ops want them, planned once for every layer."""
         t = self.ctx.tables
         layout = (t.a_offset, t.a_rows, t.b_offset, t.rank, t.h_start)
         pages = self.ctx.pool.adapter_storage[0]
-        # The C kernels take the short segments when they read the pages' dtype (float16 pages
-        # under a float32 model go to the PyTorch ops whole).
-        cells = self.ctx.ops.name == "cpu" and c_kernels_take(self.ctx.model.dtype, pages.dtype)
-        plan = lora.with_cells if cells else lora.with_batches
-        return plan(t.page_table, layout, pages)
+        return self.ctx.ops.plan_lora(lora, t.page_table, layout, pages, self.ctx.model.dtype, prefill)
 
     def _replay(self, plan: StepPlan, masks: Future[Tensor] | None) -> SampleOutput:
         """A decode-only step through its captured graph: write the rows, pad, replay."""

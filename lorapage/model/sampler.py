@@ -106,15 +106,18 @@ def _top_p(probs: Tensor, top_p: list[float]) -> Tensor:
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Each row's logprob of ``tokens[i]`` and its ``top`` most likely alternatives (raw model)."""
+    """Each row's logprob of ``tokens[i]``, its rank, and its ``top`` most likely alternatives
+    (raw model)."""
     lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    chosen_t = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])
+    ranks = ((lp > chosen_t).sum(-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     if top <= 0:
-        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+        return [TokenLogprob(t, c, (), r) for t, c, r in zip(tokens, chosen, ranks)]
     top_v, top_i = torch.topk(lp, top, dim=-1)
     return [
-        TokenLogprob(t, c, tuple(zip(ids, values)))
-        for t, c, ids, values in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
+        TokenLogprob(t, c, tuple(zip(ids, values)), r)
+        for t, c, ids, values, r in zip(tokens, chosen, top_i.tolist(), top_v.tolist(), ranks)
     ]
 
 

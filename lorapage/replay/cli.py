@@ -26,8 +26,8 @@ from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.importers import IMPORTERS, ImportOptions
 from lorapage.replay.keys import Keys, KeysError
 from lorapage.replay.report import build_report, write_report
-from lorapage.replay.stats import Slo
-from lorapage.replay.trace import TraceError, TraceRequest, read_trace, write_trace
+from lorapage.traces.stats import Slo
+from lorapage.traces.trace import TraceError, TraceRequest, read_trace, write_trace
 
 # gen's flags: (flag, GenConfig field, type, help). Defaults are GenConfig's.
 _GEN_FLAGS: tuple[tuple[str, str, type, str], ...] = (

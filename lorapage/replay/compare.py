@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from lorapage.replay.records import OK, read_records
 from lorapage.replay.report import load_report
-from lorapage.replay.stats import grouped
+from lorapage.traces.records import OK, read_records
+from lorapage.traces.stats import grouped
 
 
 def _get(report: Mapping, path: str) -> float | None:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lorapage.replay.records import CLIENT_ERROR, INTERRUPTED, NOT_SENT, OK, TIMEOUT, Record, Result, to_record
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.records import CLIENT_ERROR, INTERRUPTED, NOT_SENT, OK, TIMEOUT, Record, Result, to_record
+from lorapage.traces.trace import TraceRequest
 
 
 class Target(Protocol):

@@ -13,11 +13,11 @@ from typing import Any
 from lorapage.engine import Engine
 from lorapage.errors import AdapterNotFoundError, LorapageError
 from lorapage.replay.prompts import DEFAULT_TOKEN_RANGE, prompt_for
-from lorapage.replay.records import HTTP_ERROR, OK, STREAM_ERROR, Result
 from lorapage.replay.scrape import parse_prometheus
-from lorapage.replay.trace import TraceRequest
 from lorapage.sampling_params import SamplingParams
 from lorapage.server.metrics import ServerMetrics
+from lorapage.traces.records import HTTP_ERROR, OK, STREAM_ERROR, Result
+from lorapage.traces.trace import TraceRequest
 
 
 class EmbeddedTarget:

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
-from lorapage.replay.trace import TraceRequest
 from lorapage.server import serve
+from lorapage.traces.trace import TraceRequest
 
 PROG = "lorapage replay run"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorapage.replay.population import Population
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.trace import TraceRequest
 
 _GRID = 200_000  # points of the integrated-rate table inverted for the diurnal ramp
 

@@ -17,9 +17,9 @@ import aiohttp
 
 from lorapage.replay.keys import Keys
 from lorapage.replay.prompts import DEFAULT_TOKEN_RANGE, prompt_for
-from lorapage.replay.records import CLIENT_ERROR, HTTP_ERROR, OK, STREAM_ERROR, UNKNOWN_TIER, Result
 from lorapage.replay.scrape import parse_prometheus
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.records import CLIENT_ERROR, HTTP_ERROR, OK, STREAM_ERROR, UNKNOWN_TIER, Result
+from lorapage.traces.trace import TraceRequest
 
 GAUGES = {"lorapage_engine_queue_depth": "queue_depth", "lorapage_engine_running": "running"}
 

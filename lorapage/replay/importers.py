@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from lorapage.replay.population import Population
-from lorapage.replay.trace import TraceError, TraceRequest
+from lorapage.traces.trace import TraceError, TraceRequest
 
 
 @dataclass(frozen=True)

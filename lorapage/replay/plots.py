@@ -12,8 +12,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
-from lorapage.replay.records import OK, Record  # noqa: E402
-from lorapage.replay.stats import grouped  # noqa: E402
+from lorapage.traces.records import OK, Record  # noqa: E402
+from lorapage.traces.stats import grouped  # noqa: E402
 
 TENANT_BARS = 20
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces.trace import TraceRequest
 
 DEFAULT_TOKEN_RANGE = (32, 127)
 

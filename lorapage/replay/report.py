@@ -8,11 +8,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lorapage.replay import stats
 from lorapage.replay.driver import RunResult
-from lorapage.replay.records import Record, write_records
 from lorapage.replay.scrape import delta, highlights
-from lorapage.replay.trace import TraceRequest
+from lorapage.traces import stats
+from lorapage.traces.records import Record, write_records
+from lorapage.traces.trace import TraceRequest
 
 REPORT_VERSION = 1
 _NICE_BINS = (0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600)

@@ -1,46 +1,31 @@
 """Scheduling policies: which waiting request joins the batch, and whom to preempt."""
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-from collections.abc import Mapping
+from lorapage._exports import lazy
 
-from lorapage.config import SCHEDULERS
-from lorapage.scheduler.base import AdmissionContext, R, SchedRequest, SchedulerPolicy
-from lorapage.scheduler.fcfs import FcfsScheduler
-from lorapage.scheduler.metrics import MeteredPolicy, SchedulerMetrics
-from lorapage.scheduler.vtc import VtcConfig, VtcScheduler
+if TYPE_CHECKING:
+    from lorapage.scheduler.base import (
+        AdmissionContext as AdmissionContext,
+        SchedRequest as SchedRequest,
+        SchedulerPolicy as SchedulerPolicy,
+    )
+    from lorapage.scheduler.fcfs import FcfsScheduler as FcfsScheduler
+    from lorapage.scheduler.metrics import MeteredPolicy as MeteredPolicy, SchedulerMetrics as SchedulerMetrics
+    from lorapage.scheduler.policies import make_policy as make_policy
+    from lorapage.scheduler.vtc import VtcConfig as VtcConfig, VtcScheduler as VtcScheduler
 
-__all__ = [
-    "AdmissionContext",
-    "FcfsScheduler",
-    "MeteredPolicy",
-    "SchedRequest",
-    "SchedulerMetrics",
-    "SchedulerPolicy",
-    "VtcConfig",
-    "VtcScheduler",
-    "make_policy",
-]
-
-
-def make_policy(
-    name: str,
-    *,
-    vtc: VtcConfig | None = None,
-    tenant_weights: Mapping[str, float] | None = None,
-    metrics: SchedulerMetrics | None = None,
-) -> SchedulerPolicy[R]:
-    """The policy called ``name`` ("fcfs" or "vtc"), recording into ``metrics`` when given.
-
-    ``vtc`` and ``tenant_weights`` configure VTC (FCFS has no knobs): build ``vtc`` with
-    ``max_loras`` from the engine config and the weights from the tenants file. The request type
-    comes from the caller: ``policy: SchedulerPolicy[Request] = make_policy(...)``.
-    """
-    policy: SchedulerPolicy[R]
-    if name == "vtc":
-        policy = VtcScheduler(vtc, tenant_weights)
-    elif name == "fcfs":
-        policy = FcfsScheduler()
-    else:
-        raise ValueError(f"scheduler must be one of {SCHEDULERS}; got {name!r}")
-    return MeteredPolicy(policy, metrics) if metrics is not None else policy
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "AdmissionContext": "lorapage.scheduler.base",
+        "FcfsScheduler": "lorapage.scheduler.fcfs",
+        "MeteredPolicy": "lorapage.scheduler.metrics",
+        "SchedRequest": "lorapage.scheduler.base",
+        "SchedulerMetrics": "lorapage.scheduler.metrics",
+        "SchedulerPolicy": "lorapage.scheduler.base",
+        "VtcConfig": "lorapage.scheduler.vtc",
+        "VtcScheduler": "lorapage.scheduler.vtc",
+        "make_policy": "lorapage.scheduler.policies",
+    },
+)

@@ -12,10 +12,18 @@ than the age deadline that finds no lane *claims* the next general one: nobody e
 general lane until it is in, and the general holder that opened its lane first is *closing*: it
 takes no joins until its rows finish and the lane frees, so hot adapters rotate through the
 general lanes instead of keeping them forever. Tail lanes stay open to single requests meanwhile.
+
+Lanes are *work-conserving*: a reservation nobody can use is lent. While no waiting request could
+take a tail lane (none is a single-request adapter outside the batch or aged, ``wanting`` is
+empty), the tail lanes count as general lanes, and tail holders take joins like general ones. Once
+one appears, the lanes lent are owed back: no new general lane opens beyond ``cap - tail``, so the
+next lane that frees is a tail lane, and the general holder that opened first is closing until it
+frees one (``recall``). A closing holder that nobody is owed a lane for takes joins again.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum
 
@@ -27,7 +35,7 @@ class LaneKind(Enum):
 
     BASE = "base"  # no adapter: needs no lane
     JOIN = "join"  # its adapter's lane is already in the batch
-    GENERAL = "general"  # opens one of the cap - tail general lanes
+    GENERAL = "general"  # opens one of the cap - tail general lanes (or a tail lane lent)
     TAIL = "tail"  # opens one of the reserved tail lanes
 
 
@@ -46,18 +54,30 @@ class AdapterLanes:
         self.cap = cap
         self.reserved_tail = tail
         self.running: dict[str, int] = {}  # adapter -> running requests using it, in opening order
-        self.tail: set[str] = set()  # holders that opened a tail lane; they take no joins
+        self.tail: set[str] = set()  # holders that opened a tail lane; they take no joins until lent
         self.claim: SchedRequest | None = None  # an aged request owed the next lane that frees
-        self.closing: str | None = None  # holder taking no joins so that the claim gets a lane
+        self.closing: str | None = None  # holder taking no joins so that a lane frees (claim, recall)
         self.changed: list[str] = []  # adapters that opened, closed or stopped closing (to wake waiters)
+        # Requests that may open any lane (single-request adapter, or aged) and may be waiting for
+        # one, oldest first: while any does, the tail lanes are reserved. Entries go stale (the
+        # request's group grew, its adapter entered the batch); the policy drops stale ones from
+        # the front before each step, and :meth:`unclaim` drops a request that got in or left.
+        self.wanting: OrderedDict[str, SchedRequest] = OrderedDict()
 
     def distinct(self) -> int:
         return len(self.running)
 
     def free_general(self) -> int:
-        """General lanes free (0 when the cap is reached)."""
+        """General lanes free (0 when the cap is reached); every free lane while nobody is
+        ``wanting`` a tail lane (they are lent)."""
         used = len(self.running)
+        if not self.wanting:
+            return self.cap - used
         return max(0, min(self.cap - used, self.cap - self.reserved_tail - (used - len(self.tail))))
+
+    def borrowed(self) -> int:
+        """Tail lanes general holders occupy: lent while nobody wanted them."""
+        return max(0, len(self.running) - len(self.tail) - (self.cap - self.reserved_tail))
 
     def free_tail(self) -> bool:
         return len(self.running) < self.cap and len(self.tail) < self.reserved_tail
@@ -79,12 +99,43 @@ class AdapterLanes:
             return LaneKind.GENERAL
         if may_take_tail and self.free_tail():
             return LaneKind.TAIL
+        if may_take_tail:
+            self.want(req)
+            self.recall()
         if aged and self.claim is None:
             self.claim = req
-            if self.closing is None:
-                # Rotate through the general holders: the one that opened its lane first closes.
-                self.closing = next((a for a in self.running if a not in self.tail), None)
+            self._close_oldest()
         return Blocked.ANY if may_take_tail else Blocked.GENERAL
+
+    def want(self, req: SchedRequest) -> None:
+        """``req`` may open any lane and may be waiting for one: the tail lanes are reserved."""
+        self.wanting[req.request_id] = req
+
+    def unwant(self, req: SchedRequest) -> None:
+        """``req`` wants no tail lane now (its adapter has more waiting requests); a claim stays."""
+        if req is not self.claim:
+            self.wanting.pop(req.request_id, None)
+
+    def recall(self) -> None:
+        """A request is ``wanting`` a lane and none is free to it while tail lanes are lent: the
+        oldest general holder closes, so a lane (now a tail lane) frees within one generation."""
+        if self.borrowed() and not self.free_tail():
+            self._close_oldest()
+
+    def lend(self) -> None:
+        """Nobody is ``wanting`` a lane: tail holders take joins like general ones, and a closing
+        holder that nobody is owed a lane for any more takes joins again."""
+        if self.tail:
+            self.changed += self.tail
+            self.tail.clear()
+        if self.closing is not None and self.claim is None:
+            self.changed.append(self.closing)
+            self.closing = None
+
+    def _close_oldest(self) -> None:
+        """Rotate through the general holders: the one that opened its lane first closes."""
+        if self.closing is None:
+            self.closing = next((a for a in self.running if a not in self.tail), None)
 
     def occupy(self, req: SchedRequest, kind: LaneKind) -> None:
         adapter = req.adapter
@@ -111,11 +162,14 @@ class AdapterLanes:
         self.changed.append(adapter)
 
     def unclaim(self, req: SchedRequest) -> None:
-        """``req`` got in, left the queue or is loading again: its claim (if any) lapses.
+        """``req`` got in, left the queue, is loading again or needs no lane: its claim (if any)
+        lapses and it no longer wants a lane.
 
-        The closing holder goes on closing until its lane frees. Reopening it here would wake its
-        whole waiting group only for the next aged request to close it again at once: under a
-        backlog of aged requests that cycle ran every step and made each step cost grow with the
-        backlog (``bench/bench_scheduler.py --long``)."""
+        The closing holder goes on closing: only :meth:`lend`, before a step in which nobody is
+        ``wanting`` a lane, reopens it. Reopening it here would wake its whole waiting group only
+        for the next aged request to close it again at once: under a backlog of aged requests that
+        cycle ran every step and made each step cost grow with the backlog
+        (``bench/bench_scheduler.py --long``)."""
+        self.wanting.pop(req.request_id, None)
         if self.claim is req:
             self.claim = None

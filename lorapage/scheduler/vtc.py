@@ -223,6 +223,7 @@ class VtcScheduler(Generic[R]):
             "waiting_or_running": self._num_waiting + len(self._running),
             "group_heap_entries": self._groups.heap_entries(),
             "groups": len(self._groups.groups),
+            "wanting_entries": len(self.lanes.wanting),
         }
 
     # --- arrivals ---------------------------------------------------------------------------
@@ -247,6 +248,11 @@ class VtcScheduler(Generic[R]):
         self._num_waiting += 1
         if req.adapter is not None:
             self._groups.add(entry, self.lanes.running)
+            size = self._groups.size(req.adapter)
+            if size == 1:
+                self.lanes.want(req)  # it may take a tail lane: keep them from being lent
+            elif size == 2:  # the other one is no single any more (aged, it asks again when refused)
+                self.lanes.unwant(next(iter(self._groups.groups[req.adapter].values())).req)
 
     # --- one tenant's turn ------------------------------------------------------------------
 
@@ -351,6 +357,7 @@ class VtcScheduler(Generic[R]):
 
     def _wake(self, now: float, ctx: AdmissionContext[R]) -> None:
         """Before a step: act on what happened since the last one."""
+        self._lend_or_recall(now, ctx)
         fresh, self._fresh = self._fresh, []
         loading, self._loading = self._loading, {}
         self._look_at(fresh + list(loading.values()), now, ctx)
@@ -372,6 +379,30 @@ class VtcScheduler(Generic[R]):
             if request_id in t.waiting:
                 self._queue.activate(t)
                 return
+
+    def _lend_or_recall(self, now: float, ctx: AdmissionContext[R]) -> None:
+        """Drop the stale front of ``lanes.wanting``: if a request is left that could open any
+        lane, lanes lent are owed back; if none, the reserved ones are lent."""
+        wanting = self.lanes.wanting
+        while wanting:
+            req = next(iter(wanting.values()))
+            entry = self._queue.tenants[req.tenant].waiting.get(req.request_id)
+            if entry is not None and self._may_open_any(entry, now, ctx):
+                self.lanes.recall()
+                return
+            self.lanes.unclaim(req)
+        self.lanes.lend()
+
+    def _may_open_any(self, entry: Waiting[R], now: float, ctx: AdmissionContext[R]) -> bool:
+        """``entry``'s adapter is ready and outside the batch, and it is a single request for
+        that adapter or aged: it may take a tail lane."""
+        req = entry.req
+        if req.adapter is None or req.adapter in self.lanes.running:
+            return False
+        if not ctx.adapter_ready(req):
+            self._loading[req.request_id] = entry  # looked at again once it has loaded
+            return False
+        return self._groups.size(req.adapter) == 1 or now - entry.enqueued_at >= self.config.age_deadline_s
 
     def _look_at(self, entries: list[Waiting[R]], now: float, ctx: AdmissionContext[R]) -> None:
         """Wake the parked tenant of each entry that can enter now; register the others."""

@@ -1,21 +1,16 @@
 """Admin routes: register adapter versions, deploy and roll back, inspect and delete them,
-pre-warm or drop them, read engine state.
+pre-warm or drop them, read engine state; vLLM's load and unload routes over the same operations.
 
-All of them take the admin key only. Registration is the one place where the server reads a path
-or fetches a URI named in a request: a directory only under the ``--adapter-root`` directories
-(resolved first, symlinks and ``..`` followed, and so is every file in it, so neither the path nor
-a link inside it reaches outside a root; without a root it is refused), or an https / s3 / hf
-source (see :mod:`lorapage.adapters.sources`). A version is answered 201 only once committed to
-the registry, so it survives a restart.
+All of them take the admin key only, and a body of at most :data:`ADMIN_MAX_BODY_BYTES` (read
+as it streams: nothing past the limit is read). What a registration may read, and from where, is
+:mod:`lorapage.server.registration`'s rule. A version is answered 201 only once committed to the
+registry, so it survives a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -23,59 +18,38 @@ from aiohttp import web
 
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.registry import parse_name
-from lorapage.adapters.sources import parse_source
-from lorapage.errors import (
-    AdapterBusyError,
-    AdapterFormatError,
-    AdapterNotFoundError,
-    AdapterSourceError,
-    InvalidRequestError,
-    PermissionDeniedError,
-)
+from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.server import protocol
-from lorapage.server.auth import Access
+from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
+from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut
 
-_ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_RESERVED_IDS = ("none",)  # x-adapter-id of base-model requests
+# An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
+ADMIN_MAX_BODY_BYTES = 64 << 10
 
 
-def registration(body: bytes, base_name: str, access: Access) -> protocol.AdapterCreateRequest:
-    """A ``POST /v1/adapters`` body, decoded and checked: the id, the tenant, one source field."""
-    req = protocol.decode(body, protocol.AdapterCreateRequest)
-    if not _ADAPTER_ID.match(req.id) or req.id in _RESERVED_IDS or req.id == base_name:
-        raise InvalidRequestError(
-            f"adapter id {req.id!r} must be 1-128 letters, digits, '.', '_' or '-', start with a letter "
-            "or digit, and not be 'none' or the base model's name",
-            param="id",
-        )
-    if not access.is_tenant(req.tenant):
-        raise InvalidRequestError(f"tenant {req.tenant!r} is not in the tenants file", param="tenant")
-    if (req.source is None) == (req.path is None):
-        raise InvalidRequestError("give the adapter's files as `source` (or the older `path`), once", param="source")
-    return req
+def check_body_length(length: int | None, limit: int) -> None:
+    """Refuse (413) a body whose declared length is over ``limit``, before reading any of it."""
+    if length is not None and length > limit:
+        raise BodyTooLargeError(f"request body is {length} bytes; the limit is {limit}")
 
 
-async def checked_source(req: protocol.AdapterCreateRequest, roots: Sequence[Path]) -> str:
-    """The registration's source as a canonical URI; a directory only under ``roots``. Checked
-    in a worker (the file system is read: symlinks resolved, roots enforced)."""
-    raw = req.source if req.source is not None else req.path
-    assert raw is not None
-    parsed = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: parse_source(raw, sha256=req.sha256, adapter_roots=tuple(roots))
-    )
-    return parsed.uri
+def body_too_large(limit: int) -> BodyTooLargeError:
+    """The 413 for a body that streamed past ``limit`` (no length declared, or a wrong one)."""
+    return BodyTooLargeError(f"request body is over the limit of {limit} bytes; reading stopped there")
 
 
-@contextmanager
-def source_errors(req: protocol.AdapterCreateRequest) -> Iterator[None]:
-    """Errors about the adapter's files name the field the caller used (``source`` or ``path``)."""
-    try:
-        yield
-    except (AdapterFormatError, AdapterSourceError, InvalidRequestError, PermissionDeniedError) as exc:
-        if exc.param in (None, "source", "path"):
-            exc.param = "source" if req.source is not None else "path"
-        raise
+async def read_admin_body(request: web.Request, limit: int = ADMIN_MAX_BODY_BYTES) -> bytes:
+    """An admin route's body, read as it streams and refused (413) once past ``limit``: a body
+    without a Content-Length (chunked) is never read whole first."""
+    check_body_length(request.content_length, limit)
+    chunks, size = [], 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def cost_fields(info: AdapterInfo) -> dict[str, Any]:
@@ -132,19 +106,40 @@ class AdminRoutes:
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state = self._state(request)
-        req = registration(await request.read(), state.engine.base_name, state.access)
-        with source_errors(req):
-            source = await checked_source(req, state.adapter_roots)
-            info = await state.engine.register_adapter(
-                req.id,
-                source,
-                owner=req.tenant,
-                sha256=req.sha256,
-                expected_base_digest=req.expected_base_digest,
-                activate=req.activate,
-            )
-        state.access.owners[req.id] = req.tenant
+        reg = registration(await read_admin_body(request), state.engine.base_name, state.access)
+        info = await self._register(state, reg)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
+
+    async def _register(self, state, reg: Registration) -> AdapterInfo:
+        with source_errors(reg):
+            source = await checked_source(reg, state.engine.adapter_roots, state.access)
+            info = await state.engine.register_adapter(
+                reg.id,
+                source,
+                owner=reg.owner,
+                sha256=reg.sha256,
+                expected_base_digest=reg.expected_base_digest,
+                activate=reg.activate,
+            )
+        if reg.owner is not None:
+            state.access.set_owner(reg.id, reg.owner)
+        return info
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.server.lora_admin`)."""
+        state = self._state(request)
+        body = await read_admin_body(request)
+        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.catalog.ids())
+        await self._register(state, reg)
+        return web.Response(text=lora_success_text(reg.id, "added"))
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: a delete that drains (every version of the id)."""
+        state = self._state(request)
+        name = lora_unload_name(await read_admin_body(request))
+        with lora_not_found(name):
+            await self._delete(state, name, {"drain": "true"})
+        return web.Response(text=lora_success_text(name, "removed"))
 
     async def list(self, request: web.Request) -> web.Response:
         state = self._state(request)
@@ -184,7 +179,7 @@ class AdminRoutes:
         finish on the version they started with; new ones get this one."""
         state = self._state(request)
         adapter_id = request.match_info["id"]
-        req = protocol.decode(await request.read(), protocol.AdapterAliasRequest)
+        req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         if "@" in adapter_id or adapter_id not in state.engine.catalog.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         info = await state.engine.set_adapter_version(adapter_id, req.version)
@@ -195,16 +190,20 @@ class AdminRoutes:
         run, or with ``?drain=true`` hidden from new requests until the running ones end."""
         state = self._state(request)
         name = request.match_info["id"]
+        running = await self._delete(state, name, request.query)
+        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
+
+    async def _delete(self, state, name: str, query: Mapping[str, str]) -> int:
         keys = state.engine.catalog.removable(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
             state.engine.remove_adapter(name)  # 409 from the engine if it still holds requests
 
-        running = await remove_when_idle(name, keys, request.query, state.in_flight, state.draining, remove)
+        running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
         if adapter_id not in state.engine.catalog.ids():
-            state.access.owners.pop(adapter_id, None)
-        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
+            state.access.drop_owner(adapter_id)
+        return running
 
     async def load(self, request: web.Request) -> web.Response:
         state = self._state(request)
@@ -324,3 +323,5 @@ def add_admin_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_post("/internal/adapters/{id}/load", routes.load)
     app.router.add_post("/internal/adapters/{id}/unload", routes.unload)
     app.router.add_get("/internal/state", routes.internal_state)
+    app.router.add_post("/v1/load_lora_adapter", routes.load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", routes.unload_lora)

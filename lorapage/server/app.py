@@ -1,9 +1,14 @@
-"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py).
+"""The aiohttp application: OpenAI-compatible routes, health and metrics (admin routes: admin.py; vLLM's
+extra routes and /v1/responses: extra_routes.py).
 
-Every request is checked in the same order: API key (401), body size (413), JSON and types
-(400), field ranges (400), model visibility (404), prompt length against the context (400: first
-a bound on characters, then, off the event loop, the template and the tokenizer), the tenant's
-quota (429); only then does the engine see it (503 when its queue is full).
+Every request is checked in the same order, cheapest first, and takes its tenant's quota before
+any work that grows with its body: API key (401), declared body size (413), the tenant's
+requests per minute and its share of concurrency (429; nothing of the body has been read yet),
+the body read, decoded and checked (400; bounded in size, messages and nesting, decoded off the
+event loop when big), model visibility (404), prompt length against the context (400: first a
+bound on characters, then, off the event loop and in the tenant's turn, the template and the
+tokenizer, which stop at the context), the tenant's tokens per minute (429); only then does the
+engine see it (503 when its queue is full).
 """
 
 from __future__ import annotations
@@ -12,8 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -30,19 +34,25 @@ from lorapage.errors import (
 from lorapage.server import protocol
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.auth import Access
+from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.error_json import Handler, error_middleware
+from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
-from lorapage.server.prompts import PromptBuilder
+from lorapage.server.models_view import BaseCard, ModelsView
+from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
-from lorapage.server.responses import Model, ModelList
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 
 log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
+
+
+# Runs a job on the engine and answers it over HTTP (generation.respond's signature).
+Responder = Callable[[web.Request, Any, Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
 
 
 class ServerState:
@@ -56,7 +66,6 @@ class ServerState:
         max_body_bytes: int,
         shutdown_grace_s: float,
         metrics_public: bool,
-        adapter_roots: Sequence[str | Path],
     ) -> None:
         self.engine = engine
         self.access = access
@@ -64,8 +73,9 @@ class ServerState:
         for adapter_id in engine.catalog.ids():
             owner = engine.catalog.owner(adapter_id)
             if owner is not None:
-                access.owners[adapter_id] = owner
-        self.quotas = QuotaManager(access.tenants, now=time.monotonic())
+                access.set_owner(adapter_id, owner)
+        # A tenant without max_concurrency may hold its share of the engine's queue, no more.
+        self.quotas = QuotaManager(access.tenants, now=time.monotonic(), queue_len=engine.config.max_queue_len)
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
         self.loop_lag = LoopLagMonitor()
         self.metrics = ServerMetrics(
@@ -79,8 +89,6 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
         self.metrics_public = metrics_public
-        # Admin registration reads adapter directories under these only (resolved: no symlink games).
-        self.adapter_roots = tuple(Path(root).resolve() for root in adapter_roots)
         self.started = int(time.time())
         self.in_flight: Counter[str | None] = Counter()  # adapter version id@N (None: base) -> requests running
         self.request_ids: set[str] = set()  # the engine's ids of the requests in flight
@@ -88,6 +96,17 @@ class ServerState:
         self.closing = False
         self.idle = asyncio.Event()
         self.idle.set()
+        self.card = BaseCard(engine.base_name, engine.max_model_len, self.started)
+        self.models = ModelsView(
+            access,
+            self.card,
+            serving=self._serving_ids,
+            key=lambda: (engine.catalog.generation, frozenset(self.draining)),
+        )
+
+    def _serving_ids(self) -> list[str]:
+        catalog = self.engine.catalog
+        return [v.adapter_id for v in catalog.versions() if v.current and v.servable and v.key not in self.draining]
 
     def check_open(self) -> None:
         if self.closing:
@@ -111,16 +130,27 @@ class ServerState:
         ``adapter`` (each adapter as ``id`` or ``id@N``); else 404."""
         return protocol.resolve_model(model, self.engine.base_name, lambda name: self.version_of(tenant, name))
 
-    def reserve(self, job: Job) -> Reservation:
-        """Charge the tenant's quota up front (429 with Retry-After when it is spent)."""
-        got = self.quotas.check_and_reserve(job.tenant, len(job.prompt), job.sampling.max_tokens, time.monotonic())
+    def admit(self, tenant: str) -> Reservation:
+        """Take one of the tenant's requests per minute and a concurrency slot before anything of
+        the request is read (429 with Retry-After when it has none); :meth:`release` frees it."""
+        got = self.quotas.admit(tenant, time.monotonic())
         if isinstance(got, QuotaExceeded):
-            self.record_rejected(job, got.which)
+            self.engine.scheduler_metrics.record_rejected(tenant, 0, got.which)  # its size is not known yet
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
         return got
 
+    def release(self, reservation: Reservation, used_tokens: int = 0) -> None:
+        self.quotas.release(reservation, used_tokens, time.monotonic())
+
+    def charge(self, reservation: Reservation, job: Job) -> None:
+        """Take the request's tokens (prompt + max_tokens) from its tenant's TPM (429 when short)."""
+        refused = self.quotas.charge(reservation, job.prompt_tokens, job.completion_budget(), time.monotonic())
+        if refused is not None:
+            self.record_rejected(job, refused.which)
+            raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
+
     def record_rejected(self, job: Job, reason: str) -> None:
-        tokens = len(job.prompt) + job.sampling.max_tokens
+        tokens = job.prompt_tokens + job.completion_budget()
         self.engine.scheduler_metrics.record_rejected(job.tenant, tokens, reason)
 
     def overload_retry_after(self) -> int:
@@ -130,21 +160,26 @@ class ServerState:
             self.admissions.per_second(time.monotonic()),
         )
 
-    async def run(self, request: web.Request, job: Job) -> web.StreamResponse:
-        reservation = self.reserve(job)
+    async def run(
+        self, request: web.Request, job: Job, reservation: Reservation, responder: Responder = respond
+    ) -> web.StreamResponse:
+        """Charge ``job``'s tokens, run it and answer it with ``responder`` (chat and completions'
+        shapes by default; ``/v1/responses`` brings its own), counted in flight meanwhile."""
+        self.charge(reservation, job)
         self.in_flight[job.adapter] += 1
         self.request_ids.add(job.engine_id)
         self.idle.clear()
         try:
-            return await respond(request, self.engine, job, self.metrics, self.admissions)
+            return await responder(request, self.engine, job, self.metrics, self.admissions)
         except EngineOverloadedError as exc:
             self.record_rejected(job, "queue_full")
             exc.retry_after = self.overload_retry_after()
             raise
         finally:
-            # Refund everything when nothing was generated (refused by the engine, or cut early).
-            used = len(job.prompt) + job.generated if job.generated else 0
-            self.quotas.release(reservation, used, time.monotonic())
+            # Refund what was not used: max_tokens not generated, and when it was cut (or refused)
+            # before its first token, the prompt tokens the engine did not compute.
+            used = job.prompt_tokens + job.generated if job.generated else job.prompt_computed
+            self.release(reservation, used)
             self.request_ids.discard(job.engine_id)
             self.in_flight[job.adapter] -= 1
             if self.in_flight[job.adapter] <= 0:
@@ -171,84 +206,77 @@ def reload_tenants(app: web.Application, path: str) -> None:
     log.info("tenants file reloaded: %d tenants", len(config.tenants))
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request body, refused with 413 past the limit before reading it when the length is known."""
+def check_length(request: web.Request) -> None:
+    """413 for a body declared past the limit, before anything else is spent on it (one sent
+    without a length is cut at the limit as it is read: aiohttp's ``client_max_size``)."""
     limit = request.app[STATE].max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLargeError(f"request body is {request.content_length} bytes; the limit is {limit}")
-    return await request.read()
 
 
-def _job(
-    state: ServerState, kind: str, req: Any, tenant: str, ids: list[int], logprobs: int | None, arrival: float
-) -> Job:
+def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float) -> Job:
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
-    model, adapter = state.resolve(req.model, tenant)
-    return make_job(kind, req, model, adapter, tenant, ids, state.engine.max_model_len, logprobs, arrival, state.access)
+    model, adapter = state.resolve(parsed.req.model, tenant)
+    return make_job(
+        kind,
+        parsed,
+        model,
+        adapter,
+        tenant,
+        prompts.ids,
+        state.engine.max_model_len,
+        arrival,
+        state.access,
+        tools=prompts.tools,
+        prompt_texts=prompts.texts,
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE]
-    tenant = state.access.tenant_for(request)
-    state.check_open()
-    req = protocol.decode(await read_body(request), protocol.ChatCompletionRequest)
-    protocol.check_common(req)
-    logprobs = protocol.chat_logprobs(req)
-    messages = protocol.chat_messages(req)
-    state.resolve(req.model, tenant)  # 404 before the template runs
-    ids = await state.prompts.chat(messages)
-    return await state.run(request, _job(state, "chat", req, tenant, ids, logprobs, arrival))
+    return await _generate(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
     tenant = state.access.tenant_for(request)
     state.check_open()
-    req = protocol.decode(await read_body(request), protocol.CompletionRequest)
-    protocol.check_common(req)
-    logprobs = protocol.completion_logprobs(req)
-    prompt = protocol.completion_prompt(req, state.engine.model_config.vocab_size, state.engine.max_model_len)
-    state.resolve(req.model, tenant)  # 404 before the tokenizer runs
-    ids = await state.prompts.completion(prompt)
-    return await state.run(request, _job(state, "completion", req, tenant, ids, logprobs, arrival))
-
-
-def _models(state: ServerState, tenant: str) -> list[Model]:
-    base, max_len = state.engine.base_name, state.engine.max_model_len
-    out = [Model(id=base, created=state.started, owned_by="lorapage", root=base, max_model_len=max_len)]
-    for name in sorted(info.adapter_id for info in state.engine.list_adapters()):
-        if state.version_of(tenant, name) is not None:
-            out.append(
-                Model(id=name, created=state.started, owned_by=tenant, parent=base, root=base, max_model_len=max_len)
-            )
-    return out
+    check_length(request)
+    reservation = state.admit(tenant)  # before the body is read: a refusal costs nothing more
+    try:
+        body = await request.read()
+        engine = state.engine
+        if kind == "chat":
+            parsed = await state.prompts.parse(tenant, body, protocol.parse_chat)
+        else:
+            vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
+            parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
+        state.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+        prompts = await state.prompts.of(kind, tenant, parsed)
+        job = _job(state, kind, parsed, tenant, prompts, arrival)
+        return await state.run(request, job, reservation)
+    finally:
+        state.release(reservation)  # already released (with its usage) once it ran: then nothing
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The base and the adapters the tenant may use; one of its requests per minute."""
     state = request.app[STATE]
-    data = _models(state, state.access.tenant_for(request))
-    return web.Response(body=msgspec.json.encode(ModelList(data=data)), content_type="application/json")
+    tenant = state.access.tenant_for(request)
+    state.release(state.admit(tenant))
+    return web.Response(body=state.models.body(tenant), content_type="application/json")
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.access.tenant_for(request)
-    wanted = request.match_info["model"]
-    model, _ = state.resolve(wanted, tenant)
-    found = next((m for m in _models(state, tenant) if m.id == parse_name(model)[0]), None)
-    if found is None:  # an older version, id@N, named explicitly
-        found = Model(
-            id=model,
-            created=state.started,
-            owned_by=tenant,
-            parent=state.engine.base_name,
-            root=state.engine.base_name,
-            max_model_len=state.engine.max_model_len,
-        )
-    elif found.id != model:
-        found = msgspec.structs.replace(found, id=model)
+    state.release(state.admit(tenant))
+    model, adapter = state.resolve(request.match_info["model"], tenant)
+    found = state.card.base() if adapter is None else state.card.adapter(model, tenant)
     return web.Response(body=msgspec.json.encode(found), content_type="application/json")
 
 
@@ -314,21 +342,23 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_grace_s: float = 10.0,
     metrics_public: bool = False,
-    adapter_roots: Sequence[str | Path] = (),
+    edge: EdgeLimits | None = None,
 ) -> web.Application:
     """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine.
 
     ``/metrics`` takes the admin key or a ``[metrics]`` key unless ``metrics_public``. Admin
-    registration reads adapter directories only under ``adapter_roots`` (none: it is refused).
+    registration reads adapter directories only under the engine's ``adapter_roots`` (an engine
+    built to read any directory lets HTTP registration read none). ``edge`` bounds connections
+    (header timeout, per-address cap) when served by :func:`~lorapage.server.run.start`.
     """
     app = web.Application(client_max_size=max_body_bytes, middlewares=[count_middleware, error_middleware])
+    app[EDGE_LIMITS] = edge or EdgeLimits()
     app[STATE] = ServerState(
         engine,
         access,
         max_body_bytes=max_body_bytes,
         shutdown_grace_s=shutdown_grace_s,
         metrics_public=metrics_public,
-        adapter_roots=adapter_roots,
     )
     engine.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -338,6 +368,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, STATE)
+    add_extra_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)

@@ -14,7 +14,9 @@ tenants its operator put in its ``prefix_cache_group``.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from aiohttp import web
 
@@ -36,12 +38,36 @@ def bearer_key(request: web.Request) -> str | None:
 
 
 class Access:
-    """Who may call what. ``owners`` grows and shrinks as the admin registers and removes adapters;
-    the tenants file itself is immutable and replaced whole on reload."""
+    """Who may call what. ``owners`` grows and shrinks as the admin registers and removes adapters
+    (:meth:`set_owner`, :meth:`drop_owner`); the tenants file itself is immutable and replaced whole
+    on reload. ``generation`` grows at each of these changes, so views built from them (a
+    tenant's ``/v1/models``) know when they are stale."""
 
     def __init__(self, tenants: TenantsConfig, owners: dict[str, str] | None = None) -> None:
-        self.tenants = tenants
-        self.owners: dict[str, str] = dict(owners or {})  # adapter id -> tenant it was registered for
+        self._tenants = tenants
+        self._owners: dict[str, str] = dict(owners or {})  # adapter id -> tenant it was registered for
+        self.owners: Mapping[str, str] = MappingProxyType(self._owners)
+        self.generation = 0
+
+    @property
+    def tenants(self) -> TenantsConfig:
+        return self._tenants
+
+    @tenants.setter
+    def tenants(self, config: TenantsConfig) -> None:
+        self._tenants = config
+        self.generation += 1
+
+    def set_owner(self, adapter_id: str, tenant: str) -> None:
+        """``adapter_id`` was registered for ``tenant``: only that tenant may use it."""
+        if self._owners.get(adapter_id) != tenant:
+            self._owners[adapter_id] = tenant
+            self.generation += 1
+
+    def drop_owner(self, adapter_id: str) -> None:
+        """``adapter_id`` is gone (every version deleted)."""
+        if self._owners.pop(adapter_id, None) is not None:
+            self.generation += 1
 
     @classmethod
     def from_file(cls, path: str | Path) -> Access:
@@ -114,6 +140,12 @@ class Access:
         if owner is not None:
             return owner == tenant
         return self.may_use(tenant, adapter) and not self.tenants.others_may_use_unowned(tenant, adapter)
+
+    def default_max_tokens(self, tenant: str) -> int | None:
+        """What a request of ``tenant`` without max_tokens reserves from its TPM up front (None:
+        the whole budget, for a tenant the tenants file does not name)."""
+        config = self.tenants.tenants.get(tenant)
+        return config.default_max_tokens if config is not None else None
 
     def prefix_group(self, tenant: str) -> str | None:
         """The group whose tenants share ``tenant``'s cached prompt prefixes (None: only its own)."""

@@ -14,6 +14,7 @@ import msgspec
 from aiohttp import web
 
 from lorapage.errors import BodyTooLargeError, LorapageError
+from lorapage.server.route_hints import not_found_message
 
 log = logging.getLogger("lorapage.server")
 
@@ -78,11 +79,20 @@ def error_response(exc: LorapageError) -> web.Response:
     )
 
 
-def _from_http(exc: web.HTTPException) -> LorapageError:
+def app_routes(app: web.Application) -> list[tuple[str, str]]:
+    """``(method, pattern)`` of every route ``app`` serves (HEAD, which aiohttp adds to GET, left out)."""
+    return [
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.method != "HEAD" and route.resource is not None
+    ]
+
+
+def _from_http(request: web.Request, exc: web.HTTPException) -> LorapageError:
     if exc.status == 413:
         return BodyTooLargeError(f"request body too large: {exc.text or 'over the limit'}")
     if exc.status == 404:
-        return HttpError(404, "not_found", "no such route; see docs/api.md for the routes lorapage serves")
+        return HttpError(404, "not_found", not_found_message(request.method, request.path, app_routes(request.app)))
     if exc.status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ())))
         return HttpError(405, "method_not_allowed", f"method not allowed; allowed: {allowed}")
@@ -92,17 +102,27 @@ def _from_http(exc: web.HTTPException) -> LorapageError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def log_refusal(method: str, path: str, remote: str | None, exc: LorapageError) -> None:
+    """One line per refused request, no traceback: anyone can send bad requests, and a
+    traceback each would bury the log (unexpected exceptions keep theirs)."""
+    detail = " ".join(exc.message.split())[:200]
+    log.info("refused %s %s from %s: %d %s: %s", method, path[:200], remote or "-", exc.status, exc.code, detail)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Map every failure of a handler onto an OpenAI-shaped error response."""
+    """Map every failure of a handler onto an OpenAI-shaped error response (a refusal logged in one line)."""
     try:
         return await handler(request)
     except LorapageError as exc:
+        log_refusal(request.method, request.path, request.remote, exc)
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(_from_http(exc))
+        refusal = _from_http(request, exc)
+        log_refusal(request.method, request.path, request.remote, refusal)
+        return error_response(refusal)
     except (ConnectionResetError, ConnectionAbortedError):
         raise
     except Exception:

@@ -13,6 +13,8 @@ SSE frames); :func:`respond` writes it with aiohttp, and the Ray Serve ingress
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -24,31 +26,36 @@ from aiohttp import web
 
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailableError
+from lorapage.request import PromptProgress
 from lorapage.sampling_params import SamplingParams
-from lorapage.server import protocol
-from lorapage.server import responses as r
+from lorapage.server import protocol, responses as r
 from lorapage.server.auth import Access
 from lorapage.server.error_json import error_payload
+from lorapage.server.fields import ToolUse
 from lorapage.server.metrics import ServerMetrics
 from lorapage.server.quota import AdmissionRate
 from lorapage.server.sse import DONE, EventStream, frame
+from lorapage.tools.formats import ToolCall
+from lorapage.tools.stream import ToolStream
 
 
 @dataclass
 class Job:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the engine: one or more prompts (a completions request may
+    batch several), each answered ``sampling.n`` times; choice ``i * n + k`` is prompt i's k-th."""
 
     kind: str  # "chat" | "completion"
     model: str  # the id echoed back (as /v1/models lists it)
     adapter: str | None
     tenant: str
-    prompt: list[int]
+    prompts: list[list[int]]
     sampling: SamplingParams
     stream: bool
     include_usage: bool
     arrival: float = field(default_factory=time.monotonic)
     request_id: str = ""  # what the client is told (the body's id, x-request-id); may carry the client's id
-    generated: int = 0  # tokens generated so far (what the quota is charged for)
+    generated: int = 0  # tokens generated so far, all choices (what the quota is charged for)
+    prompt_computed: int = 0  # prompt tokens the engine computed, known once it ended (charged when cut early)
     created: int = field(default_factory=lambda: int(time.time()))
     adapter_version: int | None = None  # the immutable version the adapter resolved to, when versioned
     # The engine's id for it: always made here, never the client's, so no tenant can name (and
@@ -56,35 +63,88 @@ class Job:
     engine_id: str = ""
     prefix_group: str | None = None  # whose cached prompt prefixes it shares (None: its tenant's only)
     show_tier: bool = False  # x-adapter-tier tells where the adapter was (only the tenant uses it)
+    echo: bool = False  # completions: the prompt goes before each answer, with its logprobs
+    echo_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
+    prompt_texts: list[str] = field(default_factory=list)  # each prompt's text, for echo
+    tools: ToolUse | None = None  # tools the output may call (parsed from it)
+    # Tokens of max_tokens taken from the TPM bucket up front when the client set no max_tokens
+    # (the tenant's default_max_tokens; the rest is settled when the request ends).
+    reserve_tokens: int | None = None
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.engine_id = self.engine_id or f"{prefix}-{uuid.uuid4().hex}"
         self.request_id = self.request_id or self.engine_id
 
+    @property
+    def prompt(self) -> list[int]:
+        return self.prompts[0]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.sampling.n
+
+    def engine_ids(self) -> list[str]:
+        """The engine's id of each prompt's request."""
+        return [self.engine_id if i == 0 else f"{self.engine_id}-p{i}" for i in range(len(self.prompts))]
+
+    def completion_budget(self) -> int:
+        """Completion tokens the TPM bucket is charged up front, every choice together."""
+        per_choice = self.sampling.max_tokens if self.reserve_tokens is None else self.reserve_tokens
+        return per_choice * self.choices
+
 
 def make_job(
     kind: str,
-    req: Any,
+    parsed: Any,
     model: str,
     adapter: str | None,
     tenant: str,
-    ids: list[int],
+    prompts: list[list[int]],
     max_model_len: int,
-    logprobs: int | None,
     arrival: float,
     access: Access,
     request_id: str = "",
+    *,
+    tools: ToolUse | None = None,
+    prompt_texts: list[str] | None = None,
 ) -> Job:
-    """The :class:`Job` of a decoded, checked and resolved request whose prompt is ``ids``
-    (400 when the prompt is empty or the completion budget does not fit the context), with what
-    ``access`` lets its tenant share and see; without a ``request_id`` to tell the client it gets
-    a new one (the engine's id is always new)."""
-    if not ids:
+    """The :class:`Job` of a decoded, checked and resolved request (``parsed``: a
+    :class:`~lorapage.server.protocol.Parsed`) whose prompts are ``prompts`` (400 when one is empty
+    or the completion budget does not fit the context beside the longest), with what ``access``
+    lets its tenant share and see; without a ``request_id`` to tell the client it gets a new one
+    (the engine's id is always new)."""
+    req = parsed.req
+    if not prompts or not all(prompts):
         raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
-    sampling = protocol.sampling_params(req, len(ids), max_model_len, logprobs, kind)
+    structured = parsed.structured
+    if tools is not None and tools.constraint is not None:
+        if structured is not None:
+            raise InvalidRequestError(
+                f"tool_choice {req.tool_choice!r} constrains the output: it cannot be combined with {structured.param}",
+                param="tool_choice",
+            )
+        structured = tools.constraint
+    # A format whose call marker is a special token ([TOOL_CALLS]) must keep it in the text.
+    keep_special = tools is not None and tools.fmt.name == "mistral"
+    longest = max(map(len, prompts))
+    sampling = protocol.sampling_params(
+        req, longest, max_model_len, parsed.logprobs, kind, structured, skip_special_tokens=not keep_special
+    )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    job = Job(kind, model, adapter, tenant, ids, sampling, bool(req.stream), include_usage, arrival, request_id)
+    job = Job(kind, model, adapter, tenant, prompts, sampling, bool(req.stream), include_usage, arrival, request_id)
+    job.echo = kind == "completion" and bool(req.echo)
+    job.echo_only = job.echo and protocol.requested_max_tokens(req, allow_zero=True)[0] == 0
+    job.prompt_texts = prompt_texts or []
+    job.tools = tools if tools is not None and tools.parse else None
+    max_tokens, _ = protocol.requested_max_tokens(req, allow_zero=job.echo)
+    if max_tokens is None and kind == "chat":
+        default = access.default_max_tokens(tenant)
+        job.reserve_tokens = min(default, sampling.max_tokens) if default is not None else None
     job.prefix_group = access.prefix_group(tenant)
     if adapter is not None:
         adapter_id, job.adapter_version = parse_name(adapter)  # the version this request runs on to its end
@@ -92,123 +152,314 @@ def make_job(
     return job
 
 
+async def chained(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGenerator[Any, None]:
+    """As :func:`merged`, one stream after another (each prompt starts when the one before ends)."""
+    try:
+        for i, stream in enumerate(streams):
+            async for out in stream:
+                yield dataclasses.replace(out, index=i * n + out.index)
+    finally:
+        for stream in streams:
+            await stream.aclose()
+
+
+async def merged(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGenerator[Any, None]:
+    """The outputs of several prompts' streams as one, each output's ``index`` made its choice's
+    (``prompt * n + index``). A stream's error is raised at once; closing this closes them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncGenerator[Any, None]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as exc:  # raised to the reader
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    live = len(streams)
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield dataclasses.replace(item, index=i * n + item.index)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # out of the streams before closing them
+        for stream in streams:
+            await stream.aclose()
+
+
 class Timing:
-    """Counts a request's generated tokens (what its quota is charged for) and, given metrics,
-    feeds the latency histograms from its outputs."""
+    """Counts a request's generated tokens, every choice together (what its quota is charged
+    for), and, given metrics, feeds the latency histograms from its outputs."""
 
     def __init__(self, job: Job, metrics: ServerMetrics | None = None, admissions: AdmissionRate | None = None) -> None:
         self.job, self.metrics, self.admissions = job, metrics, admissions
-        self.seen = 0
+        self.counts: dict[int, int] = {}  # choice index -> tokens seen
         self.last = job.arrival
         self.tier = "none"
 
     def observe(self, out: Any) -> None:
         self.tier = out.adapter_tier or "none"
         now, n = time.monotonic(), len(out.token_ids)
-        new = n - self.seen
+        new = n - self.counts.get(out.index, 0)
         if new <= 0:
             return
-        self.job.generated = n
+        first = not self.counts
+        self.counts[out.index] = n
+        self.job.generated = sum(self.counts.values())
         if self.metrics is None or self.admissions is None:
-            self.seen, self.last = n, now
+            self.last = now
             return
         labels = (self.job.tenant, self.tier)
         self.metrics.generation_tokens.labels(self.job.tenant).inc(new)
-        if self.seen == 0:
+        if first:
             self.admissions.record(now)
-            self.metrics.prompt_tokens.labels(self.job.tenant).inc(len(out.prompt_token_ids))
+            self.metrics.prompt_tokens.labels(self.job.tenant).inc(self.job.prompt_tokens)
             self.metrics.ttft.labels(*labels).observe(now - self.last)
         else:
             gap = self.metrics.itl.labels(*labels)
             for _ in range(new):  # tokens that arrived together split the wait evenly
                 gap.observe((now - self.last) / new)
-        self.seen, self.last = n, now
+        self.last = now
 
     def finish(self) -> None:
         if self.metrics is not None:
             self.metrics.e2e.labels(self.job.tenant, self.tier).observe(time.monotonic() - self.job.arrival)
 
 
-def _usage(out: Any) -> r.Usage:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return r.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-
-def _finish_reason(out: Any) -> str:
+def _finish_reason(out: Any, calls: bool = False) -> str:
     if out.finish_reason == "abort":
         raise ServiceUnavailableError("the request was aborted: the server is shutting down; retry elsewhere")
+    if calls:
+        return "tool_calls"
     return out.finish_reason or "stop"
 
 
+@dataclass
+class _Choice:
+    """One choice's formatting state."""
+
+    logprobs_sent: int = 0
+    text_offset: int = 0
+    gathered: r.ChatLogprobs | r.CompletionLogprobs | None = None
+    tools: ToolStream | None = None
+    last: Any = None
+    role_sent: bool = False
+
+
 class Formatter:
-    """Builds one request's chat or completion bodies, including logprobs, from engine outputs."""
+    """Builds one request's chat or completion bodies, including logprobs, tool calls and echoed
+    prompts, from engine outputs, choice by choice.
+
+    A whole answer's logprobs are formatted as its outputs arrive (:meth:`gather`), a step's
+    tokens at a time, not all at the end: 16,000 tokens with 20 alternatives each once held the
+    event loop for 1.7 s after the last one."""
 
     def __init__(self, job: Job, tokenizer: Any) -> None:
         self.job, self.tokenizer = job, tokenizer
-        self.logprobs_sent = 0
-        self.text_offset = 0
+        self._choices: dict[int, _Choice] = {}
+        self._tokens: dict[int, tuple[str, list[int]]] = {}  # token id -> its text and bytes (at most the vocabulary)
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def choice(self, index: int) -> _Choice:
+        c = self._choices.get(index)
+        if c is None:
+            c = self._choices[index] = _Choice()
+            if self.job.tools is not None:
+                c.tools = ToolStream(self.job.tools.fmt)
+        return c
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        got = self._tokens.get(token_id)
+        if got is None:
+            text = self.tokenizer.decode([token_id])
+            got = self._tokens[token_id] = (text, list(text.encode()))
+        return got
 
     def _chat_logprobs(self, items: list) -> r.ChatLogprobs:
         content = []
         for lp in items:
-            tok = self._token(lp.token_id)
-            top = [r.TopLogprob(t, v, list(t.encode())) for t, v in ((self._token(i), v) for i, v in lp.top)]
-            content.append(r.ChatTokenLogprob(tok, lp.logprob, list(tok.encode()), top))
+            tok, tok_bytes = self._token(lp.token_id)
+            top = [r.TopLogprob(t, v, b) for (t, b), v in ((self._token(i), v) for i, v in lp.top)]
+            content.append(r.ChatTokenLogprob(tok, lp.logprob, tok_bytes, top))
         return r.ChatLogprobs(content=content)
 
-    def _completion_logprobs(self, items: list) -> r.CompletionLogprobs:
+    def _completion_logprobs(self, items: list, c: _Choice) -> r.CompletionLogprobs:
         out = r.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for lp in items:
-            tok = self._token(lp.token_id)
+        for lp, token_id in items:
+            tok = self._token(token_id)[0]
             out.tokens.append(tok)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token(i): v for i, v in lp.top})
-            out.text_offset.append(self.text_offset)
-            self.text_offset += len(tok)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            out.top_logprobs.append({self._token(i)[0]: v for i, v in lp.top} if lp is not None else None)
+            out.text_offset.append(c.text_offset)
+            c.text_offset += len(tok)
         return out
 
     def _new_logprobs(self, out: Any) -> Any:
-        """Logprobs of the tokens not reported yet (``None`` when there are none)."""
-        items = (out.logprobs or [])[self.logprobs_sent :]
+        """Logprobs of the tokens of choice ``out.index`` not reported yet (``None``: none new)."""
+        c = self.choice(out.index)
+        items = (out.logprobs or [])[c.logprobs_sent :]
+        if self.job.echo_only:
+            items = []
         if not items:
             return None
-        self.logprobs_sent += len(items)
-        return self._chat_logprobs(items) if self.job.kind == "chat" else self._completion_logprobs(items)
+        c.logprobs_sent += len(items)
+        if self.job.kind == "chat":
+            return self._chat_logprobs(items)
+        return self._completion_logprobs([(lp, lp.token_id) for lp in items], c)
 
-    def whole(self, out: Any) -> r.ChatCompletion | r.Completion:
-        j, reason, logprobs = self.job, _finish_reason(out), self._new_logprobs(out)
+    def _echoed_logprobs(self, out: Any) -> r.CompletionLogprobs | None:
+        """The prompt's tokens as the start of an echoed answer's logprobs (first: None)."""
+        if self.job.sampling.logprobs is None:
+            return None
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self._completion_logprobs(list(zip(entries, out.prompt_token_ids)), self.choice(out.index))
+
+    def gather(self, out: Any) -> None:
+        """Format the logprobs ``out`` adds to its choice, for :meth:`whole`."""
+        c = self.choice(out.index)
+        c.last = out
+        if self.job.echo and c.gathered is None and c.logprobs_sent == 0:
+            c.gathered = self._echoed_logprobs(out)
+        new = self._new_logprobs(out)
+        if new is None:
+            return
+        if c.gathered is None:
+            c.gathered = new
+        elif isinstance(c.gathered, r.ChatLogprobs):
+            assert isinstance(new, r.ChatLogprobs)
+            c.gathered.content.extend(new.content)
+        else:
+            assert isinstance(new, r.CompletionLogprobs)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(c.gathered, name).extend(getattr(new, name))
+
+    def _prompt_logprobs(self, out: Any) -> r.PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of a choice's prompt, when asked for."""
+        if self.job.sampling.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        result: r.PromptLogprobs = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                result.append(None)
+                continue
+            entry = {i: r.PromptLogprob(v, None, self._token(i)[0]) for i, v in lp.top}
+            entry[lp.token_id] = r.PromptLogprob(lp.logprob, lp.rank, self._token(lp.token_id)[0])
+            result.append(entry)
+        return result
+
+    def _text(self, out: Any) -> str:
+        text = "" if self.job.echo_only else out.text
+        if self.job.echo:
+            text = self.job.prompt_texts[out.index // self.job.sampling.n] + text
+        return text
+
+    def whole(self, outs: list[Any]) -> r.ChatCompletion | r.Completion:
+        """The whole answer from each choice's last output (in choice order)."""
+        j = self.job
+        usage = _usage(j, outs)
         if j.kind == "chat":
-            message = r.AssistantMessage(content=out.text)
-            chat = r.ChatChoice(message=message, finish_reason=reason, logprobs=logprobs)
+            choices = []
+            for out in outs:
+                c = self.choice(out.index)
+                calls: list[ToolCall] = []
+                content: str | None = out.text
+                if j.tools is not None:
+                    content, calls = j.tools.fmt.parse(out.text)
+                tool_calls = [r.ToolCallOut(t.id, r.FunctionCallOut(t.name, t.arguments)) for t in calls] or None
+                message = r.AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls)
+                assert c.gathered is None or isinstance(c.gathered, r.ChatLogprobs)
+                choices.append(r.ChatChoice(message, _finish_reason(out, bool(calls)), c.gathered, out.index))
             return r.ChatCompletion(
-                id=j.request_id, created=j.created, model=j.model, choices=[chat], usage=_usage(out)
+                id=j.request_id,
+                created=j.created,
+                model=j.model,
+                choices=choices,
+                usage=usage,
+                prompt_logprobs=self._prompt_logprobs(outs[0]),
             )
-        choice = r.CompletionChoice(text=out.text, finish_reason=reason, logprobs=logprobs)
-        return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=[choice], usage=_usage(out))
+        completion_choices = []
+        for out in outs:
+            c = self.choice(out.index)
+            assert c.gathered is None or isinstance(c.gathered, r.CompletionLogprobs)
+            reason = "length" if j.echo_only else _finish_reason(out)
+            completion_choices.append(
+                r.CompletionChoice(self._text(out), reason, c.gathered, out.index, self._prompt_logprobs(out))
+            )
+        return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=completion_choices, usage=usage)
 
-    def chunk(self, text: str | None, logprobs: Any = None, finish: str | None = None, *, role: bool = False):
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        logprobs: Any = None,
+        finish: str | None = None,
+        *,
+        role: bool = False,
+        calls: list[ToolCall] | None = None,
+    ):
         j = self.job
         if j.kind == "chat":
-            delta = r.ChatDelta(role="assistant" if role else None, content=text)
-            chat = r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
+            deltas = [
+                r.ToolCallDelta(k, t.id, r.FunctionCallOut(t.name, t.arguments)) for k, t in enumerate(calls or [])
+            ]
+            delta = r.ChatDelta(role="assistant" if role else None, content=text, tool_calls=deltas or None)
+            chat = r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs, index=index)
             return r.ChatCompletionChunk(id=j.request_id, created=j.created, model=j.model, choices=[chat])
-        choice = r.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs)
+        choice = r.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs, index=index)
         return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=[choice])
 
-    def delta(self, out: Any):
-        """The chunk carrying what ``out`` adds, or ``None`` when it adds nothing to show."""
+    def deltas(self, out: Any) -> list:
+        """The chunks carrying what ``out`` adds to its choice (the role first, in a chat), and,
+        when it is the choice's last output, its tool calls and finish."""
+        c, j = self.choice(out.index), self.job
+        chunks = []
+        if j.kind == "chat" and not c.role_sent:
+            c.role_sent = True
+            chunks.append(self.chunk(out.index, "", role=True))
+        text = out.delta_text
+        if c.tools is not None:
+            text = c.tools.feed(text)
         logprobs = self._new_logprobs(out)
-        if not out.delta_text and logprobs is None:
-            return None
-        return self.chunk(out.delta_text, logprobs)
+        if text or logprobs is not None:
+            chunks.append(self.chunk(out.index, text, logprobs))
+        if out.finished:
+            calls: list[ToolCall] = []
+            if c.tools is not None:
+                rest, calls = c.tools.finish()
+                if rest:
+                    chunks.append(self.chunk(out.index, rest))
+                if calls:
+                    chunks.append(self.chunk(out.index, None, calls=calls))
+            finish = _finish_reason(out, bool(calls))
+            chunks.append(self.chunk(out.index, None if j.kind == "chat" else "", finish=finish))
+        return chunks
 
-    def usage(self, out: Any):
+    def usage(self, outs: list[Any]):
         j = self.job
         kind = r.ChatCompletionChunk if j.kind == "chat" else r.Completion
-        return kind(id=j.request_id, created=j.created, model=j.model, choices=[], usage=_usage(out))
+        return kind(id=j.request_id, created=j.created, model=j.model, choices=[], usage=_usage(j, outs))
+
+
+def _usage(job: Job, outs: list[Any]) -> r.Usage:
+    """Each prompt counts once, whatever its ``n``; every choice's tokens count."""
+    p = job.prompt_tokens
+    c = 0 if job.echo_only else sum(len(o.token_ids) for o in outs)
+    return r.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 SHARED_TIER = "shared"  # x-adapter-tier of an adapter other tenants may use too: where it is would tell of their use
@@ -238,7 +489,7 @@ class Answer:
 
 async def answer(outputs: AsyncGenerator[Any, None], job: Job, fmt: Formatter, timing: Timing) -> Answer:
     """Await ``outputs``' first item (a refusal raises here, before anything is sent), then
-    answer ``job`` whole or as a stream of SSE frames."""
+    answer ``job`` whole or as a stream of SSE frames, every choice in it."""
     streaming = False
     try:
         out = await anext(outputs)
@@ -247,11 +498,16 @@ async def answer(outputs: AsyncGenerator[Any, None], job: Job, fmt: Formatter, t
         if job.stream:
             streaming = True
             return Answer(headers, events=_events(outputs, out, job, fmt, timing))
-        while not out.finished:
+        last: dict[int, Any] = {}
+        while True:
+            fmt.gather(out)
+            last[out.index] = out
+            if len(last) == job.choices and all(o.finished for o in last.values()):
+                break
             out = await anext(outputs)
             timing.observe(out)
         timing.finish()
-        return Answer(headers, body=msgspec.json.encode(fmt.whole(out)))
+        return Answer(headers, body=msgspec.json.encode(fmt.whole([last[i] for i in sorted(last)])))
     finally:
         if not streaming:
             await outputs.aclose()
@@ -260,25 +516,44 @@ async def answer(outputs: AsyncGenerator[Any, None], job: Job, fmt: Formatter, t
 async def _events(
     outputs: AsyncGenerator[Any, None], out: Any, job: Job, fmt: Formatter, timing: Timing
 ) -> AsyncGenerator[bytes, None]:
+    last: dict[int, Any] = {}
     try:
-        if job.kind == "chat":
-            yield frame(fmt.chunk("", role=True))
         while True:
-            if (chunk := fmt.delta(out)) is not None:
+            for chunk in fmt.deltas(out):
                 yield frame(chunk)
-            if out.finished:
+            last[out.index] = out
+            if len(last) == job.choices and all(o.finished for o in last.values()):
                 break
             out = await anext(outputs)
             timing.observe(out)
         timing.finish()
-        yield frame(fmt.chunk(None if job.kind == "chat" else "", finish=_finish_reason(out)))
         if job.include_usage:
-            yield frame(fmt.usage(out))
+            yield frame(fmt.usage(list(last.values())))
     except LorapageError as exc:
         yield frame(error_payload(exc))
     finally:
         await outputs.aclose()
     yield DONE
+
+
+def engine_outputs(engine: Any, job: Job, progress: list[PromptProgress]) -> AsyncGenerator[Any, None]:
+    """The outputs of every prompt of ``job`` on an engine in this process, as one stream;
+    ``progress`` gets each prompt's computed-token count once its generator ends."""
+    streams = []
+    for prompt, engine_id in zip(job.prompts, job.engine_ids()):
+        progress.append(PromptProgress())
+        streams.append(
+            engine.generate(
+                prompt,
+                job.adapter,
+                job.sampling,
+                tenant=job.tenant,
+                request_id=engine_id,
+                prefix_group=job.prefix_group,
+                progress=progress[-1],
+            )
+        )
+    return merged(streams, job.sampling.n)
 
 
 async def respond(
@@ -288,24 +563,21 @@ async def respond(
     Its first output is recorded in ``admissions``."""
     timing = Timing(job, metrics, admissions)
     fmt = Formatter(job, engine.tokenizer)
-    outputs = engine.generate(
-        job.prompt,
-        job.adapter,
-        job.sampling,
-        tenant=job.tenant,
-        request_id=job.engine_id,
-        prefix_group=job.prefix_group,
-    )
-    got = await answer(outputs, job, fmt, timing)
-    if got.events is None:
-        return web.Response(body=got.body, content_type="application/json", headers=got.headers)
-    stream = EventStream(got.headers)
-    events = got.events
+    progress: list[PromptProgress] = []
+    outputs = engine_outputs(engine, job, progress)
     try:
-        await stream.open(request)
-        async for data in events:
-            await stream.write(data)
+        got = await answer(outputs, job, fmt, timing)
+        if got.events is None:
+            return web.Response(body=got.body, content_type="application/json", headers=got.headers)
+        stream = EventStream(got.headers)
+        events = got.events
+        try:
+            await stream.open(request)
+            async for data in events:
+                await stream.write(data)
+        finally:
+            await events.aclose()
     finally:
-        await events.aclose()
+        job.prompt_computed = sum(p.computed for p in progress)  # the generators have ended: filled in
     await stream.close()
     return stream.response

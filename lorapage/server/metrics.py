@@ -29,8 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from lorapage.adapters.metrics import COST_BOUNDS_PCT, AdapterMetrics
 from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
-from lorapage.scheduler.metrics import Histogram as SchedHistogram
-from lorapage.scheduler.metrics import SchedulerMetrics, TenantStats
+from lorapage.scheduler.metrics import Histogram as SchedHistogram, SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -76,6 +75,12 @@ class _LoopLagGauges:
         yield GaugeMetricFamily(
             "lorapage_event_loop_lag_last_seconds", "Lateness of the event loop's latest sample.", value=m.last
         )
+        samples = HistogramMetricFamily(
+            "lorapage_event_loop_lag_samples_seconds",
+            f"Lateness of the event loop, every sample (one each {m.interval_s:g} s).",
+        )
+        _histogram(samples, [], m.histogram)
+        yield samples
 
 
 _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
@@ -94,7 +99,11 @@ _REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ..
         "Requests refused before queueing, by reason (rpm, tpm, concurrency, queue_full).",
         lambda t: t.rejected_requests,
     ),
-    ("rejected_tokens", "Prompt plus max_tokens of refused requests, by reason.", lambda t: t.rejected_tokens),
+    (
+        "rejected_tokens",
+        "Prompt plus max_tokens of refused requests, by reason (none for a request refused before its body was read).",
+        lambda t: t.rejected_tokens,
+    ),
 )
 
 

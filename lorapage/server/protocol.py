@@ -12,14 +12,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
 from lorapage.errors import AdapterNotFoundError, InvalidRequestError, PromptTooLongError
-from lorapage.sampling_params import SamplingParams
+from lorapage.sampling_params import MAX_N, SamplingParams
+from lorapage.server.fields import (
+    Extras,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCallIn,
+    ToolDef,
+    check_extras,
+    structured_spec,
+)
+from lorapage.structured.spec import StructuredSpec
 
 INT64_MAX = 2**63 - 1
+# Bounds on what a body may hold, checked while it is decoded (msgspec) or right after, before
+# any per-item Python work: 140,000 empty messages once cost the loop a second before any check.
+MAX_MESSAGES = 4096  # a chat's messages
+MAX_CONTENT_PARTS = 4096  # content parts of all its messages together
+MAX_MODEL_CHARS = 512  # a model name longer than this names nothing (ids are at most 128 characters)
+MAX_PROMPTS = 256  # prompts in one completions request
+DEFAULT_COMPLETION_TOKENS = 16  # a completion without max_tokens (OpenAI's and vLLM's default)
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _UNKNOWN = re.compile(r"unknown field `(?P<field>[^`]*)`")
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]*)`")
@@ -34,15 +52,15 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[Any] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
 
 
-class _Common(msgspec.Struct, forbid_unknown_fields=True):
-    """Fields chat and completions share."""
+class _Common(Extras, forbid_unknown_fields=True, kw_only=True):
+    """Fields chat and completions share (vLLM's extras included: :class:`~lorapage.server.fields.Extras`)."""
 
     model: str
     max_tokens: int | None = None
@@ -57,23 +75,23 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
 
 
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = msgspec.field(default_factory=list)
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     metadata: dict[str, str] | None = None  # stored-completions tags: nothing to store, so ignored
     prompt_cache_key: str | None = None  # a caching hint; harmless to ignore
     safety_identifier: str | None = None  # like `user`, an opaque end-user id
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -84,11 +102,11 @@ class ChatCompletionRequest(_Common):
     verbosity: Any = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any] | None = None
     logprobs: int | None = None
-    echo: Any = None
-    best_of: Any = None
+    echo: bool | None = None
+    best_of: int | None = None
     suffix: Any = None
 
 
@@ -121,13 +139,8 @@ def _is(value: Any, *defaults: Any) -> bool:
 
 # Field -> test that its value is the default (behaviour lorapage already has).
 _NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda v: _is(v, None, {}),
-    "tools": lambda v: _is(v, None, []),
-    "tool_choice": lambda v: _is(v, None, "none", "auto"),
-    "parallel_tool_calls": lambda v: _is(v, None, True),
-    "functions": lambda v: _is(v, None, []),
+    "functions": lambda v: _is(v, None, []),  # the legacy form of tools: send tools
     "function_call": lambda v: _is(v, None, "none", "auto"),
-    "response_format": lambda v: _is(v, None, {"type": "text"}),
     "audio": lambda v: v is None,
     "modalities": lambda v: _is(v, None, ["text"]),
     "prediction": lambda v: v is None,
@@ -136,15 +149,16 @@ _NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "store": lambda v: _is(v, None, False),
     "service_tier": lambda v: _is(v, None, "auto", "default"),
     "verbosity": lambda v: _is(v, None, "medium"),
-    "echo": lambda v: _is(v, None, False),
-    "best_of": lambda v: _is(v, None, 1),
     "suffix": lambda v: _is(v, None, ""),
 }
-_SHOWN = {"response_format": '{"type": "text"}', "modalities": '["text"]'}
+_SHOWN = {"modalities": '["text"]'}
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a JSON body into ``kind``; any failure is a 400 naming the field when known."""
+    """Decode a JSON body into ``kind``; any failure is a 400 naming the field when known.
+
+    Nesting is bounded by the decoder's recursion guard (about a thousand levels): deeper JSON
+    is a 400, not a ``RecursionError``."""
     if not body.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
@@ -153,6 +167,10 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise InvalidRequestError(f"the body is not valid JSON ({e}); send a UTF-8 encoded JSON object") from None
+    except RecursionError:
+        raise InvalidRequestError(
+            "the body nests JSON arrays or objects too deeply; no field lorapage accepts needs more than a few levels"
+        ) from None
 
 
 def _validation_error(text: str) -> InvalidRequestError:
@@ -183,11 +201,14 @@ def check_not_implemented(req: msgspec.Struct) -> None:
 
 def check_common(req: _Common) -> None:
     """Ranges and combinations that hold for chat and completions alike."""
-    if req.n is not None and req.n != 1:
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise InvalidRequestError(f"n must be between 1 and {MAX_N}; got {req.n}", param="n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != 1 and best_of != req.n:
         raise InvalidRequestError(
-            f"n must be 1: lorapage returns one choice per request (got {req.n}); send n requests instead",
-            param="n",
+            "best_of is not supported (as in vLLM's V1 engine): use n for several answers", param="best_of"
         )
+    check_extras(req)
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     if req.seed is not None and not -INT64_MAX - 1 <= req.seed <= INT64_MAX:
@@ -201,8 +222,8 @@ def check_common(req: _Common) -> None:
     check_not_implemented(req)
 
 
-def requested_max_tokens(req: _Common) -> tuple[int | None, str]:
-    """The completion budget the client asked for (``None``: the rest of the context) and its field."""
+def requested_max_tokens(req: _Common, allow_zero: bool = False) -> tuple[int | None, str]:
+    """The completion budget the client asked for (``None``: the default) and its field."""
     value, param = req.max_tokens, "max_tokens"
     newer = getattr(req, "max_completion_tokens", None)
     if newer is not None:
@@ -212,8 +233,9 @@ def requested_max_tokens(req: _Common) -> tuple[int | None, str]:
                 param="max_completion_tokens",
             )
         value, param = newer, "max_completion_tokens"
-    if value is not None and value < 1:
-        raise InvalidRequestError(f"{param} must be an integer >= 1; got {value}", param=param)
+    if value is not None and value < (0 if allow_zero else 1):
+        least = "0 (with echo)" if allow_zero else "1"
+        raise InvalidRequestError(f"{param} must be an integer >= {least}; got {value}", param=param)
     return value, param
 
 
@@ -233,27 +255,46 @@ def completion_logprobs(req: CompletionRequest) -> int | None:
     return req.logprobs
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The conversation as ``{"role", "content"}`` text messages for the chat template."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as ``{"role", "content"}`` messages for the chat template; an assistant's
+    earlier tool calls as ``tool_calls`` (``{"id", "name", "arguments"}``) and a tool's result with
+    its ``tool_call_id``."""
     if not req.messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
-    out = []
+    parts = sum(len(m.content) for m in req.messages if isinstance(m.content, list))
+    if parts > MAX_CONTENT_PARTS:
+        raise InvalidRequestError(
+            f"the messages hold {parts} content parts together; at most {MAX_CONTENT_PARTS} are accepted",
+            param="messages",
+        )
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
         if msg.role not in _ROLES:
             raise InvalidRequestError(
-                f"{where}.role {msg.role!r} is not supported; use one of {', '.join(_ROLES)} "
-                "(lorapage has no tool calling)",
-                param=f"{where}.role",
+                f"{where}.role {msg.role!r} is not supported; use one of {', '.join(_ROLES)}", param=f"{where}.role"
             )
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if not _is(getattr(msg, name), None, []):
                 raise InvalidRequestError(f"{where}.{name} is not supported by lorapage", param=f"{where}.{name}")
+        if msg.tool_calls and msg.role != "assistant":
+            raise InvalidRequestError(f"{where}.tool_calls belong to assistant messages", param=f"{where}.tool_calls")
+        if msg.role == "tool" and not msg.tool_call_id:
+            raise InvalidRequestError(f"{where}: a tool message needs tool_call_id", param=f"{where}.tool_call_id")
         role = "system" if msg.role == "developer" else msg.role
-        out.append({"role": role, "content": _message_text(msg.content, where)})
+        calls = msg.tool_calls or []
+        content = "" if msg.content is None and (calls or role == "assistant") else _message_text(msg.content, where)
+        message: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            message["tool_calls"] = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in calls
+            ]
+        if msg.tool_call_id is not None:
+            message["tool_call_id"] = msg.tool_call_id
+        out.append(message)
     return out
 
 
@@ -274,53 +315,111 @@ def _message_text(content: str | list[Any] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def completion_prompt(req: CompletionRequest, vocab_size: int, max_model_len: int) -> str | list[int]:
-    """The one prompt of a completion request: text, or token ids checked against the vocabulary
-    (after their count, so a list too long for the context is refused without a scan)."""
+def completion_prompts(req: CompletionRequest, vocab_size: int, max_model_len: int) -> list[str | list[int]]:
+    """The prompts of a completion request: one text, one list of token ids, or a list of either
+    (batched prompts, as LangChain's ``batch`` and lm-eval send them). Token ids are checked
+    against the vocabulary after their count, so a list too long for the context is refused
+    without a scan."""
     prompt = req.prompt
     if prompt is None:
         raise InvalidRequestError("missing required field: prompt", param="prompt")
     if isinstance(prompt, str):
-        return prompt
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt
+        return [prompt]
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", param="prompt")
-    if type(prompt[0]) is int and len(prompt) > max_model_len:
+    if type(prompt[0]) is int:
+        return [_token_prompt(prompt, vocab_size, max_model_len, "prompt")]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request; got {len(prompt)}", param="prompt")
+    out: list[str | list[int]] = []
+    for i, item in enumerate(prompt):
+        where = f"prompt[{i}]"
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and item:
+            out.append(_token_prompt(item, vocab_size, max_model_len, where))
+        else:
+            raise InvalidRequestError(
+                f"{where}: each prompt must be a string or a non-empty list of token ids", param="prompt"
+            )
+    return out
+
+
+def _token_prompt(prompt: list[Any], vocab_size: int, max_model_len: int, where: str) -> list[int]:
+    if len(prompt) > max_model_len:
         raise PromptTooLongError(
             f"The prompt is {len(prompt)} tokens; this model's maximum context length is {max_model_len} "
             "tokens. Shorten the prompt.",
             param="prompt",
         )
-    if all(type(t) is int for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt"
-            )
-        return list(prompt)
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequestError("lorapage takes one prompt per request; send one request per prompt", param="prompt")
-    raise InvalidRequestError(
-        "prompt must be a string, a list of token ids, or a list holding one of those", param="prompt"
-    )
+    if not all(type(t) is int for t in prompt):
+        raise InvalidRequestError(f"{where} must be a string or a list of token ids", param="prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt"
+        )
+    return list(prompt)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A body decoded and checked, up to what needs the server's state (model, quota, tokens):
+    the request, its logprobs count, its prompts (chat messages, or completion texts / token
+    ids) and the output constraint it asks for."""
+
+    req: Any
+    logprobs: int | None
+    prompts: list[Any]  # chat: one list of messages; completions: each prompt
+    structured: StructuredSpec | None = None
+
+    @property
+    def prompt(self) -> Any:
+        return self.prompts[0]
+
+
+def parse_chat(body: bytes) -> Parsed:
+    """A chat completion body, decoded and checked (its work is bounded by the body's size and
+    :data:`MAX_MESSAGES`; the caller runs it off the event loop when the body is big)."""
+    req = decode(body, ChatCompletionRequest)
+    check_common(req)
+    logprobs = chat_logprobs(req)
+    return Parsed(req, logprobs, [chat_messages(req)], structured_spec(req))
+
+
+def parse_completion(body: bytes, vocab_size: int, max_model_len: int) -> Parsed:
+    """A completion body, decoded and checked, as :func:`parse_chat`."""
+    req = decode(body, CompletionRequest)
+    check_common(req)
+    logprobs = completion_logprobs(req)
+    if req.echo and req.stream:
+        raise InvalidRequestError("echo is not supported with stream; send a whole request", param="echo")
+    return Parsed(req, logprobs, completion_prompts(req, vocab_size, max_model_len), structured_spec(req))
 
 
 def sampling_params(
-    req: _Common, prompt_len: int, max_model_len: int, logprobs: int | None, kind: str
+    req: _Common,
+    prompt_len: int,
+    max_model_len: int,
+    logprobs: int | None,
+    kind: str,
+    structured: StructuredSpec | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters; the completion budget must fit the context with the prompt.
 
-    Without a budget the completion may use the rest of the context. ``top_p == 0`` (allowed by
-    OpenAI) is the limit of nucleus sampling: only the most likely token, i.e. ``top_k = 1``.
+    Without a budget a completion gets 16 tokens (OpenAI's and vLLM's default) and a chat the
+    rest of the context. ``top_p == 0`` (allowed by OpenAI) is the limit of nucleus sampling: only
+    the most likely token, i.e. ``top_k = 1``. ``echo`` with ``max_tokens`` 0 asks for the prompt's
+    logprobs alone: one token is generated and dropped.
     """
-    max_tokens, param = requested_max_tokens(req)
+    max_tokens, param = requested_max_tokens(req, allow_zero=kind == "completion" and bool(getattr(req, "echo", False)))
+    if max_tokens is None and kind == "completion":
+        max_tokens = DEFAULT_COMPLETION_TOKENS
     room = max_model_len - prompt_len
     if max_tokens is None and room >= 1:
         max_tokens = room
-    if max_tokens is None or max_tokens > room:
+    if max_tokens is None or max(max_tokens, 1) > room:
         where = "messages" if kind == "chat" else "prompt"
         asked = f"{max_tokens} in the completion" if max_tokens is not None else "at least 1 to complete"
         raise PromptTooLongError(
@@ -334,17 +433,46 @@ def sampling_params(
     if top_p == 0.0:
         top_p, top_k = 1.0, 1
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    echo = kind == "completion" and bool(getattr(req, "echo", False))
+    prompt_logprobs = req.prompt_logprobs
+    if echo and logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, 1),
+        n=req.n or 1,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=top_p,
         top_k=top_k,
         seed=req.seed,
         stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        min_tokens=min(req.min_tokens or 0, max(max_tokens, 1)),
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+        bad_words=tuple(req.bad_words or ()),
+        skip_special_tokens=req.skip_special_tokens
+        if req.skip_special_tokens is not None
+        else (skip_special_tokens is not False),
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        prompt_logprobs=prompt_logprobs,
+        structured=structured,
     )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, bias in (raw or {}).items():
+        if not key.isascii() or not key.isdigit() or len(key) > 9:
+            raise InvalidRequestError(f"logit_bias keys are token ids; got {key[:20]!r}", param="logit_bias")
+        out.append((int(key), bias))
+    return tuple(out)
 
 
 def resolve_model(model: str, base: str, version_of: Callable[[str], str | None]) -> tuple[str, str | None]:
@@ -353,6 +481,10 @@ def resolve_model(model: str, base: str, version_of: Callable[[str], str | None]
     forbidden, both 404 alike). Without versions, it returns the name itself."""
     if model == base:
         return base, None
+    if len(model) > MAX_MODEL_CHARS:
+        raise AdapterNotFoundError(
+            f"The model `{model[:200]}...` does not exist or you do not have access to it.", param="model"
+        )
     prefix, sep, name = model.rpartition(":")
     if sep and prefix != base:
         name = ""

@@ -2,9 +2,10 @@
 
 A bucket holds up to ``burst`` tokens and refills continuously at ``limit / 60`` per second, so
 over any interval of T seconds a tenant gets at most ``burst + limit * T / 60``: no fixed-window
-double burst at a minute boundary. A request is charged one RPM token and ``prompt + max_tokens``
-TPM tokens up front; :meth:`QuotaManager.release` refunds the tokens it did not generate. Time
-is injected as ``now`` (seconds).
+double burst at a minute boundary. A request is charged one RPM token (and holds a concurrency
+slot) before its body is read, and ``prompt + max_tokens`` TPM tokens once its prompt is
+tokenized; :meth:`QuotaManager.release` refunds the tokens it did not use. Time is injected as
+``now`` (seconds).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class TokenBucket:
         self.rate = rate
         self.level = capacity
         self.updated = now
+
+    def take_debt(self, tokens: float, now: float) -> None:
+        """Take ``tokens`` even past empty: the level may go below zero."""
+        self.refill(now)
+        self.level -= tokens
 
     def refill(self, now: float) -> None:
         if now > self.updated:
@@ -75,7 +81,7 @@ class Reservation:
 
     id: int
     tenant: str
-    tokens: int  # prompt + max_tokens taken from the TPM bucket
+    tokens: int  # prompt + max_tokens taken from the TPM bucket (by check_and_reserve; admit takes none)
 
 
 @dataclass(frozen=True)
@@ -93,16 +99,23 @@ class _TenantQuota:
     """One tenant's buckets and in-flight count; kept (and reconfigured in place) across reloads
     so that reservations made before a reload release correctly after it."""
 
-    def __init__(self, cfg: TenantConfig, now: float) -> None:
+    def __init__(self, cfg: TenantConfig, now: float, share: int | None) -> None:
         self.rpm: TokenBucket | None = None
         self.tpm: TokenBucket | None = None
         self.in_flight = 0
-        self.configure(cfg, now)
+        self.configure(cfg, now, share)
 
-    def configure(self, cfg: TenantConfig, now: float) -> None:
-        self.max_concurrency = cfg.max_concurrency
+    def configure(self, cfg: TenantConfig, now: float, share: int | None) -> None:
+        self.max_concurrency = cfg.max_concurrency if cfg.max_concurrency is not None else share
+        self.explicit = cfg.max_concurrency is not None  # else: its share of the server's queue
         self.rpm = _bucket(self.rpm, cfg.rpm, cfg.rpm_bucket, now)
         self.tpm = _bucket(self.tpm, cfg.tpm, cfg.tpm_bucket, now)
+
+
+@dataclass
+class _Held:
+    state: _TenantQuota
+    tokens: int  # taken from the TPM bucket so far
 
 
 def _bucket(bucket: TokenBucket | None, per_minute: int | None, burst: int | None, now: float) -> TokenBucket | None:
@@ -114,14 +127,36 @@ def _bucket(bucket: TokenBucket | None, per_minute: int | None, burst: int | Non
     return bucket
 
 
+def queue_share(queue_len: int | None, tenants: int) -> int | None:
+    """Requests in flight a tenant without ``max_concurrency`` may have: an equal share of the
+    engine's queue (at least one), so that such tenants together never fill it; None: no bound."""
+    if queue_len is None:
+        return None
+    return max(1, queue_len // max(1, tenants))
+
+
 class QuotaManager:
     """Checks and reserves each tenant's RPM, TPM and concurrency; one tenant's exhaustion
-    touches no other tenant's buckets."""
+    touches no other tenant's buckets.
 
-    def __init__(self, config: TenantsConfig, now: float = 0.0, concurrency_retry_after_s: int = 1) -> None:
+    A server admits a request in two steps: :meth:`admit` takes one RPM token and a concurrency
+    slot before anything is read of the body (a refusal costs the server nothing that grows with
+    the request), then :meth:`charge` takes its tokens once the prompt is tokenized. A tenant
+    without ``max_concurrency`` is bounded by :func:`queue_share` of ``queue_len`` (the engine's
+    queue), so one tenant cannot fill the queue and have its neighbours refused with 503.
+    """
+
+    def __init__(
+        self,
+        config: TenantsConfig,
+        now: float = 0.0,
+        concurrency_retry_after_s: int = 1,
+        queue_len: int | None = None,
+    ) -> None:
         self.concurrency_retry_after_s = concurrency_retry_after_s  # nobody knows when one finishes
+        self.queue_len = queue_len
         self._states: dict[str, _TenantQuota] = {}
-        self._live: dict[int, tuple[Reservation, _TenantQuota]] = {}
+        self._live: dict[int, _Held] = {}
         self._ids = itertools.count(1)
         self.reload(config, now)
 
@@ -129,67 +164,130 @@ class QuotaManager:
         """Apply a new tenants file (SIGHUP). Buckets keep their level (clipped to a smaller
         burst), in-flight requests stay counted, and every outstanding reservation stays valid,
         including those of tenants the new file removes."""
+        share = queue_share(self.queue_len, len(config.tenants))
         states = {}
         for name, cfg in config.tenants.items():
             state = self._states.get(name)
             if state is None:
-                state = _TenantQuota(cfg, now)
+                state = _TenantQuota(cfg, now, share)
             else:
-                state.configure(cfg, now)
+                state.configure(cfg, now, share)
             states[name] = state
         self._states = states
+
+    def _state(self, tenant: str) -> _TenantQuota:
+        state = self._states.get(tenant)
+        if state is None:
+            raise KeyError(f"unknown tenant {tenant!r}; configured: {sorted(self._states)}")
+        return state
 
     def check_and_reserve(
         self, tenant: str, prompt_tokens: int, max_tokens: int, now: float
     ) -> Reservation | QuotaExceeded:
         """Reserve one request's worth of ``tenant``'s quota, or say which limit refused it and
         when to retry (all-or-nothing: a refusal takes nothing)."""
-        state = self._states.get(tenant)
-        if state is None:
-            raise KeyError(f"unknown tenant {tenant!r}; configured: {sorted(self._states)}")
+        state = self._state(tenant)
         tokens = prompt_tokens + max_tokens
-        refusals: list[tuple[str, int, str]] = []
-        if state.rpm is not None and not state.rpm.has(1, now):
-            # Never None: an rpm bucket holds at least one request.
-            refusals.append(("rpm", state.rpm.retry_after_s(1, now) or 1, "requests per minute"))
-        if state.tpm is not None and not state.tpm.has(tokens, now):
-            retry = state.tpm.retry_after_s(tokens, now)
-            if retry is None:
-                return QuotaExceeded(
-                    "tpm", None,
-                    f"the request needs {tokens} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}) but "
-                    f"tenant {tenant!r} may use at most {state.tpm.capacity:.0f} at once (tpm_burst); lower max_tokens",
-                )  # fmt: skip
-            refusals.append(("tpm", retry, "tokens per minute"))
-        if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
-            refusals.append(("concurrency", self.concurrency_retry_after_s, "concurrent requests"))
+        refusals = self._rate_refusals(state, now)
+        too_big = self._tpm_refusal(state, tenant, prompt_tokens, max_tokens, now, refusals)
+        if too_big is not None:
+            return too_big
         if refusals:
-            which, retry, what = max(refusals, key=lambda r: r[1])
-            return QuotaExceeded(which, retry, f"tenant {tenant!r} is over its {what} quota; retry after {retry} s")
-        if state.rpm is not None:
-            state.rpm.take(1)
-        if state.tpm is not None:
-            state.tpm.take(tokens)
-        state.in_flight += 1
-        reservation = Reservation(next(self._ids), tenant, tokens)
-        self._live[reservation.id] = (reservation, state)
-        return reservation
+            return _worst(tenant, refusals)
+        return self._take(state, tenant, tokens)
+
+    def admit(self, tenant: str, now: float) -> Reservation | QuotaExceeded:
+        """Take one RPM token and a concurrency slot for a request whose size is not known yet
+        (all-or-nothing); refused too when the TPM bucket is empty. :meth:`charge` takes its tokens."""
+        state = self._state(tenant)
+        refusals = self._rate_refusals(state, now)
+        if state.tpm is not None and not state.tpm.has(1, now):
+            refusals.append(("tpm", state.tpm.retry_after_s(1, now) or 1, "tokens per minute"))
+        if refusals:
+            return _worst(tenant, refusals)
+        return self._take(state, tenant, 0)
+
+    def charge(self, reservation: Reservation, prompt_tokens: int, max_tokens: int, now: float) -> QuotaExceeded | None:
+        """Take ``prompt_tokens + max_tokens`` from the TPM bucket of an admitted request, or say
+        why not (nothing taken; the request keeps its RPM token and its slot until released)."""
+        held = self._live.get(reservation.id)
+        if held is None:
+            raise KeyError(f"reservation {reservation.id} was released")
+        refusals: list[tuple[str, int, str]] = []
+        refused = self._tpm_refusal(held.state, reservation.tenant, prompt_tokens, max_tokens, now, refusals)
+        if refused is not None:
+            return refused
+        if refusals:
+            return _worst(reservation.tenant, refusals)
+        tokens = prompt_tokens + max_tokens
+        if held.state.tpm is not None:
+            held.state.tpm.take(tokens)
+        held.tokens += tokens
+        return None
 
     def release(self, reservation: Reservation, used_tokens: int, now: float) -> None:
         """The request ended having used ``used_tokens`` (prompt + generated): refund the rest of
         its TPM charge and free its concurrency slot. Releasing twice is harmless."""
-        live = self._live.pop(reservation.id, None)
-        if live is None:
+        held = self._live.pop(reservation.id, None)
+        if held is None:
             return
-        _, state = live
-        state.in_flight -= 1
-        unused = reservation.tokens - used_tokens
-        if state.tpm is not None and unused > 0:
-            state.tpm.give_back(unused, now)
+        held.state.in_flight -= 1
+        unused = held.tokens - used_tokens
+        if held.state.tpm is not None and unused > 0:
+            held.state.tpm.give_back(unused, now)
+        elif held.state.tpm is not None and unused < 0:
+            # Used more than was reserved (a request without max_tokens ran past its tenant's
+            # default_max_tokens): charged now, into debt if need be; the tenant's next requests
+            # wait (429, Retry-After) until the bucket is back above empty.
+            held.state.tpm.take_debt(-unused, now)
 
     def in_flight(self, tenant: str) -> int:
         state = self._states.get(tenant)
         return state.in_flight if state else 0
+
+    def _rate_refusals(self, state: _TenantQuota, now: float) -> list[tuple[str, int, str]]:
+        refusals: list[tuple[str, int, str]] = []
+        if state.rpm is not None and not state.rpm.has(1, now):
+            # Never None: an rpm bucket holds at least one request.
+            refusals.append(("rpm", state.rpm.retry_after_s(1, now) or 1, "requests per minute"))
+        if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
+            what = "concurrent requests" if state.explicit else "share of the server's queue"
+            refusals.append(("concurrency", self.concurrency_retry_after_s, what))
+        return refusals
+
+    def _tpm_refusal(
+        self, state: _TenantQuota, tenant: str, prompt_tokens: int, max_tokens: int, now: float, refusals: list
+    ) -> QuotaExceeded | None:
+        """Appends to ``refusals`` when the TPM bucket lacks the tokens now; returns the final
+        refusal when it can never hold them."""
+        tokens = prompt_tokens + max_tokens
+        if state.tpm is None or state.tpm.has(tokens, now):
+            return None
+        retry = state.tpm.retry_after_s(tokens, now)
+        if retry is None:
+            return QuotaExceeded(
+                "tpm", None,
+                f"the request needs {tokens} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}) but "
+                f"tenant {tenant!r} may use at most {state.tpm.capacity:.0f} at once (tpm_burst); lower max_tokens",
+            )  # fmt: skip
+        refusals.append(("tpm", retry, "tokens per minute"))
+        return None
+
+    def _take(self, state: _TenantQuota, tenant: str, tokens: int) -> Reservation:
+        if state.rpm is not None:
+            state.rpm.take(1)
+        if state.tpm is not None and tokens:
+            state.tpm.take(tokens)
+        state.in_flight += 1
+        reservation = Reservation(next(self._ids), tenant, tokens)
+        self._live[reservation.id] = _Held(state, tokens)
+        return reservation
+
+
+def _worst(tenant: str, refusals: list[tuple[str, int, str]]) -> QuotaExceeded:
+    """The refusal with the longest wait (retrying before it cannot pass)."""
+    which, retry, what = max(refusals, key=lambda r: r[1])
+    return QuotaExceeded(which, retry, f"tenant {tenant!r} is over its {what} quota; retry after {retry} s")
 
 
 def overload_retry_after_s(queue_len: int, max_queue_len: int, admitted_per_s: float, ceiling_s: int = 60) -> int:

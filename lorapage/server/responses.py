@@ -31,10 +31,42 @@ class ChatLogprobs(msgspec.Struct):
     refusal: None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct):
+    """One call in a stream: sent whole, once (clients accumulate ``arguments`` either way)."""
+
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's ``prompt_logprobs`` entry for one token (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class ChatChoice(msgspec.Struct):
@@ -52,11 +84,13 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     system_fingerprint: None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -78,8 +112,8 @@ class ChatCompletionChunk(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for the first token of an echoed prompt
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -88,6 +122,7 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     index: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, when asked for
 
 
 class Completion(msgspec.Struct):

@@ -10,6 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
+from lorapage.server.edge import EDGE_LIMITS, ConnectionCap, EdgeLimits, GuardedSite, connection_log
+
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (0: an ephemeral port), not yet accepting; raises OSError
@@ -30,13 +32,22 @@ async def start(app: web.Application, sock: socket.socket | tuple[str, int]) -> 
     runner and the bound port.
 
     Handlers are cancelled when their client disconnects, which aborts the engine request and
-    frees its pages without waiting for the next write to fail.
+    frees its pages without waiting for the next write to fail. The app's :class:`EdgeLimits`
+    bound how long a connection may take to send its headers and how many one address may hold.
     """
     if isinstance(sock, tuple):
         sock = listen(*sock)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+    limits = app.get(EDGE_LIMITS) or EdgeLimits()
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=5.0,
+        access_log=None,
+        keepalive_timeout=limits.header_timeout_s,  # armed at connect and after each answer (see edge.py)
+        logger=connection_log(),
+    )
     await runner.setup()
-    site = web.SockSite(runner, sock)
+    site = GuardedSite(runner, sock, ConnectionCap(limits.max_connections_per_ip))
     await site.start()
     return runner, sock.getsockname()[1]
 

@@ -2,10 +2,15 @@
 
 With no arguments it serves the built-in tiny model and its demo adapters on 127.0.0.1:8000 to
 one ``demo`` tenant whose key (and an admin key) it prints; both keys are new on every start.
+``--api-key KEY`` (vLLM's flag; repeatable, or ``$LORAPAGE_API_KEY``) is single-tenant use instead:
+one tenant ``default`` whose fixed keys open every route, the admin routes included, as vLLM's
+``--api-key`` guards everything; it may use every adapter without an owner.
 ``--lora-modules`` directories are the operator's and are read wherever they are; adapters the
-admin registers over HTTP must lie under an ``--adapter-root`` or come from an https, s3 or hf
-source. Registrations, versions, aliases and owners persist in ``--state-dir`` across restarts;
-``--lora-modules`` are registered again at every start (the same content is the same version).
+admin registers over HTTP for a tenant must lie under an ``--adapter-root`` that tenant may read
+from (its own ``TENANT=DIR`` ones, else the shared ones) or come from an https, s3 or hf source.
+Registrations, versions, aliases and owners persist in ``--state-dir`` across restarts, which one
+server at a time holds (a second one on it refuses to start); ``--lora-modules`` are registered
+again at every start (the same content is the same version).
 """
 
 from __future__ import annotations
@@ -14,19 +19,27 @@ import argparse
 import asyncio
 import logging
 import os
+import sqlite3
 import sys
+import tempfile
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from lorapage.adapters.registry import REGISTRY_FILE, RegistrySchemaError
+from lorapage.adapters.sources import AdapterRoots
+from lorapage.adapters.state_lock import StateDirError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
+from lorapage.server.edge import EdgeLimits
+from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
-from lorapage.server.tenants import SHARED, TenantsConfigError
+from lorapage.server.tenants import SHARED, TenantsConfig, TenantsConfigError, hash_key
 from lorapage.tiny import demo_adapter_dirs
 
 log = logging.getLogger("lorapage.serve")
@@ -35,11 +48,16 @@ STATE_FIELDS = (
     "adapter_cache_dir",
     "adapter_cache_bytes",
     "max_adapter_download_bytes",
+    "adapter_download_timeout_s",
+    "min_adapter_download_bytes_per_s",
+    "allow_private_adapter_sources",
     "s3_endpoint_url",
     "hf_endpoint",
 )
 ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "state_dir")
 PROG = "lorapage serve"
+API_KEY_ENV = "LORAPAGE_API_KEY"  # vLLM reads VLLM_API_KEY
+API_KEY_TENANT = "default"  # the one tenant of --api-key
 # Flags of their own below: a server keeps its registry on disk by default, an engine in memory.
 _STATE_FLAG = "state_dir"
 
@@ -80,8 +98,10 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
     return add_config_flags(p, EngineConfig, only=STATE_FIELDS)
 
 
-def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
-    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``."""
+def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = False) -> None:
+    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``; with
+    ``connections``, the connection-level bounds too (``lorapage serve`` only: in a fleet, Ray
+    Serve's proxy holds the connections)."""
     group = p.add_argument_group("HTTP front end")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
@@ -92,12 +112,23 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
         help="tenants TOML file: keys, quotas, weights, adapters (default: one demo tenant whose new key is printed)",
     )
     group.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=f"single-tenant use, as vLLM's flag: with no --tenants, one tenant {API_KEY_TENANT!r} whose keys are "
+        "these (repeatable); it may use every adapter without an owner, and its key is the admin key too (it "
+        "opens every route, /metrics and the admin routes included). Default: $LORAPAGE_API_KEY (one key)",
+    )
+    group.add_argument(
         "--adapter-root",
         action="append",
         default=[],
-        metavar="DIR",
+        metavar="[TENANT=]DIR",
         help="directory under which POST /v1/adapters may read adapters (repeatable; a directory every replica "
-        "can read on a cluster; default: none, and HTTP registration from directories is refused)",
+        "can read on a cluster). TENANT=DIR: that tenant's own, and then its only ones; DIR: shared, for tenants "
+        "with none of their own. No entry may link outside or into another tenant's (default: none, and HTTP "
+        "registration from directories is refused)",
     )
     group.add_argument(
         "--metrics-public",
@@ -106,6 +137,47 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body accepted (413 past it)"
+    )
+    if not connections:
+        return
+    defaults = EdgeLimits()
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout_s,
+        metavar="SECONDS",
+        help="a connection that has not sent a whole request's headers this long after it opened (or after its "
+        "previous answer) is closed; idle keep-alive connections close after it too",
+    )
+    group.add_argument(
+        "--max-connections-per-ip",
+        type=int,
+        default=defaults.max_connections_per_ip,
+        metavar="N",
+        help="connections one client address may hold at once; more are answered 429 and closed (0: no cap; "
+        "behind a proxy every client has the proxy's address)",
+    )
+
+
+def api_keys(args: argparse.Namespace, prog: str = PROG) -> list[str]:
+    """``--api-key`` values, else ``$LORAPAGE_API_KEY`` (none: []); refused beside ``--tenants``."""
+    keys = args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
+    source = "--api-key" if args.api_key else f"${API_KEY_ENV}"
+    if keys and args.tenants:
+        fail(prog, f"{source} is for single-tenant use; with --tenants, give the keys in the tenants file")
+    if any(not key or any(c.isspace() for c in key) for key in keys):
+        fail(prog, f"{source}: a key must be non-empty text without spaces (clients send it as 'Bearer KEY')")
+    return keys
+
+
+def api_key_tenants(keys: list[str]) -> str:
+    """The tenants file of single-tenant use: one tenant, :data:`API_KEY_TENANT`, authenticated by
+    ``keys``, which are the admin keys too; it may use every adapter without an owner and register
+    from any bucket or Hub organisation (the operator is the only user)."""
+    digests = ", ".join(f'"{hash_key(k)}"' for k in keys)
+    return (
+        f'[admin]\nkey_sha256 = [{digests}]\ntenant = "{API_KEY_TENANT}"\n\n'
+        f'[tenants.{API_KEY_TENANT}]\nadapters = ["{SHARED}"]\ns3_buckets = ["{SHARED}"]\nhf_orgs = ["{SHARED}"]\n'
     )
 
 
@@ -119,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser(PROG, __doc__)
     add_engine_arguments(p)
     add_state_arguments(p)
-    add_front_end_arguments(p)
+    add_front_end_arguments(p, connections=True)
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -163,17 +235,58 @@ def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             fail(prog, f"--lora-modules takes NAME=DIR; got {item!r}")
+        try:
+            check_adapter_id(name, base_name="")
+        except LorapageError as exc:
+            fail(prog, f"--lora-modules {item}: {exc.message}")
         modules[name] = path
     return modules
 
 
-def adapter_roots(args: argparse.Namespace, prog: str = PROG) -> list[Path]:
-    """``--adapter-root`` directories, each checked to exist."""
-    roots = [Path(r) for r in args.adapter_root]
-    for root in roots:
+def adapter_roots(args: argparse.Namespace, modules: dict[str, str], prog: str = PROG) -> AdapterRoots:
+    """``--adapter-root`` values (``DIR`` or ``TENANT=DIR``, each checked to exist), with the
+    ``--lora-modules`` directories as the operator's own."""
+    try:
+        roots = AdapterRoots.parse(args.adapter_root, operator=modules.values())
+    except ValueError as exc:
+        fail(prog, str(exc))
+    for root in roots.all_roots():
         if not root.is_dir():
             fail(prog, f"--adapter-root {root}: no such directory")
     return roots
+
+
+def check_state_dir(state_dir: str | None) -> None:
+    """End ``lorapage serve`` with one line when ``state_dir`` cannot hold its state: not a
+    directory, or one it cannot write (permissions, a read-only file system)."""
+    if state_dir is None:
+        return
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=state_dir):
+            pass
+    except OSError as exc:
+        fail(PROG, f"--state-dir {state_dir}: cannot write there ({exc.strerror or exc}); give a writable directory")
+
+
+def state_dir_problem(exc: BaseException) -> str:
+    """What is wrong with the adapter registry in a state directory, and what to do, in one line."""
+    text = " ".join(str(exc).split())
+    if "not a database" in text or "malformed" in text:
+        return (
+            f"the adapter registry ({REGISTRY_FILE}) is corrupt ({text}); restore it from a backup, or move "
+            "it away to start with an empty registry"
+        )
+    if "readonly" in text or "read-only" in text:
+        return f"the adapter registry ({REGISTRY_FILE}) is read-only ({text}); make it writable"
+    return f"the adapter registry ({REGISTRY_FILE}) cannot be used: {text}"
+
+
+def check_root_tenants(roots: AdapterRoots, tenants: Iterable[str], prog: str = PROG) -> None:
+    """End ``prog`` when a ``TENANT=DIR`` root names a tenant the tenants file does not have."""
+    unknown = sorted(set(roots.tenants) - set(tenants))
+    if unknown:
+        fail(prog, f"--adapter-root names tenant(s) {', '.join(unknown)}, not in the tenants file")
 
 
 def _tenants_file(path: str) -> Access:
@@ -194,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
-    roots = adapter_roots(args)
+    roots = adapter_roots(args, modules)
+    keys = api_keys(args)
+    if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
+        fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
+    edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
     # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
@@ -202,8 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         fail(PROG, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     access = _tenants_file(args.tenants) if args.tenants else None
+    if keys:
+        access = Access(TenantsConfig.from_toml(api_key_tenants(keys), source="--api-key"))
+        print(f"lorapage: single tenant {API_KEY_TENANT!r}: its API key (--api-key) opens every route")
+    check_state_dir(config.state_dir)
+    if access is not None:
+        check_root_tenants(roots, access.tenants.tenants)
     try:
-        engine = Engine(config)
+        engine = Engine(config, adapter_roots=roots)
+    except StateDirError as exc:  # another server holds it
+        fail(PROG, str(exc))
+    except (sqlite3.Error, RegistrySchemaError) as exc:  # the registry file itself
+        fail(PROG, f"--state-dir {config.state_dir}: {state_dir_problem(exc)}")
     except (OSError, ValueError) as exc:  # a model directory that is not one lorapage can serve
         fail(PROG, f"--model {config.model}: {exc}")
     try:
@@ -226,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_timeout,
         metrics_public=args.metrics_public,
-        adapter_roots=roots,
+        edge=edge,
     )
     print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
 

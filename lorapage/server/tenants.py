@@ -3,6 +3,7 @@
 ```toml
 [admin]
 key_sha256 = ["<sha256 hex of the admin key>"]
+tenant = "default"            # optional: the admin keys are this tenant's keys too (single-tenant use)
 
 [metrics]                     # optional: keys that may only scrape /metrics (the admin key may too)
 key_sha256 = ["<sha256 hex of the scraper's key>"]
@@ -16,7 +17,10 @@ rpm_burst = 600               # bucket size, default rpm
 tpm = 200000                  # prompt + max_tokens per minute (omit: unlimited)
 tpm_burst = 200000            # bucket size, default tpm; a larger request can never be admitted
 max_concurrency = 32          # requests in flight (omit: unlimited)
+s3_buckets = ["acme-adapters"]  # s3:// buckets the admin may register this tenant's adapters from
+hf_orgs = ["acme"]            # hf:// organisations (or users) likewise; "*": any, in either list
 prefix_cache_group = "acme-family"  # tenants naming one group share cached prompt prefixes (omit: its own)
+default_max_tokens = 512      # TPM reserved for a request without max_tokens, settled at its end
 ```
 
 Access fails closed. A tenant may always use the base model and the adapters the admin registered
@@ -24,12 +28,22 @@ for it (their owner). ``adapters`` adds adapters without an owner (those from ``
 by name, or all of them with ``"*"`` (:data:`SHARED`). Omitting it (or ``[]``) opens none. No list
 can open an adapter whose owner is another tenant.
 
+A registration for a tenant fetches from ``s3://`` or ``hf://`` with the server's credentials, so
+it may name only the buckets and Hub organisations the tenant's ``s3_buckets`` and ``hf_orgs``
+list (none by default): another tenant's bucket or a private repository the server can read is
+not the tenant's to register from.
+
 Nothing one tenant caches is observable by another unless the operator grouped them: cached
 prompt prefixes are the tenant's own unless tenants name one ``prefix_cache_group`` (then, and only
 then, one of them can tell by a faster first token that another sent a prompt).
 
-Keys are stored only as sha256 hex digests; a presented key is hashed and compared with every
-stored digest in constant time per digest.
+One operator serving only itself (``lorapage serve --api-key KEY``, vLLM's flag) gets one tenant
+whose keys are the admin keys (``[admin] tenant``): one key opens every route, as vLLM's
+``--api-key`` does. Otherwise a key belongs to one tenant, or to ``[admin]`` or ``[metrics]``.
+
+Keys are stored only as sha256 hex digests. A presented key is hashed once and looked up by its
+digest in a dict: constant time in the number of keys, and what the lookup's timing depends on is
+the digest, which says nothing usable about a key that would produce it.
 """
 
 from __future__ import annotations
@@ -47,8 +61,12 @@ SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
-    "prefix_cache_group",
+    "s3_buckets", "hf_orgs",
+    "prefix_cache_group", "default_max_tokens",
 )  # fmt: skip
+# What a chat without max_tokens reserves from its tenant's TPM up front (the rest of its answer
+# is charged when it ends, and may put the tenant in debt until its bucket refills).
+DEFAULT_MAX_TOKENS = 512
 MAX_GROUP_NAME = 128  # characters of a prefix_cache_group
 _KEY_SECTIONS = ("admin", "metrics")  # sections that hold nothing but key_sha256
 
@@ -81,7 +99,19 @@ class TenantConfig:
     tpm: int | None = None
     tpm_burst: int | None = None  # None: tpm
     max_concurrency: int | None = None
+    s3_buckets: frozenset[str] = frozenset()  # s3:// buckets its adapters may come from; SHARED: any
+    hf_orgs: frozenset[str] = frozenset()  # hf:// organisations (or users) likewise
     prefix_cache_group: str | None = None  # tenants naming one group share cached prefixes; None: its own
+    # TPM reserved up front for a request without max_tokens; the difference is settled at its end.
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def may_read_bucket(self, bucket: str) -> bool:
+        """Whether this tenant's adapters may come from the S3 bucket ``bucket``."""
+        return SHARED in self.s3_buckets or bucket in self.s3_buckets
+
+    def may_read_hf_org(self, org: str) -> bool:
+        """Whether this tenant's adapters may come from the Hub organisation (or user) ``org``."""
+        return SHARED in self.hf_orgs or org in self.hf_orgs
 
     @property
     def rpm_bucket(self) -> int | None:
@@ -99,7 +129,8 @@ class TenantsConfig:
     tenants: Mapping[str, TenantConfig]
     admin_key_sha256: tuple[str, ...] = ()
     metrics_key_sha256: tuple[str, ...] = ()
-    _digests: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (digest, tenant) pairs
+    admin_tenant: str | None = None  # the tenant the admin keys authenticate as too (None: none)
+    _tenant_of: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant
     _open_to_all: tuple[str, ...] = field(default=(), repr=False)  # tenants whose `adapters` holds SHARED
     _named_by: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)  # adapter -> tenants naming it
 
@@ -115,8 +146,14 @@ class TenantsConfig:
                         f"{where}.key_sha256: digest {digest[:12]}... is also a key of {owner[digest]}; "
                         "each API key must belong to one tenant, or to [admin] or [metrics]"
                     )
-        pairs = tuple((d, name) for name, t in self.tenants.items() for d in t.key_sha256)
-        object.__setattr__(self, "_digests", pairs)
+        tenant_of = {d: name for name, t in self.tenants.items() for d in t.key_sha256}
+        if self.admin_tenant is not None:
+            if self.admin_tenant not in self.tenants:
+                raise TenantsConfigError(
+                    f"admin.tenant: {self.admin_tenant!r} is not a tenant; add [tenants.{self.admin_tenant}]"
+                )
+            tenant_of.update(dict.fromkeys(self.admin_key_sha256, self.admin_tenant))
+        object.__setattr__(self, "_tenant_of", MappingProxyType(tenant_of))
         named: dict[str, list[str]] = {}
         for name, t in self.tenants.items():
             for adapter in t.adapters - {SHARED}:
@@ -143,13 +180,17 @@ class TenantsConfig:
         keys = {}
         for section in _KEY_SECTIONS:
             table = _table(doc.get(section, {}), section)
-            extra = set(table) - {"key_sha256"}
+            fields = ("key_sha256", "tenant") if section == "admin" else ("key_sha256",)
+            extra = set(table) - set(fields)
             if extra:
-                raise TenantsConfigError(f"{section}: unknown field(s) {sorted(extra)}; expected key_sha256")
+                raise TenantsConfigError(f"{section}: unknown field(s) {sorted(extra)}; expected {', '.join(fields)}")
             keys[section] = _digests_field(table, section)
+        admin_tenant = _table(doc.get("admin", {}), "admin").get("tenant")
+        if admin_tenant is not None and not isinstance(admin_tenant, str):
+            raise TenantsConfigError(f"admin.tenant: expected a tenant's name, got {admin_tenant!r}")
         tables = _table(doc.get("tenants", {}), "tenants")
         tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in tables.items()}
-        return cls(tenants, keys["admin"], keys["metrics"])
+        return cls(tenants, keys["admin"], keys["metrics"], admin_tenant)
 
     def get(self, name: str) -> TenantConfig:
         try:
@@ -168,14 +209,9 @@ class TenantsConfig:
         return {name: t.weight for name, t in self.tenants.items()}
 
     def authenticate(self, api_key: str) -> str | None:
-        """The tenant owning ``api_key``, or None. Every digest is compared, so the time taken
-        does not depend on which one (if any) matches."""
-        digest = hash_key(api_key)
-        found = None
-        for stored, name in self._digests:
-            if hmac.compare_digest(stored, digest):
-                found = name
-        return found
+        """The tenant owning ``api_key``, or None: one hash and one dict lookup, however many
+        keys the file holds (a bogus key costs what a good one does)."""
+        return self._tenant_of.get(hash_key(api_key))
 
     def is_admin(self, api_key: str) -> bool:
         return _matches(self.admin_key_sha256, api_key)
@@ -204,6 +240,14 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
             f'{where}.adapters: expected a list of adapter names (or ["{SHARED}"] for every shared adapter), '
             f"got {adapters!r}"
         )
+    origins = {}
+    for key, what in (("s3_buckets", "S3 bucket names"), ("hf_orgs", "Hugging Face organisations")):
+        names = t.get(key, [])
+        if not (isinstance(names, list) and all(isinstance(n, str) and n for n in names)):
+            raise TenantsConfigError(
+                f'{where}.{key}: expected a list of {what} (or ["{SHARED}"] for any), got {names!r}'
+            )
+        origins[key] = frozenset(names)
     weight = t.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise TenantsConfigError(f"{where}.weight: expected a number > 0, got {weight!r}")
@@ -214,6 +258,7 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
             f"(tenants naming one group share cached prompt prefixes; omit it to share with none), got {group!r}"
         )
     limits = {k: _positive_int(t, k, where) for k in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency")}
+    default_max_tokens = _positive_int(t, "default_max_tokens", where) or DEFAULT_MAX_TOKENS
     for burst, rate in (("rpm_burst", "rpm"), ("tpm_burst", "tpm")):
         if limits[burst] is not None and limits[rate] is None:
             raise TenantsConfigError(f"{where}.{burst}: set {rate} too (a burst size needs a rate)")
@@ -222,7 +267,10 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         key_sha256=_digests_field(t, where),
         adapters=frozenset(adapters),
         weight=float(weight),
+        s3_buckets=frozenset(t.get("s3_buckets", [])),
+        hf_orgs=frozenset(t.get("hf_orgs", [])),
         prefix_cache_group=group,
+        default_max_tokens=default_max_tokens,
         **limits,
     )
 

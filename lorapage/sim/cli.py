@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from lorapage.config import EngineConfig
+from lorapage.flags import add_config_flags
 from lorapage.fleet.routing import ROUTERS
-from lorapage.replay.stats import Slo
-from lorapage.replay.trace import TraceRequest
 from lorapage.sim.compare import compare_routers, render_table
 from lorapage.sim.fleet import FleetConfig
+from lorapage.traces.stats import Slo
+from lorapage.traces.trace import TraceRequest
 
 PROG = "lorapage replay run --simulate"
 _SIM_FIELDS = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "scheduler")
@@ -25,10 +27,8 @@ _SIM_FIELDS = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_to
 
 def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> FleetConfig:
     """The fleet ``args`` (replay's flags) and ``rest`` (engine flags) describe."""
-    from lorapage.server import serve
-
     parser = argparse.ArgumentParser(prog=PROG, add_help=False)
-    serve.add_engine_arguments(parser)
+    add_config_flags(parser, EngineConfig, only=_SIM_FIELDS)
     engine_args, leftover = parser.parse_known_args(list(rest))
     given = {n: getattr(engine_args, n) for n in _SIM_FIELDS if getattr(engine_args, n, None) is not None}
     unused = [a for a in rest if a.startswith("--") and a[2:].replace("-", "_").split("=")[0] not in _SIM_FIELDS]

@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from lorapage.replay.stats import Slo
-from lorapage.replay.trace import TraceRequest
 from lorapage.sim.fleet import SEED_SLO, FleetConfig, fewest_replicas, simulate
+from lorapage.traces.stats import Slo
+from lorapage.traces.trace import TraceRequest
 
 
 def compare_routers(

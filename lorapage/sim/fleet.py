@@ -5,8 +5,8 @@ Time is virtual and shared: before each arrival every replica is run up to it, t
 each replica's load and residency at that instant (what replicas report; here always fresh), and
 the request joins the chosen replica's queue. Requests are the same traces as ``lorapage
 replay``; their outputs are exactly ``max_tokens`` long. Results become replay
-:class:`~lorapage.replay.records.Record` objects, so TTFT percentiles and goodput come from
-:mod:`lorapage.replay.stats`.
+:class:`~lorapage.traces.records.Record` objects, so TTFT percentiles and goodput come from
+:mod:`lorapage.traces.stats`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lorapage.fleet.routing import AffinityRouter, ReplicaView, Router, make_router
-from lorapage.replay.records import OK, TIMEOUT, Record
-from lorapage.replay.stats import Slo, percentile
-from lorapage.replay.trace import TraceRequest
 from lorapage.scheduler import SchedulerPolicy, VtcConfig, make_policy
 from lorapage.sim.costs import GPU_7B, StepCosts
 from lorapage.sim.residency import TIERS, AdapterResidency, ResidencyConfig
 from lorapage.sim.simulator import SimConfig, SimRequest, Simulator
+from lorapage.traces.records import OK, TIMEOUT, Record
+from lorapage.traces.stats import Slo, percentile
+from lorapage.traces.trace import TraceRequest
 
 COLD_TIERS = ("ram", "disk", "remote")
 SEED_SLO = Slo(ttft_s=1.0, ttft_cold_s=2.0, cold_tiers=COLD_TIERS)

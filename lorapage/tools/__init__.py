@@ -2,8 +2,28 @@
 calls its family writes (whole or streamed), and the grammar that makes ``tool_choice``
 ``required`` / a named function produce valid calls even from an untrained adapter."""
 
-from lorapage.tools.formats import FORMATS, ToolCall, ToolFormat, detect_format
-from lorapage.tools.prompting import conversation
-from lorapage.tools.stream import ToolStream
+from typing import TYPE_CHECKING
 
-__all__ = ["FORMATS", "ToolCall", "ToolFormat", "ToolStream", "conversation", "detect_format"]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.tools.formats import (
+        FORMATS as FORMATS,
+        ToolCall as ToolCall,
+        ToolFormat as ToolFormat,
+        detect_format as detect_format,
+    )
+    from lorapage.tools.prompting import conversation as conversation
+    from lorapage.tools.stream import ToolStream as ToolStream
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "FORMATS": "lorapage.tools.formats",
+        "ToolCall": "lorapage.tools.formats",
+        "ToolFormat": "lorapage.tools.formats",
+        "ToolStream": "lorapage.tools.stream",
+        "conversation": "lorapage.tools.prompting",
+        "detect_format": "lorapage.tools.formats",
+    },
+)

@@ -54,6 +54,9 @@ def call_schema(tools: list[dict], args_key: str) -> dict:
     for tool in tools:
         fn = tool["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
+        # Only the declared arguments: a schema that does not say otherwise would let an untrained
+        # adapter add keys without end (OpenAI's strict function calling requires the same).
+        params = {"additionalProperties": False, **params}
         options.append(
             {
                 "type": "object",

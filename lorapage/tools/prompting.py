@@ -15,12 +15,10 @@ from typing import Any
 
 from lorapage.tools.formats import ToolFormat
 
+# Hermes's tools prompt, in short (a template without tools gets this; a small model's context is short).
 TOOLS_PROMPT = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}'
-    "\n</tool_call>"
+    "You may call these functions:\n<tools>\n{tools}\n</tools>\n"
+    'To call one, answer <tool_call>\n{{"name": <name>, "arguments": <object>}}\n</tool_call>'
 )
 
 
@@ -46,7 +44,7 @@ def conversation(
         return out, ({"tools": tools} if tools else {})
     out = []
     if tools:
-        described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        described = "\n".join(json.dumps(t, ensure_ascii=False, separators=(",", ":")) for t in tools)
         system = TOOLS_PROMPT.format(tools=described)
         if messages and messages[0]["role"] == "system":
             system = messages[0]["content"] + "\n\n" + system

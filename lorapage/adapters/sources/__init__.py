@@ -9,17 +9,22 @@ Source formats
 --------------
 
 ``/abs/dir`` or ``file:///abs/dir``
-    A directory on the server, only under an ``--adapter-root`` (symlinks resolved; an entry
-    linking out of the root is refused, 403). Read in place; ``sha256`` optional. Each fetch
-    re-checks the directory and, given the registered digest, re-hashes it: files changed after
-    registration fail with ``adapter_integrity_failed``. Canonical form: ``file:///resolved/dir``.
+    A directory on the server, only under an adapter root its owner may read from
+    (:mod:`~lorapage.adapters.sources.roots`: its tenant's ``--adapter-root TENANT=DIR``, else the
+    shared ones; symlinks resolved; an entry linking out of the root, or into another tenant's,
+    is refused, 403). Read in place, regular files only; ``sha256`` optional. Each fetch re-checks
+    the directory against the same roots and, given the registered digest, re-hashes it: files
+    changed after registration fail with ``adapter_integrity_failed``. Canonical form:
+    ``file:///resolved/dir``.
 
 ``https://host[:port]/base/path``
     The base URL of a directory: the server GETs ``<uri>/adapter_config.json`` and
     ``<uri>/adapter_model.safetensors``. ``sha256`` is required. No credentials in the URL, no
-    query or fragment; redirects are followed. Plain ``http://`` is accepted only for
-    ``127.0.0.1``, ``localhost`` and ``::1`` (tests, a local mirror). Canonical form: scheme and
-    host lower case, no trailing slash.
+    query or fragment. Plain ``http://`` is accepted only for ``127.0.0.1``, ``localhost`` and
+    ``::1``. A redirect is followed only to a URL a source could name itself (at most five). No
+    host, named or redirected to, may be or resolve to a link-local address (cloud metadata), nor
+    to a loopback or private one unless the server allows it (``--allow-private-adapter-sources``:
+    a local mirror, tests). Canonical form: scheme and host lower case, no trailing slash.
 
 ``s3://bucket/prefix``
     Objects ``prefix/adapter_config.json`` and ``prefix/adapter_model.safetensors`` (no prefix:
@@ -34,37 +39,63 @@ Source formats
     comes from ``HF_TOKEN`` or the huggingface_hub login. ``sha256`` optional. Canonical form:
     the revision always spelled out.
 
+A tenant may name an ``s3://`` bucket or an ``hf://`` organisation only when its entry in the
+tenants file lists it (``s3_buckets``, ``hf_orgs``): the server's credentials are not the
+tenant's to use on another's bucket or private repository.
+
 Without ``sha256``, a remote source's digest is what its first fetch downloaded (the registry
-then stores it, so later fetches are held to it). Every remote download is capped at
-``max_download_bytes`` for both files together (a declared size over it fails before any byte is
-read, a body that grows past it fails as it does), lands in ``<cache_dir>/<digest>/`` only
-after it matched, and is shared by concurrent fetches of the same version. Errors: 400
-(``invalid_request``) or 403 (``permission_denied``) at registration; at fetch 502
-``adapter_source_failed`` (unreachable, HTTP error, over the cap, body ended early, missing
-extra) or 502 ``adapter_integrity_failed`` (expected and received digest, and the uri).
+then stores it, so later fetches are held to it). Every remote download (both files together) is
+held to :class:`~lorapage.adapters.sources.download.DownloadLimits`: a byte cap (a declared size
+over it fails before any byte is read, a body that grows past it fails as it does), a total
+deadline and a minimum average rate; it lands in ``<cache_dir>/<digest>/`` only after it
+matched, is shared by a tenant's concurrent fetches of the same version, and takes one of that
+tenant's download slots. Errors: 400 (``invalid_request``) or 403 (``permission_denied``) at
+registration; at fetch 502 ``adapter_source_failed`` (unreachable, HTTP error, refused address
+or redirect, over the cap or the deadline, body ended early, missing extra) or 502
+``adapter_integrity_failed`` (expected and received digest, and the uri). These go to the admin
+who registered; a tenant whose request needed the version gets a generic error of the same code
+(the server's log has the detail).
 """
 
-from lorapage.adapters.sources.fetch import AdapterSources, SourceStats
-from lorapage.adapters.sources.parse import (
-    FileSource,
-    HfSource,
-    HttpsSource,
-    RemoteSource,
-    S3Source,
-    Source,
-    check_local_dir,
-    parse_source,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "AdapterSources",
-    "FileSource",
-    "HfSource",
-    "HttpsSource",
-    "RemoteSource",
-    "S3Source",
-    "Source",
-    "SourceStats",
-    "check_local_dir",
-    "parse_source",
-]
+from lorapage._exports import lazy
+
+if TYPE_CHECKING:
+    from lorapage.adapters.sources.download import DownloadLimits as DownloadLimits
+    from lorapage.adapters.sources.fetch import AdapterSources as AdapterSources, SourceStats as SourceStats
+    from lorapage.adapters.sources.parse import (
+        FileSource as FileSource,
+        HfSource as HfSource,
+        HttpsSource as HttpsSource,
+        RemoteSource as RemoteSource,
+        S3Source as S3Source,
+        Source as Source,
+        parse_source as parse_source,
+    )
+    from lorapage.adapters.sources.roots import (
+        ANYWHERE as ANYWHERE,
+        NO_ROOTS as NO_ROOTS,
+        AdapterRoots as AdapterRoots,
+        check_local_dir as check_local_dir,
+    )
+
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "AdapterSources": "lorapage.adapters.sources.fetch",
+        "SourceStats": "lorapage.adapters.sources.fetch",
+        "DownloadLimits": "lorapage.adapters.sources.download",
+        "FileSource": "lorapage.adapters.sources.parse",
+        "HfSource": "lorapage.adapters.sources.parse",
+        "HttpsSource": "lorapage.adapters.sources.parse",
+        "RemoteSource": "lorapage.adapters.sources.parse",
+        "S3Source": "lorapage.adapters.sources.parse",
+        "Source": "lorapage.adapters.sources.parse",
+        "parse_source": "lorapage.adapters.sources.parse",
+        "ANYWHERE": "lorapage.adapters.sources.roots",
+        "NO_ROOTS": "lorapage.adapters.sources.roots",
+        "AdapterRoots": "lorapage.adapters.sources.roots",
+        "check_local_dir": "lorapage.adapters.sources.roots",
+    },
+)

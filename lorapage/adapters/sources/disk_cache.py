@@ -47,6 +47,10 @@ class DiskCache:
     def path(self, digest: str) -> Path:
         return self.root / digest
 
+    def contains(self, digest: str) -> bool:
+        """Whether ``digest`` is cached (its recency unchanged)."""
+        return digest in self._entries
+
     def lookup(self, digest: str) -> Path | None:
         """The entry's directory, now the most recently used, or None when not cached."""
         if digest not in self._entries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,11 +17,16 @@ import aiohttp
 
 from lorapage.adapters.digest import content_digest
 from lorapage.adapters.sources import disk_cache
-from lorapage.adapters.sources.download import HTTP_TIMEOUT, Budget, S3Reader, fetch_hf, fetch_https
-from lorapage.adapters.sources.parse import FileSource, HfSource, HttpsSource, RemoteSource, Source, check_local_dir
+from lorapage.adapters.sources.download import Budget, DownloadLimits, S3Reader, fetch_hf, fetch_https, https_session
+from lorapage.adapters.sources.parse import FileSource, HfSource, HttpsSource, RemoteSource, Source
+from lorapage.adapters.sources.roots import AdapterRoots
+from lorapage.adapters.sources.slots import TenantSlots
 from lorapage.errors import AdapterIntegrityError, AdapterSourceError, LorapageError
 
 T = TypeVar("T")
+DOWNLOADS_PER_TENANT = 2  # one tenant's downloads running at once; its others wait in its own line
+DOWNLOAD_THREADS = 16  # s3 and hf transfers (blocking clients) run here, never on the engine's I/O threads
+_SHARED = ""  # the download slots of owner-less versions
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,15 @@ class AdapterSources:
     Every directory it returns was hashed against ``digest`` during that call (when one is given),
     cache hits included, so a file changed or corrupted on disk is caught before use: in place it
     is an AdapterIntegrityError, in the cache the entry is dropped and downloaded again. Concurrent
-    fetches of one digest (or, without a digest, of one uri) share one download or one check.
-    An entry is never evicted while a fetch is returning it or a :meth:`use` block holds it.
-    All blocking work runs on ``executor``; https streams on the event loop.
+    fetches of one digest (or, without a digest, of one uri) by one tenant share one download or
+    one check; another tenant's fetch downloads from its own source (so a slow or hostile source
+    of one tenant never stands in for another's). An entry is never evicted while a fetch is
+    returning it or a :meth:`use` block holds it.
+
+    A directory is checked against ``adapter_roots`` for its version's owner at every fetch.
+    Downloads are held to ``limits`` (bytes, a total deadline, a minimum rate) and to
+    :data:`DOWNLOADS_PER_TENANT` at once per tenant. File work runs on ``executor``; https
+    streams on the event loop; s3 and hf run on threads of their own.
     """
 
     def __init__(
@@ -55,15 +67,21 @@ class AdapterSources:
         cache_dir: Path | None,
         cache_bytes: int,
         *,
-        max_download_bytes: int,
-        adapter_roots: tuple[Path, ...],
+        limits: DownloadLimits,
+        adapter_roots: AdapterRoots,
         executor: concurrent.futures.Executor,
         s3_endpoint_url: str | None = None,
         hf_endpoint: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._max_download_bytes = max_download_bytes
+        self.limits = limits
         self._roots = adapter_roots
         self._executor = executor
+        self._downloads_executor = concurrent.futures.ThreadPoolExecutor(
+            DOWNLOAD_THREADS, thread_name_prefix="lorapage-download"
+        )
+        self._clock = clock
+        self._slots = TenantSlots(DOWNLOADS_PER_TENANT)
         self._s3 = S3Reader(s3_endpoint_url)
         self._hf_endpoint = hf_endpoint
         self._session: aiohttp.ClientSession | None = None
@@ -72,9 +90,10 @@ class AdapterSources:
             self._cache, over = disk_cache.open_cache(cache_dir, cache_bytes)
             for path in over:
                 disk_cache.remove_dir(path)
-        self._flights: dict[str, asyncio.Task[Path]] = {}  # digest (or uri) -> its fetch
-        self._waiting: Counter[str] = Counter()  # digest (or uri) -> fetch calls awaiting it
-        self._landed: dict[str, str] = {}  # uri -> digest its download landed as, while awaited
+        # Fetches in flight, by (tenant, digest or uri): what a tenant's concurrent fetches share.
+        self._flights: dict[tuple[str, str], asyncio.Task[Path]] = {}
+        self._waiting: Counter[tuple[str, str]] = Counter()  # fetch calls awaiting each flight
+        self._landed: dict[tuple[str, str], str] = {}  # a flight without a digest -> the digest it landed as
         self._held: Counter[str] = Counter()  # digest -> use() blocks reading it
         self._removing: dict[str, asyncio.Task[None]] = {}  # digest -> eviction deleting it
         self._downloads: Counter[str] = Counter()
@@ -84,17 +103,18 @@ class AdapterSources:
         self._hits = 0
         self._evictions = 0
 
-    async def fetch(self, source: Source, digest: str | None) -> Path:
+    async def fetch(self, source: Source, digest: str | None, owner: str | None = None) -> Path:
         """A local directory holding the adapter files of ``source``, verified against ``digest``
-        (stored form, :func:`normalize_digest`) when given. Raises AdapterSourceError or
-        AdapterIntegrityError. A remote entry may be evicted once this returns; read it inside
-        :meth:`use` instead when another download could need the room meanwhile."""
-        return await self._fetch(source, digest, hold=False)
+        (stored form, :func:`normalize_digest`) when given, for a version owned by ``owner``.
+        Raises AdapterSourceError or AdapterIntegrityError. A remote entry may be evicted once
+        this returns; read it inside :meth:`use` instead when another download could need the
+        room meanwhile."""
+        return await self._fetch(source, digest, owner, hold=False)
 
     @asynccontextmanager
-    async def use(self, source: Source, digest: str | None) -> AsyncIterator[Path]:
+    async def use(self, source: Source, digest: str | None, owner: str | None = None) -> AsyncIterator[Path]:
         """:meth:`fetch`, with the entry kept from eviction until the block ends."""
-        path = await self._fetch(source, digest, hold=True)
+        path = await self._fetch(source, digest, owner, hold=True)
         try:
             yield path
         finally:
@@ -126,23 +146,32 @@ class AdapterSources:
         for task in flights:
             task.cancel()
         await asyncio.gather(*flights, *self._removing.values(), return_exceptions=True)
+        self._downloads_executor.shutdown(wait=False, cancel_futures=True)
         if self._session is not None:
             await self._session.close()
 
-    async def _fetch(self, source: Source, digest: str | None, *, hold: bool) -> Path:
+    def cached(self, digest: str) -> bool:
+        """Whether the disk cache holds ``digest`` (by its bookkeeping: no disk is read)."""
+        return self._cache is not None and self._cache.contains(digest)
+
+    def downloads_running(self, owner: str | None) -> int:
+        """``owner``'s downloads holding one of its slots now."""
+        return self._slots.running(owner if owner is not None else _SHARED)
+
+    async def _fetch(self, source: Source, digest: str | None, owner: str | None, *, hold: bool) -> Path:
         try:
             if isinstance(source, FileSource):
-                return await self._fetch_local(source, digest)
-            return await self._fetch_remote(source, digest, hold=hold)
+                return await self._fetch_local(source, digest, owner)
+            return await self._fetch_remote(source, digest, owner if owner is not None else _SHARED, hold=hold)
         except AdapterSourceError as exc:
             self._failures[source.scheme] += 1
             self._integrity_failures += isinstance(exc, AdapterIntegrityError)
             raise
 
-    async def _fetch_local(self, source: FileSource, digest: str | None) -> Path:
+    async def _fetch_local(self, source: FileSource, digest: str | None, owner: str | None) -> Path:
         try:
-            path = await self._run(check_local_dir, source.path, self._roots)
-            got = None if digest is None else await self._run(content_digest, path)
+            path = await self._run(self._roots.check, source.path, owner)
+            got = None if digest is None else await self._run(content_digest, path, self.limits.max_bytes)
         except LorapageError as exc:  # the directory moved, became a link out, or a root was dropped
             raise AdapterSourceError(f"adapter directory {source.path} is no longer usable: {exc.message}") from None
         except OSError as exc:
@@ -154,16 +183,17 @@ class AdapterSources:
             )
         return path
 
-    async def _fetch_remote(self, source: RemoteSource, digest: str | None, *, hold: bool) -> Path:
+    async def _fetch_remote(self, source: RemoteSource, digest: str | None, tenant: str, *, hold: bool) -> Path:
         if self._cache is None:
             raise AdapterSourceError(
                 f"adapter source {source.uri}: remote sources need a disk cache; start the server with "
                 "--adapter-cache-dir"
             )
-        key = digest or source.uri
+        key = (tenant, digest or source.uri)
         flight = self._flights.get(key)
         if flight is None:
-            flight = self._flights[key] = asyncio.get_running_loop().create_task(self._obtain(source, digest))
+            task = self._obtain(source, digest, key)
+            flight = self._flights[key] = asyncio.get_running_loop().create_task(task)
             flight.add_done_callback(functools.partial(self._flight_done, key))
         self._waiting[key] += 1
         try:
@@ -178,12 +208,12 @@ class AdapterSources:
                 del self._waiting[key]
                 self._landed.pop(key, None)
 
-    def _flight_done(self, key: str, task: asyncio.Task[Path]) -> None:
+    def _flight_done(self, key: tuple[str, str], task: asyncio.Task[Path]) -> None:
         del self._flights[key]
         if not task.cancelled():
             task.exception()  # every waiter may have given up; do not warn about it
 
-    async def _obtain(self, source: RemoteSource, digest: str | None) -> Path:
+    async def _obtain(self, source: RemoteSource, digest: str | None, key: tuple[str, str]) -> Path:
         assert self._cache is not None
         if digest is not None:
             if removal := self._removing.get(digest):
@@ -194,14 +224,19 @@ class AdapterSources:
                     return path
                 self._cache.forget(digest)  # corrupted or removed behind our back: fetch again
                 await self._run(disk_cache.remove_dir, path)
-        return await self._download(source, digest)
+        return await self._download(source, digest, key)
 
-    async def _download(self, source: RemoteSource, digest: str | None) -> Path:
+    async def _download(self, source: RemoteSource, digest: str | None, key: tuple[str, str]) -> Path:
         assert self._cache is not None
-        temp = await self._run(disk_cache.make_temp, self._cache.root)
-        budget = Budget(self._max_download_bytes, source.uri)
+        release = await self._slots.acquire(key[0])  # waits behind this tenant's own downloads only
         try:
-            await self._transfer(source, temp, budget)
+            temp = await self._run(disk_cache.make_temp, self._cache.root)
+        except BaseException:
+            release()
+            raise
+        budget = Budget(self.limits, source.uri, self._clock)
+        try:
+            await self._transfer(source, temp, budget, release)
             got = await self._run(content_digest, temp)
             if digest is not None and got != digest:
                 hint = source.pin_hint() if isinstance(source, HfSource) else ""
@@ -218,24 +253,41 @@ class AdapterSources:
             await self._run(disk_cache.remove_dir, temp)  # nothing there once committed
         self._downloads[source.scheme] += 1
         if digest is None:
-            self._landed[source.uri] = got
+            self._landed[key] = got
         await self._evict(self._cache.insert(got, size, protect=self._protected()))
         return self._cache.path(got)
 
-    async def _transfer(self, source: RemoteSource, dest: Path, budget: Budget) -> None:
+    async def _transfer(self, source: RemoteSource, dest: Path, budget: Budget, release: Callable[[], None]) -> None:
+        """Download into ``dest`` under ``budget``; gives the tenant's slot back (``release``) once
+        the transfer has ended, which for a blocking client past its deadline is when its thread does."""
         if isinstance(source, HttpsSource):
-            if self._session is None:
-                # Raw bytes (no decompression): the cap and the digest apply to what was sent.
-                self._session = aiohttp.ClientSession(timeout=HTTP_TIMEOUT, auto_decompress=False)
-            await fetch_https(self._session, source, dest, budget, self._run)
-        elif isinstance(source, HfSource):
-            await self._run(fetch_hf, source, dest, budget, self._hf_endpoint)
+            try:
+                if self._session is None:
+                    self._session = https_session(self.limits.allow_private)
+                await fetch_https(self._session, source, dest, budget, self._run)
+            finally:
+                release()
+            return
+        if isinstance(source, HfSource):
+            # huggingface_hub reports no progress: only the deadline can be watched from here.
+            work, watch_rate = functools.partial(fetch_hf, source, dest, budget, self._hf_endpoint), False
         else:
-            await self._run(self._s3.fetch, source, dest, budget)
+            work, watch_rate = functools.partial(self._s3.fetch, source, dest, budget), True
+        thread = asyncio.get_running_loop().run_in_executor(self._downloads_executor, work)
+        thread.add_done_callback(functools.partial(_thread_done, release))
+        while True:  # the worker counts bytes as they come; each wait lasts as long as they buy
+            patience = budget.patience(rate=watch_rate)
+            try:
+                await asyncio.wait_for(asyncio.shield(thread), max(patience, 0))
+                return
+            except TimeoutError:
+                if budget.patience(rate=watch_rate) <= 0:
+                    budget.cancelled = True  # the worker stops at its next chunk
+                    raise budget.too_slow() from None
 
     def _protected(self) -> set[str]:
         """Digests a fetch is returning (or checking) or a use() block holds."""
-        return {self._landed.get(key, key) for key in self._waiting} | set(self._held)
+        return {self._landed.get(key, key[1]) for key in self._waiting} | set(self._held)
 
     async def _evict(self, victims: list[str]) -> None:
         assert self._cache is not None
@@ -254,6 +306,13 @@ class AdapterSources:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+
+def _thread_done(release: Callable[[], None], done: asyncio.Future[None]) -> None:
+    """A blocking transfer ended: its tenant's slot is free (its outcome was, or never will be, awaited)."""
+    release()
+    if not done.cancelled():
+        done.exception()  # read: a transfer the loop gave up on is not logged as never retrieved
 
 
 def _still_matches(path: Path, digest: str) -> bool:

@@ -12,7 +12,8 @@ from typing import ClassVar
 from urllib.parse import unquote, urlsplit
 
 from lorapage.adapters.digest import normalize_digest
-from lorapage.errors import InvalidRequestError, PermissionDeniedError
+from lorapage.adapters.sources.roots import AdapterRoots
+from lorapage.errors import InvalidRequestError
 
 _PARAM = "source"
 # Plain http only to the loopback, so tests and a local mirror can serve without TLS.
@@ -79,10 +80,11 @@ RemoteSource = HttpsSource | S3Source | HfSource
 Source = FileSource | RemoteSource
 
 
-def parse_source(uri: str, *, sha256: str | None, adapter_roots: tuple[Path, ...]) -> Source:
+def parse_source(uri: str, *, sha256: str | None, roots: AdapterRoots, owner: str | None = None) -> Source:
     """The source ``uri`` names, in canonical form (its ``uri`` is what the registry stores), or
-    InvalidRequestError / PermissionDeniedError saying what to change. ``sha256`` is checked for
-    form here; https sources require it. Rebuild a stored source with the same call."""
+    InvalidRequestError / PermissionDeniedError saying what to change. A directory must be one
+    a version owned by ``owner`` may be read from (:meth:`AdapterRoots.check`). ``sha256`` is
+    checked for form here; https sources require it. Rebuild a stored source with the same call."""
     if sha256 is not None:
         try:
             normalize_digest(sha256)
@@ -93,10 +95,10 @@ def parse_source(uri: str, *, sha256: str | None, adapter_roots: tuple[Path, ...
         raise InvalidRequestError("source is empty; give file://, https://, s3:// or hf:// URI", param=_PARAM)
     scheme, sep, _ = raw.partition("://")
     if not sep:
-        return _file_source(raw, raw, adapter_roots)
+        return _file_source(raw, raw, roots, owner)
     match scheme.lower():
         case "file":
-            return _file_source(raw, _file_uri_path(raw), adapter_roots)
+            return _file_source(raw, _file_uri_path(raw), roots, owner)
         case "https" | "http":
             return _https_source(raw, sha256)
         case "s3":
@@ -108,35 +110,6 @@ def parse_source(uri: str, *, sha256: str | None, adapter_roots: tuple[Path, ...
     )
 
 
-def check_local_dir(path: Path, roots: tuple[Path, ...]) -> Path:
-    """The resolved ``path``, a directory inside one of ``roots`` with no entry linking out of
-    that root; else InvalidRequestError / PermissionDeniedError. Reads the file system."""
-    if not roots:
-        raise PermissionDeniedError(
-            "adapters from a path on the server are disabled: start the server with --adapter-root DIR "
-            "to allow adapter directories under DIR",
-            param=_PARAM,
-        )
-    resolved = _resolve(path)
-    root = next((r for r in map(_resolve, roots) if resolved.is_relative_to(r)), None)
-    if root is None:
-        shown = ", ".join(map(str, roots))
-        raise PermissionDeniedError(
-            f"adapter path {path} resolves to {resolved}, outside the adapter roots ({shown}); "
-            "put the adapter under a root, or start the server with another --adapter-root",
-            param=_PARAM,
-        )
-    if not resolved.is_dir():
-        raise InvalidRequestError(f"adapter at {path}: no such directory on the server", param=_PARAM)
-    for entry in resolved.iterdir():
-        if not _resolve(entry).is_relative_to(root):
-            raise PermissionDeniedError(
-                f"adapter at {path}: {entry.name} links outside the adapter root {root}; copy the file in instead",
-                param=_PARAM,
-            )
-    return resolved
-
-
 def _file_uri_path(raw: str) -> str:
     parts = urlsplit(raw)
     if parts.netloc not in ("", "localhost"):
@@ -146,23 +119,21 @@ def _file_uri_path(raw: str) -> str:
     return unquote(parts.path)
 
 
-def _file_source(raw: str, path: str, roots: tuple[Path, ...]) -> FileSource:
+def _file_source(raw: str, path: str, roots: AdapterRoots, owner: str | None) -> FileSource:
     if not Path(path).is_absolute():
         raise InvalidRequestError(f"adapter path must be absolute; got {raw!r}", param=_PARAM)
-    resolved = check_local_dir(Path(path), roots)
+    resolved = roots.check(Path(path), owner)
     return FileSource(uri=resolved.as_uri(), path=resolved)
 
 
-def _resolve(path: Path) -> Path:
-    try:
-        return path.resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop
-        raise InvalidRequestError(f"adapter path {path} cannot be resolved ({exc})", param=_PARAM) from None
-
-
-def _https_source(raw: str, sha256: str | None) -> HttpsSource:
+def check_download_url(raw: str) -> str:
+    """The host of ``raw``, a URL the server may download from: https (or plain http to the
+    loopback), with a host and no credentials. Every redirect a download follows is held to it
+    too. Raises InvalidRequestError saying what is wrong."""
     parts = urlsplit(raw)
     scheme, host = parts.scheme.lower(), (parts.hostname or "")
+    if scheme not in ("https", "http"):
+        raise InvalidRequestError(f"source {raw!r}: only https:// URLs are downloaded", param=_PARAM)
     if not host:
         raise InvalidRequestError(f"source {raw!r} has no host", param=_PARAM)
     if scheme == "http" and host not in _LOOPBACK_HOSTS:
@@ -175,6 +146,13 @@ def _https_source(raw: str, sha256: str | None) -> HttpsSource:
             "the adapter without them",
             param=_PARAM,
         )
+    return host
+
+
+def _https_source(raw: str, sha256: str | None) -> HttpsSource:
+    check_download_url(raw)
+    parts = urlsplit(raw)
+    scheme, host = parts.scheme.lower(), (parts.hostname or "")
     if parts.query or parts.fragment:
         raise InvalidRequestError(
             f"source {raw!r}: give the base URL of a directory (the file names are appended), "

@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from lorapage.replay.records import NOT_SENT, OK, Record
+from lorapage.traces.records import NOT_SENT, OK, Record
 
 PERCENTILES = (50, 90, 95, 99)
 

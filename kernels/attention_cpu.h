@@ -1,0 +1,85 @@
+/* The CPU path's paged decode attention over float32 KV pages (included by lora_cpu.c, built
+ * with it once per ISA variant).
+ *
+ * Same result as kernels/attention_ref.py's paged_decode_attention_ref, for one query token per row:
+ *   out[b, h] = softmax(q[b, h] @ K_b[:, h / G].T * scale) @ V_b[:, h / G],   G = heads / kv_heads,
+ * over the first context_lens[b] positions, K_b and V_b read through the row's block table from
+ * pages laid out [2, block_size, kv_heads, head_dim] (K, then V).
+ *
+ * Why C: a decode step's attention is small (32 rows of ~40 positions is ~3 MFLOP), and the
+ * PyTorch reference spends its time in the ops around it: gathering every row's pages into
+ * fresh K and V tensors, zeroing stale positions, building a mask, and scaled_dot_product_attention's
+ * dispatch. It took ~9% of the 512-wide bench model's decode step at one thread (bench/RESULTS.md,
+ * round 3); here the pages are read in place, each (row, KV head) once for its G query heads.
+ *
+ * Numerics: every score, exponential and sum in float32, the scores of a (row, KV head) kept in a
+ * per-thread buffer; softmax subtracts the row's largest score before expf. tests/test_attention_cpu.py
+ * checks it against a float64 reference with a bound that holds for any summation order.
+ *
+ * Threads: one task per (row, KV head), spread over torch's OpenMP threads.
+ */
+#include <math.h>
+
+/* dot_f32 (lora_cpu_body.h's float32 dot product) is defined by the time this is included. */
+
+/* Returns 0, or 1 when a thread could not allocate its buffer (its rows are then left unwritten:
+ * the caller runs the reference instead). */
+int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kv,
+                          int64_t page_stride, int64_t block_size, int64_t kv_heads, int64_t head_dim,
+                          int64_t heads, const int32_t *block_table, int64_t table_stride,
+                          const int32_t *context_lens, int64_t rows, float scale, int nthreads) {
+    const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
+    const int64_t v_offset = block_size * token_stride; /* V's half of a page */
+    int64_t longest = 0;
+    int failed = 0;
+    for (int64_t b = 0; b < rows; b++)
+        if (context_lens[b] > longest) longest = context_lens[b];
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* Per thread: the G query heads' scores over the longest context, and their outputs. */
+        float *scores = malloc((size_t)(group * longest + group * head_dim) * sizeof(float));
+        float *acc = scores + group * longest;
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < rows; b++)
+            for (int64_t j = 0; j < kv_heads; j++) {
+                if (!scores) continue;
+                const int64_t n = context_lens[b];
+                const int32_t *table = block_table + b * table_stride;
+                const float *qb = q + b * q_stride + j * group * head_dim;
+                for (int64_t p = 0; p < n; p++) {
+                    const float *k = kv + table[p / block_size] * page_stride + (p % block_size) * token_stride +
+                                     j * head_dim;
+                    for (int64_t g = 0; g < group; g++)
+                        scores[g * longest + p] = dot_f32(qb + g * head_dim, k, head_dim) * scale;
+                }
+                float total[group];
+                for (int64_t g = 0; g < group; g++) {
+                    float *s = scores + g * longest, top = -INFINITY, sum = 0.0f;
+                    for (int64_t p = 0; p < n; p++) top = s[p] > top ? s[p] : top;
+                    for (int64_t p = 0; p < n; p++) sum += (s[p] = expf(s[p] - top));
+                    total[g] = sum;
+                }
+                memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+                for (int64_t p = 0; p < n; p++) {
+                    const float *v = kv + table[p / block_size] * page_stride + v_offset +
+                                     (p % block_size) * token_stride + j * head_dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float w = scores[g * longest + p];
+                        float *a = acc + g * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++) a[d] += w * v[d];
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float *o = out + b * out_stride + (j * group + g) * head_dim;
+                    const float inv = 1.0f / total[g];
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g * head_dim + d] * inv;
+                }
+            }
+        free(scores);
+    }
+    return failed;
+}

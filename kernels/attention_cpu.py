@@ -1,0 +1,70 @@
+"""The CPU path's paged decode attention: float32 KV pages read in place by the C kernel of
+``attention_cpu.h`` (built with the LoRA kernels), the PyTorch reference for anything else.
+
+Same signature and result as :func:`lorapage.kernels.attention_ref.paged_decode_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from lorapage.kernels.attention_ref import paged_decode_attention_ref
+from lorapage.kernels.cpu_build import cpu_kernels
+
+
+def _c_layout(out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor) -> bool:
+    """Whether the C kernel reads these as they are: float32 q, out and pages, each row's heads and
+    each page's positions packed, int32 tables on the CPU."""
+    return (
+        q.dtype == out.dtype == kv.dtype == torch.float32
+        and q.device.type == out.device.type == kv.device.type == "cpu"
+        and q.stride()[1:] == (q.shape[2], 1)
+        and out.stride()[1:] == (out.shape[2], 1)
+        and kv[0].is_contiguous()
+        and block_table.dtype == context_lens.dtype == torch.int32
+        and block_table.stride(1) == 1
+        and context_lens.is_contiguous()
+        and q.shape[1] % kv.shape[3] == 0
+    )
+
+
+def paged_decode_attention_cpu(
+    out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+) -> None:
+    """Same as :func:`paged_decode_attention_ref`: ``out[b] = softmax(q[b] @ K_b.T * scale) @ V_b``
+    over the first ``context_lens[b]`` positions (GQA: query head h reads KV head ``h // (H / H_kv)``)."""
+    lib = cpu_kernels()
+    if lib is None or not decode_attention_c(lib, out, q, kv, block_table, context_lens, scale):
+        paged_decode_attention_ref(out, q, kv, block_table, context_lens, scale)
+
+
+def decode_attention_c(
+    lib: ctypes.CDLL, out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+) -> bool:
+    """The C kernel of ``lib`` into ``out``; False (``out`` untouched or partly written) where it
+    cannot take these tensors or could not allocate its buffers."""
+    if not _c_layout(out, q, kv, block_table, context_lens) or q.shape[0] == 0:
+        return False
+    rows, heads, dim = q.shape
+    failed = lib.decode_attention_f32(
+        out.data_ptr(),
+        out.stride(0),
+        q.data_ptr(),
+        q.stride(0),
+        kv.data_ptr(),
+        kv.stride(0),
+        kv.shape[2],  # block size
+        kv.shape[3],  # KV heads
+        dim,
+        heads,
+        block_table.data_ptr(),
+        block_table.stride(0),
+        context_lens.data_ptr(),
+        rows,
+        scale,
+        torch.get_num_threads(),
+    )
+    return not failed

@@ -1,0 +1,140 @@
+"""Cost attribution: what each tenant and adapter version used, hour by hour.
+
+Per ``(hour, tenant, adapter)`` (``adapter``: a version key ``id@N``, or ``""`` for the base
+model; ``tenant``: ``""`` for what belongs to an adapter rather than to a request: its residency
+and its loads):
+
+- ``requests``, ``prompt_tokens`` (prefilled, cache hits not counted), ``output_tokens``;
+- ``device_s``: each step's time apportioned to its rows by the tokens each computed;
+- ``kv_page_s``: each step's time times the KV pages each row held;
+- ``adapter_page_s``: the wall time each adapter version was resident times its pages;
+- ``load_bytes``, ``load_s``: bytes moved into the pool by its loads, and their time.
+
+The parts add up to the engine's totals (:attr:`UsageLedger.totals`) by construction; the ledger
+is pure (time comes in as arguments) and bounded (hours older than the retention are dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+
+HOUR_S = 3600
+RETENTION_HOURS = 14 * 24
+
+
+@dataclass
+class Usage:
+    """Counters of one (hour, tenant, adapter), or of the whole engine."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    device_s: float = 0.0
+    kv_page_s: float = 0.0
+    adapter_page_s: float = 0.0
+    load_bytes: int = 0
+    load_s: float = 0.0
+
+    def add(self, other: Usage) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+USAGE_FIELDS = tuple(f.name for f in fields(Usage))
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One row of a step as the ledger sees it."""
+
+    tenant: str
+    adapter: str  # version key, or "" for the base
+    prompt_tokens: int  # prompt tokens this step computed for it
+    output_tokens: int  # 1 if it sampled a token this step
+    kv_pages: int  # KV pages it held
+
+
+Key = tuple[int, str, str]  # (hour, tenant, adapter)
+
+
+class UsageLedger:
+    """Counters by hour, tenant and adapter, fed by the step loop and the adapter cache."""
+
+    def __init__(self, retention_hours: int = RETENTION_HOURS) -> None:
+        self.retention_hours = retention_hours
+        self.rows: dict[Key, Usage] = {}
+        self.totals = Usage()
+        self._resident_since: float | None = None  # the last time residency was accounted
+
+    def _row(self, now: float, tenant: str, adapter: str) -> Usage:
+        key = (int(now // HOUR_S), tenant, adapter)
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = Usage()
+        return row
+
+    def record_request(self, now: float, tenant: str, adapter: str) -> None:
+        self._row(now, tenant, adapter).requests += 1
+        self.totals.requests += 1
+
+    def record_step(self, now: float, seconds: float, rows: Iterable[StepRow]) -> None:
+        """One step of ``seconds``: its time shared by the tokens each row computed."""
+        rows = list(rows)
+        tokens = sum(r.prompt_tokens + r.output_tokens for r in rows) or 1
+        for r in rows:
+            u = self._row(now, r.tenant, r.adapter)
+            share = seconds * (r.prompt_tokens + r.output_tokens) / tokens
+            page_s = seconds * r.kv_pages
+            u.prompt_tokens += r.prompt_tokens
+            u.output_tokens += r.output_tokens
+            u.device_s += share
+            u.kv_page_s += page_s
+            self.totals.prompt_tokens += r.prompt_tokens
+            self.totals.output_tokens += r.output_tokens
+            self.totals.kv_page_s += page_s
+        if rows:
+            self.totals.device_s += seconds
+
+    def record_residency(self, now: float, resident: Mapping[str, int]) -> None:
+        """Resident adapter versions and their pages as of ``now``: the time since the previous
+        call is charged to each at these pages (call it at least at every change)."""
+        since, self._resident_since = self._resident_since, now
+        if since is None or now <= since:
+            return
+        for adapter, pages in resident.items():
+            page_s = (now - since) * pages
+            self._row(now, "", adapter).adapter_page_s += page_s
+            self.totals.adapter_page_s += page_s
+
+    def record_load(self, now: float, adapter: str, nbytes: int, seconds: float) -> None:
+        u = self._row(now, "", adapter)
+        u.load_bytes += nbytes
+        u.load_s += seconds
+        self.totals.load_bytes += nbytes
+        self.totals.load_s += seconds
+
+    def prune(self, now: float) -> None:
+        """Drop hours past the retention."""
+        oldest = int(now // HOUR_S) - self.retention_hours
+        for key in [k for k in self.rows if k[0] < oldest]:
+            del self.rows[key]
+
+    def query(
+        self, *, tenants: set[str] | None = None, adapters: set[str] | None = None, since_hour: int | None = None
+    ) -> list[tuple[Key, Usage]]:
+        """Rows in (hour, tenant, adapter) order, filtered: a row is kept when its tenant is in
+        ``tenants`` or its adapter in ``adapters`` (either filter None: no filter on it)."""
+        out = []
+        for key, usage in sorted(self.rows.items()):
+            hour, tenant, adapter = key
+            if since_hour is not None and hour < since_hour:
+                continue
+            if tenants is not None or adapters is not None:
+                if not ((tenants is not None and tenant in tenants) or (adapters is not None and adapter in adapters)):
+                    continue
+            out.append((key, usage))
+        return out
