@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from hf_reference import make_peft_adapter
-from server_harness import ADMIN_KEY, assert_openai_error, running_server
+from server_harness import ADMIN_KEY, assert_openai_error, make_roots, running_server
 
 from lorapage import Engine, EngineConfig
 from lorapage.adapters.cost import project_cost
@@ -58,9 +58,10 @@ def root(tmp_path) -> Path:
     return root
 
 
-def engine_at(state: Path, **overrides) -> Engine:
+def engine_at(state: Path, root: Path | None = None, **overrides) -> Engine:
+    """An engine keeping its registry under ``state``; HTTP registration may read under ``root``."""
     cfg = dict(model=str(TINY_BASE_DIR), block_size=4, max_lora_rank=64, state_dir=str(state))
-    return Engine(EngineConfig(**{**cfg, **overrides}))
+    return Engine(EngineConfig(**{**cfg, **overrides}), adapter_roots=make_roots(root) if root else None)
 
 
 async def register(srv, adapter_id: str, source: Path):
@@ -70,8 +71,8 @@ async def register(srv, adapter_id: str, source: Path):
 
 async def test_registration_stores_and_returns_the_projected_cost(root, tmp_path):
     state = tmp_path / "state"
-    engine = engine_at(state)
-    async with running_server(engine, adapter_roots=[root]) as srv:
+    engine = engine_at(state, root)
+    async with running_server(engine) as srv:
         status, created, _ = await register(srv, "acme", root / "acme")
         assert status == 201, created
         want = expected_pct(root / "acme")
@@ -110,8 +111,8 @@ async def test_outside_the_envelope_is_refused_with_its_arithmetic(root, tmp_pat
     """Rank 32 on every module: tier dedicated under the default envelope (rank <= 16); no
     dedicated deployment, so 400 with the projected cost and the allowed shapes, nothing stored."""
     state = tmp_path / "state"
-    engine = engine_at(state)
-    async with running_server(engine, adapter_roots=[root]) as srv:
+    engine = engine_at(state, root)
+    async with running_server(engine) as srv:
         status, body, _ = await register(srv, "wide", root / "wide")
         assert status == 400, body
         assert_openai_error(body, 400, "source")
@@ -127,8 +128,8 @@ async def test_outside_the_envelope_is_refused_with_its_arithmetic(root, tmp_pat
         assert (await register(srv, "initech", root / "initech"))[0] == 201  # rank 16 on every module: inside
     await engine.close()
     # The design's 70B envelope, and a cost bound: each refuses what it says, and says so.
-    narrow = engine_at(tmp_path / "narrow", shared_envelope="attention:16,all:8", shared_max_cost_pct=500.0)
-    async with running_server(narrow, adapter_roots=[root]) as srv:
+    narrow = engine_at(tmp_path / "narrow", root, shared_envelope="attention:16,all:8", shared_max_cost_pct=500.0)
+    async with running_server(narrow) as srv:
         assert (await register(srv, "globex", root / "globex"))[0] == 201  # 165%, attention rank 4
         status, body, _ = await register(srv, "initech", root / "initech")
         assert status == 400
@@ -141,13 +142,13 @@ async def test_outside_the_envelope_is_refused_with_its_arithmetic(root, tmp_pat
 
 async def test_a_narrower_envelope_after_a_restart_refuses_what_it_no_longer_shares(root, tmp_path):
     state = tmp_path / "state"
-    first = engine_at(state)
-    async with running_server(first, adapter_roots=[root]) as srv:
+    first = engine_at(state, root)
+    async with running_server(first) as srv:
         assert (await register(srv, "acme", root / "acme"))[0] == 201
         assert (await register(srv, "globex", root / "globex"))[0] == 201
     await first.close()
-    again = engine_at(state, shared_envelope="attention:16")
-    async with running_server(again, adapter_roots=[root]) as srv:
+    again = engine_at(state, root, shared_envelope="attention:16")
+    async with running_server(again) as srv:
         status, body, _ = await srv.post(COMP, {"model": "acme", "prompt": "Hi", "max_tokens": 2})
         assert status == 400 and body["error"]["code"] == "adapter_outside_envelope", body
         assert "Allowed on the shared tier: rank<=16 attention-only" in body["error"]["message"]
