@@ -117,8 +117,8 @@ async def scatter(engine: Engine, names: list[str], fillers: list[str]) -> dict:
             await engine.unload_adapter(f)
     for n in names[half:][::-1]:
         await engine.load_adapter(n)
-    entries = [engine.adapters.get(engine.resolve_adapter(n)) for n in names]
-    placed = sorted((e.pages[0], e.slot) for e in entries)
+    entries = [engine.residency.get(engine.resolve_adapter(n)) for n in names]
+    placed = sorted((e.page_ids[0], e.slot) for e in entries)
     firsts, slots = [p for p, _ in placed], [s for _, s in placed]
     pages = engine.adapter_info(names[0]).num_pages
     return {

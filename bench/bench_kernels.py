@@ -34,7 +34,8 @@ from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.cpu_build import machine_info, machine_line
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.lora_tables import LoraTables
 

@@ -33,6 +33,7 @@ import bench_replay as br  # noqa: E402
 from lorapage.adapters import (
     cache as cache_mod,  # noqa: E402
     layout as layout_mod,  # noqa: E402
+    loader as loader_mod,  # noqa: E402
 )
 from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
 from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
@@ -78,14 +79,14 @@ class Timers:
         runner_mod.ModelRunner.execute = execute  # type: ignore[method-assign]
 
     def wrap_load(self) -> None:
-        inner = cache_mod.AdapterCache._load
+        inner = cache_mod.AdapterCache._copy
 
-        async def load(cache: Any, entry: Any) -> None:
+        async def load(cache: Any, *args: Any) -> None:
             start = time.perf_counter()
-            await inner(cache, entry)
+            await inner(cache, *args)
             self.loads.append(time.perf_counter() - start)
 
-        cache_mod.AdapterCache._load = load  # type: ignore[method-assign]
+        cache_mod.AdapterCache._copy = load  # type: ignore[method-assign]
 
 
 def install(t: Timers) -> None:
@@ -94,11 +95,11 @@ def install(t: Timers) -> None:
     t.wrap_execute()
     t.wrap_load()
     cpu = time.thread_time
-    t.wrap(cache_mod, "read_weights", "load: read", cpu)
-    t.wrap(cache_mod, "_digest", "load: sha256", cpu)
-    t.wrap(cache_mod, "load_adapter_tensors", "load: parse", cpu)
+    t.wrap(loader_mod, "read_weights", "load: read", cpu)
+    t.wrap(loader_mod, "content_digest", "load: sha256", cpu)
+    t.wrap(loader_mod, "load_adapter_tensors", "load: parse", cpu)
     t.wrap(layout_mod.AdapterLayout, "pack", "load: pack", cpu)
-    t.wrap(cache_mod.AdapterCache, "_copy_in", "load: copy in", cpu)
+    t.wrap(loader_mod.AdapterLoader, "write_pages", "load: copy in", cpu)
 
 
 def pct(values: list[float], q: float) -> float:

@@ -301,10 +301,10 @@ async def test_prefetch_goes_on_for_others_while_a_download_is_stuck(tmp_path, f
         assert files.hits, "the download did not start"
         await collect(engine, "Hi", "globex", tenant="b")  # queues a prefetch of acme for b
         for _ in range(500):
-            if engine.adapters.prefetches["done"]:
+            if engine.residency.prefetch.counts["done"]:
                 break
             await asyncio.sleep(0.01)
-        assert engine.adapters.prefetches["done"] == 1 and engine.adapters.tier("acme@1") == "ram"
+        assert engine.residency.prefetch.counts["done"] == 1 and engine.adapters.tier("acme@1") == "ram"
         assert not stuck.done()
         files.gate.set()
         out, _ = await asyncio.wait_for(stuck, 60)

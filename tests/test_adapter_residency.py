@@ -19,12 +19,12 @@ async def test_adapter_copy_failure_returns_its_slot_and_pages():
     def broken_copy(*args):
         raise RuntimeError("device copy failed")
 
-    real_copy = engine.adapters._copy_in
-    engine.adapters._copy_in = broken_copy
+    real_copy = engine.adapters.loader.write_pages
+    engine.adapters.loader.write_pages = broken_copy
     with pytest.raises(AdapterLoadError):
         await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
     assert engine.pool_free_pages() == free
-    engine.adapters._copy_in = real_copy
+    engine.adapters.loader.write_pages = real_copy
     outs = await asyncio.gather(
         *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("acme", "globex"))
     )
@@ -36,15 +36,15 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
     """Unregistering an adapter whose copy is still queued (on CUDA, behind the step in flight on
     the forward thread) must not leak its slot and pages, nor free them before the copy has run."""
     engine = tiny_engine(max_loras=2)
-    free, slots = engine.pool_free_pages(), len(engine.adapters._free_slots)
+    free, slots = engine.pool_free_pages(), engine.residency.num_free_slots
     gate = asyncio.Event()
-    run_on_device = engine.adapters._run_on_device
+    run_on_device = engine.adapters.loader.run_on_device
 
     async def queued(fn):  # the copy waits its turn, as behind a busy forward thread
         await gate.wait()
         await run_on_device(fn)
 
-    engine.adapters._run_on_device = queued
+    engine.adapters.loader.run_on_device = queued
     engine.adapters.ensure("acme@1")
     for _ in range(500):
         if engine.pool_free_pages() < free:
@@ -59,7 +59,7 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
         if engine.pool_free_pages() == free:
             break
         await asyncio.sleep(0.01)
-    assert engine.pool_free_pages() == free and len(engine.adapters._free_slots) == slots
+    assert engine.pool_free_pages() == free and engine.residency.num_free_slots == slots
     outs = await asyncio.gather(
         *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("globex", "initech"))
     )
@@ -96,7 +96,7 @@ async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
         await asyncio.sleep(0.01)
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
-    assert not any(e.yielding for e in engine.adapters.entries.values())
+    assert not any(e.yielding for e in engine.residency.adapters.values())
     assert engine.stats()["adapter_yields"] >= 1
     await engine.close()
 
@@ -138,12 +138,12 @@ async def test_prewarm_does_not_make_a_busy_adapter_yield():
     long = asyncio.ensure_future(
         collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=300, ignore_eos=True))
     )
-    while not engine.adapters.get("acme@1").running:
+    while not engine.residency.get("acme@1").running:
         await asyncio.sleep(0.005)
     prewarm = asyncio.ensure_future(engine.load_adapter("globex"))
     await asyncio.sleep(0.2)  # ten times adapter_wait_s
-    assert not prewarm.done() and engine.adapters.yields == 0
-    assert not engine.adapters.get("acme@1").yielding
+    assert not prewarm.done() and engine.residency.yields == 0
+    assert not engine.residency.get("acme@1").yielding
     last, _ = await asyncio.wait_for(long, 60)
     assert last.finish_reason == "length"
     await asyncio.wait_for(prewarm, 10)  # acme idle now: the pre-warm gets the slot
@@ -179,7 +179,7 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
         collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=4, temperature=0.0)), 30
     )
     assert cold.finish_reason == "length"
-    assert len(engine.adapters.evictions) <= 2, "the slot changed hands more than the one turn needs"
+    assert len(engine.residency.evictions) <= 2, "the slot changed hands more than the one turn needs"
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     await engine.close()

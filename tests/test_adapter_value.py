@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from contextlib import asynccontextmanager
 
 import pytest
 from engine_util import collect
@@ -54,7 +53,7 @@ def set_costs(engine: Engine, *, copy: float, read: float) -> None:
 
 def force_one_eviction(engine: Engine) -> list[str]:
     before = set(engine.adapters.resident())
-    engine.adapters.evict_idle(engine.pool.num_free + 1)
+    engine.adapters.room_for_kv(engine.pool.num_free + 1, reserve=False)
     return sorted(before - set(engine.adapters.resident()))
 
 
@@ -128,7 +127,7 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         message = err.value.message
         assert "asks for 73 pages" in message and "hold 43 pages" in message
         assert "may hold 84 of the pool's 10528" in message and "max_pinned_fraction 0.008" in message
-        assert not engine.adapters.entries["initech@1"].pinned
+        assert not engine.residency.get("initech@1").pinned
         assert engine.stats()["adapter_pinned_pages"] == 43
         await engine.unpin_adapter("acme")
         await engine.pin_adapter("initech")  # 6 + 73 fits now
@@ -151,9 +150,9 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
     try:
         info = await engine.pin_adapter("acme")
         assert info.tier == "gpu" and info.pinned
-        pinned_slot = engine.adapters.entries["acme@1"].slot
-        assert not engine.adapters.evict_idle(engine.pool.capacity)  # nothing else to evict: acme stays
-        assert engine.adapters.entries["acme@1"].slot == pinned_slot
+        pinned_slot = engine.residency.get("acme@1").slot
+        assert not engine.adapters.room_for_kv(engine.pool.capacity, reserve=False)  # nothing else to evict: acme stays
+        assert engine.residency.get("acme@1").slot == pinned_slot
         with pytest.raises(ConflictError, match="pinned"):
             await engine.unload_adapter("acme")
 
@@ -165,8 +164,8 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
             await asyncio.sleep(0.01)
         out, _ = await asyncio.wait_for(collect(engine, PROMPT, "initech", SHORT), 60)
         assert out.finish_reason == "length"
-        assert engine.adapters.yields >= 1
-        assert engine.adapters.entries["acme@1"].slot == pinned_slot
+        assert engine.residency.yields >= 1
+        assert engine.residency.get("acme@1").slot == pinned_slot
         await asyncio.gather(*hot_tasks)
     finally:
         await engine.close()
@@ -182,7 +181,7 @@ async def test_pins_survive_a_restart(tmp_path):
 
     engine = engine_with(state_dir=state, max_loras=4)
     try:
-        entry = engine.adapters.entries["globex@1"]
+        entry = engine.residency.get("globex@1")
         assert entry.pinned and not entry.slot  # restored from the registry, loaded on the loop
         assert await engine.restore_pins() == ["globex@1"]
         for _ in range(1000):
@@ -196,7 +195,7 @@ async def test_pins_survive_a_restart(tmp_path):
 
     engine = engine_with(state_dir=state, max_loras=4)
     try:
-        assert not engine.adapters.entries["globex@1"].pinned
+        assert not engine.residency.get("globex@1").pinned
     finally:
         await engine.close()
 
@@ -235,22 +234,20 @@ def test_a_schema_1_registry_is_migrated_and_keeps_its_versions(tmp_path):
 
 class ReadGates:
     """Holds each read of an adapter's files until the test opens that adapter's gate (wraps the
-    cache's locator, which every read goes through); ``started`` lists the reads begun."""
+    loader's read, which every read of files goes through); ``started`` lists the reads begun."""
 
     def __init__(self, engine: Engine) -> None:
-        real = engine.adapters.locate
-        assert real is not None
+        loader = engine.adapters.loader
+        real = loader.read
         self.started: list[str] = []
         self._gates: dict[str, asyncio.Event] = {}
 
-        @asynccontextmanager
-        async def gated(name: str):
-            self.started.append(name)
-            await self._gate(name).wait()
-            async with real(name) as path:
-                yield path
+        async def gated(version, tier, downloaded=lambda: None):
+            self.started.append(version.name)
+            await self._gate(version.name).wait()
+            return await real(version, tier, downloaded)
 
-        engine.adapters.locate = gated
+        loader.read = gated
 
     def _gate(self, name: str) -> asyncio.Event:
         return self._gates.setdefault(name, asyncio.Event())
@@ -281,10 +278,10 @@ async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_ha
         request = asyncio.create_task(collect(engine, PROMPT, "initech", SHORT, tenant="t"))
         await wait_for(lambda: reads.started, "initech's read")
         await asyncio.sleep(0.05)
-        assert reads.started == ["initech@1"] and engine.adapters.prefetches["started"] == 0  # waits for the load
+        assert reads.started == ["initech@1"] and engine.residency.prefetch.counts["started"] == 0  # waits for the load
         reads.open("initech@1", "acme@1")
         await request
-        await wait_for(lambda: engine.adapters.prefetches["done"] == 1, "the prefetch")
+        await wait_for(lambda: engine.residency.prefetch.counts["done"] == 1, "the prefetch")
         assert reads.started == ["initech@1", "acme@1"]
         assert engine.adapters.resident() == ["initech@1"]  # the prefetch took no slot
         assert engine.adapters.tier("acme@1") == "ram"
@@ -301,7 +298,7 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
     others = ("acme@1", "globex@1", "acme2@1", "globex2@1")
     engine = engine_with(max_loras=8, io_threads=2, extra={"acme2": "acme", "globex2": "globex", "solo": "acme"})
     try:
-        recent = engine.adapters._recent  # t used these four lately (none was loaded: all on disk)
+        recent = engine.residency.recent  # t used these four lately (none was loaded: all on disk)
         for name in others:
             recent.use("t", name, engine.clock())
         recent.use("u", "solo@1", engine.clock())
@@ -312,9 +309,9 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
         await request
         await wait_for(lambda: len(reads.started) == 2, "the first prefetch")
         await asyncio.sleep(0.05)
-        assert len(reads.started) == 2 and len(engine.adapters._prefetch_queue) == 3  # one at a time
+        assert len(reads.started) == 2 and len(engine.residency.prefetch.waiting) == 3  # one at a time
         reads.open(*others)
-        await wait_for(lambda: engine.adapters.prefetches["done"] == 4, "four prefetches")
+        await wait_for(lambda: engine.residency.prefetch.counts["done"] == 4, "four prefetches")
         assert sorted(reads.started[1:]) == sorted(others)
         assert sorted(engine.adapters.in_host()) == sorted((*others, "initech@1"))
         assert engine.adapters.resident() == ["initech@1"]

@@ -101,7 +101,7 @@ async def test_chunked_prefill_survives_preemption_and_aborts():
         await asyncio.sleep(0.01)
     assert not engine.scheduler.requests and not engine.scheduler.running
     assert engine.pool_free_pages() + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
-    assert all(e.running == 0 and e.waiting == 0 for e in engine.adapters.entries.values())
+    assert all(e.running == 0 and e.waiting == 0 for e in engine.residency.adapters.values())
     assert engine.stats()["preemptions"] > 0  # the pool is sized so that it must preempt
     await engine.close()
 

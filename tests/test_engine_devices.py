@@ -82,7 +82,7 @@ async def test_a_cpu_engine_starts_the_threads_it_counted():
         assert await asyncio.get_running_loop().run_in_executor(engine._forward, torch.get_num_threads) == 1
         assert engine.io_threads == io_thread_count(None, torch.device("cpu"), 1)
         assert engine._io._max_workers == engine.io_threads
-        assert engine.adapters.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
+        assert engine.residency.limits.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
     finally:
         await engine.close()
 

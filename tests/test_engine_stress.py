@@ -18,7 +18,7 @@ from engine_util import tiny_engine
 
 from lorapage import SamplingParams
 from lorapage.errors import AdapterBusyError
-from lorapage.memory.pool import PageKind
+from lorapage.memory.pages import PageKind
 
 PROMPTS = ([5, 9, 12, 30], [7, 7, 8, 40, 41, 42, 43, 44, 45], [60, 61])
 ADAPTERS = (None, "acme", "globex", "initech")
@@ -115,16 +115,17 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     assert sum(kind in ("length", "stop") for kind, _ in outcomes) >= 24
     # Sized so that a run usually preempts (12-20 times here) and drains; how often depends on
     # timing, so it is not asserted (tests/test_engine.py and test_adapter_residency.py force each).
-    # The books: nothing in flight, every KV page back, every adapter unpinned and not yielding.
+    # The books: nothing in flight, every KV page back, no request running on an adapter, none yielding.
     await asyncio.sleep(0.05)
     state = engine.scheduler
     assert not state.requests and not state.running and engine.policy.num_waiting() == 0
-    for entry in engine.adapters.entries.values():
-        assert (entry.running, entry.waiting, entry.yielding, entry.load_task) == (0, 0, False, None), entry.name
+    assert engine.residency.loading() == []
+    for entry in engine.residency.adapters.values():
+        assert (entry.running, entry.waiting, entry.yielding) == (0, 0, False), entry.key
     # KV pages left are cached blocks nobody holds (refcounts all back to zero), nothing else.
     pool, cache = engine.pool, engine.prefix_cache
     assert pool.used[PageKind.KV] == cache.num_idle == cache.num_cached
-    resident = sum(e.layout.num_pages for e in engine.adapters.entries.values() if e.slot)
+    resident = sum(e.pages for e in engine.residency.adapters.values() if e.slot)
     assert pool.used[PageKind.ADAPTER] == resident and pool.num_free == pool.capacity - resident - cache.num_idle
     # And it still serves each adapter correctly.
     for adapter in ADAPTERS:

@@ -12,7 +12,8 @@ from engine_util import collect
 
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.adapters.value import Stage
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool
 from lorapage.memory.prefix_cache import HIT_HALF_LIFE_S, PrefixCache, block_keys
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
@@ -47,7 +48,7 @@ def set_costs(engine: Engine, *, reload_s: float, block_s: float) -> None:
     for _ in range(200):
         engine.adapters.costs.observe(Stage.COPY, reload_s, 1)
         engine.adapters.costs.observe(Stage.READ, 0.0, 1)
-        engine.adapters.recompute.observe(block_s, BS)
+        engine.reclaim.recompute.observe(block_s, BS)
 
 
 def idle_chain(cache: PrefixCache, pool: PagePool, tag: bytes, blocks: int, uses: int) -> list[int]:
@@ -68,7 +69,7 @@ def idle_chain(cache: PrefixCache, pool: PagePool, tag: bytes, blocks: int, uses
 def evict_one_page(engine: Engine) -> list[str]:
     """Ask for one page more than is free; what left the pool (adapter names, or ``page N``)."""
     cached, resident = set(engine.prefix_cache._key), set(engine.adapters.resident())
-    assert engine.adapters.evict_idle(engine.pool.num_free + 1)
+    assert engine.adapters.room_for_kv(engine.pool.num_free + 1, reserve=False)
     gone = sorted(resident - set(engine.adapters.resident()))
     return gone + [f"page {p}" for p in sorted(cached - set(engine.prefix_cache._key))]
 
@@ -253,7 +254,7 @@ async def test_outputs_match_caching_off_when_blocks_and_adapters_are_both_evict
         for name in ("acme", "globex"):
             engine.add_adapter(name, demo_adapter_dirs()[name])
         for _ in range(50):  # a slow prefill (2.5 ms per token), so a block outweighs a cold adapter page
-            engine.adapters.recompute.observe(0.01, BS)
+            engine.reclaim.recompute.observe(0.01, BS)
         outs = []
         for adapter, k in plan:
             clock.now += 2 * HIT_HALF_LIFE_S
@@ -268,7 +269,7 @@ async def test_outputs_match_caching_off_when_blocks_and_adapters_are_both_evict
         stats = engine.stats()
         assert stats["prefix_cache_evicted_blocks"] > 0 and sum(engine.adapter_metrics.evictions.values()) > 0
         assert stats["prefix_cache_hit_rate"] > 0
-        assert engine.adapters.recompute.measured > 50  # the step loop fed each prefill's timing too
+        assert engine.reclaim.recompute.measured > 50  # the step loop fed each prefill's timing too
         cache, pool = engine.prefix_cache, engine.pool
         assert pool.used[PageKind.KV] == cache.num_idle == cache.num_cached  # nothing running: all idle
         assert pool.num_free + cache.num_idle + pool.used[PageKind.ADAPTER] == pool.capacity

@@ -23,7 +23,7 @@ from engine_util import tiny_engine
 
 from lorapage import SamplingParams
 from lorapage.kernels.triton_import import triton_available
-from lorapage.memory.pool import PageKind
+from lorapage.memory.pages import PageKind
 from lorapage.model.forward import decode_forward
 
 if not triton_available():
@@ -118,8 +118,8 @@ async def _check_launches() -> None:
     try:
         await engine.load_adapter("acme")
         await engine.load_adapter("globex")
-        slot = {n: engine.adapters.get(f"{n}@1").slot for n in ("acme", "globex")}
-        acme_before = (slot["acme"], list(engine.adapters.get("acme@1").pages))
+        slot = {n: engine.residency.get(f"{n}@1").slot for n in ("acme", "globex")}
+        acme_before = (slot["acme"], list(engine.residency.get("acme@1").page_ids))
         kv = engine.pool.allocate(2 * ROWS, PageKind.KV)
         write_rows(engine, [slot["acme"], slot["globex"], 0, slot["acme"]], [3, 5, 0, 6], kv, [11, 12, 13, 14])
         first_hidden = decode_forward(engine.runner.ctx, ROWS).clone()
@@ -130,8 +130,8 @@ async def _check_launches() -> None:
         await engine.unload_adapter("globex")
         await engine.load_adapter("initech")
         await engine.load_adapter("acme")
-        moved = {n: engine.adapters.get(f"{n}@1").slot for n in ("initech", "acme")}
-        assert (moved["acme"], engine.adapters.get("acme@1").pages) != acme_before, "acme did not move"
+        moved = {n: engine.residency.get(f"{n}@1").slot for n in ("initech", "acme")}
+        assert (moved["acme"], engine.residency.get("acme@1").page_ids) != acme_before, "acme did not move"
         kv2 = engine.pool.allocate(2 * ROWS, PageKind.KV)
         write_rows(engine, [moved["initech"], 0, moved["acme"], moved["acme"]], [7, 2, 4, 1], kv2, [21, 22, 23, 24])
         second_hidden = decode_forward(engine.runner.ctx, ROWS)

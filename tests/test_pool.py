@@ -11,7 +11,8 @@ from engine_util import tiny_engine
 from hf_reference import make_peft_adapter
 
 from lorapage import SamplingParams
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool
 from lorapage.tiny import TINY_BASE_DIR
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -136,8 +137,8 @@ def test_fragmented_pool_gives_the_same_outputs(rank_adapters):
     taken = pool.allocate(pool.num_free, PageKind.KV)
     pool.free(taken[::2], PageKind.KV)
     got = frag.generate_batch([(p, a) for p, a in zip(prompts, ["r8", "acme", "initech"])], params)
-    entry = frag.adapters.get("r8@1")
-    assert entry.pages[-1] - entry.pages[0] != len(entry.pages) - 1, "the adapter should be scattered"
+    pages = frag.residency.get("r8@1").page_ids
+    assert pages[-1] - pages[0] != len(pages) - 1, "the adapter should be scattered"
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-5)
@@ -195,7 +196,7 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
             engine.abort(rng.choice(ids))
         if rng.random() < 0.1:
             for n in engine.stats()["resident_adapters"]:
-                if engine.adapters.get(n).running == 0:
+                if engine.residency.get(n).running == 0:
                     await engine.unload_adapter(n)
     await asyncio.gather(*tasks)
     for n in list(engine.stats()["resident_adapters"]):

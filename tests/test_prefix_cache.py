@@ -13,7 +13,8 @@ from hf_reference import make_peft_adapter, make_random_llama, peft_greedy
 
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.config import DEFAULT_TENANT
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 

@@ -293,7 +293,7 @@ async def test_an_adapter_that_overflows_fails_only_its_own_requests(srv, clean)
     for err in errors:
         assert err["code"] == "sampling_failed" and "could not be sampled" in err["message"], err
     # Failed requests let go of the adapter: it is idle, and can be deleted at once.
-    await until(lambda: srv.engine.adapters.get("overflow@1").running == 0)
+    await until(lambda: srv.engine.residency.get("overflow@1").running == 0)
     assert await srv.delete("overflow") == 200
 
 

@@ -15,7 +15,7 @@ from lorapage.replay.embedded import EmbeddedTarget
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.costs import cpu_costs
 from lorapage.sim.fleet import FleetConfig, fewest_replicas, simulate
-from lorapage.sim.residency import ResidencyConfig
+from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
 from lorapage.traces.records import OK
 from lorapage.traces.trace import TraceRequest

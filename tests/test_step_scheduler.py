@@ -56,7 +56,7 @@ async def test_policy_failing_mid_schedule_leaks_nothing():
     engine.policy.schedule = failing_schedule
     with pytest.raises(EngineStepError, match="policy bug"):
         await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
-    entry = engine.adapters.get("acme@1")
+    entry = engine.residency.get("acme@1")
     assert (entry.running, entry.waiting) == (0, 0)
     assert engine.pool_free_pages() == free
     out, _ = await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
@@ -84,7 +84,7 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     engine.policy.schedule = schedule
     gate.set()
     await asyncio.sleep(0.1)
-    entry = engine.adapters.get("globex@1")
+    entry = engine.residency.get("globex@1")
     assert (entry.running, entry.waiting) == (0, 0)
     engine.remove_adapter("globex")  # refused if a pin had gone negative
     await engine.close()
@@ -112,15 +112,19 @@ async def test_as_many_adapters_as_lanes_run_as_one_batch(scheduler):
 
 
 class _NoAdapters:
-    """The adapter cache's side of the step scheduler, for requests that use no adapter."""
+    """The adapter cache's side of the step scheduler, for requests that use no adapter: no
+    load waits for pages and nothing idle can be given back."""
 
-    def pending_pages(self) -> int:
-        return 0
+    def __init__(self, pool) -> None:
+        self.pool = pool
 
-    def evict_idle(self, pages_needed: int) -> bool:
-        return False
+    def room_for_kv(self, pages_needed: int, *, reserve: bool = True) -> bool:
+        return self.pool.num_free >= pages_needed
 
-    def notify_memory_freed(self) -> None:
+    def finish(self, name: str | None) -> None:
+        pass
+
+    def memory_freed(self) -> None:
         pass
 
     def take_failed(self) -> dict:
@@ -142,13 +146,14 @@ async def test_an_abort_of_a_prompt_left_out_of_the_running_step_ends_it_with_th
     import torch
 
     from lorapage.engine.step_scheduler import StepLimits, StepScheduler
-    from lorapage.memory.pool import PageKind, PagePool
+    from lorapage.memory.pages import PageKind
+    from lorapage.memory.pool import PagePool
     from lorapage.model.sampler import SampleOutput
     from lorapage.request import Request, RequestStatus
     from lorapage.scheduler.fcfs import FcfsScheduler
 
     pool = PagePool(1, 200, 8, torch.float32, torch.device("cpu"))
-    steps = StepScheduler(FcfsScheduler(), _NoAdapters(), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
+    steps = StepScheduler(FcfsScheduler(), _NoAdapters(pool), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
 
     def request(rid: str, n: int, t: float) -> Request:
         params = SamplingParams(max_tokens=50, ignore_eos=True)

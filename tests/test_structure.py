@@ -135,14 +135,14 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.sim", "the fleet simulator: the real policies on a virtual clock"),
     ("lorapage.server", "HTTP: routes, auth, tenants, quotas, SSE, metrics"),
     ("lorapage.engine", "the Engine facade, the step scheduler, the step loop"),
-    ("lorapage.adapters", "PEFT format, layout in pages, tiered cache, registry, sources"),
+    ("lorapage.adapters", "PEFT format, layout in pages, residency rules, tiered cache, registry, sources"),
     ("lorapage.model", "Llama decoder, tokenizer, sampler, runner, lookup tables"),
     ("lorapage.request", "Request, its OutputChannel, RequestOutput, TokenLogprob"),
     ("lorapage.sampling_params", "SamplingParams (per request)"),
     ("lorapage.traces", "trace format, records and statistics (replay and simulator)"),
     ("lorapage.fleet.routing", "routing policies (the Ray router and the simulator)"),
     ("lorapage.scheduler", "VTC and FCFS: pure policy"),
-    ("lorapage.memory", "the page pool, block tables, prefix cache, sizing"),
+    ("lorapage.memory", "the page pool, block tables, prefix cache, reclaim, sizing"),
     ("lorapage.usage", "cost attribution by tenant and adapter version"),
     ("lorapage.tools", "tool-call formats, their grammars and parsers"),
     ("lorapage.structured", "structured-output specs, grammars and masks"),
@@ -219,7 +219,17 @@ for name in getattr(module, "__all__", []):
 """
 
 
-@pytest.mark.parametrize("module", ["lorapage.sim", "lorapage.fleet.routing", "lorapage.scheduler", "lorapage.config"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "lorapage.sim",
+        "lorapage.sim.fleet",
+        "lorapage.fleet.routing",
+        "lorapage.scheduler",
+        "lorapage.config",
+        "lorapage.adapters.residency",
+    ],
+)
 def test_pure_parts_import_without_torch(module):
     """The policies the simulator shares with the engine must not need a tensor library."""
     done = subprocess.run([sys.executable, "-c", BLOCK_TORCH, module], capture_output=True, text=True, timeout=120)

@@ -27,18 +27,17 @@ import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.layout import AdapterLayout
+from lorapage.adapters.loader import Origin
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
 from lorapage.errors import (
     AdapterBaseMismatchError,
-    AdapterBusyError,
     AdapterFormatError,
     AdapterIntegrityError,
     AdapterNotFoundError,
@@ -100,24 +99,14 @@ class AdapterCatalog:
         *,
         base_digest: Callable[[], str],
         io_executor: Executor,
-        locate: Callable[[VersionRow, str | None], AbstractAsyncContextManager[Path]] | None = None,
     ) -> None:
         self.cache, self.registry = cache, registry
-        self._base_digest, self._io, self._locate_row = base_digest, io_executor, locate
+        self._base_digest, self._io = base_digest, io_executor
         self._ids: dict[str, _Adapter] = {}
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
         self.generation = 0  # grows at every change of the live view (ids, versions, aliases, owners)
         self._restore()
-        if locate is not None:
-            cache.locate = self._locate
-
-    def _locate(self, key: str) -> AbstractAsyncContextManager[Path]:
-        """A block holding version ``key``'s files, fetched from its source (for its owner) and verified."""
-        assert self._locate_row is not None
-        row, adapter = self._row(key)
-        assert row is not None and adapter is not None, key  # the cache holds only registered versions
-        return self._locate_row(row, adapter.owner)
 
     # -- restart --------------------------------------------------------------------------------
 
@@ -131,7 +120,7 @@ class AdapterCatalog:
             self._ids[a.adapter_id] = _Adapter(a.owner, a.current)
         for row in rows:
             self._ids[row.adapter_id].versions[row.version] = row
-            self._serve_stored(row, base)
+            self._serve_stored(row, base, self._ids[row.adapter_id].owner)
         self._restore_pins(rows)
 
     def _costed(self, rows: list[VersionRow], base: str) -> list[VersionRow]:
@@ -153,7 +142,7 @@ class AdapterCatalog:
             for r in rows
         ]
 
-    def _serve_stored(self, row: VersionRow, base: str) -> None:
+    def _serve_stored(self, row: VersionRow, base: str, owner: str | None) -> None:
         """Give a stored version its cache entry (reading no weights), unless it was validated
         against another base (kept, and refused by resolve) or this configuration cannot serve it:
         its pool, its max_lora_rank or its shared envelope (never shared silently: refused by
@@ -163,7 +152,7 @@ class AdapterCatalog:
         spec = spec_from_json(row.spec)
         try:
             self.cache.check_envelope(spec)
-            self.cache.add(row.key, spec, self.cache.plan(spec), row.digest)
+            self.cache.add(row.key, spec, self.cache.plan(spec), row.digest, Origin(row.source, owner))
         except AdapterFormatError as exc:
             self._unfit[row.key] = exc
 
@@ -172,7 +161,7 @@ class AdapterCatalog:
         registration first while the bounds allow."""
         for row in sorted((r for r in rows if r.pinned and r.key in self.cache.entries), key=lambda r: r.created):
             try:
-                self.cache.pin_resident(row.key)
+                self.cache.pin(row.key)
             except PinLimitError as exc:
                 log.warning("adapter %s stays unpinned on this start: %s", row.key, exc.message)
 
@@ -393,7 +382,7 @@ class AdapterCatalog:
         adapter.versions[row.version] = row
         if activate or adapter.current is None:
             adapter.current = row.version
-        self.cache.add(row.key, spec, layout, row.digest)
+        self.cache.add(row.key, spec, layout, row.digest, Origin(row.source, adapter.owner))
         self.generation += 1
         return self._info(row, adapter)
 
@@ -409,18 +398,20 @@ class AdapterCatalog:
         busy = []
         for version in [v for v in adapter.versions if v not in wanted]:
             key = version_key(adapter_id, version)
-            entry = self.cache.entries.get(key)
-            if entry is not None and (entry.running or entry.waiting):
+            served = key in self.cache.entries
+            if served and self.cache.residency.is_busy(key):
                 busy.append(key)
                 continue
-            if entry is not None:
+            if served:
                 self.cache.unregister(key)
             self._unfit.pop(key, None)
             del adapter.versions[version]
         base = self._base_digest()
         for row in rows:
             if row.version not in adapter.versions:
-                self._serve_stored(row, base)
+                self._serve_stored(row, base, owner)
+            elif row.key in self.cache.entries and adapter.owner != owner:
+                self.cache.set_owner(row.key, owner)
             adapter.versions[row.version] = row
             self._mirror_pin(row)
         adapter.owner, adapter.current = owner, current
@@ -430,14 +421,13 @@ class AdapterCatalog:
         return busy
 
     def _mirror_pin(self, row: VersionRow) -> None:
-        entry = self.cache.entries.get(row.key)
-        if entry is None or entry.pinned == row.pinned:
+        if row.key not in self.cache.entries or self.cache.residency.get(row.key).pinned == row.pinned:
             return
         if not row.pinned:
-            self.cache.unpin_resident(row.key)
+            self.cache.unpin(row.key)
             return
         try:
-            self.cache.pin_resident(row.key)
+            self.cache.pin(row.key)
         except PinLimitError as exc:
             log.warning("adapter %s stays unpinned here: %s", row.key, exc.message)
 
@@ -473,9 +463,9 @@ class AdapterCatalog:
             )
             adapter.versions[version] = dataclasses.replace(adapter.versions[version], pinned=pinned)
             if pinned:
-                self.cache.pin_resident(key)
+                self.cache.pin(key)
             else:
-                self.cache.unpin_resident(key)
+                self.cache.unpin(key)
 
     def removable(self, name: str) -> list[str]:
         """The version keys deleting ``name`` removes (see :func:`~lorapage.adapters.registry.removable_keys`)."""
@@ -488,12 +478,8 @@ class AdapterCatalog:
         Returns the keys removed."""
         keys = self.removable(name)
         for key in keys:
-            entry = self.cache.entries.get(key)
-            if entry is not None and (entry.running or entry.waiting):
-                raise AdapterBusyError(
-                    f"adapter {key} has {entry.running} running and {entry.waiting} queued requests; "
-                    "retry once they finish"
-                )
+            if key in self.cache.entries:
+                self.cache.residency.check_removable(key)
         for key in keys:
             self._remove_version(key)
         return keys
@@ -504,11 +490,10 @@ class AdapterCatalog:
         adapter_id, version = parse_name(key)
         assert version is not None
         adapter = self._ids[adapter_id]
-        entry = self.cache.entries.get(key)
         rest = [v for v in adapter.versions if v != version]
         new_current = adapter.current if adapter.current != version else (max(rest) if rest else None)
         self.registry.delete_version(adapter_id, version, new_current)
-        if entry is not None:
+        if key in self.cache.entries:
             self.cache.unregister(key)
         del adapter.versions[version]
         adapter.current = new_current

@@ -1,9 +1,9 @@
 """What pool pages are worth: recent use rate x the cost of losing them / pages.
 
 For an adapter that cost is reloading it; for an idle cached KV block (one page) it is
-recomputing the block (:class:`RecomputeCost`). Both rates are decayed use counts with the same
-half-life, so idle adapters and idle cached blocks are ranked in one currency: expected seconds
-of reloading or recomputing per second, per page kept.
+recomputing the block. Both are ranked in one currency by :mod:`lorapage.memory.reclaim`
+(``value_per_page``: expected seconds of reloading or recomputing per second, per page kept);
+this module measures what an adapter's reload costs.
 
 An adapter that leaves the pool falls to host RAM when its packed copy is there (bringing it
 back is one copy into the pool), else to disk (a read, the digest check, parsing and packing,
@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from enum import Enum
+
+from lorapage.memory.reclaim import EWMA_WEIGHT
 
 
 class LoadTier(Enum):
@@ -53,12 +55,6 @@ _STAGES = {
 #   packs the weights: about 0.5 GB/s end to end.
 # - download: one object-store or Hub stream sustains ~50-100 MB/s; 50 MB/s, before the read.
 SEED_BYTES_PER_S = {Stage.COPY: 4e9, Stage.READ: 5e8, Stage.DOWNLOAD: 5e7}
-EWMA_WEIGHT = 0.2  # the newest measurement's share: about the last five loads of a stage count
-# Recomputing KV, in bytes of KV written per second of prefill, until prefill is measured: a 7-8B
-# model prefills ~10k tokens/s on one H100-class GPU and writes 128 KB (GQA) to 512 KB of KV per
-# token, ~1-5 GB/s. At 2 GB/s a cached block's page costs about twice a page copied back from host
-# RAM and a quarter of one read from disk (the seeds above).
-SEED_PREFILL_KV_BYTES_PER_S = 2e9
 
 
 class ReloadCosts:
@@ -82,36 +78,6 @@ class ReloadCosts:
     def reload_s(self, tier: LoadTier, pages: int) -> float:
         """Expected seconds to bring ``pages`` pages back into the pool from ``tier``."""
         return pages * sum(self._s_per_page[s] for s in _STAGES[tier])
-
-
-class RecomputeCost:
-    """Seconds to recompute one cached KV block (``block_size`` tokens of prefill): an EWMA of
-    measured prefill seconds per token over a seed (``SEED_PREFILL_KV_BYTES_PER_S``)."""
-
-    def __init__(self, page_bytes: int, block_size: int) -> None:
-        self.block_size = block_size
-        self._s_per_token = page_bytes / block_size / SEED_PREFILL_KV_BYTES_PER_S
-        self.measured = 0  # prefill timings observed
-
-    def observe(self, seconds: float, tokens: int) -> None:
-        """A forward pass that prefilled ``tokens`` tokens took ``seconds``."""
-        if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
-            return
-        self._s_per_token += EWMA_WEIGHT * (seconds / tokens - self._s_per_token)
-        self.measured += 1
-
-    def seconds_per_token(self) -> float:
-        return self._s_per_token
-
-    def block_s(self) -> float:
-        """Expected seconds to recompute one block."""
-        return self._s_per_token * self.block_size
-
-
-def value_per_page(rate: float, reload_s: float, pages: int) -> float:
-    """What keeping pages is worth: expected reload (or recompute) seconds per second avoided
-    (rate x cost), per page held."""
-    return rate * reload_s / max(pages, 1)
 
 
 class RecentAdapters:

@@ -36,7 +36,7 @@ from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.population import zipf_weights
 from lorapage.sim.costs import COSTS
 from lorapage.sim.fleet import SEED_SLO, FleetConfig, adapter_of
-from lorapage.sim.residency import ResidencyConfig
+from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
 from lorapage.traces.trace import TraceError, TraceRequest, read_trace
 

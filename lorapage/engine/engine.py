@@ -31,8 +31,12 @@ from lorapage.adapters.catalog import (
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
+from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
-from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
+from lorapage.adapters.pins import PinBounds
+from lorapage.adapters.prefetch import PREFETCH_COUNTS
+from lorapage.adapters.registry import REGISTRY_FILE, Registry
+from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.sources import (
     ANYWHERE,
     AdapterRoots,
@@ -43,7 +47,7 @@ from lorapage.adapters.sources import (
     parse_source,
 )
 from lorapage.adapters.state_lock import StateDirLock
-from lorapage.adapters.value import LoadTier, Stage
+from lorapage.adapters.value import ReloadCosts, Stage
 from lorapage.config import EngineConfig
 from lorapage.engine.devices import (
     DTYPES,
@@ -59,15 +63,16 @@ from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.errors import (
-    AdapterNotFoundError,
     AdapterSourceError,
     EngineClosedError,
     InvalidRequestError,
     LorapageError,
 )
 from lorapage.kernels.backend import select_backend
-from lorapage.memory.pool import PageKind, PagePool, adapter_page_size
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool, adapter_page_size
 from lorapage.memory.prefix_cache import PrefixCache
+from lorapage.memory.reclaim import Reclaim, RecomputeCost
 from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
@@ -83,7 +88,6 @@ from lorapage.usage import Usage, UsageLedger
 
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
-PREFETCH_COUNTS = ("started", "done", "failed", "dropped")
 
 log = logging.getLogger("lorapage.engine")
 
@@ -185,39 +189,32 @@ class Engine:
             self.io_threads,
             usable_cores(),
         )
+        # Memory first: the pool's idle cached blocks and idle adapters are given back in one
+        # ranking (Reclaim), which the adapters' residency rules call; then the adapters' rules,
+        # the loader that carries them out, the cache of registered versions, the catalog.
         self.prefix_cache = PrefixCache(self.pool, clock)
-        self.usage = UsageLedger()
-        self.adapter_metrics = AdapterMetrics(
-            config.metrics_top_adapters,
-            usage=self.usage,
-            bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
-            pinned_pages=lambda: self.adapters.pinned_pages(),
-            projected_costs=lambda: self.catalog.current_costs(),
-        )
-        self.adapters = AdapterCache(
-            mc,
+        page_bytes = mc.num_layers * page_size * self.pool.storage.element_size()
+        recompute = RecomputeCost(page_bytes, bs)  # fed measured prefill timings by the step loop
+        self.reclaim = Reclaim(self.pool, self.prefix_cache, recompute)
+        costs = ReloadCosts(page_bytes)
+        self.residency = Residency(
+            ResidencyLimits(
+                max_loras=config.max_loras,
+                max_cpu_loras=config.max_cpu_loras,
+                adapter_wait_s=config.adapter_wait_s,
+                max_prefetches=max(0, min(MAX_PREFETCHES, self.io_threads - 1)),
+                pins=PinBounds(
+                    self.pool.capacity,
+                    config.max_loras,
+                    config.max_pinned_fraction,
+                    sequence_pages=max_blocks,
+                    max_adapter_pages=adapter_pages,
+                ),
+            ),
             self.pool,
-            self.tables,
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
-            max_lora_rank=config.max_lora_rank,
-            slot_wait_s=config.adapter_wait_s,
-            dtype=self.lora_dtype,
-            envelope=Envelope.from_config(config, mc, self.dtype.itemsize, self.lora_dtype.itemsize),
-            io_executor=self._io,
-            run_on_device=self._run_on_device,
-            on_ready=self._wake_up,
-            clock=clock,
-            idle_kv=self.prefix_cache,
-            sequence_pages=max_blocks,
-            max_pinned_fraction=config.max_pinned_fraction,
-            max_prefetches=max(0, min(MAX_PREFETCHES, self.io_threads - 1)),
-            metrics=self.adapter_metrics,
+            self.reclaim,
+            costs,
         )
-        self.adapters.cold_tier = self._cold_tier
-        state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
-        self.registry = Registry(state)
-        # Restores every version committed before a restart (reading no weights).
         cache_dir = config.adapter_cache_dir or (
             str(Path(config.state_dir) / "adapter-cache") if config.state_dir is not None else None
         )
@@ -236,12 +233,44 @@ class Engine:
             s3_endpoint_url=config.s3_endpoint_url,
             hf_endpoint=config.hf_endpoint,
         )
+        self.usage = UsageLedger(wall_offset=time.time() - clock())  # hours of the calendar
+        self.adapter_metrics = AdapterMetrics(
+            config.metrics_top_adapters,
+            usage=self.usage,
+            bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
+            pinned_pages=self.residency.pinned_pages,
+            projected_costs=lambda: self.catalog.current_costs(),
+        )
+        loader = AdapterLoader(
+            self.pool,
+            self.tables,
+            self.lora_dtype,
+            costs,
+            io_executor=self._io,
+            run_on_device=self._run_on_device,
+            locate=self._locate_version,
+        )
+        self.adapters = AdapterCache(
+            mc,
+            self.pool,
+            self.residency,
+            loader,
+            max_lora_rank=config.max_lora_rank,
+            envelope=Envelope.from_config(config, mc, self.dtype.itemsize, self.lora_dtype.itemsize),
+            on_ready=self._wake_up,
+            clock=clock,
+            sequence_pages=max_blocks,
+            metrics=self.adapter_metrics,
+            landed=self.sources.cached,
+        )
+        state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
+        self.registry = Registry(state)
+        # Restores every version committed before a restart (reading no weights).
         self.catalog = AdapterCatalog(
             self.adapters,
             self.registry,
             base_digest=lambda: self.digest,
             io_executor=self._io,
-            locate=self._locate_version,
         )
         self.scheduler_metrics = SchedulerMetrics()
         self.policy: SchedulerPolicy[Request] = make_policy(
@@ -273,7 +302,7 @@ class Engine:
             self.runner,
             self._forward,
             on_new_loop=self.adapters.rebind_loop,
-            on_prefill=self.adapters.recompute.observe,
+            on_prefill=recompute.observe,
         )
         # Structured output: grammars compile on a thread of their own, never behind prompts.
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="lorapage-grammar")
@@ -422,30 +451,17 @@ class Engine:
         return src
 
     @asynccontextmanager
-    async def _locate_version(self, row: VersionRow, owner: str | None) -> AsyncIterator[Path]:
-        """Version ``row``'s files from its source, checked against the roots ``owner`` may read
-        from (a directory) and verified against its digest."""
+    async def _locate_version(self, source: str, digest: str, owner: str | None) -> AsyncIterator[Path]:
+        """A version's files from its ``source``, checked against the roots ``owner`` may read
+        from (a directory) and verified against its ``digest``."""
         try:
-            src = await asyncio.to_thread(
-                parse_source, row.source, sha256=row.digest, roots=self.adapter_roots, owner=owner
-            )
+            src = await asyncio.to_thread(parse_source, source, sha256=digest, roots=self.adapter_roots, owner=owner)
         except LorapageError as exc:  # a directory that moved, links out now, or a root dropped
-            raise AdapterSourceError(f"adapter source {row.source} is no longer usable: {exc.message}") from None
+            raise AdapterSourceError(f"adapter source {source} is no longer usable: {exc.message}") from None
         # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
         # a remote one was checked when it landed in the disk cache.
-        async with self.sources.use(src, None if isinstance(src, FileSource) else row.digest, owner) as path:
+        async with self.sources.use(src, None if isinstance(src, FileSource) else digest, owner) as path:
             yield path
-
-    def _cold_tier(self, key: str) -> LoadTier:
-        """Where version ``key``'s files come from when it is not in host RAM: a directory or the
-        disk cache, else its remote source (a download)."""
-        try:
-            version = self.catalog.version_info(key)
-        except AdapterNotFoundError:  # an entry added to the cache directly (benchmarks): a directory
-            return LoadTier.DISK
-        if version.source.startswith("file:") or self.sources.cached(version.digest):
-            return LoadTier.DISK
-        return LoadTier.REMOTE
 
     def resolve_adapter(self, name: str) -> str:
         """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
@@ -527,10 +543,7 @@ class Engine:
         loop: the first request or admin call, or this, which a server calls at startup."""
         self._check_open()
         self.step_loop.bind()
-        pinned = [name for name, e in self.adapters.entries.items() if e.pinned]
-        for name in pinned:
-            self.adapters.ensure(name)
-        return pinned
+        return self.adapters.restore_pins()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -711,13 +724,13 @@ class Engine:
             "prefix_cache_evicted_blocks": self.prefix_cache.evicted,  # idle cached blocks given back
             "prefix_cache_hit_rate": _ratio(sum(hits.values()), sum(queried.values())),
             "prefix_cache_hit_rate_by_tenant": {t: _ratio(hits[t], n) for t, n in queried.items()},
-            "evictions_per_minute": sum(1 for t in self.adapters.evictions if now - t <= 60.0),
+            "evictions_per_minute": sum(1 for t in self.residency.evictions if now - t <= 60.0),
             "preemptions": self.scheduler.num_preemptions,
-            "adapter_yields": self.adapters.yields,
-            "adapters_pinned": sum(1 for e in self.adapters.entries.values() if e.pinned),
+            "adapter_yields": self.residency.yields,
+            "adapters_pinned": len(self.residency.pinned()),
             "adapter_pinned_pages": self.adapters.pinned_pages(),
             "adapter_pin_limit_pages": self.adapters.pin_limit(),
-            **{f"adapter_prefetches_{k}": self.adapters.prefetches[k] for k in PREFETCH_COUNTS},
+            **{f"adapter_prefetches_{k}": self.residency.prefetch.counts[k] for k in PREFETCH_COUNTS},
             # Measured reload costs (EWMA, seeded): seconds per page of each load stage.
             **{f"adapter_{s.value}_s_per_page": self.adapters.costs.seconds_per_page(s) for s in Stage},
         }

@@ -143,7 +143,7 @@ class RequestIntake:
                 f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens",
                 param="max_tokens" if len(ids) < self.max_model_len else "prompt",
             )
-        # The request's adapter stays resident (pinned) beside its KV for its whole life.
+        # The request's adapter stays resident beside its KV for its whole life (it runs on it).
         adapter_pages = self.adapters.get(adapter).layout.num_pages if adapter is not None else 0
         if blocks_needed(total, self.block_size) + adapter_pages > self.pool.capacity:
             raise PromptTooLongError(

@@ -113,11 +113,10 @@ class StepScheduler:
         remaining = req.num_tokens - req.num_computed
         chunk = min(remaining, self._budget) if lim.chunked_prefill else remaining
         need = blocks_needed(req.num_computed + chunk, lim.block_size) - len(req.block_table)
-        # Leave room for adapter loads already waiting on memory, or they could starve.
-        reserve = self.adapters.pending_pages()
+        # Room beyond what adapter loads already waiting on memory need, or they could starve.
         if (
             chunk > self._budget
-            or (self.pool.num_free - reserve < need and not self.adapters.evict_idle(need + reserve))
+            or not self.adapters.room_for_kv(need)
             or not grow_block_table(self.pool, req.block_table, req.num_computed + chunk, lim.block_size)
         ):
             self._free_kv(req)  # the cache hit, if any, goes back
@@ -131,8 +130,8 @@ class StepScheduler:
             self.prefix_query_tokens[t] = self.prefix_query_tokens.get(t, 0) + req.num_prompt_tokens
             self.prefix_hit_tokens[t] = self.prefix_hit_tokens.get(t, 0) + hit
         self._admitted.append(req)
-        if req.adapter is not None:  # pin now, so admitting the next request cannot evict it
-            req.lora_slot = self.adapters.pin(req.adapter)
+        if req.adapter is not None:  # it runs on the adapter now, so admitting the next request cannot evict it
+            req.lora_slot = self.adapters.admit(req.adapter)
         return True
 
     def _match_prefix(self, req: Request) -> int:
@@ -188,7 +187,7 @@ class StepScheduler:
         try:
             admitted = self.policy.schedule(now, self)
         except BaseException:
-            self._undo_admissions()  # still WAITING to everyone else: nothing may stay pinned
+            self._undo_admissions()  # still WAITING to everyone else: none may stay admitted on its adapter
             raise
         finally:
             self._policy_s = self._timer() - started
@@ -224,8 +223,7 @@ class StepScheduler:
             if chunk <= 0:
                 break
             need = blocks_needed(req.num_computed + chunk, bs) - len(req.block_table)
-            if self.pool.num_free < need:
-                self.adapters.evict_idle(need)
+            self.adapters.room_for_kv(need, reserve=False)
             # As much of the chunk as the pages that can be had now hold: a long prompt moves on
             # with what frees, instead of waiting for its whole chunk while others take each page.
             chunk = min(chunk, (len(req.block_table) + self.pool.num_free) * bs - req.num_computed)
@@ -243,9 +241,9 @@ class StepScheduler:
         self._admitted = []
 
     def _unadmit(self, req: Request) -> None:
-        """Give back what admission took: KV pages (its KV must be recomputed), and the adapter
-        pin (the request counts as queued for its adapter again). Nothing is owed for a pin that
-        :meth:`AdapterCache.pin` refused."""
+        """Give back what admission took: KV pages (its KV must be recomputed), and its hold on
+        the adapter (the request counts as queued for its adapter again). Nothing is owed for an
+        admission :meth:`AdapterCache.admit` refused."""
         self._free_kv(req)
         if req.lora_slot and req.adapter is not None:
             self.adapters.requeue(req.adapter)
@@ -264,7 +262,7 @@ class StepScheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted below for an older request
             while not grow_block_table(self.pool, req.block_table, req.num_tokens, bs):
-                if self.adapters.evict_idle(1):
+                if self.adapters.room_for_kv(1, reserve=False):
                     continue
                 victim = self.policy.pick_victim([r for r in self.running if r.status is RequestStatus.RUNNING])
                 self._preempt(victim, now)
@@ -279,7 +277,7 @@ class StepScheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.preempt(req, now)  # it waits again; VTC does not charge its recompute
-        self.adapters.notify_memory_freed()
+        self.adapters.memory_freed()
 
     def apply(self, plan: StepPlan, sampled: SampleOutput, step_s: float = 0.0) -> None:
         """Record each sequence's computed tokens and new token, charge the policy, stream
@@ -381,9 +379,7 @@ class StepScheduler:
         if was_running:
             self.running.remove(req)
             self._free_kv(req)
-            if req.adapter is not None:
-                self.adapters.unpin(req.adapter)
-            self.adapters.notify_memory_freed()
+            self.adapters.finish(req.adapter)
         elif req.adapter is not None:
             self.adapters.dequeue(req.adapter)
         self.policy.on_finish(req, self.clock())

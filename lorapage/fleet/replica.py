@@ -201,7 +201,7 @@ class EngineReplica:
         for state in self._mirror([*self._deferred.values(), *reply.ids, *gone]):
             self._deferred[state.adapter_id] = state
         self._epoch, self._generation = reply.epoch, reply.generation
-        if any(e.pinned and not e.slot for e in self.engine.adapters.entries.values()):
+        if self.engine.adapters.pins_to_load():
             await self.engine.restore_pins()  # start the loads of new pins
         for key in reply.unloads:
             try:

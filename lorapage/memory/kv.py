@@ -7,7 +7,8 @@ caller's business.
 
 from __future__ import annotations
 
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageKind
+from lorapage.memory.pool import PagePool
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -12,15 +12,9 @@ of their elements (twice ``page_size`` for bfloat16 adapters in a float32 pool).
 
 from __future__ import annotations
 
-from enum import Enum
-
-import numpy as np
 import torch
 
-
-class PageKind(Enum):
-    KV = "kv"
-    ADAPTER = "adapter"
+from lorapage.memory.pages import PageAllocator
 
 
 def adapter_page_size(page_size: int, dtype: torch.dtype, adapter_dtype: torch.dtype) -> int:
@@ -30,12 +24,9 @@ def adapter_page_size(page_size: int, dtype: torch.dtype, adapter_dtype: torch.d
     return page_size * dtype.itemsize // adapter_dtype.itemsize
 
 
-class PagePool:
-    """The pool tensor plus the allocator that hands out its pages to KV blocks and adapters.
-
-    KV blocks take single pages from the high end; adapters take contiguous runs from the low
-    end when one exists (so their reads are zero-copy views) and scattered pages otherwise.
-    """
+class PagePool(PageAllocator):
+    """The pool tensor plus the allocator (:class:`~lorapage.memory.pages.PageAllocator`) that
+    hands out its pages to KV blocks and adapters."""
 
     def __init__(
         self,
@@ -46,65 +37,10 @@ class PagePool:
         device: torch.device,
         adapter_dtype: torch.dtype | None = None,
     ) -> None:
-        if num_pages < 2:
-            raise ValueError(f"the pool needs at least 2 pages (page 0 is reserved); got {num_pages}")
+        super().__init__(num_pages)
         adapter_dtype = adapter_dtype or dtype
         self.adapter_page_size = adapter_page_size(page_size, dtype, adapter_dtype)
-        self.num_pages = num_pages
         self.page_size = page_size
         self.storage = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
         # The same memory in the adapters' dtype: [num_layers, num_pages, adapter_page_size].
         self.adapter_storage = self.storage.view(adapter_dtype)
-        self._free = np.ones(num_pages, dtype=bool)
-        self._free[0] = False
-        self._num_free = num_pages - 1
-        self.used = {PageKind.KV: 0, PageKind.ADAPTER: 0}
-
-    @property
-    def num_free(self) -> int:
-        return self._num_free
-
-    @property
-    def capacity(self) -> int:
-        """Pages that can ever be handed out (all but the reserved page 0)."""
-        return self.num_pages - 1
-
-    def allocate(self, n: int, kind: PageKind) -> list[int] | None:
-        """``n`` pages for ``kind``, or ``None`` (nothing taken) when fewer than ``n`` are free."""
-        if n > self._num_free:
-            return None
-        if n == 0:
-            return []
-        free = np.flatnonzero(self._free)
-        if kind is PageKind.KV:
-            pages = free[-n:]
-        else:
-            pages = self._first_run(free, n)
-        self._free[pages] = False
-        self._num_free -= n
-        self.used[kind] += n
-        return pages.tolist()
-
-    def free(self, pages: list[int], kind: PageKind) -> None:
-        """Give ``pages`` back. Freeing a page twice is a bug and raises."""
-        if not pages:
-            return
-        idx = np.asarray(pages, dtype=np.int64)
-        if self._free[idx].any() or (idx == 0).any():
-            raise RuntimeError(f"double free or reserved page in {pages}")
-        self._free[idx] = True
-        self._num_free += len(pages)
-        self.used[kind] -= len(pages)
-
-    @staticmethod
-    def _first_run(free: np.ndarray, n: int) -> np.ndarray:
-        """The lowest run of ``n`` consecutive free pages, or the ``n`` lowest free pages."""
-        if n > 1:
-            breaks = np.flatnonzero(np.diff(free) != 1)
-            starts = np.concatenate(([0], breaks + 1))
-            ends = np.concatenate((breaks + 1, [len(free)]))
-            fits = np.flatnonzero(ends - starts >= n)
-            if len(fits):
-                s = starts[fits[0]]
-                return free[s : s + n]
-        return free[:n]

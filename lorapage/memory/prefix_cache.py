@@ -12,7 +12,7 @@ blocks it matched, so a shared page is never written again (no copy-on-write).
 Pages stay in the pool as KV pages. A cached page is *in use* while sequences hold it (a
 refcount) and *idle* once none does: idle pages keep their K/V for the next hit and are given
 back under memory pressure, lowest use rate first, in one ranking with idle adapters
-(:meth:`lorapage.adapters.cache.AdapterCache.evict_idle`: rate x recompute cost per page).
+(:class:`lorapage.memory.reclaim.Reclaim`: rate x recompute cost per page).
 
 A block's use rate is a decayed count of the requests that used it, as an adapter's is: the one
 that computed it counts once (so a never-hit block's rate is ``2^(-age / half-life)``: a fresh
@@ -33,9 +33,10 @@ import struct
 import time
 from collections.abc import Callable
 
-from lorapage.memory.pool import PageKind, PagePool
+from lorapage.memory.pages import PageAllocator, PageKind
+from lorapage.memory.reclaim import RATE_HALF_LIFE_S
 
-HIT_HALF_LIFE_S = 60.0  # how fast a block's use rate forgets: the adapters' RATE_HALF_LIFE_S is this
+HIT_HALF_LIFE_S = RATE_HALF_LIFE_S  # how fast a block's use rate forgets: as an adapter's (one currency)
 
 
 def block_keys(namespace: bytes, token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
@@ -59,7 +60,7 @@ class PrefixCache:
     """Which pool pages hold which full blocks, who holds them, how often they are used, and
     which are idle (in the order they are given back)."""
 
-    def __init__(self, pool: PagePool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, pool: PageAllocator, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self._clock = clock
         self._page: dict[bytes, int] = {}  # block key -> page holding its K/V

@@ -44,6 +44,7 @@ from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
+from lorapage.server.usage_route import add_usage_route
 
 log = logging.getLogger("lorapage.server")
 
@@ -369,6 +370,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, STATE)
     add_extra_routes(app, STATE)
+    add_usage_route(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)

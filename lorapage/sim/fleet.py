@@ -1,5 +1,6 @@
-"""The fleet simulator: K replicas, each the step simulator around the real VTC policy with an
-adapter residency model, behind one of the pure routers of :mod:`lorapage.fleet.routing`.
+"""The fleet simulator: K replicas, each the step simulator around the real VTC policy and the
+engine's adapter residency rules (:mod:`lorapage.sim.loader`), behind one of the pure routers of
+:mod:`lorapage.fleet.routing`.
 
 Time is virtual and shared: before each arrival every replica is run up to it, the router sees
 each replica's load and residency at that instant (what replicas report; here always fresh), and
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from lorapage.fleet.routing import AffinityRouter, ReplicaView, Router, make_router
 from lorapage.scheduler import SchedulerPolicy, VtcConfig, make_policy
 from lorapage.sim.costs import GPU_7B, StepCosts
-from lorapage.sim.residency import TIERS, AdapterResidency, ResidencyConfig
+from lorapage.sim.loader import TIERS, ResidencyConfig, SimLoader
 from lorapage.sim.simulator import SimConfig, SimRequest, Simulator
 from lorapage.traces.records import OK, TIMEOUT, Record
 from lorapage.traces.stats import Slo, percentile
@@ -60,7 +61,7 @@ class Replica:
         self.capacity = config.engine.max_num_seqs
         vtc = VtcConfig(max_loras=min(config.residency.max_loras, config.engine.max_num_seqs))
         policy: SchedulerPolicy[SimRequest] = make_policy(config.scheduler, vtc=vtc)
-        self.residency = AdapterResidency(config.residency, config.costs.loads)
+        self.residency = SimLoader(config.residency, config.costs.loads)
         engine = SimConfig(**{**config.engine.__dict__, "cost": config.costs, "adapter_rank": config.residency.rank})
         self.sim = Simulator(policy, engine, residency=self.residency)
 

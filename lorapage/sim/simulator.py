@@ -7,10 +7,10 @@ reserved for the prompt at admission and grow a block at a time while decoding; 
 out, the policy picks a victim, which loses its pages and queues again through
 ``policy.preempt`` (recompute).
 
-Where adapters are is a :class:`Residency`: by default an adapter becomes ready
+Where adapters are is a :class:`ReplicaAdapters`: by default an adapter becomes ready
 ``adapter_load_s`` after its first request arrives and stays resident; the fleet simulator passes
-:class:`~lorapage.sim.residency.AdapterResidency` (slots, host RAM, disk, loads by tier). A
-request's first token comes at the end of the step that prefilled it.
+:class:`~lorapage.sim.loader.SimLoader` (the engine's residency rules: slots, host RAM, disk,
+loads by tier). A request's first token comes at the end of the step that prefilled it.
 """
 
 from __future__ import annotations
@@ -70,18 +70,22 @@ class StepCost(Protocol):
     def time(self, shape: StepShape) -> float: ...
 
 
-class Residency(Protocol):
+class ReplicaAdapters(Protocol):
     """Where adapters are, as the simulator asks it (the engine's ``AdapterCache`` role)."""
 
-    def arrive(self, name: str, now: float) -> str:
-        """A request for ``name`` arrived: its tier, and its load starts if needed."""
+    def arrive(self, name: str, now: float, tenant: str | None = None) -> str:
+        """A request for ``name`` (from ``tenant``) arrived: its tier, and its load starts if needed."""
         ...
 
     def ready(self, name: str) -> bool: ...
 
-    def pin(self, name: str) -> None: ...
+    def admit(self, name: str) -> None:
+        """A request for ``name`` is admitted: it runs on the adapter."""
+        ...
 
-    def unpin(self, name: str, now: float) -> None: ...
+    def finish(self, name: str, now: float) -> None:
+        """A request for ``name`` that ran ended."""
+        ...
 
     def requeue(self, name: str, now: float) -> None: ...
 
@@ -103,7 +107,7 @@ class FixedLoad:
         self.ready_at: dict[str, float] = {}  # adapter -> when its load completes
         self._now = 0.0
 
-    def arrive(self, name: str, now: float) -> str:
+    def arrive(self, name: str, now: float, tenant: str | None = None) -> str:
         self._now = now
         at = self.ready_at.setdefault(name, now + self.load_s)
         return "gpu" if at <= now else "disk"
@@ -111,10 +115,10 @@ class FixedLoad:
     def ready(self, name: str) -> bool:
         return self.ready_at[name] <= self._now
 
-    def pin(self, name: str) -> None:
+    def admit(self, name: str) -> None:
         return None
 
-    def unpin(self, name: str, now: float) -> None:
+    def finish(self, name: str, now: float) -> None:
         return None
 
     def requeue(self, name: str, now: float) -> None:
@@ -167,7 +171,7 @@ class _Context:
         self.tokens += prefill
         self.admitted.append(req)
         if req.adapter is not None:
-            sim.residency.pin(req.adapter)
+            sim.residency.admit(req.adapter)
         return True
 
 
@@ -180,11 +184,11 @@ class Simulator:
         policy: SchedulerPolicy[SimRequest],
         config: SimConfig,
         trace: Iterable[SimRequest] = (),
-        residency: Residency | None = None,
+        residency: ReplicaAdapters | None = None,
     ) -> None:
         self.policy = policy
         self.config = config
-        self.residency: Residency = residency if residency is not None else FixedLoad(config.adapter_load_s)
+        self.residency: ReplicaAdapters = residency if residency is not None else FixedLoad(config.adapter_load_s)
         self.trace = sorted(trace, key=lambda r: r.arrival_time)
         self._next = 0  # index in trace of the next arrival
         self.now = 0.0
@@ -218,17 +222,22 @@ class Simulator:
             while self._next < len(self.trace) and self.trace[self._next].arrival_time <= self.now:
                 self._arrive(self.trace[self._next])
                 self._next += 1
-            if not self.running and not self.waiting:
-                if self._next == len(self.trace):
+            if not self.running and not self.waiting:  # idle until the next arrival or load event (a prefetch)
+                wake = self._next_event()
+                if wake is None:
                     return
-                self.now = self.trace[self._next].arrival_time
+                self.now = max(self.now, wake)
+                self._copy_s += self.residency.advance(self.now)
                 continue
             self._make_room_for_decode()
             self._copy_s += self.residency.advance(self.now)
             ctx = _Context(self, self.now)
             self.policy.schedule(self.now, ctx)
             if not self.running and not ctx.admitted:
-                self.now = self._next_event()
+                wake = self._next_event()
+                if wake is None:
+                    raise RuntimeError(f"{len(self.waiting)} waiting requests can never be admitted at t={self.now}")
+                self.now = wake
                 continue
             self._step(ctx)
             if on_step is not None:
@@ -236,18 +245,17 @@ class Simulator:
 
     def _arrive(self, req: SimRequest) -> None:
         if req.adapter is not None:
-            req.tier = self.residency.arrive(req.adapter, self.now)
+            req.tier = self.residency.arrive(req.adapter, self.now, req.tenant)
         self.waiting.add(req)
         self.policy.add(req, self.now)
 
-    def _next_event(self) -> float:
+    def _next_event(self) -> float | None:
+        """The next arrival or load event (None: neither is left)."""
         load = self.residency.next_event(self.now)
         later = [load] if load is not None else []
         if self._next < len(self.trace):
             later.append(self.trace[self._next].arrival_time)
-        if not later:
-            raise RuntimeError(f"{len(self.waiting)} waiting requests can never be admitted at t={self.now}")
-        return min(later)
+        return min(later) if later else None
 
     def _make_room_for_decode(self) -> None:
         """Give each running request a page for its next token, preempting when pages run out."""
@@ -304,7 +312,7 @@ class Simulator:
             self.free_pages += self.pages.pop(req.request_id)
             req.finished_at = self.now
             if req.adapter is not None:
-                self.residency.unpin(req.adapter, self.now)
+                self.residency.finish(req.adapter, self.now)
             self.policy.on_finish(req, self.now)
 
     def _serve(self, req: SimRequest, input_tokens: int) -> None:

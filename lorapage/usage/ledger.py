@@ -1,8 +1,8 @@
 """Cost attribution: what each tenant and adapter version used, hour by hour.
 
-Per ``(hour, tenant, adapter)`` (``adapter``: a version key ``id@N``, or ``""`` for the base
-model; ``tenant``: ``""`` for what belongs to an adapter rather than to a request: its residency
-and its loads):
+Per ``(hour, tenant, adapter)`` (``hour``: hours since the Unix epoch; ``adapter``: a version key
+``id@N``, or ``""`` for the base model; ``tenant``: ``""`` for what belongs to an adapter rather
+than to a request: its residency and its loads):
 
 - ``requests``, ``prompt_tokens`` (prefilled, cache hits not counted), ``output_tokens``;
 - ``device_s``: each step's time apportioned to its rows by the tokens each computed;
@@ -64,18 +64,26 @@ Key = tuple[int, str, str]  # (hour, tenant, adapter)
 class UsageLedger:
     """Counters by hour, tenant and adapter, fed by the step loop and the adapter cache."""
 
-    def __init__(self, retention_hours: int = RETENTION_HOURS) -> None:
+    def __init__(self, retention_hours: int = RETENTION_HOURS, wall_offset: float = 0.0) -> None:
+        """``wall_offset``: what to add to the times the ledger is given to make them Unix time, so
+        that hours are the calendar's (the engine's clock is monotonic; it passes ``time.time() -
+        clock()`` taken at its start)."""
         self.retention_hours = retention_hours
+        self.wall_offset = wall_offset
         self.rows: dict[Key, Usage] = {}
         self.totals = Usage()
         self._resident_since: float | None = None  # the last time residency was accounted
 
     def _row(self, now: float, tenant: str, adapter: str) -> Usage:
-        key = (int(now // HOUR_S), tenant, adapter)
+        key = (self.hour(now), tenant, adapter)
         row = self.rows.get(key)
         if row is None:
             row = self.rows[key] = Usage()
         return row
+
+    def hour(self, now: float) -> int:
+        """The hour ``now`` falls in, counted from the Unix epoch."""
+        return int((now + self.wall_offset) // HOUR_S)
 
     def record_request(self, now: float, tenant: str, adapter: str) -> None:
         self._row(now, tenant, adapter).requests += 1
@@ -119,7 +127,7 @@ class UsageLedger:
 
     def prune(self, now: float) -> None:
         """Drop hours past the retention."""
-        oldest = int(now // HOUR_S) - self.retention_hours
+        oldest = self.hour(now) - self.retention_hours
         for key in [k for k in self.rows if k[0] < oldest]:
             del self.rows[key]
 

@@ -1,0 +1,166 @@
+"""The work of a load: files -> a packed host copy (I/O threads), host copy -> pool pages (the device).
+
+Nothing here decides anything: the residency rules (:mod:`lorapage.adapters.residency`) say what
+to read and where to copy it, and :class:`~lorapage.adapters.cache.AdapterCache` calls this to do
+it. Each stage is timed with a wall clock into :class:`~lorapage.adapters.value.ReloadCosts`
+(the engine's injected clock may be virtual), which is what eviction ranks by.
+
+A read checks the bytes it uses against the version's content digest (the bytes hashed are the
+bytes used), so a changed file fails its own version's requests instead of serving other weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lorapage.adapters.digest import bytes_digest
+from lorapage.adapters.layout import AdapterLayout
+from lorapage.adapters.peft_format import (
+    AdapterSpec,
+    at_path,
+    load_adapter_tensors,
+    read_config_bytes,
+    read_weights,
+)
+from lorapage.adapters.safetensors_buffer import ReadBuffer
+from lorapage.adapters.value import LoadTier, ReloadCosts, Stage
+from lorapage.errors import AdapterIntegrityError
+from lorapage.memory.pool import PagePool
+from lorapage.model.lora_tables import LoraTables
+
+# Where a version's files are read from: a block holding them fetched from their source (for the
+# version's owner) and verified against the digest; (source URI, digest, owner).
+Locate = Callable[[str, str, str | None], AbstractAsyncContextManager[Path]]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a version's files come from: its source URI (empty: the directory its spec names)
+    and the tenant that owns it (whose roots and download slots a read goes through)."""
+
+    source: str = ""
+    owner: str | None = None
+
+
+class Readable(Protocol):
+    """What a read needs of a version (:class:`~lorapage.adapters.cache.AdapterEntry`)."""
+
+    name: str
+    spec: AdapterSpec
+    layout: AdapterLayout
+    digest: str  # content digest the files must match when read ("" : not checked)
+    origin: Origin
+
+
+class AdapterLoader:
+    """Reads and packs versions in the I/O pool and copies them into pool pages on the device."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        tables: LoraTables,
+        dtype: torch.dtype,
+        costs: ReloadCosts,
+        *,
+        io_executor: Executor,
+        run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
+        locate: Locate | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.pool, self.tables, self.dtype, self.costs = pool, tables, dtype, costs
+        self.io = io_executor
+        self.run_on_device = run_on_device  # the copy's thread: the forward thread on CUDA, a copy thread on a CPU
+        self.locate = locate  # None: files are read from the directory the spec names
+        self._timer = timer
+        self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every read it does
+        self.finite_digests: set[str] = set()  # digests of bytes validation found finite in ``dtype``
+
+    async def read(
+        self, version: Readable, tier: LoadTier, downloaded: Callable[[], None] = lambda: None
+    ) -> torch.Tensor:
+        """Fetch (from its source, when a locator is set), read and pack ``version`` off the event
+        loop; ``downloaded`` is called once a remote source's download is done. The stages are
+        timed into :attr:`costs`."""
+        loop = asyncio.get_running_loop()
+        pages = version.layout.num_pages
+        started = self._timer()
+        if self.locate is None or not version.origin.source:
+            packed = await loop.run_in_executor(self.io, self._read_and_pack, version, version.spec)
+            self.costs.observe(Stage.READ, self._timer() - started, pages)
+            return packed
+        async with contextlib.AsyncExitStack() as held:  # a disk cache keeps the entry while it is read
+            origin = version.origin
+            path = await held.enter_async_context(self.locate(origin.source, version.digest, origin.owner))
+            located = self._timer()
+            if tier is LoadTier.REMOTE:
+                downloaded()
+            packed = await loop.run_in_executor(self.io, self._read_and_pack, version, at_path(version.spec, path))
+        done = self._timer()
+        if tier is LoadTier.REMOTE:  # located = downloaded; otherwise locating was part of reading
+            self.costs.observe(Stage.DOWNLOAD, located - started, pages)
+            started = located
+        self.costs.observe(Stage.READ, done - started, pages)
+        return packed
+
+    async def copy_in(self, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]) -> float:
+        """Copy ``packed`` into ``pages`` and point ``slot``'s table rows at them; the seconds it
+        took, timed into :attr:`costs` (on CUDA that includes waiting behind the step in flight)."""
+        started = self._timer()
+        await self.run_on_device(lambda: self.write_pages(layout, packed, slot, pages))
+        seconds = self._timer() - started
+        self.costs.observe(Stage.COPY, seconds, len(pages))
+        return seconds
+
+    def write_pages(self, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
+        """Host RAM -> pool pages, then the slot's table rows (runs on the device's thread)."""
+        n, size = len(pages), self.pool.adapter_page_size
+        src = packed.view(packed.shape[0], n, size)
+        storage = self.pool.adapter_storage
+        if pages[-1] - pages[0] == n - 1:
+            storage[:, pages[0] : pages[0] + n].copy_(src, non_blocking=True)
+        else:
+            storage[:, torch.tensor(pages, device=storage.device)] = src.to(storage.device, non_blocking=True)
+        self.tables.write_slot(slot, layout, pages)
+
+    def clear_slot(self, slot: int) -> None:
+        """Slot ``slot`` holds no adapter any more: its table rows point nowhere."""
+        self.tables.clear_slot(slot)
+
+    def _read_and_pack(self, version: Readable, spec: AdapterSpec) -> torch.Tensor:
+        """Read both files once, check them against the registered digest (the bytes hashed are
+        the bytes used), then parse and pack."""
+        weights = read_weights(spec, self._read_buffer)
+        if version.digest:
+            got = content_digest(spec, weights)
+            if got != version.digest:
+                raise AdapterIntegrityError(
+                    f"adapter {version.name}: files in {spec.path} changed after registration (sha256 {got}, "
+                    f"registered {version.digest}); register the new content as a new version"
+                )
+        # Bytes that match a digest validation returned are bytes it found finite in this dtype.
+        # A version restored from the registry was checked by an earlier process, perhaps in
+        # another dtype (bfloat16 weights can overflow float16): its loads check again.
+        finite = bool(version.digest) and version.digest in self.finite_digests
+        tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not finite)
+        # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
+        # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras
+        # pinned adapters could hold up to twice their size in page-locked RAM for good. A pageable
+        # copy to the GPU is slower per byte (the driver stages it), a few ms per 7B adapter
+        # against a sub-second TTFT budget.
+        return version.layout.pack(tensors, self.pool.adapter_page_size)
+
+
+def content_digest(spec: AdapterSpec, weights: torch.Tensor) -> str:
+    """The content digest of ``spec``'s directory, over the weights' bytes as read (``weights``)."""
+    config = read_config_bytes(spec.path)
+    return bytes_digest({"adapter_config.json": config, spec.weights_file.name: weights.numpy().data})
