@@ -132,7 +132,7 @@ async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> 
         k = turn % len(order)
         times = {}
         for mix in order[k:] + order[:k]:
-            times[mix] = await loop.run_in_executor(engine._forward, timed, capture.execute, plans[mix])
+            times[mix] = await loop.run_in_executor(engine.step_loop.forward, timed, capture.execute, plans[mix])
         if turn >= WARMUP_TURNS:
             out.setdefault("base_step_s", []).append(times["base"])
             for mix in order[1:]:
