@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("lorapage.fleet.cli", "engine replicas on Ray Serve behind one OpenAI endpoint"),
     "adapter": ("lorapage.adapters.cli", "adapter tools: the sha256 digest an https registration needs"),
     "base": ("lorapage.bases.cli", "base upgrades: the drift check of every adapter, old base against new"),
+    "plan": ("lorapage.capacity.cli", "sizing: pool, host RAM, resident adapters and replicas for a workload"),
 }
 
 

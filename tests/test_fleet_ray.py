@@ -304,6 +304,9 @@ async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
     status, body, _ = await fleet.call("POST", "/v1/adapters", {"id": "newco", "tenant": "alpha", "source": source})
     assert status == 201, body
     assert body["version"] == 1 and body["owner"] == "alpha" and body["current"] == 1
+    # Costed by the replica that prepared it (docs/capacity.md), stored with the version.
+    assert body["serving_tier"] == "shared" and body["cost"]["reference_batch"] == 64
+    assert body["projected_cost_pct"] == body["cost"]["decode_bytes_pct"] > 0
     # Servable at once, on whichever replica the router picks, with the registered weights.
     status, got, headers = await fleet.post("/v1/completions", completion("newco"))
     assert status == 200 and got["choices"][0]["text"] == DEMO_MARKERS["acme"]
@@ -328,8 +331,9 @@ async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
     assert [(v["version"], v["current"]) for v in versions["data"]] == [(1, False), (2, True)]
     # Committed to the fleet's registry file before it was answered.
     stored = Registry(f"{fleet.state_dir}/{REGISTRY_FILE}")
-    listed = [(v["id"], v["digest"]) for v in versions["data"]]
-    assert [(r.key, r.digest) for r in stored.versions() if r.adapter_id == "newco"] == listed
+    listed = [(v["id"], v["digest"], v["projected_cost_pct"]) for v in versions["data"]]
+    assert [(r.key, r.digest, r.projected_cost_pct) for r in stored.versions() if r.adapter_id == "newco"] == listed
+    assert listed[0][2] == body["projected_cost_pct"]
     stored.close()
     status, err, _ = await fleet.call("DELETE", "/v1/adapters/newco@2")  # the current of two
     assert status == 409

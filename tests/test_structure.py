@@ -130,6 +130,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage", "the package face: Engine, EngineConfig, SamplingParams, RequestOutput"),
     ("lorapage.fleet", "Ray Serve application: ingress, engine replicas, affinity router"),
     ("lorapage.bases", "base upgrades: the drift check, `lorapage base check`"),
+    ("lorapage.capacity", "sizing: the design's arithmetic and the simulator's replicas, `lorapage plan`"),
     ("lorapage.replay", "load replay: traces in, driver, reports and plots"),
     ("lorapage.sim", "the fleet simulator: the real policies on a virtual clock"),
     ("lorapage.server", "HTTP: routes, auth, tenants, quotas, SSE, metrics"),

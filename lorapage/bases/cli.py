@@ -80,7 +80,9 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
     modules = lora_modules(argparse.Namespace(lora_modules=args.lora_modules, model=args.old), PROG)
     prompts = read_prompts(args.prompts, list(modules))
     limits = DriftThresholds(args.min_token_agreement, args.max_dlogprob, args.max_kl, args.max_changed)
-    old, new = (Engine(EngineConfig(model=m, max_loras=max(1, len(modules)))) for m in (args.old, args.new))
+    # The check compares outputs; what the shared pool would serve is not its question (no envelope).
+    slots = max(1, len(modules))
+    old, new = (Engine(EngineConfig(model=m, max_loras=slots, shared_envelope="")) for m in (args.old, args.new))
     try:
         for engine in (old, new):
             for name, path in modules.items():

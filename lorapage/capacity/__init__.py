@@ -1,0 +1,1 @@
+"""Capacity planning: the design's sizing arithmetic (``lorapage plan``)."""

@@ -1,0 +1,205 @@
+"""The design's sizing arithmetic for one model, adapter shape, workload and replica: pure.
+
+Seed 001 walks it for a 7B: the adapter's values and bytes, what every adapter and every merged
+copy would take, the GPU memory left for adapters once the base, the KV cache of every sequence
+and working memory are counted, replicas for decode and prefill with headroom, and host RAM for
+the adapters each replica owns. Seed 000 (R3) adds the resident set by Little's law: adapters
+pinned by requests in flight ~ distinct arrival rate x duration, and a cache of at least twice
+that. Here the distinct adapters in flight come from the popularity: with Poisson arrivals at
+rate ``lambda``, adapter ``i`` (share ``p_i``) has ``Poisson(lambda p_i W)`` requests in flight,
+so ``sum_i 1 - exp(-lambda p_i W)`` adapters are in flight at once. On one replica of ``R``, an
+adapter's traffic split over its ``k_i`` owners, ``sum_i (k_i / R) (1 - exp(-lambda p_i W / k_i))``,
+where ``k_i`` is the placement's owners, or more for an adapter with more requests in flight than
+its owners take at the fleet's mean load per replica (the router spills it: ``lambda p_i W`` over
+``lambda W / R``, at most ``R``).
+
+Step times come from a simulator cost model (:mod:`lorapage.sim.costs`, the seed's by default),
+with every row of a full batch on its own adapter, as the seed assumes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lorapage.adapters.cost import AdapterCost, adapter_params, base_decode_params
+from lorapage.adapters.envelope import Envelope, ServingTier
+from lorapage.model.config import ModelConfig
+from lorapage.sim.costs import StepCosts
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What arrives: a request rate, mean lengths and adapter popularity."""
+
+    rate: float  # requests/s
+    prompt_mean: float  # tokens
+    output_mean: float  # tokens
+    adapters: int  # registered adapters
+    popularity: Sequence[float]  # share of requests per adapter (the rest: the base alone)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One replica's hardware and limits, and how the fleet places adapters."""
+
+    device_bytes: float = 80e9
+    working_bytes: float = 4e9  # activations, workspaces, allocator slack
+    base_bytes: float | None = None  # the base's weights on the device; None: parameters x dtype
+    host_bytes: float | None = None  # host RAM for adapters; None: only what placement needs is shown
+    max_num_seqs: int = 32
+    max_model_len: int = 2000
+    block_size: int = 16  # tokens per KV page
+    owners: int = 2  # replicas each adapter is placed on
+    headroom: float = 0.3  # replicas beyond the arithmetic's
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every figure the plan prints (bytes, counts, seconds)."""
+
+    # the adapter
+    values_per_layer: int
+    adapter_values: int
+    adapter_bytes: int
+    cost: AdapterCost
+    tier: ServingTier
+    all_adapters_bytes: int
+    # GPU memory
+    base_params: int
+    base_bytes: int
+    merged_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int
+    left_bytes: float
+    adapters_fit: int
+    page_bytes: int
+    pool_pages: int
+    kv_pages: int
+    adapter_pages: int  # pages one adapter takes
+    pool_adapters: int  # adapters the pool holds beside every sequence's KV
+    # replicas
+    step_s: float  # a full decode step, every row on its own adapter
+    decode_tokens_s: float
+    replica_decode_tokens_s: float
+    prefill_tokens_s: float
+    replica_prefill_tokens_s: float
+    replicas_exact: float
+    replicas: int
+    # host RAM
+    adapters_per_replica: float
+    host_bytes_per_replica: float
+    host_adapters: int | None
+    # Little's law
+    duration_s: float
+    in_flight: float
+    in_flight_per_replica: float
+    distinct_in_flight: float
+    resident_per_replica: float
+    cache_adapters: float  # 2x the resident need
+    cache_fits: bool
+
+
+def base_params(model: ModelConfig) -> int:
+    """All the base's parameters: what a decode step reads plus an untied embedding table."""
+    embedding = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
+    return base_decode_params(model) + embedding
+
+
+def distinct_in_flight(rate: float, duration_s: float, popularity: Sequence[float]) -> float:
+    """Adapters with a request in flight, on average: ``sum_i 1 - exp(-rate p_i W)``."""
+    return sum(-math.expm1(-rate * p * duration_s) for p in popularity)
+
+
+def resident_per_replica(
+    rate: float, duration_s: float, popularity: Sequence[float], replicas: int, owners: int
+) -> float:
+    """Adapters with a request in flight on one replica, on average, each adapter on its
+    ``owners`` replicas, or on as many as its in-flight requests fill at the mean load."""
+    mean_load = rate * duration_s / replicas
+    total = 0.0
+    for p in popularity:
+        in_flight = rate * p * duration_s
+        k = min(replicas, max(owners, math.ceil(in_flight / mean_load - 1e-9)))
+        total += k / replicas * -math.expm1(-in_flight / k)
+    return total
+
+
+def make_plan(
+    model: ModelConfig,
+    ranks: dict[tuple[int, str], int],
+    *,
+    base_elem: int,
+    adapter_elem: int,
+    envelope: Envelope,
+    workload: Workload,
+    replica: Replica,
+    costs: StepCosts,
+) -> Plan:
+    """The seed's arithmetic for this model, adapter shape (``ranks``), workload and replica."""
+    values = adapter_params(model, ranks)
+    per_layer = max(sum(r * sum(model.module_dims()[m]) for (layer, m), r in ranks.items() if layer == i)
+                    for i in range(model.num_layers))  # fmt: skip
+    adapter_bytes = values * adapter_elem
+    cost = envelope.cost(ranks)
+    params = base_params(model)
+    base_bytes = params * base_elem if replica.base_bytes is None else int(replica.base_bytes)
+    kv_per_token = 2 * model.num_layers * model.kv_size * base_elem
+    kv_bytes = kv_per_token * replica.max_num_seqs * replica.max_model_len
+    left = replica.device_bytes - base_bytes - kv_bytes - replica.working_bytes
+    # lorapage's pool: a page is block_size tokens of K and V in every layer; an adapter's rows in
+    # a layer fill whole pages of the same size (in its own dtype).
+    page_elems = 2 * replica.block_size * model.kv_size
+    page_bytes = page_elems * base_elem * model.num_layers
+    pool_pages = int((replica.device_bytes - base_bytes - replica.working_bytes) // page_bytes)
+    kv_pages = replica.max_num_seqs * -(-replica.max_model_len // replica.block_size)
+    adapter_pages = -(-per_layer * adapter_elem // (page_elems * base_elem))
+    rank = max(ranks.values())
+    step_s = replica.max_num_seqs / costs.decode_tokens_per_s(replica.max_num_seqs, replica.max_num_seqs, rank)
+    decode, prefill = workload.rate * workload.output_mean, workload.rate * workload.prompt_mean
+    replica_decode, replica_prefill = replica.max_num_seqs / step_s, 1 / costs.prefill_token_s
+    exact = decode / replica_decode + prefill / replica_prefill
+    replicas = math.ceil(exact * (1 + replica.headroom) - 1e-9)
+    owners = min(replica.owners, replicas)
+    per_replica = owners * workload.adapters / replicas
+    duration = workload.prompt_mean * costs.prefill_token_s + workload.output_mean * step_s
+    resident = resident_per_replica(workload.rate, duration, workload.popularity, replicas, owners)
+    pool_adapters = max(0, (pool_pages - 1 - kv_pages) // adapter_pages)  # page 0 is the pool's dummy
+    return Plan(
+        values_per_layer=per_layer,
+        adapter_values=values,
+        adapter_bytes=adapter_bytes,
+        cost=cost,
+        tier=envelope.tier(ranks, cost),
+        all_adapters_bytes=workload.adapters * adapter_bytes,
+        base_params=params,
+        base_bytes=base_bytes,
+        merged_bytes=workload.adapters * base_bytes,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes=kv_bytes,
+        left_bytes=left,
+        adapters_fit=max(0, int(left // adapter_bytes)),
+        page_bytes=page_bytes,
+        pool_pages=pool_pages,
+        kv_pages=kv_pages,
+        adapter_pages=adapter_pages,
+        pool_adapters=pool_adapters,
+        step_s=step_s,
+        decode_tokens_s=decode,
+        replica_decode_tokens_s=replica_decode,
+        prefill_tokens_s=prefill,
+        replica_prefill_tokens_s=replica_prefill,
+        replicas_exact=exact,
+        replicas=replicas,
+        adapters_per_replica=per_replica,
+        host_bytes_per_replica=per_replica * adapter_bytes,
+        host_adapters=None if replica.host_bytes is None else int(replica.host_bytes // adapter_bytes),
+        duration_s=duration,
+        in_flight=workload.rate * duration,
+        in_flight_per_replica=workload.rate * duration / replicas,
+        distinct_in_flight=distinct_in_flight(workload.rate, duration, workload.popularity),
+        resident_per_replica=resident,
+        cache_adapters=2 * resident,
+        cache_fits=2 * resident <= pool_adapters,
+    )
