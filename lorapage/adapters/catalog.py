@@ -2,13 +2,16 @@
 
 A registration of new content under an id makes an immutable version ``id@N``; the id itself is
 an alias for one of them (the current), re-pointed atomically by a deploy or a rollback. A
-request names ``id`` or ``id@N`` and is resolved to one version when it is submitted: it runs on
-that version to its end, whatever the alias does meanwhile, so no step ever mixes two versions of
-one request. The adapter cache serves each version under its key ``id@N`` and knows nothing of
-aliases.
+request names ``id``, ``id@N`` or ``id@channel`` (a named channel, e.g. ``prod``: a second alias
+a deploy moves on its own; a lowercase letter first, so it never reads as a version) and is
+resolved to one version when it is submitted: it runs on that version to its end, whatever the
+aliases do meanwhile, so no step ever mixes two versions of one request. The adapter cache
+serves each version under its key ``id@N`` and knows nothing of aliases.
 
 Every change is committed to the :class:`~lorapage.adapters.registry.Registry` (in a worker
-thread) before the live view shows it, so what a caller was told exists survives a restart.
+thread) before the live view shows it, so what a caller was told exists survives a restart; the
+same transaction appends its audit row, as the ``actor`` the caller names (a key id over HTTP),
+and each alias move to the alias history a rollback walks back (:mod:`lorapage.adapters.audit`).
 Each version records the digest of the base it was validated against; on a restart over another
 base those versions are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`).
 
@@ -30,6 +33,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorapage.adapters.audit import CHANNEL, DEFAULT_CHANNEL, AliasMove, channel_name, rollback_target
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.layout import AdapterLayout
@@ -87,6 +91,7 @@ class _Adapter:
     owner: str | None
     current: int | None
     versions: dict[int, VersionRow] = field(default_factory=dict)
+    channels: dict[str, int] = field(default_factory=dict)  # named channel -> version
 
 
 class AdapterCatalog:
@@ -121,6 +126,8 @@ class AdapterCatalog:
         for row in rows:
             self._ids[row.adapter_id].versions[row.version] = row
             self._serve_stored(row, base, self._ids[row.adapter_id].owner)
+        for adapter_id, channel, version in self.registry.channels():
+            self._ids[adapter_id].channels[channel] = version
         self._restore_pins(rows)
 
     def _costed(self, rows: list[VersionRow], base: str) -> list[VersionRow]:
@@ -168,17 +175,19 @@ class AdapterCatalog:
     # -- names ----------------------------------------------------------------------------------
 
     def _row(self, name: str) -> tuple[VersionRow | None, _Adapter | None]:
-        """The version ``name`` (``id``: its current one, or ``id@N``) names, and its id's entry."""
+        """The version ``name`` (``id``: its current one, ``id@N``, or ``id@channel``: the one
+        the channel points at) names, and its id's entry."""
         adapter_id, version = parse_name(name)
         adapter = self._ids.get(adapter_id)
         if adapter is None:
             return None, None
-        number = adapter.current if version is None else version
+        channel = channel_name(name) if version == -1 else None
+        number = adapter.current if version is None else adapter.channels.get(channel) if channel else version
         return (adapter.versions.get(number) if number is not None else None), adapter
 
     def resolve(self, name: str) -> str:
-        """The version key ``name`` (``id`` or ``id@N``) serves now; 404 when there is none, 409
-        when the version was validated against another base."""
+        """The version key ``name`` (``id``, ``id@N`` or ``id@channel``) serves now; 404 when
+        there is none, 409 when the version was validated against another base."""
         row, _ = self._row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
@@ -299,6 +308,7 @@ class AdapterCatalog:
         expected_base_digest: str | None = None,
         activate: bool = True,
         timeout_s: float = REGISTRATION_TIMEOUT_S,
+        actor: str | None = None,
     ) -> tuple[VersionInfo, bool]:
         """Register the adapter in ``path`` as a new version of ``adapter_id`` (read and checked
         in a worker, within ``timeout_s``), committed before it is returned. Content equal to an
@@ -314,13 +324,18 @@ class AdapterCatalog:
             same = self._same_content(adapter_id, digest)
             if same is not None:
                 if activate and self._ids[adapter_id].current != same.version:
-                    await loop.run_in_executor(self._io, self.registry.set_current, adapter_id, same.version)
+                    await loop.run_in_executor(
+                        self._io,
+                        lambda: self.registry.set_current(adapter_id, same.version, action="register", actor=actor),
+                    )
                     self._ids[adapter_id].current = same.version
                     self.generation += 1
                 return self._info(same, self._ids[adapter_id]), False
             row = await loop.run_in_executor(
                 self._io,
-                lambda: self._commit(adapter_id, owner, spec, digest, source or path.resolve().as_uri(), activate),
+                lambda: self._commit(
+                    adapter_id, owner, spec, digest, source or path.resolve().as_uri(), activate, actor
+                ),
             )
             return self._add_live(row, owner, spec, layout, activate), True
 
@@ -346,7 +361,7 @@ class AdapterCatalog:
         same = self._same_content(adapter_id, digest)
         if same is not None:
             if self._ids[adapter_id].current != same.version:
-                self.registry.set_current(adapter_id, same.version)
+                self.registry.set_current(adapter_id, same.version, action="register")
                 self._ids[adapter_id].current = same.version
                 self.generation += 1
             return self._info(same, self._ids[adapter_id])
@@ -360,7 +375,14 @@ class AdapterCatalog:
         return next((r for r in adapter.versions.values() if r.digest == digest and r.key in self.cache.entries), None)
 
     def _commit(
-        self, adapter_id: str, owner: str | None, spec: AdapterSpec, digest: str, source: str, activate: bool
+        self,
+        adapter_id: str,
+        owner: str | None,
+        spec: AdapterSpec,
+        digest: str,
+        source: str,
+        activate: bool,
+        actor: str | None = None,
     ) -> VersionRow:
         return self.registry.add_version(
             adapter_id,
@@ -371,6 +393,7 @@ class AdapterCatalog:
             spec=spec_to_json(spec),
             activate=activate,
             projected_cost_pct=self.cache.envelope.cost(spec.ranks).projected_cost_pct,
+            actor=actor,
         )
 
     def _add_live(
@@ -433,24 +456,98 @@ class AdapterCatalog:
 
     # -- aliases and deletion -------------------------------------------------------------------
 
-    async def set_current(self, adapter_id: str, version: int) -> VersionInfo:
-        """Point ``adapter_id`` at ``version`` (deploy or rollback). Requests already submitted
-        keep the version they were resolved to."""
+    async def set_current(
+        self, adapter_id: str, version: int, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
+    ) -> VersionInfo:
+        """Point ``adapter_id`` (or its named ``channel``, created on first use) at ``version``:
+        a deploy. Requests already submitted keep the version they were resolved to."""
+        adapter = self._adapter(adapter_id)
+        _check_channel(channel)
+        async with self._lock:
+            return await self._move(adapter, adapter_id, version, channel, "deploy", actor)
+
+    async def rollback(
+        self, adapter_id: str, version: int | None = None, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
+    ) -> VersionInfo:
+        """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the
+        version before its last deploy (:func:`~lorapage.adapters.audit.rollback_target`: rolling
+        back again goes one deploy further back); 409 when there is none."""
+        adapter = self._adapter(adapter_id)
+        _check_channel(channel)
+        async with self._lock:  # no other move between reading the history and this one
+            at = adapter.channels.get(channel) if channel else adapter.current
+            if at is None:
+                raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
+            if version is None:
+                history = await asyncio.get_running_loop().run_in_executor(
+                    self._io, self.registry.alias_history, adapter_id
+                )
+                servable = [v for v, row in adapter.versions.items() if row.key in self.cache.entries]
+                version = rollback_target([m for m in history if m.channel == channel], at, servable)
+                if version is None:
+                    raise ConflictError(
+                        f"{_alias_name(adapter_id, channel)} is at version {at} and no earlier version it served is "
+                        f'left to roll back to; name one with {{"version": N}}',
+                        param="version",
+                    )
+            return await self._move(adapter, adapter_id, version, channel, "rollback", actor)
+
+    async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
+        """Forget ``adapter_id``'s named ``channel`` (``id@channel`` then names nothing)."""
+        adapter = self._adapter(adapter_id)
+        async with self._lock:
+            if channel not in adapter.channels:
+                raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
+            await asyncio.get_running_loop().run_in_executor(
+                self._io, lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor)
+            )
+            del adapter.channels[channel]
+            self.generation += 1
+
+    def channels(self, adapter_id: str) -> dict[str, int]:
+        """``adapter_id``'s named channels and the versions they point at."""
+        return dict(self._adapter(adapter_id).channels)
+
+    async def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
+        """``adapter_id``'s alias moves (every channel), newest first, read in a worker thread."""
+        self._adapter(adapter_id)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._io, self.registry.alias_history, adapter_id, limit
+        )
+
+    def _adapter(self, adapter_id: str) -> _Adapter:
         adapter = self._ids.get(adapter_id)
-        if adapter is None or version not in adapter.versions:
+        if adapter is None or not adapter.versions:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        return adapter
+
+    async def _move(
+        self, adapter: _Adapter, adapter_id: str, version: int, channel: str, action: str, actor: str | None
+    ) -> VersionInfo:
+        """Move the alias (or ``channel``) to ``version``, committed first (the caller holds the lock)."""
+        if version not in adapter.versions:
             raise AdapterNotFoundError(f"adapter {version_key(adapter_id, version)!r} does not exist", param="version")
         row = adapter.versions[version]
         if row.key not in self.cache.entries:
             self.resolve(row.key)  # raises the base mismatch
-        async with self._lock:
-            await asyncio.get_running_loop().run_in_executor(self._io, self.registry.set_current, adapter_id, version)
+        loop = asyncio.get_running_loop()
+        if channel:
+            await loop.run_in_executor(
+                self._io, lambda: self.registry.set_channel(adapter_id, channel, version, action=action, actor=actor)
+            )
+            adapter.channels[channel] = version
+        else:
+            await loop.run_in_executor(
+                self._io, lambda: self.registry.set_current(adapter_id, version, action=action, actor=actor)
+            )
             adapter.current = version
-            self.generation += 1
+        self.generation += 1
         return self._info(row, adapter)
 
-    async def set_pinned(self, key: str, pinned: bool) -> None:
+    async def set_pinned(self, key: str, pinned: bool, *, actor: str | None = None, outcome: str | None = None) -> None:
         """Pin version ``key`` resident, or unpin it, committed before the cache applies it;
-        a pin past the bounds is refused (PinLimitError) before anything is written."""
+        a pin past the bounds is refused (PinLimitError) before anything is written. ``outcome``
+        marks the audit row of a pin undone by its caller (its load failed)."""
         adapter_id, version = parse_name(key)
         adapter = self._ids.get(adapter_id)
         async with self._lock:  # no other pin can take the room between the check and the pin
@@ -459,7 +556,8 @@ class AdapterCatalog:
             if pinned:
                 self.cache.check_pin(key)
             await asyncio.get_running_loop().run_in_executor(
-                self._io, self.registry.set_pinned, adapter_id, version, pinned
+                self._io,
+                lambda: self.registry.set_pinned(adapter_id, version, pinned, actor=actor, outcome=outcome or "ok"),
             )
             adapter.versions[version] = dataclasses.replace(adapter.versions[version], pinned=pinned)
             if pinned:
@@ -468,11 +566,23 @@ class AdapterCatalog:
                 self.cache.unpin(key)
 
     def removable(self, name: str) -> list[str]:
-        """The version keys deleting ``name`` removes (see :func:`~lorapage.adapters.registry.removable_keys`)."""
-        adapter = self._ids.get(parse_name(name)[0])
-        return removable_keys(name, adapter.versions if adapter else (), adapter.current if adapter else None)
+        """The version keys deleting ``name`` removes (see :func:`~lorapage.adapters.registry.removable_keys`);
+        a version a named channel points at is refused (409) as the current one is, while the id has others."""
+        adapter_id, version = parse_name(name)
+        adapter = self._ids.get(adapter_id)
+        keys = removable_keys(name, adapter.versions if adapter else (), adapter.current if adapter else None)
+        if adapter is None or version is None or len(adapter.versions) < 2:
+            return keys
+        held = [c for c, v in adapter.channels.items() if v == version]
+        if held:
+            raise ConflictError(
+                f"{name} is the version channel {held[0]!r} serves ({adapter_id}@{held[0]}); point the channel at "
+                f"another version, or delete it (DELETE /v1/adapters/{adapter_id}/channels/{held[0]}), first",
+                param="id",
+            )
+        return keys
 
-    def remove(self, name: str) -> list[str]:
+    def remove(self, name: str, *, actor: str | None = None) -> list[str]:
         """Remove version ``id@N``, or every version of ``id`` (see :meth:`removable`); refused
         (409) while any of them has requests queued or running, and then nothing is removed.
         Returns the keys removed."""
@@ -481,10 +591,10 @@ class AdapterCatalog:
             if key in self.cache.entries:
                 self.cache.residency.check_removable(key)
         for key in keys:
-            self._remove_version(key)
+            self._remove_version(key, actor)
         return keys
 
-    def _remove_version(self, key: str) -> None:
+    def _remove_version(self, key: str, actor: str | None = None) -> None:
         """Forget one idle version, committed first. The alias moves to the newest remaining
         version if it pointed here."""
         adapter_id, version = parse_name(key)
@@ -492,14 +602,28 @@ class AdapterCatalog:
         adapter = self._ids[adapter_id]
         rest = [v for v in adapter.versions if v != version]
         new_current = adapter.current if adapter.current != version else (max(rest) if rest else None)
-        self.registry.delete_version(adapter_id, version, new_current)
+        self.registry.delete_version(adapter_id, version, new_current, actor=actor)
         if key in self.cache.entries:
             self.cache.unregister(key)
         del adapter.versions[version]
+        adapter.channels = {c: v for c, v in adapter.channels.items() if v != version}
         adapter.current = new_current
         self.generation += 1
         if not adapter.versions:
             adapter.owner = None
+
+
+def _check_channel(channel: str) -> None:
+    if channel and not CHANNEL.fullmatch(channel):
+        raise InvalidRequestError(
+            f"channel {channel[:40]!r}: 1-32 of a-z, 0-9, '_' and '-', a letter first (so `id@{{channel}}` never "
+            "reads as a version number)",
+            param="channel",
+        )
+
+
+def _alias_name(adapter_id: str, channel: str) -> str:
+    return f"{adapter_id}@{channel}" if channel else adapter_id
 
 
 def _digest_param(raw: str, param: str) -> str:

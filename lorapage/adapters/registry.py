@@ -16,10 +16,15 @@ Tables:
   admin pinned it resident (``pinned``, schema 2), so a restart loads it again; and its projected
   decode cost in % of the base's (``projected_cost_pct``, schema 3; see
   :mod:`lorapage.adapters.cost`), so "which adapters are expensive" is a query.
+- ``audit``, ``alias_history`` (append-only) and ``channels`` (schema 4): every change above with
+  who made it, each alias's moves, and the named channels (``id@prod``) an id has; see
+  :mod:`lorapage.adapters.audit`. Each write method appends its rows in its own transaction.
 
-Older files are migrated in place when opened, each step one ``ALTER TABLE`` in the transaction
-that records the new schema: schema 1 (before pins) gains ``pinned`` (0 for every version),
-schema 2 gains ``projected_cost_pct`` (NULL until an engine on that base fills it in at start).
+Older files are migrated in place when opened, each step in the transaction that records the new
+schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 gains
+``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
+the audit tables, empty (history begins there; a rollback of an alias with no history goes to the
+newest older version).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorapage.adapters import audit
+from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
 from lorapage.errors import AdapterNotFoundError, ConflictError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 REGISTRY_FILE = "registry.sqlite3"
 # A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
 # ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
@@ -63,9 +70,10 @@ CREATE TABLE IF NOT EXISTS versions (
 );
 """
 # Each step takes a file from schema N to N + 1 (N is the key).
-_MIGRATIONS = {
-    1: "ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
-    2: "ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
+    2: ("ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",),
+    3: audit.SCHEMA,
 }
 
 
@@ -151,6 +159,8 @@ class Registry:
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
+                for statement in audit.SCHEMA:
+                    self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
                 self._migrate(int(row[0]))
@@ -164,7 +174,8 @@ class Registry:
                 f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
             )
         for version in range(found, SCHEMA_VERSION):
-            self._db.execute(_MIGRATIONS[version])
+            for statement in _MIGRATIONS[version]:
+                self._db.execute(statement)
         self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 
     def _transaction(self):
@@ -185,6 +196,21 @@ class Registry:
             ).fetchall()
         return [VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8]) for r in rows]
 
+    def channels(self) -> list[tuple[str, str, int]]:
+        """Every named channel: ``(id, name, version)``."""
+        with self._lock:
+            return self._db.execute("SELECT id, name, version FROM channels ORDER BY id, name").fetchall()
+
+    def audit(self, query: AuditQuery) -> list[AuditEntry]:
+        """The audit rows ``query`` selects, newest first."""
+        with self._lock:
+            return audit.entries(self._db, query)
+
+    def alias_history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
+        """``adapter_id``'s alias moves, every channel, newest first."""
+        with self._lock:
+            return audit.moves(self._db, adapter_id, limit)
+
     # -- writes: each one transaction -----------------------------------------------------------
 
     def add_version(
@@ -198,10 +224,12 @@ class Registry:
         spec: str,
         activate: bool,
         projected_cost_pct: float | None = None,
+        actor: str | None = None,
     ) -> VersionRow:
         """Store a new version of ``adapter_id`` (creating the id, owned by ``owner``, on first
-        use) and point the alias at it when ``activate`` (or when the id has no current one).
-        ConflictError, and nothing stored, when the id has versions of another owner."""
+        use) and point the alias at it when ``activate`` (or when the id has no current one),
+        audited as ``actor``'s. ConflictError, and nothing stored, when the id has versions of
+        another owner."""
         now = time.time()
         with self._lock, self._transaction():
             row = self._db.execute(
@@ -231,23 +259,128 @@ class Registry:
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (adapter_id, version, digest, source, base_digest, spec, now, projected_cost_pct),
             )
-            if activate or current is None:
+            after = version if activate or current is None else current
+            if after != current:
                 self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (version, adapter_id))
+                audit.record_move(self._db, now, adapter_id, DEFAULT_CHANNEL, current, after, "register", actor)
+            audit.append(
+                self._db,
+                now,
+                actor,
+                "register",
+                adapter_id,
+                tenant=owner,
+                before={"current": current},
+                after={"version": version, "current": after, "digest": digest},
+            )
         return VersionRow(
             adapter_id, version, digest, source, base_digest, spec, now, projected_cost_pct=projected_cost_pct
         )
 
-    def set_current(self, adapter_id: str, version: int) -> None:
-        """Re-point the alias (deploy, rollback): one UPDATE, atomic."""
+    def set_current(
+        self, adapter_id: str, version: int, *, action: str = "deploy", actor: str | None = None
+    ) -> int | None:
+        """Re-point the alias (``action``: deploy, rollback, or register for known content): one
+        UPDATE, atomic, with its history and audit rows. Returns where it pointed before."""
+        now = time.time()
         with self._lock, self._transaction():
+            before, owner = self._alias(adapter_id)
             self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (version, adapter_id))
+            audit.record_move(self._db, now, adapter_id, DEFAULT_CHANNEL, before, version, action, actor)
+            audit.append(
+                self._db,
+                now,
+                actor,
+                action,
+                adapter_id,
+                tenant=owner,
+                before={"current": before},
+                after={"current": version},
+            )
+        return before
 
-    def set_pinned(self, adapter_id: str, version: int, pinned: bool) -> None:
-        """Record whether version ``adapter_id@version`` is pinned resident: one UPDATE."""
+    def set_channel(
+        self, adapter_id: str, channel: str, version: int | None, *, action: str, actor: str | None
+    ) -> int | None:
+        """Point ``adapter_id``'s channel ``channel`` at ``version`` (None: remove the channel),
+        with its history and audit rows. Returns where it pointed before."""
+        now = time.time()
+        with self._lock, self._transaction():
+            _, owner = self._alias(adapter_id)
+            row = self._db.execute(
+                "SELECT version FROM channels WHERE id = ? AND name = ?", (adapter_id, channel)
+            ).fetchone()
+            before = row[0] if row is not None else None
+            if version is None:
+                self._db.execute("DELETE FROM channels WHERE id = ? AND name = ?", (adapter_id, channel))
+            else:
+                self._db.execute(
+                    "INSERT INTO channels (id, name, version) VALUES (?, ?, ?) "
+                    "ON CONFLICT (id, name) DO UPDATE SET version = excluded.version",
+                    (adapter_id, channel, version),
+                )
+            audit.record_move(self._db, now, adapter_id, channel, before, version, action, actor)
+            audit.append(
+                self._db,
+                now,
+                actor,
+                action,
+                adapter_id,
+                tenant=owner,
+                before={"channel": channel, "version": before},
+                after={"channel": channel, "version": version},
+            )
+        return before
+
+    def set_pinned(
+        self, adapter_id: str, version: int, pinned: bool, *, actor: str | None = None, outcome: str = audit.OK
+    ) -> None:
+        """Record whether version ``adapter_id@version`` is pinned resident: one UPDATE, audited."""
         with self._lock, self._transaction():
             self._db.execute(
                 "UPDATE versions SET pinned = ? WHERE id = ? AND version = ?", (int(pinned), adapter_id, version)
             )
+            audit.append(
+                self._db,
+                time.time(),
+                actor,
+                "pin" if pinned else "unpin",
+                adapter_id,
+                tenant=self._alias(adapter_id)[1],
+                after={"version": version, "pinned": pinned},
+                outcome=outcome,
+            )
+
+    def record(
+        self,
+        action: str,
+        adapter_id: str | None,
+        *,
+        actor: str | None,
+        tenant: str | None = None,
+        before: dict | None = None,
+        after: dict | None = None,
+        outcome: str = audit.OK,
+    ) -> None:
+        """Append an audit row for an action that changes nothing stored here (load, unload,
+        tenants reload), in a transaction of its own."""
+        with self._lock, self._transaction():
+            audit.append(
+                self._db,
+                time.time(),
+                actor,
+                action,
+                adapter_id,
+                tenant=tenant,
+                before=before,
+                after=after,
+                outcome=outcome,
+            )
+
+    def _alias(self, adapter_id: str) -> tuple[int | None, str | None]:
+        """``adapter_id``'s current version and owner (inside a transaction)."""
+        row = self._db.execute("SELECT current, owner FROM adapters WHERE id = ?", (adapter_id,)).fetchone()
+        return (row[0], row[1]) if row is not None else (None, None)
 
     def set_projected_costs(self, costs: dict[tuple[str, int], float]) -> None:
         """Record versions' projected costs ((id, version) -> %), all in one transaction: those
@@ -258,13 +391,35 @@ class Registry:
                 [(pct, adapter_id, version) for (adapter_id, version), pct in costs.items()],
             )
 
-    def delete_version(self, adapter_id: str, version: int, new_current: int | None) -> None:
-        """Remove one version; the alias moves to ``new_current`` (None: no version left)."""
+    def delete_version(
+        self, adapter_id: str, version: int, new_current: int | None, *, actor: str | None = None
+    ) -> None:
+        """Remove one version, and the channels pointing at it; the alias moves to
+        ``new_current`` (None: no version left)."""
+        now = time.time()
         with self._lock, self._transaction():
+            before, owner = self._alias(adapter_id)
+            channels = self._db.execute(
+                "SELECT name FROM channels WHERE id = ? AND version = ?", (adapter_id, version)
+            ).fetchall()
             self._db.execute("DELETE FROM versions WHERE id = ? AND version = ?", (adapter_id, version))
+            self._db.execute("DELETE FROM channels WHERE id = ? AND version = ?", (adapter_id, version))
             self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (new_current, adapter_id))
             if new_current is None:  # the id is free for any tenant again; its numbers stay used
                 self._db.execute("UPDATE adapters SET owner = NULL WHERE id = ?", (adapter_id,))
+            audit.record_move(self._db, now, adapter_id, DEFAULT_CHANNEL, before, new_current, "delete", actor)
+            for (name,) in channels:
+                audit.record_move(self._db, now, adapter_id, name, version, None, "delete", actor)
+            audit.append(
+                self._db,
+                now,
+                actor,
+                "delete",
+                adapter_id,
+                tenant=owner,
+                before={"version": version, "current": before},
+                after={"current": new_current},
+            )
 
     def close(self) -> None:
         with self._lock:
