@@ -168,7 +168,8 @@ def record_move(
 
 def entries(db: sqlite3.Connection, query: AuditQuery) -> list[AuditEntry]:
     """The rows ``query`` selects, newest first."""
-    where, args = [], []
+    where: list[str] = []
+    args: list[str | float | int] = []
     for column, value in (("adapter", query.adapter), ("action", query.action), ("actor", query.actor)):
         if value is not None:
             where.append(f"{column} = ?")

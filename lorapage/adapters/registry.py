@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.adapters import audit
-from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
+from lorapage.adapters.audit import DEFAULT_CHANNEL, OK, AliasMove, AuditEntry, AuditQuery
 from lorapage.errors import AdapterNotFoundError, ConflictError
 
 SCHEMA_VERSION = 4
@@ -333,7 +333,7 @@ class Registry:
         return before
 
     def set_pinned(
-        self, adapter_id: str, version: int, pinned: bool, *, actor: str | None = None, outcome: str = audit.OK
+        self, adapter_id: str, version: int, pinned: bool, *, actor: str | None = None, outcome: str = OK
     ) -> None:
         """Record whether version ``adapter_id@version`` is pinned resident: one UPDATE, audited."""
         with self._lock, self._transaction():
@@ -360,7 +360,7 @@ class Registry:
         tenant: str | None = None,
         before: dict | None = None,
         after: dict | None = None,
-        outcome: str = audit.OK,
+        outcome: str = OK,
     ) -> None:
         """Append an audit row for an action that changes nothing stored here (load, unload,
         tenants reload), in a transaction of its own."""

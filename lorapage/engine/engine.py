@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lorapage.adapters.audit import DEFAULT_CHANNEL, AuditEntry, AuditQuery
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.catalog import (
     REGISTRATION_TIMEOUT_S,
@@ -35,7 +36,7 @@ from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.prefetch import PREFETCH_COUNTS
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
+from lorapage.adapters.registry import REGISTRY_FILE, Registry, parse_name
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.sources import (
     ANYWHERE,
@@ -389,12 +390,13 @@ class Engine:
         expected_base_digest: str | None = None,
         activate: bool = True,
         timeout_s: float = REGISTRATION_TIMEOUT_S,
+        actor: str | None = None,
     ) -> AdapterInfo:
         """:meth:`add_adapter` without holding the event loop, from a directory or a source URI
         (``file://``, ``https://``, ``s3://``, ``hf://``; see :mod:`lorapage.adapters.sources`):
         fetched and verified against ``sha256`` when given, read and checked in a worker thread
-        (refused past ``timeout_s``), and committed before this returns. Content equal to an
-        existing version of ``name`` returns that version (``created`` False)."""
+        (refused past ``timeout_s``), and committed (audited as ``actor``'s) before this returns.
+        Content equal to an existing version of ``name`` returns that version (``created`` False)."""
         self._check_open()
         src = await self._source(source, sha256, owner)
         async with self.sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
@@ -407,6 +409,7 @@ class Engine:
                 expected_base_digest=expected_base_digest,
                 activate=activate,
                 timeout_s=timeout_s,
+                actor=actor,
             )
         return dataclasses.replace(self.adapter_info(version.key), created=created)
 
@@ -467,16 +470,41 @@ class Engine:
         """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
         return self.catalog.resolve(name)
 
-    async def set_adapter_version(self, adapter_id: str, version: int) -> AdapterInfo:
-        """Point ``adapter_id`` at ``version`` (deploy, rollback); requests in flight finish on
-        the version they started with."""
-        info = await self.catalog.set_current(adapter_id, version)
+    async def set_adapter_version(
+        self, adapter_id: str, version: int, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
+    ) -> AdapterInfo:
+        """Point ``adapter_id`` (or its named ``channel``: ``id@channel``) at ``version`` (a
+        deploy); requests in flight finish on the version they started with."""
+        info = await self.catalog.set_current(adapter_id, version, channel=channel, actor=actor)
         return self.adapter_info(info.key)
 
-    def remove_adapter(self, name: str) -> None:
+    async def rollback_adapter(
+        self, adapter_id: str, version: int | None = None, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
+    ) -> AdapterInfo:
+        """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the
+        version it served before its last deploy (:meth:`AdapterCatalog.rollback`)."""
+        info = await self.catalog.rollback(adapter_id, version, channel=channel, actor=actor)
+        return self.adapter_info(info.key)
+
+    def remove_adapter(self, name: str, *, actor: str | None = None) -> None:
         """Remove version ``id@N``, or every version of ``id``; refused (409) while any of them
         has requests queued or running, and then nothing is removed."""
-        self.catalog.remove(name)
+        self.catalog.remove(name, actor=actor)
+
+    async def audit(self, query: AuditQuery) -> list[AuditEntry]:
+        """The registry's audit rows ``query`` selects, newest first (read in a worker thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, self.registry.audit, query)
+
+    async def record_admin(
+        self, action: str, adapter_id: str | None, *, actor: str | None, after: dict | None = None, outcome: str = "ok"
+    ) -> None:
+        """Audit an admin action that changes nothing in the registry (load, unload, a tenants
+        reload), committed in a worker thread."""
+        owner = self.catalog.owner(adapter_id) if adapter_id is not None else None
+        await asyncio.get_running_loop().run_in_executor(
+            self._io,
+            lambda: self.registry.record(action, adapter_id, actor=actor, tenant=owner, after=after, outcome=outcome),
+        )
 
     def adapter_info(self, name: str) -> AdapterInfo:
         """What ``name`` (``id`` or ``id@N``) is served by now."""
@@ -499,20 +527,26 @@ class Engine:
         """The versions the aliases point at, one per id."""
         return [self.adapter_info(v.key) for v in self.catalog.versions() if v.current and v.servable]
 
-    async def load_adapter(self, name: str) -> None:
-        """Make ``name`` resident in the pool now (pre-warm)."""
+    async def load_adapter(self, name: str, *, actor: str | None = None) -> None:
+        """Make ``name`` resident in the pool now (pre-warm); audited once it is."""
         self._check_open()
         self.step_loop.bind()
-        await self.adapters.wait_resident(self.catalog.resolve(name))
+        key = self.catalog.resolve(name)
+        await self.adapters.wait_resident(key)
+        await self.record_admin("load", parse_name(key)[0], actor=actor, after={"version": parse_name(key)[1]})
 
-    async def unload_adapter(self, name: str) -> bool:
-        """Drop ``name`` from the pool (its host-RAM copy stays). Refused while it is running or
-        pinned."""
+    async def unload_adapter(self, name: str, *, actor: str | None = None) -> bool:
+        """Drop ``name`` from the pool (its host-RAM copy stays), audited when it was resident.
+        Refused while it is running or pinned."""
         self._check_open()
         self.step_loop.bind()
-        return self.adapters.unload(self.catalog.resolve(name))
+        key = self.catalog.resolve(name)
+        dropped = self.adapters.unload(key)
+        if dropped:
+            await self.record_admin("unload", parse_name(key)[0], actor=actor, after={"version": parse_name(key)[1]})
+        return dropped
 
-    async def pin_adapter(self, name: str) -> AdapterInfo:
+    async def pin_adapter(self, name: str, *, actor: str | None = None) -> AdapterInfo:
         """Pin the version ``name`` names (``id``: its current one, or ``id@N``) resident: it is
         loaded now, never evicted nor made to yield, and pinned again after a restart. The pin is
         on the version: after a deploy, pin the new one. Refused (409 ``PinLimitError``, with the
@@ -521,20 +555,22 @@ class Engine:
         self._check_open()
         key = self.catalog.resolve(name)
         self.step_loop.bind()
-        await self.catalog.set_pinned(key, True)
+        await self.catalog.set_pinned(key, True, actor=actor)
         try:
             await self.adapters.wait_resident(key)
-        except LorapageError:
+        except LorapageError as exc:
             if key in self.adapters.entries:
-                await self.catalog.set_pinned(key, False)
+                await self.catalog.set_pinned(
+                    key, False, actor=actor, outcome=f"pin undone: its load failed ({exc.code})"
+                )
             raise
         return self.adapter_info(key)
 
-    async def unpin_adapter(self, name: str) -> AdapterInfo:
+    async def unpin_adapter(self, name: str, *, actor: str | None = None) -> AdapterInfo:
         """Undo :meth:`pin_adapter`: the version stays resident, evictable by value again."""
         self._check_open()
         key = self.catalog.resolve(name)
-        await self.catalog.set_pinned(key, False)
+        await self.catalog.set_pinned(key, False, actor=actor)
         return self.adapter_info(key)
 
     async def restore_pins(self) -> list[str]:

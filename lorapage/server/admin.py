@@ -77,6 +77,11 @@ class AdminRoutes:
         state.access.require_admin(request)
         return state
 
+    def _admin(self, request: web.Request):
+        """The server state and the admin key's id (the actor audit rows name)."""
+        state = request.app[self.key]
+        return state, state.access.admin_actor(request)
+
     def _describe(self, state, name: str) -> AdapterOut:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
         info = state.engine.adapter_info(name)
@@ -105,12 +110,12 @@ class AdminRoutes:
 
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
-        state = self._state(request)
+        state, actor = self._admin(request)
         reg = registration(await read_admin_body(request), state.engine.base_name, state.access)
-        info = await self._register(state, reg)
+        info = await self._register(state, reg, actor)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
-    async def _register(self, state, reg: Registration) -> AdapterInfo:
+    async def _register(self, state, reg: Registration, actor: str) -> AdapterInfo:
         with source_errors(reg):
             source = await checked_source(reg, state.engine.adapter_roots, state.access)
             info = await state.engine.register_adapter(
@@ -120,6 +125,7 @@ class AdminRoutes:
                 sha256=reg.sha256,
                 expected_base_digest=reg.expected_base_digest,
                 activate=reg.activate,
+                actor=actor,
             )
         if reg.owner is not None:
             state.access.set_owner(reg.id, reg.owner)
@@ -127,18 +133,18 @@ class AdminRoutes:
 
     async def load_lora(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.server.lora_admin`)."""
-        state = self._state(request)
+        state, actor = self._admin(request)
         body = await read_admin_body(request)
         reg = lora_registration(body, state.engine.base_name, state.access, state.engine.catalog.ids())
-        await self._register(state, reg)
+        await self._register(state, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
     async def unload_lora(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /v1/unload_lora_adapter``: a delete that drains (every version of the id)."""
-        state = self._state(request)
+        state, actor = self._admin(request)
         name = lora_unload_name(await read_admin_body(request))
         with lora_not_found(name):
-            await self._delete(state, name, {"drain": "true"})
+            await self._delete(state, name, {"drain": "true"}, actor)
         return web.Response(text=lora_success_text(name, "removed"))
 
     async def list(self, request: web.Request) -> web.Response:
@@ -175,29 +181,54 @@ class AdminRoutes:
         return _json({"object": "list", "data": data})
 
     async def set_current(self, request: web.Request) -> web.Response:
-        """Deploy or roll back: point the id at another version, atomically. Requests in flight
-        finish on the version they started with; new ones get this one."""
-        state = self._state(request)
+        """Deploy (or roll back to a version named): point the id at another version, atomically.
+        Requests in flight finish on the version they started with; new ones get this one."""
+        state, actor = self._admin(request)
         adapter_id = request.match_info["id"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        if "@" in adapter_id or adapter_id not in state.engine.catalog.ids():
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-        info = await state.engine.set_adapter_version(adapter_id, req.version)
+        info = await state.engine.set_adapter_version(_known_id(state, adapter_id), req.version, actor=actor)
         return _json(self._describe(state, info.name))
+
+    async def rollback(self, request: web.Request) -> web.Response:
+        """Roll back in one call: with no body (or no ``version``) to the version the alias (or
+        ``channel``) served before its last deploy; again, one deploy further back."""
+        state, actor = self._admin(request)
+        adapter_id = _known_id(state, request.match_info["id"])
+        body = await read_admin_body(request)
+        req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
+        info = await state.engine.rollback_adapter(adapter_id, req.version, channel=req.channel or "", actor=actor)
+        name = f"{adapter_id}@{req.channel}" if req.channel else info.name
+        return _json(self._describe(state, name))
+
+    async def set_channel(self, request: web.Request) -> web.Response:
+        """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy
+        of that channel alone; the id's own alias stays where it is."""
+        state, actor = self._admin(request)
+        adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
+        req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
+        await state.engine.set_adapter_version(adapter_id, req.version, channel=channel, actor=actor)
+        return _json(self._describe(state, f"{adapter_id}@{channel}"))
+
+    async def delete_channel(self, request: web.Request) -> web.Response:
+        """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
+        state, actor = self._admin(request)
+        adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
+        await state.engine.catalog.remove_channel(adapter_id, channel, actor=actor)
+        return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
         """Delete ``id@N`` (one version) or ``id`` (every version). Refused (409) while requests
         run, or with ``?drain=true`` hidden from new requests until the running ones end."""
-        state = self._state(request)
+        state, actor = self._admin(request)
         name = request.match_info["id"]
-        running = await self._delete(state, name, request.query)
+        running = await self._delete(state, name, request.query, actor)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(self, state, name: str, query: Mapping[str, str]) -> int:
+    async def _delete(self, state, name: str, query: Mapping[str, str], actor: str) -> int:
         keys = state.engine.catalog.removable(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
-            state.engine.remove_adapter(name)  # 409 from the engine if it still holds requests
+            state.engine.remove_adapter(name, actor=actor)  # 409 from the engine if it still holds requests
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
@@ -206,29 +237,29 @@ class AdminRoutes:
         return running
 
     async def load(self, request: web.Request) -> web.Response:
-        state = self._state(request)
+        state, actor = self._admin(request)
         adapter = request.match_info["id"]
-        await state.engine.load_adapter(adapter)
+        await state.engine.load_adapter(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def unload(self, request: web.Request) -> web.Response:
-        state = self._state(request)
+        state, actor = self._admin(request)
         adapter = request.match_info["id"]
-        await state.engine.unload_adapter(adapter)
+        await state.engine.unload_adapter(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def pin(self, request: web.Request) -> web.Response:
         """Pin a version resident (``id``: its current one, or ``id@N``): loaded now, never
         evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
         pins would pass ``--max-pinned-fraction`` of the pool."""
-        state = self._state(request)
-        info = await state.engine.pin_adapter(request.match_info["id"])
+        state, actor = self._admin(request)
+        info = await state.engine.pin_adapter(request.match_info["id"], actor=actor)
         return _json(self._describe(state, info.name))
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Undo a pin: the version stays resident, evictable again."""
-        state = self._state(request)
-        info = await state.engine.unpin_adapter(request.match_info["id"])
+        state, actor = self._admin(request)
+        info = await state.engine.unpin_adapter(request.match_info["id"], actor=actor)
         return _json(self._describe(state, info.name))
 
     async def internal_state(self, request: web.Request) -> web.Response:
@@ -240,6 +271,13 @@ class AdminRoutes:
             "closing": state.closing,
         }
         return _json({"engine": state.engine.stats(), "server": server})
+
+
+def _known_id(state, adapter_id: str) -> str:
+    """``adapter_id`` when it is an id with versions (404 for a version's or a channel's name)."""
+    if "@" in adapter_id or adapter_id not in state.engine.catalog.ids():
+        raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+    return adapter_id
 
 
 def _drain_timeout(raw: str) -> float:
@@ -318,6 +356,9 @@ def add_admin_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_delete("/v1/adapters/{id}", routes.delete)
     app.router.add_get("/v1/adapters/{id}/versions", routes.versions)
     app.router.add_put("/v1/adapters/{id}/current", routes.set_current)
+    app.router.add_post("/v1/adapters/{id}/rollback", routes.rollback)
+    app.router.add_put("/v1/adapters/{id}/channels/{channel}", routes.set_channel)
+    app.router.add_delete("/v1/adapters/{id}/channels/{channel}", routes.delete_channel)
     app.router.add_put("/v1/adapters/{id}/pin", routes.pin)
     app.router.add_delete("/v1/adapters/{id}/pin", routes.unpin)
     app.router.add_post("/internal/adapters/{id}/load", routes.load)

@@ -34,6 +34,7 @@ from lorapage.errors import (
 from lorapage.server import protocol
 from lorapage.server.access_log import JOB, AccessLog, access_log_middleware
 from lorapage.server.admin import add_admin_routes
+from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.error_json import Handler, error_middleware
@@ -96,6 +97,7 @@ class ServerState:
         self.request_ids: set[str] = set()  # the engine's ids of the requests in flight
         self.draining: set[str] = set()  # adapter versions (id@N) being deleted: invisible to new requests
         self.closing = False
+        self.background: set[asyncio.Task] = set()  # audit writes started by a signal
         self.idle = asyncio.Event()
         self.idle.set()
         self.card = BaseCard(engine.base_name, engine.max_model_len, self.started)
@@ -105,6 +107,20 @@ class ServerState:
             serving=self._serving_ids,
             key=lambda: (engine.catalog.generation, frozenset(self.draining)),
         )
+
+    def audit_later(self, action: str, *, after: dict | None = None, outcome: str = "ok") -> None:
+        """Audit an action taken on a signal (``sighup``), committed off the loop; a failure to
+        write it is logged, never raised into the signal handler."""
+
+        async def record() -> None:
+            try:
+                await self.engine.record_admin(action, None, actor="sighup", after=after, outcome=outcome)
+            except Exception:
+                log.exception("the audit row of %s was not written", action)
+
+        task = asyncio.get_running_loop().create_task(record())
+        self.background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self.background.discard)
 
     def _serving_ids(self) -> list[str]:
         catalog = self.engine.catalog
@@ -202,11 +218,13 @@ def reload_tenants(app: web.Application, path: str) -> None:
         config = TenantsConfig.load(path)
     except (OSError, TenantsConfigError) as exc:
         log.error("tenants file not reloaded, keeping the old one: %s", exc)
+        state.audit_later("tenants_reload", outcome=f"refused: the file did not load ({type(exc).__name__})")
         return
     state.access.tenants = config
     state.quotas.reload(config, now=time.monotonic())
     state.engine.set_tenant_weights(config.weights())
     log.info("tenants file reloaded: %d tenants", len(config.tenants))
+    state.audit_later("tenants_reload", after={"tenants": sorted(config.tenants)})
 
 
 def check_length(request: web.Request) -> None:
@@ -378,6 +396,7 @@ def create_app(
     add_admin_routes(app, STATE)
     add_extra_routes(app, STATE)
     add_usage_route(app, STATE)
+    add_audit_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)

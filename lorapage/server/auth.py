@@ -21,7 +21,7 @@ from types import MappingProxyType
 from aiohttp import web
 
 from lorapage.errors import AuthenticationError, PermissionDeniedError
-from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, hash_key
+from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, hash_key, key_id
 
 
 def bearer_key(request: web.Request) -> str | None:
@@ -102,6 +102,14 @@ class Access:
         if self.tenants.is_admin(key):
             return
         self._refuse_known(key, "this route needs the admin key")
+
+    def admin_actor(self, request: web.Request) -> str:
+        """:meth:`require_admin`, then the key's id (:func:`~lorapage.server.tenants.key_id`),
+        which audit rows name as the actor."""
+        self.require_admin(request)
+        key = bearer_key(request)
+        assert key is not None
+        return key_id(key)
 
     def require_metrics(self, request: web.Request) -> None:
         """``/metrics`` names every tenant: it takes the admin key or a ``[metrics]`` key."""

@@ -132,6 +132,14 @@ class AdapterAliasRequest(msgspec.Struct, forbid_unknown_fields=True):
     version: int
 
 
+class RollbackRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A rollback: to ``version``, or (None) to the version before the last deploy; of the id's
+    own alias, or of its named ``channel``."""
+
+    version: int | None = None
+    channel: str | None = None
+
+
 def _is(value: Any, *defaults: Any) -> bool:
     """``value`` is one of ``defaults``, with types compared too (so ``1`` is not ``True``)."""
     return any(type(value) is type(d) and value == d for d in defaults)

@@ -80,6 +80,11 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+def key_id(key: str) -> str:
+    """A key's stable short id for audit rows and logs: the first 12 hex of its sha256, never the key."""
+    return hash_key(key)[:12]
+
+
 def _matches(digests: tuple[str, ...], key: str) -> bool:
     """Whether ``key`` hashes to one of ``digests``; every digest is compared (no early exit)."""
     digest = hash_key(key)

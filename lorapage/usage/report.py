@@ -23,19 +23,28 @@ def hour_iso(hour: int) -> str:
 
 def parse_since(text: str) -> int:
     """``since`` as an hour since the epoch: Unix seconds, or an ISO time (UTC unless it says)."""
+    return int(parse_instant(text) // HOUR_S)
+
+
+def parse_instant(text: str, param: str = "since") -> float:
+    """A query's time as Unix seconds: Unix seconds, or an ISO time (UTC unless it says)."""
     try:
-        return int(float(text) // HOUR_S)
+        seconds = float(text)
     except ValueError:
-        pass
+        seconds = None
+    if seconds is not None:
+        if not 0 <= seconds < 1e11:  # NaN, infinities and negatives name no time
+            raise InvalidRequestError(f"{param}={text!r}: Unix seconds must be between 0 and 1e11", param=param)
+        return seconds
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise InvalidRequestError(
-            f"since={text!r} is neither Unix seconds nor an ISO time (2026-12-03T12:00:00Z)", param="since"
+            f"{param}={text[:64]!r} is neither Unix seconds nor an ISO time (2026-12-03T12:00:00Z)", param=param
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return int(when.timestamp() // HOUR_S)
+    return when.timestamp()
 
 
 def parse_format(text: str | None) -> str:

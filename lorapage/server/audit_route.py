@@ -1,0 +1,161 @@
+"""``GET /v1/audit`` and ``GET /v1/adapters/{id}/history``: the registry's audit trail and an id's
+alias moves (issue 31; the rows are :mod:`lorapage.adapters.audit`'s).
+
+``/v1/audit`` takes the admin key only (a tenant key is 403). Query filters, each optional:
+``adapter`` (an id), ``action`` (one of :data:`~lorapage.adapters.audit.ACTIONS`), ``actor`` (a
+key id: the first 12 hex of the key's sha256, or ``sighup``), ``since`` (Unix seconds or an ISO
+time), ``before_id`` (rows older than that id: the next page), ``limit`` (1 to 1000, default 100);
+newest first. A bad filter, or one lorapage does not know, is a 400 naming it.
+
+``/v1/adapters/{id}/history`` takes the admin key or the key of the tenant owning the id (any
+other tenant gets the 404 of an id that does not exist): the alias's and the named channels'
+moves, newest first, each with the version before and after; the admin also sees who moved it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from lorapage.adapters.audit import ACTIONS, DEFAULT_LIMIT, MAX_LIMIT, AliasMove, AuditEntry, AuditQuery
+from lorapage.errors import AdapterNotFoundError, InvalidRequestError
+from lorapage.server.auth import bearer_key
+from lorapage.usage.report import parse_instant
+
+AUDIT_FILTERS = ("adapter", "action", "actor", "since", "before_id", "limit")
+_ACTOR = re.compile(r"[0-9a-f]{12}|sighup")
+_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def audit_query(query: Mapping[str, str]) -> AuditQuery:
+    """``GET /v1/audit``'s query string checked into an :class:`AuditQuery` (400 naming the bad filter)."""
+    unknown = sorted(set(query) - set(AUDIT_FILTERS))
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown filter {unknown[0][:40]!r}; /v1/audit filters by {', '.join(AUDIT_FILTERS)}",
+            param=unknown[0][:40],
+        )
+    adapter, action, actor = query.get("adapter"), query.get("action"), query.get("actor")
+    if adapter is not None and not _ID.fullmatch(adapter):
+        raise InvalidRequestError(
+            f"adapter={adapter[:64]!r}: name an adapter id (1-128 letters, digits, '.', '_', '-'), not a version",
+            param="adapter",
+        )
+    if action is not None and action not in ACTIONS:
+        raise InvalidRequestError(f"action={action[:40]!r}: one of {', '.join(ACTIONS)}", param="action")
+    if actor is not None and not _ACTOR.fullmatch(actor):
+        raise InvalidRequestError(
+            f"actor={actor[:40]!r}: a key id (the first 12 hex of sha256(key)) or 'sighup'", param="actor"
+        )
+    return AuditQuery(
+        adapter=adapter,
+        action=action,
+        actor=actor,
+        since=parse_instant(query["since"]) if "since" in query else None,
+        before_seq=_bounded_int(query, "before_id", 1, 2**62, None),
+        limit=_bounded_int(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT),
+    )
+
+
+def history_limit(query: Mapping[str, str]) -> int:
+    """``limit`` of a history request (1 to 1000, default 100)."""
+    return _bounded_int(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT)
+
+
+def _bounded_int(query: Mapping[str, str], name: str, low: int, high: int, default: Any) -> Any:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19 and low <= int(raw) <= high):
+        raise InvalidRequestError(f"{name}={raw[:40]!r}: an integer from {low} to {high}", param=name)
+    return int(raw)
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def entry_json(entry: AuditEntry) -> dict[str, Any]:
+    """One audit row as ``/v1/audit`` answers it."""
+    return {
+        "id": entry.seq,
+        "object": "audit.entry",
+        "time": _iso(entry.time),
+        "created": entry.time,
+        "actor": entry.actor,
+        "tenant": entry.tenant,
+        "action": entry.action,
+        "adapter": entry.adapter,
+        "before": None if entry.before is None else json.loads(entry.before),
+        "after": None if entry.after is None else json.loads(entry.after),
+        "outcome": entry.outcome,
+    }
+
+
+def move_json(move: AliasMove, *, with_actor: bool) -> dict[str, Any]:
+    """One alias move as ``/v1/adapters/{id}/history`` answers it (the actor to the admin only)."""
+    out: dict[str, Any] = {
+        "id": move.seq,
+        "object": "adapter.alias_move",
+        "time": _iso(move.time),
+        "created": move.time,
+        "alias": f"{move.adapter_id}@{move.channel}" if move.channel else move.adapter_id,
+        "channel": move.channel or None,
+        "from_version": move.before,
+        "to_version": move.after,
+        "action": move.action,
+    }
+    if with_actor:
+        out["actor"] = move.actor
+    return out
+
+
+def _json(body: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
+    """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history`` over the engine's registry."""
+
+    async def audit(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        state.access.require_admin(request)
+        query = audit_query(request.query)
+        rows = await state.engine.audit(dataclasses.replace(query, limit=query.limit + 1))  # one more: has_more
+        data = [entry_json(e) for e in rows[: query.limit]]
+        return _json({"object": "list", "data": data, "has_more": len(rows) > query.limit})
+
+    async def history(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        adapter_id = request.match_info["id"]
+        key = bearer_key(request)
+        admin = key is not None and state.access.tenants.is_admin(key)
+        if not admin:
+            tenant = state.access.tenant_for(request)  # 401 without a valid key
+            if state.access.owners.get(adapter_id) != tenant:
+                raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
+        limit = history_limit(request.query)
+        catalog = state.engine.catalog
+        if adapter_id not in catalog.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        moves = await catalog.history(adapter_id, limit + 1)
+        return _json(
+            {
+                "object": "list",
+                "adapter_id": adapter_id,
+                "current": next((v.version for v in catalog.versions(adapter_id) if v.current), None),
+                "channels": catalog.channels(adapter_id),
+                "data": [move_json(m, with_actor=admin) for m in moves[:limit]],
+                "has_more": len(moves) > limit,
+            }
+        )
+
+    app.router.add_get("/v1/audit", audit)
+    app.router.add_get("/v1/adapters/{id}/history", history)
