@@ -1,5 +1,8 @@
-"""Admin routes: register adapter versions, deploy and roll back, inspect and delete them,
-pre-warm or drop them, read engine state; vLLM's load and unload routes over the same operations.
+"""Admin routes: register adapter versions, deploy and roll back (in one call: back through the
+alias history), move named channels, inspect and delete them, pre-warm or drop them, read engine
+state; vLLM's load and unload routes over the same operations. Each change is audited in the
+registry as the admin key's id (:mod:`lorapage.adapters.audit`); the trail and the alias history
+are read by :mod:`lorapage.server.audit_route`.
 
 All of them take the admin key only, and a body of at most :data:`ADMIN_MAX_BODY_BYTES` (read
 as it streams: nothing past the limit is read). What a registration may read, and from where, is
