@@ -139,6 +139,7 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
         admin = key is not None and state.access.tenants.is_admin(key)
         if not admin:
             tenant = state.access.tenant_for(request)  # 401 without a valid key
+            state.release(state.admit(tenant))  # one of its requests per minute, as /v1/models takes
             if state.access.owners.get(adapter_id) != tenant:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
