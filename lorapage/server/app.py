@@ -118,7 +118,12 @@ class ServerState:
             except Exception:
                 log.exception("the audit row of %s was not written", action)
 
-        task = asyncio.get_running_loop().create_task(record())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called with no loop running (a script): the write needs the engine's loop
+            log.warning("%s not audited: no event loop is running", action)
+            return
+        task = loop.create_task(record())
         self.background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self.background.discard)
 
