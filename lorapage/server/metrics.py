@@ -97,6 +97,7 @@ _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
     ("admitted_prompt_tokens", "Prompt tokens of admitted requests.", lambda t: t.admitted_prompt_tokens),
     ("served_input_tokens", "Prompt tokens prefilled (recomputes included).", lambda t: t.served_input_tokens),
     ("served_output_tokens", "Tokens generated.", lambda t: t.served_output_tokens),
+    ("preemptions", "Times a running request was preempted (its KV freed, to recompute).", lambda t: t.preemptions),
 )
 _REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ...] = (
     (
