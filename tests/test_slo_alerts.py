@@ -18,8 +18,6 @@ from test_server_cli import _start as start_serve
 
 from lorapage.server import hash_key
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
-
 ROOT = Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "lorapage.json"
@@ -78,6 +76,17 @@ async def _complete(session: aiohttp.ClientSession, url: str, tenant: str, model
     async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
         await resp.read()
         return resp.status
+
+
+def test_every_rule_and_panel_is_valid_promql():
+    promql = pytest.importorskip("promql_parser")
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    for rule in rules:
+        assert {"alert", "expr", "labels", "annotations"} <= rule.keys()
+        assert rule["labels"]["severity"] in {"page", "ticket"}
+    dashboard = [e.replace("$__rate_interval", "5m").replace("$tenant", ".*") for e in dashboard_expressions()]
+    for expr in [r["expr"] for r in rules] + [e for e in dashboard if not e.startswith("label_values(")]:
+        promql.parse(expr)  # raises on a syntax or type error (rate() of a vector, a dangling operator)
 
 
 async def test_alert_and_dashboard_series_exist_and_the_flooded_tenant_burns(tmp_path):
