@@ -133,10 +133,10 @@ class SloWindow:
             del self._buckets[index]
 
     def add(self, now: float, judged: Mapping[str, bool], good: bool, failed: bool) -> None:
-        self._prune(now)
         index = self._index(now)
         tally = self._buckets.get(index)
-        if tally is None:
+        if tally is None:  # a new bucket: the oldest may have left the window
+            self._prune(now)
             tally = self._buckets[index] = Tally()
         tally.add(judged, good, failed)
 
