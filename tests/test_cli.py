@@ -93,4 +93,5 @@ def test_serve_names_a_model_directory_it_cannot_use(tmp_path: Path):
 def test_bad_values_are_one_line(tmp_path: Path):
     one_clear_line(lorapage("serve", "--port", "0", "--access-log", str(tmp_path / "absent" / "log")), "--access-log")
     one_clear_line(lorapage("serve", "--port", "0", "--max-loras", "0"), "max_loras must be >= 1")
+    one_clear_line(lorapage("serve", "--port", "0", "--slo-window", "0"), "--slo-window must be")
     one_clear_line(lorapage("demo", "--max-tokens", "0"), "--max-tokens", "max_tokens")

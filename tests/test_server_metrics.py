@@ -120,6 +120,9 @@ async def test_overload_is_a_rejection_of_its_tenant():
             text = await _scrape(srv)
         assert _series(text, "lorapage_tenant_rejected_requests_total") == {("queue_full", "beta"): 1}
         assert _series(text, "lorapage_tenant_admitted_requests_total") == {("beta",): 0}
+        # A 503 is the server's failure: it counts against the tenant's error ratio (and any error SLO).
+        assert _series(text, "lorapage_tenant_request_errors_total") == {("alpha",): 0, ("beta",): 1, ("gamma",): 0}
+        assert _series(text, "lorapage_tenant_error_ratio") == {("beta",): 1.0}
     finally:
         await engine.close()
 

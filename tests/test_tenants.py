@@ -9,6 +9,7 @@ import pytest
 
 import lorapage.server.tenants as tenants_mod
 from lorapage.server import Access, hash_key
+from lorapage.server.slo import SloTargets
 from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, TenantsConfigError
 
 
@@ -160,11 +161,32 @@ def test_load_from_file(tmp_path):
         ("[tenant.a]\n", r"unknown section"),
         ("tenants = 3\n", r"tenants: expected a table"),
         ("[tenants.a\n", r"not valid TOML"),
+        ("[tenants.a]\nslo_ttft_p95_s = 0\n", r"tenants\.a\.slo_ttft_p95_s: expected a finite number of seconds > 0"),
+        ("[tenants.a]\nslo_itl_p95_s = '0.1'\n", r"tenants\.a\.slo_itl_p95_s: expected a finite number"),
+        ("[tenants.a]\nslo_itl_p95_s = inf\n", r"tenants\.a\.slo_itl_p95_s"),
+        ("[tenants.a]\nslo_error_rate = 1\n", r"tenants\.a\.slo_error_rate: expected a fraction between 0 and 1"),
+        ("[tenants.a]\nslo_error_rate = true\n", r"tenants\.a\.slo_error_rate"),
+        ("[defaults]\nslo_error_rate = 0\n", r"defaults\.slo_error_rate: expected a fraction"),
+        ("[defaults]\nweight = 2\n", r"defaults: unknown field\(s\) \['weight'\]; a default may be set for slo_"),
+        ("defaults = 3\n", r"defaults: expected a table"),
     ],
 )
 def test_errors_name_the_bad_field(body, expected):
     with pytest.raises(TenantsConfigError, match=expected):
         TenantsConfig.from_toml(body)
+
+
+def test_slo_targets_take_the_defaults_a_tenant_does_not_set():
+    config = TenantsConfig.from_toml(
+        "[defaults]\nslo_ttft_p95_s = 5\nslo_error_rate = 0.01\n"
+        "[tenants.a]\nslo_ttft_p95_s = 0.5\nslo_itl_p95_s = 0.05\n"
+        "[tenants.b]\n"
+    )
+    assert config.slo_targets() == {
+        "a": SloTargets(ttft_p95_s=0.5, itl_p95_s=0.05, error_rate=0.01),
+        "b": SloTargets(ttft_p95_s=5.0, itl_p95_s=None, error_rate=0.01),
+    }
+    assert TenantsConfig.from_toml("[tenants.c]\n").get("c").slo == SloTargets()  # none set: none judged
 
 
 def test_a_key_belongs_to_one_tenant():

@@ -762,8 +762,12 @@ class Engine:
             "prefix_cache_hit_rate_by_tenant": {t: _ratio(hits[t], n) for t, n in queried.items()},
             "evictions_per_minute": sum(1 for t in self.residency.evictions if now - t <= 60.0),
             "preemptions": self.scheduler.num_preemptions,
+            "kv_pages_held_by_tenant": _kv_pages_by_tenant(self.scheduler.running, self.scheduler_metrics.tenants),
             "adapter_yields": self.residency.yields,
             "adapters_pinned": len(self.residency.pinned()),
+            # The lists above are not exported on /metrics; their lengths are.
+            "adapters_resident": len(self.adapters.resident()),
+            "adapters_host_ram": len(self.adapters.in_host()),
             "adapter_pinned_pages": self.adapters.pinned_pages(),
             "adapter_pin_limit_pages": self.adapters.pin_limit(),
             **{f"adapter_prefetches_{k}": self.residency.prefetch.counts[k] for k in PREFETCH_COUNTS},
@@ -814,6 +818,15 @@ class Engine:
         behind it, which would add up to a whole step to every cold request's wait."""
         executor = self._copies or self._forward
         await asyncio.get_running_loop().run_in_executor(executor, fn)
+
+
+def _kv_pages_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str, int]:
+    """KV blocks in the block tables of each tenant's running requests (a cached block several
+    share counts for each); every tenant in ``seen`` is reported, at 0 when it holds none."""
+    held = dict.fromkeys(seen, 0)
+    for req in running:
+        held[req.tenant] = held.get(req.tenant, 0) + len(req.block_table)
+    return held
 
 
 def _ratio(part: int, whole: int) -> float:

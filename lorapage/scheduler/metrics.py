@@ -44,6 +44,7 @@ class TenantStats:
     admitted_prompt_tokens: int = 0
     served_input_tokens: int = 0
     served_output_tokens: int = 0
+    preemptions: int = 0  # times its running requests were preempted (to recompute later)
     rejected_requests: Counter[str] = field(default_factory=Counter)  # reason -> requests
     rejected_tokens: Counter[str] = field(default_factory=Counter)  # reason -> prompt + max_tokens
     wait_adapter_s: Histogram = field(default_factory=lambda: Histogram(WAIT_BOUNDS_S))
@@ -78,6 +79,9 @@ class SchedulerMetrics:
         stats.admitted_prompt_tokens += prompt_tokens
         stats.wait_adapter_s.observe(adapter_wait_s)
         stats.wait_capacity_s.observe(capacity_wait_s)
+
+    def record_preempted(self, tenant: str) -> None:
+        self.tenant(tenant).preemptions += 1
 
     def record_served(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
         stats = self.tenant(tenant)
@@ -139,6 +143,7 @@ class MeteredPolicy(Generic[R]):
 
     def preempt(self, req: R, now: float) -> None:
         self.policy.preempt(req, now)
+        self.metrics.record_preempted(req.tenant)
         self._stopped(req)
         self._returning.add(req.request_id)  # its readmission is not a new admission
         self._enqueued_at[req.request_id] = now

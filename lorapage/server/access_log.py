@@ -56,7 +56,7 @@ def record(request: web.Request, status: int, started: float) -> dict[str, Any]:
     }
     job: Any = request.get(JOB)
     if job is not None:
-        first = job.first_token_at
+        ttft = job.ttft_s
         out.update(
             request_id=job.request_id,
             tenant=job.tenant,
@@ -65,7 +65,7 @@ def record(request: web.Request, status: int, started: float) -> dict[str, Any]:
             tier=job.tier,
             prompt_tokens=job.prompt_tokens,
             output_tokens=job.generated,
-            ttft_s=None if first is None else round(first - job.arrival, 6),
+            ttft_s=None if ttft is None else round(ttft, 6),
         )
     return out
 

@@ -45,6 +45,7 @@ from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
 from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
+from lorapage.server.slo import DEFAULT_WINDOW_S, Outcome, SloTracker
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 from lorapage.server.usage_route import add_usage_route
 
@@ -69,6 +70,7 @@ class ServerState:
         max_body_bytes: int,
         shutdown_grace_s: float,
         metrics_public: bool,
+        slo_window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         self.engine = engine
         self.access = access
@@ -81,12 +83,14 @@ class ServerState:
         self.quotas = QuotaManager(access.tenants, now=time.monotonic(), queue_len=engine.config.max_queue_len)
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
         self.loop_lag = LoopLagMonitor()
+        self.slo = SloTracker(access.tenants.slo_targets(), slo_window_s)
         self.metrics = ServerMetrics(
             engine.stats,
             engine.scheduler_metrics,
             vtc_counters(engine.policy),
             loop_lag=self.loop_lag,
             adapters=engine.adapter_metrics,
+            slo=self.slo,
         )
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.max_body_bytes = max_body_bytes
@@ -176,6 +180,14 @@ class ServerState:
         tokens = job.prompt_tokens + job.completion_budget()
         self.engine.scheduler_metrics.record_rejected(job.tenant, tokens, reason)
 
+    def record_slo(self, job: Job, status: int) -> None:
+        """Judge an answered generation request against its tenant's SLOs: a 5xx (or a started
+        stream's 5xx error event) failed it; a 4xx is the client's own and is not judged."""
+        if 400 <= status < 500:
+            return
+        failed = status >= 500 or (job.stream_error or 0) >= 500
+        self.slo.record(job.tenant, Outcome(failed, job.ttft_s, job.mean_itl_s), time.monotonic())
+
     def overload_retry_after(self) -> int:
         return overload_retry_after_s(
             self.engine.stats()["queue_depth"],
@@ -189,7 +201,7 @@ class ServerState:
         """Charge ``job``'s tokens, run it and answer it with ``responder`` (chat and completions'
         shapes by default; ``/v1/responses`` brings its own), counted in flight meanwhile."""
         self.charge(reservation, job)
-        request[JOB] = job  # for the request log
+        request[JOB] = job  # for the request log and the tenant's SLOs
         self.in_flight[job.adapter] += 1
         self.request_ids.add(job.engine_id)
         self.idle.clear()
@@ -227,6 +239,7 @@ def reload_tenants(app: web.Application, path: str) -> None:
         return
     state.access.tenants = config
     state.quotas.reload(config, now=time.monotonic())
+    state.slo.set_targets(config.slo_targets())
     state.engine.set_tenant_weights(config.weights())
     log.info("tenants file reloaded: %d tenants", len(config.tenants))
     state.audit_later("tenants_reload", after={"tenants": sorted(config.tenants)})
@@ -323,11 +336,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count answers by route and status (the route's pattern, so the label set stays small)."""
+    """Count answers by route and status (the route's pattern, so the label set stays small), and
+    judge a generation request's against its tenant's SLOs."""
     response = await handler(request)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    request.app[STATE].metrics.requests.labels(route, str(response.status)).inc()
+    state = request.app[STATE]
+    state.metrics.requests.labels(route, str(response.status)).inc()
+    job = request.get(JOB)
+    if job is not None:
+        state.record_slo(job, response.status)
     return response
 
 
@@ -370,6 +388,7 @@ def create_app(
     metrics_public: bool = False,
     edge: EdgeLimits | None = None,
     access_log: AccessLog | None = None,
+    slo_window_s: float = DEFAULT_WINDOW_S,
 ) -> web.Application:
     """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine.
 
@@ -378,6 +397,7 @@ def create_app(
     registration reads adapter directories only under the engine's ``adapter_roots`` (an engine
     built to read any directory lets HTTP registration read none). ``edge`` bounds connections
     (header timeout, per-address cap) when served by :func:`~lorapage.server.run.start`.
+    ``slo_window_s``: the sliding window of each tenant's goodput and burn-rate gauges.
     """
     middlewares = [count_middleware, error_middleware]
     if access_log is not None:
@@ -390,6 +410,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         shutdown_grace_s=shutdown_grace_s,
         metrics_public=metrics_public,
+        slo_window_s=slo_window_s,
     )
     engine.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
     app.router.add_post("/v1/chat/completions", chat_completions)

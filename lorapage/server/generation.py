@@ -72,6 +72,19 @@ class Job:
     reserve_tokens: int | None = None
     first_token_at: float | None = None  # time.monotonic() of its first token (the request log's TTFT)
     tier: str = "none"  # where its adapter was when it started (x-adapter-tier's value)
+    itl_total_s: float = 0.0  # the inter-token gaps observed, summed (the ITL histogram's observations)
+    itl_tokens: int = 0  # tokens those gaps led to: their mean is the request's ITL
+    stream_error: int | None = None  # status of the error event that ended a started stream
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to first token (None: no token came)."""
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        """Mean gap between its tokens (None: fewer than two)."""
+        return self.itl_total_s / self.itl_tokens if self.itl_tokens else None
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -224,6 +237,9 @@ class Timing:
         first = not self.counts
         if first:
             self.job.first_token_at = now
+        else:
+            self.job.itl_total_s += now - self.last
+            self.job.itl_tokens += new
         self.counts[out.index] = n
         self.job.generated = sum(self.counts.values())
         if self.metrics is None or self.admissions is None:
@@ -534,6 +550,7 @@ async def _events(
         if job.include_usage:
             yield frame(fmt.usage(list(last.values())))
     except LorapageError as exc:
+        job.stream_error = exc.status
         yield frame(error_payload(exc))
     finally:
         await outputs.aclose()

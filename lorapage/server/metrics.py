@@ -13,6 +13,10 @@ Per-adapter series (``lorapage_adapter_*``) come from the engine's
 adapter id (versions aggregate) for the top ``--metrics-top-adapters`` ids by recent traffic
 (default 20), ``other`` for the rest, so a server with thousands of adapters still exports a
 few dozen series per family.
+
+Per-tenant SLO series (``lorapage_tenant_goodput_ratio``, ``lorapage_tenant_slo_*``, the
+tenant's answered, failed and good requests) come from a :class:`~lorapage.server.slo.SloTracker`:
+gauges over its sliding window, counters since start for Prometheus' own windows.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from lorapage.adapters.metrics import COST_BOUNDS_PCT, AdapterMetrics
 from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
 from lorapage.scheduler.metrics import Histogram as SchedHistogram, SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
+from lorapage.server.slo import SloTracker
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -92,6 +97,7 @@ _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
     ("admitted_prompt_tokens", "Prompt tokens of admitted requests.", lambda t: t.admitted_prompt_tokens),
     ("served_input_tokens", "Prompt tokens prefilled (recomputes included).", lambda t: t.served_input_tokens),
     ("served_output_tokens", "Tokens generated.", lambda t: t.served_output_tokens),
+    ("preemptions", "Times a running request was preempted (its KV freed, to recompute).", lambda t: t.preemptions),
 )
 _REJECTED: tuple[tuple[str, str, Callable[[TenantStats], TallyCounter[str]]], ...] = (
     (
@@ -245,6 +251,81 @@ def _cost_families(m: AdapterMetrics):
     yield family
 
 
+class _SloCollector:
+    """Exports an :class:`SloTracker`'s figures as they are when scraped."""
+
+    def __init__(self, tracker: SloTracker) -> None:
+        self._tracker = tracker
+
+    def collect(self):
+        report = list(self._tracker.report(time.monotonic()))
+        window = f"over the last {self._tracker.window_s:g} s"
+        gauges = {
+            "goodput": GaugeMetricFamily(
+                "lorapage_tenant_goodput_ratio",
+                f"Answered requests that did not fail and met every latency SLO of their tenant, {window}.",
+                labels=("tenant",),
+            ),
+            "errors": GaugeMetricFamily(
+                "lorapage_tenant_error_ratio", f"Answered requests that failed (5xx), {window}.", labels=("tenant",)
+            ),
+            "burn": GaugeMetricFamily(
+                "lorapage_tenant_slo_burn_rate",
+                f"Bad fraction over the SLO's allowed fraction, {window} (1: the budget spent as fast as allowed).",
+                labels=("tenant", "slo"),
+            ),
+            "budget": GaugeMetricFamily(
+                "lorapage_tenant_slo_error_budget_ratio",
+                "Fraction of requests an SLO allows to miss it (0.05 for a p95 target; the error-rate target).",
+                labels=("tenant", "slo"),
+            ),
+            "target": GaugeMetricFamily(
+                "lorapage_tenant_slo_target_seconds",
+                "A tenant's latency SLO targets (ttft, itl), from the tenants file.",
+                labels=("tenant", "slo"),
+            ),
+        }
+        counters = {
+            "requests": CounterMetricFamily(
+                "lorapage_tenant_requests",
+                "Generation requests answered (2xx and 5xx; the client's own 4xx are not judged).",
+                labels=("tenant",),
+            ),
+            "failed": CounterMetricFamily(
+                "lorapage_tenant_request_errors", "Answered generation requests that failed (5xx).", labels=("tenant",)
+            ),
+            "good": CounterMetricFamily(
+                "lorapage_tenant_good_requests",
+                "Answered requests that did not fail and met every latency SLO of their tenant (goodput).",
+                labels=("tenant",),
+            ),
+            "judged": CounterMetricFamily(
+                "lorapage_tenant_slo_requests", "Requests judged against each SLO.", labels=("tenant", "slo")
+            ),
+            "bad": CounterMetricFamily(
+                "lorapage_tenant_slo_bad_requests", "Requests that missed each SLO.", labels=("tenant", "slo")
+            ),
+        }
+        for tenant, slo in report:
+            if slo.goodput_ratio is not None:
+                gauges["goodput"].add_metric([tenant], slo.goodput_ratio)
+            if slo.error_ratio is not None:
+                gauges["errors"].add_metric([tenant], slo.error_ratio)
+            for sli, burn in slo.burn_rates().items():
+                gauges["burn"].add_metric([tenant, sli], burn)
+            for sli, allowed in slo.targets.allowed_bad().items():
+                gauges["budget"].add_metric([tenant, sli], allowed)
+                counters["judged"].add_metric([tenant, sli], slo.lifetime.judged.get(sli, 0))
+                counters["bad"].add_metric([tenant, sli], slo.lifetime.bad.get(sli, 0))
+            for sli, seconds in slo.targets.latency_targets().items():
+                gauges["target"].add_metric([tenant, sli], seconds)
+            counters["requests"].add_metric([tenant], slo.lifetime.requests)
+            counters["failed"].add_metric([tenant], slo.lifetime.failed)
+            counters["good"].add_metric([tenant], slo.lifetime.good)
+        yield from gauges.values()
+        yield from counters.values()
+
+
 def register_engine_collectors(
     registry: CollectorRegistry,
     stats: Callable[[], dict],
@@ -277,6 +358,7 @@ class ServerMetrics:
         vtc_counters: Callable[[], dict[str, float]] = dict,
         loop_lag: LoopLagMonitor | None = None,
         adapters: AdapterMetrics | None = None,
+        slo: SloTracker | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ("tenant", "adapter_tier")
@@ -319,6 +401,8 @@ class ServerMetrics:
         register_engine_collectors(self.registry, stats, scheduler, vtc_counters, adapters)
         if loop_lag is not None:
             self.registry.register(_LoopLagGauges(loop_lag))
+        if slo is not None:
+            self.registry.register(_SloCollector(slo))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

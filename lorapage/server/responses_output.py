@@ -335,6 +335,7 @@ async def _events(
         for data in builder.finish(out):
             yield data
     except LorapageError as exc:
+        timing.job.stream_error = exc.status
         yield builder.failed(exc)
     finally:
         await outputs.aclose()

@@ -40,6 +40,7 @@ from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
 from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
+from lorapage.server.slo import DEFAULT_WINDOW_S
 from lorapage.server.tenants import SHARED, TenantsConfig, TenantsConfigError, hash_key
 from lorapage.tiny import demo_adapter_dirs
 
@@ -206,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds running requests get to finish after SIGTERM before they are aborted",
     )
+    p.add_argument(
+        "--slo-window",
+        type=float,
+        default=DEFAULT_WINDOW_S,
+        metavar="SECONDS",
+        help="sliding window of each tenant's goodput, error-ratio and SLO burn-rate gauges on /metrics (the "
+        "tenants file's slo_* fields set the targets)",
+    )
     return p
 
 
@@ -317,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     modules = lora_modules(args)
     roots = adapter_roots(args, modules)
     keys = api_keys(args)
+    if not 0 < args.slo_window < float("inf"):
+        fail(PROG, f"--slo-window must be a number of seconds > 0, got {args.slo_window}")
     if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
@@ -367,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_public=args.metrics_public,
         edge=edge,
         access_log=access_log,
+        slo_window_s=args.slo_window,
     )
     print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
 

@@ -21,7 +21,17 @@ s3_buckets = ["acme-adapters"]  # s3:// buckets the admin may register this tena
 hf_orgs = ["acme"]            # hf:// organisations (or users) likewise; "*": any, in either list
 prefix_cache_group = "acme-family"  # tenants naming one group share cached prompt prefixes (omit: its own)
 default_max_tokens = 512      # TPM reserved for a request without max_tokens, settled at its end
+slo_ttft_p95_s = 2.0          # SLO: 95% of first tokens within 2 s (omit: not judged)
+slo_itl_p95_s = 0.1           # SLO: 95% of requests with a mean inter-token latency within 0.1 s
+slo_error_rate = 0.01         # SLO: at most 1% of answered requests fail (5xx)
+
+[defaults]                    # optional: SLO fields every tenant without its own takes
+slo_ttft_p95_s = 5.0
 ```
+
+SLOs (``slo_*``) are watched, never enforced: they set what ``/metrics`` reports as each tenant's
+goodput and burn rates (:mod:`lorapage.server.slo`) and what ``deploy/prometheus/alerts.yml``
+alerts on. A tenant's own value wins over ``[defaults]``.
 
 Access fails closed. A tenant may always use the base model and the adapters the admin registered
 for it (their owner). ``adapters`` adds adapters without an owner (those from ``--lora-modules``):
@@ -50,6 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,18 +68,24 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from lorapage.server.slo import NO_SLO, SloTargets
+
 SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
+# Tenant fields a [defaults] table may set too (SloTargets' fields, "slo_" before each).
+SLO_FIELDS = ("slo_ttft_p95_s", "slo_itl_p95_s", "slo_error_rate")
 
 _TENANT_FIELDS = (
     "key_sha256", "adapters", "weight", "rpm", "rpm_burst", "tpm", "tpm_burst", "max_concurrency",
     "s3_buckets", "hf_orgs",
     "prefix_cache_group", "default_max_tokens",
+    *SLO_FIELDS,
 )  # fmt: skip
 # What a chat without max_tokens reserves from its tenant's TPM up front (the rest of its answer
 # is charged when it ends, and may put the tenant in debt until its bucket refills).
 DEFAULT_MAX_TOKENS = 512
 MAX_GROUP_NAME = 128  # characters of a prefix_cache_group
 _KEY_SECTIONS = ("admin", "metrics")  # sections that hold nothing but key_sha256
+_DEFAULTS = "defaults"  # the section of fields every tenant without its own takes
 
 
 class TenantsConfigError(ValueError):
@@ -109,6 +126,7 @@ class TenantConfig:
     prefix_cache_group: str | None = None  # tenants naming one group share cached prefixes; None: its own
     # TPM reserved up front for a request without max_tokens; the difference is settled at its end.
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    slo: SloTargets = NO_SLO  # watched on /metrics, never enforced
 
     def may_read_bucket(self, bucket: str) -> bool:
         """Whether this tenant's adapters may come from the S3 bucket ``bucket``."""
@@ -177,10 +195,11 @@ class TenantsConfig:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise TenantsConfigError(f"{source}: not valid TOML: {e}") from e
-        unknown = set(doc) - {*_KEY_SECTIONS, "tenants"}
+        unknown = set(doc) - {*_KEY_SECTIONS, _DEFAULTS, "tenants"}
         if unknown:
             raise TenantsConfigError(
-                f"{source}: unknown section(s) {sorted(unknown)}; expected [admin], [metrics] and [tenants.<name>]"
+                f"{source}: unknown section(s) {sorted(unknown)}; "
+                "expected [admin], [metrics], [defaults] and [tenants.<name>]"
             )
         keys = {}
         for section in _KEY_SECTIONS:
@@ -193,8 +212,15 @@ class TenantsConfig:
         admin_tenant = _table(doc.get("admin", {}), "admin").get("tenant")
         if admin_tenant is not None and not isinstance(admin_tenant, str):
             raise TenantsConfigError(f"admin.tenant: expected a tenant's name, got {admin_tenant!r}")
+        defaults = _table(doc.get(_DEFAULTS, {}), _DEFAULTS)
+        extra = set(defaults) - set(SLO_FIELDS)
+        if extra:
+            raise TenantsConfigError(
+                f"{_DEFAULTS}: unknown field(s) {sorted(extra)}; a default may be set for {', '.join(SLO_FIELDS)}"
+            )
+        default_slo = _slo_targets(defaults, _DEFAULTS)
         tables = _table(doc.get("tenants", {}), "tenants")
-        tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}")) for name, t in tables.items()}
+        tenants = {name: _parse_tenant(name, _table(t, f"tenants.{name}"), default_slo) for name, t in tables.items()}
         return cls(tenants, keys["admin"], keys["metrics"], admin_tenant)
 
     def get(self, name: str) -> TenantConfig:
@@ -209,6 +235,10 @@ class TenantsConfig:
         most two names of each list are looked at."""
         lists = (self._open_to_all, self._named_by.get(adapter, ()))
         return any(other != tenant for names in lists for other in names[:2])
+
+    def slo_targets(self) -> dict[str, SloTargets]:
+        """Each tenant's SLO targets (``[defaults]`` filled in)."""
+        return {name: t.slo for name, t in self.tenants.items()}
 
     def weights(self) -> dict[str, float]:
         return {name: t.weight for name, t in self.tenants.items()}
@@ -232,7 +262,7 @@ def _table(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
+def _parse_tenant(name: str, t: dict[str, Any], default_slo: SloTargets = NO_SLO) -> TenantConfig:
     where = f"tenants.{name}"
     unknown = set(t) - set(_TENANT_FIELDS)
     if unknown:
@@ -276,8 +306,33 @@ def _parse_tenant(name: str, t: dict[str, Any]) -> TenantConfig:
         hf_orgs=frozenset(t.get("hf_orgs", [])),
         prefix_cache_group=group,
         default_max_tokens=default_max_tokens,
+        slo=_slo_targets(t, where, default_slo),
         **limits,
     )
+
+
+def _slo_targets(t: dict[str, Any], where: str, default: SloTargets = NO_SLO) -> SloTargets:
+    """The ``slo_*`` fields of table ``t`` over ``default``: latency targets in seconds > 0, the
+    error rate a fraction in (0, 1)."""
+    ttft = _slo_number(t, "slo_ttft_p95_s", where, "a finite number of seconds > 0", upper=math.inf)
+    itl = _slo_number(t, "slo_itl_p95_s", where, "a finite number of seconds > 0", upper=math.inf)
+    rate = _slo_number(
+        t, "slo_error_rate", where, "a fraction between 0 and 1, exclusive (0.01: at most 1% of requests fail)", upper=1
+    )
+    return SloTargets(
+        ttft_p95_s=default.ttft_p95_s if ttft is None else ttft,
+        itl_p95_s=default.itl_p95_s if itl is None else itl,
+        error_rate=default.error_rate if rate is None else rate,
+    )
+
+
+def _slo_number(t: dict[str, Any], key: str, where: str, expected: str, upper: float) -> float | None:
+    value = t.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < upper:
+        raise TenantsConfigError(f"{where}.{key}: expected {expected} (omit it: not judged), got {value!r}")
+    return float(value)
 
 
 def _positive_int(t: dict[str, Any], key: str, where: str) -> int | None:
