@@ -43,6 +43,7 @@ from bench_engine import decode_rate, stream_bandwidth  # noqa: E402
 from make_llama import MODULES, write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 from lorapage.model.runner import StepPlan  # noqa: E402
 
 BATCH = 32
@@ -235,4 +236,5 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="5 turns per shape: a smoke run")
     ap.add_argument("--repeats", type=int, default=60, help="timed turns (each runs every mix's step once)")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(main(5 if args.quick else args.repeats)), default=float))
+    print(machine_line())
+    print(json.dumps(asyncio.run(main(5 if args.quick else args.repeats)) | machine_info(), default=float))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.structured.masks import bitmask_words
 from lorapage.tiny import TINY_BASE_DIR
 
@@ -199,6 +200,7 @@ def main() -> int:
     vocabs = {"tiny (261)": Tokenizer.from_file(str(TINY_BASE_DIR / "tokenizer.json"))}
     vocabs["bpe-32000" if not args.quick else "bpe-8000"] = bpe_tokenizer(8000 if args.quick else 32000)
     results = {}
+    print(machine_line())
     print(f"{args.rows} constrained rows, masks one row after another on one thread, medians over up to {steps} steps")
     print(f"{'vocabulary':<12} {'schema':<10} {'engine':<11} {'first compile ms':>17} {'mask ms / step':>15}")
     for vname, tok in vocabs.items():
@@ -224,6 +226,7 @@ def main() -> int:
                 "results": results,
                 "xgrammar_over_llguidance_compile": round(ratio_compile, 3),
                 "xgrammar_over_llguidance_mask": round(ratio_mask, 3),
+                **machine_info(),
             }
         )
     )

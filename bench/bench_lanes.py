@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 from lorapage.replay.population import zipf_weights  # noqa: E402
 from lorapage.scheduler import VtcConfig, make_policy  # noqa: E402
 from lorapage.sim import SimConfig, SimRequest, Simulator  # noqa: E402
@@ -187,6 +188,7 @@ async def measure(root: Path, rounds: int, quick: bool) -> dict:
 
 
 def report(results: dict, rounds: int, threads: int, new_tokens: int) -> dict:
+    print(machine_line())
     print(
         f"VTC vs FCFS, one batch per configuration: {PROMPT_LEN}-token prompts, {new_tokens} greedy tokens; "
         f"hidden {SHAPE['hidden']} x {SHAPE['layers']} layers fp32, rank-{RANK} adapters on every module; "
@@ -218,6 +220,7 @@ def report(results: dict, rounds: int, threads: int, new_tokens: int) -> dict:
         "min_ratio": round(worst, 3),
         "target_ratio": TARGET_RATIO,
         "pass": worst >= TARGET_RATIO,
+        **machine_info(),
     }
 
 

@@ -56,6 +56,8 @@ from peer_setup import (
     round_ratios,
 )
 
+from lorapage.kernels.cpu_build import machine_info, machine_line
+
 REQUESTS, ADAPTERS, NEW = 32, 8, 32
 MAX_LEN = 64  # room for PROMPT_LEN + NEW per sequence
 LLAMA_BASE = "llama.cpp base, 32 rows per decode call"
@@ -193,7 +195,9 @@ def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_t
         "requests": REQUESTS,
         "adapters_change_tokens": adapters_matter,
         "targets": {"mixed_over_llamacpp_best_mixed": ">=2.0", "base_over_llamacpp_base": ">=0.8"},
+        **machine_info(),
     }
+    print(machine_line())
     print(json.dumps(summary))
 
 

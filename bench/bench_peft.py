@@ -52,6 +52,7 @@ from peer_setup import (
     round_ratios,
 )
 
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.replay.population import zipf_weights
 
 ADAPTERS, SEED = 100, 0
@@ -156,7 +157,9 @@ def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float, loa
         "load_average": {"start": load_start, "end": os.getloadavg()},
         "agreeing_requests": agree,
         "targets": {"mixed_over_peft_best": ">=2.5"},
+        **machine_info(),
     }
+    print(machine_line())
     print(json.dumps(summary))
 
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_llama import write_adapter, write_model  # noqa: E402
 
 from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
+from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
 from lorapage.structured import StructuredSpec  # noqa: E402
 
 ROWS, CONSTRAINED, ADAPTERS, NEW_TOKENS = 32, 8, 8, 32
@@ -90,6 +91,7 @@ def main() -> int:
         asyncio.run(run())
     free, bound = statistics.median(rates[0]), statistics.median(rates[CONSTRAINED])
     ratio = bound / free
+    print(machine_line())
     print(f"{ROWS} rows on {ADAPTERS} adapters, {NEW_TOKENS} tokens each, medians of {rounds} rounds")
     print(f"{'case':<32} {'decode tok/s':>13}")
     print(f"{'all rows free':<32} {free:>13.1f}")
@@ -105,6 +107,7 @@ def main() -> int:
                 "target_ratio": 0.9,
                 "rounds": rounds,
                 "pass": ratio >= 0.9,
+                **machine_info(),
             }
         )
     )
