@@ -125,7 +125,7 @@ def test_a_prewarm_waits_for_a_slot_without_making_an_adapter_yield():
 
 
 def test_pins_are_never_evicted_nor_made_to_yield_and_are_bounded():
-    bounds = PinBounds(capacity=99, max_loras=3, max_pinned_fraction=0.2)
+    bounds = PinBounds(capacity=99, max_resident_loras=3, max_pinned_fraction=0.2)
     r = rules(slots=3, pages=100, pins=bounds)
     for key in ("a", "b", "c", "d"):
         r.add(key, pages=10)

@@ -142,7 +142,7 @@ async def test_adapter_labels_are_the_top_k_ids_by_recent_traffic_and_the_rest_o
 
 async def test_adapter_series_are_bounded_by_the_top_k():
     """Three adapters, K = 2: the third's requests, loads and evictions count as other."""
-    engine = make_engine(metrics_top_adapters=2, max_loras=1)
+    engine = make_engine(metrics_top_adapters=2, max_loras=1, max_resident_loras=1)
     try:
         for model in ("acme", "globex", "initech"):
             async for out in engine.generate("hello", model, SamplingParams(max_tokens=2), tenant="alpha"):

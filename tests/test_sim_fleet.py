@@ -23,7 +23,7 @@ from lorapage.traces.trace import TraceRequest
 SMALL = FleetConfig(
     replicas=4,
     engine=SimConfig(max_num_seqs=16, max_num_batched_tokens=4096),
-    residency=ResidencyConfig(max_loras=8, max_cpu_loras=16, max_disk_loras=64),
+    residency=ResidencyConfig(max_resident_loras=8, max_cpu_loras=16, max_disk_loras=64),
     warmup_s=5.0,
 )
 
@@ -75,7 +75,7 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
         TraceRequest(arrival_s=i * GAP_S, tenant="t", model=m, max_tokens=6, prompt_len=PROMPT_LEN, temperature=0.0)
         for i, m in enumerate(_MODELS)
     ]
-    engine = make_engine(max_loras=2, max_cpu_loras=2)
+    engine = make_engine(max_loras=2, max_resident_loras=2, max_cpu_loras=2)
     pages = {info.name.partition("@")[0]: info.num_pages for info in engine.list_adapters()}
 
     async def run():
@@ -101,7 +101,7 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
         replicas=1,
         router="least_loaded",
         engine=SimConfig(max_num_seqs=64, max_num_batched_tokens=2048),
-        residency=ResidencyConfig(max_loras=2, max_cpu_loras=2, max_disk_loras=None, pages=pages),
+        residency=ResidencyConfig(max_resident_loras=2, max_cpu_loras=2, max_disk_loras=None, pages=pages),
         costs=cpu_costs(step_s=step_s, prefill_token_s=prefill_token_s, load_s=load_s),
         base_name=BASE,
     )
