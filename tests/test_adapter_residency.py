@@ -1,5 +1,6 @@
-"""Adapter residency: a failed or cancelled load gives its lora slot and pages back, and a cold
-adapter is not starved by hot ones holding every slot (busy adapters yield in turn)."""
+"""Adapter residency: a failed or cancelled load gives its lora slot and pages back, a cold
+adapter is not starved by hot ones holding every slot (busy adapters yield in turn), and more
+adapters stay resident than one batch may hold."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from engine_util import collect, engine_pages, tiny_engine
 
 from lorapage import SamplingParams
 from lorapage.errors import AdapterLoadError
+from lorapage.scheduler.metrics import DISTINCT_BOUNDS
+from lorapage.tiny import demo_adapter_dirs
 
 
 async def test_adapter_copy_failure_returns_its_slot_and_pages():
@@ -184,3 +187,28 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     await engine.close()
+
+
+async def test_resident_adapters_outnumber_the_distinct_adapters_of_a_batch():
+    """max_loras=2, max_resident_loras=6: six adapters stay resident together (no eviction, no
+    reload) while no step's batch ever holds more than two of them."""
+    engine = tiny_engine(max_loras=2, max_resident_loras=6, max_num_seqs=8)
+    dirs = list(demo_adapter_dirs().values())
+    names = [f"k{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        engine.add_adapter(name, dirs[i % len(dirs)])
+    assert engine.stats()["lora_slots"] == 6 and engine.tables.page_table.shape[0] == 7  # slot 0: none
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        for _ in range(2):  # twice: the second round finds all six resident
+            outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], n, params) for n in names for _ in range(2)))
+            assert all(o.finish_reason == "length" for o, _ in outs)
+            assert {f"{n}@1" for n in names} <= set(engine.residency.resident())
+        assert engine.stats()["evictions_per_minute"] == 0
+        assert sum(engine.adapter_metrics.loads.values()) == 6  # each loaded once
+        distinct = engine.scheduler_metrics.distinct_adapters
+        two = DISTINCT_BOUNDS.index(2)
+        assert distinct.counts[two] > 0  # steps did run two adapters at once
+        assert sum(distinct.counts[two + 1 :]) == 0  # and never more
+    finally:
+        await engine.close()

@@ -1,5 +1,6 @@
 """/metrics over a real socket: latency histograms by tenant and adapter tier, and the scheduler's
-figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms);
+figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms,
+the tail lanes' use);
 per-adapter series with their label set bounded to the top adapters by traffic."""
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ async def test_scheduler_figures_per_tenant_and_per_step():
         assert batch[("1.0",)] == steps and _series(text, "lorapage_batch_size_sum")[()] == steps
         distinct = _series(text, "lorapage_batch_distinct_adapters_bucket")
         assert 0 < distinct[("0.0",)] < distinct[("1.0",)] == distinct[("+Inf",)] == steps  # base-only, one adapter
+        # One request at a time: each opens a general lane, none a reserved tail lane (nor borrows one).
+        assert _series(text, "lorapage_tail_lane_utilization") == {("lent",): 0.0, ("tail",): 0.0}
     finally:
         await engine.close()
 

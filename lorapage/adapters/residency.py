@@ -525,13 +525,17 @@ class Residency:
     def _keep_in_host(self, key: str) -> list[Decision]:
         """``key``'s packed copy is the most recently used in host RAM; the least recently used
         copies leave while the LRU holds more than ``max_cpu_loras`` copies or more than
-        ``max_cpu_lora_bytes`` bytes (a copy larger than that bound alone leaves too: the bound
-        holds; its load still has the copy in hand)."""
+        ``max_cpu_lora_bytes`` bytes. A copy larger than that bound alone leaves at once, and
+        nothing else for it (its load still has the copy in hand)."""
+        size, most_bytes = self.adapters[key].host_bytes, self.limits.max_cpu_lora_bytes
+        if most_bytes is not None and size > most_bytes:
+            if key in self._host:
+                self._host_bytes -= self._host.pop(key)
+            return [DropHost(key)]
         if key not in self._host:
-            self._host[key] = self.adapters[key].host_bytes
-            self._host_bytes += self._host[key]
+            self._host[key] = size
+            self._host_bytes += size
         self._host.move_to_end(key)
-        most_bytes = self.limits.max_cpu_lora_bytes
         out: list[Decision] = []
         while self._host and (
             len(self._host) > self.limits.max_cpu_loras or (most_bytes is not None and self._host_bytes > most_bytes)
