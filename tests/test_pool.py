@@ -54,7 +54,7 @@ def test_adapter_pages_in_a_narrower_dtype_are_the_pools_own_memory():
 @pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])  # C kernels, and the PyTorch ops alone
 def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora_dtype):
     wide, narrow = pool_engine(), pool_engine(lora_dtype=lora_dtype)
-    # An auto-sized pool holds max_loras (no max_resident_loras given) of the largest adapters beside the KV: fewer pages now.
+    # An auto-sized pool holds max_loras of the largest adapters beside the KV (no max_resident_loras): fewer pages now.
     assert narrow.pool.num_pages < wide.pool.num_pages
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
     prompts = [[5, 9, 11, 40], [7, 3, 200, 17, 4, 90]]
