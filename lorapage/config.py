@@ -17,6 +17,8 @@ LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
+# The most lora slots a derived max_resident_loras takes (an explicit one may be more).
+MAX_DERIVED_LORA_SLOTS = 1024
 # The module classes a shared-envelope rule names (lorapage.adapters.envelope maps them to modules).
 ENVELOPE_MODULE_CLASSES = ("attention", "mlp", "all")
 # The concerns a config's fields are grouped by, in the order --help lists them.
@@ -52,8 +54,13 @@ class EngineConfig:
     """Everything fixed when an :class:`~lorapage.Engine` starts.
 
     Memory: one pool of ``num_pages`` pages (``None``: sized from ``max_num_seqs``,
-    ``max_model_len`` and ``max_loras`` adapters of ``max_lora_rank`` on every module) holds KV
-    blocks of ``block_size`` tokens and resident adapters alike.
+    ``max_model_len`` and ``max_resident_loras``, else ``max_loras``, adapters of ``max_lora_rank``
+    on every module) holds KV blocks of ``block_size`` tokens and resident adapters alike.
+
+    Adapters: two counts. ``max_loras`` is vLLM's: the distinct adapters one step's batch may hold
+    (decode reads each once per step). ``max_resident_loras`` is the lora slots: adapters resident
+    in the pool at once, bounded by the pool's pages too; it may be far larger ("250 resident, at
+    most 32 in one batch").
 
     Each field is declared once, with its help and its concern (:func:`option`): the command-line
     flags of ``lorapage serve``, ``fleet`` and ``replay run --embedded`` are made from these
@@ -84,8 +91,8 @@ class EngineConfig:
         None,
         "pages in the one pool of KV blocks and adapter weights",
         group="memory",
-        none="sized for max_num_seqs full-length sequences and max_loras adapters of max_lora_rank, within "
-        "gpu_memory_utilization on CUDA and 4 GiB on a CPU",
+        none="sized for max_num_seqs full-length sequences and max_resident_loras (if given, else max_loras) "
+        "adapters of max_lora_rank, within gpu_memory_utilization on CUDA and 4 GiB on a CPU",
     )
     gpu_memory_utilization: float = option(
         0.9,
@@ -109,6 +116,20 @@ class EngineConfig:
         group="scheduling", choices=SCHEDULERS,
     )  # fmt: skip
     max_queue_len: int = option(4096, "waiting requests beyond this are refused (overloaded)", group="scheduling")
+    reserved_tail_lanes: int | None = option(
+        None,
+        "of the max_loras lanes (distinct adapters) of a batch, this many are kept for adapters with a single "
+        "queued request, so the long tail is not starved by hot adapters; lent to anyone while no such request "
+        "waits (vtc only; docs/scheduling.md)",
+        group="scheduling",
+        none="max_loras // 8",
+    )
+    lane_age_deadline_s: float = option(
+        1.0,
+        "a request queued this long may open any lane, tail lanes included, or claim the next general lane that "
+        "frees (the adapter holding one longest then takes no new requests until it frees it) (vtc only)",
+        group="scheduling",
+    )
     # -- prefix cache ---------------------------------------------------------------------------
     enable_prefix_caching: bool = option(
         True,
@@ -117,9 +138,32 @@ class EngineConfig:
         group="memory",
     )
     # -- adapters -------------------------------------------------------------------------------
-    max_loras: int = option(32, "lora slots: adapters resident in the pool at once", group="adapters")
+    max_loras: int = option(
+        32,
+        "distinct adapters one step's batch may hold (vLLM's max_loras): a decode step reads each distinct "
+        "adapter once, so this bounds what adapters add to a step",
+        group="adapters",
+    )
+    max_resident_loras: int | None = option(
+        None,
+        "lora slots: adapters resident in the pool at once (>= max_loras); the pool's pages bound them too, and "
+        "idle ones give way to KV blocks by value per page. An auto-sized pool makes room for this many adapters "
+        "of max_lora_rank",
+        group="adapters",
+        none=f"as many adapters of max_lora_rank as the whole pool holds, at least max_loras and at most "
+        f"{MAX_DERIVED_LORA_SLOTS} (the lookup tables grow with the slots)",
+    )
     max_lora_rank: int = option(64, "the highest adapter rank accepted", group="adapters")
-    max_cpu_loras: int = option(128, "adapters kept in host RAM", group="adapters")
+    max_cpu_loras: int = option(
+        128, "adapters kept in host RAM (their packed copies, least recently used go first)", group="adapters"
+    )
+    max_cpu_lora_bytes: int | None = option(
+        None,
+        "bytes the adapters' copies in host RAM may take together; past it, as past max_cpu_loras, the least "
+        "recently used copies are dropped",
+        group="adapters",
+        none="no byte bound (max_cpu_loras only)",
+    )
     adapter_wait_s: float = option(
         1.0,
         "a load that has waited this long for a lora slot (every resident adapter busy) makes the least "
@@ -278,8 +322,10 @@ class EngineConfig:
             "block_size",
             "max_num_seqs",
             "max_loras",
+            "max_resident_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "max_cpu_lora_bytes",
             "num_threads",
             "io_threads",
             "adapter_cache_bytes",
@@ -291,6 +337,19 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:  # None: counted from the device and its cores
                 raise ValueError(f"EngineConfig.{name} must be >= 1; got {value}")
+        if self.max_resident_loras is not None and self.max_resident_loras < self.max_loras:
+            raise ValueError(
+                f"EngineConfig.max_resident_loras ({self.max_resident_loras}) must be >= max_loras "
+                f"({self.max_loras}): every adapter of a batch is resident; lower --max-loras or raise "
+                "--max-resident-loras"
+            )
+        if self.reserved_tail_lanes is not None and not 0 <= self.reserved_tail_lanes < self.max_loras:
+            raise ValueError(
+                f"EngineConfig.reserved_tail_lanes must be in [0, max_loras={self.max_loras}); "
+                f"got {self.reserved_tail_lanes}"
+            )
+        if not self.lane_age_deadline_s >= 0:
+            raise ValueError(f"EngineConfig.lane_age_deadline_s must be >= 0; got {self.lane_age_deadline_s}")
 
 
 def parse_envelope_rules(text: str) -> tuple[tuple[str, int], ...]:

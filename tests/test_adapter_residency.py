@@ -1,5 +1,6 @@
-"""Adapter residency: a failed or cancelled load gives its lora slot and pages back, and a cold
-adapter is not starved by hot ones holding every slot (busy adapters yield in turn)."""
+"""Adapter residency: a failed or cancelled load gives its lora slot and pages back, a cold
+adapter is not starved by hot ones holding every slot (busy adapters yield in turn), and more
+adapters stay resident than one batch may hold."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from engine_util import collect, engine_pages, tiny_engine
 
 from lorapage import SamplingParams
 from lorapage.errors import AdapterLoadError
+from lorapage.scheduler.metrics import DISTINCT_BOUNDS
+from lorapage.tiny import demo_adapter_dirs
 
 
 async def test_adapter_copy_failure_returns_its_slot_and_pages():
-    engine = tiny_engine(max_loras=2)
+    engine = tiny_engine(max_loras=2, max_resident_loras=2)
     free = engine.pool_free_pages()
 
     def broken_copy(*args):
@@ -35,7 +38,7 @@ async def test_adapter_copy_failure_returns_its_slot_and_pages():
 async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_pages():
     """Unregistering an adapter whose copy is still queued (on CUDA, behind the step in flight on
     the forward thread) must not leak its slot and pages, nor free them before the copy has run."""
-    engine = tiny_engine(max_loras=2)
+    engine = tiny_engine(max_loras=2, max_resident_loras=2)
     free, slots = engine.pool_free_pages(), engine.residency.num_free_slots
     gate = asyncio.Event()
     run_on_device = engine.adapters.loader.run_on_device
@@ -72,7 +75,7 @@ async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
     ever idle enough to evict. A request for a third adapter must still be served: past
     ``adapter_wait_s`` its load makes one busy adapter yield and takes the slot, and the yielding
     adapter's queued requests are served again afterwards."""
-    engine = tiny_engine(max_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
+    engine = tiny_engine(max_loras=2, max_resident_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
     stop = False
     served: dict[str, int] = {"acme": 0, "globex": 0}
 
@@ -105,7 +108,7 @@ async def test_starving_loads_take_turns_in_order():
     """One slot, three adapters that always have requests. Each starving load waits its turn in
     line, so every three consecutive residency turns hold all three adapters (before, two of
     them could swap the slot again and again while the third waited)."""
-    engine = tiny_engine(max_loras=1, max_num_seqs=8, adapter_wait_s=0.05)
+    engine = tiny_engine(max_loras=1, max_resident_loras=1, max_num_seqs=8, adapter_wait_s=0.05)
     await engine.load_adapter("acme")
     stop = False
 
@@ -133,7 +136,7 @@ async def test_starving_loads_take_turns_in_order():
 async def test_prewarm_does_not_make_a_busy_adapter_yield():
     """An admin pre-warm has no request waiting on it: it waits for a slot to free instead of
     making the adapter that is serving traffic yield."""
-    engine = tiny_engine(max_loras=1, adapter_wait_s=0.02)
+    engine = tiny_engine(max_loras=1, max_resident_loras=1, adapter_wait_s=0.02)
     await engine.load_adapter("acme")
     long = asyncio.ensure_future(
         collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=300, ignore_eos=True))
@@ -158,6 +161,7 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
     back to its own reload and cycled)."""
     engine = tiny_engine(
         max_loras=1,
+        max_resident_loras=1,
         max_num_seqs=8,
         adapter_wait_s=0.05,
         scheduler="fcfs",
@@ -183,3 +187,28 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     await engine.close()
+
+
+async def test_resident_adapters_outnumber_the_distinct_adapters_of_a_batch():
+    """max_loras=2, max_resident_loras=6: six adapters stay resident together (no eviction, no
+    reload) while no step's batch ever holds more than two of them."""
+    engine = tiny_engine(max_loras=2, max_resident_loras=6, max_num_seqs=8)
+    dirs = list(demo_adapter_dirs().values())
+    names = [f"k{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        engine.add_adapter(name, dirs[i % len(dirs)])
+    assert engine.stats()["lora_slots"] == 6 and engine.tables.page_table.shape[0] == 7  # slot 0: none
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        for _ in range(2):  # twice: the second round finds all six resident
+            outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], n, params) for n in names for _ in range(2)))
+            assert all(o.finish_reason == "length" for o, _ in outs)
+            assert {f"{n}@1" for n in names} <= set(engine.residency.resident())
+        assert engine.stats()["evictions_per_minute"] == 0
+        assert sum(engine.adapter_metrics.loads.values()) == 6  # each loaded once
+        distinct = engine.scheduler_metrics.distinct_adapters
+        two = DISTINCT_BOUNDS.index(2)
+        assert distinct.counts[two] > 0  # steps did run two adapters at once
+        assert sum(distinct.counts[two + 1 :]) == 0  # and never more
+    finally:
+        await engine.close()

@@ -86,7 +86,7 @@ async def test_equal_rates_evict_the_adapter_cheapest_to_reload():
     """initech falls to disk (its host copy was pushed out), globex to host RAM: at equal rates
     globex goes first, though it is smaller (rate / pages alone would evict initech)."""
     clock = FrozenClock()
-    engine = engine_with(clock, max_loras=3, max_cpu_loras=1)
+    engine = engine_with(clock, max_loras=3, max_resident_loras=3, max_cpu_loras=1)
     try:
         await collect(engine, PROMPT, "initech", SHORT, tenant="a")
         await collect(engine, PROMPT, "globex", SHORT, tenant="b")
@@ -102,7 +102,7 @@ async def test_recent_traffic_outweighs_a_cheap_tier():
     """Ten half-lives later initech's one old request is worth little: it goes first although
     it would fall to disk and globex only to host RAM."""
     clock = FrozenClock()
-    engine = engine_with(clock, max_loras=3, max_cpu_loras=1)
+    engine = engine_with(clock, max_loras=3, max_resident_loras=3, max_cpu_loras=1)
     try:
         await collect(engine, PROMPT, "initech", SHORT, tenant="a")
         await collect(engine, PROMPT, "globex", SHORT, tenant="b")
@@ -116,7 +116,7 @@ async def test_recent_traffic_outweighs_a_cheap_tier():
 
 async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
     # 10528 pool pages x 0.008 = 84 pages for pins: acme (37) + globex (6) fit, initech (73) not.
-    engine = engine_with(max_loras=8, max_pinned_fraction=0.008)
+    engine = engine_with(max_loras=8, max_resident_loras=8, max_pinned_fraction=0.008)
     try:
         assert engine.adapters.pin_limit() == 84
         assert (await engine.pin_adapter("acme")).pinned
@@ -134,7 +134,7 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert engine.stats()["adapters_pinned"] == 2
     finally:
         await engine.close()
-    engine = engine_with(max_loras=2)
+    engine = engine_with(max_loras=2, max_resident_loras=2)
     try:
         await engine.pin_adapter("acme")
         with pytest.raises(PinLimitError, match="no unpinned lora slot"):
@@ -146,7 +146,7 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
 async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
     """Both slots are taken: pinned acme (idle, no traffic: the least valuable) and hot globex.
     A request for initech must be served by globex yielding, never by acme leaving."""
-    engine = engine_with(max_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
+    engine = engine_with(max_loras=2, max_resident_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
     try:
         info = await engine.pin_adapter("acme")
         assert info.tier == "gpu" and info.pinned
@@ -173,13 +173,13 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
 
 async def test_pins_survive_a_restart(tmp_path):
     state = str(tmp_path / "state")
-    engine = engine_with(state_dir=state, max_loras=4)
+    engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
         await engine.pin_adapter("globex")
     finally:
         await engine.close()
 
-    engine = engine_with(state_dir=state, max_loras=4)
+    engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
         entry = engine.residency.get("globex@1")
         assert entry.pinned and not entry.slot  # restored from the registry, loaded on the loop
@@ -193,7 +193,7 @@ async def test_pins_survive_a_restart(tmp_path):
     finally:
         await engine.close()
 
-    engine = engine_with(state_dir=state, max_loras=4)
+    engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
         assert not engine.residency.get("globex@1").pinned
     finally:
@@ -266,10 +266,10 @@ async def wait_for(predicate, what: str) -> None:
 
 
 async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_has_read():
-    """max_cpu_loras=1 and max_loras=1: acme falls off host RAM and the pool once tenant t moves
+    """max_cpu_loras=1 and max_resident_loras=1: acme falls off host RAM and the pool once tenant t moves
     on. t's request for initech queues a prefetch of acme, which starts only once initech's own
     read is done, takes no slot, and makes t's next acme request a host-RAM hit."""
-    engine = engine_with(max_loras=1, max_cpu_loras=1)
+    engine = engine_with(max_loras=1, max_resident_loras=1, max_cpu_loras=1)
     try:
         await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         await collect(engine, PROMPT, "globex", SHORT, tenant="t")
@@ -296,7 +296,9 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
     """io_threads=2 leaves one I/O thread to loads: one prefetch reads at a time, the rest queue;
     another tenant's adapters are not prefetched."""
     others = ("acme@1", "globex@1", "acme2@1", "globex2@1")
-    engine = engine_with(max_loras=8, io_threads=2, extra={"acme2": "acme", "globex2": "globex", "solo": "acme"})
+    engine = engine_with(
+        max_loras=8, max_resident_loras=8, io_threads=2, extra={"acme2": "acme", "globex2": "globex", "solo": "acme"}
+    )
     try:
         recent = engine.residency.recent  # t used these four lately (none was loaded: all on disk)
         for name in others:
@@ -320,7 +322,7 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
 
 
 async def test_pin_routes_describe_the_adapter_and_answer_409_with_the_numbers():
-    engine = make_engine(max_loras=8, max_pinned_fraction=0.008)
+    engine = make_engine(max_loras=8, max_resident_loras=8, max_pinned_fraction=0.008)
     try:
         async with running_server(engine) as srv:
             admin = srv.admin()

@@ -5,6 +5,7 @@ cannot read or a bad value, with no keys printed by a server that is not going t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import socket
 import subprocess
@@ -95,3 +96,54 @@ def test_bad_values_are_one_line(tmp_path: Path):
     one_clear_line(lorapage("serve", "--port", "0", "--max-loras", "0"), "max_loras must be >= 1")
     one_clear_line(lorapage("serve", "--port", "0", "--slo-window", "0"), "--slo-window must be")
     one_clear_line(lorapage("demo", "--max-tokens", "0"), "--max-tokens", "max_tokens")
+
+
+def test_serve_help_lists_the_two_lora_counts_the_tail_lanes_and_the_host_byte_bound():
+    done = lorapage("serve", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # help lines wrap
+    for flag in (
+        "--max-loras",
+        "--max-resident-loras",
+        "--max-cpu-lora-bytes",
+        "--reserved-tail-lanes",
+        "--lane-age-deadline-s",
+    ):
+        assert flag in text, flag
+    assert "distinct adapters one step's batch may hold" in text
+    assert "(default: max_loras // 8)" in text and "(default: no byte bound (max_cpu_loras only))" in text
+
+
+def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
+    """serve's flags -> EngineConfig -> the engine's VtcConfig (lanes) and ResidencyLimits (slots,
+    host bytes), and the lookup tables get a row per slot."""
+    from lorapage import Engine
+    from lorapage.scheduler import MeteredPolicy, VtcScheduler
+    from lorapage.server.serve import build_parser, engine_config
+
+    flags = ["--state-dir", ":memory:", "--max-loras", "4", "--max-resident-loras", "6", "--reserved-tail-lanes", "1"]
+    flags += ["--lane-age-deadline-s", "0.25", "--max-cpu-lora-bytes", "1000000"]
+    engine = Engine(engine_config(build_parser().parse_args(flags)))
+    policy = engine.policy
+    assert isinstance(policy, MeteredPolicy) and isinstance(policy.policy, VtcScheduler)
+    vtc = policy.policy.config
+    assert (vtc.max_loras, vtc.reserved_tail_lanes, vtc.tail_lanes, vtc.age_deadline_s) == (4, 1, 1, 0.25)
+    limits = engine.residency.limits
+    assert (limits.max_resident_loras, limits.max_cpu_lora_bytes) == (6, 1_000_000)
+    assert engine.residency.num_free_slots == 6 and engine.tables.page_table.shape[0] == 7
+    # Derived: the pool's worth of largest adapters, at least max_loras.
+    derived = Engine(engine_config(build_parser().parse_args(["--state-dir", ":memory:", "--max-loras", "4"])))
+    assert derived.max_resident_loras >= 4 and derived.residency.limits.max_cpu_lora_bytes is None
+    for e in (engine, derived):
+        asyncio.run(e.close())
+
+
+def test_bad_lane_and_slot_values_are_one_line():
+    one_clear_line(
+        lorapage("serve", "--port", "0", "--max-loras", "8", "--max-resident-loras", "4"),
+        "max_resident_loras (4) must be >= max_loras (8)",
+    )
+    one_clear_line(
+        lorapage("serve", "--port", "0", "--max-loras", "8", "--reserved-tail-lanes", "8"),
+        "reserved_tail_lanes must be in [0, max_loras=8)",
+    )

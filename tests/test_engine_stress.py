@@ -47,6 +47,7 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     engine = tiny_engine(
         scheduler=scheduler,
         max_loras=2,
+        max_resident_loras=2,
         max_num_seqs=6,
         adapter_wait_s=0.02,
         num_pages=1 + two_largest + 12,

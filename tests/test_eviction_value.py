@@ -34,7 +34,14 @@ class FrozenClock:
 
 def engine_with(clock: FrozenClock, **overrides) -> Engine:
     """The tiny engine, caching off: the tests place the idle blocks themselves."""
-    cfg = dict(model=str(TINY_BASE_DIR), max_loras=4, max_lora_rank=64, block_size=BS, enable_prefix_caching=False)
+    cfg = dict(
+        model=str(TINY_BASE_DIR),
+        max_loras=4,
+        max_resident_loras=4,
+        max_lora_rank=64,
+        block_size=BS,
+        enable_prefix_caching=False,
+    )
     cfg.update(overrides)
     engine = Engine(EngineConfig(**cfg), clock=clock)
     for name, path in demo_adapter_dirs().items():
@@ -248,6 +255,7 @@ async def test_outputs_match_caching_off_when_blocks_and_adapters_are_both_evict
             max_num_seqs=2,
             max_model_len=184,
             max_loras=4,
+            max_resident_loras=4,
             enable_prefix_caching=caching,
         )
         engine = Engine(cfg, clock=clock)

@@ -54,7 +54,7 @@ def test_adapter_pages_in_a_narrower_dtype_are_the_pools_own_memory():
 @pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])  # C kernels, and the PyTorch ops alone
 def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora_dtype):
     wide, narrow = pool_engine(), pool_engine(lora_dtype=lora_dtype)
-    # An auto-sized pool holds max_loras of the largest adapters beside the KV: fewer pages now.
+    # An auto-sized pool holds max_loras of the largest adapters beside the KV (no max_resident_loras): fewer pages now.
     assert narrow.pool.num_pages < wide.pool.num_pages
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
     prompts = [[5, 9, 11, 40], [7, 3, 200, 17, 4, 90]]
@@ -90,7 +90,7 @@ async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
     probe = pool_engine()
     probe.add_adapter("r64", rank_adapters[64])
     need = probe.adapter_info("r64").num_pages
-    engine = pool_engine(num_pages=1 + need + 20, max_loras=2, max_model_len=80)
+    engine = pool_engine(num_pages=1 + need + 20, max_loras=2, max_resident_loras=2, max_model_len=80)
     engine.add_adapter("r64", rank_adapters[64])
     engine.add_adapter("r8", rank_adapters[8])
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -174,7 +174,7 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
     import asyncio
 
     rng = random.Random(1)
-    engine = pool_engine(num_pages=400, max_loras=3, max_model_len=256)
+    engine = pool_engine(num_pages=400, max_loras=3, max_resident_loras=3, max_model_len=256)
     engine.add_adapter("r8", rank_adapters[8])
     engine.add_adapter("r64", rank_adapters[64])
     start = engine.pool_free_pages()

@@ -26,7 +26,7 @@ def req(t: float, model: str, tenant: str = "t", **kw) -> TraceRequest:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine():
-    eng = make_engine(max_loras=2)
+    eng = make_engine(max_loras=2, max_resident_loras=2)
     yield eng
     await eng.close()
 

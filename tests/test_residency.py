@@ -19,10 +19,18 @@ WAIT_S = 1.0
 
 
 def rules(
-    *, slots: int = 2, host: int = 4, pages: int = 200, prefetches: int = 0, pins: PinBounds | None = None
+    *,
+    slots: int = 2,
+    host: int = 4,
+    pages: int = 200,
+    prefetches: int = 0,
+    pins: PinBounds | None = None,
+    host_bytes: int | None = None,
 ) -> Residency:
     pool = PageAllocator(pages)
-    limits = ResidencyLimits(slots, host, adapter_wait_s=WAIT_S, max_prefetches=prefetches, pins=pins)
+    limits = ResidencyLimits(
+        slots, host, adapter_wait_s=WAIT_S, max_prefetches=prefetches, pins=pins, max_cpu_lora_bytes=host_bytes
+    )
     return Residency(limits, pool, Reclaim(pool), ReloadCosts(page_bytes=1 << 20))
 
 
@@ -47,6 +55,29 @@ def test_a_load_reads_then_takes_a_free_slot_and_its_pages():
     assert r.tier("a") == "ram"  # its host copy is there; the copy into the pool is not done
     assert r.copy_done("a", load.slot, True, 0.6) == [Ready("a")]
     assert r.is_ready("a") and r.tier("a") == "gpu" and r.resident_pages() == {"a": 10}
+
+
+def test_host_copies_leave_by_lru_when_their_bytes_pass_the_bound():
+    """max_cpu_lora_bytes 100 with room for 8 copies by count: bytes bind. Each read lands a copy;
+    the least recently used leave until the rest fit, whatever their count, and a copy used again
+    moves to the back of the line."""
+    r = rules(slots=8, host=8, host_bytes=100)
+    for key, size in (("a", 40), ("b", 30), ("c", 20), ("d", 50), ("e", 120)):
+        r.add(key, pages=1, host_bytes=size)
+    for key in ("a", "b", "c"):
+        make_resident(r, key, 0.0)
+    assert r.in_host() == ["a", "b", "c"] and r.host_bytes() == 90
+    r.enqueue("d", 1.0)
+    assert r.read_done("d", 1.0)[0] == DropHost("a")  # 90 + 50 > 100: a leaves, 100 fit
+    assert r.in_host() == ["b", "c", "d"] and r.host_bytes() == 100
+    r.prefetch_done("b", True)  # b's copy used again: the most recent now
+    assert r.in_host() == ["c", "d", "b"]
+    # A copy larger than the whole bound leaves alone: what was there stays.
+    r.enqueue("e", 2.0)
+    assert r.read_done("e", 2.0)[0] == DropHost("e")
+    assert r.in_host() == ["c", "d", "b"] and r.host_bytes() == 100
+    r.finish("c")
+    assert DropHost("c") in r.remove("c", 3.0) and r.in_host() == ["d", "b"] and r.host_bytes() == 80
 
 
 def test_the_idle_adapter_of_least_value_per_page_leaves_for_a_load():
@@ -125,7 +156,7 @@ def test_a_prewarm_waits_for_a_slot_without_making_an_adapter_yield():
 
 
 def test_pins_are_never_evicted_nor_made_to_yield_and_are_bounded():
-    bounds = PinBounds(capacity=99, max_loras=3, max_pinned_fraction=0.2)
+    bounds = PinBounds(capacity=99, max_resident_loras=3, max_pinned_fraction=0.2)
     r = rules(slots=3, pages=100, pins=bounds)
     for key in ("a", "b", "c", "d"):
         r.add(key, pages=10)

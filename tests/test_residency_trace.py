@@ -62,6 +62,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
     cfg = EngineConfig(
         model=str(TINY_BASE_DIR),
         max_loras=2,
+        max_resident_loras=2,
         max_cpu_loras=1,
         max_lora_rank=64,
         block_size=4,
@@ -98,7 +99,7 @@ def simulator_turns(pages: dict[str, int], loads: LoadCosts = GPU_7B.loads) -> l
     config = FleetConfig(
         replicas=1,
         engine=SimConfig(max_num_seqs=8, max_num_batched_tokens=2048),
-        residency=ResidencyConfig(max_loras=2, max_cpu_loras=1, pages=pages, max_prefetches=2),
+        residency=ResidencyConfig(max_resident_loras=2, max_cpu_loras=1, pages=pages, max_prefetches=2),
         costs=dataclasses.replace(GPU_7B, loads=loads),
     )
     replica = Replica("r0", config)

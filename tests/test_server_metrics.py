@@ -1,5 +1,6 @@
 """/metrics over a real socket: latency histograms by tenant and adapter tier, and the scheduler's
-figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms);
+figures (admitted and rejected per tenant, queue wait by kind, VTC counters, per-step histograms,
+the tail lanes' use);
 per-adapter series with their label set bounded to the top adapters by traffic."""
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ async def test_scheduler_figures_per_tenant_and_per_step():
         assert batch[("1.0",)] == steps and _series(text, "lorapage_batch_size_sum")[()] == steps
         distinct = _series(text, "lorapage_batch_distinct_adapters_bucket")
         assert 0 < distinct[("0.0",)] < distinct[("1.0",)] == distinct[("+Inf",)] == steps  # base-only, one adapter
+        # One request at a time: each opens a general lane, none a reserved tail lane (nor borrows one).
+        assert _series(text, "lorapage_tail_lane_utilization") == {("lent",): 0.0, ("tail",): 0.0}
     finally:
         await engine.close()
 
@@ -145,7 +148,7 @@ async def test_adapter_labels_are_the_top_k_ids_by_recent_traffic_and_the_rest_o
 
 async def test_adapter_series_are_bounded_by_the_top_k():
     """Three adapters, K = 2: the third's requests, loads and evictions count as other."""
-    engine = make_engine(metrics_top_adapters=2, max_loras=1)
+    engine = make_engine(metrics_top_adapters=2, max_loras=1, max_resident_loras=1)
     try:
         for model in ("acme", "globex", "initech"):
             async for out in engine.generate("hello", model, SamplingParams(max_tokens=2), tenant="alpha"):

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import replace
 
 import msgspec
+import pytest
 from server_harness import BASE, make_engine
 
 from lorapage.replay.driver import RunOptions, replay
@@ -23,7 +24,7 @@ from lorapage.traces.trace import TraceRequest
 SMALL = FleetConfig(
     replicas=4,
     engine=SimConfig(max_num_seqs=16, max_num_batched_tokens=4096),
-    residency=ResidencyConfig(max_loras=8, max_cpu_loras=16, max_disk_loras=64),
+    residency=ResidencyConfig(max_resident_loras=8, max_cpu_loras=16, max_disk_loras=64),
     warmup_s=5.0,
 )
 
@@ -75,7 +76,7 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
         TraceRequest(arrival_s=i * GAP_S, tenant="t", model=m, max_tokens=6, prompt_len=PROMPT_LEN, temperature=0.0)
         for i, m in enumerate(_MODELS)
     ]
-    engine = make_engine(max_loras=2, max_cpu_loras=2)
+    engine = make_engine(max_loras=2, max_resident_loras=2, max_cpu_loras=2)
     pages = {info.name.partition("@")[0]: info.num_pages for info in engine.list_adapters()}
 
     async def run():
@@ -101,7 +102,7 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
         replicas=1,
         router="least_loaded",
         engine=SimConfig(max_num_seqs=64, max_num_batched_tokens=2048),
-        residency=ResidencyConfig(max_loras=2, max_cpu_loras=2, max_disk_loras=None, pages=pages),
+        residency=ResidencyConfig(max_resident_loras=2, max_cpu_loras=2, max_disk_loras=None, pages=pages),
         costs=cpu_costs(step_s=step_s, prefill_token_s=prefill_token_s, load_s=load_s),
         base_name=BASE,
     )
@@ -112,3 +113,27 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
     sim_p50 = statistics.median(r.ttft_s for r in simulated)
     real_p50 = statistics.median(r.ttft_s for r in measured)
     assert real_p50 / 3 <= sim_p50 <= real_p50 * 3, (sim_p50, real_p50)
+
+
+def test_simulate_takes_the_two_lora_counts_and_the_lane_flags() -> None:
+    """``replay run --simulate``'s engine flags: --max-loras sizes each replica's lanes (VTC's
+    distinct adapters per batch), --max-resident-loras its lora slots in the residency rules, and
+    the tail-lane flags reach its VtcConfig; a flag the simulator does not model is refused."""
+    import argparse
+
+    from lorapage.sim.cli import fleet_config
+    from lorapage.sim.fleet import Replica
+
+    args = argparse.Namespace(max_disk_loras=None, replicas=2, seed=0, warmup=0.0)
+    flags = ["--max-loras", "8", "--max-resident-loras", "100", "--reserved-tail-lanes", "2"]
+    config = fleet_config(args, [*flags, "--lane-age-deadline-s", "0.5"])
+    assert (config.vtc.max_loras, config.vtc.reserved_tail_lanes, config.vtc.age_deadline_s) == (8, 2, 0.5)
+    assert config.residency.max_resident_loras == 100
+    replica = Replica("r0", config)
+    assert replica.residency.rules.num_free_slots == 100
+    lanes = replica.sim.policy.lanes
+    assert (lanes.cap, lanes.reserved_tail) == (8, 2)
+    seed = fleet_config(args, [])  # the seed's replica: 250 resident, 32 distinct in a batch
+    assert (seed.residency.max_resident_loras, seed.vtc.max_loras) == (250, 32)
+    with pytest.raises(SystemExit, match="the simulator models only"):
+        fleet_config(args, ["--max-cpu-lora-bytes", "1000"])

@@ -18,7 +18,9 @@ MODELS = ["base", "base:acme", "base:globex", "base:initech"]
 
 
 async def test_the_parts_add_up_to_the_engine_totals():
-    engine = make_engine(max_loras=2, block_size=4)  # three adapters, two slots: loads and evictions
+    engine = make_engine(
+        max_loras=2, max_resident_loras=2, block_size=4
+    )  # three adapters, two slots: loads and evictions
     trace = [
         TraceRequest(arrival_s=0.02 * i, tenant=f"t{i % 3}", model=MODELS[i % 4], prompt="Hello " * (1 + i % 5),
                      max_tokens=4 + i % 7)

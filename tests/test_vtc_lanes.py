@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lorapage.scheduler import VtcConfig, VtcScheduler, make_policy
+from lorapage.scheduler import MeteredPolicy, SchedulerMetrics, VtcConfig, VtcScheduler, make_policy
 from lorapage.sim import SimConfig, SimRequest, Simulator
 
 
@@ -212,3 +212,33 @@ def test_under_sustained_load_singles_get_a_lane_within_one_generation_and_rows_
     assert all(r.admitted_at is not None for r in singles)  # no starvation
     assert max(r.queue_wait for r in singles) <= load_s + 60 * 0.02
     assert sum(rows) / len(rows) >= 31.5 and sum(r == 32 for r in rows) / len(rows) >= 0.95
+
+
+def test_tail_lane_utilization_averages_held_and_lent_over_recent_steps():
+    """The gauge behind lorapage_tail_lane_utilization: per step that ran, the reserved tail lanes
+    held by a tail adapter and lent to general holders, averaged; none under FCFS."""
+    metrics = SchedulerMetrics()
+    policy = MeteredPolicy(VtcScheduler(VtcConfig(max_loras=3, reserved_tail_lanes=1, age_deadline_s=100)), metrics)
+    for i, adapter in enumerate(["g1", "g1", "g2", "g2", "solo"]):
+        policy.add(Req(f"r{i}", "t", adapter), 0.0)
+    assert len(policy.schedule(0.0, Ctx())) == 5
+    assert metrics.tail_lane_utilization() == (1.0, 0.0)  # solo holds the one tail lane
+    policy.add(Req("late", "t", "solo"), 1.0)
+    assert ids(policy.schedule(1.0, Ctx())) == ["late"]  # nobody else wants it: lent to solo
+    assert metrics.tail_lane_utilization() == (0.5, 0.5)
+    fcfs = SchedulerMetrics()
+    plain = MeteredPolicy(make_policy("fcfs", vtc=VtcConfig(max_loras=3)), fcfs)
+    plain.add(Req("x", "t", "solo"), 0.0)
+    assert ids(plain.schedule(0.0, Ctx())) == ["x"] and fcfs.tail_lane_utilization() == (0.0, 0.0)
+
+
+def test_fcfs_holds_at_most_max_loras_distinct_adapters_and_keeps_order():
+    """vLLM's rule under FCFS: a request that would be a distinct adapter past max_loras is passed
+    over (it keeps its place); one whose adapter is in the batch still joins; a finish frees a lane."""
+    fcfs = make_policy("fcfs", vtc=VtcConfig(max_loras=2))
+    reqs = [Req(f"r{i}", "t", a, float(i)) for i, a in enumerate(["a", "b", "c", "a", None])]
+    for r in reqs:
+        fcfs.add(r, r.arrival_time)
+    assert ids(fcfs.schedule(0.0, Ctx())) == ["r0", "r1", "r3", "r4"]  # c would be a third adapter
+    fcfs.on_finish(reqs[1], 1.0)
+    assert ids(fcfs.schedule(1.0, Ctx())) == ["r2"]  # b's lane freed

@@ -185,7 +185,9 @@ class AdapterCache:
         self.check_name_free(name)
         origin = origin or Origin()
         remote = bool(origin.source) and not origin.source.startswith("file:") and not self._landed(digest)
-        self.residency.add(name, layout.num_pages, LoadTier.REMOTE if remote else LoadTier.DISK)
+        # Its packed host copy is its pages' bytes: [layers, pages x adapter page] of the adapters' dtype.
+        host_bytes = self.model.num_layers * layout.num_pages * self.pool.page_size * self.pool.storage.element_size()
+        self.residency.add(name, layout.num_pages, LoadTier.REMOTE if remote else LoadTier.DISK, host_bytes)
         self.entries[name] = AdapterEntry(name, spec, layout, digest=digest, origin=origin)
         return self.info(name)
 

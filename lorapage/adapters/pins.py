@@ -5,7 +5,7 @@ bounded so that the pool keeps serving everything else:
 
     pinned pages + asked <= min(floor(max_pinned_fraction x pool pages),
                                 pool pages - one full-length sequence - the largest adapter allowed)
-    pinned adapters      <= max_loras - 1
+    pinned adapters      <= max_resident_loras - 1
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class PinBounds:
     """The pool's sizes the pin bounds are computed from."""
 
     capacity: int  # pool pages that can be handed out
-    max_loras: int  # lora slots
+    max_resident_loras: int  # lora slots
     max_pinned_fraction: float = 0.5
     sequence_pages: int = 0  # KV pages of one full-length sequence
     max_adapter_pages: int = 0  # pages of the largest adapter allowed (max_lora_rank on every module)
@@ -45,9 +45,10 @@ class PinBounds:
                 f"{self.max_adapter_pages} pages); unpin an adapter or raise --max-pinned-fraction",
                 param="id",
             )
-        if pinned + 1 >= self.max_loras:
+        if pinned + 1 >= self.max_resident_loras:
             raise PinLimitError(
-                f"pinning {key} would leave no unpinned lora slot: {pinned} of the {self.max_loras} "
-                "slots (--max-loras) are pinned and one must stay free for every other adapter; unpin an adapter",
+                f"pinning {key} would leave no unpinned lora slot: {pinned} of the {self.max_resident_loras} "
+                "slots (--max-resident-loras) are pinned and one must stay free for every other adapter; unpin an "
+                "adapter or raise --max-resident-loras",
                 param="id",
             )

@@ -1,7 +1,9 @@
 """Where each adapter version lives and what leaves: every residency rule, without torch or a clock.
 
-A version is in one of four tiers: the pool (a lora slot and its pages), host RAM (its packed
-copy, an LRU of ``max_cpu_loras``), the local disk, or remote (a source not in the disk cache).
+A version is in one of four tiers: the pool (one of ``max_resident_loras`` lora slots and its
+pages), host RAM (its packed copy, an LRU bounded by ``max_cpu_loras`` copies and, when given,
+``max_cpu_lora_bytes`` bytes), the local disk, or remote (a source not in the disk cache). How many
+distinct adapters one batch holds (``max_loras``) is the scheduler's rule, not this module's.
 :class:`Residency` holds the rules that move it between them:
 
 - a request's arrival (:meth:`Residency.enqueue`) counts it as waiting, bumps the version's
@@ -91,6 +93,7 @@ class Residence:
 
     key: str
     pages: int  # pool pages it takes when resident
+    host_bytes: int = 0  # bytes its packed copy takes in host RAM
     cold: LoadTier = LoadTier.DISK  # where it comes from when not in host RAM: DISK or REMOTE
     phase: Phase = Phase.COLD
     slot: int = 0  # its lora slot while COPYING or RESIDENT
@@ -122,11 +125,12 @@ class Residence:
 class ResidencyLimits:
     """The sizes and times the rules work within (vLLM names where the engine has them)."""
 
-    max_loras: int  # lora slots
+    max_resident_loras: int  # lora slots: versions resident in the pool at once
     max_cpu_loras: int  # packed copies in host RAM
     adapter_wait_s: float = 1.0  # a load finding every slot busy this long may make one yield
     max_prefetches: int = 0  # prefetches into host RAM running at once (0: none)
     pins: PinBounds | None = None  # None: pins refused (no bounds given)
+    max_cpu_lora_bytes: int | None = None  # bytes of the packed copies in host RAM together; None: no bound
 
 
 class AdapterPages(Protocol):
@@ -158,9 +162,10 @@ class Residency:
     def __init__(self, limits: ResidencyLimits, pages: AdapterPages, reclaim: Reclaim, costs: ReloadCost) -> None:
         self.limits, self.pages, self.reclaimer, self.costs = limits, pages, reclaim, costs
         self.adapters: dict[str, Residence] = {}
-        self._free_slots = list(range(limits.max_loras, 0, -1))  # popped from the end: the last freed first
+        self._free_slots = list(range(limits.max_resident_loras, 0, -1))  # popped from the end: the last freed first
         self._by_slot: dict[int, Residence] = {}  # resident versions
-        self._host: OrderedDict[str, None] = OrderedDict()  # versions with a packed copy in host RAM, LRU first
+        self._host: OrderedDict[str, int] = OrderedDict()  # version -> bytes of its packed copy in host RAM, LRU first
+        self._host_bytes = 0  # their sum
         self._loads: dict[str, Residence] = {}  # READING, PLACING or COPYING
         self._starving: list[Residence] = []  # loads past adapter_wait_s without a slot, in order
         self._orphans: dict[int, list[int]] = {}  # slot -> pages of a copy whose version was removed meanwhile
@@ -173,11 +178,12 @@ class Residency:
 
     # -- registry -----------------------------------------------------------------------------------
 
-    def add(self, key: str, pages: int, cold: LoadTier = LoadTier.DISK) -> None:
-        """Register version ``key`` of ``pages`` pool pages, found in ``cold`` outside host RAM."""
+    def add(self, key: str, pages: int, cold: LoadTier = LoadTier.DISK, host_bytes: int = 0) -> None:
+        """Register version ``key`` of ``pages`` pool pages and a packed copy of ``host_bytes``,
+        found in ``cold`` outside host RAM."""
         if key in self.adapters:
             raise ConflictError(f"adapter {key!r} is already registered", param="name")
-        self.adapters[key] = Residence(key, pages, cold)
+        self.adapters[key] = Residence(key, pages, host_bytes, cold)
 
     def get(self, key: str) -> Residence:
         try:
@@ -215,7 +221,7 @@ class Residency:
         elif r.phase is Phase.RESIDENT:
             out += self._evict(r, now)
         if key in self._host:
-            del self._host[key]
+            self._host_bytes -= self._host.pop(key)
             out.append(DropHost(key))
         self.recent.forget(key)
         self._loads.pop(key, None)
@@ -261,6 +267,10 @@ class Residency:
     def in_host(self) -> list[str]:
         """Versions with a packed copy in host RAM, least recently used first."""
         return list(self._host)
+
+    def host_bytes(self) -> int:
+        """Bytes the packed copies in host RAM take together."""
+        return self._host_bytes
 
     def pinned(self) -> list[str]:
         return [r.key for r in self.adapters.values() if r.pinned]
@@ -513,12 +523,26 @@ class Residency:
         self._loads.pop(r.key, None)
 
     def _keep_in_host(self, key: str) -> list[Decision]:
-        """``key``'s packed copy is the most recently used in host RAM (the LRU keeps ``max_cpu_loras``)."""
-        self._host[key] = None
+        """``key``'s packed copy is the most recently used in host RAM; the least recently used
+        copies leave while the LRU holds more than ``max_cpu_loras`` copies or more than
+        ``max_cpu_lora_bytes`` bytes. A copy larger than that bound alone leaves at once, and
+        nothing else for it (its load still has the copy in hand)."""
+        size, most_bytes = self.adapters[key].host_bytes, self.limits.max_cpu_lora_bytes
+        if most_bytes is not None and size > most_bytes:
+            if key in self._host:
+                self._host_bytes -= self._host.pop(key)
+            return [DropHost(key)]
+        if key not in self._host:
+            self._host[key] = size
+            self._host_bytes += size
         self._host.move_to_end(key)
         out: list[Decision] = []
-        while len(self._host) > self.limits.max_cpu_loras:
-            out.append(DropHost(self._host.popitem(last=False)[0]))
+        while self._host and (
+            len(self._host) > self.limits.max_cpu_loras or (most_bytes is not None and self._host_bytes > most_bytes)
+        ):
+            dropped, size = self._host.popitem(last=False)
+            self._host_bytes -= size
+            out.append(DropHost(dropped))
         return out
 
     def _idle(self, r: Residence) -> bool:

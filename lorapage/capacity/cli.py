@@ -144,7 +144,7 @@ def simulate(plan: Plan, replica: Replica, args: argparse.Namespace, trace: list
         router_options={"owners": replica.owners},
         engine=SimConfig(max_num_seqs=replica.max_num_seqs, max_num_batched_tokens=8192),
         residency=ResidencyConfig(
-            max_loras=max(1, plan.pool_adapters),
+            max_resident_loras=max(1, plan.pool_adapters),
             max_cpu_loras=max(1, plan.host_adapters or round(plan.adapters_per_replica)),
             max_disk_loras=1000,
             rank=rank,

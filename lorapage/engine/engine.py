@@ -49,7 +49,7 @@ from lorapage.adapters.sources import (
 )
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.adapters.value import ReloadCosts, Stage
-from lorapage.config import EngineConfig
+from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
 from lorapage.engine.devices import (
     DTYPES,
     forward_thread,
@@ -74,7 +74,7 @@ from lorapage.memory.pages import PageKind
 from lorapage.memory.pool import PagePool, adapter_page_size
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
-from lorapage.memory.sizing import pages_for_memory, step_activation_bytes
+from lorapage.memory.sizing import lora_slots, pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
@@ -146,7 +146,11 @@ class Engine:
         model = LlamaModel(mc, load_state_dict(model_dir, self.dtype), self.device, self.dtype, self.max_model_len)
         num_pages = self._num_pages(adapter_pages, max_blocks, page_size)
         self.pool = PagePool(mc.num_layers, num_pages, page_size, self.dtype, self.device, self.lora_dtype)
-        self.tables = LoraTables(mc, config.max_loras, adapter_pages, self.device)
+        # Lora slots: how many adapters may be resident at once (max_loras is per batch, the scheduler's).
+        self.max_resident_loras = lora_slots(
+            config.max_loras, config.max_resident_loras, self.pool.capacity, adapter_pages, MAX_DERIVED_LORA_SLOTS
+        )
+        self.tables = LoraTables(mc, self.max_resident_loras, adapter_pages, self.device)
         self.ops = select_backend(config.kernel_backend, self.device, self.dtype)
         self.runner = ModelRunner(
             model,
@@ -200,13 +204,14 @@ class Engine:
         costs = ReloadCosts(page_bytes)
         self.residency = Residency(
             ResidencyLimits(
-                max_loras=config.max_loras,
+                max_resident_loras=self.max_resident_loras,
                 max_cpu_loras=config.max_cpu_loras,
+                max_cpu_lora_bytes=config.max_cpu_lora_bytes,
                 adapter_wait_s=config.adapter_wait_s,
                 max_prefetches=max(0, min(MAX_PREFETCHES, self.io_threads - 1)),
                 pins=PinBounds(
                     self.pool.capacity,
-                    config.max_loras,
+                    self.max_resident_loras,
                     config.max_pinned_fraction,
                     sequence_pages=max_blocks,
                     max_adapter_pages=adapter_pages,
@@ -276,7 +281,11 @@ class Engine:
         self.scheduler_metrics = SchedulerMetrics()
         self.policy: SchedulerPolicy[Request] = make_policy(
             config.scheduler,
-            vtc=VtcConfig(max_loras=config.max_loras),
+            vtc=VtcConfig(
+                max_loras=config.max_loras,
+                reserved_tail_lanes=config.reserved_tail_lanes,
+                age_deadline_s=config.lane_age_deadline_s,
+            ),
             tenant_weights=tenant_weights,
             metrics=self.scheduler_metrics,
         )
@@ -338,7 +347,10 @@ class Engine:
     def _num_pages(self, adapter_pages: int, max_blocks: int, page_size: int) -> int:
         if self.config.num_pages is not None:
             return self.config.num_pages
-        want = 1 + self.config.max_num_seqs * max_blocks + self.config.max_loras * adapter_pages
+        # Room for the adapters asked to be resident at once (an explicit max_resident_loras), else for
+        # one batch's (max_loras); a derived max_resident_loras then follows the pool (lora_slots).
+        adapters = self.config.max_resident_loras or self.config.max_loras
+        want = 1 + self.config.max_num_seqs * max_blocks + adapters * adapter_pages
         mc, elem = self.model_config, torch.finfo(self.dtype).bits // 8
         per_page = mc.num_layers * page_size * elem
         if self.device.type != "cuda":
@@ -748,6 +760,8 @@ class Engine:
         return {
             "resident_adapters": self.adapters.resident(),
             "host_ram_adapters": self.adapters.in_host(),
+            "host_ram_adapter_bytes": self.residency.host_bytes(),
+            "lora_slots": self.max_resident_loras,
             "registered_adapters": len(self.adapters.entries),
             "queue_depth": self.policy.num_waiting(),
             "running": len(self.scheduler.running),

@@ -38,3 +38,13 @@ def pages_for_memory(
             "max_num_batched_tokens, or use a smaller dtype or model"
         )
     return min(want, fits)
+
+
+def lora_slots(max_loras: int, max_resident_loras: int | None, pool_pages: int, adapter_pages: int, most: int) -> int:
+    """Lora slots (rows of the lookup tables): ``max_resident_loras`` when given; else as many
+    adapters of ``adapter_pages`` (``max_lora_rank`` on every module) as ``pool_pages`` hold, so
+    that pages, not slots, bound residency for such adapters, at least ``max_loras`` (every adapter
+    of a batch is resident) and at most ``most`` (the tables grow with the slots)."""
+    if max_resident_loras is not None:
+        return max_resident_loras
+    return max(max_loras, min(most, pool_pages // max(1, adapter_pages)))

@@ -19,14 +19,15 @@ class SlotRows(Protocol):
 
 
 class LoraTables:
-    """Lookup tables the LoRA ops read, allocated once at ``max_loras + 1`` slots; slot 0 = none.
+    """Lookup tables the LoRA ops read, allocated once at ``max_resident_loras + 1`` slots (every
+    lora slot, not only the ``max_loras`` distinct adapters one batch may hold); slot 0 = none.
 
     Loading or evicting an adapter only writes rows of these tensors, never reallocates them, so
     a captured CUDA graph that reads them stays valid.
     """
 
-    def __init__(self, model: ModelConfig, max_loras: int, max_pages: int, device: torch.device) -> None:
-        L, S, G, M = model.num_layers, max_loras + 1, len(GROUPS), len(MODULES)
+    def __init__(self, model: ModelConfig, max_resident_loras: int, max_pages: int, device: torch.device) -> None:
+        L, S, G, M = model.num_layers, max_resident_loras + 1, len(GROUPS), len(MODULES)
         i32, i64, f32 = torch.int32, torch.int64, torch.float32
         self.page_table = torch.zeros(S, max_pages, dtype=i32, device=device)  # [slot, i]: i-th page of the adapter
         self.a_offset = torch.zeros(L, S, G, dtype=i64, device=device)  # [layer, slot, group]: start of stacked A

@@ -79,6 +79,11 @@ class AdapterLanes:
         """Tail lanes general holders occupy: lent while nobody wanted them."""
         return max(0, len(self.running) - len(self.tail) - (self.cap - self.reserved_tail))
 
+    def tail_use(self) -> tuple[int, int]:
+        """The reserved tail lanes in use: (held by adapters that came in through one, lent to
+        general holders)."""
+        return len(self.tail), self.borrowed()
+
     def free_tail(self) -> bool:
         return len(self.running) < self.cap and len(self.tail) < self.reserved_tail
 

@@ -9,16 +9,18 @@ rejection reason, and the wrapper's books hold only requests in flight.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Generic
 
 from lorapage.scheduler.base import AdmissionContext, R, SchedulerPolicy
+from lorapage.scheduler.vtc import VtcScheduler
 
 WAIT_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DISTINCT_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 POLICY_BOUNDS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+TAIL_WINDOW_STEPS = 256  # the tail lanes' use is averaged over this many recent steps
 
 
 class Histogram:
@@ -53,13 +55,16 @@ class TenantStats:
 
 class SchedulerMetrics:
     """Per-tenant stats and per-step histograms (batch size, distinct adapters in the batch, and
-    the time the policy took, which the engine measures and hands in: the policy has no clock)."""
+    the time the policy took, which the engine measures and hands in: the policy has no clock),
+    and how much of VTC's reserved tail lanes recent steps used."""
 
     def __init__(self) -> None:
         self.tenants: dict[str, TenantStats] = {}
         self.batch_size = Histogram(BATCH_BOUNDS)
         self.distinct_adapters = Histogram(DISTINCT_BOUNDS)
         self.policy_s = Histogram(POLICY_BOUNDS_S)
+        # Per recent step: fractions of the reserved tail lanes held by tail adapters, and lent.
+        self._tail: deque[tuple[float, float]] = deque(maxlen=TAIL_WINDOW_STEPS)
 
     def tenant(self, name: str) -> TenantStats:
         stats = self.tenants.get(name)
@@ -91,6 +96,17 @@ class SchedulerMetrics:
     def record_step(self, batch_size: int, distinct_adapters: int) -> None:
         self.batch_size.observe(batch_size)
         self.distinct_adapters.observe(distinct_adapters)
+
+    def record_tail_lanes(self, held: int, lent: int, reserved: int) -> None:
+        """One step's reserved tail lanes: ``held`` by adapters that came in through one (single
+        requests, or aged ones), ``lent`` to general holders while no such request wanted one."""
+        self._tail.append((held / reserved, lent / reserved) if reserved else (0.0, 0.0))
+
+    def tail_lane_utilization(self) -> tuple[float, float]:
+        """The fractions of the reserved tail lanes held by tail adapters and lent, each averaged
+        over the last ``TAIL_WINDOW_STEPS`` steps that ran anything (0 before any, and under FCFS)."""
+        n = len(self._tail) or 1
+        return sum(h for h, _ in self._tail) / n, sum(lent for _, lent in self._tail) / n
 
     def record_policy_time(self, seconds: float) -> None:
         """Seconds one step spent in the policy (scheduling, service and finish accounting)."""
@@ -131,6 +147,7 @@ class MeteredPolicy(Generic[R]):
     def __init__(self, policy: SchedulerPolicy[R], metrics: SchedulerMetrics) -> None:
         self.policy = policy
         self.metrics = metrics
+        self._lanes = policy.lanes if isinstance(policy, VtcScheduler) else None  # FCFS reserves no tail lanes
         self._enqueued_at: dict[str, float] = {}
         self._loaded_at: dict[str, float | None] = {}
         self._returning: set[str] = set()  # preempted, waiting to be readmitted
@@ -167,6 +184,8 @@ class MeteredPolicy(Generic[R]):
                 self._adapters[req.adapter] += 1
         if self._running:
             self.metrics.record_step(len(self._running), len(self._adapters))
+            if self._lanes is not None:
+                self.metrics.record_tail_lanes(*self._lanes.tail_use(), self._lanes.reserved_tail)
         return admitted
 
     def on_service(self, req: R, input_tokens: int, output_tokens: int, now: float) -> None:

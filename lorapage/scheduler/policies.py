@@ -20,15 +20,17 @@ def make_policy(
 ) -> SchedulerPolicy[R]:
     """The policy called ``name`` ("fcfs" or "vtc"), recording into ``metrics`` when given.
 
-    ``vtc`` and ``tenant_weights`` configure VTC (FCFS has no knobs): build ``vtc`` with
-    ``max_loras`` from the engine config and the weights from the tenants file. The request type
-    comes from the caller: ``policy: SchedulerPolicy[Request] = make_policy(...)``.
+    ``vtc`` and ``tenant_weights`` configure VTC: build ``vtc`` with ``max_loras``,
+    ``reserved_tail_lanes`` and ``age_deadline_s`` from the engine config (``lane_age_deadline_s``)
+    and the weights from the tenants file. FCFS takes only ``vtc.max_loras``, the distinct adapters
+    a batch may hold. The request type comes from the caller:
+    ``policy: SchedulerPolicy[Request] = make_policy(...)``.
     """
     policy: SchedulerPolicy[R]
     if name == "vtc":
         policy = VtcScheduler(vtc, tenant_weights)
     elif name == "fcfs":
-        policy = FcfsScheduler()
+        policy = FcfsScheduler((vtc or VtcConfig()).max_loras)
     else:
         raise ValueError(f"scheduler must be one of {SCHEDULERS}; got {name!r}")
     return MeteredPolicy(policy, metrics) if metrics is not None else policy

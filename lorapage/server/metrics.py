@@ -4,7 +4,8 @@ Latencies are labelled by tenant and by the tier the adapter was in when the req
 (``gpu``, ``ram``, ``disk``; ``none`` for the base model), which is what tells a cold adapter's
 first token from a warm one's. Engine gauges are read from ``Engine.stats()`` at scrape time, and
 the scheduler's figures (per tenant: admitted and rejected requests and tokens, queue wait split
-into adapter load and capacity, VTC counter; per step: batch size, distinct adapters) from its
+into adapter load and capacity, VTC counter; per step: batch size, distinct adapters; the reserved
+tail lanes' recent use) from its
 :class:`~lorapage.scheduler.SchedulerMetrics`. The event loop's lag comes from a
 :class:`~lorapage.server.loop_lag.LoopLagMonitor`.
 
@@ -162,6 +163,17 @@ class _SchedulerCollector:
         )
         _histogram(distinct, [], self._sched.distinct_adapters)
         yield distinct
+        held, lent = self._sched.tail_lane_utilization()
+        tail = GaugeMetricFamily(
+            "lorapage_tail_lane_utilization",
+            "Fraction of VTC's reserved tail lanes (--reserved-tail-lanes) in use, averaged over recent steps: "
+            "holder=tail, by adapters that came in through one (single requests, aged ones); holder=lent, by "
+            "general holders while nobody wanted one. Tail near 1: the long tail queues for them.",
+            labels=("holder",),
+        )
+        tail.add_metric(["tail"], held)
+        tail.add_metric(["lent"], lent)
+        yield tail
         policy = HistogramMetricFamily(
             "lorapage_scheduler_policy_seconds",
             "Seconds each step spent in the scheduling policy (admission and service accounting).",

@@ -1,8 +1,10 @@
 """``lorapage replay run --simulate``: the fleet simulator from the replay command line.
 
 Each replica is sized by the same engine flags ``lorapage serve`` takes (only the ones the
-simulator models: ``--max-loras``, ``--max-cpu-loras``, ``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--scheduler``); absent ones take the seed design's 7B replica.
+simulator models: ``--max-loras``, ``--max-resident-loras``, ``--max-cpu-loras``,
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--scheduler``, ``--reserved-tail-lanes``,
+``--lane-age-deadline-s``); absent ones take the seed design's 7B replica (250 resident, at most
+32 distinct adapters in one batch).
 """
 
 from __future__ import annotations
@@ -22,7 +24,22 @@ from lorapage.traces.stats import Slo
 from lorapage.traces.trace import TraceRequest
 
 PROG = "lorapage replay run --simulate"
-_SIM_FIELDS = ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "scheduler")
+_SIM_FIELDS = (
+    "max_loras",
+    "max_resident_loras",
+    "max_cpu_loras",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "scheduler",
+    "reserved_tail_lanes",
+    "lane_age_deadline_s",
+)
+# Engine flags -> the simulator's VtcConfig fields.
+_VTC_FIELDS = {
+    "max_loras": "max_loras",
+    "reserved_tail_lanes": "reserved_tail_lanes",
+    "lane_age_deadline_s": "age_deadline_s",
+}
 
 
 def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> FleetConfig:
@@ -42,14 +59,16 @@ def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> FleetConfig:
     residency = replace(
         base.residency,
         max_disk_loras=args.max_disk_loras,
-        **{k: v for k, v in given.items() if k in ("max_loras", "max_cpu_loras")},
+        **{k: v for k, v in given.items() if k in ("max_resident_loras", "max_cpu_loras")},
     )
     try:
+        vtc = replace(base.vtc, **{_VTC_FIELDS[k]: v for k, v in given.items() if k in _VTC_FIELDS})
         return replace(
             base,
             replicas=args.replicas,
             seed=args.seed,
             scheduler=given.get("scheduler", base.scheduler),
+            vtc=vtc,
             engine=engine,
             residency=residency,
             warmup_s=args.warmup,

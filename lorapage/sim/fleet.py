@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lorapage.fleet.routing import AffinityRouter, ReplicaView, Router, make_router
 from lorapage.scheduler import SchedulerPolicy, VtcConfig, make_policy
@@ -38,10 +38,12 @@ class FleetConfig:
     router_options: dict = field(default_factory=dict)  # AffinityRouter arguments
     seed: int = 0
     scheduler: str = "vtc"
+    # The batch's lanes: max_loras distinct adapters (the seed's 32), its tail lanes and age deadline.
+    vtc: VtcConfig = field(default_factory=VtcConfig)
     engine: SimConfig = field(default_factory=lambda: SimConfig(max_num_seqs=32, max_num_batched_tokens=8192))
     residency: ResidencyConfig = field(
         # The seed's replica: 250 GPU slots, ~385 adapters in host RAM, 1,000 on local disk (80 GB).
-        default_factory=lambda: ResidencyConfig(max_loras=250, max_cpu_loras=400, max_disk_loras=1000)
+        default_factory=lambda: ResidencyConfig(max_resident_loras=250, max_cpu_loras=400, max_disk_loras=1000)
     )
     costs: StepCosts = GPU_7B
     warmup_s: float = 0.0  # requests arriving earlier are run but left out of the figures
@@ -59,7 +61,9 @@ class Replica:
     def __init__(self, replica_id: str, config: FleetConfig) -> None:
         self.replica_id = replica_id
         self.capacity = config.engine.max_num_seqs
-        vtc = VtcConfig(max_loras=min(config.residency.max_loras, config.engine.max_num_seqs))
+        # No batch holds more distinct adapters than rows, nor than are resident.
+        cap = min(config.vtc.max_loras, config.residency.max_resident_loras, config.engine.max_num_seqs)
+        vtc = replace(config.vtc, max_loras=cap) if cap < config.vtc.max_loras else config.vtc
         policy: SchedulerPolicy[SimRequest] = make_policy(config.scheduler, vtc=vtc)
         self.residency = SimLoader(config.residency, config.costs.loads)
         engine = SimConfig(**{**config.engine.__dict__, "cost": config.costs, "adapter_rank": config.residency.rank})

@@ -39,7 +39,7 @@ TIERS = (GPU, RAM, LoadTier.DISK.value, LoadTier.REMOTE.value)
 class ResidencyConfig:
     """Capacities of one replica's tiers (vLLM names where the engine has them)."""
 
-    max_loras: int = 32  # lora slots
+    max_resident_loras: int = 32  # lora slots (the batch's distinct adapters are the policy's max_loras)
     max_cpu_loras: int = 128  # adapters in host RAM
     max_disk_loras: int | None = None  # adapters in the local disk cache; None: every adapter is on disk
     adapter_wait_s: float = 1.0
@@ -74,9 +74,12 @@ class SimLoader:
         self.loads = loads.scaled(config.rank)
         self.costs = SimReloadCosts(self.loads, config.rank)
         most = max([config.rank, *config.pages.values()])
-        self.pool = PageAllocator(1 + config.max_loras * most)  # the slots bind first
+        self.pool = PageAllocator(1 + config.max_resident_loras * most)  # the slots bind first
         limits = ResidencyLimits(
-            config.max_loras, config.max_cpu_loras, config.adapter_wait_s, max_prefetches=config.max_prefetches
+            config.max_resident_loras,
+            config.max_cpu_loras,
+            config.adapter_wait_s,
+            max_prefetches=config.max_prefetches,
         )
         self.rules = Residency(limits, self.pool, Reclaim(self.pool), self.costs)
         self.disk: OrderedDict[str, None] = OrderedDict((a, None) for a in sorted(disk))
