@@ -202,6 +202,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
     cfg = EngineConfig(
         model=str(model),
         max_loras=BATCH + (SCATTER_FILLERS // 2 if scattered else 2),
+        max_resident_loras=BATCH + (SCATTER_FILLERS // 2 if scattered else 2),  # slots as when measured before
         max_lora_rank=16,
         max_cpu_loras=BATCH + SCATTER_FILLERS,
         max_num_seqs=BATCH,
@@ -288,6 +289,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
             EngineConfig(
                 model=str(model),
                 max_loras=others + 2,
+                max_resident_loras=others + 2,
                 max_lora_rank=16,
                 max_cpu_loras=others + 2,
                 max_num_seqs=4,

@@ -81,7 +81,11 @@ def make_assets(root: Path) -> tuple[Path, list[Path]]:
 def engine_for(model: Path, dirs: list[Path], names: list[str], **config) -> tuple[Engine, float]:
     """An engine with ``names`` registered on ``dirs`` in turn; returns it and the seconds registration took."""
     cfg = dict(max_loras=32, max_lora_rank=16, max_num_seqs=32, max_model_len=256, max_cpu_loras=128)
-    engine = Engine(EngineConfig(model=str(model), **{**cfg, **config}))
+    cfg = {**cfg, **config}
+    # As many lora slots as one batch's distinct adapters: what max_loras meant when the history in
+    # bench/RESULTS.md was measured (the S-LoRA headline's 2,000 adapters cycle through 16 slots).
+    cfg.setdefault("max_resident_loras", cfg["max_loras"])
+    engine = Engine(EngineConfig(model=str(model), **cfg))
     start = time.perf_counter()
     # Each directory is read and checked once, as add_adapter would for every name; the names
     # are then registered on the checked result, each a distinct adapter of its own.
