@@ -16,10 +16,16 @@ Tables:
   admin pinned it resident (``pinned``, schema 2), so a restart loads it again; and its projected
   decode cost in % of the base's (``projected_cost_pct``, schema 3; see
   :mod:`lorapage.adapters.cost`), so "which adapters are expensive" is a query.
+- ``adapter_traffic`` (schema 4): per version and calendar hour (``hour``: hours since the Unix
+  epoch, UTC), its requests, prompt tokens and output tokens. The engine adds to it in batches
+  (:meth:`Registry.add_traffic`, off its event loop) and hours past the retention are deleted in
+  the same transaction; the traffic tiers (:mod:`lorapage.adapters.tiers`) are read from it, so
+  they survive a restart.
 
-Older files are migrated in place when opened, each step one ``ALTER TABLE`` in the transaction
-that records the new schema: schema 1 (before pins) gains ``pinned`` (0 for every version),
-schema 2 gains ``projected_cost_pct`` (NULL until an engine on that base fills it in at start).
+Older files are migrated in place when opened, each step in the transaction that records the new
+schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 gains
+``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
+the ``adapter_traffic`` table (empty).
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.errors import AdapterNotFoundError, ConflictError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 REGISTRY_FILE = "registry.sqlite3"
 # A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
 # ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
@@ -62,11 +68,27 @@ CREATE TABLE IF NOT EXISTS versions (
     PRIMARY KEY (id, version)
 );
 """
-# Each step takes a file from schema N to N + 1 (N is the key).
-_MIGRATIONS = {
+# -- the traffic table (schema 4): kept apart, its own statements, created fresh or by migration --
+_TRAFFIC_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS adapter_traffic (
+    id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    hour INTEGER NOT NULL,
+    requests INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (id, version, hour)
+) WITHOUT ROWID""",
+    # Pruning and "the last 24 hours" read by hour.
+    "CREATE INDEX IF NOT EXISTS adapter_traffic_hour ON adapter_traffic (hour)",
+)
+# Each step takes a file from schema N to N + 1 (N is the key): one statement or several.
+_MIGRATIONS: dict[int, str | tuple[str, ...]] = {
     1: "ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",
     2: "ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",
+    3: _TRAFFIC_SCHEMA,
 }
+TRAFFIC_RETENTION_HOURS = 14 * 24  # hours of traffic kept by default
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,22 @@ class AdapterRow:
     adapter_id: str
     owner: str | None
     current: int | None
+
+
+@dataclass(frozen=True)
+class TrafficRow:
+    """One version's traffic in one calendar hour (or what to add to it)."""
+
+    adapter_id: str
+    version: int
+    hour: int  # hours since the Unix epoch (UTC): the hour starting at hour x 3600
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def key(self) -> str:
+        return version_key(self.adapter_id, self.version)
 
 
 class RegistrySchemaError(RuntimeError):
@@ -151,6 +189,8 @@ class Registry:
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
+                for statement in _TRAFFIC_SCHEMA:
+                    self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
                 self._migrate(int(row[0]))
@@ -164,7 +204,9 @@ class Registry:
                 f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
             )
         for version in range(found, SCHEMA_VERSION):
-            self._db.execute(_MIGRATIONS[version])
+            step = _MIGRATIONS[version]
+            for statement in (step,) if isinstance(step, str) else step:
+                self._db.execute(statement)
         self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 
     def _transaction(self):
@@ -265,6 +307,40 @@ class Registry:
             self._db.execute("UPDATE adapters SET current = ? WHERE id = ?", (new_current, adapter_id))
             if new_current is None:  # the id is free for any tenant again; its numbers stay used
                 self._db.execute("UPDATE adapters SET owner = NULL WHERE id = ?", (adapter_id,))
+
+    # -- traffic (schema 4) ----------------------------------------------------------------------
+
+    def add_traffic(
+        self, rows: Iterable[TrafficRow], now_hour: int, retention_hours: int = TRAFFIC_RETENTION_HOURS
+    ) -> None:
+        """Add ``rows``' counts to their (version, hour) rows, and delete the hours older than
+        ``retention_hours`` before ``now_hour``: one transaction (the engine batches its counts and
+        calls this from a worker thread, every few minutes, never per request)."""
+        oldest = now_hour - retention_hours
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT INTO adapter_traffic (id, version, hour, requests, prompt_tokens, output_tokens) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id, version, hour) DO UPDATE SET "
+                "requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                "output_tokens = output_tokens + excluded.output_tokens",
+                [
+                    (r.adapter_id, r.version, r.hour, r.requests, r.prompt_tokens, r.output_tokens)
+                    for r in rows
+                    if r.hour >= oldest
+                ],
+            )
+            self._db.execute("DELETE FROM adapter_traffic WHERE hour < ?", (oldest,))
+
+    def traffic(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
+        """Traffic rows of hour ``since_hour`` and later (of ``adapter_id``'s versions, or of
+        every version), by id, version and hour."""
+        query = "SELECT id, version, hour, requests, prompt_tokens, output_tokens FROM adapter_traffic WHERE hour >= ?"
+        args: tuple[object, ...] = (since_hour,)
+        if adapter_id is not None:
+            query, args = query + " AND id = ?", (since_hour, adapter_id)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY id, version, hour", args).fetchall()
+        return [TrafficRow(*r) for r in rows]
 
     def close(self) -> None:
         with self._lock:
