@@ -70,7 +70,7 @@ def test_a_hot_version_stays_hot_until_below_the_exit_thresholds_and_its_hold():
     assert first["a@1"].tier is Tier.HOT and first["a@1"].since == T
     # An hour later it has 60 in the last hour: below the entry threshold, above the exit one.
     later = T + HOUR_S
-    second = assess(rules, {"a@1": {H: 110, H + 1: 60}}, first, later)
+    second = assess(rules, {"a@1": {H + 1: 60}}, first, later)
     assert second["a@1"].tier is Tier.HOT and second["a@1"].since == T  # still the same stay
     # A new version with the same 60 is not hot: the thresholds depend on the tier held.
     assert assess(rules, {"b@1": {H + 1: 60}}, {}, later)["b@1"].tier is Tier.WARM
