@@ -64,3 +64,24 @@ async def test_a_hot_adapter_ends_up_resident_and_a_warm_one_in_host_ram_after_a
         assert [(r.key, r.requests, r.output_tokens) for r in rows] == [("acme@1", 4, 12)]
     finally:
         await engine.close()
+
+
+async def test_the_engine_writes_the_table_and_judges_the_tiers_every_interval_on_its_own(tmp_path):
+    config = EngineConfig(state_dir=str(tmp_path / "state"), tier_interval_s=0.05, **CONFIG)
+    engine = Engine(config)
+    try:
+        for name, path in demo_adapter_dirs().items():
+            engine.add_adapter(name, path)
+        for _ in range(3):
+            await collect(engine, "Hello", "initech", SamplingParams(max_tokens=2, temperature=0))
+        await until(lambda: engine.tiers.tier("initech@1").value == "hot")
+        await until(lambda: engine.residency.hot() == ["initech@1"])
+        for _ in range(3000):  # the last step's tokens go out with the next write
+            stored = await asyncio.to_thread(engine.registry.traffic, 0)
+            if [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]:
+                break
+            await asyncio.sleep(0.02)
+        assert [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]
+        assert engine.usage.traffic == {}  # written: nothing waits in the ledger
+    finally:
+        await engine.close()

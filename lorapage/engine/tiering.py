@@ -67,6 +67,8 @@ class TierKeeper:
 
     def start(self) -> None:
         """Re-evaluate every ``interval_s`` on the running loop (a task of a loop that ended is gone)."""
+        if self._task is not None and not self._task.done() and self._task.get_loop() is asyncio.get_running_loop():
+            return  # already running here
         self._lock = asyncio.Lock()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="lorapage-tiers")
 
