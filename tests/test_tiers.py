@@ -6,21 +6,26 @@ from __future__ import annotations
 import pytest
 
 from lorapage import EngineConfig
-from lorapage.adapters.registry import TrafficRow
 from lorapage.adapters.tiers import (
     HOUR_S,
     Tier,
     TierRules,
     TierState,
-    assess,
+    assess as assess_recent,
     ranked,
-    requests_by_version,
+    recent_requests,
     window_requests,
+    window_weights,
 )
 
 RULES = TierRules(hot_requests_per_hour=100, hot_share=0.2, hot_exit_ratio=0.5, min_hold_s=600)
 H = 500_000  # an hour since the epoch
 T = H * HOUR_S + 1800.0  # half past it
+
+
+def assess(rules: TierRules, traffic: dict, previous: dict, now: float) -> dict[str, TierState]:
+    """The rules on counts per version and hour (as the registry's weighted sums give them)."""
+    return assess_recent(rules, recent_requests(traffic, now), previous, now)
 
 
 def tiers(states: dict[str, TierState]) -> dict[str, Tier]:
@@ -93,14 +98,14 @@ def test_no_demotion_before_the_hold_and_promotions_at_once():
     assert assess(rules, {"a@1": {H: 300}}, warm, T + 1)["a@1"].tier is Tier.HOT
 
 
-def test_rows_by_version_and_the_ranking():
-    rows = [
-        TrafficRow("a", 1, H, requests=3),
-        TrafficRow("a", 1, H - 1, requests=2),
-        TrafficRow("a", 2, H, requests=7),
-        TrafficRow("b", 1, H, requests=1),
-    ]
-    assert requests_by_version(rows) == {"a@1": {H: 3, H - 1: 2}, "a@2": {H: 7}, "b@1": {H: 1}}
+def test_the_window_weights_name_the_25_hours_that_count():
+    weights = {h: (w_hour, w_day) for h, w_hour, w_day in window_weights(T)}
+    assert sorted(weights) == list(range(H - 24, H + 1))
+    assert weights[H] == (1.0, 1.0) and weights[H - 1] == (0.5, 1.0) and weights[H - 2] == (0.0, 1.0)
+    assert weights[H - 24] == (0.0, 0.5)
+
+
+def test_the_ranking():
     states = {
         "x@1": TierState(Tier.HOT, 0.0, last_hour=10, last_day=10),
         "y@1": TierState(Tier.HOT, 0.0, last_hour=50, last_day=50),

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import sqlite3
 
-from lorapage.adapters.registry import SCHEMA_VERSION, Registry, TrafficRow
+import pytest
+
+from lorapage.adapters.registry import SCHEMA_VERSION, Registry, TrafficRow, parse_name
+from lorapage.adapters.tiers import recent_requests, window_weights
 from lorapage.engine.tiering import traffic_rows
 from lorapage.usage import StepRow, UsageLedger
 from lorapage.usage.ledger import HOUR_S
@@ -38,6 +41,24 @@ def test_hours_past_the_retention_are_deleted_as_rows_are_written(tmp_path):
     registry.add_traffic([TrafficRow("a", 1, H + 5, 1)], H + 5, retention_hours=30)  # five hours on
     hours = sorted(r.hour for r in registry.traffic(0))
     assert hours == [*range(H - 25, H + 1), H + 5]
+    registry.close()
+
+
+def test_the_windows_summed_in_sqlite_are_the_tier_rules_own(tmp_path):
+    registry = Registry(tmp_path / "registry.sqlite3")
+    counts = {"a@1": {H: 7, H - 1: 10, H - 24: 8, H - 30: 99}, "a@2": {H - 3: 5}, "b@1": {H - 40: 3}}
+    rows = []
+    for key, hours in counts.items():
+        adapter_id, version = parse_name(key)
+        rows += [TrafficRow(adapter_id, version or 0, h, n) for h, n in hours.items()]
+    registry.add_traffic(rows, H)
+    now = H * HOUR_S + 900.0  # a quarter past H
+    got = registry.weighted_requests(window_weights(now))
+    want = recent_requests(counts, now)
+    assert got.keys() == {"a@1", "a@2"}  # b@1 had nothing in the last 25 hours
+    for key in got:
+        assert got[key] == pytest.approx(want[key])
+    assert got["a@1"] == pytest.approx((7 + 10 * 0.75, 7 + 10 + 8 * 0.75))
     registry.close()
 
 

@@ -34,7 +34,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,6 +341,24 @@ class Registry:
         with self._lock:
             rows = self._db.execute(query + " ORDER BY id, version, hour", args).fetchall()
         return [TrafficRow(*r) for r in rows]
+
+    def weighted_requests(self, weights: Sequence[tuple[int, float, float]]) -> dict[str, tuple[float, float]]:
+        """Every version's requests summed over the hours ``weights`` names, twice: each hour's
+        requests times its first weight, and times its second. ``(hour, w1, w2)`` per hour; the
+        traffic tiers pass the weights of the last hour and the last 24 hours
+        (:func:`lorapage.adapters.tiers.window_weights`). Summed in SQLite: one row per version."""
+        if not weights:
+            return {}
+        values = ", ".join("(?, ?, ?)" for _ in weights)
+        query = (
+            f"WITH w (hour, w1, w2) AS (VALUES {values}) "
+            "SELECT t.id || '@' || t.version, SUM(t.requests * w.w1), SUM(t.requests * w.w2) "
+            "FROM adapter_traffic AS t JOIN w ON t.hour = w.hour GROUP BY t.id, t.version"
+        )
+        args = [x for hour, w1, w2 in weights for x in (hour, w1, w2)]
+        with self._lock:
+            rows = self._db.execute(query, args).fetchall()
+        return {key: (float(a), float(b)) for key, a, b in rows}
 
     def close(self) -> None:
         with self._lock:

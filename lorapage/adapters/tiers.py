@@ -6,7 +6,8 @@ passes. The rules (thresholds in :class:`TierRules`, from ``EngineConfig``'s ``t
 
 - *requests in the last hour* (and in the last 24 hours) are estimated from hourly rows as a
   sliding window: the hours wholly inside the window count whole, the oldest one in the part of it
-  still inside (its requests taken as spread evenly over it);
+  still inside (its requests taken as spread evenly over it): :func:`window_weights`, which the
+  registry applies in SQL;
 - **hot**: requests in the last hour >= ``hot_requests_per_hour``, or a share of every adapter's
   requests in the last hour >= ``hot_share`` once that total is itself >= ``hot_requests_per_hour``
   (so one request on an idle server is no 100 % share);
@@ -25,12 +26,10 @@ resident within the pins' bounds, warm ones read into host RAM, cold ones load o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
-
-from lorapage.adapters.registry import TrafficRow
 
 if TYPE_CHECKING:
     from lorapage.config import EngineConfig
@@ -81,29 +80,36 @@ class TierState:
     last_day: float = 0.0  # requests in the last 24 hours (sliding estimate)
 
 
-def requests_by_version(rows: Iterable[TrafficRow]) -> dict[str, dict[int, int]]:
-    """Traffic rows as version key -> hour -> requests."""
-    out: dict[str, dict[int, int]] = {}
-    for r in rows:
-        hours = out.setdefault(r.key, {})
-        hours[r.hour] = hours.get(r.hour, 0) + r.requests
-    return out
+Recent = tuple[float, float]  # a version's requests in the last hour and in the last 24 hours
+
+
+def hour_weight(hour: int, now: float, window_s: float) -> float:
+    """How much of hour ``hour``'s requests (hours since the epoch) fall in the ``window_s`` before
+    ``now``: the part of the hour that has passed which lies in the window (its requests taken as
+    spread evenly over it)."""
+    start, lo = now - window_s, hour * HOUR_S
+    hi = min(lo + HOUR_S, now)  # an hour in progress holds only what has passed of it
+    if hi <= lo:
+        return 1.0 if start <= lo <= now else 0.0
+    return min(1.0, max(0.0, (hi - max(lo, start)) / (hi - lo)))
+
+
+def window_weights(now: float) -> list[tuple[int, float, float]]:
+    """Each hour that counts at ``now``, with its weights in the last hour and in the last 24
+    hours: ``(hour, weight in the hour, weight in the day)``, the hour in progress and the 24 before."""
+    current = int(now // HOUR_S)
+    return [(h, hour_weight(h, now, HOUR_S), hour_weight(h, now, DAY_S)) for h in range(current - 24, current + 1)]
 
 
 def window_requests(hours: Mapping[int, int], now: float, window_s: float) -> float:
-    """Requests in the ``window_s`` before ``now``, from counts per hour (hours since the epoch):
-    each hour weighted by the part of it that has passed which lies in the window."""
-    start = now - window_s
-    total = 0.0
-    for hour, count in hours.items():
-        lo = hour * HOUR_S
-        hi = min(lo + HOUR_S, now)  # an hour in progress holds only what has passed of it
-        if hi <= lo:
-            weight = 1.0 if start <= lo <= now else 0.0
-        else:
-            weight = min(1.0, max(0.0, (hi - max(lo, start)) / (hi - lo)))
-        total += count * weight
-    return total
+    """Requests in the ``window_s`` before ``now``, from counts per hour (hours since the epoch)."""
+    return sum(count * hour_weight(hour, now, window_s) for hour, count in hours.items())
+
+
+def recent_requests(traffic: Mapping[str, Mapping[int, int]], now: float) -> dict[str, Recent]:
+    """Each version's requests in the last hour and the last 24 hours, from version key -> hour ->
+    requests (the registry computes the same sums in SQL: ``Registry.weighted_requests``)."""
+    return {key: (window_requests(h, now, HOUR_S), window_requests(h, now, DAY_S)) for key, h in traffic.items()}
 
 
 def _wanted(rules: TierRules, last_hour: float, share: float, total: float, last_day: float, was: Tier) -> Tier:
@@ -116,20 +122,18 @@ def _wanted(rules: TierRules, last_hour: float, share: float, total: float, last
 
 
 def assess(
-    rules: TierRules, traffic: Mapping[str, Mapping[int, int]], previous: Mapping[str, TierState], now: float
+    rules: TierRules, recent: Mapping[str, Recent], previous: Mapping[str, TierState], now: float
 ) -> dict[str, TierState]:
-    """Every version's tier at ``now`` (Unix seconds) from ``traffic`` (version key -> hour ->
-    requests, at least the last 25 hours) and the tiers held before (``previous``). Versions that
-    come out cold are left out: absent means cold."""
-    last_hour = {key: window_requests(hours, now, HOUR_S) for key, hours in traffic.items()}
-    total = sum(last_hour.values())
+    """Every version's tier at ``now`` (Unix seconds) from its ``recent`` requests (last hour,
+    last 24 hours; :func:`recent_requests`) and the tiers held before (``previous``). Versions
+    that come out cold are left out: absent means cold."""
+    total = sum(hour for hour, _ in recent.values())
     out: dict[str, TierState] = {}
-    for key in traffic.keys() | previous.keys():
+    for key in recent.keys() | previous.keys():
         prev = previous.get(key)
         was = prev.tier if prev is not None else Tier.COLD
-        hour = last_hour.get(key, 0.0)
+        hour, day = recent.get(key, (0.0, 0.0))
         share = hour / total if total else 0.0
-        day = window_requests(traffic.get(key, {}), now, DAY_S)
         tier = _wanted(rules, hour, share, total, day, was)
         if prev is not None and _RANK[tier] < _RANK[was] and now - prev.since < rules.min_hold_s:
             tier = was  # held too briefly to be demoted

@@ -3,8 +3,10 @@
 Requests and tokens are counted where cost is attributed (the usage ledger, per step, in memory:
 :meth:`~lorapage.usage.ledger.UsageLedger.take_traffic`). Every ``tier_interval_s`` the
 :class:`TierKeeper` takes those counts and, in one call on an I/O thread, adds them to the
-registry's hourly traffic table (pruning hours past the retention), reads the last 25 hours back
-and judges every version's tier (:func:`~lorapage.adapters.tiers.assess`: pure, given the time).
+registry's hourly traffic table (pruning hours past the retention), has SQLite sum each version's
+requests of the last hour and the last 24 hours (one row per version, weighted by
+:func:`~lorapage.adapters.tiers.window_weights`) and judges every version's tier
+(:func:`~lorapage.adapters.tiers.assess`: pure, given the time).
 Back on the loop it only carries the result out: hot versions kept resident, warm ones read
 into host RAM (:meth:`~lorapage.adapters.cache.AdapterCache.set_hot`, ``prewarm``). The tiers are
 read from the table, so they survive a restart; a write that fails gives its counts back to the
@@ -20,7 +22,7 @@ from concurrent.futures import Executor
 
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.registry import Registry, TrafficRow, parse_name
-from lorapage.adapters.tiers import HOUR_S, Tier, TierRules, TierState, assess, ranked, requests_by_version
+from lorapage.adapters.tiers import HOUR_S, Tier, TierRules, TierState, assess, ranked, window_weights
 from lorapage.usage.ledger import Traffic, TrafficKey, UsageLedger
 
 TIER_WINDOW_HOURS = 25  # the last 24 hours, and the hour in progress
@@ -104,12 +106,11 @@ class TierKeeper:
     def _write_and_assess(
         self, rows: list[TrafficRow], now: float, previous: dict[str, TierState]
     ) -> dict[str, TierState]:
-        """On an I/O thread: add ``rows``, read the recent hours back, judge the tiers."""
+        """On an I/O thread: add ``rows``, sum the recent hours per version, judge the tiers."""
         hour = int(now // HOUR_S)
         if rows:
             self.registry.add_traffic(rows, hour, self.retention_hours)
-        recent = self.registry.traffic(hour - TIER_WINDOW_HOURS + 1)
-        return assess(self.rules, requests_by_version(recent), previous, now)
+        return assess(self.rules, self.registry.weighted_requests(window_weights(now)), previous, now)
 
     async def stop(self) -> None:
         """Stop re-evaluating and write the counts not written yet (before the registry closes)."""
