@@ -20,7 +20,8 @@ Tables:
   epoch, UTC), its requests, prompt tokens and output tokens. The engine adds to it in batches
   (:meth:`Registry.add_traffic`, off its event loop) and hours past the retention are deleted in
   the same transaction; the traffic tiers (:mod:`lorapage.adapters.tiers`) are read from it, so
-  they survive a restart.
+  they survive a restart. Rows outlive a deleted version until the retention takes them (its
+  number is never reused).
 
 Older files are migrated in place when opened, each step in the transaction that records the new
 schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 gains
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.errors import AdapterNotFoundError, ConflictError
+from lorapage.usage.ledger import RETENTION_HOURS  # the usage ledger's 14 days
 
 SCHEMA_VERSION = 4
 REGISTRY_FILE = "registry.sqlite3"
@@ -88,7 +90,6 @@ _MIGRATIONS: dict[int, str | tuple[str, ...]] = {
     2: "ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",
     3: _TRAFFIC_SCHEMA,
 }
-TRAFFIC_RETENTION_HOURS = 14 * 24  # hours of traffic kept by default
 
 
 @dataclass(frozen=True)
@@ -310,9 +311,7 @@ class Registry:
 
     # -- traffic (schema 4) ----------------------------------------------------------------------
 
-    def add_traffic(
-        self, rows: Iterable[TrafficRow], now_hour: int, retention_hours: int = TRAFFIC_RETENTION_HOURS
-    ) -> None:
+    def add_traffic(self, rows: Iterable[TrafficRow], now_hour: int, retention_hours: int = RETENTION_HOURS) -> None:
         """Add ``rows``' counts to their (version, hour) rows, and delete the hours older than
         ``retention_hours`` before ``now_hour``: one transaction (the engine batches its counts and
         calls this from a worker thread, every few minutes, never per request)."""
