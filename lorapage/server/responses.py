@@ -252,9 +252,10 @@ class AdapterOut(msgspec.Struct):
     projected_cost_pct: float | None = None
     cost: AdapterCostOut | None = None
     serving_tier: str = "shared"  # shared | dedicated, from its shape and the serving envelope
-    # From its hourly traffic (docs/scheduling.md): cold | warm | hot; never declared.
-    traffic_tier: str = "cold"
-    kept_hot: bool = False  # kept resident for being hot (within the pins' bounds)
-    status: str = "available"  # resident | loading | failed | available | draining
+    # From its hourly traffic (docs/capacity.md): cold | warm | hot; never declared. None (and the
+    # next two): not judged where this answer comes from (the fleet's ingress has no traffic table).
+    traffic_tier: str | None = None
+    kept_hot: bool | None = None  # kept resident for being hot (within the pins' bounds)
+    status: str | None = None  # resident | loading | failed | available | draining
     traffic: TrafficOut | None = None  # GET /v1/adapters/{id} only
     object: str = "adapter"
