@@ -61,6 +61,7 @@ class TierRules:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> TierRules:
+        """The rules an engine's ``tier_*`` fields set."""
         return cls(
             hot_requests_per_hour=config.tier_hot_requests_per_hour,
             hot_share=config.tier_hot_share,

@@ -64,6 +64,7 @@ class TierKeeper:
         self._lock: asyncio.Lock | None = None
 
     def tier(self, key: str) -> Tier:
+        """Version ``key``'s traffic tier at the last evaluation (cold before the first)."""
         state = self.states.get(key)
         return state.tier if state is not None else Tier.COLD
 
