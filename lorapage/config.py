@@ -200,6 +200,37 @@ class EngineConfig:
         group="adapters",
         none="no bound on the cost",
     )
+    tier_hot_requests_per_hour: float = option(
+        120.0,
+        "an adapter version with at least this many requests in the last hour is tier hot (kept resident, "
+        "within max_pinned_fraction beside the admin pins); tiers come from the hourly traffic table, never "
+        "from the customer (docs/scheduling.md)",
+        group="adapters",
+    )
+    tier_hot_share: float = option(
+        0.1,
+        "a version with at least this share of every adapter's requests in the last hour is hot too, once that "
+        "total reaches tier_hot_requests_per_hour",
+        group="adapters",
+    )
+    tier_hot_exit_ratio: float = option(
+        0.5,
+        "a hot version stays hot until its requests and its share both fall below this fraction of the hot "
+        "thresholds (hysteresis: no flapping around a threshold)",
+        group="adapters",
+    )
+    tier_min_hold_s: float = option(
+        600.0,
+        "no version leaves a traffic tier for a lower one before holding it this long (warm: some traffic in "
+        "the last 24 hours, read into host RAM; cold: none, loaded on demand)",
+        group="adapters",
+    )
+    tier_interval_s: float = option(
+        300.0,
+        "every this many seconds the engine writes its batched traffic counts to the registry and re-evaluates "
+        "every version's traffic tier (off the event loop)",
+        group="adapters",
+    )
     metrics_top_adapters: int = option(
         20, "per-adapter metrics name the top this many adapters by recent traffic; the rest are 'other'",
         group="adapters",
@@ -239,6 +270,13 @@ class EngineConfig:
         "the adapter registry (ids, versions, aliases, owners) lives in STATE_DIR/registry.sqlite3 across restarts",
         group="state",
         none="in memory for this engine's life",
+    )
+    traffic_retention_hours: int = option(
+        14 * 24,
+        "hours of the registry's hourly traffic table (requests and tokens per adapter version) kept; older "
+        "hours are deleted as new counts are written",
+        group="state",
+        shown="336 (14 days)",
     )
     adapter_cache_dir: str | None = option(
         None,
@@ -318,6 +356,19 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.shared_max_cost_pct must be >= 0; got {self.shared_max_cost_pct}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError(f"EngineConfig.max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}")
+        if not self.tier_hot_requests_per_hour > 0:
+            raise ValueError(
+                f"EngineConfig.tier_hot_requests_per_hour must be > 0; got {self.tier_hot_requests_per_hour}"
+            )
+        for name in ("tier_hot_share", "tier_hot_exit_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"EngineConfig.{name} must be in (0, 1]; got {getattr(self, name)}")
+        if not self.tier_min_hold_s >= 0:
+            raise ValueError(f"EngineConfig.tier_min_hold_s must be >= 0; got {self.tier_min_hold_s}")
+        if not self.tier_interval_s > 0:
+            raise ValueError(f"EngineConfig.tier_interval_s must be > 0; got {self.tier_interval_s}")
+        if self.traffic_retention_hours < 25:  # the tiers read the last 24 hours, and the hour in progress
+            raise ValueError(f"EngineConfig.traffic_retention_hours must be >= 25; got {self.traffic_retention_hours}")
         positive = (
             "block_size",
             "max_num_seqs",

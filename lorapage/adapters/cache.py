@@ -82,6 +82,9 @@ class AdapterInfo:
     pinned: bool = False  # pinned resident by an admin (AdapterCache.pin)
     cost: AdapterCost | None = None  # projected cost against the base (lorapage.adapters.cost)
     serving_tier: str = ServingTier.SHARED.value  # from its shape (lorapage.adapters.envelope)
+    status: str = "available"  # resident | loading | failed (its last load) | available (loads on demand)
+    kept_hot: bool = False  # kept resident for its traffic (tier hot, within the pins' bounds)
+    traffic_tier: str = "cold"  # cold | warm | hot, from its hourly traffic (lorapage.adapters.tiers)
 
 
 class AdapterCache:
@@ -230,7 +233,18 @@ class AdapterCache:
             pinned=self.residency.get(name).pinned,
             cost=cost,
             serving_tier=self.envelope.tier(e.spec.ranks, cost).value,
+            status=self.status(name),
+            kept_hot=self.residency.get(name).hot,
         )
+
+    def status(self, name: str) -> str:
+        """``resident`` (in the pool), ``loading``, ``failed`` (its last load; a request retries)
+        or ``available`` (loads on demand)."""
+        if self.residency.is_resident(name):
+            return "resident"
+        if name in self.residency.loading():
+            return "loading"
+        return "failed" if self.get(name).error is not None else "available"
 
     # -- the requests a version serves (the step scheduler's calls) -----------------------------
 
@@ -335,6 +349,17 @@ class AdapterCache:
         """Undo :meth:`pin`: ``name`` stays where it is, evictable by value again."""
         self.residency.unpin(name)
         self._kick()  # it may be the idle adapter a waiting load needs
+
+    def set_hot(self, names: list[str]) -> None:
+        """The traffic tiers' hot versions, most requested first: kept resident within the pins'
+        bounds (:meth:`Residency.set_hot`); their loads start."""
+        self._apply(self.residency.set_hot(names))
+        self._kick()
+
+    def prewarm(self, names: list[str]) -> None:
+        """The traffic tiers' warm versions, most requested first: read into host RAM ahead of
+        their requests (:meth:`Residency.prewarm`)."""
+        self._apply(self.residency.prewarm(names))
 
     def pins_to_load(self) -> list[str]:
         """Pinned versions not resident (their loads start at :meth:`restore_pins`)."""

@@ -6,6 +6,10 @@ bounded so that the pool keeps serving everything else:
     pinned pages + asked <= min(floor(max_pinned_fraction x pool pages),
                                 pool pages - one full-length sequence - the largest adapter allowed)
     pinned adapters      <= max_resident_loras - 1
+
+The versions the traffic tiers keep resident for being hot (:meth:`Residency.set_hot`) count
+with the admin pins against these same bounds, but only in the room the admin pins leave: an
+admin pin is checked against the admin pins alone, and hot versions are let go to make room.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ class PinBounds:
         rest (requests could then wait forever for pages no one gives back)."""
         room = self.capacity - self.sequence_pages - self.max_adapter_pages
         return max(0, min(math.floor(self.max_pinned_fraction * self.capacity), room))
+
+    def within(self, held: int, pinned: int) -> bool:
+        """Whether ``pinned`` adapters holding ``held`` pages are inside the bounds."""
+        return held <= self.limit() and pinned < self.max_resident_loras
+
+    def fits(self, asked: int, held: int, pinned: int) -> bool:
+        """Whether one more adapter of ``asked`` pages fits beside ``pinned`` holding ``held``."""
+        return self.within(held + asked, pinned + 1)
 
     def check(self, key: str, asked: int, held: int, pinned: int) -> None:
         """Refuse (:class:`~lorapage.errors.PinLimitError`, 409) pinning ``key`` (``asked``

@@ -19,12 +19,18 @@ Tables:
 - ``audit``, ``alias_history`` (append-only) and ``channels`` (schema 4): every change above with
   who made it, each alias's moves, and the named channels (``id@prod``) an id has; see
   :mod:`lorapage.adapters.audit`. Each write method appends its rows in its own transaction.
+- ``adapter_traffic`` (schema 4): per version and calendar hour (``hour``: hours since the Unix
+  epoch, UTC), its requests, prompt tokens and output tokens. The engine adds to it in batches
+  (:meth:`Registry.add_traffic`, off its event loop) and hours past the retention are deleted in
+  the same transaction; the traffic tiers (:mod:`lorapage.adapters.tiers`) are read from it, so
+  they survive a restart. Rows outlive a deleted version until the retention takes them (its
+  number is never reused).
 
 Older files are migrated in place when opened, each step in the transaction that records the new
 schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 gains
 ``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
-the audit tables, empty (history begins there; a rollback of an alias with no history goes to the
-newest older version).
+the audit tables (empty: history begins there; a rollback of an alias with no history goes to the
+newest older version) and the ``adapter_traffic`` table (empty).
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.adapters import audit
 from lorapage.adapters.audit import DEFAULT_CHANNEL, OK, AliasMove, AuditEntry, AuditQuery
 from lorapage.errors import AdapterNotFoundError, ConflictError
+from lorapage.usage.ledger import RETENTION_HOURS  # the usage ledger's 14 days
 
 SCHEMA_VERSION = 4
 REGISTRY_FILE = "registry.sqlite3"
@@ -69,11 +76,25 @@ CREATE TABLE IF NOT EXISTS versions (
     PRIMARY KEY (id, version)
 );
 """
+# -- the traffic table (schema 4): kept apart, its own statements, created fresh or by migration --
+_TRAFFIC_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS adapter_traffic (
+    id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    hour INTEGER NOT NULL,
+    requests INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (id, version, hour)
+) WITHOUT ROWID""",
+    # Pruning and "the last 24 hours" read by hour.
+    "CREATE INDEX IF NOT EXISTS adapter_traffic_hour ON adapter_traffic (hour)",
+)
 # Each step takes a file from schema N to N + 1 (N is the key).
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
     2: ("ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",),
-    3: audit.SCHEMA,
+    3: (*audit.SCHEMA, *_TRAFFIC_SCHEMA),
 }
 
 
@@ -101,6 +122,22 @@ class AdapterRow:
     adapter_id: str
     owner: str | None
     current: int | None
+
+
+@dataclass(frozen=True)
+class TrafficRow:
+    """One version's traffic in one calendar hour (or what to add to it)."""
+
+    adapter_id: str
+    version: int
+    hour: int  # hours since the Unix epoch (UTC): the hour starting at hour x 3600
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def key(self) -> str:
+        return version_key(self.adapter_id, self.version)
 
 
 class RegistrySchemaError(RuntimeError):
@@ -159,7 +196,7 @@ class Registry:
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
-                for statement in audit.SCHEMA:
+                for statement in (*audit.SCHEMA, *_TRAFFIC_SCHEMA):
                     self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
@@ -420,6 +457,56 @@ class Registry:
                 before={"version": version, "current": before},
                 after={"current": new_current},
             )
+
+    # -- traffic (schema 4) ----------------------------------------------------------------------
+
+    def add_traffic(self, rows: Iterable[TrafficRow], now_hour: int, retention_hours: int = RETENTION_HOURS) -> None:
+        """Add ``rows``' counts to their (version, hour) rows, and delete the hours older than
+        ``retention_hours`` before ``now_hour``: one transaction (the engine batches its counts and
+        calls this from a worker thread, every few minutes, never per request)."""
+        oldest = now_hour - retention_hours
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT INTO adapter_traffic (id, version, hour, requests, prompt_tokens, output_tokens) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id, version, hour) DO UPDATE SET "
+                "requests = requests + excluded.requests, prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+                "output_tokens = output_tokens + excluded.output_tokens",
+                [
+                    (r.adapter_id, r.version, r.hour, r.requests, r.prompt_tokens, r.output_tokens)
+                    for r in rows
+                    if r.hour >= oldest
+                ],
+            )
+            self._db.execute("DELETE FROM adapter_traffic WHERE hour < ?", (oldest,))
+
+    def traffic(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
+        """Traffic rows of hour ``since_hour`` and later (of ``adapter_id``'s versions, or of
+        every version), by id, version and hour."""
+        query = "SELECT id, version, hour, requests, prompt_tokens, output_tokens FROM adapter_traffic WHERE hour >= ?"
+        args: tuple[object, ...] = (since_hour,)
+        if adapter_id is not None:
+            query, args = query + " AND id = ?", (since_hour, adapter_id)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY id, version, hour", args).fetchall()
+        return [TrafficRow(*r) for r in rows]
+
+    def weighted_requests(self, weights: Sequence[tuple[int, float, float]]) -> dict[str, tuple[float, float]]:
+        """Every version's requests summed over the hours ``weights`` names, twice: each hour's
+        requests times its first weight, and times its second. ``(hour, w1, w2)`` per hour; the
+        traffic tiers pass the weights of the last hour and the last 24 hours
+        (:func:`lorapage.adapters.tiers.window_weights`). Summed in SQLite: one row per version."""
+        if not weights:
+            return {}
+        values = ", ".join("(?, ?, ?)" for _ in weights)
+        query = (
+            f"WITH w (hour, w1, w2) AS (VALUES {values}) "
+            "SELECT t.id || '@' || t.version, SUM(t.requests * w.w1), SUM(t.requests * w.w2) "
+            "FROM adapter_traffic AS t JOIN w ON t.hour = w.hour GROUP BY t.id, t.version"
+        )
+        args = [x for hour, w1, w2 in weights for x in (hour, w1, w2)]
+        with self._lock:
+            rows = self._db.execute(query, args).fetchall()
+        return {key: (float(a), float(b)) for key, a, b in rows}
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,11 @@ distinct adapters one batch holds (``max_loras``) is the scheduler's rule, not t
   of least value per page *yield* (it admits nothing new and leaves once its running requests end
   and its pages complete the room), sparing any resident for less than ``adapter_wait_s``;
 - admin pins hold a version resident, bounded by :class:`~lorapage.adapters.pins.PinBounds`;
+- the traffic tiers (:mod:`lorapage.adapters.tiers`) hold their *hot* versions resident as pins
+  do (:meth:`Residency.set_hot`), most requested first, only within the same bounds counted with
+  the admin pins, and never ahead of one: an admin pin that needs their room takes it (the least
+  requested hot version is let go first). *Warm* versions are read into host RAM ahead of their
+  requests (:meth:`Residency.prewarm`), as prefetches under the tiers' own share;
 - KV admission keeps :meth:`Residency.pending_pages` free for the largest load waiting on memory.
 
 The rules take the time as an argument and answer with *decisions*
@@ -53,13 +58,14 @@ from lorapage.adapters.decisions import (
     Yield,
 )
 from lorapage.adapters.pins import PinBounds
-from lorapage.adapters.prefetch import PrefetchQueue
+from lorapage.adapters.prefetch import PREFETCH_QUEUE_LEN, PrefetchQueue
 from lorapage.adapters.value import LoadTier, RecentAdapters
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, ConflictError
 from lorapage.memory.pages import PageKind
 from lorapage.memory.reclaim import RATE_HALF_LIFE_S, Reclaim, value_per_page
 
 GPU, RAM = "gpu", "ram"  # tiers above the cold ones (LoadTier.DISK, LoadTier.REMOTE)
+TIERS_TENANT = "(traffic tiers)"  # whose share the warm versions' prefetches take (no tenant is named so)
 EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
 HISTORY_LEN = 512  # events kept with their decisions
 
@@ -104,6 +110,7 @@ class Residence:
     rate_time: float = 0.0
     yielding: bool = False  # admits nothing new: a starving load takes its lora slot once it is idle
     pinned: bool = False  # an admin pinned it: never evicted, never made to yield
+    hot: bool = False  # its traffic tier is hot and it fits the pins' bounds: kept as a pin is (set_hot)
     resident_since: float = 0.0  # when it last became resident (it yields only after adapter_wait_s)
     # The load in flight, if any.
     load_tier: LoadTier | None = None  # where it started (what its metrics say)
@@ -175,6 +182,7 @@ class Residency:
         self.yields = 0  # busy versions made to yield their slot to a starving load
         self.evictions: deque[float] = deque()  # times of pool evictions in the last EVICTION_WINDOW_S
         self.history: deque[HistoryEntry] = deque(maxlen=HISTORY_LEN)
+        self._hot_order: list[str] = []  # the traffic tiers' hot versions, most requested first (set_hot)
 
     # -- registry -----------------------------------------------------------------------------------
 
@@ -213,7 +221,7 @@ class Residency:
         if r.phase is Phase.READING or key in self.prefetch.running:
             out.append(Cancel(key))
         self.prefetch.forget(key)
-        r.pinned = False  # deleting a version drops its pin with it
+        r.pinned = r.hot = False  # deleting a version drops its pin with it
         if r.phase is Phase.PLACING:
             out += self._end_wait(r)
         elif r.phase is Phase.COPYING:
@@ -275,6 +283,10 @@ class Residency:
     def pinned(self) -> list[str]:
         return [r.key for r in self.adapters.values() if r.pinned]
 
+    def hot(self) -> list[str]:
+        """Versions kept resident for their traffic (:meth:`set_hot`), most requested first."""
+        return [k for k in self._hot_order if (r := self.adapters.get(k)) is not None and r.hot]
+
     def loading(self) -> list[str]:
         """Versions with a load in flight."""
         return list(self._loads)
@@ -332,12 +344,14 @@ class Residency:
 
     def unload(self, key: str, now: float) -> list[Decision]:
         """Drop ``key`` from the pool (its host copy stays) unless requests run on it or it is
-        pinned; nothing when it is not resident."""
+        pinned; nothing when it is not resident. A version kept for being hot is let go (until the
+        tiers are next set)."""
         r = self.get(key)
         if r.running:
             raise AdapterBusyError(f"adapter {key!r} has {r.running} running requests")
         if r.pinned:
             raise ConflictError(f"adapter {key!r} is pinned resident; unpin it first", param="id")
+        r.hot = False
         return self._log("unload", key, self._evict(r, now) if r.phase is Phase.RESIDENT else [])
 
     def pin_limit(self) -> int:
@@ -363,11 +377,61 @@ class Residency:
         self.check_pin(key)
         r = self.get(key)
         r.pinned = True
+        self._shed_hot()
         out: list[Decision] = []
         if r.yielding:  # the load it yielded to makes another version yield instead
             r.yielding = False
             out.append(Ready(key))
         return self._log("pin", key, out)
+
+    # -- traffic tiers (lorapage.adapters.tiers) ----------------------------------------------
+
+    def set_hot(self, keys: list[str]) -> list[Decision]:
+        """The hot versions, most requested first: each one the pins' bounds still have room for
+        beside the admin pins (and the hot ones before it) is kept resident as a pin is, and its
+        load starts (a pre-warm: it makes no busy version yield); any other version, hot no more
+        or past the bounds, is evictable by value again."""
+        self._hot_order = [k for k in keys if k in self.adapters]
+        for r in self.adapters.values():
+            r.hot = False
+        pages, count = self.pinned_pages(), len(self.pinned())
+        out: list[Decision] = []
+        for key in self._hot_order:
+            r = self.adapters[key]
+            if r.pinned or self.limits.pins is None or not self.limits.pins.fits(r.pages, pages, count):
+                continue  # an admin pin holds it already, or no room is left for it
+            r.hot = True
+            pages, count = pages + r.pages, count + 1
+            if r.yielding:
+                r.yielding = False
+                out.append(Ready(key))
+            out += self._ensure(r)
+        return self._log("set_hot", "", out)
+
+    def prewarm(self, keys: list[str]) -> list[Decision]:
+        """The warm versions, most requested first: read into host RAM ahead of their requests,
+        those not there nor in the pool (nor remote: no download on speculation), as prefetches
+        under the tiers' own share. Only the first ``max_cpu_loras`` / 2 are considered, so warm
+        copies take at most half of host RAM, and no more are queued than the queue holds."""
+        wanted = [k for k in keys[: self.limits.max_cpu_loras // 2] if self._wants_prefetch(k)]
+        room = PREFETCH_QUEUE_LEN - len(self.prefetch.waiting)
+        self.prefetch.offer(wanted[: max(0, room)], TIERS_TENANT)
+        return self._log("prewarm", "", self._start_prefetches())
+
+    def _shed_hot(self) -> None:
+        """Let go of hot versions, least requested first, until admin pins and hot ones together
+        are inside the pins' bounds again (an admin pin never waits for a hot one)."""
+        bounds = self.limits.pins
+        if bounds is None:
+            return
+        kept = [self.adapters[k] for k in self.hot()]
+        pages = self.pinned_pages() + sum(r.pages for r in kept if not r.pinned)
+        count = len(self.pinned()) + sum(1 for r in kept if not r.pinned)
+        while kept and not bounds.within(pages, count):
+            r = kept.pop()
+            r.hot = False
+            if not r.pinned:
+                pages, count = pages - r.pages, count - 1
 
     def unpin(self, key: str) -> None:
         """Undo :meth:`pin`: ``key`` stays where it is, evictable by value again."""
@@ -389,7 +453,7 @@ class Residency:
             r.yielding = False
         out: list[Decision] = []
         for r in list(self.adapters.values()):
-            if r.pinned:
+            if r.pinned or r.hot:
                 out += self._ensure(r)
         return self._log("reset", "", out)
 
@@ -472,7 +536,7 @@ class Residency:
             times += [
                 x.resident_since + wait
                 for x in self._by_slot.values()
-                if not x.yielding and not x.pinned and x.resident_since + wait > now
+                if not x.yielding and not x.pinned and not x.hot and x.resident_since + wait > now
             ]
         return min(times) if times else None
 
@@ -546,7 +610,7 @@ class Residency:
         return out
 
     def _idle(self, r: Residence) -> bool:
-        return r.running == 0 and r.waiting == 0 and not r.pinned
+        return r.running == 0 and r.waiting == 0 and not r.pinned and not r.hot
 
     def _idle_values(self, now: float) -> list[tuple[float, str]]:
         return [(self.value_per_page(r, now), r.key) for r in self._by_slot.values() if self._idle(r)]
@@ -677,7 +741,7 @@ class Residency:
         busy = [
             (self.value_per_page(x, now), x.key)
             for x in self._by_slot.values()
-            if not x.yielding and not x.pinned and now - x.resident_since >= wait
+            if not x.yielding and not x.pinned and not x.hot and now - x.resident_since >= wait
         ]
         if not busy:
             return None

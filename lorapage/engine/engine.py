@@ -36,7 +36,7 @@ from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.prefetch import PREFETCH_COUNTS
-from lorapage.adapters.registry import REGISTRY_FILE, Registry, parse_name
+from lorapage.adapters.registry import REGISTRY_FILE, Registry, TrafficRow, parse_name
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.sources import (
     ANYWHERE,
@@ -48,6 +48,7 @@ from lorapage.adapters.sources import (
     parse_source,
 )
 from lorapage.adapters.state_lock import StateDirLock
+from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts, Stage
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
 from lorapage.engine.devices import (
@@ -63,6 +64,7 @@ from lorapage.engine.devices import (
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
+from lorapage.engine.tiering import TierKeeper
 from lorapage.errors import (
     AdapterSourceError,
     EngineClosedError,
@@ -307,11 +309,22 @@ class Engine:
             prefix_cache=self.prefix_cache,
             usage=self.usage,
         )
+        # The traffic table and tiers: counts batched from the ledger, written and judged off the loop.
+        self.tiers = TierKeeper(
+            TierRules.from_config(config),
+            self.usage,
+            self.registry,
+            self.adapters,
+            self._io,
+            lambda: self.clock() + self.usage.wall_offset,
+            interval_s=config.tier_interval_s,
+            retention_hours=config.traffic_retention_hours,
+        )
         self.step_loop = StepLoop(
             self.scheduler,
             self.runner,
             self._forward,
-            on_new_loop=self.adapters.rebind_loop,
+            on_new_loop=self._on_new_loop,
             on_prefill=recompute.observe,
         )
         # Structured output: grammars compile on a thread of their own, never behind prompts.
@@ -524,12 +537,28 @@ class Engine:
         version = self.catalog.version_info(key)
         return dataclasses.replace(
             self.adapters.info(key),
+            traffic_tier=self.tiers.tier(key).value,
             adapter_id=version.adapter_id,
             version=version.version,
             digest=version.digest,
             source=version.source,
             current=version.current,
         )
+
+    async def refresh_tiers(self) -> dict[str, str]:
+        """Write the traffic counted since the last time to the registry and judge every version's
+        traffic tier now (the engine does this every ``tier_interval_s``): hot versions are kept
+        resident, warm ones read into host RAM. Returns the versions not cold, with their tier."""
+        self._check_open()
+        self.step_loop.bind()
+        states = await self.tiers.refresh()
+        return {key: state.tier.value for key, state in states.items()}
+
+    async def adapter_traffic(self, adapter_id: str, hours: int = 25) -> list[TrafficRow]:
+        """``adapter_id``'s traffic rows of the last ``hours`` hours (the one in progress
+        included), per version and hour, counts not yet written included."""
+        self._check_open()
+        return await self.tiers.recent(adapter_id, hours)
 
     def adapter_versions(self, adapter_id: str | None = None) -> list[VersionInfo]:
         """Every version (of ``adapter_id``, or of all ids), servable here or not."""
@@ -782,6 +811,7 @@ class Engine:
             # The lists above are not exported on /metrics; their lengths are.
             "adapters_resident": len(self.adapters.resident()),
             "adapters_host_ram": len(self.adapters.in_host()),
+            "adapters_kept_hot": len(self.residency.hot()),
             "adapter_pinned_pages": self.adapters.pinned_pages(),
             "adapter_pin_limit_pages": self.adapters.pin_limit(),
             **{f"adapter_prefetches_{k}": self.residency.prefetch.counts[k] for k in PREFETCH_COUNTS},
@@ -804,6 +834,10 @@ class Engine:
         # Requests aborted while a step was in flight waited for that step's results, which the
         # cancelled loop will never apply: finish them now that the forward thread is idle.
         self.scheduler.abort_all_after_close()
+        try:  # the traffic counted since the last write, before the registry closes
+            await self.tiers.stop()
+        except Exception:
+            log.exception("traffic tiers: the last traffic counts could not be written")
         self._io.shutdown(wait=False, cancel_futures=True)
         self._tokenize.shutdown(wait=False, cancel_futures=True)
         self._grammar_thread.shutdown(wait=False, cancel_futures=True)
@@ -816,6 +850,11 @@ class Engine:
             self._state_lock.release()  # the state dir is another server's to take from here
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _on_new_loop(self) -> None:
+        """The step loop starts on an event loop: adapter loads restart there, and so do the tiers' re-evaluations."""
+        self.adapters.rebind_loop()
+        self.tiers.start()
 
     def _check_open(self) -> None:
         if self._closed:

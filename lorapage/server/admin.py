@@ -23,12 +23,14 @@ from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.server import protocol
+from lorapage.server.auth import bearer_key
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
-from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut
+from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut, TrafficOut
 
 # An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
 ADMIN_MAX_BODY_BYTES = 64 << 10
+TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
 
 
 def check_body_length(length: int | None, limit: int) -> None:
@@ -108,6 +110,9 @@ class AdminRoutes:
             source=info.source,
             base_digest=state.engine.digest,
             versions=[v.version for v in versions],
+            traffic_tier=info.traffic_tier,
+            kept_hot=info.kept_hot,
+            status="draining" if info.name in state.draining else info.status,
             **cost_fields(info),
         )
 
@@ -155,8 +160,26 @@ class AdminRoutes:
         return _json({"object": "list", "data": [self._describe(state, i.name) for i in state.engine.list_adapters()]})
 
     async def get(self, request: web.Request) -> web.Response:
-        state = self._state(request)
-        return _json(self._describe(state, request.match_info["id"]))
+        """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and its
+        last 24 hours of traffic. The admin sees any; a tenant key only the adapters registered
+        for that tenant, and any other is answered as one that does not exist (404): shared
+        adapters included, whose traffic is other tenants' too. A tenant is not shown where the
+        operator keeps the files (``path``, ``source``)."""
+        state = request.app[self.key]
+        name = request.match_info["id"]
+        key = bearer_key(request)
+        admin = key is not None and state.access.tenants.is_admin(key)
+        if not admin:
+            tenant = state.access.tenant_for(request)  # 401 without a valid tenant key
+            if state.access.owners.get(parse_name(name)[0]) != tenant:
+                raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+        out = self._describe(state, name)
+        rows = await state.engine.adapter_traffic(out.id, TRAFFIC_HOURS)
+        first_hour = int(state.engine.tiers.wall_clock() // 3600) - TRAFFIC_HOURS + 1
+        out.traffic = TrafficOut.of([r for r in rows if r.version == out.version], first_hour)
+        if not admin:
+            out.path = out.source = ""
+        return _json(out)
 
     async def versions(self, request: web.Request) -> web.Response:
         """Every version of an id, servable on this base or not, oldest first."""

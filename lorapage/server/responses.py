@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from lorapage.adapters.cost import AdapterCost
+from lorapage.adapters.registry import TrafficRow
+from lorapage.usage.report import hour_iso
 
 
 class Usage(msgspec.Struct):
@@ -193,6 +195,39 @@ class AdapterCostOut(msgspec.Struct):
         )
 
 
+class TrafficHourOut(msgspec.Struct):
+    """One hour of a version's traffic."""
+
+    hour: str  # the hour's start, UTC ISO: 2026-12-03T12:00:00Z
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+class TrafficOut(msgspec.Struct):
+    """A version's recent traffic: its hourly rows of the last 24 hours (the hour in progress and
+    the 23 before; hours without requests left out), oldest first, and their totals."""
+
+    last_24h: TrafficHourOut  # its `hour`: the first hour counted
+    hours: list[TrafficHourOut]
+
+    @classmethod
+    def of(cls, rows: list[TrafficRow], first_hour: int) -> TrafficOut:
+        """From one version's rows (hours since the epoch), counted from ``first_hour``."""
+        hours = [
+            TrafficHourOut(hour_iso(r.hour), r.requests, r.prompt_tokens, r.output_tokens)
+            for r in sorted(rows, key=lambda r: r.hour)
+            if r.hour >= first_hour
+        ]
+        total = TrafficHourOut(
+            hour_iso(first_hour),
+            sum(h.requests for h in hours),
+            sum(h.prompt_tokens for h in hours),
+            sum(h.output_tokens for h in hours),
+        )
+        return cls(last_24h=total, hours=hours)
+
+
 class AdapterOut(msgspec.Struct):
     """An adapter as the admin routes describe it."""
 
@@ -217,4 +252,10 @@ class AdapterOut(msgspec.Struct):
     projected_cost_pct: float | None = None
     cost: AdapterCostOut | None = None
     serving_tier: str = "shared"  # shared | dedicated, from its shape and the serving envelope
+    # From its hourly traffic (docs/capacity.md): cold | warm | hot; never declared. None (and the
+    # next two): not judged where this answer comes from (the fleet's ingress has no traffic table).
+    traffic_tier: str | None = None
+    kept_hot: bool | None = None  # kept resident for being hot (within the pins' bounds)
+    status: str | None = None  # resident | loading | failed | available | draining
+    traffic: TrafficOut | None = None  # GET /v1/adapters/{id} only
     object: str = "adapter"

@@ -12,6 +12,10 @@ than to a request: its residency and its loads):
 
 The parts add up to the engine's totals (:attr:`UsageLedger.totals`) by construction; the ledger
 is pure (time comes in as arguments) and bounded (hours older than the retention are dropped).
+
+Beside the rows, the ledger counts each adapter version's requests and tokens per hour since the
+last :meth:`UsageLedger.take_traffic` (whoever takes them adds them to the registry's traffic
+table in one batch, off the event loop: :mod:`lorapage.engine.tiering`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ class StepRow:
 
 
 Key = tuple[int, str, str]  # (hour, tenant, adapter)
+TrafficKey = tuple[int, str]  # (hour, adapter version)
+
+
+@dataclass
+class Traffic:
+    """An adapter version's requests and tokens in one hour, not yet taken (:meth:`UsageLedger.take_traffic`)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 class UsageLedger:
@@ -73,6 +87,14 @@ class UsageLedger:
         self.rows: dict[Key, Usage] = {}
         self.totals = Usage()
         self._resident_since: float | None = None  # the last time residency was accounted
+        self.traffic: dict[TrafficKey, Traffic] = {}  # adapters' counts since take_traffic
+
+    def _traffic(self, now: float, adapter: str) -> Traffic:
+        key = (self.hour(now), adapter)
+        t = self.traffic.get(key)
+        if t is None:
+            t = self.traffic[key] = Traffic()
+        return t
 
     def _row(self, now: float, tenant: str, adapter: str) -> Usage:
         key = (self.hour(now), tenant, adapter)
@@ -88,6 +110,8 @@ class UsageLedger:
     def record_request(self, now: float, tenant: str, adapter: str) -> None:
         self._row(now, tenant, adapter).requests += 1
         self.totals.requests += 1
+        if adapter:
+            self._traffic(now, adapter).requests += 1
 
     def record_step(self, now: float, seconds: float, rows: Iterable[StepRow]) -> None:
         """One step of ``seconds``: its time shared by the tokens each row computed."""
@@ -104,6 +128,10 @@ class UsageLedger:
             self.totals.prompt_tokens += r.prompt_tokens
             self.totals.output_tokens += r.output_tokens
             self.totals.kv_page_s += page_s
+            if r.adapter:
+                t = self._traffic(now, r.adapter)
+                t.prompt_tokens += r.prompt_tokens
+                t.output_tokens += r.output_tokens
         if rows:
             self.totals.device_s += seconds
 
@@ -130,6 +158,22 @@ class UsageLedger:
         oldest = self.hour(now) - self.retention_hours
         for key in [k for k in self.rows if k[0] < oldest]:
             del self.rows[key]
+        for tkey in [k for k in self.traffic if k[0] < oldest]:
+            del self.traffic[tkey]
+
+    def take_traffic(self) -> dict[TrafficKey, Traffic]:
+        """The adapters' counts per (hour, version) since the last call; the ledger starts afresh."""
+        taken, self.traffic = self.traffic, {}
+        return taken
+
+    def restore_traffic(self, taken: Mapping[TrafficKey, Traffic]) -> None:
+        """Give back counts :meth:`take_traffic` returned that could not be written (added to any
+        counted since)."""
+        for key, t in taken.items():
+            mine = self.traffic.setdefault(key, Traffic())
+            mine.requests += t.requests
+            mine.prompt_tokens += t.prompt_tokens
+            mine.output_tokens += t.output_tokens
 
     def query(
         self, *, tenants: set[str] | None = None, adapters: set[str] | None = None, since_hour: int | None = None
