@@ -14,6 +14,7 @@ from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 CONFIG = dict(
     model=str(TINY_BASE_DIR),
     max_loras=4,
+    max_resident_loras=4,
     max_lora_rank=64,
     block_size=4,
     enable_prefix_caching=False,

@@ -13,7 +13,7 @@ from lorapage.adapters.value import LoadTier
 
 
 def test_hot_versions_are_kept_resident_within_the_pins_bounds_most_requested_first():
-    bounds = PinBounds(capacity=99, max_loras=4, max_pinned_fraction=0.25)  # 24 pages, 3 adapters
+    bounds = PinBounds(capacity=99, max_resident_loras=4, max_pinned_fraction=0.25)  # 24 pages, 3 adapters
     r = rules(slots=4, pages=100, pins=bounds)
     for key in ("a", "b", "c", "d"):
         r.add(key, pages=10)
@@ -42,7 +42,7 @@ def test_hot_versions_are_kept_resident_within_the_pins_bounds_most_requested_fi
 
 
 def test_an_admin_pin_takes_the_room_of_hot_versions_least_requested_first():
-    bounds = PinBounds(capacity=99, max_loras=8, max_pinned_fraction=0.25)  # 24 pages
+    bounds = PinBounds(capacity=99, max_resident_loras=8, max_pinned_fraction=0.25)  # 24 pages
     r = rules(slots=8, pages=100, pins=bounds)
     for key in ("a", "b", "p"):
         r.add(key, pages=10)
@@ -59,7 +59,7 @@ def test_an_admin_pin_takes_the_room_of_hot_versions_least_requested_first():
 
 
 def test_no_room_for_pins_keeps_no_hot_version():
-    r = rules(slots=4, pages=100, pins=PinBounds(capacity=99, max_loras=4, max_pinned_fraction=0.0))
+    r = rules(slots=4, pages=100, pins=PinBounds(capacity=99, max_resident_loras=4, max_pinned_fraction=0.0))
     r.add("a", pages=10)
     assert r.set_hot(["a"]) == [] and r.hot() == []
     r = rules(slots=4, pages=100, pins=None)  # pins not enabled
