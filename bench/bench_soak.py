@@ -285,6 +285,7 @@ def start_server(tmp: Path, tenants: Path, root: Path, device: str | None) -> tu
     modules = [f"{name}={path}" for name, path in demo_adapter_dirs().items()]
     cmd = [sys.executable, "-m", "lorapage.server.serve", "--port", "0", "--tenants", str(tenants)]
     cmd += ["--adapter-root", str(root), *SERVER_FLAGS, "--lora-modules", *modules]
+    cmd += ["--state-dir", str(tmp / "state")]  # its own registry: nothing from the user's or an earlier run
     if device:
         cmd += ["--device", device]
     log = open(tmp / "server.log", "wb")  # the server writes to it until it exits

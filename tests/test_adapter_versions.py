@@ -5,6 +5,7 @@ known content, deletion per version, and base pinning."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from server_harness import assert_openai_error, make_access, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.adapters.audit import AuditQuery
 from lorapage.errors import AdapterBaseMismatchError, ConflictError, LorapageError
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
@@ -194,4 +196,28 @@ async def test_a_version_restored_under_another_dtype_is_checked_again_at_load(t
     # The same engine validates a new registration in its own dtype, and refuses it at once.
     with pytest.raises(LorapageError, match="overflow torch.float16"):
         await engine.register_adapter("big2", big)
+    await engine.close()
+
+
+async def test_known_content_registered_from_a_new_place_is_read_from_there(checkpoint, tmp_path):
+    """The files of a registered version move (its old directory is gone, as after a redeploy of
+    the operator's tree): registering the same content from the new place keeps the version and
+    reads it from there, after a restart too, instead of failing every load on the old path."""
+    base, v1, _, ref = checkpoint
+    state, old, new = tmp_path / "state", tmp_path / "old", tmp_path / "new"
+    shutil.copytree(v1, old)
+    engine = Engine(EngineConfig(model=str(base), block_size=4, state_dir=str(state)))
+    engine.add_adapter("cust", old)
+    await engine.close()
+    shutil.move(old, new)
+    engine = Engine(EngineConfig(model=str(base), block_size=4, state_dir=str(state)))
+    again = await engine.register_adapter("cust", new)
+    assert (again.name, again.created) == ("cust@1", False)
+    assert list((await collect(engine, PROMPT, "cust", GREEDY))[0].token_ids) == ref["v1"]
+    moved = (await engine.audit(AuditQuery(adapter="cust", action="register")))[0]  # newest first
+    assert json.loads(moved.before or "") == {"version": 1, "source": old.resolve().as_uri()}
+    assert json.loads(moved.after or "") == {"version": 1, "source": new.resolve().as_uri()}
+    await engine.close()
+    engine = Engine(EngineConfig(model=str(base), block_size=4, state_dir=str(state)))  # the registry says so
+    assert list((await collect(engine, PROMPT, "cust", GREEDY))[0].token_ids) == ref["v1"]
     await engine.close()

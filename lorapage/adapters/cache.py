@@ -199,6 +199,11 @@ class AdapterCache:
         entry = self.get(name)
         entry.origin = Origin(entry.origin.source, owner)
 
+    def set_source(self, name: str, source: str) -> None:
+        """Version ``name``'s content was registered again from ``source``: its reads go there."""
+        entry = self.get(name)
+        entry.origin = Origin(source, entry.origin.owner)
+
     def unregister(self, name: str) -> None:
         """Forget an adapter. Refused while requests for it are queued or running."""
         self.get(name)

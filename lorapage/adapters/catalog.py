@@ -323,6 +323,13 @@ class AdapterCatalog:
             self.check_owner(adapter_id, owner)  # again: another registration may have taken the id
             same = self._same_content(adapter_id, digest)
             if same is not None:
+                moved_to = source or path.resolve().as_uri()
+                if same.source != moved_to:
+                    row = same
+                    await loop.run_in_executor(
+                        self._io, lambda: self.registry.set_source(row.adapter_id, row.version, moved_to, actor=actor)
+                    )
+                    same = self._moved(same, moved_to)
                 if activate and self._ids[adapter_id].current != same.version:
                     await loop.run_in_executor(
                         self._io,
@@ -360,6 +367,9 @@ class AdapterCatalog:
         spec, layout, digest = prepared
         same = self._same_content(adapter_id, digest)
         if same is not None:
+            if same.source != path.resolve().as_uri():
+                self.registry.set_source(same.adapter_id, same.version, path.resolve().as_uri())
+                same = self._moved(same, path.resolve().as_uri())
             if self._ids[adapter_id].current != same.version:
                 self.registry.set_current(adapter_id, same.version, action="register")
                 self._ids[adapter_id].current = same.version
@@ -367,6 +377,14 @@ class AdapterCatalog:
             return self._info(same, self._ids[adapter_id])
         row = self._commit(adapter_id, owner, spec, digest, path.resolve().as_uri(), True)
         return self._add_live(row, owner, spec, layout, True)
+
+    def _moved(self, row: VersionRow, source: str) -> VersionRow:
+        """``row``'s content was just read again from ``source`` (same digest) and the registry
+        says so: later loads read from there (the files moved, or their old place is gone)."""
+        self.cache.set_source(row.key, source)
+        moved = dataclasses.replace(row, source=source)
+        self._ids[row.adapter_id].versions[row.version] = moved
+        return moved
 
     def _same_content(self, adapter_id: str, digest: str) -> VersionRow | None:
         adapter = self._ids.get(adapter_id)

@@ -369,6 +369,27 @@ class Registry:
             )
         return before
 
+    def set_source(self, adapter_id: str, version: int, source: str, *, actor: str | None = None) -> None:
+        """Version ``adapter_id@version``'s content was registered again from ``source`` (same
+        digest, just read there): later loads read it from there. Audited as a ``register``."""
+        with self._lock, self._transaction():
+            row = self._db.execute(
+                "SELECT source FROM versions WHERE id = ? AND version = ?", (adapter_id, version)
+            ).fetchone()
+            self._db.execute(
+                "UPDATE versions SET source = ? WHERE id = ? AND version = ?", (source, adapter_id, version)
+            )
+            audit.append(
+                self._db,
+                time.time(),
+                actor,
+                "register",
+                adapter_id,
+                tenant=self._alias(adapter_id)[1],
+                before={"version": version, "source": row[0] if row else None},
+                after={"version": version, "source": source},
+            )
+
     def set_pinned(
         self, adapter_id: str, version: int, pinned: bool, *, actor: str | None = None, outcome: str = OK
     ) -> None:
