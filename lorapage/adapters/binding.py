@@ -141,17 +141,19 @@ class BaseBinding:
         ``expected`` (a registration's ``expected_base_digest``) when given, else from
         ``trained_on`` (its ``base_model_name_or_path``). Raises AdapterBaseMismatchError for
         another base, AdapterBaseUnknownError (unless ``allow_unbound``) for none."""
+        param: str | None
         if expected is not None:
             bound = digest_param(expected, "expected_base_digest")
             subject, param = "this adapter (per the registration's expected_base_digest)", "expected_base_digest"
         else:
-            bound = self.names.digest_of(trained_on, running) if trained_on is not None else None
-            if bound is None:
+            named = self.names.digest_of(trained_on, running) if trained_on is not None else None
+            if named is None or trained_on is None:
                 if self.allow_unbound:
                     return running
                 raise AdapterBaseUnknownError(self._unknown(trained_on, running), param="expected_base_digest")
             # Only the table can name another base: the running base's own names map to it.
-            subject, param = f"this adapter (base_model_name_or_path {_shown(trained_on)}, per --base-names)", None
+            bound, param = named, None
+            subject = f"this adapter (base_model_name_or_path {_shown(trained_on)}, per --base-names)"
         if bound != running:
             raise AdapterBaseMismatchError(mismatch_message(subject, bound, running), param=param)
         return bound
