@@ -250,3 +250,15 @@ def test_the_flags_reach_the_config(tmp_path):
     config = engine_config(build_parser().parse_args(["--base-names", table, "--allow-unbound"]))
     assert (config.base_names, config.allow_unbound) == (table, True)
     assert engine_config(build_parser().parse_args([])).allow_unbound is False
+
+
+def test_lorapage_base_digest_prints_what_the_table_and_expected_base_digest_take(tmp_path, capsys):
+    from lorapage.bases.cli import main
+    from lorapage.model.loader import model_digest
+
+    assert main(["digest", str(TINY_BASE_DIR)]) == 0
+    shown, path = capsys.readouterr().out.strip().split("  ")
+    assert path == str(TINY_BASE_DIR) and shown.startswith("sha256:")
+    assert load_base_names(table_file(tmp_path, {"tiny": shown})) == {"tiny": model_digest(TINY_BASE_DIR)}
+    assert main(["digest", str(tmp_path)]) == 1  # no weights there
+    assert "no *.safetensors" in capsys.readouterr().err
