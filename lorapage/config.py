@@ -231,6 +231,23 @@ class EngineConfig:
         "every version's traffic tier (off the event loop)",
         group="adapters",
     )
+    base_names: str | None = option(
+        None,
+        'a TOML file naming the bases adapters were trained on, one per line: "NAME" = "sha256:<64 hex>", NAME as '
+        "a PEFT adapter's base_model_name_or_path says it, the digest that base's weights have (lorapage base "
+        "digest DIR). Registration binds each adapter to the base its expected_base_digest, else its name, says; "
+        "an adapter trained on another base than the running one is refused (409)",
+        group="adapters",
+        none="the running base's own names only: its directory's path (or any trailing part of it) and its "
+        "config's _name_or_path",
+    )
+    allow_unbound: bool = option(
+        False,
+        "register an adapter whose trained-on base cannot be told (no expected_base_digest, and a "
+        "base_model_name_or_path neither in --base-names nor naming the running base) as trained on the running "
+        "base, as before registration required it; without it such an adapter is refused (400 adapter_base_unknown)",
+        group="adapters",
+    )
     metrics_top_adapters: int = option(
         20, "per-adapter metrics name the top this many adapters by recent traffic; the rest are 'other'",
         group="adapters",

@@ -48,6 +48,14 @@ class AdapterEnvelopeError(AdapterFormatError):
     code = "adapter_outside_envelope"
 
 
+class AdapterBaseUnknownError(LorapageError):
+    """Registration cannot tell which base an adapter was trained on (no ``expected_base_digest``,
+    and its ``base_model_name_or_path`` is not a base this server knows); the message says how to
+    bind it."""
+
+    code = "adapter_base_unknown"
+
+
 class AdapterLoadError(LorapageError):
     """Reading an adapter's weights failed when a request needed them."""
 
@@ -102,7 +110,8 @@ class AdapterBusyError(ConflictError):
 
 
 class AdapterBaseMismatchError(ConflictError):
-    """An adapter version was validated against another base model than the one running."""
+    """An adapter (a version, or one being registered) was trained on another base model than the
+    one running; the message names both digests and the migration route."""
 
     code = "adapter_base_mismatch"
 

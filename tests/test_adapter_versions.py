@@ -158,10 +158,15 @@ async def test_versions_of_another_base_are_kept_but_refused(tmp_path):
     assert engine.digest != trained_on
     with pytest.raises(AdapterBaseMismatchError) as exc:
         engine.resolve_adapter("acme")
-    assert trained_on[:16] in exc.value.message and engine.digest[:16] in exc.value.message
+    message = exc.value.message  # both digests and the migration route, never "register it again"
+    assert f"trained on base sha256:{trained_on}" in message and f"runs base sha256:{engine.digest}" in message
+    assert f"POST /v1/bases/{engine.digest}/validate" in message and "lorapage base check" in message
+    assert "register" not in message
     [kept] = engine.adapter_versions("acme")
     assert (kept.key, kept.servable, kept.base_digest) == ("acme@1", False, trained_on)
-    with pytest.raises(AdapterBaseMismatchError, match="expects base"):
+    with pytest.raises(
+        AdapterBaseMismatchError, match=f"expected_base_digest\\) was trained on base sha256:{trained_on}"
+    ):
         await engine.register_adapter("globex", demo_adapter_dirs()["globex"], expected_base_digest=trained_on)
     info = await engine.register_adapter("globex", demo_adapter_dirs()["globex"], expected_base_digest=engine.digest)
     assert info.name == "globex@1"

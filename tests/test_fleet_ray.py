@@ -16,6 +16,7 @@ import socket
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -349,6 +350,32 @@ async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
     status, err, _ = await fleet.call("GET", "/v1/adapters", key=KEYS["alpha"])  # a tenant key
     assert status == 403
     assert_openai_error(err, 403)
+
+
+async def test_fleet_registration_binds_the_trained_on_base_as_one_server_does(fleet):
+    """The owner replica applies the rule: an adapter that names no base is refused with the fix,
+    one bound to another base with both digests and the migration route; nothing is committed."""
+    from lorapage.model.loader import model_digest
+
+    running = model_digest(TINY_BASE_DIR)
+    unbound = Path(fleet.adapter_root) / "unbound-copy"
+    shutil.copytree(demo_adapter_dirs()["initech"], unbound)
+    cfg = json.loads((unbound / "adapter_config.json").read_text())
+    del cfg["base_model_name_or_path"]
+    (unbound / "adapter_config.json").write_text(json.dumps(cfg))
+    body = {"id": "unbound-co", "tenant": "beta", "source": str(unbound)}
+    status, got, _ = await fleet.call("POST", "/v1/adapters", body)
+    assert status == 400 and got["error"]["code"] == "adapter_base_unknown", got
+    assert "--base-names" in got["error"]["message"] and "--allow-unbound" in got["error"]["message"]
+    other = "0" * 64
+    status, got, _ = await fleet.call("POST", "/v1/adapters", {**body, "expected_base_digest": other})
+    assert status == 409 and got["error"]["code"] == "adapter_base_mismatch", got
+    message = got["error"]["message"]
+    assert f"sha256:{other}" in message and f"sha256:{running}" in message
+    assert f"POST /v1/bases/{running}/validate" in message and "register it again" not in message
+    assert (await fleet.call("GET", "/v1/adapters/unbound-co"))[0] == 404
+    status, got, _ = await fleet.call("POST", "/v1/adapters", {**body, "expected_base_digest": running})
+    assert status == 201 and got["base_digest"] == running, got
 
 
 async def test_vllm_routes_and_responses_through_the_ingress(fleet):

@@ -94,7 +94,9 @@ async def test_alert_and_dashboard_series_exist_and_the_flooded_tenant_burns(tmp
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
     # One lora slot: the two tenants' adapters take turns in it, so loads and evictions happen.
-    proc, seen = await start_serve("--tenants", str(tenants), "--metrics-public", "--max-loras", "1", "--max-resident-loras", "1")
+    proc, seen = await start_serve(
+        "--tenants", str(tenants), "--metrics-public", "--max-loras", "1", "--max-resident-loras", "1"
+    )
     url = seen["url"]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:

@@ -12,8 +12,9 @@ Every change is committed to the :class:`~lorapage.adapters.registry.Registry` (
 thread) before the live view shows it, so what a caller was told exists survives a restart; the
 same transaction appends its audit row, as the ``actor`` the caller names (a key id over HTTP),
 and each alias move to the alias history a rollback walks back (:mod:`lorapage.adapters.audit`).
-Each version records the digest of the base it was validated against; on a restart over another
-base those versions are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`).
+Each version records the digest of the base it was trained on, which registration requires to be
+the running one (:mod:`lorapage.adapters.binding`); on a restart over another base those versions
+are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`).
 
 Admin pins are written through the same way (:meth:`AdapterCatalog.set_pinned`). A restart marks
 the pinned versions in the cache as it restores them, reading nothing; their loads start when the
@@ -34,8 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorapage.adapters.audit import CHANNEL, DEFAULT_CHANNEL, AliasMove, channel_name, rollback_target
+from lorapage.adapters.binding import BaseBinding, mismatch_message
 from lorapage.adapters.cache import AdapterCache
-from lorapage.adapters.digest import normalize_digest
+from lorapage.adapters.digest import digest_param
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import Origin
 from lorapage.adapters.peft_format import AdapterSpec
@@ -67,7 +69,7 @@ class VersionInfo:
     base_digest: str
     created: float
     current: bool
-    servable: bool  # False: validated against another base than the one running
+    servable: bool  # False: trained on another base than the one running
     projected_cost_pct: float | None = None  # as stored (lorapage.adapters.cost); None: on another base, never costed
 
 
@@ -103,10 +105,13 @@ class AdapterCatalog:
         registry: Registry,
         *,
         base_digest: Callable[[], str],
+        binding: BaseBinding,
         io_executor: Executor,
     ) -> None:
+        """``base_digest``: the running base's (computed when first needed); ``binding``: how
+        registration tells the base an adapter was trained on."""
         self.cache, self.registry = cache, registry
-        self._base_digest, self._io = base_digest, io_executor
+        self._base_digest, self.binding, self._io = base_digest, binding, io_executor
         self._ids: dict[str, _Adapter] = {}
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
@@ -187,7 +192,8 @@ class AdapterCatalog:
 
     def resolve(self, name: str) -> str:
         """The version key ``name`` (``id``, ``id@N`` or ``id@channel``) serves now; 404 when
-        there is none, 409 when the version was validated against another base."""
+        there is none, 409 when the version was trained on another base (both digests and the
+        migration route)."""
         row, _ = self._row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
@@ -195,9 +201,7 @@ class AdapterCatalog:
             raise self._unfit[row.key]
         if row.key not in self.cache.entries:
             raise AdapterBaseMismatchError(
-                f"adapter {row.key} was validated against base {row.base_digest[:16]}…, but this server runs "
-                f"base {self._base_digest()[:16]}…; register it again on this base",
-                param="model",
+                mismatch_message(f"adapter {row.key}", row.base_digest, self._base_digest()), param="model"
             )
         return row.key
 
@@ -261,19 +265,17 @@ class AdapterCatalog:
         self, path: Path, *, sha256: str | None, expected_base_digest: str | None
     ) -> tuple[AdapterSpec, AdapterLayout, str]:
         """Read and check an adapter directory (any thread): spec, layout and content digest;
-        refuses a digest or a base other than the ones the caller expects."""
-        if expected_base_digest is not None:
-            want = _digest_param(expected_base_digest, "expected_base_digest")
-            if want != self._base_digest():
-                raise AdapterBaseMismatchError(
-                    f"registration expects base {want[:16]}…, but this server runs base {self._base_digest()[:16]}…",
-                    param="expected_base_digest",
-                )
+        refuses a digest other than ``sha256``, and an adapter not trained on the running base
+        (``expected_base_digest``, else its metadata: see :class:`BaseBinding`)."""
+        running = self._base_digest()
+        if expected_base_digest is not None:  # the caller's word: refused before any weight is read
+            self.binding.bind(running, expected=expected_base_digest, trained_on=None)
         spec, layout, digest = self.cache.validate(str(path))
-        if sha256 is not None and _digest_param(sha256, "sha256") != digest:
+        if sha256 is not None and digest_param(sha256, "sha256") != digest:
             raise AdapterIntegrityError(
                 f"adapter at {path} has content digest {digest}, not the sha256 given ({sha256})", param="sha256"
             )
+        self.binding.bind(running, expected=expected_base_digest, trained_on=spec.trained_on)
         return spec, layout, digest
 
     async def prepare_in_worker(
@@ -346,12 +348,13 @@ class AdapterCatalog:
             )
             return self._add_live(row, owner, spec, layout, activate), True
 
-    def register_now(self, adapter_id: str, path: Path, *, owner: str | None = None) -> VersionInfo:
+    def register_now(
+        self, adapter_id: str, path: Path, *, owner: str | None = None, expected_base_digest: str | None = None
+    ) -> VersionInfo:
         """:meth:`register` in the calling thread (for scripts with no event loop running)."""
         self.check_owner(adapter_id, owner)
-        return self.register_prepared(
-            adapter_id, path, self.prepare(path, sha256=None, expected_base_digest=None), owner=owner
-        )
+        prepared = self.prepare(path, sha256=None, expected_base_digest=expected_base_digest)
+        return self.register_prepared(adapter_id, path, prepared, owner=owner)
 
     def register_prepared(
         self,
@@ -642,13 +645,6 @@ def _check_channel(channel: str) -> None:
 
 def _alias_name(adapter_id: str, channel: str) -> str:
     return f"{adapter_id}@{channel}" if channel else adapter_id
-
-
-def _digest_param(raw: str, param: str) -> str:
-    try:
-        return normalize_digest(raw)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc), param=param) from None
 
 
 def spec_to_json(spec: AdapterSpec) -> str:

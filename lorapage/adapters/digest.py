@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 
 from lorapage.adapters.files import open_regular
+from lorapage.errors import InvalidRequestError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what a version's content is
 _CHUNK = 1 << 20
@@ -55,3 +56,11 @@ def normalize_digest(raw: str) -> str:
     if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
         raise ValueError(f"sha256 must be 64 hex digits (optionally prefixed 'sha256:'); got {raw!r}")
     return value
+
+
+def digest_param(raw: str, param: str) -> str:
+    """:func:`normalize_digest` of the request field ``param``: a 400 naming it when malformed."""
+    try:
+        return normalize_digest(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param=param) from None

@@ -5,8 +5,9 @@ engine would serve wrongly; the weights themselves are read later, in a worker t
 request first needs them, and are refused then if any value is NaN or Inf. Nothing user-supplied
 can run code or take unbounded time: ``adapter_model.bin`` (a pickle) is never opened, and PEFT's
 ``rank_pattern`` / ``alpha_pattern`` keys, which are regexes, are bounded and matched with RE2
-(linear time). ``base_model_name_or_path`` is never trusted: shapes are checked against the
-loaded base instead.
+(linear time). ``base_model_name_or_path`` is never trusted for shapes (they are checked against
+the loaded base); it is only the name registration looks the trained-on base up by
+(:mod:`lorapage.adapters.binding`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class AdapterSpec:
     target_modules: tuple[str, ...]
     max_rank: int
     size_bytes: int  # bytes of the weights file
+    trained_on: str | None = None  # base_model_name_or_path as the config says it (None: absent); not stored
 
     def num_params(self, model: ModelConfig) -> int:
         dims = model.module_dims()
@@ -247,7 +249,15 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         target_modules=tuple(m for m in MODULES if any(k[1] == m for k in ranks)),
         max_rank=max(ranks.values()),
         size_bytes=size_bytes,
+        trained_on=_trained_on(path, cfg),
     )
+
+
+def _trained_on(path: Path, cfg: dict) -> str | None:
+    name = cfg.get("base_model_name_or_path")
+    if name is not None and not isinstance(name, str):
+        raise _fail(path, f"base_model_name_or_path must be a string (the base's name or path); got {name!r:.80}")
+    return name
 
 
 def read_weights(spec: AdapterSpec, into: ReadBuffer | None = None) -> torch.Tensor:

@@ -5,7 +5,12 @@ registered on both and checked on its prompts: ``--prompts FILE``, one JSON obje
 ``{"adapter": NAME, "prompt": TEXT}`` (a line without ``adapter`` applies to every adapter).
 Prints one row per adapter (token agreement, mean |d logprob|, KL, answers changed, verdict),
 the notice each customer would get, and, last, one JSON object with all of it. Exit status: 0
-when every adapter passed, 1 when one did not, 2 for a usage error.
+when every adapter passed, 1 when one did not, 2 for a usage error. The check is the one place an
+adapter meets a base it was not trained on: each is registered on both engines as trained on that
+engine's base (``expected_base_digest``), whatever its metadata says, to measure how it behaves.
+
+``lorapage base digest DIR...`` prints each base's digest (``sha256:HEX``), the value a
+``--base-names`` table and a registration's ``expected_base_digest`` take.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("``", ""),
         formatter_class=HelpFormatter,
     )
+    digest = sub.add_parser("digest", help="print each base's digest (sha256 over its weight files)")
+    digest.add_argument("dirs", nargs="+", metavar="DIR", help="Hugging Face model directories")
     p.add_argument("old", help="the current base: a Hugging Face model directory")
     p.add_argument("new", help="the candidate base: a Hugging Face model directory with the same tokenizer")
     p.add_argument("--lora-modules", nargs="+", required=True, metavar="NAME=DIR", help="the adapters to check")
@@ -86,7 +93,7 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
     try:
         for engine in (old, new):
             for name, path in modules.items():
-                engine.add_adapter(name, path)
+                engine.add_adapter(name, path, expected_base_digest=engine.digest)
         reports = {}
         for name in modules:
             drifts = await prompt_drifts(old, new, name, name, prompts[name], max_tokens=args.max_tokens)
@@ -97,8 +104,25 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
         await new.close()
 
 
+def print_digests(dirs: list[str]) -> int:
+    """``lorapage base digest``: one ``sha256:HEX  DIR`` line per base; 1 when one could not be read."""
+    from lorapage.adapters.binding import shown_digest
+    from lorapage.model.loader import model_digest
+
+    status = 0
+    for path in dirs:
+        try:
+            print(f"{shown_digest(model_digest(path))}  {path}")
+        except OSError as exc:
+            print(f"lorapage base digest: {path}: {exc.strerror or exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "digest":
+        return print_digests(args.dirs)
     reports = asyncio.run(run(args))
     print(f"{'adapter':<20} {'prompts':>7} {'agreement':>9} {'|dlogprob|':>10} {'KL':>8} {'changed':>7}  verdict")
     for name, r in reports.items():

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lorapage.adapters.audit import DEFAULT_CHANNEL, AuditEntry, AuditQuery
+from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.catalog import (
     REGISTRATION_TIMEOUT_S,
@@ -121,6 +122,7 @@ class Engine:
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.base_name = model_dir.name
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.base_binding = BaseBinding(BaseNames.of_base(model_dir, _base_names(config)), config.allow_unbound)
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         eos = mc.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids: frozenset[int] = frozenset(t for t in eos if t is not None)
@@ -278,6 +280,7 @@ class Engine:
             self.adapters,
             self.registry,
             base_digest=lambda: self.digest,
+            binding=self.base_binding,
             io_executor=self._io,
         )
         self.scheduler_metrics = SchedulerMetrics()
@@ -396,13 +399,17 @@ class Engine:
 
     # -- adapters -------------------------------------------------------------------------------
 
-    def add_adapter(self, name: str, path: str | Path, *, owner: str | None = None) -> AdapterInfo:
+    def add_adapter(
+        self, name: str, path: str | Path, *, owner: str | None = None, expected_base_digest: str | None = None
+    ) -> AdapterInfo:
         """Register a PEFT LoRA directory as a new version of ``name`` (the alias then points at
         it); it is validated now (read whole, in the calling thread), committed to the registry
-        and loaded lazily. The directory must be one ``owner``'s versions may be read from (see
-        ``adapter_roots``). From a running event loop use :meth:`register_adapter`."""
+        and loaded lazily. It must have been trained on this base: ``expected_base_digest`` when
+        given, else its ``base_model_name_or_path`` says so (:mod:`lorapage.adapters.binding`).
+        The directory must be one ``owner``'s versions may be read from (see ``adapter_roots``).
+        From a running event loop use :meth:`register_adapter`."""
         self.adapter_roots.check(Path(path), owner)
-        version = self.catalog.register_now(name, Path(path), owner=owner)
+        version = self.catalog.register_now(name, Path(path), owner=owner, expected_base_digest=expected_base_digest)
         return self.adapter_info(version.key)
 
     async def register_adapter(
@@ -884,3 +891,13 @@ def _kv_pages_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str
 
 def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
+
+
+def _base_names(config: EngineConfig) -> dict[str, str]:
+    """The base-names table ``config.base_names`` names (none: empty); ValueError naming the file."""
+    if config.base_names is None:
+        return {}
+    try:
+        return load_base_names(config.base_names)
+    except ValueError as exc:
+        raise ValueError(f"EngineConfig.base_names {config.base_names}: {exc}") from None

@@ -19,6 +19,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
+from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError, ConflictError
@@ -60,16 +61,14 @@ class FleetRegistry:
         return entry.versions.get(number) if number is not None else None
 
     def resolve(self, name: str, base_digest: str) -> str:
-        """The version key ``name`` serves now; 404 when none, 409 when it was validated against
-        another base than the replicas run."""
+        """The version key ``name`` serves now; 404 when none, 409 when it was trained on another
+        base than the replicas run (both digests and the migration route)."""
         row = self.row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         if row.base_digest != base_digest:
             raise AdapterBaseMismatchError(
-                f"adapter {row.key} was validated against base {row.base_digest[:16]}…, but this fleet runs "
-                f"base {base_digest[:16]}…; register it again on this base",
-                param="model",
+                mismatch_message(f"adapter {row.key}", row.base_digest, base_digest, server="fleet"), param="model"
             )
         return row.key
 

@@ -122,7 +122,7 @@ class AdapterCreateRequest(msgspec.Struct, forbid_unknown_fields=True):
     source: str | None = None
     path: str | None = None
     sha256: str | None = None
-    expected_base_digest: str | None = None
+    expected_base_digest: str | None = None  # None: its base_model_name_or_path decides (lorapage.adapters.binding)
     activate: bool = True
 
 

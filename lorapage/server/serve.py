@@ -27,6 +27,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from lorapage.adapters.binding import load_base_names
 from lorapage.adapters.registry import REGISTRY_FILE, RegistrySchemaError
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirError
@@ -229,6 +230,11 @@ def engine_config(args: argparse.Namespace, prog: str = PROG) -> EngineConfig:
     except ValueError as exc:  # a bad flag value: say which, not a traceback
         fail(prog, str(exc))
     check_model_dir(config.model, prog)
+    if config.base_names is not None:
+        try:
+            load_base_names(config.base_names)
+        except ValueError as exc:
+            fail(prog, f"--base-names {config.base_names}: {exc}")
     return config
 
 
