@@ -19,7 +19,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 READY = re.compile(r"listening on (http://\S+)")
 
@@ -63,7 +62,7 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
