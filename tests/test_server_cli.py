@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from lorapage.server.serve_process import ServeProcess, run_serve, start_serve
+from lorapage.server.serve_process import ServeDidNotStart, ServeProcess, run_serve, start_serve
 from lorapage.tiny import demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -195,3 +195,10 @@ async def test_a_second_server_on_one_state_dir_exits_with_one_line(tmp_path):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             async with session.get(first.url + "/health") as resp:
                 assert resp.status == 200
+
+
+async def test_a_server_that_does_not_start_is_named_with_its_log(tmp_path):
+    """The harness's own failure: the exit status and the log's tail, not a bare timeout."""
+    with pytest.raises(ServeDidNotStart) as info:
+        start_serve("--gpu-memory-utilization", "1.5", under=tmp_path)
+    assert "exited with 2" in str(info.value) and "gpu_memory_utilization must be in (0, 1]" in str(info.value)
