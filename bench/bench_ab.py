@@ -28,14 +28,12 @@ import ctypes
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_replay as br  # noqa: E402
+import bench_replay as br
 
-from lorapage.kernels import cpu_build, lora_cpu  # noqa: E402
+from lorapage.kernels import cpu_build, lora_cpu
 
 CASES = (5, br.SLORA_ADAPTERS)
 ROOT = Path(__file__).resolve().parent.parent

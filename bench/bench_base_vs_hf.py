@@ -20,18 +20,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from make_llama import write_model
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_llama import write_model  # noqa: E402
-
-from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.cpu_build import machine_info, machine_line
 
 BATCH, NEW = 64, 32
 

@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_llama import write_adapter, write_model  # noqa: E402
+from make_llama import write_adapter, write_model
 
-from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
-from lorapage.traces.stats import percentile  # noqa: E402
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.cpu_build import machine_info, machine_line
+from lorapage.traces.stats import percentile
 
 TARGET_RATIO = 4.0
 

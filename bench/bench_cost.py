@@ -30,21 +30,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_engine import decode_rate, stream_bandwidth
+from make_llama import MODULES, write_adapter, write_model
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_engine import decode_rate, stream_bandwidth  # noqa: E402
-from make_llama import MODULES, write_adapter, write_model  # noqa: E402
-
-from lorapage import Engine, EngineConfig  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
-from lorapage.model.runner import StepPlan  # noqa: E402
+from lorapage import Engine, EngineConfig
+from lorapage.kernels.cpu_build import machine_info, machine_line
+from lorapage.model.runner import StepPlan
 
 BATCH = 32
 SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)

@@ -34,20 +34,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from make_llama import write_adapter, write_model
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_llama import write_adapter, write_model  # noqa: E402
-
-from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.cpu_build import machine_info, machine_line
 
 BATCH = 32
 # Requests per adapter in (e)/(f), fixed so runs compare: Zipf-like (Zipf(1.0) over 8 adapters expects

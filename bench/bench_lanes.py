@@ -29,22 +29,19 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from make_llama import write_adapter, write_model
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_llama import write_adapter, write_model  # noqa: E402
-
-from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
-from lorapage.replay.population import zipf_weights  # noqa: E402
-from lorapage.scheduler import VtcConfig, make_policy  # noqa: E402
-from lorapage.sim import SimConfig, SimRequest, Simulator  # noqa: E402
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.cpu_build import machine_info, machine_line
+from lorapage.replay.population import zipf_weights
+from lorapage.scheduler import VtcConfig, make_policy
+from lorapage.sim import SimConfig, SimRequest, Simulator
 
 SHAPE = dict(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408, vocab=4096)
 RANK = 16

@@ -29,25 +29,22 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from make_llama import write_adapter, write_model
 from msgspec.structs import replace as with_fields
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_llama import write_adapter, write_model  # noqa: E402
-
-from lorapage import Engine, EngineConfig  # noqa: E402
-from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
-from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay  # noqa: E402
-from lorapage.replay.embedded import EmbeddedTarget  # noqa: E402
-from lorapage.replay.engine_flags import trace_adapters  # noqa: E402
-from lorapage.replay.report import build_report, write_report  # noqa: E402
-from lorapage.traces.stats import Slo, latency  # noqa: E402
+from lorapage import Engine, EngineConfig
+from lorapage.config import LORA_DTYPE_NAMES
+from lorapage.kernels.cpu_build import machine_info, machine_line
+from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay
+from lorapage.replay.embedded import EmbeddedTarget
+from lorapage.replay.engine_flags import trace_adapters
+from lorapage.replay.report import build_report, write_report
+from lorapage.traces.stats import Slo, latency
 
 SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
 ADAPTER_DIRS = 5

@@ -41,14 +41,10 @@ import asyncio
 import hashlib
 import itertools
 import json
-import os
 import random
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -62,6 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from lorapage.kernels.cpu_build import machine_info, machine_line
+from lorapage.server.serve_process import ServeProcess, start_serve
 from lorapage.tiny import demo_adapter_dirs
 from lorapage.traces.stats import percentile
 
@@ -281,32 +278,12 @@ def write_files(tmp: Path) -> tuple[dict[str, str], Path, Path]:
     return keys, tenants, root
 
 
-def start_server(tmp: Path, tenants: Path, root: Path, device: str | None) -> tuple[subprocess.Popen, str]:
+def start_server(tmp: Path, tenants: Path, root: Path, device: str | None) -> ServeProcess:
     modules = [f"{name}={path}" for name, path in demo_adapter_dirs().items()]
-    cmd = [sys.executable, "-m", "lorapage.server.serve", "--port", "0", "--tenants", str(tenants)]
-    cmd += ["--adapter-root", str(root), *SERVER_FLAGS, "--lora-modules", *modules]
-    cmd += ["--state-dir", str(tmp / "state")]  # its own registry: nothing from the user's or an earlier run
+    args = ["--tenants", str(tenants), "--adapter-root", str(root), *SERVER_FLAGS, "--lora-modules", *modules]
     if device:
-        cmd += ["--device", device]
-    log = open(tmp / "server.log", "wb")  # the server writes to it until it exits
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in (tmp / "server.log").read_text(errors="replace").splitlines():
-            if "listening on http://" in line:
-                return proc, line.split("listening on ")[1].strip()
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"the server did not start:\n{(tmp / 'server.log').read_text(errors='replace')[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+        args += ["--device", device]
+    return start_serve(*args, under=tmp)  # its --state-dir under tmp: nothing from the user's or an earlier run
 
 
 # --- clients -----------------------------------------------------------------------------------
@@ -919,15 +896,15 @@ def print_table(r: dict, met: dict[str, bool]) -> None:
 
 async def amain(args: argparse.Namespace, tmp: Path) -> dict:
     keys, tenants, root = write_files(tmp)
-    proc, url = start_server(tmp, tenants, root, args.device)
-    soak = Soak(url, proc.pid, keys, root)
+    server = start_server(tmp, tenants, root, args.device)
+    soak = Soak(server.url, server.proc.pid, keys, root)
     try:
         result = await run(args, soak)
     finally:
         await soak.session.close()
-        result_code = stop_server(proc)
+        result_code = server.stop()
     result["server_exit_code"] = result_code
-    server_log = (tmp / "server.log").read_text(errors="replace")
+    server_log = server.output()
     result["server_tracebacks"] = server_log.count("Traceback")
     first = server_log.find("Traceback")
     result["server_traceback_example"] = server_log[max(0, first - 300) : first + 2500] if first >= 0 else ""

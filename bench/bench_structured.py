@@ -21,12 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from make_llama import write_adapter, write_model  # noqa: E402
+from make_llama import write_adapter, write_model
 
-from lorapage import Engine, EngineConfig, SamplingParams  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
-from lorapage.structured import StructuredSpec  # noqa: E402
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.cpu_build import machine_info, machine_line
+from lorapage.structured import StructuredSpec
 
 ROWS, CONSTRAINED, ADAPTERS, NEW_TOKENS = 32, 8, 8, 32
 SCHEMA = {

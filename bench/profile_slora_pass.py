@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -27,20 +26,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_replay as br  # noqa: E402
+import bench_replay as br
 
 from lorapage.adapters import (
-    cache as cache_mod,  # noqa: E402
-    layout as layout_mod,  # noqa: E402
-    loader as loader_mod,  # noqa: E402
+    cache as cache_mod,
+    layout as layout_mod,
+    loader as loader_mod,
 )
-from lorapage.config import LORA_DTYPE_NAMES  # noqa: E402
-from lorapage.kernels.cpu_build import machine_info, machine_line  # noqa: E402
+from lorapage.config import LORA_DTYPE_NAMES
+from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.model import (
-    forward as forward_mod,  # noqa: E402
-    llama as llama_mod,  # noqa: E402
-    runner as runner_mod,  # noqa: E402
+    forward as forward_mod,
+    llama as llama_mod,
+    runner as runner_mod,
 )
 
 

@@ -148,11 +148,9 @@ class Request:
     first_token_time: float | None = None
     sent_len: int = 0  # characters of text released to the caller (stop-string prefixes held back)
     # Prefix caching: what the K/V depend on besides the tokens (None: this request caches
-    # nothing), the keys of its full blocks as far as they are known, and the prompt tokens a
-    # cache hit saved it.
+    # nothing) and the keys of its full blocks as far as they are known.
     cache_namespace: bytes | None = None
     block_keys: list[bytes] = field(default_factory=list)
-    num_cached_tokens: int = 0
     # Sampling state made at intake: the tokens min_tokens holds back (EOS unless ignored, the
     # stop token ids), each bad word's token ids, and the structured-output constraint.
     stop_ids: tuple[int, ...] = ()

@@ -16,6 +16,7 @@ import pytest
 
 from lorapage import EngineConfig
 from lorapage.cli import COMMANDS
+from lorapage.server.serve_process import run_serve
 
 _CONFIG_FLAGS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -79,22 +80,22 @@ def test_serve_on_a_busy_port_says_so_before_loading_anything():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = lorapage("serve", "--port", str(port), "--state-dir", ":memory:")
+        done = run_serve("--port", str(port), "--state-dir", ":memory:")
     one_clear_line(done, f"127.0.0.1:{port}", "in use")
 
 
 def test_serve_names_a_model_directory_it_cannot_use(tmp_path: Path):
     absent = str(tmp_path / "absent")
-    one_clear_line(lorapage("serve", "--port", "0", "--model", absent), "--model", "no such directory")
-    one_clear_line(lorapage("serve", "--port", "0", "--model", str(tmp_path)), "--model", "config.json")
+    one_clear_line(run_serve("--model", absent), "--model", "no such directory")
+    one_clear_line(run_serve("--model", str(tmp_path)), "--model", "config.json")
     (tmp_path / "config.json").write_text('{"hidden_size": 8}')
-    one_clear_line(lorapage("serve", "--port", "0", "--model", str(tmp_path)), "config.json lacks", "vocab_size")
+    one_clear_line(run_serve("--model", str(tmp_path)), "config.json lacks", "vocab_size")
 
 
 def test_bad_values_are_one_line(tmp_path: Path):
-    one_clear_line(lorapage("serve", "--port", "0", "--access-log", str(tmp_path / "absent" / "log")), "--access-log")
-    one_clear_line(lorapage("serve", "--port", "0", "--max-loras", "0"), "max_loras must be >= 1")
-    one_clear_line(lorapage("serve", "--port", "0", "--slo-window", "0"), "--slo-window must be")
+    one_clear_line(run_serve("--access-log", str(tmp_path / "absent" / "log")), "--access-log")
+    one_clear_line(run_serve("--max-loras", "0"), "max_loras must be >= 1")
+    one_clear_line(run_serve("--slo-window", "0"), "--slo-window must be")
     one_clear_line(lorapage("demo", "--max-tokens", "0"), "--max-tokens", "max_tokens")
 
 
@@ -140,10 +141,10 @@ def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
 
 def test_bad_lane_and_slot_values_are_one_line():
     one_clear_line(
-        lorapage("serve", "--port", "0", "--max-loras", "8", "--max-resident-loras", "4"),
+        run_serve("--max-loras", "8", "--max-resident-loras", "4"),
         "max_resident_loras (4) must be >= max_loras (8)",
     )
     one_clear_line(
-        lorapage("serve", "--port", "0", "--max-loras", "8", "--reserved-tail-lanes", "8"),
+        run_serve("--max-loras", "8", "--reserved-tail-lanes", "8"),
         "reserved_tail_lanes must be in [0, max_loras=8)",
     )

@@ -8,9 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 from server_harness import KEYS, TENANTS_TOML
 
+from lorapage.server.serve_process import start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR
 
 openai = pytest.importorskip("openai")
@@ -51,23 +49,8 @@ def url(tmp_path_factory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("clients")
     tenants = root / "tenants.toml"
     tenants.write_text(TENANTS_TOML)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", "--tenants", str(tenants),
-         "--state-dir", str(root / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if m := re.search(r"listening on (http://\S+)", line):
-                yield m.group(1)
-                break
-        else:
-            raise AssertionError(f"lorapage serve exited with {proc.wait()}")
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with start_serve("--tenants", str(tenants), under=root) as served:
+        yield served.url
 
 
 def client(url: str):

@@ -19,6 +19,19 @@ def manager(**limits) -> QuotaManager:
     return QuotaManager(TenantsConfig({"a": TenantConfig("a", **limits), "b": TenantConfig("b", **limits)}))
 
 
+def reserve(quota: QuotaManager, tenant: str, prompt_tokens: int, max_tokens: int, now: float):
+    """One request as the server takes it: :meth:`~QuotaManager.admit` before its body is read,
+    then :meth:`~QuotaManager.charge` of its size; a refused charge releases what admit took."""
+    got = quota.admit(tenant, now)
+    if isinstance(got, QuotaExceeded):
+        return got
+    refused = quota.charge(got, prompt_tokens, max_tokens, now)
+    if refused is not None:
+        quota.release(got, 0, now)
+        return refused
+    return got
+
+
 def test_refill_arithmetic_is_exact():
     bucket = TokenBucket(capacity=3, rate=1.0, now=0.0)  # 60 per minute, burst 3
     for _ in range(3):
@@ -41,10 +54,10 @@ def test_fractional_rates_land_on_whole_tokens():
 
 def test_burst_then_sustained_rate():
     quota = manager(rpm=60, rpm_burst=10)
-    admitted = [isinstance(quota.check_and_reserve("a", 1, 1, 0.0), Reservation) for _ in range(12)]
+    admitted = [isinstance(reserve(quota, "a", 1, 1, 0.0), Reservation) for _ in range(12)]
     assert admitted == [True] * 10 + [False] * 2
     times = [t / 10 for t in range(1, 101)]  # 10 s, one attempt every 100 ms
-    got = sum(isinstance(quota.check_and_reserve("a", 1, 1, t), Reservation) for t in times)
+    got = sum(isinstance(reserve(quota, "a", 1, 1, t), Reservation) for t in times)
     assert got == 10  # one per second after the burst
 
 
@@ -53,12 +66,12 @@ def test_no_fixed_window_double_burst():
     quota = manager(rpm=600)
     admitted: list[float] = []
     for t in [59.9] * 700 + [60.0] * 700:
-        if isinstance(quota.check_and_reserve("a", 1, 1, t), Reservation):
+        if isinstance(reserve(quota, "a", 1, 1, t), Reservation):
             admitted.append(t)
     assert admitted.count(59.9) == 600
     assert admitted.count(60.0) == 1  # 0.1 s of refill at 10/s
     for t in [60.0 + i * 0.01 for i in range(1, 12001)]:  # then hammer it for two minutes
-        if isinstance(quota.check_and_reserve("a", 1, 1, t), Reservation):
+        if isinstance(reserve(quota, "a", 1, 1, t), Reservation):
             admitted.append(t)
     for window in (1.0, 10.0, 60.0):  # any window of T seconds: at most burst + rate * T
         for start in [59.9 + i * 0.5 for i in range(240)]:
@@ -70,46 +83,46 @@ def test_no_fixed_window_double_burst():
 def test_retry_after_is_correct_to_the_second(rpm, burst):
     quota = manager(rpm=rpm, rpm_burst=burst)
     now = 12.25
-    while isinstance(quota.check_and_reserve("a", 1, 1, now), Reservation):
+    while isinstance(reserve(quota, "a", 1, 1, now), Reservation):
         pass
-    refused = quota.check_and_reserve("a", 1, 1, now)
+    refused = reserve(quota, "a", 1, 1, now)
     assert isinstance(refused, QuotaExceeded) and refused.which == "rpm"
     wait = refused.retry_after_s
     assert wait is not None and wait >= 1
     if wait > 1:
-        assert isinstance(quota.check_and_reserve("a", 1, 1, now + wait - 1), QuotaExceeded)
-    assert isinstance(quota.check_and_reserve("a", 1, 1, now + wait), Reservation)
+        assert isinstance(reserve(quota, "a", 1, 1, now + wait - 1), QuotaExceeded)
+    assert isinstance(reserve(quota, "a", 1, 1, now + wait), Reservation)
 
 
 def test_tpm_retry_after_and_refund_of_unused_tokens():
     quota = manager(tpm=6000)  # 100 tokens per second, burst 6000
-    r1 = quota.check_and_reserve("a", 1000, 4000, 0.0)
-    assert isinstance(r1, Reservation) and r1.tokens == 5000
-    refused = quota.check_and_reserve("a", 500, 1500, 0.0)  # needs 2000, has 1000
+    r1 = reserve(quota, "a", 1000, 4000, 0.0)
+    assert isinstance(r1, Reservation)
+    refused = reserve(quota, "a", 500, 1500, 0.0)  # needs 2000, has 1000 left of 6000
     assert isinstance(refused, QuotaExceeded) and refused.which == "tpm" and refused.retry_after_s == 10
     quota.release(r1, used_tokens=1200, now=0.0)  # generated 200 of 4000: 3800 come back
-    assert isinstance(quota.check_and_reserve("a", 500, 1500, 0.0), Reservation)
+    assert isinstance(reserve(quota, "a", 500, 1500, 0.0), Reservation)
     quota.release(r1, used_tokens=1200, now=0.0)  # a second release changes nothing
     assert quota.in_flight("a") == 1
 
 
 def test_request_larger_than_the_burst_can_never_pass():
     quota = manager(tpm=1000)
-    refused = quota.check_and_reserve("a", 800, 400, 0.0)
+    refused = reserve(quota, "a", 800, 400, 0.0)
     assert isinstance(refused, QuotaExceeded)
     assert refused.which == "tpm" and refused.retry_after_s is None and "max_tokens" in refused.message
 
 
 def test_concurrency_cap_and_all_or_nothing():
     quota = manager(rpm=3, max_concurrency=2)
-    r1 = quota.check_and_reserve("a", 1, 1, 0.0)
-    r2 = quota.check_and_reserve("a", 1, 1, 0.0)
-    refused = quota.check_and_reserve("a", 1, 1, 0.0)
+    r1 = reserve(quota, "a", 1, 1, 0.0)
+    r2 = reserve(quota, "a", 1, 1, 0.0)
+    refused = reserve(quota, "a", 1, 1, 0.0)
     assert isinstance(refused, QuotaExceeded) and refused.which == "concurrency" and refused.retry_after_s == 1
     assert isinstance(r1, Reservation) and isinstance(r2, Reservation)
     quota.release(r1, 2, 0.0)
-    assert isinstance(quota.check_and_reserve("a", 1, 1, 0.0), Reservation)  # the refusal took no RPM token
-    refused = quota.check_and_reserve("a", 1, 1, 0.0)
+    assert isinstance(reserve(quota, "a", 1, 1, 0.0), Reservation)  # the refusal took no RPM token
+    refused = reserve(quota, "a", 1, 1, 0.0)
     assert isinstance(refused, QuotaExceeded) and refused.which == "rpm"  # the longest wait is reported
     assert refused.retry_after_s == 20
 
@@ -122,9 +135,9 @@ def test_one_tenant_over_quota_leaves_the_others_rate_alone():
             now = step * 0.01
             if hammer_a:
                 for _ in range(5):
-                    quota.check_and_reserve("a", 100, 100, now)
+                    reserve(quota, "a", 100, 100, now)
             if step % 20 == 0:
-                got += isinstance(quota.check_and_reserve("b", 100, 100, now), Reservation)
+                got += isinstance(reserve(quota, "b", 100, 100, now), Reservation)
         return got
 
     assert admitted_for_b(hammer_a=True) == admitted_for_b(hammer_a=False) == 64  # 5 burst + 2/s for 29.8 s
@@ -132,37 +145,37 @@ def test_one_tenant_over_quota_leaves_the_others_rate_alone():
 
 def test_reload_keeps_in_flight_requests_valid():
     quota = manager(rpm=60, tpm=6000, max_concurrency=2)
-    held = [quota.check_and_reserve("a", 100, 100, 0.0) for _ in range(2)]
-    b_held = quota.check_and_reserve("b", 100, 900, 0.0)
+    held = [reserve(quota, "a", 100, 100, 0.0) for _ in range(2)]
+    b_held = reserve(quota, "b", 100, 900, 0.0)
     assert all(isinstance(r, Reservation) for r in [*held, b_held])
     new = TenantsConfig({"a": TenantConfig("a", rpm=60, tpm=6000, max_concurrency=1), "c": TenantConfig("c", rpm=1)})
     quota.reload(new, now=1.0)
     assert quota.in_flight("a") == 2  # nothing dropped, even above the new cap
-    assert isinstance(quota.check_and_reserve("a", 1, 1, 1.0), QuotaExceeded)
+    assert isinstance(reserve(quota, "a", 1, 1, 1.0), QuotaExceeded)
     quota.release(held[0], 150, 1.0)
     quota.release(held[1], 150, 1.0)
-    assert isinstance(quota.check_and_reserve("a", 1, 1, 1.0), Reservation)
+    assert isinstance(reserve(quota, "a", 1, 1, 1.0), Reservation)
     quota.release(b_held, 200, 1.0)  # b was removed; its reservation still releases cleanly
     with pytest.raises(KeyError, match="unknown tenant 'b'"):
-        quota.check_and_reserve("b", 1, 1, 1.0)
-    assert isinstance(quota.check_and_reserve("c", 1, 1, 1.0), Reservation)  # new tenants start full
+        reserve(quota, "b", 1, 1, 1.0)
+    assert isinstance(reserve(quota, "c", 1, 1, 1.0), Reservation)  # new tenants start full
 
 
 def test_reload_keeps_bucket_levels_and_clips_to_a_smaller_burst():
     quota = manager(rpm=600)
     for _ in range(100):
-        quota.check_and_reserve("a", 1, 1, 0.0)
+        reserve(quota, "a", 1, 1, 0.0)
     quota.reload(TenantsConfig({"a": TenantConfig("a", rpm=600, rpm_burst=50)}), now=0.0)
-    got = sum(isinstance(quota.check_and_reserve("a", 1, 1, 0.0), Reservation) for _ in range(100))
+    got = sum(isinstance(reserve(quota, "a", 1, 1, 0.0), Reservation) for _ in range(100))
     assert got == 50
     quota.reload(TenantsConfig({"a": TenantConfig("a", rpm=600)}), now=0.0)
-    got = sum(isinstance(quota.check_and_reserve("a", 1, 1, 0.0), Reservation) for _ in range(100))
+    got = sum(isinstance(reserve(quota, "a", 1, 1, 0.0), Reservation) for _ in range(100))
     assert got == 0  # a bigger burst is not a free refill
 
 
 def test_unlimited_tenant_and_overload_retry_after():
     quota = QuotaManager(TenantsConfig({"free": TenantConfig("free")}))
-    assert all(isinstance(quota.check_and_reserve("free", 10**6, 10**6, 0.0), Reservation) for _ in range(1000))
+    assert all(isinstance(reserve(quota, "free", 10**6, 10**6, 0.0), Reservation) for _ in range(1000))
     assert overload_retry_after_s(queue_len=100, max_queue_len=100, admitted_per_s=0.5) == 2
     assert overload_retry_after_s(queue_len=4096, max_queue_len=4096, admitted_per_s=50.0) == 1
     assert overload_retry_after_s(queue_len=10, max_queue_len=10, admitted_per_s=0.0) == 60

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import re
 import shutil
-import signal
 import sqlite3
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -24,6 +20,7 @@ import pytest
 from server_harness import ADMIN_KEY, KEYS, TENANTS_TOML
 
 from lorapage.adapters.registry import REGISTRY_FILE
+from lorapage.server.serve_process import ServeProcess, start_serve
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -31,45 +28,9 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 DEMOS = ("acme", "globex", "initech")
 
 
-class Serve:
-    """``lorapage serve`` on a free port over ``state`` (started, then killed or stopped)."""
-
-    def __init__(self, state: Path, root: Path, tenants: Path) -> None:
-        self.args = ["--state-dir", str(state), "--adapter-root", str(root), "--tenants", str(tenants)]
-        self.proc: asyncio.subprocess.Process | None = None
-        self.url = ""
-
-    async def __aenter__(self) -> Serve:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "lorapage.cli",
-            "serve",
-            "--port",
-            "0",
-            *self.args,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert self.proc.stdout is not None
-        while not self.url:
-            line = (await asyncio.wait_for(self.proc.stdout.readline(), timeout=120)).decode()
-            if not line:
-                raise AssertionError(f"lorapage serve exited early with {await self.proc.wait()}")
-            if m := re.search(r"listening on (http://\S+)", line):
-                self.url = m.group(1)
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)  # no shutdown code runs: what is on disk is all there is
-
-    async def __aexit__(self, *exc) -> None:
-        assert self.proc is not None
-        if self.proc.returncode is None:
-            self.proc.kill()
-        await self.proc.wait()
+def serve(tmp: Path, state: Path, root: Path, tenants: Path) -> ServeProcess:
+    """``lorapage serve`` on a free port over ``state`` (killed in the test, or stopped leaving its ``with``)."""
+    return start_serve("--state-dir", str(state), "--adapter-root", str(root), "--tenants", str(tenants), under=tmp)
 
 
 def _setup(tmp_path: Path, n: int) -> tuple[Path, Path, Path]:
@@ -103,7 +64,7 @@ async def test_registrations_survive_restart_and_kill_9(tmp_path):
     answered: dict[str, int] = {}  # id -> status, for the answers that reached the client
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        async with Serve(state, root, tenants) as first:
+        with serve(tmp_path, state, root, tenants) as first:
             # Committed before the kill: a deploy and a rollback of one id.
             assert (await _register(session, first.url, "cust", root / "acme"))[0] == 201
             assert (await _register(session, first.url, "cust", root / "globex"))[0] == 201
@@ -125,7 +86,7 @@ async def test_registrations_survive_restart_and_kill_9(tmp_path):
             while len(answered) < answers_before_kill:
                 await asyncio.sleep(0.001)
             await asyncio.sleep(rng.uniform(0.0, 0.02))
-            first.kill()
+            first.proc.kill()  # no shutdown code runs: what is on disk is all there is
             await asyncio.gather(*workers)
         committed = {i for i, status in answered.items() if status == 201}
         assert committed and len(committed) < n, f"the kill landed outside the registrations: {len(committed)}"
@@ -133,7 +94,7 @@ async def test_registrations_survive_restart_and_kill_9(tmp_path):
         with sqlite3.connect(state / REGISTRY_FILE) as db:
             assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
-        async with Serve(state, root, tenants) as second:
+        with serve(tmp_path, state, root, tenants) as second:
             async with session.get(f"{second.url}/v1/adapters", headers=ADMIN) as resp:
                 listed = {a["id"]: a for a in (await resp.json())["data"]}
             assert committed <= set(listed), committed - set(listed)
@@ -158,11 +119,9 @@ async def test_registrations_survive_restart_and_kill_9(tmp_path):
             for i in range(n):
                 if f"a{i}" not in listed:
                     assert (await _register(session, second.url, f"a{i}", root / f"a{i}"))[0] == 201
-            assert second.proc is not None
-            second.proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(second.proc.wait(), 60) == 0
+            assert second.stop() == 0
 
-        async with Serve(state, root, tenants) as third:
+        with serve(tmp_path, state, root, tenants) as third:
             async with session.get(f"{third.url}/v1/adapters", headers=ADMIN) as resp:
                 ids = {a["id"] for a in (await resp.json())["data"]}
             assert ids == {f"a{i}" for i in range(n)} | {"cust"} | set(DEMOS)  # the demo adapters: --lora-modules

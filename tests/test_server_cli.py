@@ -2,58 +2,38 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
 import shutil
 import signal
-import sys
-import tempfile
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from lorapage.server.serve_process import ServeDidNotStart, ServeProcess, run_serve, start_serve
 from lorapage.tiny import demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def _start(*args: str, env: dict[str, str] | None = None) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lorapage.cli",
-        "serve",
-        "--port",
-        "0",
-        "--state-dir",
-        tempfile.mkdtemp(prefix="lorapage-state-"),  # each server its own registry
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    seen: dict[str, str] = {}
-    while "url" not in seen:
-        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=120)).decode()
-        if not line:
-            raise AssertionError(f"lorapage serve exited early with {await proc.wait()}")
-        if m := re.search(r"demo tenant key: (\S+)", line):
-            seen["key"] = m.group(1)
-        if m := re.search(r"admin key: +(\S+)", line):
-            seen["admin"] = m.group(1)
-        if "single tenant" in line:
-            seen["single"] = line.strip()
-        if m := re.search(r"listening on (http://\S+)", line):
-            seen["url"] = m.group(1)
-    return proc, seen
+def _start(tmp: Path, *args: str, env: dict[str, str] | None = None) -> tuple[ServeProcess, dict[str, str]]:
+    """The server and what it printed before listening: the demo and admin keys, the single-tenant line."""
+    served = start_serve(*args, under=tmp, env=env)
+    seen = {"url": served.url}
+    text = served.output()
+    if m := re.search(r"demo tenant key: (\S+)", text):
+        seen["key"] = m.group(1)
+    if m := re.search(r"admin key: +(\S+)", text):
+        seen["admin"] = m.group(1)
+    if m := re.search(r"lorapage: single tenant .*", text):
+        seen["single"] = m.group(0).strip()
+    return served, seen
 
 
-async def test_serve_demo_defaults_then_sigterm_mid_stream():
-    proc, seen = await _start("--shutdown-timeout", "0")
-    try:
+async def test_serve_demo_defaults_then_sigterm_mid_stream(tmp_path):
+    served, seen = _start(tmp_path, "--shutdown-timeout", "0")
+    with served:
         assert seen["url"].startswith("http://127.0.0.1:") and seen["key"]
         headers = {"Authorization": f"Bearer {seen['key']}"}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -70,24 +50,20 @@ async def test_serve_demo_defaults_then_sigterm_mid_stream():
             async with session.post(seen["url"] + "/v1/completions", json=body, headers=headers) as resp:
                 assert resp.status == 200
                 await resp.content.readline()
-                proc.send_signal(signal.SIGTERM)
+                served.proc.send_signal(signal.SIGTERM)
                 rest = (await resp.read()).decode()
             events = [line for line in rest.splitlines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]"  # finished (or cancelled with an error event), never cut
             for event in events[:-1]:
                 json.loads(event[len("data: ") :])
-        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        assert served.proc.wait(30) == 0
 
 
 async def test_serve_metrics_public_and_adapter_root(tmp_path):
     root = tmp_path / "root"
     shutil.copytree(demo_adapter_dirs()["globex"], root / "globex-copy")
-    proc, seen = await _start("--metrics-public", "--adapter-root", str(root))
-    try:
+    served, seen = _start(tmp_path, "--metrics-public", "--adapter-root", str(root))
+    with served:
         admin = {"Authorization": f"Bearer {seen['admin']}"}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             async with session.get(seen["url"] + "/metrics") as resp:
@@ -100,12 +76,7 @@ async def test_serve_metrics_public_and_adapter_root(tmp_path):
 
             assert await register("copy", root / "globex-copy") == 201
             assert await register("outside", demo_adapter_dirs()["globex"]) == 403
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        assert served.stop(30) == 0
 
 
 async def test_serve_api_key_is_one_tenant_whose_key_opens_every_route(tmp_path):
@@ -113,8 +84,8 @@ async def test_serve_api_key_is_one_tenant_whose_key_opens_every_route(tmp_path)
     tenant's and the admin's (vLLM's key guards its LoRA routes too); other keys are refused."""
     root = tmp_path / "root"
     shutil.copytree(demo_adapter_dirs()["globex"], root / "globex-copy")
-    proc, seen = await _start("--api-key", "sk-one", "--api-key", "sk-two", "--adapter-root", str(root))
-    try:
+    served, seen = _start(tmp_path, "--api-key", "sk-one", "--api-key", "sk-two", "--adapter-root", str(root))
+    with served:
         assert "key" not in seen and "admin" not in seen and "'default'" in seen["single"]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
 
@@ -137,57 +108,27 @@ async def test_serve_api_key_is_one_tenant_whose_key_opens_every_route(tmp_path)
             assert (await call("GET", "/v1/adapters/copy", "sk-two"))[0] == 200
             for path in ("/v1/models", "/v1/adapters"):
                 assert (await call("GET", path, "sk-three"))[0] == 401
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        assert served.stop(30) == 0
 
 
 async def test_serve_api_key_from_the_environment_and_not_beside_a_tenants_file(tmp_path):
-    proc, seen = await _start(env={"LORAPAGE_API_KEY": "sk-env"})
-    try:
+    served, seen = _start(tmp_path, env={"LORAPAGE_API_KEY": "sk-env"})
+    with served:
         assert "key" not in seen and "single" in seen
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             async with session.get(seen["url"] + "/v1/adapters", headers={"Authorization": "Bearer sk-env"}) as resp:
                 assert resp.status == 200
-    finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), timeout=30)
     tenants = tmp_path / "tenants.toml"
     tenants.write_text("[tenants.a]\n")
     for args in (["--api-key", "k", "--tenants", str(tenants)], ["--api-key", "two words"]):
-        bad = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "lorapage.cli",
-            "serve",
-            "--port",
-            "0",
-            *args,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, err = await asyncio.wait_for(bad.communicate(), timeout=120)
-        assert bad.returncode == 2 and b"--api-key" in err and len(err.strip().splitlines()) == 1, err
+        bad = run_serve(*args)
+        err = bad.stderr
+        assert bad.returncode == 2 and "--api-key" in err and len(err.strip().splitlines()) == 1, err
 
 
 async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lorapage.cli",
-        "serve",
-        "--port",
-        "0",
-        "--lora-modules",
-        f"broken={tmp_path}",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    assert proc.returncode == 2 and b"broken" in err and b"adapter_config.json" in err
+    done = run_serve("--lora-modules", f"broken={tmp_path}")
+    assert done.returncode == 2 and "broken" in done.stderr and "adapter_config.json" in done.stderr
 
 
 async def test_engine_flags_reach_the_config_by_their_vllm_names():
@@ -231,65 +172,33 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
 
 
 async def test_serve_names_a_bad_flag_value():
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lorapage.cli",
-        "serve",
-        "--port",
-        "0",
-        "--gpu-memory-utilization",
-        "1.5",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    assert proc.returncode == 2 and b"gpu_memory_utilization must be in (0, 1]" in err
-    assert b"Traceback" not in err and len(err.strip().splitlines()) == 1
+    done = run_serve("--gpu-memory-utilization", "1.5")
+    assert done.returncode == 2 and "gpu_memory_utilization must be in (0, 1]" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 async def test_serve_names_a_missing_adapter_root(tmp_path):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lorapage.cli",
-        "serve",
-        "--port",
-        "0",
-        "--adapter-root",
-        str(tmp_path / "absent"),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    assert proc.returncode == 2 and b"--adapter-root" in err and b"no such directory" in err
+    done = run_serve("--adapter-root", str(tmp_path / "absent"))
+    assert done.returncode == 2 and "--adapter-root" in done.stderr and "no such directory" in done.stderr
 
 
 async def test_a_second_server_on_one_state_dir_exits_with_one_line(tmp_path):
     """A rolling restart that starts the new server before the old one stops: the new one
     refuses the held --state-dir (exit 2, one line naming it), the old one serves on."""
     state = str(tmp_path / "state")
-    first, seen = await _start("--state-dir", state)
-    try:
-        second = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "lorapage.cli",
-            "serve",
-            "--port",
-            "0",
-            "--state-dir",
-            state,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, err = await asyncio.wait_for(second.communicate(), timeout=120)
+    with start_serve("--state-dir", state, under=tmp_path) as first:
+        second = run_serve("--state-dir", state)
+        err = second.stderr
         assert second.returncode == 2, err
-        assert b"is in use by another lorapage process" in err and state.encode() in err, err
-        assert b"Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert "is in use by another lorapage process" in err and state in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            async with session.get(seen["url"] + "/health") as resp:
+            async with session.get(first.url + "/health") as resp:
                 assert resp.status == 200
-    finally:
-        first.terminate()
-        await asyncio.wait_for(first.wait(), timeout=30)
+
+
+async def test_a_server_that_does_not_start_is_named_with_its_log(tmp_path):
+    """The harness's own failure: the exit status and the log's tail, not a bare timeout."""
+    with pytest.raises(ServeDidNotStart) as info:
+        start_serve("--gpu-memory-utilization", "1.5", under=tmp_path)
+    assert "exited with 2" in str(info.value) and "gpu_memory_utilization must be in (0, 1]" in str(info.value)

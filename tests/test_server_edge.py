@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sqlite3
-import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,6 +27,7 @@ from lorapage.server.app import STATE
 from lorapage.server.edge import EdgeLimits
 from lorapage.server.generation import Formatter
 from lorapage.server.prompts import CHUNK_CHARS
+from lorapage.server.serve_process import run_serve
 from lorapage.server.tenants import TenantsConfig
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
@@ -413,22 +412,6 @@ async def test_a_malformed_request_is_one_log_line_without_a_traceback(srv, capl
     assert len(refused) == 1 and "401 invalid_api_key" in refused[0].getMessage()
 
 
-async def _serve(state_dir: str) -> tuple[int, str]:
-    """``lorapage serve`` over ``state_dir``, expected to end by itself: its exit status and stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "lorapage.cli", "serve", "--port", "0", "--state-dir", state_dir),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        _, stderr = await asyncio.wait_for(proc.communicate(), timeout=120)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-    return proc.returncode or 0, stderr.decode()
-
-
 async def test_a_corrupt_or_unusable_state_dir_ends_serve_with_one_line(tmp_path):
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
@@ -436,7 +419,8 @@ async def test_a_corrupt_or_unusable_state_dir_ends_serve_with_one_line(tmp_path
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("a file, not a directory")
     for state_dir, what in ((corrupt, "corrupt"), (not_a_dir, "cannot write")):
-        rc, stderr = await _serve(str(state_dir))
+        done = run_serve("--state-dir", str(state_dir))
+        rc, stderr = done.returncode, done.stderr
         lines = [line for line in stderr.splitlines() if line.startswith("lorapage serve:")]
         assert rc == 2, stderr[-2000:]
         assert "Traceback" not in stderr and len(lines) == 1, stderr[-2000:]

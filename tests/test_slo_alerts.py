@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_cli import _start as start_serve
 
 from lorapage.server import hash_key
+from lorapage.server.serve_process import start_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -94,11 +94,9 @@ async def test_alert_and_dashboard_series_exist_and_the_flooded_tenant_burns(tmp
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
     # One lora slot: the two tenants' adapters take turns in it, so loads and evictions happen.
-    proc, seen = await start_serve(
-        "--tenants", str(tenants), "--metrics-public", "--max-loras", "1", "--max-resident-loras", "1"
-    )
-    url = seen["url"]
-    try:
+    args = ("--tenants", str(tenants), "--metrics-public", "--max-loras", "1", "--max-resident-loras", "1")
+    with start_serve(*args, under=tmp_path) as served:
+        url = served.url
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             flood: list[int] = []
             calm: list[int] = []
@@ -113,9 +111,6 @@ async def test_alert_and_dashboard_series_exist_and_the_flooded_tenant_burns(tmp
             async with session.get(url + "/metrics") as resp:
                 assert resp.status == 200
                 scraped = samples(await resp.text())
-    finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), timeout=60)
 
     named = named_series(alert_expressions() + dashboard_expressions())
     missing = sorted(name for name in named if not scraped.get(name))

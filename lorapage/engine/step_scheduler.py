@@ -123,7 +123,6 @@ class StepScheduler:
             return False
         self._budget -= chunk
         req.num_scheduled = chunk
-        req.num_cached_tokens = hit
         self.prefix.count_uses(req.block_table[: hit // lim.block_size])
         if req.num_preemptions == 0:
             t = req.tenant

@@ -64,10 +64,6 @@ class FleetConfig:
         """The adapter roots, at registration and at every load; ``lora_modules`` are the operator's."""
         return AdapterRoots.parse(self.adapter_roots, operator=[path for _, path in self.lora_modules])
 
-    def cpus_needed(self) -> float:
-        """CPUs Ray must find for the whole application: every engine replica and the ingress."""
-        return self.replicas * self.replica_cpus + self.ingress_cpus
-
     def replica_needs(self) -> dict[str, dict[str, float]]:
         """What one replica of each deployment reserves from Ray."""
         return {

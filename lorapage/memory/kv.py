@@ -1,8 +1,7 @@
-"""KV block bookkeeping: how many pages a sequence needs, and growing or freeing its block table.
+"""KV block bookkeeping: how many pages a sequence needs, and growing its block table.
 
 A block table is a sequence's list of page ids, one KV block each. These functions know pages,
-not requests: what a freed table means for the sequence (its KV must be recomputed) is the
-caller's business.
+not requests.
 """
 
 from __future__ import annotations
@@ -25,9 +24,3 @@ def grow_block_table(pool: PagePool, block_table: list[int], num_tokens: int, bl
         return False
     block_table.extend(pages)
     return True
-
-
-def free_block_table(pool: PagePool, block_table: list[int]) -> None:
-    """Give every page of ``block_table`` back to the pool and empty it."""
-    pool.free(block_table, PageKind.KV)
-    block_table.clear()

@@ -52,9 +52,6 @@ class RecomputeCost:
         self._s_per_token += EWMA_WEIGHT * (seconds / tokens - self._s_per_token)
         self.measured += 1
 
-    def seconds_per_token(self) -> float:
-        return self._s_per_token
-
     def block_s(self) -> float:
         """Expected seconds to recompute one block."""
         return self._s_per_token * self.block_size

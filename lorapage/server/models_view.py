@@ -67,7 +67,6 @@ class ModelsView:
         self._shared: list[str] = []  # adapter ids without an owner, sorted
         self._shared_set: frozenset[str] = frozenset()
         self._bodies: OrderedDict[str, bytes] = OrderedDict()
-        self.rebuilds = 0  # times the index was built (each registry change, at most once)
 
     def body(self, tenant: str) -> bytes:
         """The encoded model list for ``tenant``."""
@@ -113,4 +112,3 @@ class ModelsView:
         self._shared_set = frozenset(shared)
         self._bodies.clear()
         self._built = key
-        self.rebuilds += 1

@@ -81,7 +81,6 @@ class Reservation:
 
     id: int
     tenant: str
-    tokens: int  # prompt + max_tokens taken from the TPM bucket (by check_and_reserve; admit takes none)
 
 
 @dataclass(frozen=True)
@@ -181,21 +180,6 @@ class QuotaManager:
             raise KeyError(f"unknown tenant {tenant!r}; configured: {sorted(self._states)}")
         return state
 
-    def check_and_reserve(
-        self, tenant: str, prompt_tokens: int, max_tokens: int, now: float
-    ) -> Reservation | QuotaExceeded:
-        """Reserve one request's worth of ``tenant``'s quota, or say which limit refused it and
-        when to retry (all-or-nothing: a refusal takes nothing)."""
-        state = self._state(tenant)
-        tokens = prompt_tokens + max_tokens
-        refusals = self._rate_refusals(state, now)
-        too_big = self._tpm_refusal(state, tenant, prompt_tokens, max_tokens, now, refusals)
-        if too_big is not None:
-            return too_big
-        if refusals:
-            return _worst(tenant, refusals)
-        return self._take(state, tenant, tokens)
-
     def admit(self, tenant: str, now: float) -> Reservation | QuotaExceeded:
         """Take one RPM token and a concurrency slot for a request whose size is not known yet
         (all-or-nothing); refused too when the TPM bucket is empty. :meth:`charge` takes its tokens."""
@@ -205,7 +189,7 @@ class QuotaManager:
             refusals.append(("tpm", state.tpm.retry_after_s(1, now) or 1, "tokens per minute"))
         if refusals:
             return _worst(tenant, refusals)
-        return self._take(state, tenant, 0)
+        return self._take(state, tenant)
 
     def charge(self, reservation: Reservation, prompt_tokens: int, max_tokens: int, now: float) -> QuotaExceeded | None:
         """Take ``prompt_tokens + max_tokens`` from the TPM bucket of an admitted request, or say
@@ -273,14 +257,12 @@ class QuotaManager:
         refusals.append(("tpm", retry, "tokens per minute"))
         return None
 
-    def _take(self, state: _TenantQuota, tenant: str, tokens: int) -> Reservation:
+    def _take(self, state: _TenantQuota, tenant: str) -> Reservation:
         if state.rpm is not None:
             state.rpm.take(1)
-        if state.tpm is not None and tokens:
-            state.tpm.take(tokens)
         state.in_flight += 1
-        reservation = Reservation(next(self._ids), tenant, tokens)
-        self._live[reservation.id] = _Held(state, tokens)
+        reservation = Reservation(next(self._ids), tenant)
+        self._live[reservation.id] = _Held(state, 0)
         return reservation
 
 

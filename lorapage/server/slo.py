@@ -25,7 +25,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 LATENCY_QUANTILE = 0.95  # the p95 of slo_ttft_p95_s and slo_itl_p95_s: 5% of requests may miss
-SLIS = ("ttft", "itl", "error")
 DEFAULT_WINDOW_S = 300.0
 WINDOW_BUCKETS = 30  # a window slides in steps of window_s / WINDOW_BUCKETS
 

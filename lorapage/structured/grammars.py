@@ -59,10 +59,6 @@ class Constraint:
         """Why the output can no longer follow the grammar (a token it refused, a limit hit)."""
         return self.matcher.get_error() or None if self.matcher.is_error() else None  # type: ignore[attr-defined]
 
-    def fork(self) -> Constraint:
-        """An independent copy in the same state (a branch of ``n > 1``)."""
-        return Constraint(self.matcher.deep_copy(), self.spec)  # type: ignore[attr-defined]
-
 
 class GrammarCompiler:
     """Turns specs into :class:`Constraint` objects for one model's tokenizer and vocabulary."""

@@ -17,7 +17,6 @@ import msgspec
 
 OK, HTTP_ERROR, STREAM_ERROR, CLIENT_ERROR = "ok", "http_error", "stream_error", "client_error"
 TIMEOUT, INTERRUPTED, NOT_SENT = "timeout", "interrupted", "not_sent"
-OUTCOMES = (OK, HTTP_ERROR, STREAM_ERROR, CLIENT_ERROR, TIMEOUT, INTERRUPTED, NOT_SENT)
 UNKNOWN_TIER = "unknown"  # the target did not say (no x-adapter-tier header)
 
 

@@ -123,10 +123,6 @@ class AdapterSources:
                 if not self._held[path.name]:
                     del self._held[path.name]
 
-    async def digest_of(self, path: Path) -> str:
-        """The content digest of an adapter directory, computed in the executor."""
-        return await self._run(content_digest, path)
-
     def stats(self) -> SourceStats:
         cache = self._cache
         return SourceStats(
