@@ -1,0 +1,108 @@
+"""An adapter's check prompts over HTTP: ``PUT`` and ``GET /v1/adapters/{id}/check_prompts``.
+
+The prompts a base upgrade's drift check runs for the adapter (:mod:`lorapage.bases.validation`),
+with two owner choices: ``sample`` (the server may keep a bounded sample of the adapter's own
+prompts for the check) and ``opt_out`` (never checked, never migrated). The admin key may read and
+set any adapter's; a tenant key only those of the adapters registered for it, and any other is
+answered as one that does not exist (404). Stored in the registry
+(:mod:`lorapage.adapters.drift_state`), audited as ``check_prompts`` (the count, never the text);
+prompt text is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import msgspec
+from aiohttp import web
+
+from lorapage.adapters.drift_state import (
+    CHECK_PROMPTS_BODY_BYTES,
+    MAX_CHECK_PROMPTS,
+    MAX_PROMPT_BYTES,
+    CheckPrompts,
+    check_prompts_param,
+)
+from lorapage.errors import AdapterNotFoundError
+from lorapage.server import protocol
+from lorapage.server.auth import bearer_key
+from lorapage.server.tenants import key_id
+
+
+def admin_or_tenant(state, request: web.Request) -> str | None:
+    """None for the admin key, else the caller's tenant (401 without a valid tenant key)."""
+    key = bearer_key(request)
+    if key is not None and state.access.tenants.is_admin(key):
+        return None
+    return state.access.tenant_for(request)
+
+
+def _owned_id(state, request: web.Request) -> tuple[str, str | None]:
+    """The route's adapter id, when the caller may see it; and the caller's tenant (None: admin)."""
+    adapter_id = request.match_info["id"]
+    tenant = admin_or_tenant(state, request)
+    known = "@" not in adapter_id and adapter_id in state.engine.catalog.ids()
+    if not known or (tenant is not None and state.access.owners.get(adapter_id) != tenant):
+        raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+    return adapter_id, tenant
+
+
+async def store_check_prompts(
+    engine,
+    adapter_id: str,
+    prompts: Sequence[str] | None,
+    sample: bool | None,
+    opt_out: bool | None,
+    actor: str | None,
+) -> CheckPrompts:
+    """Replace what is given of ``adapter_id``'s check settings (None: keep it), committed in a worker."""
+
+    def write() -> CheckPrompts:
+        old = engine.registry.check_prompts(adapter_id)
+        new = CheckPrompts(
+            adapter_id,
+            old.prompts if prompts is None else tuple(prompts),
+            old.sample if sample is None else sample,
+            old.opt_out if opt_out is None else opt_out,
+        )
+        engine.registry.set_check_prompts(new, actor=actor)
+        return new
+
+    return await asyncio.get_running_loop().run_in_executor(None, write)
+
+
+def _out(value: CheckPrompts) -> web.Response:
+    body = {
+        "id": value.adapter_id,
+        "object": "adapter.check_prompts",
+        "prompts": list(value.prompts),
+        "sample": value.sample,
+        "opt_out": value.opt_out,
+        "max_prompts": MAX_CHECK_PROMPTS,
+        "max_prompt_bytes": MAX_PROMPT_BYTES,
+    }
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+def add_check_prompt_routes(app: web.Application, state_key: web.AppKey) -> None:
+    from lorapage.server.admin import read_admin_body
+
+    async def put(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        adapter_id, _ = _owned_id(state, request)
+        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
+        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
+        key = bearer_key(request)
+        assert key is not None
+        return _out(await store_check_prompts(state.engine, adapter_id, prompts, req.sample, req.opt_out, key_id(key)))
+
+    async def get(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        adapter_id, _ = _owned_id(state, request)
+        return _out(
+            await asyncio.get_running_loop().run_in_executor(None, state.engine.registry.check_prompts, adapter_id)
+        )
+
+    app.router.add_put("/v1/adapters/{id}/check_prompts", put)
+    app.router.add_get("/v1/adapters/{id}/check_prompts", get)
