@@ -106,6 +106,8 @@ class BaseValidator:
         loop = asyncio.get_running_loop()
         new, todo = None, []
         try:
+            # Before any state is written: a wrong directory leaves the last check's states as they are.
+            await loop.run_in_executor(None, check_digest, job.model, job.target)
             plan = await loop.run_in_executor(None, self._plan, engine, job)
             todo = [(key, prompts) for key, prompts in plan if prompts]
             if todo:
@@ -199,10 +201,8 @@ def current_versions(engine, adapters: Sequence[str] | None) -> list[str]:
     return keys
 
 
-def candidate_engine(engine, model: str, target: str):
-    """The candidate base as a second engine (in a worker thread: its weights are read), after
-    checking that its directory has digest ``target``."""
-    from lorapage.engine import Engine
+def check_digest(model: str, target: str) -> None:
+    """InvalidRequestError unless the base in ``model`` has digest ``target`` (its weights are hashed)."""
     from lorapage.model.loader import model_digest
 
     found = model_digest(model)
@@ -210,6 +210,13 @@ def candidate_engine(engine, model: str, target: str):
         raise InvalidRequestError(
             f"{model} holds base {shown_digest(found)}, not {shown_digest(target)} named in the route", param="model"
         )
+
+
+def candidate_engine(engine, model: str, target: str):
+    """The candidate base (checked to be ``target`` already) as a second engine, built in a
+    worker thread: its weights are read."""
+    from lorapage.engine import Engine
+
     config = dataclasses.replace(
         engine.config,
         model=model,
