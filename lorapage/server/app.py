@@ -37,7 +37,6 @@ from lorapage.server.admin import add_admin_routes
 from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
 from lorapage.server.bases_route import add_base_routes
-from lorapage.server.check_prompts import add_check_prompt_routes
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.extra_routes import add_extra_routes
@@ -425,7 +424,6 @@ def create_app(
     add_extra_routes(app, STATE)
     add_usage_route(app, STATE)
     add_audit_routes(app, STATE)
-    add_check_prompt_routes(app, STATE)
     add_base_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)

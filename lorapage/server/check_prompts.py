@@ -1,4 +1,5 @@
-"""An adapter's check prompts over HTTP: ``PUT`` and ``GET /v1/adapters/{id}/check_prompts``.
+"""An adapter's check prompts over HTTP: what ``PUT`` and ``GET /v1/adapters/{id}/check_prompts``
+(routed in :mod:`lorapage.server.bases_route`) and a registration's ``check_prompts`` do.
 
 The prompts a base upgrade's drift check runs for the adapter (:mod:`lorapage.bases.validation`),
 with two owner choices: ``sample`` (the server may keep a bounded sample of the adapter's own
@@ -18,16 +19,12 @@ import msgspec
 from aiohttp import web
 
 from lorapage.adapters.drift_state import (
-    CHECK_PROMPTS_BODY_BYTES,
     MAX_CHECK_PROMPTS,
     MAX_PROMPT_BYTES,
     CheckPrompts,
-    check_prompts_param,
 )
 from lorapage.errors import AdapterNotFoundError
-from lorapage.server import protocol
 from lorapage.server.auth import bearer_key
-from lorapage.server.tenants import key_id
 
 
 def admin_or_tenant(state, request: web.Request) -> str | None:
@@ -38,7 +35,7 @@ def admin_or_tenant(state, request: web.Request) -> str | None:
     return state.access.tenant_for(request)
 
 
-def _owned_id(state, request: web.Request) -> tuple[str, str | None]:
+def owned_id(state, request: web.Request) -> tuple[str, str | None]:
     """The route's adapter id, when the caller may see it; and the caller's tenant (None: admin)."""
     adapter_id = request.match_info["id"]
     tenant = admin_or_tenant(state, request)
@@ -72,7 +69,7 @@ async def store_check_prompts(
     return await asyncio.get_running_loop().run_in_executor(None, write)
 
 
-def _out(value: CheckPrompts) -> web.Response:
+def check_prompts_out(value: CheckPrompts) -> web.Response:
     body = {
         "id": value.adapter_id,
         "object": "adapter.check_prompts",
@@ -83,26 +80,3 @@ def _out(value: CheckPrompts) -> web.Response:
         "max_prompt_bytes": MAX_PROMPT_BYTES,
     }
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-
-
-def add_check_prompt_routes(app: web.Application, state_key: web.AppKey) -> None:
-    from lorapage.server.admin import read_admin_body
-
-    async def put(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        adapter_id, _ = _owned_id(state, request)
-        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
-        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
-        key = bearer_key(request)
-        assert key is not None
-        return _out(await store_check_prompts(state.engine, adapter_id, prompts, req.sample, req.opt_out, key_id(key)))
-
-    async def get(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        adapter_id, _ = _owned_id(state, request)
-        return _out(
-            await asyncio.get_running_loop().run_in_executor(None, state.engine.registry.check_prompts, adapter_id)
-        )
-
-    app.router.add_put("/v1/adapters/{id}/check_prompts", put)
-    app.router.add_get("/v1/adapters/{id}/check_prompts", get)
