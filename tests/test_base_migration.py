@@ -16,8 +16,9 @@ from server_harness import KEYS, assert_openai_error, make_engine, make_roots, r
 
 from lorapage import Engine, EngineConfig
 from lorapage.adapters.audit import AuditQuery
-from lorapage.adapters.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES
+from lorapage.adapters.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES, MAX_SAMPLED_PROMPTS
 from lorapage.model.loader import model_digest
+from lorapage.server.app import STATE
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPTS = ["Hello", "How are you?", "Tell me about the weather.", "What is 2 + 2?", "Write a haiku."]
@@ -117,6 +118,32 @@ async def test_check_prompts_are_bounded_and_owner_visible(adapter_root, tmp_pat
         assert engine.registry.check_prompts("cust-a").prompts == tuple(PROMPTS)  # the refused PUTs changed nothing
         actions = [r.action for r in engine.registry.audit(AuditQuery(adapter="cust-a"))]
         assert actions.count("check_prompts") == 2, actions
+
+        # Sampling from traffic, opted in at registration: the adapter's own prompts, as text, bounded.
+        body = {"id": "cust-s", "tenant": "alpha", "source": str(adapter_root / "globex"), "sample_check_prompts": True}
+        status, got, _ = await srv.post("/v1/adapters", body, headers=srv.admin())
+        assert status == 201, got
+        sent = [f"sampled prompt {i}" for i in range(MAX_SAMPLED_PROMPTS + 4)]
+        for prompt in sent:
+            status, got, _ = await srv.post("/v1/completions", {"model": "cust-s", "prompt": prompt, "max_tokens": 1})
+            assert status == 200, got
+        await srv.post(
+            "/v1/completions", {"model": "cust-a", "prompt": "not sampled: cust-a did not opt in", "max_tokens": 1}
+        )
+        assert await srv.app[STATE].sampler.flush(engine) == MAX_SAMPLED_PROMPTS
+        stored = engine.registry.check_prompts("cust-s")
+        assert len(stored.sampled) == MAX_SAMPLED_PROMPTS and set(stored.sampled) <= set(sent), stored.sampled
+        assert stored.all_prompts() == stored.sampled and engine.registry.check_prompts("cust-a").sampled == ()
+        status, got, _ = await srv.request("GET", "/v1/adapters/cust-s/check_prompts", _auth("alpha"))
+        assert got["sampled"] == MAX_SAMPLED_PROMPTS and got["sample"], got
+        # Turning it off deletes what was sampled, and samples nothing more.
+        status, got, _ = await srv.request(
+            "PUT", "/v1/adapters/cust-s/check_prompts", _auth("alpha"), {"sample": False}
+        )
+        assert status == 200 and got["sampled"] == 0, got
+        await srv.post("/v1/completions", {"model": "cust-s", "prompt": "after opting out", "max_tokens": 1})
+        assert await srv.app[STATE].sampler.flush(engine) == 0
+        assert engine.registry.check_prompts("cust-s").sampled == ()
     await engine.close()
 
 

@@ -7,7 +7,9 @@ calls the functions here inside its lock and transaction, as it does :mod:`lorap
   :data:`MAX_CHECK_PROMPTS` prompts of at most :data:`MAX_PROMPT_BYTES` UTF-8 bytes each), whether
   its owner lets the server sample more from its traffic (``sample``), and whether the owner
   opted out of base migrations (``opt_out``). Given at registration (``check_prompts``) or by
-  ``PUT /v1/adapters/{id}/check_prompts``; prompt text lives here only, never in a log.
+  ``PUT /v1/adapters/{id}/check_prompts``; and ``sampled``: at most :data:`MAX_SAMPLED_PROMPTS`
+  prompts of the adapter's own traffic (:mod:`lorapage.server.prompt_sampler`), deleted when the
+  owner turns sampling off. Prompt text lives here only, never in a log.
 - ``migrations``: per adapter version and target base digest, its state (:data:`STATES`), the
   drift numbers of its last check (JSON of :class:`~lorapage.bases.drift.DriftReport`'s fields),
   the customer notice, the validation job that wrote it and, once migrated, the version bound to
@@ -30,6 +32,7 @@ from lorapage.errors import InvalidRequestError
 
 MAX_CHECK_PROMPTS = 100  # per adapter id: enough for a drift estimate, small enough to check in seconds
 MAX_PROMPT_BYTES = 4096  # per prompt, UTF-8
+MAX_SAMPLED_PROMPTS = 16  # per adapter id, sampled from its traffic (its owner opted in), newest kept
 # A body carrying prompts up to the bounds (JSON may escape each byte as \\uXXXX): what the
 # routes that take check prompts read at most, instead of the admin routes' 64 KiB.
 CHECK_PROMPTS_BODY_BYTES = 4 << 20
@@ -43,6 +46,7 @@ SCHEMA = (
         prompts TEXT NOT NULL,
         sample INTEGER NOT NULL DEFAULT 0,
         opt_out INTEGER NOT NULL DEFAULT 0,
+        sampled TEXT NOT NULL DEFAULT '[]',
         updated REAL NOT NULL
     )""",
     """CREATE TABLE IF NOT EXISTS migrations (
@@ -69,6 +73,11 @@ class CheckPrompts:
     prompts: tuple[str, ...] = ()
     sample: bool = False  # the owner lets the server add prompts sampled from its traffic
     opt_out: bool = False  # the owner opted out of base migrations: never checked, never moved
+    sampled: tuple[str, ...] = ()  # sampled from its traffic while ``sample`` is on, newest first
+
+    def all_prompts(self) -> tuple[str, ...]:
+        """What its drift check runs: the given prompts, then the sampled ones."""
+        return self.prompts + (self.sampled if self.sample else ())
 
 
 @dataclass(frozen=True)
@@ -112,19 +121,35 @@ def check_prompts_param(prompts: Sequence[object], param: str = "check_prompts")
 
 
 def read_prompts(db: sqlite3.Connection, adapter_id: str) -> CheckPrompts:
-    row = db.execute("SELECT prompts, sample, opt_out FROM check_prompts WHERE id = ?", (adapter_id,)).fetchone()
+    row = db.execute(
+        "SELECT prompts, sample, opt_out, sampled FROM check_prompts WHERE id = ?", (adapter_id,)
+    ).fetchone()
     if row is None:
         return CheckPrompts(adapter_id)
-    return CheckPrompts(adapter_id, tuple(json.loads(row[0])), bool(row[1]), bool(row[2]))
+    return CheckPrompts(adapter_id, tuple(json.loads(row[0])), bool(row[1]), bool(row[2]), tuple(json.loads(row[3])))
 
 
 def write_prompts(db: sqlite3.Connection, now: float, value: CheckPrompts) -> None:
+    """Store ``value`` whole; with ``sample`` off, nothing sampled is kept."""
+    sampled = list(value.sampled[:MAX_SAMPLED_PROMPTS]) if value.sample else []
     db.execute(
-        "INSERT INTO check_prompts (id, prompts, sample, opt_out, updated) VALUES (?, ?, ?, ?, ?) "
+        "INSERT INTO check_prompts (id, prompts, sample, opt_out, sampled, updated) VALUES (?, ?, ?, ?, ?, ?) "
         "ON CONFLICT (id) DO UPDATE SET prompts = excluded.prompts, sample = excluded.sample, "
-        "opt_out = excluded.opt_out, updated = excluded.updated",
-        (value.adapter_id, json.dumps(list(value.prompts)), int(value.sample), int(value.opt_out), now),
+        "opt_out = excluded.opt_out, sampled = excluded.sampled, updated = excluded.updated",
+        (
+            value.adapter_id,
+            json.dumps(list(value.prompts)),
+            int(value.sample),
+            int(value.opt_out),
+            json.dumps(sampled),
+            now,
+        ),
     )
+
+
+def sampling_ids(db: sqlite3.Connection) -> list[str]:
+    """The ids whose owners let the server sample their traffic."""
+    return [r[0] for r in db.execute("SELECT id FROM check_prompts WHERE sample = 1 ORDER BY id")]
 
 
 _COLUMNS = "id, version, target, state, reason, numbers, notice, job, new_version, updated"

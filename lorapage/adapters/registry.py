@@ -561,6 +561,23 @@ class Registry:
                 after={"prompts": len(value.prompts), "sample": value.sample, "opt_out": value.opt_out},
             )
 
+    def sampling_ids(self) -> list[str]:
+        """The ids whose owners opted in to prompts sampled from their traffic."""
+        with self._lock:
+            return drift_state.sampling_ids(self._db)
+
+    def add_sampled_prompts(self, adapter_id: str, prompts: Sequence[str]) -> int:
+        """Put ``prompts`` (sampled from ``adapter_id``'s traffic) before the ones stored, keeping
+        the newest :data:`~lorapage.adapters.drift_state.MAX_SAMPLED_PROMPTS`; nothing when its
+        owner turned sampling off meanwhile. Returns how many were stored. Not audited: traffic,
+        not an admin action."""
+        with self._lock, self._transaction():
+            old = drift_state.read_prompts(self._db, adapter_id)
+            if not old.sample or not prompts:
+                return 0
+            drift_state.write_prompts(self._db, time.time(), dataclasses.replace(old, sampled=(*prompts, *old.sampled)))
+            return min(len(prompts), drift_state.MAX_SAMPLED_PROMPTS)
+
     def migration_states(self, target: str | None = None, adapter_id: str | None = None) -> list[MigrationRow]:
         """Migration rows toward ``target`` (a stored digest; None: every one), of ``adapter_id``."""
         with self._lock:

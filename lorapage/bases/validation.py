@@ -147,10 +147,10 @@ class BaseValidator:
             prompts: tuple[str, ...]
             if settings.opt_out:
                 state, reason, prompts = OPTED_OUT, "the owner opted out of base migrations", ()
-            elif not settings.prompts:
+            elif not settings.all_prompts():
                 state, reason, prompts = PENDING, NO_PROMPTS.replace("{id}", adapter_id), ()
             else:
-                state, reason, prompts = PENDING, "queued for its drift check", settings.prompts
+                state, reason, prompts = PENDING, "queued for its drift check", settings.all_prompts()
             rows.append(MigrationRow(adapter_id, version, job.target, state, reason, None, None, job.id, None, 0.0))
             job.states[key] = state
             plan.append((key, prompts))

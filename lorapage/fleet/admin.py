@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
+from lorapage.adapters.drift_state import CHECK_PROMPTS_BODY_BYTES
 from lorapage.adapters.registry import VersionRow, parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.errors import AdapterNotFoundError, LorapageError
@@ -36,6 +37,7 @@ from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
 from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
 from lorapage.server.auth import Access
+from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
@@ -163,9 +165,15 @@ class FleetAdmin:
 
     async def register(self, request: Request, _: str) -> Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
+        # Bounded first, before any replica is asked (check prompts make it larger than other admin bodies).
+        body = await read_body(request, CHECK_PROMPTS_BODY_BYTES)
         base = await self.profile()
-        row, created = await self._register(registration(body, base.base_name, self.access))
+        reg = registration(body, base.base_name, self.access)
+        row, created = await self._register(reg)
+        if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
+            await store_check_prompts(
+                self.registry.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, None
+            )
         return _json((await self._describe([row.key]))[0], status=201 if created else 200)
 
     async def _register(self, reg: Registration) -> tuple[VersionRow, bool]:

@@ -126,7 +126,10 @@ class AdminRoutes:
         reg = registration(body, state.engine.base_name, state.access)
         info = await self._register(state, reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:
-            await store_check_prompts(state.engine, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor)
+            stored = await store_check_prompts(
+                state.engine.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
+            )
+            state.sampler.set_enabled(reg.id, stored.sample)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
     async def _register(self, state, reg: Registration, actor: str) -> AdapterInfo:

@@ -179,7 +179,10 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
         key = bearer_key(request)
         assert key is not None
-        stored = await store_check_prompts(state.engine, adapter_id, prompts, req.sample, req.opt_out, key_id(key))
+        stored = await store_check_prompts(
+            state.engine.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
+        )
+        state.sampler.set_enabled(adapter_id, stored.sample)
         return check_prompts_out(stored)
 
     async def get_check_prompts(request: web.Request) -> web.Response:

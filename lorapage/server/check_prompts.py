@@ -23,6 +23,7 @@ from lorapage.adapters.drift_state import (
     MAX_PROMPT_BYTES,
     CheckPrompts,
 )
+from lorapage.adapters.registry import Registry
 from lorapage.errors import AdapterNotFoundError
 from lorapage.server.auth import bearer_key
 
@@ -46,24 +47,27 @@ def owned_id(state, request: web.Request) -> tuple[str, str | None]:
 
 
 async def store_check_prompts(
-    engine,
+    registry: Registry,
     adapter_id: str,
     prompts: Sequence[str] | None,
     sample: bool | None,
     opt_out: bool | None,
     actor: str | None,
 ) -> CheckPrompts:
-    """Replace what is given of ``adapter_id``'s check settings (None: keep it), committed in a worker."""
+    """Replace what is given of ``adapter_id``'s check settings in ``registry`` (None: keep it),
+    committed in a worker (``lorapage serve``'s engine's registry, or the fleet ingress's)."""
 
     def write() -> CheckPrompts:
-        old = engine.registry.check_prompts(adapter_id)
+        old = registry.check_prompts(adapter_id)
+        on = old.sample if sample is None else sample
         new = CheckPrompts(
             adapter_id,
             old.prompts if prompts is None else tuple(prompts),
-            old.sample if sample is None else sample,
+            on,
             old.opt_out if opt_out is None else opt_out,
+            old.sampled if on else (),  # turning sampling off deletes what was sampled
         )
-        engine.registry.set_check_prompts(new, actor=actor)
+        registry.set_check_prompts(new, actor=actor)
         return new
 
     return await asyncio.get_running_loop().run_in_executor(None, write)
@@ -76,6 +80,7 @@ def check_prompts_out(value: CheckPrompts) -> web.Response:
         "prompts": list(value.prompts),
         "sample": value.sample,
         "opt_out": value.opt_out,
+        "sampled": len(value.sampled),  # how many; their text is the tenant's traffic, not shown here
         "max_prompts": MAX_CHECK_PROMPTS,
         "max_prompt_bytes": MAX_PROMPT_BYTES,
     }
