@@ -6,7 +6,9 @@ serving the migrated versions through the ids' aliases."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,9 @@ from server_harness import KEYS, assert_openai_error, make_engine, make_roots, r
 
 from lorapage import Engine, EngineConfig
 from lorapage.adapters.audit import AuditQuery
-from lorapage.adapters.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES, MAX_SAMPLED_PROMPTS
+from lorapage.adapters.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES, MAX_SAMPLED_PROMPTS, CheckPrompts
+from lorapage.adapters.registry import REGISTRY_FILE, SCHEMA_VERSION, Registry
+from lorapage.bases.cli import main as base_cli
 from lorapage.model.loader import model_digest
 from lorapage.server.app import STATE
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
@@ -285,3 +289,48 @@ async def _validate_done(srv, digest: str, model: Path | None = None, **extra) -
             return got
         await asyncio.sleep(0.1)
     raise AssertionError("the validation did not end")
+
+
+def test_base_check_records_states_in_a_state_dir(bases, adapter_root, tmp_path, capsys):
+    near, far = bases
+    state_dir = tmp_path / "state"
+    engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), state_dir=str(state_dir)))
+    engine.add_adapter("cust-a", adapter_root / "acme", owner="alpha")
+    engine.registry.set_check_prompts(CheckPrompts("cust-a", tuple(PROMPTS[:3])))
+    asyncio.run(engine.close())
+    args = ["check", str(TINY_BASE_DIR), "--lora-modules", f"cust-a={adapter_root / 'acme'}", "--max-tokens", "16"]
+    assert base_cli([*args[:2], str(near), *args[2:], "--state-dir", str(state_dir)]) == 0
+    assert base_cli([*args[:2], str(far), *args[2:], "--state-dir", str(state_dir)]) == 1
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["adapters"]["cust-a"]["prompts"] == 3  # the stored prompts, no --prompts file
+    registry = Registry(state_dir / REGISTRY_FILE)
+    states = {(r.target, r.key): (r.state, r.job) for r in registry.migration_states()}
+    assert states == {
+        (model_digest(near), "cust-a@1"): ("passed", "cli"),
+        (model_digest(far), "cust-a@1"): ("failed", "cli"),
+    }
+    registry.close()
+    with pytest.raises(SystemExit):  # an adapter that is not an id there
+        base_cli(
+            [*args[:2], str(near), "--lora-modules", f"other={adapter_root / 'acme'}", "--state-dir", str(state_dir)]
+        )
+
+
+def test_a_schema_4_registry_gains_the_check_and_migration_tables(tmp_path):
+    path = tmp_path / REGISTRY_FILE
+    registry = Registry(path)
+    registry.add_version("cust", "alpha", digest="d", source="file:///x", base_digest="b", spec="{}", activate=True)
+    registry.close()
+    db = sqlite3.connect(path)
+    db.executescript(
+        "DROP TABLE check_prompts; DROP TABLE migrations; UPDATE meta SET value = '4' WHERE key = 'schema';"
+    )
+    db.close()
+    registry = Registry(path)  # migrated in place
+    assert registry.check_prompts("cust") == CheckPrompts("cust") and registry.migration_states() == []
+    registry.set_check_prompts(CheckPrompts("cust", ("hello",), sample=True))
+    assert registry.sampling_ids() == ["cust"] and [v.key for v in registry.versions()] == ["cust@1"]
+    registry.close()
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("5",)
+    db.close()
