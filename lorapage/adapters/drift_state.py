@@ -33,8 +33,8 @@ from lorapage.errors import InvalidRequestError
 MAX_CHECK_PROMPTS = 100  # per adapter id: enough for a drift estimate, small enough to check in seconds
 MAX_PROMPT_BYTES = 4096  # per prompt, UTF-8
 MAX_SAMPLED_PROMPTS = 16  # per adapter id, sampled from its traffic (its owner opted in), newest kept
-# A body carrying prompts up to the bounds (JSON may escape each byte as \\uXXXX): what the
-# routes that take check prompts read at most, instead of the admin routes' 64 KiB.
+# A body carrying prompts up to the bounds (JSON may escape each byte as \\uXXXX): what
+# ``PUT /v1/adapters/{id}/check_prompts`` reads at most (a registration keeps the admin routes' 64 KiB).
 CHECK_PROMPTS_BODY_BYTES = 4 << 20
 
 PENDING, PASSED, FAILED, MIGRATED, OPTED_OUT = "pending", "passed", "failed", "migrated", "opted-out"

@@ -26,7 +26,6 @@ from starlette.responses import Response
 
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.drift_state import CHECK_PROMPTS_BODY_BYTES
 from lorapage.adapters.registry import VersionRow, parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.errors import AdapterNotFoundError, LorapageError
@@ -165,8 +164,7 @@ class FleetAdmin:
 
     async def register(self, request: Request, _: str) -> Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
-        # Bounded first, before any replica is asked (check prompts make it larger than other admin bodies).
-        body = await read_body(request, CHECK_PROMPTS_BODY_BYTES)
+        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
         base = await self.profile()
         reg = registration(body, base.base_name, self.access)
         row, created = await self._register(reg)

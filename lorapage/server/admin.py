@@ -20,7 +20,6 @@ import msgspec
 from aiohttp import web
 
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.adapters.drift_state import CHECK_PROMPTS_BODY_BYTES
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.server import protocol
@@ -121,9 +120,7 @@ class AdminRoutes:
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state, actor = self._admin(request)
-        # Check prompts make a body larger than the other admin routes' (bounded all the same).
-        body = await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES)
-        reg = registration(body, state.engine.base_name, state.access)
+        reg = registration(await read_admin_body(request), state.engine.base_name, state.access)
         info = await self._register(state, reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:
             stored = await store_check_prompts(
