@@ -35,6 +35,7 @@ from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
 log = logging.getLogger("lorapage.bases")
 
 MAX_TOKENS = 32  # greedy tokens compared per prompt
+CANDIDATE_SEQS = 16  # sequences the candidate engine runs at once
 KEPT_JOBS = 16  # finished jobs remembered (in memory; the states themselves are in the registry)
 NO_PROMPTS = "no check prompts stored: PUT /v1/adapters/{id}/check_prompts, then validate again"
 
@@ -226,7 +227,17 @@ def candidate_engine(engine, model: str, target: str):
         shared_max_cost_pct=None,
         base_names=None,
         enable_prefix_caching=False,
-        max_loras=max(engine.config.max_loras, 1),
+        # Small and short-lived: one adapter at a time, a few sequences, no CUDA graphs, its pool
+        # sized for that alone from the device memory the running engine left (it already holds
+        # its share of gpu_memory_utilization: a GPU needs room for both bases).
+        max_loras=1,
+        max_resident_loras=None,
+        max_num_seqs=min(engine.config.max_num_seqs, CANDIDATE_SEQS),
+        max_num_batched_tokens=None,
+        reserved_tail_lanes=None,
+        num_pages=None,
+        gpu_memory_utilization=1.0,
+        enforce_eager=True,
     )
     return Engine(config)
 
