@@ -247,6 +247,14 @@ async def test_validate_then_migrate_only_what_passed(bases, adapter_root, tmp_p
         rows = engine.registry.audit(AuditQuery(action="migrate"))
         assert sorted(r.adapter for r in rows) == ["cust-a", "cust-b"] and all(r.actor for r in rows)
         assert (await _states(srv, near_digest, srv.admin()))["tenants"]["alpha"]["migrated"] == 1
+        # Validating again leaves migrated versions migrated (not checked again, no second copy).
+        report = await _validate(srv, near_digest, near, adapters=["cust-a", "cust-b"])
+        assert {
+            r["id"]: (r["state"], r["new_version"]) for r in report["adapters"] if r["id"] in ("cust-a", "cust-b")
+        } == {
+            "cust-a": ("migrated", 2),
+            "cust-b": ("migrated", 2),
+        }
 
         # The re-drawn base: every checked adapter fails, with the numbers; migrating one is refused.
         report = await _validate_done(srv, far_digest, model=far)

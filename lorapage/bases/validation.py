@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lorapage.adapters.binding import shown_digest
-from lorapage.adapters.drift_state import FAILED, OPTED_OUT, PASSED, PENDING, MigrationRow
+from lorapage.adapters.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, MigrationRow
 from lorapage.bases.drift import DriftThresholds, verdict
 from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
 
@@ -88,11 +88,6 @@ class BaseValidator:
         self._running = asyncio.get_running_loop().create_task(self._run(engine, job))
         return job
 
-    async def wait(self) -> None:
-        """Until the running job (if any) ends."""
-        if self._running is not None:
-            await asyncio.shield(self._running)
-
     async def cancel(self) -> None:
         """Stop the running job (the server is closing); its candidate engine is closed."""
         task, self._running = self._running, None
@@ -134,16 +129,20 @@ class BaseValidator:
                     MigrationRow(*parse_key(k), job.target, PENDING, reason, None, None, job.id, None, 0.0)
                     for k in stuck
                 ]
-                if rows:
-                    await loop.run_in_executor(None, engine.registry.set_migration_states, rows)
+                await loop.run_in_executor(None, engine.registry.set_migration_states, rows)
             job.finished = time.time()
 
     def _plan(self, engine, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
-        """Each version's prompts (in a worker: the registry is read), its first state recorded."""
+        """Each version's prompts (in a worker: the registry is read), its first state recorded. A
+        version migrated toward the target already stays so (not checked again)."""
         plan: list[tuple[str, tuple[str, ...]]] = []
         rows = []
+        done = {r.key for r in engine.registry.migration_states(job.target) if r.state == MIGRATED}
         for key in job.adapters:
             adapter_id, version = parse_key(key)
+            if key in done:
+                job.states[key] = MIGRATED
+                continue
             settings = engine.registry.check_prompts(adapter_id)
             prompts: tuple[str, ...]
             if settings.opt_out:
@@ -166,9 +165,9 @@ class BaseValidator:
         base = MigrationRow(adapter_id, version, job.target, PENDING, None, None, None, job.id, None, 0.0)
         try:
             async with engine.version_files(key) as path:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: new.add_adapter(adapter_id, path, expected_base_digest=new.digest)
-                )
+                # Read and checked in a worker, committed on the loop (the candidate's own catalog);
+                # bound to the candidate base, whose digest the job checked already.
+                await new.register_adapter(adapter_id, path, expected_base_digest=job.target)
             drifts = await prompt_drifts(engine, new, key, adapter_id, prompts, max_tokens=self.max_tokens)
         except LorapageError as exc:
             return dataclasses.replace(base, reason=f"the check could not run: {exc.message}")
