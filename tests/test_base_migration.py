@@ -281,6 +281,11 @@ async def test_validate_then_migrate_only_what_passed(bases, adapter_root, tmp_p
         )
         assert status == 200 and headers["x-adapter-version"] == "2", got
         assert got["choices"][0]["text"] == DEMO_MARKERS["acme"]
+        status, versions, _ = await srv.request("GET", "/v1/adapters/cust-a/versions", srv.admin())
+        assert [(v["version"], v["current"], v["servable"]) for v in versions["data"]] == [
+            (1, False, False),
+            (2, True, True),
+        ]
         status, got, _ = await srv.post(
             "/v1/completions", {"model": "cust-c", "prompt": "Hi", "max_tokens": 4}, tenant="alpha"
         )

@@ -260,7 +260,8 @@ class AdapterCatalog:
             source=row.source,
             base_digest=row.base_digest,
             created=row.created,
-            current=adapter.current == row.version,
+            # On a new base, the alias serves the migration of the version it points at.
+            current=self._migrated.get((row.adapter_id, adapter.current or 0), adapter.current) == row.version,
             servable=row.key in self.cache.entries,
             projected_cost_pct=row.projected_cost_pct,
         )
