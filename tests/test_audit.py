@@ -68,7 +68,7 @@ def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_p
     path = tmp_path / REGISTRY_FILE
     _schema_3_file(path)
     registry = Registry(path)
-    assert SCHEMA_VERSION == 4
+    assert SCHEMA_VERSION == 5
     assert [(r.key, r.pinned, r.projected_cost_pct) for r in registry.versions()] == [
         ("cust@1", False, 0.5),
         ("cust@2", True, 0.7),
@@ -77,7 +77,7 @@ def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_p
     assert registry.set_current("cust", 1, action="rollback", actor="abcdefabcdef") == 2
     registry.set_channel("cust", "prod", 2, action="deploy", actor="abcdefabcdef")
     registry.close()
-    registry = Registry(path)  # reopened at schema 4: nothing migrated twice, everything kept
+    registry = Registry(path)  # reopened at schema 5: nothing migrated twice, everything kept
     assert [(m.channel, m.before, m.after, m.action) for m in registry.alias_history("cust")] == [
         ("prod", None, 2, "deploy"),
         ("", 2, 1, "rollback"),
@@ -91,7 +91,7 @@ def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_p
     assert registry.channels() == [("cust", "prod", 2)]
     registry.close()
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("4",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
     for statement in ("UPDATE audit SET outcome = 'forged'", "DELETE FROM audit", "DELETE FROM alias_history"):
         with pytest.raises(sqlite3.DatabaseError, match="append-only"):
             db.execute(statement)

@@ -4,7 +4,8 @@ Two append-only tables in the registry's SQLite file (schema 4; triggers refuse 
 DELETE of them):
 
 - ``audit``: one row per admin action that changed something (register, deploy, rollback,
-  delete, pin, unpin, channel, load, unload, tenants_reload): a monotonically increasing id
+  delete, pin, unpin, channel, load, unload, tenants_reload, check_prompts, migrate: schema 5's
+  :mod:`lorapage.adapters.drift_state`): a monotonically increasing id
   (``AUTOINCREMENT``: never reused, even after a crash), the time, the actor (a key id, the first
   12 hex of the key's sha256, never the key; ``sighup`` for a signal; NULL for an embedded
   caller), the tenant owning the adapter, the adapter id, what it was before and after (small
@@ -39,6 +40,8 @@ ACTIONS = (
     "load",
     "unload",
     "tenants_reload",
+    "check_prompts",
+    "migrate",
 )
 DEFAULT_CHANNEL = ""  # alias_history.channel of the id's own alias
 DEFAULT_LIMIT = 100

@@ -44,10 +44,11 @@ def shown_digest(digest: str) -> str:
 
 def migration_route(new: str) -> str:
     """What moves an adapter trained on another base onto base ``new`` (a stored digest): its drift
-    check, through the migration route. Every base-mismatch message ends with it."""
+    check and migration (:mod:`lorapage.server.bases_route`). Every base-mismatch message ends with it."""
     return (
-        f"an adapter moves to another base only once its drift check passes: POST /v1/bases/{new}/validate "
-        "(the planned migration route) or, today, `lorapage base check OLD_DIR NEW_DIR` over both model directories"
+        f"an adapter moves to another base only once its drift check passes: on a server running the base it "
+        f'was trained on, POST /v1/bases/{new}/validate {{"model": NEW_BASE_DIR}}, then POST '
+        f"/v1/bases/{new}/migrate, or `lorapage base check OLD_DIR NEW_DIR --state-dir DIR` over both model directories"
     )
 
 

@@ -14,7 +14,9 @@ same transaction appends its audit row, as the ``actor`` the caller names (a key
 and each alias move to the alias history a rollback walks back (:mod:`lorapage.adapters.audit`).
 Each version records the digest of the base it was trained on, which registration requires to be
 the running one (:mod:`lorapage.adapters.binding`); on a restart over another base those versions
-are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`).
+are kept but refused (:class:`~lorapage.errors.AdapterBaseMismatchError`), unless a base migration
+(:mod:`lorapage.adapters.drift_state`) stored a version of the same content bound to the running
+base: the id's alias and channels, pointing at the old version, then serve that one.
 
 Admin pins are written through the same way (:meth:`AdapterCatalog.set_pinned`). A restart marks
 the pinned versions in the cache as it restores them, reading nothing; their loads start when the
@@ -38,6 +40,7 @@ from lorapage.adapters.audit import CHANNEL, DEFAULT_CHANNEL, AliasMove, channel
 from lorapage.adapters.binding import BaseBinding, mismatch_message
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import digest_param
+from lorapage.adapters.drift_state import MIGRATED
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import Origin
 from lorapage.adapters.peft_format import AdapterSpec
@@ -114,6 +117,8 @@ class AdapterCatalog:
         self._base_digest, self.binding, self._io = base_digest, binding, io_executor
         self._ids: dict[str, _Adapter] = {}
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
+        # (id, version on another base) -> its migrated version on this base: aliases follow it.
+        self._migrated: dict[tuple[str, int], int] = {}
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
         self.generation = 0  # grows at every change of the live view (ids, versions, aliases, owners)
         self._restore()
@@ -133,6 +138,12 @@ class AdapterCatalog:
             self._serve_stored(row, base, self._ids[row.adapter_id].owner)
         for adapter_id, channel, version in self.registry.channels():
             self._ids[adapter_id].channels[channel] = version
+        if rows:
+            self._migrated = {
+                (m.adapter_id, m.version): m.new_version
+                for m in self.registry.migration_states(target=base)
+                if m.state == MIGRATED and m.new_version is not None
+            }
         self._restore_pins(rows)
 
     def _costed(self, rows: list[VersionRow], base: str) -> list[VersionRow]:
@@ -188,6 +199,9 @@ class AdapterCatalog:
             return None, None
         channel = channel_name(name) if version == -1 else None
         number = adapter.current if version is None else adapter.channels.get(channel) if channel else version
+        if number is not None and (version is None or channel) and (adapter_id, number) in self._migrated:
+            # An alias or channel at a version of the old base serves its migration onto this one.
+            number = self._migrated[(adapter_id, number)]
         return (adapter.versions.get(number) if number is not None else None), adapter
 
     def resolve(self, name: str) -> str:
@@ -204,6 +218,13 @@ class AdapterCatalog:
                 mismatch_message(f"adapter {row.key}", row.base_digest, self._base_digest()), param="model"
             )
         return row.key
+
+    def row(self, name: str) -> VersionRow:
+        """The stored version ``name`` names, on this base or not (404 when there is none)."""
+        row, _ = self._row(name)
+        if row is None:
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+        return row
 
     def owner(self, adapter_id: str) -> str | None:
         adapter = self._ids.get(adapter_id)
@@ -239,7 +260,8 @@ class AdapterCatalog:
             source=row.source,
             base_digest=row.base_digest,
             created=row.created,
-            current=adapter.current == row.version,
+            # On a new base, the alias serves the migration of the version it points at.
+            current=self._migrated.get((row.adapter_id, adapter.current or 0), adapter.current) == row.version,
             servable=row.key in self.cache.entries,
             projected_cost_pct=row.projected_cost_pct,
         )
@@ -252,6 +274,14 @@ class AdapterCatalog:
             if row is not None and row.projected_cost_pct is not None and row.key in self.cache.entries:
                 out[adapter_id] = row.projected_cost_pct
         return out
+
+    def add_migrated(self, row: VersionRow) -> None:
+        """Show a version a base migration stored (:meth:`Registry.migrate_version`, bound to
+        another base: listed, not served here) in the live view."""
+        adapter = self._ids.get(row.adapter_id)
+        if adapter is not None and row.version not in adapter.versions:
+            adapter.versions[row.version] = row
+            self.generation += 1
 
     # -- registration ---------------------------------------------------------------------------
 

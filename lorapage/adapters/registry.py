@@ -25,16 +25,22 @@ Tables:
   the same transaction; the traffic tiers (:mod:`lorapage.adapters.tiers`) are read from it, so
   they survive a restart. Rows outlive a deleted version until the retention takes them (its
   number is never reused).
+- ``check_prompts`` and ``migrations`` (schema 5): each adapter id's stored check prompts and
+  opt-ins, and each version's migration state toward a new base, with its drift numbers; see
+  :mod:`lorapage.adapters.drift_state`. A migration (:meth:`Registry.migrate_version`) adds a
+  ``versions`` row bound to the new base, its state and its audit row in one transaction.
 
 Older files are migrated in place when opened, each step in the transaction that records the new
 schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 gains
 ``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
 the audit tables (empty: history begins there; a rollback of an alias with no history goes to the
-newest older version) and the ``adapter_traffic`` table (empty).
+newest older version) and the ``adapter_traffic`` table (empty), schema 4 the check-prompt and
+migration tables (empty).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sqlite3
 import threading
@@ -43,12 +49,13 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorapage.adapters import audit
+from lorapage.adapters import audit, drift_state
 from lorapage.adapters.audit import DEFAULT_CHANNEL, OK, AliasMove, AuditEntry, AuditQuery
+from lorapage.adapters.drift_state import MIGRATED, CheckPrompts, MigrationRow
 from lorapage.errors import AdapterNotFoundError, ConflictError
 from lorapage.usage.ledger import RETENTION_HOURS  # the usage ledger's 14 days
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 REGISTRY_FILE = "registry.sqlite3"
 # A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
 # ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
@@ -95,6 +102,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
     2: ("ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",),
     3: (*audit.SCHEMA, *_TRAFFIC_SCHEMA),
+    4: drift_state.SCHEMA,
 }
 
 
@@ -196,7 +204,7 @@ class Registry:
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
-                for statement in (*audit.SCHEMA, *_TRAFFIC_SCHEMA):
+                for statement in (*audit.SCHEMA, *_TRAFFIC_SCHEMA, *drift_state.SCHEMA):
                     self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
@@ -528,6 +536,108 @@ class Registry:
         with self._lock:
             rows = self._db.execute(query, args).fetchall()
         return {key: (float(a), float(b)) for key, a, b in rows}
+
+    # -- check prompts and migrations (schema 5) --------------------------------------------------
+
+    def check_prompts(self, adapter_id: str) -> CheckPrompts:
+        """``adapter_id``'s check prompts and opt-ins (none stored: empty, both off)."""
+        with self._lock:
+            return drift_state.read_prompts(self._db, adapter_id)
+
+    def set_check_prompts(self, value: CheckPrompts, *, actor: str | None = None) -> None:
+        """Replace an id's check prompts and opt-ins, audited (the count, never the text)."""
+        now = time.time()
+        with self._lock, self._transaction():
+            before = drift_state.read_prompts(self._db, value.adapter_id)
+            drift_state.write_prompts(self._db, now, value)
+            audit.append(
+                self._db,
+                now,
+                actor,
+                "check_prompts",
+                value.adapter_id,
+                tenant=self._alias(value.adapter_id)[1],
+                before={"prompts": len(before.prompts), "sample": before.sample, "opt_out": before.opt_out},
+                after={"prompts": len(value.prompts), "sample": value.sample, "opt_out": value.opt_out},
+            )
+
+    def sampling_ids(self) -> list[str]:
+        """The ids whose owners opted in to prompts sampled from their traffic."""
+        with self._lock:
+            return drift_state.sampling_ids(self._db)
+
+    def add_sampled_prompts(self, adapter_id: str, prompts: Sequence[str]) -> int:
+        """Put ``prompts`` (sampled from ``adapter_id``'s traffic) before the ones stored, keeping
+        the newest :data:`~lorapage.adapters.drift_state.MAX_SAMPLED_PROMPTS`; nothing when its
+        owner turned sampling off meanwhile. Returns how many were stored. Not audited: traffic,
+        not an admin action."""
+        with self._lock, self._transaction():
+            old = drift_state.read_prompts(self._db, adapter_id)
+            if not old.sample or not prompts:
+                return 0
+            drift_state.write_prompts(self._db, time.time(), dataclasses.replace(old, sampled=(*prompts, *old.sampled)))
+            return min(len(prompts), drift_state.MAX_SAMPLED_PROMPTS)
+
+    def migration_states(self, target: str | None = None, adapter_id: str | None = None) -> list[MigrationRow]:
+        """Migration rows toward ``target`` (a stored digest; None: every one), of ``adapter_id``."""
+        with self._lock:
+            return drift_state.read_states(self._db, target, adapter_id)
+
+    def set_migration_states(self, rows: Iterable[MigrationRow]) -> None:
+        """Record (replace) migration rows, in one transaction."""
+        now = time.time()
+        with self._lock, self._transaction():
+            for row in rows:
+                drift_state.write_state(self._db, now, row)
+
+    def migrate_version(self, state: MigrationRow, *, actor: str | None = None) -> VersionRow:
+        """Store version ``state.adapter_id@state.version`` again as a new version bound to base
+        ``state.target`` (same content, source, spec; the alias stays where it is), mark the
+        migration ``migrated`` and audit it as ``migrate``: one transaction. The caller checked
+        that the state is ``passed``; a migration already done returns its version."""
+        now = time.time()
+        with self._lock, self._transaction():
+            done = self._db.execute(
+                "SELECT new_version FROM migrations WHERE id = ? AND version = ? AND target = ? AND state = ?",
+                (state.adapter_id, state.version, state.target, MIGRATED),
+            ).fetchone()
+            if done is not None and done[0] is not None:
+                return self._version_row(state.adapter_id, done[0])
+            src = self._version_row(state.adapter_id, state.version)
+            (number,) = self._db.execute(
+                "SELECT next_version FROM adapters WHERE id = ?", (state.adapter_id,)
+            ).fetchone()
+            self._db.execute("UPDATE adapters SET next_version = ? WHERE id = ?", (number + 1, state.adapter_id))
+            self._db.execute(
+                "INSERT INTO versions (id, version, digest, source, base_digest, spec, created, pinned) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (src.adapter_id, number, src.digest, src.source, state.target, src.spec, now, int(src.pinned)),
+            )
+            drift_state.write_state(
+                self._db, now, dataclasses.replace(state, state=MIGRATED, reason=None, new_version=number)
+            )
+            audit.append(
+                self._db,
+                now,
+                actor,
+                "migrate",
+                state.adapter_id,
+                tenant=self._alias(state.adapter_id)[1],
+                before={"version": src.version, "base_digest": src.base_digest},
+                after={"version": number, "base_digest": state.target, "digest": src.digest},
+            )
+            return self._version_row(state.adapter_id, number)
+
+    def _version_row(self, adapter_id: str, version: int) -> VersionRow:
+        """One stored version (inside the lock)."""
+        r = self._db.execute(
+            "SELECT id, version, digest, source, base_digest, spec, created, pinned, projected_cost_pct "
+            "FROM versions WHERE id = ? AND version = ?",
+            (adapter_id, version),
+        ).fetchone()
+        if r is None:
+            raise AdapterNotFoundError(f"adapter {version_key(adapter_id, version)!r} does not exist", param="id")
+        return VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8])
 
     def close(self) -> None:
         with self._lock:

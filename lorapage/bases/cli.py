@@ -9,6 +9,12 @@ when every adapter passed, 1 when one did not, 2 for a usage error. The check is
 adapter meets a base it was not trained on: each is registered on both engines as trained on that
 engine's base (``expected_base_digest``), whatever its metadata says, to measure how it behaves.
 
+With ``--state-dir DIR`` (a server's, while no server holds it: the same lock), each adapter is
+an id of that registry whose current version is bound to OLD: its stored check prompts are
+checked too (``--prompts`` may then be left out), and its migration state toward NEW (passed or
+failed, the numbers, the notice) is recorded there as ``POST /v1/bases/{digest}/validate``
+records it, so a server's ``POST /v1/bases/{digest}/migrate`` can move the ones that passed.
+
 ``lorapage base digest DIR...`` prints each base's digest (``sha256:HEX``), the value a
 ``--base-names`` table and a registration's ``expected_base_digest`` take.
 """
@@ -23,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lorapage.bases.drift import DriftReport, DriftThresholds, verdict
+from lorapage.bases.stored import StoredStates
 from lorapage.flags import HelpFormatter, fail, parser
 
 PROG = "lorapage base check"
@@ -42,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("old", help="the current base: a Hugging Face model directory")
     p.add_argument("new", help="the candidate base: a Hugging Face model directory with the same tokenizer")
     p.add_argument("--lora-modules", nargs="+", required=True, metavar="NAME=DIR", help="the adapters to check")
-    p.add_argument("--prompts", required=True, metavar="FILE", help="JSON lines of {adapter, prompt}")
+    p.add_argument("--prompts", metavar="FILE", help="JSON lines of {adapter, prompt} (required without --state-dir)")
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="a server's state dir: check each adapter's stored prompts too, and record its migration state there",
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens compared per prompt")
     d = DriftThresholds()
     p.add_argument("--min-token-agreement", type=float, default=d.min_token_agreement, help="pass at or above")
@@ -54,9 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     return top
 
 
-def read_prompts(path: str, adapters: list[str]) -> dict[str, list[str]]:
-    """Each adapter's prompts from the JSON-lines file (an error ends the command)."""
+def read_prompts(path: str | None, adapters: list[str]) -> dict[str, list[str]]:
+    """Each adapter's prompts from the JSON-lines file (an error ends the command; none: none)."""
     out: dict[str, list[str]] = {a: [] for a in adapters}
+    if path is None:
+        return out
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -84,9 +98,15 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
 
     for model in (args.old, args.new):
         check_model_dir(model, PROG)
+    if args.prompts is None and args.state_dir is None:
+        fail(PROG, "give --prompts FILE, or --state-dir DIR to use the adapters' stored check prompts")
     modules = lora_modules(argparse.Namespace(lora_modules=args.lora_modules, model=args.old), PROG)
     prompts = read_prompts(args.prompts, list(modules))
     limits = DriftThresholds(args.min_token_agreement, args.max_dlogprob, args.max_kl, args.max_changed)
+    states = StoredStates.open(args.state_dir, args.old, args.new, list(modules)) if args.state_dir else None
+    if states is not None:
+        for name in modules:
+            prompts[name].extend(states.prompts[name])
     # The check compares outputs; what the shared pool would serve is not its question (no envelope).
     slots = max(1, len(modules))
     old, new = (Engine(EngineConfig(model=m, max_loras=slots, shared_envelope="")) for m in (args.old, args.new))
@@ -98,10 +118,14 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
         for name in modules:
             drifts = await prompt_drifts(old, new, name, name, prompts[name], max_tokens=args.max_tokens)
             reports[name] = verdict(drifts, limits)
+        if states is not None:
+            states.record(reports)
         return reports
     finally:
         await old.close()
         await new.close()
+        if states is not None:
+            states.close()
 
 
 def print_digests(dirs: list[str]) -> int:

@@ -498,6 +498,14 @@ class Engine:
         async with self.sources.use(src, None if isinstance(src, FileSource) else digest, owner) as path:
             yield path
 
+    @asynccontextmanager
+    async def version_files(self, name: str) -> AsyncIterator[Path]:
+        """The files of the version ``name`` names (``id@N``), from its stored source, as a load
+        reads them (a base upgrade's check registers them on the candidate base)."""
+        row = self.catalog.row(name)
+        async with self._locate_version(row.source, row.digest, self.catalog.owner(row.adapter_id)) as path:
+            yield path
+
     def resolve_adapter(self, name: str) -> str:
         """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
         return self.catalog.resolve(name)

@@ -36,6 +36,7 @@ from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
 from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
 from lorapage.server.auth import Access
+from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
@@ -165,7 +166,12 @@ class FleetAdmin:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
         base = await self.profile()
-        row, created = await self._register(registration(body, base.base_name, self.access))
+        reg = registration(body, base.base_name, self.access)
+        row, created = await self._register(reg)
+        if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
+            await store_check_prompts(
+                self.registry.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, None
+            )
         return _json((await self._describe([row.key]))[0], status=201 if created else 200)
 
     async def _register(self, reg: Registration) -> tuple[VersionRow, bool]:

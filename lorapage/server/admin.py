@@ -24,6 +24,7 @@ from lorapage.adapters.registry import parse_name
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.server import protocol
 from lorapage.server.auth import bearer_key
+from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut, TrafficOut
@@ -121,6 +122,11 @@ class AdminRoutes:
         state, actor = self._admin(request)
         reg = registration(await read_admin_body(request), state.engine.base_name, state.access)
         info = await self._register(state, reg, actor)
+        if reg.check_prompts is not None or reg.sample_check_prompts is not None:
+            stored = await store_check_prompts(
+                state.engine.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
+            )
+            state.sampler.set_enabled(reg.id, stored.sample)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
     async def _register(self, state, reg: Registration, actor: str) -> AdapterInfo:

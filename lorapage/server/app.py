@@ -36,6 +36,7 @@ from lorapage.server.access_log import JOB, AccessLog, access_log_middleware
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
+from lorapage.server.bases_route import add_base_routes
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.extra_routes import add_extra_routes
@@ -43,6 +44,7 @@ from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
 from lorapage.server.models_view import BaseCard, ModelsView
+from lorapage.server.prompt_sampler import PromptSampler
 from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
 from lorapage.server.slo import DEFAULT_WINDOW_S, Outcome, SloTracker
@@ -93,6 +95,9 @@ class ServerState:
             slo=self.slo,
         )
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
+        # Check prompts sampled from the traffic of the adapters whose owners opted in.
+        self.sampler = PromptSampler(engine.registry.sampling_ids())
+        self.sampler_task: asyncio.Task | None = None
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
         self.metrics_public = metrics_public
@@ -297,6 +302,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         state.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
         prompts = await state.prompts.of(kind, tenant, parsed)
         job = _job(state, kind, parsed, tenant, prompts, arrival)
+        if job.adapter is not None:
+            state.sampler.offer(parse_name(job.adapter)[0], job.prompt)  # opted-in ids only: a set lookup
         return await state.run(request, job, reservation)
     finally:
         state.release(reservation)  # already released (with its usage) once it ran: then nothing
@@ -372,11 +379,24 @@ async def _restore_pins(app: web.Application) -> None:
 
 async def _start_loop_lag(app: web.Application) -> None:
     app[STATE].loop_lag.start()
+    state = app[STATE]
+    state.sampler_task = asyncio.get_running_loop().create_task(state.sampler.run(state.engine))
 
 
 async def _stop_workers(app: web.Application) -> None:
-    await app[STATE].loop_lag.stop()
-    app[STATE].prompts.close()
+    state = app[STATE]
+    await state.loop_lag.stop()
+    state.prompts.close()
+    if state.sampler_task is not None:
+        state.sampler_task.cancel()
+        try:
+            await state.sampler_task
+        except asyncio.CancelledError:
+            pass
+    try:  # what was sampled since the last flush
+        await state.sampler.flush(state.engine)
+    except Exception:
+        log.exception("storing sampled check prompts failed")
 
 
 def create_app(
@@ -423,6 +443,7 @@ def create_app(
     add_extra_routes(app, STATE)
     add_usage_route(app, STATE)
     add_audit_routes(app, STATE)
+    add_base_routes(app, STATE)
     app.on_startup.append(_start_loop_lag)
     app.on_startup.append(_restore_pins)
     app.on_shutdown.append(_drain_on_shutdown)

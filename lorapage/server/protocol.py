@@ -124,6 +124,33 @@ class AdapterCreateRequest(msgspec.Struct, forbid_unknown_fields=True):
     sha256: str | None = None
     expected_base_digest: str | None = None  # None: its base_model_name_or_path decides (lorapage.adapters.binding)
     activate: bool = True
+    # Prompts its base-upgrade drift check runs (bounded: lorapage.adapters.drift_state), stored
+    # with the id; and whether the server may sample more from the adapter's traffic.
+    check_prompts: list[str] | None = None
+    sample_check_prompts: bool | None = None
+
+
+class CheckPromptsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT /v1/adapters/{id}/check_prompts``: what is given replaces what is stored; what is
+    left out stays."""
+
+    prompts: list[str] | None = None
+    sample: bool | None = None
+    opt_out: bool | None = None
+
+
+class ValidateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/bases/{digest}/validate``: the candidate base's directory, and which adapter
+    ids to check (None: every id whose current version this server serves)."""
+
+    model: str
+    adapters: list[str] | None = None
+
+
+class MigrateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/bases/{digest}/migrate``: the adapter ids to move (None: every one that passed)."""
+
+    adapters: list[str] | None = None
 
 
 class AdapterAliasRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from lorapage.adapters.drift_state import check_prompts_param
 from lorapage.adapters.metrics import OTHER
 from lorapage.adapters.sources import AdapterRoots, HfSource, S3Source, Source, parse_source
 from lorapage.errors import AdapterFormatError, AdapterSourceError, InvalidRequestError, PermissionDeniedError
@@ -57,6 +58,8 @@ class Registration:
     sha256: str | None = None
     expected_base_digest: str | None = None
     activate: bool = True
+    check_prompts: tuple[str, ...] | None = None  # checked against the bounds (drift_state)
+    sample_check_prompts: bool | None = None
 
 
 def check_tenant(tenant: str, access: Access, param: str = "tenant") -> None:
@@ -74,7 +77,18 @@ def registration(body: bytes, base_name: str, access: Access) -> Registration:
         raise InvalidRequestError("give the adapter's files as `source` (or the older `path`), once", param="source")
     source, param = (req.source, "source") if req.source is not None else (req.path, "path")
     assert source is not None
-    return Registration(req.id, req.tenant, source, param, req.sha256, req.expected_base_digest, req.activate)
+    prompts = check_prompts_param(req.check_prompts) if req.check_prompts is not None else None
+    return Registration(
+        req.id,
+        req.tenant,
+        source,
+        param,
+        req.sha256,
+        req.expected_base_digest,
+        req.activate,
+        prompts,
+        req.sample_check_prompts,
+    )
 
 
 async def checked_source(reg: Registration, roots: AdapterRoots, access: Access) -> str:

@@ -1,0 +1,254 @@
+"""A base upgrade's validation job: every adapter's drift check, running base vs a candidate base.
+
+``POST /v1/bases/{digest}/validate`` starts one (:class:`BaseValidator`, one at a time per process:
+a second is refused with 409 while one runs). The job loads the candidate base from its directory
+(checked to have ``digest``) as a second :class:`~lorapage.engine.Engine` in this process, built
+in a worker thread and closed at the end, registers each adapter on it as trained on it (the one
+place an adapter meets a base it was not trained on), and runs the adapter's stored check prompts
+on both engines (:func:`lorapage.bases.check.prompt_drifts`: greedy on the running base, then free
+and teacher-forced on the new one). The running engine serves its traffic meanwhile; the check's
+requests are its own (tenant ``default``) and count as the adapter's traffic.
+
+Each adapter version gets a migration state toward ``digest``, stored in the registry
+(:mod:`lorapage.adapters.drift_state`): ``opted-out`` when its owner opted out (not checked),
+``pending`` while it waits or runs, and when it has no check prompts (stays pending: nothing
+moves unchecked), ``passed`` / ``failed`` by :func:`lorapage.bases.drift.verdict`'s thresholds,
+with the numbers and the customer notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from lorapage.adapters.binding import shown_digest
+from lorapage.adapters.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, MigrationRow
+from lorapage.bases.drift import DriftThresholds, verdict
+from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
+
+log = logging.getLogger("lorapage.bases")
+
+MAX_TOKENS = 32  # greedy tokens compared per prompt
+CANDIDATE_SEQS = 16  # sequences the candidate engine runs at once
+KEPT_JOBS = 16  # finished jobs remembered (in memory; the states themselves are in the registry)
+NO_PROMPTS = "no check prompts stored: PUT /v1/adapters/{id}/check_prompts, then validate again"
+
+
+@dataclass
+class ValidationJob:
+    """One validation toward base ``target`` (a stored digest), as ``GET .../validate`` shows it."""
+
+    id: str
+    target: str
+    model: str  # the candidate base's directory
+    started: float
+    adapters: list[str]  # the version keys checked (id@N on the running base)
+    status: str = "running"  # running | done | error
+    error: str | None = None  # why the job could not run (status error)
+    checked: int = 0  # adapters whose check has ended
+    finished: float | None = None
+    states: dict[str, str] = field(default_factory=dict)  # version key -> state, as the job recorded it
+
+
+class BaseValidator:
+    """Runs at most one validation job at a time and remembers the last few."""
+
+    def __init__(self, limits: DriftThresholds | None = None, max_tokens: int = MAX_TOKENS) -> None:
+        self.limits, self.max_tokens = limits or DriftThresholds(), max_tokens
+        self.jobs: dict[str, ValidationJob] = {}  # job id -> job, oldest first, bounded
+        self._running: asyncio.Task | None = None
+
+    def latest(self, target: str) -> ValidationJob | None:
+        """The newest job toward ``target``."""
+        return next((j for j in reversed(self.jobs.values()) if j.target == target), None)
+
+    def start(self, engine, target: str, model: str, adapters: Sequence[str] | None = None) -> ValidationJob:
+        """Start a job checking ``adapters`` (ids; None: every id whose current version is on the
+        running base) toward ``target``. ConflictError while another runs; InvalidRequestError
+        for a target that is the running base, or an id not served here."""
+        if self._running is not None and not self._running.done():
+            running = next(j for j in reversed(self.jobs.values()) if j.status == "running")
+            raise ConflictError(
+                f"validation {running.id} (toward {shown_digest(running.target)}) is still running; one runs at a "
+                "time: poll GET /v1/bases/{digest}/validate and start this one when it is done"
+            )
+        if target == engine.digest:
+            raise InvalidRequestError(f"{shown_digest(target)} is the running base; name the new base's digest")
+        keys = current_versions(engine, adapters)
+        job = ValidationJob(uuid.uuid4().hex[:16], target, model, time.time(), keys)
+        self.jobs[job.id] = job
+        while len(self.jobs) > KEPT_JOBS:
+            del self.jobs[next(iter(self.jobs))]
+        self._running = asyncio.get_running_loop().create_task(self._run(engine, job))
+        return job
+
+    async def cancel(self) -> None:
+        """Stop the running job (the server is closing); its candidate engine is closed."""
+        task, self._running = self._running, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self, engine, job: ValidationJob) -> None:
+        loop = asyncio.get_running_loop()
+        new, todo = None, []
+        try:
+            # Before any state is written: a wrong directory leaves the last check's states as they are.
+            await loop.run_in_executor(None, check_digest, job.model, job.target)
+            plan = await loop.run_in_executor(None, self._plan, engine, job)
+            todo = [(key, prompts) for key, prompts in plan if prompts]
+            if todo:
+                new = await loop.run_in_executor(None, candidate_engine, engine, job.model, job.target)
+            for key, prompts in todo:
+                row = await self._check(engine, new, job, key, prompts)
+                job.states[key] = row.state
+                job.checked += 1
+                await loop.run_in_executor(None, engine.registry.set_migration_states, [row])
+            job.status = "done"
+        except LorapageError as exc:
+            job.status, job.error = "error", exc.message
+        except Exception as exc:  # a base that cannot be loaded, a device fault: the job's, not the server's
+            log.exception("validation %s toward %s failed", job.id, shown_digest(job.target))
+            job.status, job.error = "error", f"{type(exc).__name__}: {exc}"
+        finally:
+            if new is not None:
+                await new.close()
+            stuck = [key for key, _ in todo if job.states.get(key) == PENDING]
+            if job.status == "error" and stuck:  # the checks that never ran say why
+                reason = f"validation stopped: {job.error}"
+                rows = [
+                    MigrationRow(*parse_key(k), job.target, PENDING, reason, None, None, job.id, None, 0.0)
+                    for k in stuck
+                ]
+                await loop.run_in_executor(None, engine.registry.set_migration_states, rows)
+            job.finished = time.time()
+
+    def _plan(self, engine, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
+        """Each version's prompts (in a worker: the registry is read), its first state recorded. A
+        version migrated toward the target already stays so (not checked again)."""
+        plan: list[tuple[str, tuple[str, ...]]] = []
+        rows = []
+        done = {r.key for r in engine.registry.migration_states(job.target) if r.state == MIGRATED}
+        for key in job.adapters:
+            adapter_id, version = parse_key(key)
+            if key in done:
+                job.states[key] = MIGRATED
+                continue
+            settings = engine.registry.check_prompts(adapter_id)
+            prompts: tuple[str, ...]
+            if settings.opt_out:
+                state, reason, prompts = OPTED_OUT, "the owner opted out of base migrations", ()
+            elif not settings.all_prompts():
+                state, reason, prompts = PENDING, NO_PROMPTS.replace("{id}", adapter_id), ()
+            else:
+                state, reason, prompts = PENDING, "queued for its drift check", settings.all_prompts()
+            rows.append(MigrationRow(adapter_id, version, job.target, state, reason, None, None, job.id, None, 0.0))
+            job.states[key] = state
+            plan.append((key, prompts))
+        engine.registry.set_migration_states(rows)
+        return plan
+
+    async def _check(self, engine, new, job: ValidationJob, key: str, prompts: tuple[str, ...]) -> MigrationRow:
+        """One adapter version's drift check and its state (a check that cannot run stays pending)."""
+        from lorapage.bases.check import prompt_drifts
+
+        adapter_id, version = parse_key(key)
+        base = MigrationRow(adapter_id, version, job.target, PENDING, None, None, None, job.id, None, 0.0)
+        try:
+            async with engine.version_files(key) as path:
+                # Read and checked in a worker, committed on the loop (the candidate's own catalog);
+                # bound to the candidate base, whose digest the job checked already.
+                await new.register_adapter(adapter_id, path, expected_base_digest=job.target)
+            drifts = await prompt_drifts(engine, new, key, adapter_id, prompts, max_tokens=self.max_tokens)
+        except LorapageError as exc:
+            return dataclasses.replace(base, reason=f"the check could not run: {exc.message}")
+        report = verdict(drifts, self.limits)
+        return dataclasses.replace(
+            base,
+            state=PASSED if report.passed else FAILED,
+            reason="; ".join(report.reasons) or None,
+            numbers=asdict(report),
+            notice=report.notice(adapter_id, shown_digest(engine.digest), shown_digest(job.target)),
+        )
+
+
+def parse_key(key: str) -> tuple[str, int]:
+    adapter_id, _, number = key.rpartition("@")
+    return adapter_id, int(number)
+
+
+def current_versions(engine, adapters: Sequence[str] | None) -> list[str]:
+    """The version keys to check: each id's current version, where it is served on this base."""
+    ids = list(adapters) if adapters is not None else engine.catalog.ids()
+    keys = []
+    for adapter_id in ids:
+        current = [v for v in engine.adapter_versions(adapter_id) if v.current]
+        if not current or (not current[0].servable and adapters is not None):
+            raise InvalidRequestError(
+                f"adapter {adapter_id!r} has no current version served on this base", param="adapters"
+            )
+        if current[0].servable:
+            keys.append(current[0].key)
+    return keys
+
+
+def check_digest(model: str, target: str) -> None:
+    """InvalidRequestError unless the base in ``model`` has digest ``target`` (its weights are hashed)."""
+    from lorapage.model.loader import model_digest
+
+    found = model_digest(model)
+    if found != target:
+        raise InvalidRequestError(
+            f"{model} holds base {shown_digest(found)}, not {shown_digest(target)} named in the route", param="model"
+        )
+
+
+def candidate_engine(engine, model: str, target: str):
+    """The candidate base (checked to be ``target`` already) as a second engine, built in a
+    worker thread: its weights are read."""
+    from lorapage.engine import Engine
+
+    config = dataclasses.replace(
+        engine.config,
+        model=model,
+        state_dir=None,  # its registry is in memory: the running server's is the one record
+        adapter_cache_dir=None,
+        shared_envelope="",  # the check compares outputs; what the shared pool serves is not its question
+        shared_max_cost_pct=None,
+        base_names=None,
+        enable_prefix_caching=False,
+        # Small and short-lived: one adapter at a time, a few sequences, no CUDA graphs, its pool
+        # sized for that alone from the device memory the running engine left (it already holds
+        # its share of gpu_memory_utilization: a GPU needs room for both bases).
+        max_loras=1,
+        max_resident_loras=None,
+        max_num_seqs=min(engine.config.max_num_seqs, CANDIDATE_SEQS),
+        max_num_batched_tokens=None,
+        reserved_tail_lanes=None,
+        num_pages=None,
+        gpu_memory_utilization=1.0,
+        enforce_eager=True,
+    )
+    return Engine(config)
+
+
+def check_model_dir(model: str) -> str:
+    """The candidate base's directory as given in the body: absolute, a directory with a
+    ``config.json`` (400 otherwise)."""
+    path = Path(model)
+    if not path.is_absolute():
+        raise InvalidRequestError(f"model must be an absolute directory path; got {model[:200]!r}", param="model")
+    if not (path / "config.json").is_file():
+        raise InvalidRequestError(
+            f"{model[:200]} is not a model directory (no config.json there, or it cannot be read)", param="model"
+        )
+    return str(path)

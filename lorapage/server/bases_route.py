@@ -1,0 +1,197 @@
+"""Base upgrades over HTTP: check prompts, validating every adapter on a candidate base, migrating those that passed.
+
+- ``PUT`` / ``GET /v1/adapters/{id}/check_prompts`` (admin, or the owner's tenant key): the
+  adapter's check prompts and opt-ins (:mod:`lorapage.server.check_prompts`).
+
+- ``POST /v1/bases/{digest}/validate`` (admin), body ``{"model": DIR, "adapters": [ids]?}``: starts
+  a validation job toward base ``digest`` (``sha256:HEX`` or bare hex), whose directory ``DIR``
+  (absolute; any the server process can read: the admin key is the operator's) must hold that
+  digest. 202 with the job; 409 while another runs (one at a time). See
+  :mod:`lorapage.bases.validation`.
+- ``GET /v1/bases/{digest}/validate`` (admin, or a tenant key for its own adapters): the latest
+  job's progress, each adapter version's migration state toward ``digest`` with its numbers and
+  customer notice, and a per-tenant report (``?tenant=`` narrows it; a tenant key sees its own
+  only, and naming another tenant is 403).
+- ``POST /v1/bases/{digest}/migrate`` (admin), body ``{"adapters": [ids]?}``: each adapter whose
+  current version ``passed`` gets a new version bound to ``digest`` (same files; the alias stays
+  where it is, and an engine on the new base serves the id through it): audited as ``migrate``.
+  Named adapters that did not pass are refused (409 naming the state) and nothing moves; without
+  names, those are listed as skipped with their state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from lorapage.adapters.binding import shown_digest
+from lorapage.adapters.digest import digest_param
+from lorapage.adapters.drift_state import (
+    CHECK_PROMPTS_BODY_BYTES,
+    FAILED,
+    MIGRATED,
+    OPTED_OUT,
+    PASSED,
+    PENDING,
+    MigrationRow,
+    check_prompts_param,
+)
+from lorapage.bases.validation import BaseValidator, check_model_dir, current_versions, parse_key
+from lorapage.errors import ConflictError, PermissionDeniedError
+from lorapage.server import protocol
+from lorapage.server.check_prompts import admin_or_tenant, check_prompts_out, owned_id, store_check_prompts
+from lorapage.server.tenants import key_id
+
+VALIDATOR = web.AppKey("lorapage_base_validator", BaseValidator)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+def _target(request: web.Request) -> str:
+    return digest_param(request.match_info["digest"], "digest")
+
+
+def _row_out(row: MigrationRow, owner: str | None) -> dict[str, Any]:
+    return {
+        "id": row.adapter_id,
+        "version": row.version,
+        "tenant": owner,
+        "state": row.state,
+        "reason": row.reason,
+        "numbers": row.numbers,
+        "notice": row.notice,
+        "new_version": row.new_version,
+        "updated": row.updated,
+    }
+
+
+def tenant_report(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tenant (``null`` key: shared adapters): counts by state and each adapter's notice."""
+    out: dict[str, dict[str, Any]] = defaultdict(lambda: {s: 0 for s in (PENDING, PASSED, FAILED, MIGRATED, OPTED_OUT)})
+    for row in rows:
+        entry = out[row["tenant"] or ""]
+        entry[row["state"]] += 1
+        entry.setdefault("notices", []).append(row["notice"] or f"{row['id']}: {row['state']} ({row['reason']})")
+    return dict(out)
+
+
+async def _registry(state, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
+    from lorapage.server.admin import read_admin_body
+    from lorapage.server.auth import bearer_key
+
+    app[VALIDATOR] = BaseValidator()
+
+    async def stop_validation(app: web.Application) -> None:
+        await app[VALIDATOR].cancel()
+
+    app.on_shutdown.append(stop_validation)
+
+    async def validate(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        state.access.require_admin(request)
+        target = _target(request)
+        req = protocol.decode(await read_admin_body(request), protocol.ValidateRequest)
+        model = await asyncio.get_running_loop().run_in_executor(None, check_model_dir, req.model)
+        job = request.app[VALIDATOR].start(state.engine, target, model, req.adapters)
+        body = {"object": "base.validation", "job": job.id, "status": job.status, "target": shown_digest(target)}
+        return _json({**body, "adapters": job.adapters}, status=202)
+
+    async def progress(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        caller = admin_or_tenant(state, request)
+        target = _target(request)
+        wanted = request.query.get("tenant")
+        if caller is not None and wanted not in (None, caller):
+            raise PermissionDeniedError("a tenant key sees its own adapters only; drop tenant=", param="tenant")
+        wanted = caller if caller is not None else wanted
+        owners = state.access.owners
+        rows = [
+            _row_out(r, owners.get(r.adapter_id))
+            for r in await _registry(state, state.engine.registry.migration_states, target)
+        ]
+        if wanted is not None:
+            rows = [r for r in rows if r["tenant"] == wanted]
+        job = request.app[VALIDATOR].latest(target)
+        shown = None
+        if job is not None:
+            shown = {"id": job.id, "status": job.status, "error": job.error, "started": job.started}
+            shown |= {"finished": job.finished, "checked": job.checked, "adapters": len(job.adapters)}
+            if caller is None:
+                shown["model"] = job.model
+        body = {
+            "object": "base.validation",
+            "target": shown_digest(target),
+            "running_base": shown_digest(state.engine.digest),
+            "job": shown,
+            "adapters": rows,
+            "tenants": tenant_report(rows),
+        }
+        return _json(body)
+
+    async def migrate(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        actor = state.access.admin_actor(request)
+        target = _target(request)
+        body = await read_admin_body(request)
+        req = protocol.decode(body, protocol.MigrateRequest) if body.strip() else protocol.MigrateRequest()
+        job = request.app[VALIDATOR].latest(target)
+        if job is not None and job.status == "running":
+            raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
+        keys = current_versions(state.engine, req.adapters)
+        states = {r.key: r for r in await _registry(state, state.engine.registry.migration_states, target)}
+        ready, skipped = [], []
+        for key in keys:
+            row = states.get(key)
+            if row is not None and row.state in (PASSED, MIGRATED):
+                ready.append(row)
+                continue
+            why = f"{row.state}" + (f": {row.reason}" if row.reason else "") if row else "never checked"
+            if req.adapters is not None:
+                raise ConflictError(
+                    f"adapter {key} cannot migrate to {shown_digest(target)}: its drift check is {why}; only an "
+                    "adapter whose check passed moves (POST /v1/bases/{digest}/validate)",
+                    param="adapters",
+                )
+            skipped.append({"id": parse_key(key)[0], "version": parse_key(key)[1], "state": why})
+        migrated = []
+        for row in ready:
+            new = await _registry(state, lambda r=row: state.engine.registry.migrate_version(r, actor=actor))
+            state.engine.catalog.add_migrated(new)
+            migrated.append({"id": row.adapter_id, "from_version": row.version, "version": new.version})
+        return _json(
+            {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
+        )
+
+    async def put_check_prompts(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        adapter_id, _ = owned_id(state, request)
+        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
+        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
+        key = bearer_key(request)
+        assert key is not None
+        stored = await store_check_prompts(
+            state.engine.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
+        )
+        state.sampler.set_enabled(adapter_id, stored.sample)
+        return check_prompts_out(stored)
+
+    async def get_check_prompts(request: web.Request) -> web.Response:
+        state = request.app[state_key]
+        adapter_id, _ = owned_id(state, request)
+        return check_prompts_out(await _registry(state, state.engine.registry.check_prompts, adapter_id))
+
+    app.router.add_put("/v1/adapters/{id}/check_prompts", put_check_prompts)
+    app.router.add_get("/v1/adapters/{id}/check_prompts", get_check_prompts)
+    app.router.add_post("/v1/bases/{digest}/validate", validate)
+    app.router.add_get("/v1/bases/{digest}/validate", progress)
+    app.router.add_post("/v1/bases/{digest}/migrate", migrate)
