@@ -48,6 +48,13 @@ class AdapterEnvelopeError(AdapterFormatError):
     code = "adapter_outside_envelope"
 
 
+class AdapterTokensOverSharedLimitError(LorapageError):
+    """A request on an adapter asks for more tokens than the shared pool allows one
+    (``max_adapter_tokens``); the message names the limit and the dedicated tier."""
+
+    code = "adapter_tokens_over_shared_limit"
+
+
 class AdapterLoadError(LorapageError):
     """Reading an adapter's weights failed when a request needed them."""
 

@@ -268,6 +268,8 @@ def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, pr
         state.access,
         tools=prompts.tools,
         prompt_texts=prompts.texts,
+        # A dedicated deployment runs its adapter on the base path, which the bound does not cover.
+        max_adapter_tokens=state.engine.config.max_adapter_tokens if state.engine.merged_adapter is None else None,
     )
 
 
