@@ -39,7 +39,9 @@ async def prompt_drifts(
         )
         ids, tokens = first.prompt_token_ids, first.token_ids
         forced, free = await asyncio.gather(
-            final_output(new, ids + tokens, new_adapter, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)),
+            final_output(
+                new, ids + tokens, new_adapter, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+            ),
             final_output(new, ids, new_adapter, SamplingParams(max_tokens=len(tokens), temperature=0.0)),
         )
         assert first.logprobs is not None and forced.prompt_logprobs is not None

@@ -661,7 +661,8 @@ class Engine:
         if adapter is not None:
             adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
         if self.merged_adapter is not None:
-            adapter = self._merged_route(adapter)
+            self._check_merged_route(adapter)
+            adapter = None  # the weights hold the adapter: the LoRA path would add it twice
         self._check_adapter_tokens(adapter, sampling)
         self.intake.check(adapter, sampling)
         try:
@@ -769,11 +770,10 @@ class Engine:
 
         return asyncio.run(run_all())
 
-    def _merged_route(self, adapter: str | None) -> None:
-        """A dedicated deployment serves its merged version, on the plain base path (its weights
-        hold the adapter: the LoRA path would add it twice), and nothing else."""
+    def _check_merged_route(self, adapter: str | None) -> None:
+        """A dedicated deployment serves its merged version (on the plain base path) and nothing else."""
         if adapter == self.merged_adapter:
-            return None
+            return
         merged_id = self.merged_adapter.partition("@")[0] if self.merged_adapter else ""
         asked = "the base model" if adapter is None else f"adapter {adapter!r}"
         raise AdapterNotFoundError(

@@ -96,13 +96,16 @@ def compare(adapter: str, unmerged: Sequence[GreedyRun], merged: Sequence[Greedy
             agree += 1
         if agree < max(len(u.token_ids), len(m.token_ids)):
             mismatched += 1
-            if not first:
-                pair = (u.token_ids[agree:agree + 1] or ("end",))[0], (m.token_ids[agree:agree + 1] or ("end",))[0]
-                first = f"prompt {i}, token {agree}: {pair[0]} unmerged vs {pair[1]} merged"
+            was, now = _at(u.token_ids, agree), _at(m.token_ids, agree)
+            first = first or f"prompt {i}, token {agree}: {was} unmerged vs {now} merged"
         tokens += max(len(u.token_ids), len(m.token_ids))
         worst = max([worst, *(abs(a - b) for a, b in zip(u.logprobs[:agree], m.logprobs[:agree]))])
     passed = not mismatched and worst <= tolerance and bool(unmerged)
     return MergeCheck(adapter, len(unmerged), tokens, mismatched, first, worst, tolerance, passed)
+
+
+def _at(ids: Sequence[int], k: int) -> str:
+    return str(ids[k]) if k < len(ids) else "end"
 
 
 async def greedy_runs(

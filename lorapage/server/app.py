@@ -104,7 +104,9 @@ class ServerState:
         self.background: set[asyncio.Task] = set()  # audit writes started by a signal
         self.idle = asyncio.Event()
         self.idle.set()
-        self.card = BaseCard(engine.base_name, engine.max_model_len, self.started)
+        self.card = BaseCard(
+            engine.base_name, engine.max_model_len, self.started, serves_base=engine.merged_adapter is None
+        )
         self.models = ModelsView(
             access,
             self.card,
@@ -132,7 +134,9 @@ class ServerState:
         task.add_done_callback(self.background.discard)
 
     def _serving_ids(self) -> list[str]:
-        catalog = self.engine.catalog
+        catalog, merged = self.engine.catalog, self.engine.merged_adapter
+        if merged is not None:  # a dedicated deployment serves its one version
+            return [merged.partition("@")[0]]
         return [v.adapter_id for v in catalog.versions() if v.current and v.servable and v.key not in self.draining]
 
     def check_open(self) -> None:
