@@ -759,16 +759,25 @@ class Engine:
         For plain scripts: call it where no event loop is running in this thread.
         """
 
-        async def one(prompt, adapter):
-            last = None
-            async for last in self.generate(prompt, adapter, sampling, tenant=tenant):
-                pass
-            return last
-
         async def run_all():
-            return await asyncio.gather(*(one(p, a) for p, a in items))
+            return await asyncio.gather(*(self.run_to_end(p, a, sampling, tenant=tenant) for p, a in items))
 
         return asyncio.run(run_all())
+
+    async def run_to_end(
+        self,
+        prompt: str | list[int],
+        adapter: str | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> RequestOutput:
+        """One request's final output (:meth:`generate`, its stream read to the end)."""
+        last = None
+        async for last in self.generate(prompt, adapter, sampling, tenant=tenant):
+            pass
+        assert last is not None  # a request ends with a finished output, or raises
+        return last
 
     def _check_merged_route(self, adapter: str | None) -> None:
         """A dedicated deployment serves its merged version (on the plain base path) and nothing else."""

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lorapage.bases.check import final_output
 from lorapage.engine.engine import Engine
 from lorapage.model.merge import MergeFn, merge_adapter
 from lorapage.sampling_params import SamplingParams
@@ -113,7 +112,7 @@ async def greedy_runs(
 ) -> list[GreedyRun]:
     """Each prompt's greedy run on ``adapter``, all together (EOS ignored: every run is full length)."""
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = await asyncio.gather(*(final_output(engine, p, adapter, sampling) for p in prompts))
+    outs = await asyncio.gather(*(engine.run_to_end(p, adapter, sampling) for p in prompts))
     return [GreedyRun(tuple(o.token_ids), tuple(lp.logprob for lp in o.logprobs or ())) for o in outs]
 
 
