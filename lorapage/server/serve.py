@@ -33,7 +33,7 @@ from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
-from lorapage.engine.merge_check import CHECK_PROMPTS, merge_and_check, read_check_prompts
+from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_check, read_check_prompts
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.access_log import AccessLog
@@ -239,14 +239,22 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
         help='more prompts for the --merge check, one per line (a JSON string or {"prompt": TEXT}), beside the '
         f"{len(CHECK_PROMPTS)} built-in ones (default: the built-in ones only)",
     )
+    group.add_argument(
+        "--merge-check-tolerance",
+        type=float,
+        metavar="LOGPROB",
+        help="the --merge check's bound on |d logprob| of a chosen token, and on the gap of a near-tie (default: "
+        + ", ".join(f"{v:g} in {k}" for k, v in TOLERANCES.items())
+        + ")",
+    )
 
 
 def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = PROG) -> str | None:
     """``--merge``'s adapter name; ``modules`` (what is registered at start) is cut down to it,
     from its ``DIR`` or its ``--lora-modules`` entry (neither: it must be in the registry)."""
     if args.merge is None:
-        if args.merge_check_prompts:
-            fail(prog, "--merge-check-prompts is for --merge")
+        if args.merge_check_prompts or args.merge_check_tolerance is not None:
+            fail(prog, "--merge-check-prompts and --merge-check-tolerance are for --merge")
         return None
     name, sep, path = args.merge.partition("=")
     try:
@@ -255,6 +263,8 @@ def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = 
         fail(prog, f"--merge {args.merge}: {exc.message}")
     if sep and not path:
         fail(prog, f"--merge takes ADAPTER or ADAPTER=DIR; got {args.merge!r}")
+    if args.merge_check_tolerance is not None and not 0 <= args.merge_check_tolerance < float("inf"):
+        fail(prog, f"--merge-check-tolerance must be a number >= 0; got {args.merge_check_tolerance}")
     path = path or modules.get(name, "")
     modules.clear()
     if path:
@@ -262,7 +272,9 @@ def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = 
     return name
 
 
-def run_merge_check(runner: asyncio.Runner, engine: Engine, name: str, prompts_file: str | None) -> None:
+def run_merge_check(
+    runner: asyncio.Runner, engine: Engine, name: str, prompts_file: str | None, tolerance: float | None
+) -> None:
     """Merge ``name`` into ``engine`` and check it (:mod:`lorapage.engine.merge_check`); a failed
     check ends the command with its numbers before anything listens."""
     prompts = list(CHECK_PROMPTS)
@@ -273,7 +285,7 @@ def run_merge_check(runner: asyncio.Runner, engine: Engine, name: str, prompts_f
             runner.run(engine.close())
             fail(PROG, f"--merge-check-prompts {exc}")
     try:
-        check = runner.run(merge_and_check(engine, name, prompts))
+        check = runner.run(merge_and_check(engine, name, prompts, tolerance=tolerance))
     except LorapageError as exc:
         runner.run(engine.close())
         fail(PROG, f"--merge {name}: {exc.message}")
@@ -431,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, f"adapter {name!r}: {exc.message}")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         if merge is not None:
-            run_merge_check(runner, engine, merge, args.merge_check_prompts)
+            run_merge_check(runner, engine, merge, args.merge_check_prompts, args.merge_check_tolerance)
             modules = {merge: ""}
         access = access or _demo_access(list(modules))  # new keys only for a server that is about to listen
         unusable = [m for m in modules if not any(access.may_use(t, m) for t in access.tenants.tenants)]
