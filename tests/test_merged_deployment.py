@@ -27,6 +27,7 @@ from lorapage.model.llama import LlamaModel
 from lorapage.model.loader import load_state_dict
 from lorapage.model.merge import merge_adapter, merged_weight, module_rows
 from lorapage.model.tokenizer import Tokenizer
+from lorapage.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 250, 61]
 TOKENS = 12
@@ -245,3 +246,20 @@ def test_the_flags_exist():
     text = build_parser().format_help()
     assert "--merge ADAPTER[=DIR]" in text and "--merge-check-prompts" in text and "--max-adapter-tokens" in text
     assert "--merge-check-tolerance" in text
+
+
+async def test_a_merge_never_reuses_blocks_the_base_cached_before_it():
+    engine = make_engine()  # prefix caching on: the base's blocks of this prompt are cached first
+    prompt = "The same long prompt, long enough to fill two blocks of the prefix cache for sure: " * 2
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    try:
+        await engine.run_to_end(prompt, None, greedy)
+        unmerged = await engine.run_to_end(prompt, "acme", greedy)
+        await engine.merge_into_base("acme")
+        hits = sum(engine.scheduler.prefix_hit_tokens.values())
+        merged = await engine.run_to_end(prompt, "acme", greedy)
+        assert sum(engine.scheduler.prefix_hit_tokens.values()) == hits and merged.token_ids == unmerged.token_ids
+        assert merged.logprobs is not None and unmerged.logprobs is not None
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(merged.logprobs, unmerged.logprobs)) < 1e-3
+    finally:
+        await engine.close()

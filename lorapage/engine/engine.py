@@ -831,6 +831,7 @@ class Engine:
             tensors = await loop.run_in_executor(self._io, load_adapter_tensors, spec, torch.float32, weights)
         # On the forward thread: ordered with the steps (and graph replays) on its stream.
         await loop.run_in_executor(self._forward, merge, self.runner.ctx.model, tensors, spec.scales)
+        self.intake.weights_changed(entry.cache_id)  # blocks the base computed before are not these weights'
         self.merged_adapter = key
         log.info("adapter %s merged into the base weights: this engine is its dedicated deployment", key)
         return key
