@@ -21,7 +21,7 @@ from lorapage.adapters.peft_format import load_adapter_tensors, read_adapter_spe
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.engine.merge_check import GreedyRun, compare, merge_and_check
-from lorapage.errors import AdapterEnvelopeError
+from lorapage.errors import AdapterEnvelopeError, ConflictError
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.model.llama import LlamaModel
 from lorapage.model.loader import load_state_dict
@@ -261,5 +261,18 @@ async def test_a_merge_never_reuses_blocks_the_base_cached_before_it():
         assert sum(engine.scheduler.prefix_hit_tokens.values()) == hits and merged.token_ids == unmerged.token_ids
         assert merged.logprobs is not None and unmerged.logprobs is not None
         assert max(abs(a.logprob - b.logprob) for a, b in zip(merged.logprobs, unmerged.logprobs)) < 1e-3
+    finally:
+        await engine.close()
+
+
+async def test_no_merge_under_requests_in_flight():
+    engine = make_engine()
+    try:
+        stream = engine.generate("hello", "acme", SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()  # running now
+        with pytest.raises(ConflictError, match="in flight"):
+            await engine.merge_into_base("acme")
+        await stream.aclose()
+        assert engine.merged_adapter is None
     finally:
         await engine.close()

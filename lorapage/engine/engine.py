@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lorapage.adapters.audit import DEFAULT_CHANNEL, AuditEntry, AuditQuery
-from lorapage.adapters.cache import AdapterCache, AdapterInfo
+from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
 from lorapage.adapters.catalog import (
     REGISTRATION_TIMEOUT_S,
     AdapterCatalog,
@@ -365,6 +365,7 @@ class Engine:
         # its equivalence check found (set by whoever ran it; lorapage.engine.merge_check).
         self.merged_adapter: str | None = None
         self.merge_check: dict | None = None
+        self._merging = False  # new requests are refused while the weights change
         self._closed = False
 
     def _num_pages(self, adapter_pages: int, max_blocks: int, page_size: int) -> int:
@@ -660,7 +661,9 @@ class Engine:
         sampling = sampling or SamplingParams()
         if adapter is not None:
             adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
-        if self.merged_adapter is not None:
+        merged = self.merged_adapter
+        self._check_weights(merged)
+        if merged is not None:
             self._check_merged_route(adapter)
             adapter = None  # the weights hold the adapter: the LoRA path would add it twice
         self._check_adapter_tokens(adapter, sampling)
@@ -677,6 +680,7 @@ class Engine:
                 raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
             raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
+        self._check_weights(merged)  # the route was decided on the weights as they were before tokenizing
 
         def build(k: int) -> Request:
             rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
@@ -779,6 +783,12 @@ class Engine:
         assert last is not None  # a request ends with a finished output, or raises
         return last
 
+    def _check_weights(self, merged: str | None) -> None:
+        """Refuse (409) a request that would run while the weights change, or whose route was
+        decided before they did (``merged``: the merged version it saw)."""
+        if self._merging or self.merged_adapter != merged:
+            raise ConflictError("an adapter is being merged into this engine's weights; retry once it is done")
+
     def _check_merged_route(self, adapter: str | None) -> None:
         """A dedicated deployment serves its merged version (on the plain base path) and nothing else."""
         if adapter == self.merged_adapter:
@@ -817,6 +827,23 @@ class Engine:
         if self.scheduler.requests:
             raise ConflictError("requests are in flight: the weights they run on cannot change under them")
         entry = self.adapters.get(key)
+        self._merging = True
+        try:
+            tensors, scales = await self._merge_tensors(key, entry)
+            # On the forward thread: ordered with the steps (and graph replays) on its stream.
+            await asyncio.get_running_loop().run_in_executor(
+                self._forward, merge, self.runner.ctx.model, tensors, scales
+            )
+            self.intake.weights_changed(entry.cache_id)  # blocks the base cached before are of other weights
+            self.merged_adapter = key
+        finally:
+            self._merging = False
+        log.info("adapter %s merged into the base weights: this engine is its dedicated deployment", key)
+        return key
+
+    async def _merge_tensors(self, key: str, entry: AdapterEntry) -> tuple[dict, dict[tuple[int, str], float]]:
+        """A version's A and B in float32 and its scales, read from its files (as the loader
+        does) and checked against its registered digest."""
         loop = asyncio.get_running_loop()
         async with AsyncExitStack() as held:
             spec = entry.spec
@@ -829,12 +856,7 @@ class Engine:
             if entry.digest and await loop.run_in_executor(self._io, content_digest, spec, weights) != entry.digest:
                 raise AdapterLoadError(f"adapter {key!r}: its files changed since registration; register it again")
             tensors = await loop.run_in_executor(self._io, load_adapter_tensors, spec, torch.float32, weights)
-        # On the forward thread: ordered with the steps (and graph replays) on its stream.
-        await loop.run_in_executor(self._forward, merge, self.runner.ctx.model, tensors, spec.scales)
-        self.intake.weights_changed(entry.cache_id)  # blocks the base computed before are not these weights'
-        self.merged_adapter = key
-        log.info("adapter %s merged into the base weights: this engine is its dedicated deployment", key)
-        return key
+        return tensors, spec.scales
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its pages are freed within one step."""
