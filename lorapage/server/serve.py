@@ -266,6 +266,8 @@ def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = 
     if args.merge_check_tolerance is not None and not 0 <= args.merge_check_tolerance < float("inf"):
         fail(prog, f"--merge-check-tolerance must be a number >= 0; got {args.merge_check_tolerance}")
     path = path or modules.get(name, "")
+    if args.lora_modules and set(modules) - {name}:
+        log.warning("--merge %s: the other --lora-modules are not registered (this server serves %s alone)", name, name)
     modules.clear()
     if path:
         modules[name] = path
