@@ -174,7 +174,8 @@ async def merge_and_check(
 def read_check_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: one JSON string, or object with a ``prompt`` string, per line (blank
     lines skipped). Raises ValueError naming the line that is neither."""
-    raw = Path(path).read_bytes()[: MAX_PROMPTS_FILE_BYTES + 1]
+    with open(path, "rb") as f:
+        raw = f.read(MAX_PROMPTS_FILE_BYTES + 1)
     if len(raw) > MAX_PROMPTS_FILE_BYTES:
         raise ValueError(f"{path}: more than {MAX_PROMPTS_FILE_BYTES} bytes")
     prompts = []
