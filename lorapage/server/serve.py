@@ -274,18 +274,23 @@ def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = 
     return name
 
 
+def merge_check_prompts(args: argparse.Namespace, prog: str = PROG) -> list[str]:
+    """The ``--merge`` check's prompts: the built-in ones and ``--merge-check-prompts``' (read
+    before the model loads, so a bad file ends the command at once)."""
+    prompts = list(CHECK_PROMPTS)
+    if args.merge_check_prompts:
+        try:
+            prompts += read_check_prompts(args.merge_check_prompts)
+        except (OSError, ValueError) as exc:
+            fail(prog, f"--merge-check-prompts {exc}")
+    return prompts
+
+
 def run_merge_check(
-    runner: asyncio.Runner, engine: Engine, name: str, prompts_file: str | None, tolerance: float | None
+    runner: asyncio.Runner, engine: Engine, name: str, prompts: list[str], tolerance: float | None
 ) -> None:
     """Merge ``name`` into ``engine`` and check it (:mod:`lorapage.engine.merge_check`); a failed
     check ends the command with its numbers before anything listens."""
-    prompts = list(CHECK_PROMPTS)
-    if prompts_file:
-        try:
-            prompts += read_check_prompts(prompts_file)
-        except (OSError, ValueError) as exc:
-            runner.run(engine.close())
-            fail(PROG, f"--merge-check-prompts {exc}")
     try:
         check = runner.run(merge_and_check(engine, name, prompts, tolerance=tolerance))
     except LorapageError as exc:
@@ -404,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
     merge = merge_target(args, modules)
+    check_prompts = merge_check_prompts(args) if merge is not None else []
     roots = adapter_roots(args, modules)
     keys = api_keys(args)
     if not 0 < args.slo_window < float("inf"):
@@ -445,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, f"adapter {name!r}: {exc.message}")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         if merge is not None:
-            run_merge_check(runner, engine, merge, args.merge_check_prompts, args.merge_check_tolerance)
+            run_merge_check(runner, engine, merge, check_prompts, args.merge_check_tolerance)
             modules = {merge: ""}
         access = access or _demo_access(list(modules))  # new keys only for a server that is about to listen
         unusable = [m for m in modules if not any(access.may_use(t, m) for t in access.tenants.tenants)]
