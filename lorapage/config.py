@@ -200,6 +200,15 @@ class EngineConfig:
         group="adapters",
         none="no bound on the cost",
     )
+    max_adapter_tokens: int | None = option(
+        None,
+        "on the shared pool, a request on an adapter may ask for at most this many tokens (max_tokens); more is "
+        "refused 400 adapter_tokens_over_shared_limit, naming the dedicated tier (lorapage serve --merge "
+        "ADAPTER), where long generations of one adapter run merged into the base. Requests on the base are not "
+        "bounded by it; a chat request that sets no max_tokens gets this many at most",
+        group="adapters",
+        none="no bound",
+    )
     tier_hot_requests_per_hour: float = option(
         120.0,
         "an adapter version with at least this many requests in the last hour is tier hot (kept resident, "
@@ -400,6 +409,7 @@ class EngineConfig:
             "max_adapter_download_bytes",
             "metrics_top_adapters",
             "cost_reference_batch",
+            "max_adapter_tokens",
         )
         for name in positive:
             value = getattr(self, name)

@@ -56,6 +56,13 @@ class AdapterBaseUnknownError(LorapageError):
     code = "adapter_base_unknown"
 
 
+class AdapterTokensOverSharedLimitError(LorapageError):
+    """A request on an adapter asks for more tokens than the shared pool allows one
+    (``max_adapter_tokens``); the message names the limit and the dedicated tier."""
+
+    code = "adapter_tokens_over_shared_limit"
+
+
 class AdapterLoadError(LorapageError):
     """Reading an adapter's weights failed when a request needed them."""
 

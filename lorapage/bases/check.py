@@ -34,24 +34,18 @@ async def prompt_drifts(
         raise InvalidRequestError("the two bases have different tokenizers: the drift check compares token ids")
 
     async def one(prompt: str | list[int]) -> PromptDrift:
-        first = await _final(
-            old, prompt, old_adapter, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP)
+        first = await old.run_to_end(
+            prompt, old_adapter, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP)
         )
         ids, tokens = first.prompt_token_ids, first.token_ids
         forced, free = await asyncio.gather(
-            _final(new, ids + tokens, new_adapter, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)),
-            _final(new, ids, new_adapter, SamplingParams(max_tokens=len(tokens), temperature=0.0)),
+            new.run_to_end(
+                ids + tokens, new_adapter, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+            ),
+            new.run_to_end(ids, new_adapter, SamplingParams(max_tokens=len(tokens), temperature=0.0)),
         )
         assert first.logprobs is not None and forced.prompt_logprobs is not None
         along = [lp for lp in forced.prompt_logprobs[len(ids) :] if lp is not None]
         return prompt_drift(first.logprobs, along, free.token_ids)
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-
-async def _final(engine: Engine, prompt: str | list[int], adapter: str | None, sampling: SamplingParams):
-    last = None
-    async for last in engine.generate(prompt, adapter, sampling):
-        pass
-    assert last is not None
-    return last

@@ -15,14 +15,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import torch
 
 from lorapage.adapters.audit import DEFAULT_CHANNEL, AuditEntry, AuditQuery
 from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
-from lorapage.adapters.cache import AdapterCache, AdapterInfo
+from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
 from lorapage.adapters.catalog import (
     REGISTRATION_TIMEOUT_S,
     AdapterCatalog,
@@ -33,8 +33,9 @@ from lorapage.adapters.catalog import (
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
-from lorapage.adapters.loader import AdapterLoader
+from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.metrics import AdapterMetrics
+from lorapage.adapters.peft_format import at_path, load_adapter_tensors, read_weights
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.prefetch import PREFETCH_COUNTS
 from lorapage.adapters.registry import REGISTRY_FILE, Registry, TrafficRow, parse_name
@@ -67,7 +68,11 @@ from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.engine.tiering import TierKeeper
 from lorapage.errors import (
+    AdapterLoadError,
+    AdapterNotFoundError,
     AdapterSourceError,
+    AdapterTokensOverSharedLimitError,
+    ConflictError,
     EngineClosedError,
     InvalidRequestError,
     LorapageError,
@@ -82,6 +87,7 @@ from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.merge import MergeFn, merge_adapter
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import PromptProgress, Request, RequestOutput
@@ -358,6 +364,11 @@ class Engine:
             # The cache lives as long as this engine, on one base: its name suffices to tell it apart.
             prefix_namespace=f"base|{self.base_name}".encode() if config.enable_prefix_caching else None,
         )
+        # A dedicated deployment: the version merged into the weights (merge_into_base), and what
+        # its equivalence check found (set by whoever ran it; lorapage.engine.merge_check).
+        self.merged_adapter: str | None = None
+        self.merge_check: dict | None = None
+        self._merging = False  # new requests are refused while the weights change
         self._closed = False
 
     def _num_pages(self, adapter_pages: int, max_blocks: int, page_size: int) -> int:
@@ -665,6 +676,12 @@ class Engine:
         sampling = sampling or SamplingParams()
         if adapter is not None:
             adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
+        merged = self.merged_adapter
+        self._check_weights(merged)
+        if merged is not None:
+            self._check_merged_route(adapter)
+            adapter = None  # the weights hold the adapter: the LoRA path would add it twice
+        self._check_adapter_tokens(adapter, sampling)
         self.intake.check(adapter, sampling)
         try:
             ids, constraints, bad_words = await asyncio.gather(
@@ -678,6 +695,7 @@ class Engine:
                 raise EngineClosedError("the engine was closed while the prompt was tokenized") from None
             raise  # the caller's own cancellation
         self._check_open()  # closed while the prompt was tokenized
+        self._check_weights(merged)  # the route was decided on the weights as they were before tokenizing
 
         def build(k: int) -> Request:
             rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
@@ -760,16 +778,100 @@ class Engine:
         For plain scripts: call it where no event loop is running in this thread.
         """
 
-        async def one(prompt, adapter):
-            last = None
-            async for last in self.generate(prompt, adapter, sampling, tenant=tenant):
-                pass
-            return last
-
         async def run_all():
-            return await asyncio.gather(*(one(p, a) for p, a in items))
+            return await asyncio.gather(*(self.run_to_end(p, a, sampling, tenant=tenant) for p, a in items))
 
         return asyncio.run(run_all())
+
+    async def run_to_end(
+        self,
+        prompt: str | list[int],
+        adapter: str | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> RequestOutput:
+        """One request's final output (:meth:`generate`, its stream read to the end)."""
+        last = None
+        async for last in self.generate(prompt, adapter, sampling, tenant=tenant):
+            pass
+        assert last is not None  # a request ends with a finished output, or raises
+        return last
+
+    def _check_weights(self, merged: str | None) -> None:
+        """Refuse (409) a request that would run while the weights change, or whose route was
+        decided before they did (``merged``: the merged version it saw)."""
+        if self._merging or self.merged_adapter != merged:
+            raise ConflictError("an adapter is being merged into this engine's weights; retry once it is done")
+
+    def _check_merged_route(self, adapter: str | None) -> None:
+        """A dedicated deployment serves its merged version (on the plain base path) and nothing else."""
+        if adapter == self.merged_adapter:
+            return
+        merged_id = self.merged_adapter.partition("@")[0] if self.merged_adapter else ""
+        asked = "the base model" if adapter is None else f"adapter {adapter!r}"
+        raise AdapterNotFoundError(
+            f"this server is a dedicated deployment of adapter {merged_id!r} (merged into the base weights): it "
+            f"serves only model {merged_id!r}, not {asked}",
+            param="model",
+        )
+
+    def _check_adapter_tokens(self, adapter: str | None, sampling: SamplingParams) -> None:
+        """``max_adapter_tokens``: long generations on an adapter belong to its dedicated tier."""
+        limit = self.config.max_adapter_tokens
+        if adapter is None or limit is None or sampling.max_tokens <= limit:
+            return
+        adapter_id = adapter.partition("@")[0]
+        raise AdapterTokensOverSharedLimitError(
+            f"max_tokens {sampling.max_tokens} is over this shared pool's limit of {limit} tokens per request on an "
+            f"adapter (--max-adapter-tokens); ask for at most {limit}, or serve {adapter_id!r} on its dedicated "
+            f"tier (lorapage serve --merge {adapter_id}=DIR), where it runs merged into the base with no such limit",
+            param="max_tokens",
+        )
+
+    async def merge_into_base(self, name: str, *, merge: MergeFn = merge_adapter) -> str:
+        """Make this engine a dedicated deployment of the version ``name`` names: its weights are
+        merged into the base's, in place and for good (``merge``: :func:`~lorapage.model.merge.merge_adapter`).
+        From then on requests naming it run on the plain base path, and every other model (the base
+        included) is refused 404. Its files are read again, checked against the registered digest.
+        Returns the version's key; refused (409) while any request is in flight."""
+        self._check_open()
+        key = self.catalog.resolve(name)
+        if self.merged_adapter is not None:
+            raise ConflictError(f"this engine already holds {self.merged_adapter!r} merged into its weights")
+        if self.scheduler.requests:
+            raise ConflictError("requests are in flight: the weights they run on cannot change under them")
+        entry = self.adapters.get(key)
+        self._merging = True
+        try:
+            tensors, scales = await self._merge_tensors(key, entry)
+            # On the forward thread: ordered with the steps (and graph replays) on its stream.
+            await asyncio.get_running_loop().run_in_executor(
+                self._forward, merge, self.runner.ctx.model, tensors, scales
+            )
+            self.intake.weights_changed(entry.cache_id)  # blocks the base cached before are of other weights
+            self.merged_adapter = key
+        finally:
+            self._merging = False
+        log.info("adapter %s merged into the base weights: this engine is its dedicated deployment", key)
+        return key
+
+    async def _merge_tensors(self, key: str, entry: AdapterEntry) -> tuple[dict, dict[tuple[int, str], float]]:
+        """A version's A and B in float32 and its scales, read from its files (as the loader
+        does) and checked against its registered digest."""
+        loop = asyncio.get_running_loop()
+        async with AsyncExitStack() as held:
+            spec = entry.spec
+            if entry.origin.source:  # a fetched copy, as the loader reads it (lorapage.adapters.loader)
+                origin = entry.origin
+                spec = at_path(spec, await held.enter_async_context(
+                    self._locate_version(origin.source, entry.digest, origin.owner)
+                ))  # fmt: skip
+            weights = await loop.run_in_executor(self._io, read_weights, spec)
+            if entry.digest and await loop.run_in_executor(self._io, content_digest, spec, weights) != entry.digest:
+                raise AdapterLoadError(f"adapter {key!r}: its files changed since registration; register it again")
+            tensors = await loop.run_in_executor(self._io, load_adapter_tensors, spec, torch.float32, weights)
+        return tensors, spec.scales
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its pages are freed within one step."""
@@ -823,6 +925,7 @@ class Engine:
             "kv_pages_held_by_tenant": _kv_pages_by_tenant(self.scheduler.running, self.scheduler_metrics.tenants),
             "adapter_yields": self.residency.yields,
             "adapters_pinned": len(self.residency.pinned()),
+            "merged_deployment": self.merge_check,  # None: the shared pool (not a number: not on /metrics)
             # The lists above are not exported on /metrics; their lengths are.
             "adapters_resident": len(self.adapters.resident()),
             "adapters_host_ram": len(self.adapters.in_host()),

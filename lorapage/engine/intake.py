@@ -58,6 +58,12 @@ class RequestIntake:
         self._base_namespace = prefix_namespace  # None: prefix caching is off
         self._ids = itertools.count()
 
+    def weights_changed(self, tag: bytes) -> None:
+        """The base's weights changed (an adapter merged into them): prefix-cache blocks computed
+        before never match a later prompt (their keys are under the old namespace)."""
+        if self._base_namespace is not None:
+            self._base_namespace += b"|weights|" + tag
+
     def check(self, adapter: str | None, sampling: SamplingParams) -> None:
         """What can be refused before the prompt is even looked at."""
         if not isinstance(sampling, SamplingParams):

@@ -335,7 +335,7 @@ class FleetIngress:
         # Only echoed: the engine's id is the job's own (a client's could name another tenant's request).
         return make_job(
             kind, parsed, model, adapter, tenant, prompts.ids, max_len, arrival, self.access, rid,
-            tools=prompts.tools, prompt_texts=prompts.texts,
+            tools=prompts.tools, prompt_texts=prompts.texts, max_adapter_tokens=self.config.engine.max_adapter_tokens,
         )  # fmt: skip
 
     async def models(self) -> ModelsView:

@@ -109,7 +109,9 @@ class ServerState:
         self.background: set[asyncio.Task] = set()  # audit writes started by a signal
         self.idle = asyncio.Event()
         self.idle.set()
-        self.card = BaseCard(engine.base_name, engine.max_model_len, self.started)
+        self.card = BaseCard(
+            engine.base_name, engine.max_model_len, self.started, serves_base=engine.merged_adapter is None
+        )
         self.models = ModelsView(
             access,
             self.card,
@@ -137,7 +139,9 @@ class ServerState:
         task.add_done_callback(self.background.discard)
 
     def _serving_ids(self) -> list[str]:
-        catalog = self.engine.catalog
+        catalog, merged = self.engine.catalog, self.engine.merged_adapter
+        if merged is not None:  # a dedicated deployment serves its one version
+            return [merged.partition("@")[0]]
         return [v.adapter_id for v in catalog.versions() if v.current and v.servable and v.key not in self.draining]
 
     def check_open(self) -> None:
@@ -273,6 +277,8 @@ def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, pr
         state.access,
         tools=prompts.tools,
         prompt_texts=prompts.texts,
+        # A dedicated deployment runs its adapter on the base path, which the bound does not cover.
+        max_adapter_tokens=state.engine.config.max_adapter_tokens if state.engine.merged_adapter is None else None,
     )
 
 

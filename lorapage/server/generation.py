@@ -127,12 +127,14 @@ def make_job(
     *,
     tools: ToolUse | None = None,
     prompt_texts: list[str] | None = None,
+    max_adapter_tokens: int | None = None,
 ) -> Job:
     """The :class:`Job` of a decoded, checked and resolved request (``parsed``: a
     :class:`~lorapage.server.protocol.Parsed`) whose prompts are ``prompts`` (400 when one is empty
     or the completion budget does not fit the context beside the longest), with what ``access``
     lets its tenant share and see; without a ``request_id`` to tell the client it gets a new one
-    (the engine's id is always new)."""
+    (the engine's id is always new). ``max_adapter_tokens``: the engine's bound on an adapter's
+    max_tokens, which a request that sets none gets as its budget."""
     req = parsed.req
     if not prompts or not all(prompts):
         raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
@@ -157,6 +159,9 @@ def make_job(
     job.prompt_texts = prompt_texts or []
     job.tools = tools if tools is not None and tools.parse else None
     max_tokens, _ = protocol.requested_max_tokens(req, allow_zero=job.echo)
+    if max_tokens is None and adapter is not None and max_adapter_tokens is not None:
+        # Chat's default (the rest of the context) would be refused on an adapter: the bound is the default.
+        sampling = job.sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, max_adapter_tokens))
     if max_tokens is None and kind == "chat":
         default = access.default_max_tokens(tenant)
         job.reserve_tokens = min(default, sampling.max_tokens) if default is not None else None

@@ -31,6 +31,7 @@ class BaseCard:
     name: str
     max_model_len: int
     created: int
+    serves_base: bool = True  # False: a dedicated deployment, whose one model is its merged adapter
 
     def base(self) -> Model:
         return Model(
@@ -73,7 +74,8 @@ class ModelsView:
         self._refresh()
         body = self._bodies.get(tenant)
         if body is None:
-            data = [self.card.base(), *(self.card.adapter(i, tenant) for i in self.adapter_ids(tenant))]
+            base = [self.card.base()] if self.card.serves_base else []
+            data = [*base, *(self.card.adapter(i, tenant) for i in self.adapter_ids(tenant))]
             body = msgspec.json.encode(ModelList(data=data))
             self._bodies[tenant] = body
             if len(self._bodies) > CACHED_TENANTS:

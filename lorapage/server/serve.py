@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -33,6 +34,7 @@ from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
+from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_check, read_check_prompts
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.access_log import AccessLog
@@ -208,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds running requests get to finish after SIGTERM before they are aborted",
     )
+    add_merge_arguments(p)
     p.add_argument(
         "--slo-window",
         type=float,
@@ -217,6 +220,87 @@ def build_parser() -> argparse.ArgumentParser:
         "tenants file's slo_* fields set the targets)",
     )
     return p
+
+
+def add_merge_arguments(p: argparse.ArgumentParser) -> None:
+    """The dedicated tier on one machine: one adapter merged into the base weights."""
+    group = p.add_argument_group("dedicated deployment (one adapter merged into the base)")
+    group.add_argument(
+        "--merge",
+        metavar="ADAPTER[=DIR]",
+        help="serve only this adapter, merged into the base weights (no LoRA path; the shared envelope does not "
+        "apply): requests name it as their model, and the base and every other adapter are refused 404. DIR "
+        "registers it from a PEFT directory; without one it must be among --lora-modules or the registry. Before "
+        "listening, greedy tokens and logprobs on stored prompts are checked against the unmerged LoRA path, and "
+        "the server does not start if they differ (default: none, the shared pool)",
+    )
+    group.add_argument(
+        "--merge-check-prompts",
+        metavar="FILE",
+        help='more prompts for the --merge check, one per line (a JSON string or {"prompt": TEXT}), beside the '
+        f"{len(CHECK_PROMPTS)} built-in ones (default: the built-in ones only)",
+    )
+    group.add_argument(
+        "--merge-check-tolerance",
+        type=float,
+        metavar="LOGPROB",
+        help="the --merge check's bound on |d logprob| of a chosen token, and on the gap of a near-tie (default: "
+        + ", ".join(f"{v:g} in {k}" for k, v in TOLERANCES.items())
+        + ")",
+    )
+
+
+def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = PROG) -> str | None:
+    """``--merge``'s adapter name; ``modules`` (what is registered at start) is cut down to it,
+    from its ``DIR`` or its ``--lora-modules`` entry (neither: it must be in the registry)."""
+    if args.merge is None:
+        if args.merge_check_prompts or args.merge_check_tolerance is not None:
+            fail(prog, "--merge-check-prompts and --merge-check-tolerance are for --merge")
+        return None
+    name, sep, path = args.merge.partition("=")
+    try:
+        check_adapter_id(name, base_name="")
+    except LorapageError as exc:
+        fail(prog, f"--merge {args.merge}: {exc.message}")
+    if sep and not path:
+        fail(prog, f"--merge takes ADAPTER or ADAPTER=DIR; got {args.merge!r}")
+    if args.merge_check_tolerance is not None and not 0 <= args.merge_check_tolerance < float("inf"):
+        fail(prog, f"--merge-check-tolerance must be a number >= 0; got {args.merge_check_tolerance}")
+    path = path or modules.get(name, "")
+    if args.lora_modules and set(modules) - {name}:
+        log.warning("--merge %s: the other --lora-modules are not registered (this server serves %s alone)", name, name)
+    modules.clear()
+    if path:
+        modules[name] = path
+    return name
+
+
+def merge_check_prompts(args: argparse.Namespace, prog: str = PROG) -> list[str]:
+    """The ``--merge`` check's prompts: the built-in ones and ``--merge-check-prompts``' (read
+    before the model loads, so a bad file ends the command at once)."""
+    prompts = list(CHECK_PROMPTS)
+    if args.merge_check_prompts:
+        try:
+            prompts += read_check_prompts(args.merge_check_prompts)
+        except (OSError, ValueError) as exc:
+            fail(prog, f"--merge-check-prompts {exc}")
+    return prompts
+
+
+def run_merge_check(
+    runner: asyncio.Runner, engine: Engine, name: str, prompts: list[str], tolerance: float | None
+) -> None:
+    """Merge ``name`` into ``engine`` and check it (:mod:`lorapage.engine.merge_check`); a failed
+    check ends the command with its numbers before anything listens."""
+    try:
+        check = runner.run(merge_and_check(engine, name, prompts, tolerance=tolerance))
+    except LorapageError as exc:
+        runner.run(engine.close())
+        fail(PROG, f"--merge {name}: {exc.message}")
+    if not check.passed:
+        runner.run(engine.close())
+        fail(PROG, f"--merge {name}: {check.line()}; not serving a merge that differs from the adapter")
+    log.info("%s", check.line())
 
 
 def engine_config(args: argparse.Namespace, prog: str = PROG) -> EngineConfig:
@@ -330,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args)
+    merge = merge_target(args, modules)
+    check_prompts = merge_check_prompts(args) if merge is not None else []
     roots = adapter_roots(args, modules)
     keys = api_keys(args)
     if not 0 < args.slo_window < float("inf"):
@@ -338,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
+    if merge is not None:  # the adapter is registered only to check the merge against: no envelope
+        config = dataclasses.replace(config, shared_envelope="", shared_max_cost_pct=None)
     try:
         access_log = AccessLog(args.access_log) if args.access_log else None
     except OSError as exc:
@@ -367,35 +455,41 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_adapter(name, path)
     except LorapageError as exc:
         fail(PROG, f"adapter {name!r}: {exc.message}")
-    access = access or _demo_access(list(modules))  # new keys only for a server that is about to listen
-    unusable = [m for m in modules if not any(access.may_use(t, m) for t in access.tenants.tenants)]
-    if unusable:
-        log.warning(
-            "no tenant may use %s: access fails closed; name it in a tenant's `adapters`, or give a tenant "
-            '`adapters = ["%s"]` to open every adapter without an owner',
-            ", ".join(unusable),
-            SHARED,
-        )
-    app = create_app(
-        engine,
-        access,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.shutdown_timeout,
-        metrics_public=args.metrics_public,
-        edge=edge,
-        access_log=access_log,
-        slo_window_s=args.slo_window,
-    )
-    print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
-
-    def ready(port: int) -> None:
-        print(f"lorapage: listening on http://{args.host}:{port}", flush=True)
-
-    def reload() -> None:
-        if args.tenants:
-            reload_tenants(app, args.tenants)
-
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        if merge is not None:
+            run_merge_check(runner, engine, merge, check_prompts, args.merge_check_tolerance)
+            modules = {merge: ""}
+        access = access or _demo_access(list(modules))  # new keys only for a server that is about to listen
+        unusable = [m for m in modules if not any(access.may_use(t, m) for t in access.tenants.tenants)]
+        if unusable:
+            log.warning(
+                "no tenant may use %s: access fails closed; name it in a tenant's `adapters`, or give a tenant "
+                '`adapters = ["%s"]` to open every adapter without an owner',
+                ", ".join(unusable),
+                SHARED,
+            )
+        app = create_app(
+            engine,
+            access,
+            max_body_bytes=args.max_body_bytes,
+            shutdown_grace_s=args.shutdown_timeout,
+            metrics_public=args.metrics_public,
+            edge=edge,
+            access_log=access_log,
+            slo_window_s=args.slo_window,
+        )
+        if merge is None:
+            print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
+        else:
+            print(f"lorapage: dedicated deployment of adapter {merge!r}, merged into base model {engine.base_name!r}")
+
+        def ready(port: int) -> None:
+            print(f"lorapage: listening on http://{args.host}:{port}", flush=True)
+
+        def reload() -> None:
+            if args.tenants:
+                reload_tenants(app, args.tenants)
+
         runner.run(serve_until_signal(app, engine, sock, ready, on_reload=reload))
     print("lorapage: stopped", flush=True)
     return 0

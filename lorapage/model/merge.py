@@ -1,0 +1,58 @@
+"""Merging one LoRA adapter into the base weights: a dedicated deployment's model.
+
+PEFT's rule (``LoraLayer.merge``): per targeted module ``W' = W + scale * B @ A``, with ``scale``
+``alpha / r`` (rsLoRA: ``alpha / sqrt(r)``) as :class:`~lorapage.adapters.peft_format.AdapterSpec`
+holds it. The sum is taken in float32 and rounded to the model's dtype once, so a 16-bit model
+carries one rounding of the merged weight rather than one of the delta and one of the sum.
+The model keeps its fused projections (qkv, o, gate_up, down): a module's rows are a slice of its
+group's weight, written in place, so tensors captured in CUDA graphs stay the ones replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from lorapage.model.config import GROUPS
+from lorapage.model.llama import LlamaModel
+
+# What merges an adapter into a model in place: merge_adapter, or in a test a deliberately wrong one.
+MergeFn = Callable[[LlamaModel, Mapping[tuple[int, str], tuple[Tensor, Tensor]], Mapping[tuple[int, str], float]], None]
+# The key of each group's fused weight in LlamaModel.layers, in GROUPS' order.
+GROUP_WEIGHTS = ("qkv", "o", "gate_up", "down")
+
+
+def merged_weight(weight: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``(weight.float() + scale * b.float() @ a.float()).to(weight.dtype)``: one module's merged
+    weight [d_out, d_in] from A [r, d_in] and B [d_out, r], on ``weight``'s device."""
+    assert a.dim() == 2 and b.dim() == 2 and b.shape[1] == a.shape[0], (a.shape, b.shape)
+    assert weight.shape == (b.shape[0], a.shape[1]), (weight.shape, a.shape, b.shape)
+    dev = weight.device
+    delta = b.to(dev, torch.float32) @ a.to(dev, torch.float32)
+    return (weight.float() + scale * delta).to(weight.dtype)
+
+
+def module_rows(model: LlamaModel, module: str) -> tuple[str, int, int]:
+    """(fused weight key, first row, end row) of ``module``'s weight inside its group's."""
+    for group, (modules, key) in enumerate(zip(GROUPS, GROUP_WEIGHTS)):
+        if module in modules:
+            start = model.out_starts[group][modules.index(module)]
+            return key, start, start + model.config.module_dims()[module][1]
+    raise KeyError(f"{module!r} is not a projection of a Llama-family layer")
+
+
+def merge_adapter(
+    model: LlamaModel,
+    tensors: Mapping[tuple[int, str], tuple[Tensor, Tensor]],
+    scales: Mapping[tuple[int, str], float],
+) -> None:
+    """Merge an adapter into ``model``'s weights in place: ``tensors`` (layer, module) -> (A, B)
+    as :func:`~lorapage.adapters.peft_format.load_adapter_tensors` reads them, ``scales`` the
+    spec's. The model then computes base + adapter on the plain base path (no LoRA op)."""
+    with torch.no_grad():
+        for (layer, module), (a, b) in sorted(tensors.items()):
+            key, start, end = module_rows(model, module)
+            rows = model.layers[layer][key][start:end]
+            rows.copy_(merged_weight(rows, a, b, scales[(layer, module)]))
