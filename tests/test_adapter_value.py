@@ -128,10 +128,10 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert "asks for 73 pages" in message and "hold 43 pages" in message
         assert "may hold 84 of the pool's 10528" in message and "max_pinned_fraction 0.008" in message
         assert not engine.residency.get("initech@1").pinned
-        assert engine.stats()["adapter_pinned_pages"] == 43
+        assert engine.stats().adapter_pinned_pages == 43
         await engine.unpin_adapter("acme")
         await engine.pin_adapter("initech")  # 6 + 73 fits now
-        assert engine.stats()["adapters_pinned"] == 2
+        assert engine.stats().adapters_pinned == 2
     finally:
         await engine.close()
     engine = engine_with(max_loras=2, max_resident_loras=2)
@@ -287,7 +287,7 @@ async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_ha
         assert engine.adapters.tier("acme@1") == "ram"
         out, _ = await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         assert out.adapter_tier == "ram"
-        assert engine.stats()["adapter_prefetches_done"] == 1
+        assert engine.stats().adapter_prefetches_done == 1
     finally:
         await engine.close()
 

@@ -74,7 +74,7 @@ async def test_a_row_that_cannot_be_sampled_fails_alone(tmp_path):
     with pytest.raises(SamplingError, match="could not be sampled"):
         await collect(engine, prompt, "overflow", seeded)
     assert_same_answers(answers(await others), clean)
-    assert engine.pool_free_pages() + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
+    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
     assert not engine.scheduler.requests and engine.residency.get("overflow@1").running == 0
     await engine.close()
 

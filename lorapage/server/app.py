@@ -41,7 +41,7 @@ from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
-from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
+from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
@@ -75,10 +75,8 @@ class ServerState:
         self.engine = engine
         self.access = access
         # Owners registered over the admin API survive restarts in the engine's registry.
-        for adapter_id in engine.catalog.ids():
-            owner = engine.catalog.owner(adapter_id)
-            if owner is not None:
-                access.set_owner(adapter_id, owner)
+        for adapter_id, owner in engine.adapter_owners().items():
+            access.set_owner(adapter_id, owner)
         # A tenant without max_concurrency may hold its share of the engine's queue, no more.
         self.quotas = QuotaManager(access.tenants, now=time.monotonic(), queue_len=engine.config.max_queue_len)
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
@@ -87,7 +85,7 @@ class ServerState:
         self.metrics = ServerMetrics(
             engine.stats,
             engine.scheduler_metrics,
-            vtc_counters(engine.policy),
+            engine.vtc_counters,
             loop_lag=self.loop_lag,
             adapters=engine.adapter_metrics,
             slo=self.slo,
@@ -109,7 +107,7 @@ class ServerState:
             access,
             self.card,
             serving=self._serving_ids,
-            key=lambda: (engine.catalog.generation, frozenset(self.draining)),
+            key=lambda: (engine.adapter_generation, frozenset(self.draining)),
         )
 
     def audit_later(self, action: str, *, after: dict | None = None, outcome: str = "ok") -> None:
@@ -132,8 +130,8 @@ class ServerState:
         task.add_done_callback(self.background.discard)
 
     def _serving_ids(self) -> list[str]:
-        catalog = self.engine.catalog
-        return [v.adapter_id for v in catalog.versions() if v.current and v.servable and v.key not in self.draining]
+        versions = self.engine.adapter_versions()
+        return [v.adapter_id for v in versions if v.current and v.servable and v.key not in self.draining]
 
     def check_open(self) -> None:
         if self.closing:
@@ -190,7 +188,7 @@ class ServerState:
 
     def overload_retry_after(self) -> int:
         return overload_retry_after_s(
-            self.engine.stats()["queue_depth"],
+            self.engine.stats().queue_depth,
             self.engine.config.max_queue_len,
             self.admissions.per_second(time.monotonic()),
         )
