@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -693,7 +693,7 @@ class Engine:
         request_id: str | None = None,
         prefix_group: str | None = None,
         progress: PromptProgress | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
         Cached prompt prefixes are shared only among one tenant's requests (without ``tenant``:

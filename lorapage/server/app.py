@@ -18,7 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -49,6 +49,9 @@ from lorapage.server.slo import DEFAULT_WINDOW_S, Outcome, SloTracker
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 from lorapage.server.usage_route import add_usage_route
 
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
+
 log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -56,7 +59,7 @@ _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
 
 
 # Runs a job on the engine and answers it over HTTP (generation.respond's signature).
-Responder = Callable[[web.Request, Any, Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
+Responder = Callable[[web.Request, "Engine", Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
 
 
 class ServerState:
@@ -64,7 +67,7 @@ class ServerState:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         access: Access,
         *,
         max_body_bytes: int,
@@ -378,7 +381,7 @@ async def _stop_workers(app: web.Application) -> None:
 
 
 def create_app(
-    engine: Any,
+    engine: Engine,
     access: Access,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
