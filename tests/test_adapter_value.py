@@ -121,6 +121,9 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert engine.adapters.pin_limit() == 84
         assert (await engine.pin_adapter("acme")).pinned
         await engine.pin_adapter("globex@1")
+        assert engine.pins_to_load() == []  # both loaded as they were pinned
+        with pytest.raises(PinLimitError, match="asks for 73 pages"):
+            engine.check_pin("initech")  # asked before pinning: nothing is pinned
         with pytest.raises(PinLimitError) as err:
             await engine.pin_adapter("initech")
         assert err.value.status == 409 and err.value.code == "pin_limit_exceeded"
