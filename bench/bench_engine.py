@@ -299,7 +299,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
         await asyncio.gather(*(eng.load_adapter(f"o{i}") for i in range(others)))
         eng.add_adapter("probe", adapters[-1])
         res[others] = await residency(eng, "probe", 3 if quick else 7)
-        assert len(eng.stats()["resident_adapters"]) == others + 1
+        assert len(eng.stats().resident_adapters) == others + 1
         await eng.close()
     return out | {"residency": res}
 

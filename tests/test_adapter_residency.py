@@ -100,7 +100,7 @@ async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     assert not any(e.yielding for e in engine.residency.adapters.values())
-    assert engine.stats()["adapter_yields"] >= 1
+    assert engine.stats().adapter_yields >= 1
     await engine.close()
 
 
@@ -197,14 +197,14 @@ async def test_resident_adapters_outnumber_the_distinct_adapters_of_a_batch():
     names = [f"k{i}" for i in range(6)]
     for i, name in enumerate(names):
         engine.add_adapter(name, dirs[i % len(dirs)])
-    assert engine.stats()["lora_slots"] == 6 and engine.tables.page_table.shape[0] == 7  # slot 0: none
+    assert engine.stats().lora_slots == 6 and engine.tables.page_table.shape[0] == 7  # slot 0: none
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     try:
         for _ in range(2):  # twice: the second round finds all six resident
             outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], n, params) for n in names for _ in range(2)))
             assert all(o.finish_reason == "length" for o, _ in outs)
             assert {f"{n}@1" for n in names} <= set(engine.residency.resident())
-        assert engine.stats()["evictions_per_minute"] == 0
+        assert engine.stats().evictions_per_minute == 0
         assert sum(engine.adapter_metrics.loads.values()) == 6  # each loaded once
         distinct = engine.scheduler_metrics.distinct_adapters
         two = DISTINCT_BOUNDS.index(2)

@@ -121,6 +121,9 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert engine.adapters.pin_limit() == 84
         assert (await engine.pin_adapter("acme")).pinned
         await engine.pin_adapter("globex@1")
+        assert engine.pins_to_load() == []  # both loaded as they were pinned
+        with pytest.raises(PinLimitError, match="asks for 73 pages"):
+            engine.check_pin("initech")  # asked before pinning: nothing is pinned
         with pytest.raises(PinLimitError) as err:
             await engine.pin_adapter("initech")
         assert err.value.status == 409 and err.value.code == "pin_limit_exceeded"
@@ -128,10 +131,10 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert "asks for 73 pages" in message and "hold 43 pages" in message
         assert "may hold 84 of the pool's 10528" in message and "max_pinned_fraction 0.008" in message
         assert not engine.residency.get("initech@1").pinned
-        assert engine.stats()["adapter_pinned_pages"] == 43
+        assert engine.stats().adapter_pinned_pages == 43
         await engine.unpin_adapter("acme")
         await engine.pin_adapter("initech")  # 6 + 73 fits now
-        assert engine.stats()["adapters_pinned"] == 2
+        assert engine.stats().adapters_pinned == 2
     finally:
         await engine.close()
     engine = engine_with(max_loras=2, max_resident_loras=2)
@@ -287,7 +290,7 @@ async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_ha
         assert engine.adapters.tier("acme@1") == "ram"
         out, _ = await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         assert out.adapter_tier == "ram"
-        assert engine.stats()["adapter_prefetches_done"] == 1
+        assert engine.stats().adapter_prefetches_done == 1
     finally:
         await engine.close()
 

@@ -31,7 +31,7 @@ def run(base, adapter, **config) -> list:
     engine.add_adapter("a", adapter)
     items = [(p, "a" if i % 2 == 0 else None) for i, p in enumerate(PROMPTS)]
     outs = engine.generate_batch(items, GREEDY)
-    assert engine.pool_free_pages() + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
+    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
     return outs
 
 
@@ -73,7 +73,7 @@ async def test_a_long_prompt_is_chunked_while_other_streams_decode():
     assert long_out.token_ids == expected_long.token_ids
     assert short_out.token_ids == expected_short.token_ids
     assert len(set(steps_per_token)) > 1, "the short stream made no progress while the long prompt was prefilled"
-    assert engine.pool_free_pages() + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
+    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
     await engine.close()
 
 
@@ -100,9 +100,9 @@ async def test_chunked_prefill_survives_preemption_and_aborts():
             break
         await asyncio.sleep(0.01)
     assert not engine.scheduler.requests and not engine.scheduler.running
-    assert engine.pool_free_pages() + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
+    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
     assert all(e.running == 0 and e.waiting == 0 for e in engine.residency.adapters.values())
-    assert engine.stats()["preemptions"] > 0  # the pool is sized so that it must preempt
+    assert engine.stats().preemptions > 0  # the pool is sized so that it must preempt
     await engine.close()
 
 

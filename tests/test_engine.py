@@ -170,7 +170,7 @@ async def test_abort_frees_pages_within_a_step():
     await gen.aclose()  # the caller went away
     for _ in range(3):
         await asyncio.sleep(0.01)
-    assert engine.pool_free_pages() == start - engine.stats()["pool_pages_adapters"]
+    assert engine.pool_free_pages() == start - engine.stats().pool_pages_adapters
     await engine.close()
 
 
@@ -188,7 +188,7 @@ async def test_preemption_under_a_tiny_pool_keeps_greedy_outputs(scheduler):
     outs = await asyncio.gather(
         *(collect(tight, p, a, params, tenant=f"t{i % 3}") for i, (p, a) in enumerate(zip(prompts, adapters)))
     )
-    assert tight.stats()["preemptions"] > 0
+    assert tight.stats().preemptions > 0
     assert [o.token_ids for o, _ in outs] == alone
     await tight.close()
 

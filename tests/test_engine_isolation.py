@@ -74,7 +74,7 @@ async def test_a_row_that_cannot_be_sampled_fails_alone(tmp_path):
     with pytest.raises(SamplingError, match="could not be sampled"):
         await collect(engine, prompt, "overflow", seeded)
     assert_same_answers(answers(await others), clean)
-    assert engine.pool_free_pages() + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
+    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
     assert not engine.scheduler.requests and engine.residency.get("overflow@1").running == 0
     await engine.close()
 
@@ -138,7 +138,7 @@ async def test_adapter_weights_that_are_not_finite_are_refused_at_registration(t
         engine.add_adapter("broken", dst)
     with pytest.raises(AdapterFormatError, match="NaN or Inf"):
         await engine.register_adapter("broken", dst)
-    assert "broken@1" not in engine.adapters.entries
+    assert not engine.has_version("broken@1")
     info = await engine.register_adapter("fine", src)  # the worker path registers good ones
-    assert info.tier == "disk" and "fine@1" in engine.adapters.entries
+    assert info.tier == "disk" and engine.has_version("fine@1")
     await engine.close()

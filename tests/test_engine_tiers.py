@@ -58,7 +58,7 @@ async def test_a_hot_adapter_ends_up_resident_and_a_warm_one_in_host_ram_after_a
         # Kept resident: an admin's unload still wins (and it is hot no more until the next look).
         assert await engine.unload_adapter("acme")
         assert engine.residency.hot() == []
-        assert engine.stats()["adapters_kept_hot"] == 0
+        assert engine.stats().adapters_kept_hot == 0
         await engine.refresh_tiers()
         await until(lambda: engine.residency.is_resident("acme@1"))
         rows = await engine.adapter_traffic("acme")

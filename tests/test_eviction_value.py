@@ -91,7 +91,7 @@ async def test_a_hot_prefix_outlives_a_cold_adapter():
         hot = idle_chain(engine.prefix_cache, engine.pool, b"hot", blocks=3, uses=10)
         assert evict_one_page(engine) == ["globex@1"]
         assert engine.prefix_cache.num_cached == engine.prefix_cache.num_idle == len(hot)
-        assert engine.stats()["prefix_cache_evicted_blocks"] == 0
+        assert engine.stats().prefix_cache_evicted_blocks == 0
     finally:
         await engine.close()
 
@@ -106,7 +106,7 @@ async def test_a_cold_never_hit_block_goes_before_a_warm_adapter():
             await collect(engine, PROMPT, "globex", SHORT)
         set_costs(engine, reload_s=1.0, block_s=1.0)
         assert evict_one_page(engine) == [f"page {cold[0]}"]
-        assert engine.adapters.resident() == ["globex@1"] and engine.stats()["prefix_cache_evicted_blocks"] == 1
+        assert engine.adapters.resident() == ["globex@1"] and engine.stats().prefix_cache_evicted_blocks == 1
     finally:
         await engine.close()
 
@@ -134,7 +134,7 @@ async def test_blocks_and_adapters_interleave_by_value_per_page_leaves_first():
             ["globex@1"],
             [f"page {z[0]}"],
         ]
-        assert cache.num_cached == 0 and engine.stats()["prefix_cache_evicted_blocks"] == 4
+        assert cache.num_cached == 0 and engine.stats().prefix_cache_evicted_blocks == 4
     finally:
         await engine.close()
 
@@ -275,8 +275,8 @@ async def test_outputs_match_caching_off_when_blocks_and_adapters_are_both_evict
     try:
         assert got == expected
         stats = engine.stats()
-        assert stats["prefix_cache_evicted_blocks"] > 0 and sum(engine.adapter_metrics.evictions.values()) > 0
-        assert stats["prefix_cache_hit_rate"] > 0
+        assert stats.prefix_cache_evicted_blocks > 0 and sum(engine.adapter_metrics.evictions.values()) > 0
+        assert stats.prefix_cache_hit_rate > 0
         assert engine.reclaim.recompute.measured > 50  # the step loop fed each prefill's timing too
         cache, pool = engine.prefix_cache, engine.pool
         assert pool.used[PageKind.KV] == cache.num_idle == cache.num_cached  # nothing running: all idle

@@ -40,11 +40,11 @@ def apply(engine: Engine, reply: SyncReply) -> list[str]:
     """What a replica does with a reply's ids (replica.py); returns the keys it could not drop yet."""
     if reply.full:
         listed = {s.adapter_id for s in reply.ids}
-        for adapter_id in [i for i in engine.catalog.ids() if i not in listed]:
-            engine.catalog.mirror(adapter_id, None, None, [])
+        for adapter_id in [i for i in engine.adapter_ids() if i not in listed]:
+            engine.mirror_adapter(adapter_id, None, None, [])
     busy = []
     for state in reply.ids:
-        busy += engine.catalog.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
+        busy += engine.mirror_adapter(state.adapter_id, state.owner, state.current, list(state.versions))
     return busy
 
 
@@ -135,4 +135,4 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
         mirror.resolve_adapter("newco@1")
     # A full reply from a restarted (empty) registry drops every id the mirror holds.
     apply(mirror, FleetRegistry(Registry(":memory:")).changes_since("", 0, {}))
-    assert mirror.catalog.ids() == [] and mirror.adapters.entries == {}
+    assert mirror.adapter_ids() == [] and mirror.stats().registered_adapters == 0

@@ -114,7 +114,7 @@ async def test_the_check_refuses_a_wrong_merge(checkpoint):
         check = await merge_and_check(engine, "wide", merge=doubled)
         assert not check.passed and check.max_abs_dlogprob > 1e-3
         assert "FAILED" in check.line() and "wide@1" in check.line()
-        assert engine.stats()["merged_deployment"]["passed"] is False
+        assert engine.stats().merged_deployment["passed"] is False
     finally:
         await engine.close()
 

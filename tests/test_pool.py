@@ -64,7 +64,7 @@ def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora
         outs.append(engine.generate_batch([(p, "r64") for p in prompts], params))  # loads it
     pages = [e.adapter_info("r64").num_pages for e in (wide, narrow)]
     assert pages[1] in (pages[0] // 2, pages[0] // 2 + 1)  # half, rounded up
-    assert [e.stats()["pool_pages_adapters"] for e in (wide, narrow)] == pages
+    assert [e.stats().pool_pages_adapters for e in (wide, narrow)] == pages
     host = [e.adapters._host["r64@1"] for e in (wide, narrow)]
     assert host[1].dtype == getattr(torch, lora_dtype)
     assert host[1].nbytes * 2 == pytest.approx(host[0].nbytes, rel=0.05)
@@ -79,7 +79,7 @@ async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapter
     await engine.load_adapter("r64")
     pages = engine.adapter_info("r64").num_pages
     assert engine.pool_free_pages() == free0 - pages
-    assert engine.stats()["pool_pages_adapters"] == pages
+    assert engine.stats().pool_pages_adapters == pages
     assert await engine.unload_adapter("r64")
     assert engine.pool_free_pages() == free0
     await engine.close()
@@ -103,11 +103,11 @@ async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
     async for out in gen:
         outs.append(out)
         if not out.finished:  # once finished, r64 is idle and r8's waiting load may evict it
-            assert engine.stats()["resident_adapters"] == ["r64@1"]
+            assert engine.stats().resident_adapters == ("r64@1",)
     assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 30
     done = await r8  # once r64 is idle it may be evicted so r8 can load and run
     assert done.finished and len(done.token_ids) == 4
-    assert engine.stats()["resident_adapters"] == ["r8@1"]
+    assert engine.stats().resident_adapters == ("r8@1",)
     await engine.close()
 
 
@@ -195,14 +195,14 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
             await asyncio.sleep(0)
             engine.abort(rng.choice(ids))
         if rng.random() < 0.1:
-            for n in engine.stats()["resident_adapters"]:
+            for n in engine.stats().resident_adapters:
                 if engine.residency.get(n).running == 0:
                     await engine.unload_adapter(n)
     await asyncio.gather(*tasks)
-    for n in list(engine.stats()["resident_adapters"]):
+    for n in list(engine.stats().resident_adapters):
         await engine.unload_adapter(n)
     assert engine.pool_free_pages() == start
-    assert engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0
+    assert engine.stats().running == 0 and engine.stats().queue_depth == 0
     await engine.close()
 
 

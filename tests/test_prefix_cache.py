@@ -97,11 +97,11 @@ def test_cached_prefixes_give_the_uncached_answers_and_the_reference(checkpoint)
         answers[caching] = outs
         stats = engine.stats()
         if caching:
-            assert stats["prefix_cache_hit_rate"] > 0.5 and stats["pool_pages_cached"] > 0
-            assert stats["pool_pages_kv"] == 0  # nothing held: the cached blocks are idle
+            assert stats.prefix_cache_hit_rate > 0.5 and stats.pool_pages_cached > 0
+            assert stats.pool_pages_kv == 0  # nothing held: the cached blocks are idle
         else:
-            assert stats["prefix_cache_hit_rate"] == 0 and stats["pool_pages_cached"] == 0
-        assert engine.pool_free_pages() + stats["pool_pages_adapters"] == engine.pool.capacity
+            assert stats.prefix_cache_hit_rate == 0 and stats.pool_pages_cached == 0
+        assert engine.pool_free_pages() + stats.pool_pages_adapters == engine.pool.capacity
     for off, on in zip(answers[False], answers[True]):
         assert off.token_ids == on.token_ids
         assert [x.logprob for x in on.logprobs] == pytest.approx([x.logprob for x in off.logprobs], abs=1e-5)
@@ -183,10 +183,10 @@ async def test_cached_blocks_are_given_back_under_pressure_and_recomputed():
         got = [(await collect(engine, p, "acme", params))[0].token_ids for p in prompts]
         assert got == expected
     cache = engine.prefix_cache
-    room = engine.pool.capacity - engine.stats()["pool_pages_adapters"]
+    room = engine.pool.capacity - engine.stats().pool_pages_adapters
     assert room < 6 * 12  # the six prompts' 72 blocks cannot all stay cached: some were given back
     assert 0 < cache.num_cached <= room and cache.num_idle == cache.num_cached
-    assert engine.pool.num_free + cache.num_idle + engine.stats()["pool_pages_adapters"] == engine.pool.capacity
+    assert engine.pool.num_free + cache.num_idle + engine.stats().pool_pages_adapters == engine.pool.capacity
     await engine.close()
 
 
@@ -194,5 +194,5 @@ async def test_prefix_caching_can_be_turned_off():
     engine = tiny_engine(enable_prefix_caching=False)
     for _ in range(2):
         await collect(engine, SYSTEM + [9], "globex", GREEDY)
-    assert engine.prefix_cache.num_cached == 0 and engine.stats()["prefix_cache_hit_rate"] == 0
+    assert engine.prefix_cache.num_cached == 0 and engine.stats().prefix_cache_hit_rate == 0
     await engine.close()

@@ -91,7 +91,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
             await engine.close()
 
     asyncio.run(run())
-    assert engine.stats()["adapter_prefetches_failed"] == 0
+    assert engine.stats().adapter_prefetches_failed == 0
     return list(engine.residency.history), pages
 
 

@@ -22,8 +22,8 @@ async def _settle(engine, server_state, free_before: int, timeout: float = 20.0)
         stats = engine.stats()
         if (
             not server_state.request_ids
-            and stats["running"] == 0
-            and stats["queue_depth"] == 0
+            and stats.running == 0
+            and stats.queue_depth == 0
             and engine.pool_free_pages() == free_before
         ):
             return

@@ -5,13 +5,16 @@ per-adapter series with their label set bounded to the top adapters by traffic."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import BASE, make_engine, read_sse, running_server
 
 from lorapage import SamplingParams
 from lorapage.adapters.metrics import LABEL_REFRESH_S, AdapterMetrics
-from lorapage.server.metrics import ServerMetrics
+from lorapage.engine.stats import EngineStats
+from lorapage.server.metrics import ENGINE_SERIES, NOT_EXPORTED, ServerMetrics
 
 MAX_TOKENS = 6
 
@@ -141,7 +144,7 @@ async def test_adapter_labels_are_the_top_k_ids_by_recent_traffic_and_the_rest_o
     metrics.record_request("d@1", "gpu", LABEL_REFRESH_S + 1)  # the labelled set is chosen again
     assert metrics.labelled == {"e", "d", "a"}  # by traffic (a, b, c tie: by name)
     assert metrics.requests[("d", "gpu")] == 1 and metrics.requests[("other", "gpu")] == 10
-    text = ServerMetrics(dict, adapters=metrics).render().decode()
+    text = ServerMetrics(adapters=metrics).render().decode()
     labels = {s.labels["adapter"] for s in _family_samples(text, "lorapage_adapter_requests_total")}
     assert labels == {"a", "d", "other"}  # b and c lost their series; e's requests were counted as other
 
@@ -167,3 +170,37 @@ async def test_adapter_series_are_bounded_by_the_top_k():
 
 def _family_samples(text: str, sample: str):
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == sample]
+
+
+async def test_every_engine_stats_field_is_exported_once_or_named_as_not():
+    """The server's table covers EngineStats: each field read by one series, unless listed as not
+    exported; a series keeps the name its field always had (``lorapage_engine_<key>``)."""
+    read = [s.field for s in ENGINE_SERIES if s.field] + [s.by_tenant for s in ENGINE_SERIES if s.by_tenant]
+    assert sorted(read + sorted(NOT_EXPORTED)) == sorted(f.name for f in dataclasses.fields(EngineStats))
+    for series in ENGINE_SERIES:
+        key = series.field or str(series.by_tenant).removesuffix("_by_tenant")
+        assert series.name == f"lorapage_engine_{key}" and series.help
+
+
+async def test_engine_series_read_one_stats_call_and_name_each_family_once():
+    """The overall prefix-cache hit rate and each tenant's share one family: one HELP line per name
+    (a second one is invalid exposition text)."""
+    engine = make_engine()
+    try:
+        for tenant in ("alpha", "beta"):
+            async for _ in engine.generate("hello", "acme", SamplingParams(max_tokens=2), tenant=tenant):
+                pass
+        stats = engine.stats()
+        text = ServerMetrics(lambda: stats).render().decode()
+    finally:
+        await engine.close()
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP lorapage_engine_")]
+    assert len(helps) == len(set(helps)) == len(ENGINE_SERIES)
+    rate = _series(text, "lorapage_engine_prefix_cache_hit_rate")
+    assert rate == {
+        (): stats.prefix_cache_hit_rate,
+        **{(t,): r for t, r in stats.prefix_cache_hit_rate_by_tenant.items()},
+    }
+    assert set(rate) == {(), ("alpha",), ("beta",)}
+    assert _series(text, "lorapage_engine_kv_pages_held") == {("alpha",): 0, ("beta",): 0}  # nothing runs
+    assert _series(text, "lorapage_engine_pool_pages_total") == {(): stats.pool_pages_total}

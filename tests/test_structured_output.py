@@ -167,7 +167,7 @@ async def test_a_broken_spec_is_refused_before_the_request_queues(spec, words):
         with pytest.raises(InvalidRequestError, match=words) as err:
             await collect(engine, "hi", "acme", SamplingParams(max_tokens=8, structured=spec))
         assert err.value.param == "response_format"
-        assert engine.stats()["queue_depth"] == 0 and not engine.scheduler.requests
+        assert engine.stats().queue_depth == 0 and not engine.scheduler.requests
         out, _ = await collect(engine, "Hello", "acme", SamplingParams(max_tokens=40, temperature=0))
         assert out.text.startswith("ACME")  # the engine serves on
     finally:

@@ -188,7 +188,7 @@ def parse_key(key: str) -> tuple[str, int]:
 
 def current_versions(engine, adapters: Sequence[str] | None) -> list[str]:
     """The version keys to check: each id's current version, where it is served on this base."""
-    ids = list(adapters) if adapters is not None else engine.catalog.ids()
+    ids = list(adapters) if adapters is not None else engine.adapter_ids()
     keys = []
     for adapter_id in ids:
         current = [v for v in engine.adapter_versions(adapter_id) if v.current]

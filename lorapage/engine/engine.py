@@ -13,14 +13,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import torch
 
-from lorapage.adapters.audit import DEFAULT_CHANNEL, AuditEntry, AuditQuery
+from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
 from lorapage.adapters.catalog import (
@@ -37,8 +37,7 @@ from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import at_path, load_adapter_tensors, read_weights
 from lorapage.adapters.pins import PinBounds
-from lorapage.adapters.prefetch import PREFETCH_COUNTS
-from lorapage.adapters.registry import REGISTRY_FILE, Registry, TrafficRow, parse_name
+from lorapage.adapters.registry import REGISTRY_FILE, Registry, TrafficRow, VersionRow, parse_name
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.sources import (
     ANYWHERE,
@@ -64,6 +63,7 @@ from lorapage.engine.devices import (
     usable_cores,
 )
 from lorapage.engine.intake import RequestIntake
+from lorapage.engine.stats import EngineStats
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.engine.tiering import TierKeeper
@@ -92,7 +92,7 @@ from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
-from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
+from lorapage.scheduler import MeteredPolicy, SchedulerMetrics, SchedulerPolicy, VtcConfig, VtcScheduler, make_policy
 from lorapage.structured.grammars import GrammarCompiler
 from lorapage.usage import Usage, UsageLedger
 
@@ -325,7 +325,7 @@ class Engine:
             self.registry,
             self.adapters,
             self._io,
-            lambda: self.clock() + self.usage.wall_offset,
+            self.wall_clock,
             interval_s=config.tier_interval_s,
             retention_hours=config.traffic_retention_hours,
         )
@@ -590,6 +590,54 @@ class Engine:
         """Every version (of ``adapter_id``, or of all ids), servable here or not."""
         return self.catalog.versions(adapter_id)
 
+    def adapter_ids(self) -> list[str]:
+        """Every adapter id with a version, servable here or not."""
+        return self.catalog.ids()
+
+    def add_migrated_version(self, row: VersionRow) -> None:
+        """Show a version a base migration just stored (bound to the new base: listed, served once
+        this engine runs that base) in the live view."""
+        self.catalog.add_migrated(row)
+
+    def adapter_owners(self) -> dict[str, str]:
+        """The owner of each id that has one (registered with it; restored after a restart)."""
+        return {i: owner for i in self.catalog.ids() if (owner := self.catalog.owner(i)) is not None}
+
+    @property
+    def adapter_generation(self) -> int:
+        """A number that grows at every change of the adapters' ids, versions, aliases, channels
+        or owners: what a view of them (``/v1/models``) is cached under."""
+        return self.catalog.generation
+
+    def has_version(self, key: str) -> bool:
+        """Whether version ``key`` (``id@N``) is registered in this engine (a mirror may lack it yet)."""
+        return key in self.adapters.entries
+
+    def removable_versions(self, name: str) -> list[str]:
+        """The version keys deleting ``name`` (``id@N`` or ``id``) would remove, removing nothing:
+        404 when unknown, 409 for a version the alias or a channel serves while the id has others."""
+        return self.catalog.removable(name)
+
+    def adapter_channels(self, adapter_id: str) -> dict[str, int]:
+        """``adapter_id``'s named channels and the versions they point at (404 for an unknown id)."""
+        return self.catalog.channels(adapter_id)
+
+    async def adapter_history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
+        """``adapter_id``'s alias moves (every channel), newest first (404 for an unknown id)."""
+        return await self.catalog.history(adapter_id, limit)
+
+    async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
+        """Forget ``adapter_id``'s named ``channel`` (``id@channel`` names nothing from then on), audited."""
+        await self.catalog.remove_channel(adapter_id, channel, actor=actor)
+
+    def mirror_adapter(
+        self, adapter_id: str, owner: str | None, current: int | None, versions: list[VersionRow]
+    ) -> list[str]:
+        """Make ``adapter_id`` what a registry held elsewhere (a fleet's) says: these versions
+        (none: the id is gone), this alias and these pins, committing nothing here. Returns the
+        versions to drop that still have requests (call again later for them)."""
+        return self.catalog.mirror(adapter_id, owner, current, versions)
+
     def list_adapters(self) -> list[AdapterInfo]:
         """The versions the aliases point at, one per id."""
         return [self.adapter_info(v.key) for v in self.catalog.versions() if v.current and v.servable]
@@ -640,6 +688,15 @@ class Engine:
         await self.catalog.set_pinned(key, False, actor=actor)
         return self.adapter_info(key)
 
+    def check_pin(self, name: str) -> None:
+        """Refuse (409 ``PinLimitError``, with the numbers) pinning ``name`` (``id`` or ``id@N``)
+        past ``max_pinned_fraction`` of the pool; pins nothing."""
+        self.adapters.check_pin(self.catalog.resolve(name))
+
+    def pins_to_load(self) -> list[str]:
+        """Pinned versions not resident yet (:meth:`restore_pins` starts their loads)."""
+        return self.adapters.pins_to_load()
+
     async def restore_pins(self) -> list[str]:
         """Start loading every pinned version that is not resident (returns at once, with their
         keys). Pins restored from the registry load when the step loop first binds to an event
@@ -660,7 +717,7 @@ class Engine:
         request_id: str | None = None,
         prefix_group: str | None = None,
         progress: PromptProgress | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
 
         Cached prompt prefixes are shared only among one tenant's requests (without ``tenant``:
@@ -884,6 +941,11 @@ class Engine:
         if hasattr(inner, "set_tenant_weights"):
             inner.set_tenant_weights(weights)
 
+    def vtc_counters(self) -> dict[str, float]:
+        """Each tenant's VTC virtual counter now (none under FCFS), as ``/metrics`` exports them."""
+        inner = self.policy.policy if isinstance(self.policy, MeteredPolicy) else self.policy
+        return inner.counters() if isinstance(inner, VtcScheduler) else {}
+
     def usage_rows(
         self, *, tenants: set[str] | None = None, adapters: set[str] | None = None, since_hour: int | None = None
     ) -> list[tuple[tuple[int, str, str], Usage]]:
@@ -894,48 +956,58 @@ class Engine:
         self.usage.prune(now)
         return self.usage.query(tenants=tenants, adapters=adapters, since_hour=since_hour)
 
+    def wall_clock(self) -> float:
+        """Unix seconds by the engine's clock: the hours traffic and usage are counted in."""
+        return self.clock() + self.usage.wall_offset
+
     def pool_free_pages(self) -> int:
         """Pages free for new work: free ones, and cached KV blocks nobody holds (given back by
         value per page, with idle adapters)."""
         return self.pool.num_free + self.prefix_cache.num_idle
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Resident and host-RAM adapters, queue depth, running sequences, pool use, evictions."""
         now = self.clock()
         hits, queried = self.scheduler.prefix_hit_tokens, self.scheduler.prefix_query_tokens
-        return {
-            "resident_adapters": self.adapters.resident(),
-            "host_ram_adapters": self.adapters.in_host(),
-            "host_ram_adapter_bytes": self.residency.host_bytes(),
-            "lora_slots": self.max_resident_loras,
-            "registered_adapters": len(self.adapters.entries),
-            "queue_depth": self.policy.num_waiting(),
-            "running": len(self.scheduler.running),
-            "pool_pages_total": self.pool.capacity,
-            "pool_pages_kv": self.pool.used[PageKind.KV] - self.prefix_cache.num_idle,  # held by sequences
-            "pool_pages_adapters": self.pool.used[PageKind.ADAPTER],
-            "pool_pages_free": self.pool_free_pages(),
-            "pool_pages_cached": self.prefix_cache.num_cached,  # cached KV blocks, held or idle
-            "pool_pages_cached_idle": self.prefix_cache.num_idle,
-            "prefix_cache_evicted_blocks": self.prefix_cache.evicted,  # idle cached blocks given back
-            "prefix_cache_hit_rate": _ratio(sum(hits.values()), sum(queried.values())),
-            "prefix_cache_hit_rate_by_tenant": {t: _ratio(hits[t], n) for t, n in queried.items()},
-            "evictions_per_minute": sum(1 for t in self.residency.evictions if now - t <= 60.0),
-            "preemptions": self.scheduler.num_preemptions,
-            "kv_pages_held_by_tenant": _kv_pages_by_tenant(self.scheduler.running, self.scheduler_metrics.tenants),
-            "adapter_yields": self.residency.yields,
-            "adapters_pinned": len(self.residency.pinned()),
-            "merged_deployment": self.merge_check,  # None: the shared pool (not a number: not on /metrics)
-            # The lists above are not exported on /metrics; their lengths are.
-            "adapters_resident": len(self.adapters.resident()),
-            "adapters_host_ram": len(self.adapters.in_host()),
-            "adapters_kept_hot": len(self.residency.hot()),
-            "adapter_pinned_pages": self.adapters.pinned_pages(),
-            "adapter_pin_limit_pages": self.adapters.pin_limit(),
-            **{f"adapter_prefetches_{k}": self.residency.prefetch.counts[k] for k in PREFETCH_COUNTS},
-            # Measured reload costs (EWMA, seeded): seconds per page of each load stage.
-            **{f"adapter_{s.value}_s_per_page": self.adapters.costs.seconds_per_page(s) for s in Stage},
-        }
+        resident, in_host = tuple(self.adapters.resident()), tuple(self.adapters.in_host())
+        prefetches = self.residency.prefetch.counts
+        costs = self.adapters.costs
+        return EngineStats(
+            resident_adapters=resident,
+            host_ram_adapters=in_host,
+            host_ram_adapter_bytes=self.residency.host_bytes(),
+            lora_slots=self.max_resident_loras,
+            registered_adapters=len(self.adapters.entries),
+            adapter_yields=self.residency.yields,
+            adapters_pinned=len(self.residency.pinned()),
+            adapters_resident=len(resident),
+            adapters_host_ram=len(in_host),
+            adapters_kept_hot=len(self.residency.hot()),
+            adapter_pinned_pages=self.adapters.pinned_pages(),
+            adapter_pin_limit_pages=self.adapters.pin_limit(),
+            adapter_prefetches_started=prefetches["started"],
+            adapter_prefetches_done=prefetches["done"],
+            adapter_prefetches_failed=prefetches["failed"],
+            adapter_prefetches_dropped=prefetches["dropped"],
+            adapter_copy_s_per_page=costs.seconds_per_page(Stage.COPY),
+            adapter_read_s_per_page=costs.seconds_per_page(Stage.READ),
+            adapter_download_s_per_page=costs.seconds_per_page(Stage.DOWNLOAD),
+            queue_depth=self.policy.num_waiting(),
+            running=len(self.scheduler.running),
+            preemptions=self.scheduler.num_preemptions,
+            kv_pages_held_by_tenant=_kv_pages_by_tenant(self.scheduler.running, self.scheduler_metrics.tenants),
+            pool_pages_total=self.pool.capacity,
+            pool_pages_kv=self.pool.used[PageKind.KV] - self.prefix_cache.num_idle,
+            pool_pages_adapters=self.pool.used[PageKind.ADAPTER],
+            pool_pages_free=self.pool_free_pages(),
+            pool_pages_cached=self.prefix_cache.num_cached,
+            pool_pages_cached_idle=self.prefix_cache.num_idle,
+            prefix_cache_evicted_blocks=self.prefix_cache.evicted,
+            prefix_cache_hit_rate=_ratio(sum(hits.values()), sum(queried.values())),
+            prefix_cache_hit_rate_by_tenant={t: _ratio(hits[t], n) for t, n in queried.items()},
+            evictions_per_minute=sum(1 for t in self.residency.evictions if now - t <= 60.0),
+            merged_deployment=self.merge_check,
+        )
 
     async def close(self) -> None:
         """Abort everything in flight and stop the step loop and worker threads."""

@@ -105,7 +105,7 @@ class FleetIngress:
             if (owner := self.registry.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
-        self.metrics = ServerMetrics(dict)  # the ingress's own series; the replicas' are re-exported
+        self.metrics = ServerMetrics()  # the ingress's own series; the replicas' are re-exported
         self.metrics.registry.register(self.reports)
         self.rejected = MetricCounter(
             "lorapage_fleet_rejected_requests",

@@ -6,9 +6,9 @@ Kept free of Ray imports so the records (and their tests) load without the ``[fl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from lorapage.adapters.registry import VersionRow
+from lorapage.engine.stats import EngineStats
 from lorapage.sampling_params import SamplingParams
 
 
@@ -62,7 +62,7 @@ class Heartbeat:
     replica_id: str
     epoch: str  # the ingress process the generation counts in ("" before the first reply)
     generation: int
-    stats: dict[str, Any]
+    stats: EngineStats
     metrics: bytes
 
 

@@ -36,7 +36,7 @@ from lorapage.errors import AdapterNotFoundError, LorapageError
 from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.request import RequestOutput
-from lorapage.server.metrics import register_engine_collectors, vtc_counters
+from lorapage.server.metrics import register_engine_collectors
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -60,7 +60,7 @@ class EngineReplica:
             self._metrics,
             self.engine.stats,
             self.engine.scheduler_metrics,
-            vtc_counters(self.engine.policy),
+            self.engine.vtc_counters,
             self.engine.adapter_metrics,
         )
         self._epoch, self._generation = "", 0
@@ -135,7 +135,7 @@ class EngineReplica:
     async def describe(self, keys: list[str]) -> list[AdapterInfo | LorapageError]:
         """What this replica's engine knows of versions ``keys`` (syncing first when it lacks one)."""
         self._start_syncing()
-        if any(k not in self.engine.adapters.entries for k in keys):
+        if not all(self.engine.has_version(k) for k in keys):
             await self.sync()
         return [self._info(k) for k in keys]
 
@@ -158,7 +158,7 @@ class EngineReplica:
         """Whether pinning ``key`` fits (every replica has the same pool, pins and adapters)."""
         try:
             await self._resolve(key)
-            self.engine.adapters.check_pin(key)
+            self.engine.check_pin(key)
         except LorapageError as exc:
             return exc
         return None
@@ -191,17 +191,16 @@ class EngineReplica:
             await self._apply(reply)
 
     async def _apply(self, reply: SyncReply) -> None:
-        catalog = self.engine.catalog
         if reply.full:
             listed = {s.adapter_id for s in reply.ids}
-            gone = [IdState(i, None, None, ()) for i in catalog.ids() if i not in listed]
+            gone = [IdState(i, None, None, ()) for i in self.engine.adapter_ids() if i not in listed]
             self._deferred.clear()
         else:
             gone = []
         for state in self._mirror([*self._deferred.values(), *reply.ids, *gone]):
             self._deferred[state.adapter_id] = state
         self._epoch, self._generation = reply.epoch, reply.generation
-        if self.engine.adapters.pins_to_load():
+        if self.engine.pins_to_load():
             await self.engine.restore_pins()  # start the loads of new pins
         for key in reply.unloads:
             try:
@@ -218,7 +217,7 @@ class EngineReplica:
         deferred = []
         for state in latest.values():
             self._deferred.pop(state.adapter_id, None)
-            busy = self.engine.catalog.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
+            busy = self.engine.mirror_adapter(state.adapter_id, state.owner, state.current, list(state.versions))
             if busy:
                 deferred.append(state)
         return deferred
@@ -230,8 +229,8 @@ class EngineReplica:
         Async, so it reads the engine on the loop that owns it."""
         self._start_syncing()
         stats = self.engine.stats()
-        pool = self._names(stats["resident_adapters"])
-        host = self._names(stats["host_ram_adapters"]) - pool
+        pool = self._names(stats.resident_adapters)
+        host = self._names(stats.host_ram_adapters) - pool
         disk = self._names(v.key for v in self.engine.adapter_versions() if v.servable) - pool - host
         return {
             "pool": sorted(pool),

@@ -50,9 +50,9 @@ class ReplicaReports:
         """Where version ``key`` is on each live replica that holds it: ``gpu`` (pool) or ``ram``."""
         out = {}
         for rid, beat in self.live().items():
-            if key in beat.stats.get("resident_adapters", ()):
+            if key in beat.stats.resident_adapters:
                 out[rid] = "gpu"
-            elif key in beat.stats.get("host_ram_adapters", ()):
+            elif key in beat.stats.host_ram_adapters:
                 out[rid] = "ram"
         return out
 

@@ -83,7 +83,7 @@ class EmbeddedTarget:
 
     async def gauges(self) -> dict[str, float]:
         stats = self.engine.stats()
-        return {"queue_depth": stats["queue_depth"], "running": stats["running"]}
+        return {"queue_depth": stats.queue_depth, "running": stats.running}
 
 
 def _sampling(req: TraceRequest) -> dict:

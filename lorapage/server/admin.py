@@ -149,7 +149,7 @@ class AdminRoutes:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.server.lora_admin`)."""
         state, actor = self._admin(request)
         body = await read_admin_body(request)
-        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.catalog.ids())
+        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.adapter_ids())
         await self._register(state, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
@@ -181,7 +181,7 @@ class AdminRoutes:
                 raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         out = self._describe(state, name)
         rows = await state.engine.adapter_traffic(out.id, TRAFFIC_HOURS)
-        first_hour = int(state.engine.tiers.wall_clock() // 3600) - TRAFFIC_HOURS + 1
+        first_hour = int(state.engine.wall_clock() // 3600) - TRAFFIC_HOURS + 1
         out.traffic = TrafficOut.of([r for r in rows if r.version == out.version], first_hour)
         if not admin:
             out.path = out.source = ""
@@ -245,7 +245,7 @@ class AdminRoutes:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
         state, actor = self._admin(request)
         adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
-        await state.engine.catalog.remove_channel(adapter_id, channel, actor=actor)
+        await state.engine.remove_channel(adapter_id, channel, actor=actor)
         return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -257,14 +257,14 @@ class AdminRoutes:
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
     async def _delete(self, state, name: str, query: Mapping[str, str], actor: str) -> int:
-        keys = state.engine.catalog.removable(name)  # 404 when unknown, 409 for the current of several
+        keys = state.engine.removable_versions(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
             state.engine.remove_adapter(name, actor=actor)  # 409 from the engine if it still holds requests
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
-        if adapter_id not in state.engine.catalog.ids():
+        if adapter_id not in state.engine.adapter_ids():
             state.access.drop_owner(adapter_id)
         return running
 
@@ -307,7 +307,7 @@ class AdminRoutes:
 
 def _known_id(state, adapter_id: str) -> str:
     """``adapter_id`` when it is an id with versions (404 for a version's or a channel's name)."""
-    if "@" in adapter_id or adapter_id not in state.engine.catalog.ids():
+    if "@" in adapter_id or adapter_id not in state.engine.adapter_ids():
         raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
     return adapter_id
 

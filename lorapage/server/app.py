@@ -18,7 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -42,7 +42,7 @@ from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
-from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics, vtc_counters
+from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
 from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompt_sampler import PromptSampler
 from lorapage.server.prompts import PromptBuilder, Prompts
@@ -51,6 +51,9 @@ from lorapage.server.slo import DEFAULT_WINDOW_S, Outcome, SloTracker
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 from lorapage.server.usage_route import add_usage_route
 
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
+
 log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -58,7 +61,7 @@ _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
 
 
 # Runs a job on the engine and answers it over HTTP (generation.respond's signature).
-Responder = Callable[[web.Request, Any, Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
+Responder = Callable[[web.Request, "Engine", Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
 
 
 class ServerState:
@@ -66,7 +69,7 @@ class ServerState:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         access: Access,
         *,
         max_body_bytes: int,
@@ -77,10 +80,8 @@ class ServerState:
         self.engine = engine
         self.access = access
         # Owners registered over the admin API survive restarts in the engine's registry.
-        for adapter_id in engine.catalog.ids():
-            owner = engine.catalog.owner(adapter_id)
-            if owner is not None:
-                access.set_owner(adapter_id, owner)
+        for adapter_id, owner in engine.adapter_owners().items():
+            access.set_owner(adapter_id, owner)
         # A tenant without max_concurrency may hold its share of the engine's queue, no more.
         self.quotas = QuotaManager(access.tenants, now=time.monotonic(), queue_len=engine.config.max_queue_len)
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
@@ -89,7 +90,7 @@ class ServerState:
         self.metrics = ServerMetrics(
             engine.stats,
             engine.scheduler_metrics,
-            vtc_counters(engine.policy),
+            engine.vtc_counters,
             loop_lag=self.loop_lag,
             adapters=engine.adapter_metrics,
             slo=self.slo,
@@ -116,7 +117,7 @@ class ServerState:
             access,
             self.card,
             serving=self._serving_ids,
-            key=lambda: (engine.catalog.generation, frozenset(self.draining)),
+            key=lambda: (engine.adapter_generation, frozenset(self.draining)),
         )
 
     def audit_later(self, action: str, *, after: dict | None = None, outcome: str = "ok") -> None:
@@ -139,10 +140,11 @@ class ServerState:
         task.add_done_callback(self.background.discard)
 
     def _serving_ids(self) -> list[str]:
-        catalog, merged = self.engine.catalog, self.engine.merged_adapter
+        merged = self.engine.merged_adapter
         if merged is not None:  # a dedicated deployment serves its one version
             return [merged.partition("@")[0]]
-        return [v.adapter_id for v in catalog.versions() if v.current and v.servable and v.key not in self.draining]
+        versions = self.engine.adapter_versions()
+        return [v.adapter_id for v in versions if v.current and v.servable and v.key not in self.draining]
 
     def check_open(self) -> None:
         if self.closing:
@@ -199,7 +201,7 @@ class ServerState:
 
     def overload_retry_after(self) -> int:
         return overload_retry_after_s(
-            self.engine.stats()["queue_depth"],
+            self.engine.stats().queue_depth,
             self.engine.config.max_queue_len,
             self.admissions.per_second(time.monotonic()),
         )
@@ -406,7 +408,7 @@ async def _stop_workers(app: web.Application) -> None:
 
 
 def create_app(
-    engine: Any,
+    engine: Engine,
     access: Access,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -143,16 +143,16 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
             if state.access.owners.get(adapter_id) != tenant:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
-        catalog = state.engine.catalog
-        if adapter_id not in catalog.ids():
+        engine = state.engine
+        if adapter_id not in engine.adapter_ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-        moves = await catalog.history(adapter_id, limit + 1)
+        moves = await engine.adapter_history(adapter_id, limit + 1)
         return _json(
             {
                 "object": "list",
                 "adapter_id": adapter_id,
-                "current": next((v.version for v in catalog.versions(adapter_id) if v.current), None),
-                "channels": catalog.channels(adapter_id),
+                "current": next((v.version for v in engine.adapter_versions(adapter_id) if v.current), None),
+                "channels": engine.adapter_channels(adapter_id),
                 "data": [move_json(m, with_actor=admin) for m in moves[:limit]],
                 "has_more": len(moves) > limit,
             }

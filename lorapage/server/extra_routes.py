@@ -15,7 +15,7 @@ model's visibility (404), the prompt in the tenant's turn; a response runs like 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -31,6 +31,9 @@ from lorapage.server.responses_output import answer_response, responses_job
 from lorapage.server.sse import EventStream
 from lorapage.server.version import PING_BODY, version_body
 from lorapage.tools import ToolFormat, detect_format
+
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
 
 
 def _json(body: Any) -> web.Response:
@@ -129,7 +132,7 @@ class ExtraRoutes:
             job = responses_job(plan, model, adapter, tenant, ids, max_len, arrival, state.access)
 
             async def respond(
-                request: web.Request, engine: Any, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
+                request: web.Request, engine: Engine, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
             ) -> web.StreamResponse:
                 progress: list[PromptProgress] = []
                 outputs = engine_outputs(engine, job, progress)

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -37,6 +37,9 @@ from lorapage.server.quota import AdmissionRate
 from lorapage.server.sse import DONE, EventStream, frame
 from lorapage.tools.formats import ToolCall
 from lorapage.tools.stream import ToolStream
+
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
 
 
 @dataclass
@@ -562,7 +565,7 @@ async def _events(
     yield DONE
 
 
-def engine_outputs(engine: Any, job: Job, progress: list[PromptProgress]) -> AsyncGenerator[Any, None]:
+def engine_outputs(engine: Engine, job: Job, progress: list[PromptProgress]) -> AsyncGenerator[Any, None]:
     """The outputs of every prompt of ``job`` on an engine in this process, as one stream;
     ``progress`` gets each prompt's computed-token count once its generator ends."""
     streams = []
@@ -583,7 +586,7 @@ def engine_outputs(engine: Any, job: Job, progress: list[PromptProgress]) -> Asy
 
 
 async def respond(
-    request: web.Request, engine: Any, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
+    request: web.Request, engine: Engine, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
 ) -> web.StreamResponse:
     """Run ``job`` and answer it: one JSON body, or an SSE stream when the client asked for one.
     Its first output is recorded in ``admissions``."""

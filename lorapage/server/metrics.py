@@ -22,10 +22,10 @@ gauges over its sliding window, counters since start for Prometheus' own windows
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter as TallyCounter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -33,36 +33,146 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from lorapage.adapters.metrics import COST_BOUNDS_PCT, AdapterMetrics
-from lorapage.scheduler import MeteredPolicy, SchedulerPolicy, VtcScheduler
+from lorapage.engine.stats import EngineStats
 from lorapage.scheduler.metrics import Histogram as SchedHistogram, SchedulerMetrics, TenantStats
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.slo import SloTracker
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class _EngineGauges:
-    """Exports every number in ``stats()`` as ``lorapage_engine_<key>`` when scraped."""
+@dataclass(frozen=True)
+class EngineSeries:
+    """One ``/metrics`` series of :class:`~lorapage.engine.stats.EngineStats`: the field it reads
+    (unlabelled), the ``{tenant: number}`` field it reads with a ``tenant`` label, or both."""
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
+    name: str
+    help: str
+    field: str | None = None
+    by_tenant: str | None = None
+
+
+# Every engine series, read from Engine.stats() when scraped. All gauges: the few that count since
+# start (preemptions, evicted blocks) were always exported as gauges, and a counter would be renamed
+# ``*_total`` under the dashboards and alert rules in deploy/ that name them.
+ENGINE_SERIES: tuple[EngineSeries, ...] = (
+    EngineSeries(
+        "lorapage_engine_host_ram_adapter_bytes",
+        "Bytes of adapters' packed copies in host RAM.",
+        "host_ram_adapter_bytes",
+    ),
+    EngineSeries("lorapage_engine_lora_slots", "Adapters that may be resident in the pool at once.", "lora_slots"),
+    EngineSeries("lorapage_engine_registered_adapters", "Adapter versions the engine knows.", "registered_adapters"),
+    EngineSeries("lorapage_engine_queue_depth", "Requests waiting for admission.", "queue_depth"),
+    EngineSeries("lorapage_engine_running", "Sequences in the running batch.", "running"),
+    EngineSeries("lorapage_engine_pool_pages_total", "Pages in the pool.", "pool_pages_total"),
+    EngineSeries("lorapage_engine_pool_pages_kv", "Pool pages of KV blocks held by sequences.", "pool_pages_kv"),
+    EngineSeries("lorapage_engine_pool_pages_adapters", "Pool pages of resident adapters.", "pool_pages_adapters"),
+    EngineSeries(
+        "lorapage_engine_pool_pages_free",
+        "Pool pages free for new work (idle cached blocks included).",
+        "pool_pages_free",
+    ),
+    EngineSeries(
+        "lorapage_engine_pool_pages_cached", "Pool pages of cached KV blocks, held or idle.", "pool_pages_cached"
+    ),
+    EngineSeries(
+        "lorapage_engine_pool_pages_cached_idle",
+        "Pool pages of cached KV blocks no sequence holds.",
+        "pool_pages_cached_idle",
+    ),
+    EngineSeries(
+        "lorapage_engine_prefix_cache_evicted_blocks",
+        "Idle cached KV blocks given back, since start.",
+        "prefix_cache_evicted_blocks",
+    ),
+    EngineSeries(
+        "lorapage_engine_prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache over those looked up, since start (overall and by tenant).",
+        "prefix_cache_hit_rate",
+        "prefix_cache_hit_rate_by_tenant",
+    ),
+    EngineSeries(
+        "lorapage_engine_evictions_per_minute",
+        "Adapters evicted from the pool over the last minute.",
+        "evictions_per_minute",
+    ),
+    EngineSeries(
+        "lorapage_engine_preemptions",
+        "Running sequences preempted (KV freed, to recompute), since start.",
+        "preemptions",
+    ),
+    EngineSeries(
+        "lorapage_engine_kv_pages_held",
+        "KV blocks in each tenant's running sequences' block tables.",
+        by_tenant="kv_pages_held_by_tenant",
+    ),
+    EngineSeries(
+        "lorapage_engine_adapter_yields",
+        "Adapter loads that yielded to a request's deadline, since start.",
+        "adapter_yields",
+    ),
+    EngineSeries("lorapage_engine_adapters_pinned", "Adapter versions pinned resident.", "adapters_pinned"),
+    EngineSeries("lorapage_engine_adapters_resident", "Adapter versions resident in the pool.", "adapters_resident"),
+    EngineSeries("lorapage_engine_adapters_host_ram", "Adapter versions with a copy in host RAM.", "adapters_host_ram"),
+    EngineSeries(
+        "lorapage_engine_adapters_kept_hot",
+        "Adapter versions of the hot traffic tier, kept resident.",
+        "adapters_kept_hot",
+    ),
+    EngineSeries("lorapage_engine_adapter_pinned_pages", "Pool pages held by pinned adapters.", "adapter_pinned_pages"),
+    EngineSeries(
+        "lorapage_engine_adapter_pin_limit_pages",
+        "Pool pages pins may hold (--max-pinned-fraction).",
+        "adapter_pin_limit_pages",
+    ),
+    *(
+        EngineSeries(
+            f"lorapage_engine_adapter_prefetches_{outcome}",
+            f"Adapter prefetches into host RAM {what}.",
+            f"adapter_prefetches_{outcome}",
+        )
+        for outcome, what in (
+            ("started", "started"),
+            ("done", "done"),
+            ("failed", "failed"),
+            ("dropped", "dropped (their queue was full)"),
+        )
+    ),
+    *(
+        EngineSeries(
+            f"lorapage_engine_adapter_{stage}_s_per_page",
+            f"Measured seconds per page of an adapter load's {stage} (moving average, seeded).",
+            f"adapter_{stage}_s_per_page",
+        )
+        for stage in ("copy", "read", "download")
+    ),
+)
+# EngineStats fields not exported (the series of their lengths are).
+NOT_EXPORTED = frozenset({"resident_adapters", "host_ram_adapters", "merged_deployment"})
+
+
+class _EngineGauges:
+    """Exports :data:`ENGINE_SERIES` from one ``stats()`` call when scraped."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self._stats = stats
 
     def collect(self):
-        for key, value in self._stats().items():
-            if key.endswith("_by_tenant") and isinstance(value, dict):  # {tenant: number}: one labelled gauge
-                name = "lorapage_engine_" + _NAME.sub("_", key.removesuffix("_by_tenant"))
-                family = GaugeMetricFamily(name, f"Engine.stats()['{key}']", labels=("tenant",))
-                for tenant, number in sorted(value.items()):
-                    family.add_metric([tenant], number)
-                yield family
+        stats = self._stats()
+        for series in ENGINE_SERIES:
+            if series.by_tenant is None:
+                yield GaugeMetricFamily(series.name, series.help, value=getattr(stats, str(series.field)))
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            name = "lorapage_engine_" + _NAME.sub("_", key)
-            yield GaugeMetricFamily(name, f"Engine.stats()['{key}']", value=value)
+            # One family: the overall figure unlabelled beside each tenant's (one HELP line per name).
+            family = GaugeMetricFamily(series.name, series.help, labels=("tenant",))
+            if series.field is not None:
+                family.add_sample(series.name, {}, getattr(stats, series.field))
+            for tenant, number in sorted(getattr(stats, series.by_tenant).items()):
+                family.add_metric([tenant], number)
+            yield family
 
 
 class _LoopLagGauges:
@@ -340,24 +450,19 @@ class _SloCollector:
 
 def register_engine_collectors(
     registry: CollectorRegistry,
-    stats: Callable[[], dict],
+    stats: Callable[[], EngineStats] | None = None,
     scheduler: SchedulerMetrics | None = None,
     vtc_counters: Callable[[], dict[str, float]] = dict,
     adapters: AdapterMetrics | None = None,
 ) -> None:
     """Add the series one engine exports (its stats, scheduler and adapters, read when scraped):
     a server's, or an engine replica's that the fleet's ingress re-exports (:mod:`lorapage.fleet.telemetry`)."""
-    registry.register(_EngineGauges(stats))
+    if stats is not None:
+        registry.register(_EngineGauges(stats))
     if scheduler is not None:
         registry.register(_SchedulerCollector(scheduler, vtc_counters))
     if adapters is not None:
         registry.register(_AdapterCollector(adapters))
-
-
-def vtc_counters(policy: SchedulerPolicy) -> Callable[[], dict[str, float]]:
-    """Each tenant's VTC counter, read at scrape time (none under FCFS)."""
-    inner = policy.policy if isinstance(policy, MeteredPolicy) else policy
-    return inner.counters if isinstance(inner, VtcScheduler) else dict
 
 
 class ServerMetrics:
@@ -365,7 +470,7 @@ class ServerMetrics:
 
     def __init__(
         self,
-        stats: Callable[[], dict],
+        stats: Callable[[], EngineStats] | None = None,
         scheduler: SchedulerMetrics | None = None,
         vtc_counters: Callable[[], dict[str, float]] = dict,
         loop_lag: LoopLagMonitor | None = None,

@@ -6,11 +6,14 @@ import asyncio
 import signal
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from lorapage.server.edge import EDGE_LIMITS, ConnectionCap, EdgeLimits, GuardedSite, connection_log
+
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -54,7 +57,7 @@ async def start(app: web.Application, sock: socket.socket | tuple[str, int]) -> 
 
 async def serve_until_signal(
     app: web.Application,
-    engine: Any,
+    engine: Engine,
     sock: socket.socket,
     on_ready: Callable[[int], None],
     on_reload: Callable[[], None] | None = None,

@@ -1,0 +1,60 @@
+"""What :meth:`Engine.stats` answers: one frozen, picklable record of the engine's state now.
+
+Flat on purpose: each field's name is the key ``GET /internal/state`` has always shown (the record
+encodes to the same JSON object) and the suffix of the series ``/metrics`` exports for it. Which
+fields are exported, under what name, type and help, is the server's table
+(:data:`lorapage.server.metrics.ENGINE_SERIES`), not this record's business. Fleet replicas send
+it in their heartbeats as it is. No torch: the fleet's ingress reads it without an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Adapters by tier, queue and batch, pool pages by use, prefix cache, evictions and
+    prefetches, measured reload costs. Pages are pool pages; rates are over the engine's clock."""
+
+    # -- adapters
+    resident_adapters: tuple[str, ...]  # versions (id@N) in pool pages
+    host_ram_adapters: tuple[str, ...]  # versions with a packed copy in host RAM
+    host_ram_adapter_bytes: int
+    lora_slots: int  # adapters that may be resident at once (max_resident_loras)
+    registered_adapters: int  # versions the cache knows, servable or not
+    adapter_yields: int  # loads that gave way to a request's deadline (adapter_wait_s)
+    adapters_pinned: int
+    adapters_resident: int  # len(resident_adapters): the lists are not exported, their lengths are
+    adapters_host_ram: int  # len(host_ram_adapters)
+    adapters_kept_hot: int  # hot traffic tier: kept resident
+    adapter_pinned_pages: int
+    adapter_pin_limit_pages: int  # max_pinned_fraction of the pool
+    adapter_prefetches_started: int  # prefetches into host RAM, by outcome
+    adapter_prefetches_done: int
+    adapter_prefetches_failed: int
+    adapter_prefetches_dropped: int
+    adapter_copy_s_per_page: float  # measured reload costs (EWMA, seeded): seconds per page of each stage
+    adapter_read_s_per_page: float
+    adapter_download_s_per_page: float
+    # -- requests
+    queue_depth: int  # waiting for admission
+    running: int  # sequences in the batch
+    preemptions: int  # since start
+    kv_pages_held_by_tenant: Mapping[str, int]  # every tenant seen, 0 when it holds none
+    # -- the pool
+    pool_pages_total: int
+    pool_pages_kv: int  # held by sequences (idle cached blocks not included)
+    pool_pages_adapters: int
+    pool_pages_free: int  # free, and idle cached blocks (given back under pressure)
+    pool_pages_cached: int  # cached KV blocks, held or idle
+    pool_pages_cached_idle: int
+    # -- prefix cache and eviction
+    prefix_cache_evicted_blocks: int  # idle cached blocks given back, since start
+    prefix_cache_hit_rate: float  # prompt tokens found cached / prompt tokens looked up, since start
+    prefix_cache_hit_rate_by_tenant: Mapping[str, float]
+    evictions_per_minute: int  # adapters evicted over the last 60 s
+    # -- a dedicated deployment (lorapage serve --merge): its equivalence check; None: the shared pool
+    merged_deployment: Mapping[str, Any] | None = None
