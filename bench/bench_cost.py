@@ -117,13 +117,13 @@ async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> 
     base step of its turn, per turn."""
     capture = PlanCapture(engine)
     loop = asyncio.get_running_loop()
-    await asyncio.gather(*(engine.load_adapter(n) for ids in names.values() for n in ids))
+    await asyncio.gather(*(engine.admin.load(n) for ids in names.values() for n in ids))
     await decode_rate(engine, [None] * 4, PROMPT_LEN, 3)  # warm-up
     plans = {"base": await capture.plan_of(engine, [None] * BATCH)}
     for shape, ids in names.items():
         plans[f"{shape}|distinct"] = await capture.plan_of(engine, list(ids))
         plans[f"{shape}|one"] = await capture.plan_of(engine, [ids[0]] * BATCH)
-    assert all(engine.adapters.tier(engine.resolve_adapter(n)) == "gpu" for ids in names.values() for n in ids)
+    assert all(engine.adapters.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
     order = list(plans)
     out: dict[str, list[float]] = {}
     for turn in range(WARMUP_TURNS + repeats):
@@ -221,7 +221,7 @@ async def main(repeats: int) -> dict:
             for i, (shape, (rank, modules)) in enumerate(SHAPES.items())
         }
         engine, names = make_engine(model, dirs)
-        costs = {shape: engine.adapter_info(ids[0]).cost for shape, ids in names.items()}
+        costs = {shape: engine.admin.info(ids[0]).cost for shape, ids in names.items()}
         samples = await measure(engine, names, repeats)
         await engine.close()
     rates = {k: statistics.median(v) - (k != "base_step_s") for k, v in samples.items()}

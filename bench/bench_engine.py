@@ -107,17 +107,17 @@ async def scatter(engine: Engine, names: list[str], fillers: list[str]) -> dict:
     out of page order. Returns where they sit."""
     half = len(fillers)
     for f, n in zip(fillers, names):
-        await engine.load_adapter(f)
-        await engine.load_adapter(n)
+        await engine.admin.load(f)
+        await engine.admin.load(n)
     for i, f in enumerate(fillers):
         if i % 3:
-            await engine.unload_adapter(f)
+            await engine.admin.unload(f)
     for n in names[half:][::-1]:
-        await engine.load_adapter(n)
-    entries = [engine.residency.get(engine.resolve_adapter(n)) for n in names]
+        await engine.admin.load(n)
+    entries = [engine.residency.get(engine.admin.resolve(n)) for n in names]
     placed = sorted((e.page_ids[0], e.slot) for e in entries)
     firsts, slots = [p for p, _ in placed], [s for _, s in placed]
-    pages = engine.adapter_info(names[0]).num_pages
+    pages = engine.admin.info(names[0]).num_pages
     return {
         "first_pages": firsts,
         "gaps_between_measured": sum(b - a != pages for a, b in zip(firsts, firsts[1:])),
@@ -151,17 +151,17 @@ def skewed_rows(names: list[str]) -> list[str]:
 async def residency(engine: Engine, name: str, repeats: int) -> dict:
     """Median ms for file -> pool and host RAM -> pool of ``name``, and a raw copy of its bytes."""
     cache = engine.adapters
-    key = engine.resolve_adapter(name)  # the cache holds versions (id@N)
+    key = engine.admin.resolve(name)  # the cache holds versions (id@N)
     full, from_ram = [], []
     for _ in range(repeats):
-        await engine.unload_adapter(name)
+        await engine.admin.unload(name)
         cache._host.pop(key, None)  # force the file read
         t = time.perf_counter()
-        await engine.load_adapter(name)
+        await engine.admin.load(name)
         full.append(time.perf_counter() - t)
-        await engine.unload_adapter(name)
+        await engine.admin.unload(name)
         t = time.perf_counter()
-        await engine.load_adapter(name)  # host-RAM copy is kept
+        await engine.admin.load(name)  # host-RAM copy is kept
         from_ram.append(time.perf_counter() - t)
     packed = cache._host[key]
     entry = cache.get(key)
@@ -220,8 +220,8 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
             engine.add_adapter(n, adapters[int(n[1:])])
         placement = await scatter(engine, names, fillers)
     for n in names:
-        await engine.load_adapter(n)
-    assert all(engine.adapters.tier(engine.resolve_adapter(n)) == "gpu" for n in names)
+        await engine.admin.load(n)
+    assert all(engine.adapters.tier(engine.admin.resolve(n)) == "gpu" for n in names)
     await decode_rate(engine, [None] * 4, prompt_len, 3)  # warm-up
     c_rows = names  # (c): request i on adapter c_rows[i]; (d) runs these same requests
     e_rows = skewed_rows(names)  # (e): request i on adapter e_rows[i]; (f) runs these same requests
@@ -251,8 +251,8 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
     rates["f_skewed_one_batch_per_adapter"], f_batches = await one_batch_per_adapter(
         engine, e_rows, prompt_len, new_tokens
     )
-    probe_pages = engine.adapter_info(names[0]).num_pages
-    per_adapter = engine.adapter_info(names[0]).size_bytes
+    probe_pages = engine.admin.info(names[0]).num_pages
+    per_adapter = engine.admin.info(names[0]).size_bytes
     await engine.close()
     out = {
         "n_params": n_params,
@@ -296,7 +296,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
         )
         for i in range(others):
             eng.add_adapter(f"o{i}", adapters[BATCH + i])
-        await asyncio.gather(*(eng.load_adapter(f"o{i}") for i in range(others)))
+        await asyncio.gather(*(eng.admin.load(f"o{i}") for i in range(others)))
         eng.add_adapter("probe", adapters[-1])
         res[others] = await residency(eng, "probe", 3 if quick else 7)
         assert len(eng.stats().resident_adapters) == others + 1

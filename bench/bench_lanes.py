@@ -152,7 +152,7 @@ async def measure(root: Path, rounds: int, quick: bool) -> dict:
             )
             for k in range(mix.distinct):
                 engine.add_adapter(f"a{k}", paths[k])
-                await engine.load_adapter(f"a{k}")
+                await engine.admin.load(f"a{k}")
             await run_batch(engine, Mix("warm-up", mix.max_loras, mix.adapters[:4], (None,) * 4), 2)
             engines[mix.name, scheduler] = engine
     samples: dict[tuple[str, str], list[dict[str, float]]] = {key: [] for key in engines}

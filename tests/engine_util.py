@@ -26,4 +26,4 @@ async def collect(engine: Engine, prompt, adapter=None, sampling=None, **kw):
 
 def engine_pages(adapter: str) -> int:
     """Pool pages the demo ``adapter`` takes in the tiny engine."""
-    return tiny_engine().adapter_info(adapter).num_pages
+    return tiny_engine().admin.info(adapter).num_pages

@@ -269,7 +269,7 @@ async def test_a_registration_from_a_trickling_source_is_answered_within_its_dea
             assert time.monotonic() - started < 2.0 + SLACK_S
             assert status == 502 and refused["error"]["code"] == "adapter_source_failed", refused
             assert_openai_error(refused, 502, "source")
-            assert "slow" not in engine.adapter_ids()
+            assert "slow" not in engine.admin.ids()
     finally:
         await engine.close()
 
@@ -290,7 +290,7 @@ async def test_prefetch_goes_on_for_others_while_a_download_is_stuck(tmp_path, f
     try:
         for name in ("acme", "globex"):  # b's recent adapters; acme then falls off host RAM
             await collect(engine, "Hi", name, tenant="b")
-        await engine.unload_adapter("acme")
+        await engine.admin.unload("acme")
         assert engine.adapters.tier("acme@1") == "disk"
         files.gate.clear()
         stuck = asyncio.create_task(collect(engine, "Hi", "r", tenant="alpha"))

@@ -55,7 +55,7 @@ async def test_the_owner_sees_its_adapter_with_tier_and_traffic(server):
     assert traffic["last_24h"]["output_tokens"] == 12 and traffic["last_24h"]["prompt_tokens"] > 0
 
     # Judged now (as the engine does every tier_interval_s): 3 requests in the hour is warm.
-    assert (await server.engine.refresh_tiers())["beta-tiers@1"] == "warm"
+    assert (await server.engine.admin.refresh_tiers())["beta-tiers@1"] == "warm"
     status, got, _ = await _get(server, "beta-tiers@1", server.auth("beta"))
     assert status == 200 and got["traffic_tier"] == "warm" and got["traffic"]["last_24h"]["requests"] == 3
 

@@ -54,7 +54,7 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
             break
         await asyncio.sleep(0.01)
     assert engine.pool_free_pages() < free, "the load should have reserved its pages"
-    engine.remove_adapter("acme")
+    engine.admin.remove("acme")
     await asyncio.sleep(0.05)
     assert engine.pool_free_pages() < free, "pages went back while their copy was still queued"
     gate.set()
@@ -109,7 +109,7 @@ async def test_starving_loads_take_turns_in_order():
     line, so every three consecutive residency turns hold all three adapters (before, two of
     them could swap the slot again and again while the third waited)."""
     engine = tiny_engine(max_loras=1, max_resident_loras=1, max_num_seqs=8, adapter_wait_s=0.05)
-    await engine.load_adapter("acme")
+    await engine.admin.load("acme")
     stop = False
 
     async def hot(adapter: str, max_tokens: int) -> None:
@@ -137,13 +137,13 @@ async def test_prewarm_does_not_make_a_busy_adapter_yield():
     """An admin pre-warm has no request waiting on it: it waits for a slot to free instead of
     making the adapter that is serving traffic yield."""
     engine = tiny_engine(max_loras=1, max_resident_loras=1, adapter_wait_s=0.02)
-    await engine.load_adapter("acme")
+    await engine.admin.load("acme")
     long = asyncio.ensure_future(
         collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=300, ignore_eos=True))
     )
     while not engine.residency.get("acme@1").running:
         await asyncio.sleep(0.005)
-    prewarm = asyncio.ensure_future(engine.load_adapter("globex"))
+    prewarm = asyncio.ensure_future(engine.admin.load("globex"))
     await asyncio.sleep(0.2)  # ten times adapter_wait_s
     assert not prewarm.done() and engine.residency.yields == 0
     assert not engine.residency.get("acme@1").yielding
@@ -169,7 +169,7 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
         num_pages=1 + engine_pages("initech") + 20,
         max_model_len=80,
     )
-    await engine.load_adapter("globex")
+    await engine.admin.load("globex")
     stop = False
 
     async def loop(prompt, adapter, max_tokens):

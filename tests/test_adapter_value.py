@@ -119,29 +119,29 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
     engine = engine_with(max_loras=8, max_resident_loras=8, max_pinned_fraction=0.008)
     try:
         assert engine.adapters.pin_limit() == 84
-        assert (await engine.pin_adapter("acme")).pinned
-        await engine.pin_adapter("globex@1")
-        assert engine.pins_to_load() == []  # both loaded as they were pinned
+        assert (await engine.admin.pin("acme")).pinned
+        await engine.admin.pin("globex@1")
+        assert engine.admin.pins_to_load() == []  # both loaded as they were pinned
         with pytest.raises(PinLimitError, match="asks for 73 pages"):
-            engine.check_pin("initech")  # asked before pinning: nothing is pinned
+            engine.admin.check_pin("initech")  # asked before pinning: nothing is pinned
         with pytest.raises(PinLimitError) as err:
-            await engine.pin_adapter("initech")
+            await engine.admin.pin("initech")
         assert err.value.status == 409 and err.value.code == "pin_limit_exceeded"
         message = err.value.message
         assert "asks for 73 pages" in message and "hold 43 pages" in message
         assert "may hold 84 of the pool's 10528" in message and "max_pinned_fraction 0.008" in message
         assert not engine.residency.get("initech@1").pinned
         assert engine.stats().adapter_pinned_pages == 43
-        await engine.unpin_adapter("acme")
-        await engine.pin_adapter("initech")  # 6 + 73 fits now
+        await engine.admin.unpin("acme")
+        await engine.admin.pin("initech")  # 6 + 73 fits now
         assert engine.stats().adapters_pinned == 2
     finally:
         await engine.close()
     engine = engine_with(max_loras=2, max_resident_loras=2)
     try:
-        await engine.pin_adapter("acme")
+        await engine.admin.pin("acme")
         with pytest.raises(PinLimitError, match="no unpinned lora slot"):
-            await engine.pin_adapter("globex")
+            await engine.admin.pin("globex")
     finally:
         await engine.close()
 
@@ -151,13 +151,13 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
     A request for initech must be served by globex yielding, never by acme leaving."""
     engine = engine_with(max_loras=2, max_resident_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
     try:
-        info = await engine.pin_adapter("acme")
+        info = await engine.admin.pin("acme")
         assert info.tier == "gpu" and info.pinned
         pinned_slot = engine.residency.get("acme@1").slot
         assert not engine.adapters.room_for_kv(engine.pool.capacity, reserve=False)  # nothing else to evict: acme stays
         assert engine.residency.get("acme@1").slot == pinned_slot
         with pytest.raises(ConflictError, match="pinned"):
-            await engine.unload_adapter("acme")
+            await engine.admin.unload("acme")
 
         # Long requests, all running before initech arrives: globex is busy the whole time initech
         # waits (a loop of short ones left gaps in which globex was idle and simply evicted).
@@ -178,7 +178,7 @@ async def test_pins_survive_a_restart(tmp_path):
     state = str(tmp_path / "state")
     engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
-        await engine.pin_adapter("globex")
+        await engine.admin.pin("globex")
     finally:
         await engine.close()
 
@@ -186,13 +186,13 @@ async def test_pins_survive_a_restart(tmp_path):
     try:
         entry = engine.residency.get("globex@1")
         assert entry.pinned and not entry.slot  # restored from the registry, loaded on the loop
-        assert await engine.restore_pins() == ["globex@1"]
+        assert await engine.admin.restore_pins() == ["globex@1"]
         for _ in range(1000):
             if entry.slot:
                 break
             await asyncio.sleep(0.01)
-        assert engine.adapter_info("globex").tier == "gpu"
-        await engine.unpin_adapter("globex")
+        assert engine.admin.info("globex").tier == "gpu"
+        await engine.admin.unpin("globex")
     finally:
         await engine.close()
 
@@ -336,7 +336,7 @@ async def test_pin_routes_describe_the_adapter_and_answer_409_with_the_numbers()
             status, body, _ = await srv.request("PUT", "/v1/adapters/initech/pin", headers=admin)
             assert_openai_error(body, 409, "id")
             assert status == 409 and body["error"]["code"] == "pin_limit_exceeded"
-            pages = {name: engine.adapter_info(name).num_pages for name in ("acme", "globex", "initech")}
+            pages = {name: engine.admin.info(name).num_pages for name in ("acme", "globex", "initech")}
             limit, cap = engine.adapters.pin_limit(), engine.pool.capacity
             assert pages["acme"] + pages["globex"] <= limit < sum(pages.values())  # what this test relies on
             numbers = (

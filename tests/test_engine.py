@@ -125,7 +125,7 @@ async def test_slow_adapter_read_does_not_block_other_requests(tmp_path):
     try:
         slow_task = asyncio.create_task(collect(engine, chat(engine), "slow", GREEDY))
         await asyncio.sleep(0.05)
-        assert engine.adapter_info("slow").tier == "disk"
+        assert engine.admin.info("slow").tier == "disk"
         # While the read is stuck, resident adapters keep producing tokens.
         fast, deltas = await collect(engine, chat(engine), "acme", GREEDY)
         assert fast.text == DEMO_MARKERS["acme"] and len(deltas) > 5
@@ -143,8 +143,8 @@ async def test_load_from_host_ram_does_not_wait_behind_a_stuck_read(tmp_path):
     runs on the copy thread, neither behind that read."""
     engine = tiny_engine(io_threads=1)
     assert (await collect(engine, chat(engine), "acme", GREEDY))[0].text == DEMO_MARKERS["acme"]
-    assert await engine.unload_adapter("acme")
-    assert engine.adapter_info("acme").tier == "ram"
+    assert await engine.admin.unload("acme")
+    assert engine.admin.info("acme").tier == "ram"
     slow = tmp_path / "slow"
     shutil.copytree(demo_adapter_dirs()["initech"], slow)
     engine.add_adapter("slow", slow)
@@ -183,7 +183,7 @@ async def test_preemption_under_a_tiny_pool_keeps_greedy_outputs(scheduler):
     alone = [(await collect(roomy, p, a, params))[0].token_ids for p, a in zip(prompts, adapters)]
     await roomy.close()
     # Room for the three adapters and a handful of KV blocks: sequences must take turns.
-    need = sum(roomy.adapter_info(a).num_pages for a in DEMO_MARKERS)
+    need = sum(roomy.admin.info(a).num_pages for a in DEMO_MARKERS)
     tight = tiny_engine(scheduler=scheduler, num_pages=1 + need + 24, max_model_len=96)
     outs = await asyncio.gather(
         *(collect(tight, p, a, params, tenant=f"t{i % 3}") for i, (p, a) in enumerate(zip(prompts, adapters)))

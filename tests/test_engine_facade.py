@@ -21,19 +21,21 @@ async def test_adapter_ids_owners_generation_and_versions_here():
     engine = tiny_engine()
     try:
         demo = sorted(demo_adapter_dirs())
-        assert sorted(engine.adapter_ids()) == demo and engine.adapter_owners() == {}
-        assert engine.has_version(f"{demo[0]}@1") and not engine.has_version(f"{demo[0]}@2")
-        before = engine.adapter_generation
+        assert sorted(engine.admin.ids()) == demo and engine.admin.owners() == {}
+        assert engine.admin.has_version(f"{demo[0]}@1") and not engine.admin.has_version(f"{demo[0]}@2")
+        before = engine.admin.generation
         engine.add_adapter("owned", demo_adapter_dirs()[demo[0]], owner="alpha")
-        assert engine.adapter_generation > before
-        assert engine.adapter_owners() == {"owned": "alpha"} and engine.has_version("owned@1")
-        assert engine.removable_versions("owned") == ["owned@1"]
+        assert engine.admin.generation > before
+        assert engine.admin.owners() == {"owned": "alpha"} and engine.admin.has_version("owned@1")
+        assert engine.admin.removable_versions("owned") == ["owned@1"]
         engine.add_adapter("owned", demo_adapter_dirs()[demo[1]], owner="alpha")  # owned@2, the current one
         with pytest.raises(ConflictError):
-            engine.removable_versions("owned@2")  # the current one of several
-        assert engine.removable_versions("owned@1") == ["owned@1"] and engine.has_version("owned@1")  # nothing removed
+            engine.admin.removable_versions("owned@2")  # the current one of several
+        assert engine.admin.removable_versions("owned@1") == ["owned@1"] and engine.admin.has_version(
+            "owned@1"
+        )  # nothing removed
         with pytest.raises(AdapterNotFoundError):
-            engine.removable_versions("nope")
+            engine.admin.removable_versions("nope")
     finally:
         await engine.close()
 
@@ -43,7 +45,7 @@ async def test_vtc_counters_are_the_tenants_served_and_none_under_fcfs(scheduler
     engine = tiny_engine(scheduler=scheduler)
     try:
         await collect(engine, "hello", None, SamplingParams(max_tokens=2), tenant="alpha")
-        counters = engine.vtc_counters()
+        counters = engine.metrics().vtc_counters()
         if scheduler == "vtc":
             assert list(counters) == ["alpha"] and counters["alpha"] > 0
         else:
@@ -58,7 +60,7 @@ async def test_stats_is_a_frozen_record():
         stats = engine.stats()
         with pytest.raises(dataclasses.FrozenInstanceError):
             stats.queue_depth = 1  # type: ignore[misc]
-        assert stats.registered_adapters == len(engine.adapter_ids()) and stats.running == 0
+        assert stats.registered_adapters == len(engine.admin.ids()) and stats.running == 0
         assert stats.pool_pages_free + stats.pool_pages_adapters + stats.pool_pages_kv == stats.pool_pages_total
     finally:
         await engine.close()

@@ -138,7 +138,7 @@ async def test_adapter_weights_that_are_not_finite_are_refused_at_registration(t
         engine.add_adapter("broken", dst)
     with pytest.raises(AdapterFormatError, match="NaN or Inf"):
         await engine.register_adapter("broken", dst)
-    assert not engine.has_version("broken@1")
+    assert not engine.admin.has_version("broken@1")
     info = await engine.register_adapter("fine", src)  # the worker path registers good ones
-    assert info.tier == "disk" and engine.has_version("fine@1")
+    assert info.tier == "disk" and engine.admin.has_version("fine@1")
     await engine.close()

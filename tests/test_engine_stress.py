@@ -41,7 +41,7 @@ async def reference_tokens() -> dict[tuple[int, str | None], list[int]]:
 async def test_random_mixed_load_leaves_consistent_books(scheduler):
     reference = await reference_tokens()
     probe = tiny_engine()
-    two_largest = sum(sorted(probe.adapter_info(a).num_pages for a in ADAPTERS[1:])[-2:])
+    two_largest = sum(sorted(probe.admin.info(a).num_pages for a in ADAPTERS[1:])[-2:])
     await probe.close()
     # Room for the two largest adapters and a few short sequences: preemption happens.
     engine = tiny_engine(
@@ -102,9 +102,9 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
             name = rng.choice(ADAPTERS[1:])
             try:
                 if rng.random() < 0.5:
-                    await engine.unload_adapter(name)
+                    await engine.admin.unload(name)
                 else:
-                    await asyncio.wait_for(engine.load_adapter(name), 10)
+                    await asyncio.wait_for(engine.admin.load(name), 10)
             except AdapterBusyError:
                 pass
 

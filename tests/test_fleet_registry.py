@@ -33,18 +33,18 @@ def engines():
 
 
 def prepared(engine: Engine, name: str):
-    return asyncio.run(engine.prepare_adapter(demo_adapter_dirs()[name]))
+    return asyncio.run(engine.admin.prepare(demo_adapter_dirs()[name]))
 
 
 def apply(engine: Engine, reply: SyncReply) -> list[str]:
     """What a replica does with a reply's ids (replica.py); returns the keys it could not drop yet."""
     if reply.full:
         listed = {s.adapter_id for s in reply.ids}
-        for adapter_id in [i for i in engine.adapter_ids() if i not in listed]:
-            engine.mirror_adapter(adapter_id, None, None, [])
+        for adapter_id in [i for i in engine.admin.ids() if i not in listed]:
+            engine.admin.mirror(adapter_id, None, None, [])
     busy = []
     for state in reply.ids:
-        busy += engine.mirror_adapter(state.adapter_id, state.owner, state.current, list(state.versions))
+        busy += engine.admin.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
     return busy
 
 
@@ -111,12 +111,12 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
     assert apply(mirror, reply) == []
     assert asyncio.run(answer(mirror, "newco@1")) == DEMO_MARKERS["acme"]
     assert asyncio.run(answer(mirror, "newco@2")) == DEMO_MARKERS["globex"]
-    assert mirror.resolve_adapter("newco") == "newco@1"
+    assert mirror.admin.resolve("newco") == "newco@1"
     fleet.set_current("newco", 2)
     fleet.set_pinned("newco@2", True)
     reply2 = fleet.changes_since(reply.epoch, reply.generation, {})
     apply(mirror, reply2)
-    assert mirror.resolve_adapter("newco") == "newco@2" and mirror.residency.get("newco@2").pinned
+    assert mirror.admin.resolve("newco") == "newco@2" and mirror.residency.get("newco@2").pinned
 
     async def drop_while_running() -> tuple[list[str], list[str]]:
         # A version the registry dropped stays while a request runs on it, and goes after.
@@ -132,7 +132,7 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
     busy, later = asyncio.run(drop_while_running())
     assert busy == ["newco@1"] and later == []
     with pytest.raises(AdapterNotFoundError):
-        mirror.resolve_adapter("newco@1")
+        mirror.admin.resolve("newco@1")
     # A full reply from a restarted (empty) registry drops every id the mirror holds.
     apply(mirror, FleetRegistry(Registry(":memory:")).changes_since("", 0, {}))
-    assert mirror.adapter_ids() == [] and mirror.stats().registered_adapters == 0
+    assert mirror.admin.ids() == [] and mirror.stats().registered_adapters == 0

@@ -44,9 +44,9 @@ def test_graph_replay_matches_eager_across_adapter_swaps():
 
     async def swap(engine):
         for name in ("acme", "globex", "initech"):
-            await engine.unload_adapter(name)
+            await engine.admin.unload(name)
         for name in ("initech", "acme", "globex"):
-            await engine.load_adapter(name)
+            await engine.admin.load(name)
 
     for engine in (graphs, eager):
         asyncio.run(swap(engine))

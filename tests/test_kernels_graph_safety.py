@@ -116,8 +116,8 @@ async def _check_launches() -> None:
     for (module, name), fn in originals.items():
         setattr(module, name, Recording(fn, log, describe))
     try:
-        await engine.load_adapter("acme")
-        await engine.load_adapter("globex")
+        await engine.admin.load("acme")
+        await engine.admin.load("globex")
         slot = {n: engine.residency.get(f"{n}@1").slot for n in ("acme", "globex")}
         acme_before = (slot["acme"], list(engine.residency.get("acme@1").page_ids))
         kv = engine.pool.allocate(2 * ROWS, PageKind.KV)
@@ -126,10 +126,10 @@ async def _check_launches() -> None:
         first, log[:] = list(log), []
 
         # Other adapters, in other slots and pages; other rows, positions and KV pages.
-        await engine.unload_adapter("acme")
-        await engine.unload_adapter("globex")
-        await engine.load_adapter("initech")
-        await engine.load_adapter("acme")
+        await engine.admin.unload("acme")
+        await engine.admin.unload("globex")
+        await engine.admin.load("initech")
+        await engine.admin.load("acme")
         moved = {n: engine.residency.get(f"{n}@1").slot for n in ("initech", "acme")}
         assert (moved["acme"], engine.residency.get("acme@1").page_ids) != acme_before, "acme did not move"
         kv2 = engine.pool.allocate(2 * ROWS, PageKind.KV)
@@ -181,13 +181,13 @@ def test_replayed_decode_steps_match_eager_across_adapter_swaps():
 
     async def swap(engine) -> None:
         for name in ("acme", "globex", "initech"):
-            await engine.unload_adapter(name)
+            await engine.admin.unload(name)
         for name in ("initech", "globex", "acme"):
-            await engine.load_adapter(name)
+            await engine.admin.load(name)
 
     async def preload(engine) -> None:  # every row is then admitted in the first step
         for name in ("acme", "globex"):
-            await engine.load_adapter(name)
+            await engine.admin.load(name)
 
     for engine in (eager, replayed):
         asyncio.run(preload(engine))

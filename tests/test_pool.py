@@ -62,7 +62,7 @@ def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora
     for engine in (wide, narrow):
         engine.add_adapter("r64", rank_adapters[64])
         outs.append(engine.generate_batch([(p, "r64") for p in prompts], params))  # loads it
-    pages = [e.adapter_info("r64").num_pages for e in (wide, narrow)]
+    pages = [e.admin.info("r64").num_pages for e in (wide, narrow)]
     assert pages[1] in (pages[0] // 2, pages[0] // 2 + 1)  # half, rounded up
     assert [e.stats().pool_pages_adapters for e in (wide, narrow)] == pages
     host = [e.adapters._host["r64@1"] for e in (wide, narrow)]
@@ -76,11 +76,11 @@ async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapter
     engine = pool_engine()
     engine.add_adapter("r64", rank_adapters[64])
     free0 = engine.pool_free_pages()
-    await engine.load_adapter("r64")
-    pages = engine.adapter_info("r64").num_pages
+    await engine.admin.load("r64")
+    pages = engine.admin.info("r64").num_pages
     assert engine.pool_free_pages() == free0 - pages
     assert engine.stats().pool_pages_adapters == pages
-    assert await engine.unload_adapter("r64")
+    assert await engine.admin.unload("r64")
     assert engine.pool_free_pages() == free0
     await engine.close()
 
@@ -89,7 +89,7 @@ async def test_in_use_adapter_is_never_evicted_and_idle_one_is(rank_adapters):
     # A pool just big enough for one rank-64 adapter plus a few KV blocks.
     probe = pool_engine()
     probe.add_adapter("r64", rank_adapters[64])
-    need = probe.adapter_info("r64").num_pages
+    need = probe.admin.info("r64").num_pages
     engine = pool_engine(num_pages=1 + need + 20, max_loras=2, max_resident_loras=2, max_model_len=80)
     engine.add_adapter("r64", rank_adapters[64])
     engine.add_adapter("r8", rank_adapters[8])
@@ -197,10 +197,10 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
         if rng.random() < 0.1:
             for n in engine.stats().resident_adapters:
                 if engine.residency.get(n).running == 0:
-                    await engine.unload_adapter(n)
+                    await engine.admin.unload(n)
     await asyncio.gather(*tasks)
     for n in list(engine.stats().resident_adapters):
-        await engine.unload_adapter(n)
+        await engine.admin.unload(n)
     assert engine.pool_free_pages() == start
     assert engine.stats().running == 0 and engine.stats().queue_depth == 0
     await engine.close()

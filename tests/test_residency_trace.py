@@ -73,7 +73,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
     dirs = demo_adapter_dirs()
     for name, path in {**dirs, **{n: dirs[like] for n, like in EXTRA.items()}}.items():
         engine.add_adapter(name, path)
-    pages = {info.name.partition("@")[0]: info.num_pages for info in engine.list_adapters()}
+    pages = {info.name.partition("@")[0]: info.num_pages for info in engine.admin.served()}
 
     async def run() -> None:
         try:

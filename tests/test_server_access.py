@@ -128,7 +128,7 @@ async def test_register_use_inspect_delete(server, in_root):
     assert status == 201, info
     assert (
         info["id"] == "beta-globex"
-        and info["rank"] == server.engine.adapter_info("globex").rank
+        and info["rank"] == server.engine.admin.info("globex").rank
         and info["size_bytes"] > 0
     )
     assert "q_proj" in info["target_modules"] and info["owner"] == "beta" and info["parent"] == BASE
@@ -203,7 +203,7 @@ async def test_load_unload_and_state(server):
     assert status == 200
     engine = state["engine"]
     assert "globex@1" in engine["resident_adapters"]  # the last request brought it back from RAM
-    assert set(engine["resident_adapters"]) <= {info.name for info in server.engine.list_adapters()}
+    assert set(engine["resident_adapters"]) <= {info.name for info in server.engine.admin.served()}
     assert engine["queue_depth"] == 0 and engine["running"] == 0  # nothing in flight between requests
     pages = engine["pool_pages_kv"] + engine["pool_pages_adapters"] + engine["pool_pages_free"]
     assert pages == engine["pool_pages_total"] and engine["pool_pages_adapters"] > 0

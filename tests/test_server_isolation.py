@@ -118,7 +118,7 @@ async def test_registration_outside_the_root_is_refused(server, outside):
         assert status == 403, (path, payload)
         assert_openai_error(payload, 403, "path")
         assert "outside the adapter roots" in payload["error"]["message"], payload
-    assert not any(i.name.startswith("escape-") for i in server.engine.list_adapters())
+    assert not any(i.name.startswith("escape-") for i in server.engine.admin.served())
 
 
 async def test_a_link_inside_an_adapter_directory_cannot_escape_the_root(server, outside):

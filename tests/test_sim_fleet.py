@@ -77,7 +77,7 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
         for i, m in enumerate(_MODELS)
     ]
     engine = make_engine(max_loras=2, max_resident_loras=2, max_cpu_loras=2)
-    pages = {info.name.partition("@")[0]: info.num_pages for info in engine.list_adapters()}
+    pages = {info.name.partition("@")[0]: info.num_pages for info in engine.admin.served()}
 
     async def run():
         try:

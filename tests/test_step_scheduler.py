@@ -19,7 +19,7 @@ async def test_adapter_that_cannot_fit_beside_one_full_sequence_is_refused_at_re
     not fit the pool could never serve a request, so registration refuses it with the arithmetic;
     a shorter max_model_len that fits takes it and serves."""
     probe = tiny_engine()
-    pages = probe.adapter_info("initech").num_pages
+    pages = probe.admin.info("initech").num_pages
     await probe.close()
     base = dict(model=str(TINY_BASE_DIR), block_size=4, num_pages=1 + pages + 3, max_lora_rank=64)
     engine = Engine(EngineConfig(**base))
@@ -30,7 +30,7 @@ async def test_adapter_that_cannot_fit_beside_one_full_sequence_is_refused_at_re
     for part in (f"needs {pages} pages", f"{blocks} pages for one full-length sequence", "max_lora_rank 64"):
         assert part in msg, msg
     assert f"the pool has {engine.pool.capacity} pages" in msg
-    assert engine.list_adapters() == []  # nothing half-registered
+    assert engine.admin.served() == []  # nothing half-registered
     await engine.close()
     fits = Engine(EngineConfig(**base, max_model_len=12))  # 3 blocks of 4 beside the adapter
     fits.add_adapter("initech", demo_adapter_dirs()["initech"])
@@ -43,7 +43,7 @@ async def test_policy_failing_mid_schedule_leaks_nothing():
     """A scheduling policy that raises after admitting requests: those requests get the error,
     and their pages and adapter pins come back, so the engine serves the next request normally."""
     engine = tiny_engine()
-    await engine.load_adapter("acme")
+    await engine.admin.load("acme")
     free = engine.pool_free_pages()
     schedule = engine.policy.schedule
 
@@ -86,7 +86,7 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     await asyncio.sleep(0.1)
     entry = engine.residency.get("globex@1")
     assert (entry.running, entry.waiting) == (0, 0)
-    engine.remove_adapter("globex")  # refused if a pin had gone negative
+    engine.admin.remove("globex")  # refused if a pin had gone negative
     await engine.close()
 
 
@@ -102,7 +102,7 @@ async def test_as_many_adapters_as_lanes_run_as_one_batch(scheduler):
     dirs = list(demo_adapter_dirs().values())
     for k in range(8):
         engine.add_adapter(f"a{k}", dirs[k % len(dirs)])
-        await engine.load_adapter(f"a{k}")
+        await engine.admin.load(f"a{k}")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = await asyncio.gather(*(collect(engine, [5 + i, 9, 12], f"a{i % 8}", params) for i in range(32)))
     assert all(len(out.token_ids) == 12 for out, _ in outs)

@@ -48,7 +48,7 @@ async def test_the_parts_add_up_to_the_engine_totals():
     by_tenant = {key[1] for key, _ in rows}
     assert {"t0", "t1", "t2"} <= by_tenant and "" in by_tenant  # adapter costs under no tenant
     adapter_rows = {key[2] for key, u in rows if key[1] == "" and u.load_bytes}
-    assert adapter_rows <= {engine.resolve_adapter(a) for a in ("acme", "globex", "initech")}
+    assert adapter_rows <= {engine.admin.resolve(a) for a in ("acme", "globex", "initech")}
 
 
 def test_a_step_is_shared_by_tokens_and_residency_by_wall_time():

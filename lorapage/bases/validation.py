@@ -112,7 +112,7 @@ class BaseValidator:
                 row = await self._check(engine, new, job, key, prompts)
                 job.states[key] = row.state
                 job.checked += 1
-                await loop.run_in_executor(None, engine.registry.set_migration_states, [row])
+                await loop.run_in_executor(None, engine.admin.registry.set_migration_states, [row])
             job.status = "done"
         except LorapageError as exc:
             job.status, job.error = "error", exc.message
@@ -129,7 +129,7 @@ class BaseValidator:
                     MigrationRow(*parse_key(k), job.target, PENDING, reason, None, None, job.id, None, 0.0)
                     for k in stuck
                 ]
-                await loop.run_in_executor(None, engine.registry.set_migration_states, rows)
+                await loop.run_in_executor(None, engine.admin.registry.set_migration_states, rows)
             job.finished = time.time()
 
     def _plan(self, engine, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
@@ -137,13 +137,13 @@ class BaseValidator:
         version migrated toward the target already stays so (not checked again)."""
         plan: list[tuple[str, tuple[str, ...]]] = []
         rows = []
-        done = {r.key for r in engine.registry.migration_states(job.target) if r.state == MIGRATED}
+        done = {r.key for r in engine.admin.registry.migration_states(job.target) if r.state == MIGRATED}
         for key in job.adapters:
             adapter_id, version = parse_key(key)
             if key in done:
                 job.states[key] = MIGRATED
                 continue
-            settings = engine.registry.check_prompts(adapter_id)
+            settings = engine.admin.registry.check_prompts(adapter_id)
             prompts: tuple[str, ...]
             if settings.opt_out:
                 state, reason, prompts = OPTED_OUT, "the owner opted out of base migrations", ()
@@ -154,7 +154,7 @@ class BaseValidator:
             rows.append(MigrationRow(adapter_id, version, job.target, state, reason, None, None, job.id, None, 0.0))
             job.states[key] = state
             plan.append((key, prompts))
-        engine.registry.set_migration_states(rows)
+        engine.admin.registry.set_migration_states(rows)
         return plan
 
     async def _check(self, engine, new, job: ValidationJob, key: str, prompts: tuple[str, ...]) -> MigrationRow:
@@ -164,7 +164,7 @@ class BaseValidator:
         adapter_id, version = parse_key(key)
         base = MigrationRow(adapter_id, version, job.target, PENDING, None, None, None, job.id, None, 0.0)
         try:
-            async with engine.version_files(key) as path:
+            async with engine.admin.version_files(key) as path:
                 # Read and checked in a worker, committed on the loop (the candidate's own catalog);
                 # bound to the candidate base, whose digest the job checked already.
                 await new.register_adapter(adapter_id, path, expected_base_digest=job.target)
@@ -188,10 +188,10 @@ def parse_key(key: str) -> tuple[str, int]:
 
 def current_versions(engine, adapters: Sequence[str] | None) -> list[str]:
     """The version keys to check: each id's current version, where it is served on this base."""
-    ids = list(adapters) if adapters is not None else engine.adapter_ids()
+    ids = list(adapters) if adapters is not None else engine.admin.ids()
     keys = []
     for adapter_id in ids:
-        current = [v for v in engine.adapter_versions(adapter_id) if v.current]
+        current = [v for v in engine.admin.versions(adapter_id) if v.current]
         if not current or (not current[0].servable and adapters is not None):
             raise InvalidRequestError(
                 f"adapter {adapter_id!r} has no current version served on this base", param="adapters"

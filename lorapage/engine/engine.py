@@ -17,27 +17,22 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, M
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
 from lorapage.adapters.catalog import (
-    REGISTRATION_TIMEOUT_S,
     AdapterCatalog,
-    PreparedVersion,
-    VersionInfo,
-    spec_to_json,
 )
-from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import at_path, load_adapter_tensors, read_weights
 from lorapage.adapters.pins import PinBounds
-from lorapage.adapters.registry import REGISTRY_FILE, Registry, TrafficRow, VersionRow, parse_name
+from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.sources import (
     ANYWHERE,
@@ -45,13 +40,13 @@ from lorapage.adapters.sources import (
     AdapterSources,
     DownloadLimits,
     FileSource,
-    Source,
     parse_source,
 )
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts, Stage
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
+from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.devices import (
     DTYPES,
     forward_thread,
@@ -63,7 +58,7 @@ from lorapage.engine.devices import (
     usable_cores,
 )
 from lorapage.engine.intake import RequestIntake
-from lorapage.engine.stats import EngineStats
+from lorapage.engine.stats import EngineMetrics, EngineStats
 from lorapage.engine.step_loop import StepLoop
 from lorapage.engine.step_scheduler import StepLimits, StepScheduler
 from lorapage.engine.tiering import TierKeeper
@@ -74,7 +69,6 @@ from lorapage.errors import (
     AdapterTokensOverSharedLimitError,
     ConflictError,
     EngineClosedError,
-    InvalidRequestError,
     LorapageError,
 )
 from lorapage.kernels.backend import select_backend
@@ -325,7 +319,7 @@ class Engine:
             self.registry,
             self.adapters,
             self._io,
-            self.wall_clock,
+            self._wall_clock,
             interval_s=config.tier_interval_s,
             retention_hours=config.traffic_retention_hours,
         )
@@ -370,6 +364,22 @@ class Engine:
         self.merge_check: dict | None = None
         self._merging = False  # new requests are refused while the weights change
         self._closed = False
+        # Adapter administration, the one interface front ends manage adapters through.
+        self.admin = AdapterAdmin(
+            self.catalog,
+            self.adapters,
+            self.registry,
+            self.tiers,
+            self.sources,
+            roots=self.adapter_roots,
+            download_cache=self.sources_cache_dir,
+            io_executor=self._io,
+            base_digest=lambda: self.digest,
+            locate=self._locate_version,
+            check_open=self._check_open,
+            bind=self.step_loop.bind,
+            wall_clock=self._wall_clock,
+        )
 
     def _num_pages(self, adapter_pages: int, max_blocks: int, page_size: int) -> int:
         if self.config.num_pages is not None:
@@ -413,88 +423,15 @@ class Engine:
     def add_adapter(
         self, name: str, path: str | Path, *, owner: str | None = None, expected_base_digest: str | None = None
     ) -> AdapterInfo:
-        """Register a PEFT LoRA directory as a new version of ``name`` (the alias then points at
-        it); it is validated now (read whole, in the calling thread), committed to the registry
-        and loaded lazily. It must have been trained on this base: ``expected_base_digest`` when
-        given, else its ``base_model_name_or_path`` says so (:mod:`lorapage.adapters.binding`).
-        The directory must be one ``owner``'s versions may be read from (see ``adapter_roots``).
-        From a running event loop use :meth:`register_adapter`."""
-        self.adapter_roots.check(Path(path), owner)
-        version = self.catalog.register_now(name, Path(path), owner=owner, expected_base_digest=expected_base_digest)
-        return self.adapter_info(version.key)
+        """Shortcut for :meth:`AdapterAdmin.add <lorapage.engine.admin.AdapterAdmin.add>`: register
+        a PEFT LoRA directory as a new version of ``name``, validated now in the calling thread."""
+        return self.admin.add(name, path, owner=owner, expected_base_digest=expected_base_digest)
 
-    async def register_adapter(
-        self,
-        name: str,
-        source: str | Path,
-        *,
-        owner: str | None = None,
-        sha256: str | None = None,
-        expected_base_digest: str | None = None,
-        activate: bool = True,
-        timeout_s: float = REGISTRATION_TIMEOUT_S,
-        actor: str | None = None,
-    ) -> AdapterInfo:
-        """:meth:`add_adapter` without holding the event loop, from a directory or a source URI
-        (``file://``, ``https://``, ``s3://``, ``hf://``; see :mod:`lorapage.adapters.sources`):
-        fetched and verified against ``sha256`` when given, read and checked in a worker thread
-        (refused past ``timeout_s``), and committed (audited as ``actor``'s) before this returns.
-        Content equal to an existing version of ``name`` returns that version (``created`` False)."""
-        self._check_open()
-        src = await self._source(source, sha256, owner)
-        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
-            version, created = await self.catalog.register(
-                name,
-                path,
-                source=src.uri,
-                owner=owner,
-                sha256=sha256,
-                expected_base_digest=expected_base_digest,
-                activate=activate,
-                timeout_s=timeout_s,
-                actor=actor,
-            )
-        return dataclasses.replace(self.adapter_info(version.key), created=created)
-
-    async def prepare_adapter(
-        self,
-        source: str | Path,
-        *,
-        sha256: str | None = None,
-        expected_base_digest: str | None = None,
-        timeout_s: float = REGISTRATION_TIMEOUT_S,
-        owner: str | None = None,
-    ) -> PreparedVersion:
-        """Fetch and check an adapter as :meth:`register_adapter` does (for ``owner``),
-        committing it nowhere: the version a registry held elsewhere (a fleet's) stores and this
-        engine then mirrors (``catalog.mirror``)."""
-        self._check_open()
-        src = await self._source(source, sha256, owner)
-        async with self.sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
-            spec, _, digest = await self.catalog.prepare_in_worker(
-                src.uri, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s
-            )
-        return PreparedVersion(
-            source=src.uri,
-            digest=digest,
-            base_digest=self.digest,
-            spec=spec_to_json(spec),
-            rank=spec.max_rank,
-            target_modules=spec.target_modules,
-            size_bytes=spec.size_bytes,
-            projected_cost_pct=self.adapters.envelope.cost(spec.ranks).projected_cost_pct,
-        )
-
-    async def _source(self, source: str | Path, sha256: str | None, owner: str | None) -> Source:
-        """``source`` parsed for a version of ``owner`` (off the loop: a directory is looked at)."""
-        src = await asyncio.to_thread(parse_source, str(source), sha256=sha256, roots=self.adapter_roots, owner=owner)
-        if not isinstance(src, FileSource) and self.sources_cache_dir is None:
-            raise InvalidRequestError(
-                f"adapter source {src.uri}: this engine has no disk cache for downloads; start the server with "
-                "--state-dir or --adapter-cache-dir (EngineConfig.state_dir / adapter_cache_dir)",
-                param="source",
-            )
-        return src
+    async def register_adapter(self, name: str, source: str | Path, **kwargs: Any) -> AdapterInfo:
+        """Shortcut for :meth:`AdapterAdmin.register <lorapage.engine.admin.AdapterAdmin.register>`
+        (same keywords): :meth:`add_adapter` without holding the event loop, from a directory or a
+        source URI."""
+        return await self.admin.register(name, source, **kwargs)
 
     @asynccontextmanager
     async def _locate_version(self, source: str, digest: str, owner: str | None) -> AsyncIterator[Path]:
@@ -508,202 +445,6 @@ class Engine:
         # a remote one was checked when it landed in the disk cache.
         async with self.sources.use(src, None if isinstance(src, FileSource) else digest, owner) as path:
             yield path
-
-    @asynccontextmanager
-    async def version_files(self, name: str) -> AsyncIterator[Path]:
-        """The files of the version ``name`` names (``id@N``), from its stored source, as a load
-        reads them (a base upgrade's check registers them on the candidate base)."""
-        row = self.catalog.row(name)
-        async with self._locate_version(row.source, row.digest, self.catalog.owner(row.adapter_id)) as path:
-            yield path
-
-    def resolve_adapter(self, name: str) -> str:
-        """The version key (``id@N``) that ``name`` (``id`` or ``id@N``) is served by now."""
-        return self.catalog.resolve(name)
-
-    async def set_adapter_version(
-        self, adapter_id: str, version: int, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
-    ) -> AdapterInfo:
-        """Point ``adapter_id`` (or its named ``channel``: ``id@channel``) at ``version`` (a
-        deploy); requests in flight finish on the version they started with."""
-        info = await self.catalog.set_current(adapter_id, version, channel=channel, actor=actor)
-        return self.adapter_info(info.key)
-
-    async def rollback_adapter(
-        self, adapter_id: str, version: int | None = None, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
-    ) -> AdapterInfo:
-        """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the
-        version it served before its last deploy (:meth:`AdapterCatalog.rollback`)."""
-        info = await self.catalog.rollback(adapter_id, version, channel=channel, actor=actor)
-        return self.adapter_info(info.key)
-
-    def remove_adapter(self, name: str, *, actor: str | None = None) -> None:
-        """Remove version ``id@N``, or every version of ``id``; refused (409) while any of them
-        has requests queued or running, and then nothing is removed."""
-        self.catalog.remove(name, actor=actor)
-
-    async def audit(self, query: AuditQuery) -> list[AuditEntry]:
-        """The registry's audit rows ``query`` selects, newest first (read in a worker thread)."""
-        return await asyncio.get_running_loop().run_in_executor(self._io, self.registry.audit, query)
-
-    async def record_admin(
-        self, action: str, adapter_id: str | None, *, actor: str | None, after: dict | None = None, outcome: str = "ok"
-    ) -> None:
-        """Audit an admin action that changes nothing in the registry (load, unload, a tenants
-        reload), committed in a worker thread."""
-        owner = self.catalog.owner(adapter_id) if adapter_id is not None else None
-        await asyncio.get_running_loop().run_in_executor(
-            self._io,
-            lambda: self.registry.record(action, adapter_id, actor=actor, tenant=owner, after=after, outcome=outcome),
-        )
-
-    def adapter_info(self, name: str) -> AdapterInfo:
-        """What ``name`` (``id`` or ``id@N``) is served by now."""
-        key = self.catalog.resolve(name)
-        version = self.catalog.version_info(key)
-        return dataclasses.replace(
-            self.adapters.info(key),
-            traffic_tier=self.tiers.tier(key).value,
-            adapter_id=version.adapter_id,
-            version=version.version,
-            digest=version.digest,
-            source=version.source,
-            current=version.current,
-        )
-
-    async def refresh_tiers(self) -> dict[str, str]:
-        """Write the traffic counted since the last time to the registry and judge every version's
-        traffic tier now (the engine does this every ``tier_interval_s``): hot versions are kept
-        resident, warm ones read into host RAM. Returns the versions not cold, with their tier."""
-        self._check_open()
-        self.step_loop.bind()
-        states = await self.tiers.refresh()
-        return {key: state.tier.value for key, state in states.items()}
-
-    async def adapter_traffic(self, adapter_id: str, hours: int = 25) -> list[TrafficRow]:
-        """``adapter_id``'s traffic rows of the last ``hours`` hours (the one in progress
-        included), per version and hour, counts not yet written included."""
-        self._check_open()
-        return await self.tiers.recent(adapter_id, hours)
-
-    def adapter_versions(self, adapter_id: str | None = None) -> list[VersionInfo]:
-        """Every version (of ``adapter_id``, or of all ids), servable here or not."""
-        return self.catalog.versions(adapter_id)
-
-    def adapter_ids(self) -> list[str]:
-        """Every adapter id with a version, servable here or not."""
-        return self.catalog.ids()
-
-    def add_migrated_version(self, row: VersionRow) -> None:
-        """Show a version a base migration just stored (bound to the new base: listed, served once
-        this engine runs that base) in the live view."""
-        self.catalog.add_migrated(row)
-
-    def adapter_owners(self) -> dict[str, str]:
-        """The owner of each id that has one (registered with it; restored after a restart)."""
-        return {i: owner for i in self.catalog.ids() if (owner := self.catalog.owner(i)) is not None}
-
-    @property
-    def adapter_generation(self) -> int:
-        """A number that grows at every change of the adapters' ids, versions, aliases, channels
-        or owners: what a view of them (``/v1/models``) is cached under."""
-        return self.catalog.generation
-
-    def has_version(self, key: str) -> bool:
-        """Whether version ``key`` (``id@N``) is registered in this engine (a mirror may lack it yet)."""
-        return key in self.adapters.entries
-
-    def removable_versions(self, name: str) -> list[str]:
-        """The version keys deleting ``name`` (``id@N`` or ``id``) would remove, removing nothing:
-        404 when unknown, 409 for a version the alias or a channel serves while the id has others."""
-        return self.catalog.removable(name)
-
-    def adapter_channels(self, adapter_id: str) -> dict[str, int]:
-        """``adapter_id``'s named channels and the versions they point at (404 for an unknown id)."""
-        return self.catalog.channels(adapter_id)
-
-    async def adapter_history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
-        """``adapter_id``'s alias moves (every channel), newest first (404 for an unknown id)."""
-        return await self.catalog.history(adapter_id, limit)
-
-    async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
-        """Forget ``adapter_id``'s named ``channel`` (``id@channel`` names nothing from then on), audited."""
-        await self.catalog.remove_channel(adapter_id, channel, actor=actor)
-
-    def mirror_adapter(
-        self, adapter_id: str, owner: str | None, current: int | None, versions: list[VersionRow]
-    ) -> list[str]:
-        """Make ``adapter_id`` what a registry held elsewhere (a fleet's) says: these versions
-        (none: the id is gone), this alias and these pins, committing nothing here. Returns the
-        versions to drop that still have requests (call again later for them)."""
-        return self.catalog.mirror(adapter_id, owner, current, versions)
-
-    def list_adapters(self) -> list[AdapterInfo]:
-        """The versions the aliases point at, one per id."""
-        return [self.adapter_info(v.key) for v in self.catalog.versions() if v.current and v.servable]
-
-    async def load_adapter(self, name: str, *, actor: str | None = None) -> None:
-        """Make ``name`` resident in the pool now (pre-warm); audited once it is."""
-        self._check_open()
-        self.step_loop.bind()
-        key = self.catalog.resolve(name)
-        await self.adapters.wait_resident(key)
-        await self.record_admin("load", parse_name(key)[0], actor=actor, after={"version": parse_name(key)[1]})
-
-    async def unload_adapter(self, name: str, *, actor: str | None = None) -> bool:
-        """Drop ``name`` from the pool (its host-RAM copy stays), audited when it was resident.
-        Refused while it is running or pinned."""
-        self._check_open()
-        self.step_loop.bind()
-        key = self.catalog.resolve(name)
-        dropped = self.adapters.unload(key)
-        if dropped:
-            await self.record_admin("unload", parse_name(key)[0], actor=actor, after={"version": parse_name(key)[1]})
-        return dropped
-
-    async def pin_adapter(self, name: str, *, actor: str | None = None) -> AdapterInfo:
-        """Pin the version ``name`` names (``id``: its current one, or ``id@N``) resident: it is
-        loaded now, never evicted nor made to yield, and pinned again after a restart. The pin is
-        on the version: after a deploy, pin the new one. Refused (409 ``PinLimitError``, with the
-        numbers) past ``max_pinned_fraction`` of the pool. If the load fails the pin is undone
-        and the load's error raised."""
-        self._check_open()
-        key = self.catalog.resolve(name)
-        self.step_loop.bind()
-        await self.catalog.set_pinned(key, True, actor=actor)
-        try:
-            await self.adapters.wait_resident(key)
-        except LorapageError as exc:
-            if key in self.adapters.entries:
-                await self.catalog.set_pinned(
-                    key, False, actor=actor, outcome=f"pin undone: its load failed ({exc.code})"
-                )
-            raise
-        return self.adapter_info(key)
-
-    async def unpin_adapter(self, name: str, *, actor: str | None = None) -> AdapterInfo:
-        """Undo :meth:`pin_adapter`: the version stays resident, evictable by value again."""
-        self._check_open()
-        key = self.catalog.resolve(name)
-        await self.catalog.set_pinned(key, False, actor=actor)
-        return self.adapter_info(key)
-
-    def check_pin(self, name: str) -> None:
-        """Refuse (409 ``PinLimitError``, with the numbers) pinning ``name`` (``id`` or ``id@N``)
-        past ``max_pinned_fraction`` of the pool; pins nothing."""
-        self.adapters.check_pin(self.catalog.resolve(name))
-
-    def pins_to_load(self) -> list[str]:
-        """Pinned versions not resident yet (:meth:`restore_pins` starts their loads)."""
-        return self.adapters.pins_to_load()
-
-    async def restore_pins(self) -> list[str]:
-        """Start loading every pinned version that is not resident (returns at once, with their
-        keys). Pins restored from the registry load when the step loop first binds to an event
-        loop: the first request or admin call, or this, which a server calls at startup."""
-        self._check_open()
-        self.step_loop.bind()
-        return self.adapters.restore_pins()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -941,7 +682,17 @@ class Engine:
         if hasattr(inner, "set_tenant_weights"):
             inner.set_tenant_weights(weights)
 
-    def vtc_counters(self) -> dict[str, float]:
+    def metrics(self) -> EngineMetrics:
+        """The live sources ``/metrics`` reads this engine through (stats, scheduler, VTC counters,
+        adapters), for :func:`lorapage.server.metrics.register_engine_collectors`."""
+        return EngineMetrics(self.stats, self.scheduler_metrics, self._vtc_counters, self.adapter_metrics)
+
+    def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
+        """Count a request a front end refused before it reached the engine (a quota's 429:
+        ``reason`` names which) against ``tenant``, with its ``tokens`` when known (else 0)."""
+        self.scheduler_metrics.record_rejected(tenant, tokens, reason)
+
+    def _vtc_counters(self) -> dict[str, float]:
         """Each tenant's VTC virtual counter now (none under FCFS), as ``/metrics`` exports them."""
         inner = self.policy.policy if isinstance(self.policy, MeteredPolicy) else self.policy
         return inner.counters() if isinstance(inner, VtcScheduler) else {}
@@ -956,7 +707,7 @@ class Engine:
         self.usage.prune(now)
         return self.usage.query(tenants=tenants, adapters=adapters, since_hour=since_hour)
 
-    def wall_clock(self) -> float:
+    def _wall_clock(self) -> float:
         """Unix seconds by the engine's clock: the hours traffic and usage are counted in."""
         return self.clock() + self.usage.wall_offset
 

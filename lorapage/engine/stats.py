@@ -9,9 +9,13 @@ it in their heartbeats as it is. No torch: the fleet's ingress reads it without 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorapage.adapters.metrics import AdapterMetrics
+    from lorapage.scheduler import SchedulerMetrics
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,15 @@ class EngineStats:
     evictions_per_minute: int  # adapters evicted over the last 60 s
     # -- a dedicated deployment (lorapage serve --merge): its equivalence check; None: the shared pool
     merged_deployment: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """What :meth:`Engine.metrics` answers: the live sources a Prometheus collector reads an
+    engine through when scraped (:func:`lorapage.server.metrics.register_engine_collectors`),
+    so that a front end holds no engine internals."""
+
+    stats: Callable[[], EngineStats]
+    scheduler: SchedulerMetrics  # admissions, rejections, waits per tenant
+    vtc_counters: Callable[[], dict[str, float]]  # each tenant's VTC counter now (none under FCFS)
+    adapters: AdapterMetrics  # loads, evictions, downloads, the top adapters' traffic

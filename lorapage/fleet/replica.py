@@ -56,13 +56,8 @@ class EngineReplica:
         self.in_flight = 0
         self.sync_period_s = sync_period_s
         self._metrics = CollectorRegistry()
-        register_engine_collectors(
-            self._metrics,
-            self.engine.stats,
-            self.engine.scheduler_metrics,
-            self.engine.vtc_counters,
-            self.engine.adapter_metrics,
-        )
+        seen = self.engine.metrics()
+        register_engine_collectors(self._metrics, seen.stats, seen.scheduler, seen.vtc_counters, seen.adapters)
         self._epoch, self._generation = "", 0
         self._deferred: dict[str, IdState] = {}  # ids whose busy versions could not be dropped yet
         self._weights: dict[str, float] = {}
@@ -112,10 +107,10 @@ class EngineReplica:
     async def _resolve(self, name: str) -> str:
         self._start_syncing()
         try:
-            return self.engine.resolve_adapter(name)
+            return self.engine.admin.resolve(name)
         except AdapterNotFoundError:
             await self.sync()
-            return self.engine.resolve_adapter(name)
+            return self.engine.admin.resolve(name)
 
     # -- admin work the ingress hands one replica -------------------------------------------------
 
@@ -126,7 +121,7 @@ class EngineReplica:
         returned, not raised)."""
         self._start_syncing()
         try:
-            return await self.engine.prepare_adapter(
+            return await self.engine.admin.prepare(
                 source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
             )
         except LorapageError as exc:
@@ -135,13 +130,13 @@ class EngineReplica:
     async def describe(self, keys: list[str]) -> list[AdapterInfo | LorapageError]:
         """What this replica's engine knows of versions ``keys`` (syncing first when it lacks one)."""
         self._start_syncing()
-        if not all(self.engine.has_version(k) for k in keys):
+        if not all(self.engine.admin.has_version(k) for k in keys):
             await self.sync()
         return [self._info(k) for k in keys]
 
     def _info(self, key: str) -> AdapterInfo | LorapageError:
         try:
-            return self.engine.adapter_info(key)
+            return self.engine.admin.info(key)
         except LorapageError as exc:
             return exc
 
@@ -149,7 +144,7 @@ class EngineReplica:
         """Pre-warm version ``key`` into this replica's pool (the router sent it to an owner)."""
         try:
             await self._resolve(key)
-            await self.engine.load_adapter(key)
+            await self.engine.admin.load(key)
         except LorapageError as exc:
             return exc
         return self._info(key)
@@ -158,7 +153,7 @@ class EngineReplica:
         """Whether pinning ``key`` fits (every replica has the same pool, pins and adapters)."""
         try:
             await self._resolve(key)
-            self.engine.check_pin(key)
+            self.engine.admin.check_pin(key)
         except LorapageError as exc:
             return exc
         return None
@@ -193,18 +188,18 @@ class EngineReplica:
     async def _apply(self, reply: SyncReply) -> None:
         if reply.full:
             listed = {s.adapter_id for s in reply.ids}
-            gone = [IdState(i, None, None, ()) for i in self.engine.adapter_ids() if i not in listed]
+            gone = [IdState(i, None, None, ()) for i in self.engine.admin.ids() if i not in listed]
             self._deferred.clear()
         else:
             gone = []
         for state in self._mirror([*self._deferred.values(), *reply.ids, *gone]):
             self._deferred[state.adapter_id] = state
         self._epoch, self._generation = reply.epoch, reply.generation
-        if self.engine.pins_to_load():
-            await self.engine.restore_pins()  # start the loads of new pins
+        if self.engine.admin.pins_to_load():
+            await self.engine.admin.restore_pins()  # start the loads of new pins
         for key in reply.unloads:
             try:
-                await self.engine.unload_adapter(key)
+                await self.engine.admin.unload(key)
             except LorapageError as exc:
                 log.info("replica %s kept %s resident: %s", self.replica_id, key, exc.message)
         if reply.tenant_weights != self._weights:
@@ -217,7 +212,7 @@ class EngineReplica:
         deferred = []
         for state in latest.values():
             self._deferred.pop(state.adapter_id, None)
-            busy = self.engine.mirror_adapter(state.adapter_id, state.owner, state.current, list(state.versions))
+            busy = self.engine.admin.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
             if busy:
                 deferred.append(state)
         return deferred
@@ -231,7 +226,7 @@ class EngineReplica:
         stats = self.engine.stats()
         pool = self._names(stats.resident_adapters)
         host = self._names(stats.host_ram_adapters) - pool
-        disk = self._names(v.key for v in self.engine.adapter_versions() if v.servable) - pool - host
+        disk = self._names(v.key for v in self.engine.admin.versions() if v.servable) - pool - host
         return {
             "pool": sorted(pool),
             "host": sorted(host),
@@ -247,7 +242,7 @@ class EngineReplica:
             names.add(key)
             adapter_id, _ = parse_name(key)
             try:
-                if self.engine.resolve_adapter(adapter_id) == key:
+                if self.engine.admin.resolve(adapter_id) == key:
                     names.add(adapter_id)
             except LorapageError:
                 pass

@@ -27,14 +27,14 @@ class EmbeddedTarget:
         self.engine = engine
         self.token_range = token_range
         self.metrics_note: str | None = None
-        self._metrics = ServerMetrics(engine.stats, engine.scheduler_metrics)
+        self._metrics = ServerMetrics(engine.stats, engine.metrics().scheduler)
 
     def describe(self) -> dict[str, Any]:
         c = self.engine.config
         return {
             "kind": "embedded",
             "model": c.model,
-            "adapters": len(self.engine.list_adapters()),
+            "adapters": len(self.engine.admin.served()),
             "config": {k: getattr(c, k) for k in ("max_loras", "max_cpu_loras", "max_num_seqs", "scheduler", "dtype")}
             | {"lora_dtype": c.resolved_lora_dtype, "max_resident_loras": self.engine.max_resident_loras},
             "device": str(self.engine.device),

@@ -45,7 +45,7 @@ def build_engine(
     try:
         for name, path in serve.lora_modules(args, prog=PROG).items():
             engine.add_adapter(name, path)
-        known = {info.name for info in engine.list_adapters()}
+        known = {info.name for info in engine.admin.served()}
         missing = [a for a in trace_adapters(trace, engine.base_name) if a not in known]
         for k, name in enumerate(missing if adapter_dirs else []):
             engine.add_adapter(name, adapter_dirs[k % len(adapter_dirs)])

@@ -28,6 +28,7 @@ from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.server.state import RouteState
 
 # An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
 ADMIN_MAX_BODY_BYTES = 64 << 10
@@ -78,20 +79,20 @@ class AdminRoutes:
     def __init__(self, state_key: web.AppKey) -> None:
         self.key = state_key
 
-    def _state(self, request: web.Request):
+    def _state(self, request: web.Request) -> RouteState:
         state = request.app[self.key]
         state.access.require_admin(request)
         return state
 
-    def _admin(self, request: web.Request):
+    def _admin(self, request: web.Request) -> tuple[RouteState, str]:
         """The server state and the admin key's id (the actor audit rows name)."""
         state = request.app[self.key]
         return state, state.access.admin_actor(request)
 
-    def _describe(self, state, name: str) -> AdapterOut:
+    def _describe(self, state: RouteState, name: str) -> AdapterOut:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
-        info = state.engine.adapter_info(name)
-        versions = state.engine.adapter_versions(info.adapter_id)
+        info = state.engine.admin.info(name)
+        versions = state.engine.admin.versions(info.adapter_id)
         current = next((v.version for v in versions if v.current), None)
         return AdapterOut(
             id=info.adapter_id,
@@ -124,15 +125,15 @@ class AdminRoutes:
         info = await self._register(state, reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:
             stored = await store_check_prompts(
-                state.engine.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
+                state.engine.admin.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
             )
             state.sampler.set_enabled(reg.id, stored.sample)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
-    async def _register(self, state, reg: Registration, actor: str) -> AdapterInfo:
+    async def _register(self, state: RouteState, reg: Registration, actor: str) -> AdapterInfo:
         with source_errors(reg):
-            source = await checked_source(reg, state.engine.adapter_roots, state.access)
-            info = await state.engine.register_adapter(
+            source = await checked_source(reg, state.engine.admin.roots, state.access)
+            info = await state.engine.admin.register(
                 reg.id,
                 source,
                 owner=reg.owner,
@@ -149,7 +150,7 @@ class AdminRoutes:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.server.lora_admin`)."""
         state, actor = self._admin(request)
         body = await read_admin_body(request)
-        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.adapter_ids())
+        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.admin.ids())
         await self._register(state, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
@@ -163,7 +164,7 @@ class AdminRoutes:
 
     async def list(self, request: web.Request) -> web.Response:
         state = self._state(request)
-        return _json({"object": "list", "data": [self._describe(state, i.name) for i in state.engine.list_adapters()]})
+        return _json({"object": "list", "data": [self._describe(state, i.name) for i in state.engine.admin.served()]})
 
     async def get(self, request: web.Request) -> web.Response:
         """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and its
@@ -180,8 +181,8 @@ class AdminRoutes:
             if state.access.owners.get(parse_name(name)[0]) != tenant:
                 raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         out = self._describe(state, name)
-        rows = await state.engine.adapter_traffic(out.id, TRAFFIC_HOURS)
-        first_hour = int(state.engine.wall_clock() // 3600) - TRAFFIC_HOURS + 1
+        rows = await state.engine.admin.traffic(out.id, TRAFFIC_HOURS)
+        first_hour = int(state.engine.admin.wall_clock() // 3600) - TRAFFIC_HOURS + 1
         out.traffic = TrafficOut.of([r for r in rows if r.version == out.version], first_hour)
         if not admin:
             out.path = out.source = ""
@@ -191,7 +192,7 @@ class AdminRoutes:
         """Every version of an id, servable on this base or not, oldest first."""
         state = self._state(request)
         adapter_id = request.match_info["id"]
-        versions = state.engine.adapter_versions(adapter_id)
+        versions = state.engine.admin.versions(adapter_id)
         if not versions:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         data = [
@@ -218,7 +219,7 @@ class AdminRoutes:
         state, actor = self._admin(request)
         adapter_id = request.match_info["id"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        info = await state.engine.set_adapter_version(_known_id(state, adapter_id), req.version, actor=actor)
+        info = await state.engine.admin.deploy(_known_id(state, adapter_id), req.version, actor=actor)
         return _json(self._describe(state, info.name))
 
     async def rollback(self, request: web.Request) -> web.Response:
@@ -228,7 +229,7 @@ class AdminRoutes:
         adapter_id = _known_id(state, request.match_info["id"])
         body = await read_admin_body(request)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
-        info = await state.engine.rollback_adapter(adapter_id, req.version, channel=req.channel or "", actor=actor)
+        info = await state.engine.admin.rollback(adapter_id, req.version, channel=req.channel or "", actor=actor)
         name = f"{adapter_id}@{req.channel}" if req.channel else info.name
         return _json(self._describe(state, name))
 
@@ -238,14 +239,14 @@ class AdminRoutes:
         state, actor = self._admin(request)
         adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        await state.engine.set_adapter_version(adapter_id, req.version, channel=channel, actor=actor)
+        await state.engine.admin.deploy(adapter_id, req.version, channel=channel, actor=actor)
         return _json(self._describe(state, f"{adapter_id}@{channel}"))
 
     async def delete_channel(self, request: web.Request) -> web.Response:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
         state, actor = self._admin(request)
         adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
-        await state.engine.remove_channel(adapter_id, channel, actor=actor)
+        await state.engine.admin.remove_channel(adapter_id, channel, actor=actor)
         return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -256,28 +257,28 @@ class AdminRoutes:
         running = await self._delete(state, name, request.query, actor)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(self, state, name: str, query: Mapping[str, str], actor: str) -> int:
-        keys = state.engine.removable_versions(name)  # 404 when unknown, 409 for the current of several
+    async def _delete(self, state: RouteState, name: str, query: Mapping[str, str], actor: str) -> int:
+        keys = state.engine.admin.removable_versions(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
-            state.engine.remove_adapter(name, actor=actor)  # 409 from the engine if it still holds requests
+            state.engine.admin.remove(name, actor=actor)  # 409 from the engine if it still holds requests
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
-        if adapter_id not in state.engine.adapter_ids():
+        if adapter_id not in state.engine.admin.ids():
             state.access.drop_owner(adapter_id)
         return running
 
     async def load(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
         adapter = request.match_info["id"]
-        await state.engine.load_adapter(adapter, actor=actor)
+        await state.engine.admin.load(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def unload(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
         adapter = request.match_info["id"]
-        await state.engine.unload_adapter(adapter, actor=actor)
+        await state.engine.admin.unload(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def pin(self, request: web.Request) -> web.Response:
@@ -285,13 +286,13 @@ class AdminRoutes:
         evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
         pins would pass ``--max-pinned-fraction`` of the pool."""
         state, actor = self._admin(request)
-        info = await state.engine.pin_adapter(request.match_info["id"], actor=actor)
+        info = await state.engine.admin.pin(request.match_info["id"], actor=actor)
         return _json(self._describe(state, info.name))
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Undo a pin: the version stays resident, evictable again."""
         state, actor = self._admin(request)
-        info = await state.engine.unpin_adapter(request.match_info["id"], actor=actor)
+        info = await state.engine.admin.unpin(request.match_info["id"], actor=actor)
         return _json(self._describe(state, info.name))
 
     async def internal_state(self, request: web.Request) -> web.Response:
@@ -305,9 +306,9 @@ class AdminRoutes:
         return _json({"engine": state.engine.stats(), "server": server})
 
 
-def _known_id(state, adapter_id: str) -> str:
+def _known_id(state: RouteState, adapter_id: str) -> str:
     """``adapter_id`` when it is an id with versions (404 for a version's or a channel's name)."""
-    if "@" in adapter_id or adapter_id not in state.engine.adapter_ids():
+    if "@" in adapter_id or adapter_id not in state.engine.admin.ids():
         raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
     return adapter_id
 

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -48,6 +47,7 @@ from lorapage.server.prompt_sampler import PromptSampler
 from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
 from lorapage.server.slo import DEFAULT_WINDOW_S, Outcome, SloTracker
+from lorapage.server.state import Responder, RouteState
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 from lorapage.server.usage_route import add_usage_route
 
@@ -58,10 +58,6 @@ log = logging.getLogger("lorapage.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
-
-
-# Runs a job on the engine and answers it over HTTP (generation.respond's signature).
-Responder = Callable[[web.Request, "Engine", Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
 
 
 class ServerState:
@@ -80,24 +76,20 @@ class ServerState:
         self.engine = engine
         self.access = access
         # Owners registered over the admin API survive restarts in the engine's registry.
-        for adapter_id, owner in engine.adapter_owners().items():
+        for adapter_id, owner in engine.admin.owners().items():
             access.set_owner(adapter_id, owner)
         # A tenant without max_concurrency may hold its share of the engine's queue, no more.
         self.quotas = QuotaManager(access.tenants, now=time.monotonic(), queue_len=engine.config.max_queue_len)
         self.admissions = AdmissionRate(_ADMISSION_WINDOW_S)  # requests that got their first output
         self.loop_lag = LoopLagMonitor()
         self.slo = SloTracker(access.tenants.slo_targets(), slo_window_s)
+        seen = engine.metrics()
         self.metrics = ServerMetrics(
-            engine.stats,
-            engine.scheduler_metrics,
-            engine.vtc_counters,
-            loop_lag=self.loop_lag,
-            adapters=engine.adapter_metrics,
-            slo=self.slo,
+            seen.stats, seen.scheduler, seen.vtc_counters, loop_lag=self.loop_lag, adapters=seen.adapters, slo=self.slo
         )
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         # Check prompts sampled from the traffic of the adapters whose owners opted in.
-        self.sampler = PromptSampler(engine.registry.sampling_ids())
+        self.sampler = PromptSampler(engine.admin.registry.sampling_ids())
         self.sampler_task: asyncio.Task | None = None
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
@@ -117,7 +109,7 @@ class ServerState:
             access,
             self.card,
             serving=self._serving_ids,
-            key=lambda: (engine.adapter_generation, frozenset(self.draining)),
+            key=lambda: (engine.admin.generation, frozenset(self.draining)),
         )
 
     def audit_later(self, action: str, *, after: dict | None = None, outcome: str = "ok") -> None:
@@ -126,7 +118,7 @@ class ServerState:
 
         async def record() -> None:
             try:
-                await self.engine.record_admin(action, None, actor="sighup", after=after, outcome=outcome)
+                await self.engine.admin.record(action, None, actor="sighup", after=after, outcome=outcome)
             except Exception:
                 log.exception("the audit row of %s was not written", action)
 
@@ -143,7 +135,7 @@ class ServerState:
         merged = self.engine.merged_adapter
         if merged is not None:  # a dedicated deployment serves its one version
             return [merged.partition("@")[0]]
-        versions = self.engine.adapter_versions()
+        versions = self.engine.admin.versions()
         return [v.adapter_id for v in versions if v.current and v.servable and v.key not in self.draining]
 
     def check_open(self) -> None:
@@ -158,7 +150,7 @@ class ServerState:
         if not self.access.may_use(tenant, adapter_id):
             return None
         try:
-            key = self.engine.resolve_adapter(name)
+            key = self.engine.admin.resolve(name)
         except AdapterNotFoundError:
             return None
         return None if key in self.draining else key
@@ -173,7 +165,7 @@ class ServerState:
         the request is read (429 with Retry-After when it has none); :meth:`release` frees it."""
         got = self.quotas.admit(tenant, time.monotonic())
         if isinstance(got, QuotaExceeded):
-            self.engine.scheduler_metrics.record_rejected(tenant, 0, got.which)  # its size is not known yet
+            self.engine.record_rejected(tenant, 0, got.which)  # its size is not known yet
             raise QuotaExceededError(got.message, retry_after=got.retry_after_s)
         return got
 
@@ -189,7 +181,7 @@ class ServerState:
 
     def record_rejected(self, job: Job, reason: str) -> None:
         tokens = job.prompt_tokens + job.completion_budget()
-        self.engine.scheduler_metrics.record_rejected(job.tenant, tokens, reason)
+        self.engine.record_rejected(job.tenant, tokens, reason)
 
     def record_slo(self, job: Job, status: int) -> None:
         """Judge an answered generation request against its tenant's SLOs: a 5xx (or a started
@@ -236,6 +228,8 @@ class ServerState:
 
 
 STATE = web.AppKey("lorapage_state", ServerState)
+if TYPE_CHECKING:  # mypy checks that ServerState is what the route modules are typed against
+    _ROUTE_STATE: type[RouteState] = ServerState
 
 
 def reload_tenants(app: web.Application, path: str) -> None:
@@ -382,7 +376,7 @@ async def _drain_on_shutdown(app: web.Application) -> None:
 
 async def _restore_pins(app: web.Application) -> None:
     """Adapters pinned before a restart load now, not at the first request."""
-    await app[STATE].engine.restore_pins()
+    await app[STATE].engine.admin.restore_pins()
 
 
 async def _start_loop_lag(app: web.Application) -> None:

@@ -128,7 +128,7 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
         state = request.app[state_key]
         state.access.require_admin(request)
         query = audit_query(request.query)
-        rows = await state.engine.audit(dataclasses.replace(query, limit=query.limit + 1))  # one more: has_more
+        rows = await state.engine.admin.audit(dataclasses.replace(query, limit=query.limit + 1))  # one more: has_more
         data = [entry_json(e) for e in rows[: query.limit]]
         return _json({"object": "list", "data": data, "has_more": len(rows) > query.limit})
 
@@ -144,15 +144,15 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
         engine = state.engine
-        if adapter_id not in engine.adapter_ids():
+        if adapter_id not in engine.admin.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-        moves = await engine.adapter_history(adapter_id, limit + 1)
+        moves = await engine.admin.history(adapter_id, limit + 1)
         return _json(
             {
                 "object": "list",
                 "adapter_id": adapter_id,
-                "current": next((v.version for v in engine.adapter_versions(adapter_id) if v.current), None),
-                "channels": engine.adapter_channels(adapter_id),
+                "current": next((v.version for v in engine.admin.versions(adapter_id) if v.current), None),
+                "channels": engine.admin.channels(adapter_id),
                 "data": [move_json(m, with_actor=admin) for m in moves[:limit]],
                 "has_more": len(moves) > limit,
             }

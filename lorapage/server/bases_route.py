@@ -117,7 +117,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         owners = state.access.owners
         rows = [
             _row_out(r, owners.get(r.adapter_id))
-            for r in await _registry(state, state.engine.registry.migration_states, target)
+            for r in await _registry(state, state.engine.admin.registry.migration_states, target)
         ]
         if wanted is not None:
             rows = [r for r in rows if r["tenant"] == wanted]
@@ -148,7 +148,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         if job is not None and job.status == "running":
             raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
         keys = current_versions(state.engine, req.adapters)
-        states = {r.key: r for r in await _registry(state, state.engine.registry.migration_states, target)}
+        states = {r.key: r for r in await _registry(state, state.engine.admin.registry.migration_states, target)}
         ready, skipped = [], []
         for key in keys:
             row = states.get(key)
@@ -165,8 +165,8 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
             skipped.append({"id": parse_key(key)[0], "version": parse_key(key)[1], "state": why})
         migrated = []
         for row in ready:
-            new = await _registry(state, lambda r=row: state.engine.registry.migrate_version(r, actor=actor))
-            state.engine.add_migrated_version(new)
+            new = await _registry(state, lambda r=row: state.engine.admin.registry.migrate_version(r, actor=actor))
+            state.engine.admin.add_migrated_version(new)
             migrated.append({"id": row.adapter_id, "from_version": row.version, "version": new.version})
         return _json(
             {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
@@ -180,7 +180,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         key = bearer_key(request)
         assert key is not None
         stored = await store_check_prompts(
-            state.engine.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
+            state.engine.admin.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
         )
         state.sampler.set_enabled(adapter_id, stored.sample)
         return check_prompts_out(stored)
@@ -188,7 +188,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
     async def get_check_prompts(request: web.Request) -> web.Response:
         state = request.app[state_key]
         adapter_id, _ = owned_id(state, request)
-        return check_prompts_out(await _registry(state, state.engine.registry.check_prompts, adapter_id))
+        return check_prompts_out(await _registry(state, state.engine.admin.registry.check_prompts, adapter_id))
 
     app.router.add_put("/v1/adapters/{id}/check_prompts", put_check_prompts)
     app.router.add_get("/v1/adapters/{id}/check_prompts", get_check_prompts)

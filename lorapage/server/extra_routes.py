@@ -29,6 +29,7 @@ from lorapage.server.quota import AdmissionRate
 from lorapage.server.responses_api import ResponsesPlan, parse_responses
 from lorapage.server.responses_output import answer_response, responses_job
 from lorapage.server.sse import EventStream
+from lorapage.server.state import RouteState
 from lorapage.server.version import PING_BODY, version_body
 from lorapage.tools import ToolFormat, detect_format
 
@@ -62,13 +63,13 @@ class ExtraRoutes:
         self.key = state_key
         self._tool_format: ToolFormat | None = None
 
-    def tool_format(self, state: Any) -> ToolFormat:
+    def tool_format(self, state: RouteState) -> ToolFormat:
         """The format the model's chat template writes tool calls in (found once)."""
         if self._tool_format is None:
             self._tool_format = detect_format(state.engine.tokenizer.chat_template)
         return self._tool_format
 
-    def _admitted(self, request: web.Request) -> tuple[Any, str]:
+    def _admitted(self, request: web.Request) -> tuple[RouteState, str]:
         """The state and the tenant, once its key is known and its declared body size fits."""
         state = request.app[self.key]
         tenant = state.access.tenant_for(request)
@@ -106,7 +107,7 @@ class ExtraRoutes:
         return web.Response(body=PING_BODY, status=503 if request.app[self.key].closing else 200)
 
     @staticmethod
-    def _resolver(state: Any, tenant: str) -> tokenization.Resolve:
+    def _resolver(state: RouteState, tenant: str) -> tokenization.Resolve:
         async def resolve(model: str) -> object:
             return state.resolve(model, tenant)
 
