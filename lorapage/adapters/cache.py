@@ -62,7 +62,7 @@ class AdapterEntry:
 
 @dataclass(frozen=True)
 class AdapterInfo:
-    """What callers (the server's admin routes, ``Engine.adapter_info``) see of an adapter."""
+    """What callers (the server's admin routes, ``engine.admin.info``) see of an adapter."""
 
     name: str
     path: str

@@ -62,7 +62,7 @@ REGISTRATION_TIMEOUT_S = 30.0  # reading and checking one adapter may take this 
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """One version as callers see it (admin routes, ``Engine.adapter_versions``)."""
+    """One version as callers see it (admin routes, ``engine.admin.versions``)."""
 
     adapter_id: str
     version: int

@@ -17,15 +17,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, M
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
-from lorapage.adapters.catalog import (
-    AdapterCatalog,
-)
+from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.loader import AdapterLoader, content_digest
@@ -427,11 +424,30 @@ class Engine:
         a PEFT LoRA directory as a new version of ``name``, validated now in the calling thread."""
         return self.admin.add(name, path, owner=owner, expected_base_digest=expected_base_digest)
 
-    async def register_adapter(self, name: str, source: str | Path, **kwargs: Any) -> AdapterInfo:
-        """Shortcut for :meth:`AdapterAdmin.register <lorapage.engine.admin.AdapterAdmin.register>`
-        (same keywords): :meth:`add_adapter` without holding the event loop, from a directory or a
-        source URI."""
-        return await self.admin.register(name, source, **kwargs)
+    async def register_adapter(
+        self,
+        name: str,
+        source: str | Path,
+        *,
+        owner: str | None = None,
+        sha256: str | None = None,
+        expected_base_digest: str | None = None,
+        activate: bool = True,
+        timeout_s: float = REGISTRATION_TIMEOUT_S,
+        actor: str | None = None,
+    ) -> AdapterInfo:
+        """Shortcut for :meth:`AdapterAdmin.register <lorapage.engine.admin.AdapterAdmin.register>`:
+        :meth:`add_adapter` without holding the event loop, from a directory or a source URI."""
+        return await self.admin.register(
+            name,
+            source,
+            owner=owner,
+            sha256=sha256,
+            expected_base_digest=expected_base_digest,
+            activate=activate,
+            timeout_s=timeout_s,
+            actor=actor,
+        )
 
     @asynccontextmanager
     async def _locate_version(self, source: str, digest: str, owner: str | None) -> AsyncIterator[Path]:
