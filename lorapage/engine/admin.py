@@ -79,7 +79,7 @@ class AdapterAdmin:
         it); it is validated now (read whole, in the calling thread), committed to the registry
         and loaded lazily. It must have been trained on this base: ``expected_base_digest`` when
         given, else its ``base_model_name_or_path`` says so (:mod:`lorapage.adapters.binding`).
-        The directory must be one ``owner``'s versions may be read from (see ``adapter_roots``).
+        The directory must be one ``owner``'s versions may be read from (see :attr:`roots`).
         From a running event loop use :meth:`register`."""
         self.roots.check(Path(path), owner)
         version = self._catalog.register_now(name, Path(path), owner=owner, expected_base_digest=expected_base_digest)
