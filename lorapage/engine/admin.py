@@ -129,7 +129,7 @@ class AdapterAdmin:
     ) -> PreparedVersion:
         """Fetch and check an adapter as :meth:`register` does (for ``owner``),
         committing it nowhere: the version a registry held elsewhere (a fleet's) stores and this
-        engine then mirrors (``catalog.mirror``)."""
+        engine then mirrors (:meth:`mirror`)."""
         self._check_open()
         src = await self._source(source, sha256, owner)
         async with self._sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
