@@ -15,6 +15,10 @@ it; replicas mirror the registry through their heartbeats (:meth:`FleetIngress.s
 stats and series ``/metrics`` and ``/internal/state`` re-export. ``--lora-modules`` are
 registered in the registry (checked on a replica) before the first request is answered.
 
+The ingress judges every generation request it answers against its tenant's SLOs (the
+``lorapage_tenant_*`` series of ``lorapage serve``, on ``/metrics``) and, with ``--access-log``,
+writes ``lorapage serve``'s request-log line for every answer (:mod:`lorapage.fleet.accounting`).
+
 An edited tenants file reaches the ingress as :meth:`FleetIngress.reload_tenants` (``lorapage
 fleet`` calls it on SIGHUP). With a state directory the accepted text is kept there, so an
 ingress that Ray restarts keeps the reloaded keys rather than the file the fleet started with.
@@ -53,6 +57,7 @@ from lorapage.errors import (
     QuotaExceededError,
     ServiceUnavailableError,
 )
+from lorapage.fleet.accounting import RequestAccounting, until_end
 from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
@@ -61,6 +66,7 @@ from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol, tokenization
+from lorapage.server.access_log import AccessLog
 from lorapage.server.auth import Access
 from lorapage.server.error_json import log_refusal
 from lorapage.server.generation import Answer, Formatter, Job, Timing, answer, chained, make_job
@@ -70,6 +76,7 @@ from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
 from lorapage.server.responses_api import ResponsesPlan, parse_responses
 from lorapage.server.responses_output import answer_response, responses_job
+from lorapage.server.slo import SloTracker
 from lorapage.server.sse import SSE_HEADERS
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 from lorapage.server.version import PING_BODY, version_body
@@ -105,7 +112,10 @@ class FleetIngress:
             if (owner := self.registry.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
-        self.metrics = ServerMetrics()  # the ingress's own series; the replicas' are re-exported
+        self.slo = SloTracker(self.access.tenants.slo_targets(), config.slo_window_s)
+        self.metrics = ServerMetrics(slo=self.slo)  # the ingress's own series; the replicas' are re-exported
+        # An access log the ingress cannot open fails its deployment, saying why (the CLI checks it first).
+        self.accounting = RequestAccounting(self.slo, AccessLog(config.access_log) if config.access_log else None)
         self.metrics.registry.register(self.reports)
         self.rejected = MetricCounter(
             "lorapage_fleet_rejected_requests",
@@ -150,6 +160,7 @@ class FleetIngress:
         }
 
     async def __call__(self, request: Request) -> Response:
+        started = time.monotonic()
         try:
             response = await self._dispatch(request)
         except LorapageError as exc:
@@ -158,7 +169,17 @@ class FleetIngress:
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
             response = internal_error()
-        self.metrics.requests.labels(self._route_label(request.url.path), str(response.status_code)).inc()
+        route, status = self._route_label(request.url.path), response.status_code
+        self.metrics.requests.labels(route, str(status)).inc()
+        job: Job | None = getattr(request.state, "job", None)  # set by run(): a generation request
+
+        def finished() -> None:
+            self.accounting.finished(request.method, route, status, started, job)
+
+        if isinstance(response, StreamingResponse):  # recorded when the stream ends
+            response.body_iterator = until_end(response.body_iterator, finished)
+        else:
+            finished()
         return response
 
     def _route_label(self, path: str) -> str:
@@ -223,9 +244,13 @@ class FleetIngress:
         try:
             config = TenantsConfig.from_toml(text, source="the reloaded tenants file")
         except TenantsConfigError as exc:
+            self.registry.record(
+                "tenants_reload", None, actor="sighup", outcome=f"refused: the file did not load ({type(exc).__name__})"
+            )
             return f"tenants file not reloaded, keeping the old one: {exc}"
         self.access.tenants = config
         self.quotas.reload(config, now=time.monotonic())
+        self.slo.set_targets(config.slo_targets())
         if self.config.state_dir is not None:
             record = {"origin": _sha256(self.config.tenants_toml), "text": text}
             target = Path(self.config.state_dir) / TENANTS_FILE
@@ -233,6 +258,8 @@ class FleetIngress:
             temp = target.with_suffix(".tmp")
             temp.write_text(json.dumps(record), encoding="utf-8")
             os.replace(temp, target)
+        # Audited as lorapage serve audits its SIGHUP (the fleet's CLI calls this on one).
+        self.registry.record("tenants_reload", None, actor="sighup", after={"tenants": sorted(config.tenants)})
         return f"tenants file reloaded: {len(config.tenants)} tenants"
 
     def _tenants_text(self) -> str:
@@ -318,7 +345,7 @@ class FleetIngress:
                 parsed = await prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
             await self.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
             job = await self._job(kind, request, parsed, tenant, await prompts.of(kind, tenant, parsed), arrival)
-            return await self.run(job, reservation)
+            return await self.run(request, job, reservation)
         except BaseException:
             self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
             raise
@@ -427,7 +454,7 @@ class FleetIngress:
             model, adapter = await self.resolve(plan.req.model, tenant)
             job = responses_job(plan, model, adapter, tenant, ids, profile.max_model_len, arrival, self.access)
             return await self.run(
-                job, reservation, lambda outputs, job, timing: answer_response(outputs, job, plan, timing)
+                request, job, reservation, lambda outputs, job, timing: answer_response(outputs, job, plan, timing)
             )
         except BaseException:
             self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
@@ -459,10 +486,13 @@ class FleetIngress:
         if not self.in_flight[job.adapter]:
             del self.in_flight[job.adapter]
 
-    async def run(self, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None) -> Response:
+    async def run(
+        self, request: Request, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None
+    ) -> Response:
         """Charge ``job``'s tokens, run it on a replica and answer it with ``answer_with`` (chat
         and completions' shapes by default; ``/v1/responses`` brings its own)."""
         self.charge(job, reservation)
+        request.state.job = job  # for its tenant's SLOs and the access log (as lorapage serve's request[JOB])
         served: list[str] = []  # the replica that took it (the last, after a retry)
         timing = Timing(job, self.metrics, self.admissions)
         try:
@@ -530,10 +560,14 @@ class FleetIngress:
                     elif job.stream or item.finished:
                         passed_on = True
                         yield item
+                    elif item.token_ids and job.first_token_at is None:  # a whole answer's TTFT: when it came
+                        job.first_token_at = time.monotonic()
                 return
             except RayActorError:
                 job.prompt_computed -= counted  # resent: the next replica's start counts it again
                 counted = 0
+                if not passed_on and i == 0:
+                    job.first_token_at = None  # nothing was answered: the resent request's first token counts
                 if passed_on:
                     raise ServiceUnavailableError(
                         "the engine replica serving this request stopped mid-answer; send the request again",
