@@ -18,6 +18,7 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.errors import InvalidRequestError
 from lorapage.fleet.accounting import RequestAccounting, until_end
 from lorapage.fleet.registry import FleetRegistry
+from lorapage.fleet.routing import replica_target, targeted_replica
 from lorapage.sampling_params import SamplingParams
 from lorapage.server.access_log import AccessLog
 from lorapage.server.audit_route import audit_list
@@ -25,6 +26,8 @@ from lorapage.server.generation import Job
 from lorapage.server.metrics import ServerMetrics
 from lorapage.server.slo import SloTargets, SloTracker
 from lorapage.server.tenants import key_id
+from lorapage.usage.ledger import Usage
+from lorapage.usage.report import summed, usage_json
 
 ADMIN = key_id("an-admin-key")
 BASE_DIGEST = "b" * 64
@@ -154,3 +157,23 @@ def test_a_stream_is_recorded_once_when_it_ends_or_its_client_goes_away() -> Non
     assert asyncio.run(read(3)) == [b"a", b"b", b"c"] and events == ["body closed", "recorded"]
     events.clear()
     assert asyncio.run(read(1)) == [b"a"] and events == ["body closed", "recorded"]
+
+
+def test_replicas_usage_rows_sum_into_one_ledgers() -> None:
+    first = [((10, "alpha", "acme@1"), Usage(requests=2, output_tokens=40, device_s=0.5))]
+    second = [
+        ((9, "", "acme@1"), Usage(adapter_page_s=30.0, load_bytes=1024)),
+        ((10, "alpha", "acme@1"), Usage(requests=1, output_tokens=8, device_s=0.25)),
+        ((10, "beta", ""), Usage(requests=1, prompt_tokens=5)),
+    ]
+    rows = summed([first, second, []])
+    assert [key for key, _ in rows] == [(9, "", "acme@1"), (10, "alpha", "acme@1"), (10, "beta", "")]
+    assert rows[1][1] == Usage(requests=3, output_tokens=48, device_s=0.75)
+    parts = [usage_json(first)["total"], usage_json(second)["total"]]
+    assert usage_json(rows)["total"] == {k: parts[0][k] + parts[1][k] for k in parts[0]}  # still adds up
+    assert first[0][1] == Usage(requests=2, output_tokens=40, device_s=0.5)  # the parts are not changed
+
+
+def test_a_replica_target_is_never_an_adapter_id() -> None:
+    assert targeted_replica(replica_target("ab12cd")) == "ab12cd"
+    assert targeted_replica("acme") is None and targeted_replica("") is None

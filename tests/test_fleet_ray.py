@@ -527,6 +527,47 @@ async def test_audit_tenant_slos_and_access_log_at_the_ingress(fleet):
     assert "Hello there" not in fleet.access_log.read_text()  # never prompt text
 
 
+def replica_series(text: str, name: str, tenant: str) -> dict[str, float]:
+    """One re-exported engine counter of ``tenant``, by replica."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'tenant="{tenant}"' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[replica] = float(line.split()[-1])
+    return out
+
+
+async def test_usage_sums_every_replicas_ledger(fleet):
+    # The earlier tests spread alpha's requests over both replicas (the spill test among them).
+    async def agree():
+        status, body, _ = await fleet.call("GET", "/v1/usage?tenant=alpha")
+        assert status == 200, body
+        status, text, _ = await fleet.call("GET", "/metrics", key=METRICS_KEY)
+        by_replica = replica_series(text, "lorapage_tenant_served_output_tokens_total", "alpha")
+        fleet_total = sum(row["output_tokens"] for row in body["data"])
+        return (body, by_replica) if fleet_total == sum(by_replica.values()) else None
+
+    body, by_replica = await eventually(agree)
+    assert len([v for v in by_replica.values() if v > 0]) == 2  # both replicas' ledgers are in the sum
+    assert body["object"] == "list" and {row["tenant"] for row in body["data"]} == {"alpha"}
+    assert body["total"]["output_tokens"] == sum(by_replica.values())
+    assert any(row["adapter"].startswith("acme@") and row["requests"] > 0 for row in body["data"])
+    keys = [(row["hour"], row["tenant"], row["adapter"]) for row in body["data"]]
+    assert keys == sorted(set(keys))  # one row per (hour, tenant, adapter version): summed, not listed twice
+
+    # A tenant key: its own rows only, as lorapage serve answers; CSV too.
+    status, mine, _ = await fleet.call("GET", "/v1/usage", key=KEYS["beta"])
+    assert status == 200 and all(row["tenant"] in ("beta", "") for row in mine["data"])
+    status, body, _ = await fleet.call("GET", "/v1/usage?tenant=alpha", key=KEYS["beta"])
+    assert status == 403
+    assert_openai_error(body, 403, param="tenant")
+    status, text, headers = await fleet.call("GET", "/v1/usage?format=csv&adapter=acme")
+    assert status == 200 and headers["Content-Type"].startswith("text/csv")
+    assert text.splitlines()[0].startswith("hour,tenant,adapter,requests")
+    status, body, _ = await fleet.call("GET", "/v1/usage?format=xml")
+    assert status == 400
+
+
 async def test_tenants_reload_and_ingress_restart_keep_the_registry(fleet):
     app = serve.get_app_handle(APP_NAME)
     source = f"{fleet.adapter_root}/initech"

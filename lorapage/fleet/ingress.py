@@ -18,6 +18,8 @@ registered in the registry (checked on a replica) before the first request is an
 The ingress judges every generation request it answers against its tenant's SLOs (the
 ``lorapage_tenant_*`` series of ``lorapage serve``, on ``/metrics``) and, with ``--access-log``,
 writes ``lorapage serve``'s request-log line for every answer (:mod:`lorapage.fleet.accounting`).
+``GET /v1/usage`` asks every live replica for its usage ledger (one call each, in turn, routed
+to it by id) and sums the rows before ``lorapage serve``'s filtering and answer.
 
 An edited tenants file reaches the ingress as :meth:`FleetIngress.reload_tenants` (``lorapage
 fleet`` calls it on SIGHUP). With a state directory the accepted text is kept there, so an
@@ -63,6 +65,7 @@ from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
 from lorapage.fleet.registry import FleetRegistry
+from lorapage.fleet.routing import replica_target
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol, tokenization
@@ -79,8 +82,11 @@ from lorapage.server.responses_output import answer_response, responses_job
 from lorapage.server.slo import SloTracker
 from lorapage.server.sse import SSE_HEADERS
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
+from lorapage.server.usage_route import usage_answer, usage_request
 from lorapage.server.version import PING_BODY, version_body
 from lorapage.tools import detect_format
+from lorapage.usage.ledger import Key, Usage
+from lorapage.usage.report import summed
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -88,6 +94,7 @@ REPLICA_HEADER = "x-lorapage-replica"  # which engine replica answered (Ray's re
 _RETRY_BACKOFF_S = 0.25  # before resending a request whose replica died (times the attempt)
 _RAY_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # Ray's (or the client's) id, if safe to echo
 _ADMISSION_WINDOW_S = 10
+_USAGE_TIMEOUT_S = 10.0  # for one replica's usage rows (a replica Ray is replacing never answers)
 # A route's handler, and how a job's engine outputs become its answer (generation.answer's role).
 Handler = Callable[[Request], Awaitable[Response]]
 AnswerWith = Callable[[AsyncGenerator[Any, None], Job, Timing], Awaitable[Answer]]
@@ -152,6 +159,7 @@ class FleetIngress:
             "/v1/models": {"GET": self.list_models},
             "/health": {"GET": self.health},
             "/metrics": {"GET": self.render_metrics},
+            "/v1/usage": {"GET": self.usage},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
             "/tokenizer_info": {"GET": self.tokenizer_info},
@@ -278,6 +286,24 @@ class FleetIngress:
         if not self.config.metrics_public:
             self.access.require_metrics(cast(Any, request))
         return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def usage(self, request: Request) -> Response:
+        """``GET /v1/usage``: every live replica's ledger, summed by (hour, tenant, adapter
+        version), answered as ``lorapage serve`` answers it; 503 when a replica does not report."""
+        req = usage_request(self.access, cast(Any, request), request.query_params)
+        # One replica after another: two calls at once under one request's id left the second unrouted (outputs()).
+        parts = [await self._replica_usage(rid, req.since_hour) for rid in self.reports.live()]
+        body, content_type = usage_answer(req, summed(parts), self.access.owners)
+        return Response(body, media_type=content_type)
+
+    async def _replica_usage(self, replica_id: str, since_hour: int | None) -> list[tuple[Key, Usage]]:
+        handle = self.engines.options(multiplexed_model_id=replica_target(replica_id))
+        try:
+            return await asyncio.wait_for(handle.usage_rows.remote(since_hour), _USAGE_TIMEOUT_S)
+        except (TimeoutError, RayActorError):
+            raise ServiceUnavailableError(
+                f"engine replica {replica_id} did not report its usage (it may be restarting); retry", retry_after=5
+            ) from None
 
     # -- what the engines are ---------------------------------------------------------------------
 
