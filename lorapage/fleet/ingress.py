@@ -252,9 +252,7 @@ class FleetIngress:
         try:
             config = TenantsConfig.from_toml(text, source="the reloaded tenants file")
         except TenantsConfigError as exc:
-            self.registry.record(
-                "tenants_reload", None, actor="sighup", outcome=f"refused: the file did not load ({type(exc).__name__})"
-            )
+            self._audit_reload(outcome=f"refused: the file did not load ({type(exc).__name__})")
             return f"tenants file not reloaded, keeping the old one: {exc}"
         self.access.tenants = config
         self.quotas.reload(config, now=time.monotonic())
@@ -266,9 +264,16 @@ class FleetIngress:
             temp = target.with_suffix(".tmp")
             temp.write_text(json.dumps(record), encoding="utf-8")
             os.replace(temp, target)
-        # Audited as lorapage serve audits its SIGHUP (the fleet's CLI calls this on one).
-        self.registry.record("tenants_reload", None, actor="sighup", after={"tenants": sorted(config.tenants)})
+        self._audit_reload(after={"tenants": sorted(config.tenants)})
         return f"tenants file reloaded: {len(config.tenants)} tenants"
+
+    def _audit_reload(self, *, after: dict | None = None, outcome: str = "ok") -> None:
+        """Audit a reload as ``lorapage serve`` audits its SIGHUP (the fleet's CLI calls
+        :meth:`reload_tenants` on one); a failure to write the row is logged, not raised."""
+        try:
+            self.registry.record("tenants_reload", None, actor="sighup", after=after, outcome=outcome)
+        except Exception:
+            log.exception("the audit row of a tenants reload was not written")
 
     def _tenants_text(self) -> str:
         """The tenants text a reload accepted for this fleet's start file, else the start file."""
