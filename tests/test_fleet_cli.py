@@ -122,6 +122,23 @@ async def test_replica_cpus_that_cannot_fit_are_refused_before_ray_starts() -> N
     assert "key" not in out and "Traceback" not in err
 
 
+async def test_access_log_and_slo_window_reach_the_ingress_or_are_refused_before_ray_starts(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from lorapage.fleet.cli import build_parser, fleet_config
+
+    monkeypatch.chdir(tmp_path)
+    config = fleet_config(build_parser().parse_args(["--access-log", "access.jsonl", "--slo-window", "60"]), 1.0, "")
+    # Absolute: the ingress runs in Ray's working directory.
+    assert config.access_log == str(tmp_path / "access.jsonl") and config.slo_window_s == 60.0
+    assert fleet_config(build_parser().parse_args(["--access-log", "-"]), 1.0, "").access_log == "-"
+    missing = tmp_path / "missing" / "access.jsonl"
+    code, out, err = await _run_fleet("--access-log", str(missing), timeout_s=60)
+    assert code == 2 and f"--access-log {missing}: No such file" in err and "Traceback" not in err
+    code, out, err = await _run_fleet("--slo-window", "0", timeout_s=60)
+    assert code == 2 and "--slo-window must be a number of seconds > 0" in err and "key" not in out
+
+
 async def test_api_key_is_the_single_tenant_and_not_beside_a_tenants_file(tmp_path: Path, capsys) -> None:
     from lorapage.fleet.cli import _tenants_toml
     from lorapage.server.tenants import TenantsConfig

@@ -43,13 +43,17 @@ from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.routing import rendezvous_owners  # noqa: E402
 from lorapage.model.tokenizer import Tokenizer  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
-from lorapage.server.tenants import hash_key  # noqa: E402
+from lorapage.server.tenants import hash_key, key_id  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 CAPACITY = 4  # max_num_seqs of each replica: the load at which its adapters spill
 CHAT = [{"role": "user", "content": "Who are you?"}]
+# alpha sets SLOs, so the ingress exports its targets and burn rates.
+SLO_TENANTS_TOML = TENANTS_TOML.replace(
+    "[tenants.alpha]\n", "[tenants.alpha]\nslo_ttft_p95_s = 60.0\nslo_error_rate = 0.01\n"
+)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Fleet:
     url: str
     state_dir: str
     adapter_root: str
+    access_log: Path
 
     async def call(self, method: str, path: str, body: dict | None = None, key: str | None = ADMIN_KEY):
         """(status, parsed JSON or text, headers) of one request, by default with the admin key."""
@@ -116,6 +121,7 @@ def owner(adapter: str) -> str:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Iterator[Fleet]:
     state_dir, root = tmp_path_factory.mktemp("fleet-state"), tmp_path_factory.mktemp("adapter-root")
+    access_log = tmp_path_factory.mktemp("logs") / "access.jsonl"
     for name, path in demo_adapter_dirs().items():  # registrable copies of the demo adapters
         shutil.copytree(path, root / name)
     ray.init(
@@ -127,7 +133,8 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     port = _free_port()
     config = FleetConfig(
         engine=EngineConfig(model=str(TINY_BASE_DIR), device="cpu", max_num_seqs=CAPACITY),
-        tenants_toml=TENANTS_TOML,
+        tenants_toml=SLO_TENANTS_TOML,
+        access_log=str(access_log),
         lora_modules=tuple((name, str(path)) for name, path in demo_adapter_dirs().items()),
         replicas=2,
         replica_cpus=0.5,
@@ -141,7 +148,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        yield Fleet(f"http://127.0.0.1:{port}", str(state_dir), str(root))
+        yield Fleet(f"http://127.0.0.1:{port}", str(state_dir), str(root), access_log)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -469,6 +476,98 @@ async def test_pin_unload_metrics_and_state_reach_every_replica(fleet):
     assert state["ingress"]["registry_generation"] >= 1
 
 
+async def test_audit_tenant_slos_and_access_log_at_the_ingress(fleet):
+    # The pin test's admin actions, audited as the admin key's id; serve's filters and answers.
+    admin = key_id(ADMIN_KEY)
+    status, body, _ = await fleet.call("GET", "/v1/audit?adapter=globex&action=pin")
+    assert status == 200 and body["object"] == "list" and body["has_more"] is False, body
+    assert [(e["action"], e["actor"], e["after"]["pinned"]) for e in body["data"]] == [("pin", admin, True)]
+    status, body, _ = await fleet.call("GET", "/v1/audit?adapter=globex&action=unload")
+    assert [(e["actor"], e["outcome"]) for e in body["data"]] == [(admin, "ok")]
+    status, body, _ = await fleet.call("GET", f"/v1/audit?actor={admin}&limit=1")
+    assert status == 200 and len(body["data"]) == 1 and body["has_more"] is True
+    newest = body["data"][0]["id"]
+    status, body, _ = await fleet.call("GET", f"/v1/audit?actor={admin}&before_id={newest}&limit=1000")
+    assert status == 200 and body["data"] and all(e["id"] < newest for e in body["data"])
+    assert {e["action"] for e in body["data"]} >= {"register", "deploy", "delete", "unpin"}
+    status, body, _ = await fleet.call("GET", "/v1/audit?who=me")
+    assert status == 400
+    assert_openai_error(body, 400, param="who")
+    status, body, _ = await fleet.call("GET", "/v1/audit", key=KEYS["alpha"])
+    assert status == 403, body
+
+    # The tenant's SLO series, measured at the ingress, whole answers and streams.
+    def completions_logged() -> list[dict]:
+        lines = [json.loads(line) for line in fleet.access_log.read_text().splitlines()]
+        return [x for x in lines if x["route"] == "/v1/completions"]
+
+    before = len(completions_logged())
+    status, got, _ = await fleet.post("/v1/completions", completion("acme"))
+    assert status == 200, got
+    await fleet.stream(completion("acme"))
+    status, text, _ = await fleet.call("GET", "/metrics", key=METRICS_KEY)
+    assert 'lorapage_tenant_slo_target_seconds{slo="ttft",tenant="alpha"} 60.0' in text
+    assert 'lorapage_tenant_slo_burn_rate{slo="ttft",tenant="alpha"} 0.0' in text
+    assert 'lorapage_tenant_goodput_ratio{tenant="alpha"}' in text
+    answered = next(x for x in text.splitlines() if x.startswith('lorapage_tenant_requests_total{tenant="alpha"}'))
+    assert float(answered.split()[-1]) >= 2
+
+    # One access-log line per answer, the stream's once it ended.
+    async def logged():
+        got = completions_logged()
+        return got[before:] if len(got) >= before + 2 else None
+
+    mine = await eventually(logged)
+    assert [(x["tenant"], x["status"], x["model"]) for x in mine] == [("alpha", 200, "acme")] * 2
+    assert all(x["adapter"].startswith("acme@") and x["tier"] in ("gpu", "ram", "disk") for x in mine)
+    assert all(0 < x["ttft_s"] <= x["e2e_s"] and x["prompt_tokens"] > 0 for x in mine)
+    lines = [json.loads(line) for line in fleet.access_log.read_text().splitlines()]
+    refused = [x for x in lines if x["route"] == "/v1/audit" and x["status"] == 403]
+    assert refused and refused[-1]["request_id"] is None and "tenant" not in refused[-1]
+    assert "Hello there" not in fleet.access_log.read_text()  # never prompt text
+
+
+def replica_series(text: str, name: str, tenant: str) -> dict[str, float]:
+    """One re-exported engine counter of ``tenant``, by replica."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'tenant="{tenant}"' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[replica] = float(line.split()[-1])
+    return out
+
+
+async def test_usage_sums_every_replicas_ledger(fleet):
+    # The earlier tests spread alpha's requests over both replicas (the spill test among them).
+    async def agree():
+        status, body, _ = await fleet.call("GET", "/v1/usage?tenant=alpha")
+        assert status == 200, body
+        status, text, _ = await fleet.call("GET", "/metrics", key=METRICS_KEY)
+        by_replica = replica_series(text, "lorapage_tenant_served_output_tokens_total", "alpha")
+        fleet_total = sum(row["output_tokens"] for row in body["data"])
+        return (body, by_replica) if fleet_total == sum(by_replica.values()) else None
+
+    body, by_replica = await eventually(agree)
+    assert len([v for v in by_replica.values() if v > 0]) == 2  # both replicas' ledgers are in the sum
+    assert body["object"] == "list" and {row["tenant"] for row in body["data"]} == {"alpha"}
+    assert body["total"]["output_tokens"] == sum(by_replica.values())
+    assert any(row["adapter"].startswith("acme@") and row["requests"] > 0 for row in body["data"])
+    keys = [(row["hour"], row["tenant"], row["adapter"]) for row in body["data"]]
+    assert keys == sorted(set(keys))  # one row per (hour, tenant, adapter version): summed, not listed twice
+
+    # A tenant key: its own rows only, as lorapage serve answers; CSV too.
+    status, mine, _ = await fleet.call("GET", "/v1/usage", key=KEYS["beta"])
+    assert status == 200 and all(row["tenant"] in ("beta", "") for row in mine["data"])
+    status, body, _ = await fleet.call("GET", "/v1/usage?tenant=alpha", key=KEYS["beta"])
+    assert status == 403
+    assert_openai_error(body, 403, param="tenant")
+    status, text, headers = await fleet.call("GET", "/v1/usage?format=csv&adapter=acme")
+    assert status == 200 and headers["Content-Type"].startswith("text/csv")
+    assert text.splitlines()[0].startswith("hour,tenant,adapter,requests")
+    status, body, _ = await fleet.call("GET", "/v1/usage?format=xml")
+    assert status == 400
+
+
 async def test_tenants_reload_and_ingress_restart_keep_the_registry(fleet):
     app = serve.get_app_handle(APP_NAME)
     source = f"{fleet.adapter_root}/initech"
@@ -477,6 +576,9 @@ async def test_tenants_reload_and_ingress_restart_keep_the_registry(fleet):
     reloaded = TENANTS_TOML + f'\n[tenants.delta]\nkey_sha256 = ["{hash_key("key-delta")}"]\nadapters = []\n'
     assert "reloaded" in await app.reload_tenants.remote(reloaded)
     assert "not reloaded" in await app.reload_tenants.remote("[tenants.bad]\nkey_sha256 = 3\n")
+    status, body, _ = await fleet.call("GET", "/v1/audit?action=tenants_reload&actor=sighup")
+    assert [e["outcome"] for e in body["data"]][:2] == ["refused: the file did not load (TenantsConfigError)", "ok"]
+    assert "delta" in body["data"][1]["after"]["tenants"]
     status, body, _ = await fleet.call("POST", "/v1/adapters", {"id": "keeper", "tenant": "delta", "source": source})
     assert status == 201, body
     status, got, _ = await fleet.call("POST", "/v1/completions", completion("keeper"), key="key-delta")

@@ -10,6 +10,10 @@ replica (bounded on each by ``--max-pinned-fraction``; the pin is checked and lo
 owner before it is answered), an unload drops it from every pool, a delete drops it everywhere
 once its requests end. The ingress sees every request, so its own counts decide a delete's
 drain, exactly as on one server.
+
+Every change is audited in the registry as the admin key's id (``actor``:
+:meth:`~lorapage.server.auth.Access.admin_actor`), and ``GET /v1/audit`` reads the trail back
+with ``lorapage serve``'s filters and answer (:func:`~lorapage.server.audit_route.audit_list`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import asyncio
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 from starlette.requests import Request
@@ -35,6 +39,7 @@ from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
 from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
+from lorapage.server.audit_route import audit_list
 from lorapage.server.auth import Access
 from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
@@ -94,6 +99,7 @@ class FleetAdmin:
             (re.compile(r"/internal/state"), {"GET": self.internal_state}),
             (re.compile(r"/v1/load_lora_adapter"), {"POST": self.load_lora}),
             (re.compile(r"/v1/unload_lora_adapter"), {"POST": self.unload_lora}),
+            (re.compile(r"/v1/audit"), {"GET": self.audit}),
         ]
 
     def route(self, path: str) -> tuple[dict[str, Handler], str] | None:
@@ -113,6 +119,10 @@ class FleetAdmin:
             if pattern.fullmatch(path):
                 return pattern.pattern.replace("([^/]+)", "{id}")
         return None
+
+    def _actor(self, request: Request) -> str:
+        """The admin key's id, which the audit rows of this request's changes name."""
+        return self.access.admin_actor(cast(Any, request))  # it reads only the headers
 
     async def _write(self, change: Callable[[], T]) -> T:
         async with self._writes:
@@ -167,21 +177,24 @@ class FleetAdmin:
         body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
         base = await self.profile()
         reg = registration(body, base.base_name, self.access)
-        row, created = await self._register(reg)
+        actor = self._actor(request)
+        row, created = await self._register(reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
             await store_check_prompts(
-                self.registry.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, None
+                self.registry.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
             )
         return _json((await self._describe([row.key]))[0], status=201 if created else 200)
 
-    async def _register(self, reg: Registration) -> tuple[VersionRow, bool]:
+    async def _register(self, reg: Registration, actor: str) -> tuple[VersionRow, bool]:
         """Fetched and checked on the id's owner replica, then committed here."""
         self.registry.check_owner(reg.id, reg.owner)
         with source_errors(reg):
             source = await checked_source(reg, self.adapter_roots, self.access)
             got = self._on_owner(reg.id).prepare_adapter.remote(source, reg.sha256, reg.expected_base_digest, reg.owner)
             prepared: PreparedVersion = _ok(await got)
-        row, created = await self._write(lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate))
+        row, created = await self._write(
+            lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate, actor=actor)
+        )
         if reg.owner is not None:
             self.access.set_owner(reg.id, reg.owner)
         return row, created
@@ -191,14 +204,14 @@ class FleetAdmin:
         body = await read_body(request, ADMIN_MAX_BODY_BYTES)
         base = await self.profile()
         reg = lora_registration(body, base.base_name, self.access, self.registry.ids())
-        await self._register(reg)
+        await self._register(reg, self._actor(request))
         return Response(lora_success_text(reg.id, "added"), media_type="text/plain")
 
     async def unload_lora(self, request: Request, _: str) -> Response:
         """vLLM's ``POST /v1/unload_lora_adapter``: every version of the id deleted, draining."""
         name = lora_unload_name(await read_body(request, ADMIN_MAX_BODY_BYTES))
         with lora_not_found(name):
-            await self._delete(name, {"drain": "true"})
+            await self._delete(name, {"drain": "true"}, self._actor(request))
         return Response(lora_success_text(name, "removed"), media_type="text/plain")
 
     async def list(self, request: Request, _: str) -> Response:
@@ -240,20 +253,21 @@ class FleetAdmin:
         row = self.registry.row(f"{adapter_id}@{req.version}")
         if row is not None:
             await self._resolve(row.key)  # a version on another base: 409 before the alias moves
-        row = await self._write(lambda: self.registry.set_current(adapter_id, req.version))
+        actor = self._actor(request)
+        row = await self._write(lambda: self.registry.set_current(adapter_id, req.version, actor=actor))
         return _json((await self._describe([row.key]))[0])
 
     async def delete(self, request: Request, name: str) -> Response:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
         hidden from new requests until the running ones end."""
-        running = await self._delete(name, request.query_params)
+        running = await self._delete(name, request.query_params, self._actor(request))
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(self, name: str, query: Mapping[str, str]) -> int:
+    async def _delete(self, name: str, query: Mapping[str, str], actor: str) -> int:
         keys = self.registry.removable(name)
 
         async def remove() -> None:
-            await self._write(lambda: self.registry.remove(self.registry.removable(name)))
+            await self._write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
 
         running = await remove_when_idle(name, keys, query, self.in_flight, self.draining, remove)
         adapter_id, _ = parse_name(name)
@@ -265,35 +279,42 @@ class FleetAdmin:
         """Pin a version resident on every replica: checked against the bounds and loaded on its
         owner before the answer, on the others within a heartbeat. 409 ``pin_limit_exceeded``
         past ``--max-pinned-fraction`` (every replica holds the same pins)."""
-        key = await self._resolve(name)
+        key, actor = await self._resolve(name), self._actor(request)
         owner = self._on_owner(key)
         _ok(await owner.check_pin.remote(key))
-        await self._write(lambda: self.registry.set_pinned(key, True))
+        await self._write(lambda: self.registry.set_pinned(key, True, actor=actor))
         try:
             _ok(await owner.load_adapter.remote(key))
-        except LorapageError:
-            await self._write(lambda: self.registry.set_pinned(key, False))
+        except LorapageError as exc:
+            undone = f"pin undone: its load failed ({exc.code})"  # as lorapage serve audits it
+            await self._write(lambda: self.registry.set_pinned(key, False, actor=actor, outcome=undone))
             raise
         return _json((await self._describe([key]))[0])
 
     async def unpin(self, request: Request, name: str) -> Response:
-        key = await self._resolve(name)
-        await self._write(lambda: self.registry.set_pinned(key, False))
+        key, actor = await self._resolve(name), self._actor(request)
+        await self._write(lambda: self.registry.set_pinned(key, False, actor=actor))
         return _json((await self._describe([key]))[0])
 
     async def load(self, request: Request, name: str) -> Response:
         """Pre-warm a version on the replica the router sends its requests to (an owner)."""
-        key = await self._resolve(name)
+        key, actor = await self._resolve(name), self._actor(request)
         _ok(await self._on_owner(key).load_adapter.remote(key))
+        adapter_id, version = parse_name(key)
+        await self._write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
         return _json((await self._describe([key]))[0])
 
     async def unload(self, request: Request, name: str) -> Response:
         """Drop a version from every replica's pool (not while it runs there, nor if pinned);
         answered once no replica reports it in its pool, or after a few heartbeats."""
-        key = await self._resolve(name)
-        await self._write(lambda: self.registry.unload(key))
+        key, actor = await self._resolve(name), self._actor(request)
+        await self._write(lambda: self.registry.unload(key, actor=actor))
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
         return _json((await self._describe([key]))[0])
+
+    async def audit(self, request: Request, _: str) -> Response:
+        """``GET /v1/audit``: the fleet registry's trail, as ``lorapage serve`` answers it."""
+        return _json(await audit_list(request.query_params, lambda q: asyncio.to_thread(self.registry.audit, q)))
 
     async def internal_state(self, request: Request, _: str) -> Response:
         ingress = {

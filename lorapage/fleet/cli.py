@@ -35,6 +35,8 @@ from lorapage.server.serve import (
     check_root_tenants,
     engine_config,
     lora_modules,
+    open_access_log,
+    slo_window,
 )
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError, hash_key
 
@@ -121,9 +123,21 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             owners=args.owners,
             spill_load=args.spill_load,
             max_body_bytes=args.max_body_bytes,
+            slo_window_s=slo_window(args, PROG),
+            access_log=_access_log_path(args),
         )
     except ValueError as exc:
         fail(PROG, str(exc))
+
+
+def _access_log_path(args: argparse.Namespace) -> str | None:
+    """``--access-log`` as the ingress opens it: ``-``, or the file's absolute path (the ingress's
+    working directory is Ray's); checked here first, so a file that cannot be opened ends the command."""
+    log = open_access_log(args, PROG)
+    if log is None:
+        return None
+    log.close()
+    return "-" if args.access_log == "-" else str(Path(args.access_log).resolve())
 
 
 def _replica_cpus(args: argparse.Namespace, cpus: float) -> float:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
+from lorapage.server.slo import DEFAULT_WINDOW_S
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
 APP_NAME = "lorapage"
@@ -44,6 +45,8 @@ class FleetConfig:
     adapter_roots: tuple[str, ...] = ()  # --adapter-root values, DIR or TENANT=DIR (none: directories refused)
     metrics_public: bool = False  # /metrics without a key
     sync_period_s: float = 1.0  # replica heartbeats: registry changes, stats and series
+    slo_window_s: float = DEFAULT_WINDOW_S  # each tenant's goodput and burn-rate window (--slo-window)
+    access_log: str | None = None  # --access-log FILE (on the ingress's node) or "-" (its stdout); None: off
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -53,11 +56,12 @@ class FleetConfig:
             or self.routing_stats_period_s <= 0
             or self.request_retries < 0
             or self.sync_period_s <= 0
+            or not 0 < self.slo_window_s < math.inf
         ):
             raise ValueError(
-                "max_ongoing_requests must be >= 1, routing_stats_period_s > 0, request_retries >= 0 and "
-                f"sync_period_s > 0; got {self.max_ongoing_requests}, {self.routing_stats_period_s}, "
-                f"{self.request_retries}, {self.sync_period_s}"
+                "max_ongoing_requests must be >= 1, routing_stats_period_s > 0, request_retries >= 0, "
+                f"sync_period_s > 0 and slo_window_s > 0; got {self.max_ongoing_requests}, "
+                f"{self.routing_stats_period_s}, {self.request_retries}, {self.sync_period_s}, {self.slo_window_s}"
             )
 
     def roots(self) -> AdapterRoots:

@@ -15,6 +15,12 @@ it; replicas mirror the registry through their heartbeats (:meth:`FleetIngress.s
 stats and series ``/metrics`` and ``/internal/state`` re-export. ``--lora-modules`` are
 registered in the registry (checked on a replica) before the first request is answered.
 
+The ingress judges every generation request it answers against its tenant's SLOs (the
+``lorapage_tenant_*`` series of ``lorapage serve``, on ``/metrics``) and, with ``--access-log``,
+writes ``lorapage serve``'s request-log line for every answer (:mod:`lorapage.fleet.accounting`).
+``GET /v1/usage`` asks every live replica for its usage ledger (one call each, in turn, routed
+to it by id) and sums the rows before ``lorapage serve``'s filtering and answer.
+
 An edited tenants file reaches the ingress as :meth:`FleetIngress.reload_tenants` (``lorapage
 fleet`` calls it on SIGHUP). With a state directory the accepted text is kept there, so an
 ingress that Ray restarts keeps the reloaded keys rather than the file the fleet started with.
@@ -53,14 +59,17 @@ from lorapage.errors import (
     QuotaExceededError,
     ServiceUnavailableError,
 )
+from lorapage.fleet.accounting import RequestAccounting, until_end
 from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
 from lorapage.fleet.registry import FleetRegistry
+from lorapage.fleet.routing import replica_target
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.server import protocol, tokenization
+from lorapage.server.access_log import AccessLog
 from lorapage.server.auth import Access
 from lorapage.server.error_json import log_refusal
 from lorapage.server.generation import Answer, Formatter, Job, Timing, answer, chained, make_job
@@ -70,10 +79,14 @@ from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
 from lorapage.server.responses_api import ResponsesPlan, parse_responses
 from lorapage.server.responses_output import answer_response, responses_job
+from lorapage.server.slo import SloTracker
 from lorapage.server.sse import SSE_HEADERS
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
+from lorapage.server.usage_route import usage_answer, usage_request
 from lorapage.server.version import PING_BODY, version_body
 from lorapage.tools import detect_format
+from lorapage.usage.ledger import Key, Usage
+from lorapage.usage.report import summed
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -81,6 +94,7 @@ REPLICA_HEADER = "x-lorapage-replica"  # which engine replica answered (Ray's re
 _RETRY_BACKOFF_S = 0.25  # before resending a request whose replica died (times the attempt)
 _RAY_REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # Ray's (or the client's) id, if safe to echo
 _ADMISSION_WINDOW_S = 10
+_USAGE_TIMEOUT_S = 10.0  # for one replica's usage rows (a replica Ray is replacing never answers)
 # A route's handler, and how a job's engine outputs become its answer (generation.answer's role).
 Handler = Callable[[Request], Awaitable[Response]]
 AnswerWith = Callable[[AsyncGenerator[Any, None], Job, Timing], Awaitable[Answer]]
@@ -105,7 +119,10 @@ class FleetIngress:
             if (owner := self.registry.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
-        self.metrics = ServerMetrics()  # the ingress's own series; the replicas' are re-exported
+        self.slo = SloTracker(self.access.tenants.slo_targets(), config.slo_window_s)
+        self.metrics = ServerMetrics(slo=self.slo)  # the ingress's own series; the replicas' are re-exported
+        # An access log the ingress cannot open fails its deployment, saying why (the CLI checks it first).
+        self.accounting = RequestAccounting(self.slo, AccessLog(config.access_log) if config.access_log else None)
         self.metrics.registry.register(self.reports)
         self.rejected = MetricCounter(
             "lorapage_fleet_rejected_requests",
@@ -142,6 +159,7 @@ class FleetIngress:
             "/v1/models": {"GET": self.list_models},
             "/health": {"GET": self.health},
             "/metrics": {"GET": self.render_metrics},
+            "/v1/usage": {"GET": self.usage},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
             "/tokenizer_info": {"GET": self.tokenizer_info},
@@ -150,6 +168,7 @@ class FleetIngress:
         }
 
     async def __call__(self, request: Request) -> Response:
+        started = time.monotonic()
         try:
             response = await self._dispatch(request)
         except LorapageError as exc:
@@ -158,7 +177,17 @@ class FleetIngress:
         except Exception:
             log.exception("unexpected error serving %s %s", request.method, request.url.path)
             response = internal_error()
-        self.metrics.requests.labels(self._route_label(request.url.path), str(response.status_code)).inc()
+        route, status = self._route_label(request.url.path), response.status_code
+        self.metrics.requests.labels(route, str(status)).inc()
+        job: Job | None = getattr(request.state, "job", None)  # set by run(): a generation request
+
+        def finished() -> None:
+            self.accounting.finished(request.method, route, status, started, job)
+
+        if isinstance(response, StreamingResponse):  # recorded when the stream ends
+            response.body_iterator = until_end(response.body_iterator, finished)
+        else:
+            finished()
         return response
 
     def _route_label(self, path: str) -> str:
@@ -223,9 +252,11 @@ class FleetIngress:
         try:
             config = TenantsConfig.from_toml(text, source="the reloaded tenants file")
         except TenantsConfigError as exc:
+            self._audit_reload(outcome=f"refused: the file did not load ({type(exc).__name__})")
             return f"tenants file not reloaded, keeping the old one: {exc}"
         self.access.tenants = config
         self.quotas.reload(config, now=time.monotonic())
+        self.slo.set_targets(config.slo_targets())
         if self.config.state_dir is not None:
             record = {"origin": _sha256(self.config.tenants_toml), "text": text}
             target = Path(self.config.state_dir) / TENANTS_FILE
@@ -233,7 +264,16 @@ class FleetIngress:
             temp = target.with_suffix(".tmp")
             temp.write_text(json.dumps(record), encoding="utf-8")
             os.replace(temp, target)
+        self._audit_reload(after={"tenants": sorted(config.tenants)})
         return f"tenants file reloaded: {len(config.tenants)} tenants"
+
+    def _audit_reload(self, *, after: dict | None = None, outcome: str = "ok") -> None:
+        """Audit a reload as ``lorapage serve`` audits its SIGHUP (the fleet's CLI calls
+        :meth:`reload_tenants` on one); a failure to write the row is logged, not raised."""
+        try:
+            self.registry.record("tenants_reload", None, actor="sighup", after=after, outcome=outcome)
+        except Exception:
+            log.exception("the audit row of a tenants reload was not written")
 
     def _tenants_text(self) -> str:
         """The tenants text a reload accepted for this fleet's start file, else the start file."""
@@ -251,6 +291,24 @@ class FleetIngress:
         if not self.config.metrics_public:
             self.access.require_metrics(cast(Any, request))
         return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def usage(self, request: Request) -> Response:
+        """``GET /v1/usage``: every live replica's ledger, summed by (hour, tenant, adapter
+        version), answered as ``lorapage serve`` answers it; 503 when a replica does not report."""
+        req = usage_request(self.access, cast(Any, request), request.query_params)
+        # One replica after another: two calls at once under one request's id left the second unrouted (outputs()).
+        parts = [await self._replica_usage(rid, req.since_hour) for rid in self.reports.live()]
+        body, content_type = usage_answer(req, summed(parts), self.access.owners)
+        return Response(body, media_type=content_type)
+
+    async def _replica_usage(self, replica_id: str, since_hour: int | None) -> list[tuple[Key, Usage]]:
+        handle = self.engines.options(multiplexed_model_id=replica_target(replica_id))
+        try:
+            return await asyncio.wait_for(handle.usage_rows.remote(since_hour), _USAGE_TIMEOUT_S)
+        except (TimeoutError, RayActorError):
+            raise ServiceUnavailableError(
+                f"engine replica {replica_id} did not report its usage (it may be restarting); retry", retry_after=5
+            ) from None
 
     # -- what the engines are ---------------------------------------------------------------------
 
@@ -318,7 +376,7 @@ class FleetIngress:
                 parsed = await prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
             await self.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
             job = await self._job(kind, request, parsed, tenant, await prompts.of(kind, tenant, parsed), arrival)
-            return await self.run(job, reservation)
+            return await self.run(request, job, reservation)
         except BaseException:
             self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
             raise
@@ -427,7 +485,7 @@ class FleetIngress:
             model, adapter = await self.resolve(plan.req.model, tenant)
             job = responses_job(plan, model, adapter, tenant, ids, profile.max_model_len, arrival, self.access)
             return await self.run(
-                job, reservation, lambda outputs, job, timing: answer_response(outputs, job, plan, timing)
+                request, job, reservation, lambda outputs, job, timing: answer_response(outputs, job, plan, timing)
             )
         except BaseException:
             self.quotas.release(reservation, 0, time.monotonic())  # nothing when run() released it already
@@ -459,10 +517,13 @@ class FleetIngress:
         if not self.in_flight[job.adapter]:
             del self.in_flight[job.adapter]
 
-    async def run(self, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None) -> Response:
+    async def run(
+        self, request: Request, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None
+    ) -> Response:
         """Charge ``job``'s tokens, run it on a replica and answer it with ``answer_with`` (chat
         and completions' shapes by default; ``/v1/responses`` brings its own)."""
         self.charge(job, reservation)
+        request.state.job = job  # for its tenant's SLOs and the access log (as lorapage serve's request[JOB])
         served: list[str] = []  # the replica that took it (the last, after a retry)
         timing = Timing(job, self.metrics, self.admissions)
         try:
@@ -530,10 +591,14 @@ class FleetIngress:
                     elif job.stream or item.finished:
                         passed_on = True
                         yield item
+                    elif item.token_ids and job.first_token_at is None:  # a whole answer's TTFT: when it came
+                        job.first_token_at = time.monotonic()
                 return
             except RayActorError:
                 job.prompt_computed -= counted  # resent: the next replica's start counts it again
                 counted = 0
+                if not passed_on and i == 0:
+                    job.first_token_at = None  # nothing was answered: the resent request's first token counts
                 if passed_on:
                     raise ServiceUnavailableError(
                         "the engine replica serving this request stopped mid-answer; send the request again",

@@ -10,6 +10,10 @@ replica that has none, or that counted in another ingress process: ``epoch``). T
 resolves every request to ``id@N`` before it sends it, and a replica that meets a version it does
 not know yet syncs before it answers, so a version is servable fleet-wide the moment its
 registration is answered.
+
+Every write is audited in the registry's own transaction (:mod:`lorapage.adapters.audit`), as
+the admin key's id (``actor``) the admin routes pass; :meth:`record` audits what changes nothing
+stored (a pre-warm, an unload, a tenants reload) and :meth:`audit` reads the rows back.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
+from lorapage.adapters.audit import OK, AuditEntry, AuditQuery
 from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
@@ -91,6 +96,10 @@ class FleetRegistry:
         entry = self._ids.get(parse_name(name)[0])
         return removable_keys(name, entry.versions if entry else (), entry.current if entry else None)
 
+    def audit(self, query: AuditQuery) -> list[AuditEntry]:
+        """The audit rows ``query`` selects, newest first (a blocking read: run it in a worker)."""
+        return self.registry.audit(query)
+
     # -- writes (each committed, then shown, then counted) --------------------------------------
 
     def check_owner(self, adapter_id: str, owner: str | None) -> None:
@@ -99,7 +108,7 @@ class FleetRegistry:
             raise ConflictError(f"adapter id {adapter_id!r} belongs to another tenant; choose another id", param="id")
 
     def add(
-        self, adapter_id: str, owner: str | None, prepared: PreparedVersion, *, activate: bool
+        self, adapter_id: str, owner: str | None, prepared: PreparedVersion, *, activate: bool, actor: str | None = None
     ) -> tuple[VersionRow, bool]:
         """A new version of ``adapter_id`` from ``prepared``, or the version that already has its
         content (made current when ``activate``); and whether it was created."""
@@ -108,7 +117,7 @@ class FleetRegistry:
         same = next((r for r in entry.versions.values() if r.digest == prepared.digest), None) if entry else None
         if same is not None:
             if activate and entry is not None and entry.current != same.version:
-                self.set_current(adapter_id, same.version)
+                self.set_current(adapter_id, same.version, action="register", actor=actor)
             return same, False
         row = self.registry.add_version(
             adapter_id,
@@ -119,6 +128,7 @@ class FleetRegistry:
             spec=prepared.spec,
             activate=activate,
             projected_cost_pct=prepared.projected_cost_pct,
+            actor=actor,
         )
         entry = self._ids.setdefault(adapter_id, _Id(owner, None))
         if not entry.versions:
@@ -129,26 +139,29 @@ class FleetRegistry:
         self._touch(adapter_id)
         return row, True
 
-    def set_current(self, adapter_id: str, version: int) -> VersionRow:
+    def set_current(
+        self, adapter_id: str, version: int, *, action: str = "deploy", actor: str | None = None
+    ) -> VersionRow:
+        """Point ``adapter_id``'s alias at ``version`` (``action``: deploy, or register for known content)."""
         entry = self._ids.get(adapter_id)
         if entry is None or version not in entry.versions:
             raise AdapterNotFoundError(f"adapter {version_key(adapter_id, version)!r} does not exist", param="version")
-        self.registry.set_current(adapter_id, version)
+        self.registry.set_current(adapter_id, version, action=action, actor=actor)
         entry.current = version
         self._touch(adapter_id)
         return entry.versions[version]
 
-    def set_pinned(self, key: str, pinned: bool) -> None:
-        """Pin version ``key`` resident on every replica, or unpin it."""
+    def set_pinned(self, key: str, pinned: bool, *, actor: str | None = None, outcome: str = OK) -> None:
+        """Pin version ``key`` resident on every replica, or unpin it (``outcome``: why, when not ``ok``)."""
         adapter_id, version = parse_name(key)
         entry = self._ids.get(adapter_id)
         if entry is None or version is None or version not in entry.versions:
             raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")
-        self.registry.set_pinned(adapter_id, version, pinned)
+        self.registry.set_pinned(adapter_id, version, pinned, actor=actor, outcome=outcome)
         entry.versions[version] = dataclasses.replace(entry.versions[version], pinned=pinned)
         self._touch(adapter_id)
 
-    def remove(self, keys: list[str]) -> None:
+    def remove(self, keys: list[str], *, actor: str | None = None) -> None:
         """Forget versions ``keys`` (from :meth:`removable`); the alias moves to the newest
         remaining version if it pointed at one of them."""
         for key in keys:
@@ -157,17 +170,26 @@ class FleetRegistry:
             assert version is not None and version in entry.versions, key
             rest = [v for v in entry.versions if v != version]
             new_current = entry.current if entry.current != version else (max(rest) if rest else None)
-            self.registry.delete_version(adapter_id, version, new_current)
+            self.registry.delete_version(adapter_id, version, new_current, actor=actor)
             del entry.versions[version]
             entry.current = new_current
             if not entry.versions:
                 entry.owner = None
             self._touch(adapter_id)
 
-    def unload(self, key: str) -> None:
-        """Ask every replica to drop version ``key`` from its pool (an admin's unload)."""
+    def unload(self, key: str, *, actor: str | None = None) -> None:
+        """Ask every replica to drop version ``key`` from its pool (an admin's unload), audited."""
+        adapter_id, version = parse_name(key)
+        self.record("unload", adapter_id, actor=actor, after={"version": version})
         self.generation += 1
         self._unloads.append((self.generation, key))
+
+    def record(
+        self, action: str, adapter_id: str | None, *, actor: str | None, after: dict | None = None, outcome: str = OK
+    ) -> None:
+        """Audit an action that changes nothing stored (``load``, ``unload``, ``tenants_reload``)."""
+        tenant = self.owner(adapter_id) if adapter_id is not None else None
+        self.registry.record(action, adapter_id, actor=actor, tenant=tenant, after=after, outcome=outcome)
 
     def _touch(self, adapter_id: str) -> None:
         self.generation += 1

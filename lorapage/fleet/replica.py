@@ -37,6 +37,7 @@ from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.request import RequestOutput
 from lorapage.server.metrics import register_engine_collectors
+from lorapage.usage.ledger import Key, Usage
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -216,6 +217,12 @@ class EngineReplica:
             if busy:
                 deferred.append(state)
         return deferred
+
+    async def usage_rows(self, since_hour: int | None) -> list[tuple[Key, Usage]]:
+        """This replica's usage ledger (``Engine.usage_rows``), which the ingress sums over the
+        replicas for ``GET /v1/usage``; the ingress routes the call here by replica id. Async, so
+        it reads the ledger on the loop that owns it."""
+        return self.engine.usage_rows(since_hour=since_hour)
 
     # -- what routing reads -----------------------------------------------------------------------
 

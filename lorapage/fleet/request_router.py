@@ -6,7 +6,8 @@ candidates; it then sends to the least-loaded replica of the first rank that acc
 (:mod:`lorapage.fleet.routing`) chooses first and every other one after it, least loaded first,
 so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView` per replica:
 
-- the adapter is the request's ``multiplexed_model_id`` (the ingress sets it; "" for the base);
+- the adapter is the request's ``multiplexed_model_id`` (the ingress sets it; "" for the base; a
+  :func:`~lorapage.fleet.routing.replica_target` names one replica, which alone is a candidate);
 - ``in_flight`` is the requests this router sent the replica that have not completed (counted
   the moment each is sent), or Ray's queue-length cache where that is higher;
 - ``capacity``, ``pool``, ``host`` and ``disk`` come from the replica's ``record_routing_stats``.
@@ -20,7 +21,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lorapage.fleet.routing import ReplicaView, Router, make_router
+from lorapage.fleet.routing import ReplicaView, Router, make_router, targeted_replica
 
 
 def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: Mapping[str, Any]) -> ReplicaView:
@@ -79,6 +80,8 @@ class AffinityRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if (target := targeted_replica(adapter)) is not None:  # that replica or none (the caller times out)
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
         chosen = self.policy.choose(adapter or None, list(views.values()))
         first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]

@@ -17,6 +17,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 ROUTERS = ("random", "least_loaded", "affinity", "ray_default")
+# A call for one replica by id (the ingress gathering every replica's usage) names it so in place
+# of an adapter; adapter ids never hold ':'.
+REPLICA_TARGET = "replica:"
+
+
+def replica_target(replica_id: str) -> str:
+    """The routing key that sends a call to replica ``replica_id`` only."""
+    return REPLICA_TARGET + replica_id
+
+
+def targeted_replica(key: str) -> str | None:
+    """The replica id a :func:`replica_target` key names; None for an adapter (or the base)."""
+    return key.removeprefix(REPLICA_TARGET) if key.startswith(REPLICA_TARGET) else None
 
 
 @dataclass(frozen=True)

@@ -46,15 +46,22 @@ class AccessLog:
 def record(request: web.Request, status: int, started: float) -> dict[str, Any]:
     """The line for one answered request (see the module's docstring)."""
     resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    return line(request.method, route, status, time.monotonic() - started, request.get(JOB))
+
+
+def line(method: str, route: str, status: int, e2e_s: float, job: Any | None) -> dict[str, Any]:
+    """The line of a request answered with ``status`` after ``e2e_s`` seconds; ``job`` (a
+    :class:`~lorapage.server.generation.Job`) for a generation request, else None. Shared by
+    ``lorapage serve`` and the fleet's ingress, so both write one format."""
     out: dict[str, Any] = {
         "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z",
         "request_id": None,
-        "method": request.method,
-        "route": resource.canonical if resource is not None else "unmatched",
+        "method": method,
+        "route": route,
         "status": status,
-        "e2e_s": round(time.monotonic() - started, 6),
+        "e2e_s": round(e2e_s, 6),
     }
-    job: Any = request.get(JOB)
     if job is not None:
         ttft = job.ttft_s
         out.update(

@@ -46,7 +46,7 @@ from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompt_sampler import PromptSampler
 from lorapage.server.prompts import PromptBuilder, Prompts
 from lorapage.server.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation, overload_retry_after_s
-from lorapage.server.slo import DEFAULT_WINDOW_S, Outcome, SloTracker
+from lorapage.server.slo import DEFAULT_WINDOW_S, SloTracker, request_outcome
 from lorapage.server.state import Responder, RouteState
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 from lorapage.server.usage_route import add_usage_route
@@ -186,10 +186,9 @@ class ServerState:
     def record_slo(self, job: Job, status: int) -> None:
         """Judge an answered generation request against its tenant's SLOs: a 5xx (or a started
         stream's 5xx error event) failed it; a 4xx is the client's own and is not judged."""
-        if 400 <= status < 500:
-            return
-        failed = status >= 500 or (job.stream_error or 0) >= 500
-        self.slo.record(job.tenant, Outcome(failed, job.ttft_s, job.mean_itl_s), time.monotonic())
+        outcome = request_outcome(status, job.stream_error, job.ttft_s, job.mean_itl_s)
+        if outcome is not None:
+            self.slo.record(job.tenant, outcome, time.monotonic())
 
     def overload_retry_after(self) -> int:
         return overload_retry_after_s(

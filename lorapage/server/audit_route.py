@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -62,6 +62,17 @@ def audit_query(query: Mapping[str, str]) -> AuditQuery:
         before_seq=_bounded_int(query, "before_id", 1, 2**62, None),
         limit=_bounded_int(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT),
     )
+
+
+async def audit_list(
+    query: Mapping[str, str], read: Callable[[AuditQuery], Awaitable[list[AuditEntry]]]
+) -> dict[str, Any]:
+    """``GET /v1/audit``'s answer (``lorapage serve``'s and the fleet's): ``query`` checked, the
+    rows ``read`` returns for it, one more than the page asked to tell ``has_more``."""
+    checked = audit_query(query)
+    rows = await read(dataclasses.replace(checked, limit=checked.limit + 1))
+    data = [entry_json(e) for e in rows[: checked.limit]]
+    return {"object": "list", "data": data, "has_more": len(rows) > checked.limit}
 
 
 def history_limit(query: Mapping[str, str]) -> int:
@@ -127,10 +138,7 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
     async def audit(request: web.Request) -> web.Response:
         state = request.app[state_key]
         state.access.require_admin(request)
-        query = audit_query(request.query)
-        rows = await state.engine.admin.audit(dataclasses.replace(query, limit=query.limit + 1))  # one more: has_more
-        data = [entry_json(e) for e in rows[: query.limit]]
-        return _json({"object": "list", "data": data, "has_more": len(rows) > query.limit})
+        return _json(await audit_list(request.query, state.engine.admin.audit))
 
     async def history(request: web.Request) -> web.Response:
         state = request.app[state_key]

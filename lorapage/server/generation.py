@@ -244,7 +244,8 @@ class Timing:
             return
         first = not self.counts
         if first:
-            self.job.first_token_at = now
+            # Already set when the fleet's ingress saw the first token in an output it did not pass on.
+            self.job.first_token_at = self.job.first_token_at or now
         else:
             self.job.itl_total_s += now - self.last
             self.job.itl_tokens += new
@@ -258,7 +259,7 @@ class Timing:
         if first:
             self.admissions.record(now)
             self.metrics.prompt_tokens.labels(self.job.tenant).inc(self.job.prompt_tokens)
-            self.metrics.ttft.labels(*labels).observe(now - self.last)
+            self.metrics.ttft.labels(*labels).observe((self.job.first_token_at or now) - self.job.arrival)
         else:
             gap = self.metrics.itl.labels(*labels)
             for _ in range(new):  # tokens that arrived together split the wait evenly

@@ -104,9 +104,9 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = False) -> None:
-    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet``; with
-    ``connections``, the connection-level bounds and the request log too (``lorapage serve``
-    only: in a fleet, Ray Serve's proxy holds the connections)."""
+    """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet`` (the request
+    log and the SLO window included); with ``connections``, the connection-level bounds too
+    (``lorapage serve`` only: in a fleet, Ray Serve's proxy holds the connections)."""
     group = p.add_argument_group("HTTP front end")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
@@ -143,15 +143,23 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
     group.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body accepted (413 past it)"
     )
-    if not connections:
-        return
     group.add_argument(
         "--access-log",
         metavar="FILE|-",
         help="one JSON line per answered request (request id, tenant, adapter@version, tier, tokens, TTFT, "
         "end-to-end, status; never prompt text or keys), appended to FILE or written to standard output "
-        "(default: none)",
+        "(default: none; in a fleet the ingress writes it, on its node)",
     )
+    group.add_argument(
+        "--slo-window",
+        type=float,
+        default=DEFAULT_WINDOW_S,
+        metavar="SECONDS",
+        help="sliding window of each tenant's goodput, error-ratio and SLO burn-rate gauges on /metrics (the "
+        "tenants file's slo_* fields set the targets)",
+    )
+    if not connections:
+        return
     defaults = EdgeLimits()
     group.add_argument(
         "--header-timeout",
@@ -211,15 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish after SIGTERM before they are aborted",
     )
     add_merge_arguments(p)
-    p.add_argument(
-        "--slo-window",
-        type=float,
-        default=DEFAULT_WINDOW_S,
-        metavar="SECONDS",
-        help="sliding window of each tenant's goodput, error-ratio and SLO burn-rate gauges on /metrics (the "
-        "tenants file's slo_* fields set the targets)",
-    )
     return p
+
+
+def slo_window(args: argparse.Namespace, prog: str = PROG) -> float:
+    """``--slo-window``, checked (the command ends naming it when it is not a number of seconds > 0)."""
+    if not 0 < args.slo_window < float("inf"):
+        fail(prog, f"--slo-window must be a number of seconds > 0, got {args.slo_window}")
+    return float(args.slo_window)
+
+
+def open_access_log(args: argparse.Namespace, prog: str = PROG) -> AccessLog | None:
+    """``--access-log`` opened (None without it); the command ends naming it when it cannot be."""
+    try:
+        return AccessLog(args.access_log) if args.access_log else None
+    except OSError as exc:
+        fail(prog, f"--access-log {args.access_log}: {exc.strerror or exc}")
 
 
 def add_merge_arguments(p: argparse.ArgumentParser) -> None:
@@ -418,18 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     check_prompts = merge_check_prompts(args) if merge is not None else []
     roots = adapter_roots(args, modules)
     keys = api_keys(args)
-    if not 0 < args.slo_window < float("inf"):
-        fail(PROG, f"--slo-window must be a number of seconds > 0, got {args.slo_window}")
+    window = slo_window(args)
     if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
     if merge is not None:  # the adapter is registered only to check the merge against: no envelope
         config = dataclasses.replace(config, shared_envelope="", shared_max_cost_pct=None)
-    try:
-        access_log = AccessLog(args.access_log) if args.access_log else None
-    except OSError as exc:
-        fail(PROG, f"--access-log {args.access_log}: {exc.strerror or exc}")
+    access_log = open_access_log(args)
     # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
         sock = listen(args.host, args.port)
@@ -476,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_public=args.metrics_public,
             edge=edge,
             access_log=access_log,
-            slo_window_s=args.slo_window,
+            slo_window_s=window,
         )
         if merge is None:
             print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")

@@ -97,6 +97,15 @@ class Tally:
         return self.bad.get(sli, 0) / judged if judged else 0.0
 
 
+def request_outcome(status: int, stream_error: int | None, ttft_s: float | None, itl_s: float | None) -> Outcome | None:
+    """What an answered generation request tells its tenant's SLOs (``lorapage serve``'s rule and
+    the fleet ingress's): a 5xx, or a started stream's 5xx error event, failed it; a 4xx is the
+    client's own and is not judged (None)."""
+    if 400 <= status < 500:
+        return None
+    return Outcome(status >= 500 or (stream_error or 0) >= 500, ttft_s, itl_s)
+
+
 def judge(outcome: Outcome, targets: SloTargets) -> tuple[dict[str, bool], bool]:
     """Which SLIs ``outcome`` is judged on (sli -> missed), and whether it counts as goodput.
     Latency SLIs judge only requests that measured them; a failed request spends the error budget."""

@@ -4,42 +4,71 @@ The admin key sees every row and may filter by ``tenant``; a tenant key sees its
 rows and the residency and loads of the adapters it owns, nothing of anyone else's (``tenant=``
 naming another tenant is 403). Query: ``since`` (Unix seconds or an ISO time: that hour and
 later), ``adapter`` (an id, every version, or ``id@N``), ``format`` (``json``, default, or ``csv``).
-The rows' fields are :mod:`lorapage.usage.ledger`'s.
+The rows' fields are :mod:`lorapage.usage.ledger`'s. :func:`usage_request` and
+:func:`usage_answer` are the route's rule, shared with the fleet's ingress (which sums its
+replicas' ledgers between them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
 from lorapage.errors import PermissionDeniedError
-from lorapage.server.auth import bearer_key
+from lorapage.server.auth import Access, bearer_key
+from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import parse_format, parse_since, tenant_rows, usage_csv, usage_json
+
+
+@dataclass(frozen=True)
+class UsageRequest:
+    """A checked ``GET /v1/usage``: who asks (None: the admin) and what."""
+
+    caller: str | None
+    fmt: str
+    since_hour: int | None
+    query: Mapping[str, str]
+
+
+def usage_request(access: Access, request: web.Request, query: Mapping[str, str]) -> UsageRequest:
+    """The caller (401 without a known key) and the query checked (400 naming a bad field, 403
+    for a tenant key naming another tenant), before any row is read."""
+    key = bearer_key(request)
+    caller = None if key is not None and access.tenants.is_admin(key) else access.tenant_for(request)
+    fmt = parse_format(query.get("format"))
+    since = parse_since(query["since"]) if "since" in query else None
+    if caller is not None and query.get("tenant", caller) != caller:
+        raise PermissionDeniedError("a tenant key sees its own usage only; drop tenant=", param="tenant")
+    return UsageRequest(caller, fmt, since, query)
 
 
 def _adapter_matches(version_key: str, wanted: str) -> bool:
     return version_key == wanted or version_key.rpartition("@")[0] == wanted
 
 
+def usage_answer(req: UsageRequest, rows: Sequence[tuple[Key, Usage]], owners: Mapping[str, str]) -> tuple[bytes, str]:
+    """The body and content type of the answer: ``rows`` (``since`` applied) filtered for the caller."""
+    query = req.query
+    if req.caller is not None:
+        rows = tenant_rows(rows, req.caller, owners)
+    elif "tenant" in query:
+        rows = [(k, u) for k, u in rows if k[1] == query["tenant"]]
+    if "adapter" in query:
+        rows = [(k, u) for k, u in rows if _adapter_matches(k[2], query["adapter"])]
+    if req.fmt == "csv":
+        return usage_csv(rows).encode(), "text/csv"
+    return msgspec.json.encode(usage_json(rows)), "application/json"
+
+
 def add_usage_route(app: web.Application, state_key: web.AppKey) -> None:
     async def usage(request: web.Request) -> web.Response:
         state = request.app[state_key]
-        key = bearer_key(request)
-        caller = None if key is not None and state.access.tenants.is_admin(key) else state.access.tenant_for(request)
-        query = request.query
-        fmt = parse_format(query.get("format"))
-        since = parse_since(query["since"]) if "since" in query else None
-        rows = state.engine.usage_rows(since_hour=since)
-        if caller is not None:
-            if query.get("tenant", caller) != caller:
-                raise PermissionDeniedError("a tenant key sees its own usage only; drop tenant=", param="tenant")
-            rows = tenant_rows(rows, caller, state.access.owners)
-        elif "tenant" in query:
-            rows = [(k, u) for k, u in rows if k[1] == query["tenant"]]
-        if "adapter" in query:
-            rows = [(k, u) for k, u in rows if _adapter_matches(k[2], query["adapter"])]
-        if fmt == "csv":
-            return web.Response(text=usage_csv(rows), content_type="text/csv")
-        return web.Response(body=msgspec.json.encode(usage_json(rows)), content_type="application/json")
+        req = usage_request(state.access, request, request.query)
+        body, content_type = usage_answer(req, state.engine.usage_rows(since_hour=req.since_hour), state.access.owners)
+        charset = "utf-8" if content_type == "text/csv" else None
+        return web.Response(body=body, content_type=content_type, charset=charset)
 
     app.router.add_get("/v1/usage", usage)

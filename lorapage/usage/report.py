@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from lorapage.errors import InvalidRequestError
@@ -86,3 +86,13 @@ def tenant_rows(rows: Sequence[tuple[Key, Usage]], tenant: str, owners: Mapping[
         for key, usage in rows
         if key[1] == tenant or (key[1] == "" and key[2] and owners.get(key[2].rpartition("@")[0]) == tenant)
     ]
+
+
+def summed(parts: Iterable[Sequence[tuple[Key, Usage]]]) -> list[tuple[Key, Usage]]:
+    """Several ledgers' rows (a fleet's replicas') as one ledger's: summed by (hour, tenant,
+    adapter version), in that order, so they still add up to the sum of the parts' totals."""
+    out: dict[Key, Usage] = {}
+    for rows in parts:
+        for key, usage in rows:
+            out.setdefault(key, Usage()).add(usage)
+    return sorted(out.items())
