@@ -15,7 +15,7 @@ noisy). Throughput is generated tokens over the wall time of the batch; steps an
 come from the engine's scheduler metrics. Each figure is the median of its rounds, the VTC / FCFS
 ratio the median of the per-round ratios.
 Then the policy-only companion: the same batches through the real policies in the simulator on a
-virtual clock (deterministic: ``tests/test_vtc_lanes.py`` asserts these counts).
+virtual clock (deterministic: ``tests/scheduler/test_vtc_lanes.py`` asserts these counts).
 
     python bench/bench_lanes.py [--rounds N] [--threads T] [--quick]
 

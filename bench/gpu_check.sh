@@ -4,7 +4,7 @@
 #      Llama-2-7B sizes, and CUDA-graph replay after adapters are swapped in the same pages;
 #   2. bench/bench_kernels.py --sweep (LoRA update vs base GEMMs, 32 distinct vs 1 adapter, bytes/s;
 #      paged prefill attention at Llama-2-7B sizes, Triton vs the PyTorch reference, and its error;
-#      the `gpu` test in tests/test_kernels_attention.py checks it against the reference at
+#      the `gpu` test in tests/kernels/test_kernels_attention.py checks it against the reference at
 #      Llama-2-7B and Llama-3-8B sizes);
 #   3. a short table of both, printed last.
 # Logs land in $OUT (or bench/out). Works from a plain checkout: when lorapage is not installed it
@@ -43,11 +43,11 @@ EOF
 fi
 
 if [ -n "${GPU_CHECK_TINY:-}" ]; then
-  tests=("tests/test_kernels_backend.py::test_unknown_backend_is_rejected" "tests/test_kernels_attention.py::test_write_kv")
+  tests=("tests/kernels/test_kernels_backend.py::test_unknown_backend_is_rejected" "tests/kernels/test_kernels_attention.py::test_write_kv")
   bench_args=(--tiny)
 else
   nvidia-smi -L || true
-  tests=(tests/test_kernels_*.py tests/test_sampler.py::test_seeded_sampling_on_cuda_logits)
+  tests=(tests/test_kernels_*.py tests/model/test_sampler.py::test_seeded_sampling_on_cuda_logits)
   bench_args=(--sweep)
 fi
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"

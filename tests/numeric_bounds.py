@@ -45,7 +45,7 @@ non-negative float64 terms, low by at most ``g64(n)`` of themselves: :meth:`Roun
 friends add the former and scale by the latter, so the check holds against the exact result.
 
 For ``d = 272``, ``r = 24`` in float32: ``c_shrink = 1.62e-5``, ``c_expand = 1.55e-6``. Loose, as a
-worst case is (the C kernels' largest error in tests/test_lora_cpu.py is 4% of it), yet one
+worst case is (the C kernels' largest error in tests/kernels/test_lora_cpu.py is 4% of it), yet one
 shrink term dropped moves an output 340 times past it, and one B weight 2% off 2.5 times
 (``test_the_bound_catches_a_wrong_weight`` there).
 """

@@ -49,7 +49,7 @@ class DecodeGraphs:
 
     ``capture`` defaults to CUDA graphs. Tests on a machine without CUDA pass one that reruns the
     step on replay, so the padding, bucket choice and buffer writes around a replay are checked
-    there too (``tests/test_kernels_graph_safety.py``).
+    there too (``tests/kernels/test_kernels_graph_safety.py``).
     """
 
     def __init__(self, ctx: ForwardContext, max_num_seqs: int, capture: Capture | None = None) -> None:

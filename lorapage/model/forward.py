@@ -50,7 +50,7 @@ class ForwardContext:
 def decode_forward(ctx: ForwardContext, size: int) -> Tensor:
     """The decode step a graph captures: the first ``size`` rows of the static buffers through the
     model. Everything it reads is a view of a buffer allocated once or a constant of ``size``;
-    ``tests/test_kernels_graph_safety.py`` checks that its kernel launches do not change with the
+    ``tests/kernels/test_kernels_graph_safety.py`` checks that its kernel launches do not change with the
     adapters, slots, pages or positions written into those buffers."""
     b = ctx.buffers
     attn = AttentionMetadata(

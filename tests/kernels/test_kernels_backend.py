@@ -21,7 +21,7 @@ OPS = ("lora_shrink", "lora_expand", "write_kv", "paged_decode_attention", "pref
 
 def test_torch_on_cpu_uses_the_pytorch_ops_and_auto_the_c_kernels() -> None:
     assert select_backend("torch", torch.device("cpu")) is TORCH_OPS
-    assert TORCH_OPS.name == "torch"  # what each op computes: tests/test_lora_torch.py and the kernel tests
+    assert TORCH_OPS.name == "torch"  # what each op computes: tests/kernels/test_lora_torch.py and the kernel tests
     # Where torch runs on OpenMP with its own libgomp (the Linux wheels) and a C compiler is
     # present, the C kernels must build: a broken build would otherwise fall back unnoticed.
     if shutil.which(os.environ.get("CC", "cc")) and (Path(torch.__file__).parent / "lib" / "libgomp.so.1").exists():

@@ -19,7 +19,7 @@ import pytest
 
 from lorapage.kernels.triton_import import triton_available
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where kernel_compile.py is
 KERNELS = {
     "_bgmv_shrink_kernel",
     "_sgmv_shrink_kernel",

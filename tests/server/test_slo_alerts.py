@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorapage.server import hash_key
 from lorapage.server.serve_process import start_serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "lorapage.json"
 SERIES = re.compile(r"\blorapage_[a-zA-Z0-9_]+")

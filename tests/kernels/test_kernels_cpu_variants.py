@@ -1,6 +1,6 @@
 """Which variant of the C kernels a CPU runs (kernels/cpu_isa.py), how one is forced, and that
 every variant's code compiles with each C compiler here. Whether each computes right is
-tests/test_lora_cpu.py's (run per variant this CPU supports)."""
+tests/kernels/test_lora_cpu.py's (run per variant this CPU supports)."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ def test_envelope_config_is_parsed_and_checked():
 
 def test_cost_and_envelope_modules_import_no_torch():
     """Pure policy: the cost model and the envelope import nothing that needs torch."""
-    root = Path(__file__).resolve().parents[1] / "lorapage" / "adapters"
+    root = Path(__file__).resolve().parents[2] / "lorapage" / "adapters"
     for name in ("cost.py", "envelope.py"):
         tree = ast.parse((root / name).read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {

@@ -61,7 +61,7 @@ async def test_admin_routes_refuse_tenant_keys(server):
         assert (await server.request(method, path, headers=server.auth("alpha")))[0] == 403, path
         assert (await server.request(method, path))[0] == 401, path
     assert (await server.request("GET", "/v1/adapters/acme", headers=server.admin()))[0] == 200
-    # One adapter is readable by its owner (tests/test_adapter_get_route.py): acme has none, so a
+    # One adapter is readable by its owner (tests/server/test_adapter_get_route.py): acme has none, so a
     # tenant that may use it still gets the 404 of an unknown adapter.
     assert (await server.request("GET", "/v1/adapters/acme", headers=server.auth("alpha")))[0] == 404
     assert (await server.request("GET", "/v1/adapters/acme"))[0] == 401

@@ -18,7 +18,7 @@ from lorapage.replay.population import Population
 from lorapage.replay.prompts import prompt_for
 from lorapage.traces.trace import TraceError, TraceRequest, read_trace, write_trace
 
-SAMPLES = Path(__file__).resolve().parents[1] / "bench" / "traces"
+SAMPLES = Path(__file__).resolve().parents[2] / "bench" / "traces"
 
 
 def test_trace_roundtrip(tmp_path):

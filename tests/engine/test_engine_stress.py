@@ -115,7 +115,7 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     assert len(outcomes) == 48
     assert sum(kind in ("length", "stop") for kind, _ in outcomes) >= 24
     # Sized so that a run usually preempts (12-20 times here) and drains; how often depends on
-    # timing, so it is not asserted (tests/test_engine.py and test_adapter_residency.py force each).
+    # timing, so it is not asserted (tests/engine/test_engine.py and test_adapter_residency.py force each).
     # The books: nothing in flight, every KV page back, no request running on an adapter, none yielding.
     await asyncio.sleep(0.05)
     state = engine.scheduler

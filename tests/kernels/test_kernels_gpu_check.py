@@ -15,7 +15,7 @@ import torch
 
 from lorapage.kernels.triton_import import triton_available
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIGURES = (
     "base_gemm_us",
     "lora_all_distinct_us",

@@ -15,7 +15,7 @@ import pytest
 from lorapage.replay.cli import main
 from lorapage.tiny import TINY_ADAPTERS_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_TRACE = ROOT / "bench" / "traces" / "demo.jsonl"
 
 
