@@ -203,6 +203,7 @@ class Engine:
         # the loader that carries them out, the cache of registered versions, the catalog.
         self.prefix_cache = PrefixCache(self.pool, clock)
         page_bytes = mc.num_layers * page_size * self.pool.storage.element_size()
+        self.page_bytes = page_bytes  # one pool page across every layer (stats: adapter bytes)
         recompute = RecomputeCost(page_bytes, bs)  # fed measured prefill timings by the step loop
         self.reclaim = Reclaim(self.pool, self.prefix_cache, recompute)
         costs = ReloadCosts(page_bytes)
@@ -797,6 +798,16 @@ class Engine:
         value per page, with idle adapters)."""
         return self.pool.num_free + self.prefix_cache.num_idle
 
+    def _held_adapter_pages(self) -> int:
+        """Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or with
+        requests queued or running."""
+        rules = self.residency
+        return sum(
+            pages
+            for key, pages in rules.resident_pages().items()
+            if (r := rules.adapters[key]).pinned or r.hot or r.running or r.waiting
+        )
+
     def stats(self) -> dict:
         """Resident and host-RAM adapters, queue depth, running sequences, pool use, evictions."""
         now = self.clock()
@@ -828,6 +839,13 @@ class Engine:
             "adapters_host_ram": len(self.adapters.in_host()),
             "adapters_kept_hot": len(self.residency.hot()),
             "adapter_pinned_pages": self.adapters.pinned_pages(),
+            # What fleet placement weighs (docs/fleet.md, affinity_load): pages of resident adapters
+            # that cannot be evicted now, the bytes of a page, and the work queued here in tokens.
+            "adapter_held_pages": self._held_adapter_pages(),
+            "pool_page_bytes": self.page_bytes,
+            "tokens_in_flight": sum(
+                r.num_prompt_tokens + max(r.max_tokens - len(r.output_ids), 0) for r in self.scheduler.requests.values()
+            ),
             "adapter_pin_limit_pages": self.adapters.pin_limit(),
             **{f"adapter_prefetches_{k}": self.residency.prefetch.counts[k] for k in PREFETCH_COUNTS},
             # Measured reload costs (EWMA, seeded): seconds per page of each load stage.

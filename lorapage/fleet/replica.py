@@ -226,8 +226,8 @@ class EngineReplica:
     # -- what routing reads -----------------------------------------------------------------------
 
     async def record_routing_stats(self) -> dict[str, object]:
-        """Adapters by tier (pool pages, host RAM, only on disk), requests in flight, batch capacity.
-        Async, so it reads the engine on the loop that owns it."""
+        """Adapters by tier (pool pages, host RAM, only on disk), requests in flight, batch capacity,
+        tokens in flight, KV headroom and held adapter bytes. Async, so it reads the engine on the loop that owns it."""
         self._start_syncing()
         stats = self.engine.stats()
         pool = self._names(stats["resident_adapters"])
@@ -239,6 +239,11 @@ class EngineReplica:
             "disk": sorted(disk),
             "in_flight": self.in_flight,
             "capacity": self.engine.config.max_num_seqs,
+            # The load that matters (affinity_load): work in tokens, KV headroom, held adapter bytes.
+            "tokens_in_flight": stats["tokens_in_flight"],
+            "kv_free": stats["pool_pages_free"] / max(stats["pool_pages_total"], 1),
+            "pinned_bytes": stats["adapter_held_pages"] * stats["pool_page_bytes"],
+            "adapter_room_bytes": stats["pool_pages_total"] * stats["pool_page_bytes"],
         }
 
     def _names(self, keys: Iterable[str]) -> set[str]:

@@ -9,11 +9,14 @@ so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView
 - the adapter is the request's ``multiplexed_model_id`` (the ingress sets it; "" for the base);
 - ``in_flight`` is the requests this router sent the replica that have not completed (counted
   the moment each is sent), or Ray's queue-length cache where that is higher;
-- ``capacity``, ``pool``, ``host`` and ``disk`` come from the replica's ``record_routing_stats``.
+- ``capacity``, ``pool``, ``host``, ``disk`` and, for ``affinity_load``, ``tokens_in_flight``,
+  ``kv_free`` and the held adapter bytes come from the replica's ``record_routing_stats`` (up to
+  ``request_routing_stats_period_s`` old: between two reports only ``in_flight`` moves).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +37,10 @@ def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: M
         pool=frozenset(stats.get("pool", ())),
         host=frozenset(stats.get("host", ())),
         disk=frozenset(stats.get("disk", ())),
+        tokens_in_flight=int(stats.get("tokens_in_flight", 0)),
+        kv_free=float(stats.get("kv_free", 1.0)),
+        pinned_bytes=int(stats.get("pinned_bytes", 0)),
+        adapter_room_bytes=int(stats.get("adapter_room_bytes", 0)),
     )
 
 
@@ -52,7 +59,7 @@ class AffinityRequestRouter(RequestRouter):
         # cache is kept only under strict max_ongoing_requests, and the replicas' own reports are
         # up to a second old: a burst would all go to one owner before either counted it.
         self.sent: Counter[str] = Counter()
-        self.policy = make_router(str(options.pop("policy", "affinity")), **options)
+        self.policy = make_router(str(options.pop("policy", "affinity")), clock=time.monotonic, **options)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)

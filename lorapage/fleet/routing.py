@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-ROUTERS = ("random", "least_loaded", "affinity", "ray_default")
+ROUTERS = ("random", "least_loaded", "affinity", "affinity_load", "ray_default")
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,23 @@ class ReplicaView:
     pool: frozenset[str] = frozenset()  # adapters resident in its page pool
     host: frozenset[str] = frozenset()  # adapters in its host RAM
     disk: frozenset[str] = frozenset()  # adapters in its local disk cache
+    # The load that matters (``affinity_load``): prompt + remaining output tokens of the requests
+    # running or queued; the fraction of KV pages free; adapter bytes that cannot be evicted now
+    # (pinned, kept hot, or with requests) and the bytes its pool can give adapters (0: unknown).
+    tokens_in_flight: int = 0
+    kv_free: float = 1.0
+    pinned_bytes: int = 0
+    adapter_room_bytes: int = 0
 
     @property
     def load(self) -> float:
         """In-flight requests as a fraction of capacity (1.0 = saturated)."""
         return self.in_flight / max(self.capacity, 1)
+
+    @property
+    def pinned_fraction(self) -> float:
+        """Held adapter bytes over the adapter room (0 when the room is unknown)."""
+        return self.pinned_bytes / self.adapter_room_bytes if self.adapter_room_bytes > 0 else 0.0
 
 
 class Router(Protocol):
@@ -266,12 +278,24 @@ class RayDefaultRouter:
 def make_router(name: str, **kw: object) -> Router:
     """The router called ``name`` (one of :data:`ROUTERS`), built with keyword options ``kw``.
 
-    ``seed`` is accepted for every router (the deterministic ones ignore it), so a caller can
-    build them all alike; the other options are the :class:`AffinityRouter` arguments.
+    ``seed`` and ``clock`` (a callable giving seconds) are accepted for every router (those that
+    need neither ignore them), so a caller can build them all alike; the other options are the
+    :class:`AffinityRouter` arguments, or for ``affinity_load`` those of
+    :class:`~lorapage.fleet.placement.LoadAffinityConfig`.
     """
     seed = kw.pop("seed", 0)
+    clock = kw.pop("clock", None)
     if not isinstance(seed, int):
         raise ValueError(f"router seed must be an int; got {seed!r}")
+    if name == "affinity_load":
+        from lorapage.fleet.placement import LoadAffinityConfig, LoadAffinityRouter  # it builds on this module
+
+        if not callable(clock):
+            raise ValueError("router 'affinity_load' needs a clock (a callable giving seconds)")
+        try:
+            return LoadAffinityRouter(clock, LoadAffinityConfig(**kw))  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise ValueError(f"router 'affinity_load': {exc}") from None
     if name == "affinity":
         return AffinityRouter(**kw)  # type: ignore[arg-type]
     if kw:

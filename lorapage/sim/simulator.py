@@ -213,6 +213,18 @@ class Simulator:
         """Requests running or waiting here."""
         return len(self.running) + len(self.waiting) + len(self.trace) - self._next
 
+    @property
+    def tokens_in_flight(self) -> int:
+        """Prompt + remaining output tokens of the requests running or waiting here (a router's
+        ``ReplicaView.tokens_in_flight``)."""
+        reqs = [*self.running, *self.waiting, *self.trace[self._next :]]
+        return sum(r.num_prompt_tokens + r.max_tokens - r.generated for r in reqs)
+
+    @property
+    def kv_free(self) -> float:
+        """Fraction of the KV pages free."""
+        return self.free_pages / max(self.config.num_kv_pages, 1)
+
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.config.block_size)
 
