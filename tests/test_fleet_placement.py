@@ -70,10 +70,14 @@ def test_picks_the_owner_with_fewest_tokens_in_flight_not_requests() -> None:
     ids = [f"r{i}" for i in range(6)]
     first, second = rendezvous_owners("a", ids, 2)
     # first has fewer requests but long ones; second more requests but fewer tokens
-    views = _views(6, **{first: {"in_flight": 1, "tokens_in_flight": 6000}, second: {"in_flight": 4, "tokens_in_flight": 900}})
+    views = _views(
+        6, **{first: {"in_flight": 1, "tokens_in_flight": 6000}, second: {"in_flight": 4, "tokens_in_flight": 900}}
+    )
     assert router.choose("a", views) == second
     # residency is worth tokens: holding the adapter in the pool outweighs a small token gap
-    views = _views(6, **{first: {"tokens_in_flight": 1000, "pool": frozenset({"a"})}, second: {"tokens_in_flight": 600}})
+    views = _views(
+        6, **{first: {"tokens_in_flight": 1000, "pool": frozenset({"a"})}, second: {"tokens_in_flight": 600}}
+    )
     assert router.choose("a", views) == first
     # an owner short of KV headroom counts as full: the other owner takes it despite more tokens
     views = _views(6, **{first: {"tokens_in_flight": 100, "kv_free": 0.01}, second: {"tokens_in_flight": 5000}})
@@ -130,7 +134,9 @@ def test_prewarms_name_new_owners_when_the_owner_count_grows() -> None:
 
 def test_base_requests_go_to_fewest_tokens() -> None:
     router = _router(Clock())
-    views = _views(3, r0={"tokens_in_flight": 500}, r1={"tokens_in_flight": 100, "in_flight": 5}, r2={"tokens_in_flight": 300})
+    views = _views(
+        3, r0={"tokens_in_flight": 500}, r1={"tokens_in_flight": 100, "in_flight": 5}, r2={"tokens_in_flight": 300}
+    )
     assert router.choose(None, views) == "r1"
 
 

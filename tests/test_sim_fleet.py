@@ -137,3 +137,29 @@ def test_simulate_takes_the_two_lora_counts_and_the_lane_flags() -> None:
     assert (seed.residency.max_resident_loras, seed.vtc.max_loras) == (250, 32)
     with pytest.raises(SystemExit, match="the simulator models only"):
         fleet_config(args, ["--max-cpu-lora-bytes", "1000"])
+
+
+def test_simulator_runs_affinity_load_with_prewarms() -> None:
+    # A hot head (Zipf 1.1 over 300 adapters) on 4 replicas: its owner count grows past 2 and the
+    # new owners are loaded on the virtual clock before their first request.
+    trace = zipf_trace()
+    config = replace(SMALL, router="affinity_load", router_options={"min_total": 20.0, "owner_factor": 4.0})
+    runs = [simulate(trace, config) for _ in range(2)]
+    assert runs[0].records == runs[1].records  # the virtual clock makes it deterministic
+    summary = runs[0].summary()
+    assert summary["prewarms"] > 0 and summary["spills"] is not None
+    assert all(r.ttft_s is not None for r in runs[0].records)
+    random_hits = simulate(trace, replace(SMALL, router="random")).summary()["hit_rate"]["gpu"]
+    assert summary["hit_rate"]["gpu"] > random_hits + 0.1, (summary["hit_rate"], random_hits)
+
+
+def test_sim_loader_prewarm_loads_into_the_pool_on_the_virtual_clock() -> None:
+    from lorapage.sim.costs import GPU_7B
+    from lorapage.sim.loader import SimLoader
+
+    loader = SimLoader(ResidencyConfig(max_resident_loras=4, max_cpu_loras=4, max_disk_loras=8), GPU_7B.loads)
+    loader.prewarm("a", 0.0)
+    assert loader.tier("a") == "remote" and loader.next_event(0.0) == pytest.approx(0.44)
+    loader.advance(0.44)
+    assert loader.tier("a") == "gpu" and "a" in loader.snapshot()[0]
+    assert loader.arrive("a", 0.5) == "gpu"  # its first request finds it resident

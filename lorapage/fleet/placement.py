@@ -182,7 +182,11 @@ class LoadAffinityRouter:
     def _guard(self, adapter: str, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         """Replicas that may take ``adapter``: not past the guard, or holding it already; all of
         them when every one is past it (the request must go somewhere)."""
-        ok = [r for r in replicas if r.pinned_fraction < self.config.pinned_guard or adapter in r.pool or adapter in r.host]
+        ok = [
+            r
+            for r in replicas
+            if r.pinned_fraction < self.config.pinned_guard or adapter in r.pool or adapter in r.host
+        ]
         if len(ok) < len(replicas):
             self.guarded += 1
         return ok or list(replicas)
