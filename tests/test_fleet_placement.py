@@ -85,16 +85,23 @@ def test_picks_the_owner_with_fewest_tokens_in_flight_not_requests() -> None:
     assert router.spills == 0
 
 
-def test_spills_to_the_least_loaded_non_owner_when_owners_are_full() -> None:
+def test_spills_along_the_rendezvous_ranking_when_owners_are_full() -> None:
     clock = Clock()
-    router = _router(clock, min_owners=2, max_owners=2)
+    router = _router(clock, min_owners=2, max_owners=2, spill_width=2)
     ids = [f"r{i}" for i in range(5)]
-    owners = rendezvous_owners("a", ids, 2)
-    others = [r for r in ids if r not in owners]
-    fields = {o: {"in_flight": 8} for o in owners}
-    fields |= {rid: {"in_flight": 3, "tokens_in_flight": 100 + 50 * n} for n, rid in enumerate(others)}
-    assert router.choose("a", _views(5, **fields)) == others[0]
-    assert router.spills == 1
+    ranked = rendezvous_owners("a", ids, 5)
+    fields = {o: {"in_flight": 8} for o in ranked[:2]}
+    fields |= {ranked[2]: {"tokens_in_flight": 900}, ranked[3]: {"tokens_in_flight": 500}}
+    # the next two of a's ranking are weighed; the idle fifth is not (a's spills stay together)
+    assert router.choose("a", _views(5, **fields)) == ranked[3]
+    fields |= {ranked[2]: {"in_flight": 8}, ranked[3]: {"in_flight": 8}}
+    assert router.choose("a", _views(5, **fields)) == ranked[4]
+    # every replica full: the least work for its residency, owners included
+    full = {rid: {"in_flight": 8, "tokens_in_flight": 5000} for rid in ids} | {
+        ranked[0]: {"in_flight": 9, "tokens_in_flight": 9000, "pool": frozenset({"a"})}
+    }
+    assert router.choose("a", _views(5, **full)) == ranked[0]
+    assert router.spills == 3
 
 
 def test_pinned_bytes_guard_sends_new_adapters_elsewhere() -> None:

@@ -13,8 +13,9 @@ owners, but:
   fewest ``tokens_in_flight`` (prompt + remaining output of what it runs and queues) after a
   residency bonus in tokens (pool > host RAM > disk); a replica is over the bound when its requests
   reach ``spill_load x capacity`` or its KV headroom is below ``kv_reserve``;
-- **spill**: when every owner is over the bound, the non-owner under it with the fewest tokens in
-  flight (or, when none is, the whole fleet's);
+- **spill**: when every owner is over the bound, the next ``spill_width`` replicas of the
+  adapter's rendezvous ranking that are under it, weighed as owners are (so an adapter's spills
+  land where they landed before); when none is, the whole fleet's least work for its residency;
 - **a pinned-bytes guard**: a replica whose adapter room is at least ``pinned_guard`` held by
   adapters that cannot be evicted (pinned, kept hot, or with requests) takes no adapter it does
   not already hold (pool or host RAM), unless every replica is so guarded;
@@ -45,10 +46,10 @@ class Prewarm:
 
 
 def _token_bonus() -> ResidencyBonus:
-    # Tokens a replica holding the adapter may have in flight beyond another's and still win: about
-    # what the load it saves costs in prefill tokens (seed GPU: 8,000 prompt tokens/s, a remote
-    # fetch 0.44 s, a disk read 0.05 s; a pool hit also saves the host -> GPU copy).
-    return ResidencyBonus(pool=1500.0, host=400.0, disk=300.0)
+    # Tokens a replica holding the adapter may have in flight beyond another's and still win:
+    # affinity's bonus (0.25 / 0.10 / 0.05 of 32 requests) at ~1,000 tokens a request (the seed's
+    # 750 prompt + 250 output). Smaller bonuses (1,500 / 400 / 300) lost pool hits in the simulator.
+    return ResidencyBonus(pool=8000.0, host=3000.0, disk=1500.0)
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,12 @@ class LoadAffinityConfig:
 
     min_owners: int = 2
     max_owners: int = 8
-    owner_factor: float = 2.0
+    owner_factor: float = 1.0
     half_life_s: float = 30.0
     min_total: float = 100.0  # decayed requests the share's denominator is at least
     spill_load: float = 1.0  # requests in flight / capacity at which an owner counts as full
     kv_reserve: float = 0.05  # KV headroom below which an owner counts as full
+    spill_width: int = 2  # past the owners, how many next-ranked open replicas a spill weighs
     pinned_guard: float = 0.9  # held fraction of adapter room past which no new adapters come
     bonus: ResidencyBonus = field(default_factory=_token_bonus)  # in tokens
     max_tracked: int = 10_000  # adapters whose rate and owner count are remembered
@@ -69,8 +71,8 @@ class LoadAffinityConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.min_owners <= self.max_owners:
             raise ValueError(f"need 1 <= min_owners <= max_owners; got {self.min_owners}, {self.max_owners}")
-        if self.owner_factor <= 0 or self.half_life_s <= 0 or self.min_total <= 0 or self.spill_load <= 0:
-            raise ValueError("owner_factor, half_life_s, min_total and spill_load must be positive")
+        if min(self.owner_factor, self.half_life_s, self.min_total, self.spill_load, self.spill_width) <= 0:
+            raise ValueError("owner_factor, half_life_s, min_total, spill_load and spill_width must be positive")
         if not 0 <= self.kv_reserve < 1 or not 0 < self.pinned_guard <= 1 or self.max_tracked < 1:
             raise ValueError(
                 f"need 0 <= kv_reserve < 1, 0 < pinned_guard <= 1 and max_tracked >= 1; "
@@ -135,14 +137,17 @@ class LoadAffinityRouter:
         now = self.clock()
         self.counts.add(adapter, now)
         by_id = {r.replica_id: r for r in replicas}
-        owners = self._owner_ids(adapter, by_id)
-        admissible = self._guard(adapter, replicas)
-        under = [by_id[o] for o in owners if by_id[o] in admissible and self._under(by_id[o])]
+        ranked = rendezvous_owners(adapter, list(by_id), len(by_id))
+        k = self._owner_count(adapter, ranked, by_id)
+        admissible = set(self._guard(adapter, replicas))
+        open_ = [by_id[rid] for rid in ranked if by_id[rid] in admissible and self._under(by_id[rid])]
+        under = [r for r in open_ if r.replica_id in ranked[:k]]
         if not under:
             self.spills += 1
-            # Past the bound on every owner: a non-owner under it; none: the fleet is full, so the
-            # one with the least work for its residency, owners included (it queues there).
-            under = [r for r in admissible if r.replica_id not in owners and self._under(r)] or admissible
+            # Past the bound on every owner: the next replicas of the adapter's rendezvous ranking
+            # that are under it (so its spills, too, land where they did before); none: the fleet
+            # is full, and the one with the least work for its residency takes it (it queues there).
+            under = open_[: self.config.spill_width] or list(admissible)
         bonus = self.config.bonus.of
         return min(under, key=lambda r: (r.tokens_in_flight - bonus(adapter, r), r.replica_id)).replica_id
 
@@ -164,17 +169,17 @@ class LoadAffinityRouter:
 
     # -- the rules ------------------------------------------------------------------------------------
 
-    def _owner_ids(self, adapter: str, by_id: dict[str, ReplicaView]) -> list[str]:
-        k = self.owner_count(adapter, len(by_id))
-        owners = rendezvous_owners(adapter, list(by_id), k)
+    def _owner_count(self, adapter: str, ranked: list[str], by_id: dict[str, ReplicaView]) -> int:
+        """The owner count now; pre-warms for the owners it gained since the adapter's last request."""
+        k = self.owner_count(adapter, len(ranked))
         before = self._owners.get(adapter)
         if before is not None and k > before:
-            self._prewarms += [Prewarm(adapter, rid) for rid in owners[before:] if adapter not in by_id[rid].pool]
+            self._prewarms += [Prewarm(adapter, rid) for rid in ranked[before:k] if adapter not in by_id[rid].pool]
         self._owners[adapter] = k
         self._owners.move_to_end(adapter)
         while len(self._owners) > self.config.max_tracked:
             self._owners.popitem(last=False)
-        return owners
+        return k
 
     def _under(self, r: ReplicaView) -> bool:
         return r.in_flight < self.config.spill_load * r.capacity and r.kv_free >= self.config.kv_reserve
