@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from lorapage.fleet.placement import DecayingCounts, LoadAffinityConfig, LoadAffinityRouter, Prewarm
+from lorapage.fleet.prewarm import PrewarmBox
 from lorapage.fleet.routing import ReplicaView, make_router, rendezvous_owners
 
 
@@ -158,3 +159,15 @@ def test_make_router_builds_it_with_a_clock_and_checks_options() -> None:
         make_router("affinity_load", clock=Clock(), min_owners=5, max_owners=2)
     with pytest.raises(ValueError, match="no live replica"):
         make_router("affinity_load", clock=Clock()).choose("a", [])
+
+
+def test_prewarm_box_hands_each_replica_its_own_once_and_stays_bounded() -> None:
+    box = PrewarmBox(per_replica=2, max_replicas=2)
+    for adapter in ("a", "b", "a", "c"):
+        box.put("r0", adapter)
+    box.put("r1", "x")
+    assert box.take("r0") == ("a", "c")  # b was the oldest past the bound; a asked twice, once
+    assert box.take("r0") == () and box.take("r9") == ()
+    box.put("r2", "y")
+    box.put("r3", "z")  # a third replica: the least recently asked one (r1) is forgotten
+    assert box.take("r1") == () and box.take("r3") == ("z",)

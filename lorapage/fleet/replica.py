@@ -4,7 +4,7 @@ It does no HTTP and no auth: the ingress sends it checked, tokenized :class:`Eng
 and it streams back the engine's outputs. Its adapters are a mirror of the fleet's registry (held
 by the ingress, :mod:`lorapage.fleet.registry`): every ``sync_period_s`` it sends a
 :class:`Heartbeat` (the generation it has, its stats and engine series) and applies the reply
-(ids changed, admin unloads, tenant shares); a job for a version it does not know yet makes it
+(ids changed, admin unloads, tenant shares, pre-warms); a job for a version it does not know yet makes it
 sync first. Ray Serve calls :meth:`EngineReplica.record_routing_stats` every
 ``request_routing_stats_period_s``; what it returns (adapters by tier, requests in flight, batch
 capacity) reaches the ingress's request router as ``RunningReplica.routing_stats``.
@@ -68,6 +68,7 @@ class EngineReplica:
         self._weights: dict[str, float] = {}
         self._sync_lock = asyncio.Lock()
         self._syncing: asyncio.Task | None = None
+        self._prewarming: set[asyncio.Task] = set()  # pre-warm loads under way (held so they are not collected)
         self._ingress: DeploymentHandle | None = None
 
     def __del__(self) -> None:
@@ -208,9 +209,20 @@ class EngineReplica:
                 await self.engine.unload_adapter(key)
             except LorapageError as exc:
                 log.info("replica %s kept %s resident: %s", self.replica_id, key, exc.message)
+        for key in reply.prewarms:  # not awaited: a load may take seconds, and the heartbeat goes on
+            task = asyncio.get_running_loop().create_task(self._prewarm(key))
+            self._prewarming.add(task)
+            task.add_done_callback(self._prewarming.discard)
         if reply.tenant_weights != self._weights:
             self._weights = dict(reply.tenant_weights)
             self.engine.set_tenant_weights(self._weights)
+
+    async def _prewarm(self, key: str) -> None:
+        """Load ``key`` into the pool ahead of its requests: the router made this replica one of its owners."""
+        try:
+            await self.engine.load_adapter(key)
+        except LorapageError as exc:
+            log.info("replica %s did not pre-warm %s: %s", self.replica_id, key, exc.message)
 
     def _mirror(self, states: Iterable[IdState]) -> list[IdState]:
         """Apply ``states`` (later ones win); the ones whose busy versions must be dropped later."""

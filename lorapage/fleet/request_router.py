@@ -23,6 +23,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from lorapage.fleet.placement import LoadAffinityRouter
+from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.routing import ReplicaView, Router, make_router
 
 
@@ -88,6 +90,9 @@ class AffinityRequestRouter(RequestRouter):
         adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
         chosen = self.policy.choose(adapter or None, list(views.values()))
+        if isinstance(self.policy, LoadAffinityRouter):  # new owners load it at their next heartbeat
+            for p in self.policy.take_prewarms():
+                PREWARMS.put(p.replica_id, p.adapter)
         first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
         rest = sorted(
             (r for r in candidate_replicas if r.replica_id.unique_id != chosen),
