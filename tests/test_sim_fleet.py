@@ -163,3 +163,18 @@ def test_sim_loader_prewarm_loads_into_the_pool_on_the_virtual_clock() -> None:
     loader.advance(0.44)
     assert loader.tier("a") == "gpu" and "a" in loader.snapshot()[0]
     assert loader.arrive("a", 0.5) == "gpu"  # its first request finds it resident
+
+
+def test_replica_view_reports_tokens_in_flight_kv_headroom_and_held_adapters() -> None:
+    from lorapage.sim.fleet import Replica
+    from lorapage.sim.simulator import SimRequest
+
+    replica = Replica("r0", SMALL)
+    replica.sim.submit(SimRequest("0", "t", "a", 0.0, 100, 10))
+    replica.sim.submit(SimRequest("1", "t", "b", 0.0, 50, 20))
+    view = replica.view()
+    assert view.tokens_in_flight == 180 and view.kv_free == 1.0  # nothing admitted yet
+    assert view.pinned_fraction == 2 / 8  # two adapters held, of 8 slots
+    replica.sim.run(until=0.5)  # both fetched (0.44 s) and generating by now
+    view = replica.view()
+    assert 0 < view.tokens_in_flight < 180 and view.kv_free < 1.0
