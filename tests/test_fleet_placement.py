@@ -7,9 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from lorapage.fleet.placement import DecayingCounts, LoadAffinityConfig, LoadAffinityRouter, Prewarm
 from lorapage.fleet.prewarm import PrewarmBox
-from lorapage.fleet.routing import ReplicaView, make_router, rendezvous_owners
+from lorapage.fleet.routing import (
+    DecayingCounts,
+    LoadAffinityConfig,
+    LoadAffinityRouter,
+    Prewarm,
+    ReplicaView,
+    make_router,
+    rendezvous_owners,
+)
 
 
 class Clock:

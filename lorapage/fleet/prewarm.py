@@ -1,6 +1,6 @@
 """Pre-warms from the request router to the replicas, through the heartbeat.
 
-The ``affinity_load`` router (:mod:`lorapage.fleet.placement`) names a :class:`Prewarm` when an
+The ``affinity_load`` router (:mod:`lorapage.fleet.routing`) names a :class:`Prewarm` when an
 adapter gains owners. Ray Serve runs the request router inside the ingress's process (the handle
 that sends to the engine replicas lives there), so the router drops each one in :data:`PREWARMS`
 and the ingress hands a replica its own in the reply to its next heartbeat
@@ -43,3 +43,10 @@ class PrewarmBox:
 
 
 PREWARMS = PrewarmBox()  # the ingress process's: the request router puts, the ingress takes
+
+
+def ask_prewarm(replica_id: str, adapter: str) -> None:
+    """Put a pre-warm in this process's :data:`PREWARMS`. The request router calls this function
+    rather than naming the box: Ray Serve pickles the router's module by value, which would copy
+    the box (and fail on its lock); a function of this module travels by reference."""
+    PREWARMS.put(replica_id, adapter)

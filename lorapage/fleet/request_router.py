@@ -23,9 +23,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lorapage.fleet.placement import LoadAffinityRouter
-from lorapage.fleet.prewarm import PREWARMS
-from lorapage.fleet.routing import ReplicaView, Router, make_router
+from lorapage.fleet.prewarm import ask_prewarm
+from lorapage.fleet.routing import LoadAffinityRouter, ReplicaView, Router, make_router
 
 
 def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: Mapping[str, Any]) -> ReplicaView:
@@ -92,7 +91,7 @@ class AffinityRequestRouter(RequestRouter):
         chosen = self.policy.choose(adapter or None, list(views.values()))
         if isinstance(self.policy, LoadAffinityRouter):  # new owners load it at their next heartbeat
             for p in self.policy.take_prewarms():
-                PREWARMS.put(p.replica_id, p.adapter)
+                ask_prewarm(p.replica_id, p.adapter)
         first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
         rest = sorted(
             (r for r in candidate_replicas if r.replica_id.unique_id != chosen),

@@ -16,8 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lorapage.fleet.placement import LoadAffinityRouter
-from lorapage.fleet.routing import AffinityRouter, ReplicaView, Router, make_router
+from lorapage.fleet.routing import AffinityRouter, LoadAffinityRouter, ReplicaView, Router, make_router
 from lorapage.scheduler import SchedulerPolicy, VtcConfig, make_policy
 from lorapage.sim.costs import GPU_7B, StepCosts
 from lorapage.sim.loader import TIERS, ResidencyConfig, SimLoader

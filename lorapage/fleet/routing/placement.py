@@ -1,6 +1,6 @@
 """Placement by the load that matters: the ``affinity_load`` router.
 
-Like ``affinity`` (:mod:`lorapage.fleet.routing`) an adapter's requests go to its rendezvous
+Like ``affinity`` (:mod:`lorapage.fleet.routing.policies`) an adapter's requests go to its rendezvous
 owners, but:
 
 - **the owner count follows traffic**: each adapter's recent request rate is a decaying counter
@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from lorapage.fleet.routing import ReplicaView, ResidencyBonus, rendezvous_owners
+from lorapage.fleet.routing.policies import ReplicaView, ResidencyBonus, rendezvous_owners
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Which replica takes a request: pure routing policies shared by the Ray fleet and the simulator.
+"""The routing policies by request count: random, least-loaded, affinity, Ray's default.
 
 A router sees only :class:`ReplicaView` snapshots (load and residency each replica reported) and
 the request's adapter; it owns no clock, no Ray handle and no I/O, so the Ray Serve request router
@@ -15,8 +15,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-ROUTERS = ("random", "least_loaded", "affinity", "affinity_load", "ray_default")
 
 
 @dataclass(frozen=True)
@@ -273,37 +271,3 @@ class RayDefaultRouter:
         if accepting_only:
             pair = [r for r in pair if r.in_flight < r.capacity]
         return min(pair, key=lambda r: r.in_flight) if pair else None
-
-
-def make_router(name: str, **kw: object) -> Router:
-    """The router called ``name`` (one of :data:`ROUTERS`), built with keyword options ``kw``.
-
-    ``seed`` and ``clock`` (a callable giving seconds) are accepted for every router (those that
-    need neither ignore them), so a caller can build them all alike; the other options are the
-    :class:`AffinityRouter` arguments, or for ``affinity_load`` those of
-    :class:`~lorapage.fleet.placement.LoadAffinityConfig`.
-    """
-    seed = kw.pop("seed", 0)
-    clock = kw.pop("clock", None)
-    if not isinstance(seed, int):
-        raise ValueError(f"router seed must be an int; got {seed!r}")
-    if name == "affinity_load":
-        from lorapage.fleet.placement import LoadAffinityConfig, LoadAffinityRouter  # it builds on this module
-
-        if not callable(clock):
-            raise ValueError("router 'affinity_load' needs a clock (a callable giving seconds)")
-        try:
-            return LoadAffinityRouter(clock, LoadAffinityConfig(**kw))  # type: ignore[arg-type]
-        except TypeError as exc:
-            raise ValueError(f"router 'affinity_load': {exc}") from None
-    if name == "affinity":
-        return AffinityRouter(**kw)  # type: ignore[arg-type]
-    if kw:
-        raise ValueError(f"router {name!r} takes no options besides seed; got {sorted(kw)}")
-    if name == "random":
-        return RandomRouter(seed)
-    if name == "least_loaded":
-        return LeastLoadedRouter()
-    if name == "ray_default":
-        return RayDefaultRouter(seed)
-    raise ValueError(f"router must be one of {ROUTERS}; got {name!r}")
