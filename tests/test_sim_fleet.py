@@ -178,3 +178,17 @@ def test_replica_view_reports_tokens_in_flight_kv_headroom_and_held_adapters() -
     replica.sim.run(until=0.5)  # both fetched (0.44 s) and generating by now
     view = replica.view()
     assert 0 < view.tokens_in_flight < 180 and view.kv_free < 1.0
+
+
+def test_comparison_says_how_busy_the_devices_are_at_the_fewest_replicas() -> None:
+    from lorapage.sim.compare import compare_routers, render_table
+
+    trace = zipf_trace()
+    (row,) = compare_routers(trace, SMALL, ["affinity_load"], find_most=4)
+    k = row["fewest_replicas"]
+    assert k is not None and row["at_fewest"]["replicas"] == k
+    assert 0 < row["at_fewest"]["device_busy"] <= 1
+    if k > 1:  # one fewer misses the SLO
+        assert row["one_fewer"]["replicas"] == k - 1 and 0 < row["one_fewer"]["device_busy"] <= 1
+    table = render_table([row])
+    assert "device busy there" in table and f"| {k} | {100 * row['at_fewest']['device_busy']:.0f}% |" in table

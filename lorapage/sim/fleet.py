@@ -101,6 +101,7 @@ class FleetResult:
     replica_of: list[str]  # per trace request, the replica that took it
     steps: dict[str, int]
     spills: int | None  # affinity routers only: requests sent beyond their owners
+    busy_s: dict[str, float] = field(default_factory=dict)  # per replica, seconds its device was stepping
     prewarms: int = 0  # affinity_load only: loads started on adapters' new owners
 
     def summary(self, slo: Slo = SEED_SLO) -> dict:
@@ -130,7 +131,18 @@ class FleetResult:
             "spills": self.spills,
             "prewarms": self.prewarms,
             "steps": sum(self.steps.values()),
+            # What binds: the fleet's device time over replicas x the span of the run (~1: compute).
+            "device_busy": _busy(self),
         }
+
+
+def _busy(result: FleetResult) -> float | None:
+    """Device seconds of every replica over replicas x (first arrival to last token)."""
+    ends = [r.end_s for r in result.records if r.end_s is not None]
+    if not ends or not result.records:
+        return None
+    span = max(ends) - min(r.scheduled_s for r in result.records)
+    return round(sum(result.busy_s.values()) / (len(result.steps) * span), 3) if span > 0 else None
 
 
 def _le(value: float | None, target: float) -> bool:
@@ -223,6 +235,7 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
         measured=[rec for rec in records if rec.scheduled_s >= config.warmup_s],
         replica_of=replica_of,
         steps={r.replica_id: r.sim.steps for r in replicas},
+        busy_s={r.replica_id: r.sim.busy_s for r in replicas},
         spills=router.spills if isinstance(router, AffinityRouter | LoadAffinityRouter) else None,
         prewarms=prewarms,
     )

@@ -199,6 +199,7 @@ class Simulator:
         self._copy_s = 0.0  # adapter copies done since the last step, charged to the next
         self.served: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
         self.steps = 0
+        self.busy_s = 0.0  # virtual seconds spent in steps (the device busy)
         self.last_batch_size = 0  # rows of the latest step
         self.preemptions = 0
 
@@ -303,7 +304,9 @@ class Simulator:
         started = self.now
         prefill = ctx.tokens - len(self.running)
         shape = StepShape(prefill, len(self.running), [self.config.adapter_rank] * distinct, self._copy_s)
-        self.now += self.config.cost.time(shape)
+        cost = self.config.cost.time(shape)
+        self.now += cost
+        self.busy_s += cost
         self._copy_s = 0.0
         self.steps += 1
         self.last_batch_size = len(batch)
