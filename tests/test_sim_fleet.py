@@ -191,4 +191,6 @@ def test_comparison_says_how_busy_the_devices_are_at_the_fewest_replicas() -> No
     if k > 1:  # one fewer misses the SLO
         assert row["one_fewer"]["replicas"] == k - 1 and 0 < row["one_fewer"]["device_busy"] <= 1
     table = render_table([row])
-    assert "device busy there" in table and f"| {k} | {100 * row['at_fewest']['device_busy']:.0f}% |" in table
+    assert 0 < row["at_fewest"]["rows_per_step"] <= SMALL.engine.max_num_seqs
+    busy = f"{100 * row['at_fewest']['device_busy']:.0f}%, {row['at_fewest']['rows_per_step']:.1f} rows"
+    assert "device busy, rows a step" in table and f"| {k} | {busy} |" in table

@@ -32,7 +32,12 @@ def compare_routers(
             for key, n in (("at_fewest", k), ("one_fewer", None if k is None else k - 1)):
                 if n:
                     s = simulate(trace, replace(cfg, replicas=n)).summary(slo)
-                    row[key] = {"replicas": n, "device_busy": s["device_busy"], "warm_p95": s["ttft"]["warm"]["p95"]}
+                    row[key] = {
+                        "replicas": n,
+                        "device_busy": s["device_busy"],
+                        "rows_per_step": s["rows_per_step"],
+                        "warm_p95": s["ttft"]["warm"]["p95"],
+                    }
         rows.append(row)
     return rows
 
@@ -42,7 +47,9 @@ def _s(v: float | None) -> str:
 
 
 def _busy(at: dict | None) -> str:
-    return "-" if not at or at["device_busy"] is None else f"{100 * at['device_busy']:.0f}%"
+    if not at or at["device_busy"] is None:
+        return "-"
+    return f"{100 * at['device_busy']:.0f}%, {at['rows_per_step']:.1f} rows"
 
 
 def render_table(rows: Sequence[dict], slo: Slo = SEED_SLO) -> str:
@@ -51,7 +58,7 @@ def render_table(rows: Sequence[dict], slo: Slo = SEED_SLO) -> str:
     head = (
         "| router | replicas | warm p50 | warm p95 | warm p99 | cold p50 | cold p95 | cold p99 | pool hits | "
         f"host hits | goodput | p95 warm < {slo.ttft_s:g} s and cold < {slo.ttft_cold_s:g} s | fewest replicas | "
-        "device busy there | one fewer: warm p95, device busy |"
+        "there: device busy, rows a step | one fewer: warm p95, device busy, rows a step |"
     )
     lines = [head, "| --- |" + " ---: |" * 14]
     for r in rows:

@@ -101,7 +101,10 @@ class FleetResult:
     replica_of: list[str]  # per trace request, the replica that took it
     steps: dict[str, int]
     spills: int | None  # affinity routers only: requests sent beyond their owners
-    busy_s: dict[str, float] = field(default_factory=dict)  # per replica, seconds its device was stepping
+    # Device seconds stepping over replicas x seconds, from the end of the warm-up to the last
+    # arrival: what binds (~1: compute). None when no request arrives after the warm-up.
+    device_busy: float | None = None
+    rows: int = 0  # requests over every replica's steps (over the steps: how full batches were)
     prewarms: int = 0  # affinity_load only: loads started on adapters' new owners
 
     def summary(self, slo: Slo = SEED_SLO) -> dict:
@@ -131,18 +134,9 @@ class FleetResult:
             "spills": self.spills,
             "prewarms": self.prewarms,
             "steps": sum(self.steps.values()),
-            # What binds: the fleet's device time over replicas x the span of the run (~1: compute).
-            "device_busy": _busy(self),
+            "device_busy": None if self.device_busy is None else round(self.device_busy, 3),
+            "rows_per_step": round(self.rows / max(sum(self.steps.values()), 1), 2),
         }
-
-
-def _busy(result: FleetResult) -> float | None:
-    """Device seconds of every replica over replicas x (first arrival to last token)."""
-    ends = [r.end_s for r in result.records if r.end_s is not None]
-    if not ends or not result.records:
-        return None
-    span = max(ends) - min(r.scheduled_s for r in result.records)
-    return round(sum(result.busy_s.values()) / (len(result.steps) * span), 3) if span > 0 else None
 
 
 def _le(value: float | None, target: float) -> bool:
@@ -213,11 +207,14 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
     router = router or make_router(config.router, seed=config.seed, clock=clock, **config.router_options)
     replica_of = [""] * len(reqs)
     prewarms = 0
+    start: tuple[float, float] | None = None  # (time, device seconds so far) at the first measured arrival
     for i in order:
         req = reqs[i]
         clock.now = req.arrival_time
         for r in replicas:
             r.sim.run(until=req.arrival_time)
+        if start is None and req.arrival_time >= config.warmup_s:
+            start = (req.arrival_time, sum(r.sim.busy_s for r in replicas))
         chosen = router.choose(req.adapter, [r.view() for r in replicas])
         replica_of[i] = chosen
         by_id[chosen].sim.submit(req)
@@ -225,7 +222,12 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
             for p in router.take_prewarms():
                 by_id[p.replica_id].residency.prewarm(p.adapter, req.arrival_time)
                 prewarms += 1
-    horizon = (reqs[order[-1]].arrival_time if reqs else 0.0) + config.drain_s
+    last = reqs[order[-1]].arrival_time if reqs else 0.0
+    device_busy = None  # the devices' share of time stepping, from the warm-up's end to the last arrival
+    if start is not None and last > start[0]:
+        busy = (sum(r.sim.busy_s for r in replicas) - start[1]) / (len(replicas) * (last - start[0]))
+        device_busy = min(busy, 1.0)  # a step under way at either end counts whole: a hair over 1 is 1
+    horizon = last + config.drain_s
     for r in replicas:
         r.sim.run(until=horizon)
     records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
@@ -235,7 +237,8 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
         measured=[rec for rec in records if rec.scheduled_s >= config.warmup_s],
         replica_of=replica_of,
         steps={r.replica_id: r.sim.steps for r in replicas},
-        busy_s={r.replica_id: r.sim.busy_s for r in replicas},
+        device_busy=device_busy,
+        rows=sum(r.sim.rows for r in replicas),
         spills=router.spills if isinstance(router, AffinityRouter | LoadAffinityRouter) else None,
         prewarms=prewarms,
     )

@@ -200,6 +200,7 @@ class Simulator:
         self.served: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
         self.steps = 0
         self.busy_s = 0.0  # virtual seconds spent in steps (the device busy)
+        self.rows = 0  # requests over all steps (rows / steps: how full batches are)
         self.last_batch_size = 0  # rows of the latest step
         self.preemptions = 0
 
@@ -310,6 +311,7 @@ class Simulator:
         self._copy_s = 0.0
         self.steps += 1
         self.last_batch_size = len(batch)
+        self.rows += len(batch)
         for req in ctx.admitted:
             self.waiting.discard(req)
             if req.admitted_at is None:
