@@ -104,7 +104,7 @@ class FleetResult:
     # Device seconds stepping over replicas x seconds, from the end of the warm-up to the last
     # arrival: what binds (~1: compute). None when no request arrives after the warm-up.
     device_busy: float | None = None
-    rows: int = 0  # requests over every replica's steps (over the steps: how full batches were)
+    rows_per_step: float | None = None  # mean batch over the same window: how full batches were
     prewarms: int = 0  # affinity_load only: loads started on adapters' new owners
 
     def summary(self, slo: Slo = SEED_SLO) -> dict:
@@ -135,7 +135,7 @@ class FleetResult:
             "prewarms": self.prewarms,
             "steps": sum(self.steps.values()),
             "device_busy": None if self.device_busy is None else round(self.device_busy, 3),
-            "rows_per_step": round(self.rows / max(sum(self.steps.values()), 1), 2),
+            "rows_per_step": None if self.rows_per_step is None else round(self.rows_per_step, 2),
         }
 
 
@@ -207,14 +207,14 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
     router = router or make_router(config.router, seed=config.seed, clock=clock, **config.router_options)
     replica_of = [""] * len(reqs)
     prewarms = 0
-    start: tuple[float, float] | None = None  # (time, device seconds so far) at the first measured arrival
+    start: tuple[float, float, int, int] | None = None  # at the first measured arrival: time, busy s, rows, steps
     for i in order:
         req = reqs[i]
         clock.now = req.arrival_time
         for r in replicas:
             r.sim.run(until=req.arrival_time)
         if start is None and req.arrival_time >= config.warmup_s:
-            start = (req.arrival_time, sum(r.sim.busy_s for r in replicas))
+            start = (req.arrival_time, *_work(replicas))
         chosen = router.choose(req.adapter, [r.view() for r in replicas])
         replica_of[i] = chosen
         by_id[chosen].sim.submit(req)
@@ -224,8 +224,11 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
                 prewarms += 1
     last = reqs[order[-1]].arrival_time if reqs else 0.0
     device_busy = None  # the devices' share of time stepping, from the warm-up's end to the last arrival
+    rows_per_step = None
     if start is not None and last > start[0]:
-        busy = (sum(r.sim.busy_s for r in replicas) - start[1]) / (len(replicas) * (last - start[0]))
+        busy_s, rows, steps = _work(replicas)
+        busy = (busy_s - start[1]) / (len(replicas) * (last - start[0]))
+        rows_per_step = (rows - start[2]) / max(steps - start[3], 1)
         device_busy = min(busy, 1.0)  # a step under way at either end counts whole: a hair over 1 is 1
     horizon = last + config.drain_s
     for r in replicas:
@@ -238,9 +241,18 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
         replica_of=replica_of,
         steps={r.replica_id: r.sim.steps for r in replicas},
         device_busy=device_busy,
-        rows=sum(r.sim.rows for r in replicas),
+        rows_per_step=rows_per_step,
         spills=router.spills if isinstance(router, AffinityRouter | LoadAffinityRouter) else None,
         prewarms=prewarms,
+    )
+
+
+def _work(replicas: Sequence[Replica]) -> tuple[float, int, int]:
+    """Device seconds, rows and steps of ``replicas`` so far."""
+    return (
+        sum(r.sim.busy_s for r in replicas),
+        sum(r.sim.rows for r in replicas),
+        sum(r.sim.steps for r in replicas),
     )
 
 
