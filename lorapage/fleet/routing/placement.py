@@ -139,15 +139,17 @@ class LoadAffinityRouter:
         by_id = {r.replica_id: r for r in replicas}
         ranked = rendezvous_owners(adapter, list(by_id), len(by_id))
         k = self._owner_count(adapter, ranked, by_id)
-        admissible = set(self._guard(adapter, replicas))
-        open_ = [by_id[rid] for rid in ranked if by_id[rid] in admissible and self._under(by_id[rid])]
-        under = [r for r in open_ if r.replica_id in ranked[:k]]
+        admissible = self._guard(adapter, replicas)
+        allowed = {r.replica_id for r in admissible}
+        open_ = [by_id[rid] for rid in ranked if rid in allowed and self._under(by_id[rid])]
+        owners = set(ranked[:k])
+        under = [r for r in open_ if r.replica_id in owners]
         if not under:
             self.spills += 1
             # Past the bound on every owner: the next replicas of the adapter's rendezvous ranking
             # that are under it (so its spills, too, land where they did before); none: the fleet
             # is full, and the one with the least work for its residency takes it (it queues there).
-            under = open_[: self.config.spill_width] or list(admissible)
+            under = open_[: self.config.spill_width] or admissible
         bonus = self.config.bonus.of
         return min(under, key=lambda r: (r.tokens_in_flight - bonus(adapter, r), r.replica_id)).replica_id
 
