@@ -79,7 +79,7 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--routers",
-        default=",".join(("affinity", "ray_default", "least_loaded", "random")),
+        default=",".join(("affinity_load", "affinity", "ray_default", "least_loaded", "random")),
         help=f"comma-separated subset of {','.join(ROUTERS)}",
     )
     parser.add_argument("--seed", type=int, default=0)

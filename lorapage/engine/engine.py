@@ -200,6 +200,7 @@ class Engine:
         # the loader that carries them out, the cache of registered versions, the catalog.
         self.prefix_cache = PrefixCache(self.pool, clock)
         page_bytes = mc.num_layers * page_size * self.pool.storage.element_size()
+        self.page_bytes = page_bytes  # one pool page across every layer (stats: adapter bytes)
         recompute = RecomputeCost(page_bytes, bs)  # fed measured prefill timings by the step loop
         self.reclaim = Reclaim(self.pool, self.prefix_cache, recompute)
         costs = ReloadCosts(page_bytes)
@@ -732,6 +733,16 @@ class Engine:
         value per page, with idle adapters)."""
         return self.pool.num_free + self.prefix_cache.num_idle
 
+    def _held_adapter_pages(self) -> int:
+        """Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or with
+        requests queued or running."""
+        rules = self.residency
+        return sum(
+            pages
+            for key, pages in rules.resident_pages().items()
+            if (r := rules.adapters[key]).pinned or r.hot or r.running or r.waiting
+        )
+
     def stats(self) -> EngineStats:
         """Resident and host-RAM adapters, queue depth, running sequences, pool use, evictions."""
         now = self.clock()
@@ -773,6 +784,11 @@ class Engine:
             prefix_cache_hit_rate=_ratio(sum(hits.values()), sum(queried.values())),
             prefix_cache_hit_rate_by_tenant={t: _ratio(hits[t], n) for t, n in queried.items()},
             evictions_per_minute=sum(1 for t in self.residency.evictions if now - t <= 60.0),
+            adapter_held_pages=self._held_adapter_pages(),
+            pool_page_bytes=self.page_bytes,
+            tokens_in_flight=sum(
+                r.num_prompt_tokens + max(r.max_tokens - len(r.output_ids), 0) for r in self.scheduler.requests.values()
+            ),
             merged_deployment=self.merge_check,
         )
 

@@ -60,6 +60,10 @@ class EngineStats:
     prefix_cache_hit_rate: float  # prompt tokens found cached / prompt tokens looked up, since start
     prefix_cache_hit_rate_by_tenant: Mapping[str, float]
     evictions_per_minute: int  # adapters evicted over the last 60 s
+    # -- what fleet placement weighs (docs/fleet.md, affinity_load)
+    adapter_held_pages: int = 0  # pages of resident adapters that cannot be evicted now (pinned, hot, in use)
+    pool_page_bytes: int = 0  # the bytes of one pool page
+    tokens_in_flight: int = 0  # prompt + remaining output tokens of every request queued or running here
     # -- a dedicated deployment (lorapage serve --merge): its equivalence check; None: the shared pool
     merged_deployment: Mapping[str, Any] | None = None
 

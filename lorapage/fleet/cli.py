@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     routing = p.add_argument_group("routing")
     routing.add_argument("--router", choices=ROUTERS, default="affinity", help="routing policy")
-    routing.add_argument("--owners", type=int, default=2, help="rendezvous owners per adapter (affinity)")
+    routing.add_argument(
+        "--owners", type=int, default=2, help="rendezvous owners per adapter (affinity; affinity_load: the fewest)"
+    )
     routing.add_argument(
         "--spill-load", type=float, default=1.0, help="owner load (fraction of max_num_seqs) past which requests spill"
     )

@@ -79,6 +79,8 @@ class FleetConfig:
         """Keyword options for :func:`~lorapage.fleet.routing.make_router`."""
         if self.router == "affinity":
             return {"owners": self.owners, "spill_load": self.spill_load}
+        if self.router == "affinity_load":  # --owners is its fewest owners; more follow traffic
+            return {"min_owners": self.owners, "max_owners": max(self.owners, 8), "spill_load": self.spill_load}
         return {}
 
 

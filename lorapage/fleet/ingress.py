@@ -34,6 +34,7 @@ to ``request_retries`` times; a stream already under way ends with a retryable `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -64,6 +65,7 @@ from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
+from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.routing import replica_target
 from lorapage.fleet.telemetry import ReplicaReports
@@ -243,7 +245,9 @@ class FleetIngress:
     async def sync(self, beat: Heartbeat) -> SyncReply:
         """A replica's heartbeat: recorded, and answered with what it must mirror."""
         self.reports.record(beat)
-        return self.registry.changes_since(beat.epoch, beat.generation, self.access.tenants.weights())
+        reply = self.registry.changes_since(beat.epoch, beat.generation, self.access.tenants.weights())
+        prewarms = PREWARMS.take(beat.replica_id)
+        return dataclasses.replace(reply, prewarms=prewarms) if prewarms else reply
 
     def reload_tenants(self, text: str) -> str:
         """Apply an edited tenants file: keys, adapter lists, quotas (buckets keep their level)

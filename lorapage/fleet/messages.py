@@ -69,7 +69,8 @@ class Heartbeat:
 @dataclass(frozen=True)
 class SyncReply:
     """The ingress's answer: the ids changed since the replica's generation (``full``: every id,
-    and any other the replica holds is gone), admin unloads since then, and the VTC shares."""
+    and any other the replica holds is gone), admin unloads since then, the VTC shares, and the
+    pre-warms the request router asked of this replica (:mod:`lorapage.fleet.prewarm`)."""
 
     epoch: str
     generation: int
@@ -77,3 +78,4 @@ class SyncReply:
     ids: tuple[IdState, ...]
     unloads: tuple[str, ...]
     tenant_weights: dict[str, float]
+    prewarms: tuple[str, ...] = ()  # versions the router made this replica an owner of: load them

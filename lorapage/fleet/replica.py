@@ -4,7 +4,7 @@ It does no HTTP and no auth: the ingress sends it checked, tokenized :class:`Eng
 and it streams back the engine's outputs. Its adapters are a mirror of the fleet's registry (held
 by the ingress, :mod:`lorapage.fleet.registry`): every ``sync_period_s`` it sends a
 :class:`Heartbeat` (the generation it has, its stats and engine series) and applies the reply
-(ids changed, admin unloads, tenant shares); a job for a version it does not know yet makes it
+(ids changed, admin unloads, tenant shares, pre-warms); a job for a version it does not know yet makes it
 sync first. Ray Serve calls :meth:`EngineReplica.record_routing_stats` every
 ``request_routing_stats_period_s``; what it returns (adapters by tier, requests in flight, batch
 capacity) reaches the ingress's request router as ``RunningReplica.routing_stats``.
@@ -64,6 +64,7 @@ class EngineReplica:
         self._weights: dict[str, float] = {}
         self._sync_lock = asyncio.Lock()
         self._syncing: asyncio.Task | None = None
+        self._prewarming: set[asyncio.Task] = set()  # pre-warm loads under way (held so they are not collected)
         self._ingress: DeploymentHandle | None = None
 
     def __del__(self) -> None:
@@ -203,9 +204,20 @@ class EngineReplica:
                 await self.engine.admin.unload(key)
             except LorapageError as exc:
                 log.info("replica %s kept %s resident: %s", self.replica_id, key, exc.message)
+        for key in reply.prewarms:  # not awaited: a load may take seconds, and the heartbeat goes on
+            task = asyncio.get_running_loop().create_task(self._prewarm(key))
+            self._prewarming.add(task)
+            task.add_done_callback(self._prewarming.discard)
         if reply.tenant_weights != self._weights:
             self._weights = dict(reply.tenant_weights)
             self.engine.set_tenant_weights(self._weights)
+
+    async def _prewarm(self, key: str) -> None:
+        """Load ``key`` into the pool ahead of its requests: the router made this replica one of its owners."""
+        try:
+            await self.engine.admin.load(key)
+        except LorapageError as exc:
+            log.info("replica %s did not pre-warm %s: %s", self.replica_id, key, exc.message)
 
     def _mirror(self, states: Iterable[IdState]) -> list[IdState]:
         """Apply ``states`` (later ones win); the ones whose busy versions must be dropped later."""
@@ -227,8 +239,8 @@ class EngineReplica:
     # -- what routing reads -----------------------------------------------------------------------
 
     async def record_routing_stats(self) -> dict[str, object]:
-        """Adapters by tier (pool pages, host RAM, only on disk), requests in flight, batch capacity.
-        Async, so it reads the engine on the loop that owns it."""
+        """Adapters by tier (pool pages, host RAM, only on disk), requests in flight, batch capacity,
+        tokens in flight, KV headroom and held adapter bytes. Async, so it reads the engine on the loop that owns it."""
         self._start_syncing()
         stats = self.engine.stats()
         pool = self._names(stats.resident_adapters)
@@ -240,6 +252,11 @@ class EngineReplica:
             "disk": sorted(disk),
             "in_flight": self.in_flight,
             "capacity": self.engine.config.max_num_seqs,
+            # The load that matters (affinity_load): work in tokens, KV headroom, held adapter bytes.
+            "tokens_in_flight": stats.tokens_in_flight,
+            "kv_free": stats.pool_pages_free / max(stats.pool_pages_total, 1),
+            "pinned_bytes": stats.adapter_held_pages * stats.pool_page_bytes,
+            "adapter_room_bytes": stats.pool_pages_total * stats.pool_page_bytes,
         }
 
     def _names(self, keys: Iterable[str]) -> set[str]:

@@ -10,18 +10,22 @@ so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView
   :func:`~lorapage.fleet.routing.replica_target` names one replica, which alone is a candidate);
 - ``in_flight`` is the requests this router sent the replica that have not completed (counted
   the moment each is sent), or Ray's queue-length cache where that is higher;
-- ``capacity``, ``pool``, ``host`` and ``disk`` come from the replica's ``record_routing_stats``.
+- ``capacity``, ``pool``, ``host``, ``disk`` and, for ``affinity_load``, ``tokens_in_flight``,
+  ``kv_free`` and the held adapter bytes come from the replica's ``record_routing_stats`` (up to
+  ``request_routing_stats_period_s`` old: between two reports only ``in_flight`` moves).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lorapage.fleet.routing import ReplicaView, Router, make_router, targeted_replica
+from lorapage.fleet.prewarm import ask_prewarm
+from lorapage.fleet.routing import LoadAffinityRouter, ReplicaView, Router, make_router, targeted_replica
 
 
 def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: Mapping[str, Any]) -> ReplicaView:
@@ -35,6 +39,10 @@ def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: M
         pool=frozenset(stats.get("pool", ())),
         host=frozenset(stats.get("host", ())),
         disk=frozenset(stats.get("disk", ())),
+        tokens_in_flight=int(stats.get("tokens_in_flight", 0)),
+        kv_free=float(stats.get("kv_free", 1.0)),
+        pinned_bytes=int(stats.get("pinned_bytes", 0)),
+        adapter_room_bytes=int(stats.get("adapter_room_bytes", 0)),
     )
 
 
@@ -53,7 +61,7 @@ class AffinityRequestRouter(RequestRouter):
         # cache is kept only under strict max_ongoing_requests, and the replicas' own reports are
         # up to a second old: a burst would all go to one owner before either counted it.
         self.sent: Counter[str] = Counter()
-        self.policy = make_router(str(options.pop("policy", "affinity")), **options)
+        self.policy = make_router(str(options.pop("policy", "affinity")), clock=time.monotonic, **options)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -84,6 +92,9 @@ class AffinityRequestRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
         chosen = self.policy.choose(adapter or None, list(views.values()))
+        if isinstance(self.policy, LoadAffinityRouter):  # new owners load it at their next heartbeat
+            for p in self.policy.take_prewarms():
+                ask_prewarm(p.replica_id, p.adapter)
         first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
         rest = sorted(
             (r for r in candidate_replicas if r.replica_id.unique_id != chosen),

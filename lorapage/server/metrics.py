@@ -67,6 +67,17 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
     EngineSeries("lorapage_engine_registered_adapters", "Adapter versions the engine knows.", "registered_adapters"),
     EngineSeries("lorapage_engine_queue_depth", "Requests waiting for admission.", "queue_depth"),
     EngineSeries("lorapage_engine_running", "Sequences in the running batch.", "running"),
+    EngineSeries(
+        "lorapage_engine_tokens_in_flight",
+        "Prompt and remaining output tokens of every request queued or running (what fleet placement weighs).",
+        "tokens_in_flight",
+    ),
+    EngineSeries(
+        "lorapage_engine_adapter_held_pages",
+        "Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or in use.",
+        "adapter_held_pages",
+    ),
+    EngineSeries("lorapage_engine_pool_page_bytes", "Bytes of one pool page.", "pool_page_bytes"),
     EngineSeries("lorapage_engine_pool_pages_total", "Pages in the pool.", "pool_pages_total"),
     EngineSeries("lorapage_engine_pool_pages_kv", "Pool pages of KV blocks held by sequences.", "pool_pages_kv"),
     EngineSeries("lorapage_engine_pool_pages_adapters", "Pool pages of resident adapters.", "pool_pages_adapters"),

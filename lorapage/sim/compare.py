@@ -27,7 +27,17 @@ def compare_routers(
         cfg = replace(config, router=name)
         row = simulate(trace, cfg).summary(slo)
         if find_most:
-            row["fewest_replicas"] = fewest_replicas(trace, cfg, most=find_most, slo=slo)
+            k = row["fewest_replicas"] = fewest_replicas(trace, cfg, most=find_most, slo=slo)
+            # What binds there: how busy the devices are at the fewest and one fewer (~1: compute).
+            for key, n in (("at_fewest", k), ("one_fewer", None if k is None else k - 1)):
+                if n:
+                    s = simulate(trace, replace(cfg, replicas=n)).summary(slo)
+                    row[key] = {
+                        "replicas": n,
+                        "device_busy": s["device_busy"],
+                        "rows_per_step": s["rows_per_step"],
+                        "warm_p95": s["ttft"]["warm"]["p95"],
+                    }
         rows.append(row)
     return rows
 
@@ -36,13 +46,21 @@ def _s(v: float | None) -> str:
     return "-" if v is None else "inf" if v == math.inf else f"{v:.3f}"
 
 
+def _busy(at: dict | None) -> str:
+    if not at or at["device_busy"] is None:
+        return "-"
+    return f"{100 * at['device_busy']:.0f}%, {at['rows_per_step']:.1f} rows"
+
+
 def render_table(rows: Sequence[dict], slo: Slo = SEED_SLO) -> str:
-    """A Markdown table: TTFT warm / cold percentiles (s), hit rates, SLO verdict, fewest replicas."""
+    """A Markdown table: TTFT warm / cold percentiles (s), hit rates, SLO verdict, fewest replicas and
+    how busy the devices are there and with one fewer."""
     head = (
         "| router | replicas | warm p50 | warm p95 | warm p99 | cold p50 | cold p95 | cold p99 | pool hits | "
-        f"host hits | goodput | p95 warm < {slo.ttft_s:g} s and cold < {slo.ttft_cold_s:g} s | fewest replicas |"
+        f"host hits | goodput | p95 warm < {slo.ttft_s:g} s and cold < {slo.ttft_cold_s:g} s | fewest replicas | "
+        "there: device busy, rows a step | one fewer: warm p95, device busy, rows a step |"
     )
-    lines = [head, "| --- |" + " ---: |" * 12]
+    lines = [head, "| --- |" + " ---: |" * 14]
     for r in rows:
         w, c = r["ttft"]["warm"], r["ttft"]["cold"]
         fewest = r.get("fewest_replicas", "-")
@@ -56,6 +74,8 @@ def render_table(rows: Sequence[dict], slo: Slo = SEED_SLO) -> str:
             f"{100 * r['goodput_fraction']:.1f}%",
             "yes" if r["meets_slo"] else "no",
             "none" if fewest is None else fewest,
+            _busy(r.get("at_fewest")),
+            f"{_s(r['one_fewer']['warm_p95'])} s, {_busy(r['one_fewer'])}" if r.get("one_fewer") else "-",
         ]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)

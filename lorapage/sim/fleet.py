@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lorapage.fleet.routing import AffinityRouter, ReplicaView, Router, make_router
+from lorapage.fleet.routing import AffinityRouter, LoadAffinityRouter, ReplicaView, Router, make_router
 from lorapage.scheduler import SchedulerPolicy, VtcConfig, make_policy
 from lorapage.sim.costs import GPU_7B, StepCosts
 from lorapage.sim.loader import TIERS, ResidencyConfig, SimLoader
@@ -35,7 +35,7 @@ class FleetConfig:
 
     replicas: int = 26
     router: str = "affinity"
-    router_options: dict = field(default_factory=dict)  # AffinityRouter arguments
+    router_options: dict = field(default_factory=dict)  # AffinityRouter / LoadAffinityConfig arguments
     seed: int = 0
     scheduler: str = "vtc"
     # The batch's lanes: max_loras distinct adapters (the seed's 32), its tail lanes and age deadline.
@@ -66,12 +66,29 @@ class Replica:
         vtc = replace(config.vtc, max_loras=cap) if cap < config.vtc.max_loras else config.vtc
         policy: SchedulerPolicy[SimRequest] = make_policy(config.scheduler, vtc=vtc)
         self.residency = SimLoader(config.residency, config.costs.loads)
+        self.slots = config.residency.max_resident_loras  # adapter room, counted in (equal) adapters
         engine = SimConfig(**{**config.engine.__dict__, "cost": config.costs, "adapter_rank": config.residency.rank})
         self.sim = Simulator(policy, engine, residency=self.residency)
 
     def view(self) -> ReplicaView:
+        """What the replica reports: load, residency, tokens in flight, KV headroom, held adapters."""
         pool, host, disk = self.residency.snapshot()
-        return ReplicaView(self.replica_id, self.sim.in_flight, self.capacity, pool, host, disk)
+        sim = self.sim
+        # Held adapter room: the slots of the distinct adapters its requests run on or wait for
+        # (they cannot be evicted); there are no admin pins in a simulated run.
+        busy = {r.adapter for r in (*sim.running, *sim.waiting, *sim.trace[sim._next :]) if r.adapter is not None}
+        return ReplicaView(
+            self.replica_id,
+            sim.in_flight,
+            self.capacity,
+            pool,
+            host,
+            disk,
+            tokens_in_flight=sim.tokens_in_flight,
+            kv_free=sim.kv_free,
+            pinned_bytes=len(busy),
+            adapter_room_bytes=self.slots,
+        )
 
 
 @dataclass
@@ -83,7 +100,12 @@ class FleetResult:
     measured: list[Record]  # those arriving after the warm-up
     replica_of: list[str]  # per trace request, the replica that took it
     steps: dict[str, int]
-    spills: int | None  # affinity only: requests sent beyond their owners
+    spills: int | None  # affinity routers only: requests sent beyond their owners
+    # Device seconds stepping over replicas x seconds, from the end of the warm-up to the last
+    # arrival: what binds (~1: compute). None when no request arrives after the warm-up.
+    device_busy: float | None = None
+    rows_per_step: float | None = None  # mean batch over the same window: how full batches were
+    prewarms: int = 0  # affinity_load only: loads started on adapters' new owners
 
     def summary(self, slo: Slo = SEED_SLO) -> dict:
         """TTFT percentiles warm / cold / by tier, tier hit rates, SLO verdict, load spread."""
@@ -110,7 +132,10 @@ class FleetResult:
             "meets_slo": _le(warm_p95, slo.ttft_s) and _le(cold_p95, slo.ttft_cold_s),
             "busiest_replica_share": max(loads) / n if loads else None,
             "spills": self.spills,
+            "prewarms": self.prewarms,
             "steps": sum(self.steps.values()),
+            "device_busy": None if self.device_busy is None else round(self.device_busy, 3),
+            "rows_per_step": None if self.rows_per_step is None else round(self.rows_per_step, 2),
         }
 
 
@@ -176,18 +201,36 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
     """Run ``trace`` through a fleet; deterministic for a config (and seed)."""
     replicas = [Replica(f"r{k:03d}", config) for k in range(config.replicas)]
     by_id = {r.replica_id: r for r in replicas}
-    router = router or make_router(config.router, seed=config.seed, **config.router_options)
     reqs = to_sim_requests(trace, config.base_name)
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_time, i))
+    clock = _VirtualClock()
+    router = router or make_router(config.router, seed=config.seed, clock=clock, **config.router_options)
     replica_of = [""] * len(reqs)
+    prewarms = 0
+    start: tuple[float, float, int, int] | None = None  # at the first measured arrival: time, busy s, rows, steps
     for i in order:
         req = reqs[i]
+        clock.now = req.arrival_time
         for r in replicas:
             r.sim.run(until=req.arrival_time)
+        if start is None and req.arrival_time >= config.warmup_s:
+            start = (req.arrival_time, *_work(replicas))
         chosen = router.choose(req.adapter, [r.view() for r in replicas])
         replica_of[i] = chosen
         by_id[chosen].sim.submit(req)
-    horizon = (reqs[order[-1]].arrival_time if reqs else 0.0) + config.drain_s
+        if isinstance(router, LoadAffinityRouter):
+            for p in router.take_prewarms():
+                by_id[p.replica_id].residency.prewarm(p.adapter, req.arrival_time)
+                prewarms += 1
+    last = reqs[order[-1]].arrival_time if reqs else 0.0
+    device_busy = None  # the devices' share of time stepping, from the warm-up's end to the last arrival
+    rows_per_step = None
+    if start is not None and last > start[0]:
+        busy_s, rows, steps = _work(replicas)
+        busy = (busy_s - start[1]) / (len(replicas) * (last - start[0]))
+        rows_per_step = (rows - start[2]) / max(steps - start[3], 1)
+        device_busy = min(busy, 1.0)  # a step under way at either end counts whole: a hair over 1 is 1
+    horizon = last + config.drain_s
     for r in replicas:
         r.sim.run(until=horizon)
     records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
@@ -197,8 +240,30 @@ def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router 
         measured=[rec for rec in records if rec.scheduled_s >= config.warmup_s],
         replica_of=replica_of,
         steps={r.replica_id: r.sim.steps for r in replicas},
-        spills=router.spills if isinstance(router, AffinityRouter) else None,
+        device_busy=device_busy,
+        rows_per_step=rows_per_step,
+        spills=router.spills if isinstance(router, AffinityRouter | LoadAffinityRouter) else None,
+        prewarms=prewarms,
     )
+
+
+def _work(replicas: Sequence[Replica]) -> tuple[float, int, int]:
+    """Device seconds, rows and steps of ``replicas`` so far."""
+    return (
+        sum(r.sim.busy_s for r in replicas),
+        sum(r.sim.rows for r in replicas),
+        sum(r.sim.steps for r in replicas),
+    )
+
+
+class _VirtualClock:
+    """The simulation's time as a clock a router can be given: the current arrival's."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def fewest_replicas(

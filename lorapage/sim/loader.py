@@ -113,6 +113,13 @@ class SimLoader:
     def ready(self, name: str) -> bool:
         return self.rules.is_ready(name)
 
+    def prewarm(self, name: str, now: float) -> None:
+        """Load ``name`` into the pool ahead of its requests (what ``Engine.load_adapter`` does on
+        a fleet replica): its read starts now from whichever tier it is in."""
+        if name not in self.rules.adapters:
+            self.rules.add(name, self.config.pages.get(name, self.config.rank), self._cold(name))
+        self._apply(self.rules.ensure(name), now)
+
     def admit(self, name: str) -> None:
         self.rules.admit(name)
 

@@ -199,6 +199,8 @@ class Simulator:
         self._copy_s = 0.0  # adapter copies done since the last step, charged to the next
         self.served: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
         self.steps = 0
+        self.busy_s = 0.0  # virtual seconds spent in steps (the device busy)
+        self.rows = 0  # requests over all steps (rows / steps: how full batches are)
         self.last_batch_size = 0  # rows of the latest step
         self.preemptions = 0
 
@@ -212,6 +214,18 @@ class Simulator:
     def in_flight(self) -> int:
         """Requests running or waiting here."""
         return len(self.running) + len(self.waiting) + len(self.trace) - self._next
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Prompt + remaining output tokens of the requests running or waiting here (a router's
+        ``ReplicaView.tokens_in_flight``)."""
+        reqs = [*self.running, *self.waiting, *self.trace[self._next :]]
+        return sum(r.num_prompt_tokens + r.max_tokens - r.generated for r in reqs)
+
+    @property
+    def kv_free(self) -> float:
+        """Fraction of the KV pages free."""
+        return self.free_pages / max(self.config.num_kv_pages, 1)
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.config.block_size)
@@ -291,10 +305,13 @@ class Simulator:
         started = self.now
         prefill = ctx.tokens - len(self.running)
         shape = StepShape(prefill, len(self.running), [self.config.adapter_rank] * distinct, self._copy_s)
-        self.now += self.config.cost.time(shape)
+        cost = self.config.cost.time(shape)
+        self.now += cost
+        self.busy_s += cost
         self._copy_s = 0.0
         self.steps += 1
         self.last_batch_size = len(batch)
+        self.rows += len(batch)
         for req in ctx.admitted:
             self.waiting.discard(req)
             if req.admitted_at is None:

@@ -131,7 +131,10 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert "asks for 73 pages" in message and "hold 43 pages" in message
         assert "may hold 84 of the pool's 10528" in message and "max_pinned_fraction 0.008" in message
         assert not engine.residency.get("initech@1").pinned
-        assert engine.stats().adapter_pinned_pages == 43
+        stats = engine.stats()
+        assert stats.adapter_pinned_pages == 43
+        # what fleet placement reads: pinned and resident pages cannot be evicted; nothing queued
+        assert stats.adapter_held_pages == 43 and stats.tokens_in_flight == 0 and stats.pool_page_bytes > 0
         await engine.admin.unpin("acme")
         await engine.admin.pin("initech")  # 6 + 73 fits now
         assert engine.stats().adapters_pinned == 2

@@ -137,3 +137,60 @@ def test_simulate_takes_the_two_lora_counts_and_the_lane_flags() -> None:
     assert (seed.residency.max_resident_loras, seed.vtc.max_loras) == (250, 32)
     with pytest.raises(SystemExit, match="the simulator models only"):
         fleet_config(args, ["--max-cpu-lora-bytes", "1000"])
+
+
+def test_simulator_runs_affinity_load_with_prewarms() -> None:
+    # A hot head (Zipf 1.1 over 300 adapters) on 4 replicas: its owner count grows past 2 and the
+    # new owners are loaded on the virtual clock before their first request.
+    trace = zipf_trace()
+    config = replace(SMALL, router="affinity_load", router_options={"min_total": 20.0, "owner_factor": 4.0})
+    runs = [simulate(trace, config) for _ in range(2)]
+    assert runs[0].records == runs[1].records  # the virtual clock makes it deterministic
+    summary = runs[0].summary()
+    assert summary["prewarms"] > 0 and summary["spills"] is not None
+    assert all(r.ttft_s is not None for r in runs[0].records)
+    random_hits = simulate(trace, replace(SMALL, router="random")).summary()["hit_rate"]["gpu"]
+    assert summary["hit_rate"]["gpu"] > random_hits + 0.1, (summary["hit_rate"], random_hits)
+
+
+def test_sim_loader_prewarm_loads_into_the_pool_on_the_virtual_clock() -> None:
+    from lorapage.sim.costs import GPU_7B
+    from lorapage.sim.loader import SimLoader
+
+    loader = SimLoader(ResidencyConfig(max_resident_loras=4, max_cpu_loras=4, max_disk_loras=8), GPU_7B.loads)
+    loader.prewarm("a", 0.0)
+    assert loader.tier("a") == "remote" and loader.next_event(0.0) == pytest.approx(0.44)
+    loader.advance(0.44)
+    assert loader.tier("a") == "gpu" and "a" in loader.snapshot()[0]
+    assert loader.arrive("a", 0.5) == "gpu"  # its first request finds it resident
+
+
+def test_replica_view_reports_tokens_in_flight_kv_headroom_and_held_adapters() -> None:
+    from lorapage.sim.fleet import Replica
+    from lorapage.sim.simulator import SimRequest
+
+    replica = Replica("r0", SMALL)
+    replica.sim.submit(SimRequest("0", "t", "a", 0.0, 100, 10))
+    replica.sim.submit(SimRequest("1", "t", "b", 0.0, 50, 20))
+    view = replica.view()
+    assert view.tokens_in_flight == 180 and view.kv_free == 1.0  # nothing admitted yet
+    assert view.pinned_fraction == 2 / 8  # two adapters held, of 8 slots
+    replica.sim.run(until=0.5)  # both fetched (0.44 s) and generating by now
+    view = replica.view()
+    assert 0 < view.tokens_in_flight < 180 and view.kv_free < 1.0
+
+
+def test_comparison_says_how_busy_the_devices_are_at_the_fewest_replicas() -> None:
+    from lorapage.sim.compare import compare_routers, render_table
+
+    trace = zipf_trace()
+    (row,) = compare_routers(trace, SMALL, ["affinity_load"], find_most=4)
+    k = row["fewest_replicas"]
+    assert k is not None and row["at_fewest"]["replicas"] == k
+    assert 0 < row["at_fewest"]["device_busy"] <= 1
+    if k > 1:  # one fewer misses the SLO
+        assert row["one_fewer"]["replicas"] == k - 1 and 0 < row["one_fewer"]["device_busy"] <= 1
+    table = render_table([row])
+    assert 0 < row["at_fewest"]["rows_per_step"] <= SMALL.engine.max_num_seqs
+    busy = f"{100 * row['at_fewest']['device_busy']:.0f}%, {row['at_fewest']['rows_per_step']:.1f} rows"
+    assert "device busy, rows a step" in table and f"| {k} | {busy} |" in table

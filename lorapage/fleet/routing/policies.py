@@ -1,4 +1,4 @@
-"""Which replica takes a request: pure routing policies shared by the Ray fleet and the simulator.
+"""The routing policies by request count: random, least-loaded, affinity, Ray's default.
 
 A router sees only :class:`ReplicaView` snapshots (load and residency each replica reported) and
 the request's adapter; it owns no clock, no Ray handle and no I/O, so the Ray Serve request router
@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-ROUTERS = ("random", "least_loaded", "affinity", "ray_default")
 # A call for one replica by id (the ingress gathering every replica's usage) names it so in place
 # of an adapter; adapter ids never hold ':'.
 REPLICA_TARGET = "replica:"
@@ -42,11 +41,23 @@ class ReplicaView:
     pool: frozenset[str] = frozenset()  # adapters resident in its page pool
     host: frozenset[str] = frozenset()  # adapters in its host RAM
     disk: frozenset[str] = frozenset()  # adapters in its local disk cache
+    # The load that matters (``affinity_load``): prompt + remaining output tokens of the requests
+    # running or queued; the fraction of KV pages free; adapter bytes that cannot be evicted now
+    # (pinned, kept hot, or with requests) and the bytes its pool can give adapters (0: unknown).
+    tokens_in_flight: int = 0
+    kv_free: float = 1.0
+    pinned_bytes: int = 0
+    adapter_room_bytes: int = 0
 
     @property
     def load(self) -> float:
         """In-flight requests as a fraction of capacity (1.0 = saturated)."""
         return self.in_flight / max(self.capacity, 1)
+
+    @property
+    def pinned_fraction(self) -> float:
+        """Held adapter bytes over the adapter room (0 when the room is unknown)."""
+        return self.pinned_bytes / self.adapter_room_bytes if self.adapter_room_bytes > 0 else 0.0
 
 
 class Router(Protocol):
@@ -274,25 +285,3 @@ class RayDefaultRouter:
         if accepting_only:
             pair = [r for r in pair if r.in_flight < r.capacity]
         return min(pair, key=lambda r: r.in_flight) if pair else None
-
-
-def make_router(name: str, **kw: object) -> Router:
-    """The router called ``name`` (one of :data:`ROUTERS`), built with keyword options ``kw``.
-
-    ``seed`` is accepted for every router (the deterministic ones ignore it), so a caller can
-    build them all alike; the other options are the :class:`AffinityRouter` arguments.
-    """
-    seed = kw.pop("seed", 0)
-    if not isinstance(seed, int):
-        raise ValueError(f"router seed must be an int; got {seed!r}")
-    if name == "affinity":
-        return AffinityRouter(**kw)  # type: ignore[arg-type]
-    if kw:
-        raise ValueError(f"router {name!r} takes no options besides seed; got {sorted(kw)}")
-    if name == "random":
-        return RandomRouter(seed)
-    if name == "least_loaded":
-        return LeastLoadedRouter()
-    if name == "ray_default":
-        return RayDefaultRouter(seed)
-    raise ValueError(f"router must be one of {ROUTERS}; got {name!r}")
