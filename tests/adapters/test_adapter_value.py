@@ -190,8 +190,8 @@ async def test_pins_survive_a_restart(tmp_path):
         entry = engine.residency.get("globex@1")
         assert entry.pinned and not entry.slot  # restored from the registry, loaded on the loop
         assert await engine.admin.restore_pins() == ["globex@1"]
-        for _ in range(1000):
-            if entry.slot:
+        for _ in range(3000):  # the slot is given before the copy lands: wait for the tier itself
+            if engine.admin.info("globex").tier == "gpu":
                 break
             await asyncio.sleep(0.01)
         assert engine.admin.info("globex").tier == "gpu"
