@@ -47,7 +47,7 @@ if [ -n "${GPU_CHECK_TINY:-}" ]; then
   bench_args=(--tiny)
 else
   nvidia-smi -L || true
-  tests=(tests/test_kernels_*.py tests/model/test_sampler.py::test_seeded_sampling_on_cuda_logits)
+  tests=(tests/kernels/test_kernels_*.py tests/model/test_sampler.py::test_seeded_sampling_on_cuda_logits)
   bench_args=(--sweep)
 fi
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
