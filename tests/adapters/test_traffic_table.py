@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from registry_files import schema_3_file
 
 from lorapage.adapters.registry import SCHEMA_VERSION, Registry, TrafficRow, parse_name
 from lorapage.adapters.tiers import recent_requests, window_weights
@@ -64,23 +65,13 @@ def test_the_windows_summed_in_sqlite_are_the_tier_rules_own(tmp_path):
 
 def test_a_schema_3_registry_gains_the_traffic_table_and_keeps_its_versions(tmp_path):
     path = tmp_path / "registry.sqlite3"
-    db = sqlite3.connect(path)
-    db.executescript(
+    schema_3_file(
+        path,
         """
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        CREATE TABLE adapters (id TEXT PRIMARY KEY, owner TEXT, current INTEGER,
-                               next_version INTEGER NOT NULL, created REAL NOT NULL);
-        CREATE TABLE versions (id TEXT NOT NULL REFERENCES adapters(id), version INTEGER NOT NULL,
-                               digest TEXT NOT NULL, source TEXT NOT NULL, base_digest TEXT NOT NULL,
-                               spec TEXT NOT NULL, created REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0,
-                               projected_cost_pct REAL, PRIMARY KEY (id, version));
-        INSERT INTO meta VALUES ('schema', '3');
         INSERT INTO adapters VALUES ('acme', 'alpha', 1, 2, 1.0);
         INSERT INTO versions VALUES ('acme', 1, 'd', 'file:///x', 'b', '{}', 1.0, 1, 2.5);
-        """
+        """,
     )
-    db.commit()
-    db.close()
     registry = Registry(path)
     (row,) = registry.versions()
     assert (row.key, row.pinned, row.projected_cost_pct) == ("acme@1", True, 2.5)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from registry_files import schema_3_file
 from server_harness import ADMIN_KEY, KEYS, assert_openai_error, make_access, make_engine, make_roots, running_server
 
 from lorapage.adapters.audit import AliasMove, AuditQuery, rollback_target
@@ -44,24 +45,14 @@ def test_rollback_walks_back_through_deploys_and_steps_over_deleted_versions():
 
 def _schema_3_file(path: Path) -> None:
     """A registry file as lorapage wrote it at schema 3: one id with two versions, @2 current and pinned."""
-    db = sqlite3.connect(path)
-    db.executescript(
+    schema_3_file(
+        path,
         """
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        CREATE TABLE adapters (id TEXT PRIMARY KEY, owner TEXT, current INTEGER,
-                               next_version INTEGER NOT NULL, created REAL NOT NULL);
-        CREATE TABLE versions (id TEXT NOT NULL REFERENCES adapters(id), version INTEGER NOT NULL,
-                               digest TEXT NOT NULL, source TEXT NOT NULL, base_digest TEXT NOT NULL,
-                               spec TEXT NOT NULL, created REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0,
-                               projected_cost_pct REAL, PRIMARY KEY (id, version));
-        INSERT INTO meta VALUES ('schema', '3');
         INSERT INTO adapters VALUES ('cust', 'alpha', 2, 3, 1.0);
         INSERT INTO versions VALUES ('cust', 1, 'd1', 'file:///x', 'b', '{}', 1.0, 0, 0.5);
         INSERT INTO versions VALUES ('cust', 2, 'd2', 'file:///y', 'b', '{}', 2.0, 1, 0.7);
-        """
+        """,
     )
-    db.commit()
-    db.close()
 
 
 def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_path):
