@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import IntEnum
 from typing import Generic
 
 from lorapage.scheduler.base import R
@@ -23,7 +23,8 @@ from lorapage.scheduler.lanes import Blocked
 _COMPACT_SLACK = 64
 
 
-class TenantState(Enum):
+class TenantState(IntEnum):
+    # IntEnum: hashed as an int in C (the heaps are keyed by state in every step's hot path).
     IDLE = 0  # nothing waiting
     ACTIVE = 1  # examined in VTC order every step
     PARKED_ANY = 2  # waits for any free lane (it has a single-request or aged opener)
@@ -32,17 +33,21 @@ class TenantState(Enum):
 
     @classmethod
     def parked_for(cls, reason: Blocked) -> TenantState:
-        by_reason = {
-            Blocked.ANY: cls.PARKED_ANY,
-            Blocked.GENERAL: cls.PARKED_GENERAL,
-            Blocked.ADAPTER: cls.PARKED_ADAPTER,
-        }
-        return by_reason[reason]
+        return _PARKED_FOR[reason]
 
     @property
     def openness(self) -> int:
         """How many kinds of event can let it in: parked states only move up this order."""
-        return {TenantState.PARKED_ADAPTER: 0, TenantState.PARKED_GENERAL: 1, TenantState.PARKED_ANY: 2}.get(self, 3)
+        return _OPENNESS.get(self, 3)
+
+
+# Built once: these are looked up for every request a step finds blocked.
+_PARKED_FOR = {
+    Blocked.ANY: TenantState.PARKED_ANY,
+    Blocked.GENERAL: TenantState.PARKED_GENERAL,
+    Blocked.ADAPTER: TenantState.PARKED_ADAPTER,
+}
+_OPENNESS = {TenantState.PARKED_ADAPTER: 0, TenantState.PARKED_GENERAL: 1, TenantState.PARKED_ANY: 2}
 
 
 @dataclass(eq=False, slots=True)
@@ -72,6 +77,7 @@ class TenantQueue(Generic[R]):
         }
         self._stamp = 0
         self._valid = 0  # valid entries across the heaps: tenants whose stamp is not -1
+        self._entries = 0  # entries across the heaps, stale ones included (kept, not summed: hot path)
 
     def set_state(self, t: Tenant[R], state: TenantState) -> None:
         """Move ``t`` to ``state`` (re-pushing it at its current counter)."""
@@ -85,7 +91,8 @@ class TenantQueue(Generic[R]):
             t.stamp = self._stamp
             heapq.heappush(self._heaps[state], (t.counter, self._stamp, t.name))
             self._valid += 1
-        if self.heap_entries() > 2 * self._valid + _COMPACT_SLACK:
+            self._entries += 1
+        if self._entries > 2 * self._valid + _COMPACT_SLACK:
             self._compact()
 
     def take_out(self, t: Tenant[R]) -> None:
@@ -115,8 +122,10 @@ class TenantQueue(Generic[R]):
             t = self.tenants[name]
             if stamp != t.stamp or t.state is not state:
                 heapq.heappop(heap)
+                self._entries -= 1
             elif key < t.counter:
                 heapq.heappop(heap)
+                self._entries -= 1
                 self.set_state(t, state)
             else:
                 return t
@@ -131,7 +140,7 @@ class TenantQueue(Generic[R]):
 
     def heap_entries(self) -> int:
         """Entries in the heaps, stale ones included."""
-        return sum(len(heap) for heap in self._heaps.values())
+        return self._entries
 
     def _compact(self) -> None:
         """Drop every stale entry. Valid entries keep their keys, and keys are unique (the stamp),
@@ -140,3 +149,4 @@ class TenantQueue(Generic[R]):
             # In place: peek may be iterating over this very list.
             heap[:] = [e for e in heap if self.tenants[e[2]].stamp == e[1]]
             heapq.heapify(heap)
+        self._entries = sum(len(heap) for heap in self._heaps.values())

@@ -298,7 +298,7 @@ class VtcScheduler(Generic[R]):
         """How ``entry`` would enter now, why it cannot, or None while its adapter loads."""
         req = entry.req
         if not ctx.adapter_ready(req):
-            self.lanes.unclaim(req)  # loading (again): let others use the lane meanwhile
+            self.lanes.loading(req)  # its claim lapses (others use the lane meanwhile); a tail lane stays held
             self._loading[req.request_id] = entry
             return None
         aged = now - entry.enqueued_at >= self.config.age_deadline_s
@@ -382,27 +382,34 @@ class VtcScheduler(Generic[R]):
 
     def _lend_or_recall(self, now: float, ctx: AdmissionContext[R]) -> None:
         """Drop the stale front of ``lanes.wanting``: if a request is left that could open any
-        lane, lanes lent are owed back; if none, the reserved ones are lent."""
+        lane, lanes lent are owed back; if it could once its adapter has loaded, nothing changes
+        (the reservation holds: a lane lent now would be held for a whole generation, the load
+        takes a moment); if none is left, the reserved lanes are lent."""
         wanting = self.lanes.wanting
         while wanting:
             req = next(iter(wanting.values()))
             entry = self._queue.tenants[req.tenant].waiting.get(req.request_id)
-            if entry is not None and self._may_open_any(entry, now, ctx):
+            may_open = self._may_open_any(entry, now, ctx) if entry is not None else False
+            if may_open is None:
+                return
+            if may_open:
                 self.lanes.recall()
                 return
             self.lanes.unclaim(req)
         self.lanes.lend()
 
-    def _may_open_any(self, entry: Waiting[R], now: float, ctx: AdmissionContext[R]) -> bool:
-        """``entry``'s adapter is ready and outside the batch, and it is a single request for
-        that adapter or aged: it may take a tail lane."""
+    def _may_open_any(self, entry: Waiting[R], now: float, ctx: AdmissionContext[R]) -> bool | None:
+        """Whether ``entry`` may take a tail lane: its adapter is outside the batch, and it is a
+        single request for that adapter or aged. None: it may once its adapter has loaded."""
         req = entry.req
         if req.adapter is None or req.adapter in self.lanes.running:
             return False
+        if not (self._groups.size(req.adapter) == 1 or now - entry.enqueued_at >= self.config.age_deadline_s):
+            return False
         if not ctx.adapter_ready(req):
             self._loading[req.request_id] = entry  # looked at again once it has loaded
-            return False
-        return self._groups.size(req.adapter) == 1 or now - entry.enqueued_at >= self.config.age_deadline_s
+            return None
+        return True
 
     def _look_at(self, entries: list[Waiting[R]], now: float, ctx: AdmissionContext[R]) -> None:
         """Wake the parked tenant of each entry that can enter now; register the others."""

@@ -119,6 +119,33 @@ def test_a_waiting_single_keeps_the_tail_lane_from_being_lent():
     assert vtc.lanes.borrowed() == 0
 
 
+class LoadingCtx(Ctx):
+    """Every adapter but ``loading`` is ready."""
+
+    def __init__(self, loading: set[str]) -> None:
+        super().__init__()
+        self.loading = loading
+
+    def adapter_ready(self, req: Req) -> bool:
+        return req.adapter not in self.loading
+
+
+def test_a_single_whose_adapter_is_loading_keeps_the_tail_lane_reserved():
+    """Lent while the single's adapter loads, the lane would be held for a whole generation:
+    the group waits for a general lane, and the single takes the tail lane once it has loaded."""
+    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=3, reserved_tail_lanes=1, age_deadline_s=100))
+    for i, adapter in enumerate(["solo", "g1", "g1", "g2", "g2", "g3", "g3"]):
+        vtc.add(Req(f"r{i}", "t", adapter), 0.0)
+    ctx = LoadingCtx({"solo"})
+    assert [r.adapter for r in vtc.schedule(0.0, ctx)] == ["g1", "g1", "g2", "g2"]
+    assert vtc.lanes.borrowed() == 0 and "r0" in vtc.lanes.wanting
+    assert vtc.schedule(0.1, ctx) == []  # still loading: nothing lent, nothing recalled
+    assert vtc.lanes.borrowed() == 0 and vtc.lanes.closing is None
+    ctx.loading.clear()
+    assert ids(vtc.schedule(0.2, ctx)) == ["r0"]
+    assert vtc.lanes.tail == {"solo"}
+
+
 def test_the_wanting_index_holds_only_waiting_requests():
     vtc, running = eight_groups_of_four()
     for i in range(50):
