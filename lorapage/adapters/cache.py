@@ -256,7 +256,7 @@ class AdapterCache:
     def enqueue(self, name: str, now: float, tenant: str | None = None) -> None:
         """A request for ``name`` (from ``tenant``) arrived: its load starts now, so fetching
         overlaps queueing, and the tenant's other recent versions are prefetched into host RAM."""
-        self.metrics.record_request(name, self.tier(name), now)
+        self.metrics.record_request(name, self.tier(name), now, tenant)
         self._apply(self.residency.enqueue(name, now, tenant))
         self._kick()  # a pre-warm waiting for a slot is demand now
 

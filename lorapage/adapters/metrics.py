@@ -58,6 +58,10 @@ class AdapterMetrics:
         self.requests: Counter[tuple[str, str]] = Counter()  # (label, tier at arrival) -> requests
         self.loads: Counter[tuple[str, str]] = Counter()  # (label, load tier) -> loads into the pool
         self.evictions: Counter[str] = Counter()  # label -> pool evictions
+        # Swap traffic per tenant: a load's bytes go to the tenant whose request found the version
+        # outside the pool first (a load nobody waited on, a pin or a hot keep, goes to nobody).
+        self.load_bytes_by_tenant: Counter[str] = Counter()
+        self._load_for: dict[str, str] = {}  # version -> tenant its pending load is charged to
         self.load_seconds = {tier: Histogram(LOAD_BOUNDS_S) for tier in ("ram", "disk", "remote")}
         self._traffic: dict[str, tuple[float, float]] = {}  # id -> (decayed requests, as of when)
         self.labelled: frozenset[str] = frozenset()
@@ -65,8 +69,12 @@ class AdapterMetrics:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def record_request(self, name: str, tier: str, now: float) -> None:
-        """A request for ``name`` arrived while its adapter was in ``tier`` (gpu, ram, disk)."""
+    def record_request(self, name: str, tier: str, now: float, tenant: str | None = None) -> None:
+        """A request for ``name`` (from ``tenant``) arrived while its adapter was in ``tier`` (gpu,
+        ram, disk, loading...): outside the pool, the load it waits on is charged to ``tenant``
+        unless an earlier request's already is."""
+        if tier != "gpu" and tenant is not None:
+            self._load_for.setdefault(name, tenant)
         aid, _ = parse_name(name)
         count, at = self._traffic.get(aid, (0.0, now))
         self._traffic[aid] = (_decay(count, now - at) + 1.0, now)
@@ -81,6 +89,9 @@ class AdapterMetrics:
         (its own work: waiting for room in the pool is not counted) and moved ``nbytes``."""
         self.loads[(self.label(name), tier)] += 1
         self.load_seconds[tier].observe(seconds)
+        tenant = self._load_for.pop(name, None)
+        if tenant is not None:
+            self.load_bytes_by_tenant[tenant] += nbytes
         if self.usage is not None:
             self.usage.record_load(now, name, nbytes, seconds)
 

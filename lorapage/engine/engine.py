@@ -772,6 +772,7 @@ class Engine:
             adapter_download_s_per_page=costs.seconds_per_page(Stage.DOWNLOAD),
             queue_depth=self.policy.num_waiting(),
             running=len(self.scheduler.running),
+            running_by_tenant=_running_by_tenant(self.scheduler.running, self.scheduler_metrics.tenants),
             preemptions=self.scheduler.num_preemptions,
             kv_pages_held_by_tenant=_kv_pages_by_tenant(self.scheduler.running, self.scheduler_metrics.tenants),
             pool_pages_total=self.pool.capacity,
@@ -844,6 +845,14 @@ class Engine:
         behind it, which would add up to a whole step to every cold request's wait."""
         executor = self._copies or self._forward
         await asyncio.get_running_loop().run_in_executor(executor, fn)
+
+
+def _running_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str, int]:
+    """Sequences in the batch per tenant; every tenant in ``seen`` is reported, at 0 when it has none."""
+    count = dict.fromkeys(seen, 0)
+    for req in running:
+        count[req.tenant] = count.get(req.tenant, 0) + 1
+    return count
 
 
 def _kv_pages_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str, int]:

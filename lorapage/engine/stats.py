@@ -46,6 +46,7 @@ class EngineStats:
     # -- requests
     queue_depth: int  # waiting for admission
     running: int  # sequences in the batch
+    running_by_tenant: Mapping[str, int]  # every tenant seen, 0 when it has none running
     preemptions: int  # since start
     kv_pages_held_by_tenant: Mapping[str, int]  # every tenant seen, 0 when it holds none
     # -- the pool

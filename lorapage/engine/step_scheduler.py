@@ -73,6 +73,8 @@ class StepScheduler:
 
     def submit(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if self.metrics is not None:
+            self.metrics.record_offered(req.tenant)
         if self.usage is not None:
             self.usage.record_request(req.arrival_time, req.tenant, req.adapter or "")
         if req.adapter is not None:

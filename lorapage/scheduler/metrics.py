@@ -42,6 +42,7 @@ class Histogram:
 class TenantStats:
     """What one tenant was admitted, refused and served, and how long it queued."""
 
+    offered_requests: int = 0  # queued or refused: what the tenant asked for, beside what was admitted
     admitted_requests: int = 0
     admitted_prompt_tokens: int = 0
     served_input_tokens: int = 0
@@ -72,9 +73,16 @@ class SchedulerMetrics:
             stats = self.tenants[name] = TenantStats()
         return stats
 
+    def record_offered(self, tenant: str) -> None:
+        """A generation request entered the queue (a refused one is counted offered by
+        :meth:`record_rejected`): the incident view's offered, beside admitted."""
+        self.tenant(tenant).offered_requests += 1
+
     def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
-        """A request refused before queueing (``reason``: rpm, tpm, concurrency, queue_full...)."""
+        """A request refused before queueing (``reason``: rpm, tpm, concurrency, queue_full...).
+        It was offered too: offered = queued + refused."""
         stats = self.tenant(tenant)
+        stats.offered_requests += 1
         stats.rejected_requests[reason] += 1
         stats.rejected_tokens[reason] += tokens
 

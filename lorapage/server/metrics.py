@@ -66,7 +66,12 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
     EngineSeries("lorapage_engine_lora_slots", "Adapters that may be resident in the pool at once.", "lora_slots"),
     EngineSeries("lorapage_engine_registered_adapters", "Adapter versions the engine knows.", "registered_adapters"),
     EngineSeries("lorapage_engine_queue_depth", "Requests waiting for admission.", "queue_depth"),
-    EngineSeries("lorapage_engine_running", "Sequences in the running batch.", "running"),
+    EngineSeries(
+        "lorapage_engine_running",
+        "Sequences in the running batch (overall and by tenant).",
+        "running",
+        "running_by_tenant",
+    ),
     EngineSeries(
         "lorapage_engine_tokens_in_flight",
         "Prompt and remaining output tokens of every request queued or running (what fleet placement weighs).",
@@ -212,6 +217,11 @@ class _LoopLagGauges:
 
 _PER_TENANT: tuple[tuple[str, str, Callable[[TenantStats], int]], ...] = (
     (
+        "offered_requests",
+        "Generation requests offered: queued, or refused by a quota or a full queue (beside admitted).",
+        lambda t: t.offered_requests,
+    ),
+    (
         "admitted_requests",
         "Requests admitted to the batch (a preempted one's return not again).",
         lambda t: t.admitted_requests,
@@ -320,6 +330,15 @@ class _AdapterCollector:
         for (adapter, tier), count in sorted(m.loads.items()):
             loads.add_metric([adapter, tier], count)
         yield loads
+        swap = CounterMetricFamily(
+            "lorapage_tenant_adapter_load_bytes",
+            "Bytes of adapter loads into the pool, by the tenant whose request found its adapter outside the pool "
+            "first (rate(): the tenant's swap bytes/s; loads nobody waited on, pins and hot keeps, are not charged).",
+            labels=("tenant",),
+        )
+        for tenant, nbytes in sorted(m.load_bytes_by_tenant.items()):
+            swap.add_metric([tenant], nbytes)
+        yield swap
         seconds = HistogramMetricFamily(
             "lorapage_adapter_load_seconds",
             "Seconds an adapter load into the pool took, by the tier it started from (its own work: "

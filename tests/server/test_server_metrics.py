@@ -149,6 +149,20 @@ async def test_adapter_labels_are_the_top_k_ids_by_recent_traffic_and_the_rest_o
     assert labels == {"a", "d", "other"}  # b and c lost their series; e's requests were counted as other
 
 
+async def test_a_load_is_charged_to_the_tenant_whose_request_found_the_adapter_outside_the_pool():
+    metrics = AdapterMetrics(top_k=3)
+    metrics.record_request("a@1", "disk", 0.0, "acme")  # its load starts: charged to acme
+    metrics.record_request("a@1", "loading", 0.1, "globex")  # waits on acme's load: not charged again
+    metrics.record_load("a@1", "disk", 0.2, nbytes=1000, now=0.2)
+    metrics.record_request("a@1", "gpu", 0.3, "globex")  # a hit: no load
+    metrics.record_load("b@1", "ram", 0.1, nbytes=500, now=0.4)  # a pin's load: nobody waited on it
+    metrics.record_request("a@1", "ram", 1.0, "globex")  # evicted meanwhile: globex's request reloads it
+    metrics.record_load("a@1", "ram", 0.1, nbytes=1000, now=1.1)
+    assert metrics.load_bytes_by_tenant == {"acme": 1000, "globex": 1000}
+    text = ServerMetrics(adapters=metrics).render().decode()
+    assert _series(text, "lorapage_tenant_adapter_load_bytes_total") == {("acme",): 1000, ("globex",): 1000}
+
+
 async def test_adapter_series_are_bounded_by_the_top_k():
     """Three adapters, K = 2: the third's requests, loads and evictions count as other."""
     engine = make_engine(metrics_top_adapters=2, max_loras=1, max_resident_loras=1)

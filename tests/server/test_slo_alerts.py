@@ -126,3 +126,23 @@ async def test_alert_and_dashboard_series_exist_and_the_flooded_tenant_burns(tmp
     assert ("flood", "concurrency") in refused  # the 429s: refused, not judged
     judged = {s.labels["tenant"]: s.value for s in scraped["lorapage_tenant_requests_total"]}
     assert judged == {"flood": flood.count(200), "calm": 3}
+
+    # The incident view: every request offered was admitted or refused (none waits now), and the
+    # two tenants' loads into the one slot are charged to them as swap bytes.
+    def by_tenant(name: str) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for s in scraped[name]:
+            totals[s.labels["tenant"]] = totals.get(s.labels["tenant"], 0.0) + s.value
+        return totals
+
+    offered, admitted = (
+        by_tenant("lorapage_tenant_offered_requests_total"),
+        by_tenant("lorapage_tenant_admitted_requests_total"),
+    )
+    rejected = by_tenant("lorapage_tenant_rejected_requests_total")
+    assert offered == {"flood": 36, "calm": 3}
+    assert all(offered[t] == admitted[t] + rejected.get(t, 0) for t in offered)
+    swap = by_tenant("lorapage_tenant_adapter_load_bytes_total")
+    assert swap["flood"] > 0 and swap["calm"] > 0
+    running = {s.labels.get("tenant"): s.value for s in scraped["lorapage_engine_running"]}
+    assert running == {None: 0, "flood": 0, "calm": 0}
