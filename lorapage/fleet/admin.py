@@ -220,7 +220,17 @@ class FleetAdmin:
         return _json({"object": "list", "data": await self._describe([r.key for r in rows if r.base_digest == base])})
 
     async def get(self, request: Request, name: str) -> Response:
-        return _json((await self._describe([await self._resolve(name)]))[0])
+        """As ``lorapage serve``'s: the admin reads any adapter; its owner's key its own, without
+        where the operator keeps the files; any other key gets the 404 of one that does not exist."""
+        admin = self.access.adapter_reader(cast(Any, request), name)  # it reads only the headers
+        out = (await self._describe([await self._resolve(name)]))[0]
+        if not admin:
+            out.path = out.source = ""
+        return _json(out)
+
+    def open_to_tenants(self, handler: Handler) -> bool:
+        """Whether ``handler`` checks its own key (a tenant may call it); the rest need the admin key."""
+        return handler == self.get
 
     async def versions(self, request: Request, adapter_id: str) -> Response:
         """Every version of an id, servable on the fleet's base or not, oldest first."""

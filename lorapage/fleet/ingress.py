@@ -211,9 +211,11 @@ class FleetIngress:
             admin_handlers, name = admin
             if request.method not in admin_handlers:
                 return method_not_allowed(", ".join(admin_handlers))
-            self.access.require_admin(cast(Any, request))
+            handler = admin_handlers[request.method]
+            if not self.admin.open_to_tenants(handler):
+                self.access.require_admin(cast(Any, request))
             await self.ready()
-            return await admin_handlers[request.method](request, name)
+            return await handler(request, name)
         else:
             return no_route(request.method, path, self.route_table())
         if request.method not in handlers:

@@ -23,7 +23,6 @@ from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.server import protocol
-from lorapage.server.auth import bearer_key
 from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
@@ -174,12 +173,7 @@ class AdminRoutes:
         operator keeps the files (``path``, ``source``)."""
         state = request.app[self.key]
         name = request.match_info["id"]
-        key = bearer_key(request)
-        admin = key is not None and state.access.tenants.is_admin(key)
-        if not admin:
-            tenant = state.access.tenant_for(request)  # 401 without a valid tenant key
-            if state.access.owners.get(parse_name(name)[0]) != tenant:
-                raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+        admin = state.access.adapter_reader(request, name)
         out = self._describe(state, name)
         rows = await state.engine.admin.traffic(out.id, TRAFFIC_HOURS)
         first_hour = int(state.engine.admin.wall_clock() // 3600) - TRAFFIC_HOURS + 1

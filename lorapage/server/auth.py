@@ -20,7 +20,8 @@ from types import MappingProxyType
 
 from aiohttp import web
 
-from lorapage.errors import AuthenticationError, PermissionDeniedError
+from lorapage.adapters.registry import parse_name
+from lorapage.errors import AdapterNotFoundError, AuthenticationError, PermissionDeniedError
 from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, hash_key, key_id
 
 
@@ -110,6 +111,20 @@ class Access:
         key = bearer_key(request)
         assert key is not None
         return key_id(key)
+
+    def adapter_reader(self, request: web.Request, name: str) -> bool:
+        """Who may read one adapter's record (``GET /v1/adapters/{id}``, ``name``: ``id`` or
+        ``id@N``, in ``lorapage serve`` and the fleet alike): True for the admin key; False for the
+        tenant that owns the id
+        (it is not shown where the operator keeps the files); 401 without a valid key; any other
+        tenant gets the 404 of an adapter that does not exist: shared adapters included, whose
+        traffic is other tenants' too."""
+        key = bearer_key(request)
+        if key is not None and self.tenants.is_admin(key):
+            return True
+        if self.owners.get(parse_name(name)[0]) != self.tenant_for(request):  # tenant_for: 401 without a valid key
+            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+        return False
 
     def require_metrics(self, request: web.Request) -> None:
         """``/metrics`` names every tenant: it takes the admin key or a ``[metrics]`` key."""

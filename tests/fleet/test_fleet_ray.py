@@ -24,6 +24,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
 serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
 
+from front_end_cases import answers, mismatches  # noqa: E402
 from server_harness import (  # noqa: E402
     ADMIN_KEY,
     BASE,
@@ -217,6 +218,11 @@ async def test_the_api_fields_work_through_the_fleet(fleet):
     )
     assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3], body
     assert body["choices"][2]["text"].startswith("Hi") and body["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
+async def test_the_shared_http_cases(fleet):
+    """The table tests/server/test_front_end_cases.py runs against ``lorapage serve``."""
+    assert mismatches(await answers(fleet.url)) == {}
 
 
 async def test_requests_for_one_adapter_stick_to_its_owner(fleet):
