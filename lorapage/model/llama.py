@@ -172,8 +172,10 @@ class LlamaModel:
             qkv = F.linear(hs, w["qkv"], w.get("qkv_bias"))
             if use_lora:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
-            q = self._apply_rope(qkv[:, :q_size].view(T, c.num_heads, c.head_dim), cos, sin)
-            k = self._apply_rope(qkv[:, q_size : q_size + kv_size].view(T, c.num_kv_heads, c.head_dim), cos, sin)
+            # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
+            heads = c.num_heads + c.num_kv_heads
+            qk = self._apply_rope(qkv[:, : q_size + kv_size].view(T, heads, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
             ops.write_kv(kv, k, v, attn.slot_mapping)
             out = torch.empty_like(q)
