@@ -185,9 +185,10 @@ class DedicatedDeployments:
         return tuple(seen.values())
 
     async def _finish(self, promotion: Promotion, reason: str) -> None:
-        """A promotion that failed: its application deleted, its state ``failed`` with why."""
-        promotion.state, promotion.reason, promotion.since = "failed", reason, time.time()
+        """A promotion that failed: its application deleted, then its state ``failed`` with why
+        (a retry may start a new one of the same name)."""
         await asyncio.to_thread(_delete, promotion.app)
+        promotion.state, promotion.reason, promotion.since = "failed", reason, time.time()
         await self._audit("promote", promotion, f"failed: {reason}")
 
     # -- demotion ---------------------------------------------------------------------------------
