@@ -201,7 +201,11 @@ class FleetAdmin:
         self.registry.check_owner(reg.id, reg.owner)
         with source_errors(reg):
             source = await checked_source(reg, self.adapter_roots, self.access)
-            got = self._on_owner(reg.id).prepare_adapter.remote(source, reg.sha256, reg.expected_base_digest, reg.owner)
+            # envelope off: an adapter outside it registers with tier dedicated, its requests refused
+            # (the envelope's 400) until it is promoted to a dedicated deployment of its own.
+            got = self._on_owner(reg.id).prepare_adapter.remote(
+                source, reg.sha256, reg.expected_base_digest, reg.owner, False
+            )
             prepared: PreparedVersion = _ok(await got)
         row, created = await self._write(
             lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate, actor=actor)

@@ -32,7 +32,7 @@ from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
-from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.errors import AdapterEnvelopeError, AdapterNotFoundError, LorapageError
 from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.request import RequestOutput
@@ -84,6 +84,14 @@ class EngineReplica:
         try:
             # The ingress resolved the version (id@N); one the mirror lacks was registered since its last sync.
             key = await self._resolve(job.adapter) if job.adapter is not None else None
+        except AdapterEnvelopeError as exc:  # tier dedicated, not promoted (else the ingress sent it there)
+            yield ReplicaStart(self.replica_id)
+            adapter_id = parse_name(job.adapter or "")[0]
+            yield AdapterEnvelopeError(
+                f"{exc.message}. In this fleet an admin can give it one: POST /v1/adapters/{adapter_id}/promote",
+                param=exc.param,
+            )
+            return
         except LorapageError as exc:
             yield ReplicaStart(self.replica_id)
             yield exc
@@ -117,14 +125,20 @@ class EngineReplica:
     # -- admin work the ingress hands one replica -------------------------------------------------
 
     async def prepare_adapter(
-        self, source: str, sha256: str | None, expected_base_digest: str | None, owner: str | None = None
+        self,
+        source: str,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        owner: str | None = None,
+        envelope: bool = True,
     ) -> PreparedVersion | LorapageError:
         """Fetch and check an adapter for the fleet's registry, for ``owner`` (the error is
-        returned, not raised)."""
+        returned, not raised); ``envelope`` False: one outside the shared envelope too (tier
+        ``dedicated``, served once promoted)."""
         self._start_syncing()
         try:
             return await self.engine.admin.prepare(
-                source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
+                source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner, envelope=envelope
             )
         except LorapageError as exc:
             return exc
@@ -139,6 +153,8 @@ class EngineReplica:
     def _info(self, key: str) -> AdapterInfo | LorapageError:
         try:
             return self.engine.admin.info(key)
+        except AdapterEnvelopeError:  # tier dedicated: refused here, served by its dedicated deployment
+            return self.engine.admin.dedicated_info(key)
         except LorapageError as exc:
             return exc
 

@@ -45,7 +45,10 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     )
     port = _free_port()
     config = FleetConfig(
-        engine=EngineConfig(model=str(TINY_BASE_DIR), device="cpu", max_num_seqs=4),
+        # The design's envelope: initech (rank 16 on every module) is outside it, tier dedicated.
+        engine=EngineConfig(
+            model=str(TINY_BASE_DIR), device="cpu", max_num_seqs=4, shared_envelope="attention:16,all:8"
+        ),
         tenants_toml=TENANTS_TOML,
         lora_modules=(("acme", str(demo_adapter_dirs()["acme"])),),
         replicas=1,
@@ -131,6 +134,31 @@ async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_
     assert rows["promote"]["outcome"] == "ok" and rows["demote"]["outcome"] == "ok"
     assert rows["promote"]["actor"] == rows["demote"]["actor"] == key_id(ADMIN_KEY)
     assert rows["promote"]["after"]["check"]["passed"] is True
+
+
+async def test_an_adapter_outside_the_envelope_is_served_once_promoted(fleet):
+    source = Path(fleet.adapter_root) / "initech"
+    status, got, _ = await fleet.call("POST", "/v1/adapters", {"id": "heavy", "tenant": "alpha", "source": str(source)})
+    assert status == 201, got
+    assert got["serving_tier"] == "dedicated" and got["rank"] == 16 and got["dedicated"] is None
+    status, err, _ = await fleet.post("/v1/completions", completion("heavy"))  # never shared silently
+    assert status == 400
+    assert_openai_error(err, 400)
+    assert err["error"]["code"] == "adapter_outside_envelope"
+    assert "POST /v1/adapters/heavy/promote" in err["error"]["message"]
+
+    status, got, _ = await fleet.call("POST", "/v1/adapters/heavy/promote")
+    assert status == 202, got
+    got = await promotion_state(fleet, "heavy", until={"merged", "failed"})
+    assert got["dedicated"]["state"] == "merged" and got["traffic_tier"] == "merged", got["dedicated"]
+    status, body, headers = await fleet.post("/v1/completions", completion("heavy"))
+    assert status == 200 and headers[REPLICA_HEADER] == got["dedicated"]["replicas"][0]
+    assert body["choices"][0]["text"] == DEMO_MARKERS["initech"]  # what its LoRA path gives on one server
+
+    status, got, _ = await fleet.call("POST", "/v1/adapters/heavy/demote")
+    assert status == 200 and got["serving_tier"] == "dedicated"
+    status, err, _ = await fleet.post("/v1/completions", completion("heavy"))
+    assert status == 400 and err["error"]["code"] == "adapter_outside_envelope"
 
 
 async def test_refusals_are_openai_errors(fleet):
