@@ -39,6 +39,7 @@ from lorapage.fleet.start import StartError, run_app
 log = logging.getLogger("lorapage.fleet")
 
 MERGED_DEPLOYMENT = "MergedReplica"
+_STATUS_TIMEOUT_S = 30.0  # for a running replica's verdict (it was computed in its constructor)
 State = Literal["starting", "merged", "failed", "stopping"]
 
 
@@ -93,6 +94,7 @@ class DedicatedDeployments:
         self.config, self.registry = config, registry
         self._by_id: dict[str, Promotion] = {}
         self._tasks: set[asyncio.Task] = set()  # starts under way (held so they are not collected)
+        self._adopting: asyncio.Task | None = None
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -112,6 +114,45 @@ class DedicatedDeployments:
     def ids(self, *states: State) -> set[str]:
         """The adapter ids whose deployment is in one of ``states``."""
         return {i for i, p in self._by_id.items() if p.state in states}
+
+    # -- an ingress restart -----------------------------------------------------------------------
+
+    def ensure_adopted(self) -> None:
+        """Start :meth:`adopt` once (the ingress calls it at every heartbeat; the first one adopts)."""
+        if self._adopting is None:
+            self._adopting = asyncio.get_running_loop().create_task(self.adopt())
+
+    async def adopt(self) -> None:
+        """Take over the dedicated deployments a previous ingress started: each running
+        ``lorapage-merged-<id>`` application whose replicas all passed their check, on a version of
+        that id still registered, serves again (state ``merged``, actor ``adopted``); any other is
+        deleted. Until then the shared pool serves those adapters."""
+        apps = await asyncio.to_thread(lambda: dict(serve.status().applications))
+        for name, overview in apps.items():
+            adapter_id = name.removeprefix(MERGED_APP_PREFIX)
+            if not name.startswith(MERGED_APP_PREFIX) or adapter_id in self._by_id:
+                continue
+            statuses: tuple[MergedStatus, ...] = ()
+            handle: Any = None
+            if str(getattr(overview.status, "value", overview.status)) == "RUNNING":
+                try:
+                    handle = await asyncio.to_thread(serve.get_app_handle, name)
+                    statuses = await asyncio.wait_for(self._statuses(handle), _STATUS_TIMEOUT_S)
+                except Exception as exc:  # gone meanwhile, or not answering: deleted below
+                    log.warning("dedicated deployment %s did not report: %s", name, exc)
+            key = statuses[0].adapter if statuses else ""
+            if (
+                statuses
+                and all(s.passed and s.adapter == key for s in statuses)
+                and parse_name(key)[0] == adapter_id
+                and self.registry.row(key) is not None
+                and adapter_id not in self._by_id  # promoted meanwhile
+            ):
+                self._by_id[adapter_id] = Promotion(adapter_id, key, "merged", "adopted", time.time(), handle, statuses)
+                log.info("adapter %s is served by its dedicated deployment %s (adopted)", key, name)
+            elif adapter_id not in self._by_id:
+                log.warning("deleting dedicated deployment %s: no version it serves is registered and checked", name)
+                await asyncio.to_thread(_delete, name)
 
     # -- promotion --------------------------------------------------------------------------------
 

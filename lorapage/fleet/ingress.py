@@ -251,6 +251,7 @@ class FleetIngress:
     async def sync(self, beat: Heartbeat) -> SyncReply:
         """A replica's heartbeat: recorded, and answered with what it must mirror."""
         self.reports.record(beat)
+        self.dedicated.ensure_adopted()  # a restarted ingress takes over the merged deployments running
         if self.auto is not None:  # heartbeats never stop: the rules are judged with traffic or without
             self.auto.ensure_running()
         reply = self.registry.changes_since(beat.epoch, beat.generation, self.access.tenants.weights())

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 ray = pytest.importorskip("ray", reason="the fleet needs ray[serve]: pip install 'lorapage[fleet]'")
@@ -195,3 +196,31 @@ async def test_a_failed_merge_leaves_the_adapter_on_the_pool_and_says_why(fleet)
     status, audit, _ = await fleet.call("GET", "/v1/audit?adapter=flaky&action=promote")
     (row,) = audit["data"]
     assert row["outcome"] == f"failed: {dedicated['reason']}"
+
+
+async def test_a_restarted_ingress_adopts_the_running_merged_deployment(fleet):
+    status, got, _ = await fleet.call("POST", "/v1/adapters/acme/promote")
+    assert status == 202, got
+    got = await promotion_state(fleet, "acme", until={"merged", "failed"})
+    assert got["dedicated"]["state"] == "merged", got["dedicated"]
+    (merged_replica,) = got["dedicated"]["replicas"]
+
+    # Ray restarts a killed ingress; its first heartbeat adopts the application still running.
+    ingress = next(n for n in ray.util.list_named_actors(all_namespaces=True) if "#FleetIngress#" in n["name"])
+    ray.kill(ray.get_actor(ingress["name"], namespace=ingress["namespace"]), no_restart=False)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            status, got, _ = await fleet.call("GET", "/v1/adapters/acme")
+        except aiohttp.ClientError:
+            status, got = 0, None
+        if status == 200 and (got["dedicated"] or {}).get("state") == "merged" or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert got["dedicated"]["state"] == "merged" and got["dedicated"]["actor"] == "adopted", got
+    assert got["dedicated"]["replicas"] == [merged_replica] and got["traffic_tier"] == "merged"
+    status, body, headers = await fleet.post("/v1/completions", completion("acme"))
+    assert status == 200 and headers[REPLICA_HEADER] == merged_replica
+    assert body["choices"][0]["text"] == DEMO_MARKERS["acme"]
+    status, _, _ = await fleet.call("POST", "/v1/adapters/acme/demote")
+    assert status == 200 and MERGED_APP_PREFIX + "acme" not in serve.status().applications
