@@ -34,7 +34,7 @@ from lorapage.fleet.config import MERGED_APP_PREFIX, FleetConfig
 from lorapage.fleet.merged import MergedReplica, MergedStatus
 from lorapage.fleet.messages import IdState
 from lorapage.fleet.registry import FleetRegistry
-from lorapage.fleet.start import StartError, run_app
+from lorapage.fleet.start import run_app
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -202,23 +202,25 @@ class DedicatedDeployments:
                 timeout_flag="--dedicated-start-timeout",
             )  # fmt: skip
             promotion.statuses = await self._statuses(handle)
-        except (StartError, Exception) as exc:  # Ray could not place or start it: the shared pool keeps it
+        except Exception as exc:  # StartError (Ray could not place or start it), or Ray's own: the pool keeps it
             log.warning("the dedicated deployment of %s did not start: %s", promotion.key, exc)
             await self._finish(promotion, f"the deployment did not start: {exc}")
             return
         failed = next((s for s in promotion.statuses if not s.passed), None)
-        if failed is not None:
-            await self._finish(promotion, failed.reason())
+        if failed is not None or len(promotion.statuses) < dedicated.replicas:
+            reported = f"only {len(promotion.statuses)} of {dedicated.replicas} replicas reported their check"
+            reason = failed.reason() if failed else reported
+            await self._finish(promotion, reason)
             return
         promotion.handle, promotion.state, promotion.since = handle, "merged", time.time()
         log.info("adapter %s is served by its dedicated deployment %s", promotion.key, promotion.app)
         await self._audit("promote", promotion, "ok")
 
     async def _statuses(self, handle: Any) -> tuple[MergedStatus, ...]:
-        """Each replica's verdict: asked as many times as there are replicas, and more while
-        some replica has not answered (Ray routes each call to one of them)."""
+        """Each replica's verdict: asked until every replica has answered (Ray routes each call to
+        one of them), at most 20 times per replica."""
         seen: dict[str, MergedStatus] = {}
-        for _ in range(4 * self.config.dedicated.replicas):
+        for _ in range(20 * self.config.dedicated.replicas):
             status: MergedStatus = await handle.status.remote()
             seen[status.replica_id] = status
             if len(seen) >= self.config.dedicated.replicas:
@@ -228,7 +230,10 @@ class DedicatedDeployments:
     async def _finish(self, promotion: Promotion, reason: str) -> None:
         """A promotion that failed: its application deleted, then its state ``failed`` with why
         (a retry may start a new one of the same name)."""
-        await asyncio.to_thread(_delete, promotion.app)
+        try:
+            await asyncio.to_thread(_delete, promotion.app)
+        except Exception as exc:  # still failed: never routed to; a later promotion replaces the application
+            log.warning("the failed dedicated deployment %s was not deleted: %s", promotion.app, exc)
         promotion.state, promotion.reason, promotion.since = "failed", reason, time.time()
         await self._audit("promote", promotion, f"failed: {reason}")
 

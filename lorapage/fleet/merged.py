@@ -97,14 +97,11 @@ class MergedReplica:
 
     async def generate(self, job: EngineJob) -> AsyncIterator[ReplicaStart | RequestOutput | LorapageError]:
         """As :meth:`EngineReplica.generate <lorapage.fleet.replica.EngineReplica.generate>`, for its
-        one version; refused while its check has not passed."""
+        one version (the engine refuses any other, 404); refused while its check has not passed."""
         yield ReplicaStart(self.replica_id, int(self.key.rpartition("@")[2]))
-        if not self._status.passed or job.adapter != self.key:
+        if not self._status.passed:
             yield ServiceUnavailableError(
-                f"the dedicated deployment of {self.key} does not serve {job.adapter!r}: {self._status.reason()}"
-                if not self._status.passed
-                else f"the dedicated deployment of {self.key} does not serve {job.adapter!r}; retry",
-                retry_after=1,
+                f"the dedicated deployment of {self.key} does not serve: {self._status.reason()}", retry_after=1
             )
             return
         try:
