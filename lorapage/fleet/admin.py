@@ -9,7 +9,9 @@ replicas' heartbeats (within ``sync_period_s``): a pin holds the version residen
 replica (bounded on each by ``--max-pinned-fraction``; the pin is checked and loaded on the
 owner before it is answered), an unload drops it from every pool, a delete drops it everywhere
 once its requests end. The ingress sees every request, so its own counts decide a delete's
-drain, exactly as on one server.
+drain, exactly as on one server. Promotion and demotion start and remove an adapter's dedicated
+merged deployment (:mod:`lorapage.fleet.dedicated`); an adapter outside the shared envelope
+registers (tier ``dedicated``) and is served once promoted.
 
 Every change is audited in the registry as the admin key's id (``actor``:
 :meth:`~lorapage.server.auth.Access.admin_actor`), and ``GET /v1/audit`` reads the trail back
@@ -360,6 +362,7 @@ class FleetAdmin:
             "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
             "draining_adapters": sorted(self.draining),
             "registry_generation": self.registry.generation,
+            "dedicated": {i: p.out() for i, p in sorted(self.dedicated.items())},
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
         return _json({"ingress": ingress, "replicas": replicas})

@@ -111,6 +111,10 @@ class DedicatedDeployments:
     def get(self, adapter_id: str) -> Promotion | None:
         return self._by_id.get(adapter_id)
 
+    def items(self) -> list[tuple[str, Promotion]]:
+        """Every adapter id with a dedicated deployment (or a failed start), and its state."""
+        return list(self._by_id.items())
+
     def ids(self, *states: State) -> set[str]:
         """The adapter ids whose deployment is in one of ``states``."""
         return {i for i, p in self._by_id.items() if p.state in states}

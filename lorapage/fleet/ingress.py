@@ -5,7 +5,9 @@ The checks run in the order and with the shared code of the aiohttp server (``lo
 auth, protocol, prompts, quotas, generation): API key (401), body size (413), JSON and fields
 (400), model visibility (404), prompt length (400), quota (429). Then the request goes to an engine
 replica through a deployment handle whose ``multiplexed_model_id`` is the adapter, so the
-deployment's request router (:mod:`lorapage.fleet.request_router`) routes it by adapter affinity.
+deployment's request router (:mod:`lorapage.fleet.request_router`) routes it by adapter affinity;
+a version promoted to a dedicated merged deployment goes there instead
+(:meth:`FleetIngress.engine_handle`, :mod:`lorapage.fleet.dedicated`).
 
 Quotas are fleet-wide because this deployment runs exactly one replica and holds every tenant's
 token buckets (a restart of it refills them, as a restart of ``lorapage serve`` does). It holds

@@ -116,6 +116,8 @@ async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_
     assert "".join(c["text"] for e in events for c in e["choices"]) == before["choices"][0]["text"]
     status, base, headers = await fleet.post("/v1/completions", completion(BASE))
     assert status == 200 and headers[REPLICA_HEADER] in shared  # the base stays on the shared pool
+    status, state, _ = await fleet.call("GET", "/internal/state")
+    assert state["ingress"]["dedicated"]["acme"]["state"] == "merged"
     status, err, _ = await fleet.call("DELETE", "/v1/adapters/acme")  # promoted: demote first
     assert status == 409 and "demote" in err["error"]["message"]
 
