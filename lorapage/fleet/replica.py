@@ -32,7 +32,12 @@ from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
-from lorapage.errors import AdapterEnvelopeError, AdapterNotFoundError, LorapageError
+from lorapage.errors import (
+    AdapterEnvelopeError,
+    AdapterNotFoundError,
+    AdapterTokensOverSharedLimitError,
+    LorapageError,
+)
 from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.request import RequestOutput
@@ -84,17 +89,9 @@ class EngineReplica:
         try:
             # The ingress resolved the version (id@N); one the mirror lacks was registered since its last sync.
             key = await self._resolve(job.adapter) if job.adapter is not None else None
-        except AdapterEnvelopeError as exc:  # tier dedicated, not promoted (else the ingress sent it there)
-            yield ReplicaStart(self.replica_id)
-            adapter_id = parse_name(job.adapter or "")[0]
-            yield AdapterEnvelopeError(
-                f"{exc.message}. In this fleet an admin can give it one: POST /v1/adapters/{adapter_id}/promote",
-                param=exc.param,
-            )
-            return
         except LorapageError as exc:
             yield ReplicaStart(self.replica_id)
-            yield exc
+            yield _in_fleet(exc, job.adapter)
             return
         yield ReplicaStart(self.replica_id, parse_name(key)[1] if key is not None else None)
         self.in_flight += 1
@@ -110,7 +107,7 @@ class EngineReplica:
             async for out in outputs:
                 yield out
         except LorapageError as exc:
-            yield exc
+            yield _in_fleet(exc, job.adapter)
         finally:
             self.in_flight -= 1
 
@@ -287,3 +284,16 @@ class EngineReplica:
             except LorapageError:
                 pass
         return names
+
+
+def _in_fleet(exc: LorapageError, adapter: str | None) -> LorapageError:
+    """A refusal that sends an adapter to its dedicated tier (outside the envelope, or a long
+    generation) names how this fleet gives it one; any other refusal as it is."""
+    if adapter is None or not isinstance(exc, (AdapterEnvelopeError, AdapterTokensOverSharedLimitError)):
+        return exc
+    adapter_id = parse_name(adapter)[0]
+    return type(exc)(
+        f"{exc.message}. In this fleet an admin promotes it to a dedicated deployment: "
+        f"POST /v1/adapters/{adapter_id}/promote",
+        param=exc.param,
+    )

@@ -47,8 +47,13 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     port = _free_port()
     config = FleetConfig(
         # The design's envelope: initech (rank 16 on every module) is outside it, tier dedicated.
+        # Adapter requests on the shared pool may ask for at most 64 tokens.
         engine=EngineConfig(
-            model=str(TINY_BASE_DIR), device="cpu", max_num_seqs=4, shared_envelope="attention:16,all:8"
+            model=str(TINY_BASE_DIR),
+            device="cpu",
+            max_num_seqs=4,
+            shared_envelope="attention:16,all:8",
+            max_adapter_tokens=64,
         ),
         tenants_toml=TENANTS_TOML,
         lora_modules=(("acme", str(demo_adapter_dirs()["acme"])),),
@@ -85,6 +90,9 @@ async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_
     status, before, headers = await fleet.post("/v1/completions", body)
     assert status == 200 and headers[REPLICA_HEADER] in shared
     assert before["choices"][0]["text"] == DEMO_MARKERS["acme"]
+    status, err, _ = await fleet.post("/v1/completions", completion("acme", max_tokens=100))
+    assert status == 400 and err["error"]["code"] == "adapter_tokens_over_shared_limit"
+    assert "POST /v1/adapters/acme/promote" in err["error"]["message"]
 
     status, got, _ = await fleet.call("POST", "/v1/adapters/acme/promote")
     assert status == 202, got
@@ -114,6 +122,8 @@ async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_
     headers, events = await fleet.stream(body)
     assert headers[REPLICA_HEADER] == merged_replica
     assert "".join(c["text"] for e in events for c in e["choices"]) == before["choices"][0]["text"]
+    status, _, headers = await fleet.post("/v1/completions", completion("acme", max_tokens=100))
+    assert status == 200 and headers[REPLICA_HEADER] == merged_replica  # no shared-pool bound on its tier
     status, base, headers = await fleet.post("/v1/completions", completion(BASE))
     assert status == 200 and headers[REPLICA_HEADER] in shared  # the base stays on the shared pool
     status, state, _ = await fleet.call("GET", "/internal/state")
