@@ -42,6 +42,8 @@ ACTIONS = (
     "tenants_reload",
     "check_prompts",
     "migrate",
+    "promote",
+    "demote",
 )
 DEFAULT_CHANNEL = ""  # alias_history.channel of the id's own alias
 DEFAULT_LIMIT = 100

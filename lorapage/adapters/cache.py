@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 import uuid
@@ -139,13 +140,15 @@ class AdapterCache:
         if name in self.entries:
             raise ConflictError(f"adapter {name!r} is already registered", param="name")
 
-    def validate(self, path: str) -> tuple[AdapterSpec, AdapterLayout, str]:
+    def validate(self, path: str, *, envelope: bool = True) -> tuple[AdapterSpec, AdapterLayout, str]:
         """Read and check an adapter directory: config, tensor names and shapes against the base,
-        every weight finite, a shape inside the shared serving envelope and a size the pool can
-        hold; with the content digest of the bytes checked (loads verify against it, so what they
-        use is what was checked). Touches no engine state, so it may run in any thread."""
+        every weight finite, a shape inside the shared serving envelope (not with ``envelope``
+        False: a fleet registers tier ``dedicated`` too, served once promoted) and a size the pool
+        can hold; with the content digest of the bytes checked (loads verify against it, so what
+        they use is what was checked). Touches no engine state, so it may run in any thread."""
         spec = read_adapter_spec(path, self.model, self.max_lora_rank)
-        self.check_envelope(spec)
+        if envelope:
+            self.check_envelope(spec)
         layout = self.plan(spec)
         weights = read_weights(spec)
         load_adapter_tensors(spec, self.loader.dtype, weights)  # refuses NaN / Inf weights now, not at a request
@@ -225,21 +228,31 @@ class AdapterCache:
 
     def info(self, name: str) -> AdapterInfo:
         e = self.get(name)
-        cost = self.envelope.cost(e.spec.ranks)
-        return AdapterInfo(
-            name=name,
-            path=str(e.spec.path),
-            rank=e.spec.max_rank,
-            target_modules=e.spec.target_modules,
-            size_bytes=e.spec.size_bytes,
-            num_params=e.spec.num_params(self.model),
+        return dataclasses.replace(
+            self.spec_info(name, e.spec),
             num_pages=e.layout.num_pages,
             tier=self.tier(name),
             pinned=self.residency.get(name).pinned,
-            cost=cost,
-            serving_tier=self.envelope.tier(e.spec.ranks, cost).value,
             status=self.status(name),
             kept_hot=self.residency.get(name).hot,
+        )
+
+    def spec_info(self, name: str, spec: AdapterSpec) -> AdapterInfo:
+        """What ``spec``'s shape says of version ``name``, registered here or not (one outside the
+        envelope, which this cache never holds: tier ``dedicated``, status ``dedicated``)."""
+        cost = self.envelope.cost(spec.ranks)
+        return AdapterInfo(
+            name=name,
+            path=str(spec.path),
+            rank=spec.max_rank,
+            target_modules=spec.target_modules,
+            size_bytes=spec.size_bytes,
+            num_params=spec.num_params(self.model),
+            num_pages=0,
+            tier="disk",
+            cost=cost,
+            serving_tier=self.envelope.tier(spec.ranks, cost).value,
+            status="dedicated",
         )
 
     def status(self, name: str) -> str:

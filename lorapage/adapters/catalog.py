@@ -292,15 +292,16 @@ class AdapterCatalog:
             raise ConflictError(f"adapter id {adapter_id!r} belongs to another tenant; choose another id", param="id")
 
     def prepare(
-        self, path: Path, *, sha256: str | None, expected_base_digest: str | None
+        self, path: Path, *, sha256: str | None, expected_base_digest: str | None, envelope: bool = True
     ) -> tuple[AdapterSpec, AdapterLayout, str]:
         """Read and check an adapter directory (any thread): spec, layout and content digest;
-        refuses a digest other than ``sha256``, and an adapter not trained on the running base
-        (``expected_base_digest``, else its metadata: see :class:`BaseBinding`)."""
+        refuses a digest other than ``sha256``, an adapter not trained on the running base
+        (``expected_base_digest``, else its metadata: see :class:`BaseBinding`) and, unless
+        ``envelope`` is False, one outside the shared envelope."""
         running = self._base_digest()
         if expected_base_digest is not None:  # the caller's word: refused before any weight is read
             self.binding.bind(running, expected=expected_base_digest, trained_on=None)
-        spec, layout, digest = self.cache.validate(str(path))
+        spec, layout, digest = self.cache.validate(str(path), envelope=envelope)
         if sha256 is not None and digest_param(sha256, "sha256") != digest:
             raise AdapterIntegrityError(
                 f"adapter at {path} has content digest {digest}, not the sha256 given ({sha256})", param="sha256"
@@ -316,11 +317,12 @@ class AdapterCatalog:
         sha256: str | None,
         expected_base_digest: str | None,
         timeout_s: float = REGISTRATION_TIMEOUT_S,
+        envelope: bool = True,
     ) -> tuple[AdapterSpec, AdapterLayout, str]:
         """:meth:`prepare` in a worker thread, refused past ``timeout_s``."""
         work = asyncio.get_running_loop().run_in_executor(
             self._io,
-            lambda: self.prepare(path, sha256=sha256, expected_base_digest=expected_base_digest),
+            lambda: self.prepare(path, sha256=sha256, expected_base_digest=expected_base_digest, envelope=envelope),
         )
         try:
             return await asyncio.wait_for(work, timeout_s)

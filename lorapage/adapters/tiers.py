@@ -44,7 +44,7 @@ class Tier(Enum):
     COLD = "cold"  # no traffic in the last 24 hours: loads on demand
     WARM = "warm"  # some traffic in the last 24 hours: kept in host RAM
     HOT = "hot"  # heavy traffic in the last hour: kept resident in the pool
-    MERGED = "merged"  # reserved: served by a dedicated deployment with its weights merged (never inferred here)
+    MERGED = "merged"  # served by a dedicated deployment with its weights merged: set by the fleet, never inferred here
 
 
 _RANK = {Tier.COLD: 0, Tier.WARM: 1, Tier.HOT: 2, Tier.MERGED: 3}

@@ -18,7 +18,14 @@ from pathlib import Path
 
 from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
-from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog, PreparedVersion, VersionInfo, spec_to_json
+from lorapage.adapters.catalog import (
+    REGISTRATION_TIMEOUT_S,
+    AdapterCatalog,
+    PreparedVersion,
+    VersionInfo,
+    spec_from_json,
+    spec_to_json,
+)
 from lorapage.adapters.digest import normalize_digest
 from lorapage.adapters.registry import Registry, TrafficRow, VersionRow, parse_name
 from lorapage.adapters.sources import AdapterRoots, AdapterSources, FileSource, Source, parse_source
@@ -126,16 +133,20 @@ class AdapterAdmin:
         expected_base_digest: str | None = None,
         timeout_s: float = REGISTRATION_TIMEOUT_S,
         owner: str | None = None,
+        envelope: bool = True,
     ) -> PreparedVersion:
         """Fetch and check an adapter as :meth:`register` does (for ``owner``),
         committing it nowhere: the version a registry held elsewhere (a fleet's) stores and this
-        engine then mirrors (:meth:`mirror`)."""
+        engine then mirrors (:meth:`mirror`). ``envelope`` False: one outside the shared
+        envelope is prepared too (tier ``dedicated``: a fleet serves it once promoted; this
+        engine refuses its requests with the envelope's 400)."""
         self._check_open()
         src = await self._source(source, sha256, owner)
         async with self._sources.use(src, normalize_digest(sha256) if sha256 else None, owner) as path:
             spec, _, digest = await self._catalog.prepare_in_worker(
-                src.uri, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s
-            )
+                src.uri, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s,
+                envelope=envelope,
+            )  # fmt: skip
         return PreparedVersion(
             source=src.uri,
             digest=digest,
@@ -204,6 +215,19 @@ class AdapterAdmin:
         await asyncio.get_running_loop().run_in_executor(
             self._io,
             lambda: self.registry.record(action, adapter_id, actor=actor, tenant=owner, after=after, outcome=outcome),
+        )
+
+    def dedicated_info(self, name: str) -> AdapterInfo:
+        """What a version outside the shared envelope is (tier ``dedicated``: its requests are
+        refused here), described from its stored spec; 404 when ``name`` names none."""
+        row = self._catalog.row(name)
+        return dataclasses.replace(
+            self._cache.spec_info(row.key, spec_from_json(row.spec)),
+            adapter_id=row.adapter_id,
+            version=row.version,
+            digest=row.digest,
+            source=row.source,
+            current=self._catalog.version_info(row.key).current,
         )
 
     def info(self, name: str) -> AdapterInfo:

@@ -9,7 +9,9 @@ replicas' heartbeats (within ``sync_period_s``): a pin holds the version residen
 replica (bounded on each by ``--max-pinned-fraction``; the pin is checked and loaded on the
 owner before it is answered), an unload drops it from every pool, a delete drops it everywhere
 once its requests end. The ingress sees every request, so its own counts decide a delete's
-drain, exactly as on one server.
+drain, exactly as on one server. Promotion and demotion start and remove an adapter's dedicated
+merged deployment (:mod:`lorapage.fleet.dedicated`); an adapter outside the shared envelope
+registers (tier ``dedicated``) and is served once promoted.
 
 Every change is audited in the registry as the admin key's id (``actor``:
 :meth:`~lorapage.server.auth.Access.admin_actor`), and ``GET /v1/audit`` reads the trail back
@@ -32,7 +34,9 @@ from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import VersionRow, parse_name
 from lorapage.adapters.sources import AdapterRoots
-from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.adapters.tiers import Tier
+from lorapage.errors import AdapterNotFoundError, ConflictError, LorapageError
+from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
 from lorapage.fleet.http import read_body
 from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
@@ -55,6 +59,7 @@ class FleetAdapterOut(AdapterOut):
     """An adapter as the fleet's admin routes describe it: also where it is on each replica."""
 
     replicas: dict[str, str] = msgspec.field(default_factory=dict)  # replica id -> gpu | ram
+    dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -83,8 +88,10 @@ class FleetAdmin:
         draining: set[str],
         adapter_roots: AdapterRoots,
         sync_period_s: float,
+        dedicated: DedicatedDeployments,
     ) -> None:
         self.access, self.registry, self.engines, self.reports = access, registry, engines, reports
+        self.dedicated = dedicated
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
         self.adapter_roots, self.sync_period_s = adapter_roots, sync_period_s
         self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
@@ -94,6 +101,8 @@ class FleetAdmin:
             (re.compile(r"/v1/adapters/([^/]+)/versions"), {"GET": self.versions}),
             (re.compile(r"/v1/adapters/([^/]+)/current"), {"PUT": self.set_current}),
             (re.compile(r"/v1/adapters/([^/]+)/pin"), {"PUT": self.pin, "DELETE": self.unpin}),
+            (re.compile(r"/v1/adapters/([^/]+)/promote"), {"POST": self.promote}),
+            (re.compile(r"/v1/adapters/([^/]+)/demote"), {"POST": self.demote}),
             (re.compile(r"/internal/adapters/([^/]+)/load"), {"POST": self.load}),
             (re.compile(r"/internal/adapters/([^/]+)/unload"), {"POST": self.unload}),
             (re.compile(r"/internal/state"), {"GET": self.internal_state}),
@@ -148,6 +157,7 @@ class FleetAdmin:
         assert row is not None and version is not None, key
         replicas = self.reports.tiers(key)
         tier = next((t for t in _TIER_ORDER if t in replicas.values()), "disk")
+        promotion = self.dedicated.get(adapter_id)
         return FleetAdapterOut(
             id=adapter_id,
             owner=self.registry.owner(adapter_id),
@@ -167,6 +177,9 @@ class FleetAdmin:
             base_digest=base.base_digest,
             versions=[r.version for r in self.registry.versions(adapter_id)],
             replicas=replicas,
+            dedicated=promotion.out() if promotion is not None else None,
+            # merged: this version is served by its dedicated deployment (the only tier the fleet judges)
+            traffic_tier=Tier.MERGED.value if self.dedicated.route(key) is not None else None,
             **cost_fields(info),
         )
 
@@ -190,7 +203,11 @@ class FleetAdmin:
         self.registry.check_owner(reg.id, reg.owner)
         with source_errors(reg):
             source = await checked_source(reg, self.adapter_roots, self.access)
-            got = self._on_owner(reg.id).prepare_adapter.remote(source, reg.sha256, reg.expected_base_digest, reg.owner)
+            # envelope off: an adapter outside it registers with tier dedicated, its requests refused
+            # (the envelope's 400) until it is promoted to a dedicated deployment of its own.
+            got = self._on_owner(reg.id).prepare_adapter.remote(
+                source, reg.sha256, reg.expected_base_digest, reg.owner, False
+            )
             prepared: PreparedVersion = _ok(await got)
         row, created = await self._write(
             lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate, actor=actor)
@@ -275,6 +292,13 @@ class FleetAdmin:
 
     async def _delete(self, name: str, query: Mapping[str, str], actor: str) -> int:
         keys = self.registry.removable(name)
+        promotion = self.dedicated.get(parse_name(name)[0])
+        if promotion is not None and promotion.state != "failed" and promotion.key in keys:
+            raise ConflictError(
+                f"adapter {promotion.key!r} has a dedicated deployment ({promotion.state}); demote it first "
+                f"(POST /v1/adapters/{promotion.adapter_id}/demote)",
+                param="id",
+            )
 
         async def remove() -> None:
             await self._write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
@@ -322,6 +346,22 @@ class FleetAdmin:
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
         return _json((await self._describe([key]))[0])
 
+    async def promote(self, request: Request, name: str) -> Response:
+        """Start a dedicated deployment of ``name``'s version (``id``: its current one), merged
+        into the base and checked before it takes traffic: 202 with the adapter (``dedicated.state``
+        ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed`` and why). 409 when
+        the id has one already."""
+        key = await self._resolve(name)
+        self.dedicated.promote(key, self._actor(request))
+        return _json((await self._describe([key]))[0], status=202)
+
+    async def demote(self, request: Request, adapter_id: str) -> Response:
+        """Route the id back to the shared pool and delete its dedicated deployment; 409 unless it has one serving."""
+        if "@" in adapter_id or adapter_id not in self.registry.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        promotion = await self.dedicated.demote(adapter_id, self._actor(request))
+        return _json((await self._describe([promotion.key]))[0])
+
     async def audit(self, request: Request, _: str) -> Response:
         """``GET /v1/audit``: the fleet registry's trail, as ``lorapage serve`` answers it."""
         return _json(await audit_list(request.query_params, lambda q: asyncio.to_thread(self.registry.audit, q)))
@@ -332,6 +372,7 @@ class FleetAdmin:
             "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
             "draining_adapters": sorted(self.draining),
             "registry_generation": self.registry.generation,
+            "dedicated": {i: p.out() for i, p in sorted(self.dedicated.items())},
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
         return _json({"ingress": ingress, "replicas": replicas})

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from lorapage.flags import fail, parser
-from lorapage.fleet.config import INGRESS_CPUS, FleetConfig, replica_cpus_for
+from lorapage.fleet.config import INGRESS_CPUS, MERGED_APP_PREFIX, FleetConfig, replica_cpus_for
+from lorapage.fleet.dedicated_flags import add_dedicated_arguments, dedicated_config
 from lorapage.fleet.routing import ROUTERS
 from lorapage.fleet.start import START_TIMEOUT_S, StartError, run_app
 from lorapage.server.run import listen
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument(
         "--sync-period", type=float, default=1.0, help="seconds between replica heartbeats (registry, stats)"
     )
+    add_dedicated_arguments(p)
     return p
 
 
@@ -127,6 +129,7 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             max_body_bytes=args.max_body_bytes,
             slo_window_s=slo_window(args, PROG),
             access_log=_access_log_path(args),
+            dedicated=dedicated_config(args, PROG),
         )
     except ValueError as exc:
         fail(PROG, str(exc))
@@ -223,13 +226,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stop(address: str | None) -> None:
-    """Take the application down, and the local Ray with it (a joined cluster stays up)."""
+    """Take the application down, and the local Ray with it (a joined cluster stays up); the
+    promoted adapters' dedicated deployments (applications the ingress started) with it."""
     import ray
     from ray import serve
 
     from lorapage.fleet.app import APP_NAME
 
     serve.delete(APP_NAME)
+    for name in serve.status().applications:
+        if name.startswith(MERGED_APP_PREFIX):
+            serve.delete(name)
     if address is None:
         serve.shutdown()
         ray.shutdown()

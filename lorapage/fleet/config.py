@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
+from lorapage.fleet.promotion import DedicatedConfig
 from lorapage.server.slo import DEFAULT_WINDOW_S
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
 APP_NAME = "lorapage"
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "FleetIngress"
+MERGED_APP_PREFIX = f"{APP_NAME}-merged-"  # + adapter id: a promoted adapter's dedicated deployment (its own app)
 INGRESS_CPUS = 0.5
 MIN_REPLICA_CPUS = 0.1  # below this an engine replica's share of a core is no use
 
@@ -47,6 +49,7 @@ class FleetConfig:
     sync_period_s: float = 1.0  # replica heartbeats: registry changes, stats and series
     slo_window_s: float = DEFAULT_WINDOW_S  # each tenant's goodput and burn-rate window (--slo-window)
     access_log: str | None = None  # --access-log FILE (on the ingress's node) or "-" (its stdout); None: off
+    dedicated: DedicatedConfig = DedicatedConfig()  # merged deployments of promoted adapters (lorapage.fleet.dedicated)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

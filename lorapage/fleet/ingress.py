@@ -5,7 +5,9 @@ The checks run in the order and with the shared code of the aiohttp server (``lo
 auth, protocol, prompts, quotas, generation): API key (401), body size (413), JSON and fields
 (400), model visibility (404), prompt length (400), quota (429). Then the request goes to an engine
 replica through a deployment handle whose ``multiplexed_model_id`` is the adapter, so the
-deployment's request router (:mod:`lorapage.fleet.request_router`) routes it by adapter affinity.
+deployment's request router (:mod:`lorapage.fleet.request_router`) routes it by adapter affinity;
+a version promoted to a dedicated merged deployment goes there instead
+(:meth:`FleetIngress.engine_handle`, :mod:`lorapage.fleet.dedicated`).
 
 Quotas are fleet-wide because this deployment runs exactly one replica and holds every tenant's
 token buckets (a restart of it refills them, as a restart of ``lorapage serve`` does). It holds
@@ -62,7 +64,9 @@ from lorapage.errors import (
 )
 from lorapage.fleet.accounting import RequestAccounting, until_end
 from lorapage.fleet.admin import FleetAdmin
+from lorapage.fleet.auto_promote import AutoPromoter
 from lorapage.fleet.config import FleetConfig
+from lorapage.fleet.dedicated import DedicatedDeployments
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, ReplicaStart, SyncReply
 from lorapage.fleet.prewarm import PREWARMS
@@ -142,6 +146,9 @@ class FleetIngress:
         self._models: ModelsView | None = None
         self._modules_lock = asyncio.Lock()
         self._modules_registered = not config.lora_modules
+        # Promoted adapters' merged deployments (Serve applications of their own), and --auto-promote.
+        self.dedicated = DedicatedDeployments(config, self.registry)
+        self.auto = AutoPromoter(self.dedicated, config.dedicated.interval_s) if config.dedicated.auto else None
         self.admin = FleetAdmin(
             access=self.access,
             registry=self.registry,
@@ -152,6 +159,7 @@ class FleetIngress:
             draining=self.draining,
             adapter_roots=config.roots(),
             sync_period_s=config.sync_period_s,
+            dedicated=self.dedicated,
         )
         self._tool_format = detect_format(self.tokenizer.chat_template)
         self._routes: dict[str, dict[str, Handler]] = {  # path -> method -> handler
@@ -247,6 +255,9 @@ class FleetIngress:
     async def sync(self, beat: Heartbeat) -> SyncReply:
         """A replica's heartbeat: recorded, and answered with what it must mirror."""
         self.reports.record(beat)
+        self.dedicated.ensure_adopted()  # a restarted ingress takes over the merged deployments running
+        if self.auto is not None:  # heartbeats never stop: the rules are judged with traffic or without
+            self.auto.ensure_running()
         reply = self.registry.changes_since(beat.epoch, beat.generation, self.access.tenants.weights())
         prewarms = PREWARMS.take(beat.replica_id)
         return dataclasses.replace(reply, prewarms=prewarms) if prewarms else reply
@@ -399,7 +410,9 @@ class FleetIngress:
         # Only echoed: the engine's id is the job's own (a client's could name another tenant's request).
         return make_job(
             kind, parsed, model, adapter, tenant, prompts.ids, max_len, arrival, self.access, rid,
-            tools=prompts.tools, prompt_texts=prompts.texts, max_adapter_tokens=self.config.engine.max_adapter_tokens,
+            tools=prompts.tools, prompt_texts=prompts.texts,
+            # a version served merged is outside the shared pool's bound on adapter traffic
+            max_adapter_tokens=None if self.dedicated.route(adapter) else self.config.engine.max_adapter_tokens,
         )  # fmt: skip
 
     async def models(self) -> ModelsView:
@@ -522,6 +535,8 @@ class FleetIngress:
         self.in_flight[job.adapter] -= 1
         if not self.in_flight[job.adapter]:
             del self.in_flight[job.adapter]
+        if self.auto is not None:
+            self.auto.observe(job.adapter, job.generated)
 
     async def run(
         self, request: Request, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None
@@ -561,6 +576,15 @@ class FleetIngress:
             await events.aclose()
             self.release(job, reservation)
 
+    def engine_handle(self, adapter: str | None) -> Any:
+        """The deployment a request for version ``adapter`` goes to: the version's dedicated
+        (merged) deployment when it is promoted, else the engine replicas, routed by adapter id:
+        every version of an id shares its owners (a deploy lands where the previous version is warm)."""
+        merged = self.dedicated.route(adapter)
+        if merged is not None:
+            return merged
+        return self.engines.options(multiplexed_model_id=parse_name(adapter)[0] if adapter is not None else "")
+
     def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
         """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its
         own). One after another: Ray Serve gives the calls a request makes its own request id, and
@@ -573,14 +597,11 @@ class FleetIngress:
         always be resent."""
         prompt = job.prompts[i]
         spec = EngineJob(prompt, job.adapter, job.sampling, job.tenant, job.engine_ids()[i], job.prefix_group)
-        # Routed by adapter id: every version of an id shares its owners (a deploy lands where the
-        # previous version is warm).
-        adapter_id = parse_name(job.adapter)[0] if job.adapter is not None else ""
-        handle = self.engines.options(stream=True, multiplexed_model_id=adapter_id)
         counted = 0  # of this prompt's tokens, in job.prompt_computed
         for attempt in range(self.config.request_retries + 1):
             passed_on = False
-            stream = handle.generate.remote(spec)
+            # chosen again on a resend: the adapter may have been promoted or demoted meanwhile
+            stream = self.engine_handle(job.adapter).options(stream=True).generate.remote(spec)
             try:
                 async for item in stream:
                     if isinstance(item, ReplicaStart):

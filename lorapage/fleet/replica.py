@@ -32,7 +32,12 @@ from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
-from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.errors import (
+    AdapterEnvelopeError,
+    AdapterNotFoundError,
+    AdapterTokensOverSharedLimitError,
+    LorapageError,
+)
 from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.request import RequestOutput
@@ -86,7 +91,7 @@ class EngineReplica:
             key = await self._resolve(job.adapter) if job.adapter is not None else None
         except LorapageError as exc:
             yield ReplicaStart(self.replica_id)
-            yield exc
+            yield _in_fleet(exc, job.adapter)
             return
         yield ReplicaStart(self.replica_id, parse_name(key)[1] if key is not None else None)
         self.in_flight += 1
@@ -102,7 +107,7 @@ class EngineReplica:
             async for out in outputs:
                 yield out
         except LorapageError as exc:
-            yield exc
+            yield _in_fleet(exc, job.adapter)
         finally:
             self.in_flight -= 1
 
@@ -117,14 +122,20 @@ class EngineReplica:
     # -- admin work the ingress hands one replica -------------------------------------------------
 
     async def prepare_adapter(
-        self, source: str, sha256: str | None, expected_base_digest: str | None, owner: str | None = None
+        self,
+        source: str,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        owner: str | None = None,
+        envelope: bool = True,
     ) -> PreparedVersion | LorapageError:
         """Fetch and check an adapter for the fleet's registry, for ``owner`` (the error is
-        returned, not raised)."""
+        returned, not raised); ``envelope`` False: one outside the shared envelope too (tier
+        ``dedicated``, served once promoted)."""
         self._start_syncing()
         try:
             return await self.engine.admin.prepare(
-                source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
+                source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner, envelope=envelope
             )
         except LorapageError as exc:
             return exc
@@ -139,6 +150,8 @@ class EngineReplica:
     def _info(self, key: str) -> AdapterInfo | LorapageError:
         try:
             return self.engine.admin.info(key)
+        except AdapterEnvelopeError:  # tier dedicated: refused here, served by its dedicated deployment
+            return self.engine.admin.dedicated_info(key)
         except LorapageError as exc:
             return exc
 
@@ -271,3 +284,16 @@ class EngineReplica:
             except LorapageError:
                 pass
         return names
+
+
+def _in_fleet(exc: LorapageError, adapter: str | None) -> LorapageError:
+    """A refusal that sends an adapter to its dedicated tier (outside the envelope, or a long
+    generation) names how this fleet gives it one; any other refusal as it is."""
+    if adapter is None or not isinstance(exc, (AdapterEnvelopeError, AdapterTokensOverSharedLimitError)):
+        return exc
+    adapter_id = parse_name(adapter)[0]
+    return type(exc)(
+        f"{exc.message}. In this fleet an admin promotes it to a dedicated deployment: "
+        f"POST /v1/adapters/{adapter_id}/promote",
+        param=exc.param,
+    )

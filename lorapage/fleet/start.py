@@ -23,17 +23,26 @@ class StartError(RuntimeError):
     """The application did not start: why, in Ray's words."""
 
 
-def run_app(app: Any, needs: dict[str, dict[str, float]], timeout_s: float = START_TIMEOUT_S) -> Any:
+def run_app(
+    app: Any,
+    needs: dict[str, dict[str, float]],
+    timeout_s: float = START_TIMEOUT_S,
+    *,
+    name: str = APP_NAME,
+    route_prefix: str | None = "/",
+    timeout_flag: str = "--start-timeout",
+) -> Any:
     """``serve.run(app)`` under ``timeout_s``: the application's handle once every deployment runs;
     :class:`StartError` when one failed or the deadline passed (the caller then takes it down).
-    ``needs``: what one replica of each deployment reserves (``{"CPU": 1.0}``), for the message."""
+    ``needs``: what one replica of each deployment reserves (``{"CPU": 1.0}``), for the message.
+    ``name`` and ``route_prefix`` as ``serve.run``'s (a dedicated deployment: its own name, no HTTP route)."""
     from ray import serve
 
     result: dict[str, Any] = {}
 
     def deploy() -> None:
         try:
-            result["handle"] = serve.run(app, name=APP_NAME, route_prefix="/")
+            result["handle"] = serve.run(app, name=name, route_prefix=route_prefix)
         except Exception as exc:  # reported by the watching thread
             result["error"] = exc
 
@@ -42,23 +51,23 @@ def run_app(app: Any, needs: dict[str, dict[str, float]], timeout_s: float = STA
     deadline = time.monotonic() + timeout_s
     while thread.is_alive() and time.monotonic() < deadline:
         thread.join(_POLL_S)
-        if failed := _problems(serve.status(), failed_only=True):
+        if failed := _problems(serve.status(), name, failed_only=True):
             raise StartError(f"a deployment failed: {failed}")
     if "error" in result:
         raise StartError(f"Ray Serve refused the application: {result['error']}")
     if "handle" not in result:
         raise StartError(
-            f"not every deployment was running after {timeout_s:g}s (--start-timeout): "
-            f"{_problems(serve.status(), failed_only=False, needs=needs) or 'Ray gave no reason'}"
+            f"not every deployment was running after {timeout_s:g}s ({timeout_flag}): "
+            f"{_problems(serve.status(), name, failed_only=False, needs=needs) or 'Ray gave no reason'}"
         )
     return result["handle"]
 
 
-def _problems(status: Any, *, failed_only: bool, needs: dict[str, dict[str, float]] | None = None) -> str:
-    """What Ray says about each deployment of the application that is not healthy (only the
+def _problems(status: Any, name: str, *, failed_only: bool, needs: dict[str, dict[str, float]] | None = None) -> str:
+    """What Ray says about each deployment of application ``name`` that is not healthy (only the
     failed ones with ``failed_only``), with what one of its replicas needs against what the
     cluster has (``needs``), as one line."""
-    overview = status.applications.get(APP_NAME)
+    overview = status.applications.get(name)
     if overview is None:
         return ""
     parts = []

@@ -184,3 +184,18 @@ async def test_two_replicas_with_no_resource_flags_fit_a_two_cpu_ray(tmp_path: P
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_dedicated_tier_flags_reach_the_config_or_are_refused_before_ray_starts() -> None:
+    from lorapage.fleet.cli import build_parser, fleet_config
+    from lorapage.fleet.promotion import DedicatedConfig
+
+    assert fleet_config(build_parser().parse_args([]), 1.0, "").dedicated == DedicatedConfig()  # off, seed 001's 640
+    flags = ["--auto-promote", "--promote-tokens-per-s", "900", "--demote-tokens-per-s", "100", "--promote-after",
+             "30", "--demote-after", "120", "--max-dedicated", "2", "--dedicated-replicas", "2"]  # fmt: skip
+    dedicated = fleet_config(build_parser().parse_args(flags), 1.0, "").dedicated
+    assert dedicated.auto and dedicated.replicas == 2 and dedicated.rules.max_deployments == 2
+    assert (dedicated.rules.promote_tokens_per_s, dedicated.rules.demote_tokens_per_s) == (900.0, 100.0)
+    assert (dedicated.rules.promote_after_s, dedicated.rules.demote_after_s) == (30.0, 120.0)
+    code, out, err = await _run_fleet("--auto-promote", "--demote-tokens-per-s", "700", timeout_s=60)
+    assert code == 2 and "hysteresis" in err and "700" in err and "Traceback" not in err and "key" not in out

@@ -94,11 +94,11 @@ class DecayingCounts:
         count, at = value
         return count * math.exp(-self._rate * max(now - at, 0.0))
 
-    def add(self, key: str, now: float) -> None:
-        """One request for ``key`` at ``now``."""
-        self._keys[key] = (self._decayed(self._keys.get(key, (0.0, now)), now) + 1.0, now)
+    def add(self, key: str, now: float, weight: float = 1.0) -> None:
+        """One request (or ``weight``: tokens, say) for ``key`` at ``now``."""
+        self._keys[key] = (self._decayed(self._keys.get(key, (0.0, now)), now) + weight, now)
         self._keys.move_to_end(key)
-        self._total = (self._decayed(self._total, now) + 1.0, now)
+        self._total = (self._decayed(self._total, now) + weight, now)
         while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
 
@@ -109,6 +109,14 @@ class DecayingCounts:
 
     def total(self, now: float) -> float:
         return self._decayed(self._total, now)
+
+    def rate(self, key: str, now: float) -> float:
+        """``key``'s rate per second at ``now``: a steady rate ``r`` decays to a count of ``r / (ln 2 / half-life)``."""
+        return self.count(key, now) * self._rate
+
+    def keys(self) -> list[str]:
+        """The keys remembered, least recently counted first."""
+        return list(self._keys)
 
 
 class LoadAffinityRouter:

@@ -1,0 +1,75 @@
+"""``lorapage fleet``'s flags of the dedicated tier: merged deployments of promoted adapters,
+and the automatic promotion rules (:mod:`lorapage.fleet.promotion`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from lorapage.flags import fail
+from lorapage.fleet.promotion import DedicatedConfig, PromotionRules
+
+_RULES = PromotionRules()
+_DEFAULTS = DedicatedConfig()
+
+
+def add_dedicated_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags (defaults: the design's, seed 001's 640 tokens/s a replica)."""
+    group = p.add_argument_group("dedicated tier (adapters promoted to a deployment with their weights merged)")
+    group.add_argument(
+        "--dedicated-replicas",
+        type=int,
+        default=_DEFAULTS.replicas,
+        help="replicas of each dedicated deployment (each reserves --replica-cpus / --replica-gpus)",
+    )
+    group.add_argument(
+        "--dedicated-start-timeout",
+        type=float,
+        default=_DEFAULTS.start_timeout_s,
+        help="seconds a dedicated deployment gets to be placed, merged and checked; past it the promotion fails",
+    )
+    group.add_argument(
+        "--auto-promote",
+        action="store_true",
+        help="promote an adapter whose own output tokens/s stays >= --promote-tokens-per-s for --promote-after "
+        "seconds, and demote it once they stay < --demote-tokens-per-s for --demote-after seconds",
+    )
+    group.add_argument(
+        "--promote-tokens-per-s",
+        type=float,
+        default=_RULES.promote_tokens_per_s,
+        help="an adapter's own output tokens a second that fill a replica (seed 001: 32 rows / 50 ms = 640)",
+    )
+    group.add_argument(
+        "--demote-tokens-per-s",
+        type=float,
+        default=_RULES.demote_tokens_per_s,
+        help="below this (and below the promotion threshold: hysteresis) a promoted adapter goes back to the pool",
+    )
+    group.add_argument("--promote-after", type=float, default=_RULES.promote_after_s, help="seconds over, to promote")
+    group.add_argument("--demote-after", type=float, default=_RULES.demote_after_s, help="seconds under, to demote")
+    group.add_argument(
+        "--max-dedicated",
+        type=int,
+        default=_RULES.max_deployments,
+        help="dedicated deployments --auto-promote may hold at once (the admin route is not bounded by it)",
+    )
+
+
+def dedicated_config(args: argparse.Namespace, prog: str) -> DedicatedConfig:
+    """The dedicated tier the flags ask for; a bad value ends the command naming it."""
+    try:
+        rules = PromotionRules(
+            promote_tokens_per_s=args.promote_tokens_per_s,
+            demote_tokens_per_s=args.demote_tokens_per_s,
+            promote_after_s=args.promote_after,
+            demote_after_s=args.demote_after,
+            max_deployments=args.max_dedicated,
+        )
+        return DedicatedConfig(
+            replicas=args.dedicated_replicas,
+            auto=args.auto_promote,
+            rules=rules,
+            start_timeout_s=args.dedicated_start_timeout,
+        )
+    except ValueError as exc:
+        fail(prog, f"--auto-promote / --dedicated-*: {exc}")
