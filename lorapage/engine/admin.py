@@ -243,10 +243,21 @@ class AdapterAdmin:
         """Every adapter id with a version, servable here or not."""
         return self._catalog.ids()
 
-    def add_migrated_version(self, row: VersionRow) -> None:
-        """Show a version a base migration just stored (bound to the new base: listed, served once
-        this engine runs that base) in the live view."""
-        self._catalog.add_migrated(row)
+    def add_migrated_version(self, row: VersionRow, from_version: int | None = None) -> None:
+        """Show a version a base migration just stored (bound to the new base: listed here, served
+        by an engine on that base; by this one when it is its base, the alias at ``from_version``
+        then serving it) in the live view."""
+        self._catalog.add_migrated(row, from_version)
+
+    def row(self, name: str) -> VersionRow:
+        """The stored version ``name`` (``id``, ``id@N`` or ``id@channel``) names, on this base or
+        another (404 when there is none): where a front end serving several bases routes it."""
+        return self._catalog.row(name)
+
+    def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]:
+        """Every id with its owner, alias and stored versions, on every base (what an engine on
+        another base beside this one mirrors, :meth:`mirror`)."""
+        return self._catalog.stored()
 
     def owners(self) -> dict[str, str]:
         """The owner of each id that has one (registered with it; restored after a restart)."""

@@ -38,9 +38,10 @@ from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_che
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.access_log import AccessLog
-from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
+from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, STATE, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
+from lorapage.server.engines import side_config
 from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
 from lorapage.server.slo import DEFAULT_WINDOW_S
@@ -219,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish after SIGTERM before they are aborted",
     )
     add_merge_arguments(p)
+    p.add_argument(
+        "--base",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve this base model too, beside --model (repeatable): each base its own engine, with the same engine "
+        "flags (memory flags apply per engine); a request runs on the base its adapter version is bound to, or the "
+        "base its model names; --model stays the primary: its registry in --state-dir is the server's, and unbound "
+        "adapters (--allow-unbound) and --lora-modules are its",
+    )
     return p
 
 
@@ -466,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_adapter(name, path)
     except LorapageError as exc:
         fail(PROG, f"adapter {name!r}: {exc.message}")
+    bases = side_engines(args, config, roots, merge)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         if merge is not None:
             run_merge_check(runner, engine, merge, check_prompts, args.merge_check_tolerance)
@@ -479,18 +491,24 @@ def main(argv: list[str] | None = None) -> int:
                 ", ".join(unusable),
                 SHARED,
             )
-        app = create_app(
-            engine,
-            access,
-            max_body_bytes=args.max_body_bytes,
-            shutdown_grace_s=args.shutdown_timeout,
-            metrics_public=args.metrics_public,
-            edge=edge,
-            access_log=access_log,
-            slo_window_s=window,
-        )
+        try:
+            app = create_app(
+                engine,
+                access,
+                max_body_bytes=args.max_body_bytes,
+                shutdown_grace_s=args.shutdown_timeout,
+                metrics_public=args.metrics_public,
+                edge=edge,
+                access_log=access_log,
+                slo_window_s=window,
+                bases=bases,
+            )
+        except ValueError as exc:  # a --base that cannot serve beside --model
+            fail(PROG, f"--base: {exc}")
         if merge is None:
             print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
+            for side in bases:
+                print(f"lorapage: base model {side.base_name!r} beside it (sha256:{side.digest})")
         else:
             print(f"lorapage: dedicated deployment of adapter {merge!r}, merged into base model {engine.base_name!r}")
 
@@ -501,9 +519,25 @@ def main(argv: list[str] | None = None) -> int:
             if args.tenants:
                 reload_tenants(app, args.tenants)
 
-        runner.run(serve_until_signal(app, engine, sock, ready, on_reload=reload))
+        runner.run(serve_until_signal(app, app[STATE].engines, sock, ready, on_reload=reload))
     print("lorapage: stopped", flush=True)
     return 0
+
+
+def side_engines(
+    args: argparse.Namespace, config: EngineConfig, roots: AdapterRoots, merge: str | None
+) -> list[Engine]:
+    """The engines of ``--base``'s bases, beside the primary's ``config`` (the command ends naming
+    a directory that is no base, or a base that cannot serve beside the primary)."""
+    if args.base and merge is not None:
+        fail(PROG, "--merge serves one adapter on one base: it does not take --base")
+    bases = []
+    for model in args.base:
+        try:
+            bases.append(Engine(side_config(config, model), adapter_roots=roots))
+        except (OSError, ValueError) as exc:
+            fail(PROG, f"--base {model}: {exc}")
+    return bases
 
 
 def _loop_factory():

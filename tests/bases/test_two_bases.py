@@ -1,0 +1,165 @@
+"""Two bases side by side in one server (issue 31 item 2), over real HTTP on 127.0.0.1: each
+request runs on the engine of the base its adapter version is bound to, a version bound to a base
+not served is a 409 naming its digest, and a migration run while both bases serve moves the id's
+requests onto the new base's engine without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+from base_variants import far_base, near_base
+from server_harness import METRICS_KEY, assert_openai_error, make_engine, make_roots, running_server
+
+from lorapage import Engine, EngineConfig
+from lorapage.adapters.registry import REGISTRY_FILE, Registry
+from lorapage.model.loader import model_digest
+from lorapage.sampling_params import SamplingParams
+from lorapage.server.app import STATE
+from lorapage.server.engines import ServedBase, followed, route_base, side_config
+from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
+
+PROMPTS = ["Hello", "How are you?", "Tell me about the weather."]
+GREEDY = {"max_tokens": 40, "temperature": 0}
+UNSERVED = "ab" * 32  # a base no engine here runs
+
+
+def test_the_routing_rule():
+    a, b = ServedBase("a", "1" * 64), ServedBase("b", "2" * 64)
+    served = [a, b]
+    assert route_base(served, version_base=b.digest) is b
+    assert route_base(served, version_base=UNSERVED) is None  # the caller answers 409
+    assert route_base(served, model="b") is b and route_base(served, model="b:x") is a
+    assert route_base(served) is a  # unbound, the base model by another name: the primary
+    migrations = {"x@1": "x@2"}
+    assert followed("x", "x@1", migrations) == "x@2" and followed("x@prod", "x@1", migrations) == "x@2"
+    assert followed("x@1", "x@1", migrations) == "x@1"  # a version named explicitly stays where it is
+
+
+@pytest.fixture(scope="module")
+def near(tmp_path_factory):
+    return near_base(tmp_path_factory.mktemp("bases") / "near")
+
+
+@pytest.fixture(scope="module")
+def far(tmp_path_factory):
+    return far_base(tmp_path_factory.mktemp("bases") / "far")
+
+
+@pytest.fixture
+def adapter_root(tmp_path):
+    root = tmp_path / "adapters"
+    root.mkdir()
+    for name in DEMO_MARKERS:
+        shutil.copytree(demo_adapter_dirs()[name], root / name)
+    return root
+
+
+async def _reference(base, adapter_dir, prompt: str) -> str:
+    """Greedy text of ``adapter_dir`` on a single-base engine of ``base`` (in memory)."""
+    engine = Engine(EngineConfig(model=str(base)))
+    try:
+        engine.add_adapter("ref", adapter_dir, expected_base_digest=model_digest(base))
+        out = await engine.run_to_end(prompt, "ref", SamplingParams(max_tokens=GREEDY["max_tokens"], temperature=0.0))
+        return out.text
+    finally:
+        await engine.close()
+
+
+def _served_on(engine: Engine, key: str) -> bool:
+    """Whether ``engine`` computed tokens for adapter version ``key`` (its usage ledger)."""
+    return any(adapter == key and use.output_tokens for (_, _, adapter), use in engine.usage_rows())
+
+
+async def _completion(srv, model: str, tenant: str = "alpha", prompt: str = "Hi"):
+    return await srv.post("/v1/completions", {"model": model, "prompt": prompt, **GREEDY}, tenant=tenant)
+
+
+async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(near, far, adapter_root, tmp_path):
+    near_digest = model_digest(near)
+    state_dir = tmp_path / "state"
+    # Registered before the server starts, by an engine on each base: one adapter trained on the
+    # near base (beta's), one on the far base (alpha's), which this server will not run.
+    before = Engine(EngineConfig(model=str(far), state_dir=str(state_dir)))
+    before.add_adapter("cust-far", adapter_root / "initech", owner="alpha", expected_base_digest=model_digest(far))
+    await before.close()
+    before = Engine(EngineConfig(model=str(near), state_dir=str(state_dir)))
+    before.add_adapter("cust-b", adapter_root / "globex", owner="beta", expected_base_digest=near_digest)
+    await before.close()
+    registry = Registry(state_dir / REGISTRY_FILE)
+    registry.add_version(
+        "cust-gone", "alpha", digest="d" * 64, source="file:///nowhere", base_digest=UNSERVED, spec="{}", activate=True
+    )
+    registry.close()
+
+    primary = make_engine(make_roots(adapter_root), state_dir=str(state_dir))
+    side = Engine(side_config(primary.config, str(near)), adapter_roots=make_roots(adapter_root))
+    reference_b = await _reference(near, adapter_root / "globex", "Hi")
+    async with running_server(primary, bases=[side]) as srv:
+        # An adapter bound to the primary base, registered over HTTP while both serve.
+        body = {"id": "cust-a", "tenant": "alpha", "source": str(adapter_root / "acme"), "check_prompts": PROMPTS}
+        status, got, _ = await srv.post("/v1/adapters", body, headers=srv.admin())
+        assert status == 201, got
+
+        # Each adapter on its own base's engine, answering what a single-base engine of that base answers.
+        status, got, headers = await _completion(srv, "cust-a")
+        assert status == 200 and headers["x-adapter-version"] == "1", got
+        assert got["choices"][0]["text"] == DEMO_MARKERS["acme"]
+        status, got, headers = await _completion(srv, "cust-b", tenant="beta")
+        assert status == 200 and headers["x-adapter-version"] == "1", got
+        assert got["choices"][0]["text"] == reference_b
+        assert _served_on(primary, "cust-a@1") and not _served_on(side, "cust-a@1")
+        assert _served_on(side, "cust-b@1") and not _served_on(primary, "cust-b@1")
+        # The base models by name, and a streamed request on the side base.
+        status, got, _ = await _completion(srv, "near", tenant="gamma")
+        assert status == 200 and got["model"] == "near", got
+        status, got, _ = await srv.post(
+            "/v1/chat/completions",
+            {"model": "near:cust-b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            tenant="beta",
+        )
+        assert status == 200 and got["model"] == "cust-b", got
+
+        # A version bound to a base no engine here runs: 409, naming its digest and the bases served.
+        for name in ("cust-far", "cust-gone"):
+            status, got, _ = await _completion(srv, name)
+            assert status == 409 and got["error"]["code"] == "adapter_base_mismatch", got
+            assert_openai_error(got, 409, "model")
+            assert f"sha256:{near_digest}" in got["error"]["message"]
+        assert f"sha256:{UNSERVED}" in (await _completion(srv, "cust-gone"))[1]["error"]["message"]
+
+        # /v1/models lists both bases, each adapter under the base it runs on; /metrics has a series per base.
+        status, models, _ = await srv.request("GET", "/v1/models", srv.auth("beta"))
+        parents = {m["id"]: m.get("parent") for m in models["data"]}
+        assert parents["cust-b"] == "near" and parents["initech"] == TINY_BASE_DIR.name, parents
+        assert {TINY_BASE_DIR.name, "near"} <= set(parents) and "cust-far" not in parents
+        status, text, _ = await srv.request("GET", "/metrics", {"Authorization": f"Bearer {METRICS_KEY}"})
+        assert f'lorapage_base_info{{base="near",digest="sha256:{near_digest}"}} 1.0' in text
+        assert 'lorapage_base_registered_adapters{base="near"}' in text
+
+        # Validate toward the near base and migrate, while both serve: the id's requests move to the near engine.
+        status, got, _ = await srv.request(
+            "POST", f"/v1/bases/{near_digest}/validate", srv.admin(), {"model": str(near), "adapters": ["cust-a"]}
+        )
+        assert status == 202, got
+        for _ in range(600):
+            status, report, _ = await srv.request("GET", f"/v1/bases/{near_digest}/validate", srv.admin())
+            if report["job"]["status"] != "running":
+                break
+            await asyncio.sleep(0.1)
+        assert {r["id"]: r["state"] for r in report["adapters"]} == {"cust-a": "passed"}, report
+        status, got, _ = await srv.request("POST", f"/v1/bases/{near_digest}/migrate", srv.admin())
+        assert status == 200 and got["migrated"] == [{"id": "cust-a", "from_version": 1, "version": 2}], got
+        status, got, headers = await _completion(srv, "cust-a")
+        assert status == 200 and headers["x-adapter-version"] == "2", got
+        assert got["choices"][0]["text"] == await _reference(near, adapter_root / "acme", "Hi")
+        assert _served_on(side, "cust-a@2") and not _served_on(primary, "cust-a@2")
+        # The old version, named explicitly, still runs on the old base.
+        status, got, headers = await _completion(srv, "cust-a@1")
+        assert status == 200 and headers["x-adapter-version"] == "1", got
+        status, models, _ = await srv.request("GET", "/v1/models", srv.auth("alpha"))
+        assert {m["id"]: m.get("parent") for m in models["data"]}["cust-a"] == "near"
+        assert srv.app[STATE].engines.resolve("cust-a") == "cust-a@2"
+    await side.close()
+    await primary.close()
