@@ -147,6 +147,21 @@ class AdapterAdmin:
             projected_cost_pct=self._cache.envelope.cost(spec.ranks).projected_cost_pct,
         )
 
+    async def add_prepared(
+        self,
+        name: str,
+        prepared: PreparedVersion,
+        *,
+        owner: str | None = None,
+        activate: bool = True,
+        actor: str | None = None,
+    ) -> tuple[VersionInfo, bool]:
+        """Commit (audited as ``actor``'s) a version of ``name`` that an engine on another base
+        prepared (:meth:`prepare`), bound to that base: listed here, served by that engine (a server
+        running both bases, :mod:`lorapage.server.engines`). Returns it and whether it is new."""
+        self._check_open()
+        return await self._catalog.add_prepared(name, prepared, owner=owner, activate=activate, actor=actor)
+
     async def _source(self, source: str | Path, sha256: str | None, owner: str | None) -> Source:
         """``source`` parsed for a version of ``owner`` (off the loop: a directory is looked at)."""
         src = await asyncio.to_thread(parse_source, str(source), sha256=sha256, roots=self.roots, owner=owner)

@@ -91,13 +91,14 @@ class AdminRoutes:
 
     def _describe(self, state: RouteState, name: str) -> AdapterOut:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
-        info = state.engine.admin.info(name)
+        engine, name = state.engines.serving(name)  # the engine of the base it runs on
+        info = engine.admin.info(name)
         versions = state.engine.admin.versions(info.adapter_id)
         current = next((v.version for v in versions if v.current), None)
         return AdapterOut(
             id=info.adapter_id,
             owner=state.access.owners.get(info.adapter_id),
-            parent=state.engine.base_name,
+            parent=engine.base_name,
             path=info.path,
             rank=info.rank,
             target_modules=list(info.target_modules),
@@ -110,7 +111,7 @@ class AdminRoutes:
             current=current,
             digest=info.digest,
             source=info.source,
-            base_digest=state.engine.digest,
+            base_digest=engine.digest,
             versions=[v.version for v in versions],
             traffic_tier=info.traffic_tier,
             kept_hot=info.kept_hot,
@@ -133,7 +134,7 @@ class AdminRoutes:
     async def _register(self, state: RouteState, reg: Registration, actor: str) -> AdapterInfo:
         with source_errors(reg):
             source = await checked_source(reg, state.engine.admin.roots, state.access)
-            info = await state.engine.admin.register(
+            info = await state.engines.register(
                 reg.id,
                 source,
                 owner=reg.owner,

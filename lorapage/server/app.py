@@ -151,7 +151,7 @@ class ServerState:
         if self.engines.several:
             self._bases_of.clear()
             self._bases_of.update(
-                {i: base for i, (key, base) in self.engines.serving().items() if key not in self.draining}
+                {i: base for i, (key, base) in self.engines.served_ids().items() if key not in self.draining}
             )
             return list(self._bases_of)
         versions = self.engine.admin.versions()

@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorapage.adapters.binding import migration_route, shown_digest
+from lorapage.adapters.digest import digest_param
 from lorapage.adapters.drift_state import MIGRATED
 from lorapage.adapters.registry import VersionRow, parse_name, version_key
 from lorapage.config import EngineConfig
 from lorapage.errors import AdapterBaseMismatchError, LorapageError
 
 if TYPE_CHECKING:
+    from lorapage.adapters.cache import AdapterInfo
     from lorapage.engine import Engine
 
 log = logging.getLogger("lorapage.server")
@@ -123,7 +125,7 @@ class Engines:
             raise AdapterBaseMismatchError(unserved_message(key, bound, self.bases), param="model")
         return self.engine_of(base).admin.resolve(key)
 
-    def serving(self) -> dict[str, tuple[str, str]]:
+    def served_ids(self) -> dict[str, tuple[str, str]]:
         """Each adapter id that serves a version now -> (that version's key, the name of the base it runs on)."""
         out = {}
         for adapter_id in self.primary.admin.ids():
@@ -164,6 +166,56 @@ class Engines:
             if m.state == MIGRATED and m.new_version is not None and m.target in served:
                 out[version_key(m.adapter_id, m.version)] = version_key(m.adapter_id, m.new_version)
         return out
+
+    async def register(
+        self,
+        name: str,
+        source: str,
+        *,
+        owner: str | None,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        activate: bool,
+        actor: str | None,
+    ) -> AdapterInfo:
+        """A registration (``POST /v1/adapters``): on the primary, unless ``expected_base_digest``
+        names another base served here; then that base's engine fetches and checks it, the
+        primary's registry stores it, and that engine serves it. (An adapter for another base is
+        bound by its ``expected_base_digest``: its metadata is read by the primary's rule.)"""
+        side = self._side(expected_base_digest)
+        if side is None:
+            return await self.primary.admin.register(
+                name,
+                source,
+                owner=owner,
+                sha256=sha256,
+                expected_base_digest=expected_base_digest,
+                activate=activate,
+                actor=actor,
+            )
+        prepared = await side.admin.prepare(
+            source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
+        )
+        version, created = await self.primary.admin.add_prepared(
+            name, prepared, owner=owner, activate=activate, actor=actor
+        )
+        self.sync()
+        return dataclasses.replace(side.admin.info(version.key), created=created)
+
+    def _side(self, expected_base_digest: str | None) -> Engine | None:
+        """The engine of another base served here that ``expected_base_digest`` names (None: the primary's job)."""
+        if not self.several or expected_base_digest is None:
+            return None
+        digest = digest_param(expected_base_digest, "expected_base_digest")
+        return None if digest == self.primary.digest else self._by_digest.get(digest)
+
+    def serving(self, name: str) -> tuple[Engine, str]:
+        """The engine that serves ``name`` and the name to ask it for (the version key on another
+        base than the primary's); the refusals of :meth:`resolve`."""
+        if not self.several:
+            return self.primary, name
+        key = self.resolve(name)
+        return self.engine_for(key, ""), key
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
         for engine in self.engines:

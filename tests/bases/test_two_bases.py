@@ -102,6 +102,24 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         status, got, _ = await srv.post("/v1/adapters", body, headers=srv.admin())
         assert status == 201, got
 
+        # One trained on the side base, registered over HTTP: that base's engine checks and serves it.
+        body = {"id": "cust-b2", "tenant": "beta", "source": str(adapter_root / "globex")}
+        status, got, _ = await srv.post(
+            "/v1/adapters", {**body, "expected_base_digest": f"sha256:{near_digest}"}, headers=srv.admin()
+        )
+        assert status == 201 and (got["parent"], got["base_digest"], got["version"]) == ("near", near_digest, 1), got
+        status, again, _ = await srv.post(
+            "/v1/adapters", {**body, "expected_base_digest": near_digest}, headers=srv.admin()
+        )
+        assert status == 200 and again["version"] == 1, again  # the same content: the same version
+        status, got, _ = await srv.post(
+            "/v1/adapters", {**body, "id": "cust-x", "expected_base_digest": UNSERVED}, headers=srv.admin()
+        )
+        assert status == 409 and got["error"]["code"] == "adapter_base_mismatch", got
+        status, got, headers = await _completion(srv, "cust-b2", tenant="beta")
+        assert status == 200 and got["choices"][0]["text"] == reference_b, got
+        assert _served_on(side, "cust-b2@1") and not _served_on(primary, "cust-b2@1")
+
         # Each adapter on its own base's engine, answering what a single-base engine of that base answers.
         status, got, headers = await _completion(srv, "cust-a")
         assert status == 200 and headers["x-adapter-version"] == "1", got
