@@ -348,15 +348,15 @@ def engine_config(args: argparse.Namespace, prog: str = PROG) -> EngineConfig:
     return config
 
 
-def check_model_dir(model: str, prog: str = PROG) -> None:
-    """End ``prog`` with one line when ``model`` is no readable Hugging Face model directory."""
+def check_model_dir(model: str, prog: str = PROG, flag: str = "--model") -> None:
+    """End ``prog`` with one line (naming ``flag``) when ``model`` is no readable Hugging Face model directory."""
     config = Path(model) / "config.json"
     try:
         with config.open("rb"):
             pass
     except OSError as exc:
         reason = "no such directory" if not Path(model).is_dir() else f"cannot read config.json ({exc.strerror})"
-        fail(prog, f"--model {model}: {reason}; expected a Hugging Face model directory (config.json, *.safetensors)")
+        fail(prog, f"{flag} {model}: {reason}; expected a Hugging Face model directory (config.json, *.safetensors)")
 
 
 def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
@@ -449,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
+    check_bases(args, merge)
     if merge is not None:  # the adapter is registered only to check the merge against: no envelope
         config = dataclasses.replace(config, shared_envelope="", shared_max_cost_pct=None)
     access_log = open_access_log(args)
@@ -524,13 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_bases(args: argparse.Namespace, merge: str | None) -> None:
+    """``--base`` checked before any model loads: model directories, and not beside ``--merge``."""
+    if args.base and merge is not None:
+        fail(PROG, "--merge serves one adapter on one base: it does not take --base")
+    for model in args.base:
+        check_model_dir(model, flag="--base")
+
+
 def side_engines(
     args: argparse.Namespace, config: EngineConfig, roots: AdapterRoots, merge: str | None
 ) -> list[Engine]:
     """The engines of ``--base``'s bases, beside the primary's ``config`` (the command ends naming
     a directory that is no base, or a base that cannot serve beside the primary)."""
-    if args.base and merge is not None:
-        fail(PROG, "--merge serves one adapter on one base: it does not take --base")
     bases = []
     for model in args.base:
         try:

@@ -6,8 +6,10 @@ requests onto the new base's engine without a restart."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 
+import aiohttp
 import pytest
 from base_variants import far_base, near_base
 from server_harness import METRICS_KEY, assert_openai_error, make_engine, make_roots, running_server
@@ -18,6 +20,7 @@ from lorapage.model.loader import model_digest
 from lorapage.sampling_params import SamplingParams
 from lorapage.server.app import STATE
 from lorapage.server.engines import ServedBase, followed, route_base, side_config
+from lorapage.server.serve_process import run_serve, start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPTS = ["Hello", "How are you?", "Tell me about the weather."]
@@ -181,3 +184,24 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         assert srv.app[STATE].engines.resolve("cust-a") == "cust-a@2"
     await side.close()
     await primary.close()
+
+
+async def test_serve_takes_base_flags(near, tmp_path):
+    """``lorapage serve --base DIR``: both bases listed and answered; a bad one is one line naming the flag."""
+    with start_serve("--base", str(near), "--state-dir", str(tmp_path / "state"), under=tmp_path) as served:
+        assert "base model 'near' beside it" in served.output()
+        key = re.search(r"demo tenant key: (\S+)", served.output()).group(1)
+        headers = {"Authorization": f"Bearer {key}"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.get(served.url + "/v1/models", headers=headers) as resp:
+                ids = {m["id"] for m in (await resp.json())["data"]}
+            assert {TINY_BASE_DIR.name, "near", "acme"} <= ids
+            body = {"model": "near", "prompt": "Hi", "max_tokens": 4}
+            async with session.post(served.url + "/v1/completions", json=body, headers=headers) as resp:
+                assert resp.status == 200 and (await resp.json())["model"] == "near"
+        assert served.stop(30) == 0
+    for args in (["--base", str(tmp_path / "absent")], ["--merge", "acme", "--base", str(near)]):
+        done = run_serve(*args)
+        err = done.stderr
+        assert done.returncode == 2 and "--base" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
