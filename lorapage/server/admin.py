@@ -304,7 +304,10 @@ class AdminRoutes:
             "draining_adapters": sorted(state.draining),
             "closing": state.closing,
         }
-        return _json({"engine": state.engine.stats(), "server": server})
+        body: dict[str, Any] = {"engine": state.engine.stats(), "server": server}
+        if state.engines.several:  # every base's engine, the primary's included
+            body["bases"] = {e.base_name: e.stats() for e in state.engines.engines}
+        return _json(body)
 
 
 def _known_id(state: RouteState, adapter_id: str) -> str:

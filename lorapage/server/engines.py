@@ -149,15 +149,19 @@ class Engines:
         stored = {i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.stored()}
         changed = [i for i, state in stored.items() if self._mirrored.get(i) != state]
         gone = [i for i in self._mirrored if i not in stored]
+        busy = set()
         for engine in self.engines[1:]:
             for adapter_id in changed:
                 owner, current, rows = stored[adapter_id]
-                _mirror(engine, adapter_id, owner, current, list(rows))
+                if _mirror(engine, adapter_id, owner, current, list(rows)):
+                    busy.add(adapter_id)
             for adapter_id in gone:
-                _mirror(engine, adapter_id, None, None, [])
-        self._mirrored = stored
+                if _mirror(engine, adapter_id, None, None, []):
+                    busy.add(adapter_id)
+        # An id whose dropped version still had requests is mirrored again at the next call.
+        self._mirrored = {i: state for i, state in stored.items() if i not in busy}
         self.migrations = self._served_migrations()
-        self._synced = generation
+        self._synced = -1 if busy else generation
 
     def _served_migrations(self) -> dict[str, str]:
         served = {b.digest for b in self.bases}
@@ -244,10 +248,12 @@ def side_config(config: EngineConfig, model: str) -> EngineConfig:
     )
 
 
-def _mirror(engine: Engine, adapter_id: str, owner: str | None, current: int | None, rows: list[VersionRow]) -> None:
+def _mirror(engine: Engine, adapter_id: str, owner: str | None, current: int | None, rows: list[VersionRow]) -> bool:
+    """Mirror one id into ``engine``; True when a version to drop still has requests there (kept for now)."""
     busy = engine.admin.mirror(adapter_id, owner, current, rows)
-    if busy:  # kept until their requests end; the next change mirrors the id again
+    if busy:
         log.info("base %s keeps %s until its requests end", engine.base_name, ", ".join(busy))
+    return bool(busy)
 
 
 def _check_side_by_side(engines: Sequence[Engine], bases: Sequence[ServedBase]) -> None:
