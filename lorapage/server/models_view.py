@@ -77,6 +77,10 @@ class ModelsView:
         self._shared_set: frozenset[str] = frozenset()
         self._bodies: OrderedDict[str, bytes] = OrderedDict()
 
+    def card_named(self, name: str | None) -> BaseCard:
+        """The card of the base named ``name`` (None, or a name not served: the first base's)."""
+        return self._cards.get(name, self.card) if name is not None else self.card
+
     def body(self, tenant: str) -> bytes:
         """The encoded model list for ``tenant``."""
         self._refresh()
