@@ -83,9 +83,11 @@ class Engines:
     def __init__(self, engines: Sequence[Engine]) -> None:
         self.primary = engines[0]
         self.engines = list(engines)
-        self.bases = [ServedBase(e.base_name, e.digest) for e in engines]
-        self._by_digest = {b.digest: e for b, e in zip(self.bases, engines, strict=True)}
-        _check_side_by_side(self.engines, self.bases)
+        # Digests hash the weights: with one base, nothing here needs it (the catalog asks when it must).
+        self.bases = [ServedBase(e.base_name, e.digest) for e in engines] if len(engines) > 1 else []
+        self._by_digest = {b.digest: e for b, e in zip(self.bases, engines, strict=False)}
+        if self.several:
+            _check_side_by_side(self.engines, self.bases)
         self._synced = -1  # the primary's catalog generation last mirrored
         self._mirrored: dict[str, tuple] = {}  # id -> (owner, current, rows) as last mirrored
         self.migrations: dict[str, str] = {}  # version key -> its migration onto a served base (another key)
