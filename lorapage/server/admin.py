@@ -272,13 +272,13 @@ class AdminRoutes:
 
     async def load(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
-        adapter = request.match_info["id"]
+        adapter = state.engines.on_primary(request.match_info["id"], "load")
         await state.engine.admin.load(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def unload(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
-        adapter = request.match_info["id"]
+        adapter = state.engines.on_primary(request.match_info["id"], "unload")
         await state.engine.admin.unload(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
@@ -287,13 +287,13 @@ class AdminRoutes:
         evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
         pins would pass ``--max-pinned-fraction`` of the pool."""
         state, actor = self._admin(request)
-        info = await state.engine.admin.pin(request.match_info["id"], actor=actor)
+        info = await state.engine.admin.pin(state.engines.on_primary(request.match_info["id"], "pin"), actor=actor)
         return _json(self._describe(state, info.name))
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Undo a pin: the version stays resident, evictable again."""
         state, actor = self._admin(request)
-        info = await state.engine.admin.unpin(request.match_info["id"], actor=actor)
+        info = await state.engine.admin.unpin(state.engines.on_primary(request.match_info["id"], "unpin"), actor=actor)
         return _json(self._describe(state, info.name))
 
     async def internal_state(self, request: web.Request) -> web.Response:

@@ -374,12 +374,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count answers by route and status (the route's pattern, so the label set stays small), and
-    judge a generation request's against its tenant's SLOs."""
+    """Count answers by route and status (the route's pattern, so the label set stays small),
+    judge a generation request's against its tenant's SLOs, and mirror what an admin route
+    changed into the other bases' engines."""
     response = await handler(request)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
     state = request.app[STATE]
+    state.engines.sync()  # an admin change reaches the other bases' engines now (one comparison when none)
     state.metrics.requests.labels(route, str(response.status)).inc()
     job = request.get(JOB)
     if job is not None:
@@ -404,8 +406,9 @@ async def _drain_on_shutdown(app: web.Application) -> None:
 
 
 async def _restore_pins(app: web.Application) -> None:
-    """Adapters pinned before a restart load now, not at the first request."""
-    await app[STATE].engine.admin.restore_pins()
+    """Adapters pinned before a restart load now, not at the first request (on every base's engine)."""
+    for engine in app[STATE].engines.engines:
+        await engine.admin.restore_pins()
 
 
 async def _start_loop_lag(app: web.Application) -> None:

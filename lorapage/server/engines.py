@@ -34,7 +34,7 @@ from lorapage.adapters.digest import digest_param
 from lorapage.adapters.drift_state import MIGRATED
 from lorapage.adapters.registry import VersionRow, parse_name, version_key
 from lorapage.config import EngineConfig
-from lorapage.errors import AdapterBaseMismatchError, LorapageError
+from lorapage.errors import AdapterBaseMismatchError, ConflictError, LorapageError
 
 if TYPE_CHECKING:
     from lorapage.adapters.cache import AdapterInfo
@@ -222,6 +222,21 @@ class Engines:
             return self.primary, name
         key = self.resolve(name)
         return self.engine_for(key, ""), key
+
+    def on_primary(self, name: str, action: str) -> str:
+        """``name`` when it runs on the primary base (or is refused by it); 409 when it runs on
+        another base served here, where ``action`` (pin, load...) does not reach yet: its durable
+        state is the primary's registry, its residency the other engine's."""
+        if not self.several:
+            return name
+        engine, key = self.serving(name)
+        if engine is self.primary:
+            return name
+        raise ConflictError(
+            f"adapter {key} runs on base {engine.base_name!r} (sha256:{engine.digest}), served beside the primary "
+            f"base {self.primary.base_name!r}: {action} acts on the primary base's versions only",
+            param="id",
+        )
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
         for engine in self.engines:

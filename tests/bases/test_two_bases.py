@@ -122,6 +122,15 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         status, got, headers = await _completion(srv, "cust-b2", tenant="beta")
         assert status == 200 and got["choices"][0]["text"] == reference_b, got
         assert _served_on(side, "cust-b2@1") and not _served_on(primary, "cust-b2@1")
+        # Pins act on the primary base's versions; another base's is a 409 saying so.
+        status, got, _ = await srv.request("PUT", "/v1/adapters/cust-b2/pin", srv.admin())
+        assert status == 409 and "runs on base 'near'" in got["error"]["message"], got
+        assert (await srv.request("PUT", "/v1/adapters/acme/pin", srv.admin()))[0] == 200
+        # A delete reaches the side engine: the version is gone there too.
+        status, got, _ = await srv.request("DELETE", "/v1/adapters/cust-b2", srv.admin())
+        assert status == 200, got
+        assert (await _completion(srv, "cust-b2", tenant="beta"))[0] == 404
+        assert "cust-b2" not in side.admin.ids()
 
         # Each adapter on its own base's engine, answering what a single-base engine of that base answers.
         status, got, headers = await _completion(srv, "cust-a")
@@ -159,7 +168,7 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         assert f'lorapage_base_info{{base="near",digest="sha256:{near_digest}"}} 1.0' in text
         assert 'lorapage_base_registered_adapters{base="near"}' in text
         status, got, _ = await srv.request("GET", "/internal/state", srv.admin())
-        assert set(got["bases"]) == {TINY_BASE_DIR.name, "near"} and got["bases"]["near"]["registered_adapters"] >= 2
+        assert set(got["bases"]) == {TINY_BASE_DIR.name, "near"} and got["bases"]["near"]["registered_adapters"] == 1
 
         # Validate toward the near base and migrate, while both serve: the id's requests move to the near engine.
         status, got, _ = await srv.request(
