@@ -162,6 +162,15 @@ class AdapterAdmin:
         self._check_open()
         return await self._catalog.add_prepared(name, prepared, owner=owner, activate=activate, actor=actor)
 
+    async def register_checked(self, name: str, path: Path, *, expected_base_digest: str) -> AdapterInfo:
+        """Register the files of a version the caller opened and verified already (a stored
+        version's, :meth:`version_files`), as trained on this base (``expected_base_digest``, which
+        must be its digest): no source is parsed and no root applies. What a base upgrade's check
+        does on an engine already serving the new base; :meth:`remove` it afterwards."""
+        self._check_open()
+        version, _ = await self._catalog.register(name, path, expected_base_digest=expected_base_digest)
+        return self.info(version.key)
+
     async def _source(self, source: str | Path, sha256: str | None, owner: str | None) -> Source:
         """``source`` parsed for a version of ``owner`` (off the loop: a directory is looked at)."""
         src = await asyncio.to_thread(parse_source, str(source), sha256=sha256, roots=self.roots, owner=owner)

@@ -223,6 +223,11 @@ class Engines:
         key = self.resolve(name)
         return self.engine_for(key, ""), key
 
+    def side_engine(self, digest: str) -> Engine | None:
+        """The engine of base ``digest`` when it is served here beside the primary (None otherwise)."""
+        engine = self._by_digest.get(digest) if self.several else None
+        return engine if engine is not self.primary else None
+
     def on_primary(self, name: str, action: str) -> str:
         """``name`` when it runs on the primary base (or is refused by it); 409 when it runs on
         another base served here, where ``action`` (pin, load...) does not reach yet: its durable

@@ -171,8 +171,13 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         assert set(got["bases"]) == {TINY_BASE_DIR.name, "near"} and got["bases"]["near"]["registered_adapters"] == 1
 
         # Validate toward the near base and migrate, while both serve: the id's requests move to the near engine.
+        # The check runs on the engine already serving the near base (no directory given, none loaded).
         status, got, _ = await srv.request(
-            "POST", f"/v1/bases/{near_digest}/validate", srv.admin(), {"model": str(near), "adapters": ["cust-a"]}
+            "POST", f"/v1/bases/{UNSERVED}/validate", srv.admin(), {"adapters": ["cust-a"]}
+        )
+        assert status == 400 and got["error"]["param"] == "model", got  # a base not served needs its directory
+        status, got, _ = await srv.request(
+            "POST", f"/v1/bases/{near_digest}/validate", srv.admin(), {"adapters": ["cust-a"]}
         )
         assert status == 202, got
         for _ in range(600):
@@ -181,6 +186,8 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
                 break
             await asyncio.sleep(0.1)
         assert {r["id"]: r["state"] for r in report["adapters"]} == {"cust-a": "passed"}, report
+        checked = f"check-{report['job']['id']}-cust-a@1"
+        assert _served_on(side, checked) and checked.partition("@")[0] not in side.admin.ids()
         status, got, _ = await srv.request("POST", f"/v1/bases/{near_digest}/migrate", srv.admin())
         assert status == 200 and got["migrated"] == [{"id": "cust-a", "from_version": 1, "version": 2}], got
         status, got, headers = await _completion(srv, "cust-a")
