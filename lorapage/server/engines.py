@@ -34,7 +34,7 @@ from lorapage.adapters.digest import digest_param
 from lorapage.adapters.drift_state import MIGRATED
 from lorapage.adapters.registry import VersionRow, parse_name, version_key
 from lorapage.config import EngineConfig
-from lorapage.errors import AdapterBaseMismatchError, ConflictError, LorapageError
+from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError, ConflictError, LorapageError
 
 if TYPE_CHECKING:
     from lorapage.adapters.cache import AdapterInfo
@@ -184,12 +184,16 @@ class Engines:
         activate: bool,
         actor: str | None,
     ) -> AdapterInfo:
-        """A registration (``POST /v1/adapters``): on the primary, unless ``expected_base_digest``
-        names another base served here; then that base's engine fetches and checks it, the
-        primary's registry stores it, and that engine serves it. (An adapter for another base is
-        bound by its ``expected_base_digest``: its metadata is read by the primary's rule.)"""
+        """A registration (``POST /v1/adapters``): on the primary, unless it was trained on
+        another base served here: its ``expected_base_digest`` names that base, or (none given) the
+        primary cannot bind it (another base, or a name it does not know) and that base's engine
+        binds it by its metadata (``base_model_name_or_path``: that base's own names, or
+        ``--base-names``). Then that engine fetches and checks it, the primary's registry stores
+        it, and that engine serves it. Otherwise the primary's refusal stands."""
         side = self._side(expected_base_digest)
-        if side is None:
+        if side is not None:
+            return await self._register_on(side, name, source, owner, sha256, expected_base_digest, activate, actor)
+        try:
             return await self.primary.admin.register(
                 name,
                 source,
@@ -199,6 +203,28 @@ class Engines:
                 activate=activate,
                 actor=actor,
             )
+        except (AdapterBaseMismatchError, AdapterBaseUnknownError):
+            if not self.several or expected_base_digest is not None:
+                raise
+            for side in self.engines[1:]:
+                try:
+                    return await self._register_on(side, name, source, owner, sha256, None, activate, actor)
+                except (AdapterBaseMismatchError, AdapterBaseUnknownError):
+                    continue
+            raise
+
+    async def _register_on(
+        self,
+        side: Engine,
+        name: str,
+        source: str,
+        owner: str | None,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        activate: bool,
+        actor: str | None,
+    ) -> AdapterInfo:
+        """Register on another base's engine: checked there, stored in the primary's registry, mirrored."""
         prepared = await side.admin.prepare(
             source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
         )

@@ -6,6 +6,7 @@ requests onto the new base's engine without a restart."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 
@@ -122,6 +123,15 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         status, got, headers = await _completion(srv, "cust-b2", tenant="beta")
         assert status == 200 and got["choices"][0]["text"] == reference_b, got
         assert _served_on(side, "cust-b2@1") and not _served_on(primary, "cust-b2@1")
+        # Bound by its metadata: base_model_name_or_path names the side base's directory.
+        tagged = adapter_root / "globex-near"
+        shutil.copytree(adapter_root / "globex", tagged)
+        config = json.loads((tagged / "adapter_config.json").read_text())
+        (tagged / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(near)}))
+        status, got, _ = await srv.post(
+            "/v1/adapters", {"id": "cust-b3", "tenant": "beta", "source": str(tagged)}, headers=srv.admin()
+        )
+        assert status == 201 and (got["parent"], got["base_digest"]) == ("near", near_digest), got
         # Pins act on the primary base's versions; another base's is a 409 saying so.
         status, got, _ = await srv.request("PUT", "/v1/adapters/cust-b2/pin", srv.admin())
         assert status == 409 and "runs on base 'near'" in got["error"]["message"], got
@@ -168,7 +178,7 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         assert f'lorapage_base_info{{base="near",digest="sha256:{near_digest}"}} 1.0' in text
         assert 'lorapage_base_registered_adapters{base="near"}' in text
         status, got, _ = await srv.request("GET", "/internal/state", srv.admin())
-        assert set(got["bases"]) == {TINY_BASE_DIR.name, "near"} and got["bases"]["near"]["registered_adapters"] == 1
+        assert set(got["bases"]) == {TINY_BASE_DIR.name, "near"} and got["bases"]["near"]["registered_adapters"] == 2
 
         # Validate toward the near base and migrate, while both serve: the id's requests move to the near engine.
         # The check runs on the engine already serving the near base (no directory given, none loaded).
