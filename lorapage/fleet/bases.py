@@ -16,12 +16,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lorapage.adapters.drift_state import MIGRATED
-from lorapage.adapters.registry import version_key
 from lorapage.config import EngineConfig
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError
 from lorapage.fleet.registry import FleetRegistry
-from lorapage.server.engines import ServedBase, followed, route_base, unserved_message
+from lorapage.server.engines import ServedBase, followed, route_base, served_migrations, unserved_message
 
 
 def base_engine(engine: EngineConfig, model: str) -> EngineConfig:
@@ -91,10 +89,6 @@ class FleetBases:
         """Version key -> its migration onto a base served here, read again after a registry change."""
         if self._migrations_at != registry.generation:
             served = {b.digest for b in self.bases}
-            self._migrations = {
-                version_key(m.adapter_id, m.version): version_key(m.adapter_id, m.new_version)
-                for m in registry.registry.migration_states()
-                if m.state == MIGRATED and m.new_version is not None and m.target in served
-            }
+            self._migrations = served_migrations(registry.registry.migration_states(), served)
             self._migrations_at = registry.generation
         return self._migrations

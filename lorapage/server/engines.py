@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorapage.adapters.binding import migration_route, shown_digest
 from lorapage.adapters.digest import digest_param
-from lorapage.adapters.drift_state import MIGRATED
+from lorapage.adapters.drift_state import MIGRATED, MigrationRow
 from lorapage.adapters.registry import VersionRow, parse_name, version_key
 from lorapage.config import EngineConfig
 from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError, ConflictError, LorapageError
@@ -66,6 +66,17 @@ def followed(name: str, key: str, migrations: Mapping[str, str]) -> str:
     explicit ``id@N``) at a version migrated onto a served base serves that migration."""
     _, version = parse_name(name)
     return migrations.get(key, key) if version is None or version == -1 else key
+
+
+def served_migrations(rows: Iterable[MigrationRow], served: Collection[str]) -> dict[str, str]:
+    """Version key -> the version it was migrated to, for the migrations onto a base in ``served``
+    (digests); of several for one version, the latest."""
+    done = sorted(
+        (m.updated, m.adapter_id, m.version, m.new_version)
+        for m in rows
+        if m.state == MIGRATED and m.new_version is not None and m.target in served
+    )
+    return {version_key(adapter_id, old): version_key(adapter_id, new) for _, adapter_id, old, new in done}
 
 
 def unserved_message(key: str, bound: str, served: Sequence[ServedBase]) -> str:
@@ -166,12 +177,7 @@ class Engines:
         self._synced = -1 if busy else generation
 
     def _served_migrations(self) -> dict[str, str]:
-        served = {b.digest for b in self.bases}
-        out = {}
-        for m in self.primary.admin.registry.migration_states():  # oldest first: the newest wins
-            if m.state == MIGRATED and m.new_version is not None and m.target in served:
-                out[version_key(m.adapter_id, m.version)] = version_key(m.adapter_id, m.new_version)
-        return out
+        return served_migrations(self.primary.admin.registry.migration_states(), {b.digest for b in self.bases})
 
     async def register(
         self,
@@ -264,8 +270,8 @@ class Engines:
         if engine is self.primary:
             return name
         raise ConflictError(
-            f"adapter {key} runs on base {engine.base_name!r} (sha256:{engine.digest}), served beside the primary "
-            f"base {self.primary.base_name!r}: {action} acts on the primary base's versions only",
+            f"adapter {key} runs on base {engine.base_name!r} ({shown_digest(engine.digest)}), served beside the "
+            f"primary base {self.primary.base_name!r}: {action} acts on the primary base's versions only",
             param="id",
         )
 

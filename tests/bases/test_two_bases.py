@@ -16,11 +16,12 @@ from base_variants import far_base, near_base
 from server_harness import METRICS_KEY, assert_openai_error, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig
+from lorapage.adapters.drift_state import MIGRATED, PASSED, MigrationRow
 from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.model.loader import model_digest
 from lorapage.sampling_params import SamplingParams
 from lorapage.server.app import STATE
-from lorapage.server.engines import ServedBase, followed, route_base, side_config
+from lorapage.server.engines import ServedBase, followed, route_base, served_migrations, side_config
 from lorapage.server.serve_process import run_serve, start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
@@ -39,6 +40,15 @@ def test_the_routing_rule():
     migrations = {"x@1": "x@2"}
     assert followed("x", "x@1", migrations) == "x@2" and followed("x@prod", "x@1", migrations) == "x@2"
     assert followed("x@1", "x@1", migrations) == "x@1"  # a version named explicitly stays where it is
+    rows = [  # (id, version, target, state, reason, numbers, notice, job, new version, updated)
+        MigrationRow("x", 1, b.digest, MIGRATED, None, None, None, "j", 3, 20.0),
+        MigrationRow("x", 1, "3" * 64, MIGRATED, None, None, None, "j", 2, 10.0),  # a base not served
+        MigrationRow("y", 1, b.digest, PASSED, None, None, None, "j", None, 5.0),  # passed, not migrated
+        MigrationRow("z", 4, a.digest, MIGRATED, None, None, None, "j", 5, 1.0),
+    ]
+    assert served_migrations(rows, {a.digest, b.digest}) == {"x@1": "x@3", "z@4": "z@5"}
+    rows.append(MigrationRow("x", 1, a.digest, MIGRATED, None, None, None, "j", 6, 30.0))
+    assert served_migrations(rows, {a.digest, b.digest})["x@1"] == "x@6"  # of two, the latest
 
 
 @pytest.fixture(scope="module")
