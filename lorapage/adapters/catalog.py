@@ -275,20 +275,13 @@ class AdapterCatalog:
                 out[adapter_id] = row.projected_cost_pct
         return out
 
-    def add_migrated(self, row: VersionRow, from_version: int | None = None) -> None:
-        """Show a version a base migration stored (:meth:`Registry.migrate_version`) in the live
-        view: listed, and served when it is bound to this engine's base (a migration toward it
-        run while it serves beside the old base), the alias at ``from_version`` then serving it."""
+    def add_migrated(self, row: VersionRow) -> None:
+        """Show a version a base migration stored (:meth:`Registry.migrate_version`, bound to
+        another base: listed, not served here) in the live view."""
         adapter = self._ids.get(row.adapter_id)
-        if adapter is None or row.version in adapter.versions:
-            return
-        adapter.versions[row.version] = row
-        base = self._base_digest()
-        if row.base_digest == base:
-            self._serve_stored(row, base, adapter.owner)
-            if from_version is not None:
-                self._migrated[(row.adapter_id, from_version)] = row.version
-        self.generation += 1
+        if adapter is not None and row.version not in adapter.versions:
+            adapter.versions[row.version] = row
+            self.generation += 1
 
     def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]:
         """Every id as stored: its owner, its alias (current version) and its versions' rows, on

@@ -267,11 +267,10 @@ class AdapterAdmin:
         """Every adapter id with a version, servable here or not."""
         return self._catalog.ids()
 
-    def add_migrated_version(self, row: VersionRow, from_version: int | None = None) -> None:
-        """Show a version a base migration just stored (bound to the new base: listed here, served
-        by an engine on that base; by this one when it is its base, the alias at ``from_version``
-        then serving it) in the live view."""
-        self._catalog.add_migrated(row, from_version)
+    def add_migrated_version(self, row: VersionRow) -> None:
+        """Show a version a base migration just stored (bound to the new base: listed, served once
+        this engine runs that base, or by an engine on it beside this one) in the live view."""
+        self._catalog.add_migrated(row)
 
     def row(self, name: str) -> VersionRow:
         """The stored version ``name`` (``id``, ``id@N`` or ``id@channel``) names, on this base or

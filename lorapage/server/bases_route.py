@@ -175,7 +175,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         migrated = []
         for row in ready:
             new = await _registry(state, lambda r=row: state.engine.admin.registry.migrate_version(r, actor=actor))
-            state.engine.admin.add_migrated_version(new, row.version)
+            state.engine.admin.add_migrated_version(new)
             migrated.append({"id": row.adapter_id, "from_version": row.version, "version": new.version})
         return _json(
             {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
