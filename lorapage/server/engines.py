@@ -302,6 +302,15 @@ def side_config(config: EngineConfig, model: str) -> EngineConfig:
     )
 
 
+def utilization_share(utilization: float, bases: int, k: int, reserved_bytes: int, total_bytes: int) -> float:
+    """The ``gpu_memory_utilization`` engine ``k`` (0: the primary) of ``bases`` engines on one
+    CUDA device is built with, so that each pool gets an equal share of ``utilization``: the cap
+    counts all memory in use when an engine sizes its pool (the engines built before it
+    included), so engine k's is (k+1)/bases of it, less what those engines left free for their
+    steps (``reserved_bytes``: activations and headroom, allocated only as steps run)."""
+    return utilization * (k + 1) / bases - reserved_bytes / total_bytes
+
+
 def _mirror(engine: Engine, adapter_id: str, owner: str | None, current: int | None, rows: list[VersionRow]) -> bool:
     """Mirror one id into ``engine``; True when a version to drop still has requests there (kept for now)."""
     busy = engine.admin.mirror(adapter_id, owner, current, rows)

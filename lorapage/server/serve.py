@@ -28,12 +28,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lorapage.adapters.binding import load_base_names
 from lorapage.adapters.registry import REGISTRY_FILE, RegistrySchemaError
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
+from lorapage.engine.devices import resolve_device
 from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_check, read_check_prompts
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
@@ -41,7 +44,7 @@ from lorapage.server.access_log import AccessLog
 from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, STATE, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
-from lorapage.server.engines import side_config
+from lorapage.server.engines import side_config, utilization_share
 from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
 from lorapage.server.slo import DEFAULT_WINDOW_S
@@ -452,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     check_bases(args, merge)
     if merge is not None:  # the adapter is registered only to check the merge against: no envelope
         config = dataclasses.replace(config, shared_envelope="", shared_max_cost_pct=None)
+    utilization = config.gpu_memory_utilization  # of the device, shared by every base's engine
+    if (total := shared_device(args, config)) is not None:
+        share = utilization_share(utilization, 1 + len(args.base), 0, 0, total)
+        config = dataclasses.replace(config, gpu_memory_utilization=share)
     access_log = open_access_log(args)
     # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
@@ -478,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_adapter(name, path)
     except LorapageError as exc:
         fail(PROG, f"adapter {name!r}: {exc.message}")
-    bases = side_engines(args, config, roots, merge)
+    bases = side_engines(args, config, roots, engine, utilization)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         if merge is not None:
             run_merge_check(runner, engine, merge, check_prompts, args.merge_check_tolerance)
@@ -533,17 +540,35 @@ def check_bases(args: argparse.Namespace, merge: str | None) -> None:
         check_model_dir(model, flag="--base")
 
 
+def shared_device(args: argparse.Namespace, config: EngineConfig) -> int | None:
+    """The total bytes of the CUDA device the engines of ``--model`` and ``--base`` share when
+    their pools are sized from ``--gpu-memory-utilization`` (None: one base, a CPU, or
+    ``--num-pages`` sizing each pool)."""
+    if not args.base or config.num_pages is not None:
+        return None
+    device = resolve_device(config.device)
+    return torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+
+
 def side_engines(
-    args: argparse.Namespace, config: EngineConfig, roots: AdapterRoots, merge: str | None
+    args: argparse.Namespace, config: EngineConfig, roots: AdapterRoots, primary: Engine, utilization: float
 ) -> list[Engine]:
     """The engines of ``--base``'s bases, beside the primary's ``config`` (the command ends naming
-    a directory that is no base, or a base that cannot serve beside the primary)."""
-    bases = []
-    for model in args.base:
+    a directory that is no base, or a base that cannot serve beside the primary). On one CUDA
+    device each engine's pool gets an equal share of ``utilization`` (:func:`utilization_share`)."""
+    total = shared_device(args, config)
+    bases, reserved, n = [], primary.step_reserve_bytes, 1 + len(args.base)
+    for k, model in enumerate(args.base, start=1):
+        side = side_config(config, model)
+        if total is not None:
+            side = dataclasses.replace(
+                side, gpu_memory_utilization=utilization_share(utilization, n, k, reserved, total)
+            )
         try:
-            bases.append(Engine(side_config(config, model), adapter_roots=roots))
+            bases.append(Engine(side, adapter_roots=roots))
         except (OSError, ValueError) as exc:
             fail(PROG, f"--base {model}: {exc}")
+        reserved += bases[-1].step_reserve_bytes
     return bases
 
 

@@ -18,10 +18,18 @@ from server_harness import METRICS_KEY, assert_openai_error, make_engine, make_r
 from lorapage import Engine, EngineConfig
 from lorapage.adapters.drift_state import MIGRATED, PASSED, MigrationRow
 from lorapage.adapters.registry import REGISTRY_FILE, Registry
+from lorapage.memory.sizing import POOL_HEADROOM_BYTES, pages_for_memory
 from lorapage.model.loader import model_digest
 from lorapage.sampling_params import SamplingParams
 from lorapage.server.app import STATE
-from lorapage.server.engines import ServedBase, followed, route_base, served_migrations, side_config
+from lorapage.server.engines import (
+    ServedBase,
+    followed,
+    route_base,
+    served_migrations,
+    side_config,
+    utilization_share,
+)
 from lorapage.server.serve_process import run_serve, start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
@@ -49,6 +57,25 @@ def test_the_routing_rule():
     assert served_migrations(rows, {a.digest, b.digest}) == {"x@1": "x@3", "z@4": "z@5"}
     rows.append(MigrationRow("x", 1, a.digest, MIGRATED, None, None, None, "j", 6, 30.0))
     assert served_migrations(rows, {a.digest, b.digest})["x@1"] == "x@6"  # of two, the latest
+
+
+def test_bases_on_one_gpu_share_its_utilization():
+    """Each pool is sized against every byte in use on the device (pages_for_memory): the engine
+    built k-th caps at (k+1)/n of the utilization, less the step memory the earlier engines left
+    free. Two like bases on one device get equal pools, and use 0.9 of it together at run time."""
+    total, weights, activations = 80 << 30, 8 << 30, 2 << 30
+    steps = activations + POOL_HEADROOM_BYTES  # what Engine.step_reserve_bytes holds
+
+    def pool(utilization: float, used: int) -> int:  # bytes, with 1-byte pages
+        want = 1 << 40
+        return pages_for_memory(
+            want, 1, total=total, free=total - used, utilization=utilization, activations=activations
+        )
+
+    first = pool(utilization_share(0.9, 2, 0, 0, total), weights)
+    second = pool(utilization_share(0.9, 2, 1, steps, total), weights + first + weights)
+    assert abs(first - second) <= 1 and first == int(0.45 * total) - weights - steps
+    assert abs(2 * (weights + steps) + first + second - int(0.9 * total)) <= 2
 
 
 @pytest.fixture(scope="module")
