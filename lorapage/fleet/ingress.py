@@ -418,7 +418,8 @@ class FleetIngress:
                 return [i for i in self.registry.ids() if self.version_of_any(i, profile.base_digest)]
 
             def base_of(adapter_id: str) -> str | None:
-                base = self.bases.base_of(self.registry, self.bases.resolve(self.registry, adapter_id, ""))
+                key = self.bases.resolve(self.registry, adapter_id, profile.base_digest)
+                base = self.bases.base_of(self.registry, key)
                 return base.name if base is not None else None
 
             self._models = ModelsView(
