@@ -35,6 +35,8 @@ from lorapage.adapters.drift_state import MIGRATED, MigrationRow
 from lorapage.adapters.registry import VersionRow, parse_name, version_key
 from lorapage.config import EngineConfig
 from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError, ConflictError, LorapageError
+from lorapage.usage.ledger import Key, Usage
+from lorapage.usage.report import summed
 
 if TYPE_CHECKING:
     from lorapage.adapters.cache import AdapterInfo
@@ -274,6 +276,13 @@ class Engines:
             f"primary base {self.primary.base_name!r}: {action} acts on the primary base's versions only",
             param="id",
         )
+
+    def usage_rows(self, *, since_hour: int | None = None) -> list[tuple[Key, Usage]]:
+        """Cost attribution over every base's engine, summed by (hour, tenant, adapter version)
+        as a fleet sums its replicas' (a version runs on one base; the base model's rows add up)."""
+        if not self.several:
+            return self.primary.usage_rows(since_hour=since_hour)
+        return summed(engine.usage_rows(since_hour=since_hour) for engine in self.engines)
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
         for engine in self.engines:

@@ -214,6 +214,8 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         status, text, _ = await srv.request("GET", "/metrics", {"Authorization": f"Bearer {METRICS_KEY}"})
         assert f'lorapage_base_info{{base="near",digest="sha256:{near_digest}"}} 1.0' in text
         assert 'lorapage_base_registered_adapters{base="near"}' in text
+        status, got, _ = await srv.request("GET", "/v1/usage", srv.admin())
+        assert status == 200 and {"cust-a@1", "cust-b@1", "cust-b2@1"} <= {r["adapter"] for r in got["data"]}, got
         status, got, _ = await srv.request("GET", "/internal/state", srv.admin())
         assert set(got["bases"]) == {TINY_BASE_DIR.name, "near"} and got["bases"]["near"]["registered_adapters"] == 2
 
