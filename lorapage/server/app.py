@@ -66,7 +66,8 @@ class ServerState:
     """What the handlers share: the engine, who may use what, metrics, and requests in flight.
 
     ``engine`` is the primary (its registry is the server's; admin routes act through it);
-    ``bases``, the engines of the other bases served beside it (:mod:`lorapage.server.engines`)."""
+    ``engines`` holds it and the engines of the ``bases`` served beside it, and routes each request
+    (:mod:`lorapage.server.engines`)."""
 
     def __init__(
         self,
