@@ -283,6 +283,12 @@ class AdapterCatalog:
             adapter.versions[row.version] = row
             self.generation += 1
 
+    def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]:
+        """Every id as stored: its owner, its alias (current version) and its versions' rows, on
+        any base: what an engine serving another base beside this one mirrors
+        (:meth:`mirror`; :mod:`lorapage.server.engines`)."""
+        return [(i, a.owner, a.current, list(a.versions.values())) for i, a in self._ids.items() if a.versions]
+
     # -- registration ---------------------------------------------------------------------------
 
     def check_owner(self, adapter_id: str, owner: str | None) -> None:
@@ -379,6 +385,58 @@ class AdapterCatalog:
                 ),
             )
             return self._add_live(row, owner, spec, layout, activate), True
+
+    async def add_prepared(
+        self, adapter_id: str, prepared: PreparedVersion, *, owner: str | None, activate: bool, actor: str | None
+    ) -> tuple[VersionInfo, bool]:
+        """Commit a version an engine on another base prepared (bound to that base: listed here,
+        served there): registering, on a server running both, an adapter trained on the other
+        one. Content already stored on that base makes no new version (it is made current when
+        ``activate``). Returns the version and whether it was created."""
+        self.check_owner(adapter_id, owner)
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            self.check_owner(adapter_id, owner)
+            adapter = self._ids.get(adapter_id)
+            same = next(
+                (
+                    r
+                    for r in (adapter.versions.values() if adapter else ())
+                    if r.digest == prepared.digest and r.base_digest == prepared.base_digest
+                ),
+                None,
+            )
+            if adapter is not None and same is not None:
+                if activate and adapter.current != same.version:
+                    await loop.run_in_executor(
+                        self._io,
+                        lambda: self.registry.set_current(adapter_id, same.version, action="register", actor=actor),
+                    )
+                    adapter.current = same.version
+                    self.generation += 1
+                return self._info(same, adapter), False
+            row = await loop.run_in_executor(
+                self._io,
+                lambda: self.registry.add_version(
+                    adapter_id,
+                    owner,
+                    digest=prepared.digest,
+                    source=prepared.source,
+                    base_digest=prepared.base_digest,
+                    spec=prepared.spec,
+                    activate=activate,
+                    projected_cost_pct=prepared.projected_cost_pct,
+                    actor=actor,
+                ),
+            )
+            adapter = self._ids.setdefault(adapter_id, _Adapter(owner, None))
+            if not adapter.versions:
+                adapter.owner = owner
+            adapter.versions[row.version] = row
+            if activate or adapter.current is None:
+                adapter.current = row.version
+            self.generation += 1
+            return self._info(row, adapter), True
 
     def register_now(
         self, adapter_id: str, path: Path, *, owner: str | None = None, expected_base_digest: str | None = None

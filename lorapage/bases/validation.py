@@ -7,7 +7,9 @@ in a worker thread and closed at the end, registers each adapter on it as traine
 place an adapter meets a base it was not trained on), and runs the adapter's stored check prompts
 on both engines (:func:`lorapage.bases.check.prompt_drifts`: greedy on the running base, then free
 and teacher-forced on the new one). The running engine serves its traffic meanwhile; the check's
-requests are its own (tenant ``default``) and count as the adapter's traffic.
+requests are its own (tenant ``default``) and count as the adapter's traffic. When this process
+already serves the candidate base (``lorapage serve --base``), the job checks on that engine
+instead, each version registered there under an id of the job's own and removed after its check.
 
 Each adapter version gets a migration state toward ``digest``, stored in the registry
 (:mod:`lorapage.adapters.drift_state`): ``opted-out`` when its owner opted out (not checked),
@@ -68,10 +70,14 @@ class BaseValidator:
         """The newest job toward ``target``."""
         return next((j for j in reversed(self.jobs.values()) if j.target == target), None)
 
-    def start(self, engine, target: str, model: str, adapters: Sequence[str] | None = None) -> ValidationJob:
+    def start(
+        self, engine, target: str, model: str, adapters: Sequence[str] | None = None, *, running=None
+    ) -> ValidationJob:
         """Start a job checking ``adapters`` (ids; None: every id whose current version is on the
         running base) toward ``target``. ConflictError while another runs; InvalidRequestError
-        for a target that is the running base, or an id not served here."""
+        for a target that is the running base, or an id not served here. ``running``: an engine
+        this process already runs on ``target`` (``lorapage serve --base``), checked on instead
+        of a candidate loaded from ``model``."""
         if self._running is not None and not self._running.done():
             running = next(j for j in reversed(self.jobs.values()) if j.status == "running")
             raise ConflictError(
@@ -85,7 +91,7 @@ class BaseValidator:
         self.jobs[job.id] = job
         while len(self.jobs) > KEPT_JOBS:
             del self.jobs[next(iter(self.jobs))]
-        self._running = asyncio.get_running_loop().create_task(self._run(engine, job))
+        self._running = asyncio.get_running_loop().create_task(self._run(engine, job, running))
         return job
 
     async def cancel(self) -> None:
@@ -98,18 +104,18 @@ class BaseValidator:
             except asyncio.CancelledError:
                 pass
 
-    async def _run(self, engine, job: ValidationJob) -> None:
+    async def _run(self, engine, job: ValidationJob, running=None) -> None:
         loop = asyncio.get_running_loop()
         new, todo = None, []
         try:
-            # Before any state is written: a wrong directory leaves the last check's states as they are.
-            await loop.run_in_executor(None, check_digest, job.model, job.target)
+            if running is None:  # before any state is written: a wrong directory leaves the last check's states
+                await loop.run_in_executor(None, check_digest, job.model, job.target)
             plan = await loop.run_in_executor(None, self._plan, engine, job)
             todo = [(key, prompts) for key, prompts in plan if prompts]
-            if todo:
+            if todo and running is None:
                 new = await loop.run_in_executor(None, candidate_engine, engine, job.model, job.target)
             for key, prompts in todo:
-                row = await self._check(engine, new, job, key, prompts)
+                row = await self._check(engine, new or running, job, key, prompts, borrowed=running is not None)
                 job.states[key] = row.state
                 job.checked += 1
                 await loop.run_in_executor(None, engine.admin.registry.set_migration_states, [row])
@@ -157,20 +163,31 @@ class BaseValidator:
         engine.admin.registry.set_migration_states(rows)
         return plan
 
-    async def _check(self, engine, new, job: ValidationJob, key: str, prompts: tuple[str, ...]) -> MigrationRow:
-        """One adapter version's drift check and its state (a check that cannot run stays pending)."""
+    async def _check(
+        self, engine, new, job: ValidationJob, key: str, prompts: tuple[str, ...], *, borrowed: bool = False
+    ) -> MigrationRow:
+        """One adapter version's drift check and its state (a check that cannot run stays pending).
+        ``borrowed``: ``new`` serves traffic (a base served beside the running one): the version is
+        registered there under an id of the job's own, and removed after its check."""
         from lorapage.bases.check import prompt_drifts
 
         adapter_id, version = parse_key(key)
         base = MigrationRow(adapter_id, version, job.target, PENDING, None, None, None, job.id, None, 0.0)
+        name = f"check-{job.id}-{adapter_id}" if borrowed else adapter_id
         try:
             async with engine.admin.version_files(key) as path:
-                # Read and checked in a worker, committed on the loop (the candidate's own catalog);
-                # bound to the candidate base, whose digest the job checked already.
-                await new.register_adapter(adapter_id, path, expected_base_digest=job.target)
-            drifts = await prompt_drifts(engine, new, key, adapter_id, prompts, max_tokens=self.max_tokens)
+                # Read and checked in a worker, committed on the loop (the new base's own catalog);
+                # bound to the new base, whose digest the job checked already (or its engine has).
+                await new.admin.register_checked(name, path, expected_base_digest=job.target)
+            drifts = await prompt_drifts(engine, new, key, name, prompts, max_tokens=self.max_tokens)
         except LorapageError as exc:
             return dataclasses.replace(base, reason=f"the check could not run: {exc.message}")
+        finally:
+            if borrowed and name in new.admin.ids():
+                try:
+                    new.admin.remove(name)
+                except LorapageError as exc:  # still running (the job was cancelled mid-check): left to the engine
+                    log.warning("validation %s left %s registered on the new base: %s", job.id, name, exc.message)
         report = verdict(drifts, self.limits)
         return dataclasses.replace(
             base,

@@ -158,6 +158,30 @@ class AdapterAdmin:
             projected_cost_pct=self._cache.envelope.cost(spec.ranks).projected_cost_pct,
         )
 
+    async def add_prepared(
+        self,
+        name: str,
+        prepared: PreparedVersion,
+        *,
+        owner: str | None = None,
+        activate: bool = True,
+        actor: str | None = None,
+    ) -> tuple[VersionInfo, bool]:
+        """Commit (audited as ``actor``'s) a version of ``name`` that an engine on another base
+        prepared (:meth:`prepare`), bound to that base: listed here, served by that engine (a server
+        running both bases, :mod:`lorapage.server.engines`). Returns it and whether it is new."""
+        self._check_open()
+        return await self._catalog.add_prepared(name, prepared, owner=owner, activate=activate, actor=actor)
+
+    async def register_checked(self, name: str, path: Path, *, expected_base_digest: str) -> AdapterInfo:
+        """Register the files of a version the caller opened and verified already (a stored
+        version's, :meth:`version_files`), as trained on this base (``expected_base_digest``, which
+        must be its digest): no source is parsed and no root applies. What a base upgrade's check
+        does on an engine already serving the new base; :meth:`remove` it afterwards."""
+        self._check_open()
+        version, _ = await self._catalog.register(name, path, expected_base_digest=expected_base_digest)
+        return self.info(version.key)
+
     async def _source(self, source: str | Path, sha256: str | None, owner: str | None) -> Source:
         """``source`` parsed for a version of ``owner`` (off the loop: a directory is looked at)."""
         src = await asyncio.to_thread(parse_source, str(source), sha256=sha256, roots=self.roots, owner=owner)
@@ -269,8 +293,18 @@ class AdapterAdmin:
 
     def add_migrated_version(self, row: VersionRow) -> None:
         """Show a version a base migration just stored (bound to the new base: listed, served once
-        this engine runs that base) in the live view."""
+        this engine runs that base, or by an engine on it beside this one) in the live view."""
         self._catalog.add_migrated(row)
+
+    def row(self, name: str) -> VersionRow:
+        """The stored version ``name`` (``id``, ``id@N`` or ``id@channel``) names, on this base or
+        another (404 when there is none): where a front end serving several bases routes it."""
+        return self._catalog.row(name)
+
+    def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]:
+        """Every id with its owner, alias and stored versions, on every base (what an engine on
+        another base beside this one mirrors, :meth:`mirror`)."""
+        return self._catalog.stored()
 
     def owners(self) -> dict[str, str]:
         """The owner of each id that has one (registered with it; restored after a restart)."""

@@ -73,7 +73,7 @@ from lorapage.memory.pages import PageKind
 from lorapage.memory.pool import PagePool, adapter_page_size
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
-from lorapage.memory.sizing import lora_slots, pages_for_memory, step_activation_bytes
+from lorapage.memory.sizing import POOL_HEADROOM_BYTES, lora_slots, pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
@@ -124,6 +124,9 @@ class Engine:
         eos = mc.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids: frozenset[int] = frozenset(t for t in eos if t is not None)
         self._digest: str | None = None
+        # What a CUDA pool left beside it for the steps (activations and headroom), allocated only as
+        # steps run: an engine sized after this one on the same device must leave it (serve --base).
+        self.step_reserve_bytes = 0
         bs = config.block_size
         page_size = 2 * bs * mc.kv_size
         # A page holds more adapter elements when adapters are narrower than KV.
@@ -400,6 +403,7 @@ class Engine:
             mc.vocab_size,
             elem,
         )
+        self.step_reserve_bytes = activations + POOL_HEADROOM_BYTES
         return pages_for_memory(
             want,
             per_page,
@@ -407,6 +411,7 @@ class Engine:
             free=free,
             utilization=self.config.gpu_memory_utilization,
             activations=activations,
+            headroom=POOL_HEADROOM_BYTES,
         )
 
     @property

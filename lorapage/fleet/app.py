@@ -11,7 +11,9 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
-from lorapage.fleet.config import APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, FleetConfig
+from lorapage.config import EngineConfig
+from lorapage.fleet.bases import base_engine
+from lorapage.fleet.config import APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, FleetConfig, base_deployment
 from lorapage.fleet.ingress import FleetIngress
 from lorapage.fleet.replica import EngineReplica
 from lorapage.fleet.request_router import AffinityRequestRouter
@@ -31,13 +33,19 @@ def build_app(config: FleetConfig) -> Application:
         },
         "request_routing_stats_period_s": config.routing_stats_period_s,
     }
-    engines = serve.deployment(
-        name=ENGINE_DEPLOYMENT,
-        num_replicas=config.replicas,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
-        request_router_config=router,
-    )(EngineReplica).bind(config.engine, config.sync_period_s, config.roots())
+
+    def engine_deployment(name: str, engine: EngineConfig) -> Application:
+        return serve.deployment(
+            name=name,
+            num_replicas=config.replicas,
+            max_ongoing_requests=config.max_ongoing_requests,
+            ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
+            request_router_config=router,
+        )(EngineReplica).bind(engine, config.sync_period_s, config.roots())
+
+    engines = engine_deployment(ENGINE_DEPLOYMENT, config.engine)
+    # --base: one deployment per other base, routed to by the ingress (lorapage.fleet.bases).
+    sides = [engine_deployment(base_deployment(m), base_engine(config.engine, m)) for m in config.bases]
     # One ingress replica: it holds the tenants' token buckets, which makes quotas fleet-wide.
     ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,
@@ -45,4 +53,4 @@ def build_app(config: FleetConfig) -> Application:
         max_ongoing_requests=max(1000, config.replicas * config.max_ongoing_requests),
         ray_actor_options={"num_cpus": config.ingress_cpus},
     )(FleetIngress)
-    return ingress.bind(engines, config)
+    return ingress.bind(engines, config, sides)

@@ -33,6 +33,7 @@ from lorapage.server.serve import (
     add_state_arguments,
     api_key_tenants,
     api_keys,
+    check_model_dir,
     check_root_tenants,
     engine_config,
     lora_modules,
@@ -68,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=START_TIMEOUT_S,
         help="seconds every deployment gets to be running; past it the command exits with Ray's reason",
+    )
+    p.add_argument(
+        "--base",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve this base model too, beside --model (repeatable): one more engine deployment of --replicas "
+        "replicas each, with the same engine flags; a request goes to the base its adapter version is bound to",
     )
     routing = p.add_argument_group("routing")
     routing.add_argument("--router", choices=ROUTERS, default="affinity", help="routing policy")
@@ -130,9 +139,17 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             slo_window_s=slo_window(args, PROG),
             access_log=_access_log_path(args),
             dedicated=dedicated_config(args, PROG),
+            bases=_bases(args),
         )
     except ValueError as exc:
         fail(PROG, str(exc))
+
+
+def _bases(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--base`` directories, checked and absolute (Ray's workers have another working directory)."""
+    for model in args.base:
+        check_model_dir(model, PROG, flag="--base")
+    return tuple(str(Path(model).resolve()) for model in args.base)
 
 
 def _access_log_path(args: argparse.Namespace) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
@@ -50,6 +51,7 @@ class FleetConfig:
     slo_window_s: float = DEFAULT_WINDOW_S  # each tenant's goodput and burn-rate window (--slo-window)
     access_log: str | None = None  # --access-log FILE (on the ingress's node) or "-" (its stdout); None: off
     dedicated: DedicatedConfig = DedicatedConfig()  # merged deployments of promoted adapters (lorapage.fleet.dedicated)
+    bases: tuple[str, ...] = ()  # --base DIRs: one more engine deployment each, ``replicas`` replicas (fleet/bases.py)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -73,10 +75,9 @@ class FleetConfig:
 
     def replica_needs(self) -> dict[str, dict[str, float]]:
         """What one replica of each deployment reserves from Ray."""
-        return {
-            ENGINE_DEPLOYMENT: {"CPU": self.replica_cpus, "GPU": self.replica_gpus},
-            INGRESS_DEPLOYMENT: {"CPU": self.ingress_cpus},
-        }
+        engine = {"CPU": self.replica_cpus, "GPU": self.replica_gpus}
+        sides = {base_deployment(model): engine for model in self.bases}
+        return {ENGINE_DEPLOYMENT: engine, **sides, INGRESS_DEPLOYMENT: {"CPU": self.ingress_cpus}}
 
     def router_options(self) -> dict[str, object]:
         """Keyword options for :func:`~lorapage.fleet.routing.make_router`."""
@@ -85,6 +86,11 @@ class FleetConfig:
         if self.router == "affinity_load":  # --owners is its fewest owners; more follow traffic
             return {"min_owners": self.owners, "max_owners": max(self.owners, 8), "spill_load": self.spill_load}
         return {}
+
+
+def base_deployment(model: str) -> str:
+    """The name of the engine deployment serving base ``model`` beside the primary's (``--base``)."""
+    return f"{ENGINE_DEPLOYMENT}-{Path(model).name}"
 
 
 def replica_cpus_for(cpus: float, replicas: int, ingress_cpus: float, wanted: float | None) -> float:

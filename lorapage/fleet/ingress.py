@@ -44,7 +44,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,6 +65,7 @@ from lorapage.errors import (
 from lorapage.fleet.accounting import RequestAccounting, until_end
 from lorapage.fleet.admin import FleetAdmin
 from lorapage.fleet.auto_promote import AutoPromoter
+from lorapage.fleet.bases import FleetBases
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.dedicated import DedicatedDeployments
 from lorapage.fleet.http import error_response, internal_error, method_not_allowed, no_route, read_body
@@ -110,8 +111,9 @@ TENANTS_FILE = "fleet-tenants.json"  # the last tenants text a reload accepted, 
 class FleetIngress:
     """Auth, tenants, quotas and the OpenAI protocol in front of the engine replicas."""
 
-    def __init__(self, engines: Any, config: FleetConfig) -> None:
+    def __init__(self, engines: Any, config: FleetConfig, bases: Sequence[Any] = ()) -> None:
         self.engines = engines  # a DeploymentHandle to the EngineReplica deployment
+        self.bases = FleetBases([engines, *bases])  # one deployment per base (--base), the primary's first
         self.config = config
         self.access = Access(TenantsConfig.from_toml(self._tenants_text()))
         # A tenant without max_concurrency may hold its share of the replicas' queues together.
@@ -319,7 +321,9 @@ class FleetIngress:
         return Response(body, media_type=content_type)
 
     async def _replica_usage(self, replica_id: str, since_hour: int | None) -> list[tuple[Key, Usage]]:
-        handle = self.engines.options(multiplexed_model_id=replica_target(replica_id))
+        beat = self.reports.live().get(replica_id)
+        deployment = self.bases.handle_of(beat.base_digest if beat is not None else "")  # its base's (--base)
+        handle = deployment.options(multiplexed_model_id=replica_target(replica_id))
         try:
             return await asyncio.wait_for(handle.usage_rows.remote(since_hour), _USAGE_TIMEOUT_S)
         except (TimeoutError, RayActorError):
@@ -348,7 +352,7 @@ class FleetIngress:
         if not self.access.may_use(tenant, adapter_id):
             return None
         try:
-            key = self.registry.resolve(name, base_digest)
+            key = self.bases.resolve(self.registry, name, base_digest)
         except AdapterNotFoundError:
             return None
         return None if key in self.draining else key
@@ -357,8 +361,11 @@ class FleetIngress:
         """``(id to echo, adapter version or None)``, as ``lorapage serve`` resolves it; else 404."""
         await self.ready()
         profile = await self.profile()
+        await self.bases.served()
         return protocol.resolve_model(
-            model, profile.base_name, lambda name: self.version_of(tenant, name, profile.base_digest)
+            model,
+            self.bases.named(model) or profile.base_name,
+            lambda name: self.version_of(tenant, name, profile.base_digest),
         )
 
     # -- routes -----------------------------------------------------------------------------------
@@ -420,19 +427,30 @@ class FleetIngress:
         if self._models is None:
             profile = await self.profile()
             card = BaseCard(profile.base_name, profile.max_model_len, self.started)
+            more = [BaseCard(b.name, profile.max_model_len, self.started) for b in (await self.bases.served())[1:]]
 
             def serving() -> list[str]:
                 return [i for i in self.registry.ids() if self.version_of_any(i, profile.base_digest)]
 
+            def base_of(adapter_id: str) -> str | None:
+                key = self.bases.resolve(self.registry, adapter_id, profile.base_digest)
+                base = self.bases.base_of(self.registry, key)
+                return base.name if base is not None else None
+
             self._models = ModelsView(
-                self.access, card, serving=serving, key=lambda: (self.registry.generation, frozenset(self.draining))
+                self.access,
+                card,
+                serving=serving,
+                key=lambda: (self.registry.generation, frozenset(self.draining)),
+                more_bases=more,
+                base_of=base_of if self.bases.several else None,
             )
         return self._models
 
     def version_of_any(self, adapter_id: str, base_digest: str) -> bool:
         """Whether ``adapter_id`` serves a version on this base now (whoever asks)."""
         try:
-            return self.registry.resolve(adapter_id, base_digest) not in self.draining
+            return self.bases.resolve(self.registry, adapter_id, base_digest) not in self.draining
         except LorapageError:  # none, or one validated against another base
             return False
 
@@ -447,7 +465,9 @@ class FleetIngress:
         tenant = self.tenant(request)
         self.quotas.release(self.admit(tenant), 0, time.monotonic())
         model, adapter = await self.resolve(request.url.path.removeprefix("/v1/models/"), tenant)
-        card = (await self.models()).card
+        view = await self.models()
+        base = self.bases.base_of(self.registry, adapter) if adapter is not None else None
+        card = view.card_named(base.name if base is not None else self.bases.named(model))
         found = card.base() if adapter is None else card.adapter(model, tenant)
         return Response(msgspec.json.encode(found), media_type="application/json")
 
@@ -576,14 +596,16 @@ class FleetIngress:
             await events.aclose()
             self.release(job, reservation)
 
-    def engine_handle(self, adapter: str | None) -> Any:
-        """The deployment a request for version ``adapter`` goes to: the version's dedicated
-        (merged) deployment when it is promoted, else the engine replicas, routed by adapter id:
-        every version of an id shares its owners (a deploy lands where the previous version is warm)."""
-        merged = self.dedicated.route(adapter)
+    def engine_handle(self, job: Job) -> Any:
+        """The deployment ``job`` goes to: its adapter version's dedicated (merged) deployment when
+        it is promoted, else its base's engine deployment (``--base``: fleet/bases.py), routed by
+        adapter id: every version of an id shares its owners (a deploy lands where the previous
+        version is warm)."""
+        merged = self.dedicated.route(job.adapter)
         if merged is not None:
             return merged
-        return self.engines.options(multiplexed_model_id=parse_name(adapter)[0] if adapter is not None else "")
+        handle = self.bases.handle_for(self.registry, job.adapter, job.model)
+        return handle.options(multiplexed_model_id=parse_name(job.adapter)[0] if job.adapter is not None else "")
 
     def outputs(self, job: Job, served: list[str]) -> AsyncGenerator[Any, None]:
         """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its
@@ -601,7 +623,7 @@ class FleetIngress:
         for attempt in range(self.config.request_retries + 1):
             passed_on = False
             # chosen again on a resend: the adapter may have been promoted or demoted meanwhile
-            stream = self.engine_handle(job.adapter).options(stream=True).generate.remote(spec)
+            stream = self.engine_handle(job).options(stream=True).generate.remote(spec)
             try:
                 async for item in stream:
                     if isinstance(item, ReplicaStart):

@@ -64,6 +64,7 @@ class Heartbeat:
     generation: int
     stats: EngineStats
     metrics: bytes
+    base_digest: str = ""  # the base its engine runs: which deployment it is (--base, lorapage.fleet.bases)
 
 
 @dataclass(frozen=True)

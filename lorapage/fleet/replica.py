@@ -193,7 +193,12 @@ class EngineReplica:
         """One heartbeat to the ingress, and its reply applied."""
         async with self._sync_lock:
             beat = Heartbeat(
-                self.replica_id, self._epoch, self._generation, self.engine.stats(), generate_latest(self._metrics)
+                self.replica_id,
+                self._epoch,
+                self._generation,
+                self.engine.stats(),
+                generate_latest(self._metrics),
+                self.engine.digest,
             )
             if self._ingress is None:
                 self._ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)

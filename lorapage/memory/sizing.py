@@ -20,8 +20,18 @@ def step_activation_bytes(
     return tokens * per_token + rows * vocab * 4
 
 
+POOL_HEADROOM_BYTES = GIB  # beside a CUDA pool: graphs, cuBLAS workspaces, allocator slack
+
+
 def pages_for_memory(
-    want: int, page_bytes: int, *, total: int, free: int, utilization: float, activations: int, headroom: int = GIB
+    want: int,
+    page_bytes: int,
+    *,
+    total: int,
+    free: int,
+    utilization: float,
+    activations: int,
+    headroom: int = POOL_HEADROOM_BYTES,
 ) -> int:
     """``want`` pages, or fewer if the pool would take the device past ``utilization`` of its
     ``total`` memory, given what is already used (``total - free``: weights and anything else on

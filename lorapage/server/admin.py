@@ -90,13 +90,14 @@ class AdminRoutes:
 
     def _describe(self, state: RouteState, name: str) -> AdapterOut:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
-        info = state.engine.admin.info(name)
+        engine, name = state.engines.serving(name)  # the engine of the base it runs on
+        info = engine.admin.info(name)
         versions = state.engine.admin.versions(info.adapter_id)
         current = next((v.version for v in versions if v.current), None)
         return AdapterOut(
             id=info.adapter_id,
             owner=state.access.owners.get(info.adapter_id),
-            parent=state.engine.base_name,
+            parent=engine.base_name,
             path=info.path,
             rank=info.rank,
             target_modules=list(info.target_modules),
@@ -109,7 +110,7 @@ class AdminRoutes:
             current=current,
             digest=info.digest,
             source=info.source,
-            base_digest=state.engine.digest,
+            base_digest=engine.digest,
             versions=[v.version for v in versions],
             traffic_tier=info.traffic_tier,
             kept_hot=info.kept_hot,
@@ -132,7 +133,7 @@ class AdminRoutes:
     async def _register(self, state: RouteState, reg: Registration, actor: str) -> AdapterInfo:
         with source_errors(reg):
             source = await checked_source(reg, state.engine.admin.roots, state.access)
-            info = await state.engine.admin.register(
+            info = await state.engines.register(
                 reg.id,
                 source,
                 owner=reg.owner,
@@ -265,13 +266,13 @@ class AdminRoutes:
 
     async def load(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
-        adapter = request.match_info["id"]
+        adapter = state.engines.on_primary(request.match_info["id"], "load")
         await state.engine.admin.load(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def unload(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
-        adapter = request.match_info["id"]
+        adapter = state.engines.on_primary(request.match_info["id"], "unload")
         await state.engine.admin.unload(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
@@ -280,13 +281,13 @@ class AdminRoutes:
         evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
         pins would pass ``--max-pinned-fraction`` of the pool."""
         state, actor = self._admin(request)
-        info = await state.engine.admin.pin(request.match_info["id"], actor=actor)
+        info = await state.engine.admin.pin(state.engines.on_primary(request.match_info["id"], "pin"), actor=actor)
         return _json(self._describe(state, info.name))
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Undo a pin: the version stays resident, evictable again."""
         state, actor = self._admin(request)
-        info = await state.engine.admin.unpin(request.match_info["id"], actor=actor)
+        info = await state.engine.admin.unpin(state.engines.on_primary(request.match_info["id"], "unpin"), actor=actor)
         return _json(self._describe(state, info.name))
 
     async def internal_state(self, request: web.Request) -> web.Response:
@@ -297,7 +298,10 @@ class AdminRoutes:
             "draining_adapters": sorted(state.draining),
             "closing": state.closing,
         }
-        return _json({"engine": state.engine.stats(), "server": server})
+        body: dict[str, Any] = {"engine": state.engine.stats(), "server": server}
+        if state.engines.several:  # every base's engine, the primary's included
+            body["bases"] = {e.base_name: e.stats() for e in state.engines.engines}
+        return _json(body)
 
 
 def _known_id(state: RouteState, adapter_id: str) -> str:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -37,11 +38,12 @@ from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
 from lorapage.server.bases_route import add_base_routes
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
+from lorapage.server.engines import Engines
 from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Job, make_job, respond
 from lorapage.server.loop_lag import LoopLagMonitor
-from lorapage.server.metrics import CONTENT_TYPE, ServerMetrics
+from lorapage.server.metrics import CONTENT_TYPE, BaseGauges, ServerMetrics
 from lorapage.server.models_view import BaseCard, ModelsView
 from lorapage.server.prompt_sampler import PromptSampler
 from lorapage.server.prompts import PromptBuilder, Prompts
@@ -61,7 +63,11 @@ _ADMISSION_WINDOW_S = 10  # recent admission rate, for the Retry-After of a 503
 
 
 class ServerState:
-    """What the handlers share: the engine, who may use what, metrics, and requests in flight."""
+    """What the handlers share: the engine, who may use what, metrics, and requests in flight.
+
+    ``engine`` is the primary (its registry is the server's; admin routes act through it);
+    ``engines`` holds it and the engines of the ``bases`` served beside it, and routes each request
+    (:mod:`lorapage.server.engines`)."""
 
     def __init__(
         self,
@@ -72,8 +78,10 @@ class ServerState:
         shutdown_grace_s: float,
         metrics_public: bool,
         slo_window_s: float = DEFAULT_WINDOW_S,
+        bases: Sequence[Engine] = (),
     ) -> None:
         self.engine = engine
+        self.engines = Engines([engine, *bases])
         self.access = access
         # Owners registered over the admin API survive restarts in the engine's registry.
         for adapter_id, owner in engine.admin.owners().items():
@@ -87,6 +95,8 @@ class ServerState:
         self.metrics = ServerMetrics(
             seen.stats, seen.scheduler, seen.vtc_counters, loop_lag=self.loop_lag, adapters=seen.adapters, slo=self.slo
         )
+        if self.engines.several:
+            self.metrics.registry.register(BaseGauges([(e.base_name, e.digest, e.stats) for e in self.engines.engines]))
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         # Check prompts sampled from the traffic of the adapters whose owners opted in.
         self.sampler = PromptSampler(engine.admin.registry.sampling_ids())
@@ -105,11 +115,15 @@ class ServerState:
         self.card = BaseCard(
             engine.base_name, engine.max_model_len, self.started, serves_base=engine.merged_adapter is None
         )
+        self.cards = {e.base_name: BaseCard(e.base_name, e.max_model_len, self.started) for e in bases}
+        self._bases_of: dict[str, str] = {}  # adapter id -> the base it runs on (several bases), as last listed
         self.models = ModelsView(
             access,
             self.card,
             serving=self._serving_ids,
             key=lambda: (engine.admin.generation, frozenset(self.draining)),
+            more_bases=list(self.cards.values()),
+            base_of=self._bases_of.get,
         )
 
     def audit_later(self, action: str, *, after: dict | None = None, outcome: str = "ok") -> None:
@@ -135,6 +149,12 @@ class ServerState:
         merged = self.engine.merged_adapter
         if merged is not None:  # a dedicated deployment serves its one version
             return [merged.partition("@")[0]]
+        if self.engines.several:
+            self._bases_of.clear()
+            self._bases_of.update(
+                {i: base for i, (key, base) in self.engines.served_ids().items() if key not in self.draining}
+            )
+            return list(self._bases_of)
         versions = self.engine.admin.versions()
         return [v.adapter_id for v in versions if v.current and v.servable and v.key not in self.draining]
 
@@ -150,7 +170,7 @@ class ServerState:
         if not self.access.may_use(tenant, adapter_id):
             return None
         try:
-            key = self.engine.admin.resolve(name)
+            key = self.engines.resolve(name)
         except AdapterNotFoundError:
             return None
         return None if key in self.draining else key
@@ -158,7 +178,15 @@ class ServerState:
     def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
         """``(id to echo, adapter version or None)`` for ``base``, ``base:adapter`` or
         ``adapter`` (each adapter as ``id`` or ``id@N``); else 404."""
-        return protocol.resolve_model(model, self.engine.base_name, lambda name: self.version_of(tenant, name))
+        base = next((n for n in self.cards if model == n or model.startswith(n + ":")), self.engine.base_name)
+        return protocol.resolve_model(model, base, lambda name: self.version_of(tenant, name))
+
+    def card_of(self, adapter: str | None) -> BaseCard:
+        """The card of the base ``adapter`` (a version key; None: the primary) runs on."""
+        if adapter is None or not self.engines.several:
+            return self.card
+        base = self.engines.base_of_key(adapter)
+        return self.cards.get(base.name, self.card) if base is not None else self.card
 
     def admit(self, tenant: str) -> Reservation:
         """Take one of the tenant's requests per minute and a concurrency slot before anything of
@@ -208,7 +236,8 @@ class ServerState:
         self.request_ids.add(job.engine_id)
         self.idle.clear()
         try:
-            return await responder(request, self.engine, job, self.metrics, self.admissions)
+            engine = self.engines.engine_for(job.adapter, job.model)
+            return await responder(request, engine, job, self.metrics, self.admissions)
         except EngineOverloadedError as exc:
             self.record_rejected(job, "queue_full")
             exc.retry_after = self.overload_retry_after()
@@ -244,7 +273,7 @@ def reload_tenants(app: web.Application, path: str) -> None:
     state.access.tenants = config
     state.quotas.reload(config, now=time.monotonic())
     state.slo.set_targets(config.slo_targets())
-    state.engine.set_tenant_weights(config.weights())
+    state.engines.set_tenant_weights(config.weights())
     log.info("tenants file reloaded: %d tenants", len(config.tenants))
     state.audit_later("tenants_reload", after={"tenants": sorted(config.tenants)})
 
@@ -323,7 +352,9 @@ async def get_model(request: web.Request) -> web.Response:
     tenant = state.access.tenant_for(request)
     state.release(state.admit(tenant))
     model, adapter = state.resolve(request.match_info["model"], tenant)
-    found = state.card.base() if adapter is None else state.card.adapter(model, tenant)
+    found = (
+        state.cards.get(model, state.card).base() if adapter is None else state.card_of(adapter).adapter(model, tenant)
+    )
     return web.Response(body=msgspec.json.encode(found), content_type="application/json")
 
 
@@ -344,12 +375,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count answers by route and status (the route's pattern, so the label set stays small), and
-    judge a generation request's against its tenant's SLOs."""
+    """Count answers by route and status (the route's pattern, so the label set stays small),
+    judge a generation request's against its tenant's SLOs, and mirror what an admin route
+    changed into the other bases' engines."""
     response = await handler(request)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
     state = request.app[STATE]
+    state.engines.sync()  # an admin change reaches the other bases' engines now (one comparison when none)
     state.metrics.requests.labels(route, str(response.status)).inc()
     job = request.get(JOB)
     if job is not None:
@@ -366,7 +399,7 @@ async def _drain_on_shutdown(app: web.Application) -> None:
     except TimeoutError:
         log.warning("aborting %d requests still running after %.0fs", len(state.request_ids), state.shutdown_grace_s)
         for rid in list(state.request_ids):
-            state.engine.abort(rid)
+            state.engines.abort(rid)
         try:
             await asyncio.wait_for(state.idle.wait(), timeout=5.0)
         except TimeoutError:
@@ -374,8 +407,9 @@ async def _drain_on_shutdown(app: web.Application) -> None:
 
 
 async def _restore_pins(app: web.Application) -> None:
-    """Adapters pinned before a restart load now, not at the first request."""
-    await app[STATE].engine.admin.restore_pins()
+    """Adapters pinned before a restart load now, not at the first request (on every base's engine)."""
+    for engine in app[STATE].engines.engines:
+        await engine.admin.restore_pins()
 
 
 async def _start_loop_lag(app: web.Application) -> None:
@@ -410,8 +444,12 @@ def create_app(
     edge: EdgeLimits | None = None,
     access_log: AccessLog | None = None,
     slo_window_s: float = DEFAULT_WINDOW_S,
+    bases: Sequence[Engine] = (),
 ) -> web.Application:
     """An aiohttp app serving ``engine`` to the tenants ``access`` knows. The caller owns the engine.
+
+    ``bases``: engines of other bases served beside ``engine`` (the primary, whose registry is the
+    server's), each request on its adapter version's base (:mod:`lorapage.server.engines`).
 
     ``access_log``: one JSON line per answered request (:mod:`lorapage.server.access_log`).
     ``/metrics`` takes the admin key or a ``[metrics]`` key unless ``metrics_public``. Admin
@@ -432,8 +470,9 @@ def create_app(
         shutdown_grace_s=shutdown_grace_s,
         metrics_public=metrics_public,
         slo_window_s=slo_window_s,
+        bases=bases,
     )
-    engine.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
+    app[STATE].engines.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

@@ -6,15 +6,17 @@
 - ``POST /v1/bases/{digest}/validate`` (admin), body ``{"model": DIR, "adapters": [ids]?}``: starts
   a validation job toward base ``digest`` (``sha256:HEX`` or bare hex), whose directory ``DIR``
   (absolute; any the server process can read: the admin key is the operator's) must hold that
-  digest. 202 with the job; 409 while another runs (one at a time). See
-  :mod:`lorapage.bases.validation`.
+  digest. 202 with the job; 409 while another runs (one at a time). Toward a base this server
+  runs beside its own (``--base``, :mod:`lorapage.server.engines`), ``model`` may be left out: that
+  engine is checked on, none is loaded. See :mod:`lorapage.bases.validation`.
 - ``GET /v1/bases/{digest}/validate`` (admin, or a tenant key for its own adapters): the latest
   job's progress, each adapter version's migration state toward ``digest`` with its numbers and
   customer notice, and a per-tenant report (``?tenant=`` narrows it; a tenant key sees its own
   only, and naming another tenant is 403).
 - ``POST /v1/bases/{digest}/migrate`` (admin), body ``{"adapters": [ids]?}``: each adapter whose
   current version ``passed`` gets a new version bound to ``digest`` (same files; the alias stays
-  where it is, and an engine on the new base serves the id through it): audited as ``migrate``.
+  where it is, and an engine on the new base serves the id through it: at once, when this server
+  runs that base beside its own): audited as ``migrate``.
   Named adapters that did not pass are refused (409 naming the state) and nothing moves; without
   names, those are listed as skipped with their state.
 """
@@ -41,7 +43,7 @@ from lorapage.adapters.drift_state import (
     check_prompts_param,
 )
 from lorapage.bases.validation import BaseValidator, check_model_dir, current_versions, parse_key
-from lorapage.errors import ConflictError, PermissionDeniedError
+from lorapage.errors import ConflictError, InvalidRequestError, PermissionDeniedError
 from lorapage.server import protocol
 from lorapage.server.check_prompts import admin_or_tenant, check_prompts_out, owned_id, store_check_prompts
 from lorapage.server.tenants import key_id
@@ -101,8 +103,15 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         state.access.require_admin(request)
         target = _target(request)
         req = protocol.decode(await read_admin_body(request), protocol.ValidateRequest)
-        model = await asyncio.get_running_loop().run_in_executor(None, check_model_dir, req.model)
-        job = request.app[VALIDATOR].start(state.engine, target, model, req.adapters)
+        running = state.engines.side_engine(target)  # a base served beside the primary: checked there, not loaded
+        if running is None and req.model is None:
+            raise InvalidRequestError(
+                f"model: the directory of base {shown_digest(target)} is required (this server does not run it)",
+                param="model",
+            )
+        model = running.config.model if running is not None else req.model
+        model = await asyncio.get_running_loop().run_in_executor(None, check_model_dir, model)
+        job = request.app[VALIDATOR].start(state.engine, target, model, req.adapters, running=running)
         body = {"object": "base.validation", "job": job.id, "status": job.status, "target": shown_digest(target)}
         return _json({**body, "adapters": job.adapters}, status=202)
 

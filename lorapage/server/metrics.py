@@ -191,6 +191,33 @@ class _EngineGauges:
             yield family
 
 
+class BaseGauges:
+    """A server serving several bases (:mod:`lorapage.server.engines`): each unlabelled engine
+    series again per base, as ``lorapage_base_*{base="NAME"}`` (one series per base: the label
+    set is the bases served), and ``lorapage_base_info{base, digest}``. The ``lorapage_engine_*``
+    series stay the primary engine's, as on a server of one base."""
+
+    def __init__(self, engines: list[tuple[str, str, Callable[[], EngineStats]]]) -> None:
+        self._engines = engines  # (base name, its digest, its engine's stats), the primary first
+
+    def collect(self):
+        info = GaugeMetricFamily(
+            "lorapage_base_info", "Each base served (1), with its digest.", labels=("base", "digest")
+        )
+        for name, digest, _ in self._engines:
+            info.add_metric([name, f"sha256:{digest}"], 1)
+        yield info
+        stats = [(name, read()) for name, _, read in self._engines]
+        for series in ENGINE_SERIES:
+            if series.field is None:
+                continue
+            name = series.name.replace("lorapage_engine_", "lorapage_base_", 1)
+            family = GaugeMetricFamily(name, f"{series.help} Per base.", labels=("base",))
+            for base, got in stats:
+                family.add_metric([base], getattr(got, series.field))
+            yield family
+
+
 class _LoopLagGauges:
     """Exports a :class:`LoopLagMonitor`'s worst recent lag and its latest sample."""
 

@@ -12,7 +12,7 @@ adds (versions being deleted). Shared by ``lorapage serve`` and the fleet's ingr
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -59,8 +59,16 @@ class ModelsView:
         *,
         serving: Callable[[], Iterable[str]],
         key: Callable[[], Hashable],
+        more_bases: Sequence[BaseCard] = (),
+        base_of: Callable[[str], str | None] | None = None,
     ) -> None:
+        """``more_bases``: the other bases a server runs beside ``card``'s (listed after it);
+        ``base_of``: the name of the base an adapter id runs on (None: ``card``'s), asked when
+        the view is rebuilt, after ``serving``."""
         self.access, self.card = access, card
+        self._cards = {c.name: c for c in (card, *more_bases)}
+        self._base_of = base_of
+        self._parents: dict[str, BaseCard] = {}  # adapter id -> the card of the base it runs on, when not ``card``
         self._serving = serving  # adapter ids that serve a version now (read once per change)
         self._key = key
         self._built: Hashable = None
@@ -69,13 +77,18 @@ class ModelsView:
         self._shared_set: frozenset[str] = frozenset()
         self._bodies: OrderedDict[str, bytes] = OrderedDict()
 
+    def card_named(self, name: str | None) -> BaseCard:
+        """The card of the base named ``name`` (None, or a name not served: the first base's)."""
+        return self._cards.get(name, self.card) if name is not None else self.card
+
     def body(self, tenant: str) -> bytes:
         """The encoded model list for ``tenant``."""
         self._refresh()
         body = self._bodies.get(tenant)
         if body is None:
-            base = [self.card.base()] if self.card.serves_base else []
-            data = [*base, *(self.card.adapter(i, tenant) for i in self.adapter_ids(tenant))]
+            base = [c.base() for c in self._cards.values()] if self.card.serves_base else []
+            parents = self._parents
+            data = [*base, *(parents.get(i, self.card).adapter(i, tenant) for i in self.adapter_ids(tenant))]
             body = msgspec.json.encode(ModelList(data=data))
             self._bodies[tenant] = body
             if len(self._bodies) > CACHED_TENANTS:
@@ -103,7 +116,11 @@ class ModelsView:
             return
         owned: dict[str, list[str]] = {}
         shared = []
+        self._parents = {}
         for adapter_id in self._serving():
+            name = self._base_of(adapter_id) if self._base_of is not None else None
+            if name is not None and name != self.card.name:
+                self._parents[adapter_id] = self._cards[name]
             owner = self.access.owners.get(adapter_id)
             if owner is None:
                 shared.append(adapter_id)

@@ -140,10 +140,11 @@ class CheckPromptsRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ValidateRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /v1/bases/{digest}/validate``: the candidate base's directory, and which adapter
-    ids to check (None: every id whose current version this server serves)."""
+    """``POST /v1/bases/{digest}/validate``: the candidate base's directory (None: the server
+    runs that base beside its own, ``--base``, and that engine is used), and which adapter ids to
+    check (None: every id whose current version this server serves)."""
 
-    model: str
+    model: str | None = None
     adapters: list[str] | None = None
 
 

@@ -14,6 +14,7 @@ from lorapage.server.edge import EDGE_LIMITS, ConnectionCap, EdgeLimits, Guarded
 
 if TYPE_CHECKING:
     from lorapage.engine import Engine
+    from lorapage.server.engines import Engines
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -57,13 +58,14 @@ async def start(app: web.Application, sock: socket.socket | tuple[str, int]) -> 
 
 async def serve_until_signal(
     app: web.Application,
-    engine: Engine,
+    engine: Engine | Engines,
     sock: socket.socket,
     on_ready: Callable[[int], None],
     on_reload: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop accepting, let running requests finish (or abort
-    them after the grace period), and close the engine. SIGHUP calls ``on_reload``."""
+    them after the grace period), and close the engine (every engine of an :class:`Engines`).
+    SIGHUP calls ``on_reload``."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -28,19 +28,23 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lorapage.adapters.binding import load_base_names
 from lorapage.adapters.registry import REGISTRY_FILE, RegistrySchemaError
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirError
 from lorapage.config import GROUPS, EngineConfig
 from lorapage.engine import Engine
+from lorapage.engine.devices import resolve_device
 from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_check, read_check_prompts
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.access_log import AccessLog
-from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
+from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, STATE, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
+from lorapage.server.engines import side_config, utilization_share
 from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
 from lorapage.server.slo import DEFAULT_WINDOW_S
@@ -219,6 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish after SIGTERM before they are aborted",
     )
     add_merge_arguments(p)
+    p.add_argument(
+        "--base",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="serve this base model too, beside --model (repeatable): each base its own engine, with the same engine "
+        "flags (memory flags apply per engine); a request runs on the base its adapter version is bound to, or the "
+        "base its model names; --model stays the primary: its registry in --state-dir is the server's, and unbound "
+        "adapters (--allow-unbound) and --lora-modules are its",
+    )
     return p
 
 
@@ -337,15 +351,15 @@ def engine_config(args: argparse.Namespace, prog: str = PROG) -> EngineConfig:
     return config
 
 
-def check_model_dir(model: str, prog: str = PROG) -> None:
-    """End ``prog`` with one line when ``model`` is no readable Hugging Face model directory."""
+def check_model_dir(model: str, prog: str = PROG, flag: str = "--model") -> None:
+    """End ``prog`` with one line (naming ``flag``) when ``model`` is no readable Hugging Face model directory."""
     config = Path(model) / "config.json"
     try:
         with config.open("rb"):
             pass
     except OSError as exc:
         reason = "no such directory" if not Path(model).is_dir() else f"cannot read config.json ({exc.strerror})"
-        fail(prog, f"--model {model}: {reason}; expected a Hugging Face model directory (config.json, *.safetensors)")
+        fail(prog, f"{flag} {model}: {reason}; expected a Hugging Face model directory (config.json, *.safetensors)")
 
 
 def lora_modules(args: argparse.Namespace, prog: str = PROG) -> dict[str, str]:
@@ -438,8 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
     edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
     config = engine_config(args)
+    check_bases(args, merge)
     if merge is not None:  # the adapter is registered only to check the merge against: no envelope
         config = dataclasses.replace(config, shared_envelope="", shared_max_cost_pct=None)
+    utilization = config.gpu_memory_utilization  # of the device, shared by every base's engine
+    if (total := shared_device(args, config)) is not None:
+        share = utilization_share(utilization, 1 + len(args.base), 0, 0, total)
+        config = dataclasses.replace(config, gpu_memory_utilization=share)
     access_log = open_access_log(args)
     # The port first: a busy one ends the command before any key is printed or the model loads.
     try:
@@ -466,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.add_adapter(name, path)
     except LorapageError as exc:
         fail(PROG, f"adapter {name!r}: {exc.message}")
+    bases = side_engines(args, config, roots, engine, utilization)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         if merge is not None:
             run_merge_check(runner, engine, merge, check_prompts, args.merge_check_tolerance)
@@ -479,18 +499,24 @@ def main(argv: list[str] | None = None) -> int:
                 ", ".join(unusable),
                 SHARED,
             )
-        app = create_app(
-            engine,
-            access,
-            max_body_bytes=args.max_body_bytes,
-            shutdown_grace_s=args.shutdown_timeout,
-            metrics_public=args.metrics_public,
-            edge=edge,
-            access_log=access_log,
-            slo_window_s=window,
-        )
+        try:
+            app = create_app(
+                engine,
+                access,
+                max_body_bytes=args.max_body_bytes,
+                shutdown_grace_s=args.shutdown_timeout,
+                metrics_public=args.metrics_public,
+                edge=edge,
+                access_log=access_log,
+                slo_window_s=window,
+                bases=bases,
+            )
+        except ValueError as exc:  # a --base that cannot serve beside --model
+            fail(PROG, f"--base: {exc}")
         if merge is None:
             print(f"lorapage: base model {engine.base_name!r}, adapters: {', '.join(modules) or 'none'}")
+            for side in bases:
+                print(f"lorapage: base model {side.base_name!r} beside it (sha256:{side.digest})")
         else:
             print(f"lorapage: dedicated deployment of adapter {merge!r}, merged into base model {engine.base_name!r}")
 
@@ -501,9 +527,49 @@ def main(argv: list[str] | None = None) -> int:
             if args.tenants:
                 reload_tenants(app, args.tenants)
 
-        runner.run(serve_until_signal(app, engine, sock, ready, on_reload=reload))
+        runner.run(serve_until_signal(app, app[STATE].engines, sock, ready, on_reload=reload))
     print("lorapage: stopped", flush=True)
     return 0
+
+
+def check_bases(args: argparse.Namespace, merge: str | None) -> None:
+    """``--base`` checked before any model loads: model directories, and not beside ``--merge``."""
+    if args.base and merge is not None:
+        fail(PROG, "--merge serves one adapter on one base: it does not take --base")
+    for model in args.base:
+        check_model_dir(model, flag="--base")
+
+
+def shared_device(args: argparse.Namespace, config: EngineConfig) -> int | None:
+    """The total bytes of the CUDA device the engines of ``--model`` and ``--base`` share when
+    their pools are sized from ``--gpu-memory-utilization`` (None: one base, a CPU, or
+    ``--num-pages`` sizing each pool)."""
+    if not args.base or config.num_pages is not None:
+        return None
+    device = resolve_device(config.device)
+    return torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+
+
+def side_engines(
+    args: argparse.Namespace, config: EngineConfig, roots: AdapterRoots, primary: Engine, utilization: float
+) -> list[Engine]:
+    """The engines of ``--base``'s bases, beside the primary's ``config`` (the command ends naming
+    a directory that is no base, or a base that cannot serve beside the primary). On one CUDA
+    device each engine's pool gets an equal share of ``utilization`` (:func:`utilization_share`)."""
+    total = shared_device(args, config)
+    bases, reserved, n = [], primary.step_reserve_bytes, 1 + len(args.base)
+    for k, model in enumerate(args.base, start=1):
+        side = side_config(config, model)
+        if total is not None:
+            side = dataclasses.replace(
+                side, gpu_memory_utilization=utilization_share(utilization, n, k, reserved, total)
+            )
+        try:
+            bases.append(Engine(side, adapter_roots=roots))
+        except (OSError, ValueError) as exc:
+            fail(PROG, f"--base {model}: {exc}")
+        reserved += bases[-1].step_reserve_bytes
+    return bases
 
 
 def _loop_factory():

@@ -22,6 +22,7 @@ from lorapage.server.quota import AdmissionRate, Reservation
 
 if TYPE_CHECKING:
     from lorapage.engine import Engine
+    from lorapage.server.engines import Engines
 
 # Runs a job on the engine and answers it over HTTP (generation.respond's signature).
 Responder = Callable[[web.Request, "Engine", Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
@@ -30,7 +31,8 @@ Responder = Callable[[web.Request, "Engine", Job, ServerMetrics, AdmissionRate],
 class RouteState(Protocol):
     """The engine, who may use what, the prompt builder, the requests in flight, and admission."""
 
-    engine: Engine
+    engine: Engine  # the primary: its registry is the server's
+    engines: Engines  # every base served, the primary first (lorapage.server.engines)
     access: Access
     prompts: PromptBuilder
     sampler: PromptSampler  # check prompts sampled from opted-in adapters' traffic

@@ -67,7 +67,8 @@ def add_usage_route(app: web.Application, state_key: web.AppKey) -> None:
     async def usage(request: web.Request) -> web.Response:
         state = request.app[state_key]
         req = usage_request(state.access, request, request.query)
-        body, content_type = usage_answer(req, state.engine.usage_rows(since_hour=req.since_hour), state.access.owners)
+        rows = state.engines.usage_rows(since_hour=req.since_hour)  # every base's engine (--base)
+        body, content_type = usage_answer(req, rows, state.access.owners)
         charset = "utf-8" if content_type == "text/csv" else None
         return web.Response(body=body, content_type=content_type, charset=charset)
 

@@ -12,8 +12,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from base_variants import far_base, near_base
 from server_harness import KEYS, assert_openai_error, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig
@@ -34,22 +33,10 @@ CUSTOMERS = {
 }
 
 
-def variant(out: Path, change) -> Path:
-    """The tiny base with each weight matrix ``w`` replaced by ``change(w, generator)``."""
-    shutil.copytree(TINY_BASE_DIR, out)
-    weights = load_file(out / "model.safetensors")
-    gen = torch.Generator().manual_seed(7)
-    save_file({k: change(w, gen) if w.dim() == 2 else w for k, w in weights.items()}, out / "model.safetensors")
-    return out
-
-
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("bases")
-    # 1e-4 relative noise: the same model for every practical purpose.
-    near = variant(root / "near", lambda w, g: w + torch.randn(w.shape, generator=g) * w.std() * 1e-4)
-    far = variant(root / "far", lambda w, g: torch.randn(w.shape, generator=g) * w.std())  # re-drawn
-    return near, far
+    return near_base(root / "near"), far_base(root / "far")
 
 
 @pytest.fixture

@@ -1,0 +1,345 @@
+"""Several bases in one server: one :class:`~lorapage.engine.Engine` per base, and which one a request runs on.
+
+``lorapage serve --model A --base B`` serves base A (the *primary*) and base B side by side, each
+its own engine with its own pool, threads and config (the memory flags apply to each engine: two
+bases take twice the pool). One registry: the primary's, in ``--state-dir``, which every admin
+route writes; each other engine keeps an in-memory copy of the versions bound to its base,
+*mirrored* from the primary's live view whenever that changes (:meth:`Engines.sync`, the fleet's
+replicas' mechanism), so a version registered or migrated while both serve is served without a
+restart.
+
+The routing rule (:func:`route_base`, pure) is: a request's adapter version runs on the base it is
+bound to (409 naming its digest when no engine here runs that base); a request naming a base model
+runs on that base; anything else on the primary. An alias (``id`` or ``id@channel``) at a version
+migrated onto a base served here serves its migration, as it does on a server restarted over the
+new base (:class:`~lorapage.adapters.catalog.AdapterCatalog`): after ``POST
+/v1/bases/{digest}/migrate`` the id's requests move to the new base's engine; ``id@N`` still names
+the old version, on the old base.
+
+Both bases must share a tokenizer and a context length: prompts are templated and tokenized once,
+before the engine is chosen (a base upgrade keeps them; the drift check compares token ids anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorapage.adapters.binding import migration_route, shown_digest
+from lorapage.adapters.digest import digest_param
+from lorapage.adapters.drift_state import MIGRATED, MigrationRow
+from lorapage.adapters.registry import VersionRow, parse_name, version_key
+from lorapage.config import EngineConfig
+from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError, ConflictError, LorapageError
+from lorapage.usage.ledger import Key, Usage
+from lorapage.usage.report import summed
+
+if TYPE_CHECKING:
+    from lorapage.adapters.cache import AdapterInfo
+    from lorapage.engine import Engine
+
+log = logging.getLogger("lorapage.server")
+
+
+@dataclass(frozen=True)
+class ServedBase:
+    """One base this server runs: the name requests and ``/v1/models`` use, and its digest."""
+
+    name: str
+    digest: str
+
+
+def route_base(
+    served: Sequence[ServedBase], *, version_base: str | None = None, model: str | None = None
+) -> ServedBase | None:
+    """The base a request runs on: its adapter version's (``version_base``; None when that base
+    is not served here), else the base the ``model`` names, else the first (the primary)."""
+    if version_base is not None:
+        return next((b for b in served if b.digest == version_base), None)
+    return next((b for b in served if b.name == model), served[0])
+
+
+def followed(name: str, key: str, migrations: Mapping[str, str]) -> str:
+    """The version ``name`` serves, where it resolved to ``key``: an alias or a channel (not an
+    explicit ``id@N``) at a version migrated onto a served base serves that migration."""
+    _, version = parse_name(name)
+    return migrations.get(key, key) if version is None or version == -1 else key
+
+
+def served_migrations(rows: Iterable[MigrationRow], served: Collection[str]) -> dict[str, str]:
+    """Version key -> the version it was migrated to, for the migrations onto a base in ``served``
+    (digests); of several for one version, the latest."""
+    done = sorted(
+        (m.updated, m.adapter_id, m.version, m.new_version)
+        for m in rows
+        if m.state == MIGRATED and m.new_version is not None and m.target in served
+    )
+    return {version_key(adapter_id, old): version_key(adapter_id, new) for _, adapter_id, old, new in done}
+
+
+def unserved_message(key: str, bound: str, served: Sequence[ServedBase]) -> str:
+    """Why version ``key``, bound to base ``bound``, is refused here: every base served, and the way forward."""
+    running = ", ".join(f"{shown_digest(b.digest)} ({b.name})" for b in served)
+    return (
+        f"adapter {key} was trained on base {shown_digest(bound)}, which this server does not run (it runs "
+        f"{running}); start it with --base on that base's directory, or {migration_route(served[0].digest)}"
+    )
+
+
+class Engines:
+    """The engines of one server, the primary first (it holds the state dir and the registry)."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self.primary = engines[0]
+        self.engines = list(engines)
+        # Digests hash the weights: with one base, nothing here needs it (the catalog asks when it must).
+        self.bases = [ServedBase(e.base_name, e.digest) for e in engines] if len(engines) > 1 else []
+        self._by_digest = {b.digest: e for b, e in zip(self.bases, engines, strict=False)}
+        if self.several:
+            _check_side_by_side(self.engines, self.bases)
+        self._synced = -1  # the primary's catalog generation last mirrored
+        self._mirrored: dict[str, tuple] = {}  # id -> (owner, current, rows) as last mirrored
+        self.migrations: dict[str, str] = {}  # version key -> its migration onto a served base (another key)
+        self.sync()
+
+    @property
+    def several(self) -> bool:
+        return len(self.engines) > 1
+
+    def engine_of(self, base: ServedBase) -> Engine:
+        return self._by_digest[base.digest]
+
+    def base_of_key(self, key: str) -> ServedBase | None:
+        """The served base version ``key`` (``id@N``) is bound to (None: not served here)."""
+        return route_base(self.bases, version_base=self.primary.admin.row(key).base_digest)
+
+    def engine_for(self, adapter: str | None, model: str) -> Engine:
+        """The engine a resolved request runs on: its adapter version's base's, else the base its
+        ``model`` names, else the primary."""
+        if not self.several:
+            return self.primary
+        base = self.base_of_key(adapter) if adapter is not None else route_base(self.bases, model=model)
+        return self.primary if base is None else self.engine_of(base)
+
+    def resolve(self, name: str) -> str:
+        """The version key ``name`` (``id``, ``id@N``, ``id@channel``) serves now, on whichever
+        base: 404 when there is none, 409 (naming its digest) when no engine here runs its base,
+        the serving engine's own refusals (an envelope's 400) otherwise."""
+        if not self.several:
+            return self.primary.admin.resolve(name)
+        self.sync()
+        row = self.primary.admin.row(name)
+        key = followed(name, row.key, self.migrations)
+        bound = row.base_digest if key == row.key else self.primary.admin.row(key).base_digest
+        base = route_base(self.bases, version_base=bound)
+        if base is None:
+            raise AdapterBaseMismatchError(unserved_message(key, bound, self.bases), param="model")
+        return self.engine_of(base).admin.resolve(key)
+
+    def served_ids(self) -> dict[str, tuple[str, str]]:
+        """Each adapter id that serves a version now -> (that version's key, the name of the base it runs on)."""
+        out = {}
+        for adapter_id in self.primary.admin.ids():
+            try:
+                key = self.resolve(adapter_id)
+            except LorapageError:  # refused here (a base not served, outside the envelope): not listed
+                continue
+            base = self.base_of_key(key)
+            if base is not None:
+                out[adapter_id] = (key, base.name)
+        return out
+
+    def sync(self) -> None:
+        """Mirror the primary's live view into the other engines when it changed since the last
+        call (cheap otherwise: one comparison). Only the ids whose versions, alias or owner
+        changed are mirrored; the migrations onto served bases are read again from the registry
+        (a few rows per adapter, only after a change)."""
+        generation = self.primary.admin.generation
+        if not self.several or generation == self._synced:
+            return
+        stored = {i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.stored()}
+        changed = [i for i, state in stored.items() if self._mirrored.get(i) != state]
+        gone = [i for i in self._mirrored if i not in stored]
+        busy = set()
+        for engine in self.engines[1:]:
+            for adapter_id in changed:
+                owner, current, rows = stored[adapter_id]
+                if _mirror(engine, adapter_id, owner, current, list(rows)):
+                    busy.add(adapter_id)
+            for adapter_id in gone:
+                if _mirror(engine, adapter_id, None, None, []):
+                    busy.add(adapter_id)
+        # An id whose dropped version still had requests is mirrored again at the next call.
+        self._mirrored = {i: state for i, state in stored.items() if i not in busy}
+        self.migrations = self._served_migrations()
+        self._synced = -1 if busy else generation
+
+    def _served_migrations(self) -> dict[str, str]:
+        return served_migrations(self.primary.admin.registry.migration_states(), {b.digest for b in self.bases})
+
+    async def register(
+        self,
+        name: str,
+        source: str,
+        *,
+        owner: str | None,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        activate: bool,
+        actor: str | None,
+    ) -> AdapterInfo:
+        """A registration (``POST /v1/adapters``): on the primary, unless it was trained on
+        another base served here: its ``expected_base_digest`` names that base, or (none given) the
+        primary cannot bind it (another base, or a name it does not know) and that base's engine
+        binds it by its metadata (``base_model_name_or_path``: that base's own names, or
+        ``--base-names``). Then that engine fetches and checks it, the primary's registry stores
+        it, and that engine serves it. Otherwise the primary's refusal stands."""
+        side = self._side(expected_base_digest)
+        if side is not None:
+            return await self._register_on(side, name, source, owner, sha256, expected_base_digest, activate, actor)
+        try:
+            return await self.primary.admin.register(
+                name,
+                source,
+                owner=owner,
+                sha256=sha256,
+                expected_base_digest=expected_base_digest,
+                activate=activate,
+                actor=actor,
+            )
+        except (AdapterBaseMismatchError, AdapterBaseUnknownError):
+            if not self.several or expected_base_digest is not None:
+                raise
+            for side in self.engines[1:]:
+                try:
+                    return await self._register_on(side, name, source, owner, sha256, None, activate, actor)
+                except (AdapterBaseMismatchError, AdapterBaseUnknownError):
+                    continue
+            raise
+
+    async def _register_on(
+        self,
+        side: Engine,
+        name: str,
+        source: str,
+        owner: str | None,
+        sha256: str | None,
+        expected_base_digest: str | None,
+        activate: bool,
+        actor: str | None,
+    ) -> AdapterInfo:
+        """Register on another base's engine: checked there, stored in the primary's registry, mirrored."""
+        prepared = await side.admin.prepare(
+            source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
+        )
+        version, created = await self.primary.admin.add_prepared(
+            name, prepared, owner=owner, activate=activate, actor=actor
+        )
+        self.sync()
+        return dataclasses.replace(side.admin.info(version.key), created=created)
+
+    def _side(self, expected_base_digest: str | None) -> Engine | None:
+        """The engine of another base served here that ``expected_base_digest`` names (None: the primary's job)."""
+        if not self.several or expected_base_digest is None:
+            return None
+        digest = digest_param(expected_base_digest, "expected_base_digest")
+        return None if digest == self.primary.digest else self._by_digest.get(digest)
+
+    def serving(self, name: str) -> tuple[Engine, str]:
+        """The engine that serves ``name`` and the name to ask it for (the version key on another
+        base than the primary's); the refusals of :meth:`resolve`."""
+        if not self.several:
+            return self.primary, name
+        key = self.resolve(name)
+        return self.engine_for(key, ""), key
+
+    def side_engine(self, digest: str) -> Engine | None:
+        """The engine of base ``digest`` when it is served here beside the primary (None otherwise)."""
+        engine = self._by_digest.get(digest) if self.several else None
+        return engine if engine is not self.primary else None
+
+    def on_primary(self, name: str, action: str) -> str:
+        """``name`` when it runs on the primary base (or is refused by it); 409 when it runs on
+        another base served here, where ``action`` (pin, load...) does not reach yet: its durable
+        state is the primary's registry, its residency the other engine's."""
+        if not self.several:
+            return name
+        engine, key = self.serving(name)
+        if engine is self.primary:
+            return name
+        raise ConflictError(
+            f"adapter {key} runs on base {engine.base_name!r} ({shown_digest(engine.digest)}), served beside the "
+            f"primary base {self.primary.base_name!r}: {action} acts on the primary base's versions only",
+            param="id",
+        )
+
+    def usage_rows(self, *, since_hour: int | None = None) -> list[tuple[Key, Usage]]:
+        """Cost attribution over every base's engine, summed by (hour, tenant, adapter version)
+        as a fleet sums its replicas' (a version runs on one base; the base model's rows add up)."""
+        if not self.several:
+            return self.primary.usage_rows(since_hour=since_hour)
+        return summed(engine.usage_rows(since_hour=since_hour) for engine in self.engines)
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        for engine in self.engines:
+            engine.set_tenant_weights(weights)
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` wherever it runs (an id unknown to an engine is nothing to it)."""
+        for engine in self.engines:
+            engine.abort(request_id)
+
+    async def close(self) -> None:
+        """Close every engine, the other bases first (the primary holds the state dir's lock)."""
+        for engine in reversed(self.engines):
+            await engine.close()
+
+
+def side_config(config: EngineConfig, model: str) -> EngineConfig:
+    """The config of the engine serving base ``model`` beside ``config``'s (the primary's): every
+    flag the same (the pool's included: each engine sizes its own), its registry in memory (the
+    primary's is the record, mirrored), and downloads in a disk cache of its own beside the
+    primary's, whose budget and evictions are its alone."""
+    cache = config.adapter_cache_dir or (str(Path(config.state_dir) / "adapter-cache") if config.state_dir else None)
+    name = Path(model).name
+    return dataclasses.replace(
+        config, model=model, state_dir=None, adapter_cache_dir=f"{cache}-{name}" if cache is not None else None
+    )
+
+
+def utilization_share(utilization: float, bases: int, k: int, reserved_bytes: int, total_bytes: int) -> float:
+    """The ``gpu_memory_utilization`` engine ``k`` (0: the primary) of ``bases`` engines on one
+    CUDA device is built with, so that each pool gets an equal share of ``utilization``: the cap
+    counts all memory in use when an engine sizes its pool (the engines built before it
+    included), so engine k's is (k+1)/bases of it, less what those engines left free for their
+    steps (``reserved_bytes``: activations and headroom, allocated only as steps run)."""
+    return utilization * (k + 1) / bases - reserved_bytes / total_bytes
+
+
+def _mirror(engine: Engine, adapter_id: str, owner: str | None, current: int | None, rows: list[VersionRow]) -> bool:
+    """Mirror one id into ``engine``; True when a version to drop still has requests there (kept for now)."""
+    busy = engine.admin.mirror(adapter_id, owner, current, rows)
+    if busy:
+        log.info("base %s keeps %s until its requests end", engine.base_name, ", ".join(busy))
+    return bool(busy)
+
+
+def _check_side_by_side(engines: Sequence[Engine], bases: Sequence[ServedBase]) -> None:
+    """ValueError unless the bases can serve side by side: distinct digests and names, one
+    tokenizer and one context length (prompts are tokenized before a base is chosen)."""
+    first = engines[0]
+    digests, names = [b.digest for b in bases], [b.name for b in bases]
+    if len(set(digests)) < len(digests) or len(set(names)) < len(names):
+        raise ValueError(f"each base must be another checkpoint under another directory name; got {names}")
+    for engine in engines[1:]:
+        if engine.tokenizer.backend.to_str() != first.tokenizer.backend.to_str():
+            raise ValueError(f"base {engine.base_name!r} has another tokenizer than {first.base_name!r}")
+        if engine.max_model_len != first.max_model_len:
+            raise ValueError(
+                f"base {engine.base_name!r} serves {engine.max_model_len} tokens of context, {first.base_name!r} "
+                f"{first.max_model_len}: give --max-model-len"
+            )
