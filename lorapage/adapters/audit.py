@@ -29,6 +29,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lorapage.errors import InvalidRequestError
+
 ACTIONS = (
     "register",
     "deploy",
@@ -221,6 +223,16 @@ def rollback_target(history: Sequence[AliasMove], current: int, existing: Collec
             return move.before
         target = move.before
         seen.add(target)
+
+
+def check_channel(channel: str) -> None:
+    """400 for a channel name ``id@{channel}`` could not carry (the id's own alias, ``""``, passes)."""
+    if channel and not CHANNEL.fullmatch(channel):
+        raise InvalidRequestError(
+            f"channel {channel[:40]!r}: 1-32 of a-z, 0-9, '_' and '-', a letter first (so `id@{{channel}}` never "
+            "reads as a version number)",
+            param="channel",
+        )
 
 
 def channel_name(name: str) -> str | None:

@@ -36,7 +36,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorapage.adapters.audit import CHANNEL, DEFAULT_CHANNEL, AliasMove, channel_name, rollback_target
+from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, channel_name, check_channel, rollback_target
 from lorapage.adapters.binding import BaseBinding, mismatch_message
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import digest_param
@@ -51,7 +51,6 @@ from lorapage.errors import (
     AdapterIntegrityError,
     AdapterNotFoundError,
     ConflictError,
-    InvalidRequestError,
     PinLimitError,
 )
 
@@ -573,7 +572,7 @@ class AdapterCatalog:
         """Point ``adapter_id`` (or its named ``channel``, created on first use) at ``version``:
         a deploy. Requests already submitted keep the version they were resolved to."""
         adapter = self._adapter(adapter_id)
-        _check_channel(channel)
+        check_channel(channel)
         async with self._lock:
             return await self._move(adapter, adapter_id, version, channel, "deploy", actor)
 
@@ -584,7 +583,7 @@ class AdapterCatalog:
         version before its last deploy (:func:`~lorapage.adapters.audit.rollback_target`: rolling
         back again goes one deploy further back); 409 when there is none."""
         adapter = self._adapter(adapter_id)
-        _check_channel(channel)
+        check_channel(channel)
         async with self._lock:  # no other move between reading the history and this one
             at = adapter.channels.get(channel) if channel else adapter.current
             if at is None:
@@ -679,19 +678,10 @@ class AdapterCatalog:
     def removable(self, name: str) -> list[str]:
         """The version keys deleting ``name`` removes (see :func:`~lorapage.adapters.registry.removable_keys`);
         a version a named channel points at is refused (409) as the current one is, while the id has others."""
-        adapter_id, version = parse_name(name)
-        adapter = self._ids.get(adapter_id)
-        keys = removable_keys(name, adapter.versions if adapter else (), adapter.current if adapter else None)
-        if adapter is None or version is None or len(adapter.versions) < 2:
-            return keys
-        held = [c for c, v in adapter.channels.items() if v == version]
-        if held:
-            raise ConflictError(
-                f"{name} is the version channel {held[0]!r} serves ({adapter_id}@{held[0]}); point the channel at "
-                f"another version, or delete it (DELETE /v1/adapters/{adapter_id}/channels/{held[0]}), first",
-                param="id",
-            )
-        return keys
+        adapter = self._ids.get(parse_name(name)[0])
+        if adapter is None:
+            return removable_keys(name, (), None)
+        return removable_keys(name, adapter.versions, adapter.current, adapter.channels)
 
     def remove(self, name: str, *, actor: str | None = None) -> list[str]:
         """Remove version ``id@N``, or every version of ``id`` (see :meth:`removable`); refused
@@ -722,15 +712,6 @@ class AdapterCatalog:
         self.generation += 1
         if not adapter.versions:
             adapter.owner = None
-
-
-def _check_channel(channel: str) -> None:
-    if channel and not CHANNEL.fullmatch(channel):
-        raise InvalidRequestError(
-            f"channel {channel[:40]!r}: 1-32 of a-z, 0-9, '_' and '-', a letter first (so `id@{{channel}}` never "
-            "reads as a version number)",
-            param="channel",
-        )
 
 
 def _alias_name(adapter_id: str, channel: str) -> str:

@@ -45,7 +45,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,10 +166,13 @@ def parse_name(name: str) -> tuple[str, int | None]:
     return adapter_id, int(number) if _VERSION.fullmatch(number) else -1
 
 
-def removable_keys(name: str, versions: Collection[int], current: int | None) -> list[str]:
-    """The version keys deleting ``name`` removes, given the versions its id has and the one its
-    alias points at: one for ``id@N``, every one for ``id``. Deleting the current version of an
-    id that has others is refused (409): re-point the alias first."""
+def removable_keys(
+    name: str, versions: Collection[int], current: int | None, channels: Mapping[str, int] | None = None
+) -> list[str]:
+    """The version keys deleting ``name`` removes, given the versions its id has, the one its
+    alias points at and its named ``channels``: one for ``id@N``, every one for ``id``. Deleting
+    the current version of an id that has others is refused (409): re-point the alias first; so
+    is one a channel points at: point the channel elsewhere or delete it first."""
     adapter_id, version = parse_name(name)
     if not versions or (version is not None and version not in versions):
         raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="id")
@@ -180,6 +183,13 @@ def removable_keys(name: str, versions: Collection[int], current: int | None) ->
         raise ConflictError(
             f"{name} is the version {adapter_id!r} serves; point the alias at another version "
             f"({others}) first, or DELETE {adapter_id} to remove every version",
+            param="id",
+        )
+    held = [c for c, v in (channels or {}).items() if v == version]
+    if held and len(versions) > 1:
+        raise ConflictError(
+            f"{name} is the version channel {held[0]!r} serves ({adapter_id}@{held[0]}); point the channel at "
+            f"another version, or delete it (DELETE /v1/adapters/{adapter_id}/channels/{held[0]}), first",
             param="id",
         )
     return [version_key(adapter_id, version)]

@@ -43,7 +43,7 @@ from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
 from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
-from lorapage.server.audit_route import audit_list
+from lorapage.server.audit_route import audit_list, history_body, history_limit
 from lorapage.server.auth import Access
 from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
@@ -100,6 +100,12 @@ class FleetAdmin:
             (re.compile(r"/v1/adapters/([^/]+)"), {"GET": self.get, "DELETE": self.delete}),
             (re.compile(r"/v1/adapters/([^/]+)/versions"), {"GET": self.versions}),
             (re.compile(r"/v1/adapters/([^/]+)/current"), {"PUT": self.set_current}),
+            (re.compile(r"/v1/adapters/([^/]+)/rollback"), {"POST": self.rollback}),
+            (
+                re.compile(r"/v1/adapters/([^/]+)/channels/([^/]+)"),
+                {"PUT": self.set_channel, "DELETE": self.delete_channel},
+            ),
+            (re.compile(r"/v1/adapters/([^/]+)/history"), {"GET": self.history}),
             (re.compile(r"/v1/adapters/([^/]+)/pin"), {"PUT": self.pin, "DELETE": self.unpin}),
             (re.compile(r"/v1/adapters/([^/]+)/promote"), {"POST": self.promote}),
             (re.compile(r"/v1/adapters/([^/]+)/demote"), {"POST": self.demote}),
@@ -112,21 +118,22 @@ class FleetAdmin:
         ]
 
     def route(self, path: str) -> tuple[dict[str, Handler], str] | None:
-        """The handlers of ``path`` by method, and the path's adapter name ("" when none)."""
+        """The handlers of ``path`` by method, and the path's adapter name ("" when none; a
+        channel's route names it as its model name does, ``id@channel``)."""
         for pattern, handlers in self._routes:
             if m := pattern.fullmatch(path):
-                return handlers, m.group(1) if m.groups() else ""
+                return handlers, "@".join(m.groups())
         return None
 
     def route_table(self) -> list[tuple[str, str]]:
         """``(method, pattern)`` of every admin route."""
-        return [(method, pattern.pattern.replace("([^/]+)", "{id}")) for pattern, hs in self._routes for method in hs]
+        return [(method, _shown(pattern)) for pattern, hs in self._routes for method in hs]
 
     def route_pattern(self, path: str) -> str | None:
         """``path``'s route as a pattern (``/v1/adapters/{id}``), for metrics labels."""
         for pattern, _ in self._routes:
             if pattern.fullmatch(path):
-                return pattern.pattern.replace("([^/]+)", "{id}")
+                return _shown(pattern)
         return None
 
     def _actor(self, request: Request) -> str:
@@ -247,7 +254,7 @@ class FleetAdmin:
 
     def open_to_tenants(self, handler: Handler) -> bool:
         """Whether ``handler`` checks its own key (a tenant may call it); the rest need the admin key."""
-        return handler == self.get
+        return handler in (self.get, self.history)
 
     async def versions(self, request: Request, adapter_id: str) -> Response:
         """Every version of an id, servable on the fleet's base or not, oldest first."""
@@ -283,6 +290,61 @@ class FleetAdmin:
         actor = self._actor(request)
         row = await self._write(lambda: self.registry.set_current(adapter_id, req.version, actor=actor))
         return _json((await self._describe([row.key]))[0])
+
+    async def rollback(self, request: Request, adapter_id: str) -> Response:
+        """As ``lorapage serve``'s: with no body (or no ``version``) back to the version the alias (or
+        ``channel``) served before its last deploy; again, one deploy further back."""
+        body = await read_body(request, ADMIN_MAX_BODY_BYTES)
+        req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
+        if "@" in adapter_id or adapter_id not in self.registry.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        if req.version is not None and (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
+            await self._resolve(row.key)  # a version on another base: 409 before the alias moves
+        servable = await self._servable(adapter_id)
+        actor, channel = self._actor(request), req.channel or ""
+        await self._write(lambda: self.registry.rollback(adapter_id, req.version, channel, servable, actor=actor))
+        key = await self._resolve(f"{adapter_id}@{channel}" if channel else adapter_id)
+        return _json((await self._describe([key]))[0])
+
+    async def _servable(self, adapter_id: str) -> set[int]:
+        """The versions of ``adapter_id`` a request could be served on (trained on a base the fleet runs)."""
+        served = set()
+        for row in self.registry.versions(adapter_id):
+            try:
+                await self._resolve(row.key)
+            except LorapageError:
+                continue
+            served.add(row.version)
+        return served
+
+    async def set_channel(self, request: Request, name: str) -> Response:
+        """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy of
+        that channel alone; the id's own alias stays where it is."""
+        adapter_id, _, channel = name.partition("@")
+        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
+        if (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
+            await self._resolve(row.key)  # a version on another base: 409 before the channel moves
+        actor = self._actor(request)
+        await self._write(lambda: self.registry.set_channel(adapter_id, channel, req.version, actor=actor))
+        return _json((await self._describe([await self._resolve(name)]))[0])
+
+    async def delete_channel(self, request: Request, name: str) -> Response:
+        """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
+        adapter_id, _, channel = name.partition("@")
+        actor = self._actor(request)
+        await self._write(lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor))
+        return _json({"id": name, "object": "adapter.channel", "deleted": True})
+
+    async def history(self, request: Request, adapter_id: str) -> Response:
+        """As ``lorapage serve``'s: the id's alias and channel moves, newest first; the admin sees any
+        id (with the actors), its owner's key its own, any other key the 404 of an id that does not exist."""
+        admin = self.access.adapter_reader(cast(Any, request), adapter_id)
+        limit = history_limit(request.query_params)
+        if "@" in adapter_id or adapter_id not in self.registry.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        moves = await asyncio.to_thread(self.registry.history, adapter_id, limit + 1)
+        current, channels = self.registry.current(adapter_id), self.registry.channels(adapter_id)
+        return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
     async def delete(self, request: Request, name: str) -> Response:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
@@ -376,3 +438,8 @@ class FleetAdmin:
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
         return _json({"ingress": ingress, "replicas": replicas})
+
+
+def _shown(pattern: re.Pattern[str]) -> str:
+    """A route's regex as its pattern reads (``/v1/adapters/{id}/channels/{channel}``)."""
+    return pattern.pattern.replace("([^/]+)", "{id}", 1).replace("([^/]+)", "{channel}")

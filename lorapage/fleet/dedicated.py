@@ -26,15 +26,17 @@ from typing import Any, Literal
 
 import msgspec
 from ray import serve
+from ray.exceptions import RayActorError
 
 from lorapage.adapters.registry import parse_name
 from lorapage.engine.merge_check import CHECK_PROMPTS
-from lorapage.errors import AdapterNotFoundError, ConflictError
+from lorapage.errors import AdapterNotFoundError, ConflictError, ServiceUnavailableError
 from lorapage.fleet.config import MERGED_APP_PREFIX, FleetConfig
 from lorapage.fleet.merged import MergedReplica, MergedStatus
 from lorapage.fleet.messages import IdState
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.start import run_app
+from lorapage.usage.ledger import Key, Usage
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -107,6 +109,31 @@ class DedicatedDeployments:
         if promotion is None or promotion.state != "merged" or promotion.key != key:
             return None
         return promotion.handle
+
+    async def usage_parts(self, since_hour: int | None) -> list[list[tuple[Key, Usage]]]:
+        """Every serving dedicated replica's usage ledger, one part each (``GET /v1/usage`` adds
+        them to the engine replicas'): asked until each replica has answered (Ray routes each
+        call to one of them). 503 when one does not answer in time. A demoted deployment's
+        usage leaves with it, as a replaced engine replica's does."""
+        parts: list[list[tuple[Key, Usage]]] = []
+        for promotion in [p for p in self._by_id.values() if p.state == "merged" and p.handle is not None]:
+            wanted = {s.replica_id for s in promotion.statuses}
+            seen: dict[str, list[tuple[Key, Usage]]] = {}
+            for _ in range(20 * max(len(wanted), 1)):
+                try:
+                    asked = promotion.handle.usage_rows.remote(since_hour)
+                    rid, rows = await asyncio.wait_for(asked, _STATUS_TIMEOUT_S)
+                except (TimeoutError, RayActorError):
+                    break
+                seen[rid] = rows
+                if wanted <= seen.keys():
+                    break
+            if not wanted <= seen.keys():
+                raise ServiceUnavailableError(
+                    f"the dedicated deployment of {promotion.key} did not report its usage; retry", retry_after=5
+                )
+            parts += seen.values()
+        return parts
 
     def get(self, adapter_id: str) -> Promotion | None:
         return self._by_id.get(adapter_id)

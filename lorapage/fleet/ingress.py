@@ -312,11 +312,13 @@ class FleetIngress:
         return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def usage(self, request: Request) -> Response:
-        """``GET /v1/usage``: every live replica's ledger, summed by (hour, tenant, adapter
-        version), answered as ``lorapage serve`` answers it; 503 when a replica does not report."""
+        """``GET /v1/usage``: every live replica's ledger (the dedicated deployments' too), summed
+        by (hour, tenant, adapter version), answered as ``lorapage serve`` answers it; 503 when a
+        replica does not report."""
         req = usage_request(self.access, cast(Any, request), request.query_params)
         # One replica after another: two calls at once under one request's id left the second unrouted (outputs()).
         parts = [await self._replica_usage(rid, req.since_hour) for rid in self.reports.live()]
+        parts += await self.dedicated.usage_parts(req.since_hour)  # promoted adapters' merged replicas
         body, content_type = usage_answer(req, summed(parts), self.access.owners)
         return Response(body, media_type=content_type)
 

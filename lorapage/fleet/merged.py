@@ -11,7 +11,8 @@ constructor has returned, so by then each replica has its verdict; the ingress r
 refuses every request (fail closed), whatever the ingress does.
 
 It serves :class:`~lorapage.fleet.messages.EngineJob` streams as an engine replica does, for
-its one version only; it does not heartbeat (it mirrors nothing after its start).
+its one version only; it does not heartbeat (it mirrors nothing after its start), and answers the
+ingress's ``GET /v1/usage`` with its own ledger.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from lorapage.engine.merge_check import merge_and_check
 from lorapage.errors import LorapageError, ServiceUnavailableError
 from lorapage.fleet.messages import EngineJob, IdState, ReplicaStart
 from lorapage.request import RequestOutput
+from lorapage.usage.ledger import Key, Usage
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,11 @@ class MergedReplica:
     def status(self) -> MergedStatus:
         """The check's outcome on this replica."""
         return self._status
+
+    async def usage_rows(self, since_hour: int | None) -> tuple[str, list[tuple[Key, Usage]]]:
+        """This replica's id and usage ledger (``Engine.usage_rows``), which the ingress adds to
+        the engine replicas' for ``GET /v1/usage``. Async: read on the loop that owns the ledger."""
+        return self.replica_id, self.engine.usage_rows(since_hour=since_hour)
 
     async def generate(self, job: EngineJob) -> AsyncIterator[ReplicaStart | RequestOutput | LorapageError]:
         """As :meth:`EngineReplica.generate <lorapage.fleet.replica.EngineReplica.generate>`, for its

@@ -23,7 +23,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from lorapage.adapters.audit import OK, AuditEntry, AuditQuery
+from lorapage.adapters.audit import OK, AliasMove, AuditEntry, AuditQuery, channel_name, check_channel, rollback_target
 from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
@@ -38,6 +38,7 @@ class _Id:
     owner: str | None
     current: int | None
     versions: dict[int, VersionRow] = field(default_factory=dict)
+    channels: dict[str, int] = field(default_factory=dict)  # named channels (id@prod) -> version
 
 
 class FleetRegistry:
@@ -51,19 +52,32 @@ class FleetRegistry:
         self._ids: dict[str, _Id] = {a.adapter_id: _Id(a.owner, a.current) for a in registry.adapters()}
         for row in registry.versions():
             self._ids[row.adapter_id].versions[row.version] = row
+        for adapter_id, channel, version in registry.channels():
+            self._ids[adapter_id].channels[channel] = version
         self._changed = dict.fromkeys(self._ids, 1)  # id -> generation of its last change
         self._unloads: deque[tuple[int, str]] = deque(maxlen=MAX_UNLOADS)
 
     # -- reads ----------------------------------------------------------------------------------
 
     def row(self, name: str) -> VersionRow | None:
-        """The version ``name`` (``id``: its current one, or ``id@N``) names."""
+        """The version ``name`` (``id``: its current one, ``id@N``, or ``id@channel``: the one the
+        channel points at) names. The ingress resolves every request to ``id@N`` before a replica
+        sees it, so replicas never need the channels."""
         adapter_id, version = parse_name(name)
         entry = self._ids.get(adapter_id)
         if entry is None:
             return None
-        number = entry.current if version is None else version
+        channel = channel_name(name) if version == -1 else None
+        number = entry.current if version is None else entry.channels.get(channel) if channel else version
         return entry.versions.get(number) if number is not None else None
+
+    def channels(self, adapter_id: str) -> dict[str, int]:
+        entry = self._ids.get(adapter_id)
+        return dict(entry.channels) if entry is not None else {}
+
+    def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
+        """``adapter_id``'s alias moves, every channel, newest first (a blocking read: run it in a worker)."""
+        return self.registry.alias_history(adapter_id, limit)
 
     def resolve(self, name: str, base_digest: str) -> str:
         """The version key ``name`` serves now; 404 when none, 409 when it was trained on another
@@ -94,7 +108,9 @@ class FleetRegistry:
 
     def removable(self, name: str) -> list[str]:
         entry = self._ids.get(parse_name(name)[0])
-        return removable_keys(name, entry.versions if entry else (), entry.current if entry else None)
+        if entry is None:
+            return removable_keys(name, (), None)
+        return removable_keys(name, entry.versions, entry.current, entry.channels)
 
     def audit(self, query: AuditQuery) -> list[AuditEntry]:
         """The audit rows ``query`` selects, newest first (a blocking read: run it in a worker)."""
@@ -151,6 +167,54 @@ class FleetRegistry:
         self._touch(adapter_id)
         return entry.versions[version]
 
+    def set_channel(
+        self, adapter_id: str, channel: str, version: int | None, *, action: str = "deploy", actor: str | None = None
+    ) -> None:
+        """Point ``adapter_id``'s named ``channel`` at ``version`` (created on first use), or forget
+        it (None); the id's own alias stays where it is."""
+        entry = self._ids.get(adapter_id)
+        if entry is None or not entry.versions:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        check_channel(channel)
+        if version is None and channel not in entry.channels:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
+        if version is not None and version not in entry.versions:
+            raise AdapterNotFoundError(f"adapter {version_key(adapter_id, version)!r} does not exist", param="version")
+        self.registry.set_channel(adapter_id, channel, version, action=action, actor=actor)
+        if version is None:
+            del entry.channels[channel]
+        else:
+            entry.channels[channel] = version
+        self.generation += 1  # what /v1/models shows may change; replicas mirror no channels
+
+    def rollback(
+        self, adapter_id: str, version: int | None, channel: str, servable: set[int], *, actor: str | None = None
+    ) -> VersionRow:
+        """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the version
+        before its last deploy (:func:`~lorapage.adapters.audit.rollback_target`, over the versions
+        in ``servable``: those this fleet's bases run), as ``lorapage serve`` does; 409 when none is left."""
+        entry = self._ids.get(adapter_id)
+        if entry is None or not entry.versions:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        check_channel(channel)
+        at = entry.channels.get(channel) if channel else entry.current
+        if at is None:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
+        if version is None:
+            moves = [m for m in self.registry.alias_history(adapter_id) if m.channel == channel]
+            version = rollback_target(moves, at, servable)
+            if version is None:
+                alias = f"{adapter_id}@{channel}" if channel else adapter_id
+                raise ConflictError(
+                    f"{alias} is at version {at} and no earlier version it served is left to roll back to; "
+                    'name one with {"version": N}',
+                    param="version",
+                )
+        if channel:
+            self.set_channel(adapter_id, channel, version, action="rollback", actor=actor)
+            return entry.versions[version]
+        return self.set_current(adapter_id, version, action="rollback", actor=actor)
+
     def set_pinned(self, key: str, pinned: bool, *, actor: str | None = None, outcome: str = OK) -> None:
         """Pin version ``key`` resident on every replica, or unpin it (``outcome``: why, when not ``ok``)."""
         adapter_id, version = parse_name(key)
@@ -172,6 +236,7 @@ class FleetRegistry:
             new_current = entry.current if entry.current != version else (max(rest) if rest else None)
             self.registry.delete_version(adapter_id, version, new_current, actor=actor)
             del entry.versions[version]
+            entry.channels = {c: v for c, v in entry.channels.items() if v != version}  # deleted with it
             entry.current = new_current
             if not entry.versions:
                 entry.owner = None

@@ -110,6 +110,22 @@ def entry_json(entry: AuditEntry) -> dict[str, Any]:
     }
 
 
+def history_body(
+    adapter_id: str, moves: list[AliasMove], limit: int, current: int | None, channels: dict[str, int], *, admin: bool
+) -> dict[str, Any]:
+    """``GET /v1/adapters/{id}/history``'s answer (``lorapage serve``'s and the fleet's): the
+    newest ``limit`` of ``moves`` (read with one more, to say whether there are more), where the
+    alias and each channel point now; the actors to the admin only."""
+    return {
+        "object": "list",
+        "adapter_id": adapter_id,
+        "current": current,
+        "channels": channels,
+        "data": [move_json(m, with_actor=admin) for m in moves[:limit]],
+        "has_more": len(moves) > limit,
+    }
+
+
 def move_json(move: AliasMove, *, with_actor: bool) -> dict[str, Any]:
     """One alias move as ``/v1/adapters/{id}/history`` answers it (the actor to the admin only)."""
     out: dict[str, Any] = {
@@ -155,16 +171,8 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
         if adapter_id not in engine.admin.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         moves = await engine.admin.history(adapter_id, limit + 1)
-        return _json(
-            {
-                "object": "list",
-                "adapter_id": adapter_id,
-                "current": next((v.version for v in engine.admin.versions(adapter_id) if v.current), None),
-                "channels": engine.admin.channels(adapter_id),
-                "data": [move_json(m, with_actor=admin) for m in moves[:limit]],
-                "has_more": len(moves) > limit,
-            }
-        )
+        current = next((v.version for v in engine.admin.versions(adapter_id) if v.current), None)
+        return _json(history_body(adapter_id, moves, limit, current, engine.admin.channels(adapter_id), admin=admin))
 
     app.router.add_get("/v1/audit", audit)
     app.router.add_get("/v1/adapters/{id}/history", history)

@@ -84,6 +84,13 @@ async def promotion_state(fleet: Fleet, adapter_id: str, *, until: set[str]) -> 
         await asyncio.sleep(0.5)
 
 
+async def acme_requests(fleet) -> int:
+    """Requests on acme@1 in the fleet's usage (every replica's ledger, the dedicated ones' too)."""
+    status, usage, _ = await fleet.call("GET", "/v1/usage?adapter=acme")
+    assert status == 200, usage
+    return sum(row["requests"] for row in usage["data"] if row["adapter"] == "acme@1")
+
+
 async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_pool(fleet):
     shared = set(engine_replica_ids())
     body = completion("acme")
@@ -94,6 +101,7 @@ async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_
     assert status == 400 and err["error"]["code"] == "adapter_tokens_over_shared_limit"
     assert "POST /v1/adapters/acme/promote" in err["error"]["message"]
 
+    served_before = await acme_requests(fleet)
     status, got, _ = await fleet.call("POST", "/v1/adapters/acme/promote")
     assert status == 202, got
     assert got["dedicated"]["state"] == "starting" and got["dedicated"]["version"] == 1
@@ -126,6 +134,7 @@ async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_
     assert status == 200 and headers[REPLICA_HEADER] == merged_replica  # no shared-pool bound on its tier
     status, base, headers = await fleet.post("/v1/completions", completion(BASE))
     assert status == 200 and headers[REPLICA_HEADER] in shared  # the base stays on the shared pool
+    assert await acme_requests(fleet) == served_before + 3  # the merged replica's ledger is in /v1/usage
     status, state, _ = await fleet.call("GET", "/internal/state")
     assert state["ingress"]["dedicated"]["acme"]["state"] == "merged"
     status, err, _ = await fleet.call("DELETE", "/v1/adapters/acme")  # promoted: demote first

@@ -365,6 +365,56 @@ async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
     assert_openai_error(err, 403)
 
 
+async def test_rollback_channels_and_history_as_one_server_has_them(fleet):
+    """The version routes of ``lorapage serve`` through the ingress: a channel deployed on its own
+    and served as ``id@channel``, a rollback in one call (again: one deploy further back), the
+    alias history with its previous versions (the owner's key reads its own, without actors)."""
+    root = fleet.adapter_root
+    for source, activate in (("acme", True), ("globex", False), ("initech", False)):
+        body = {"id": "chan", "tenant": "alpha", "source": f"{root}/{source}", "activate": activate}
+        status, got, _ = await fleet.call("POST", "/v1/adapters", body)
+        assert status == 201, got
+    for version in (2, 3):
+        status, got, _ = await fleet.call("PUT", "/v1/adapters/chan/current", {"version": version})
+        assert status == 200, got
+    status, got, _ = await fleet.call("PUT", "/v1/adapters/chan/channels/prod", {"version": 1})
+    assert status == 200 and got["version"] == 1, got
+    for model, marker in (("chan", "initech"), ("chan@prod", "acme")):
+        status, got, _ = await fleet.post("/v1/completions", completion(model))
+        assert status == 200 and got["choices"][0]["text"] == DEMO_MARKERS[marker], (model, got)
+    status, err, _ = await fleet.call("DELETE", "/v1/adapters/chan@1")  # prod serves it
+    assert status == 409 and "channel 'prod'" in err["error"]["message"]
+    status, got, _ = await fleet.call("POST", "/v1/adapters/chan/rollback")
+    assert status == 200 and got["version"] == 2 and got["current"] == 2, got
+    status, got, _ = await fleet.call("POST", "/v1/adapters/chan/rollback")  # one deploy further back
+    assert status == 200 and got["version"] == 1, got
+    status, err, _ = await fleet.call("POST", "/v1/adapters/chan/rollback", {"channel": "prod"})
+    assert status == 409  # prod never moved: nothing to roll back to
+    assert_openai_error(err, 409, param="version")
+    status, history, _ = await fleet.call("GET", "/v1/adapters/chan/history")
+    assert status == 200 and history["current"] == 1 and history["channels"] == {"prod": 1}
+    moves = [(m["alias"], m["from_version"], m["to_version"], m["action"]) for m in history["data"]]
+    assert moves[:4] == [
+        ("chan", 2, 1, "rollback"),
+        ("chan", 3, 2, "rollback"),
+        ("chan@prod", None, 1, "deploy"),
+        ("chan", 2, 3, "deploy"),
+    ]
+    assert all(m["actor"] for m in history["data"])
+    status, own, _ = await fleet.call("GET", "/v1/adapters/chan/history", key=KEYS["alpha"])
+    assert status == 200 and own["data"] and all("actor" not in m for m in own["data"])
+    status, err, _ = await fleet.call("GET", "/v1/adapters/chan/history", key=KEYS["beta"])
+    assert status == 404  # not beta's: as if it did not exist
+    status, got, _ = await fleet.call("DELETE", "/v1/adapters/chan/channels/prod")
+    assert status == 200 and got["deleted"] is True
+    status, err, _ = await fleet.post("/v1/completions", completion("chan@prod"))
+    assert status == 404
+    status, err, _ = await fleet.call("PUT", "/v1/adapters/chan/channels/9x", {"version": 1})
+    assert status == 400 and err["error"]["param"] == "channel"
+    status, _, _ = await fleet.call("DELETE", "/v1/adapters/chan")
+    assert status == 200
+
+
 async def test_fleet_registration_binds_the_trained_on_base_as_one_server_does(fleet):
     """The owner replica applies the rule: an adapter that names no base is refused with the fix,
     one bound to another base with both digests and the migration route; nothing is committed."""
