@@ -156,10 +156,18 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     constraint: Constraint | None = None
+    # A dedicated deployment runs its merged version on the base path (adapter None): its usage
+    # is still that version's.
+    merged_adapter: str | None = None
     outputs: OutputChannel = field(init=False)
 
     def __post_init__(self) -> None:
         self.outputs = OutputChannel(self)
+
+    @property
+    def usage_adapter(self) -> str:
+        """The adapter version its usage is charged to ("" for the base)."""
+        return self.merged_adapter or self.adapter or ""
 
     @property
     def num_prompt_tokens(self) -> int:

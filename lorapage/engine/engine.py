@@ -520,9 +520,11 @@ class Engine:
         def build(k: int) -> Request:
             rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
             branch = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + k)
-            return self.intake.build(
+            req = self.intake.build(
                 ids, adapter, branch, tenant, rid, prefix_group, constraint=constraints[k], bad_words_ids=bad_words
             )
+            req.merged_adapter = merged  # charged to the merged version, though it runs on the base path
+            return req
 
         req = build(0)
         self.scheduler.submit(req)

@@ -76,7 +76,7 @@ class StepScheduler:
         if self.metrics is not None:
             self.metrics.record_offered(req.tenant)
         if self.usage is not None:
-            self.usage.record_request(req.arrival_time, req.tenant, req.adapter or "")
+            self.usage.record_request(req.arrival_time, req.tenant, req.usage_adapter)
         if req.adapter is not None:
             self.adapters.enqueue(req.adapter, req.arrival_time, req.tenant)
         self.policy.add(req, req.arrival_time)
@@ -305,7 +305,7 @@ class StepScheduler:
             # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
             prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
             sampled_one = int(sample is not None)
-            charged.append(StepRow(req.tenant, req.adapter or "", prompt_fed, sampled_one, len(req.block_table)))
+            charged.append(StepRow(req.tenant, req.usage_adapter, prompt_fed, sampled_one, len(req.block_table)))
             if req.aborted:
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.

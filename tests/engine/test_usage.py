@@ -68,3 +68,21 @@ def test_a_step_is_shared_by_tokens_and_residency_by_wall_time():
     ledger.record_step(4 * 3600.0, 0.1, [StepRow("a", "", 1, 1, 1)])
     ledger.prune(4 * 3600.0)
     assert [k[0] for k, _ in ledger.query()] == [4]  # hours past the retention dropped
+
+
+async def test_a_merged_deployment_charges_its_version_not_the_base():
+    """``serve --merge`` (and the fleet's dedicated replicas) run the version on the base path: its
+    requests are still that version's usage."""
+    from lorapage.engine.merge_check import merge_and_check
+
+    engine = make_engine()
+    try:
+        check = await merge_and_check(engine, "acme", ("Hello",))
+        assert check.passed
+        await engine.run_to_end("Hello there", "acme", tenant="t")
+        rows = {(key[1], key[2]): usage for key, usage in engine.usage_rows()}
+    finally:
+        await engine.close()
+    version = engine.admin.resolve("acme")
+    assert rows[("t", version)].requests == 1 and rows[("t", version)].output_tokens > 0
+    assert ("t", "") not in rows  # nothing of it charged to the base

@@ -85,10 +85,11 @@ async def promotion_state(fleet: Fleet, adapter_id: str, *, until: set[str]) -> 
 
 
 async def acme_requests(fleet) -> int:
-    """Requests on acme@1 in the fleet's usage (every replica's ledger, the dedicated ones' too)."""
+    """alpha's requests on acme@1 in the fleet's usage (every replica's ledger, the dedicated ones'
+    too; the merge check's own requests are under the default tenant)."""
     status, usage, _ = await fleet.call("GET", "/v1/usage?adapter=acme")
     assert status == 200, usage
-    return sum(row["requests"] for row in usage["data"] if row["adapter"] == "acme@1")
+    return sum(row["requests"] for row in usage["data"] if (row["tenant"], row["adapter"]) == ("alpha", "acme@1"))
 
 
 async def test_promote_serves_the_same_tokens_merged_then_demote_returns_to_the_pool(fleet):
