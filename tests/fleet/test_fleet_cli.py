@@ -54,10 +54,12 @@ async def _completion(url: str, key: str) -> int:
             return resp.status
 
 
-async def test_sighup_reloads_the_tenants_file_and_sigterm_stops(tmp_path: Path) -> None:
+async def test_two_replicas_fit_a_two_cpu_ray_sighup_reloads_the_tenants_file_and_sigterm_stops(tmp_path: Path) -> None:
+    """The README's `lorapage fleet --replicas 2` on a 2-CPU machine, no resource flags: sized to
+    fit, and it answers; then the tenants file's reloads and a clean stop (one Ray start for all)."""
     tenants, state = tmp_path / "tenants.toml", tmp_path / "state"
     tenants.write_text(TENANTS_TOML)
-    args = ["--replicas", "1", "--replica-cpus", "0.5", "--num-cpus", "2", "--port", str(_free_port())]
+    args = ["--replicas", "2", "--num-cpus", "2", "--port", str(_free_port())]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "lorapage.cli", "fleet", *args, "--tenants", str(tenants), "--state-dir", str(state),
         stdout=asyncio.subprocess.PIPE,
@@ -65,7 +67,7 @@ async def test_sighup_reloads_the_tenants_file_and_sigterm_stops(tmp_path: Path)
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     try:
-        up = await _line(proc, r"adapters: (.*); listening on (http://\S+)")
+        up = await _line(proc, r"fleet of 2 replicas .*adapters: (.*); listening on (http://\S+)")
         assert set(up.group(1).split(", ")) == {"acme", "globex", "initech"}  # the demo adapters, registered
         url = up.group(2)
         assert await _completion(url, "key-alpha") == 200
@@ -162,28 +164,6 @@ async def test_a_deployment_ray_cannot_place_ends_the_command_with_rays_reason()
     ours = [line for line in err.splitlines() if line.startswith("lorapage fleet:")]
     assert len(ours) == 1, err[-2000:]
     assert "--start-timeout" in ours[0] and "EngineReplica" in ours[0] and "GPU" in ours[0], ours[0]
-
-
-async def test_two_replicas_with_no_resource_flags_fit_a_two_cpu_ray(tmp_path: Path) -> None:
-    """The README's `lorapage fleet --replicas 2` on a 2-CPU machine: sized to fit, and it answers."""
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(TENANTS_TOML)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lorapage.cli", "fleet", "--replicas", "2", "--num-cpus", "2",
-        "--port", str(_free_port()), "--tenants", str(tenants), "--state-dir", ":memory:",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        up = await _line(proc, r"fleet of 2 replicas .*listening on (http://\S+)")
-        assert await _completion(up.group(1), "key-alpha") == 200
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 120) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def test_dedicated_tier_flags_reach_the_config_or_are_refused_before_ray_starts() -> None:
