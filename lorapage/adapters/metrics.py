@@ -30,6 +30,7 @@ OTHER = "other"  # the label of every adapter outside the top set
 LABEL_REFRESH_S = 60.0  # the labelled set is chosen again this often
 TRAFFIC_HALF_LIFE_S = 300.0  # "recent traffic": request counts halve in weight every 5 minutes
 MAX_TRACKED_FACTOR = 16  # traffic is tracked for at most this many times top_k ids
+MAX_PENDING_LOADS = 4096  # versions whose pending load is charged to a tenant (the oldest forgotten past it)
 # Buckets of the projected-cost histogram (% of the base's decode bytes at the reference batch).
 COST_BOUNDS_PCT = (1.0, 2.5, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 LOAD_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -73,8 +74,10 @@ class AdapterMetrics:
         """A request for ``name`` (from ``tenant``) arrived while its adapter was in ``tier`` (gpu,
         ram, disk, loading...): outside the pool, the load it waits on is charged to ``tenant``
         unless an earlier request's already is."""
-        if tier != "gpu" and tenant is not None:
-            self._load_for.setdefault(name, tenant)
+        if tier != "gpu" and tenant is not None and name not in self._load_for:
+            self._load_for[name] = tenant
+            if len(self._load_for) > MAX_PENDING_LOADS:  # loads that never completed (failed, deleted)
+                del self._load_for[next(iter(self._load_for))]
         aid, _ = parse_name(name)
         count, at = self._traffic.get(aid, (0.0, now))
         self._traffic[aid] = (_decay(count, now - at) + 1.0, now)
