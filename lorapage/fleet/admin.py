@@ -32,10 +32,11 @@ from starlette.responses import Response
 
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
+from lorapage.adapters.drift_state import CHECK_PROMPTS_BODY_BYTES, check_prompts_param
 from lorapage.adapters.registry import VersionRow, parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.tiers import Tier
-from lorapage.errors import AdapterNotFoundError, ConflictError, LorapageError
+from lorapage.errors import AdapterNotFoundError, ConflictError, InvalidRequestError, LorapageError
 from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
 from lorapage.fleet.http import read_body
 from lorapage.fleet.messages import EngineProfile
@@ -44,11 +45,12 @@ from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
 from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
 from lorapage.server.audit_route import audit_list, history_body, history_limit
-from lorapage.server.auth import Access
-from lorapage.server.check_prompts import store_check_prompts
+from lorapage.server.auth import Access, bearer_key
+from lorapage.server.check_prompts import check_prompts_body, store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterOut, AdapterVersionOut
+from lorapage.server.tenants import key_id
 
 T = TypeVar("T")
 Handler = Callable[[Request, str], Awaitable[Response]]
@@ -106,6 +108,10 @@ class FleetAdmin:
                 {"PUT": self.set_channel, "DELETE": self.delete_channel},
             ),
             (re.compile(r"/v1/adapters/([^/]+)/history"), {"GET": self.history}),
+            (
+                re.compile(r"/v1/adapters/([^/]+)/check_prompts"),
+                {"PUT": self.put_check_prompts, "GET": self.get_check_prompts},
+            ),
             (re.compile(r"/v1/adapters/([^/]+)/pin"), {"PUT": self.pin, "DELETE": self.unpin}),
             (re.compile(r"/v1/adapters/([^/]+)/promote"), {"POST": self.promote}),
             (re.compile(r"/v1/adapters/([^/]+)/demote"), {"POST": self.demote}),
@@ -254,7 +260,7 @@ class FleetAdmin:
 
     def open_to_tenants(self, handler: Handler) -> bool:
         """Whether ``handler`` checks its own key (a tenant may call it); the rest need the admin key."""
-        return handler in (self.get, self.history)
+        return handler in (self.get, self.history, self.put_check_prompts, self.get_check_prompts)
 
     async def versions(self, request: Request, adapter_id: str) -> Response:
         """Every version of an id, servable on the fleet's base or not, oldest first."""
@@ -345,6 +351,32 @@ class FleetAdmin:
         moves = await asyncio.to_thread(self.registry.history, adapter_id, limit + 1)
         current, channels = self.registry.current(adapter_id), self.registry.channels(adapter_id)
         return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
+
+    async def put_check_prompts(self, request: Request, adapter_id: str) -> Response:
+        """As ``lorapage serve``'s (the admin, or the owner's key): what is given replaces what is
+        stored. The fleet's promotion check runs them; a base upgrade's drift check runs where the
+        base-migration routes are (``lorapage serve``). The ingress samples no traffic: ``sample``
+        true is refused."""
+        self._owned(request, adapter_id)
+        req = protocol.decode(await read_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
+        if req.sample:
+            raise InvalidRequestError(
+                "a fleet keeps no sample of an adapter's traffic; give the check prompts as 'prompts'", param="sample"
+            )
+        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
+        actor = key_id(bearer_key(cast(Any, request)) or "")
+        stored = await store_check_prompts(self.registry.registry, adapter_id, prompts, req.sample, req.opt_out, actor)
+        return _json(check_prompts_body(stored))
+
+    async def get_check_prompts(self, request: Request, adapter_id: str) -> Response:
+        self._owned(request, adapter_id)
+        return _json(check_prompts_body(await asyncio.to_thread(self.registry.registry.check_prompts, adapter_id)))
+
+    def _owned(self, request: Request, adapter_id: str) -> None:
+        """404 unless ``adapter_id`` is a registered id the caller may read (the admin, or its owner's key)."""
+        self.access.adapter_reader(cast(Any, request), adapter_id)
+        if "@" in adapter_id or adapter_id not in self.registry.ids():
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
 
     async def delete(self, request: Request, name: str) -> Response:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``

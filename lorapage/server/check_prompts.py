@@ -74,7 +74,12 @@ async def store_check_prompts(
 
 
 def check_prompts_out(value: CheckPrompts) -> web.Response:
-    body = {
+    return web.Response(body=msgspec.json.encode(check_prompts_body(value)), content_type="application/json")
+
+
+def check_prompts_body(value: CheckPrompts) -> dict[str, object]:
+    """The check settings as ``GET /v1/adapters/{id}/check_prompts`` answers them (serve and fleet)."""
+    return {
         "id": value.adapter_id,
         "object": "adapter.check_prompts",
         "prompts": list(value.prompts),
@@ -84,4 +89,3 @@ def check_prompts_out(value: CheckPrompts) -> web.Response:
         "max_prompts": MAX_CHECK_PROMPTS,
         "max_prompt_bytes": MAX_PROMPT_BYTES,
     }
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")

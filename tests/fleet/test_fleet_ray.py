@@ -368,7 +368,8 @@ async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
 async def test_rollback_channels_and_history_as_one_server_has_them(fleet):
     """The version routes of ``lorapage serve`` through the ingress: a channel deployed on its own
     and served as ``id@channel``, a rollback in one call (again: one deploy further back), the
-    alias history with its previous versions (the owner's key reads its own, without actors)."""
+    alias history with its previous versions (the owner's key reads its own, without actors), and
+    the id's check prompts."""
     root = fleet.adapter_root
     for source, activate in (("acme", True), ("globex", False), ("initech", False)):
         body = {"id": "chan", "tenant": "alpha", "source": f"{root}/{source}", "activate": activate}
@@ -405,6 +406,16 @@ async def test_rollback_channels_and_history_as_one_server_has_them(fleet):
     assert status == 200 and own["data"] and all("actor" not in m for m in own["data"])
     status, err, _ = await fleet.call("GET", "/v1/adapters/chan/history", key=KEYS["beta"])
     assert status == 404  # not beta's: as if it did not exist
+    # Its check prompts (what a promotion's equivalence check runs beside the built-in ones): the
+    # owner sets and reads them; the fleet keeps no traffic sample.
+    status, got, _ = await fleet.call("PUT", "/v1/adapters/chan/check_prompts", {"prompts": ["Hi"]}, key=KEYS["alpha"])
+    assert status == 200 and got["prompts"] == ["Hi"] and got["sample"] is False, got
+    status, got, _ = await fleet.call("GET", "/v1/adapters/chan/check_prompts")
+    assert status == 200 and got["prompts"] == ["Hi"]
+    status, err, _ = await fleet.call("PUT", "/v1/adapters/chan/check_prompts", {"sample": True})
+    assert status == 400 and err["error"]["param"] == "sample"
+    status, err, _ = await fleet.call("GET", "/v1/adapters/chan/check_prompts", key=KEYS["beta"])
+    assert status == 404
     status, got, _ = await fleet.call("DELETE", "/v1/adapters/chan/channels/prod")
     assert status == 200 and got["deleted"] is True
     status, err, _ = await fleet.post("/v1/completions", completion("chan@prod"))
