@@ -214,6 +214,7 @@ class AdapterCache:
         del self.entries[name]
         self._staged.pop(name, None)  # a load that waited for room
         self._load_meta.pop(name, None)
+        self.metrics.forget_load(name)
         self._fail_waiters(name, AdapterNotFoundError(f"adapter {name!r} was removed", param="model"))
         self._kick()
 
@@ -531,6 +532,7 @@ class AdapterCache:
         entry.error = error
         self._staged.pop(entry.name, None)
         self._load_meta.pop(entry.name, None)
+        self.metrics.forget_load(entry.name)  # the next load is charged to whoever asks for it then
         self._failed[entry.name] = for_requests(entry.name, error)
         self._fail_waiters(entry.name, error)
 

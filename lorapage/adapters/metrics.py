@@ -98,6 +98,10 @@ class AdapterMetrics:
         if self.usage is not None:
             self.usage.record_load(now, name, nbytes, seconds)
 
+    def forget_load(self, name: str) -> None:
+        """``name``'s pending load failed or the version is gone: nobody is charged for it."""
+        self._load_for.pop(name, None)
+
     def record_eviction(self, name: str) -> None:
         self.evictions[self.label(name)] += 1
 

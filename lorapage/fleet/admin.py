@@ -446,14 +446,19 @@ class FleetAdmin:
         ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed`` and why). 409 when
         the id has one already."""
         key = await self._resolve(name)
+        if key in self.draining:  # a DELETE ?drain=true waits on it: a deployment would outlive the version
+            raise ConflictError(f"adapter {key!r} is being deleted; it is not promoted", param="id")
         self.dedicated.promote(key, self._actor(request))
         return _json((await self._describe([key]))[0], status=202)
 
     async def demote(self, request: Request, adapter_id: str) -> Response:
         """Route the id back to the shared pool and delete its dedicated deployment; 409 unless it has one serving."""
-        if "@" in adapter_id or adapter_id not in self.registry.ids():
+        known = adapter_id in self.registry.ids() or self.dedicated.get(adapter_id) is not None  # deleted since
+        if "@" in adapter_id or not known:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         promotion = await self.dedicated.demote(adapter_id, self._actor(request))
+        if self.registry.row(promotion.key) is None:  # the version was deleted while it was promoted
+            return _json({"id": promotion.key, "object": "adapter", "dedicated": None})
         return _json((await self._describe([promotion.key]))[0])
 
     async def audit(self, request: Request, _: str) -> Response:

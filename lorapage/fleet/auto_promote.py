@@ -61,8 +61,9 @@ class AutoPromoter:
             if promotion is not None and self._failed_seen.get(adapter_id) != promotion.since:
                 self._failed_seen[adapter_id] = promotion.since
                 self.policy.failed(adapter_id)
-        merged = self.dedicated.ids("merged")
-        busy = self.dedicated.ids("starting", "stopping")
+        # Its own promotions only: an admin's (or an adopted one) stays until an admin demotes it.
+        merged = {i for i in self.dedicated.ids("merged") if (p := self.dedicated.get(i)) and p.actor == ACTOR}
+        busy = self.dedicated.ids("starting", "stopping") | (self.dedicated.ids("merged") - merged)
         for decision in self.policy.decide(merged, busy):
             reason = decision.reason(self.policy.rules)
             try:

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from lorapage.config import EngineConfig
 from lorapage.flags import fail, parser
 from lorapage.fleet.config import INGRESS_CPUS, MERGED_APP_PREFIX, FleetConfig, replica_cpus_for
 from lorapage.fleet.dedicated_flags import add_dedicated_arguments, dedicated_config
@@ -149,6 +150,10 @@ def _bases(args: argparse.Namespace) -> tuple[str, ...]:
     """``--base`` directories, checked and absolute (Ray's workers have another working directory)."""
     for model in args.base:
         check_model_dir(model, PROG, flag="--base")
+    primary = args.model or EngineConfig.model  # the flag's default: the built-in tiny model
+    names = [Path(m).resolve().name for m in (primary, *args.base)]
+    if len(set(names)) < len(names):  # each base's deployment (EngineReplica-<name>) and served name
+        fail(PROG, f"--model and each --base need directories of distinct names (a base is served by it); got {names}")
     return tuple(str(Path(model).resolve()) for model in args.base)
 
 

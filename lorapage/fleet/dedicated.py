@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,7 +34,7 @@ from lorapage.engine.merge_check import CHECK_PROMPTS
 from lorapage.errors import AdapterNotFoundError, ConflictError, ServiceUnavailableError
 from lorapage.fleet.config import MERGED_APP_PREFIX, FleetConfig
 from lorapage.fleet.merged import MergedReplica, MergedStatus
-from lorapage.fleet.messages import IdState
+from lorapage.fleet.messages import EngineProfile, IdState
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.start import run_app
 from lorapage.usage.ledger import Key, Usage
@@ -92,8 +93,11 @@ class Promotion:
 class DedicatedDeployments:
     """The promoted adapters, their applications, and which requests go to them."""
 
-    def __init__(self, config: FleetConfig, registry: FleetRegistry) -> None:
+    def __init__(
+        self, config: FleetConfig, registry: FleetRegistry, primary: Callable[[], Awaitable[EngineProfile]]
+    ) -> None:
         self.config, self.registry = config, registry
+        self._primary = primary  # the primary base's engines' profile: the base a merged deployment runs
         self._by_id: dict[str, Promotion] = {}
         self._tasks: set[asyncio.Task] = set()  # starts under way (held so they are not collected)
         self._adopting: asyncio.Task | None = None
@@ -112,23 +116,24 @@ class DedicatedDeployments:
 
     async def usage_parts(self, since_hour: int | None) -> list[list[tuple[Key, Usage]]]:
         """Every serving dedicated replica's usage ledger, one part each (``GET /v1/usage`` adds
-        them to the engine replicas'): asked until each replica has answered (Ray routes each
-        call to one of them). 503 when one does not answer in time. A demoted deployment's
+        them to the engine replicas'): asked until as many replicas as a deployment runs have
+        answered (Ray routes each call to one of them). 503 when one does not answer in time. A demoted deployment's
         usage leaves with it, as a replaced engine replica's does."""
         parts: list[list[tuple[Key, Usage]]] = []
         for promotion in [p for p in self._by_id.values() if p.state == "merged" and p.handle is not None]:
-            wanted = {s.replica_id for s in promotion.statuses}
+            # As many replicas as it runs (Ray may have replaced one since its check: a new id).
+            wanted = self.config.dedicated.replicas
             seen: dict[str, list[tuple[Key, Usage]]] = {}
-            for _ in range(20 * max(len(wanted), 1)):
+            for _ in range(20 * wanted):
                 try:
                     asked = promotion.handle.usage_rows.remote(since_hour)
                     rid, rows = await asyncio.wait_for(asked, _STATUS_TIMEOUT_S)
                 except (TimeoutError, RayActorError):
                     break
                 seen[rid] = rows
-                if wanted <= seen.keys():
+                if len(seen) >= wanted:
                     break
-            if not wanted <= seen.keys():
+            if len(seen) < wanted:
                 raise ServiceUnavailableError(
                     f"the dedicated deployment of {promotion.key} did not report its usage; retry", retry_after=5
                 )
@@ -151,7 +156,14 @@ class DedicatedDeployments:
     def ensure_adopted(self) -> None:
         """Start :meth:`adopt` once (the ingress calls it at every heartbeat; the first one adopts)."""
         if self._adopting is None:
-            self._adopting = asyncio.get_running_loop().create_task(self.adopt())
+            self._adopting = task = asyncio.get_running_loop().create_task(self.adopt())
+            task.add_done_callback(self._adopted)
+
+    def _adopted(self, task: asyncio.Task) -> None:
+        """An adoption that failed (Ray did not answer) is tried again at the next heartbeat."""
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("adopting the running dedicated deployments failed; retrying: %s", task.exception())
+            self._adopting = None
 
     async def adopt(self) -> None:
         """Take over the dedicated deployments a previous ingress started: each running
@@ -218,6 +230,13 @@ class DedicatedDeployments:
     async def _start(self, promotion: Promotion, state: IdState) -> None:
         """Run the application, read every replica's verdict, then serve or take it down."""
         dedicated = self.config.dedicated
+        (row,) = state.versions
+        primary = (await self._primary()).base_digest
+        if row.base_digest != primary:  # --base: a side base's version would be merged into the wrong base
+            await self._finish(
+                promotion, f"trained on base {row.base_digest}; dedicated deployments run the primary base {primary}"
+            )
+            return
         app = serve.deployment(
             name=MERGED_DEPLOYMENT,
             num_replicas=dedicated.replicas,
@@ -277,14 +296,23 @@ class DedicatedDeployments:
         if promotion is None or promotion.state != "merged":
             now = "no dedicated deployment" if promotion is None else f"a dedicated deployment {promotion.state}"
             raise ConflictError(f"adapter {adapter_id!r} is not promoted: it has {now}", param="id")
+        before = (promotion.state, promotion.actor, promotion.since)
         promotion.state, promotion.actor, promotion.since = "stopping", actor, time.time()  # new requests: shared
-        await asyncio.to_thread(_delete, promotion.app)
+        try:
+            await asyncio.to_thread(_delete, promotion.app)
+        except Exception as exc:  # Ray did not delete it: it still serves, and a demote may be asked again
+            promotion.state, promotion.actor, promotion.since = before
+            raise ServiceUnavailableError(
+                f"the dedicated deployment of {adapter_id!r} was not deleted ({exc}); it still serves, retry",
+                retry_after=5,
+            ) from exc
         del self._by_id[adapter_id]
         await self._audit("demote", promotion, "ok")
         return promotion
 
     async def close(self) -> None:
-        """Delete every dedicated deployment (the fleet is stopping)."""
+        """Delete every dedicated deployment (for an embedding that stops the ingress itself;
+        ``lorapage fleet`` deletes them by name when it stops, ``cli._stop``)."""
         for promotion in list(self._by_id.values()):
             await asyncio.to_thread(_delete, promotion.app)
         self._by_id.clear()

@@ -149,7 +149,7 @@ class FleetIngress:
         self._modules_lock = asyncio.Lock()
         self._modules_registered = not config.lora_modules
         # Promoted adapters' merged deployments (Serve applications of their own), and --auto-promote.
-        self.dedicated = DedicatedDeployments(config, self.registry)
+        self.dedicated = DedicatedDeployments(config, self.registry, self.profile)
         self.auto = AutoPromoter(self.dedicated, config.dedicated.interval_s) if config.dedicated.auto else None
         self.admin = FleetAdmin(
             access=self.access,

@@ -176,8 +176,8 @@ class AdapterLanes:
             self.claim = None
 
     def unclaim(self, req: SchedRequest) -> None:
-        """``req`` got in, left the queue, is loading again or needs no lane: its claim (if any)
-        lapses and it no longer wants a lane.
+        """``req`` got in, left the queue or needs no lane: its claim (if any) lapses and it no
+        longer wants a lane (one whose adapter is loading again: :meth:`loading`).
 
         The closing holder goes on closing: only :meth:`lend`, before a step in which nobody is
         ``wanting`` a lane, reopens it. Reopening it here would wake its whole waiting group only

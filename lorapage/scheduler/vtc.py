@@ -18,9 +18,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import Generic
 
-from lorapage.scheduler.base import AdmissionContext, R
+from lorapage.scheduler.base import AdmissionContext, R, SchedRequest
 from lorapage.scheduler.groups import AdapterGroups
 from lorapage.scheduler.lanes import AdapterLanes, Blocked, LaneKind
 from lorapage.scheduler.tenant_queue import Tenant, TenantQueue, TenantState, Waiting
@@ -57,6 +58,8 @@ class VtcConfig:
         return self.max_loras // 8 if self.reserved_tail_lanes is None else self.reserved_tail_lanes
 
 
+# Entries of ``lanes.wanting`` looked at past a front one whose adapter is loading (bounds a step's cost).
+_LOOKAHEAD = 8
 # Line entries beyond twice the requests that could still use one before the line is compacted.
 _COMPACT_SLACK = 64
 
@@ -390,13 +393,19 @@ class VtcScheduler(Generic[R]):
             req = next(iter(wanting.values()))
             entry = self._queue.tenants[req.tenant].waiting.get(req.request_id)
             may_open = self._may_open_any(entry, now, ctx) if entry is not None else False
-            if may_open is None:
+            if may_open is None:  # loading: a ready one a little further back is owed a lane now
+                if any(self._ready_to_open(r, now, ctx) for r in islice(wanting.values(), 1, 1 + _LOOKAHEAD)):
+                    self.lanes.recall()
                 return
             if may_open:
                 self.lanes.recall()
                 return
             self.lanes.unclaim(req)
         self.lanes.lend()
+
+    def _ready_to_open(self, req: SchedRequest, now: float, ctx: AdmissionContext[R]) -> bool:
+        entry = self._queue.tenants[req.tenant].waiting.get(req.request_id)
+        return entry is not None and self._may_open_any(entry, now, ctx) is True
 
     def _may_open_any(self, entry: Waiting[R], now: float, ctx: AdmissionContext[R]) -> bool | None:
         """Whether ``entry`` may take a tail lane: its adapter is outside the batch, and it is a

@@ -382,7 +382,10 @@ async def count_middleware(request: web.Request, handler: Handler) -> web.Stream
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
     state = request.app[STATE]
-    state.engines.sync()  # an admin change reaches the other bases' engines now (one comparison when none)
+    try:
+        state.engines.sync()  # an admin change reaches the other bases' engines now
+    except Exception:  # never turn an answered (maybe committed) request into a 500: retried next request
+        log.exception("mirroring the registry into the other bases' engines failed")
     state.metrics.requests.labels(route, str(response.status)).inc()
     job = request.get(JOB)
     if job is not None:

@@ -1,12 +1,13 @@
 """Several bases in one server: one :class:`~lorapage.engine.Engine` per base, and which one a request runs on.
 
 ``lorapage serve --model A --base B`` serves base A (the *primary*) and base B side by side, each
-its own engine with its own pool, threads and config (the memory flags apply to each engine: two
-bases take twice the pool). One registry: the primary's, in ``--state-dir``, which every admin
-route writes; each other engine keeps an in-memory copy of the versions bound to its base,
-*mirrored* from the primary's live view whenever that changes (:meth:`Engines.sync`, the fleet's
-replicas' mechanism), so a version registered or migrated while both serve is served without a
-restart.
+its own engine with its own pool, threads and config (the memory flags apply to each engine: on a
+CPU, or with ``--num-pages``, two bases take twice the pool; on one CUDA device the engines share
+``--gpu-memory-utilization``, :func:`utilization_share`). One registry: the primary's, in
+``--state-dir``, which every admin route writes; each other engine keeps an in-memory copy of the
+versions bound to its base, *mirrored* from the primary's live view whenever that changes
+(:meth:`Engines.sync`, the fleet's replicas' mechanism), so a version registered or migrated while
+both serve is served without a restart.
 
 The routing rule (:func:`route_base`, pure) is: a request's adapter version runs on the base it is
 bound to (409 naming its digest when no engine here runs that base); a request naming a base model
@@ -155,7 +156,8 @@ class Engines:
 
     def sync(self) -> None:
         """Mirror the primary's live view into the other engines when it changed since the last
-        call (cheap otherwise: one comparison). Only the ids whose versions, alias or owner
+        call (cheap otherwise: one comparison, except while a dropped version still runs requests
+        on a side engine: then every call looks again). Only the ids whose versions, alias or owner
         changed are mirrored; the migrations onto served bases are read again from the registry
         (a few rows per adapter, only after a change)."""
         generation = self.primary.admin.generation
@@ -301,7 +303,8 @@ class Engines:
 
 def side_config(config: EngineConfig, model: str) -> EngineConfig:
     """The config of the engine serving base ``model`` beside ``config``'s (the primary's): every
-    flag the same (the pool's included: each engine sizes its own), its registry in memory (the
+    flag the same (the pool's included: each engine sizes its own, within its share of the device
+    on CUDA: :func:`utilization_share`), its registry in memory (the
     primary's is the record, mirrored), and downloads in a disk cache of its own beside the
     primary's, whose budget and evictions are its alone."""
     cache = config.adapter_cache_dir or (str(Path(config.state_dir) / "adapter-cache") if config.state_dir else None)

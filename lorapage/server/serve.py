@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="DIR",
         help="serve this base model too, beside --model (repeatable): each base its own engine, with the same engine "
-        "flags (memory flags apply per engine); a request runs on the base its adapter version is bound to, or the "
+        "flags (memory flags apply per engine; on one CUDA device the engines share --gpu-memory-utilization); "
+        "a request runs on the base its adapter version is bound to, or the "
         "base its model names; --model stays the primary: its registry in --state-dir is the server's, and unbound "
         "adapters (--allow-unbound) and --lora-modules are its",
     )

@@ -179,3 +179,11 @@ async def test_dedicated_tier_flags_reach_the_config_or_are_refused_before_ray_s
     assert (dedicated.rules.promote_after_s, dedicated.rules.demote_after_s) == (30.0, 120.0)
     code, out, err = await _run_fleet("--auto-promote", "--demote-tokens-per-s", "700", timeout_s=60)
     assert code == 2 and "hysteresis" in err and "700" in err and "Traceback" not in err and "key" not in out
+
+
+async def test_bases_of_one_directory_name_are_refused_before_ray_starts() -> None:
+    """Each base is a deployment and a served model named by its directory: two of one name would collide."""
+    from lorapage.tiny import TINY_BASE_DIR
+
+    code, out, err = await _run_fleet("--base", str(TINY_BASE_DIR), timeout_s=60)
+    assert code == 2 and "distinct names" in err and "['base', 'base']" in err and "Traceback" not in err

@@ -146,6 +146,18 @@ def test_a_single_whose_adapter_is_loading_keeps_the_tail_lane_reserved():
     assert vtc.lanes.tail == {"solo"}
 
 
+def test_a_ready_single_behind_a_loading_one_still_gets_a_lent_lane_back():
+    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=3, reserved_tail_lanes=1, age_deadline_s=100))
+    for i, adapter in enumerate(["g1", "g1", "g2", "g2", "g3", "g3"]):
+        vtc.add(Req(f"r{i}", "t", adapter), 0.0)
+    ctx = LoadingCtx({"slow"})
+    assert len(vtc.schedule(0.0, ctx)) == 6 and vtc.lanes.borrowed() == 1  # nobody wanted the tail lane
+    vtc.add(Req("loading", "u", "slow"), 1.0)
+    vtc.add(Req("ready", "v", "solo"), 1.0)
+    assert vtc.schedule(1.0, ctx) == []  # every lane is held
+    assert vtc.lanes.closing == "g1"  # recalled for the ready single, though the loading one is first
+
+
 def test_the_wanting_index_holds_only_waiting_requests():
     vtc, running = eight_groups_of_four()
     for i in range(50):
