@@ -29,7 +29,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lorapage.errors import InvalidRequestError
+from lorapage.errors import ConflictError, InvalidRequestError
 
 ACTIONS = (
     "register",
@@ -223,6 +223,19 @@ def rollback_target(history: Sequence[AliasMove], current: int, existing: Collec
             return move.before
         target = move.before
         seen.add(target)
+
+
+def rollback_version(history: Sequence[AliasMove], current: int, existing: Collection[int], alias: str) -> int:
+    """:func:`rollback_target`, or the 409 of an ``alias`` (``id`` or ``id@channel``) with nothing
+    left to roll back to."""
+    version = rollback_target(history, current, existing)
+    if version is None:
+        raise ConflictError(
+            f"{alias} is at version {current} and no earlier version it served is left to roll back to; "
+            'name one with {"version": N}',
+            param="version",
+        )
+    return version
 
 
 def check_channel(channel: str) -> None:

@@ -36,7 +36,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, channel_name, check_channel, rollback_target
+from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, channel_name, check_channel, rollback_version
 from lorapage.adapters.binding import BaseBinding, mismatch_message
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import digest_param
@@ -593,13 +593,8 @@ class AdapterCatalog:
                     self._io, self.registry.alias_history, adapter_id
                 )
                 servable = [v for v, row in adapter.versions.items() if row.key in self.cache.entries]
-                version = rollback_target([m for m in history if m.channel == channel], at, servable)
-                if version is None:
-                    raise ConflictError(
-                        f"{_alias_name(adapter_id, channel)} is at version {at} and no earlier version it served is "
-                        f'left to roll back to; name one with {{"version": N}}',
-                        param="version",
-                    )
+                moves = [m for m in history if m.channel == channel]
+                version = rollback_version(moves, at, servable, _alias_name(adapter_id, channel))
             return await self._move(adapter, adapter_id, version, channel, "rollback", actor)
 
     async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:

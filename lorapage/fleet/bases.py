@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lorapage.config import EngineConfig
-from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError
 from lorapage.fleet.registry import FleetRegistry
-from lorapage.server.engines import ServedBase, followed, route_base, served_migrations, unserved_message
+from lorapage.server.engines import ServedBase, resolve_across, route_base, served_migrations
 
 
 def base_engine(engine: EngineConfig, model: str) -> EngineConfig:
@@ -57,15 +56,7 @@ class FleetBases:
         when no deployment runs that base."""
         if not self.several:
             return registry.resolve(name, base_digest)
-        row = registry.row(name)
-        if row is None:
-            raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
-        key = followed(name, row.key, self._served_migrations(registry))
-        moved = registry.row(key)
-        bound = moved.base_digest if moved is not None else row.base_digest
-        if route_base(self.bases, version_base=bound) is None:
-            raise AdapterBaseMismatchError(unserved_message(key, bound, self.bases), param="model")
-        return key
+        return resolve_across(name, registry.row, self._served_migrations(registry), self.bases)[0]
 
     def handle_for(self, registry: FleetRegistry, adapter: str | None, model: str) -> Any:
         """The deployment handle of the base a resolved request runs on."""

@@ -23,7 +23,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from lorapage.adapters.audit import OK, AliasMove, AuditEntry, AuditQuery, channel_name, check_channel, rollback_target
+from lorapage.adapters.audit import OK, AliasMove, AuditEntry, AuditQuery, channel_name, check_channel, rollback_version
 from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
@@ -202,14 +202,7 @@ class FleetRegistry:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
         if version is None:
             moves = [m for m in self.registry.alias_history(adapter_id) if m.channel == channel]
-            version = rollback_target(moves, at, servable)
-            if version is None:
-                alias = f"{adapter_id}@{channel}" if channel else adapter_id
-                raise ConflictError(
-                    f"{alias} is at version {at} and no earlier version it served is left to roll back to; "
-                    'name one with {"version": N}',
-                    param="version",
-                )
+            version = rollback_version(moves, at, servable, f"{adapter_id}@{channel}" if channel else adapter_id)
         if channel:
             self.set_channel(adapter_id, channel, version, action="rollback", actor=actor)
             return entry.versions[version]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +35,13 @@ from lorapage.adapters.digest import digest_param
 from lorapage.adapters.drift_state import MIGRATED, MigrationRow
 from lorapage.adapters.registry import VersionRow, parse_name, version_key
 from lorapage.config import EngineConfig
-from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError, ConflictError, LorapageError
+from lorapage.errors import (
+    AdapterBaseMismatchError,
+    AdapterBaseUnknownError,
+    AdapterNotFoundError,
+    ConflictError,
+    LorapageError,
+)
 from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import summed
 
@@ -80,6 +86,29 @@ def served_migrations(rows: Iterable[MigrationRow], served: Collection[str]) -> 
         if m.state == MIGRATED and m.new_version is not None and m.target in served
     )
     return {version_key(adapter_id, old): version_key(adapter_id, new) for _, adapter_id, old, new in done}
+
+
+def resolve_across(
+    name: str,
+    row_of: Callable[[str], VersionRow | None],
+    migrations: Mapping[str, str],
+    bases: Sequence[ServedBase],
+) -> tuple[str, ServedBase]:
+    """The version key ``name`` (``id``, ``id@N``, ``id@channel``) serves now across ``bases``, and
+    the base it runs on (``lorapage serve --base`` and ``lorapage fleet --base`` alike): ``row_of``
+    reads a stored version (None: none); ``migrations``: version key -> its migration onto a base
+    served here, which an alias follows. 404 when there is none; 409 naming its digest when no
+    base here runs it."""
+    row = row_of(name)
+    if row is None:
+        raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
+    key = followed(name, row.key, migrations)
+    moved = row_of(key)
+    bound = moved.base_digest if moved is not None else row.base_digest
+    base = route_base(bases, version_base=bound)
+    if base is None:
+        raise AdapterBaseMismatchError(unserved_message(key, bound, bases), param="model")
+    return key, base
 
 
 def unserved_message(key: str, bound: str, served: Sequence[ServedBase]) -> str:
@@ -133,13 +162,14 @@ class Engines:
         if not self.several:
             return self.primary.admin.resolve(name)
         self.sync()
-        row = self.primary.admin.row(name)
-        key = followed(name, row.key, self.migrations)
-        bound = row.base_digest if key == row.key else self.primary.admin.row(key).base_digest
-        base = route_base(self.bases, version_base=bound)
-        if base is None:
-            raise AdapterBaseMismatchError(unserved_message(key, bound, self.bases), param="model")
+        key, base = resolve_across(name, self._stored_row, self.migrations, self.bases)
         return self.engine_of(base).admin.resolve(key)
+
+    def _stored_row(self, name: str) -> VersionRow | None:
+        try:
+            return self.primary.admin.row(name)
+        except AdapterNotFoundError:
+            return None
 
     def served_ids(self) -> dict[str, tuple[str, str]]:
         """Each adapter id that serves a version now -> (that version's key, the name of the base it runs on)."""
