@@ -74,7 +74,7 @@ from lorapage.memory.pool import PagePool, adapter_page_size
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
 from lorapage.memory.sizing import POOL_HEADROOM_BYTES, lora_slots, pages_for_memory, step_activation_bytes
-from lorapage.model.config import ModelConfig
+from lorapage.model.config import ModelConfig, context_length
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.lora_tables import LoraTables
@@ -120,7 +120,7 @@ class Engine:
         self.base_name = model_dir.name
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.base_binding = BaseBinding(BaseNames.of_base(model_dir, _base_names(config)), config.allow_unbound)
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.max_model_len = context_length(mc, config.max_model_len)
         eos = mc.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids: frozenset[int] = frozenset(t for t in eos if t is not None)
         self._digest: str | None = None

@@ -25,6 +25,9 @@ from lorapage.fleet.config import INGRESS_CPUS, MERGED_APP_PREFIX, FleetConfig, 
 from lorapage.fleet.dedicated_flags import add_dedicated_arguments, dedicated_config
 from lorapage.fleet.routing import ROUTERS
 from lorapage.fleet.start import START_TIMEOUT_S, StartError, run_app
+from lorapage.model.config import ModelConfig, context_length
+from lorapage.model.tokenizer import Tokenizer
+from lorapage.server.engines import check_alike
 from lorapage.server.run import listen
 from lorapage.server.serve import (
     API_KEY_TENANT,
@@ -140,20 +143,34 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             slo_window_s=slo_window(args, PROG),
             access_log=_access_log_path(args),
             dedicated=dedicated_config(args, PROG),
-            bases=_bases(args),
+            bases=_bases(args, engine),
         )
     except ValueError as exc:
         fail(PROG, str(exc))
 
 
-def _bases(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--base`` directories, checked and absolute (Ray's workers have another working directory)."""
+def _bases(args: argparse.Namespace, engine: EngineConfig) -> tuple[str, ...]:
+    """``--base`` directories, checked and absolute (Ray's workers have another working directory):
+    each of another directory name than the others (its deployment, ``EngineReplica-<name>``, and
+    its served model are named by it), and of the primary's tokenizer and context (the ingress
+    tokenizes every prompt once, before it chooses a base)."""
     for model in args.base:
         check_model_dir(model, PROG, flag="--base")
-    primary = args.model or EngineConfig.model  # the flag's default: the built-in tiny model
-    names = [Path(m).resolve().name for m in (primary, *args.base)]
-    if len(set(names)) < len(names):  # each base's deployment (EngineReplica-<name>) and served name
+    models = [engine.model, *args.base]
+    names = [Path(m).resolve().name for m in models]
+    if len(set(names)) < len(names):
         fail(PROG, f"--model and each --base need directories of distinct names (a base is served by it); got {names}")
+    if args.base:
+        check_alike(
+            [
+                (
+                    name,
+                    Tokenizer.from_dir(m).backend.to_str(),
+                    context_length(ModelConfig.from_dir(m), engine.max_model_len),
+                )
+                for name, m in zip(names, models, strict=True)
+            ]
+        )  # a ValueError: the caller's one line
     return tuple(str(Path(model).resolve()) for model in args.base)
 
 

@@ -125,3 +125,8 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Projection groups that share an input, so one LoRA shrink serves all of a group's modules and
 # the base runs one fused GEMM per group.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def context_length(config: ModelConfig, max_model_len: int | None) -> int:
+    """The context an engine serves: ``--max-model-len`` when given, else the model's positions (at most 8,192)."""
+    return max_model_len or min(config.max_position_embeddings, 8192)

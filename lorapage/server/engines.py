@@ -364,15 +364,21 @@ def _mirror(engine: Engine, adapter_id: str, owner: str | None, current: int | N
 def _check_side_by_side(engines: Sequence[Engine], bases: Sequence[ServedBase]) -> None:
     """ValueError unless the bases can serve side by side: distinct digests and names, one
     tokenizer and one context length (prompts are tokenized before a base is chosen)."""
-    first = engines[0]
     digests, names = [b.digest for b in bases], [b.name for b in bases]
     if len(set(digests)) < len(digests) or len(set(names)) < len(names):
         raise ValueError(f"each base must be another checkpoint under another directory name; got {names}")
-    for engine in engines[1:]:
-        if engine.tokenizer.backend.to_str() != first.tokenizer.backend.to_str():
-            raise ValueError(f"base {engine.base_name!r} has another tokenizer than {first.base_name!r}")
-        if engine.max_model_len != first.max_model_len:
+    check_alike([(e.base_name, e.tokenizer.backend.to_str(), e.max_model_len) for e in engines])
+
+
+def check_alike(bases: Sequence[tuple[str, str, int]]) -> None:
+    """ValueError unless every base, ``(name, tokenizer JSON, context length)``, has the first's
+    tokenizer and context length: prompts are templated and tokenized once, before a base is
+    chosen (``lorapage serve --base`` and ``lorapage fleet --base``)."""
+    first_name, first_tokenizer, first_len = bases[0]
+    for name, tokenizer, context in bases[1:]:
+        if tokenizer != first_tokenizer:
+            raise ValueError(f"base {name!r} has another tokenizer than {first_name!r}")
+        if context != first_len:
             raise ValueError(
-                f"base {engine.base_name!r} serves {engine.max_model_len} tokens of context, {first.base_name!r} "
-                f"{first.max_model_len}: give --max-model-len"
+                f"base {name!r} serves {context} tokens of context, {first_name!r} {first_len}: give --max-model-len"
             )

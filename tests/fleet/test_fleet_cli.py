@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -187,3 +188,16 @@ async def test_bases_of_one_directory_name_are_refused_before_ray_starts() -> No
 
     code, out, err = await _run_fleet("--base", str(TINY_BASE_DIR), timeout_s=60)
     assert code == 2 and "distinct names" in err and "['base', 'base']" in err and "Traceback" not in err
+
+
+async def test_a_base_of_another_context_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """The ingress tokenizes a prompt once, for whichever base: every --base shares the primary's
+    tokenizer and context length (as lorapage serve --base checks)."""
+    from lorapage.tiny import TINY_BASE_DIR
+
+    other = tmp_path / "shorter"
+    shutil.copytree(TINY_BASE_DIR, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    code, out, err = await _run_fleet("--base", str(other), timeout_s=60)
+    assert code == 2 and "base 'shorter' serves 256 tokens of context" in err and "Traceback" not in err
