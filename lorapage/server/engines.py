@@ -133,6 +133,8 @@ class Engines:
             _check_side_by_side(self.engines, self.bases)
         self._synced = -1  # the primary's catalog generation last mirrored
         self._mirrored: dict[str, tuple] = {}  # id -> (owner, current, rows) as last mirrored
+        self._stored: dict[str, tuple] = {}  # id -> (owner, current, rows) in the primary's view at _synced
+        self._busy: set[str] = set()  # ids whose dropped version still ran requests: mirrored again
         self.migrations: dict[str, str] = {}  # version key -> its migration onto a served base (another key)
         self.sync()
 
@@ -186,29 +188,39 @@ class Engines:
 
     def sync(self) -> None:
         """Mirror the primary's live view into the other engines when it changed since the last
-        call (cheap otherwise: one comparison, except while a dropped version still runs requests
-        on a side engine: then every call looks again). Only the ids whose versions, alias or owner
+        call (cheap otherwise: one comparison, and while a dropped version still runs requests on
+        a side engine, that id alone mirrored again). Only the ids whose versions, alias or owner
         changed are mirrored; the migrations onto served bases are read again from the registry
         (a few rows per adapter, only after a change)."""
-        generation = self.primary.admin.generation
-        if not self.several or generation == self._synced:
+        if not self.several:
             return
-        stored = {i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.stored()}
-        changed = [i for i, state in stored.items() if self._mirrored.get(i) != state]
-        gone = [i for i in self._mirrored if i not in stored]
+        generation = self.primary.admin.generation
+        if generation == self._synced:
+            if self._busy:
+                self._busy = self._mirror_ids(self._busy)
+            return
+        self._stored = {i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.stored()}
+        changed = {i for i, state in self._stored.items() if self._mirrored.get(i) != state}
+        changed |= {i for i in self._mirrored if i not in self._stored}  # gone
+        self._busy = self._mirror_ids(changed | self._busy)
+        self.migrations = self._served_migrations()
+        self._synced = generation
+
+    def _mirror_ids(self, ids: set[str]) -> set[str]:
+        """Mirror ``ids`` as the primary's view at the last change has them (gone: none) into each
+        other engine; returns those whose dropped version still runs requests there (again later)."""
         busy = set()
         for engine in self.engines[1:]:
-            for adapter_id in changed:
-                owner, current, rows = stored[adapter_id]
+            for adapter_id in ids:
+                owner, current, rows = self._stored.get(adapter_id, (None, None, ()))
                 if _mirror(engine, adapter_id, owner, current, list(rows)):
                     busy.add(adapter_id)
-            for adapter_id in gone:
-                if _mirror(engine, adapter_id, None, None, []):
-                    busy.add(adapter_id)
-        # An id whose dropped version still had requests is mirrored again at the next call.
-        self._mirrored = {i: state for i, state in stored.items() if i not in busy}
-        self.migrations = self._served_migrations()
-        self._synced = -1 if busy else generation
+        for adapter_id in ids - busy:
+            if adapter_id in self._stored:
+                self._mirrored[adapter_id] = self._stored[adapter_id]
+            else:
+                self._mirrored.pop(adapter_id, None)
+        return busy
 
     def _served_migrations(self) -> dict[str, str]:
         return served_migrations(self.primary.admin.registry.migration_states(), {b.digest for b in self.bases})
