@@ -43,7 +43,7 @@ from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
-from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, remove_when_idle, wait_until
+from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, known_id, remove_when_idle, wait_until
 from lorapage.server.audit_route import audit_list, history_body, history_limit
 from lorapage.server.auth import Access, bearer_key
 from lorapage.server.check_prompts import check_prompts_body, store_check_prompts
@@ -288,8 +288,7 @@ class FleetAdmin:
     async def set_current(self, request: Request, adapter_id: str) -> Response:
         """Deploy or roll back, fleet-wide at once: the ingress resolves every request's version."""
         req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
-        if "@" in adapter_id or adapter_id not in self.registry.ids():
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        known_id(adapter_id, self.registry.ids())
         row = self.registry.row(f"{adapter_id}@{req.version}")
         if row is not None:
             await self._resolve(row.key)  # a version on another base: 409 before the alias moves
@@ -302,8 +301,7 @@ class FleetAdmin:
         ``channel``) served before its last deploy; again, one deploy further back."""
         body = await read_body(request, ADMIN_MAX_BODY_BYTES)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
-        if "@" in adapter_id or adapter_id not in self.registry.ids():
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        known_id(adapter_id, self.registry.ids())
         if req.version is not None and (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
             await self._resolve(row.key)  # a version on another base: 409 before the alias moves
         servable = await self._servable(adapter_id)
@@ -346,8 +344,7 @@ class FleetAdmin:
         id (with the actors), its owner's key its own, any other key the 404 of an id that does not exist."""
         admin = self.access.adapter_reader(cast(Any, request), adapter_id)
         limit = history_limit(request.query_params)
-        if "@" in adapter_id or adapter_id not in self.registry.ids():
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        known_id(adapter_id, self.registry.ids())
         moves = await asyncio.to_thread(self.registry.history, adapter_id, limit + 1)
         current, channels = self.registry.current(adapter_id), self.registry.channels(adapter_id)
         return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
@@ -375,8 +372,7 @@ class FleetAdmin:
     def _owned(self, request: Request, adapter_id: str) -> None:
         """404 unless ``adapter_id`` is a registered id the caller may read (the admin, or its owner's key)."""
         self.access.adapter_reader(cast(Any, request), adapter_id)
-        if "@" in adapter_id or adapter_id not in self.registry.ids():
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        known_id(adapter_id, self.registry.ids())
 
     async def delete(self, request: Request, name: str) -> Response:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
@@ -453,9 +449,8 @@ class FleetAdmin:
 
     async def demote(self, request: Request, adapter_id: str) -> Response:
         """Route the id back to the shared pool and delete its dedicated deployment; 409 unless it has one serving."""
-        known = adapter_id in self.registry.ids() or self.dedicated.get(adapter_id) is not None  # deleted since
-        if "@" in adapter_id or not known:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
+        promoted = {adapter_id} if self.dedicated.get(adapter_id) is not None else set()  # deleted since: still demoted
+        known_id(adapter_id, set(self.registry.ids()) | promoted)
         promotion = await self.dedicated.demote(adapter_id, self._actor(request))
         if self.registry.row(promotion.key) is None:  # the version was deleted while it was promoted
             return _json({"id": promotion.key, "object": "adapter", "dedicated": None})

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from ray import serve
@@ -41,6 +41,7 @@ from lorapage.usage.ledger import Key, Usage
 
 log = logging.getLogger("lorapage.fleet")
 
+T = TypeVar("T")
 MERGED_DEPLOYMENT = "MergedReplica"
 _STATUS_TIMEOUT_S = 30.0  # for a running replica's verdict (it was computed in its constructor)
 State = Literal["starting", "merged", "failed", "stopping"]
@@ -116,29 +117,37 @@ class DedicatedDeployments:
 
     async def usage_parts(self, since_hour: int | None) -> list[list[tuple[Key, Usage]]]:
         """Every serving dedicated replica's usage ledger, one part each (``GET /v1/usage`` adds
-        them to the engine replicas'): asked until as many replicas as a deployment runs have
-        answered (Ray routes each call to one of them). 503 when one does not answer in time. A demoted deployment's
-        usage leaves with it, as a replaced engine replica's does."""
+        them to the engine replicas'). 503 when a replica does not answer in time. A demoted
+        deployment's usage leaves with it, as a replaced engine replica's does."""
         parts: list[list[tuple[Key, Usage]]] = []
         for promotion in [p for p in self._by_id.values() if p.state == "merged" and p.handle is not None]:
-            # As many replicas as it runs (Ray may have replaced one since its check: a new id).
-            wanted = self.config.dedicated.replicas
-            seen: dict[str, list[tuple[Key, Usage]]] = {}
-            for _ in range(20 * wanted):
-                try:
-                    asked = promotion.handle.usage_rows.remote(since_hour)
-                    rid, rows = await asyncio.wait_for(asked, _STATUS_TIMEOUT_S)
-                except (TimeoutError, RayActorError):
-                    break
-                seen[rid] = rows
-                if len(seen) >= wanted:
-                    break
-            if len(seen) < wanted:
+
+            async def rows(handle: Any = promotion.handle) -> tuple[str, list[tuple[Key, Usage]]]:
+                return await asyncio.wait_for(handle.usage_rows.remote(since_hour), _STATUS_TIMEOUT_S)
+
+            try:
+                seen = await self._each_replica(rows)
+            except (TimeoutError, RayActorError):
+                seen = {}
+            if len(seen) < self.config.dedicated.replicas:
                 raise ServiceUnavailableError(
                     f"the dedicated deployment of {promotion.key} did not report its usage; retry", retry_after=5
                 )
             parts += seen.values()
         return parts
+
+    async def _each_replica(self, ask: Callable[[], Awaitable[tuple[str, T]]]) -> dict[str, T]:
+        """Replica id -> answer, asked through a deployment handle until as many replicas as a
+        deployment runs have answered (Ray routes each call to one of them; one Ray replaced since
+        has a new id), at most 20 calls a replica."""
+        wanted = self.config.dedicated.replicas
+        seen: dict[str, T] = {}
+        for _ in range(20 * wanted):
+            replica_id, answer = await ask()
+            seen[replica_id] = answer
+            if len(seen) >= wanted:
+                break
+        return seen
 
     def get(self, adapter_id: str) -> Promotion | None:
         return self._by_id.get(adapter_id)
@@ -267,15 +276,13 @@ class DedicatedDeployments:
         await self._audit("promote", promotion, "ok")
 
     async def _statuses(self, handle: Any) -> tuple[MergedStatus, ...]:
-        """Each replica's verdict: asked until every replica has answered (Ray routes each call to
-        one of them), at most 20 times per replica."""
-        seen: dict[str, MergedStatus] = {}
-        for _ in range(20 * self.config.dedicated.replicas):
+        """Each replica's verdict (:meth:`_each_replica`)."""
+
+        async def verdict() -> tuple[str, MergedStatus]:
             status: MergedStatus = await handle.status.remote()
-            seen[status.replica_id] = status
-            if len(seen) >= self.config.dedicated.replicas:
-                break
-        return tuple(seen.values())
+            return status.replica_id, status
+
+        return tuple((await self._each_replica(verdict)).values())
 
     async def _finish(self, promotion: Promotion, reason: str) -> None:
         """A promotion that failed: its application deleted, then its state ``failed`` with why

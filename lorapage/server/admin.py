@@ -13,7 +13,7 @@ registry, so it survives a restart.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -305,8 +305,13 @@ class AdminRoutes:
 
 
 def _known_id(state: RouteState, adapter_id: str) -> str:
-    """``adapter_id`` when it is an id with versions (404 for a version's or a channel's name)."""
-    if "@" in adapter_id or adapter_id not in state.engine.admin.ids():
+    return known_id(adapter_id, state.engine.admin.ids())
+
+
+def known_id(adapter_id: str, ids: Collection[str]) -> str:
+    """``adapter_id`` when it is one of ``ids`` (ids with versions): 404 for a version's or a
+    channel's name, or an id nobody registered (``lorapage serve``'s admin routes and the fleet's)."""
+    if "@" in adapter_id or adapter_id not in ids:
         raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
     return adapter_id
 
