@@ -89,6 +89,22 @@ class PreparedVersion:
     size_bytes: int
     projected_cost_pct: float  # at the preparing engine's reference batch
 
+    def store(
+        self, registry: Registry, adapter_id: str, owner: str | None, *, activate: bool, actor: str | None
+    ) -> VersionRow:
+        """Commit it to ``registry`` as a new version of ``adapter_id`` (a blocking SQLite write)."""
+        return registry.add_version(
+            adapter_id,
+            owner,
+            digest=self.digest,
+            source=self.source,
+            base_digest=self.base_digest,
+            spec=self.spec,
+            activate=activate,
+            projected_cost_pct=self.projected_cost_pct,
+            actor=actor,
+        )
+
 
 @dataclass
 class _Adapter:
@@ -416,17 +432,7 @@ class AdapterCatalog:
                 return self._info(same, adapter), False
             row = await loop.run_in_executor(
                 self._io,
-                lambda: self.registry.add_version(
-                    adapter_id,
-                    owner,
-                    digest=prepared.digest,
-                    source=prepared.source,
-                    base_digest=prepared.base_digest,
-                    spec=prepared.spec,
-                    activate=activate,
-                    projected_cost_pct=prepared.projected_cost_pct,
-                    actor=actor,
-                ),
+                lambda: prepared.store(self.registry, adapter_id, owner, activate=activate, actor=actor),
             )
             adapter = self._ids.setdefault(adapter_id, _Adapter(owner, None))
             if not adapter.versions:

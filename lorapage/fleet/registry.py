@@ -135,17 +135,7 @@ class FleetRegistry:
             if activate and entry is not None and entry.current != same.version:
                 self.set_current(adapter_id, same.version, action="register", actor=actor)
             return same, False
-        row = self.registry.add_version(
-            adapter_id,
-            owner,
-            digest=prepared.digest,
-            source=prepared.source,
-            base_digest=prepared.base_digest,
-            spec=prepared.spec,
-            activate=activate,
-            projected_cost_pct=prepared.projected_cost_pct,
-            actor=actor,
-        )
+        row = prepared.store(self.registry, adapter_id, owner, activate=activate, actor=actor)
         entry = self._ids.setdefault(adapter_id, _Id(owner, None))
         if not entry.versions:
             entry.owner = owner
