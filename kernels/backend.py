@@ -2,7 +2,8 @@
 
 ``torch`` runs the PyTorch references and batched PyTorch LoRA ops. ``cpu`` is the same with the
 LoRA ops' short segments (decode rows) and decode attention in the C kernels of ``lora_cpu.c``,
-built on first use with the system compiler (float32 models only). ``triton`` runs the Triton
+built on first use with the system compiler (float32 models only), and the base's projections as
+oneDNN GEMMs over weights packed once (``linear_cpu.py``). ``triton`` runs the Triton
 kernels: compiled on CUDA, and under Triton's interpreter on a machine without CUDA (that is how
 the CPU test suite checks them; it is far too slow to serve with). ``auto`` picks Triton on CUDA
 when it is installed, else ``cpu`` for a float32 model on a CPU where the C kernels build, else
@@ -21,6 +22,7 @@ from torch import Tensor
 from lorapage.kernels.attention_cpu import paged_decode_attention_cpu
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.linear_cpu import keep_weight, linear_cpu, linear_ref, pack_weight
 from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
@@ -85,6 +87,19 @@ class PrefillAttention(Protocol):
     ) -> None: ...
 
 
+class Linear(Protocol):
+    """``y = x @ weight.T + bias`` over a weight as :class:`PackWeight` left it."""
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
+
+
+class PackWeight(Protocol):
+    """A base weight [d_out, d_in] in the layout this backend's :class:`Linear` reads fastest
+    (done once at start-up; after an edit of the weight, again)."""
+
+    def __call__(self, weight: Tensor) -> Tensor: ...
+
+
 class PlanLora(Protocol):
     """A step's LoRA indices as this backend's ops want them, planned once for every layer:
     ``tables`` the lookup tables (page table and the per-layer layout), ``pages`` one layer's
@@ -123,6 +138,8 @@ class KernelOps:
     paged_decode_attention: DecodeAttention
     prefill_attention: PrefillAttention
     plan_lora: PlanLora
+    linear: Linear = linear_ref  # the base's dense projections and the logits
+    pack_weight: PackWeight = keep_weight
     captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
 
 
@@ -136,7 +153,15 @@ TORCH_OPS = KernelOps(
     _plan_torch,
 )
 CPU_OPS = KernelOps(
-    "cpu", lora_shrink_cpu, lora_expand_cpu, write_kv_ref, paged_decode_attention_cpu, prefill_attention_ref, _plan_cpu
+    "cpu",
+    lora_shrink_cpu,
+    lora_expand_cpu,
+    write_kv_ref,
+    paged_decode_attention_cpu,
+    prefill_attention_ref,
+    _plan_cpu,
+    linear=linear_cpu,
+    pack_weight=pack_weight,
 )
 
 

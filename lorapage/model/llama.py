@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lorapage.kernels import LoraIndices
-from lorapage.kernels.backend import KernelOps
+from lorapage.kernels.backend import KernelOps, Linear, PackWeight
+from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.lora_tables import LoraTables
 
@@ -47,6 +48,8 @@ def _group_module_slices() -> list[tuple[int, int]]:
 
 
 GROUP_MODULES = _group_module_slices()
+# The key of each group's fused weight in LlamaModel.layers, in GROUPS' order.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class LlamaModel:
@@ -94,6 +97,30 @@ class LlamaModel:
         self.cos_cache = emb.cos().to(device, dtype)
         self.sin_cache = emb.sin().to(device, dtype)
         self.scale = c.head_dim**-0.5
+        # The projections' GEMM, and the layout their weights are held in (pack_weights).
+        self.linear: Linear = linear_ref
+        self._pack: PackWeight = keep_weight
+
+    def pack_weights(self, pack: PackWeight, linear: Linear) -> None:
+        """Hold every projection's weight (and the logits') as ``pack`` lays it out, and compute
+        them with ``linear``: the kernel backend's pair, once at start-up. A tied ``lm_head`` gets
+        a packed copy of its own (the embedding lookup reads the plain table)."""
+        for layer in self.layers:
+            for key in PROJECTIONS:
+                layer[key] = pack(layer[key])
+        self.lm_head = pack(self.lm_head)
+        self.linear, self._pack = linear, pack
+
+    def dense_weight(self, layer: int, key: str) -> Tensor:
+        """Layer ``layer``'s fused projection ``key`` [d_out, d_in] as a plain tensor: the one the
+        model holds (edits land in place) unless it is packed, then an unpacked copy for
+        :meth:`store_weight`."""
+        return dense_weight(self.layers[layer][key])
+
+    def store_weight(self, layer: int, key: str, weight: Tensor) -> None:
+        """Make ``weight`` (from :meth:`dense_weight`, edited) the projection's, packed as the rest."""
+        if weight is not self.layers[layer][key]:
+            self.layers[layer][key] = self._pack(weight)
 
     def _rms_norm(self, x: Tensor, weight: Tensor) -> Tensor:
         xf = x.to(torch.float32)
@@ -166,10 +193,9 @@ class LlamaModel:
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
             hs = self._rms_norm(x, w["in_norm"])
-            # F.linear, not ``hs @ w.t()``: on a CPU the transposed-view matmul ran on one thread
-            # whatever the intra-op threads (2 threads: 3.5 ms vs 1.7 ms for a layer's GEMMs of
-            # the 512-wide bench model at 32 rows) and was slower at one thread too.
-            qkv = F.linear(hs, w["qkv"], w.get("qkv_bias"))
+            # self.linear (F.linear, or oneDNN's over packed weights), not ``hs @ w.t()``: on a CPU
+            # the transposed-view matmul ran on one thread whatever the intra-op threads.
+            qkv = self.linear(hs, w["qkv"], w.get("qkv_bias"))
             if use_lora:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
@@ -194,17 +220,17 @@ class LlamaModel:
                     self.scale,
                 )
             attn_out = out.view(T, q_size)
-            o = F.linear(attn_out, w["o"])
+            o = self.linear(attn_out, w["o"])
             if use_lora:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
-            gu = F.linear(hs, w["gate_up"])
+            gu = self.linear(hs, w["gate_up"])
             if use_lora:
                 self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)
             inter = c.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            d = F.linear(act, w["down"])
+            d = self.linear(act, w["down"])
             if use_lora:
                 self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
             x = x + d
@@ -212,7 +238,7 @@ class LlamaModel:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """float32 logits [N, vocab] for the given final hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
 
 
 def lora_h_width(config: ModelConfig, max_rank: int) -> int:

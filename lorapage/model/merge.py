@@ -5,23 +5,23 @@ PEFT's rule (``LoraLayer.merge``): per targeted module ``W' = W + scale * B @ A`
 holds it. The sum is taken in float32 and rounded to the model's dtype once, so a 16-bit model
 carries one rounding of the merged weight rather than one of the delta and one of the sum.
 The model keeps its fused projections (qkv, o, gate_up, down): a module's rows are a slice of its
-group's weight, written in place, so tensors captured in CUDA graphs stay the ones replayed.
+group's weight, written in place, so tensors captured in CUDA graphs stay the ones replayed; a
+weight packed for the CPU's GEMM (``kernels/linear_cpu.py``) is unpacked, edited and packed again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from itertools import groupby
 
 import torch
 from torch import Tensor
 
 from lorapage.model.config import GROUPS
-from lorapage.model.llama import LlamaModel
+from lorapage.model.llama import PROJECTIONS, LlamaModel
 
 # What merges an adapter into a model in place: merge_adapter, or in a test a deliberately wrong one.
 MergeFn = Callable[[LlamaModel, Mapping[tuple[int, str], tuple[Tensor, Tensor]], Mapping[tuple[int, str], float]], None]
-# The key of each group's fused weight in LlamaModel.layers, in GROUPS' order.
-GROUP_WEIGHTS = ("qkv", "o", "gate_up", "down")
 
 
 def merged_weight(weight: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
@@ -36,7 +36,7 @@ def merged_weight(weight: Tensor, a: Tensor, b: Tensor, scale: float) -> Tensor:
 
 def module_rows(model: LlamaModel, module: str) -> tuple[str, int, int]:
     """(fused weight key, first row, end row) of ``module``'s weight inside its group's."""
-    for group, (modules, key) in enumerate(zip(GROUPS, GROUP_WEIGHTS)):
+    for group, (modules, key) in enumerate(zip(GROUPS, PROJECTIONS)):
         if module in modules:
             start = model.out_starts[group][modules.index(module)]
             return key, start, start + model.config.module_dims()[module][1]
@@ -51,8 +51,15 @@ def merge_adapter(
     """Merge an adapter into ``model``'s weights in place: ``tensors`` (layer, module) -> (A, B)
     as :func:`~lorapage.adapters.peft_format.load_adapter_tensors` reads them, ``scales`` the
     spec's. The model then computes base + adapter on the plain base path (no LoRA op)."""
+
+    def weight_of(item: tuple[tuple[int, str], object]) -> tuple[int, str]:
+        (layer, module), _ = item
+        return layer, module_rows(model, module)[0]
+
     with torch.no_grad():
-        for (layer, module), (a, b) in sorted(tensors.items()):
-            key, start, end = module_rows(model, module)
-            rows = model.layers[layer][key][start:end]
-            rows.copy_(merged_weight(rows, a, b, scales[(layer, module)]))
+        for (layer, key), items in groupby(sorted(tensors.items(), key=weight_of), key=weight_of):
+            weight = model.dense_weight(layer, key)
+            for (_, module), (a, b) in items:
+                _, start, end = module_rows(model, module)
+                weight[start:end].copy_(merged_weight(weight[start:end], a, b, scales[(layer, module)]))
+            model.store_weight(layer, key, weight)

@@ -22,6 +22,7 @@ from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.engine.merge_check import GreedyRun, compare, merge_and_check
 from lorapage.errors import AdapterEnvelopeError, ConflictError
+from lorapage.kernels.linear_cpu import linear_cpu, pack_weight
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.model.llama import LlamaModel
 from lorapage.model.loader import load_state_dict
@@ -53,13 +54,16 @@ def checkpoint(tmp_path_factory):
     return base, adapter
 
 
-def test_merged_weights_equal_peft_merge_and_unload(checkpoint):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed-for-onednn"])
+def test_merged_weights_equal_peft_merge_and_unload(checkpoint, packed):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base, adapter = checkpoint
     mc = ModelConfig.from_dir(base)
     model = LlamaModel(mc, load_state_dict(base, torch.float32), torch.device("cpu"), torch.float32, 64)
+    if packed:  # the cpu backend's layout: merged by unpacking, editing and packing again
+        model.pack_weights(pack_weight, linear_cpu)
     untouched = {k: model.layers[0][k].clone() for k in ("in_norm", "post_norm")}
     spec = read_adapter_spec(adapter, mc, RANK)
     merge_adapter(model, load_adapter_tensors(spec, torch.float32), spec.scales)
@@ -72,7 +76,7 @@ def test_merged_weights_equal_peft_merge_and_unload(checkpoint):
             want = reference[f"model.layers.{layer}.{group}.{module}.weight"]
             # Both sum W + scale * B @ A in float32; only the order of the scale's product differs
             # (a few units of float32 roundoff on entries of magnitude <= ~1).
-            torch.testing.assert_close(model.layers[layer][key][start:end], want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(model.dense_weight(layer, key)[start:end], want, rtol=0, atol=1e-6)
     for k, before in untouched.items():
         assert torch.equal(model.layers[0][k], before)
 
