@@ -21,14 +21,12 @@ with ``lorapage serve``'s filters and answer (:func:`~lorapage.server.audit_rout
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
+from aiohttp import web
 
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
@@ -38,12 +36,11 @@ from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.tiers import Tier
 from lorapage.errors import AdapterNotFoundError, ConflictError, InvalidRequestError, LorapageError
 from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
-from lorapage.fleet.http import read_body
 from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server import protocol
-from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, known_id, remove_when_idle, wait_until
+from lorapage.server.admin import cost_fields, known_id, read_admin_body, remove_when_idle, wait_until
 from lorapage.server.audit_route import audit_list, history_body, history_limit
 from lorapage.server.auth import Access, bearer_key
 from lorapage.server.check_prompts import check_prompts_body, store_check_prompts
@@ -53,7 +50,7 @@ from lorapage.server.responses import AdapterOut, AdapterVersionOut
 from lorapage.server.tenants import key_id
 
 T = TypeVar("T")
-Handler = Callable[[Request, str], Awaitable[Response]]
+Handler = Callable[[web.Request, str], Awaitable[web.Response]]  # a route's handler, given the adapter named
 _TIER_ORDER = ("gpu", "ram")  # the best tier of any replica is the adapter's tier
 
 
@@ -64,8 +61,8 @@ class FleetAdapterOut(AdapterOut):
     dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
 def _ok(got: T | LorapageError) -> T:
@@ -85,7 +82,7 @@ class FleetAdmin:
         registry: FleetRegistry,
         engines: Any,  # the DeploymentHandle to the engine replicas
         reports: ReplicaReports,
-        profile: Callable[[], Awaitable[EngineProfile]],
+        profile: EngineProfile,
         in_flight: Counter[str | None],
         draining: set[str],
         adapter_roots: AdapterRoots,
@@ -97,54 +94,55 @@ class FleetAdmin:
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
         self.adapter_roots, self.sync_period_s = adapter_roots, sync_period_s
         self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
-        self._routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
-            (re.compile(r"/v1/adapters"), {"POST": self.register, "GET": self.list}),
-            (re.compile(r"/v1/adapters/([^/]+)"), {"GET": self.get, "DELETE": self.delete}),
-            (re.compile(r"/v1/adapters/([^/]+)/versions"), {"GET": self.versions}),
-            (re.compile(r"/v1/adapters/([^/]+)/current"), {"PUT": self.set_current}),
-            (re.compile(r"/v1/adapters/([^/]+)/rollback"), {"POST": self.rollback}),
-            (
-                re.compile(r"/v1/adapters/([^/]+)/channels/([^/]+)"),
-                {"PUT": self.set_channel, "DELETE": self.delete_channel},
-            ),
-            (re.compile(r"/v1/adapters/([^/]+)/history"), {"GET": self.history}),
-            (
-                re.compile(r"/v1/adapters/([^/]+)/check_prompts"),
-                {"PUT": self.put_check_prompts, "GET": self.get_check_prompts},
-            ),
-            (re.compile(r"/v1/adapters/([^/]+)/pin"), {"PUT": self.pin, "DELETE": self.unpin}),
-            (re.compile(r"/v1/adapters/([^/]+)/promote"), {"POST": self.promote}),
-            (re.compile(r"/v1/adapters/([^/]+)/demote"), {"POST": self.demote}),
-            (re.compile(r"/internal/adapters/([^/]+)/load"), {"POST": self.load}),
-            (re.compile(r"/internal/adapters/([^/]+)/unload"), {"POST": self.unload}),
-            (re.compile(r"/internal/state"), {"GET": self.internal_state}),
-            (re.compile(r"/v1/load_lora_adapter"), {"POST": self.load_lora}),
-            (re.compile(r"/v1/unload_lora_adapter"), {"POST": self.unload_lora}),
-            (re.compile(r"/v1/audit"), {"GET": self.audit}),
+
+    def add_routes(self, app: web.Application) -> None:
+        """The fleet's admin routes on ``app``: ``lorapage serve``'s paths, and promote / demote.
+        A handler gets the adapter the path names ("" when none; a channel's route names it as its
+        model name does, ``id@channel``); all but the four a tenant may call on its own adapters
+        (:meth:`open_to_tenants`) take the admin key first."""
+        add = app.router.add_route
+        routes: list[tuple[str, str, Handler]] = [
+            ("POST", "/v1/adapters", self.register),
+            ("GET", "/v1/adapters", self.list),
+            ("GET", "/v1/adapters/{id}", self.get),
+            ("DELETE", "/v1/adapters/{id}", self.delete),
+            ("GET", "/v1/adapters/{id}/versions", self.versions),
+            ("PUT", "/v1/adapters/{id}/current", self.set_current),
+            ("POST", "/v1/adapters/{id}/rollback", self.rollback),
+            ("PUT", "/v1/adapters/{id}/channels/{channel}", self.set_channel),
+            ("DELETE", "/v1/adapters/{id}/channels/{channel}", self.delete_channel),
+            ("GET", "/v1/adapters/{id}/history", self.history),
+            ("PUT", "/v1/adapters/{id}/check_prompts", self.put_check_prompts),
+            ("GET", "/v1/adapters/{id}/check_prompts", self.get_check_prompts),
+            ("PUT", "/v1/adapters/{id}/pin", self.pin),
+            ("DELETE", "/v1/adapters/{id}/pin", self.unpin),
+            ("POST", "/v1/adapters/{id}/promote", self.promote),
+            ("POST", "/v1/adapters/{id}/demote", self.demote),
+            ("POST", "/internal/adapters/{id}/load", self.load),
+            ("POST", "/internal/adapters/{id}/unload", self.unload),
+            ("GET", "/internal/state", self.internal_state),
+            ("POST", "/v1/load_lora_adapter", self.load_lora),
+            ("POST", "/v1/unload_lora_adapter", self.unload_lora),
+            ("GET", "/v1/audit", self.audit),
         ]
+        for method, path, handler in routes:
+            add(method, path, self._route(handler))
 
-    def route(self, path: str) -> tuple[dict[str, Handler], str] | None:
-        """The handlers of ``path`` by method, and the path's adapter name ("" when none; a
-        channel's route names it as its model name does, ``id@channel``)."""
-        for pattern, handlers in self._routes:
-            if m := pattern.fullmatch(path):
-                return handlers, "@".join(m.groups())
-        return None
+    def _route(self, handler: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
+        admin_only = not self.open_to_tenants(handler)
 
-    def route_table(self) -> list[tuple[str, str]]:
-        """``(method, pattern)`` of every admin route."""
-        return [(method, _shown(pattern)) for pattern, hs in self._routes for method in hs]
+        async def route(request: web.Request) -> web.Response:
+            if admin_only:
+                self.access.require_admin(request)
+            info = request.match_info
+            name = "@".join(info[k] for k in ("id", "channel") if k in info)
+            return await handler(request, name)
 
-    def route_pattern(self, path: str) -> str | None:
-        """``path``'s route as a pattern (``/v1/adapters/{id}``), for metrics labels."""
-        for pattern, _ in self._routes:
-            if pattern.fullmatch(path):
-                return _shown(pattern)
-        return None
+        return route
 
-    def _actor(self, request: Request) -> str:
+    def _actor(self, request: web.Request) -> str:
         """The admin key's id, which the audit rows of this request's changes name."""
-        return self.access.admin_actor(cast(Any, request))  # it reads only the headers
+        return self.access.admin_actor(request)  # it reads only the headers
 
     async def _write(self, change: Callable[[], T]) -> T:
         async with self._writes:
@@ -155,13 +153,13 @@ class FleetAdmin:
         return self.engines.options(multiplexed_model_id=parse_name(name)[0])
 
     async def _resolve(self, name: str) -> str:
-        return self.registry.resolve(name, (await self.profile()).base_digest)
+        return self.registry.resolve(name, self.profile.base_digest)
 
     # -- describing -------------------------------------------------------------------------------
 
     async def _describe(self, keys: list[str]) -> list[FleetAdapterOut]:
         infos = await self.engines.describe.remote(keys) if keys else []
-        base = await self.profile()
+        base = self.profile
         return [self._out(k, _ok(info), base) for k, info in zip(keys, infos, strict=True)]
 
     def _out(self, key: str, info: AdapterInfo, base: EngineProfile) -> FleetAdapterOut:
@@ -198,10 +196,10 @@ class FleetAdmin:
 
     # -- routes -----------------------------------------------------------------------------------
 
-    async def register(self, request: Request, _: str) -> Response:
+    async def register(self, request: web.Request, _: str) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
-        base = await self.profile()
+        body = await read_admin_body(request)  # bounded first, before any replica is asked
+        base = self.profile
         reg = registration(body, base.base_name, self.access)
         actor = self._actor(request)
         row, created = await self._register(reg, actor)
@@ -229,30 +227,30 @@ class FleetAdmin:
             self.access.set_owner(reg.id, reg.owner)
         return row, created
 
-    async def load_lora(self, request: Request, _: str) -> Response:
+    async def load_lora(self, request: web.Request, _: str) -> web.Response:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (:mod:`lorapage.server.lora_admin`)."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)
-        base = await self.profile()
+        body = await read_admin_body(request)
+        base = self.profile
         reg = lora_registration(body, base.base_name, self.access, self.registry.ids())
         await self._register(reg, self._actor(request))
-        return Response(lora_success_text(reg.id, "added"), media_type="text/plain")
+        return web.Response(text=lora_success_text(reg.id, "added"))
 
-    async def unload_lora(self, request: Request, _: str) -> Response:
+    async def unload_lora(self, request: web.Request, _: str) -> web.Response:
         """vLLM's ``POST /v1/unload_lora_adapter``: every version of the id deleted, draining."""
-        name = lora_unload_name(await read_body(request, ADMIN_MAX_BODY_BYTES))
+        name = lora_unload_name(await read_admin_body(request))
         with lora_not_found(name):
             await self._delete(name, {"drain": "true"}, self._actor(request))
-        return Response(lora_success_text(name, "removed"), media_type="text/plain")
+        return web.Response(text=lora_success_text(name, "removed"))
 
-    async def list(self, request: Request, _: str) -> Response:
-        base = (await self.profile()).base_digest
+    async def list(self, request: web.Request, _: str) -> web.Response:
+        base = self.profile.base_digest
         rows = [row for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
         return _json({"object": "list", "data": await self._describe([r.key for r in rows if r.base_digest == base])})
 
-    async def get(self, request: Request, name: str) -> Response:
+    async def get(self, request: web.Request, name: str) -> web.Response:
         """As ``lorapage serve``'s: the admin reads any adapter; its owner's key its own, without
         where the operator keeps the files; any other key gets the 404 of one that does not exist."""
-        admin = self.access.adapter_reader(cast(Any, request), name)  # it reads only the headers
+        admin = self.access.adapter_reader(request, name)  # it reads only the headers
         out = (await self._describe([await self._resolve(name)]))[0]
         if not admin:
             out.path = out.source = ""
@@ -262,12 +260,12 @@ class FleetAdmin:
         """Whether ``handler`` checks its own key (a tenant may call it); the rest need the admin key."""
         return handler in (self.get, self.history, self.put_check_prompts, self.get_check_prompts)
 
-    async def versions(self, request: Request, adapter_id: str) -> Response:
+    async def versions(self, request: web.Request, adapter_id: str) -> web.Response:
         """Every version of an id, servable on the fleet's base or not, oldest first."""
         rows = self.registry.versions(adapter_id)
         if "@" in adapter_id or not rows:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
-        base, current = (await self.profile()).base_digest, self.registry.current(adapter_id)
+        base, current = self.profile.base_digest, self.registry.current(adapter_id)
         return _json({"object": "list", "data": [self._version_out(r, base, current) for r in rows]})
 
     def _version_out(self, row: VersionRow, base: str, current: int | None) -> AdapterVersionOut:
@@ -285,9 +283,9 @@ class FleetAdmin:
             projected_cost_pct=row.projected_cost_pct,
         )
 
-    async def set_current(self, request: Request, adapter_id: str) -> Response:
+    async def set_current(self, request: web.Request, adapter_id: str) -> web.Response:
         """Deploy or roll back, fleet-wide at once: the ingress resolves every request's version."""
-        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
+        req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         known_id(adapter_id, self.registry.ids())
         row = self.registry.row(f"{adapter_id}@{req.version}")
         if row is not None:
@@ -296,10 +294,10 @@ class FleetAdmin:
         row = await self._write(lambda: self.registry.set_current(adapter_id, req.version, actor=actor))
         return _json((await self._describe([row.key]))[0])
 
-    async def rollback(self, request: Request, adapter_id: str) -> Response:
+    async def rollback(self, request: web.Request, adapter_id: str) -> web.Response:
         """As ``lorapage serve``'s: with no body (or no ``version``) back to the version the alias (or
         ``channel``) served before its last deploy; again, one deploy further back."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)
+        body = await read_admin_body(request)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
         known_id(adapter_id, self.registry.ids())
         if req.version is not None and (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
@@ -321,63 +319,63 @@ class FleetAdmin:
             served.add(row.version)
         return served
 
-    async def set_channel(self, request: Request, name: str) -> Response:
+    async def set_channel(self, request: web.Request, name: str) -> web.Response:
         """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy of
         that channel alone; the id's own alias stays where it is."""
         adapter_id, _, channel = name.partition("@")
-        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
+        req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         if (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
             await self._resolve(row.key)  # a version on another base: 409 before the channel moves
         actor = self._actor(request)
         await self._write(lambda: self.registry.set_channel(adapter_id, channel, req.version, actor=actor))
         return _json((await self._describe([await self._resolve(name)]))[0])
 
-    async def delete_channel(self, request: Request, name: str) -> Response:
+    async def delete_channel(self, request: web.Request, name: str) -> web.Response:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
         adapter_id, _, channel = name.partition("@")
         actor = self._actor(request)
         await self._write(lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor))
         return _json({"id": name, "object": "adapter.channel", "deleted": True})
 
-    async def history(self, request: Request, adapter_id: str) -> Response:
+    async def history(self, request: web.Request, adapter_id: str) -> web.Response:
         """As ``lorapage serve``'s: the id's alias and channel moves, newest first; the admin sees any
         id (with the actors), its owner's key its own, any other key the 404 of an id that does not exist."""
-        admin = self.access.adapter_reader(cast(Any, request), adapter_id)
-        limit = history_limit(request.query_params)
+        admin = self.access.adapter_reader(request, adapter_id)
+        limit = history_limit(request.query)
         known_id(adapter_id, self.registry.ids())
         moves = await asyncio.to_thread(self.registry.history, adapter_id, limit + 1)
         current, channels = self.registry.current(adapter_id), self.registry.channels(adapter_id)
         return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
-    async def put_check_prompts(self, request: Request, adapter_id: str) -> Response:
+    async def put_check_prompts(self, request: web.Request, adapter_id: str) -> web.Response:
         """As ``lorapage serve``'s (the admin, or the owner's key): what is given replaces what is
         stored. The fleet's promotion check runs them; a base upgrade's drift check runs where the
         base-migration routes are (``lorapage serve``). The ingress samples no traffic: ``sample``
         true is refused."""
         self._owned(request, adapter_id)
-        req = protocol.decode(await read_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
+        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
         if req.sample:
             raise InvalidRequestError(
                 "a fleet keeps no sample of an adapter's traffic; give the check prompts as 'prompts'", param="sample"
             )
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
-        actor = key_id(bearer_key(cast(Any, request)) or "")
+        actor = key_id(bearer_key(request) or "")
         stored = await store_check_prompts(self.registry.registry, adapter_id, prompts, req.sample, req.opt_out, actor)
         return _json(check_prompts_body(stored))
 
-    async def get_check_prompts(self, request: Request, adapter_id: str) -> Response:
+    async def get_check_prompts(self, request: web.Request, adapter_id: str) -> web.Response:
         self._owned(request, adapter_id)
         return _json(check_prompts_body(await asyncio.to_thread(self.registry.registry.check_prompts, adapter_id)))
 
-    def _owned(self, request: Request, adapter_id: str) -> None:
+    def _owned(self, request: web.Request, adapter_id: str) -> None:
         """404 unless ``adapter_id`` is a registered id the caller may read (the admin, or its owner's key)."""
-        self.access.adapter_reader(cast(Any, request), adapter_id)
+        self.access.adapter_reader(request, adapter_id)
         known_id(adapter_id, self.registry.ids())
 
-    async def delete(self, request: Request, name: str) -> Response:
+    async def delete(self, request: web.Request, name: str) -> web.Response:
         """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
         hidden from new requests until the running ones end."""
-        running = await self._delete(name, request.query_params, self._actor(request))
+        running = await self._delete(name, request.query, self._actor(request))
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
     async def _delete(self, name: str, query: Mapping[str, str], actor: str) -> int:
@@ -399,7 +397,7 @@ class FleetAdmin:
             self.access.drop_owner(adapter_id)
         return running
 
-    async def pin(self, request: Request, name: str) -> Response:
+    async def pin(self, request: web.Request, name: str) -> web.Response:
         """Pin a version resident on every replica: checked against the bounds and loaded on its
         owner before the answer, on the others within a heartbeat. 409 ``pin_limit_exceeded``
         past ``--max-pinned-fraction`` (every replica holds the same pins)."""
@@ -415,12 +413,12 @@ class FleetAdmin:
             raise
         return _json((await self._describe([key]))[0])
 
-    async def unpin(self, request: Request, name: str) -> Response:
+    async def unpin(self, request: web.Request, name: str) -> web.Response:
         key, actor = await self._resolve(name), self._actor(request)
         await self._write(lambda: self.registry.set_pinned(key, False, actor=actor))
         return _json((await self._describe([key]))[0])
 
-    async def load(self, request: Request, name: str) -> Response:
+    async def load(self, request: web.Request, name: str) -> web.Response:
         """Pre-warm a version on the replica the router sends its requests to (an owner)."""
         key, actor = await self._resolve(name), self._actor(request)
         _ok(await self._on_owner(key).load_adapter.remote(key))
@@ -428,7 +426,7 @@ class FleetAdmin:
         await self._write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
         return _json((await self._describe([key]))[0])
 
-    async def unload(self, request: Request, name: str) -> Response:
+    async def unload(self, request: web.Request, name: str) -> web.Response:
         """Drop a version from every replica's pool (not while it runs there, nor if pinned);
         answered once no replica reports it in its pool, or after a few heartbeats."""
         key, actor = await self._resolve(name), self._actor(request)
@@ -436,7 +434,7 @@ class FleetAdmin:
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
         return _json((await self._describe([key]))[0])
 
-    async def promote(self, request: Request, name: str) -> Response:
+    async def promote(self, request: web.Request, name: str) -> web.Response:
         """Start a dedicated deployment of ``name``'s version (``id``: its current one), merged
         into the base and checked before it takes traffic: 202 with the adapter (``dedicated.state``
         ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed`` and why). 409 when
@@ -447,7 +445,7 @@ class FleetAdmin:
         self.dedicated.promote(key, self._actor(request))
         return _json((await self._describe([key]))[0], status=202)
 
-    async def demote(self, request: Request, adapter_id: str) -> Response:
+    async def demote(self, request: web.Request, adapter_id: str) -> web.Response:
         """Route the id back to the shared pool and delete its dedicated deployment; 409 unless it has one serving."""
         promoted = {adapter_id} if self.dedicated.get(adapter_id) is not None else set()  # deleted since: still demoted
         known_id(adapter_id, set(self.registry.ids()) | promoted)
@@ -456,11 +454,11 @@ class FleetAdmin:
             return _json({"id": promotion.key, "object": "adapter", "dedicated": None})
         return _json((await self._describe([promotion.key]))[0])
 
-    async def audit(self, request: Request, _: str) -> Response:
+    async def audit(self, request: web.Request, _: str) -> web.Response:
         """``GET /v1/audit``: the fleet registry's trail, as ``lorapage serve`` answers it."""
-        return _json(await audit_list(request.query_params, lambda q: asyncio.to_thread(self.registry.audit, q)))
+        return _json(await audit_list(request.query, lambda q: asyncio.to_thread(self.registry.audit, q)))
 
-    async def internal_state(self, request: Request, _: str) -> Response:
+    async def internal_state(self, request: web.Request, _: str) -> web.Response:
         ingress = {
             "requests_in_flight": sum(self.in_flight.values()),
             "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
@@ -470,8 +468,3 @@ class FleetAdmin:
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
         return _json({"ingress": ingress, "replicas": replicas})
-
-
-def _shown(pattern: re.Pattern[str]) -> str:
-    """A route's regex as its pattern reads (``/v1/adapters/{id}/channels/{channel}``)."""
-    return pattern.pattern.replace("([^/]+)", "{id}", 1).replace("([^/]+)", "{channel}")

@@ -39,6 +39,7 @@ from lorapage.server.serve import (
     api_keys,
     check_model_dir,
     check_root_tenants,
+    edge_limits,
     engine_config,
     lora_modules,
     open_access_log,
@@ -144,6 +145,9 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             access_log=_access_log_path(args),
             dedicated=dedicated_config(args, PROG),
             bases=_bases(args, engine),
+            host=args.host,
+            port=args.port,
+            edge=edge_limits(args, PROG),
         )
     except ValueError as exc:
         fail(PROG, str(exc))
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     # "local": a Ray of our own, even where another one runs on this machine (ray.init(None) would join it).
     ray.init(address=args.address or "local", num_cpus=args.num_cpus, include_dashboard=False)
     config = fleet_config(args, _replica_cpus(args, float(ray.cluster_resources().get("CPU", 0.0))), tenants)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(proxy_location="Disabled")  # the ingress serves HTTP itself (lorapage.fleet.ingress)
     try:
         app = run_app(build_app(config), config.replica_needs(), args.start_timeout)
     except StartError as exc:

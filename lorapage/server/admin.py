@@ -27,7 +27,7 @@ from lorapage.server.check_prompts import store_check_prompts
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
 from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut, TrafficOut
-from lorapage.server.state import RouteState
+from lorapage.server.state import ServeState
 
 # An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
 ADMIN_MAX_BODY_BYTES = 64 << 10
@@ -78,21 +78,21 @@ class AdminRoutes:
     def __init__(self, state_key: web.AppKey) -> None:
         self.key = state_key
 
-    def _state(self, request: web.Request) -> RouteState:
+    def _state(self, request: web.Request) -> ServeState:
         state = request.app[self.key]
         state.access.require_admin(request)
         return state
 
-    def _admin(self, request: web.Request) -> tuple[RouteState, str]:
+    def _admin(self, request: web.Request) -> tuple[ServeState, str]:
         """The server state and the admin key's id (the actor audit rows name)."""
         state = request.app[self.key]
         return state, state.access.admin_actor(request)
 
-    def _describe(self, state: RouteState, name: str) -> AdapterOut:
+    def _describe(self, state: ServeState, name: str) -> AdapterOut:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
-        engine, name = state.engines.serving(name)  # the engine of the base it runs on
+        engine, name = state.backend.engines.serving(name)  # the engine of the base it runs on
         info = engine.admin.info(name)
-        versions = state.engine.admin.versions(info.adapter_id)
+        versions = state.backend.engine.admin.versions(info.adapter_id)
         current = next((v.version for v in versions if v.current), None)
         return AdapterOut(
             id=info.adapter_id,
@@ -121,19 +121,19 @@ class AdminRoutes:
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state, actor = self._admin(request)
-        reg = registration(await read_admin_body(request), state.engine.base_name, state.access)
+        reg = registration(await read_admin_body(request), state.backend.engine.base_name, state.access)
         info = await self._register(state, reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:
             stored = await store_check_prompts(
-                state.engine.admin.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
+                state.backend.engine.admin.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
             )
-            state.sampler.set_enabled(reg.id, stored.sample)
+            state.backend.sampler.set_enabled(reg.id, stored.sample)
         return _json(self._describe(state, info.name), status=201 if info.created else 200)
 
-    async def _register(self, state: RouteState, reg: Registration, actor: str) -> AdapterInfo:
+    async def _register(self, state: ServeState, reg: Registration, actor: str) -> AdapterInfo:
         with source_errors(reg):
-            source = await checked_source(reg, state.engine.admin.roots, state.access)
-            info = await state.engines.register(
+            source = await checked_source(reg, state.backend.engine.admin.roots, state.access)
+            info = await state.backend.engines.register(
                 reg.id,
                 source,
                 owner=reg.owner,
@@ -150,7 +150,7 @@ class AdminRoutes:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.server.lora_admin`)."""
         state, actor = self._admin(request)
         body = await read_admin_body(request)
-        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.admin.ids())
+        reg = lora_registration(body, state.backend.engine.base_name, state.access, state.backend.engine.admin.ids())
         await self._register(state, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
@@ -164,7 +164,9 @@ class AdminRoutes:
 
     async def list(self, request: web.Request) -> web.Response:
         state = self._state(request)
-        return _json({"object": "list", "data": [self._describe(state, i.name) for i in state.engine.admin.served()]})
+        return _json(
+            {"object": "list", "data": [self._describe(state, i.name) for i in state.backend.engine.admin.served()]}
+        )
 
     async def get(self, request: web.Request) -> web.Response:
         """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and its
@@ -176,8 +178,8 @@ class AdminRoutes:
         name = request.match_info["id"]
         admin = state.access.adapter_reader(request, name)
         out = self._describe(state, name)
-        rows = await state.engine.admin.traffic(out.id, TRAFFIC_HOURS)
-        first_hour = int(state.engine.admin.wall_clock() // 3600) - TRAFFIC_HOURS + 1
+        rows = await state.backend.engine.admin.traffic(out.id, TRAFFIC_HOURS)
+        first_hour = int(state.backend.engine.admin.wall_clock() // 3600) - TRAFFIC_HOURS + 1
         out.traffic = TrafficOut.of([r for r in rows if r.version == out.version], first_hour)
         if not admin:
             out.path = out.source = ""
@@ -187,7 +189,7 @@ class AdminRoutes:
         """Every version of an id, servable on this base or not, oldest first."""
         state = self._state(request)
         adapter_id = request.match_info["id"]
-        versions = state.engine.admin.versions(adapter_id)
+        versions = state.backend.engine.admin.versions(adapter_id)
         if not versions:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         data = [
@@ -214,7 +216,7 @@ class AdminRoutes:
         state, actor = self._admin(request)
         adapter_id = request.match_info["id"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        info = await state.engine.admin.deploy(_known_id(state, adapter_id), req.version, actor=actor)
+        info = await state.backend.engine.admin.deploy(_known_id(state, adapter_id), req.version, actor=actor)
         return _json(self._describe(state, info.name))
 
     async def rollback(self, request: web.Request) -> web.Response:
@@ -224,7 +226,9 @@ class AdminRoutes:
         adapter_id = _known_id(state, request.match_info["id"])
         body = await read_admin_body(request)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
-        info = await state.engine.admin.rollback(adapter_id, req.version, channel=req.channel or "", actor=actor)
+        info = await state.backend.engine.admin.rollback(
+            adapter_id, req.version, channel=req.channel or "", actor=actor
+        )
         name = f"{adapter_id}@{req.channel}" if req.channel else info.name
         return _json(self._describe(state, name))
 
@@ -234,14 +238,14 @@ class AdminRoutes:
         state, actor = self._admin(request)
         adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        await state.engine.admin.deploy(adapter_id, req.version, channel=channel, actor=actor)
+        await state.backend.engine.admin.deploy(adapter_id, req.version, channel=channel, actor=actor)
         return _json(self._describe(state, f"{adapter_id}@{channel}"))
 
     async def delete_channel(self, request: web.Request) -> web.Response:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
         state, actor = self._admin(request)
         adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
-        await state.engine.admin.remove_channel(adapter_id, channel, actor=actor)
+        await state.backend.engine.admin.remove_channel(adapter_id, channel, actor=actor)
         return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -252,28 +256,28 @@ class AdminRoutes:
         running = await self._delete(state, name, request.query, actor)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(self, state: RouteState, name: str, query: Mapping[str, str], actor: str) -> int:
-        keys = state.engine.admin.removable_versions(name)  # 404 when unknown, 409 for the current of several
+    async def _delete(self, state: ServeState, name: str, query: Mapping[str, str], actor: str) -> int:
+        keys = state.backend.engine.admin.removable_versions(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
-            state.engine.admin.remove(name, actor=actor)  # 409 from the engine if it still holds requests
+            state.backend.engine.admin.remove(name, actor=actor)  # 409 from the engine if it still holds requests
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
-        if adapter_id not in state.engine.admin.ids():
+        if adapter_id not in state.backend.engine.admin.ids():
             state.access.drop_owner(adapter_id)
         return running
 
     async def load(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
-        adapter = state.engines.on_primary(request.match_info["id"], "load")
-        await state.engine.admin.load(adapter, actor=actor)
+        adapter = state.backend.engines.on_primary(request.match_info["id"], "load")
+        await state.backend.engine.admin.load(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def unload(self, request: web.Request) -> web.Response:
         state, actor = self._admin(request)
-        adapter = state.engines.on_primary(request.match_info["id"], "unload")
-        await state.engine.admin.unload(adapter, actor=actor)
+        adapter = state.backend.engines.on_primary(request.match_info["id"], "unload")
+        await state.backend.engine.admin.unload(adapter, actor=actor)
         return _json(self._describe(state, adapter))
 
     async def pin(self, request: web.Request) -> web.Response:
@@ -281,13 +285,17 @@ class AdminRoutes:
         evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
         pins would pass ``--max-pinned-fraction`` of the pool."""
         state, actor = self._admin(request)
-        info = await state.engine.admin.pin(state.engines.on_primary(request.match_info["id"], "pin"), actor=actor)
+        info = await state.backend.engine.admin.pin(
+            state.backend.engines.on_primary(request.match_info["id"], "pin"), actor=actor
+        )
         return _json(self._describe(state, info.name))
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Undo a pin: the version stays resident, evictable again."""
         state, actor = self._admin(request)
-        info = await state.engine.admin.unpin(state.engines.on_primary(request.match_info["id"], "unpin"), actor=actor)
+        info = await state.backend.engine.admin.unpin(
+            state.backend.engines.on_primary(request.match_info["id"], "unpin"), actor=actor
+        )
         return _json(self._describe(state, info.name))
 
     async def internal_state(self, request: web.Request) -> web.Response:
@@ -298,14 +306,14 @@ class AdminRoutes:
             "draining_adapters": sorted(state.draining),
             "closing": state.closing,
         }
-        body: dict[str, Any] = {"engine": state.engine.stats(), "server": server}
-        if state.engines.several:  # every base's engine, the primary's included
-            body["bases"] = {e.base_name: e.stats() for e in state.engines.engines}
+        body: dict[str, Any] = {"engine": state.backend.engine.stats(), "server": server}
+        if state.backend.engines.several:  # every base's engine, the primary's included
+            body["bases"] = {e.base_name: e.stats() for e in state.backend.engines.engines}
         return _json(body)
 
 
-def _known_id(state: RouteState, adapter_id: str) -> str:
-    return known_id(adapter_id, state.engine.admin.ids())
+def _known_id(state: ServeState, adapter_id: str) -> str:
+    return known_id(adapter_id, state.backend.engine.admin.ids())
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:

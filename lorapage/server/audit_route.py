@@ -154,7 +154,7 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
     async def audit(request: web.Request) -> web.Response:
         state = request.app[state_key]
         state.access.require_admin(request)
-        return _json(await audit_list(request.query, state.engine.admin.audit))
+        return _json(await audit_list(request.query, state.backend.engine.admin.audit))
 
     async def history(request: web.Request) -> web.Response:
         state = request.app[state_key]
@@ -167,7 +167,7 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
             if state.access.owners.get(adapter_id) != tenant:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
-        engine = state.engine
+        engine = state.backend.engine
         if adapter_id not in engine.admin.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         moves = await engine.admin.history(adapter_id, limit + 1)

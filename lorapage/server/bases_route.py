@@ -103,7 +103,8 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         state.access.require_admin(request)
         target = _target(request)
         req = protocol.decode(await read_admin_body(request), protocol.ValidateRequest)
-        running = state.engines.side_engine(target)  # a base served beside the primary: checked there, not loaded
+        # a base served beside the primary: checked there, not loaded
+        running = state.backend.engines.side_engine(target)
         if running is None and req.model is None:
             raise InvalidRequestError(
                 f"model: the directory of base {shown_digest(target)} is required (this server does not run it)",
@@ -111,7 +112,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
             )
         model = running.config.model if running is not None else req.model
         model = await asyncio.get_running_loop().run_in_executor(None, check_model_dir, model)
-        job = request.app[VALIDATOR].start(state.engine, target, model, req.adapters, running=running)
+        job = request.app[VALIDATOR].start(state.backend.engine, target, model, req.adapters, running=running)
         body = {"object": "base.validation", "job": job.id, "status": job.status, "target": shown_digest(target)}
         return _json({**body, "adapters": job.adapters}, status=202)
 
@@ -126,7 +127,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         owners = state.access.owners
         rows = [
             _row_out(r, owners.get(r.adapter_id))
-            for r in await _registry(state, state.engine.admin.registry.migration_states, target)
+            for r in await _registry(state, state.backend.engine.admin.registry.migration_states, target)
         ]
         if wanted is not None:
             rows = [r for r in rows if r["tenant"] == wanted]
@@ -140,7 +141,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         body = {
             "object": "base.validation",
             "target": shown_digest(target),
-            "running_base": shown_digest(state.engine.digest),
+            "running_base": shown_digest(state.backend.engine.digest),
             "job": shown,
             "adapters": rows,
             "tenants": tenant_report(rows),
@@ -156,8 +157,10 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         job = request.app[VALIDATOR].latest(target)
         if job is not None and job.status == "running":
             raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
-        keys = current_versions(state.engine, req.adapters)
-        states = {r.key: r for r in await _registry(state, state.engine.admin.registry.migration_states, target)}
+        keys = current_versions(state.backend.engine, req.adapters)
+        states = {
+            r.key: r for r in await _registry(state, state.backend.engine.admin.registry.migration_states, target)
+        }
         ready, skipped = [], []
         for key in keys:
             row = states.get(key)
@@ -174,8 +177,10 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
             skipped.append({"id": parse_key(key)[0], "version": parse_key(key)[1], "state": why})
         migrated = []
         for row in ready:
-            new = await _registry(state, lambda r=row: state.engine.admin.registry.migrate_version(r, actor=actor))
-            state.engine.admin.add_migrated_version(new)
+            new = await _registry(
+                state, lambda r=row: state.backend.engine.admin.registry.migrate_version(r, actor=actor)
+            )
+            state.backend.engine.admin.add_migrated_version(new)
             migrated.append({"id": row.adapter_id, "from_version": row.version, "version": new.version})
         return _json(
             {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
@@ -189,15 +194,15 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         key = bearer_key(request)
         assert key is not None
         stored = await store_check_prompts(
-            state.engine.admin.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
+            state.backend.engine.admin.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
         )
-        state.sampler.set_enabled(adapter_id, stored.sample)
+        state.backend.sampler.set_enabled(adapter_id, stored.sample)
         return check_prompts_out(stored)
 
     async def get_check_prompts(request: web.Request) -> web.Response:
         state = request.app[state_key]
         adapter_id, _ = owned_id(state, request)
-        return check_prompts_out(await _registry(state, state.engine.admin.registry.check_prompts, adapter_id))
+        return check_prompts_out(await _registry(state, state.backend.engine.admin.registry.check_prompts, adapter_id))
 
     app.router.add_put("/v1/adapters/{id}/check_prompts", put_check_prompts)
     app.router.add_get("/v1/adapters/{id}/check_prompts", get_check_prompts)

@@ -40,7 +40,7 @@ def owned_id(state, request: web.Request) -> tuple[str, str | None]:
     """The route's adapter id, when the caller may see it; and the caller's tenant (None: admin)."""
     adapter_id = request.match_info["id"]
     tenant = admin_or_tenant(state, request)
-    known = "@" not in adapter_id and adapter_id in state.engine.admin.ids()
+    known = "@" not in adapter_id and adapter_id in state.backend.engine.admin.ids()
     if not known or (tenant is not None and state.access.owners.get(adapter_id) != tenant):
         raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
     return adapter_id, tenant

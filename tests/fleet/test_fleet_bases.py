@@ -30,8 +30,8 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.bases.cli import main as base_cli  # noqa: E402
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
+from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import FleetConfig, base_deployment  # noqa: E402
-from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.model.loader import model_digest  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
@@ -100,10 +100,11 @@ def fleet(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         state_dir=str(state_dir),
         adapter_roots=(str(adapters),),
         sync_period_s=0.5,
+        port=port,  # the ingress listens itself (Ray Serve's HTTP proxy is off)
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(config), name=APP_NAME, route_prefix=None)
         yield f"http://127.0.0.1:{port}", near
     finally:
         serve.shutdown()
