@@ -6,8 +6,9 @@ its one replica runs the aiohttp application of :mod:`lorapage.server.app` itsel
 JSON, ``/health`` (503 while shutting down), SSE, metrics, SLOs and the request log are
 ``lorapage serve``'s own; only where a request goes differs: :class:`~lorapage.fleet.backend.FleetBackend`
 (deployment handles to the engine replicas, routed by adapter affinity). The admin routes are the
-fleet's (:mod:`lorapage.fleet.admin`: the fleet's registry, replicas, promotion); ``lorapage
-serve``'s base-migration routes are not served here.
+same routes as ``lorapage serve``'s over the fleet's operations (:mod:`lorapage.fleet.admin`: the
+fleet's registry, its replicas), plus promote and demote; ``lorapage serve``'s base-migration
+routes are not served here.
 
 Quotas are fleet-wide because this deployment runs exactly one replica and holds every tenant's
 token buckets (a restart of it refills them, as a restart of ``lorapage serve`` does). It holds
@@ -40,7 +41,7 @@ from aiohttp import web
 from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.errors import LorapageError
-from lorapage.fleet.admin import FleetAdmin
+from lorapage.fleet.admin import FleetAdminOps
 from lorapage.fleet.auto_promote import AutoPromoter
 from lorapage.fleet.backend import FleetBackend
 from lorapage.fleet.bases import FleetBases
@@ -51,7 +52,9 @@ from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server.access_log import AccessLog
+from lorapage.server.admin import add_admin_routes
 from lorapage.server.app import STATE, ServerState, build_app
+from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
 from lorapage.server.error_json import Handler
 from lorapage.server.run import start
@@ -122,8 +125,10 @@ class FleetIngress:
         return self.profile
 
     def _add_routes(self, app: web.Application) -> None:
+        """``lorapage serve``'s admin and audit routes over the fleet's registry and replicas, and
+        the fleet's own (promote, demote)."""
         state = app[STATE]
-        FleetAdmin(
+        ops = FleetAdminOps(
             access=self.access,
             registry=self.registry,
             engines=self.engines,
@@ -134,7 +139,10 @@ class FleetIngress:
             adapter_roots=self.config.roots(),
             sync_period_s=self.config.sync_period_s,
             dedicated=self.dedicated,
-        ).add_routes(app)
+        )
+        routes = add_admin_routes(app, STATE, ops)
+        add_audit_routes(app, STATE)
+        ops.add_routes(app, routes)
 
     @web.middleware
     async def _ready_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -1,7 +1,7 @@
-"""Base upgrades over HTTP: check prompts, validating every adapter on a candidate base, migrating those that passed.
+"""Base upgrades over HTTP: validating every adapter on a candidate base, migrating those that passed.
 
-- ``PUT`` / ``GET /v1/adapters/{id}/check_prompts`` (admin, or the owner's tenant key): the
-  adapter's check prompts and opt-ins (:mod:`lorapage.server.check_prompts`).
+(An adapter's check prompts, ``PUT`` / ``GET /v1/adapters/{id}/check_prompts``, are an admin
+route both front ends serve: :mod:`lorapage.server.admin`.)
 
 - ``POST /v1/bases/{digest}/validate`` (admin), body ``{"model": DIR, "adapters": [ids]?}``: starts
   a validation job toward base ``digest`` (``sha256:HEX`` or bare hex), whose directory ``DIR``
@@ -33,20 +33,17 @@ from aiohttp import web
 from lorapage.adapters.binding import shown_digest
 from lorapage.adapters.digest import digest_param
 from lorapage.adapters.drift_state import (
-    CHECK_PROMPTS_BODY_BYTES,
     FAILED,
     MIGRATED,
     OPTED_OUT,
     PASSED,
     PENDING,
     MigrationRow,
-    check_prompts_param,
 )
 from lorapage.bases.validation import BaseValidator, check_model_dir, current_versions, parse_key
 from lorapage.errors import ConflictError, InvalidRequestError, PermissionDeniedError
 from lorapage.server import protocol
-from lorapage.server.check_prompts import admin_or_tenant, check_prompts_out, owned_id, store_check_prompts
-from lorapage.server.tenants import key_id
+from lorapage.server.check_prompts import admin_or_tenant
 
 VALIDATOR = web.AppKey("lorapage_base_validator", BaseValidator)
 
@@ -89,7 +86,6 @@ async def _registry(state, fn, *args):
 
 def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
     from lorapage.server.admin import read_admin_body
-    from lorapage.server.auth import bearer_key
 
     app[VALIDATOR] = BaseValidator()
 
@@ -118,7 +114,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
 
     async def progress(request: web.Request) -> web.Response:
         state = request.app[state_key]
-        caller = admin_or_tenant(state, request)
+        caller = admin_or_tenant(state.access, request)
         target = _target(request)
         wanted = request.query.get("tenant")
         if caller is not None and wanted not in (None, caller):
@@ -186,26 +182,6 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
             {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
         )
 
-    async def put_check_prompts(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        adapter_id, _ = owned_id(state, request)
-        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
-        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
-        key = bearer_key(request)
-        assert key is not None
-        stored = await store_check_prompts(
-            state.backend.engine.admin.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
-        )
-        state.backend.sampler.set_enabled(adapter_id, stored.sample)
-        return check_prompts_out(stored)
-
-    async def get_check_prompts(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        adapter_id, _ = owned_id(state, request)
-        return check_prompts_out(await _registry(state, state.backend.engine.admin.registry.check_prompts, adapter_id))
-
-    app.router.add_put("/v1/adapters/{id}/check_prompts", put_check_prompts)
-    app.router.add_get("/v1/adapters/{id}/check_prompts", get_check_prompts)
     app.router.add_post("/v1/bases/{digest}/validate", validate)
     app.router.add_get("/v1/bases/{digest}/validate", progress)
     app.router.add_post("/v1/bases/{digest}/migrate", migrate)

@@ -2,17 +2,16 @@
 
 :class:`lorapage.server.app.ServerState` is the one implementation, over a
 :class:`~lorapage.server.backend.Backend`; the route modules are typed against this instead,
-because ``app`` imports them and importing it back would cycle. The routes both front ends serve
-take a ``RouteState[Backend]``; ``lorapage serve``'s own (admin, base migration, audit) a
-:data:`ServeState`, whose backend is the engines in this process; the fleet's own, a state over
-:class:`lorapage.fleet.backend.FleetBackend`.
+because ``app`` imports them and importing it back would cycle. The route modules both front ends
+serve take a ``RouteState[Backend]`` (the admin routes reach what changes adapters through the
+app's :class:`~lorapage.server.admin_ops.AdminOps`, not the backend).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -20,9 +19,6 @@ from lorapage.server.auth import Access
 from lorapage.server.generation import Answer, Job, Timing
 from lorapage.server.prompts import PromptBuilder
 from lorapage.server.quota import Reservation
-
-if TYPE_CHECKING:
-    from lorapage.server.engine_backend import EngineBackend
 
 B_co = TypeVar("B_co", covariant=True)
 # How a job's engine outputs become its answer (generation.answer's role; /v1/responses brings its own).
@@ -66,6 +62,3 @@ class RouteState(Protocol[B_co]):
     ) -> web.StreamResponse:
         """Charge ``job``'s tokens, run it and answer it (``answer_with``: its own shapes)."""
         ...
-
-
-ServeState: TypeAlias = "RouteState[EngineBackend]"  # lorapage serve's: the engines in this process
