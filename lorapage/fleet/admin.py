@@ -273,8 +273,8 @@ class FleetAdminOps:
     async def store_check_prompts(
         self, adapter_id: str, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None, actor: str
     ) -> CheckPrompts:
-        """The fleet's promotion check runs them; a base upgrade's drift check runs where the
-        base-migration routes are (``lorapage serve``). The ingress samples no traffic."""
+        """A promotion's equivalence check and a base upgrade's drift check run them. The
+        ingress samples no traffic."""
         if sample:
             raise InvalidRequestError(
                 "a fleet keeps no sample of an adapter's traffic; give the check prompts as 'prompts'", param="sample"

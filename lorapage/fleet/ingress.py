@@ -7,8 +7,8 @@ JSON, ``/health`` (503 while shutting down), SSE, metrics, SLOs and the request 
 ``lorapage serve``'s own; only where a request goes differs: :class:`~lorapage.fleet.backend.FleetBackend`
 (deployment handles to the engine replicas, routed by adapter affinity). The admin routes are the
 same routes as ``lorapage serve``'s over the fleet's operations (:mod:`lorapage.fleet.admin`: the
-fleet's registry, its replicas), plus promote and demote; ``lorapage serve``'s base-migration
-routes are not served here.
+fleet's registry, its replicas), plus promote and demote; so are the base-upgrade routes
+(validate, migrate: :mod:`lorapage.fleet.upgrades`), toward a base the fleet runs (``--base``).
 
 Quotas are fleet-wide because this deployment runs exactly one replica and holds every tenant's
 token buckets (a restart of it refills them, as a restart of ``lorapage serve`` does). It holds
@@ -51,11 +51,13 @@ from lorapage.fleet.messages import EngineProfile, Heartbeat, SyncReply
 from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
+from lorapage.fleet.upgrades import FleetUpgrades
 from lorapage.server.access_log import AccessLog
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.app import STATE, ServerState, build_app
 from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
+from lorapage.server.bases_route import add_base_routes
 from lorapage.server.error_json import Handler
 from lorapage.server.run import start
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
@@ -125,8 +127,8 @@ class FleetIngress:
         return self.profile
 
     def _add_routes(self, app: web.Application) -> None:
-        """``lorapage serve``'s admin and audit routes over the fleet's registry and replicas, and
-        the fleet's own (promote, demote)."""
+        """``lorapage serve``'s admin, audit and base-upgrade routes over the fleet's registry and
+        replicas, and the fleet's own (promote, demote)."""
         state = app[STATE]
         ops = FleetAdminOps(
             access=self.access,
@@ -142,6 +144,7 @@ class FleetIngress:
         )
         routes = add_admin_routes(app, STATE, ops)
         add_audit_routes(app, STATE)
+        add_base_routes(app, STATE, FleetUpgrades(self.backend.bases, self.registry, self.profile.base_digest))
         ops.add_routes(app, routes)
 
     @web.middleware

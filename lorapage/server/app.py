@@ -43,7 +43,7 @@ from lorapage.server.admin import add_admin_routes
 from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
 from lorapage.server.backend import Backend
-from lorapage.server.bases_route import add_base_routes
+from lorapage.server.bases_route import LocalUpgrades, add_base_routes
 from lorapage.server.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.server.engine_backend import ENGINES, EngineBackend
 from lorapage.server.error_json import Handler, error_middleware
@@ -504,7 +504,7 @@ def create_app(
         state: ServerState[EngineBackend] = app[STATE]
         add_admin_routes(app, STATE, LocalAdmin(local, state))
         add_audit_routes(app, STATE)
-        add_base_routes(app, STATE)
+        add_base_routes(app, STATE, LocalUpgrades(local.engines))
 
     return build_app(
         local,
