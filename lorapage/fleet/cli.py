@@ -5,8 +5,9 @@ starts a local Ray on this machine. The engine and server flags are those of ``l
 with no ``--tenants`` file it prints a new demo tenant key and admin key, as ``lorapage serve``
 does (``--api-key``: one tenant whose keys are those, the admin keys too). ``--state-dir`` holds
 the fleet's adapter registry on this machine (the ingress runs here unless the cluster places it
-elsewhere). SIGHUP re-reads the tenants file and hands it to the ingress; SIGINT or SIGTERM stops
-(taking the application down).
+elsewhere); the ingress serves ``lorapage serve``'s front end itself on ``--host:--port`` (Ray
+Serve's HTTP proxy is not started). SIGHUP re-reads the tenants file and hands it to the ingress;
+SIGINT or SIGTERM stops (taking the application down).
 """
 
 from __future__ import annotations

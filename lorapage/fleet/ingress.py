@@ -144,7 +144,8 @@ class FleetIngress:
         )
         routes = add_admin_routes(app, STATE, ops)
         add_audit_routes(app, STATE)
-        add_base_routes(app, STATE, FleetUpgrades(self.backend.bases, self.registry, self.profile.base_digest))
+        models = [self.config.engine.model, *self.config.bases]
+        add_base_routes(app, STATE, FleetUpgrades(self.backend.bases, self.registry, self.profile.base_digest, models))
         ops.add_routes(app, routes)
 
     @web.middleware

@@ -58,8 +58,9 @@ class FleetChecker:
 class FleetUpgrades:
     """The :class:`~lorapage.server.bases_route.BaseUpgrades` of a fleet running ``bases`` (the primary's first)."""
 
-    def __init__(self, bases: FleetBases, registry: FleetRegistry, digest: str) -> None:
-        self.bases, self.fleet_registry = bases, registry
+    def __init__(self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str]) -> None:
+        """``models``: each base's directory, in the order of ``bases`` (what a job shows as its candidate)."""
+        self.bases, self.fleet_registry, self.models = bases, registry, list(models)
         self.registry = registry.registry
         self.digest = digest
 
@@ -94,7 +95,10 @@ class FleetUpgrades:
             return checker
 
         keys = self.current_versions(adapters)
-        return validator.start_with(self.registry, self.digest, target, model or "", keys, make)
+        candidate = self.models[
+            digests.index(target)
+        ]  # the directory its deployment runs (a model given is not loaded)
+        return validator.start_with(self.registry, self.digest, target, candidate, keys, make)
 
     async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
         return await asyncio.to_thread(self.fleet_registry.migrate, row, actor=actor)

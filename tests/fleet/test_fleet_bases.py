@@ -192,6 +192,7 @@ async def test_validate_and_migrate_while_both_bases_serve(fleet):
             break
         await asyncio.sleep(0.1)
     assert report["job"]["status"] == "done" and report["running_base"] == f"sha256:{model_digest(TINY_BASE_DIR)}"
+    assert report["job"]["model"] == str(near)  # the side base's deployment checked on, nothing loaded
     (row,) = [r for r in report["adapters"] if r["id"] == "acme"]
     assert row["state"] == "passed" and row["numbers"]["prompts"] == len(PROMPTS), report
     status, got, _ = await _call(url, "POST", f"/v1/bases/{digest}/migrate", ADMIN_KEY, {"adapters": ["acme"]})
