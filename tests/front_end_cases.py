@@ -7,12 +7,16 @@ with the tiny base and the demo adapters.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from server_harness import ADMIN_KEY, BASE, KEYS, OPENAI_ERROR_TYPES
+from aiohttp import web
+from server_harness import ADMIN_KEY, BASE, KEYS, OPENAI_ERROR_TYPES, TENANTS_TOML
+
+from lorapage.server.app import STATE
 
 ALPHA, BETA, ADMIN = KEYS["alpha"], KEYS["beta"], ADMIN_KEY
 
@@ -97,6 +101,54 @@ CASES: tuple[Case, ...] = (
     ),  # fmt: skip
     # Another tenant's adapter is not there for it (a 404, as for one nobody has: no existence leak).
     Case("a tenant reads another's adapter", "GET", "/v1/adapters/initech", 404, code="model_not_found"),
+    # Cases the two front ends once answered apart (Ray's proxy and a hand-kept router in the fleet).
+    Case("a stream", "POST", "/v1/completions", 200, body=_completion(stream=True)),
+    Case(
+        "a version that does not exist",
+        "POST",
+        "/v1/completions",
+        404,
+        body=_completion(model="acme@99"),
+        code="model_not_found",
+    ),  # fmt: skip
+    Case("an adapter's model card", "GET", "/v1/models/acme", 200),
+    Case("responses", "POST", "/v1/responses", 200, body={"model": BASE, "input": "Hi", "max_output_tokens": 4}),
+    Case("detokenize", "POST", "/detokenize", 200, body={"model": BASE, "tokens": [72, 105]}),
+    Case("tokenizer info", "GET", "/tokenizer_info", 200),
+    Case("ping", "GET", "/ping", 200, key=None),
+    Case("ping by POST", "POST", "/ping", 200, key=None),
+    Case("metrics need a key", "GET", "/metrics", 401, key=None, code="invalid_api_key"),
+    Case("metrics with a tenant key", "GET", "/metrics", 403, code="permission_denied"),
+    Case("metrics with the admin key", "GET", "/metrics", 200, key=ADMIN),
+    Case("usage", "GET", "/v1/usage", 200),
+    Case("usage of another tenant", "GET", "/v1/usage?tenant=beta", 403, code="permission_denied", param="tenant"),
+    Case("a wrong method on a route with a parameter", "POST", "/v1/models/acme", 405, code="method_not_allowed"),
+    Case("no such route under one that exists", "GET", "/v1/models/acme/nothing", 404, code="not_found"),
+    Case("an admin route's wrong method", "PATCH", "/v1/adapters", 405, key=ADMIN, code="method_not_allowed"),
+    Case("admin list needs the admin key", "GET", "/v1/adapters", 403, code="permission_denied"),
+    Case("admin list", "GET", "/v1/adapters", 200, key=ADMIN),
+    Case("an adapter, to the admin", "GET", "/v1/adapters/acme", 200, key=ADMIN),
+    Case("an adapter's versions", "GET", "/v1/adapters/acme/versions", 200, key=ADMIN),
+    Case("a version's versions", "GET", "/v1/adapters/acme@1/versions", 404, key=ADMIN, code="model_not_found"),
+    Case("internal state", "GET", "/internal/state", 200, key=ADMIN),
+    Case("internal state needs the admin key", "GET", "/internal/state", 403, code="permission_denied"),
+    Case(
+        "a deploy to a version that does not exist",
+        "PUT",
+        "/v1/adapters/acme/current",
+        404,
+        key=ADMIN,
+        body={"version": 99},
+        code="model_not_found",
+    ),  # fmt: skip
+    Case(
+        "a deploy without a body", "PUT", "/v1/adapters/acme/current", 400, key=ADMIN, body=b"", code="invalid_request"
+    ),  # fmt: skip
+    Case(
+        "register without a source", "POST", "/v1/adapters", 400, key=ADMIN, body={"id": "x"}, code="invalid_request"
+    ),  # fmt: skip
+    Case("audit", "GET", "/v1/audit?limit=1", 200, key=ADMIN),
+    Case("audit with an unknown filter", "GET", "/v1/audit?who=me", 400, key=ADMIN, code="invalid_request"),
 )
 
 
@@ -144,3 +196,51 @@ def mismatches(got: dict[str, Answer]) -> dict[str, tuple[Answer, Answer]]:
         if have != want:
             out[name] = (want, have)
     return out
+
+
+def replica_less_ingress(max_body_bytes: int | None = None) -> Any:
+    """The fleet's real ingress, set up as its constructor sets it up but with no engine replicas
+    behind it (the constructor would ask them what they run first): its aiohttp app is ``.app``.
+    Only what reaches no replica can be asked of it."""
+    from lorapage import EngineConfig
+    from lorapage.fleet.bases import FleetBases
+    from lorapage.fleet.config import DEFAULT_MAX_BODY_BYTES, FleetConfig
+    from lorapage.fleet.ingress import FleetIngress
+    from lorapage.fleet.messages import EngineProfile
+    from lorapage.tiny import TINY_BASE_DIR
+
+    config = FleetConfig(
+        engine=EngineConfig(model=str(TINY_BASE_DIR)),
+        tenants_toml=TENANTS_TOML,
+        max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+    )
+    ingress = FleetIngress.__new__(FleetIngress)
+    ingress.setup(None, config, FleetBases([None]), EngineProfile(BASE, 256, 512, "0" * 64))
+    return ingress
+
+
+async def while_closing(app: web.Application, url: str) -> dict[str, int]:
+    """The status of ``/health`` and ``/ping`` at ``url`` while ``app`` (serving there) shuts down
+    with a request still in flight, and once it is no more: ``{"health", "ping", "health after"}``."""
+    state = app[STATE]
+    state.request_ids.add("held")  # what a request in flight holds (the drain waits for it)
+    state.idle.clear()
+    draining = asyncio.ensure_future(app.shutdown())  # the listener stays open: the runner closes it after
+    got: dict[str, int] = {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if state.closing:
+                    break
+            for name, path in (("health", "/health"), ("ping", "/ping")):
+                async with session.get(url + path) as resp:
+                    got[name] = resp.status
+            state.request_ids.discard("held")
+            state.idle.set()  # the request ends: the drain finishes
+            await asyncio.wait_for(draining, 30)
+            async with session.get(url + "/health") as resp:
+                got["health after"] = resp.status
+    finally:
+        draining.cancel()
+    return got

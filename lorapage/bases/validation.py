@@ -10,6 +10,8 @@ and teacher-forced on the new one). The running engine serves its traffic meanwh
 requests are its own (tenant ``default``) and count as the adapter's traffic. When this process
 already serves the candidate base (``lorapage serve --base``), the job checks on that engine
 instead, each version registered there under an id of the job's own and removed after its check.
+A fleet runs the same job at its ingress with a checker of its own (:class:`Checker`;
+:mod:`lorapage.fleet.upgrades`): the check's two halves on its two bases' deployments.
 
 Each adapter version gets a migration state toward ``digest``, stored in the registry
 (:mod:`lorapage.adapters.drift_state`): ``opted-out`` when its owner opted out (not checked),
@@ -25,13 +27,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from lorapage.adapters.binding import shown_digest
 from lorapage.adapters.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, MigrationRow
-from lorapage.bases.drift import DriftThresholds, verdict
+from lorapage.adapters.registry import Registry
+from lorapage.bases.drift import DriftThresholds, PromptDrift, verdict
 from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
 
 log = logging.getLogger("lorapage.bases")
@@ -78,21 +82,52 @@ class BaseValidator:
         for a target that is the running base, or an id not served here. ``running``: an engine
         this process already runs on ``target`` (``lorapage serve --base``), checked on instead
         of a candidate loaded from ``model``."""
+        self._check_free(engine.digest, target)
+        keys = current_versions(engine, adapters)
+
+        async def checker(job: ValidationJob) -> Checker:
+            if running is not None:
+                return EngineChecker(engine, running, borrowed=True)
+            loop = asyncio.get_running_loop()
+            return EngineChecker(engine, await loop.run_in_executor(None, candidate_engine, engine, model, target))
+
+        async def precheck(job: ValidationJob) -> None:
+            if running is None:  # before any state is written: a wrong directory leaves the last check's states
+                await asyncio.get_running_loop().run_in_executor(None, check_digest, model, target)
+
+        return self.start_with(engine.admin.registry, engine.digest, target, model, keys, checker, precheck)
+
+    def start_with(
+        self,
+        registry: Registry,
+        running_digest: str,
+        target: str,
+        model: str,
+        keys: list[str],
+        checker: Callable[[ValidationJob], Awaitable[Checker]],
+        precheck: Callable[[ValidationJob], Awaitable[None]] | None = None,
+    ) -> ValidationJob:
+        """Start a job checking version ``keys`` (on base ``running_digest``) toward ``target``,
+        states in ``registry``, each version's drifts from the :class:`Checker` ``checker`` makes
+        once there is a version to check (a fleet's: its two bases' deployments)."""
+        self._check_free(running_digest, target)
+        job = ValidationJob(uuid.uuid4().hex[:16], target, model, time.time(), keys)
+        self.jobs[job.id] = job
+        while len(self.jobs) > KEPT_JOBS:
+            del self.jobs[next(iter(self.jobs))]
+        run = self._run(registry, running_digest, job, checker, precheck)
+        self._running = asyncio.get_running_loop().create_task(run)
+        return job
+
+    def _check_free(self, running_digest: str, target: str) -> None:
         if self._running is not None and not self._running.done():
             running = next(j for j in reversed(self.jobs.values()) if j.status == "running")
             raise ConflictError(
                 f"validation {running.id} (toward {shown_digest(running.target)}) is still running; one runs at a "
                 "time: poll GET /v1/bases/{digest}/validate and start this one when it is done"
             )
-        if target == engine.digest:
+        if target == running_digest:
             raise InvalidRequestError(f"{shown_digest(target)} is the running base; name the new base's digest")
-        keys = current_versions(engine, adapters)
-        job = ValidationJob(uuid.uuid4().hex[:16], target, model, time.time(), keys)
-        self.jobs[job.id] = job
-        while len(self.jobs) > KEPT_JOBS:
-            del self.jobs[next(iter(self.jobs))]
-        self._running = asyncio.get_running_loop().create_task(self._run(engine, job, running))
-        return job
 
     async def cancel(self) -> None:
         """Stop the running job (the server is closing); its candidate engine is closed."""
@@ -104,21 +139,30 @@ class BaseValidator:
             except asyncio.CancelledError:
                 pass
 
-    async def _run(self, engine, job: ValidationJob, running=None) -> None:
+    async def _run(
+        self,
+        registry: Registry,
+        running_digest: str,
+        job: ValidationJob,
+        make_checker: Callable[[ValidationJob], Awaitable[Checker]],
+        precheck: Callable[[ValidationJob], Awaitable[None]] | None,
+    ) -> None:
         loop = asyncio.get_running_loop()
-        new, todo = None, []
+        checker: Checker | None = None
+        todo: list[tuple[str, tuple[str, ...]]] = []
         try:
-            if running is None:  # before any state is written: a wrong directory leaves the last check's states
-                await loop.run_in_executor(None, check_digest, job.model, job.target)
-            plan = await loop.run_in_executor(None, self._plan, engine, job)
+            if precheck is not None:
+                await precheck(job)
+            plan = await loop.run_in_executor(None, self._plan, registry, job)
             todo = [(key, prompts) for key, prompts in plan if prompts]
-            if todo and running is None:
-                new = await loop.run_in_executor(None, candidate_engine, engine, job.model, job.target)
+            if todo:
+                checker = await make_checker(job)
             for key, prompts in todo:
-                row = await self._check(engine, new or running, job, key, prompts, borrowed=running is not None)
+                assert checker is not None
+                row = await self._check(checker, running_digest, job, key, prompts)
                 job.states[key] = row.state
                 job.checked += 1
-                await loop.run_in_executor(None, engine.admin.registry.set_migration_states, [row])
+                await loop.run_in_executor(None, registry.set_migration_states, [row])
             job.status = "done"
         except LorapageError as exc:
             job.status, job.error = "error", exc.message
@@ -126,8 +170,8 @@ class BaseValidator:
             log.exception("validation %s toward %s failed", job.id, shown_digest(job.target))
             job.status, job.error = "error", f"{type(exc).__name__}: {exc}"
         finally:
-            if new is not None:
-                await new.close()
+            if checker is not None:
+                await checker.close()
             stuck = [key for key, _ in todo if job.states.get(key) == PENDING]
             if job.status == "error" and stuck:  # the checks that never ran say why
                 reason = f"validation stopped: {job.error}"
@@ -135,21 +179,21 @@ class BaseValidator:
                     MigrationRow(*parse_key(k), job.target, PENDING, reason, None, None, job.id, None, 0.0)
                     for k in stuck
                 ]
-                await loop.run_in_executor(None, engine.admin.registry.set_migration_states, rows)
+                await loop.run_in_executor(None, registry.set_migration_states, rows)
             job.finished = time.time()
 
-    def _plan(self, engine, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
+    def _plan(self, registry: Registry, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
         """Each version's prompts (in a worker: the registry is read), its first state recorded. A
         version migrated toward the target already stays so (not checked again)."""
         plan: list[tuple[str, tuple[str, ...]]] = []
         rows = []
-        done = {r.key for r in engine.admin.registry.migration_states(job.target) if r.state == MIGRATED}
+        done = {r.key for r in registry.migration_states(job.target) if r.state == MIGRATED}
         for key in job.adapters:
             adapter_id, version = parse_key(key)
             if key in done:
                 job.states[key] = MIGRATED
                 continue
-            settings = engine.admin.registry.check_prompts(adapter_id)
+            settings = registry.check_prompts(adapter_id)
             prompts: tuple[str, ...]
             if settings.opt_out:
                 state, reason, prompts = OPTED_OUT, "the owner opted out of base migrations", ()
@@ -160,42 +204,88 @@ class BaseValidator:
             rows.append(MigrationRow(adapter_id, version, job.target, state, reason, None, None, job.id, None, 0.0))
             job.states[key] = state
             plan.append((key, prompts))
-        engine.admin.registry.set_migration_states(rows)
+        registry.set_migration_states(rows)
         return plan
 
     async def _check(
-        self, engine, new, job: ValidationJob, key: str, prompts: tuple[str, ...], *, borrowed: bool = False
+        self, checker: Checker, running_digest: str, job: ValidationJob, key: str, prompts: tuple[str, ...]
     ) -> MigrationRow:
-        """One adapter version's drift check and its state (a check that cannot run stays pending).
-        ``borrowed``: ``new`` serves traffic (a base served beside the running one): the version is
-        registered there under an id of the job's own, and removed after its check."""
-        from lorapage.bases.check import prompt_drifts
-
+        """One adapter version's drift check and its state (a check that cannot run stays pending)."""
         adapter_id, version = parse_key(key)
         base = MigrationRow(adapter_id, version, job.target, PENDING, None, None, None, job.id, None, 0.0)
-        name = f"check-{job.id}-{adapter_id}" if borrowed else adapter_id
         try:
-            async with engine.admin.version_files(key) as path:
-                # Read and checked in a worker, committed on the loop (the new base's own catalog);
-                # bound to the new base, whose digest the job checked already (or its engine has).
-                await new.admin.register_checked(name, path, expected_base_digest=job.target)
-            drifts = await prompt_drifts(engine, new, key, name, prompts, max_tokens=self.max_tokens)
+            drifts = await checker.drifts(job, key, prompts, self.max_tokens)
         except LorapageError as exc:
             return dataclasses.replace(base, reason=f"the check could not run: {exc.message}")
-        finally:
-            if borrowed and name in new.admin.ids():
-                try:
-                    new.admin.remove(name)
-                except LorapageError as exc:  # still running (the job was cancelled mid-check): left to the engine
-                    log.warning("validation %s left %s registered on the new base: %s", job.id, name, exc.message)
         report = verdict(drifts, self.limits)
         return dataclasses.replace(
             base,
             state=PASSED if report.passed else FAILED,
             reason="; ".join(report.reasons) or None,
             numbers=asdict(report),
-            notice=report.notice(adapter_id, shown_digest(engine.digest), shown_digest(job.target)),
+            notice=report.notice(adapter_id, shown_digest(running_digest), shown_digest(job.target)),
         )
+
+
+class Checker(Protocol):
+    """Runs one adapter version's drift check toward a job's base: greedy on the running base,
+    free and teacher-forced on the new one (:mod:`lorapage.bases.check`)."""
+
+    async def drifts(
+        self, job: ValidationJob, key: str, prompts: tuple[str, ...], max_tokens: int
+    ) -> list[PromptDrift]:
+        """``key``'s drift on each of ``prompts`` (a LorapageError when the check cannot run)."""
+        ...
+
+    async def close(self) -> None:
+        """The job is over."""
+        ...
+
+
+class EngineChecker:
+    """The check on two engines in this process: the running one and ``new`` (a candidate this
+    checker closes; ``borrowed``: an engine serving the new base's traffic, on which each version
+    is registered under an id of the job's own and removed after its check)."""
+
+    def __init__(self, engine, new, *, borrowed: bool = False) -> None:
+        self.engine, self.new, self.borrowed = engine, new, borrowed
+
+    async def drifts(
+        self, job: ValidationJob, key: str, prompts: tuple[str, ...], max_tokens: int
+    ) -> list[PromptDrift]:
+        from lorapage.bases.check import prompt_drifts
+
+        adapter_id, _ = parse_key(key)
+        name = check_name(job, adapter_id) if self.borrowed else adapter_id
+        new = self.new
+        try:
+            async with self.engine.admin.version_files(key) as path:
+                # Read and checked in a worker, committed on the loop (the new base's own catalog);
+                # bound to the new base, whose digest the job checked already (or its engine has).
+                await new.admin.register_checked(name, path, expected_base_digest=job.target)
+            return await prompt_drifts(self.engine, new, key, name, prompts, max_tokens=max_tokens)
+        finally:
+            if self.borrowed:
+                drop_check_version(new, name, job.id)
+
+    async def close(self) -> None:
+        if not self.borrowed:
+            await self.new.close()
+
+
+def check_name(job: ValidationJob, adapter_id: str) -> str:
+    """The id a version is checked under on an engine that serves the new base's traffic."""
+    return f"check-{job.id}-{adapter_id}"
+
+
+def drop_check_version(engine, name: str, job_id: str) -> None:
+    """Remove a version registered for a check from an engine serving traffic (left to it, logged,
+    when still running: the job was cancelled mid-check)."""
+    if name in engine.admin.ids():
+        try:
+            engine.admin.remove(name)
+        except LorapageError as exc:
+            log.warning("validation %s left %s registered on the new base: %s", job_id, name, exc.message)
 
 
 def parse_key(key: str) -> tuple[str, int]:

@@ -1,59 +1,55 @@
-"""The fleet's admin routes: those of ``lorapage serve`` (:mod:`lorapage.server.admin`), fleet-wide.
+"""The fleet's admin operations: ``lorapage serve``'s admin routes (:mod:`lorapage.server.admin`,
+:mod:`lorapage.server.audit_route`) over the fleet's registry and its replicas, and the fleet's own
+routes (promote, demote).
 
-The ingress holds the fleet's registry (:mod:`lorapage.fleet.registry`) and answers from it;
-what needs an engine goes to one replica through the adapter-affinity router, so it lands on
-the adapter's owner: a registration is fetched and checked there (then committed here, answered
-201, and servable on every replica at once, since a replica that meets a version it lacks syncs
-first), a pre-warm loads it there. What every replica must do follows the registry through the
-replicas' heartbeats (within ``sync_period_s``): a pin holds the version resident on **every**
-replica (bounded on each by ``--max-pinned-fraction``; the pin is checked and loaded on the
-owner before it is answered), an unload drops it from every pool, a delete drops it everywhere
-once its requests end. The ingress sees every request, so its own counts decide a delete's
-drain, exactly as on one server. Promotion and demotion start and remove an adapter's dedicated
-merged deployment (:mod:`lorapage.fleet.dedicated`); an adapter outside the shared envelope
-registers (tier ``dedicated``) and is served once promoted.
+:class:`FleetAdminOps` is the fleet's :class:`~lorapage.server.admin_ops.AdminOps`. The ingress
+holds the fleet's registry (:mod:`lorapage.fleet.registry`) and answers from it; what needs an
+engine goes to one replica through the adapter-affinity router, so it lands on the adapter's
+owner: a registration is fetched and checked there (then committed here, answered 201, and
+servable on every replica at once, since a replica that meets a version it lacks syncs first), a
+pre-warm loads it there. What every replica must do follows the registry through the replicas'
+heartbeats (within ``sync_period_s``): a pin holds the version resident on **every** replica
+(bounded on each by ``--max-pinned-fraction``; the pin is checked and loaded on the owner before
+it is answered), an unload drops it from every pool, a delete drops it everywhere once its
+requests end. The ingress sees every request, so its own counts decide a delete's drain, exactly
+as on one server. Promotion and demotion start and remove an adapter's dedicated merged
+deployment (:mod:`lorapage.fleet.dedicated`); an adapter outside the shared envelope registers
+(tier ``dedicated``) and is served once promoted. A fleet samples no check prompts from traffic
+(``sample`` true is refused).
 
 Every change is audited in the registry as the admin key's id (``actor``:
-:meth:`~lorapage.server.auth.Access.admin_actor`), and ``GET /v1/audit`` reads the trail back
-with ``lorapage serve``'s filters and answer (:func:`~lorapage.server.audit_route.audit_list`).
+:meth:`~lorapage.server.auth.Access.admin_actor`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
+from aiohttp import web
 
+from lorapage.adapters.audit import AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.drift_state import CHECK_PROMPTS_BODY_BYTES, check_prompts_param
-from lorapage.adapters.registry import VersionRow, parse_name
+from lorapage.adapters.drift_state import CheckPrompts
+from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.tiers import Tier
-from lorapage.errors import AdapterNotFoundError, ConflictError, InvalidRequestError, LorapageError
+from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
 from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
-from lorapage.fleet.http import read_body
 from lorapage.fleet.messages import EngineProfile
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
-from lorapage.server import protocol
-from lorapage.server.admin import ADMIN_MAX_BODY_BYTES, cost_fields, known_id, remove_when_idle, wait_until
-from lorapage.server.audit_route import audit_list, history_body, history_limit
-from lorapage.server.auth import Access, bearer_key
-from lorapage.server.check_prompts import check_prompts_body, store_check_prompts
-from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
-from lorapage.server.registration import Registration, checked_source, registration, source_errors
-from lorapage.server.responses import AdapterOut, AdapterVersionOut
-from lorapage.server.tenants import key_id
+from lorapage.server.admin import AdminRoutes, cost_fields, known_id, wait_until
+from lorapage.server.auth import Access
+from lorapage.server.check_prompts import store_check_prompts
+from lorapage.server.registration import Registration
+from lorapage.server.responses import AdapterOut, AdapterVersionOut, TrafficOut
 
 T = TypeVar("T")
-Handler = Callable[[Request, str], Awaitable[Response]]
 _TIER_ORDER = ("gpu", "ram")  # the best tier of any replica is the adapter's tier
 
 
@@ -64,10 +60,6 @@ class FleetAdapterOut(AdapterOut):
     dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
-
-
 def _ok(got: T | LorapageError) -> T:
     """A replica's answer, or the refusal it returned raised here."""
     if isinstance(got, LorapageError):
@@ -75,8 +67,8 @@ def _ok(got: T | LorapageError) -> T:
     return got
 
 
-class FleetAdmin:
-    """The admin handlers over the ingress's state (passed in: this module does not import the ingress)."""
+class FleetAdminOps:
+    """The admin operations over the ingress's state (passed in: this module does not import the ingress)."""
 
     def __init__(
         self,
@@ -85,7 +77,7 @@ class FleetAdmin:
         registry: FleetRegistry,
         engines: Any,  # the DeploymentHandle to the engine replicas
         reports: ReplicaReports,
-        profile: Callable[[], Awaitable[EngineProfile]],
+        profile: EngineProfile,
         in_flight: Counter[str | None],
         draining: set[str],
         adapter_roots: AdapterRoots,
@@ -95,56 +87,9 @@ class FleetAdmin:
         self.access, self.registry, self.engines, self.reports = access, registry, engines, reports
         self.dedicated = dedicated
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
-        self.adapter_roots, self.sync_period_s = adapter_roots, sync_period_s
+        self.base_name = profile.base_name
+        self.roots, self.sync_period_s = adapter_roots, sync_period_s
         self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
-        self._routes: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
-            (re.compile(r"/v1/adapters"), {"POST": self.register, "GET": self.list}),
-            (re.compile(r"/v1/adapters/([^/]+)"), {"GET": self.get, "DELETE": self.delete}),
-            (re.compile(r"/v1/adapters/([^/]+)/versions"), {"GET": self.versions}),
-            (re.compile(r"/v1/adapters/([^/]+)/current"), {"PUT": self.set_current}),
-            (re.compile(r"/v1/adapters/([^/]+)/rollback"), {"POST": self.rollback}),
-            (
-                re.compile(r"/v1/adapters/([^/]+)/channels/([^/]+)"),
-                {"PUT": self.set_channel, "DELETE": self.delete_channel},
-            ),
-            (re.compile(r"/v1/adapters/([^/]+)/history"), {"GET": self.history}),
-            (
-                re.compile(r"/v1/adapters/([^/]+)/check_prompts"),
-                {"PUT": self.put_check_prompts, "GET": self.get_check_prompts},
-            ),
-            (re.compile(r"/v1/adapters/([^/]+)/pin"), {"PUT": self.pin, "DELETE": self.unpin}),
-            (re.compile(r"/v1/adapters/([^/]+)/promote"), {"POST": self.promote}),
-            (re.compile(r"/v1/adapters/([^/]+)/demote"), {"POST": self.demote}),
-            (re.compile(r"/internal/adapters/([^/]+)/load"), {"POST": self.load}),
-            (re.compile(r"/internal/adapters/([^/]+)/unload"), {"POST": self.unload}),
-            (re.compile(r"/internal/state"), {"GET": self.internal_state}),
-            (re.compile(r"/v1/load_lora_adapter"), {"POST": self.load_lora}),
-            (re.compile(r"/v1/unload_lora_adapter"), {"POST": self.unload_lora}),
-            (re.compile(r"/v1/audit"), {"GET": self.audit}),
-        ]
-
-    def route(self, path: str) -> tuple[dict[str, Handler], str] | None:
-        """The handlers of ``path`` by method, and the path's adapter name ("" when none; a
-        channel's route names it as its model name does, ``id@channel``)."""
-        for pattern, handlers in self._routes:
-            if m := pattern.fullmatch(path):
-                return handlers, "@".join(m.groups())
-        return None
-
-    def route_table(self) -> list[tuple[str, str]]:
-        """``(method, pattern)`` of every admin route."""
-        return [(method, _shown(pattern)) for pattern, hs in self._routes for method in hs]
-
-    def route_pattern(self, path: str) -> str | None:
-        """``path``'s route as a pattern (``/v1/adapters/{id}``), for metrics labels."""
-        for pattern, _ in self._routes:
-            if pattern.fullmatch(path):
-                return _shown(pattern)
-        return None
-
-    def _actor(self, request: Request) -> str:
-        """The admin key's id, which the audit rows of this request's changes name."""
-        return self.access.admin_actor(cast(Any, request))  # it reads only the headers
 
     async def _write(self, change: Callable[[], T]) -> T:
         async with self._writes:
@@ -154,17 +99,25 @@ class FleetAdmin:
         """The replica handle routed like a request for ``name``'s adapter (to its owner)."""
         return self.engines.options(multiplexed_model_id=parse_name(name)[0])
 
-    async def _resolve(self, name: str) -> str:
-        return self.registry.resolve(name, (await self.profile()).base_digest)
+    def _resolve(self, name: str) -> str:
+        return self.registry.resolve(name, self.profile.base_digest)
 
     # -- describing -------------------------------------------------------------------------------
 
-    async def _describe(self, keys: list[str]) -> list[FleetAdapterOut]:
-        infos = await self.engines.describe.remote(keys) if keys else []
-        base = await self.profile()
-        return [self._out(k, _ok(info), base) for k, info in zip(keys, infos, strict=True)]
+    def ids(self) -> list[str]:
+        return self.registry.ids()
 
-    def _out(self, key: str, info: AdapterInfo, base: EngineProfile) -> FleetAdapterOut:
+    def listed(self) -> list[str]:
+        base = self.profile.base_digest
+        rows = [row for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
+        return [r.key for r in rows if r.base_digest == base]
+
+    async def describe(self, names: Sequence[str]) -> list[AdapterOut]:
+        keys = [self._resolve(name) for name in names]
+        infos = await self.engines.describe.remote(keys) if keys else []
+        return [self._out(k, _ok(info)) for k, info in zip(keys, infos, strict=True)]
+
+    def _out(self, key: str, info: AdapterInfo) -> FleetAdapterOut:
         adapter_id, version = parse_name(key)
         row = self.registry.row(key)
         assert row is not None and version is not None, key
@@ -174,7 +127,7 @@ class FleetAdmin:
         return FleetAdapterOut(
             id=adapter_id,
             owner=self.registry.owner(adapter_id),
-            parent=base.base_name,
+            parent=self.profile.base_name,
             path=info.path,
             rank=info.rank,
             target_modules=list(info.target_modules),
@@ -187,7 +140,7 @@ class FleetAdmin:
             current=self.registry.current(adapter_id),
             digest=row.digest,
             source=row.source,
-            base_digest=base.base_digest,
+            base_digest=self.profile.base_digest,
             versions=[r.version for r in self.registry.versions(adapter_id)],
             replicas=replicas,
             dedicated=promotion.out() if promotion is not None else None,
@@ -196,191 +149,76 @@ class FleetAdmin:
             **cost_fields(info),
         )
 
-    # -- routes -----------------------------------------------------------------------------------
+    async def traffic(self, out: AdapterOut) -> TrafficOut | None:
+        return None  # the ingress keeps no traffic table
 
-    async def register(self, request: Request, _: str) -> Response:
-        """A new version of ``id`` (201), or the existing version with the same content (200)."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)  # bounded first, before any replica is asked
-        base = await self.profile()
-        reg = registration(body, base.base_name, self.access)
-        actor = self._actor(request)
-        row, created = await self._register(reg, actor)
-        if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
-            await store_check_prompts(
-                self.registry.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
+    def versions(self, adapter_id: str) -> list[AdapterVersionOut]:
+        base, current = self.profile.base_digest, self.registry.current(adapter_id)
+        return [
+            AdapterVersionOut(
+                id=row.key,
+                adapter_id=row.adapter_id,
+                version=row.version,
+                digest=row.digest,
+                source=row.source,
+                base_digest=row.base_digest,
+                created=row.created,
+                current=row.version == current,
+                servable=row.base_digest == base,
+                in_flight=self.in_flight.get(row.key, 0),
+                projected_cost_pct=row.projected_cost_pct,
             )
-        return _json((await self._describe([row.key]))[0], status=201 if created else 200)
+            for row in self.registry.versions(adapter_id)
+        ]
 
-    async def _register(self, reg: Registration, actor: str) -> tuple[VersionRow, bool]:
+    # -- changes ----------------------------------------------------------------------------------
+
+    async def register(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
         """Fetched and checked on the id's owner replica, then committed here."""
         self.registry.check_owner(reg.id, reg.owner)
-        with source_errors(reg):
-            source = await checked_source(reg, self.adapter_roots, self.access)
-            # envelope off: an adapter outside it registers with tier dedicated, its requests refused
-            # (the envelope's 400) until it is promoted to a dedicated deployment of its own.
-            got = self._on_owner(reg.id).prepare_adapter.remote(
-                source, reg.sha256, reg.expected_base_digest, reg.owner, False
-            )
-            prepared: PreparedVersion = _ok(await got)
+        # envelope off: an adapter outside it registers with tier dedicated, its requests refused
+        # (the envelope's 400) until it is promoted to a dedicated deployment of its own.
+        got = self._on_owner(reg.id).prepare_adapter.remote(
+            source, reg.sha256, reg.expected_base_digest, reg.owner, False
+        )
+        prepared: PreparedVersion = _ok(await got)
         row, created = await self._write(
             lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate, actor=actor)
         )
-        if reg.owner is not None:
-            self.access.set_owner(reg.id, reg.owner)
-        return row, created
+        return row.key, created
 
-    async def load_lora(self, request: Request, _: str) -> Response:
-        """vLLM's ``POST /v1/load_lora_adapter``: a registration (:mod:`lorapage.server.lora_admin`)."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)
-        base = await self.profile()
-        reg = lora_registration(body, base.base_name, self.access, self.registry.ids())
-        await self._register(reg, self._actor(request))
-        return Response(lora_success_text(reg.id, "added"), media_type="text/plain")
+    async def deploy(self, adapter_id: str, version: int, channel: str, actor: str) -> str:
+        """Fleet-wide at once: the ingress resolves every request's version."""
+        if (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
+            self._resolve(row.key)  # a version on another base: 409 before the alias (or channel) moves
+        if channel:
+            await self._write(lambda: self.registry.set_channel(adapter_id, channel, version, actor=actor))
+            return f"{adapter_id}@{channel}"
+        return (await self._write(lambda: self.registry.set_current(adapter_id, version, actor=actor))).key
 
-    async def unload_lora(self, request: Request, _: str) -> Response:
-        """vLLM's ``POST /v1/unload_lora_adapter``: every version of the id deleted, draining."""
-        name = lora_unload_name(await read_body(request, ADMIN_MAX_BODY_BYTES))
-        with lora_not_found(name):
-            await self._delete(name, {"drain": "true"}, self._actor(request))
-        return Response(lora_success_text(name, "removed"), media_type="text/plain")
+    async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
+        if version is not None and (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
+            self._resolve(row.key)  # a version on another base: 409 before the alias moves
+        servable = self._servable(adapter_id)
+        await self._write(lambda: self.registry.rollback(adapter_id, version, channel, servable, actor=actor))
+        return self._resolve(f"{adapter_id}@{channel}" if channel else adapter_id)
 
-    async def list(self, request: Request, _: str) -> Response:
-        base = (await self.profile()).base_digest
-        rows = [row for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
-        return _json({"object": "list", "data": await self._describe([r.key for r in rows if r.base_digest == base])})
-
-    async def get(self, request: Request, name: str) -> Response:
-        """As ``lorapage serve``'s: the admin reads any adapter; its owner's key its own, without
-        where the operator keeps the files; any other key gets the 404 of one that does not exist."""
-        admin = self.access.adapter_reader(cast(Any, request), name)  # it reads only the headers
-        out = (await self._describe([await self._resolve(name)]))[0]
-        if not admin:
-            out.path = out.source = ""
-        return _json(out)
-
-    def open_to_tenants(self, handler: Handler) -> bool:
-        """Whether ``handler`` checks its own key (a tenant may call it); the rest need the admin key."""
-        return handler in (self.get, self.history, self.put_check_prompts, self.get_check_prompts)
-
-    async def versions(self, request: Request, adapter_id: str) -> Response:
-        """Every version of an id, servable on the fleet's base or not, oldest first."""
-        rows = self.registry.versions(adapter_id)
-        if "@" in adapter_id or not rows:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
-        base, current = (await self.profile()).base_digest, self.registry.current(adapter_id)
-        return _json({"object": "list", "data": [self._version_out(r, base, current) for r in rows]})
-
-    def _version_out(self, row: VersionRow, base: str, current: int | None) -> AdapterVersionOut:
-        return AdapterVersionOut(
-            id=row.key,
-            adapter_id=row.adapter_id,
-            version=row.version,
-            digest=row.digest,
-            source=row.source,
-            base_digest=row.base_digest,
-            created=row.created,
-            current=row.version == current,
-            servable=row.base_digest == base,
-            in_flight=self.in_flight.get(row.key, 0),
-            projected_cost_pct=row.projected_cost_pct,
-        )
-
-    async def set_current(self, request: Request, adapter_id: str) -> Response:
-        """Deploy or roll back, fleet-wide at once: the ingress resolves every request's version."""
-        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
-        known_id(adapter_id, self.registry.ids())
-        row = self.registry.row(f"{adapter_id}@{req.version}")
-        if row is not None:
-            await self._resolve(row.key)  # a version on another base: 409 before the alias moves
-        actor = self._actor(request)
-        row = await self._write(lambda: self.registry.set_current(adapter_id, req.version, actor=actor))
-        return _json((await self._describe([row.key]))[0])
-
-    async def rollback(self, request: Request, adapter_id: str) -> Response:
-        """As ``lorapage serve``'s: with no body (or no ``version``) back to the version the alias (or
-        ``channel``) served before its last deploy; again, one deploy further back."""
-        body = await read_body(request, ADMIN_MAX_BODY_BYTES)
-        req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
-        known_id(adapter_id, self.registry.ids())
-        if req.version is not None and (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
-            await self._resolve(row.key)  # a version on another base: 409 before the alias moves
-        servable = await self._servable(adapter_id)
-        actor, channel = self._actor(request), req.channel or ""
-        await self._write(lambda: self.registry.rollback(adapter_id, req.version, channel, servable, actor=actor))
-        key = await self._resolve(f"{adapter_id}@{channel}" if channel else adapter_id)
-        return _json((await self._describe([key]))[0])
-
-    async def _servable(self, adapter_id: str) -> set[int]:
+    def _servable(self, adapter_id: str) -> set[int]:
         """The versions of ``adapter_id`` a request could be served on (trained on a base the fleet runs)."""
         served = set()
         for row in self.registry.versions(adapter_id):
             try:
-                await self._resolve(row.key)
+                self._resolve(row.key)
             except LorapageError:
                 continue
             served.add(row.version)
         return served
 
-    async def set_channel(self, request: Request, name: str) -> Response:
-        """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy of
-        that channel alone; the id's own alias stays where it is."""
-        adapter_id, _, channel = name.partition("@")
-        req = protocol.decode(await read_body(request, ADMIN_MAX_BODY_BYTES), protocol.AdapterAliasRequest)
-        if (row := self.registry.row(f"{adapter_id}@{req.version}")) is not None:
-            await self._resolve(row.key)  # a version on another base: 409 before the channel moves
-        actor = self._actor(request)
-        await self._write(lambda: self.registry.set_channel(adapter_id, channel, req.version, actor=actor))
-        return _json((await self._describe([await self._resolve(name)]))[0])
-
-    async def delete_channel(self, request: Request, name: str) -> Response:
-        """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
-        adapter_id, _, channel = name.partition("@")
-        actor = self._actor(request)
+    async def remove_channel(self, adapter_id: str, channel: str, actor: str) -> None:
         await self._write(lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor))
-        return _json({"id": name, "object": "adapter.channel", "deleted": True})
 
-    async def history(self, request: Request, adapter_id: str) -> Response:
-        """As ``lorapage serve``'s: the id's alias and channel moves, newest first; the admin sees any
-        id (with the actors), its owner's key its own, any other key the 404 of an id that does not exist."""
-        admin = self.access.adapter_reader(cast(Any, request), adapter_id)
-        limit = history_limit(request.query_params)
-        known_id(adapter_id, self.registry.ids())
-        moves = await asyncio.to_thread(self.registry.history, adapter_id, limit + 1)
-        current, channels = self.registry.current(adapter_id), self.registry.channels(adapter_id)
-        return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
-
-    async def put_check_prompts(self, request: Request, adapter_id: str) -> Response:
-        """As ``lorapage serve``'s (the admin, or the owner's key): what is given replaces what is
-        stored. The fleet's promotion check runs them; a base upgrade's drift check runs where the
-        base-migration routes are (``lorapage serve``). The ingress samples no traffic: ``sample``
-        true is refused."""
-        self._owned(request, adapter_id)
-        req = protocol.decode(await read_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
-        if req.sample:
-            raise InvalidRequestError(
-                "a fleet keeps no sample of an adapter's traffic; give the check prompts as 'prompts'", param="sample"
-            )
-        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
-        actor = key_id(bearer_key(cast(Any, request)) or "")
-        stored = await store_check_prompts(self.registry.registry, adapter_id, prompts, req.sample, req.opt_out, actor)
-        return _json(check_prompts_body(stored))
-
-    async def get_check_prompts(self, request: Request, adapter_id: str) -> Response:
-        self._owned(request, adapter_id)
-        return _json(check_prompts_body(await asyncio.to_thread(self.registry.registry.check_prompts, adapter_id)))
-
-    def _owned(self, request: Request, adapter_id: str) -> None:
-        """404 unless ``adapter_id`` is a registered id the caller may read (the admin, or its owner's key)."""
-        self.access.adapter_reader(cast(Any, request), adapter_id)
-        known_id(adapter_id, self.registry.ids())
-
-    async def delete(self, request: Request, name: str) -> Response:
-        """Delete ``id@N`` or ``id``: refused (409) while requests run, or with ``?drain=true``
-        hidden from new requests until the running ones end."""
-        running = await self._delete(name, request.query_params, self._actor(request))
-        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
-
-    async def _delete(self, name: str, query: Mapping[str, str], actor: str) -> int:
+    def removable(self, name: str) -> list[str]:
+        """The versions a delete removes; 409 while the id has a dedicated deployment (demote it first)."""
         keys = self.registry.removable(name)
         promotion = self.dedicated.get(parse_name(name)[0])
         if promotion is not None and promotion.state != "failed" and promotion.key in keys:
@@ -389,21 +227,17 @@ class FleetAdmin:
                 f"(POST /v1/adapters/{promotion.adapter_id}/demote)",
                 param="id",
             )
+        return keys
 
-        async def remove() -> None:
-            await self._write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
+    async def remove(self, name: str, actor: str) -> None:
+        """Dropped from every replica once its requests end (the ingress's counts decide that)."""
+        await self._write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
 
-        running = await remove_when_idle(name, keys, query, self.in_flight, self.draining, remove)
-        adapter_id, _ = parse_name(name)
-        if adapter_id not in self.registry.ids():
-            self.access.drop_owner(adapter_id)
-        return running
-
-    async def pin(self, request: Request, name: str) -> Response:
-        """Pin a version resident on every replica: checked against the bounds and loaded on its
-        owner before the answer, on the others within a heartbeat. 409 ``pin_limit_exceeded``
-        past ``--max-pinned-fraction`` (every replica holds the same pins)."""
-        key, actor = await self._resolve(name), self._actor(request)
+    async def pin(self, name: str, actor: str) -> str:
+        """On every replica: checked against the bounds and loaded on its owner before the answer,
+        on the others within a heartbeat. 409 ``pin_limit_exceeded`` past ``--max-pinned-fraction``
+        (every replica holds the same pins)."""
+        key = self._resolve(name)
         owner = self._on_owner(key)
         _ok(await owner.check_pin.remote(key))
         await self._write(lambda: self.registry.set_pinned(key, True, actor=actor))
@@ -413,54 +247,56 @@ class FleetAdmin:
             undone = f"pin undone: its load failed ({exc.code})"  # as lorapage serve audits it
             await self._write(lambda: self.registry.set_pinned(key, False, actor=actor, outcome=undone))
             raise
-        return _json((await self._describe([key]))[0])
+        return key
 
-    async def unpin(self, request: Request, name: str) -> Response:
-        key, actor = await self._resolve(name), self._actor(request)
+    async def unpin(self, name: str, actor: str) -> str:
+        key = self._resolve(name)
         await self._write(lambda: self.registry.set_pinned(key, False, actor=actor))
-        return _json((await self._describe([key]))[0])
+        return key
 
-    async def load(self, request: Request, name: str) -> Response:
+    async def load(self, name: str, actor: str) -> str:
         """Pre-warm a version on the replica the router sends its requests to (an owner)."""
-        key, actor = await self._resolve(name), self._actor(request)
+        key = self._resolve(name)
         _ok(await self._on_owner(key).load_adapter.remote(key))
         adapter_id, version = parse_name(key)
         await self._write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
-        return _json((await self._describe([key]))[0])
+        return key
 
-    async def unload(self, request: Request, name: str) -> Response:
-        """Drop a version from every replica's pool (not while it runs there, nor if pinned);
-        answered once no replica reports it in its pool, or after a few heartbeats."""
-        key, actor = await self._resolve(name), self._actor(request)
+    async def unload(self, name: str, actor: str) -> str:
+        """From every replica's pool (not while it runs there, nor if pinned); answered once no
+        replica reports it in its pool, or after a few heartbeats."""
+        key = self._resolve(name)
         await self._write(lambda: self.registry.unload(key, actor=actor))
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
-        return _json((await self._describe([key]))[0])
+        return key
 
-    async def promote(self, request: Request, name: str) -> Response:
-        """Start a dedicated deployment of ``name``'s version (``id``: its current one), merged
-        into the base and checked before it takes traffic: 202 with the adapter (``dedicated.state``
-        ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed`` and why). 409 when
-        the id has one already."""
-        key = await self._resolve(name)
-        if key in self.draining:  # a DELETE ?drain=true waits on it: a deployment would outlive the version
-            raise ConflictError(f"adapter {key!r} is being deleted; it is not promoted", param="id")
-        self.dedicated.promote(key, self._actor(request))
-        return _json((await self._describe([key]))[0], status=202)
+    async def store_check_prompts(
+        self, adapter_id: str, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None, actor: str
+    ) -> CheckPrompts:
+        """A promotion's equivalence check and a base upgrade's drift check run them. The
+        ingress samples no traffic."""
+        if sample:
+            raise InvalidRequestError(
+                "a fleet keeps no sample of an adapter's traffic; give the check prompts as 'prompts'", param="sample"
+            )
+        return await store_check_prompts(self.registry.registry, adapter_id, prompts, sample, opt_out, actor)
 
-    async def demote(self, request: Request, adapter_id: str) -> Response:
-        """Route the id back to the shared pool and delete its dedicated deployment; 409 unless it has one serving."""
-        promoted = {adapter_id} if self.dedicated.get(adapter_id) is not None else set()  # deleted since: still demoted
-        known_id(adapter_id, set(self.registry.ids()) | promoted)
-        promotion = await self.dedicated.demote(adapter_id, self._actor(request))
-        if self.registry.row(promotion.key) is None:  # the version was deleted while it was promoted
-            return _json({"id": promotion.key, "object": "adapter", "dedicated": None})
-        return _json((await self._describe([promotion.key]))[0])
+    async def check_prompts(self, adapter_id: str) -> CheckPrompts:
+        return await asyncio.to_thread(self.registry.registry.check_prompts, adapter_id)
 
-    async def audit(self, request: Request, _: str) -> Response:
-        """``GET /v1/audit``: the fleet registry's trail, as ``lorapage serve`` answers it."""
-        return _json(await audit_list(request.query_params, lambda q: asyncio.to_thread(self.registry.audit, q)))
+    async def audit(self, query: AuditQuery) -> list[AuditEntry]:
+        return await asyncio.to_thread(self.registry.audit, query)
 
-    async def internal_state(self, request: Request, _: str) -> Response:
+    async def history(self, adapter_id: str, limit: int) -> list[AliasMove]:
+        return await asyncio.to_thread(self.registry.history, adapter_id, limit)
+
+    def current(self, adapter_id: str) -> int | None:
+        return self.registry.current(adapter_id)
+
+    def channels(self, adapter_id: str) -> dict[str, int]:
+        return self.registry.channels(adapter_id)
+
+    def internal_state(self) -> dict[str, Any]:
         ingress = {
             "requests_in_flight": sum(self.in_flight.values()),
             "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
@@ -469,9 +305,36 @@ class FleetAdmin:
             "dedicated": {i: p.out() for i, p in sorted(self.dedicated.items())},
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
-        return _json({"ingress": ingress, "replicas": replicas})
+        return {"ingress": ingress, "replicas": replicas}
 
+    # -- the fleet's own routes -------------------------------------------------------------------
 
-def _shown(pattern: re.Pattern[str]) -> str:
-    """A route's regex as its pattern reads (``/v1/adapters/{id}/channels/{channel}``)."""
-    return pattern.pattern.replace("([^/]+)", "{id}", 1).replace("([^/]+)", "{channel}")
+    def add_routes(self, app: web.Application, routes: AdminRoutes) -> None:
+        """Promote and demote (the admin key only), answered as the shared admin routes answer."""
+
+        async def promote(request: web.Request) -> web.Response:
+            """Start a dedicated deployment of ``id``'s version (``id``: its current one), merged
+            into the base and checked before it takes traffic: 202 with the adapter
+            (``dedicated.state`` ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed``
+            and why). 409 when the id has one already."""
+            actor = self.access.admin_actor(request)
+            key = self._resolve(request.match_info["id"])
+            if key in self.draining:  # a DELETE ?drain=true waits on it: a deployment would outlive the version
+                raise ConflictError(f"adapter {key!r} is being deleted; it is not promoted", param="id")
+            self.dedicated.promote(key, actor)
+            return await routes.describe(request, key, status=202)
+
+        async def demote(request: web.Request) -> web.Response:
+            """Route the id back to the shared pool and delete its dedicated deployment; 409
+            unless it has one serving."""
+            actor = self.access.admin_actor(request)
+            adapter_id = request.match_info["id"]
+            promoted = {adapter_id} if self.dedicated.get(adapter_id) is not None else set()  # deleted since: demoted
+            known_id(adapter_id, set(self.registry.ids()) | promoted)
+            promotion = await self.dedicated.demote(adapter_id, actor)
+            if self.registry.row(promotion.key) is None:  # the version was deleted while it was promoted
+                return web.json_response({"id": promotion.key, "object": "adapter", "dedicated": None})
+            return await routes.describe(request, promotion.key)
+
+        app.router.add_post("/v1/adapters/{id}/promote", promote)
+        app.router.add_post("/v1/adapters/{id}/demote", demote)

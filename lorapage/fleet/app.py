@@ -4,6 +4,8 @@ The engine deployment names :class:`~lorapage.fleet.request_router.AffinityReque
 request router, so every handle to it (the ingress's) routes by adapter affinity, and Ray Serve
 polls each replica's ``record_routing_stats`` for the residency the router prefers. Ray places
 and restarts the replicas; a replica whose process dies is replaced under a new replica id.
+The ingress serves HTTP itself (:mod:`lorapage.fleet.ingress`): start Serve with its proxy off
+(``serve.start(proxy_location="Disabled")``); the application has no HTTP route of Ray's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "build_app"]
 
 
 def build_app(config: FleetConfig) -> Application:
-    """The bound application: run it with ``serve.run(build_app(config), name=APP_NAME, route_prefix="/")``."""
+    """The bound application: run it with ``serve.run(build_app(config), name=APP_NAME)``; the
+    ingress listens on ``config.host:config.port``."""
     router = {  # Ray Serve's RequestRouterConfig
         "request_router_class": AffinityRequestRouter,
         # capacity: what a replica counts as saturated before its first routing stats arrive.

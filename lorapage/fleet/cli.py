@@ -5,8 +5,9 @@ starts a local Ray on this machine. The engine and server flags are those of ``l
 with no ``--tenants`` file it prints a new demo tenant key and admin key, as ``lorapage serve``
 does (``--api-key``: one tenant whose keys are those, the admin keys too). ``--state-dir`` holds
 the fleet's adapter registry on this machine (the ingress runs here unless the cluster places it
-elsewhere). SIGHUP re-reads the tenants file and hands it to the ingress; SIGINT or SIGTERM stops
-(taking the application down).
+elsewhere); the ingress serves ``lorapage serve``'s front end itself on ``--host:--port`` (Ray
+Serve's HTTP proxy is not started). SIGHUP re-reads the tenants file and hands it to the ingress;
+SIGINT or SIGTERM stops (taking the application down).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from lorapage.server.serve import (
     api_keys,
     check_model_dir,
     check_root_tenants,
+    edge_limits,
     engine_config,
     lora_modules,
     open_access_log,
@@ -144,6 +146,9 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             access_log=_access_log_path(args),
             dedicated=dedicated_config(args, PROG),
             bases=_bases(args, engine),
+            host=args.host,
+            port=args.port,
+            edge=edge_limits(args, PROG),
         )
     except ValueError as exc:
         fail(PROG, str(exc))
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     # "local": a Ray of our own, even where another one runs on this machine (ray.init(None) would join it).
     ray.init(address=args.address or "local", num_cpus=args.num_cpus, include_dashboard=False)
     config = fleet_config(args, _replica_cpus(args, float(ray.cluster_resources().get("CPU", 0.0))), tenants)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(proxy_location="Disabled")  # the ingress serves HTTP itself (lorapage.fleet.ingress)
     try:
         app = run_app(build_app(config), config.replica_needs(), args.start_timeout)
     except StartError as exc:

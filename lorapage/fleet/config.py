@@ -9,6 +9,7 @@ from pathlib import Path
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.fleet.promotion import DedicatedConfig
+from lorapage.server.edge import EdgeLimits
 from lorapage.server.slo import DEFAULT_WINDOW_S
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
@@ -52,6 +53,9 @@ class FleetConfig:
     access_log: str | None = None  # --access-log FILE (on the ingress's node) or "-" (its stdout); None: off
     dedicated: DedicatedConfig = DedicatedConfig()  # merged deployments of promoted adapters (lorapage.fleet.dedicated)
     bases: tuple[str, ...] = ()  # --base DIRs: one more engine deployment each, ``replicas`` replicas (fleet/bases.py)
+    host: str = "127.0.0.1"  # where the ingress listens (on the node Ray places it on)
+    port: int = 8000
+    edge: EdgeLimits = EdgeLimits()  # the ingress's connection-level bounds (--header-timeout, ...)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -257,7 +257,7 @@ class DedicatedDeployments:
         needs = {MERGED_DEPLOYMENT: {"CPU": self.config.replica_cpus, "GPU": self.config.replica_gpus}}
         try:
             handle = await asyncio.to_thread(
-                run_app, app, needs, dedicated.start_timeout_s, name=promotion.app, route_prefix=None,
+                run_app, app, needs, dedicated.start_timeout_s, name=promotion.app,
                 timeout_flag="--dedicated-start-timeout",
             )  # fmt: skip
             promotion.statuses = await self._statuses(handle)

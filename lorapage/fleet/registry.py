@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from lorapage.adapters.audit import OK, AliasMove, AuditEntry, AuditQuery, channel_name, check_channel, rollback_version
 from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.catalog import PreparedVersion
+from lorapage.adapters.drift_state import MigrationRow
 from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError, ConflictError
 from lorapage.fleet.messages import IdState, SyncReply
@@ -238,6 +239,16 @@ class FleetRegistry:
         """Audit an action that changes nothing stored (``load``, ``unload``, ``tenants_reload``)."""
         tenant = self.owner(adapter_id) if adapter_id is not None else None
         self.registry.record(action, adapter_id, actor=actor, tenant=tenant, after=after, outcome=outcome)
+
+    def migrate(self, state: MigrationRow, *, actor: str | None = None) -> VersionRow:
+        """Version ``state.key``, whose drift check passed, stored again bound to ``state.target``
+        (:meth:`Registry.migrate_version`: the alias stays, the migration ``migrated``, audited),
+        then shown and counted: replicas mirror it, the ingress routes the id to it."""
+        row = self.registry.migrate_version(state, actor=actor)
+        entry = self._ids[row.adapter_id]
+        entry.versions[row.version] = row
+        self._touch(row.adapter_id)
+        return row
 
     def _touch(self, adapter_id: str) -> None:
         self.generation += 1

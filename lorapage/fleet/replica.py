@@ -30,6 +30,9 @@ from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
+from lorapage.bases.check import Reference, candidate_drifts, references
+from lorapage.bases.drift import PromptDrift
+from lorapage.bases.validation import drop_check_version
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.errors import (
@@ -172,6 +175,36 @@ class EngineReplica:
         except LorapageError as exc:
             return exc
         return None
+
+    # -- a base upgrade's drift check (lorapage.fleet.upgrades) -----------------------------------
+
+    async def drift_references(self, key: str, prompts: list[str], max_tokens: int) -> list[Reference] | LorapageError:
+        """The check's first half on this replica's (running) base: version ``key`` greedy on each prompt."""
+        try:
+            await self._resolve(key)
+            return await references(self.engine, key, prompts, max_tokens=max_tokens)
+        except LorapageError as exc:
+            return exc
+
+    async def drift_candidate(
+        self, key: str, name: str, target: str, refs: list[Reference]
+    ) -> list[PromptDrift] | LorapageError:
+        """The check's second half on this replica's (new) base ``target``: version ``key``'s files
+        registered here as ``name``, bound to this base for the check alone, and removed after it."""
+        self._start_syncing()
+        try:
+            try:
+                self.engine.admin.row(key)
+            except AdapterNotFoundError:  # registered since this replica's last heartbeat
+                await self.sync()
+            async with self.engine.admin.version_files(key) as path:
+                await self.engine.admin.register_checked(name, path, expected_base_digest=target)
+            try:
+                return await candidate_drifts(self.engine, name, refs)
+            finally:
+                drop_check_version(self.engine, name, name)
+        except LorapageError as exc:
+            return exc
 
     # -- the mirror -------------------------------------------------------------------------------
 

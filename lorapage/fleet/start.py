@@ -29,20 +29,20 @@ def run_app(
     timeout_s: float = START_TIMEOUT_S,
     *,
     name: str = APP_NAME,
-    route_prefix: str | None = "/",
     timeout_flag: str = "--start-timeout",
 ) -> Any:
     """``serve.run(app)`` under ``timeout_s``: the application's handle once every deployment runs;
     :class:`StartError` when one failed or the deadline passed (the caller then takes it down).
     ``needs``: what one replica of each deployment reserves (``{"CPU": 1.0}``), for the message.
-    ``name`` and ``route_prefix`` as ``serve.run``'s (a dedicated deployment: its own name, no HTTP route)."""
+    ``name``: the application's (a dedicated deployment has its own). No application has an HTTP
+    route of Ray's: the fleet's ingress listens itself (:mod:`lorapage.fleet.ingress`)."""
     from ray import serve
 
     result: dict[str, Any] = {}
 
     def deploy() -> None:
         try:
-            result["handle"] = serve.run(app, name=name, route_prefix=route_prefix)
+            result["handle"] = serve.run(app, name=name, route_prefix=None)
         except Exception as exc:  # reported by the watching thread
             result["error"] = exc
 

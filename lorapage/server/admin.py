@@ -4,8 +4,11 @@ state; vLLM's load and unload routes over the same operations. Each change is au
 registry as the admin key's id (:mod:`lorapage.adapters.audit`); the trail and the alias history
 are read by :mod:`lorapage.server.audit_route`.
 
-All of them take the admin key only, and a body of at most :data:`ADMIN_MAX_BODY_BYTES` (read
-as it streams: nothing past the limit is read). What a registration may read, and from where, is
+``lorapage serve`` and the fleet's ingress serve these routes alike; what a change does is the
+app's :class:`~lorapage.server.admin_ops.AdminOps` (the engines here, or the fleet's registry and
+replicas). All of them take the admin key only (reading one adapter and its check prompts: its
+owner's key too), and a body of at most :data:`ADMIN_MAX_BODY_BYTES` (read as it streams:
+nothing past the limit is read). What a registration may read, and from where, is
 :mod:`lorapage.server.registration`'s rule. A version is answered 201 only once committed to the
 registry, so it survives a restart.
 """
@@ -20,18 +23,21 @@ import msgspec
 from aiohttp import web
 
 from lorapage.adapters.cache import AdapterInfo
+from lorapage.adapters.drift_state import CHECK_PROMPTS_BODY_BYTES, check_prompts_param
 from lorapage.adapters.registry import parse_name
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.server import protocol
-from lorapage.server.check_prompts import store_check_prompts
+from lorapage.server.admin_ops import ADMIN, AdminOps
+from lorapage.server.auth import bearer_key
+from lorapage.server.check_prompts import check_prompts_body, owned_id
 from lorapage.server.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.server.registration import Registration, checked_source, registration, source_errors
-from lorapage.server.responses import AdapterCostOut, AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.server.responses import AdapterCostOut
 from lorapage.server.state import RouteState
+from lorapage.server.tenants import key_id
 
 # An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
 ADMIN_MAX_BODY_BYTES = 64 << 10
-TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
 
 
 def check_body_length(length: int | None, limit: int) -> None:
@@ -73,239 +79,179 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 
 class AdminRoutes:
-    """Handlers bound to the server state (the state key is passed in to avoid an import cycle)."""
+    """Handlers over the front end's state and the app's :class:`~lorapage.server.admin_ops.AdminOps`
+    (the state key is passed in to avoid an import cycle)."""
 
     def __init__(self, state_key: web.AppKey) -> None:
         self.key = state_key
 
-    def _state(self, request: web.Request) -> RouteState:
+    def _admin(self, request: web.Request) -> tuple[RouteState[Any], AdminOps, str]:
+        """The state, the operations and the admin key's id (the actor audit rows name); 401/403
+        for any other key."""
         state = request.app[self.key]
-        state.access.require_admin(request)
-        return state
+        return state, request.app[ADMIN], state.access.admin_actor(request)
 
-    def _admin(self, request: web.Request) -> tuple[RouteState, str]:
-        """The server state and the admin key's id (the actor audit rows name)."""
-        state = request.app[self.key]
-        return state, state.access.admin_actor(request)
-
-    def _describe(self, state: RouteState, name: str) -> AdapterOut:
-        """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
-        engine, name = state.engines.serving(name)  # the engine of the base it runs on
-        info = engine.admin.info(name)
-        versions = state.engine.admin.versions(info.adapter_id)
-        current = next((v.version for v in versions if v.current), None)
-        return AdapterOut(
-            id=info.adapter_id,
-            owner=state.access.owners.get(info.adapter_id),
-            parent=engine.base_name,
-            path=info.path,
-            rank=info.rank,
-            target_modules=list(info.target_modules),
-            size_bytes=info.size_bytes,
-            num_params=info.num_params,
-            tier=info.tier,
-            in_flight=state.in_flight.get(info.name, 0),
-            pinned=info.pinned,
-            version=info.version,
-            current=current,
-            digest=info.digest,
-            source=info.source,
-            base_digest=engine.digest,
-            versions=[v.version for v in versions],
-            traffic_tier=info.traffic_tier,
-            kept_hot=info.kept_hot,
-            status="draining" if info.name in state.draining else info.status,
-            **cost_fields(info),
-        )
+    async def describe(self, request: web.Request, name: str, status: int = 200) -> web.Response:
+        """``name`` described, as every admin route answers."""
+        return _json((await request.app[ADMIN].describe([name]))[0], status=status)
 
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
-        state, actor = self._admin(request)
-        reg = registration(await read_admin_body(request), state.engine.base_name, state.access)
-        info = await self._register(state, reg, actor)
-        if reg.check_prompts is not None or reg.sample_check_prompts is not None:
-            stored = await store_check_prompts(
-                state.engine.admin.registry, reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor
-            )
-            state.sampler.set_enabled(reg.id, stored.sample)
-        return _json(self._describe(state, info.name), status=201 if info.created else 200)
+        state, ops, actor = self._admin(request)
+        reg = registration(await read_admin_body(request), ops.base_name, state.access)
+        key, created = await self._register(state, ops, reg, actor)
+        if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
+            await ops.store_check_prompts(reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor)
+        return await self.describe(request, key, status=201 if created else 200)
 
-    async def _register(self, state: RouteState, reg: Registration, actor: str) -> AdapterInfo:
+    async def _register(self, state: RouteState[Any], ops: AdminOps, reg: Registration, actor: str) -> tuple[str, bool]:
         with source_errors(reg):
-            source = await checked_source(reg, state.engine.admin.roots, state.access)
-            info = await state.engines.register(
-                reg.id,
-                source,
-                owner=reg.owner,
-                sha256=reg.sha256,
-                expected_base_digest=reg.expected_base_digest,
-                activate=reg.activate,
-                actor=actor,
-            )
+            source = await checked_source(reg, ops.roots, state.access)
+            key, created = await ops.register(reg, source, actor)
         if reg.owner is not None:
             state.access.set_owner(reg.id, reg.owner)
-        return info
+        return key, created
 
     async def load_lora(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.server.lora_admin`)."""
-        state, actor = self._admin(request)
+        state, ops, actor = self._admin(request)
         body = await read_admin_body(request)
-        reg = lora_registration(body, state.engine.base_name, state.access, state.engine.admin.ids())
-        await self._register(state, reg, actor)
+        reg = lora_registration(body, ops.base_name, state.access, ops.ids())
+        await self._register(state, ops, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
     async def unload_lora(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /v1/unload_lora_adapter``: a delete that drains (every version of the id)."""
-        state, actor = self._admin(request)
+        state, ops, actor = self._admin(request)
         name = lora_unload_name(await read_admin_body(request))
         with lora_not_found(name):
-            await self._delete(state, name, {"drain": "true"}, actor)
+            await self._delete(state, ops, name, {"drain": "true"}, actor)
         return web.Response(text=lora_success_text(name, "removed"))
 
     async def list(self, request: web.Request) -> web.Response:
-        state = self._state(request)
-        return _json({"object": "list", "data": [self._describe(state, i.name) for i in state.engine.admin.served()]})
+        _, ops, _ = self._admin(request)
+        return _json({"object": "list", "data": await ops.describe(ops.listed())})
 
     async def get(self, request: web.Request) -> web.Response:
-        """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and its
-        last 24 hours of traffic. The admin sees any; a tenant key only the adapters registered
-        for that tenant, and any other is answered as one that does not exist (404): shared
-        adapters included, whose traffic is other tenants' too. A tenant is not shown where the
-        operator keeps the files (``path``, ``source``)."""
-        state = request.app[self.key]
+        """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and, where
+        kept, its last 24 hours of traffic. The admin sees any; a tenant key only the adapters
+        registered for that tenant, and any other is answered as one that does not exist (404):
+        shared adapters included, whose traffic is other tenants' too. A tenant is not shown where
+        the operator keeps the files (``path``, ``source``)."""
+        state, ops = request.app[self.key], request.app[ADMIN]
         name = request.match_info["id"]
         admin = state.access.adapter_reader(request, name)
-        out = self._describe(state, name)
-        rows = await state.engine.admin.traffic(out.id, TRAFFIC_HOURS)
-        first_hour = int(state.engine.admin.wall_clock() // 3600) - TRAFFIC_HOURS + 1
-        out.traffic = TrafficOut.of([r for r in rows if r.version == out.version], first_hour)
+        out = (await ops.describe([name]))[0]
+        out.traffic = await ops.traffic(out)
         if not admin:
             out.path = out.source = ""
         return _json(out)
 
     async def versions(self, request: web.Request) -> web.Response:
-        """Every version of an id, servable on this base or not, oldest first."""
-        state = self._state(request)
+        """Every version of an id, servable on a base served here or not, oldest first."""
+        _, ops, _ = self._admin(request)
         adapter_id = request.match_info["id"]
-        versions = state.engine.admin.versions(adapter_id)
+        versions = ops.versions(adapter_id) if "@" not in adapter_id else []
         if not versions:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
-        data = [
-            AdapterVersionOut(
-                id=v.key,
-                adapter_id=v.adapter_id,
-                version=v.version,
-                digest=v.digest,
-                source=v.source,
-                base_digest=v.base_digest,
-                created=v.created,
-                current=v.current,
-                servable=v.servable,
-                in_flight=state.in_flight.get(v.key, 0),
-                projected_cost_pct=v.projected_cost_pct,
-            )
-            for v in sorted(versions, key=lambda v: v.version)
-        ]
-        return _json({"object": "list", "data": data})
+        return _json({"object": "list", "data": versions})
 
     async def set_current(self, request: web.Request) -> web.Response:
         """Deploy (or roll back to a version named): point the id at another version, atomically.
         Requests in flight finish on the version they started with; new ones get this one."""
-        state, actor = self._admin(request)
-        adapter_id = request.match_info["id"]
+        _, ops, actor = self._admin(request)
+        adapter_id = known_id(request.match_info["id"], ops.ids())
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        info = await state.engine.admin.deploy(_known_id(state, adapter_id), req.version, actor=actor)
-        return _json(self._describe(state, info.name))
+        return await self.describe(request, await ops.deploy(adapter_id, req.version, "", actor))
 
     async def rollback(self, request: web.Request) -> web.Response:
         """Roll back in one call: with no body (or no ``version``) to the version the alias (or
         ``channel``) served before its last deploy; again, one deploy further back."""
-        state, actor = self._admin(request)
-        adapter_id = _known_id(state, request.match_info["id"])
+        _, ops, actor = self._admin(request)
+        adapter_id = known_id(request.match_info["id"], ops.ids())
         body = await read_admin_body(request)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
-        info = await state.engine.admin.rollback(adapter_id, req.version, channel=req.channel or "", actor=actor)
-        name = f"{adapter_id}@{req.channel}" if req.channel else info.name
-        return _json(self._describe(state, name))
+        return await self.describe(request, await ops.rollback(adapter_id, req.version, req.channel or "", actor))
 
     async def set_channel(self, request: web.Request) -> web.Response:
         """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy
         of that channel alone; the id's own alias stays where it is."""
-        state, actor = self._admin(request)
-        adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
+        _, ops, actor = self._admin(request)
+        adapter_id, channel = known_id(request.match_info["id"], ops.ids()), request.match_info["channel"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
-        await state.engine.admin.deploy(adapter_id, req.version, channel=channel, actor=actor)
-        return _json(self._describe(state, f"{adapter_id}@{channel}"))
+        return await self.describe(request, await ops.deploy(adapter_id, req.version, channel, actor))
 
     async def delete_channel(self, request: web.Request) -> web.Response:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
-        state, actor = self._admin(request)
-        adapter_id, channel = _known_id(state, request.match_info["id"]), request.match_info["channel"]
-        await state.engine.admin.remove_channel(adapter_id, channel, actor=actor)
+        _, ops, actor = self._admin(request)
+        adapter_id, channel = known_id(request.match_info["id"], ops.ids()), request.match_info["channel"]
+        await ops.remove_channel(adapter_id, channel, actor)
         return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
         """Delete ``id@N`` (one version) or ``id`` (every version). Refused (409) while requests
         run, or with ``?drain=true`` hidden from new requests until the running ones end."""
-        state, actor = self._admin(request)
+        state, ops, actor = self._admin(request)
         name = request.match_info["id"]
-        running = await self._delete(state, name, request.query, actor)
+        running = await self._delete(state, ops, name, request.query, actor)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(self, state: RouteState, name: str, query: Mapping[str, str], actor: str) -> int:
-        keys = state.engine.admin.removable_versions(name)  # 404 when unknown, 409 for the current of several
+    async def _delete(
+        self, state: RouteState[Any], ops: AdminOps, name: str, query: Mapping[str, str], actor: str
+    ) -> int:
+        keys = ops.removable(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
-            state.engine.admin.remove(name, actor=actor)  # 409 from the engine if it still holds requests
+            await ops.remove(name, actor)  # 409 from an engine if it still holds requests
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
-        if adapter_id not in state.engine.admin.ids():
+        if adapter_id not in ops.ids():
             state.access.drop_owner(adapter_id)
         return running
 
     async def load(self, request: web.Request) -> web.Response:
-        state, actor = self._admin(request)
-        adapter = state.engines.on_primary(request.match_info["id"], "load")
-        await state.engine.admin.load(adapter, actor=actor)
-        return _json(self._describe(state, adapter))
+        """Pre-warm a version (``id``: its current one, or ``id@N``)."""
+        _, ops, actor = self._admin(request)
+        return await self.describe(request, await ops.load(request.match_info["id"], actor))
 
     async def unload(self, request: web.Request) -> web.Response:
-        state, actor = self._admin(request)
-        adapter = state.engines.on_primary(request.match_info["id"], "unload")
-        await state.engine.admin.unload(adapter, actor=actor)
-        return _json(self._describe(state, adapter))
+        """Drop a version from the pool (not while it runs, nor if pinned)."""
+        _, ops, actor = self._admin(request)
+        return await self.describe(request, await ops.unload(request.match_info["id"], actor))
 
     async def pin(self, request: web.Request) -> web.Response:
         """Pin a version resident (``id``: its current one, or ``id@N``): loaded now, never
         evicted, pinned again after a restart. 409 ``pin_limit_exceeded`` with the numbers when
         pins would pass ``--max-pinned-fraction`` of the pool."""
-        state, actor = self._admin(request)
-        info = await state.engine.admin.pin(state.engines.on_primary(request.match_info["id"], "pin"), actor=actor)
-        return _json(self._describe(state, info.name))
+        _, ops, actor = self._admin(request)
+        return await self.describe(request, await ops.pin(request.match_info["id"], actor))
 
     async def unpin(self, request: web.Request) -> web.Response:
         """Undo a pin: the version stays resident, evictable again."""
-        state, actor = self._admin(request)
-        info = await state.engine.admin.unpin(state.engines.on_primary(request.match_info["id"], "unpin"), actor=actor)
-        return _json(self._describe(state, info.name))
+        _, ops, actor = self._admin(request)
+        return await self.describe(request, await ops.unpin(request.match_info["id"], actor))
 
     async def internal_state(self, request: web.Request) -> web.Response:
-        state = self._state(request)
-        server = {
-            "requests_in_flight": len(state.request_ids),
-            "in_flight_by_adapter": {k or "none": v for k, v in state.in_flight.items()},
-            "draining_adapters": sorted(state.draining),
-            "closing": state.closing,
-        }
-        body: dict[str, Any] = {"engine": state.engine.stats(), "server": server}
-        if state.engines.several:  # every base's engine, the primary's included
-            body["bases"] = {e.base_name: e.stats() for e in state.engines.engines}
-        return _json(body)
+        _, ops, _ = self._admin(request)
+        return _json(ops.internal_state())
 
+    async def put_check_prompts(self, request: web.Request) -> web.Response:
+        """Replace what is given of an adapter's check prompts and choices (the admin, or the
+        owner's key; :mod:`lorapage.server.check_prompts`)."""
+        state, ops = request.app[self.key], request.app[ADMIN]
+        adapter_id = owned_id(state.access, ops.ids(), request)
+        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
+        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
+        key = bearer_key(request)
+        assert key is not None
+        return _json(
+            check_prompts_body(await ops.store_check_prompts(adapter_id, prompts, req.sample, req.opt_out, key_id(key)))
+        )
 
-def _known_id(state: RouteState, adapter_id: str) -> str:
-    return known_id(adapter_id, state.engine.admin.ids())
+    async def get_check_prompts(self, request: web.Request) -> web.Response:
+        state, ops = request.app[self.key], request.app[ADMIN]
+        return _json(check_prompts_body(await ops.check_prompts(owned_id(state.access, ops.ids(), request))))
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:
@@ -384,7 +330,10 @@ async def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def add_admin_routes(app: web.Application, state_key: web.AppKey) -> None:
+def add_admin_routes(app: web.Application, state_key: web.AppKey, ops: AdminOps) -> AdminRoutes:
+    """The admin routes over ``ops`` (``lorapage serve``'s and the fleet's alike); the side adds its
+    own with the returned routes' helpers (the fleet: promote, demote)."""
+    app[ADMIN] = ops
     routes = AdminRoutes(state_key)
     app.router.add_post("/v1/adapters", routes.register)
     app.router.add_get("/v1/adapters", routes.list)
@@ -397,8 +346,11 @@ def add_admin_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_delete("/v1/adapters/{id}/channels/{channel}", routes.delete_channel)
     app.router.add_put("/v1/adapters/{id}/pin", routes.pin)
     app.router.add_delete("/v1/adapters/{id}/pin", routes.unpin)
+    app.router.add_put("/v1/adapters/{id}/check_prompts", routes.put_check_prompts)
+    app.router.add_get("/v1/adapters/{id}/check_prompts", routes.get_check_prompts)
     app.router.add_post("/internal/adapters/{id}/load", routes.load)
     app.router.add_post("/internal/adapters/{id}/unload", routes.unload)
     app.router.add_get("/internal/state", routes.internal_state)
     app.router.add_post("/v1/load_lora_adapter", routes.load_lora)
     app.router.add_post("/v1/unload_lora_adapter", routes.unload_lora)
+    return routes

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from lorapage.adapters.audit import ACTIONS, DEFAULT_LIMIT, MAX_LIMIT, AliasMove, AuditEntry, AuditQuery
 from lorapage.errors import AdapterNotFoundError, InvalidRequestError
+from lorapage.server.admin_ops import ADMIN
 from lorapage.server.auth import bearer_key
 from lorapage.usage.report import parse_instant
 
@@ -149,15 +150,16 @@ def _json(body: Any) -> web.Response:
 
 
 def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
-    """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history`` over the engine's registry."""
+    """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history`` over the app's admin operations
+    (:data:`~lorapage.server.admin_ops.ADMIN`: the engine's registry, or the fleet's)."""
 
     async def audit(request: web.Request) -> web.Response:
         state = request.app[state_key]
         state.access.require_admin(request)
-        return _json(await audit_list(request.query, state.engine.admin.audit))
+        return _json(await audit_list(request.query, request.app[ADMIN].audit))
 
     async def history(request: web.Request) -> web.Response:
-        state = request.app[state_key]
+        state, ops = request.app[state_key], request.app[ADMIN]
         adapter_id = request.match_info["id"]
         key = bearer_key(request)
         admin = key is not None and state.access.tenants.is_admin(key)
@@ -167,12 +169,11 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
             if state.access.owners.get(adapter_id) != tenant:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
-        engine = state.engine
-        if adapter_id not in engine.admin.ids():
+        if adapter_id not in ops.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-        moves = await engine.admin.history(adapter_id, limit + 1)
-        current = next((v.version for v in engine.admin.versions(adapter_id) if v.current), None)
-        return _json(history_body(adapter_id, moves, limit, current, engine.admin.channels(adapter_id), admin=admin))
+        moves = await ops.history(adapter_id, limit + 1)
+        current, channels = ops.current(adapter_id), ops.channels(adapter_id)
+        return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
     app.router.add_get("/v1/audit", audit)
     app.router.add_get("/v1/adapters/{id}/history", history)

@@ -1,7 +1,9 @@
-"""Base upgrades over HTTP: check prompts, validating every adapter on a candidate base, migrating those that passed.
+"""Base upgrades over HTTP: validating every adapter on a candidate base, migrating those that passed.
 
-- ``PUT`` / ``GET /v1/adapters/{id}/check_prompts`` (admin, or the owner's tenant key): the
-  adapter's check prompts and opt-ins (:mod:`lorapage.server.check_prompts`).
+Both front ends serve these routes, over a :class:`BaseUpgrades`: ``lorapage serve``'s engines
+(:class:`LocalUpgrades`), or a fleet's deployments (:mod:`lorapage.fleet.upgrades`). (An adapter's
+check prompts, ``PUT`` / ``GET /v1/adapters/{id}/check_prompts``, are an admin route:
+:mod:`lorapage.server.admin`.)
 
 - ``POST /v1/bases/{digest}/validate`` (admin), body ``{"model": DIR, "adapters": [ids]?}``: starts
   a validation job toward base ``digest`` (``sha256:HEX`` or bare hex), whose directory ``DIR``
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -33,20 +36,19 @@ from aiohttp import web
 from lorapage.adapters.binding import shown_digest
 from lorapage.adapters.digest import digest_param
 from lorapage.adapters.drift_state import (
-    CHECK_PROMPTS_BODY_BYTES,
     FAILED,
     MIGRATED,
     OPTED_OUT,
     PASSED,
     PENDING,
     MigrationRow,
-    check_prompts_param,
 )
-from lorapage.bases.validation import BaseValidator, check_model_dir, current_versions, parse_key
+from lorapage.adapters.registry import Registry, VersionRow
+from lorapage.bases.validation import BaseValidator, ValidationJob, check_model_dir, current_versions, parse_key
 from lorapage.errors import ConflictError, InvalidRequestError, PermissionDeniedError
 from lorapage.server import protocol
-from lorapage.server.check_prompts import admin_or_tenant, check_prompts_out, owned_id, store_check_prompts
-from lorapage.server.tenants import key_id
+from lorapage.server.check_prompts import admin_or_tenant
+from lorapage.server.engines import Engines
 
 VALIDATOR = web.AppKey("lorapage_base_validator", BaseValidator)
 
@@ -83,15 +85,67 @@ def tenant_report(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(out)
 
 
-async def _registry(state, fn, *args):
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+class BaseUpgrades(Protocol):
+    """What the base-upgrade routes act on: ``lorapage serve``'s engines (:class:`LocalUpgrades`),
+    or a fleet's deployments and registry (:class:`lorapage.fleet.bases.FleetUpgrades`)."""
+
+    digest: str  # the running (primary) base's
+    registry: Registry  # the record of check prompts and migration states
+
+    def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
+        """The versions to check or migrate: each id's current one on the running base."""
+        ...
+
+    async def validate(
+        self, validator: BaseValidator, target: str, model: str | None, adapters: Sequence[str] | None
+    ) -> ValidationJob:
+        """Start ``validator``'s job toward ``target`` (``model``: the candidate's directory, where one is needed)."""
+        ...
+
+    async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
+        """A passed version stored again bound to its target base, and served from now on."""
+        ...
 
 
-def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
+class LocalUpgrades:
+    """``lorapage serve``'s: the primary engine's registry; the candidate a base served beside it
+    (``--base``), else one loaded from the directory the request names."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines, self.engine = engines, engines.engines[0]
+        self.digest, self.registry = self.engine.digest, self.engine.admin.registry
+
+    def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
+        return current_versions(self.engine, adapters)
+
+    async def validate(
+        self, validator: BaseValidator, target: str, model: str | None, adapters: Sequence[str] | None
+    ) -> ValidationJob:
+        running = self.engines.side_engine(target)  # a base served beside the primary: checked there, not loaded
+        named = running.config.model if running is not None else model
+        if named is None:
+            raise InvalidRequestError(
+                f"model: the directory of base {shown_digest(target)} is required (this server does not run it)",
+                param="model",
+            )
+        checked = await asyncio.to_thread(check_model_dir, named)
+        return validator.start(self.engine, target, checked, adapters, running=running)
+
+    async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
+        new = await asyncio.to_thread(self.registry.migrate_version, row, actor=actor)
+        self.engine.admin.add_migrated_version(new)
+        return new
+
+
+UPGRADES = web.AppKey("lorapage_base_upgrades", BaseUpgrades)
+
+
+def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseUpgrades) -> None:
+    """The base-upgrade routes over ``upgrades`` (``lorapage serve``'s engines, or a fleet's deployments)."""
     from lorapage.server.admin import read_admin_body
-    from lorapage.server.auth import bearer_key
 
     app[VALIDATOR] = BaseValidator()
+    app[UPGRADES] = upgrades
 
     async def stop_validation(app: web.Application) -> None:
         await app[VALIDATOR].cancel()
@@ -103,21 +157,13 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         state.access.require_admin(request)
         target = _target(request)
         req = protocol.decode(await read_admin_body(request), protocol.ValidateRequest)
-        running = state.engines.side_engine(target)  # a base served beside the primary: checked there, not loaded
-        if running is None and req.model is None:
-            raise InvalidRequestError(
-                f"model: the directory of base {shown_digest(target)} is required (this server does not run it)",
-                param="model",
-            )
-        model = running.config.model if running is not None else req.model
-        model = await asyncio.get_running_loop().run_in_executor(None, check_model_dir, model)
-        job = request.app[VALIDATOR].start(state.engine, target, model, req.adapters, running=running)
+        job = await upgrades.validate(request.app[VALIDATOR], target, req.model, req.adapters)
         body = {"object": "base.validation", "job": job.id, "status": job.status, "target": shown_digest(target)}
         return _json({**body, "adapters": job.adapters}, status=202)
 
     async def progress(request: web.Request) -> web.Response:
         state = request.app[state_key]
-        caller = admin_or_tenant(state, request)
+        caller = admin_or_tenant(state.access, request)
         target = _target(request)
         wanted = request.query.get("tenant")
         if caller is not None and wanted not in (None, caller):
@@ -126,7 +172,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         owners = state.access.owners
         rows = [
             _row_out(r, owners.get(r.adapter_id))
-            for r in await _registry(state, state.engine.admin.registry.migration_states, target)
+            for r in await asyncio.to_thread(upgrades.registry.migration_states, target)
         ]
         if wanted is not None:
             rows = [r for r in rows if r["tenant"] == wanted]
@@ -140,7 +186,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         body = {
             "object": "base.validation",
             "target": shown_digest(target),
-            "running_base": shown_digest(state.engine.digest),
+            "running_base": shown_digest(upgrades.digest),
             "job": shown,
             "adapters": rows,
             "tenants": tenant_report(rows),
@@ -156,8 +202,8 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
         job = request.app[VALIDATOR].latest(target)
         if job is not None and job.status == "running":
             raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
-        keys = current_versions(state.engine, req.adapters)
-        states = {r.key: r for r in await _registry(state, state.engine.admin.registry.migration_states, target)}
+        keys = upgrades.current_versions(req.adapters)
+        states = {r.key: r for r in await asyncio.to_thread(upgrades.registry.migration_states, target)}
         ready, skipped = [], []
         for key in keys:
             row = states.get(key)
@@ -174,33 +220,12 @@ def add_base_routes(app: web.Application, state_key: web.AppKey) -> None:
             skipped.append({"id": parse_key(key)[0], "version": parse_key(key)[1], "state": why})
         migrated = []
         for row in ready:
-            new = await _registry(state, lambda r=row: state.engine.admin.registry.migrate_version(r, actor=actor))
-            state.engine.admin.add_migrated_version(new)
+            new = await upgrades.migrate(row, actor)
             migrated.append({"id": row.adapter_id, "from_version": row.version, "version": new.version})
         return _json(
             {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
         )
 
-    async def put_check_prompts(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        adapter_id, _ = owned_id(state, request)
-        req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
-        prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
-        key = bearer_key(request)
-        assert key is not None
-        stored = await store_check_prompts(
-            state.engine.admin.registry, adapter_id, prompts, req.sample, req.opt_out, key_id(key)
-        )
-        state.sampler.set_enabled(adapter_id, stored.sample)
-        return check_prompts_out(stored)
-
-    async def get_check_prompts(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        adapter_id, _ = owned_id(state, request)
-        return check_prompts_out(await _registry(state, state.engine.admin.registry.check_prompts, adapter_id))
-
-    app.router.add_put("/v1/adapters/{id}/check_prompts", put_check_prompts)
-    app.router.add_get("/v1/adapters/{id}/check_prompts", get_check_prompts)
     app.router.add_post("/v1/bases/{digest}/validate", validate)
     app.router.add_get("/v1/bases/{digest}/validate", progress)
     app.router.add_post("/v1/bases/{digest}/migrate", migrate)

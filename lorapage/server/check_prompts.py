@@ -1,5 +1,5 @@
 """An adapter's check prompts over HTTP: what ``PUT`` and ``GET /v1/adapters/{id}/check_prompts``
-(routed in :mod:`lorapage.server.bases_route`) and a registration's ``check_prompts`` do.
+(routed in :mod:`lorapage.server.admin`) and a registration's ``check_prompts`` do.
 
 The prompts a base upgrade's drift check runs for the adapter (:mod:`lorapage.bases.validation`),
 with two owner choices: ``sample`` (the server may keep a bounded sample of the adapter's own
@@ -13,9 +13,8 @@ prompt text is never logged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-import msgspec
 from aiohttp import web
 
 from lorapage.adapters.drift_state import (
@@ -25,25 +24,26 @@ from lorapage.adapters.drift_state import (
 )
 from lorapage.adapters.registry import Registry
 from lorapage.errors import AdapterNotFoundError
-from lorapage.server.auth import bearer_key
+from lorapage.server.auth import Access, bearer_key
 
 
-def admin_or_tenant(state, request: web.Request) -> str | None:
+def admin_or_tenant(access: Access, request: web.Request) -> str | None:
     """None for the admin key, else the caller's tenant (401 without a valid tenant key)."""
     key = bearer_key(request)
-    if key is not None and state.access.tenants.is_admin(key):
+    if key is not None and access.tenants.is_admin(key):
         return None
-    return state.access.tenant_for(request)
+    return access.tenant_for(request)
 
 
-def owned_id(state, request: web.Request) -> tuple[str, str | None]:
-    """The route's adapter id, when the caller may see it; and the caller's tenant (None: admin)."""
+def owned_id(access: Access, ids: Collection[str], request: web.Request) -> str:
+    """The route's adapter id (one of ``ids``), when the caller may see it: the admin, or the
+    tenant that owns it; else the 404 of an id that does not exist."""
     adapter_id = request.match_info["id"]
-    tenant = admin_or_tenant(state, request)
-    known = "@" not in adapter_id and adapter_id in state.engine.admin.ids()
-    if not known or (tenant is not None and state.access.owners.get(adapter_id) != tenant):
+    tenant = admin_or_tenant(access, request)
+    known = "@" not in adapter_id and adapter_id in ids
+    if not known or (tenant is not None and access.owners.get(adapter_id) != tenant):
         raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-    return adapter_id, tenant
+    return adapter_id
 
 
 async def store_check_prompts(
@@ -71,10 +71,6 @@ async def store_check_prompts(
         return new
 
     return await asyncio.get_running_loop().run_in_executor(None, write)
-
-
-def check_prompts_out(value: CheckPrompts) -> web.Response:
-    return web.Response(body=msgspec.json.encode(check_prompts_body(value)), content_type="application/json")
 
 
 def check_prompts_body(value: CheckPrompts) -> dict[str, object]:

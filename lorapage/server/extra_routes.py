@@ -1,59 +1,40 @@
-"""The routes ``lorapage serve`` has for clients written against vLLM and OpenAI's newer API.
+"""The routes the front end has for clients written against vLLM and OpenAI's newer API.
 
 vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version`` and
 ``GET|POST /ping``, and OpenAI's ``POST /v1/responses`` (vLLM's LoRA load and unload are admin
 routes: :mod:`lorapage.server.admin`). What they answer is decided in framework-neutral modules
-the fleet's ingress shares (:mod:`lorapage.server.tokenization`, :mod:`~lorapage.server.version`,
-:mod:`~lorapage.server.responses_api`, :mod:`~lorapage.server.responses_output`); this module
-only ties them to aiohttp and the server's state, with the checks in the order every route keeps:
-tenant key (401), declared size (413), the tenant's requests per minute (429), the body, the
-model's visibility (404), the prompt in the tenant's turn; a response runs like a chat completion
-(its tokens against the tenant's TPM, the engine's queue).
+(:mod:`lorapage.server.tokenization`, :mod:`~lorapage.server.version`,
+:mod:`~lorapage.server.responses_api`, :mod:`~lorapage.server.responses_output`); this module ties
+them to aiohttp and the front end's state (``lorapage serve``'s and the fleet ingress's alike),
+with the checks in the order every route keeps: tenant key (401), declared size (413), the
+tenant's requests per minute (429), the body, the model's visibility (404), the prompt in the
+tenant's turn; a response runs like a chat completion (its tokens against the tenant's TPM, the
+engine's queue).
 ``/version`` and ``/ping`` take no key (vLLM's do not either; ``/health`` does not).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from lorapage.request import PromptProgress
 from lorapage.server import tokenization
 from lorapage.server.admin import check_body_length
-from lorapage.server.generation import Answer, Job, Timing, engine_outputs
-from lorapage.server.metrics import ServerMetrics
-from lorapage.server.quota import AdmissionRate
+from lorapage.server.backend import Backend
+from lorapage.server.generation import Answer, Job, Timing
 from lorapage.server.responses_api import ResponsesPlan, parse_responses
 from lorapage.server.responses_output import answer_response, responses_job
-from lorapage.server.sse import EventStream
 from lorapage.server.state import RouteState
 from lorapage.server.version import PING_BODY, version_body
 from lorapage.tools import ToolFormat, detect_format
 
-if TYPE_CHECKING:
-    from lorapage.engine import Engine
-
 
 def _json(body: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
-
-
-async def write_answer(request: web.Request, got: Answer) -> web.StreamResponse:
-    """``got`` written with aiohttp: one JSON body, or its events as they come (then closed)."""
-    if got.events is None:
-        return web.Response(body=got.body, content_type="application/json", headers=got.headers)
-    stream = EventStream(got.headers)
-    try:
-        await stream.open(request)
-        async for data in got.events:
-            await stream.write(data)
-    finally:
-        await got.events.aclose()
-    await stream.close()
-    return stream.response
 
 
 class ExtraRoutes:
@@ -63,13 +44,13 @@ class ExtraRoutes:
         self.key = state_key
         self._tool_format: ToolFormat | None = None
 
-    def tool_format(self, state: RouteState) -> ToolFormat:
+    def tool_format(self, state: RouteState[Backend]) -> ToolFormat:
         """The format the model's chat template writes tool calls in (found once)."""
         if self._tool_format is None:
-            self._tool_format = detect_format(state.engine.tokenizer.chat_template)
+            self._tool_format = detect_format(state.backend.tokenizer.chat_template)
         return self._tool_format
 
-    def _admitted(self, request: web.Request) -> tuple[RouteState, str]:
+    def _admitted(self, request: web.Request) -> tuple[RouteState[Backend], str]:
         """The state and the tenant, once its key is known and its declared body size fits."""
         state = request.app[self.key]
         tenant = state.access.tenant_for(request)
@@ -107,7 +88,7 @@ class ExtraRoutes:
         return web.Response(body=PING_BODY, status=503 if request.app[self.key].closing else 200)
 
     @staticmethod
-    def _resolver(state: RouteState, tenant: str) -> tokenization.Resolve:
+    def _resolver(state: RouteState[Backend], tenant: str) -> tokenization.Resolve:
         async def resolve(model: str) -> object:
             return state.resolve(model, tenant)
 
@@ -122,26 +103,18 @@ class ExtraRoutes:
         reservation = state.admit(tenant)  # before the body is read: a refusal costs nothing more
         try:
             body = await request.read()
-            template, fmt = state.engine.tokenizer.chat_template, self.tool_format(state)
+            template, fmt = state.backend.tokenizer.chat_template, self.tool_format(state)
             parsed = await state.prompts.parse(tenant, body, lambda b: parse_responses(b, template, fmt))
             plan: ResponsesPlan = parsed.req
             state.resolve(plan.req.model, tenant)  # 404 before the template or the tokenizer runs
             ids = await state.prompts.chat_tokens(tenant, plan.messages, template_kwargs=plan.template_kwargs)
             # Resolved again: the adapter may have been deleted (or re-pointed) while the input was tokenized.
             model, adapter = state.resolve(plan.req.model, tenant)
-            max_len = state.engine.max_model_len
+            max_len = state.backend.max_model_len
             job = responses_job(plan, model, adapter, tenant, ids, max_len, arrival, state.access)
 
-            async def respond(
-                request: web.Request, engine: Engine, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
-            ) -> web.StreamResponse:
-                progress: list[PromptProgress] = []
-                outputs = engine_outputs(engine, job, progress)
-                try:
-                    got = await answer_response(outputs, job, plan, Timing(job, metrics, admissions))
-                    return await write_answer(request, got)
-                finally:
-                    job.prompt_computed = sum(p.computed for p in progress)  # the generator has ended
+            async def respond(outputs: AsyncGenerator[Any, None], job: Job, timing: Timing) -> Answer:
+                return await answer_response(outputs, job, plan, timing)
 
             return await state.run(request, job, reservation, respond)
         finally:

@@ -6,9 +6,9 @@ its status. After the stream has started, a failure becomes an ``error`` event b
 ``[DONE]``. Whatever ends the handler (finish, failure, client gone), the engine's generator is
 closed, which aborts an unfinished request and frees its pages within one step.
 
-:func:`answer` is the framework-neutral part (an :class:`Answer`: headers and a JSON body, or
-SSE frames); :func:`respond` writes it with aiohttp, and the Ray Serve ingress
-(``lorapage.fleet``) writes the same answer with Starlette.
+:func:`answer` is the part that knows nothing of where the outputs come from (an :class:`Answer`:
+headers and a JSON body, or SSE frames); :func:`write_answer` writes it with aiohttp, for
+``lorapage serve`` and the fleet's ingress alike (:meth:`lorapage.server.app.ServerState.run`).
 """
 
 from __future__ import annotations
@@ -586,28 +586,16 @@ def engine_outputs(engine: Engine, job: Job, progress: list[PromptProgress]) -> 
     return merged(streams, job.sampling.n)
 
 
-async def respond(
-    request: web.Request, engine: Engine, job: Job, metrics: ServerMetrics, admissions: AdmissionRate
-) -> web.StreamResponse:
-    """Run ``job`` and answer it: one JSON body, or an SSE stream when the client asked for one.
-    Its first output is recorded in ``admissions``."""
-    timing = Timing(job, metrics, admissions)
-    fmt = Formatter(job, engine.tokenizer)
-    progress: list[PromptProgress] = []
-    outputs = engine_outputs(engine, job, progress)
+async def write_answer(request: web.Request, got: Answer) -> web.StreamResponse:
+    """``got`` written with aiohttp: one JSON body, or its events as they come (then closed)."""
+    if got.events is None:
+        return web.Response(body=got.body, content_type="application/json", headers=got.headers)
+    stream = EventStream(got.headers)
     try:
-        got = await answer(outputs, job, fmt, timing)
-        if got.events is None:
-            return web.Response(body=got.body, content_type="application/json", headers=got.headers)
-        stream = EventStream(got.headers)
-        events = got.events
-        try:
-            await stream.open(request)
-            async for data in events:
-                await stream.write(data)
-        finally:
-            await events.aclose()
+        await stream.open(request)
+        async for data in got.events:
+            await stream.write(data)
     finally:
-        job.prompt_computed = sum(p.computed for p in progress)  # the generators have ended: filled in
+        await got.events.aclose()
     await stream.close()
     return stream.response

@@ -41,9 +41,10 @@ from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_che
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.server.access_log import AccessLog
-from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, STATE, create_app, reload_tenants
+from lorapage.server.app import DEFAULT_MAX_BODY_BYTES, create_app, reload_tenants
 from lorapage.server.auth import Access
 from lorapage.server.edge import EdgeLimits
+from lorapage.server.engine_backend import ENGINES
 from lorapage.server.engines import side_config, utilization_share
 from lorapage.server.registration import check_adapter_id
 from lorapage.server.run import listen, serve_until_signal
@@ -107,10 +108,10 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
     return add_config_flags(p, EngineConfig, only=STATE_FIELDS)
 
 
-def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = False) -> None:
+def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     """The HTTP front end's flags, shared by ``lorapage serve`` and ``lorapage fleet`` (the request
-    log and the SLO window included); with ``connections``, the connection-level bounds too
-    (``lorapage serve`` only: in a fleet, Ray Serve's proxy holds the connections)."""
+    log, the SLO window and the connection-level bounds included: the fleet's ingress serves the
+    same aiohttp front end)."""
     group = p.add_argument_group("HTTP front end")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
@@ -162,8 +163,6 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
         help="sliding window of each tenant's goodput, error-ratio and SLO burn-rate gauges on /metrics (the "
         "tenants file's slo_* fields set the targets)",
     )
-    if not connections:
-        return
     defaults = EdgeLimits()
     group.add_argument(
         "--header-timeout",
@@ -181,6 +180,13 @@ def add_front_end_arguments(p: argparse.ArgumentParser, *, connections: bool = F
         help="connections one client address may hold at once; more are answered 429 and closed (0: no cap; "
         "behind a proxy every client has the proxy's address)",
     )
+
+
+def edge_limits(args: argparse.Namespace, prog: str = PROG) -> EdgeLimits:
+    """``--header-timeout`` and ``--max-connections-per-ip``, checked."""
+    if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
+        fail(prog, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
+    return EdgeLimits(args.header_timeout, args.max_connections_per_ip)
 
 
 def api_keys(args: argparse.Namespace, prog: str = PROG) -> list[str]:
@@ -215,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser(PROG, __doc__)
     add_engine_arguments(p)
     add_state_arguments(p)
-    add_front_end_arguments(p, connections=True)
+    add_front_end_arguments(p)
     p.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -449,9 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     roots = adapter_roots(args, modules)
     keys = api_keys(args)
     window = slo_window(args)
-    if not args.header_timeout > 0 or args.max_connections_per_ip < 0:
-        fail(PROG, "--header-timeout must be > 0 seconds and --max-connections-per-ip >= 0 (0: no cap)")
-    edge = EdgeLimits(args.header_timeout, args.max_connections_per_ip)
+    edge = edge_limits(args)
     config = engine_config(args)
     check_bases(args, merge)
     if merge is not None:  # the adapter is registered only to check the merge against: no envelope
@@ -528,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.tenants:
                 reload_tenants(app, args.tenants)
 
-        runner.run(serve_until_signal(app, app[STATE].engines, sock, ready, on_reload=reload))
+        runner.run(serve_until_signal(app, app[ENGINES].engines, sock, ready, on_reload=reload))
     print("lorapage: stopped", flush=True)
     return 0
 

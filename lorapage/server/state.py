@@ -1,46 +1,45 @@
-"""What the route modules need of the server's state, as a Protocol.
+"""What the route modules need of the front end's state, as a Protocol.
 
-:class:`lorapage.server.app.ServerState` is the one implementation; the route modules
-(:mod:`lorapage.server.admin`, :mod:`lorapage.server.extra_routes`) are typed against this instead,
-because ``app`` imports them and importing it back would cycle.
+:class:`lorapage.server.app.ServerState` is the one implementation, over a
+:class:`~lorapage.server.backend.Backend`; the route modules are typed against this instead,
+because ``app`` imports them and importing it back would cycle. The route modules both front ends
+serve take a ``RouteState[Backend]`` (the admin routes reach what changes adapters through the
+app's :class:`~lorapage.server.admin_ops.AdminOps`, not the backend).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
 from lorapage.server.auth import Access
-from lorapage.server.generation import Job
-from lorapage.server.metrics import ServerMetrics
-from lorapage.server.prompt_sampler import PromptSampler
+from lorapage.server.generation import Answer, Job, Timing
 from lorapage.server.prompts import PromptBuilder
-from lorapage.server.quota import AdmissionRate, Reservation
+from lorapage.server.quota import Reservation
 
-if TYPE_CHECKING:
-    from lorapage.engine import Engine
-    from lorapage.server.engines import Engines
-
-# Runs a job on the engine and answers it over HTTP (generation.respond's signature).
-Responder = Callable[[web.Request, "Engine", Job, ServerMetrics, AdmissionRate], Awaitable[web.StreamResponse]]
+B_co = TypeVar("B_co", covariant=True)
+# How a job's engine outputs become its answer (generation.answer's role; /v1/responses brings its own).
+AnswerWith = Callable[[AsyncGenerator[Any, None], Job, Timing], Awaitable[Answer]]
 
 
-class RouteState(Protocol):
-    """The engine, who may use what, the prompt builder, the requests in flight, and admission."""
+class RouteState(Protocol[B_co]):
+    """Who may use what, the prompt builder, the requests in flight, admission, and the backend."""
 
-    engine: Engine  # the primary: its registry is the server's
-    engines: Engines  # every base served, the primary first (lorapage.server.engines)
     access: Access
     prompts: PromptBuilder
-    sampler: PromptSampler  # check prompts sampled from opted-in adapters' traffic
     max_body_bytes: int
     in_flight: Counter[str | None]  # adapter version id@N (None: base) -> requests running
     request_ids: set[str]  # the engine's ids of the requests in flight
     draining: set[str]  # adapter versions (id@N) being deleted: invisible to new requests
     closing: bool
+
+    @property
+    def backend(self) -> B_co:
+        """Where requests go (:class:`~lorapage.server.backend.Backend`)."""
+        ...
 
     def check_open(self) -> None:
         """503 once the server is shutting down."""
@@ -59,7 +58,7 @@ class RouteState(Protocol):
         ...
 
     async def run(
-        self, request: web.Request, job: Job, reservation: Reservation, responder: Responder = ...
+        self, request: web.Request, job: Job, reservation: Reservation, answer_with: AnswerWith | None = None
     ) -> web.StreamResponse:
-        """Charge ``job``'s tokens, run it and answer it with ``responder``."""
+        """Charge ``job``'s tokens, run it and answer it (``answer_with``: its own shapes)."""
         ...

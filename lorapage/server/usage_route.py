@@ -5,8 +5,9 @@ rows and the residency and loads of the adapters it owns, nothing of anyone else
 naming another tenant is 403). Query: ``since`` (Unix seconds or an ISO time: that hour and
 later), ``adapter`` (an id, every version, or ``id@N``), ``format`` (``json``, default, or ``csv``).
 The rows' fields are :mod:`lorapage.usage.ledger`'s. :func:`usage_request` and
-:func:`usage_answer` are the route's rule, shared with the fleet's ingress (which sums its
-replicas' ledgers between them).
+:func:`usage_answer` are the route's rule; the route itself is the front end's
+(:func:`lorapage.server.app.usage`), over the backend's rows (the engines' ledgers here, every
+replica's summed in a fleet).
 """
 
 from __future__ import annotations
@@ -61,15 +62,3 @@ def usage_answer(req: UsageRequest, rows: Sequence[tuple[Key, Usage]], owners: M
     if req.fmt == "csv":
         return usage_csv(rows).encode(), "text/csv"
     return msgspec.json.encode(usage_json(rows)), "application/json"
-
-
-def add_usage_route(app: web.Application, state_key: web.AppKey) -> None:
-    async def usage(request: web.Request) -> web.Response:
-        state = request.app[state_key]
-        req = usage_request(state.access, request, request.query)
-        rows = state.engines.usage_rows(since_hour=req.since_hour)  # every base's engine (--base)
-        body, content_type = usage_answer(req, rows, state.access.owners)
-        charset = "utf-8" if content_type == "text/csv" else None
-        return web.Response(body=body, content_type=content_type, charset=charset)
-
-    app.router.add_get("/v1/usage", usage)

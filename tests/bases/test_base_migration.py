@@ -21,7 +21,7 @@ from lorapage.adapters.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES, M
 from lorapage.adapters.registry import REGISTRY_FILE, SCHEMA_VERSION, Registry
 from lorapage.bases.cli import main as base_cli
 from lorapage.model.loader import model_digest
-from lorapage.server.app import STATE
+from lorapage.server.engine_backend import ENGINES
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPTS = ["Hello", "How are you?", "Tell me about the weather.", "What is 2 + 2?", "Write a haiku."]
@@ -123,7 +123,7 @@ async def test_check_prompts_are_bounded_and_owner_visible(adapter_root, tmp_pat
         await srv.post(
             "/v1/completions", {"model": "cust-a", "prompt": "not sampled: cust-a did not opt in", "max_tokens": 1}
         )
-        assert await srv.app[STATE].sampler.flush(engine) == MAX_SAMPLED_PROMPTS
+        assert await srv.app[ENGINES].sampler.flush(engine) == MAX_SAMPLED_PROMPTS
         stored = engine.admin.registry.check_prompts("cust-s")
         assert len(stored.sampled) == MAX_SAMPLED_PROMPTS and set(stored.sampled) <= set(sent), stored.sampled
         assert stored.all_prompts() == stored.sampled and engine.admin.registry.check_prompts("cust-a").sampled == ()
@@ -135,7 +135,7 @@ async def test_check_prompts_are_bounded_and_owner_visible(adapter_root, tmp_pat
         )
         assert status == 200 and got["sampled"] == 0, got
         await srv.post("/v1/completions", {"model": "cust-s", "prompt": "after opting out", "max_tokens": 1})
-        assert await srv.app[STATE].sampler.flush(engine) == 0
+        assert await srv.app[ENGINES].sampler.flush(engine) == 0
         assert engine.admin.registry.check_prompts("cust-s").sampled == ()
     await engine.close()
 

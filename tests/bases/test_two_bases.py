@@ -21,7 +21,7 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.memory.sizing import POOL_HEADROOM_BYTES, pages_for_memory
 from lorapage.model.loader import model_digest
 from lorapage.sampling_params import SamplingParams
-from lorapage.server.app import STATE
+from lorapage.server.engine_backend import ENGINES
 from lorapage.server.engines import (
     ServedBase,
     followed,
@@ -248,7 +248,7 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         assert status == 200 and headers["x-adapter-version"] == "1", got
         status, models, _ = await srv.request("GET", "/v1/models", srv.auth("alpha"))
         assert {m["id"]: m.get("parent") for m in models["data"]}["cust-a"] == "near"
-        assert srv.app[STATE].engines.resolve("cust-a") == "cust-a@2"
+        assert srv.app[ENGINES].engines.resolve("cust-a") == "cust-a@2"
     await side.close()
     await primary.close()
 

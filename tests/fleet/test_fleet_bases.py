@@ -2,8 +2,9 @@
 
 The registry is made before the fleet starts, as an operator's would be: an adapter on the tiny
 base whose drift check toward a slightly different base passed (``lorapage base check``) and was
-migrated, one trained on that other base, one bound to a base nobody runs. Over real HTTP to Ray
-Serve's proxy, each request must be answered by a replica of its version's base's deployment.
+migrated, one trained on that other base, one bound to a base nobody runs. Over real HTTP to the
+ingress, each request must be answered by a replica of its version's base's deployment; then a
+base upgrade runs through the fleet's own validate and migrate routes while both bases serve.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from lorapage.adapters.registry import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.bases.cli import main as base_cli  # noqa: E402
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
+from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import FleetConfig, base_deployment  # noqa: E402
-from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.model.loader import model_digest  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
@@ -100,10 +101,11 @@ def fleet(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         state_dir=str(state_dir),
         adapter_roots=(str(adapters),),
         sync_period_s=0.5,
+        port=port,  # the ingress listens itself (Ray Serve's HTTP proxy is off)
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(config), name=APP_NAME, route_prefix=None)
         yield f"http://127.0.0.1:{port}", near
     finally:
         serve.shutdown()
@@ -170,3 +172,40 @@ async def test_each_request_goes_to_its_bases_deployment(fleet):
     assert status == 200, got
     adapters = {row["adapter"] for row in got["data"]}
     assert {"cust-b@1", "cust-a@2", "cust-a@1"} <= adapters, adapters
+
+
+async def test_validate_and_migrate_while_both_bases_serve(fleet):
+    """``lorapage serve``'s base-upgrade routes in the fleet: the drift check runs its halves on the
+    two deployments, the migration lands in the fleet's registry, and the id's requests move to the
+    new base's deployment at once; its old version, named, stays on the old one."""
+    url, near = fleet
+    digest, side = model_digest(near), base_deployment(str(near))
+    status, got, _ = await _call(url, "PUT", "/v1/adapters/acme/check_prompts", ADMIN_KEY, {"prompts": PROMPTS})
+    assert status == 200 and got["prompts"] == PROMPTS, got
+    status, got, _ = await _call(url, "POST", f"/v1/bases/{UNSERVED}/validate", ADMIN_KEY, {"adapters": ["acme"]})
+    assert status == 400 and got["error"]["param"] == "digest", got  # a base the fleet does not run
+    status, got, _ = await _call(url, "POST", f"/v1/bases/{digest}/validate", ADMIN_KEY, {"adapters": ["acme"]})
+    assert status == 202 and got["adapters"] == ["acme@1"], got
+    for _ in range(600):
+        status, report, _ = await _call(url, "GET", f"/v1/bases/{digest}/validate", ADMIN_KEY)
+        if report["job"]["status"] != "running":
+            break
+        await asyncio.sleep(0.1)
+    assert report["job"]["status"] == "done" and report["running_base"] == f"sha256:{model_digest(TINY_BASE_DIR)}"
+    assert report["job"]["model"] == str(near)  # the side base's deployment checked on, nothing loaded
+    (row,) = [r for r in report["adapters"] if r["id"] == "acme"]
+    assert row["state"] == "passed" and row["numbers"]["prompts"] == len(PROMPTS), report
+    status, got, _ = await _call(url, "POST", f"/v1/bases/{digest}/migrate", ADMIN_KEY, {"adapters": ["acme"]})
+    assert status == 200 and got["migrated"] == [{"id": "acme", "from_version": 1, "version": 2}], got
+
+    async def complete(model: str):
+        body = {"model": model, "prompt": "Hi", "max_tokens": 40, "temperature": 0}
+        status, got, headers = await _call(url, "POST", "/v1/completions", KEYS["alpha"], body)
+        assert status == 200, got
+        return got["choices"][0]["text"], headers.get("x-adapter-version"), _deployment_of(headers[REPLICA_HEADER])
+
+    acme_on_near = await _reference(near, demo_adapter_dirs()["acme"], "Hi")
+    assert await complete("acme") == (acme_on_near, "2", side)
+    assert await complete("acme@1") == (DEMO_MARKERS["acme"], "1", ENGINE_DEPLOYMENT)
+    status, got, _ = await _call(url, "GET", "/v1/audit?action=migrate&adapter=acme", ADMIN_KEY)
+    assert status == 200 and len(got["data"]) == 1, got

@@ -26,8 +26,8 @@ from test_fleet_ray import Fleet, _free_port, completion, engine_replica_ids  # 
 
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, build_app  # noqa: E402
+from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import MERGED_APP_PREFIX, FleetConfig  # noqa: E402
-from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.server.tenants import key_id  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 
@@ -63,10 +63,11 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         state_dir=str(state_dir),
         adapter_roots=(str(root),),
         sync_period_s=0.5,
+        port=port,  # the ingress listens itself (Ray Serve's HTTP proxy is off)
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(config), name=APP_NAME, route_prefix=None)
         yield Fleet(f"http://127.0.0.1:{port}", str(state_dir), str(root), Path(state_dir) / "unused.jsonl")
     finally:
         serve.shutdown()

@@ -1,10 +1,11 @@
 """``lorapage fleet`` on a local Ray: one ingress and two engine replicas of the tiny model.
 
-Real HTTP to Ray Serve's proxy on a free 127.0.0.1 port. The engine deployment routes with one
-rendezvous owner per adapter (``owners=1``) and a batch capacity of four (``max_num_seqs``), so
-stickiness and spill are both visible with two replicas. The admin tests register, deploy, pin
-and delete adapters through the ingress (a state directory holds the fleet's registry); the
-ingress-restart and replica-kill tests run last: they replace an ingress and a replica.
+Real HTTP to the ingress (``lorapage serve``'s front end, on aiohttp) on a free 127.0.0.1 port.
+The engine deployment routes with one rendezvous owner per adapter (``owners=1``) and a batch
+capacity of four (``max_num_seqs``), so stickiness and spill are both visible with two replicas.
+The admin tests register, deploy, pin and delete adapters through the ingress (a state directory
+holds the fleet's registry); the ingress-restart and replica-kill tests run last: they replace an
+ingress and a replica.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from server_harness import (  # noqa: E402
 from lorapage.adapters.registry import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
+from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import FleetConfig  # noqa: E402
-from lorapage.fleet.ingress import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.routing import rendezvous_owners  # noqa: E402
 from lorapage.model.tokenizer import Tokenizer  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
@@ -145,10 +146,11 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         state_dir=str(state_dir),
         adapter_roots=(str(root),),
         sync_period_s=0.5,
+        port=port,  # the ingress listens itself (Ray Serve's HTTP proxy is off)
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        serve.start(proxy_location="Disabled")
+        serve.run(build_app(config), name=APP_NAME, route_prefix=None)
         yield Fleet(f"http://127.0.0.1:{port}", str(state_dir), str(root), access_log)
     finally:
         serve.shutdown()
@@ -191,7 +193,7 @@ async def test_streaming_equals_whole(fleet):
     assert events[-1]["usage"] == whole["usage"]
     assert headers["x-adapter-id"] == "globex" and headers["x-adapter-tier"] in ("gpu", "ram", "disk")
     assert headers["Content-Type"].startswith("text/event-stream")
-    assert headers.getall("x-request-id") == [events[0]["id"].removeprefix("cmpl-")]
+    assert headers.getall("x-request-id") == [events[0]["id"]]  # one id, the body's (as lorapage serve answers)
 
 
 async def test_the_api_fields_work_through_the_fleet(fleet):
@@ -275,7 +277,8 @@ async def test_tenant_isolation_and_fleet_wide_quota(fleet):
 
 async def test_two_tenants_sending_one_x_request_id_at_once_both_succeed(fleet):
     """A client's x-request-id was the engine's request id, so a tenant that predicted another's
-    id could send it first and have the other's request refused (400: already in flight). Four
+    id could send it first and have the other's request refused (400: already in flight); now it
+    is neither the engine's id nor the one answered. Four
     overlapping streams on two replicas: at least two of them run on one engine at once."""
     client_id = "predictable-id-1"
 
@@ -301,7 +304,9 @@ async def test_two_tenants_sending_one_x_request_id_at_once_both_succeed(fleet):
         await started.wait()  # under way before the next is sent
     answers = await asyncio.gather(*tasks)
     assert [status for status, _, _ in answers] == [200] * 4, answers
-    assert all(echoed == client_id and body_id == f"cmpl-{client_id}" for _, echoed, body_id in answers), answers
+    # The front end makes its own ids (as lorapage serve does): one per request, the body's and the header's.
+    assert all(echoed == body_id != client_id for _, echoed, body_id in answers), answers
+    assert len({echoed for _, echoed, _ in answers}) == 4
 
 
 async def eventually(check, timeout_s: float = 15.0):

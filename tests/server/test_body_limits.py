@@ -1,23 +1,22 @@
 """Bodies are bounded as they stream (issue 26, case 10): the fleet ingress read a body without a
 Content-Length whole before it looked at its size (256 MiB for a 4 MiB limit), and admin bodies
 had no limit of their own. A raw HTTP client streams a chunked body and counts what it got to
-send before the answer came: the real ingress (on uvicorn, as Ray Serve's proxy runs it) and
-the real aiohttp server stop reading at the limit and answer 413."""
+send before the answer came: the fleet's real ingress and ``lorapage serve`` (one aiohttp front
+end) stop reading at the limit and answer 413."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from server_harness import ADMIN_KEY, KEYS, TENANTS_TOML, assert_openai_error, make_engine, running_server
+from front_end_cases import replica_less_ingress
+from server_harness import ADMIN_KEY, KEYS, assert_openai_error, make_engine, running_server
 
-from lorapage import EngineConfig
 from lorapage.server.admin import ADMIN_MAX_BODY_BYTES
-from lorapage.tiny import TINY_BASE_DIR
+from lorapage.server.run import start
 
 _CHUNK = b"x" * (64 << 10)
 
@@ -69,35 +68,13 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict]:
 
 @asynccontextmanager
 async def _fleet_ingress(max_body_bytes: int) -> AsyncIterator[str]:
-    """The fleet's real ingress (no replicas: nothing here reaches one) behind uvicorn on 127.0.0.1."""
-    uvicorn = pytest.importorskip("uvicorn")
+    """The fleet's real ingress on 127.0.0.1, with no engine replicas behind it (nothing here reaches one)."""
     pytest.importorskip("ray")
-    from starlette.requests import Request
-
-    from lorapage.fleet.config import FleetConfig
-    from lorapage.fleet.ingress import FleetIngress
-
-    config = FleetConfig(
-        engine=EngineConfig(model=str(TINY_BASE_DIR)), tenants_toml=TENANTS_TOML, max_body_bytes=max_body_bytes
-    )
-    ingress = FleetIngress(None, config)
-
-    async def app(scope, receive, send):
-        assert scope["type"] == "http"
-        response = await ingress(Request(scope, receive))
-        await response(scope, receive, send)
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    runner, port = await start(replica_less_ingress(max_body_bytes).app, ("127.0.0.1", 0))
     try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
-        await task
+        await runner.cleanup()
 
 
 async def test_the_fleet_ingress_stops_reading_a_chunked_body_at_its_limit():

@@ -30,6 +30,7 @@ from server_harness import BASE, assert_openai_error, make_engine, make_roots, r
 
 from lorapage.server import Access, hash_key
 from lorapage.server.app import STATE
+from lorapage.server.engine_backend import ENGINES
 from lorapage.server.tenants import TenantsConfig
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, demo_adapter_dirs
 
@@ -106,7 +107,7 @@ class Server:
 
     @property
     def engine(self) -> Any:
-        return self.app[STATE].engine
+        return self.app[ENGINES].engine
 
     async def post(self, path: str, body: Any, tenant: str = "hostile") -> tuple[int, Any]:
         async with self.session.post(self.url + path, json=body, headers=key(tenant)) as resp:

@@ -1,6 +1,6 @@
 """No cross-tenant side channels through ``lorapage serve``, over a real socket: a tenant cannot
 tell from the prefix cache that another sent a prompt (unless their operator grouped them), nor
-from ``x-adapter-tier`` that another used an adapter they share. (Request ids: ``lorapage serve``
+from ``x-adapter-tier`` that another used an adapter they share. (Request ids: the front end
 makes its own; the fleet's test sends two tenants' requests with one ``x-request-id``.)"""
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""A base upgrade in a fleet: ``lorapage serve``'s validate and migrate routes (:mod:`lorapage.server.bases_route`)
+over the fleet's deployments and registry, while both bases serve.
+
+The fleet checks toward a base it runs beside its primary (``lorapage fleet --base``,
+:mod:`lorapage.fleet.bases`): each adapter version's drift check runs its first half (greedy, with
+logprobs) on a replica of the primary's deployment, routed to the adapter's owner, and its second
+half (teacher-forced and free) on a replica of the new base's deployment, where the version's files
+are registered under an id of the job's own for the check and removed after it
+(:meth:`~lorapage.fleet.replica.EngineReplica.drift_references`, ``drift_candidate``). States,
+numbers and notices go to the fleet's registry, as one server's go to its own; a migration stores
+the new version in the fleet's registry, which every replica mirrors, and the ingress routes the id
+to it (an alias at a version migrated onto a served base serves its migration). A base the fleet
+does not run is refused (400): its candidate cannot be loaded in the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from lorapage.adapters.binding import shown_digest
+from lorapage.adapters.drift_state import MigrationRow
+from lorapage.adapters.registry import VersionRow, parse_name
+from lorapage.bases.drift import PromptDrift
+from lorapage.bases.validation import BaseValidator, ValidationJob, check_name
+from lorapage.errors import InvalidRequestError, LorapageError
+from lorapage.fleet.bases import FleetBases
+from lorapage.fleet.registry import FleetRegistry
+
+
+def _ok(got: Any) -> Any:
+    """A replica's answer, or the refusal it returned raised here."""
+    if isinstance(got, LorapageError):
+        raise got
+    return got
+
+
+class FleetChecker:
+    """One version's check on two deployments: the primary's (``old``) and the new base's (``new``)."""
+
+    def __init__(self, old: Any, new: Any) -> None:
+        self.old, self.new = old, new
+
+    async def drifts(
+        self, job: ValidationJob, key: str, prompts: tuple[str, ...], max_tokens: int
+    ) -> list[PromptDrift]:
+        adapter_id = parse_name(key)[0]
+        old = self.old.options(multiplexed_model_id=adapter_id)  # to its owner, where it is warm
+        refs = _ok(await old.drift_references.remote(key, list(prompts), max_tokens))
+        new = self.new.options(multiplexed_model_id=adapter_id)
+        return _ok(await new.drift_candidate.remote(key, check_name(job, adapter_id), job.target, refs))
+
+    async def close(self) -> None:
+        pass  # nothing of the job's outlives a check
+
+
+class FleetUpgrades:
+    """The :class:`~lorapage.server.bases_route.BaseUpgrades` of a fleet running ``bases`` (the primary's first)."""
+
+    def __init__(self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str]) -> None:
+        """``models``: each base's directory, in the order of ``bases`` (what a job shows as its candidate)."""
+        self.bases, self.fleet_registry, self.models = bases, registry, list(models)
+        self.registry = registry.registry
+        self.digest = digest
+
+    def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
+        """Each id's current version where it is on the primary base (an id named that is not: 400)."""
+        keys = []
+        for adapter_id in list(adapters) if adapters is not None else self.fleet_registry.ids():
+            row = self.fleet_registry.row(adapter_id) if "@" not in adapter_id else None
+            servable = row is not None and row.base_digest == self.digest
+            if row is None or (not servable and adapters is not None):
+                raise InvalidRequestError(
+                    f"adapter {adapter_id!r} has no current version served on this base", param="adapters"
+                )
+            if servable:
+                keys.append(row.key)
+        return keys
+
+    async def validate(
+        self, validator: BaseValidator, target: str, model: str | None, adapters: Sequence[str] | None
+    ) -> ValidationJob:
+        digests = [b.digest for b in self.bases.bases]
+        if target not in digests[1:]:
+            raise InvalidRequestError(
+                f"this fleet does not run base {shown_digest(target)}: start it beside the primary with "
+                "lorapage fleet --base DIR, then validate toward it",
+                param="digest",
+            )
+        new = self.bases.handles[digests.index(target)]
+        checker = FleetChecker(self.bases.handles[0], new)
+
+        async def make(job: ValidationJob) -> FleetChecker:
+            return checker
+
+        keys = self.current_versions(adapters)
+        candidate = self.models[
+            digests.index(target)
+        ]  # the directory its deployment runs (a model given is not loaded)
+        return validator.start_with(self.registry, self.digest, target, candidate, keys, make)
+
+    async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
+        return await asyncio.to_thread(self.fleet_registry.migrate, row, actor=actor)
