@@ -266,7 +266,7 @@ class EngineChecker:
             return await prompt_drifts(self.engine, new, key, name, prompts, max_tokens=max_tokens)
         finally:
             if self.borrowed:
-                drop_check_version(new, name, job.id)
+                drop_check_version(new, name)
 
     async def close(self) -> None:
         if not self.borrowed:
@@ -278,14 +278,14 @@ def check_name(job: ValidationJob, adapter_id: str) -> str:
     return f"check-{job.id}-{adapter_id}"
 
 
-def drop_check_version(engine, name: str, job_id: str) -> None:
+def drop_check_version(engine, name: str) -> None:
     """Remove a version registered for a check from an engine serving traffic (left to it, logged,
     when still running: the job was cancelled mid-check)."""
     if name in engine.admin.ids():
         try:
             engine.admin.remove(name)
         except LorapageError as exc:
-            log.warning("validation %s left %s registered on the new base: %s", job_id, name, exc.message)
+            log.warning("a validation left %s registered on the new base: %s", name, exc.message)
 
 
 def parse_key(key: str) -> tuple[str, int]:

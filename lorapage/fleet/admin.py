@@ -38,9 +38,9 @@ from lorapage.adapters.drift_state import CheckPrompts
 from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.tiers import Tier
-from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
+from lorapage.errors import ConflictError, LorapageError
 from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
-from lorapage.fleet.messages import EngineProfile
+from lorapage.fleet.messages import EngineProfile, answered
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.server.admin import AdminRoutes, cost_fields, known_id, wait_until
@@ -58,13 +58,6 @@ class FleetAdapterOut(AdapterOut):
 
     replicas: dict[str, str] = msgspec.field(default_factory=dict)  # replica id -> gpu | ram
     dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
-
-
-def _ok(got: T | LorapageError) -> T:
-    """A replica's answer, or the refusal it returned raised here."""
-    if isinstance(got, LorapageError):
-        raise got
-    return got
 
 
 class FleetAdminOps:
@@ -89,9 +82,11 @@ class FleetAdminOps:
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
         self.base_name = profile.base_name
         self.roots, self.sync_period_s = adapter_roots, sync_period_s
+        self.samples_traffic = False  # the ingress keeps no sample of any adapter's traffic
         self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
 
-    async def _write(self, change: Callable[[], T]) -> T:
+    async def write(self, change: Callable[[], T]) -> T:
+        """Run ``change`` (a blocking registry commit) in a worker, one change at a time."""
         async with self._writes:
             return await asyncio.to_thread(change)
 
@@ -115,7 +110,7 @@ class FleetAdminOps:
     async def describe(self, names: Sequence[str]) -> list[AdapterOut]:
         keys = [self._resolve(name) for name in names]
         infos = await self.engines.describe.remote(keys) if keys else []
-        return [self._out(k, _ok(info)) for k, info in zip(keys, infos, strict=True)]
+        return [self._out(k, answered(info)) for k, info in zip(keys, infos, strict=True)]
 
     def _out(self, key: str, info: AdapterInfo) -> FleetAdapterOut:
         adapter_id, version = parse_name(key)
@@ -181,8 +176,8 @@ class FleetAdminOps:
         got = self._on_owner(reg.id).prepare_adapter.remote(
             source, reg.sha256, reg.expected_base_digest, reg.owner, False
         )
-        prepared: PreparedVersion = _ok(await got)
-        row, created = await self._write(
+        prepared: PreparedVersion = answered(await got)
+        row, created = await self.write(
             lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate, actor=actor)
         )
         return row.key, created
@@ -192,15 +187,15 @@ class FleetAdminOps:
         if (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
             self._resolve(row.key)  # a version on another base: 409 before the alias (or channel) moves
         if channel:
-            await self._write(lambda: self.registry.set_channel(adapter_id, channel, version, actor=actor))
+            await self.write(lambda: self.registry.set_channel(adapter_id, channel, version, actor=actor))
             return f"{adapter_id}@{channel}"
-        return (await self._write(lambda: self.registry.set_current(adapter_id, version, actor=actor))).key
+        return (await self.write(lambda: self.registry.set_current(adapter_id, version, actor=actor))).key
 
     async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
         if version is not None and (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
             self._resolve(row.key)  # a version on another base: 409 before the alias moves
         servable = self._servable(adapter_id)
-        await self._write(lambda: self.registry.rollback(adapter_id, version, channel, servable, actor=actor))
+        await self.write(lambda: self.registry.rollback(adapter_id, version, channel, servable, actor=actor))
         return self._resolve(f"{adapter_id}@{channel}" if channel else adapter_id)
 
     def _servable(self, adapter_id: str) -> set[int]:
@@ -215,7 +210,7 @@ class FleetAdminOps:
         return served
 
     async def remove_channel(self, adapter_id: str, channel: str, actor: str) -> None:
-        await self._write(lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor))
+        await self.write(lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor))
 
     def removable(self, name: str) -> list[str]:
         """The versions a delete removes; 409 while the id has a dedicated deployment (demote it first)."""
@@ -231,7 +226,7 @@ class FleetAdminOps:
 
     async def remove(self, name: str, actor: str) -> None:
         """Dropped from every replica once its requests end (the ingress's counts decide that)."""
-        await self._write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
+        await self.write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
 
     async def pin(self, name: str, actor: str) -> str:
         """On every replica: checked against the bounds and loaded on its owner before the answer,
@@ -239,34 +234,34 @@ class FleetAdminOps:
         (every replica holds the same pins)."""
         key = self._resolve(name)
         owner = self._on_owner(key)
-        _ok(await owner.check_pin.remote(key))
-        await self._write(lambda: self.registry.set_pinned(key, True, actor=actor))
+        answered(await owner.check_pin.remote(key))
+        await self.write(lambda: self.registry.set_pinned(key, True, actor=actor))
         try:
-            _ok(await owner.load_adapter.remote(key))
+            answered(await owner.load_adapter.remote(key))
         except LorapageError as exc:
             undone = f"pin undone: its load failed ({exc.code})"  # as lorapage serve audits it
-            await self._write(lambda: self.registry.set_pinned(key, False, actor=actor, outcome=undone))
+            await self.write(lambda: self.registry.set_pinned(key, False, actor=actor, outcome=undone))
             raise
         return key
 
     async def unpin(self, name: str, actor: str) -> str:
         key = self._resolve(name)
-        await self._write(lambda: self.registry.set_pinned(key, False, actor=actor))
+        await self.write(lambda: self.registry.set_pinned(key, False, actor=actor))
         return key
 
     async def load(self, name: str, actor: str) -> str:
         """Pre-warm a version on the replica the router sends its requests to (an owner)."""
         key = self._resolve(name)
-        _ok(await self._on_owner(key).load_adapter.remote(key))
+        answered(await self._on_owner(key).load_adapter.remote(key))
         adapter_id, version = parse_name(key)
-        await self._write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
+        await self.write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
         return key
 
     async def unload(self, name: str, actor: str) -> str:
         """From every replica's pool (not while it runs there, nor if pinned); answered once no
         replica reports it in its pool, or after a few heartbeats."""
         key = self._resolve(name)
-        await self._write(lambda: self.registry.unload(key, actor=actor))
+        await self.write(lambda: self.registry.unload(key, actor=actor))
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
         return key
 
@@ -274,11 +269,7 @@ class FleetAdminOps:
         self, adapter_id: str, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None, actor: str
     ) -> CheckPrompts:
         """A promotion's equivalence check and a base upgrade's drift check run them. The
-        ingress samples no traffic."""
-        if sample:
-            raise InvalidRequestError(
-                "a fleet keeps no sample of an adapter's traffic; give the check prompts as 'prompts'", param="sample"
-            )
+        ingress samples no traffic (:attr:`samples_traffic`: the routes refuse ``sample``)."""
         return await store_check_prompts(self.registry.registry, adapter_id, prompts, sample, opt_out, actor)
 
     async def check_prompts(self, adapter_id: str) -> CheckPrompts:

@@ -20,6 +20,8 @@ from lorapage.fleet.ingress import FleetIngress
 from lorapage.fleet.replica import EngineReplica
 from lorapage.fleet.request_router import AffinityRequestRouter
 
+INGRESS_SHUTDOWN_S = 30.0  # Ray's graceful shutdown of the ingress: > the 10 s grace + 5 s + 5 s it may take
+
 __all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "build_app"]
 
 
@@ -55,5 +57,8 @@ def build_app(config: FleetConfig) -> Application:
         num_replicas=1,
         max_ongoing_requests=max(1000, config.replicas * config.max_ongoing_requests),
         ray_actor_options={"num_cpus": config.ingress_cpus},
+        # Its shutdown drains the front end: the grace period, then 5 s for aborted requests and
+        # aiohttp's own 5 s; Ray's default (20 s) would cut the last of that short.
+        graceful_shutdown_timeout_s=INGRESS_SHUTDOWN_S,
     )(FleetIngress)
     return ingress.bind(engines, config, sides)

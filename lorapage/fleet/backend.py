@@ -78,10 +78,10 @@ class FleetBackend:
         self.base_name = profile.base_name
         self.max_model_len = profile.max_model_len
         self.vocab_size = profile.vocab_size
+        self._streams: dict[str, Any] = {}  # engine request id -> its replica call (abort() cancels it)
         # A tenant without max_concurrency may hold its share of the replicas' queues together.
         self.queue_len = config.engine.max_queue_len * config.replicas
         self.rejected: MetricCounter | None = None
-        self._draining: Collection[str] = ()
 
     def server_metrics(self, loop_lag: LoopLagMonitor, slo: SloTracker) -> ServerMetrics:
         """The ingress's own series and every live replica's, labelled ``replica``."""
@@ -98,12 +98,11 @@ class FleetBackend:
 
     def models(self, access: Access, started: int, draining: Collection[str]) -> ModelsView:
         """The per-tenant ``/v1/models`` view over the fleet's registry."""
-        self._draining = draining
         card = BaseCard(self.base_name, self.max_model_len, started)
         more = [BaseCard(b.name, self.max_model_len, started) for b in self.bases.bases[1:]]
 
         def serving() -> list[str]:
-            return [i for i in self.registry.ids() if self._serves(i)]
+            return [i for i in self.registry.ids() if self._serves(i, draining)]
 
         return ModelsView(
             access,
@@ -114,10 +113,10 @@ class FleetBackend:
             base_of=self._base_of_id if self.bases.several else None,
         )
 
-    def _serves(self, adapter_id: str) -> bool:
-        """Whether ``adapter_id`` serves a version on a served base now (whoever asks)."""
+    def _serves(self, adapter_id: str, draining: Collection[str]) -> bool:
+        """Whether ``adapter_id`` serves a version on a served base now, not being deleted (whoever asks)."""
         try:
-            return self.version(adapter_id) not in self._draining
+            return self.version(adapter_id) not in draining
         except LorapageError:  # none, or one validated against another base
             return False
 
@@ -159,7 +158,11 @@ class FleetBackend:
         pass  # replicas take the tenants' VTC shares from the next heartbeat reply
 
     def abort(self, request_id: str) -> None:
-        pass  # a request's handler is cancelled at shutdown, and with it its replica call
+        """Cancel the replica call running engine request ``request_id`` (at shutdown, past the
+        grace period): the replica aborts it, and its handler ends."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
 
     async def start(self) -> None:
         pass
@@ -199,6 +202,7 @@ class FleetBackend:
             passed_on = False
             # chosen again on a resend: the adapter may have been promoted or demoted meanwhile
             stream = self.engine_handle(job).options(stream=True).generate.remote(spec)
+            self._streams[spec.request_id] = stream
             try:
                 async for item in stream:
                     if isinstance(item, ReplicaStart):
@@ -231,6 +235,7 @@ class FleetBackend:
                 log.warning("replica %s died before answering %s; resending", headers[REPLICA_HEADER], job.request_id)
             finally:
                 stream.cancel()
+                self._streams.pop(spec.request_id, None)
             await asyncio.sleep(_RETRY_BACKOFF_S * (attempt + 1))
         raise ServiceUnavailableError(
             f"no engine replica could answer after {self.config.request_retries + 1} attempts; retry later",

@@ -16,7 +16,7 @@ the fleet's adapter registry too (:mod:`lorapage.fleet.registry`) and resolves e
 one version ``id@N`` before it sends it; replicas mirror the registry through their heartbeats
 (:meth:`FleetIngress.sync`), whose stats and series ``/metrics`` and ``/internal/state``
 re-export. ``--lora-modules`` are registered in the registry (checked on a replica) before the
-first request that needs them is answered (:meth:`FleetIngress.ready`).
+ingress listens (:meth:`FleetIngress.register_modules`), so a bad one fails the deployment, saying why.
 
 An edited tenants file reaches the ingress as :meth:`FleetIngress.reload_tenants` (``lorapage
 fleet`` calls it on SIGHUP). With a state directory the accepted text is kept there, so an
@@ -25,8 +25,8 @@ ingress that Ray restarts keeps the reloaded keys rather than the file the fleet
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -40,14 +40,13 @@ from aiohttp import web
 
 from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.state_lock import StateDirLock
-from lorapage.errors import LorapageError
 from lorapage.fleet.admin import FleetAdminOps
 from lorapage.fleet.auto_promote import AutoPromoter
 from lorapage.fleet.backend import FleetBackend
 from lorapage.fleet.bases import FleetBases
 from lorapage.fleet.config import FleetConfig
 from lorapage.fleet.dedicated import DedicatedDeployments
-from lorapage.fleet.messages import EngineProfile, Heartbeat, SyncReply
+from lorapage.fleet.messages import EngineProfile, Heartbeat, SyncReply, answered
 from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
@@ -58,15 +57,12 @@ from lorapage.server.app import STATE, ServerState, build_app
 from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
 from lorapage.server.bases_route import add_base_routes
-from lorapage.server.error_json import Handler
 from lorapage.server.run import start
 from lorapage.server.tenants import TenantsConfig, TenantsConfigError
 
 log = logging.getLogger("lorapage.fleet")
 
 TENANTS_FILE = "fleet-tenants.json"  # the last tenants text a reload accepted, and the start file it replaced
-# Routes that answer without the engines' adapters registered (--lora-modules: FleetIngress.ready).
-_WITHOUT_MODULES = frozenset({"/health", "/ping", "/version", "/metrics", "/v1/usage"})
 
 
 class FleetIngress:
@@ -85,6 +81,7 @@ class FleetIngress:
         fleet_bases = FleetBases([engines, *bases])  # one deployment per base (--base), the primary's first
         await fleet_bases.served()
         self.setup(engines, config, fleet_bases, profile)
+        await self.register_modules()
         self.runner, self.port = await start(self.app, (config.host, config.port))
 
     def setup(self, engines: Any, config: FleetConfig, bases: FleetBases, profile: EngineProfile) -> None:
@@ -103,8 +100,6 @@ class FleetIngress:
             if (owner := self.registry.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
-        self._modules_lock = asyncio.Lock()
-        self._modules_registered = not config.lora_modules
         # Promoted adapters' merged deployments (Serve applications of their own), and --auto-promote.
         self.dedicated = DedicatedDeployments(config, self.registry, self._profile)
         self.auto = AutoPromoter(self.dedicated, config.dedicated.interval_s) if config.dedicated.auto else None
@@ -119,7 +114,6 @@ class FleetIngress:
             # An access log the ingress cannot open fails its deployment, saying why (the CLI checks it first).
             access_log=AccessLog(config.access_log) if config.access_log else None,
             slo_window_s=config.slo_window_s,
-            middlewares=[self._ready_middleware],
         )
         self.state: ServerState[FleetBackend] = self.app[STATE]
 
@@ -142,18 +136,13 @@ class FleetIngress:
             sync_period_s=self.config.sync_period_s,
             dedicated=self.dedicated,
         )
+        self.admin_ops = ops  # its write lock orders every registry change (registration, migration)
         routes = add_admin_routes(app, STATE, ops)
         add_audit_routes(app, STATE)
         models = [self.config.engine.model, *self.config.bases]
-        add_base_routes(app, STATE, FleetUpgrades(self.backend.bases, self.registry, self.profile.base_digest, models))
+        upgrades = FleetUpgrades(self.backend.bases, self.registry, self.profile.base_digest, models, ops.write)
+        add_base_routes(app, STATE, upgrades)
         ops.add_routes(app, routes)
-
-    @web.middleware
-    async def _ready_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """``--lora-modules`` registered before a route that may name them runs."""
-        if request.path not in _WITHOUT_MODULES:
-            await self.ready()
-        return await handler(request)
 
     async def __del__(self) -> None:
         """Ray Serve's graceful shutdown of the replica: stop taking requests (``/health`` 503),
@@ -164,19 +153,16 @@ class FleetIngress:
 
     # -- Ray-side calls (the CLI, the replicas) ---------------------------------------------------
 
-    async def ready(self) -> list[str]:
-        """Register ``--lora-modules`` in the fleet's registry (once; each checked on a replica):
-        same content is the same version, new content a new one, as ``lorapage serve`` does at
-        each start. Returns the adapter ids."""
-        if self._modules_registered:  # every request asks: no lock once done
-            return self.registry.ids()
-        async with self._modules_lock:
-            for name, path in self.config.lora_modules if not self._modules_registered else ():
-                got = await self.engines.options(multiplexed_model_id=name).prepare_adapter.remote(path, None, None)
-                if isinstance(got, LorapageError):
-                    raise got
-                await asyncio.to_thread(self.registry.add, name, None, got, activate=True)
-            self._modules_registered = True
+    async def register_modules(self) -> None:
+        """Register ``--lora-modules`` in the fleet's registry, each checked on a replica: same
+        content is the same version, new content a new one, as ``lorapage serve`` does at each start."""
+        for name, path in self.config.lora_modules:
+            handle = self.engines.options(multiplexed_model_id=name)
+            prepared = answered(await handle.prepare_adapter.remote(path, None, None))
+            await self.admin_ops.write(functools.partial(self.registry.add, name, None, prepared, activate=True))
+
+    def ready(self) -> list[str]:
+        """The registered adapter ids (the deployment runs once :meth:`register_modules` has)."""
         return self.registry.ids()
 
     async def sync(self, beat: Heartbeat) -> SyncReply:

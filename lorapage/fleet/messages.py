@@ -6,10 +6,22 @@ Kept free of Ray imports so the records (and their tests) load without the ``[fl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from lorapage.adapters.registry import VersionRow
 from lorapage.engine.stats import EngineStats
+from lorapage.errors import LorapageError
 from lorapage.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+def answered(got: T | LorapageError) -> T:
+    """A replica's answer, or the refusal it returned (replicas return their refusals: a raised
+    one would reach the caller as Ray's error, not the 4xx it is) raised here."""
+    if isinstance(got, LorapageError):
+        raise got
+    return got
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ class EngineReplica:
             try:
                 return await candidate_drifts(self.engine, name, refs)
             finally:
-                drop_check_version(self.engine, name, name)
+                drop_check_version(self.engine, name)
         except LorapageError as exc:
             return exc
 

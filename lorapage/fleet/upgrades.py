@@ -16,40 +16,53 @@ does not run is refused (400): its candidate cannot be loaded in the ingress.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+
+from ray.exceptions import RayActorError
 
 from lorapage.adapters.binding import shown_digest
 from lorapage.adapters.drift_state import MigrationRow
 from lorapage.adapters.registry import VersionRow, parse_name
 from lorapage.bases.drift import PromptDrift
 from lorapage.bases.validation import BaseValidator, ValidationJob, check_name
-from lorapage.errors import InvalidRequestError, LorapageError
+from lorapage.errors import InvalidRequestError, ServiceUnavailableError
 from lorapage.fleet.bases import FleetBases
+from lorapage.fleet.messages import answered
 from lorapage.fleet.registry import FleetRegistry
 
-
-def _ok(got: Any) -> Any:
-    """A replica's answer, or the refusal it returned raised here."""
-    if isinstance(got, LorapageError):
-        raise got
-    return got
+Writer = Callable[[Callable[[], VersionRow]], Awaitable[VersionRow]]  # FleetAdminOps.write
+CHECK_TIMEOUT_S = 900.0  # for one half of one version's drift check on a replica (~200 prompts)
 
 
 class FleetChecker:
-    """One version's check on two deployments: the primary's (``old``) and the new base's (``new``)."""
+    """One version's check on two deployments: the primary's (``old``) and the new base's (``new``).
 
-    def __init__(self, old: Any, new: Any) -> None:
-        self.old, self.new = old, new
+    A half that a replica does not answer (it died, or Ray is replacing it and the call waits)
+    fails that version's check alone, as "could not run" (503), after ``timeout_s``; the job goes on."""
+
+    def __init__(self, old: Any, new: Any, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        self.old, self.new, self.timeout_s = old, new, timeout_s
 
     async def drifts(
         self, job: ValidationJob, key: str, prompts: tuple[str, ...], max_tokens: int
     ) -> list[PromptDrift]:
         adapter_id = parse_name(key)[0]
         old = self.old.options(multiplexed_model_id=adapter_id)  # to its owner, where it is warm
-        refs = _ok(await old.drift_references.remote(key, list(prompts), max_tokens))
+        refs = await self._half(old.drift_references.remote(key, list(prompts), max_tokens), "the base's", key)
         new = self.new.options(multiplexed_model_id=adapter_id)
-        return _ok(await new.drift_candidate.remote(key, check_name(job, adapter_id), job.target, refs))
+        name = check_name(job, adapter_id)
+        return await self._half(new.drift_candidate.remote(key, name, job.target, refs), "the new base's", key)
+
+    async def _half(self, call: Any, which: str, key: str) -> Any:
+        try:
+            return answered(await asyncio.wait_for(call, self.timeout_s))
+        except (TimeoutError, RayActorError):
+            call.cancel()
+            raise ServiceUnavailableError(
+                f"{which} replica did not answer {key}'s check within {self.timeout_s:g}s (it may be restarting)",
+                retry_after=5,
+            ) from None
 
     async def close(self) -> None:
         pass  # nothing of the job's outlives a check
@@ -58,9 +71,12 @@ class FleetChecker:
 class FleetUpgrades:
     """The :class:`~lorapage.server.bases_route.BaseUpgrades` of a fleet running ``bases`` (the primary's first)."""
 
-    def __init__(self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str]) -> None:
-        """``models``: each base's directory, in the order of ``bases`` (what a job shows as its candidate)."""
-        self.bases, self.fleet_registry, self.models = bases, registry, list(models)
+    def __init__(
+        self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str], write: Writer
+    ) -> None:
+        """``models``: each base's directory, in the order of ``bases`` (what a job shows as its
+        candidate); ``write``: runs a registry change in turn with the admin routes' (FleetAdminOps.write)."""
+        self.bases, self.fleet_registry, self.models, self.write = bases, registry, list(models), write
         self.registry = registry.registry
         self.digest = digest
 
@@ -101,4 +117,4 @@ class FleetUpgrades:
         return validator.start_with(self.registry, self.digest, target, candidate, keys, make)
 
     async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
-        return await asyncio.to_thread(self.fleet_registry.migrate, row, actor=actor)
+        return await self.write(lambda: self.fleet_registry.migrate(row, actor=actor))

@@ -13,6 +13,7 @@ buffered), so concurrent requests never interleave inside a line.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import IO, Any
@@ -24,6 +25,16 @@ from lorapage.server.error_json import Handler
 
 # request[JOB]: the generation request's Job, set by ServerState.run (a typed key where aiohttp has them).
 JOB: Any = web.RequestKey("lorapage_job", object) if hasattr(web, "RequestKey") else "lorapage_job"
+# The status a streamed answer's headers carried (set once they are sent): what a stream the client
+# cut mid-way is recorded with, since its handler ends cancelled rather than returning a response.
+SENT: Any = web.RequestKey("lorapage_sent_status", int) if hasattr(web, "RequestKey") else "lorapage_sent_status"
+CLIENT_GONE = 499  # nginx's "client closed request": cut before any answer was sent
+
+
+def status_when_cut(request: web.Request) -> int:
+    """The status a request whose client went away is recorded with: its stream's (200) when the
+    stream had started, else 499."""
+    return int(request.get(SENT, CLIENT_GONE))
 
 
 class AccessLog:
@@ -95,6 +106,9 @@ def access_log_middleware(log: AccessLog):
             response = await handler(request)
             status = response.status
             return response
+        except asyncio.CancelledError:
+            status = status_when_cut(request)
+            raise
         finally:
             log.write(record(request, status, started))
 

@@ -74,6 +74,14 @@ def cost_fields(info: AdapterInfo) -> dict[str, Any]:
     }
 
 
+def check_sampling(ops: AdminOps, sample: bool | None, param: str) -> None:
+    """400 for an owner's choice to sample check prompts from traffic where nothing samples it (a fleet's ingress)."""
+    if sample and not ops.samples_traffic:
+        raise InvalidRequestError(
+            "this deployment keeps no sample of an adapter's traffic; give the check prompts themselves", param=param
+        )
+
+
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
@@ -99,6 +107,7 @@ class AdminRoutes:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state, ops, actor = self._admin(request)
         reg = registration(await read_admin_body(request), ops.base_name, state.access)
+        check_sampling(ops, reg.sample_check_prompts, "sample_check_prompts")  # refused before anything is stored
         key, created = await self._register(state, ops, reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
             await ops.store_check_prompts(reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor)
@@ -243,6 +252,7 @@ class AdminRoutes:
         adapter_id = owned_id(state.access, ops.ids(), request)
         req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
+        check_sampling(ops, req.sample, "sample")
         key = bearer_key(request)
         assert key is not None
         return _json(

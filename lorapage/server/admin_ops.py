@@ -27,6 +27,7 @@ class AdminOps(Protocol):
 
     base_name: str  # the primary base's name (what a registration's ``parent`` must name)
     roots: AdapterRoots  # where registration may read adapter directories from
+    samples_traffic: bool  # whether check prompts may be sampled from an adapter's traffic here
 
     def ids(self) -> Collection[str]:
         """The registered adapter ids (with at least one version)."""

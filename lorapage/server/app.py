@@ -38,7 +38,7 @@ from lorapage.errors import (
     ServiceUnavailableError,
 )
 from lorapage.server import protocol
-from lorapage.server.access_log import JOB, AccessLog, access_log_middleware
+from lorapage.server.access_log import JOB, AccessLog, access_log_middleware, status_when_cut
 from lorapage.server.admin import add_admin_routes
 from lorapage.server.audit_route import add_audit_routes
 from lorapage.server.auth import Access
@@ -188,10 +188,10 @@ class ServerState(Generic[B]):
         self.in_flight[job.adapter] += 1
         self.request_ids.add(job.engine_id)
         self.idle.clear()
+        extra: dict[str, str] = {}
+        outputs = self.backend.outputs(job, extra)
         try:
             timing = Timing(job, self.metrics, self.admissions)
-            extra: dict[str, str] = {}
-            outputs = self.backend.outputs(job, extra)
             if answer_with is None:
                 got = await answer(outputs, job, Formatter(job, self.backend.tokenizer), timing)
             else:
@@ -205,6 +205,9 @@ class ServerState(Generic[B]):
                 exc.retry_after = after
             raise
         finally:
+            # Ended here even when its answer never started (a client gone before the headers):
+            # the engine's request stops, and what it computed is known before the refund.
+            await outputs.aclose()
             # Refund what was not used: max_tokens not generated, and when it was cut (or refused)
             # before its first token, the prompt tokens the engine did not compute.
             used = job.prompt_tokens + job.generated if job.generated else job.prompt_computed
@@ -373,17 +376,26 @@ async def usage(request: web.Request) -> web.Response:
 async def count_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count answers by route and status (the route's pattern, so the label set stays small),
     judge a generation request's against its tenant's SLOs, and tell the backend (an admin
-    route's change is mirrored into the other bases' engines)."""
-    response = await handler(request)
+    route's change is mirrored into the other bases' engines). A request whose client went away
+    counts with the status its stream had sent (:func:`~lorapage.server.access_log.status_when_cut`)."""
+    try:
+        response = await handler(request)
+    except asyncio.CancelledError:
+        _counted(request, status_when_cut(request))
+        raise
+    _counted(request, response.status)
+    return response
+
+
+def _counted(request: web.Request, status: int) -> None:
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
     state = request.app[STATE]
     state.backend.after_request()
-    state.metrics.requests.labels(route, str(response.status)).inc()
+    state.metrics.requests.labels(route, str(status)).inc()
     job = request.get(JOB)
     if job is not None:
-        state.record_slo(job, response.status)
-    return response
+        state.record_slo(job, status)
 
 
 async def _drain_on_shutdown(app: web.Application) -> None:

@@ -87,7 +87,7 @@ def tenant_report(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 class BaseUpgrades(Protocol):
     """What the base-upgrade routes act on: ``lorapage serve``'s engines (:class:`LocalUpgrades`),
-    or a fleet's deployments and registry (:class:`lorapage.fleet.bases.FleetUpgrades`)."""
+    or a fleet's deployments and registry (:class:`lorapage.fleet.upgrades.FleetUpgrades`)."""
 
     digest: str  # the running (primary) base's
     registry: Registry  # the record of check prompts and migration states

@@ -2,10 +2,10 @@
 
 What the front end (:mod:`lorapage.server.app`) asks of where requests go
 (:class:`~lorapage.server.backend.Backend`), answered by the primary engine and the engines of
-the bases served beside it; plus what only an engine in this process has, which the serve-only
-routes (admin, base migration, audit) reach through :attr:`EngineBackend.engines`: the registry,
-the check prompts sampled from traffic (:class:`~lorapage.server.prompt_sampler.PromptSampler`),
-pins restored at start.
+the bases served beside it; plus what only an engine in this process has: the check prompts
+sampled from traffic (:class:`~lorapage.server.prompt_sampler.PromptSampler`) and pins restored at
+start. The admin, audit and base-upgrade routes reach the engines through their own operations
+(:class:`~lorapage.server.local_admin.LocalAdmin`, :class:`~lorapage.server.bases_route.LocalUpgrades`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailab
 from lorapage.request import PromptProgress
 from lorapage.sampling_params import SamplingParams
 from lorapage.server import protocol, responses as r
+from lorapage.server.access_log import SENT
 from lorapage.server.auth import Access
 from lorapage.server.error_json import error_payload
 from lorapage.server.fields import ToolUse
@@ -593,6 +594,7 @@ async def write_answer(request: web.Request, got: Answer) -> web.StreamResponse:
     stream = EventStream(got.headers)
     try:
         await stream.open(request)
+        request[SENT] = stream.response.status
         async for data in got.events:
             await stream.write(data)
     finally:

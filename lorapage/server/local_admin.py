@@ -35,6 +35,7 @@ class LocalAdmin:
         self.engines, self.admin = local.engines, local.engine.admin
         self.base_name = local.engine.base_name
         self.roots = self.admin.roots
+        self.samples_traffic = True  # opted-in adapters' prompts are sampled (server/prompt_sampler.py)
 
     def ids(self) -> list[str]:
         return self.admin.ids()

@@ -320,6 +320,12 @@ async def eventually(check, timeout_s: float = 15.0):
 
 async def test_admin_registers_deploys_and_deletes_fleet_wide(fleet):
     source = f"{fleet.adapter_root}/acme"
+    # Sampling check prompts from traffic is refused before anything is stored (the ingress samples none).
+    sampled = {"id": "newco", "tenant": "alpha", "source": source, "sample_check_prompts": True}
+    status, err, _ = await fleet.call("POST", "/v1/adapters", sampled)
+    assert status == 400 and err["error"]["param"] == "sample_check_prompts", err
+    status, _, _ = await fleet.call("GET", "/v1/adapters/newco")
+    assert status == 404
     status, body, _ = await fleet.call("POST", "/v1/adapters", {"id": "newco", "tenant": "alpha", "source": source})
     assert status == 201, body
     assert body["version"] == 1 and body["owner"] == "alpha" and body["current"] == 1

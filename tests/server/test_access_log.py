@@ -4,6 +4,7 @@ text, output text or keys."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -66,3 +67,29 @@ async def test_standard_output(target, capsys):
     log.write({"status": 200})
     log.close()
     assert json.loads(capsys.readouterr().out) == {"status": 200}
+
+
+async def test_a_stream_the_client_cuts_is_logged_and_counted_with_the_status_it_sent(tmp_path):
+    """The handler of a stream whose client went away ends cancelled, not with a response: it is
+    still one line and one count, with the 200 its headers carried (and its tenant's SLOs judge it)."""
+    path = tmp_path / "access.jsonl"
+    engine = make_engine()
+    try:
+        async with running_server(engine, access_log=AccessLog(str(path))) as srv:
+            body = {"model": engine.base_name, "prompt": "Hello", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            async with srv.session.post(srv.url + "/v1/completions", json=body, headers=srv.auth("gamma")) as resp:
+                assert resp.status == 200
+                await resp.content.readline()  # the first event, then the connection is dropped
+                resp.connection.transport.abort()  # type: ignore[union-attr]
+            for _ in range(100):  # the server notices the cut within a step or two
+                if path.read_text().strip():
+                    break
+                await asyncio.sleep(0.05)
+            status, text, _ = await srv.request("GET", "/metrics", headers=srv.admin())
+            assert status == 200
+    finally:
+        await engine.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert (lines[0]["route"], lines[0]["status"], lines[0]["tenant"]) == ("/v1/completions", 200, "gamma")
+    assert 0 < lines[0]["output_tokens"] < 400
+    assert 'lorapage_requests_total{route="/v1/completions",status="200"} 1.0' in text
