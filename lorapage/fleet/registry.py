@@ -9,7 +9,7 @@ names the generation a replica has, and the reply carries the ids changed since 
 replica that has none, or that counted in another ingress process: ``epoch``). The ingress
 resolves every request to ``id@N`` before it sends it, and a replica that meets a version it does
 not know yet syncs before it answers, so a version is servable fleet-wide the moment its
-registration is answered. The view is :mod:`lorapage serve`'s own
+registration is answered. The view is ``lorapage serve``'s own
 (:class:`~lorapage.adapters.version_index.VersionIndex`), which counts the generations.
 
 Every write is audited in the registry's own transaction (:mod:`lorapage.adapters.audit`), as
