@@ -33,10 +33,10 @@ import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, channel_name, check_channel, rollback_version
+from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, check_channel, rollback_version
 from lorapage.adapters.binding import BaseBinding, mismatch_message
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import digest_param
@@ -44,13 +44,13 @@ from lorapage.adapters.drift_state import MIGRATED
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import Origin
 from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.adapters.registry import Registry, VersionRow, parse_name, removable_keys, version_key
+from lorapage.adapters.registry import Registry, VersionRow, parse_name, version_key
+from lorapage.adapters.version_index import VersionIndex
 from lorapage.errors import (
     AdapterBaseMismatchError,
     AdapterFormatError,
     AdapterIntegrityError,
     AdapterNotFoundError,
-    ConflictError,
     PinLimitError,
 )
 
@@ -106,16 +106,9 @@ class PreparedVersion:
         )
 
 
-@dataclass
-class _Adapter:
-    owner: str | None
-    current: int | None
-    versions: dict[int, VersionRow] = field(default_factory=dict)
-    channels: dict[str, int] = field(default_factory=dict)  # named channel -> version
-
-
 class AdapterCatalog:
-    """The live registry: ids -> versions -> the cache's entries, written through to SQLite."""
+    """The live registry: ids -> versions (a :class:`~lorapage.adapters.version_index.VersionIndex`)
+    -> the cache's entries, written through to SQLite."""
 
     def __init__(
         self,
@@ -130,36 +123,33 @@ class AdapterCatalog:
         registration tells the base an adapter was trained on."""
         self.cache, self.registry = cache, registry
         self._base_digest, self.binding, self._io = base_digest, binding, io_executor
-        self._ids: dict[str, _Adapter] = {}
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
-        # (id, version on another base) -> its migrated version on this base: aliases follow it.
-        self._migrated: dict[tuple[str, int], int] = {}
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
-        self.generation = 0  # grows at every change of the live view (ids, versions, aliases, owners)
-        self._restore()
+        self._index = self._restore()
+
+    @property
+    def generation(self) -> int:
+        """Grows at every change of the live view (ids, versions, aliases, channels, owners, pins)."""
+        return self._index.generation
 
     # -- restart --------------------------------------------------------------------------------
 
-    def _restore(self) -> None:
+    def _restore(self) -> VersionIndex:
         """Rebuild the live view and the cache's entries from the registry, reading no weights."""
-        owners = {a.adapter_id: a for a in self.registry.adapters()}
         rows = self.registry.versions()
         base = self._base_digest() if rows else ""
         rows = self._costed(rows, base)
-        for a in owners.values():
-            self._ids[a.adapter_id] = _Adapter(a.owner, a.current)
+        index = VersionIndex.load(self.registry, rows)
         for row in rows:
-            self._ids[row.adapter_id].versions[row.version] = row
-            self._serve_stored(row, base, self._ids[row.adapter_id].owner)
-        for adapter_id, channel, version in self.registry.channels():
-            self._ids[adapter_id].channels[channel] = version
-        if rows:
-            self._migrated = {
+            self._serve_stored(row, base, index.owner(row.adapter_id))
+        if rows:  # an alias at a version of another base serves its migration onto this one
+            index.migrations = {
                 (m.adapter_id, m.version): m.new_version
                 for m in self.registry.migration_states(target=base)
                 if m.state == MIGRATED and m.new_version is not None
             }
         self._restore_pins(rows)
+        return index
 
     def _costed(self, rows: list[VersionRow], base: str) -> list[VersionRow]:
         """``rows``, each version on ``base`` with its projected cost as this configuration
@@ -205,25 +195,11 @@ class AdapterCatalog:
 
     # -- names ----------------------------------------------------------------------------------
 
-    def _row(self, name: str) -> tuple[VersionRow | None, _Adapter | None]:
-        """The version ``name`` (``id``: its current one, ``id@N``, or ``id@channel``: the one
-        the channel points at) names, and its id's entry."""
-        adapter_id, version = parse_name(name)
-        adapter = self._ids.get(adapter_id)
-        if adapter is None:
-            return None, None
-        channel = channel_name(name) if version == -1 else None
-        number = adapter.current if version is None else adapter.channels.get(channel) if channel else version
-        if number is not None and (version is None or channel) and (adapter_id, number) in self._migrated:
-            # An alias or channel at a version of the old base serves its migration onto this one.
-            number = self._migrated[(adapter_id, number)]
-        return (adapter.versions.get(number) if number is not None else None), adapter
-
     def resolve(self, name: str) -> str:
         """The version key ``name`` (``id``, ``id@N`` or ``id@channel``) serves now; 404 when
         there is none, 409 when the version was trained on another base (both digests and the
         migration route)."""
-        row, _ = self._row(name)
+        row = self._index.row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         if row.key in self._unfit:
@@ -236,37 +212,34 @@ class AdapterCatalog:
 
     def row(self, name: str) -> VersionRow:
         """The stored version ``name`` names, on this base or not (404 when there is none)."""
-        row, _ = self._row(name)
+        row = self._index.row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         return row
 
     def owner(self, adapter_id: str) -> str | None:
-        adapter = self._ids.get(adapter_id)
-        return adapter.owner if adapter is not None else None
+        return self._index.owner(adapter_id)
 
     def ids(self) -> list[str]:
-        return [i for i, a in self._ids.items() if a.versions]
+        return self._index.ids()
 
     def versions(self, adapter_id: str | None = None) -> list[VersionInfo]:
-        chosen = [adapter_id] if adapter_id is not None else list(self._ids)
-        out = []
+        chosen = [adapter_id] if adapter_id is not None else self._index.ids()
+        out: list[VersionInfo] = []
         for i in chosen:
-            adapter = self._ids.get(i)
-            if adapter is None:
-                continue
-            for row in adapter.versions.values():
-                out.append(self._info(row, adapter))
+            entry = self._index.get(i)
+            if entry is not None:
+                out.extend(self._info(row) for row in entry.versions.values())
         return out
 
     def version_info(self, name: str) -> VersionInfo:
         """The version ``name`` names; a version on another base is described, not refused."""
-        row, adapter = self._row(name)
-        if row is None or adapter is None:
+        row = self._index.row(name)
+        if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
-        return self._info(row, adapter)
+        return self._info(row)
 
-    def _info(self, row: VersionRow, adapter: _Adapter) -> VersionInfo:
+    def _info(self, row: VersionRow) -> VersionInfo:
         return VersionInfo(
             adapter_id=row.adapter_id,
             version=row.version,
@@ -276,7 +249,7 @@ class AdapterCatalog:
             base_digest=row.base_digest,
             created=row.created,
             # On a new base, the alias serves the migration of the version it points at.
-            current=self._migrated.get((row.adapter_id, adapter.current or 0), adapter.current) == row.version,
+            current=self._index.serving(row.adapter_id) == row.version,
             servable=row.key in self.cache.entries,
             projected_cost_pct=row.projected_cost_pct,
         )
@@ -284,8 +257,8 @@ class AdapterCatalog:
     def current_costs(self) -> dict[str, float]:
         """Each id's current version's projected cost, for those this engine serves (metrics)."""
         out = {}
-        for adapter_id, adapter in self._ids.items():
-            row = adapter.versions.get(adapter.current) if adapter.current is not None else None
+        for adapter_id in self._index.ids():
+            row = self._index.version(adapter_id, self._index.current(adapter_id))
             if row is not None and row.projected_cost_pct is not None and row.key in self.cache.entries:
                 out[adapter_id] = row.projected_cost_pct
         return out
@@ -293,24 +266,20 @@ class AdapterCatalog:
     def add_migrated(self, row: VersionRow) -> None:
         """Show a version a base migration stored (:meth:`Registry.migrate_version`, bound to
         another base: listed, not served here) in the live view."""
-        adapter = self._ids.get(row.adapter_id)
-        if adapter is not None and row.version not in adapter.versions:
-            adapter.versions[row.version] = row
-            self.generation += 1
+        if self._index.get(row.adapter_id) is not None and self._index.version(row.adapter_id, row.version) is None:
+            self._index.put(row)
 
     def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]:
         """Every id as stored: its owner, its alias (current version) and its versions' rows, on
         any base: what an engine serving another base beside this one mirrors
         (:meth:`mirror`; :mod:`lorapage.server.engines`)."""
-        return [(i, a.owner, a.current, list(a.versions.values())) for i, a in self._ids.items() if a.versions]
+        return self._index.stored()
 
     # -- registration ---------------------------------------------------------------------------
 
     def check_owner(self, adapter_id: str, owner: str | None) -> None:
         """An id with versions belongs to the tenant that first registered it."""
-        adapter = self._ids.get(adapter_id)
-        if adapter is not None and adapter.versions and adapter.owner != owner:
-            raise ConflictError(f"adapter id {adapter_id!r} belongs to another tenant; choose another id", param="id")
+        self._index.check_owner(adapter_id, owner)
 
     def prepare(
         self, path: Path, *, sha256: str | None, expected_base_digest: str | None, envelope: bool = True
@@ -385,14 +354,13 @@ class AdapterCatalog:
                         self._io, lambda: self.registry.set_source(row.adapter_id, row.version, moved_to, actor=actor)
                     )
                     same = self._moved(same, moved_to)
-                if activate and self._ids[adapter_id].current != same.version:
+                if activate and self._index.current(adapter_id) != same.version:
                     await loop.run_in_executor(
                         self._io,
                         lambda: self.registry.set_current(adapter_id, same.version, action="register", actor=actor),
                     )
-                    self._ids[adapter_id].current = same.version
-                    self.generation += 1
-                return self._info(same, self._ids[adapter_id]), False
+                    self._index.set_current(adapter_id, same.version)
+                return self._info(same), False
             row = await loop.run_in_executor(
                 self._io,
                 lambda: self._commit(
@@ -412,36 +380,23 @@ class AdapterCatalog:
         loop = asyncio.get_running_loop()
         async with self._lock:
             self.check_owner(adapter_id, owner)
-            adapter = self._ids.get(adapter_id)
-            same = next(
-                (
-                    r
-                    for r in (adapter.versions.values() if adapter else ())
-                    if r.digest == prepared.digest and r.base_digest == prepared.base_digest
-                ),
-                None,
+            same = self._index.find(
+                adapter_id, lambda r: r.digest == prepared.digest and r.base_digest == prepared.base_digest
             )
-            if adapter is not None and same is not None:
-                if activate and adapter.current != same.version:
+            if same is not None:
+                if activate and self._index.current(adapter_id) != same.version:
                     await loop.run_in_executor(
                         self._io,
                         lambda: self.registry.set_current(adapter_id, same.version, action="register", actor=actor),
                     )
-                    adapter.current = same.version
-                    self.generation += 1
-                return self._info(same, adapter), False
+                    self._index.set_current(adapter_id, same.version)
+                return self._info(same), False
             row = await loop.run_in_executor(
                 self._io,
                 lambda: prepared.store(self.registry, adapter_id, owner, activate=activate, actor=actor),
             )
-            adapter = self._ids.setdefault(adapter_id, _Adapter(owner, None))
-            if not adapter.versions:
-                adapter.owner = owner
-            adapter.versions[row.version] = row
-            if activate or adapter.current is None:
-                adapter.current = row.version
-            self.generation += 1
-            return self._info(row, adapter), True
+            self._index.add(row, owner, activate=activate)
+            return self._info(row), True
 
     def register_now(
         self, adapter_id: str, path: Path, *, owner: str | None = None, expected_base_digest: str | None = None
@@ -468,11 +423,10 @@ class AdapterCatalog:
             if same.source != path.resolve().as_uri():
                 self.registry.set_source(same.adapter_id, same.version, path.resolve().as_uri())
                 same = self._moved(same, path.resolve().as_uri())
-            if self._ids[adapter_id].current != same.version:
+            if self._index.current(adapter_id) != same.version:
                 self.registry.set_current(adapter_id, same.version, action="register")
-                self._ids[adapter_id].current = same.version
-                self.generation += 1
-            return self._info(same, self._ids[adapter_id])
+                self._index.set_current(adapter_id, same.version)
+            return self._info(same)
         row = self._commit(adapter_id, owner, spec, digest, path.resolve().as_uri(), True)
         return self._add_live(row, owner, spec, layout, True)
 
@@ -481,14 +435,11 @@ class AdapterCatalog:
         says so: later loads read from there (the files moved, or their old place is gone)."""
         self.cache.set_source(row.key, source)
         moved = dataclasses.replace(row, source=source)
-        self._ids[row.adapter_id].versions[row.version] = moved
+        self._index.put(moved)
         return moved
 
     def _same_content(self, adapter_id: str, digest: str) -> VersionRow | None:
-        adapter = self._ids.get(adapter_id)
-        if adapter is None:
-            return None
-        return next((r for r in adapter.versions.values() if r.digest == digest and r.key in self.cache.entries), None)
+        return self._index.find(adapter_id, lambda r: r.digest == digest and r.key in self.cache.entries)
 
     def _commit(
         self,
@@ -515,15 +466,9 @@ class AdapterCatalog:
     def _add_live(
         self, row: VersionRow, owner: str | None, spec: AdapterSpec, layout: AdapterLayout, activate: bool
     ) -> VersionInfo:
-        adapter = self._ids.setdefault(row.adapter_id, _Adapter(owner, None))
-        if not adapter.versions:
-            adapter.owner = owner
-        adapter.versions[row.version] = row
-        if activate or adapter.current is None:
-            adapter.current = row.version
-        self.cache.add(row.key, spec, layout, row.digest, Origin(row.source, adapter.owner))
-        self.generation += 1
-        return self._info(row, adapter)
+        entry = self._index.add(row, owner, activate=activate)
+        self.cache.add(row.key, spec, layout, row.digest, Origin(row.source, entry.owner))
+        return self._info(row)
 
     # -- a registry held elsewhere ---------------------------------------------------------------
 
@@ -532,32 +477,28 @@ class AdapterCatalog:
         these versions (none: the id is gone), this alias and these pins. Writes nothing to this
         catalog's own registry and reads no weights. A version to drop that still has requests
         queued or running stays until a later call; returns those keys."""
-        adapter = self._ids.setdefault(adapter_id, _Adapter(owner, current))
-        wanted = {row.version: row for row in rows}
-        busy = []
-        for version in [v for v in adapter.versions if v not in wanted]:
+        entry = self._index.get(adapter_id)
+        had, had_owner = (entry.versions, entry.owner) if entry is not None else ({}, owner)
+        wanted = {row.version for row in rows}
+        busy: dict[int, str] = {}
+        for version in [v for v in had if v not in wanted]:
             key = version_key(adapter_id, version)
             served = key in self.cache.entries
             if served and self.cache.residency.is_busy(key):
-                busy.append(key)
+                busy[version] = key
                 continue
             if served:
                 self.cache.unregister(key)
             self._unfit.pop(key, None)
-            del adapter.versions[version]
         base = self._base_digest()
         for row in rows:
-            if row.version not in adapter.versions:
+            if row.version not in had:
                 self._serve_stored(row, base, owner)
-            elif row.key in self.cache.entries and adapter.owner != owner:
+            elif row.key in self.cache.entries and had_owner != owner:
                 self.cache.set_owner(row.key, owner)
-            adapter.versions[row.version] = row
             self._mirror_pin(row)
-        adapter.owner, adapter.current = owner, current
-        if not adapter.versions:
-            del self._ids[adapter_id]
-        self.generation += 1
-        return busy
+        self._index.mirror(adapter_id, owner, current, rows, keep=set(busy))
+        return list(busy.values())
 
     def _mirror_pin(self, row: VersionRow) -> None:
         if row.key not in self.cache.entries or self.cache.residency.get(row.key).pinned == row.pinned:
@@ -577,10 +518,10 @@ class AdapterCatalog:
     ) -> VersionInfo:
         """Point ``adapter_id`` (or its named ``channel``, created on first use) at ``version``:
         a deploy. Requests already submitted keep the version they were resolved to."""
-        adapter = self._adapter(adapter_id)
+        self._index.require(adapter_id)
         check_channel(channel)
         async with self._lock:
-            return await self._move(adapter, adapter_id, version, channel, "deploy", actor)
+            return await self._move(adapter_id, version, channel, "deploy", actor)
 
     async def rollback(
         self, adapter_id: str, version: int | None = None, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
@@ -588,57 +529,44 @@ class AdapterCatalog:
         """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the
         version before its last deploy (:func:`~lorapage.adapters.audit.rollback_target`: rolling
         back again goes one deploy further back); 409 when there is none."""
-        adapter = self._adapter(adapter_id)
+        entry = self._index.require(adapter_id)
         check_channel(channel)
         async with self._lock:  # no other move between reading the history and this one
-            at = adapter.channels.get(channel) if channel else adapter.current
-            if at is None:
-                raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
+            at = self._index.at(adapter_id, channel)
             if version is None:
                 history = await asyncio.get_running_loop().run_in_executor(
                     self._io, self.registry.alias_history, adapter_id
                 )
-                servable = [v for v, row in adapter.versions.items() if row.key in self.cache.entries]
+                servable = [v for v, row in entry.versions.items() if row.key in self.cache.entries]
                 moves = [m for m in history if m.channel == channel]
                 version = rollback_version(moves, at, servable, _alias_name(adapter_id, channel))
-            return await self._move(adapter, adapter_id, version, channel, "rollback", actor)
+            return await self._move(adapter_id, version, channel, "rollback", actor)
 
     async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
         """Forget ``adapter_id``'s named ``channel`` (``id@channel`` then names nothing)."""
-        adapter = self._adapter(adapter_id)
+        entry = self._index.require(adapter_id)
         async with self._lock:
-            if channel not in adapter.channels:
+            if channel not in entry.channels:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} has no channel {channel!r}", param="channel")
             await asyncio.get_running_loop().run_in_executor(
                 self._io, lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor)
             )
-            del adapter.channels[channel]
-            self.generation += 1
+            self._index.set_channel(adapter_id, channel, None)
 
     def channels(self, adapter_id: str) -> dict[str, int]:
         """``adapter_id``'s named channels and the versions they point at."""
-        return dict(self._adapter(adapter_id).channels)
+        return dict(self._index.require(adapter_id).channels)
 
     async def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
         """``adapter_id``'s alias moves (every channel), newest first, read in a worker thread."""
-        self._adapter(adapter_id)
+        self._index.require(adapter_id)
         return await asyncio.get_running_loop().run_in_executor(
             self._io, self.registry.alias_history, adapter_id, limit
         )
 
-    def _adapter(self, adapter_id: str) -> _Adapter:
-        adapter = self._ids.get(adapter_id)
-        if adapter is None or not adapter.versions:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-        return adapter
-
-    async def _move(
-        self, adapter: _Adapter, adapter_id: str, version: int, channel: str, action: str, actor: str | None
-    ) -> VersionInfo:
+    async def _move(self, adapter_id: str, version: int, channel: str, action: str, actor: str | None) -> VersionInfo:
         """Move the alias (or ``channel``) to ``version``, committed first (the caller holds the lock)."""
-        if version not in adapter.versions:
-            raise AdapterNotFoundError(f"adapter {version_key(adapter_id, version)!r} does not exist", param="version")
-        row = adapter.versions[version]
+        row = self._index.existing(adapter_id, version)
         if row.key not in self.cache.entries:
             self.resolve(row.key)  # raises the base mismatch
         loop = asyncio.get_running_loop()
@@ -646,31 +574,30 @@ class AdapterCatalog:
             await loop.run_in_executor(
                 self._io, lambda: self.registry.set_channel(adapter_id, channel, version, action=action, actor=actor)
             )
-            adapter.channels[channel] = version
+            self._index.set_channel(adapter_id, channel, version)
         else:
             await loop.run_in_executor(
                 self._io, lambda: self.registry.set_current(adapter_id, version, action=action, actor=actor)
             )
-            adapter.current = version
-        self.generation += 1
-        return self._info(row, adapter)
+            self._index.set_current(adapter_id, version)
+        return self._info(row)
 
     async def set_pinned(self, key: str, pinned: bool, *, actor: str | None = None, outcome: str | None = None) -> None:
         """Pin version ``key`` resident, or unpin it, committed before the cache applies it;
         a pin past the bounds is refused (PinLimitError) before anything is written. ``outcome``
         marks the audit row of a pin undone by its caller (its load failed)."""
         adapter_id, version = parse_name(key)
-        adapter = self._ids.get(adapter_id)
         async with self._lock:  # no other pin can take the room between the check and the pin
-            if adapter is None or version not in adapter.versions or key not in self.cache.entries:
+            row = self._index.version(adapter_id, version)
+            if row is None or key not in self.cache.entries:
                 raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")  # deleted meanwhile
             if pinned:
                 self.cache.check_pin(key)
             await asyncio.get_running_loop().run_in_executor(
                 self._io,
-                lambda: self.registry.set_pinned(adapter_id, version, pinned, actor=actor, outcome=outcome or "ok"),
+                lambda: self.registry.set_pinned(adapter_id, row.version, pinned, actor=actor, outcome=outcome or "ok"),
             )
-            adapter.versions[version] = dataclasses.replace(adapter.versions[version], pinned=pinned)
+            self._index.set_pinned(adapter_id, row.version, pinned)
             if pinned:
                 self.cache.pin(key)
             else:
@@ -679,10 +606,7 @@ class AdapterCatalog:
     def removable(self, name: str) -> list[str]:
         """The version keys deleting ``name`` removes (see :func:`~lorapage.adapters.registry.removable_keys`);
         a version a named channel points at is refused (409) as the current one is, while the id has others."""
-        adapter = self._ids.get(parse_name(name)[0])
-        if adapter is None:
-            return removable_keys(name, (), None)
-        return removable_keys(name, adapter.versions, adapter.current, adapter.channels)
+        return self._index.removable(name)
 
     def remove(self, name: str, *, actor: str | None = None) -> list[str]:
         """Remove version ``id@N``, or every version of ``id`` (see :meth:`removable`); refused
@@ -701,18 +625,10 @@ class AdapterCatalog:
         version if it pointed here."""
         adapter_id, version = parse_name(key)
         assert version is not None
-        adapter = self._ids[adapter_id]
-        rest = [v for v in adapter.versions if v != version]
-        new_current = adapter.current if adapter.current != version else (max(rest) if rest else None)
-        self.registry.delete_version(adapter_id, version, new_current, actor=actor)
+        self.registry.delete_version(adapter_id, version, self._index.current_without(adapter_id, version), actor=actor)
         if key in self.cache.entries:
             self.cache.unregister(key)
-        del adapter.versions[version]
-        adapter.channels = {c: v for c, v in adapter.channels.items() if v != version}
-        adapter.current = new_current
-        self.generation += 1
-        if not adapter.versions:
-            adapter.owner = None
+        self._index.remove(adapter_id, version)
 
 
 def _alias_name(adapter_id: str, channel: str) -> str:
