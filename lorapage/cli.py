@@ -6,6 +6,8 @@ import importlib
 import sys
 from importlib import metadata
 
+from lorapage.omp_env import default_spin
+
 # name -> (module with a main(argv), what it does in one line). Modules are imported only when
 # their command runs: `lorapage --help` must not load torch.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,6 +45,7 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_spin()  # before any command loads torch (and with it libgomp, which reads it once)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(usage())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -148,3 +149,17 @@ def test_bad_lane_and_slot_values_are_one_line():
         run_serve("--max-loras", "8", "--reserved-tail-lanes", "8"),
         "reserved_tail_lanes must be in [0, max_loras=8)",
     )
+
+
+def test_the_command_sets_openmp_spin_before_torch_loads(monkeypatch):
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: the command sets it first (an
+    operator's own value wins), so 2 intra-op threads keep their worker awake across a step."""
+    from lorapage.cli import main
+    from lorapage.omp_env import SPINCOUNT, SPINCOUNT_ENV
+
+    monkeypatch.delenv(SPINCOUNT_ENV, raising=False)
+    assert main(["--version"]) == 0
+    assert os.environ[SPINCOUNT_ENV] == SPINCOUNT
+    monkeypatch.setenv(SPINCOUNT_ENV, "123")
+    assert main(["--version"]) == 0
+    assert os.environ[SPINCOUNT_ENV] == "123"

@@ -152,6 +152,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.config", "EngineConfig, each field declared once"),
     ("lorapage.kernels", "Triton and C kernels beside their PyTorch references"),
     ("lorapage.errors", "errors a caller can act on"),
+    ("lorapage.omp_env", "OpenMP's spin before an idle worker sleeps (set before torch loads)"),
     ("lorapage._exports", "how package faces export lazily"),
 )
 

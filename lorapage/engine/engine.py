@@ -81,6 +81,7 @@ from lorapage.model.lora_tables import LoraTables
 from lorapage.model.merge import MergeFn, merge_adapter
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
+from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
 from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import MeteredPolicy, SchedulerMetrics, SchedulerPolicy, VtcConfig, VtcScheduler, make_policy
@@ -191,12 +192,14 @@ class Engine:
         # file, a text request for a resident adapter (or the base) must still get in.
         self._tokenize = ThreadPoolExecutor(self.io_threads, thread_name_prefix="lorapage-tokenize")
         log.info(
-            "threads: forward %d intra-op (%s), %d I/O, %d tokenizer; %d usable cores",
+            "threads: forward %d intra-op (%s), %d I/O, %d tokenizer; %d usable cores; %s %s",
             self.forward_threads,
             "num_threads" if config.num_threads is not None else "torch's setting",
             self.io_threads,
             self.io_threads,
             usable_cores(),
+            SPINCOUNT_ENV,
+            spin_setting(),  # what lets 2+ threads beat one (lorapage.omp_env)
         )
         # Memory first: the pool's idle cached blocks and idle adapters are given back in one
         # ranking (Reclaim), which the adapters' residency rules call; then the adapters' rules,
