@@ -230,6 +230,8 @@ for name in getattr(module, "__all__", []):
         "lorapage.scheduler",
         "lorapage.config",
         "lorapage.adapters.residency",
+        "lorapage.adapters.version_index",
+        "lorapage.omp_env",
     ],
 )
 def test_pure_parts_import_without_torch(module):
