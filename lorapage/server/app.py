@@ -438,11 +438,9 @@ def build_app(
     edge: EdgeLimits | None = None,
     access_log: AccessLog | None = None,
     slo_window_s: float = DEFAULT_WINDOW_S,
-    middlewares: Sequence[Middleware] = (),
 ) -> web.Application:
     """The front end over ``backend``, to the tenants ``access`` knows: the OpenAI and vLLM routes,
     ``/health``, ``/metrics``, ``/v1/usage``; ``add_routes`` adds the side's own (admin, ...).
-    ``middlewares`` run inside the shared ones (after auth-free accounting, before the handler).
 
     ``access_log``: one JSON line per answered request (:mod:`lorapage.server.access_log`).
     ``/metrics`` takes the admin key or a ``[metrics]`` key unless ``metrics_public``. ``edge``
@@ -450,7 +448,7 @@ def build_app(
     :func:`~lorapage.server.run.start`. ``slo_window_s``: the sliding window of each tenant's
     goodput and burn-rate gauges.
     """
-    stack: list[Middleware] = [count_middleware, error_middleware, *middlewares]
+    stack: list[Middleware] = [count_middleware, error_middleware]
     if access_log is not None:
         stack.insert(0, access_log_middleware(access_log))
     app = web.Application(client_max_size=max_body_bytes, middlewares=stack)
