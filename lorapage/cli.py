@@ -11,7 +11,7 @@ from lorapage.omp_env import default_spin
 # name -> (module with a main(argv), what it does in one line). Modules are imported only when
 # their command runs: `lorapage --help` must not load torch.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("lorapage.server.serve", "the OpenAI-compatible HTTP server (no flags: the built-in tiny model)"),
+    "serve": ("lorapage.serve.cli", "the OpenAI-compatible HTTP server (no flags: the built-in tiny model)"),
     "demo": ("lorapage.demo", "the embedded engine on the tiny model: every demo adapter answers one prompt"),
     "replay": ("lorapage.replay.cli", "load replay: generate, import, run and compare traces; the fleet simulator"),
     "fleet": ("lorapage.fleet.cli", "engine replicas on Ray Serve behind one OpenAI endpoint"),

@@ -3,7 +3,7 @@
 Each names what was wrong and what would be accepted. ``status`` is the HTTP status the server
 answers with, ``code`` OpenAI's machine-readable code, ``param`` the request field at fault (when
 there is one) and ``retry_after`` the seconds after which a retry may succeed (``None``: waiting
-does not help, or nobody knows). :mod:`lorapage.server.error_json` writes them as OpenAI error JSON.
+does not help, or nobody knows). :mod:`lorapage.frontend.error_json` writes them as OpenAI error JSON.
 """
 
 from __future__ import annotations

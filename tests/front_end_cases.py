@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 from server_harness import ADMIN_KEY, BASE, KEYS, OPENAI_ERROR_TYPES, TENANTS_TOML
 
-from lorapage.server.app import STATE
+from lorapage.frontend.app import STATE
 
 ALPHA, BETA, ADMIN = KEYS["alpha"], KEYS["beta"], ADMIN_KEY
 

@@ -21,10 +21,11 @@ import aiohttp
 import pytest_asyncio
 
 from lorapage import Engine, EngineConfig
-from lorapage.adapters.sources import AdapterRoots
-from lorapage.server import Access, create_app, hash_key
-from lorapage.server.run import start
-from lorapage.server.tenants import TenantsConfig
+from lorapage.frontend import Access, hash_key
+from lorapage.frontend.run import start
+from lorapage.frontend.tenants import TenantsConfig
+from lorapage.serve import create_app
+from lorapage.sources import AdapterRoots
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 KEYS = {"alpha": "key-alpha", "beta": "key-beta", "gamma": "key-gamma"}

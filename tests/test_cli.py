@@ -53,7 +53,7 @@ def test_version_and_unknown_command():
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     from lorapage.fleet.cli import build_parser as fleet
     from lorapage.replay.cli import build_parser as replay
-    from lorapage.server.serve import build_parser as serve
+    from lorapage.serve.cli import build_parser as serve
 
     found = {"serve": serve(), "fleet": fleet()}
     sub = next(a for a in replay()._actions if isinstance(a, argparse._SubParsersAction))
@@ -120,12 +120,13 @@ def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
     """serve's flags -> EngineConfig -> the engine's VtcConfig (lanes) and ResidencyLimits (slots,
     host bytes), and the lookup tables get a row per slot."""
     from lorapage import Engine
+    from lorapage.engine.flags import engine_config
     from lorapage.scheduler import MeteredPolicy, VtcScheduler
-    from lorapage.server.serve import build_parser, engine_config
+    from lorapage.serve.cli import build_parser
 
     flags = ["--state-dir", ":memory:", "--max-loras", "4", "--max-resident-loras", "6", "--reserved-tail-lanes", "1"]
     flags += ["--lane-age-deadline-s", "0.25", "--max-cpu-lora-bytes", "1000000"]
-    engine = Engine(engine_config(build_parser().parse_args(flags)))
+    engine = Engine(engine_config(build_parser().parse_args(flags), "lorapage serve"))
     policy = engine.policy
     assert isinstance(policy, MeteredPolicy) and isinstance(policy.policy, VtcScheduler)
     vtc = policy.policy.config
@@ -134,7 +135,8 @@ def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
     assert (limits.max_resident_loras, limits.max_cpu_lora_bytes) == (6, 1_000_000)
     assert engine.residency.num_free_slots == 6 and engine.tables.page_table.shape[0] == 7
     # Derived: the pool's worth of largest adapters, at least max_loras.
-    derived = Engine(engine_config(build_parser().parse_args(["--state-dir", ":memory:", "--max-loras", "4"])))
+    args = build_parser().parse_args(["--state-dir", ":memory:", "--max-loras", "4"])
+    derived = Engine(engine_config(args, "lorapage serve"))
     assert derived.max_resident_loras >= 4 and derived.residency.limits.max_cpu_lora_bytes is None
     for e in (engine, derived):
         asyncio.run(e.close())

@@ -129,14 +129,17 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.demo", "`lorapage demo`"),
     ("lorapage", "the package face: Engine, EngineConfig, SamplingParams, RequestOutput"),
     ("lorapage.fleet", "Ray Serve application: ingress, engine replicas, affinity router"),
+    ("lorapage.serve", "`lorapage serve`: the command, the front end over engines here, several bases, local admin"),
     ("lorapage.bases.cli", "`lorapage base check` and `lorapage base digest`"),
     ("lorapage.capacity", "sizing: the design's arithmetic and the simulator's replicas, `lorapage plan`"),
     ("lorapage.replay", "load replay: traces in, driver, reports and plots"),
     ("lorapage.sim", "the fleet simulator: the real policies on a virtual clock"),
-    ("lorapage.server", "HTTP: routes, auth, tenants, quotas, SSE, metrics"),
+    ("lorapage.frontend", "the one HTTP front end: routes, wire formats, auth, tenants, quotas, SLOs, metrics, SSE"),
     ("lorapage.bases", "base upgrades: the drift check on two engines, validation jobs"),
     ("lorapage.engine", "the Engine facade, the step scheduler, the step loop"),
-    ("lorapage.adapters", "PEFT format, layout in pages, residency rules, tiered cache, registry, sources"),
+    ("lorapage.registry", "the SQLite store, version index, catalog, audit and drift state of adapter versions"),
+    ("lorapage.sources", "where adapter files come from: directories, https, s3, hf, the download cache"),
+    ("lorapage.adapters", "PEFT format, names, layout in pages, residency rules, tiered cache, loader"),
     ("lorapage.model", "Llama decoder, tokenizer, sampler, runner, lookup tables"),
     ("lorapage.request", "Request, its OutputChannel, RequestOutput, TokenLogprob"),
     ("lorapage.sampling_params", "SamplingParams (per request)"),
@@ -230,7 +233,7 @@ for name in getattr(module, "__all__", []):
         "lorapage.scheduler",
         "lorapage.config",
         "lorapage.adapters.residency",
-        "lorapage.adapters.version_index",
+        "lorapage.registry.version_index",
         "lorapage.omp_env",
     ],
 )
@@ -263,3 +266,13 @@ def test_every_package_face_exports_lazily_what_it_declares():
             else:
                 assert isinstance(node, ast.Expr), f"{name} defines {ast.dump(node)[:80]}"  # the docstring
         assert typed == table, name
+
+
+def test_pyproject_lists_every_package():
+    """``[tool.setuptools] packages`` is an explicit list: a package missing from it is missing
+    from every wheel (and from a non-editable install) while the tests, run from the tree, pass."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in module_files().items() if path.name == "__init__.py"}
+    assert folders - listed == set()

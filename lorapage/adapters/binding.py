@@ -44,7 +44,7 @@ def shown_digest(digest: str) -> str:
 
 def migration_route(new: str) -> str:
     """What moves an adapter trained on another base onto base ``new`` (a stored digest): its drift
-    check and migration (:mod:`lorapage.server.bases_route`). Every base-mismatch message ends with it."""
+    check and migration (:mod:`lorapage.frontend.bases_route`). Every base-mismatch message ends with it."""
     return (
         f"an adapter moves to another base only once its drift check passes: on a server running the base it "
         f'was trained on, POST /v1/bases/{new}/validate {{"model": NEW_BASE_DIR}}, then POST '

@@ -22,11 +22,10 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 
-from lorapage.adapters.registry import parse_name
+from lorapage.adapters.names import OTHER, parse_name
 from lorapage.scheduler.metrics import Histogram
 from lorapage.usage import UsageLedger
 
-OTHER = "other"  # the label of every adapter outside the top set
 LABEL_REFRESH_S = 60.0  # the labelled set is chosen again this often
 TRAFFIC_HALF_LIFE_S = 300.0  # "recent traffic": request counts halve in weight every 5 minutes
 MAX_TRACKED_FACTOR = 16  # traffic is tracked for at most this many times top_k ids

@@ -1,7 +1,7 @@
 """Traffic tiers: each adapter version is cold, warm or hot by its hourly traffic (pure, no clock).
 
 Never declared by a customer: inferred from the registry's hourly traffic table
-(:class:`~lorapage.adapters.registry.TrafficRow`) at a time ``now`` (Unix seconds) the caller
+(:class:`~lorapage.registry.store.TrafficRow`) at a time ``now`` (Unix seconds) the caller
 passes. The rules (thresholds in :class:`TierRules`, from ``EngineConfig``'s ``tier_*`` fields):
 
 - *requests in the last hour* (and in the last 24 hours) are estimated from hourly rows as a

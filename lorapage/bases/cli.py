@@ -94,7 +94,7 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
     from lorapage.bases.check import prompt_drifts
     from lorapage.config import EngineConfig
     from lorapage.engine import Engine
-    from lorapage.server.serve import check_model_dir, lora_modules
+    from lorapage.engine.flags import check_model_dir, lora_modules
 
     for model in (args.old, args.new):
         check_model_dir(model, PROG)

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lorapage.adapters.binding import shown_digest
-from lorapage.adapters.drift_state import FAILED, OPTED_OUT, PASSED, MigrationRow
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.state_lock import StateDirError, StateDirLock
 from lorapage.bases.drift import DriftReport
 from lorapage.flags import fail
+from lorapage.registry.drift_state import FAILED, OPTED_OUT, PASSED, MigrationRow
+from lorapage.registry.store import REGISTRY_FILE, Registry
 
 PROG = "lorapage base check"
 JOB = "cli"  # the job column of the states the command records

@@ -14,7 +14,7 @@ A fleet runs the same job at its ingress with a checker of its own (:class:`Chec
 :mod:`lorapage.fleet.upgrades`): the check's two halves on its two bases' deployments.
 
 Each adapter version gets a migration state toward ``digest``, stored in the registry
-(:mod:`lorapage.adapters.drift_state`): ``opted-out`` when its owner opted out (not checked),
+(:mod:`lorapage.registry.drift_state`): ``opted-out`` when its owner opted out (not checked),
 ``pending`` while it waits or runs, and when it has no check prompts (stays pending: nothing
 moves unchecked), ``passed`` / ``failed`` by :func:`lorapage.bases.drift.verdict`'s thresholds,
 with the numbers and the customer notice.
@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Protocol
 
 from lorapage.adapters.binding import shown_digest
-from lorapage.adapters.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, MigrationRow
-from lorapage.adapters.registry import Registry
 from lorapage.bases.drift import DriftThresholds, PromptDrift, verdict
 from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
+from lorapage.registry.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, MigrationRow
+from lorapage.registry.store import Registry
 
 log = logging.getLogger("lorapage.bases")
 

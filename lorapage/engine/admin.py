@@ -16,9 +16,13 @@ from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
-from lorapage.adapters.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
-from lorapage.adapters.catalog import (
+from lorapage.adapters.digest import normalize_digest
+from lorapage.adapters.names import parse_name
+from lorapage.engine.tiering import TierKeeper
+from lorapage.errors import InvalidRequestError, LorapageError
+from lorapage.registry.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery
+from lorapage.registry.catalog import (
     REGISTRATION_TIMEOUT_S,
     AdapterCatalog,
     PreparedVersion,
@@ -26,11 +30,8 @@ from lorapage.adapters.catalog import (
     spec_from_json,
     spec_to_json,
 )
-from lorapage.adapters.digest import normalize_digest
-from lorapage.adapters.registry import Registry, TrafficRow, VersionRow, parse_name
-from lorapage.adapters.sources import AdapterRoots, AdapterSources, FileSource, Source, parse_source
-from lorapage.engine.tiering import TierKeeper
-from lorapage.errors import InvalidRequestError, LorapageError
+from lorapage.registry.store import Registry, TrafficRow, VersionRow
+from lorapage.sources import AdapterRoots, AdapterSources, FileSource, Source, parse_source
 
 # Opens a stored version's files: (source, digest, owner) -> its directory, checked as it is read.
 Locate = Callable[[str, str, str | None], AbstractAsyncContextManager[Path]]
@@ -105,7 +106,7 @@ class AdapterAdmin:
         actor: str | None = None,
     ) -> AdapterInfo:
         """:meth:`add` without holding the event loop, from a directory or a source URI
-        (``file://``, ``https://``, ``s3://``, ``hf://``; see :mod:`lorapage.adapters.sources`):
+        (``file://``, ``https://``, ``s3://``, ``hf://``; see :mod:`lorapage.sources`):
         fetched and verified against ``sha256`` when given, read and checked in a worker thread
         (refused past ``timeout_s``), and committed (audited as ``actor``'s) before this returns.
         Content equal to an existing version of ``name`` returns that version (``created`` False)."""
@@ -169,7 +170,7 @@ class AdapterAdmin:
     ) -> tuple[VersionInfo, bool]:
         """Commit (audited as ``actor``'s) a version of ``name`` that an engine on another base
         prepared (:meth:`prepare`), bound to that base: listed here, served by that engine (a server
-        running both bases, :mod:`lorapage.server.engines`). Returns it and whether it is new."""
+        running both bases, :mod:`lorapage.serve.engines`). Returns it and whether it is new."""
         self._check_open()
         return await self._catalog.add_prepared(name, prepared, owner=owner, activate=activate, actor=actor)
 

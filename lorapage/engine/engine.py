@@ -22,23 +22,13 @@ import torch
 
 from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
-from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import at_path, load_adapter_tensors, read_weights
 from lorapage.adapters.pins import PinBounds
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.residency import Residency, ResidencyLimits
-from lorapage.adapters.sources import (
-    ANYWHERE,
-    AdapterRoots,
-    AdapterSources,
-    DownloadLimits,
-    FileSource,
-    parse_source,
-)
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts, Stage
@@ -82,9 +72,19 @@ from lorapage.model.merge import MergeFn, merge_adapter
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
+from lorapage.registry.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog
+from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import MeteredPolicy, SchedulerMetrics, SchedulerPolicy, VtcConfig, VtcScheduler, make_policy
+from lorapage.sources import (
+    ANYWHERE,
+    AdapterRoots,
+    AdapterSources,
+    DownloadLimits,
+    FileSource,
+    parse_source,
+)
 from lorapage.structured.grammars import GrammarCompiler
 from lorapage.usage import Usage, UsageLedger
 
@@ -711,7 +711,7 @@ class Engine:
 
     def metrics(self) -> EngineMetrics:
         """The live sources ``/metrics`` reads this engine through (stats, scheduler, VTC counters,
-        adapters), for :func:`lorapage.server.metrics.register_engine_collectors`."""
+        adapters), for :func:`lorapage.frontend.metrics.register_engine_collectors`."""
         return EngineMetrics(self.stats, self.scheduler_metrics, self._vtc_counters, self.adapter_metrics)
 
     def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:

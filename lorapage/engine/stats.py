@@ -3,7 +3,7 @@
 Flat on purpose: each field's name is the key ``GET /internal/state`` has always shown (the record
 encodes to the same JSON object) and the suffix of the series ``/metrics`` exports for it. Which
 fields are exported, under what name, type and help, is the server's table
-(:data:`lorapage.server.metrics.ENGINE_SERIES`), not this record's business. Fleet replicas send
+(:data:`lorapage.frontend.metrics.ENGINE_SERIES`), not this record's business. Fleet replicas send
 it in their heartbeats as it is. No torch: the fleet's ingress reads it without an engine.
 """
 
@@ -72,7 +72,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class EngineMetrics:
     """What :meth:`Engine.metrics` answers: the live sources a Prometheus collector reads an
-    engine through when scraped (:func:`lorapage.server.metrics.register_engine_collectors`),
+    engine through when scraped (:func:`lorapage.frontend.metrics.register_engine_collectors`),
     so that a front end holds no engine internals."""
 
     stats: Callable[[], EngineStats]

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
 from lorapage.adapters.cache import AdapterCache
-from lorapage.adapters.registry import Registry, TrafficRow, parse_name
+from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import HOUR_S, Tier, TierRules, TierState, assess, ranked, window_weights
+from lorapage.registry.store import Registry, TrafficRow
 from lorapage.usage.ledger import Traffic, TrafficKey, UsageLedger
 
 TIER_WINDOW_HOURS = 25  # the last 24 hours, and the hour in progress

@@ -1,8 +1,8 @@
-"""The fleet's admin operations: ``lorapage serve``'s admin routes (:mod:`lorapage.server.admin`,
-:mod:`lorapage.server.audit_route`) over the fleet's registry and its replicas, and the fleet's own
+"""The fleet's admin operations: ``lorapage serve``'s admin routes (:mod:`lorapage.frontend.admin`,
+:mod:`lorapage.frontend.audit_route`) over the fleet's registry and its replicas, and the fleet's own
 routes (promote, demote).
 
-:class:`FleetAdminOps` is the fleet's :class:`~lorapage.server.admin_ops.AdminOps`. The ingress
+:class:`FleetAdminOps` is the fleet's :class:`~lorapage.frontend.admin_ops.AdminOps`. The ingress
 holds the fleet's registry (:mod:`lorapage.fleet.registry`) and answers from it; what needs an
 engine goes to one replica through the adapter-affinity router, so it lands on the adapter's
 owner: a registration is fetched and checked there (then committed here, answered 201, and
@@ -18,7 +18,7 @@ deployment (:mod:`lorapage.fleet.dedicated`); an adapter outside the shared enve
 (``sample`` true is refused).
 
 Every change is audited in the registry as the admin key's id (``actor``:
-:meth:`~lorapage.server.auth.Access.admin_actor`).
+:meth:`~lorapage.frontend.auth.Access.admin_actor`).
 """
 
 from __future__ import annotations
@@ -31,23 +31,23 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from lorapage.adapters.audit import AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.drift_state import CheckPrompts
-from lorapage.adapters.registry import parse_name
-from lorapage.adapters.sources import AdapterRoots
+from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import Tier
 from lorapage.errors import ConflictError, LorapageError
 from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
 from lorapage.fleet.messages import EngineProfile, answered
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
-from lorapage.server.admin import AdminRoutes, cost_fields, known_id, wait_until
-from lorapage.server.auth import Access
-from lorapage.server.check_prompts import store_check_prompts
-from lorapage.server.registration import Registration
-from lorapage.server.responses import AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.frontend.admin import AdminRoutes, cost_fields, known_id, wait_until
+from lorapage.frontend.auth import Access
+from lorapage.frontend.check_prompts import store_check_prompts
+from lorapage.frontend.registration import Registration
+from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery
+from lorapage.registry.catalog import PreparedVersion
+from lorapage.registry.drift_state import CheckPrompts
+from lorapage.sources import AdapterRoots
 
 T = TypeVar("T")
 _TIER_ORDER = ("gpu", "ram")  # the best tier of any replica is the adapter's tier

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from lorapage.adapters.registry import parse_name
+from lorapage.adapters.names import parse_name
 from lorapage.errors import LorapageError
 from lorapage.fleet.dedicated import DedicatedDeployments
 from lorapage.fleet.promotion import PromotionPolicy

@@ -1,6 +1,6 @@
-"""The fleet's backend: where the one front end (:mod:`lorapage.server.app`) sends requests in a fleet.
+"""The fleet's backend: where the one front end (:mod:`lorapage.frontend.app`) sends requests in a fleet.
 
-A :class:`~lorapage.server.backend.Backend` over deployment handles: every request resolved to one
+A :class:`~lorapage.frontend.backend.Backend` over deployment handles: every request resolved to one
 version ``id@N`` in the fleet's registry (:mod:`lorapage.fleet.registry`) goes to an engine replica
 through a handle whose ``multiplexed_model_id`` is the adapter, so the deployment's request router
 (:mod:`lorapage.fleet.request_router`) routes it by adapter affinity; a version promoted to a
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter as MetricCounter
 from ray.exceptions import RayActorError
 
-from lorapage.adapters.registry import parse_name
+from lorapage.adapters.names import parse_name
 from lorapage.errors import LorapageError, ServiceUnavailableError
 from lorapage.fleet.auto_promote import AutoPromoter
 from lorapage.fleet.bases import FleetBases
@@ -39,17 +39,17 @@ from lorapage.fleet.messages import EngineJob, EngineProfile, ReplicaStart
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.routing import replica_target
 from lorapage.fleet.telemetry import ReplicaReports
+from lorapage.frontend.auth import Access
+from lorapage.frontend.generation import Job, chained
+from lorapage.frontend.metrics import ServerMetrics
+from lorapage.frontend.models_view import BaseCard, ModelsView
+from lorapage.frontend.slo import SloTracker
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.server.auth import Access
-from lorapage.server.generation import Job, chained
-from lorapage.server.metrics import ServerMetrics
-from lorapage.server.models_view import BaseCard, ModelsView
-from lorapage.server.slo import SloTracker
 from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import summed
 
 if TYPE_CHECKING:
-    from lorapage.server.loop_lag import LoopLagMonitor
+    from lorapage.frontend.loop_lag import LoopLagMonitor
 
 log = logging.getLogger("lorapage.fleet")
 

@@ -4,10 +4,10 @@
 ``EngineReplica``) and one of base B (``EngineReplica-<B's directory name>``), each with
 ``--replicas`` replicas, its own affinity router and the same engine flags. Every replica mirrors
 the fleet's one registry (the ingress's) and serves the versions bound to its base. The ingress
-routes by :func:`lorapage.server.engines.route_base`, the rule ``lorapage serve --base`` uses: a
+routes by :func:`lorapage.serve.engines.route_base`, the rule ``lorapage serve --base`` uses: a
 request's adapter version goes to the deployment of the base it is bound to (409 naming its digest
 when none runs it), a request naming a base model to that base's, the rest to the primary's; an
-alias at a version migrated onto a served base serves its migration (:func:`~lorapage.server.engines.followed`).
+alias at a version migrated onto a served base serves its migration (:func:`~lorapage.serve.engines.followed`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from lorapage.bases.serving import ServedBase, resolve_across, route_base, served_migrations
 from lorapage.config import EngineConfig
 from lorapage.fleet.registry import FleetRegistry
-from lorapage.server.engines import ServedBase, resolve_across, route_base, served_migrations
 
 
 def base_engine(engine: EngineConfig, model: str) -> EngineConfig:

@@ -20,33 +20,35 @@ import threading
 import time
 from pathlib import Path
 
+from lorapage.bases.serving import check_alike
 from lorapage.config import EngineConfig
+from lorapage.engine.flags import (
+    adapter_roots,
+    add_engine_arguments,
+    add_state_arguments,
+    check_model_dir,
+    engine_config,
+    lora_modules,
+)
 from lorapage.flags import fail, parser
 from lorapage.fleet.config import INGRESS_CPUS, MERGED_APP_PREFIX, FleetConfig, replica_cpus_for
 from lorapage.fleet.dedicated_flags import add_dedicated_arguments, dedicated_config
 from lorapage.fleet.routing import ROUTERS
 from lorapage.fleet.start import START_TIMEOUT_S, StartError, run_app
-from lorapage.model.config import ModelConfig, context_length
-from lorapage.model.tokenizer import Tokenizer
-from lorapage.server.engines import check_alike
-from lorapage.server.run import listen
-from lorapage.server.serve import (
+from lorapage.frontend.flags import (
     API_KEY_TENANT,
-    adapter_roots,
-    add_engine_arguments,
     add_front_end_arguments,
-    add_state_arguments,
     api_key_tenants,
     api_keys,
-    check_model_dir,
     check_root_tenants,
     edge_limits,
-    engine_config,
-    lora_modules,
     open_access_log,
     slo_window,
 )
-from lorapage.server.tenants import TenantsConfig, TenantsConfigError, hash_key
+from lorapage.frontend.run import listen
+from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError, hash_key
+from lorapage.model.config import ModelConfig, context_length
+from lorapage.model.tokenizer import Tokenizer
 
 PROG = "lorapage fleet"
 

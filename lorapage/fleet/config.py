@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.fleet.promotion import DedicatedConfig
-from lorapage.server.edge import EdgeLimits
-from lorapage.server.slo import DEFAULT_WINDOW_S
+from lorapage.frontend.edge import EdgeLimits
+from lorapage.frontend.slo import DEFAULT_WINDOW_S
+from lorapage.sources import AdapterRoots
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
 APP_NAME = "lorapage"

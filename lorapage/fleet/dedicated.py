@@ -29,7 +29,7 @@ import msgspec
 from ray import serve
 from ray.exceptions import RayActorError
 
-from lorapage.adapters.registry import parse_name
+from lorapage.adapters.names import parse_name
 from lorapage.engine.merge_check import CHECK_PROMPTS
 from lorapage.errors import AdapterNotFoundError, ConflictError, ServiceUnavailableError
 from lorapage.fleet.config import MERGED_APP_PREFIX, FleetConfig

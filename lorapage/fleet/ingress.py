@@ -1,7 +1,7 @@
 """The fleet's ingress: ``lorapage serve``'s HTTP front end as a Ray Serve deployment.
 
 The ingress does not go through Ray Serve's HTTP proxy (the fleet starts Serve with it disabled):
-its one replica runs the aiohttp application of :mod:`lorapage.server.app` itself, on the fleet's
+its one replica runs the aiohttp application of :mod:`lorapage.frontend.app` itself, on the fleet's
 ``host:port``, in the replica's event loop. So the routes, the checks and their order, the error
 JSON, ``/health`` (503 while shutting down), SSE, metrics, SLOs and the request log are
 ``lorapage serve``'s own; only where a request goes differs: :class:`~lorapage.fleet.backend.FleetBackend`
@@ -38,7 +38,6 @@ from typing import Any
 
 from aiohttp import web
 
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.fleet.admin import FleetAdminOps
 from lorapage.fleet.auto_promote import AutoPromoter
@@ -51,14 +50,15 @@ from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.fleet.upgrades import FleetUpgrades
-from lorapage.server.access_log import AccessLog
-from lorapage.server.admin import add_admin_routes
-from lorapage.server.app import STATE, ServerState, build_app
-from lorapage.server.audit_route import add_audit_routes
-from lorapage.server.auth import Access
-from lorapage.server.bases_route import add_base_routes
-from lorapage.server.run import start
-from lorapage.server.tenants import TenantsConfig, TenantsConfigError
+from lorapage.frontend.access_log import AccessLog
+from lorapage.frontend.admin import add_admin_routes
+from lorapage.frontend.app import STATE, ServerState, build_app
+from lorapage.frontend.audit_route import add_audit_routes
+from lorapage.frontend.auth import Access
+from lorapage.frontend.bases_route import add_base_routes
+from lorapage.frontend.run import start
+from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError
+from lorapage.registry.store import REGISTRY_FILE, Registry
 
 log = logging.getLogger("lorapage.fleet")
 
@@ -68,7 +68,7 @@ TENANTS_FILE = "fleet-tenants.json"  # the last tenants text a reload accepted, 
 class FleetIngress:
     """The front end in front of the engine replicas, serving HTTP on ``config.host:config.port``."""
 
-    app: web.Application  # lorapage.server.app's, over a FleetBackend
+    app: web.Application  # lorapage.frontend.app's, over a FleetBackend
     runner: web.AppRunner | None  # serving it (None: not listening)
     port: int
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from lorapage.adapters.sources import AdapterRoots
 from lorapage.config import EngineConfig
 from lorapage.engine import Engine
 from lorapage.engine.merge_check import merge_and_check
 from lorapage.errors import LorapageError, ServiceUnavailableError
 from lorapage.fleet.messages import EngineJob, IdState, ReplicaStart
 from lorapage.request import RequestOutput
+from lorapage.sources import AdapterRoots
 from lorapage.usage.ledger import Key, Usage
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-from lorapage.adapters.registry import VersionRow
 from lorapage.engine.stats import EngineStats
 from lorapage.errors import LorapageError
+from lorapage.registry.store import VersionRow
 from lorapage.sampling_params import SamplingParams
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The fleet's adapter registry: one SQLite registry at the ingress, mirrored by every replica.
 
 The ingress is the fleet's one writer. It keeps the registry of ``lorapage serve``
-(:class:`~lorapage.adapters.registry.Registry`: ids, immutable versions, aliases, owners, pins;
+(:class:`~lorapage.registry.store.Registry`: ids, immutable versions, aliases, owners, pins;
 ``STATE_DIR/registry.sqlite3`` on the ingress's node) and a live view of it here. Every change is
 committed first, then shown, then counted: the view's *generation* grows by one and the id is
 marked changed at it. Engine replicas mirror the view (``AdapterCatalog.mirror``): each heartbeat
@@ -10,9 +10,9 @@ replica that has none, or that counted in another ingress process: ``epoch``). T
 resolves every request to ``id@N`` before it sends it, and a replica that meets a version it does
 not know yet syncs before it answers, so a version is servable fleet-wide the moment its
 registration is answered. The view is ``lorapage serve``'s own
-(:class:`~lorapage.adapters.version_index.VersionIndex`), which counts the generations.
+(:class:`~lorapage.registry.version_index.VersionIndex`), which counts the generations.
 
-Every write is audited in the registry's own transaction (:mod:`lorapage.adapters.audit`), as
+Every write is audited in the registry's own transaction (:mod:`lorapage.registry.audit`), as
 the admin key's id (``actor``) the admin routes pass; :meth:`record` audits what changes nothing
 stored (a pre-warm, an unload, a tenants reload) and :meth:`audit` reads the rows back.
 """
@@ -22,14 +22,15 @@ from __future__ import annotations
 import secrets
 from collections import deque
 
-from lorapage.adapters.audit import OK, AliasMove, AuditEntry, AuditQuery, check_channel, rollback_version
 from lorapage.adapters.binding import mismatch_message
-from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.drift_state import MigrationRow
-from lorapage.adapters.registry import Registry, VersionRow, parse_name
-from lorapage.adapters.version_index import VersionIndex
+from lorapage.adapters.names import parse_name
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError
 from lorapage.fleet.messages import IdState, SyncReply
+from lorapage.registry.audit import OK, AliasMove, AuditEntry, AuditQuery, check_channel, rollback_version
+from lorapage.registry.catalog import PreparedVersion
+from lorapage.registry.drift_state import MigrationRow
+from lorapage.registry.store import Registry, VersionRow
+from lorapage.registry.version_index import VersionIndex
 
 MAX_UNLOADS = 1024  # admin unloads remembered for replicas that have not synced since
 
@@ -143,7 +144,7 @@ class FleetRegistry:
         self, adapter_id: str, version: int | None, channel: str, servable: set[int], *, actor: str | None = None
     ) -> VersionRow:
         """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the version
-        before its last deploy (:func:`~lorapage.adapters.audit.rollback_target`, over the versions
+        before its last deploy (:func:`~lorapage.registry.audit.rollback_target`, over the versions
         in ``servable``: those this fleet's bases run), as ``lorapage serve`` does; 409 when none is left."""
         self._index.require(adapter_id)
         check_channel(channel)

@@ -27,9 +27,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.registry import parse_name
-from lorapage.adapters.sources import AdapterRoots
+from lorapage.adapters.names import parse_name
 from lorapage.bases.check import Reference, candidate_drifts, references
 from lorapage.bases.drift import PromptDrift
 from lorapage.bases.validation import drop_check_version
@@ -43,8 +41,10 @@ from lorapage.errors import (
 )
 from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
+from lorapage.frontend.metrics import register_engine_collectors
+from lorapage.registry.catalog import PreparedVersion
 from lorapage.request import RequestOutput
-from lorapage.server.metrics import register_engine_collectors
+from lorapage.sources import AdapterRoots
 from lorapage.usage.ledger import Key, Usage
 
 log = logging.getLogger("lorapage.fleet")

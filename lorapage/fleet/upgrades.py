@@ -1,4 +1,4 @@
-"""A base upgrade in a fleet: ``lorapage serve``'s validate and migrate routes (:mod:`lorapage.server.bases_route`)
+"""A base upgrade in a fleet: ``lorapage serve``'s validate and migrate routes (:mod:`lorapage.frontend.bases_route`)
 over the fleet's deployments and registry, while both bases serve.
 
 The fleet checks toward a base it runs beside its primary (``lorapage fleet --base``,
@@ -22,14 +22,15 @@ from typing import Any
 from ray.exceptions import RayActorError
 
 from lorapage.adapters.binding import shown_digest
-from lorapage.adapters.drift_state import MigrationRow
-from lorapage.adapters.registry import VersionRow, parse_name
+from lorapage.adapters.names import parse_name
 from lorapage.bases.drift import PromptDrift
 from lorapage.bases.validation import BaseValidator, ValidationJob, check_name
 from lorapage.errors import InvalidRequestError, ServiceUnavailableError
 from lorapage.fleet.bases import FleetBases
 from lorapage.fleet.messages import answered
 from lorapage.fleet.registry import FleetRegistry
+from lorapage.registry.drift_state import MigrationRow
+from lorapage.registry.store import VersionRow
 
 Writer = Callable[[Callable[[], VersionRow]], Awaitable[VersionRow]]  # FleetAdminOps.write
 CHECK_TIMEOUT_S = 900.0  # for one half of one version's drift check on a replica (~200 prompts)
@@ -69,7 +70,7 @@ class FleetChecker:
 
 
 class FleetUpgrades:
-    """The :class:`~lorapage.server.bases_route.BaseUpgrades` of a fleet running ``bases`` (the primary's first)."""
+    """The :class:`~lorapage.frontend.bases_route.BaseUpgrades` of a fleet running ``bases`` (the primary's first)."""
 
     def __init__(
         self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str], write: Writer

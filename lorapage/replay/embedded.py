@@ -12,10 +12,10 @@ from typing import Any
 
 from lorapage.engine import Engine
 from lorapage.errors import AdapterNotFoundError, LorapageError
+from lorapage.frontend.metrics import ServerMetrics
 from lorapage.replay.prompts import DEFAULT_TOKEN_RANGE, prompt_for
 from lorapage.replay.scrape import parse_prometheus
 from lorapage.sampling_params import SamplingParams
-from lorapage.server.metrics import ServerMetrics
 from lorapage.traces.records import HTTP_ERROR, OK, STREAM_ERROR, Result
 from lorapage.traces.trace import TraceRequest
 

@@ -1,6 +1,6 @@
 """The embedded engine of ``replay run --embedded``, built from ``lorapage serve``'s own flags.
 
-The flags are :func:`lorapage.server.serve.add_engine_arguments`, so the two commands accept the same engine options
+The flags are :func:`lorapage.engine.flags.add_engine_arguments`, so the two commands accept the same engine options
 (``--model``, ``--lora-modules``, ``--max-loras``, ``--scheduler``, ...) with the same defaults:
 no ``--model`` means the built-in tiny model and its demo adapters.
 """
@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Mapping, Sequence
 
-from lorapage.engine import Engine
+from lorapage.engine import Engine, flags
 from lorapage.errors import LorapageError
-from lorapage.server import serve
 from lorapage.traces.trace import TraceRequest
 
 PROG = "lorapage replay run"
@@ -35,15 +34,15 @@ def build_engine(
     and, when ``adapter_dirs`` are given, every other adapter of the trace registered on them in
     turn (so one directory can stand for many distinct adapters)."""
     parser = argparse.ArgumentParser(prog=PROG, add_help=False)
-    serve.add_engine_arguments(parser)
+    flags.add_engine_arguments(parser)
     args, leftover = parser.parse_known_args(list(argv))
     if leftover:
         raise SystemExit(f"{PROG}: unrecognized engine arguments: {' '.join(leftover)}")
-    config = serve.engine_config(args, prog=PROG)
+    config = flags.engine_config(args, PROG)
     engine = Engine(config, tenant_weights=dict(weights) or None)
     name = ""
     try:
-        for name, path in serve.lora_modules(args, prog=PROG).items():
+        for name, path in flags.lora_modules(args, PROG).items():
             engine.add_adapter(name, path)
         known = {info.name for info in engine.admin.served()}
         missing = [a for a in trace_adapters(trace, engine.base_name) if a not in known]

@@ -21,8 +21,8 @@ from remote_sources import FileServer, cache_listing, files, make_adapter, start
 from server_harness import assert_openai_error, make_engine, running_server
 
 from lorapage.adapters.digest import ADAPTER_FILES, content_digest
-from lorapage.adapters.sources import NO_ROOTS, AdapterSources, DownloadLimits, parse_source
 from lorapage.errors import AdapterSourceError
+from lorapage.sources import NO_ROOTS, AdapterSources, DownloadLimits, parse_source
 
 __all__ = ["files"]  # a fixture, imported to be found
 CAP = 1 << 20

@@ -22,8 +22,8 @@ from server_harness import ADMIN_KEY, assert_openai_error, make_roots, running_s
 from lorapage import Engine, EngineConfig
 from lorapage.adapters.cost import project_cost
 from lorapage.adapters.peft_format import read_adapter_spec
-from lorapage.adapters.registry import REGISTRY_FILE
 from lorapage.model.config import ModelConfig
+from lorapage.registry.store import REGISTRY_FILE
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

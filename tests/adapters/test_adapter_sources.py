@@ -14,7 +14,13 @@ from aiohttp import web
 from remote_sources import FileServer, cache_listing, files, make_adapter, s3_bucket, s3_endpoint, start_server
 
 from lorapage.adapters.digest import ADAPTER_FILES, content_digest
-from lorapage.adapters.sources import (
+from lorapage.errors import (
+    AdapterIntegrityError,
+    AdapterSourceError,
+    InvalidRequestError,
+    PermissionDeniedError,
+)
+from lorapage.sources import (
     NO_ROOTS,
     AdapterRoots,
     AdapterSources,
@@ -22,12 +28,6 @@ from lorapage.adapters.sources import (
     FileSource,
     HfSource,
     parse_source,
-)
-from lorapage.errors import (
-    AdapterIntegrityError,
-    AdapterSourceError,
-    InvalidRequestError,
-    PermissionDeniedError,
 )
 
 CAP = 1 << 20  # the download cap in these tests; the demo adapter is about 80 KB

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from server_harness import TENANTS_TOML, Server, assert_openai_error, make_engine, make_roots, running_server
 
-from lorapage.adapters.sources import AdapterRoots
 from lorapage.errors import PermissionDeniedError
-from lorapage.server import Access
-from lorapage.server.tenants import TenantsConfig
+from lorapage.frontend import Access
+from lorapage.frontend.tenants import TenantsConfig
+from lorapage.sources import AdapterRoots
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 COMP = "/v1/completions"

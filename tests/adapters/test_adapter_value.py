@@ -13,9 +13,9 @@ from engine_util import collect
 from server_harness import assert_openai_error, make_engine, running_server
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.adapters.registry import SCHEMA_VERSION, Registry
 from lorapage.adapters.value import LoadTier, RecentAdapters, ReloadCosts, Stage
 from lorapage.errors import ConflictError, PinLimitError
+from lorapage.registry.store import SCHEMA_VERSION, Registry
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPT = [5, 9, 12, 30]

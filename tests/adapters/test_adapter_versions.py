@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from server_harness import assert_openai_error, make_access, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.adapters.audit import AuditQuery
 from lorapage.errors import AdapterBaseMismatchError, ConflictError, LorapageError
+from lorapage.registry.audit import AuditQuery
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPT = [3, 17, 42, 5, 99, 23]

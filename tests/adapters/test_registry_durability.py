@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from server_harness import ADMIN_KEY, KEYS, TENANTS_TOML
 
-from lorapage.adapters.registry import REGISTRY_FILE
+from lorapage.registry.store import REGISTRY_FILE
 from lorapage.server.serve_process import ServeProcess, start_serve
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 

@@ -9,9 +9,9 @@ import pytest
 from engine_util import collect
 
 from lorapage import Engine, EngineConfig
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.state_lock import StateDirError
 from lorapage.errors import ConflictError
+from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.sampling_params import SamplingParams
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 

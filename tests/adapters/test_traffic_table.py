@@ -9,9 +9,10 @@ import sqlite3
 import pytest
 from registry_files import schema_3_file
 
-from lorapage.adapters.registry import SCHEMA_VERSION, Registry, TrafficRow, parse_name
+from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import recent_requests, window_weights
 from lorapage.engine.tiering import traffic_rows
+from lorapage.registry.store import SCHEMA_VERSION, Registry, TrafficRow
 from lorapage.usage import StepRow, UsageLedger
 from lorapage.usage.ledger import HOUR_S
 

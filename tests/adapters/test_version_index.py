@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lorapage.adapters.registry import REGISTRY_FILE, Registry, VersionRow
-from lorapage.adapters.version_index import VersionIndex
 from lorapage.errors import AdapterNotFoundError, ConflictError
+from lorapage.registry.store import REGISTRY_FILE, Registry, VersionRow
+from lorapage.registry.version_index import VersionIndex
 
 BASE = "b" * 64
 

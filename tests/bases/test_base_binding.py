@@ -244,12 +244,13 @@ async def test_serve_refuses_an_unbound_lora_module_and_a_bad_base_names_file(tm
 
 
 def test_the_flags_reach_the_config(tmp_path):
-    from lorapage.server.serve import build_parser, engine_config
+    from lorapage.engine.flags import engine_config
+    from lorapage.serve.cli import build_parser
 
     table = table_file(tmp_path, {"tiny": RUNNING})
-    config = engine_config(build_parser().parse_args(["--base-names", table, "--allow-unbound"]))
+    config = engine_config(build_parser().parse_args(["--base-names", table, "--allow-unbound"]), "lorapage serve")
     assert (config.base_names, config.allow_unbound) == (table, True)
-    assert engine_config(build_parser().parse_args([])).allow_unbound is False
+    assert engine_config(build_parser().parse_args([]), "lorapage serve").allow_unbound is False
 
 
 def test_lorapage_base_digest_prints_what_the_table_and_expected_base_digest_take(tmp_path, capsys):

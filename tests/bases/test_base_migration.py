@@ -16,12 +16,12 @@ from base_variants import far_base, near_base
 from server_harness import KEYS, assert_openai_error, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig
-from lorapage.adapters.audit import AuditQuery
-from lorapage.adapters.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES, MAX_SAMPLED_PROMPTS, CheckPrompts
-from lorapage.adapters.registry import REGISTRY_FILE, SCHEMA_VERSION, Registry
 from lorapage.bases.cli import main as base_cli
 from lorapage.model.loader import model_digest
-from lorapage.server.engine_backend import ENGINES
+from lorapage.registry.audit import AuditQuery
+from lorapage.registry.drift_state import MAX_CHECK_PROMPTS, MAX_PROMPT_BYTES, MAX_SAMPLED_PROMPTS, CheckPrompts
+from lorapage.registry.store import REGISTRY_FILE, SCHEMA_VERSION, Registry
+from lorapage.serve.engine_backend import ENGINES
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPTS = ["Hello", "How are you?", "Tell me about the weather.", "What is 2 + 2?", "Write a haiku."]

@@ -16,20 +16,13 @@ from base_variants import far_base, near_base
 from server_harness import METRICS_KEY, assert_openai_error, make_engine, make_roots, running_server
 
 from lorapage import Engine, EngineConfig
-from lorapage.adapters.drift_state import MIGRATED, PASSED, MigrationRow
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
+from lorapage.bases.serving import ServedBase, followed, route_base, served_migrations, side_config, utilization_share
 from lorapage.memory.sizing import POOL_HEADROOM_BYTES, pages_for_memory
 from lorapage.model.loader import model_digest
+from lorapage.registry.drift_state import MIGRATED, PASSED, MigrationRow
+from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.sampling_params import SamplingParams
-from lorapage.server.engine_backend import ENGINES
-from lorapage.server.engines import (
-    ServedBase,
-    followed,
-    route_base,
-    served_migrations,
-    side_config,
-    utilization_share,
-)
+from lorapage.serve.engine_backend import ENGINES
 from lorapage.server.serve_process import run_serve, start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 

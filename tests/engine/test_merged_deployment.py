@@ -245,7 +245,7 @@ def test_max_adapter_tokens_must_be_positive():
 
 
 def test_the_flags_exist():
-    from lorapage.server.serve import build_parser
+    from lorapage.serve.cli import build_parser
 
     text = build_parser().format_help()
     assert "--merge ADAPTER[=DIR]" in text and "--merge-check-prompts" in text and "--max-adapter-tokens" in text

@@ -26,14 +26,14 @@ from base_variants import near_base  # noqa: E402
 from server_harness import ADMIN_KEY, KEYS, TENANTS_TOML, assert_openai_error  # noqa: E402
 
 from lorapage import Engine  # noqa: E402
-from lorapage.adapters.drift_state import CheckPrompts  # noqa: E402
-from lorapage.adapters.registry import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.bases.cli import main as base_cli  # noqa: E402
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
 from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import FleetConfig, base_deployment  # noqa: E402
 from lorapage.model.loader import model_digest  # noqa: E402
+from lorapage.registry.drift_state import CheckPrompts  # noqa: E402
+from lorapage.registry.store import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 

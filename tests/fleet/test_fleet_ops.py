@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from lorapage.adapters.audit import AuditQuery
-from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.errors import InvalidRequestError
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.routing import replica_target, targeted_replica
-from lorapage.server.audit_route import audit_list
-from lorapage.server.tenants import key_id
+from lorapage.frontend.audit_route import audit_list
+from lorapage.frontend.tenants import key_id
+from lorapage.registry.audit import AuditQuery
+from lorapage.registry.catalog import PreparedVersion
+from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.usage.ledger import Usage
 from lorapage.usage.report import summed, usage_json
 

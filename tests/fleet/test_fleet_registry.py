@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError, ConflictError
 from lorapage.fleet.messages import SyncReply
 from lorapage.fleet.registry import FleetRegistry
+from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0)

@@ -10,7 +10,7 @@ import json
 import pytest
 from server_harness import ADMIN_KEY, KEYS, make_engine, running_server
 
-from lorapage.server.access_log import AccessLog
+from lorapage.frontend.access_log import AccessLog
 from lorapage.tiny import DEMO_MARKERS
 
 SECRET_PROMPT = "my-secret-prompt-7f3a"

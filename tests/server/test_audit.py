@@ -13,10 +13,10 @@ import pytest
 from registry_files import schema_3_file
 from server_harness import ADMIN_KEY, KEYS, assert_openai_error, make_access, make_engine, make_roots, running_server
 
-from lorapage.adapters.audit import AliasMove, AuditQuery, rollback_target
-from lorapage.adapters.registry import REGISTRY_FILE, SCHEMA_VERSION, Registry
-from lorapage.server import hash_key
-from lorapage.server.app import reload_tenants
+from lorapage.frontend import hash_key
+from lorapage.registry.audit import AliasMove, AuditQuery, rollback_target
+from lorapage.registry.store import REGISTRY_FILE, SCHEMA_VERSION, Registry
+from lorapage.serve.app import reload_tenants
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 ADMIN_ID = hash_key(ADMIN_KEY)[:12]

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from lorapage.server.fair_workers import FairQueue, FairWorkers
-from lorapage.server.prompts import chunks
+from lorapage.frontend.fair_workers import FairQueue, FairWorkers
+from lorapage.frontend.prompts import chunks
 
 
 def test_tenants_are_served_in_turn_whatever_their_backlog():

@@ -8,8 +8,8 @@ import pytest
 from front_end_cases import answers, mismatches, replica_less_ingress, while_closing
 from server_harness import make_access, make_engine, server  # noqa: F401  (the module-scoped fixture)
 
-from lorapage.server.app import create_app
-from lorapage.server.run import start
+from lorapage.frontend.run import start
+from lorapage.serve.app import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorapage.server.quota import (
+from lorapage.frontend.quota import (
     AdmissionRate,
     QuotaExceeded,
     QuotaManager,
@@ -12,7 +12,7 @@ from lorapage.server.quota import (
     TokenBucket,
     overload_retry_after_s,
 )
-from lorapage.server.tenants import TenantConfig, TenantsConfig
+from lorapage.frontend.tenants import TenantConfig, TenantsConfig
 
 
 def manager(**limits) -> QuotaManager:

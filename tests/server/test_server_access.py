@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from server_harness import BASE, assert_openai_error, running_server, server  # noqa: F401 (the module's fixture)
 
-from lorapage.server.app import STATE
+from lorapage.frontend.app import STATE
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -231,8 +231,8 @@ async def test_quota_refusal_is_429_with_retry_after(server):
 
 async def test_tenants_file_and_reload(server, tmp_path):
     """A server built from a TOML file; SIGHUP's reload swaps keys and adapter lists in place."""
-    from lorapage.server import Access, hash_key
-    from lorapage.server.app import reload_tenants
+    from lorapage.frontend import Access, hash_key
+    from lorapage.serve.app import reload_tenants
 
     def write(key: str, adapters: list[str]) -> None:
         path.write_text(

@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 from server_harness import BASE, KEYS, TENANTS_TOML, make_engine, read_sse, running_server, server  # noqa: F401
 
-from lorapage.server import Access
-from lorapage.server.tenants import TenantsConfig, hash_key
+from lorapage.frontend import Access
+from lorapage.frontend.tenants import TenantsConfig, hash_key
 from lorapage.tiny import DEMO_MARKERS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -132,7 +132,8 @@ async def test_serve_refuses_a_bad_adapter_directory(tmp_path):
 
 
 async def test_engine_flags_reach_the_config_by_their_vllm_names():
-    from lorapage.server.serve import build_parser, engine_config
+    from lorapage.engine.flags import engine_config
+    from lorapage.serve.cli import build_parser
 
     args = build_parser().parse_args(
         [
@@ -155,7 +156,7 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
             "bfloat16",
         ]
     )
-    cfg = engine_config(args)
+    cfg = engine_config(args, "lorapage serve")
     assert cfg.lora_dtype == "bfloat16"
     assert (
         cfg.gpu_memory_utilization,
@@ -167,7 +168,7 @@ async def test_engine_flags_reach_the_config_by_their_vllm_names():
         cfg.adapter_wait_s,
         cfg.max_loras,
     ) == (0.8, True, "torch", 512, 8, 4096, 0.5, 4)
-    defaults = engine_config(build_parser().parse_args([]))
+    defaults = engine_config(build_parser().parse_args([]), "lorapage serve")
     assert defaults.enforce_eager is False and defaults.lora_dtype == "auto"  # unset flags keep the defaults
 
 

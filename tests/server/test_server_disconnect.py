@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from server_harness import BASE, make_engine, running_server
 
-from lorapage.server.app import STATE
+from lorapage.frontend.app import STATE
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

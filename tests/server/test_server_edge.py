@@ -22,13 +22,13 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import BASE, assert_openai_error, make_engine, running_server
 
-from lorapage.server import Access, hash_key, protocol
-from lorapage.server.app import STATE
-from lorapage.server.edge import EdgeLimits
-from lorapage.server.generation import Formatter
-from lorapage.server.prompts import CHUNK_CHARS
+from lorapage.frontend import Access, hash_key, protocol
+from lorapage.frontend.app import STATE
+from lorapage.frontend.edge import EdgeLimits
+from lorapage.frontend.generation import Formatter
+from lorapage.frontend.prompts import CHUNK_CHARS
+from lorapage.frontend.tenants import TenantsConfig
 from lorapage.server.serve_process import run_serve
-from lorapage.server.tenants import TenantsConfig
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -430,7 +430,7 @@ async def test_a_corrupt_or_unusable_state_dir_ends_serve_with_one_line(tmp_path
 async def test_a_state_dir_on_a_read_only_registry_is_named(tmp_path):
     """A registry SQLite cannot write (here: opened read-only by its URI, as a read-only mount
     would make it; the tests run as root, whom file modes do not stop) gets the state-dir line."""
-    from lorapage.server.serve import state_dir_problem
+    from lorapage.serve.cli import state_dir_problem
 
     path = tmp_path / "registry.sqlite3"
     sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()

@@ -28,10 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from server_harness import BASE, assert_openai_error, make_engine, make_roots, read_sse, running_server
 
-from lorapage.server import Access, hash_key
-from lorapage.server.app import STATE
-from lorapage.server.engine_backend import ENGINES
-from lorapage.server.tenants import TenantsConfig
+from lorapage.frontend import Access, hash_key
+from lorapage.frontend.app import STATE
+from lorapage.frontend.tenants import TenantsConfig
+from lorapage.serve.engine_backend import ENGINES
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

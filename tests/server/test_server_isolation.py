@@ -22,9 +22,9 @@ from server_harness import (  # noqa: F401 (server: the module's fixture)
     server,
 )
 
-from lorapage.server import Access, hash_key
-from lorapage.server.loop_lag import LoopLagMonitor
-from lorapage.server.tenants import TenantsConfig
+from lorapage.frontend import Access, hash_key
+from lorapage.frontend.loop_lag import LoopLagMonitor
+from lorapage.frontend.tenants import TenantsConfig
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

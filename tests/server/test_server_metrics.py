@@ -14,7 +14,7 @@ from server_harness import BASE, make_engine, read_sse, running_server
 from lorapage import SamplingParams
 from lorapage.adapters.metrics import LABEL_REFRESH_S, AdapterMetrics
 from lorapage.engine.stats import EngineStats
-from lorapage.server.metrics import ENGINE_SERIES, NOT_EXPORTED, ServerMetrics
+from lorapage.frontend.metrics import ENGINE_SERIES, NOT_EXPORTED, ServerMetrics
 
 MAX_TOKENS = 6
 

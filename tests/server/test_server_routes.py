@@ -19,7 +19,7 @@ from server_harness import (  # noqa: F401 (server: the module's fixture)
     server,
 )
 
-from lorapage.server.app import STATE
+from lorapage.frontend.app import STATE
 from lorapage.tiny import demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

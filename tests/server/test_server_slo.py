@@ -7,8 +7,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import make_engine, running_server
 
-from lorapage.server import Access, hash_key
-from lorapage.server.app import STATE, reload_tenants
+from lorapage.frontend import Access, hash_key
+from lorapage.frontend.app import STATE
+from lorapage.serve.app import reload_tenants
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -7,10 +7,10 @@ import hashlib
 
 import pytest
 
-import lorapage.server.tenants as tenants_mod
-from lorapage.server import Access, hash_key
-from lorapage.server.slo import SloTargets
-from lorapage.server.tenants import SHARED, TenantConfig, TenantsConfig, TenantsConfigError
+import lorapage.frontend.tenants as tenants_mod
+from lorapage.frontend import Access, hash_key
+from lorapage.frontend.slo import SloTargets
+from lorapage.frontend.tenants import SHARED, TenantConfig, TenantsConfig, TenantsConfigError
 
 
 def digest(key: str) -> str:

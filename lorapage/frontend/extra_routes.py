@@ -1,0 +1,132 @@
+"""The routes the front end has for clients written against vLLM and OpenAI's newer API.
+
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``, ``GET /version`` and
+``GET|POST /ping``, and OpenAI's ``POST /v1/responses`` (vLLM's LoRA load and unload are admin
+routes: :mod:`lorapage.frontend.admin`). What they answer is decided in framework-neutral modules
+(:mod:`lorapage.frontend.tokenization`, :mod:`~lorapage.frontend.version`,
+:mod:`~lorapage.frontend.responses_api`, :mod:`~lorapage.frontend.responses_output`); this module ties
+them to aiohttp and the front end's state (``lorapage serve``'s and the fleet ingress's alike),
+with the checks in the order every route keeps: tenant key (401), declared size (413), the
+tenant's requests per minute (429), the body, the model's visibility (404), the prompt in the
+tenant's turn; a response runs like a chat completion (its tokens against the tenant's TPM, the
+engine's queue).
+``/version`` and ``/ping`` take no key (vLLM's do not either; ``/health`` does not).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from lorapage.frontend import tokenization
+from lorapage.frontend.admin import check_body_length
+from lorapage.frontend.backend import Backend
+from lorapage.frontend.generation import Answer, Job, Timing
+from lorapage.frontend.responses_api import ResponsesPlan, parse_responses
+from lorapage.frontend.responses_output import answer_response, responses_job
+from lorapage.frontend.state import RouteState
+from lorapage.frontend.version import PING_BODY, version_body
+from lorapage.tools import ToolFormat, detect_format
+
+
+def _json(body: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+class ExtraRoutes:
+    """Handlers bound to the server state (its key passed in: ``app`` imports this module)."""
+
+    def __init__(self, state_key: web.AppKey) -> None:
+        self.key = state_key
+        self._tool_format: ToolFormat | None = None
+
+    def tool_format(self, state: RouteState[Backend]) -> ToolFormat:
+        """The format the model's chat template writes tool calls in (found once)."""
+        if self._tool_format is None:
+            self._tool_format = detect_format(state.backend.tokenizer.chat_template)
+        return self._tool_format
+
+    def _admitted(self, request: web.Request) -> tuple[RouteState[Backend], str]:
+        """The state and the tenant, once its key is known and its declared body size fits."""
+        state = request.app[self.key]
+        tenant = state.access.tenant_for(request)
+        check_body_length(request.content_length, state.max_body_bytes)
+        return state, tenant
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        state, tenant = self._admitted(request)
+        reservation = state.admit(tenant)
+        try:
+            body = await request.read()
+            return _json(await tokenization.tokenize(state.prompts, tenant, body, self._resolver(state, tenant)))
+        finally:
+            state.release(reservation)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        state, tenant = self._admitted(request)
+        reservation = state.admit(tenant)
+        try:
+            body = await request.read()
+            return _json(await tokenization.detokenize(state.prompts, tenant, body, self._resolver(state, tenant)))
+        finally:
+            state.release(reservation)
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        state = request.app[self.key]
+        state.release(state.admit(state.access.tenant_for(request)))
+        return _json(tokenization.tokenizer_info(state.prompts))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.Response(body=version_body(), content_type="application/json")
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """vLLM's (SageMaker's) liveness check: 200 with no body, 503 once shutting down."""
+        return web.Response(body=PING_BODY, status=503 if request.app[self.key].closing else 200)
+
+    @staticmethod
+    def _resolver(state: RouteState[Backend], tenant: str) -> tokenization.Resolve:
+        async def resolve(model: str) -> object:
+            return state.resolve(model, tenant)
+
+        return resolve
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: checked and run as a chat completion is, answered in the
+        Responses API's shapes."""
+        arrival = time.monotonic()
+        state, tenant = self._admitted(request)
+        state.check_open()
+        reservation = state.admit(tenant)  # before the body is read: a refusal costs nothing more
+        try:
+            body = await request.read()
+            template, fmt = state.backend.tokenizer.chat_template, self.tool_format(state)
+            parsed = await state.prompts.parse(tenant, body, lambda b: parse_responses(b, template, fmt))
+            plan: ResponsesPlan = parsed.req
+            state.resolve(plan.req.model, tenant)  # 404 before the template or the tokenizer runs
+            ids = await state.prompts.chat_tokens(tenant, plan.messages, template_kwargs=plan.template_kwargs)
+            # Resolved again: the adapter may have been deleted (or re-pointed) while the input was tokenized.
+            model, adapter = state.resolve(plan.req.model, tenant)
+            max_len = state.backend.max_model_len
+            job = responses_job(plan, model, adapter, tenant, ids, max_len, arrival, state.access)
+
+            async def respond(outputs: AsyncGenerator[Any, None], job: Job, timing: Timing) -> Answer:
+                return await answer_response(outputs, job, plan, timing)
+
+            return await state.run(request, job, reservation, respond)
+        finally:
+            state.release(reservation)  # already released (with its usage) once it ran: then nothing
+
+
+def add_extra_routes(app: web.Application, state_key: web.AppKey) -> None:
+    routes = ExtraRoutes(state_key)
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
+    app.router.add_get("/tokenizer_info", routes.tokenizer_info)
+    app.router.add_get("/version", routes.version)
+    app.router.add_get("/ping", routes.ping)
+    app.router.add_post("/ping", routes.ping)
+    app.router.add_post("/v1/responses", routes.responses)

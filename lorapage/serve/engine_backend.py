@@ -1,0 +1,165 @@
+"""``lorapage serve``'s backend: the engines in this process, one per base (:mod:`lorapage.serve.engines`).
+
+What the front end (:mod:`lorapage.frontend.app`) asks of where requests go
+(:class:`~lorapage.frontend.backend.Backend`), answered by the primary engine and the engines of
+the bases served beside it; plus what only an engine in this process has: the check prompts
+sampled from traffic (:class:`~lorapage.frontend.prompt_sampler.PromptSampler`) and pins restored at
+start. The admin, audit and base-upgrade routes reach the engines through their own operations
+(:class:`~lorapage.serve.local_admin.LocalAdmin`, :class:`~lorapage.frontend.bases_route.LocalUpgrades`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from lorapage.adapters.names import parse_name
+from lorapage.frontend.auth import Access
+from lorapage.frontend.generation import Job, engine_outputs
+from lorapage.frontend.metrics import BaseGauges, ServerMetrics
+from lorapage.frontend.models_view import BaseCard, ModelsView
+from lorapage.frontend.prompt_sampler import PromptSampler
+from lorapage.frontend.quota import overload_retry_after_s
+from lorapage.frontend.slo import SloTracker
+from lorapage.request import PromptProgress
+from lorapage.serve.engines import Engines
+from lorapage.usage.ledger import Key, Usage
+
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
+    from lorapage.frontend.loop_lag import LoopLagMonitor
+
+log = logging.getLogger("lorapage.server")
+
+
+class EngineBackend:
+    """The primary ``engine`` (its registry is the server's) and the engines of ``bases`` beside it."""
+
+    def __init__(self, engine: Engine, bases: Sequence[Engine] = ()) -> None:
+        self.engine = engine
+        self.engines = Engines([engine, *bases])
+        self.tokenizer = engine.tokenizer
+        self.base_name = engine.base_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.queue_len = engine.config.max_queue_len
+        # Check prompts sampled from the traffic of the adapters whose owners opted in.
+        self.sampler = PromptSampler(engine.admin.registry.sampling_ids())
+        self.sampler_task: asyncio.Task | None = None
+        self._bases_of: dict[str, str] = {}  # adapter id -> the base it runs on (several bases), as last listed
+        self._side_names = [e.base_name for e in bases]
+
+    def server_metrics(self, loop_lag: LoopLagMonitor, slo: SloTracker) -> ServerMetrics:
+        seen = self.engine.metrics()
+        metrics = ServerMetrics(
+            seen.stats, seen.scheduler, seen.vtc_counters, loop_lag=loop_lag, adapters=seen.adapters, slo=slo
+        )
+        if self.engines.several:
+            metrics.registry.register(BaseGauges([(e.base_name, e.digest, e.stats) for e in self.engines.engines]))
+        return metrics
+
+    def models(self, access: Access, started: int, draining: Collection[str]) -> ModelsView:
+        engine = self.engine
+        card = BaseCard(engine.base_name, engine.max_model_len, started, serves_base=engine.merged_adapter is None)
+        more = [BaseCard(e.base_name, e.max_model_len, started) for e in self.engines.engines[1:]]
+
+        def serving() -> list[str]:
+            merged = engine.merged_adapter
+            if merged is not None:  # a dedicated deployment serves its one version
+                return [merged.partition("@")[0]]
+            if self.engines.several:
+                self._bases_of.clear()
+                self._bases_of.update(
+                    {i: base for i, (key, base) in self.engines.served_ids().items() if key not in draining}
+                )
+                return list(self._bases_of)
+            versions = engine.admin.versions()
+            return [v.adapter_id for v in versions if v.current and v.servable and v.key not in draining]
+
+        return ModelsView(
+            access,
+            card,
+            serving=serving,
+            key=lambda: (engine.admin.generation, frozenset(draining)),
+            more_bases=more,
+            base_of=self._bases_of.get,
+        )
+
+    def version(self, name: str) -> str:
+        return self.engines.resolve(name)
+
+    def base_named(self, model: str) -> str | None:
+        return next((n for n in self._side_names if model == n or model.startswith(n + ":")), None)
+
+    def base_of(self, key: str) -> str | None:
+        if not self.engines.several:
+            return None
+        base = self.engines.base_of_key(key)
+        return base.name if base is not None else None
+
+    def max_adapter_tokens(self, adapter: str | None) -> int | None:
+        # A dedicated deployment runs its adapter on the base path, which the bound does not cover.
+        return self.engine.config.max_adapter_tokens if self.engine.merged_adapter is None else None
+
+    async def outputs(self, job: Job, headers: dict[str, str]) -> AsyncGenerator[Any, None]:
+        progress: list[PromptProgress] = []
+        outputs = engine_outputs(self.engines.engine_for(job.adapter, job.model), job, progress)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+            job.prompt_computed = sum(p.computed for p in progress)  # the generators have ended: filled in
+
+    def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
+        self.engine.record_rejected(tenant, tokens, reason)
+
+    def overload_retry_after(self, admissions_per_s: float) -> int | None:
+        return overload_retry_after_s(self.engine.stats().queue_depth, self.queue_len, admissions_per_s)
+
+    def finished(self, job: Job) -> None:
+        pass  # the engines count their own traffic
+
+    def offer_prompt(self, adapter: str, prompt: list[int]) -> None:
+        self.sampler.offer(parse_name(adapter)[0], prompt)  # opted-in ids only: a set lookup
+
+    async def usage_rows(self, since_hour: int | None) -> list[tuple[Key, Usage]]:
+        return self.engines.usage_rows(since_hour=since_hour)  # every base's engine (--base)
+
+    def after_request(self) -> None:
+        try:
+            self.engines.sync()  # an admin change reaches the other bases' engines now
+        except Exception:  # never turn an answered (maybe committed) request into a 500: retried next request
+            log.exception("mirroring the registry into the other bases' engines failed")
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        self.engines.set_tenant_weights(weights)
+
+    def abort(self, request_id: str) -> None:
+        self.engines.abort(request_id)
+
+    async def start(self) -> None:
+        """Adapters pinned before a restart load now, not at the first request (on every base's
+        engine); the prompt sampler starts."""
+        for engine in self.engines.engines:
+            await engine.admin.restore_pins()
+        self.sampler_task = asyncio.get_running_loop().create_task(self.sampler.run(self.engine))
+
+    async def stop(self) -> None:
+        if self.sampler_task is not None:
+            self.sampler_task.cancel()
+            try:
+                await self.sampler_task
+            except asyncio.CancelledError:
+                pass
+        try:  # what was sampled since the last flush
+            await self.sampler.flush(self.engine)
+        except Exception:
+            log.exception("storing sampled check prompts failed")
+
+
+ENGINES = web.AppKey("lorapage_engines", EngineBackend)  # lorapage serve's backend, for its own routes
