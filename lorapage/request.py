@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -190,3 +191,9 @@ class Request:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : end - n]
+
+
+# What crosses the front end's backend seam (lorapage.frontend.backend): one request's outputs,
+# each a cumulative snapshot of one choice (``index``: prompt * n + sample), from an engine in
+# this process or a fleet replica's stream alike.
+TokenStream = AsyncGenerator[RequestOutput, None]

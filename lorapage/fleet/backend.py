@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter as MetricCounter
@@ -45,6 +45,7 @@ from lorapage.frontend.metrics import ServerMetrics
 from lorapage.frontend.models_view import BaseCard, ModelsView
 from lorapage.frontend.slo import SloTracker
 from lorapage.model.tokenizer import Tokenizer
+from lorapage.request import TokenStream
 from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import summed
 
@@ -183,7 +184,7 @@ class FleetBackend:
         handle = self.bases.handle_for(self.registry, job.adapter, job.model)
         return handle.options(multiplexed_model_id=parse_name(job.adapter)[0] if job.adapter is not None else "")
 
-    def outputs(self, job: Job, headers: dict[str, str]) -> AsyncGenerator[Any, None]:
+    def outputs(self, job: Job, headers: dict[str, str]) -> TokenStream:
         """The engine outputs of every prompt of ``job``, as one stream (each prompt routed on its
         own); ``headers`` names the replica that took it (the last, after a retry). One after
         another: Ray Serve gives the calls a request makes its own request id, and two at once
@@ -191,7 +192,7 @@ class FleetBackend:
         headers[REPLICA_HEADER] = "none"
         return chained([self.prompt_outputs(job, headers, i) for i in range(len(job.prompts))], job.sampling.n)
 
-    async def prompt_outputs(self, job: Job, headers: dict[str, str], i: int) -> AsyncGenerator[Any, None]:
+    async def prompt_outputs(self, job: Job, headers: dict[str, str], i: int) -> TokenStream:
         """The engine outputs of ``job``'s prompt ``i`` from a replica the router picks; resent while
         nothing of it has been passed on. A whole answer passes on only its last outputs, so it can
         always be resent."""

@@ -10,14 +10,15 @@ engines of ``lorapage serve``, one per base) and :class:`lorapage.fleet.backend.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Collection, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from lorapage.frontend.auth import Access
 from lorapage.frontend.metrics import ServerMetrics
 from lorapage.frontend.models_view import ModelsView
 from lorapage.frontend.slo import SloTracker
 from lorapage.model.tokenizer import Tokenizer
+from lorapage.request import TokenStream
 from lorapage.usage.ledger import Key, Usage
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class Backend(Protocol):
         """The bound on a request's adapter tokens (None: none, e.g. a version served merged)."""
         ...
 
-    def outputs(self, job: Job, headers: dict[str, str]) -> AsyncGenerator[Any, None]:
+    def outputs(self, job: Job, headers: dict[str, str]) -> TokenStream:
         """The engine outputs of every prompt of ``job``, as one stream; once it has ended,
         ``job.prompt_computed`` holds what the engines computed. ``headers``: filled with what the
         answer should carry besides :func:`~lorapage.frontend.generation.adapter_headers`'."""

@@ -16,7 +16,6 @@ engine's queue).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -30,6 +29,7 @@ from lorapage.frontend.responses_api import ResponsesPlan, parse_responses
 from lorapage.frontend.responses_output import answer_response, responses_job
 from lorapage.frontend.state import RouteState
 from lorapage.frontend.version import PING_BODY, version_body
+from lorapage.request import TokenStream
 from lorapage.tools import ToolFormat, detect_format
 
 
@@ -113,7 +113,7 @@ class ExtraRoutes:
             max_len = state.backend.max_model_len
             job = responses_job(plan, model, adapter, tenant, ids, max_len, arrival, state.access)
 
-            async def respond(outputs: AsyncGenerator[Any, None], job: Job, timing: Timing) -> Answer:
+            async def respond(outputs: TokenStream, job: Job, timing: Timing) -> Answer:
                 return await answer_response(outputs, job, plan, timing)
 
             return await state.run(request, job, reservation, respond)

@@ -34,7 +34,7 @@ from lorapage.frontend.fields import ToolUse
 from lorapage.frontend.metrics import ServerMetrics
 from lorapage.frontend.quota import AdmissionRate
 from lorapage.frontend.sse import DONE, EventStream, frame
-from lorapage.request import PromptProgress
+from lorapage.request import PromptProgress, RequestOutput, TokenStream
 from lorapage.sampling_params import SamplingParams
 from lorapage.tools.formats import ToolCall
 from lorapage.tools.stream import ToolStream
@@ -176,7 +176,7 @@ def make_job(
     return job
 
 
-async def chained(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGenerator[Any, None]:
+async def chained(streams: list[TokenStream], n: int) -> TokenStream:
     """As :func:`merged`, one stream after another (each prompt starts when the one before ends)."""
     try:
         for i, stream in enumerate(streams):
@@ -187,7 +187,7 @@ async def chained(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGene
             await stream.aclose()
 
 
-async def merged(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGenerator[Any, None]:
+async def merged(streams: list[TokenStream], n: int) -> TokenStream:
     """The outputs of several prompts' streams as one, each output's ``index`` made its choice's
     (``prompt * n + index``). A stream's error is raised at once; closing this closes them all."""
     if len(streams) == 1:
@@ -199,7 +199,7 @@ async def merged(streams: list[AsyncGenerator[Any, None]], n: int) -> AsyncGener
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncGenerator[Any, None]) -> None:
+    async def pump(i: int, stream: TokenStream) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((i, out))
@@ -517,7 +517,7 @@ class Answer:
     events: AsyncGenerator[bytes, None] | None = None
 
 
-async def answer(outputs: AsyncGenerator[Any, None], job: Job, fmt: Formatter, timing: Timing) -> Answer:
+async def answer(outputs: TokenStream, job: Job, fmt: Formatter, timing: Timing) -> Answer:
     """Await ``outputs``' first item (a refusal raises here, before anything is sent), then
     answer ``job`` whole or as a stream of SSE frames, every choice in it."""
     streaming = False
@@ -544,7 +544,7 @@ async def answer(outputs: AsyncGenerator[Any, None], job: Job, fmt: Formatter, t
 
 
 async def _events(
-    outputs: AsyncGenerator[Any, None], out: Any, job: Job, fmt: Formatter, timing: Timing
+    outputs: TokenStream, out: RequestOutput, job: Job, fmt: Formatter, timing: Timing
 ) -> AsyncGenerator[bytes, None]:
     last: dict[int, Any] = {}
     try:
@@ -567,7 +567,7 @@ async def _events(
     yield DONE
 
 
-def engine_outputs(engine: Engine, job: Job, progress: list[PromptProgress]) -> AsyncGenerator[Any, None]:
+def engine_outputs(engine: Engine, job: Job, progress: list[PromptProgress]) -> TokenStream:
     """The outputs of every prompt of ``job`` on an engine in this process, as one stream;
     ``progress`` gets each prompt's computed-token count once its generator ends."""
     streams = []

@@ -28,6 +28,7 @@ from lorapage.errors import InvalidRequestError, LorapageError, ServiceUnavailab
 from lorapage.frontend.auth import Access
 from lorapage.frontend.generation import Answer, Job, Timing, adapter_headers
 from lorapage.frontend.responses_api import ResponsesPlan
+from lorapage.request import RequestOutput, TokenStream
 from lorapage.tools import ToolCall, ToolStream
 
 _encoder = msgspec.json.Encoder()
@@ -296,7 +297,7 @@ def _error_code(error: LorapageError) -> str:
     return {429: "rate_limit_exceeded", 400: "invalid_prompt"}.get(error.status, "server_error")
 
 
-async def answer_response(outputs: AsyncGenerator[Any, None], job: Job, plan: ResponsesPlan, timing: Timing) -> Answer:
+async def answer_response(outputs: TokenStream, job: Job, plan: ResponsesPlan, timing: Timing) -> Answer:
     """Await ``outputs``' first item (a refusal raises here, before anything is sent), then the
     whole ``response`` as one JSON body, or its events."""
     builder = ResponseBuilder(job, plan)
@@ -319,7 +320,7 @@ async def answer_response(outputs: AsyncGenerator[Any, None], job: Job, plan: Re
 
 
 async def _events(
-    outputs: AsyncGenerator[Any, None], out: Any, builder: ResponseBuilder, timing: Timing
+    outputs: TokenStream, out: RequestOutput, builder: ResponseBuilder, timing: Timing
 ) -> AsyncGenerator[bytes, None]:
     try:
         for data in builder.start():

@@ -66,7 +66,8 @@ async def serve_until_signal(
     on_reload: Callable[[], None] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop accepting, let running requests finish (or abort
-    them after the grace period), and close the engine (every engine of ``lorapage serve``'s :class:`~lorapage.serve.engines.Engines`).
+    them after the grace period), and close the engine (every engine of
+    ``lorapage serve``'s :class:`~lorapage.serve.engines.Engines`).
     SIGHUP calls ``on_reload``."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,8 +10,8 @@ app's :class:`~lorapage.frontend.admin_ops.AdminOps`, not the backend).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 
@@ -19,10 +19,11 @@ from lorapage.frontend.auth import Access
 from lorapage.frontend.generation import Answer, Job, Timing
 from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.quota import Reservation
+from lorapage.request import TokenStream
 
 B_co = TypeVar("B_co", covariant=True)
 # How a job's engine outputs become its answer (generation.answer's role; /v1/responses brings its own).
-AnswerWith = Callable[[AsyncGenerator[Any, None], Job, Timing], Awaitable[Answer]]
+AnswerWith = Callable[[TokenStream, Job, Timing], Awaitable[Answer]]
 
 
 class RouteState(Protocol[B_co]):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -25,7 +25,7 @@ from lorapage.frontend.models_view import BaseCard, ModelsView
 from lorapage.frontend.prompt_sampler import PromptSampler
 from lorapage.frontend.quota import overload_retry_after_s
 from lorapage.frontend.slo import SloTracker
-from lorapage.request import PromptProgress
+from lorapage.request import PromptProgress, TokenStream
 from lorapage.serve.engines import Engines
 from lorapage.usage.ledger import Key, Usage
 
@@ -105,7 +105,7 @@ class EngineBackend:
         # A dedicated deployment runs its adapter on the base path, which the bound does not cover.
         return self.engine.config.max_adapter_tokens if self.engine.merged_adapter is None else None
 
-    async def outputs(self, job: Job, headers: dict[str, str]) -> AsyncGenerator[Any, None]:
+    async def outputs(self, job: Job, headers: dict[str, str]) -> TokenStream:
         progress: list[PromptProgress] = []
         outputs = engine_outputs(self.engines.engine_for(job.adapter, job.model), job, progress)
         try:
