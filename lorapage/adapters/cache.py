@@ -2,12 +2,12 @@
 
 Every method runs on the engine's event loop, which owns this state. Where a version lives and
 what leaves is decided by the residency rules (:class:`~lorapage.adapters.residency.Residency`,
-shared with the simulator); this module registers versions (validated against the base, inside
-the shared serving envelope) and carries the rules' decisions out: file reads and parsing in an
+shared with the simulator); this module registers versions (once
+:class:`~lorapage.adapters.checks.AdapterChecks` accepted them) and carries the rules' decisions out: file reads and parsing in an
 I/O thread pool, copies into pool pages on the device's thread
 (:class:`~lorapage.adapters.loader.AdapterLoader`), each reported back to the rules when done.
 A request for a non-resident version only starts (or joins) a load; the scheduler admits it once
-:meth:`Residency.is_ready` says so.
+:meth:`~lorapage.adapters.residency.Residency.is_ready` says so.
 
 A load that fails fails the requests waiting for it with an error of its kind but no detail
 (paths, source URIs and digests are the operator's: the log has them); an admin's load or pin
@@ -96,8 +96,7 @@ class AdapterCache:
         self._copies: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}  # admin loads waiting for residency
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
-        self._tick_soon: asyncio.Handle | None = None
-        self._tick_timer: asyncio.TimerHandle | None = None
+        self._rechecks = Rechecks(residency, clock, self._apply)
 
     # -- registry -------------------------------------------------------------------------------
 
@@ -136,7 +135,7 @@ class AdapterCache:
         self._load_meta.pop(name, None)
         self.metrics.forget_load(name)
         self._fail_waiters(name, AdapterNotFoundError(f"adapter {name!r} was removed", param="model"))
-        self._kick()
+        self._rechecks.soon()
 
     def get(self, name: str) -> AdapterEntry:
         try:
@@ -171,27 +170,27 @@ class AdapterCache:
         overlaps queueing, and the tenant's other recent versions are prefetched into host RAM."""
         self.metrics.record_request(name, self.residency.tier(name), now, tenant)
         self._apply(self.residency.enqueue(name, now, tenant))
-        self._kick()  # a pre-warm waiting for a slot is demand now
+        self._rechecks.soon()  # a pre-warm waiting for a slot is demand now
 
     def dequeue(self, name: str) -> None:
         """A queued request for ``name`` left without running (aborted, or its load failed)."""
         self.residency.dequeue(name)
-        self._kick()  # the version may now be evictable for a waiting load
+        self._rechecks.soon()  # the version may now be evictable for a waiting load
 
     def finish(self, name: str | None) -> None:
         """An admitted request (of ``name``, or of the base) ended: its pages are free."""
         if name is not None:
             self.residency.finish(name)
-        self._kick()
+        self._rechecks.soon()
 
     def requeue(self, name: str) -> None:
         """An admitted request for ``name`` goes back to the queue (preempted, or its admission undone)."""
         self.residency.requeue(name)
-        self._kick()
+        self._rechecks.soon()
 
     def memory_freed(self) -> None:
         """KV pages went back to the pool: a load waiting for room looks again."""
-        self._kick()
+        self._rechecks.soon()
 
     def room_for_kv(self, pages_needed: int, *, reserve: bool = True) -> bool:
         """Whether ``pages_needed`` KV pages can be had now, giving back idle cached blocks and
@@ -215,7 +214,7 @@ class AdapterCache:
         """Start making ``name`` resident if it is not (returns at once)."""
         self.get(name)
         self._apply(self.residency.ensure(name))
-        self._kick()
+        self._rechecks.soon()
 
     async def wait_resident(self, name: str) -> None:
         """Load ``name`` and wait until it is resident (admin pre-warm); its load's error if it fails."""
@@ -235,7 +234,7 @@ class AdapterCache:
         self.get(name)
         decisions = self.residency.unload(name, self._clock())
         self._apply(decisions)
-        self._kick()
+        self._rechecks.soon()
         return any(isinstance(d, Evict) for d in decisions)
 
     def pin(self, name: str) -> None:
@@ -243,18 +242,18 @@ class AdapterCache:
         not start its load: the caller does (:meth:`ensure`) on the engine's loop, and
         :meth:`rebind_loop` does for every pinned version when the engine starts on a loop."""
         self._apply(self.residency.pin(name))
-        self._kick()
+        self._rechecks.soon()
 
     def unpin(self, name: str) -> None:
         """Undo :meth:`pin`: ``name`` stays where it is, evictable by value again."""
         self.residency.unpin(name)
-        self._kick()  # it may be the idle adapter a waiting load needs
+        self._rechecks.soon()  # it may be the idle adapter a waiting load needs
 
     def set_hot(self, names: list[str]) -> None:
         """The traffic tiers' hot versions, most requested first: kept resident within the pins'
         bounds (:meth:`Residency.set_hot`); their loads start."""
         self._apply(self.residency.set_hot(names))
-        self._kick()
+        self._rechecks.soon()
 
     def prewarm(self, names: list[str]) -> None:
         """The traffic tiers' warm versions, most requested first: read into host RAM ahead of
@@ -276,7 +275,7 @@ class AdapterCache:
         self._copies.clear()
         self._staged.clear()
         self._waiters.clear()
-        self._tick_soon = self._tick_timer = None
+        self._rechecks.forget()
         self._apply(self.residency.reset())
 
     # -- carrying out the rules' decisions ------------------------------------------------------
@@ -293,10 +292,10 @@ class AdapterCache:
                 case Load():
                     self._start_copy(d)
                 case Evict():
-                    self.loader.clear_slot(d.slot)
+                    self.loader.tables.clear_slot(d.slot)
                     self.metrics.record_eviction(d.key)
                 case Release():
-                    self.loader.clear_slot(d.slot)
+                    self.loader.tables.clear_slot(d.slot)
                 case Ready():
                     self._ready(d.key)
                 case Cancel():
@@ -330,7 +329,7 @@ class AdapterCache:
         self._host[name] = self._staged[name] = packed
         self._load_meta[name] = (tier, self._timer() - started)
         self._apply(self.residency.read_done(name, self._clock()))
-        self._arm_timer()
+        self._rechecks.arm()
 
     def _start_prefetch(self, d: Prefetch) -> None:
         task = asyncio.get_running_loop().create_task(self._prefetch(self.entries[d.key]))
@@ -383,7 +382,7 @@ class AdapterCache:
         if error is not None and self.entries.get(name) is entry:
             self._fail(entry, error)
         self._on_ready()
-        self._kick()  # a new resident adapter may yield to a starving load
+        self._rechecks.soon()  # a new resident adapter may yield to a starving load
 
     def _load_failed(self, entry: AdapterEntry, error: LorapageError) -> None:
         self._apply(self.residency.load_failed(entry.name))
@@ -419,33 +418,48 @@ class AdapterCache:
                 task.cancel()
         self._staged.pop(name, None)
 
-    # -- looking again at loads waiting for room ------------------------------------------------
 
-    def _kick(self) -> None:
+class Rechecks:
+    """When the residency rules look again at the loads waiting for room: soon after anything
+    that may have made room, and when a waiting load's patience runs out (or a busy adapter may
+    yield). ``apply`` carries out what the rules then decide."""
+
+    def __init__(
+        self, residency: Residency, clock: Callable[[], float], apply: Callable[[list[Decision]], None]
+    ) -> None:
+        self._residency, self._clock, self._apply = residency, clock, apply
+        self._soon: asyncio.Handle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def soon(self) -> None:
         """Something may have made room: the rules look at the waiting loads once this call's work
         is done (a preemption that freed pages for a decode must not see them taken first)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop yet: rebind_loop looks when the engine starts on one
             return
-        if self._tick_soon is None and self.residency.loads.loading():
-            self._tick_soon = loop.call_soon(self._tick)
+        if self._soon is None and self._residency.loads.loading():
+            self._soon = loop.call_soon(self._look)
 
-    def _tick(self) -> None:
-        self._tick_soon = None
-        self._apply(self.residency.tick(self._clock()))
-        self._arm_timer()
-
-    def _arm_timer(self) -> None:
+    def arm(self) -> None:
         """Look again when a waiting load's patience runs out (or a busy adapter may yield)."""
-        if self._tick_timer is not None:
-            self._tick_timer.cancel()
-            self._tick_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         now = self._clock()
-        at = self.residency.loads.next_check(now)
+        at = self._residency.loads.next_check(now)
         if at is not None:
             loop = asyncio.get_running_loop()
-            self._tick_timer = loop.call_later(max(at - now, MIN_RECHECK_S), self._tick)
+            self._timer = loop.call_later(max(at - now, MIN_RECHECK_S), self._look)
+
+    def forget(self) -> None:
+        """The event loop the looks were on is gone (and its handles with it)."""
+        self._soon = self._timer = None
+
+    def _look(self) -> None:
+        self._soon = None
+        self._apply(self._residency.tick(self._clock()))
+        self.arm()
 
 
 def for_requests(name: str, error: LorapageError) -> LorapageError:
