@@ -53,7 +53,6 @@ class StepScheduler:
         usage: UsageLedger | None = None,
     ) -> None:
         self.policy, self.adapters, self.pool, self.limits, self.clock = policy, adapters, pool, limits, clock
-        self.residency = adapters.residency  # the rules the adapters' effects follow: who is ready, admitted
         self.usage = usage  # cost attribution: every step's rows and the adapters resident
         self.metrics, self._timer = metrics, timer  # the policy's own time per step goes to metrics
         self._policy_s = 0.0  # time spent in the policy for the step being planned and applied
@@ -104,7 +103,7 @@ class StepScheduler:
     # -- AdmissionContext -----------------------------------------------------------------------
 
     def adapter_ready(self, req: Request) -> bool:
-        return req.adapter is None or self.residency.is_ready(req.adapter)
+        return req.adapter is None or self.adapters.residency.is_ready(req.adapter)
 
     def try_admit(self, req: Request) -> bool:
         lim = self.limits
@@ -133,7 +132,7 @@ class StepScheduler:
             self.prefix_hit_tokens[t] = self.prefix_hit_tokens.get(t, 0) + hit
         self._admitted.append(req)
         if req.adapter is not None:  # it runs on the adapter now, so admitting the next request cannot evict it
-            req.lora_slot = self.residency.admit(req.adapter)
+            req.lora_slot = self.adapters.residency.admit(req.adapter)
         return True
 
     def _match_prefix(self, req: Request) -> int:
@@ -315,7 +314,7 @@ class StepScheduler:
         self._policy_s += self._timer() - started
         if self.usage is not None:
             self.usage.record_step(now, step_s, charged)
-            self.usage.record_residency(now, self.residency.slots.resident_pages())
+            self.usage.record_residency(now, self.adapters.residency.slots.resident_pages())
         for req, _, sample in rows:
             if req.aborted:
                 self._finish(req, "abort")
