@@ -232,7 +232,7 @@ for name in getattr(module, "__all__", []):
         "lorapage.adapters.residency",
         "lorapage.adapters.residence",
         "lorapage.adapters.host_ram",
-        "lorapage.adapters.slots",
+        "lorapage.adapters.pool_slots",
         "lorapage.adapters.loads",
         "lorapage.adapters.pins",
         "lorapage.adapters.version_index",

@@ -2,9 +2,9 @@
 
 Every method runs on the engine's event loop, which owns this state. Where a version lives and
 what leaves is decided by the residency rules (:class:`~lorapage.adapters.residency.Residency`,
-shared with the simulator); this module registers versions (once
-:class:`~lorapage.adapters.checks.AdapterChecks` accepted them) and carries the rules' decisions out: file reads and parsing in an
-I/O thread pool, copies into pool pages on the device's thread
+shared with the simulator), which readers ask directly; this module registers versions (once
+:class:`~lorapage.adapters.checks.AdapterChecks` accepted them) and carries the rules' decisions
+out: file reads and parsing in an I/O thread pool, copies into pool pages on the device's thread
 (:class:`~lorapage.adapters.loader.AdapterLoader`), each reported back to the rules when done.
 A request for a non-resident version only starts (or joins) a load; the scheduler admits it once
 :meth:`~lorapage.adapters.residency.Residency.is_ready` says so.

@@ -18,8 +18,8 @@ from enum import Enum
 
 from lorapage.adapters.decisions import Decision, Load, Ready, Yield
 from lorapage.adapters.host_ram import HostRam
+from lorapage.adapters.pool_slots import PoolSlots
 from lorapage.adapters.residence import AdapterPages, Phase, Residence
-from lorapage.adapters.slots import PoolSlots
 from lorapage.adapters.value import LoadTier
 from lorapage.memory.pages import PageKind
 

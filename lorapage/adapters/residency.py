@@ -23,7 +23,8 @@ distinct adapters one batch holds (``max_loras``) is the scheduler's rule, not t
   the admin pins, and never ahead of one: an admin pin that needs their room takes it (the least
   requested hot version is let go first). *Warm* versions are read into host RAM ahead of their
   requests (:meth:`Residency.prewarm`), as prefetches under the tiers' own share;
-- KV admission keeps :meth:`Residency.pending_pages` free for the largest load waiting on memory.
+- KV admission keeps :meth:`~lorapage.adapters.loads.Loads.pending_pages` free for the largest
+  load waiting on memory.
 
 The rules take the time as an argument and answer with *decisions*
 (:mod:`lorapage.adapters.decisions`): what to read, prefetch, copy into which slot and pages,
@@ -38,7 +39,7 @@ decisions: the engine and the simulator can be compared decision by decision.
 :class:`Residency` takes every event and answers the questions that span tiers (:meth:`~Residency.tier`,
 :meth:`~Residency.is_ready`); each tier's own state and rules are a part of it, which readers ask
 directly: :attr:`~Residency.slots` (the pool's lora slots and pages, eviction by value;
-:mod:`lorapage.adapters.slots`), :attr:`~Residency.host` (the host-RAM LRU;
+:mod:`lorapage.adapters.pool_slots`), :attr:`~Residency.host` (the host-RAM LRU;
 :mod:`lorapage.adapters.host_ram`), :attr:`~Residency.loads` (loads in flight and their wait for
 room, yields; :mod:`lorapage.adapters.loads`), :attr:`~Residency.pins` (admin pins and hot
 versions; :mod:`lorapage.adapters.pins`), :attr:`~Residency.prefetch` (queued and running prefetches;
@@ -54,9 +55,9 @@ from lorapage.adapters.decisions import Cancel, Decision, DropHost, Prefetch, Re
 from lorapage.adapters.host_ram import HostRam
 from lorapage.adapters.loads import Loads
 from lorapage.adapters.pins import PinBounds, Pins
+from lorapage.adapters.pool_slots import PoolSlots
 from lorapage.adapters.prefetch import PREFETCH_QUEUE_LEN, PrefetchQueue
 from lorapage.adapters.residence import AdapterPages, Phase, ReloadCost, Residence, lookup
-from lorapage.adapters.slots import PoolSlots
 from lorapage.adapters.value import LoadTier, RecentAdapters
 from lorapage.errors import AdapterBusyError, ConflictError
 from lorapage.memory.reclaim import Reclaim
