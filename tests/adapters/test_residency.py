@@ -4,6 +4,9 @@ the decisions that come back."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from lorapage.adapters.decisions import Cancel, DropHost, Evict, Load, Prefetch, Read, Ready, Release, Yield
@@ -251,3 +254,26 @@ def test_one_ranking_gives_back_cached_blocks_and_adapters_cheapest_per_page_fir
     assert blocks.num_cached == 1
     assert r.reclaim(pool.num_free + 1, 0.0) == [Evict("a", 1)]  # then the adapter, before the hot block
     assert blocks.num_cached == 1
+
+
+def test_the_cache_forwards_nothing_to_the_residency_and_no_part_grows_past_forty_methods():
+    """Layer (a) of the control plane: the residency decides, the cache carries its decisions out.
+    Readers ask the residency (or its parts) directly, so no cache method's whole body is the
+    residency's method of the same name; and the rules stay split along their tiers."""
+    root = Path(__file__).resolve().parents[2] / "lorapage" / "adapters"
+    modules = ("cache", "checks", "residency", "residence", "pool_slots", "host_ram", "loads", "pins", "prefetch")
+    for module in modules:
+        tree = ast.parse((root / f"{module}.py").read_text())
+        for cls in (c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)):
+            methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            assert len(methods) <= 40, f"{module}.{cls.name} has {len(methods)} methods"
+            for f in methods:
+                body = [s for s in f.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                call = body[0].value if len(body) == 1 and isinstance(body[0], (ast.Return, ast.Expr)) else None
+                forwards = (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == f.name
+                    and isinstance(call.func.value, ast.Attribute)
+                )
+                assert not forwards, f"{module}.{cls.name}.{f.name} only forwards to a part"
