@@ -86,12 +86,12 @@ class Residency:
     """Every version's tier, its load, its requests and its pins, under the rules of this module."""
 
     def __init__(self, limits: ResidencyLimits, pages: AdapterPages, reclaim: Reclaim, costs: ReloadCost) -> None:
-        self.limits, self.pages, self.reclaimer, self.costs = limits, pages, reclaim, costs
+        self.limits, self.pages = limits, pages
         self.adapters: dict[str, Residence] = {}
-        self.host = HostRam(limits.max_cpu_loras, limits.max_cpu_lora_bytes)
-        self.slots = PoolSlots(limits.max_resident_loras, pages, reclaim, costs, self.host)
-        self.loads = Loads(limits.adapter_wait_s, self.slots, pages, self.host, self._evict)
-        self.pins = Pins(limits.pins, self.adapters)
+        self.host = HostRam(limits.max_cpu_loras, limits.max_cpu_lora_bytes)  # the LRU of packed copies
+        self.slots = PoolSlots(limits.max_resident_loras, pages, reclaim, costs, self.host)  # slots, eviction
+        self.loads = Loads(limits.adapter_wait_s, self.slots, pages, self.host, self._evict)  # in flight, yields
+        self.pins = Pins(limits.pins, self.adapters)  # admin pins and hot versions, within the bounds
         self.recent = RecentAdapters()  # per tenant, its recent versions: what to prefetch
         self.prefetch = PrefetchQueue(limits.max_prefetches)
         self.history: deque[HistoryEntry] = deque(maxlen=HISTORY_LEN)
