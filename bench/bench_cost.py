@@ -123,7 +123,7 @@ async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> 
     for shape, ids in names.items():
         plans[f"{shape}|distinct"] = await capture.plan_of(engine, list(ids))
         plans[f"{shape}|one"] = await capture.plan_of(engine, [ids[0]] * BATCH)
-    assert all(engine.adapters.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
+    assert all(engine.residency.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
     order = list(plans)
     out: dict[str, list[float]] = {}
     for turn in range(WARMUP_TURNS + repeats):

@@ -221,7 +221,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
         placement = await scatter(engine, names, fillers)
     for n in names:
         await engine.admin.load(n)
-    assert all(engine.adapters.tier(engine.admin.resolve(n)) == "gpu" for n in names)
+    assert all(engine.residency.tier(engine.admin.resolve(n)) == "gpu" for n in names)
     await decode_rate(engine, [None] * 4, prompt_len, 3)  # warm-up
     c_rows = names  # (c): request i on adapter c_rows[i]; (d) runs these same requests
     e_rows = skewed_rows(names)  # (e): request i on adapter e_rows[i]; (f) runs these same requests

@@ -133,7 +133,7 @@ def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
     assert (vtc.max_loras, vtc.reserved_tail_lanes, vtc.tail_lanes, vtc.age_deadline_s) == (4, 1, 1, 0.25)
     limits = engine.residency.limits
     assert (limits.max_resident_loras, limits.max_cpu_lora_bytes) == (6, 1_000_000)
-    assert engine.residency.num_free_slots == 6 and engine.tables.page_table.shape[0] == 7
+    assert engine.residency.slots.num_free == 6 and engine.tables.page_table.shape[0] == 7
     # Derived: the pool's worth of largest adapters, at least max_loras.
     args = build_parser().parse_args(["--state-dir", ":memory:", "--max-loras", "4"])
     derived = Engine(engine_config(args, "lorapage serve"))

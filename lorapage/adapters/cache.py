@@ -2,12 +2,12 @@
 
 Every method runs on the engine's event loop, which owns this state. Where a version lives and
 what leaves is decided by the residency rules (:class:`~lorapage.adapters.residency.Residency`,
-shared with the simulator); this module registers versions (validated against the base, inside
-the shared serving envelope) and carries the rules' decisions out: file reads and parsing in an
-I/O thread pool, copies into pool pages on the device's thread
+shared with the simulator), which readers ask directly; this module registers versions (once
+:class:`~lorapage.adapters.checks.AdapterChecks` accepted them) and carries the rules' decisions
+out: file reads and parsing in an I/O thread pool, copies into pool pages on the device's thread
 (:class:`~lorapage.adapters.loader.AdapterLoader`), each reported back to the rules when done.
 A request for a non-resident version only starts (or joins) a load; the scheduler admits it once
-:meth:`AdapterCache.is_ready` says so.
+:meth:`~lorapage.adapters.residency.Residency.is_ready` says so.
 
 A load that fails fails the requests waiting for it with an error of its kind but no detail
 (paths, source URIs and digests are the operator's: the log has them); an admin's load or pin
@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorapage.adapters.cost import AdapterCost
+from lorapage.adapters.checks import AdapterChecks, AdapterInfo
 from lorapage.adapters.decisions import Cancel, Decision, DropHost, Evict, Load, Prefetch, Read, Ready, Release, Yield
-from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, refusal
+from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import AdapterLayout
-from lorapage.adapters.loader import AdapterLoader, Origin, content_digest
+from lorapage.adapters.loader import AdapterLoader, Origin
 from lorapage.adapters.metrics import AdapterMetrics
-from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec, read_weights
+from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.adapters.residency import Residency
 from lorapage.adapters.value import LoadTier
-from lorapage.errors import AdapterFormatError, AdapterLoadError, AdapterNotFoundError, ConflictError, LorapageError
+from lorapage.errors import AdapterLoadError, AdapterNotFoundError, ConflictError, LorapageError
 from lorapage.memory.pool import PagePool
 from lorapage.model.config import ModelConfig
 
@@ -61,33 +61,6 @@ class AdapterEntry:
     cache_id: bytes = field(default_factory=lambda: uuid.uuid4().bytes)
 
 
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What callers (the server's admin routes, ``engine.admin.info``) see of an adapter."""
-
-    name: str
-    path: str
-    rank: int
-    target_modules: tuple[str, ...]
-    size_bytes: int
-    num_params: int
-    num_pages: int
-    tier: str  # gpu | ram | disk | remote
-    # The version this entry serves (filled in by the engine from the catalog).
-    adapter_id: str = ""
-    version: int = 0
-    digest: str = ""
-    source: str = ""
-    current: bool = False
-    created: bool = True  # False: a registration of content an existing version already had
-    pinned: bool = False  # pinned resident by an admin (AdapterCache.pin)
-    cost: AdapterCost | None = None  # projected cost against the base (lorapage.adapters.cost)
-    serving_tier: str = ServingTier.SHARED.value  # from its shape (lorapage.adapters.envelope)
-    status: str = "available"  # resident | loading | failed (its last load) | available (loads on demand)
-    kept_hot: bool = False  # kept resident for its traffic (tier hot, within the pins' bounds)
-    traffic_tier: str = "cold"  # cold | warm | hot, from its hourly traffic (lorapage.adapters.tiers)
-
-
 class AdapterCache:
     """Registered versions, their host-RAM copies and the loads the residency rules decide.
     Only versions inside the shared serving ``envelope`` are registered; ``landed(digest)`` says
@@ -110,10 +83,9 @@ class AdapterCache:
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model, self.pool, self.residency, self.loader = model, pool, residency, loader
-        self.max_lora_rank, self.envelope = max_lora_rank, envelope
+        self.checks = AdapterChecks(model, pool, loader, max_lora_rank, envelope, sequence_pages)
         self.costs = loader.costs
         self._on_ready, self._clock, self._landed, self._timer = on_ready, clock, landed, timer
-        self.sequence_pages = sequence_pages  # KV pages of one full-length sequence: an adapter must fit beside it
         self.metrics = metrics or AdapterMetrics()
         self.entries: dict[str, AdapterEntry] = {}
         self._host: dict[str, torch.Tensor] = {}  # key -> packed [L, pages * adapter_page_size] (the rules' LRU)
@@ -124,71 +96,18 @@ class AdapterCache:
         self._copies: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}  # admin loads waiting for residency
         self._failed: dict[str, LorapageError] = {}  # loads that failed since the engine last looked
-        self._tick_soon: asyncio.Handle | None = None
-        self._tick_timer: asyncio.TimerHandle | None = None
+        self._rechecks = Rechecks(residency, clock, self._apply)
 
     # -- registry -------------------------------------------------------------------------------
-
-    def register(self, name: str, path: str) -> AdapterInfo:
-        """Validate a PEFT directory against the base and register it (weights load lazily).
-        Reads the whole adapter: use :meth:`validate` in a worker and :meth:`add` to keep the
-        event loop free."""
-        self.check_name_free(name)
-        return self.add(name, *self.validate(path))
-
-    def check_name_free(self, name: str) -> None:
-        if name in self.entries:
-            raise ConflictError(f"adapter {name!r} is already registered", param="name")
-
-    def validate(self, path: str, *, envelope: bool = True) -> tuple[AdapterSpec, AdapterLayout, str]:
-        """Read and check an adapter directory: config, tensor names and shapes against the base,
-        every weight finite, a shape inside the shared serving envelope (not with ``envelope``
-        False: a fleet registers tier ``dedicated`` too, served once promoted) and a size the pool
-        can hold; with the content digest of the bytes checked (loads verify against it, so what
-        they use is what was checked). Touches no engine state, so it may run in any thread."""
-        spec = read_adapter_spec(path, self.model, self.max_lora_rank)
-        if envelope:
-            self.check_envelope(spec)
-        layout = self.plan(spec)
-        weights = read_weights(spec)
-        load_adapter_tensors(spec, self.loader.dtype, weights)  # refuses NaN / Inf weights now, not at a request
-        digest = content_digest(spec, weights)
-        self.loader.finite_digests.add(digest)
-        return spec, layout, digest
-
-    def check_envelope(self, spec: AdapterSpec) -> AdapterCost:
-        """The adapter's projected cost; refused (400, with that cost and the allowed shapes) when
-        its shape is outside the shared envelope. Its tier is then ``dedicated``, which only a
-        dedicated deployment serves, and none exists yet: it is never shared silently."""
-        cost = self.envelope.cost(spec.ranks)
-        if self.envelope.tier(spec.ranks, cost) is ServingTier.DEDICATED:
-            raise refusal(str(spec.path), self.envelope, spec.ranks, cost)
-        return cost
-
-    def plan(self, spec: AdapterSpec) -> AdapterLayout:
-        """The adapter's page layout, refused when its pages cannot fit in the pool beside one
-        full-length sequence's KV blocks: it could never serve a request here."""
-        layout = AdapterLayout.plan(spec, self.model, self.pool.adapter_page_size)
-        if layout.num_pages + self.sequence_pages > self.pool.capacity:
-            page_bytes = self.pool.page_size * self.pool.storage.element_size()
-            shape = describe_shape(spec.max_rank, spec.target_modules, self.model.num_layers)
-            raise AdapterFormatError(
-                f"adapter at {str(spec.path)!r} does not fit this server's pool: {shape} "
-                f"(max_lora_rank {self.max_lora_rank}) needs "
-                f"{layout.num_pages} pages of {page_bytes} bytes per layer; with {self.sequence_pages} pages for one "
-                f"full-length sequence that is {layout.num_pages + self.sequence_pages}, and the pool has "
-                f"{self.pool.capacity} pages. Use a lower rank or fewer modules, or ask the operator for a larger "
-                "pool (--num-pages) or a shorter --max-model-len"
-            )
-        return layout
 
     def add(
         self, name: str, spec: AdapterSpec, layout: AdapterLayout, digest: str = "", origin: Origin | None = None
     ) -> AdapterInfo:
-        """Register a version :meth:`validate` accepted; its files are held to ``digest`` (its
+        """Register a version :meth:`AdapterChecks.validate` accepted; its files are held to ``digest`` (its
         content digest, when known) at every read, and read from ``origin`` (default: the
         directory its spec names)."""
-        self.check_name_free(name)
+        if name in self.entries:
+            raise ConflictError(f"adapter {name!r} is already registered", param="name")
         origin = origin or Origin()
         remote = bool(origin.source) and not origin.source.startswith("file:") and not self._landed(digest)
         # Its packed host copy is its pages' bytes: [layers, pages x adapter page] of the adapters' dtype.
@@ -216,7 +135,7 @@ class AdapterCache:
         self._load_meta.pop(name, None)
         self.metrics.forget_load(name)
         self._fail_waiters(name, AdapterNotFoundError(f"adapter {name!r} was removed", param="model"))
-        self._kick()
+        self._rechecks.soon()
 
     def get(self, name: str) -> AdapterEntry:
         try:
@@ -224,36 +143,15 @@ class AdapterCache:
         except KeyError:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model") from None
 
-    def tier(self, name: str) -> str:
-        return self.residency.tier(name)
-
     def info(self, name: str) -> AdapterInfo:
         e = self.get(name)
         return dataclasses.replace(
-            self.spec_info(name, e.spec),
+            self.checks.spec_info(name, e.spec),
             num_pages=e.layout.num_pages,
-            tier=self.tier(name),
+            tier=self.residency.tier(name),
             pinned=self.residency.get(name).pinned,
             status=self.status(name),
             kept_hot=self.residency.get(name).hot,
-        )
-
-    def spec_info(self, name: str, spec: AdapterSpec) -> AdapterInfo:
-        """What ``spec``'s shape says of version ``name``, registered here or not (one outside the
-        envelope, which this cache never holds: tier ``dedicated``, status ``dedicated``)."""
-        cost = self.envelope.cost(spec.ranks)
-        return AdapterInfo(
-            name=name,
-            path=str(spec.path),
-            rank=spec.max_rank,
-            target_modules=spec.target_modules,
-            size_bytes=spec.size_bytes,
-            num_params=spec.num_params(self.model),
-            num_pages=0,
-            tier="disk",
-            cost=cost,
-            serving_tier=self.envelope.tier(spec.ranks, cost).value,
-            status="dedicated",
         )
 
     def status(self, name: str) -> str:
@@ -261,7 +159,7 @@ class AdapterCache:
         or ``available`` (loads on demand)."""
         if self.residency.is_resident(name):
             return "resident"
-        if name in self.residency.loading():
+        if name in self.residency.loads:
             return "loading"
         return "failed" if self.get(name).error is not None else "available"
 
@@ -270,43 +168,35 @@ class AdapterCache:
     def enqueue(self, name: str, now: float, tenant: str | None = None) -> None:
         """A request for ``name`` (from ``tenant``) arrived: its load starts now, so fetching
         overlaps queueing, and the tenant's other recent versions are prefetched into host RAM."""
-        self.metrics.record_request(name, self.tier(name), now, tenant)
+        self.metrics.record_request(name, self.residency.tier(name), now, tenant)
         self._apply(self.residency.enqueue(name, now, tenant))
-        self._kick()  # a pre-warm waiting for a slot is demand now
-
-    def is_ready(self, name: str) -> bool:
-        """Resident and taking requests (a yielding adapter takes none)."""
-        return self.residency.is_ready(name)
-
-    def admit(self, name: str) -> int:
-        """A queued request for ``name`` is admitted: it runs on the version; its lora slot."""
-        return self.residency.admit(name)
+        self._rechecks.soon()  # a pre-warm waiting for a slot is demand now
 
     def dequeue(self, name: str) -> None:
         """A queued request for ``name`` left without running (aborted, or its load failed)."""
         self.residency.dequeue(name)
-        self._kick()  # the version may now be evictable for a waiting load
+        self._rechecks.soon()  # the version may now be evictable for a waiting load
 
     def finish(self, name: str | None) -> None:
         """An admitted request (of ``name``, or of the base) ended: its pages are free."""
         if name is not None:
             self.residency.finish(name)
-        self._kick()
+        self._rechecks.soon()
 
     def requeue(self, name: str) -> None:
         """An admitted request for ``name`` goes back to the queue (preempted, or its admission undone)."""
         self.residency.requeue(name)
-        self._kick()
+        self._rechecks.soon()
 
     def memory_freed(self) -> None:
         """KV pages went back to the pool: a load waiting for room looks again."""
-        self._kick()
+        self._rechecks.soon()
 
     def room_for_kv(self, pages_needed: int, *, reserve: bool = True) -> bool:
         """Whether ``pages_needed`` KV pages can be had now, giving back idle cached blocks and
         idle adapters (one ranking) when the free pages fall short; with ``reserve``, beyond the
-        pages kept for the loads waiting on memory (:meth:`Residency.pending_pages`)."""
-        need = pages_needed + (self.residency.pending_pages() if reserve else 0)
+        pages kept for the loads waiting on memory (:meth:`~lorapage.adapters.loads.Loads.pending_pages`)."""
+        need = pages_needed + (self.residency.loads.pending_pages() if reserve else 0)
         if self.pool.num_free >= need:
             return True
         self._apply(self.residency.reclaim(need, self._clock()))
@@ -324,7 +214,7 @@ class AdapterCache:
         """Start making ``name`` resident if it is not (returns at once)."""
         self.get(name)
         self._apply(self.residency.ensure(name))
-        self._kick()
+        self._rechecks.soon()
 
     async def wait_resident(self, name: str) -> None:
         """Load ``name`` and wait until it is resident (admin pre-warm); its load's error if it fails."""
@@ -344,49 +234,35 @@ class AdapterCache:
         self.get(name)
         decisions = self.residency.unload(name, self._clock())
         self._apply(decisions)
-        self._kick()
+        self._rechecks.soon()
         return any(isinstance(d, Evict) for d in decisions)
-
-    def pin_limit(self) -> int:
-        return self.residency.pin_limit()
-
-    def pinned_pages(self) -> int:
-        return self.residency.pinned_pages()
-
-    def check_pin(self, name: str) -> None:
-        """Refuse (:class:`~lorapage.errors.PinLimitError`, 409) pinning ``name`` past the bounds."""
-        self.residency.check_pin(name)
 
     def pin(self, name: str) -> None:
         """An admin pins ``name`` resident: never evicted nor made to yield from now on. This does
         not start its load: the caller does (:meth:`ensure`) on the engine's loop, and
         :meth:`rebind_loop` does for every pinned version when the engine starts on a loop."""
         self._apply(self.residency.pin(name))
-        self._kick()
+        self._rechecks.soon()
 
     def unpin(self, name: str) -> None:
         """Undo :meth:`pin`: ``name`` stays where it is, evictable by value again."""
         self.residency.unpin(name)
-        self._kick()  # it may be the idle adapter a waiting load needs
+        self._rechecks.soon()  # it may be the idle adapter a waiting load needs
 
     def set_hot(self, names: list[str]) -> None:
         """The traffic tiers' hot versions, most requested first: kept resident within the pins'
         bounds (:meth:`Residency.set_hot`); their loads start."""
         self._apply(self.residency.set_hot(names))
-        self._kick()
+        self._rechecks.soon()
 
     def prewarm(self, names: list[str]) -> None:
         """The traffic tiers' warm versions, most requested first: read into host RAM ahead of
         their requests (:meth:`Residency.prewarm`)."""
         self._apply(self.residency.prewarm(names))
 
-    def pins_to_load(self) -> list[str]:
-        """Pinned versions not resident (their loads start at :meth:`restore_pins`)."""
-        return [k for k in self.residency.pinned() if not self.residency.is_resident(k)]
-
     def restore_pins(self) -> list[str]:
         """Start loading every pinned version that is not resident; every pinned version's key."""
-        pinned = self.residency.pinned()
+        pinned = self.residency.pins.pinned()
         for name in pinned:
             self.ensure(name)
         return pinned
@@ -399,20 +275,8 @@ class AdapterCache:
         self._copies.clear()
         self._staged.clear()
         self._waiters.clear()
-        self._tick_soon = self._tick_timer = None
+        self._rechecks.forget()
         self._apply(self.residency.reset())
-
-    # -- what is where --------------------------------------------------------------------------
-
-    def resident(self) -> list[str]:
-        return self.residency.resident()
-
-    def resident_pages(self) -> dict[str, int]:
-        """Pool pages of each resident version."""
-        return self.residency.resident_pages()
-
-    def in_host(self) -> list[str]:
-        return self.residency.in_host()
 
     # -- carrying out the rules' decisions ------------------------------------------------------
 
@@ -428,10 +292,10 @@ class AdapterCache:
                 case Load():
                     self._start_copy(d)
                 case Evict():
-                    self.loader.clear_slot(d.slot)
+                    self.loader.tables.clear_slot(d.slot)
                     self.metrics.record_eviction(d.key)
                 case Release():
-                    self.loader.clear_slot(d.slot)
+                    self.loader.tables.clear_slot(d.slot)
                 case Ready():
                     self._ready(d.key)
                 case Cancel():
@@ -465,7 +329,7 @@ class AdapterCache:
         self._host[name] = self._staged[name] = packed
         self._load_meta[name] = (tier, self._timer() - started)
         self._apply(self.residency.read_done(name, self._clock()))
-        self._arm_timer()
+        self._rechecks.arm()
 
     def _start_prefetch(self, d: Prefetch) -> None:
         task = asyncio.get_running_loop().create_task(self._prefetch(self.entries[d.key]))
@@ -518,7 +382,7 @@ class AdapterCache:
         if error is not None and self.entries.get(name) is entry:
             self._fail(entry, error)
         self._on_ready()
-        self._kick()  # a new resident adapter may yield to a starving load
+        self._rechecks.soon()  # a new resident adapter may yield to a starving load
 
     def _load_failed(self, entry: AdapterEntry, error: LorapageError) -> None:
         self._apply(self.residency.load_failed(entry.name))
@@ -554,33 +418,48 @@ class AdapterCache:
                 task.cancel()
         self._staged.pop(name, None)
 
-    # -- looking again at loads waiting for room ------------------------------------------------
 
-    def _kick(self) -> None:
+class Rechecks:
+    """When the residency rules look again at the loads waiting for room: soon after anything
+    that may have made room, and when a waiting load's patience runs out (or a busy adapter may
+    yield). ``apply`` carries out what the rules then decide."""
+
+    def __init__(
+        self, residency: Residency, clock: Callable[[], float], apply: Callable[[list[Decision]], None]
+    ) -> None:
+        self._residency, self._clock, self._apply = residency, clock, apply
+        self._soon: asyncio.Handle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def soon(self) -> None:
         """Something may have made room: the rules look at the waiting loads once this call's work
         is done (a preemption that freed pages for a decode must not see them taken first)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop yet: rebind_loop looks when the engine starts on one
             return
-        if self._tick_soon is None and self.residency.loading():
-            self._tick_soon = loop.call_soon(self._tick)
+        if self._soon is None and self._residency.loads.loading():
+            self._soon = loop.call_soon(self._look)
 
-    def _tick(self) -> None:
-        self._tick_soon = None
-        self._apply(self.residency.tick(self._clock()))
-        self._arm_timer()
-
-    def _arm_timer(self) -> None:
+    def arm(self) -> None:
         """Look again when a waiting load's patience runs out (or a busy adapter may yield)."""
-        if self._tick_timer is not None:
-            self._tick_timer.cancel()
-            self._tick_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         now = self._clock()
-        at = self.residency.next_check(now)
+        at = self._residency.loads.next_check(now)
         if at is not None:
             loop = asyncio.get_running_loop()
-            self._tick_timer = loop.call_later(max(at - now, MIN_RECHECK_S), self._tick)
+            self._timer = loop.call_later(max(at - now, MIN_RECHECK_S), self._look)
+
+    def forget(self) -> None:
+        """The event loop the looks were on is gone (and its handles with it)."""
+        self._soon = self._timer = None
+
+    def _look(self) -> None:
+        self._soon = None
+        self._apply(self._residency.tick(self._clock()))
+        self.arm()
 
 
 def for_requests(name: str, error: LorapageError) -> LorapageError:

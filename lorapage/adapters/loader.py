@@ -132,10 +132,6 @@ class AdapterLoader:
             storage[:, torch.tensor(pages, device=storage.device)] = src.to(storage.device, non_blocking=True)
         self.tables.write_slot(slot, layout, pages)
 
-    def clear_slot(self, slot: int) -> None:
-        """Slot ``slot`` holds no adapter any more: its table rows point nowhere."""
-        self.tables.clear_slot(slot)
-
     def _read_and_pack(self, version: Readable, spec: AdapterSpec) -> torch.Tensor:
         """Read both files once, check them against the registered digest (the bytes hashed are
         the bytes used), then parse and pack."""

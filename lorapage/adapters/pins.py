@@ -1,4 +1,4 @@
-"""How much of the pool admin pins may hold (no torch).
+"""How much of the pool admin pins may hold, and which versions pins and hot traffic hold (no torch).
 
 A pin keeps one version resident whatever its traffic (``PUT /v1/adapters/{id}/pin``). Pins are
 bounded so that the pool keeps serving everything else:
@@ -15,9 +15,11 @@ admin pin is checked against the admin pins alone, and hot versions are let go t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lorapage.errors import PinLimitError
+from lorapage.adapters.residence import Phase, Residence, lookup
+from lorapage.errors import ConflictError, PinLimitError
 
 
 @dataclass(frozen=True)
@@ -64,3 +66,81 @@ class PinBounds:
                 "adapter or raise --max-resident-loras",
                 param="id",
             )
+
+
+class Pins:
+    """Which versions are held resident whatever their value: the admin pins, and the traffic
+    tiers' hot versions in the room the admin pins leave within the :class:`PinBounds`
+    (``bounds`` None: pins refused). The flags live on each version's
+    :class:`~lorapage.adapters.residence.Residence`; this holds the rules that set them."""
+
+    def __init__(self, bounds: PinBounds | None, versions: Mapping[str, Residence]) -> None:
+        self.bounds, self._versions = bounds, versions
+        self._hot_order: list[str] = []  # the traffic tiers' hot versions, most requested first (set_hot)
+
+    def limit(self) -> int:
+        """Pool pages pins may hold together (0: pins refused)."""
+        return self.bounds.limit() if self.bounds is not None else 0
+
+    def pinned(self) -> list[str]:
+        return [r.key for r in self._versions.values() if r.pinned]
+
+    def pinned_pages(self) -> int:
+        """Pool pages the pinned versions take (loaded or not yet)."""
+        return sum(r.pages for r in self._versions.values() if r.pinned)
+
+    def hot(self) -> list[str]:
+        """Versions kept resident for their traffic (:meth:`set_hot`), most requested first."""
+        return [k for k in self._hot_order if (r := self._versions.get(k)) is not None and r.hot]
+
+    def to_load(self) -> list[str]:
+        """Pinned versions not resident (their loads start when the engine restores its pins)."""
+        return [r.key for r in self._versions.values() if r.pinned and r.phase is not Phase.RESIDENT]
+
+    def check(self, key: str) -> None:
+        """Refuse (:class:`~lorapage.errors.PinLimitError`, 409) pinning ``key`` past the bounds."""
+        r = lookup(self._versions, key)
+        if r.pinned:
+            return
+        if self.bounds is None:
+            raise ConflictError("pins are not enabled here", param="id")
+        pinned = sum(1 for x in self._versions.values() if x.pinned)
+        self.bounds.check(key, r.pages, self.pinned_pages(), pinned)
+
+    def pin(self, key: str) -> Residence:
+        """An admin pins ``key`` (checked against the bounds): hot versions are let go, least
+        requested first, until admin pins and hot ones together are inside the bounds again (an
+        admin pin never waits for a hot one)."""
+        self.check(key)
+        pinned = self._versions[key]
+        pinned.pinned = True
+        if self.bounds is None:
+            return pinned
+        kept = [self._versions[k] for k in self.hot()]
+        pages = self.pinned_pages() + sum(r.pages for r in kept if not r.pinned)
+        count = len(self.pinned()) + sum(1 for r in kept if not r.pinned)
+        while kept and not self.bounds.within(pages, count):
+            r = kept.pop()
+            r.hot = False
+            if not r.pinned:
+                pages, count = pages - r.pages, count - 1
+        return pinned
+
+    def set_hot(self, keys: list[str]) -> list[Residence]:
+        """The hot versions, most requested first: each one the bounds still have room for beside
+        the admin pins (and the hot ones before it) is kept resident as a pin is; any other
+        version, hot no more or past the bounds, is evictable by value again. The versions kept
+        hot, in that order."""
+        self._hot_order = [k for k in keys if k in self._versions]
+        for r in self._versions.values():
+            r.hot = False
+        pages, count = self.pinned_pages(), len(self.pinned())
+        kept: list[Residence] = []
+        for key in self._hot_order:
+            r = self._versions[key]
+            if r.pinned or self.bounds is None or not self.bounds.fits(r.pages, pages, count):
+                continue  # an admin pin holds it already, or no room is left for it
+            r.hot = True
+            pages, count = pages + r.pages, count + 1
+            kept.append(r)
+        return kept

@@ -23,7 +23,8 @@ distinct adapters one batch holds (``max_loras``) is the scheduler's rule, not t
   the admin pins, and never ahead of one: an admin pin that needs their room takes it (the least
   requested hot version is let go first). *Warm* versions are read into host RAM ahead of their
   requests (:meth:`Residency.prewarm`), as prefetches under the tiers' own share;
-- KV admission keeps :meth:`Residency.pending_pages` free for the largest load waiting on memory.
+- KV admission keeps :meth:`~lorapage.adapters.loads.Loads.pending_pages` free for the largest
+  load waiting on memory.
 
 The rules take the time as an argument and answer with *decisions*
 (:mod:`lorapage.adapters.decisions`): what to read, prefetch, copy into which slot and pages,
@@ -34,98 +35,36 @@ carries the decisions out and reports back when a read or a copy is done: the en
 
 Every event that decided something is kept in :attr:`Residency.history` (bounded) with its
 decisions: the engine and the simulator can be compared decision by decision.
+
+:class:`Residency` takes every event and answers the questions that span tiers (:meth:`~Residency.tier`,
+:meth:`~Residency.is_ready`); each tier's own state and rules are a part of it, which readers ask
+directly: :attr:`~Residency.slots` (the pool's lora slots and pages, eviction by value;
+:mod:`lorapage.adapters.pool_slots`), :attr:`~Residency.host` (the host-RAM LRU;
+:mod:`lorapage.adapters.host_ram`), :attr:`~Residency.loads` (loads in flight and their wait for
+room, yields; :mod:`lorapage.adapters.loads`), :attr:`~Residency.pins` (admin pins and hot
+versions; :mod:`lorapage.adapters.pins`), :attr:`~Residency.prefetch` (queued and running prefetches;
+:mod:`lorapage.adapters.prefetch`).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Protocol
+from collections import deque
+from dataclasses import dataclass
 
-from lorapage.adapters.decisions import (
-    Cancel,
-    Decision,
-    DropHost,
-    Evict,
-    Load,
-    Prefetch,
-    Read,
-    Ready,
-    Release,
-    Yield,
-)
-from lorapage.adapters.pins import PinBounds
+from lorapage.adapters.decisions import Cancel, Decision, DropHost, Prefetch, Read, Ready, Release
+from lorapage.adapters.host_ram import HostRam
+from lorapage.adapters.loads import Loads
+from lorapage.adapters.pins import PinBounds, Pins
+from lorapage.adapters.pool_slots import PoolSlots
 from lorapage.adapters.prefetch import PREFETCH_QUEUE_LEN, PrefetchQueue
+from lorapage.adapters.residence import AdapterPages, Phase, ReloadCost, Residence, lookup
 from lorapage.adapters.value import LoadTier, RecentAdapters
-from lorapage.errors import AdapterBusyError, AdapterNotFoundError, ConflictError
-from lorapage.memory.pages import PageKind
-from lorapage.memory.reclaim import RATE_HALF_LIFE_S, Reclaim, value_per_page
+from lorapage.errors import AdapterBusyError, ConflictError
+from lorapage.memory.reclaim import Reclaim
 
 GPU, RAM = "gpu", "ram"  # tiers above the cold ones (LoadTier.DISK, LoadTier.REMOTE)
 TIERS_TENANT = "(traffic tiers)"  # whose share the warm versions' prefetches take (no tenant is named so)
-EVICTION_WINDOW_S = 60.0  # evictions are remembered this long (for evictions per minute)
 HISTORY_LEN = 512  # events kept with their decisions
-
-
-# -- state ----------------------------------------------------------------------------------------
-
-
-class Phase(Enum):
-    """Where a version's load stands."""
-
-    COLD = "cold"  # not in the pool, no load
-    READING = "reading"  # a load is bringing its packed copy into host RAM
-    PLACING = "placing"  # its packed copy is in hand: waiting for a lora slot and pages
-    COPYING = "copying"  # slot and pages reserved, its copy into them in flight
-    RESIDENT = "resident"  # in the pool
-
-
-class LoadWait(Enum):
-    """What a load that found no room waits for."""
-
-    ROOM = "room"  # a lora slot is free but pages are short: until pages free
-    YIELDED = "yielded"  # a busy adapter yields its slot to this load: until it is idle
-    PATIENT = "patient"  # every slot busy for less than adapter_wait_s: until one frees, or adapter_wait_s
-    STARVING = "starving"  # every slot busy for adapter_wait_s, requests wait: in line to make one yield
-    PREWARM = "prewarm"  # every slot busy and no request waits (a pre-warm): until a slot frees
-
-
-@dataclass(eq=False)
-class Residence:
-    """One registered version: where it is, who uses it, and how its load stands."""
-
-    key: str
-    pages: int  # pool pages it takes when resident
-    host_bytes: int = 0  # bytes its packed copy takes in host RAM
-    cold: LoadTier = LoadTier.DISK  # where it comes from when not in host RAM: DISK or REMOTE
-    phase: Phase = Phase.COLD
-    slot: int = 0  # its lora slot while COPYING or RESIDENT
-    page_ids: list[int] = field(default_factory=list)  # its pool pages while COPYING or RESIDENT
-    running: int = 0  # admitted requests using it: never evicted while > 0
-    waiting: int = 0  # queued requests for it
-    rate: float = 0.0  # exponentially decayed request count
-    rate_time: float = 0.0
-    yielding: bool = False  # admits nothing new: a starving load takes its lora slot once it is idle
-    pinned: bool = False  # an admin pinned it: never evicted, never made to yield
-    hot: bool = False  # its traffic tier is hot and it fits the pins' bounds: kept as a pin is (set_hot)
-    resident_since: float = 0.0  # when it last became resident (it yields only after adapter_wait_s)
-    # The load in flight, if any.
-    load_tier: LoadTier | None = None  # where it started (what its metrics say)
-    downloading: bool = False  # READING from a remote source, not at the files yet: reads no files
-    joined: bool = False  # READING through the prefetch of it in flight
-    since: float = 0.0  # PLACING: when it began waiting for room
-    order: int = 0  # PLACING: among loads that began waiting at one time
-    yielded: Residence | None = None  # PLACING: the busy version yielding its slot to this load
-
-    def touch(self, now: float) -> None:
-        self.rate = self.rate_at(now) + 1.0
-        self.rate_time = now
-
-    def rate_at(self, now: float) -> float:
-        return self.rate * math.exp2(-(now - self.rate_time) / RATE_HALF_LIFE_S)
 
 
 @dataclass(frozen=True)
@@ -140,26 +79,6 @@ class ResidencyLimits:
     max_cpu_lora_bytes: int | None = None  # bytes of the packed copies in host RAM together; None: no bound
 
 
-class AdapterPages(Protocol):
-    """The pool's allocator, as far as adapters use it (:class:`~lorapage.memory.pages.PageAllocator`)."""
-
-    @property
-    def num_free(self) -> int: ...
-
-    @property
-    def used(self) -> dict[PageKind, int]: ...
-
-    def allocate(self, n: int, kind: PageKind) -> list[int] | None: ...
-
-    def free(self, pages: list[int], kind: PageKind) -> None: ...
-
-
-class ReloadCost(Protocol):
-    """Seconds to bring a version back into the pool (:class:`~lorapage.adapters.value.ReloadCosts`)."""
-
-    def reload_s(self, tier: LoadTier, pages: int) -> float: ...
-
-
 HistoryEntry = tuple[str, str, tuple[Decision, ...]]  # (event, the key it was about or "", decisions)
 
 
@@ -167,22 +86,15 @@ class Residency:
     """Every version's tier, its load, its requests and its pins, under the rules of this module."""
 
     def __init__(self, limits: ResidencyLimits, pages: AdapterPages, reclaim: Reclaim, costs: ReloadCost) -> None:
-        self.limits, self.pages, self.reclaimer, self.costs = limits, pages, reclaim, costs
+        self.limits, self.pages = limits, pages
         self.adapters: dict[str, Residence] = {}
-        self._free_slots = list(range(limits.max_resident_loras, 0, -1))  # popped from the end: the last freed first
-        self._by_slot: dict[int, Residence] = {}  # resident versions
-        self._host: OrderedDict[str, int] = OrderedDict()  # version -> bytes of its packed copy in host RAM, LRU first
-        self._host_bytes = 0  # their sum
-        self._loads: dict[str, Residence] = {}  # READING, PLACING or COPYING
-        self._starving: list[Residence] = []  # loads past adapter_wait_s without a slot, in order
-        self._orphans: dict[int, list[int]] = {}  # slot -> pages of a copy whose version was removed meanwhile
+        self.host = HostRam(limits.max_cpu_loras, limits.max_cpu_lora_bytes)  # the LRU of packed copies
+        self.slots = PoolSlots(limits.max_resident_loras, pages, reclaim, costs, self.host)  # slots, eviction
+        self.loads = Loads(limits.adapter_wait_s, self.slots, pages, self.host, self._evict)  # in flight, yields
+        self.pins = Pins(limits.pins, self.adapters)  # admin pins and hot versions, within the bounds
         self.recent = RecentAdapters()  # per tenant, its recent versions: what to prefetch
         self.prefetch = PrefetchQueue(limits.max_prefetches)
-        self._order = itertools.count()
-        self.yields = 0  # busy versions made to yield their slot to a starving load
-        self.evictions: deque[float] = deque()  # times of pool evictions in the last EVICTION_WINDOW_S
         self.history: deque[HistoryEntry] = deque(maxlen=HISTORY_LEN)
-        self._hot_order: list[str] = []  # the traffic tiers' hot versions, most requested first (set_hot)
 
     # -- registry -----------------------------------------------------------------------------------
 
@@ -194,10 +106,7 @@ class Residency:
         self.adapters[key] = Residence(key, pages, host_bytes, cold)
 
     def get(self, key: str) -> Residence:
-        try:
-            return self.adapters[key]
-        except KeyError:
-            raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="model") from None
+        return lookup(self.adapters, key)
 
     def set_cold(self, key: str, tier: LoadTier) -> None:
         """``key`` is now found in ``tier`` (DISK or REMOTE) outside host RAM (a download landed,
@@ -223,30 +132,24 @@ class Residency:
         self.prefetch.forget(key)
         r.pinned = r.hot = False  # deleting a version drops its pin with it
         if r.phase is Phase.PLACING:
-            out += self._end_wait(r)
+            out += self.loads.end_wait(r)
         elif r.phase is Phase.COPYING:
-            self._orphans[r.slot] = r.page_ids
+            self.slots.orphan(r.slot, r.page_ids)
         elif r.phase is Phase.RESIDENT:
             out += self._evict(r, now)
-        if key in self._host:
-            self._host_bytes -= self._host.pop(key)
+        if self.host.drop(key):
             out.append(DropHost(key))
         self.recent.forget(key)
-        self._loads.pop(key, None)
+        self.loads.drop(r)
         del self.adapters[key]
         return self._log("remove", key, out)
 
-    # -- what callers ask -----------------------------------------------------------------------
+    # -- what callers ask (each tier's own state: slots, host, loads, pins, prefetch) ----------------
 
     def tier(self, key: str) -> str:
         """Where ``key`` is now: ``gpu`` (resident), ``ram`` (host copy), ``disk`` or ``remote``."""
         r = self.get(key)
-        return GPU if r.phase is Phase.RESIDENT else RAM if key in self._host else r.cold.value
-
-    def falls_to(self, key: str) -> LoadTier:
-        """Where a load of ``key`` would start now (for a resident version: where it would fall
-        to if evicted; its host copy stays)."""
-        return LoadTier.RAM if key in self._host else self.get(key).cold
+        return GPU if r.phase is Phase.RESIDENT else RAM if key in self.host else r.cold.value
 
     def is_ready(self, key: str) -> bool:
         """Resident and taking requests (a yielding version takes none)."""
@@ -260,41 +163,6 @@ class Residency:
         """Requests for ``key`` are queued or running."""
         r = self.get(key)
         return bool(r.running or r.waiting)
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
-    def resident(self) -> list[str]:
-        return [r.key for r in self._by_slot.values()]
-
-    def resident_pages(self) -> dict[str, int]:
-        """Pool pages of each resident version."""
-        return {r.key: len(r.page_ids) for r in self._by_slot.values()}
-
-    def in_host(self) -> list[str]:
-        """Versions with a packed copy in host RAM, least recently used first."""
-        return list(self._host)
-
-    def host_bytes(self) -> int:
-        """Bytes the packed copies in host RAM take together."""
-        return self._host_bytes
-
-    def pinned(self) -> list[str]:
-        return [r.key for r in self.adapters.values() if r.pinned]
-
-    def hot(self) -> list[str]:
-        """Versions kept resident for their traffic (:meth:`set_hot`), most requested first."""
-        return [k for k in self._hot_order if (r := self.adapters.get(k)) is not None and r.hot]
-
-    def loading(self) -> list[str]:
-        """Versions with a load in flight."""
-        return list(self._loads)
-
-    def value_per_page(self, r: Residence, now: float) -> float:
-        """What ``r``'s pool pages are worth: its recent request rate x the cost of reloading it
-        from the tier it would fall to / its pages."""
-        return value_per_page(r.rate_at(now), self.costs.reload_s(self.falls_to(r.key), r.pages), r.pages)
 
     # -- the requests a version serves: queued (``waiting``) and admitted (``running``) ------------
 
@@ -354,57 +222,32 @@ class Residency:
         r.hot = False
         return self._log("unload", key, self._evict(r, now) if r.phase is Phase.RESIDENT else [])
 
-    def pin_limit(self) -> int:
-        return self.limits.pins.limit() if self.limits.pins is not None else 0
-
-    def pinned_pages(self) -> int:
-        """Pool pages the pinned versions take (loaded or not yet)."""
-        return sum(r.pages for r in self.adapters.values() if r.pinned)
-
-    def check_pin(self, key: str) -> None:
-        """Refuse (409) pinning ``key`` past the bounds (:class:`~lorapage.adapters.pins.PinBounds`)."""
-        r = self.get(key)
-        if r.pinned:
-            return
-        if self.limits.pins is None:
-            raise ConflictError("pins are not enabled here", param="id")
-        pinned = sum(1 for x in self.adapters.values() if x.pinned)
-        self.limits.pins.check(key, r.pages, self.pinned_pages(), pinned)
-
     def pin(self, key: str) -> list[Decision]:
-        """An admin pins ``key``: from now on it is never evicted nor made to yield. This does not
-        start its load (:meth:`ensure` does)."""
-        self.check_pin(key)
-        r = self.get(key)
-        r.pinned = True
-        self._shed_hot()
+        """An admin pins ``key`` within the bounds (:meth:`Pins.pin`): from now on it is never
+        evicted nor made to yield. This does not start its load (:meth:`ensure` does)."""
+        r = self.pins.pin(key)
         out: list[Decision] = []
         if r.yielding:  # the load it yielded to makes another version yield instead
             r.yielding = False
             out.append(Ready(key))
         return self._log("pin", key, out)
 
+    def unpin(self, key: str) -> None:
+        """Undo :meth:`pin`: ``key`` stays where it is, evictable by value again."""
+        self.get(key).pinned = False
+
     # -- traffic tiers (lorapage.adapters.tiers) ----------------------------------------------
 
     def set_hot(self, keys: list[str]) -> list[Decision]:
         """The hot versions, most requested first: each one the pins' bounds still have room for
-        beside the admin pins (and the hot ones before it) is kept resident as a pin is, and its
-        load starts (a pre-warm: it makes no busy version yield); any other version, hot no more
-        or past the bounds, is evictable by value again."""
-        self._hot_order = [k for k in keys if k in self.adapters]
-        for r in self.adapters.values():
-            r.hot = False
-        pages, count = self.pinned_pages(), len(self.pinned())
+        beside the admin pins (and the hot ones before it) is kept resident as a pin is
+        (:meth:`Pins.set_hot`), and its load starts (a pre-warm: it makes no busy version yield);
+        any other version, hot no more or past the bounds, is evictable by value again."""
         out: list[Decision] = []
-        for key in self._hot_order:
-            r = self.adapters[key]
-            if r.pinned or self.limits.pins is None or not self.limits.pins.fits(r.pages, pages, count):
-                continue  # an admin pin holds it already, or no room is left for it
-            r.hot = True
-            pages, count = pages + r.pages, count + 1
+        for r in self.pins.set_hot(keys):
             if r.yielding:
                 r.yielding = False
-                out.append(Ready(key))
+                out.append(Ready(r.key))
             out += self._ensure(r)
         return self._log("set_hot", "", out)
 
@@ -418,36 +261,11 @@ class Residency:
         self.prefetch.offer(wanted[: max(0, room)], TIERS_TENANT)
         return self._log("prewarm", "", self._start_prefetches())
 
-    def _shed_hot(self) -> None:
-        """Let go of hot versions, least requested first, until admin pins and hot ones together
-        are inside the pins' bounds again (an admin pin never waits for a hot one)."""
-        bounds = self.limits.pins
-        if bounds is None:
-            return
-        kept = [self.adapters[k] for k in self.hot()]
-        pages = self.pinned_pages() + sum(r.pages for r in kept if not r.pinned)
-        count = len(self.pinned()) + sum(1 for r in kept if not r.pinned)
-        while kept and not bounds.within(pages, count):
-            r = kept.pop()
-            r.hot = False
-            if not r.pinned:
-                pages, count = pages - r.pages, count - 1
-
-    def unpin(self, key: str) -> None:
-        """Undo :meth:`pin`: ``key`` stays where it is, evictable by value again."""
-        self.get(key).pinned = False
-
     def reset(self) -> list[Decision]:
         """The reads and copies in flight died (their event loop is gone): every load starts
         over, and the pinned versions' loads start. Slots and pages reserved for a copy that
         died stay taken (it may still write them)."""
-        for r in self._loads.values():
-            if r.phase is Phase.COPYING:
-                self._orphans[r.slot] = r.page_ids
-            r.phase, r.slot, r.page_ids, r.yielded = Phase.COLD, 0, [], None
-            r.downloading = r.joined = False
-        self._loads.clear()
-        self._starving.clear()
+        self.loads.clear()
         self.prefetch.clear()
         for r in self.adapters.values():
             r.yielding = False
@@ -465,10 +283,10 @@ class Residency:
         if r.phase is not Phase.READING:
             return []
         r.downloading = False
-        out = self._keep_in_host(key)
-        r.phase, r.since, r.order = Phase.PLACING, now, next(self._order)
+        out: list[Decision] = [*self.host.keep(key, r.host_bytes)]
+        self.loads.wait_for_room(r, now)
         out += self._start_prefetches()  # this load reads no more: queued prefetches may run
-        out += self._place(now)
+        out += self.loads.place(now)
         return self._log("read_done", key, out)
 
     def downloaded(self, key: str) -> None:
@@ -484,7 +302,7 @@ class Residency:
         r = self.adapters.get(key)
         if r is None or r.phase is not Phase.READING:
             return []
-        self._drop_load(r)
+        self.loads.drop(r)
         return self._log("load_failed", key, self._start_prefetches())
 
     def prefetch_done(self, key: str, ok: bool) -> list[Decision]:
@@ -495,7 +313,7 @@ class Residency:
         out: list[Decision] = []
         if r is not None:
             if ok:
-                out += self._keep_in_host(key)
+                out += self.host.keep(key, r.host_bytes)
             if r.phase is Phase.READING and r.joined:
                 r.joined = False
                 out.append(Read(key, r.load_tier or r.cold))  # from host RAM when the prefetch got there
@@ -504,61 +322,28 @@ class Residency:
 
     def copy_done(self, key: str, slot: int, ok: bool, now: float) -> list[Decision]:
         """The copy of ``key`` into ``slot`` ended: resident (``ok``), or its slot and pages go back."""
-        if slot in self._orphans:  # removed meanwhile
-            self._give_back(slot, self._orphans.pop(slot))
+        if self.slots.release_orphan(slot):  # removed meanwhile
             return self._log("copy_done", key, [Release(key, slot)])
         r = self.get(key)
         if not ok:
-            self._give_back(slot, r.page_ids)
-            self._drop_load(r)
+            self.slots.give_back(slot, r.page_ids)
+            self.loads.drop(r)
             return self._log("copy_done", key, [Release(key, slot), *self._start_prefetches()])
-        r.phase, r.resident_since = Phase.RESIDENT, now
-        del self._loads[key]
-        self._by_slot[slot] = r
+        self.loads.settle(r, slot, now)
         return self._log("copy_done", key, [Ready(key), *self._start_prefetches()])
 
-    # -- loads waiting for room ---------------------------------------------------------------------
+    # -- loads waiting for room, and memory for KV blocks -------------------------------------------
 
     def tick(self, now: float) -> list[Decision]:
         """Let the loads waiting for room take what freed (slots, pages, idle versions), or, past
         ``adapter_wait_s``, make a busy version yield. Call it after anything that may have made
-        room, and at :meth:`next_check`."""
-        return self._log("tick", "", self._place(now))
-
-    def next_check(self, now: float) -> float | None:
-        """The next time a waiting load's state changes with time alone (None: only events)."""
-        times = []
-        wait = self.limits.adapter_wait_s
-        for r in self._loads.values():
-            if r.phase is Phase.PLACING and r.yielded is None and r.since + wait > now:
-                times.append(r.since + wait)  # PATIENT until then
-        if self._starving and self._starving[0].yielded is None:  # none may yield yet: when one may
-            times += [
-                x.resident_since + wait
-                for x in self._by_slot.values()
-                if not x.yielding and not x.pinned and not x.hot and x.resident_since + wait > now
-            ]
-        return min(times) if times else None
-
-    def pending_pages(self) -> int:
-        """Pages to keep free for the largest load waiting on memory, so KV demand cannot starve
-        it. Zero when that load could not proceed anyway (no slot to take, or more pages than
-        freeing the whole KV cache would give): reserving then would only block admission."""
-        waiting = [
-            r for r in self._loads.values() if r.phase is not Phase.COPYING and (r.waiting or r.pinned)
-        ]  # a pin is demand too
-        if not waiting:
-            return 0
-        need = max(r.pages for r in waiting)
-        # Idle versions can be evicted now; yielding ones will be, for the load they yield to.
-        freeable = [r for r in self._by_slot.values() if r.yielding or self._idle(r)]
-        attainable = self.pages.num_free + self.pages.used[PageKind.KV] + sum(r.pages for r in freeable)
-        return need if (self._free_slots or freeable) and need <= attainable else 0
+        room, and at :meth:`Loads.next_check`."""
+        return self._log("tick", "", self.loads.place(now))
 
     def reclaim(self, pages_needed: int, now: float) -> list[Decision]:
         """Free pages until ``pages_needed`` are free (for KV blocks): idle cached blocks and idle
-        versions in one ranking, least valuable per page first."""
-        return self._log("reclaim", "", self._reclaim(pages_needed, now))
+        versions in one ranking, least valuable per page first (:meth:`PoolSlots.reclaim`)."""
+        return self._log("reclaim", "", [*self.slots.reclaim(pages_needed, now)])
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -570,204 +355,33 @@ class Residency:
     def _ensure(self, r: Residence) -> list[Decision]:
         if r.phase is not Phase.COLD:
             return []
-        self._loads[r.key] = r
-        r.phase = Phase.READING
-        r.load_tier = self.falls_to(r.key)
-        if r.load_tier is not LoadTier.RAM and r.key in self.prefetch.running:
+        tier = self.loads.start(r)
+        if tier is not LoadTier.RAM and r.key in self.prefetch.running:
             r.joined = True  # a load of a version being prefetched joins that read
             return []
-        if r.load_tier is LoadTier.REMOTE:  # no file is read until the download is done: prefetches may
+        if tier is LoadTier.REMOTE:  # no file is read until the download is done: prefetches may
             r.downloading = True
-            return [Read(r.key, r.load_tier), *self._start_prefetches()]
-        return [Read(r.key, r.load_tier)]
-
-    def _drop_load(self, r: Residence) -> None:
-        r.phase, r.slot, r.page_ids = Phase.COLD, 0, []
-        r.downloading = r.joined = False
-        self._loads.pop(r.key, None)
-
-    def _keep_in_host(self, key: str) -> list[Decision]:
-        """``key``'s packed copy is the most recently used in host RAM; the least recently used
-        copies leave while the LRU holds more than ``max_cpu_loras`` copies or more than
-        ``max_cpu_lora_bytes`` bytes. A copy larger than that bound alone leaves at once, and
-        nothing else for it (its load still has the copy in hand)."""
-        size, most_bytes = self.adapters[key].host_bytes, self.limits.max_cpu_lora_bytes
-        if most_bytes is not None and size > most_bytes:
-            if key in self._host:
-                self._host_bytes -= self._host.pop(key)
-            return [DropHost(key)]
-        if key not in self._host:
-            self._host[key] = size
-            self._host_bytes += size
-        self._host.move_to_end(key)
-        out: list[Decision] = []
-        while self._host and (
-            len(self._host) > self.limits.max_cpu_loras or (most_bytes is not None and self._host_bytes > most_bytes)
-        ):
-            dropped, size = self._host.popitem(last=False)
-            self._host_bytes -= size
-            out.append(DropHost(dropped))
-        return out
-
-    def _idle(self, r: Residence) -> bool:
-        return r.running == 0 and r.waiting == 0 and not r.pinned and not r.hot
-
-    def _idle_values(self, now: float) -> list[tuple[float, str]]:
-        return [(self.value_per_page(r, now), r.key) for r in self._by_slot.values() if self._idle(r)]
-
-    def _reclaim(self, pages_needed: int, now: float) -> list[Decision]:
-        out: list[Decision] = []
-        self.reclaimer.run(
-            pages_needed, self._idle_values(now), lambda k: out.extend(self._evict(self.adapters[k], now))
-        )
-        return out
+            return [Read(r.key, tier), *self._start_prefetches()]
+        return [Read(r.key, tier)]
 
     def _evict(self, r: Residence, now: float) -> list[Decision]:
-        slot = r.slot
-        del self._by_slot[slot]
-        self._give_back(slot, r.page_ids)
-        r.phase, r.slot, r.page_ids, r.yielding = Phase.COLD, 0, [], False
-        self.evictions.append(now)
-        while now - self.evictions[0] > EVICTION_WINDOW_S:
-            self.evictions.popleft()
-        out: list[Decision] = [Evict(r.key, slot)]
-        if r.waiting:  # queued (e.g. preempted) requests still need it: its reload starts
+        """``r`` leaves the pool; queued (e.g. preempted) requests still need it: its reload starts."""
+        out: list[Decision] = [self.slots.evict(r, now)]
+        if r.waiting:
             out += self._ensure(r)
         return out
-
-    def _give_back(self, slot: int, pages: list[int]) -> None:
-        """Return a slot and its pages (an evicted version's, or a load's that never became one)."""
-        self.pages.free(pages, PageKind.ADAPTER)
-        self._free_slots.append(slot)
-
-    def _place(self, now: float) -> list[Decision]:
-        """Each load waiting for room, longest waiting first, tries again; again while a pass
-        changed anything (an eviction or a yield may let an earlier load in)."""
-        out: list[Decision] = []
-        while self._loads:
-            placing = sorted(
-                (r for r in self._loads.values() if r.phase is Phase.PLACING), key=lambda r: (r.since, r.order)
-            )
-            changed: list[Decision] = []
-            for r in placing:
-                if r.phase is Phase.PLACING:  # not placed or removed earlier in this pass
-                    changed += self._try_place(r, now)
-            out += changed
-            if not changed:
-                break
-        return out
-
-    def _try_place(self, r: Residence, now: float) -> list[Decision]:
-        """One look at ``r``'s room, as its :class:`LoadWait` state allows."""
-        out: list[Decision] = []
-        while True:
-            if r.yielded is not None and not r.yielded.yielding:
-                r.yielded = None  # evicted or pinned meanwhile: make another yield if still starving
-            room = self._take_room(r, now, out)
-            if room is not None:
-                slot, pages = room
-                out += self._end_wait(r)
-                r.phase, r.slot, r.page_ids = Phase.COPYING, slot, pages
-                out.append(Load(r.key, slot, tuple(pages)))
-                return out
-            state = self._wait_state(r, now)
-            if state is LoadWait.PREWARM:
-                self._leave_line(r)
-            elif state is LoadWait.STARVING:
-                if r not in self._starving:
-                    self._starving.append(r)
-                if self._starving[0] is r:
-                    r.yielded = self._make_one_yield(now)
-                    if r.yielded is not None:
-                        out.append(Yield(r.yielded.key))
-                        continue  # it may be idle of running requests already
-            return out
-
-    def _take_room(self, r: Residence, now: float, out: list[Decision]) -> tuple[int, list[int]] | None:
-        """A lora slot and ``r``'s pages if they can be had now: an idle version gives up its
-        slot, or the one that yielded to ``r`` does once it is idle and its pages complete the room."""
-        need = r.pages
-        if not self._free_slots:
-            idle = self._idle_values(now)
-            if idle:
-                out += self._evict(self.adapters[min(idle)[1]], now)
-            elif r.yielded is not None and r.yielded.running == 0:
-                held = len(r.yielded.page_ids)
-                if self.pages.num_free + held < need:  # no version is idle: idle cached blocks complete the room
-                    self.reclaimer.run(need - held, [], lambda k: None)
-                if self.pages.num_free + held >= need:
-                    out += self._evict(r.yielded, now)  # it yielded for this load: its slot and pages are ours
-        if self._free_slots and (self.pages.num_free >= need or self._reclaim_into(need, now, out)):
-            pages = self.pages.allocate(need, PageKind.ADAPTER)
-            if pages is not None:
-                return self._free_slots.pop(), pages
-        return None
-
-    def _reclaim_into(self, need: int, now: float, out: list[Decision]) -> bool:
-        out += self._reclaim(need, now)
-        return self.pages.num_free >= need
-
-    def _wait_state(self, r: Residence, now: float) -> LoadWait:
-        if r.yielded is not None:
-            return LoadWait.YIELDED
-        if self._free_slots:
-            return LoadWait.ROOM
-        if now - r.since < self.limits.adapter_wait_s:
-            return LoadWait.PATIENT
-        # An admin pin is demand too: it may make a busy version yield, as waiting requests do.
-        return LoadWait.STARVING if r.waiting or r.pinned else LoadWait.PREWARM
-
-    def _leave_line(self, r: Residence) -> None:
-        if r in self._starving:
-            self._starving.remove(r)
-
-    def _end_wait(self, r: Residence) -> list[Decision]:
-        """``r`` waits for room no more (placed, or removed): out of the line, and the version
-        that yielded to it, if not evicted, admits again."""
-        self._leave_line(r)
-        y, r.yielded = r.yielded, None
-        if y is not None and y.yielding:
-            y.yielding = False
-            return [Ready(y.key)]
-        return []
-
-    def _make_one_yield(self, now: float) -> Residence | None:
-        """Stop admitting to the busy resident version of least value per page (as eviction
-        ranks them; pinned ones never), so its slot frees once its running requests finish. Its
-        queued requests wait and reload it afterwards: busy versions take turns rather than one
-        holding on forever. A version resident for less than ``adapter_wait_s`` is spared, so
-        every turn lasts at least that long and the slot does not change hands after every batch."""
-        wait = self.limits.adapter_wait_s
-        busy = [
-            (self.value_per_page(x, now), x.key)
-            for x in self._by_slot.values()
-            if not x.yielding and not x.pinned and not x.hot and now - x.resident_since >= wait
-        ]
-        if not busy:
-            return None
-        victim = self.adapters[min(busy)[1]]
-        victim.yielding = True
-        self.yields += 1
-        return victim
 
     def _wants_prefetch(self, key: str) -> bool:
         """Registered, in no tier above disk, not loading nor prefetching. Remote sources not in
         the disk cache are left alone: no downloads on speculation."""
         r = self.adapters.get(key)
-        if r is None or r.phase is not Phase.COLD or key in self._host or key in self.prefetch.running:
+        if r is None or r.phase is not Phase.COLD or key in self.host or key in self.prefetch.running:
             return False
         return r.cold is LoadTier.DISK
 
     def _start_prefetches(self) -> list[Decision]:
         """Start queued prefetches while no load into the pool is reading files (a prefetch never
         delays one: it waits, and runs once the loads have their host copies)."""
-        if not self.prefetch.max_running or self._loads_reading():
+        if not self.prefetch.max_running or self.loads.reading():
             return []
         return [Prefetch(key, tenant) for key, tenant in self.prefetch.start(self._wants_prefetch)]
-
-    def _loads_reading(self) -> bool:
-        """Whether a load into the pool is reading files or about to (no host copy yet, not
-        waiting on a download)."""
-        return any(
-            r.phase is Phase.READING and r.key not in self._host and not r.downloading for r in self._loads.values()
-        )

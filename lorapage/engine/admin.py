@@ -156,7 +156,7 @@ class AdapterAdmin:
             rank=spec.max_rank,
             target_modules=spec.target_modules,
             size_bytes=spec.size_bytes,
-            projected_cost_pct=self._cache.envelope.cost(spec.ranks).projected_cost_pct,
+            projected_cost_pct=self._cache.checks.envelope.cost(spec.ranks).projected_cost_pct,
         )
 
     async def add_prepared(
@@ -247,7 +247,7 @@ class AdapterAdmin:
         refused here), described from its stored spec; 404 when ``name`` names none."""
         row = self._catalog.row(name)
         return dataclasses.replace(
-            self._cache.spec_info(row.key, spec_from_json(row.spec)),
+            self._cache.checks.spec_info(row.key, spec_from_json(row.spec)),
             adapter_id=row.adapter_id,
             version=row.version,
             digest=row.digest,
@@ -397,11 +397,11 @@ class AdapterAdmin:
     def check_pin(self, name: str) -> None:
         """Refuse (409 ``PinLimitError``, with the numbers) pinning ``name`` (``id`` or ``id@N``)
         past ``max_pinned_fraction`` of the pool; pins nothing."""
-        self._cache.check_pin(self._catalog.resolve(name))
+        self._cache.residency.pins.check(self._catalog.resolve(name))
 
     def pins_to_load(self) -> list[str]:
         """Pinned versions not resident yet (:meth:`restore_pins` starts their loads)."""
-        return self._cache.pins_to_load()
+        return self._cache.residency.pins.to_load()
 
     async def restore_pins(self) -> list[str]:
         """Start loading every pinned version that is not resident (returns at once, with their

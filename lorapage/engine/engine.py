@@ -252,7 +252,7 @@ class Engine:
             config.metrics_top_adapters,
             usage=self.usage,
             bytes_downloaded=lambda: self.sources.stats().bytes_downloaded,
-            pinned_pages=self.residency.pinned_pages,
+            pinned_pages=self.residency.pins.pinned_pages,
             projected_costs=lambda: self.catalog.current_costs(),
         )
         loader = AdapterLoader(
@@ -730,7 +730,7 @@ class Engine:
         """Cost attribution, ``((hour, tenant, adapter), usage)`` in order (see
         :mod:`lorapage.usage.ledger`), residency charged up to now; hours use the engine's clock."""
         now = self.clock()
-        self.usage.record_residency(now, self.adapters.resident_pages())
+        self.usage.record_residency(now, self.residency.slots.resident_pages())
         self.usage.prune(now)
         return self.usage.query(tenants=tenants, adapters=adapters, since_hour=since_hour)
 
@@ -749,7 +749,7 @@ class Engine:
         rules = self.residency
         return sum(
             pages
-            for key, pages in rules.resident_pages().items()
+            for key, pages in rules.slots.resident_pages().items()
             if (r := rules.adapters[key]).pinned or r.hot or r.running or r.waiting
         )
 
@@ -757,22 +757,22 @@ class Engine:
         """Resident and host-RAM adapters, queue depth, running sequences, pool use, evictions."""
         now = self.clock()
         hits, queried = self.scheduler.prefix_hit_tokens, self.scheduler.prefix_query_tokens
-        resident, in_host = tuple(self.adapters.resident()), tuple(self.adapters.in_host())
+        resident, in_host = tuple(self.residency.slots.resident()), tuple(self.residency.host.keys())
         prefetches = self.residency.prefetch.counts
         costs = self.adapters.costs
         return EngineStats(
             resident_adapters=resident,
             host_ram_adapters=in_host,
-            host_ram_adapter_bytes=self.residency.host_bytes(),
+            host_ram_adapter_bytes=self.residency.host.nbytes,
             lora_slots=self.max_resident_loras,
             registered_adapters=len(self.adapters.entries),
-            adapter_yields=self.residency.yields,
-            adapters_pinned=len(self.residency.pinned()),
+            adapter_yields=self.residency.loads.yields,
+            adapters_pinned=len(self.residency.pins.pinned()),
             adapters_resident=len(resident),
             adapters_host_ram=len(in_host),
-            adapters_kept_hot=len(self.residency.hot()),
-            adapter_pinned_pages=self.adapters.pinned_pages(),
-            adapter_pin_limit_pages=self.adapters.pin_limit(),
+            adapters_kept_hot=len(self.residency.pins.hot()),
+            adapter_pinned_pages=self.residency.pins.pinned_pages(),
+            adapter_pin_limit_pages=self.residency.pins.limit(),
             adapter_prefetches_started=prefetches["started"],
             adapter_prefetches_done=prefetches["done"],
             adapter_prefetches_failed=prefetches["failed"],
@@ -794,7 +794,7 @@ class Engine:
             prefix_cache_evicted_blocks=self.prefix_cache.evicted,
             prefix_cache_hit_rate=_ratio(sum(hits.values()), sum(queried.values())),
             prefix_cache_hit_rate_by_tenant={t: _ratio(hits[t], n) for t, n in queried.items()},
-            evictions_per_minute=sum(1 for t in self.residency.evictions if now - t <= 60.0),
+            evictions_per_minute=sum(1 for t in self.residency.slots.evictions if now - t <= 60.0),
             adapter_held_pages=self._held_adapter_pages(),
             pool_page_bytes=self.page_bytes,
             tokens_in_flight=sum(

@@ -169,7 +169,7 @@ class RequestIntake:
             prompt_ids=ids,
             sampling=sampling,
             arrival_time=self._clock(),
-            adapter_tier=self.adapters.tier(adapter) if adapter else "none",
+            adapter_tier=self.adapters.residency.tier(adapter) if adapter else "none",
             detokenizer=IncrementalDecoder(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
             logprobs=[] if sampling.logprobs is not None else None,

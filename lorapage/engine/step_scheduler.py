@@ -103,7 +103,7 @@ class StepScheduler:
     # -- AdmissionContext -----------------------------------------------------------------------
 
     def adapter_ready(self, req: Request) -> bool:
-        return req.adapter is None or self.adapters.is_ready(req.adapter)
+        return req.adapter is None or self.adapters.residency.is_ready(req.adapter)
 
     def try_admit(self, req: Request) -> bool:
         lim = self.limits
@@ -132,7 +132,7 @@ class StepScheduler:
             self.prefix_hit_tokens[t] = self.prefix_hit_tokens.get(t, 0) + hit
         self._admitted.append(req)
         if req.adapter is not None:  # it runs on the adapter now, so admitting the next request cannot evict it
-            req.lora_slot = self.adapters.admit(req.adapter)
+            req.lora_slot = self.adapters.residency.admit(req.adapter)
         return True
 
     def _match_prefix(self, req: Request) -> int:
@@ -244,7 +244,7 @@ class StepScheduler:
     def _unadmit(self, req: Request) -> None:
         """Give back what admission took: KV pages (its KV must be recomputed), and its hold on
         the adapter (the request counts as queued for its adapter again). Nothing is owed for an
-        admission :meth:`AdapterCache.admit` refused."""
+        admission :meth:`~lorapage.adapters.residency.Residency.admit` refused."""
         self._free_kv(req)
         if req.lora_slot and req.adapter is not None:
             self.adapters.requeue(req.adapter)
@@ -314,7 +314,7 @@ class StepScheduler:
         self._policy_s += self._timer() - started
         if self.usage is not None:
             self.usage.record_step(now, step_s, charged)
-            self.usage.record_residency(now, self.adapters.resident_pages())
+            self.usage.record_residency(now, self.adapters.residency.slots.resident_pages())
         for req, _, sample in rows:
             if req.aborted:
                 self._finish(req, "abort")

@@ -159,7 +159,7 @@ class AdapterCatalog:
         changed = {}
         for row in rows:
             if row.base_digest == base:
-                pct = self.cache.envelope.cost(spec_from_json(row.spec).ranks).projected_cost_pct
+                pct = self.cache.checks.envelope.cost(spec_from_json(row.spec).ranks).projected_cost_pct
                 if row.projected_cost_pct is None or abs(row.projected_cost_pct - pct) > 1e-9 * max(1.0, pct):
                     changed[(row.adapter_id, row.version)] = pct
         if changed:
@@ -180,8 +180,8 @@ class AdapterCatalog:
             return
         spec = spec_from_json(row.spec)
         try:
-            self.cache.check_envelope(spec)
-            self.cache.add(row.key, spec, self.cache.plan(spec), row.digest, Origin(row.source, owner))
+            self.cache.checks.check_envelope(spec)
+            self.cache.add(row.key, spec, self.cache.checks.plan(spec), row.digest, Origin(row.source, owner))
         except AdapterFormatError as exc:
             self._unfit[row.key] = exc
 
@@ -292,7 +292,7 @@ class AdapterCatalog:
         running = self._base_digest()
         if expected_base_digest is not None:  # the caller's word: refused before any weight is read
             self.binding.bind(running, expected=expected_base_digest, trained_on=None)
-        spec, layout, digest = self.cache.validate(str(path), envelope=envelope)
+        spec, layout, digest = self.cache.checks.validate(str(path), envelope=envelope)
         if sha256 is not None and digest_param(sha256, "sha256") != digest:
             raise AdapterIntegrityError(
                 f"adapter at {path} has content digest {digest}, not the sha256 given ({sha256})", param="sha256"
@@ -460,7 +460,7 @@ class AdapterCatalog:
             base_digest=self._base_digest(),
             spec=spec_to_json(spec),
             activate=activate,
-            projected_cost_pct=self.cache.envelope.cost(spec.ranks).projected_cost_pct,
+            projected_cost_pct=self.cache.checks.envelope.cost(spec.ranks).projected_cost_pct,
             actor=actor,
         )
 
@@ -593,7 +593,7 @@ class AdapterCatalog:
             if row is None or key not in self.cache.entries:
                 raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")  # deleted meanwhile
             if pinned:
-                self.cache.check_pin(key)
+                self.cache.residency.pins.check(key)
             await asyncio.get_running_loop().run_in_executor(
                 self._io,
                 lambda: self.registry.set_pinned(adapter_id, row.version, pinned, actor=actor, outcome=outcome or "ok"),

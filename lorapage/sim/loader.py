@@ -96,8 +96,8 @@ class SimLoader:
         adapter: then it tells a router nothing), as a replica reports them."""
         if self._snapshot is None or self._snapshot[0] != self._version:
             disk = frozenset(self.disk) if self.config.max_disk_loras is not None else frozenset()
-            host = frozenset(self.rules.in_host())
-            self._snapshot = (self._version, (frozenset(self.rules.resident()), host, disk))
+            host = frozenset(self.rules.host.keys())
+            self._snapshot = (self._version, (frozenset(self.rules.slots.resident()), host, disk))
         return self._snapshot[1]
 
     # -- what the simulator tells it (the engine's adapter cache role) ----------------------------
@@ -146,7 +146,7 @@ class SimLoader:
     def next_event(self, now: float) -> float | None:
         """The next time a load may progress without a step happening first (None: no such time)."""
         times = [t for t, *_ in self._due if t > now]
-        check = self.rules.next_check(now)
+        check = self.rules.loads.next_check(now)
         if check is not None:
             times.append(check)
         return min(times) if times else None

@@ -39,7 +39,7 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
     """Unregistering an adapter whose copy is still queued (on CUDA, behind the step in flight on
     the forward thread) must not leak its slot and pages, nor free them before the copy has run."""
     engine = tiny_engine(max_loras=2, max_resident_loras=2)
-    free, slots = engine.pool_free_pages(), engine.residency.num_free_slots
+    free, slots = engine.pool_free_pages(), engine.residency.slots.num_free
     gate = asyncio.Event()
     run_on_device = engine.adapters.loader.run_on_device
 
@@ -62,7 +62,7 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
         if engine.pool_free_pages() == free:
             break
         await asyncio.sleep(0.01)
-    assert engine.pool_free_pages() == free and engine.residency.num_free_slots == slots
+    assert engine.pool_free_pages() == free and engine.residency.slots.num_free == slots
     outs = await asyncio.gather(
         *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("globex", "initech"))
     )
@@ -119,7 +119,7 @@ async def test_starving_loads_take_turns_in_order():
     workers = [asyncio.ensure_future(hot(a, n)) for a in ("acme", "globex", "initech") for n in (20, 31)]
     turns: list[str] = []
     for _ in range(3000):
-        resident = [key.partition("@")[0] for key in engine.adapters.resident()]
+        resident = [key.partition("@")[0] for key in engine.residency.slots.resident()]
         if resident and (not turns or turns[-1] != resident[0]):
             turns.append(resident[0])
         if len(turns) >= 7:
@@ -145,12 +145,12 @@ async def test_prewarm_does_not_make_a_busy_adapter_yield():
         await asyncio.sleep(0.005)
     prewarm = asyncio.ensure_future(engine.admin.load("globex"))
     await asyncio.sleep(0.2)  # ten times adapter_wait_s
-    assert not prewarm.done() and engine.residency.yields == 0
+    assert not prewarm.done() and engine.residency.loads.yields == 0
     assert not engine.residency.get("acme@1").yielding
     last, _ = await asyncio.wait_for(long, 60)
     assert last.finish_reason == "length"
     await asyncio.wait_for(prewarm, 10)  # acme idle now: the pre-warm gets the slot
-    assert engine.adapters.resident() == ["globex@1"]
+    assert engine.residency.slots.resident() == ["globex@1"]
     await engine.close()
 
 
@@ -183,7 +183,7 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
         collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=4, temperature=0.0)), 30
     )
     assert cold.finish_reason == "length"
-    assert len(engine.residency.evictions) <= 2, "the slot changed hands more than the one turn needs"
+    assert len(engine.residency.slots.evictions) <= 2, "the slot changed hands more than the one turn needs"
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     await engine.close()
@@ -203,7 +203,7 @@ async def test_resident_adapters_outnumber_the_distinct_adapters_of_a_batch():
         for _ in range(2):  # twice: the second round finds all six resident
             outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], n, params) for n in names for _ in range(2)))
             assert all(o.finish_reason == "length" for o, _ in outs)
-            assert {f"{n}@1" for n in names} <= set(engine.residency.resident())
+            assert {f"{n}@1" for n in names} <= set(engine.residency.slots.resident())
         assert engine.stats().evictions_per_minute == 0
         assert sum(engine.adapter_metrics.loads.values()) == 6  # each loaded once
         distinct = engine.scheduler_metrics.distinct_adapters

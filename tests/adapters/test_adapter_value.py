@@ -52,9 +52,9 @@ def set_costs(engine: Engine, *, copy: float, read: float) -> None:
 
 
 def force_one_eviction(engine: Engine) -> list[str]:
-    before = set(engine.adapters.resident())
+    before = set(engine.residency.slots.resident())
     engine.adapters.room_for_kv(engine.pool.num_free + 1, reserve=False)
-    return sorted(before - set(engine.adapters.resident()))
+    return sorted(before - set(engine.residency.slots.resident()))
 
 
 def test_reload_costs_start_from_seeds_and_follow_measurements():
@@ -90,7 +90,7 @@ async def test_equal_rates_evict_the_adapter_cheapest_to_reload():
     try:
         await collect(engine, PROMPT, "initech", SHORT, tenant="a")
         await collect(engine, PROMPT, "globex", SHORT, tenant="b")
-        assert engine.adapters.in_host() == ["globex@1"]
+        assert engine.residency.host.keys() == ["globex@1"]
         set_costs(engine, copy=0.001, read=0.1)
         assert force_one_eviction(engine) == ["globex@1"]
         assert engine.adapter_metrics.evictions["globex"] == 1
@@ -118,7 +118,7 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
     # 10528 pool pages x 0.008 = 84 pages for pins: acme (37) + globex (6) fit, initech (73) not.
     engine = engine_with(max_loras=8, max_resident_loras=8, max_pinned_fraction=0.008)
     try:
-        assert engine.adapters.pin_limit() == 84
+        assert engine.residency.pins.limit() == 84
         assert (await engine.admin.pin("acme")).pinned
         await engine.admin.pin("globex@1")
         assert engine.admin.pins_to_load() == []  # both loaded as they were pinned
@@ -170,7 +170,7 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
             await asyncio.sleep(0.01)
         out, _ = await asyncio.wait_for(collect(engine, PROMPT, "initech", SHORT), 60)
         assert out.finish_reason == "length"
-        assert engine.residency.yields >= 1
+        assert engine.residency.loads.yields >= 1
         assert engine.residency.get("acme@1").slot == pinned_slot
         await asyncio.gather(*hot_tasks)
     finally:
@@ -279,7 +279,7 @@ async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_ha
     try:
         await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         await collect(engine, PROMPT, "globex", SHORT, tenant="t")
-        assert engine.adapters.tier("acme@1") == "disk"
+        assert engine.residency.tier("acme@1") == "disk"
         reads = ReadGates(engine)
         request = asyncio.create_task(collect(engine, PROMPT, "initech", SHORT, tenant="t"))
         await wait_for(lambda: reads.started, "initech's read")
@@ -289,8 +289,8 @@ async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_ha
         await request
         await wait_for(lambda: engine.residency.prefetch.counts["done"] == 1, "the prefetch")
         assert reads.started == ["initech@1", "acme@1"]
-        assert engine.adapters.resident() == ["initech@1"]  # the prefetch took no slot
-        assert engine.adapters.tier("acme@1") == "ram"
+        assert engine.residency.slots.resident() == ["initech@1"]  # the prefetch took no slot
+        assert engine.residency.tier("acme@1") == "ram"
         out, _ = await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         assert out.adapter_tier == "ram"
         assert engine.stats().adapter_prefetches_done == 1
@@ -321,8 +321,8 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
         reads.open(*others)
         await wait_for(lambda: engine.residency.prefetch.counts["done"] == 4, "four prefetches")
         assert sorted(reads.started[1:]) == sorted(others)
-        assert sorted(engine.adapters.in_host()) == sorted((*others, "initech@1"))
-        assert engine.adapters.resident() == ["initech@1"]
+        assert sorted(engine.residency.host.keys()) == sorted((*others, "initech@1"))
+        assert engine.residency.slots.resident() == ["initech@1"]
     finally:
         await engine.close()
 
@@ -340,7 +340,7 @@ async def test_pin_routes_describe_the_adapter_and_answer_409_with_the_numbers()
             assert_openai_error(body, 409, "id")
             assert status == 409 and body["error"]["code"] == "pin_limit_exceeded"
             pages = {name: engine.admin.info(name).num_pages for name in ("acme", "globex", "initech")}
-            limit, cap = engine.adapters.pin_limit(), engine.pool.capacity
+            limit, cap = engine.residency.pins.limit(), engine.pool.capacity
             assert pages["acme"] + pages["globex"] <= limit < sum(pages.values())  # what this test relies on
             numbers = (
                 f"asks for {pages['initech']} pages; pins hold {pages['acme'] + pages['globex']} pages "

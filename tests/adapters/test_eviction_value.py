@@ -75,9 +75,9 @@ def idle_chain(cache: PrefixCache, pool: PagePool, tag: bytes, blocks: int, uses
 
 def evict_one_page(engine: Engine) -> list[str]:
     """Ask for one page more than is free; what left the pool (adapter names, or ``page N``)."""
-    cached, resident = set(engine.prefix_cache._key), set(engine.adapters.resident())
+    cached, resident = set(engine.prefix_cache._key), set(engine.residency.slots.resident())
     assert engine.adapters.room_for_kv(engine.pool.num_free + 1, reserve=False)
-    gone = sorted(resident - set(engine.adapters.resident()))
+    gone = sorted(resident - set(engine.residency.slots.resident()))
     return gone + [f"page {p}" for p in sorted(cached - set(engine.prefix_cache._key))]
 
 
@@ -106,7 +106,7 @@ async def test_a_cold_never_hit_block_goes_before_a_warm_adapter():
             await collect(engine, PROMPT, "globex", SHORT)
         set_costs(engine, reload_s=1.0, block_s=1.0)
         assert evict_one_page(engine) == [f"page {cold[0]}"]
-        assert engine.adapters.resident() == ["globex@1"] and engine.stats().prefix_cache_evicted_blocks == 1
+        assert engine.residency.slots.resident() == ["globex@1"] and engine.stats().prefix_cache_evicted_blocks == 1
     finally:
         await engine.close()
 

@@ -4,6 +4,9 @@ the decisions that come back."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from lorapage.adapters.decisions import Cancel, DropHost, Evict, Load, Prefetch, Read, Ready, Release, Yield
@@ -54,7 +57,7 @@ def test_a_load_reads_then_takes_a_free_slot_and_its_pages():
     assert isinstance(load, Load) and load.slot == 1 and len(load.pages) == 10
     assert r.tier("a") == "ram"  # its host copy is there; the copy into the pool is not done
     assert r.copy_done("a", load.slot, True, 0.6) == [Ready("a")]
-    assert r.is_ready("a") and r.tier("a") == "gpu" and r.resident_pages() == {"a": 10}
+    assert r.is_ready("a") and r.tier("a") == "gpu" and r.slots.resident_pages() == {"a": 10}
 
 
 def test_host_copies_leave_by_lru_when_their_bytes_pass_the_bound():
@@ -66,18 +69,18 @@ def test_host_copies_leave_by_lru_when_their_bytes_pass_the_bound():
         r.add(key, pages=1, host_bytes=size)
     for key in ("a", "b", "c"):
         make_resident(r, key, 0.0)
-    assert r.in_host() == ["a", "b", "c"] and r.host_bytes() == 90
+    assert r.host.keys() == ["a", "b", "c"] and r.host.nbytes == 90
     r.enqueue("d", 1.0)
     assert r.read_done("d", 1.0)[0] == DropHost("a")  # 90 + 50 > 100: a leaves, 100 fit
-    assert r.in_host() == ["b", "c", "d"] and r.host_bytes() == 100
+    assert r.host.keys() == ["b", "c", "d"] and r.host.nbytes == 100
     r.prefetch_done("b", True)  # b's copy used again: the most recent now
-    assert r.in_host() == ["c", "d", "b"]
+    assert r.host.keys() == ["c", "d", "b"]
     # A copy larger than the whole bound leaves alone: what was there stays.
     r.enqueue("e", 2.0)
     assert r.read_done("e", 2.0)[0] == DropHost("e")
-    assert r.in_host() == ["c", "d", "b"] and r.host_bytes() == 100
+    assert r.host.keys() == ["c", "d", "b"] and r.host.nbytes == 100
     r.finish("c")
-    assert DropHost("c") in r.remove("c", 3.0) and r.in_host() == ["d", "b"] and r.host_bytes() == 80
+    assert DropHost("c") in r.remove("c", 3.0) and r.host.keys() == ["d", "b"] and r.host.nbytes == 80
 
 
 def test_the_idle_adapter_of_least_value_per_page_leaves_for_a_load():
@@ -112,15 +115,15 @@ def test_a_starving_load_makes_the_least_valuable_busy_adapter_yield_after_adapt
     r.add("c", pages=5)
     r.enqueue("c", 2.0)
     assert r.read_done("c", 2.0) == []  # every slot busy: patient
-    assert r.next_check(2.0) == 2.0 + WAIT_S
+    assert r.loads.next_check(2.0) == 2.0 + WAIT_S
     assert r.tick(2.5) == []
     assert r.tick(3.0) == [Yield("b")]  # b has the fewest requests per page
     assert not r.is_ready("b") and r.is_ready("a")
-    assert r.pending_pages() == 5  # KV admission leaves c's pages free meanwhile
+    assert r.loads.pending_pages() == 5  # KV admission leaves c's pages free meanwhile
     r.finish("b")  # its running request ends: it is idle of running ones, and c takes its slot
     decisions = r.tick(3.1)
     assert decisions[:1] == [Evict("b", 2)] and isinstance(decisions[1], Load) and decisions[1].slot == 2
-    assert r.yields == 1 and not r.get("b").yielding
+    assert r.loads.yields == 1 and not r.get("b").yielding
 
 
 def test_an_adapter_resident_less_than_adapter_wait_s_is_spared_and_the_line_keeps_its_order():
@@ -132,7 +135,7 @@ def test_an_adapter_resident_less_than_adapter_wait_s_is_spared_and_the_line_kee
         r.enqueue(key, at)
         r.read_done(key, at)
     assert r.tick(10.5) == []  # both starving, but a became resident half a second ago
-    assert r.next_check(10.5) == 10.0 + WAIT_S  # when it may yield
+    assert r.loads.next_check(10.5) == 10.0 + WAIT_S  # when it may yield
     assert r.tick(11.0) == [Yield("a")]
     r.finish("a")
     decisions = r.tick(11.0)
@@ -150,7 +153,7 @@ def test_a_prewarm_waits_for_a_slot_without_making_an_adapter_yield():
     r.add("b", pages=5)
     assert r.ensure("b") == [Read("b", LoadTier.DISK)]
     r.read_done("b", 0.0)
-    assert r.tick(100.0) == [] and r.yields == 0
+    assert r.tick(100.0) == [] and r.loads.yields == 0
     r.finish("a")
     assert [type(d) for d in r.tick(100.0)] == [Evict, Load]
 
@@ -167,7 +170,7 @@ def test_pins_are_never_evicted_nor_made_to_yield_and_are_bounded():
         r.unload("a", 0.0)
     with pytest.raises(PinLimitError, match="asks for 10 pages; pins hold 10 pages and may hold 19"):
         r.pin("b")
-    assert r.pin_limit() == 19 and r.pinned_pages() == 10
+    assert r.pins.limit() == 19 and r.pins.pinned_pages() == 10
     make_resident(r, "b", 0.0)
     make_resident(r, "c", 0.0)
     r.enqueue("d", 5.0)
@@ -185,9 +188,9 @@ def test_a_copy_whose_adapter_was_removed_gives_its_slot_and_pages_back_only_whe
         r.remove("a", 0.0)
     r.dequeue("a")
     assert r.remove("a", 0.0) == [DropHost("a")]
-    assert r.pages.num_free == 49 - 10 and r.num_free_slots == 0  # the copy may still write them
+    assert r.pages.num_free == 49 - 10 and r.slots.num_free == 0  # the copy may still write them
     assert r.copy_done("a", load.slot, True, 0.1) == [Release("a", load.slot)]
-    assert r.pages.num_free == 49 and r.num_free_slots == 1
+    assert r.pages.num_free == 49 and r.slots.num_free == 1
 
 
 def test_a_failed_copy_gives_back_its_slot_and_a_later_request_retries():
@@ -196,7 +199,7 @@ def test_a_failed_copy_gives_back_its_slot_and_a_later_request_retries():
     r.enqueue("a", 0.0)
     (load,) = r.read_done("a", 0.0)
     assert r.copy_done("a", load.slot, False, 0.1) == [Release("a", load.slot)]
-    assert r.pages.num_free == 49 and r.loading() == []
+    assert r.pages.num_free == 49 and r.loads.loading() == []
     r.dequeue("a")
     assert r.enqueue("a", 1.0) == [Read("a", LoadTier.RAM)]  # its host copy was kept
 
@@ -222,7 +225,7 @@ def test_remove_cancels_a_read_and_forgets_the_adapter():
     r.enqueue("a", 0.0)
     r.dequeue("a")
     assert r.remove("a", 0.0) == [Cancel("a")]
-    assert "a" not in r.adapters and r.loading() == []
+    assert "a" not in r.adapters and r.loads.loading() == []
 
 
 def test_one_ranking_gives_back_cached_blocks_and_adapters_cheapest_per_page_first():
@@ -245,9 +248,32 @@ def test_one_ranking_gives_back_cached_blocks_and_adapters_cheapest_per_page_fir
         blocks.release(list(page))
         for _ in range(uses - 1):
             blocks.release(blocks.match(keys))
-    adapter_value = r.value_per_page(r.get("a"), 0.0)
+    adapter_value = r.slots.value_per_page(r.get("a"), 0.0)
     assert recompute.block_s() < adapter_value < 50 * recompute.block_s()  # what the order below relies on
     assert r.reclaim(pool.num_free + 1, 0.0) == []  # the cold block was enough
     assert blocks.num_cached == 1
     assert r.reclaim(pool.num_free + 1, 0.0) == [Evict("a", 1)]  # then the adapter, before the hot block
     assert blocks.num_cached == 1
+
+
+def test_the_cache_forwards_nothing_to_the_residency_and_no_part_grows_past_forty_methods():
+    """Layer (a) of the control plane: the residency decides, the cache carries its decisions out.
+    Readers ask the residency (or its parts) directly, so no cache method's whole body is the
+    residency's method of the same name; and the rules stay split along their tiers."""
+    root = Path(__file__).resolve().parents[2] / "lorapage" / "adapters"
+    modules = ("cache", "checks", "residency", "residence", "pool_slots", "host_ram", "loads", "pins", "prefetch")
+    for module in modules:
+        tree = ast.parse((root / f"{module}.py").read_text())
+        for cls in (c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)):
+            methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            assert len(methods) <= 40, f"{module}.{cls.name} has {len(methods)} methods"
+            for f in methods:
+                body = [s for s in f.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                call = body[0].value if len(body) == 1 and isinstance(body[0], (ast.Return, ast.Expr)) else None
+                forwards = (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == f.name
+                    and isinstance(call.func.value, ast.Attribute)
+                )
+                assert not forwards, f"{module}.{cls.name}.{f.name} only forwards to a part"

@@ -19,8 +19,8 @@ def test_hot_versions_are_kept_resident_within_the_pins_bounds_most_requested_fi
         r.add(key, pages=10)
     # a, b, c are hot in that order: a and b fit (20 pages), c would pass 24 pages.
     assert r.set_hot(["a", "b", "c"]) == [Read("a", LoadTier.DISK), Read("b", LoadTier.DISK)]
-    assert r.hot() == ["a", "b"] and not r.get("c").hot
-    assert r.pinned_pages() == 0  # the admin's pins: none
+    assert r.pins.hot() == ["a", "b"] and not r.get("c").hot
+    assert r.pins.pinned_pages() == 0  # the admin's pins: none
     for key in ("a", "b", "c", "d"):
         if key in ("c", "d"):
             r.enqueue(key, 0.0)
@@ -37,7 +37,7 @@ def test_hot_versions_are_kept_resident_within_the_pins_bounds_most_requested_fi
     assert r.reclaim(r.pages.num_free + 30, 7.0) == []  # nothing idle but a and b, which stay
     # a is hot no more: evictable by value again (its host copy stays).
     r.set_hot(["b"])
-    assert r.hot() == ["b"]
+    assert r.pins.hot() == ["b"]
     assert [d.key for d in r.reclaim(r.pages.num_free + 10, 8.0) if isinstance(d, Evict)] == ["a"]
 
 
@@ -47,24 +47,24 @@ def test_an_admin_pin_takes_the_room_of_hot_versions_least_requested_first():
     for key in ("a", "b", "p"):
         r.add(key, pages=10)
     r.set_hot(["a", "b"])
-    assert r.hot() == ["a", "b"]
+    assert r.pins.hot() == ["a", "b"]
     r.pin("p")  # checked against the admin pins alone (10 of 24): granted
-    assert r.pinned() == ["p"] and r.hot() == ["a"]  # b, the less requested, was let go
+    assert r.pins.pinned() == ["p"] and r.pins.hot() == ["a"]  # b, the less requested, was let go
     # Hot again next time: only the room the admin pins leave.
     r.set_hot(["b", "a"])
-    assert r.hot() == ["b"]
+    assert r.pins.hot() == ["b"]
     # A version an admin pinned is held by its pin, not counted twice.
     r.set_hot(["p", "a"])
-    assert r.hot() == ["a"] and r.get("p").pinned
+    assert r.pins.hot() == ["a"] and r.get("p").pinned
 
 
 def test_no_room_for_pins_keeps_no_hot_version():
     r = rules(slots=4, pages=100, pins=PinBounds(capacity=99, max_resident_loras=4, max_pinned_fraction=0.0))
     r.add("a", pages=10)
-    assert r.set_hot(["a"]) == [] and r.hot() == []
+    assert r.set_hot(["a"]) == [] and r.pins.hot() == []
     r = rules(slots=4, pages=100, pins=None)  # pins not enabled
     r.add("a", pages=10)
-    assert r.set_hot(["a"]) == [] and r.hot() == []
+    assert r.set_hot(["a"]) == [] and r.pins.hot() == []
 
 
 def test_warm_versions_are_prefetched_into_host_ram_under_the_tiers_share():
@@ -77,5 +77,5 @@ def test_warm_versions_are_prefetched_into_host_ram_under_the_tiers_share():
     assert list(r.prefetch.waiting) == ["b"]  # d is past half of host RAM, e resident
     assert r.prefetch_done("a", True) == [Prefetch("b", TIERS_TENANT)]
     r.prefetch_done("b", True)
-    assert set(r.in_host()) >= {"a", "b"} and not r.is_resident("a")
+    assert set(r.host.keys()) >= {"a", "b"} and not r.is_resident("a")
     assert r.prewarm(["a", "b"]) == []  # in host RAM already

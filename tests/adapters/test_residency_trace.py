@@ -84,7 +84,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
                 )
                 assert out.finish_reason == "length"
                 for _ in range(2000):  # the prefetches this request started end in its turn
-                    if not engine.residency.loading() and not engine.residency.prefetch.running:
+                    if not engine.residency.loads.loading() and not engine.residency.prefetch.running:
                         break
                     await asyncio.sleep(0.005)
         finally:

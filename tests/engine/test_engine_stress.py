@@ -120,7 +120,7 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     await asyncio.sleep(0.05)
     state = engine.scheduler
     assert not state.requests and not state.running and engine.policy.num_waiting() == 0
-    assert engine.residency.loading() == []
+    assert engine.residency.loads.loading() == []
     for entry in engine.residency.adapters.values():
         assert (entry.running, entry.waiting, entry.yielding) == (0, 0, False), entry.key
     # KV pages left are cached blocks nobody holds (refcounts all back to zero), nothing else.

@@ -130,7 +130,7 @@ def test_simulate_takes_the_two_lora_counts_and_the_lane_flags() -> None:
     assert (config.vtc.max_loras, config.vtc.reserved_tail_lanes, config.vtc.age_deadline_s) == (8, 2, 0.5)
     assert config.residency.max_resident_loras == 100
     replica = Replica("r0", config)
-    assert replica.residency.rules.num_free_slots == 100
+    assert replica.residency.rules.slots.num_free == 100
     lanes = replica.sim.policy.lanes
     assert (lanes.cap, lanes.reserved_tail) == (8, 2)
     seed = fleet_config(args, [])  # the seed's replica: 250 resident, 32 distinct in a batch
