@@ -29,7 +29,7 @@ from lorapage.adapters.cost import uniform_ranks
 from lorapage.adapters.envelope import MODULE_CLASSES, Envelope
 from lorapage.capacity.plan import Plan, Replica, Workload, make_plan
 from lorapage.capacity.report import as_json, render
-from lorapage.config import DTYPE_NAMES, EngineConfig
+from lorapage.config import DTYPE_NAMES, LORA_DTYPE_NAMES, EngineConfig
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="a Hugging Face model directory (or its config.json): only the shape is read"
     )
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="the weights' dtype on the device")
-    p.add_argument("--lora-dtype", choices=("auto", *DTYPE_NAMES), default="auto", help="the adapters' (auto: --dtype)")
+    p.add_argument("--lora-dtype", choices=LORA_DTYPE_NAMES, default="auto", help="the adapters' (auto: --dtype)")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument(
         "--modules", default="all", help="attention, mlp, all, or a comma-separated list of the projections adapted"

@@ -53,23 +53,16 @@ from lorapage.server.tenants import SHARED, TenantsConfig, TenantsConfigError, h
 from lorapage.tiny import demo_adapter_dirs
 
 log = logging.getLogger("lorapage.serve")
-# EngineConfig fields that are where a server keeps its state (flags: add_state_arguments).
-STATE_FIELDS = (
-    "adapter_cache_dir",
-    "adapter_cache_bytes",
-    "max_adapter_download_bytes",
-    "adapter_download_timeout_s",
-    "min_adapter_download_bytes_per_s",
-    "allow_private_adapter_sources",
-    "s3_endpoint_url",
-    "hf_endpoint",
+# Flags of their own below: a server keeps its registry on disk by default, an engine in memory.
+_STATE_FLAG = "state_dir"
+# EngineConfig fields that are where a server keeps its state (the "state" group; flags: add_state_arguments).
+STATE_FIELDS = tuple(
+    f.name for f in fields(EngineConfig) if f.metadata.get("group") == "state" and f.name != _STATE_FLAG
 )
-ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "state_dir")
+ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != _STATE_FLAG)
 PROG = "lorapage serve"
 API_KEY_ENV = "LORAPAGE_API_KEY"  # vLLM reads VLLM_API_KEY
 API_KEY_TENANT = "default"  # the one tenant of --api-key
-# Flags of their own below: a server keeps its registry on disk by default, an engine in memory.
-_STATE_FLAG = "state_dir"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> list[str]:
