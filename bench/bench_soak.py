@@ -58,7 +58,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from lorapage.kernels.cpu_build import machine_info, machine_line
-from lorapage.server.serve_process import ServeProcess, start_serve
+from lorapage.testing.serve_process import ServeProcess, start_serve
 from lorapage.tiny import demo_adapter_dirs
 from lorapage.traces.stats import percentile
 

@@ -125,6 +125,7 @@ def test_no_import_cycles_in_lorapage():
 # its own package and anything in a lower row, nothing in its row or above. docs/structure.md's
 # "Layers" block is this table rendered (checked below).
 LAYERS: tuple[tuple[str, str], ...] = (
+    ("lorapage.testing", "support for tests and benchmarks: `lorapage serve` as a child process"),
     ("lorapage.cli", "the `lorapage` command"),
     ("lorapage.demo", "`lorapage demo`"),
     ("lorapage", "the package face: Engine, EngineConfig, SamplingParams, RequestOutput"),

@@ -30,7 +30,7 @@ from lorapage.server.engines import (
     side_config,
     utilization_share,
 )
-from lorapage.server.serve_process import run_serve, start_serve
+from lorapage.testing.serve_process import run_serve, start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPTS = ["Hello", "How are you?", "Tell me about the weather."]

@@ -27,8 +27,8 @@ from lorapage.server.app import STATE
 from lorapage.server.edge import EdgeLimits
 from lorapage.server.generation import Formatter
 from lorapage.server.prompts import CHUNK_CHARS
-from lorapage.server.serve_process import run_serve
 from lorapage.server.tenants import TenantsConfig
+from lorapage.testing.serve_process import run_serve
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
