@@ -35,7 +35,7 @@ from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.population import zipf_weights
 from lorapage.sim.costs import COSTS
-from lorapage.sim.fleet import SEED_SLO, FleetConfig, adapter_of
+from lorapage.sim.fleet import SEED_SLO, SimFleetConfig, adapter_of
 from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
 from lorapage.traces.trace import TraceError, TraceRequest, read_trace
@@ -139,7 +139,7 @@ def simulate(plan: Plan, replica: Replica, args: argparse.Namespace, trace: list
     """The affinity-routed fleet at the plan's replicas, and the fewest meeting the seed's SLO."""
     from lorapage.sim.compare import compare_routers
 
-    config = FleetConfig(
+    config = SimFleetConfig(
         replicas=plan.replicas,
         router_options={"owners": replica.owners},
         engine=SimConfig(max_num_seqs=replica.max_num_seqs, max_num_batched_tokens=8192),
