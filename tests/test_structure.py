@@ -264,3 +264,18 @@ def test_every_package_face_exports_lazily_what_it_declares():
             else:
                 assert isinstance(node, ast.Expr), f"{name} defines {ast.dump(node)[:80]}"  # the docstring
         assert typed == table, name
+
+
+def test_bench_scripts_share_modules_not_one_another():
+    """bench/ is a package of scripts and the modules they share (bench/__init__.py names them):
+    a script imports the shared modules, never another script (``bench_*.py``, ``profile_*.py``)."""
+    bench = ROOT / "bench"
+    scripts = {p.stem for p in bench.glob("*.py") if p.stem.startswith(("bench_", "profile_"))}
+    assert (bench / "__init__.py").exists() and (bench / "harness.py").exists()
+    wrong = []
+    for path in sorted(bench.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{path.name} imports {n}" for n in names if n.split(".")[-1] in scripts or n.startswith("bench")]
+    assert wrong == []
