@@ -26,16 +26,16 @@ import argparse
 import asyncio
 import ctypes
 import json
-import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
-import bench_replay as br
+import workloads
+from harness import interleaved, machine_info, machine_line, median, print_json, table
 
 from lorapage.kernels import cpu_build, lora_cpu
 
-CASES = (5, br.SLORA_ADAPTERS)
+CASES = (5, workloads.SLORA_ADAPTERS)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -68,26 +68,29 @@ async def main(args: argparse.Namespace) -> dict:
     variants = [parse_variant(v) for v in args.variants]
     if len({n for n, _ in variants}) < len(variants):
         raise SystemExit("variant names must differ")
-    small, big = br.slora_traces(args.requests)
+    small, big = workloads.slora_traces(args.requests)
     tps: dict[tuple[str, int], list[float]] = {(n, c): [] for n, _ in variants for c in CASES}
     default_kernels = cpu_build.cpu_kernels()
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-ab-") as tmp:
-        model, dirs = br.make_assets(Path(tmp))
+        model, dirs = workloads.make_assets(Path(tmp))
         libs = {n: kernels_at(cfg["kernels"], Path(tmp) / n) for n, cfg in variants if "kernels" in cfg}
         jobs = [(n, cfg, case) for n, cfg in variants for case in CASES]
-        for i in range(args.rounds):
-            for name, cfg, case in jobs if i % 2 == 0 else jobs[::-1]:
-                lib = libs.get(name, default_kernels)
-                # The CPU ops look their library up on every call: this pass's engine runs on it.
-                lora_cpu.cpu_kernels = lambda lib=lib: lib
-                config = {k: v for k, v in cfg.items() if k != "kernels"}
-                names = [f"a{k:04d}" for k in range(case)]
-                engine, _ = br.engine_for(model, dirs, names, **config)
-                report = await br.run(
-                    engine, small if case == 5 else big, br.SLORA_OPTIONS, Path(tmp) / "reports", f"{name}-{case}-{i}"
-                )
-                tps[(name, case)].append(report["throughput"]["output_tokens_per_s"])
-                print(f"round {i + 1}: {name} {case:,}: {tps[(name, case)][-1]:.1f} tokens/s", flush=True)
+        for i, (name, cfg, case) in interleaved(args.rounds, jobs):
+            lib = libs.get(name, default_kernels)
+            # The CPU ops look their library up on every call: this pass's engine runs on it.
+            lora_cpu.cpu_kernels = lambda lib=lib: lib
+            config = {k: v for k, v in cfg.items() if k != "kernels"}
+            names = [f"a{k:04d}" for k in range(case)]
+            engine, _ = workloads.engine_for(model, dirs, names, **config)
+            report = await workloads.run(
+                engine,
+                small if case == 5 else big,
+                workloads.SLORA_OPTIONS,
+                Path(tmp) / "reports",
+                f"{name}-{case}-{i}",
+            )
+            tps[(name, case)].append(report["throughput"]["output_tokens_per_s"])
+            print(f"round {i + 1}: {name} {case:,}: {tps[(name, case)][-1]:.1f} tokens/s", flush=True)
     lora_cpu.cpu_kernels = cpu_build.cpu_kernels
     first, many = variants[0][0], CASES[1]
     rows: list[dict] = []
@@ -97,34 +100,47 @@ async def main(args: argparse.Namespace) -> dict:
             {
                 "variant": name,
                 "config": cfg,
-                "tokens_per_s_5": statistics.median(a),
-                "tokens_per_s_2000": statistics.median(b),
-                "ratio": statistics.median(b) / statistics.median(a),
+                "tokens_per_s_5": median(a),
+                "tokens_per_s_2000": median(b),
+                "ratio": median(b) / median(a),
                 "ratio_per_round": [y / x for x, y in zip(a, b)],
-                "vs_first_5": statistics.median(x / f for x, f in zip(a, tps[(first, 5)])),
-                "vs_first_2000": statistics.median(y / f for y, f in zip(b, tps[(first, many)])),
+                "vs_first_5": median(x / f for x, f in zip(a, tps[(first, 5)])),
+                "vs_first_2000": median(y / f for y, f in zip(b, tps[(first, many)])),
                 "passes_5": a,
                 "passes_2000": b,
             }
         )
-    print("\n" + cpu_build.machine_line())
+    print("\n" + machine_line())
     print(f"S-LoRA trace ({args.requests} requests, 32 in flight), {args.rounds} rounds, order reversing each round")
     print(f"medians; 'vs {first}': the median over rounds of this variant's tokens/s over {first}'s in that round")
-    print(f"| variant | config | 5 tok/s | 2,000 tok/s | 2,000 / 5 (per round) | 5 vs {first} | 2,000 vs {first} |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        per_round = ", ".join(f"{x:.2f}" for x in r["ratio_per_round"])
-        settings = ", ".join(f"{k}={v}" for k, v in r["config"].items()) or "as built"
-        print(
-            f"| {r['variant']} | {settings} | {r['tokens_per_s_5']:.1f} | {r['tokens_per_s_2000']:.1f} | "
-            f"{r['ratio']:.3f} ({per_round}) | {r['vs_first_5']:.3f} | {r['vs_first_2000']:.3f} |"
-        )
+    header = [
+        "variant",
+        "config",
+        "5 tok/s",
+        "2,000 tok/s",
+        "2,000 / 5 (per round)",
+        f"5 vs {first}",
+        f"2,000 vs {first}",
+    ]
+    cells = [
+        [
+            r["variant"],
+            ", ".join(f"{k}={v}" for k, v in r["config"].items()) or "as built",
+            f"{r['tokens_per_s_5']:.1f}",
+            f"{r['tokens_per_s_2000']:.1f}",
+            f"{r['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})",
+            f"{r['vs_first_5']:.3f}",
+            f"{r['vs_first_2000']:.3f}",
+        ]
+        for r in rows
+    ]
+    print(table(header, cells, "llrrrrr"))
     return {
         "bench": "ab",
         "requests": args.requests,
         "rounds": args.rounds,
         "variants": rows,
-        **cpu_build.machine_info(),
+        **machine_info(),
     }
 
 
@@ -133,4 +149,4 @@ if __name__ == "__main__":
     parser.add_argument("variants", nargs="+", help="NAME[:KEY=VALUE,...]; KEY an EngineConfig field or kernels=REV")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=192)
-    print(json.dumps(asyncio.run(main(parser.parse_args()))))
+    print_json(asyncio.run(main(parser.parse_args())))

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import machine_info, machine_line, median, print_json
 from make_llama import write_model
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.kernels.cpu_build import machine_info, machine_line
 
 BATCH, NEW = 64, 32
 
@@ -99,7 +97,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-") as tmp:
         r = asyncio.run(measure(Path(tmp), args.rounds, args.uniform))
-    ours, theirs = (statistics.median(r["rates"][k]) for k in ("engine", "transformers"))
+    ours, theirs = (median(r["rates"][k]) for k in ("engine", "transformers"))
     shape = "16-token prompts" if args.uniform else "prompts of 32-128 tokens"
     print(machine_line())
     print(
@@ -121,7 +119,7 @@ def main() -> None:
         "targets": {"engine_over_transformers": ">=1.2", "same_tokens": True},
         **machine_info(),
     }
-    print(json.dumps(summary))
+    print_json(summary)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 
+from harness import machine_info, machine_line, print_json
 from make_llama import write_adapter, write_model
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.traces.stats import percentile
 
 TARGET_RATIO = 4.0
@@ -128,21 +127,19 @@ def main() -> None:
         )
     same = a["tokens"] == b["tokens"]
     print(f"p99 ITL unchunked / chunked = {ratio:.1f} (target >= {TARGET_RATIO:g}); long answer equal: {same}")
-    print(
-        json.dumps(
-            {
-                "bench": "chunked_prefill",
-                "prompt_tokens": args.prompt,
-                "streams": args.streams,
-                "chunk": args.chunk,
-                **{f"{n}_{k}": v for n, f in figures.items() for k, v in f.items() if k != "tokens"},
-                "p99_itl_ratio": ratio,
-                "outputs_equal": same,
-                "targets": {"p99_itl_ratio": f">={TARGET_RATIO:g}", "outputs_equal": True},
-                "pass": ratio >= TARGET_RATIO and same,
-                **machine_info(),
-            }
-        )
+    print_json(
+        {
+            "bench": "chunked_prefill",
+            "prompt_tokens": args.prompt,
+            "streams": args.streams,
+            "chunk": args.chunk,
+            **{f"{n}_{k}": v for n, f in figures.items() for k, v in f.items() if k != "tokens"},
+            "p99_itl_ratio": ratio,
+            "outputs_equal": same,
+            "targets": {"p99_itl_ratio": f">={TARGET_RATIO:g}", "outputs_equal": True},
+            "pass": ratio >= TARGET_RATIO and same,
+            **machine_info(),
+        }
     )
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -36,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_engine import decode_rate, stream_bandwidth
+from harness import machine_info, machine_line, median, print_json
 from make_llama import MODULES, write_adapter, write_model
+from workloads import decode_rate, stream_bandwidth
 
 from lorapage import Engine, EngineConfig
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.model.runner import StepPlan
 
 BATCH = 32
@@ -224,7 +223,7 @@ async def main(repeats: int) -> dict:
         costs = {shape: engine.admin.info(ids[0]).cost for shape, ids in names.items()}
         samples = await measure(engine, names, repeats)
         await engine.close()
-    rates = {k: statistics.median(v) - (k != "base_step_s") for k, v in samples.items()}
+    rates = {k: median(v) - (k != "base_step_s") for k, v in samples.items()}
     return report(costs, rates, stream_bandwidth(BATCH * costs["all r16"].adapter_bytes), repeats)
 
 
@@ -234,4 +233,4 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=60, help="timed turns (each runs every mix's step once)")
     args = ap.parse_args()
     print(machine_line())
-    print(json.dumps(asyncio.run(main(5 if args.quick else args.repeats)) | machine_info(), default=float))
+    print_json(asyncio.run(main(5 if args.quick else args.repeats)) | machine_info(), default=float)

@@ -32,19 +32,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from harness import machine_info, machine_line, median, print_json
 from make_llama import write_adapter, write_model
 from safetensors.torch import load_file
+from workloads import decode_rate, prompt, stream_bandwidth
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.kernels.cpu_build import machine_info, machine_line
 
 BATCH = 32
 # Requests per adapter in (e)/(f), fixed so runs compare: Zipf-like (Zipf(1.0) over 8 adapters expects
@@ -53,32 +52,6 @@ BATCH = 32
 SKEW_COUNTS = (12, 7, 4, 3, 2, 2, 1, 1)
 # --scattered: filler adapters loaded between the measured ones; a third of them stay resident.
 SCATTER_FILLERS = 16
-
-
-def prompt(i: int, prompt_len: int) -> list[int]:
-    """Request ``i``'s prompt: the same request index gives the same prompt in every mode."""
-    return [(7 * i + j) % 200 + 3 for j in range(prompt_len)]
-
-
-async def decode_rate(
-    engine: Engine, rows: Sequence[str | None], prompt_len: int, new_tokens: int, ids: list[int] | None = None
-) -> float:
-    """Decode tokens/s of ``rows`` run together: tokens after each row's first, over that span.
-
-    Row ``k`` runs request ``ids[k]``'s prompt (request ``k``'s when ``ids`` is not given).
-    """
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    ids = list(range(len(rows))) if ids is None else ids
-    firsts, lasts = [], []
-
-    async def one(i: int, adapter: str | None) -> None:
-        async for out in engine.generate(prompt(i, prompt_len), adapter, params):
-            if len(out.token_ids) == 1:
-                firsts.append(time.perf_counter())
-        lasts.append(time.perf_counter())
-
-    await asyncio.gather(*(one(i, a) for i, a in zip(ids, rows)))
-    return len(rows) * (new_tokens - 1) / (max(lasts) - max(firsts))
 
 
 def prefill_prompt(i: int) -> list[int]:
@@ -174,7 +147,7 @@ async def residency(engine: Engine, name: str, repeats: int) -> dict:
         t = time.perf_counter()
         cache._copy_in(entry, packed, entry.slot, entry.pages)  # rewrites its own pages: harmless
         copy_in.append(time.perf_counter() - t)
-    ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
+    ms = lambda xs: 1000 * median(xs)  # noqa: E731
     return {
         "file_to_pool_ms": ms(full),
         "ram_to_pool_ms": ms(from_ram),
@@ -246,7 +219,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
                 ("pc_prefill_distinct", names),
             ):
                 samples.setdefault(key, []).append(await prefill_rate(engine, rows))
-    rates = {key: statistics.median(v) for key, v in samples.items()}
+    rates = {key: median(v) for key, v in samples.items()}
     rates["d_one_adapter_per_batch"], d_batches = await one_batch_per_adapter(engine, c_rows, prompt_len, new_tokens)
     rates["f_skewed_one_batch_per_adapter"], f_batches = await one_batch_per_adapter(
         engine, e_rows, prompt_len, new_tokens
@@ -302,19 +275,6 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
         assert len(eng.stats().resident_adapters) == others + 1
         await eng.close()
     return out | {"residency": res}
-
-
-def stream_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second this machine streams from memory now, on the bench's threads: the fastest
-    of ``repeats`` sums over ``nbytes`` of fp32 (what reading the distinct adapters of one decode
-    step at least costs)."""
-    buf = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
 
 
 def report(r: dict) -> dict:
@@ -440,4 +400,4 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=5, help="passes over (a), (b), (c), (e) and prefill (median)")
     args = parser.parse_args()
     result = asyncio.run(main(args.quick, args.prefill, args.scattered, not args.skip_residency, args.rounds))
-    print(json.dumps(report(result)))
+    print_json(report(result))

@@ -15,22 +15,22 @@ Prints the table; the last line is one JSON object with every figure and the tar
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 
+from harness import machine_info, machine_line, print_json
+
 from lorapage.fleet.routing import ROUTERS
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.compare import compare_routers, render_table
-from lorapage.sim.fleet import SEED_SLO, FleetConfig
+from lorapage.sim.fleet import SEED_SLO, SimFleetConfig
 
 SEED_REPLICAS = 26
 
 
 def main(args: argparse.Namespace) -> dict:
     trace = generate(GenConfig(seed=args.seed, duration_s=args.duration))
-    config = replace(FleetConfig(), replicas=SEED_REPLICAS, warmup_s=args.warmup, seed=args.seed)
+    config = replace(SimFleetConfig(), replicas=SEED_REPLICAS, warmup_s=args.warmup, seed=args.seed)
     started = time.perf_counter()
     rows = compare_routers(trace, config, args.routers.split(","), find_most=args.most)
     elapsed = time.perf_counter() - started
@@ -83,4 +83,4 @@ if __name__ == "__main__":
         help=f"comma-separated subset of {','.join(ROUTERS)}",
     )
     parser.add_argument("--seed", type=int, default=0)
-    print(json.dumps(main(parser.parse_args()), default=str))
+    print_json(main(parser.parse_args()), default=str)

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import torch
+from harness import machine_info, machine_line, median, print_json
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.structured.masks import bitmask_words
 from lorapage.tiny import TINY_BASE_DIR
 
@@ -179,7 +179,7 @@ def measure(engines, tok: Tokenizer, rows: int, steps: int, seed: int) -> dict:
                 for m, t in zip(made[ename][0], tokens):
                     consume(m, t)
         out[name] = {
-            e: {"compile_ms": made[e][1], "mask_ms_per_step": statistics.median(per_step[e]), "steps": len(per_step[e])}
+            e: {"compile_ms": made[e][1], "mask_ms_per_step": median(per_step[e]), "steps": len(per_step[e])}
             for e in engines
         }
     return out
@@ -218,17 +218,15 @@ def main() -> int:
     print(
         f"\nbig vocabulary, xgrammar / llguidance: first compile x{ratio_compile:.2f}, mask per step x{ratio_mask:.2f}"
     )
-    print(
-        json.dumps(
-            {
-                "bench": "grammar",
-                "rows": args.rows,
-                "results": results,
-                "xgrammar_over_llguidance_compile": round(ratio_compile, 3),
-                "xgrammar_over_llguidance_mask": round(ratio_mask, 3),
-                **machine_info(),
-            }
-        )
+    print_json(
+        {
+            "bench": "grammar",
+            "rows": args.rows,
+            "results": results,
+            "xgrammar_over_llguidance_compile": round(ratio_compile, 3),
+            "xgrammar_over_llguidance_mask": round(ratio_mask, 3),
+            **machine_info(),
+        }
     )
     return 0
 

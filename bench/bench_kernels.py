@@ -23,17 +23,16 @@ Prints a table, then, as its last line, one JSON object with the figures and the
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from harness import machine_info, machine_line, print_json
 
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.kernels import LoraIndices
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.memory.pages import PageKind
 from lorapage.memory.pool import PagePool
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
@@ -385,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sweep": sweep,
         **machine_info(),
     }
-    print(json.dumps(result))
+    print_json(result)
     return result
 
 

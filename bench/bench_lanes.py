@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from harness import machine_info, machine_line, median, print_json
 from make_llama import write_adapter, write_model
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.replay.population import zipf_weights
 from lorapage.scheduler import VtcConfig, make_policy
 from lorapage.sim import SimConfig, SimRequest, Simulator
@@ -169,9 +167,9 @@ async def measure(root: Path, rounds: int, quick: bool) -> dict:
             "requests": len(mix.adapters),
             "adapters": mix.distinct,
             "max_loras": mix.max_loras,
-            "ratio": statistics.median(v["tok_s"] / f["tok_s"] for v, f in zip(vtc, fcfs)),
+            "ratio": median(v["tok_s"] / f["tok_s"] for v, f in zip(vtc, fcfs)),
             **{
-                f"{name}_{key}": statistics.median(s[key] for s in runs_of)
+                f"{name}_{key}": median(s[key] for s in runs_of)
                 for name, runs_of in (("vtc", vtc), ("fcfs", fcfs))
                 for key in ("tok_s", "steps", "rows_per_step")
             },
@@ -231,7 +229,7 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-lanes-") as tmp:
         results = asyncio.run(measure(Path(tmp), rounds, args.quick))
-    print(json.dumps(report(results, rounds, args.threads, 16 if args.quick else NEW_TOKENS)))
+    print_json(report(results, rounds, args.threads, 16 if args.quick else NEW_TOKENS))
 
 
 if __name__ == "__main__":

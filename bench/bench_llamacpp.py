@@ -28,14 +28,13 @@ Prints a table, then one JSON line with every figure and its target.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import machine_info, machine_line, median, print_json
 from llamacpp_peer import KV_TYPES, LlamaCppPeer, convert, converter_dir
 from peer_setup import (
     PROMPT_LEN,
@@ -55,8 +54,6 @@ from peer_setup import (
     rate_table,
     round_ratios,
 )
-
-from lorapage.kernels.cpu_build import machine_info, machine_line
 
 REQUESTS, ADAPTERS, NEW = 32, 8, 32
 MAX_LEN = 64  # room for PROMPT_LEN + NEW per sequence
@@ -174,7 +171,7 @@ def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_t
             ),
             "base_over_llamacpp_base": round_ratios(rates[OURS_BASE][t], rates[LLAMA_BASE][t]),
         }
-        r, pr = ratios[t], {k: statistics.median(v) for k, v in per_round[t].items()}
+        r, pr = ratios[t], {k: median(v) for k, v in per_round[t].items()}
         print(
             f"{t} thread(s): lorapage mixed (vtc) / llama.cpp best mixed = {r['mixed_over_llamacpp_best_mixed']:.2f} "
             f"(median per round {pr['mixed_over_llamacpp_best_mixed']:.2f}; target >= 2.0; "
@@ -198,7 +195,7 @@ def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_t
         **machine_info(),
     }
     print(machine_line())
-    print(json.dumps(summary))
+    print_json(summary)
 
 
 if __name__ == "__main__":

@@ -18,16 +18,16 @@ Prints a table, then, as its last line, one JSON object with the figures.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 
 import torch
-from bench_replay import SHAPE
+from harness import machine_info, machine_line, print_json, table
+from workloads import SHAPE
 
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.kernels.cpu_build import cpu_kernels, machine_info, machine_line
+from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.memory.pool import adapter_page_size
@@ -119,12 +119,11 @@ def main() -> dict:
             rows.append({"distinct": distinct, "pages": str(pages).removeprefix("torch."), "ms": ms, "bytes": nbytes})
     print(machine_line())
     print(f"LoRA update of one decode step, {ROWS} rows, rank {RANK} on all modules, C kernels, 1 thread")
-    print("| distinct adapters | pages | ms | MB held | GB/s |")
-    print("| ---: | --- | ---: | ---: | ---: |")
-    for r in rows:
-        print(
-            f"| {r['distinct']} | {r['pages']} | {r['ms']:.1f} | {r['bytes'] / 1e6:.0f} | {r['bytes'] / r['ms'] / 1e6:.1f} |"
-        )
+    cells = [
+        [r["distinct"], r["pages"], f"{r['ms']:.1f}", f"{r['bytes'] / 1e6:.0f}", f"{r['bytes'] / r['ms'] / 1e6:.1f}"]
+        for r in rows
+    ]
+    print(table(["distinct adapters", "pages", "ms", "MB held", "GB/s"], cells, "rlrrr"))
     by = {(r["distinct"], r["pages"]): r["ms"] for r in rows}
     figures = {
         "bench": "lora_cpu_pages",
@@ -144,4 +143,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print_json(main())

@@ -25,14 +25,13 @@ Prints a table, then one JSON line with every figure and its target.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import machine_info, machine_line, median, print_json
 from peer_setup import (
     PROMPT_LEN,
     Run,
@@ -52,7 +51,6 @@ from peer_setup import (
     round_ratios,
 )
 
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.replay.population import zipf_weights
 
 ADAPTERS, SEED = 100, 0
@@ -139,7 +137,7 @@ def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float, loa
         }
         print(
             f"{t} thread(s): lorapage mixed (vtc) / PEFT's best = {ratios[t]['mixed_over_peft_best']:.2f} "
-            f"(median per round {statistics.median(per_round[t]['mixed_over_peft_best']):.2f}; target >= 2.5; "
+            f"(median per round {median(per_round[t]['mixed_over_peft_best']):.2f}; target >= 2.5; "
             f"fcfs: {ratios[t]['fcfs_mixed_over_peft_best']:.2f})"
         )
     summary = {
@@ -160,7 +158,7 @@ def report(rates, agree, threads, rows, new: int, rounds: int, alpha: float, loa
         **machine_info(),
     }
     print(machine_line())
-    print(json.dumps(summary))
+    print_json(summary)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import machine_info, machine_line, print_json
 from make_llama import write_adapter, write_model
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.traces.stats import percentile
 
 TARGETS = {"prefill_token_ratio": 4.0, "ttft_p50_ratio": 2.0}
@@ -136,18 +135,16 @@ def main() -> None:
         f"prefill tokens off / on = {token_ratio:.1f} (target >= {TARGETS['prefill_token_ratio']:g}); "
         f"TTFT p50 off / on = {ttft_ratio:.1f} (target >= {TARGETS['ttft_p50_ratio']:g})"
     )
-    print(
-        json.dumps(
-            {
-                "bench": "prefix_caching",
-                **{f"{n}_{k}": v for n, f in figures.items() for k, v in f.items()},
-                "prefill_token_ratio": token_ratio,
-                "ttft_p50_ratio": ttft_ratio,
-                "targets": {k: f">={v:g}" for k, v in TARGETS.items()},
-                "pass": token_ratio >= TARGETS["prefill_token_ratio"] and ttft_ratio >= TARGETS["ttft_p50_ratio"],
-                **machine_info(),
-            }
-        )
+    print_json(
+        {
+            "bench": "prefix_caching",
+            **{f"{n}_{k}": v for n, f in figures.items() for k, v in f.items()},
+            "prefill_token_ratio": token_ratio,
+            "ttft_p50_ratio": ttft_ratio,
+            "targets": {k: f">={v:g}" for k, v in TARGETS.items()},
+            "pass": token_ratio >= TARGETS["prefill_token_ratio"] and ttft_ratio >= TARGETS["ttft_p50_ratio"],
+            **machine_info(),
+        }
     )
 
 

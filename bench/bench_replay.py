@@ -27,81 +27,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import tempfile
-import time
-from dataclasses import replace
 from pathlib import Path
 
-from make_llama import write_adapter, write_model
+from harness import interleaved, machine_info, machine_line, median, print_json, table
 from msgspec.structs import replace as with_fields
+from workloads import SHORT, SLORA_ADAPTERS, SLORA_OPTIONS, engine_for, make_assets, run, slora_traces
 
-from lorapage import Engine, EngineConfig
 from lorapage.config import LORA_DTYPE_NAMES
-from lorapage.kernels.cpu_build import machine_info, machine_line
-from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay
-from lorapage.replay.embedded import EmbeddedTarget
+from lorapage.replay import GenConfig, RunOptions, generate
 from lorapage.replay.engine_flags import trace_adapters
-from lorapage.replay.report import build_report, write_report
-from lorapage.traces.stats import Slo, latency
+from lorapage.traces.stats import latency
 
-SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
-ADAPTER_DIRS = 5
-SHORT = dict(prompt_mean=32, prompt_sigma=0.3, prompt_max=64, output_mean=16, output_sigma=0.0, output_max=16)
 VARIED = {**SHORT, "output_sigma": 0.5, "output_max": 40}
-
-
-SLORA_ADAPTERS = 2000
-SLORA_OPTIONS = RunOptions(concurrency=32, probe_interval_s=0.5)  # closed loop, 32 in flight
-
-
-def slora_traces(n: int) -> tuple[list[TraceRequest], list[TraceRequest]]:
-    """The S-LoRA headline's ``n`` requests over 5 and over 2,000 adapters (names a0000...):
-    Zipf(1.0) over 2,000, and the same requests (arrivals, lengths, tenants) with adapter k
-    as k mod 5."""
-    base = GenConfig(
-        seed=11, num_requests=n, duration_s=None, adapters=SLORA_ADAPTERS, zipf_alpha=1.0, tenants=8, **SHORT
-    )
-    big = generate(replace(base, shared_fraction=0.0))
-    width = len(str(SLORA_ADAPTERS - 1))
-    small = [with_fields(r, model=f"a{int(r.model[1:]) % 5:0{width}d}") for r in big]
-    return small, big
-
-
-def make_assets(root: Path) -> tuple[Path, list[Path]]:
-    model = write_model(root / "base", **SHAPE)
-    dirs = [write_adapter(root / f"d{i}", model, rank=16, seed=i) for i in range(ADAPTER_DIRS)]
-    return model, dirs
-
-
-def engine_for(model: Path, dirs: list[Path], names: list[str], **config) -> tuple[Engine, float]:
-    """An engine with ``names`` registered on ``dirs`` in turn; returns it and the seconds registration took."""
-    cfg = dict(max_loras=32, max_lora_rank=16, max_num_seqs=32, max_model_len=256, max_cpu_loras=128)
-    cfg = {**cfg, **config}
-    # As many lora slots as one batch's distinct adapters: what max_loras meant when the history in
-    # bench/RESULTS.md was measured (the S-LoRA headline's 2,000 adapters cycle through 16 slots).
-    cfg.setdefault("max_resident_loras", cfg["max_loras"])
-    engine = Engine(EngineConfig(model=str(model), **cfg))
-    start = time.perf_counter()
-    # Each directory is read and checked once, as add_adapter would for every name; the names
-    # are then registered on the checked result, each a distinct adapter of its own.
-    checked = [engine.catalog.prepare(d, sha256=None, expected_base_digest=None) for d in dirs]
-    for k, name in enumerate(names):
-        engine.catalog.register_prepared(name, dirs[k % len(dirs)], checked[k % len(dirs)])
-    return engine, time.perf_counter() - start
-
-
-async def run(engine: Engine, trace: list[TraceRequest], opts: RunOptions, out: Path, label: str, weights=None) -> dict:
-    """Warm the engine up on the base, replay ``trace``, write its report under ``out/label``."""
-    warm = [TraceRequest(arrival_s=0.0, tenant="warmup", model="base", max_tokens=4, prompt_len=16)] * 4
-    await replay(warm, EmbeddedTarget(engine), RunOptions(concurrency=4, probe_interval_s=None))
-    result = await replay(trace, EmbeddedTarget(engine), opts)
-    meta = {"trace": label, "target": EmbeddedTarget(engine).describe()}
-    report = build_report(trace, result, meta=meta, slo=Slo(), weights=weights)
-    write_report(out / label, result.records, report)
-    await engine.close()
-    return report
 
 
 def p(report: dict, *path: str) -> float | None:
@@ -129,25 +67,24 @@ async def bench_slora(
     # the run then falls on both alike instead of always on the one that runs second.
     samples: dict[int, list[dict]] = {5: [], big: []}
     configs = (("slora-5", trace_small, 5), ("slora-2000", trace_big, big))
-    for i in range(rounds):
-        for label, trace, registered in configs if i % 2 == 0 else configs[::-1]:
-            names = [f"a{k:0{width}d}" for k in range(registered)]
-            assert set(trace_adapters(trace, "base")) <= set(names)
-            engine, reg_s = engine_for(model, dirs, names, lora_dtype=lora_dtype)
-            report = await run(engine, trace, opts, out, f"{label}-round{i + 1}")
-            samples[registered].append(
-                {
-                    "register_s": reg_s,
-                    "tokens_per_s": p(report, "throughput", "output_tokens_per_s"),
-                    "requests_per_s": p(report, "throughput", "requests_per_s"),
-                    "ttft_p50": p(report, "latency", "overall", "ttft", "p50"),
-                    "ttft_p95": p(report, "latency", "overall", "ttft", "p95"),
-                    "ok": report["statuses"]["by_outcome"].get("ok", 0),
-                }
-            )
+    for i, (label, trace, registered) in interleaved(rounds, configs):
+        names = [f"a{k:0{width}d}" for k in range(registered)]
+        assert set(trace_adapters(trace, "base")) <= set(names)
+        engine, reg_s = engine_for(model, dirs, names, lora_dtype=lora_dtype)
+        report = await run(engine, trace, opts, out, f"{label}-round{i + 1}")
+        samples[registered].append(
+            {
+                "register_s": reg_s,
+                "tokens_per_s": p(report, "throughput", "output_tokens_per_s"),
+                "requests_per_s": p(report, "throughput", "requests_per_s"),
+                "ttft_p50": p(report, "latency", "overall", "ttft", "p50"),
+                "ttft_p95": p(report, "latency", "overall", "ttft", "p95"),
+                "ok": report["statuses"]["by_outcome"].get("ok", 0),
+            }
+        )
     rows = {}
     for registered, runs in samples.items():
-        rows[registered] = {key: statistics.median(r[key] or 0.0 for r in runs) for key in runs[0]}
+        rows[registered] = {key: median(r[key] or 0.0 for r in runs) for key in runs[0]}
         rows[registered] |= {"registered": registered, "distinct_in_trace": len({r.model for r in trace_big})}
     rows[5]["distinct_in_trace"] = 5
     small, large = rows[5], rows[big]
@@ -157,15 +94,14 @@ async def bench_slora(
         f"\n1. S-LoRA headline: {n} requests, 32 in flight, Zipf(1.0) adapters, rank 16 all modules, lora_dtype {lora_dtype}"
     )
     print(f"medians of {rounds} rounds, the two configurations in turn, in alternating order")
-    print(
-        "| registered | distinct in trace | register (s) | output tokens/s | requests/s | TTFT p50 (ms) | TTFT p95 (ms) | ok |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in (small, large):
-        print(
-            f"| {r['registered']:,} | {r['distinct_in_trace']} | {r['register_s']:.1f} | {r['tokens_per_s']:.1f} | "
-            f"{r['requests_per_s']:.2f} | {ms(r['ttft_p50'])} | {ms(r['ttft_p95'])} | {r['ok']:.0f} |"
-        )
+    header = ["registered", "distinct in trace", "register (s)", "output tokens/s", "requests/s"]
+    header += ["TTFT p50 (ms)", "TTFT p95 (ms)", "ok"]
+    cells = [
+        [f"{r['registered']:,}", r["distinct_in_trace"], f"{r['register_s']:.1f}", f"{r['tokens_per_s']:.1f}"]
+        + [f"{r['requests_per_s']:.2f}", ms(r["ttft_p50"]), ms(r["ttft_p95"]), f"{r['ok']:.0f}"]
+        for r in (small, large)
+    ]
+    print(table(header, cells, "rrrrrrrr"))
     rounds_text = ", ".join(f"{x:.2f}" for x in per_round)
     print(f"throughput 2,000 / 5: {ratio:.3f} (target >= 0.95); per round: {rounds_text}")
     return {
@@ -214,15 +150,13 @@ async def bench_fairness(model: Path, dirs: list[Path], out: Path, quick: bool) 
         }
     ratio = rows["fcfs"]["light_ttft_p99"] / rows["vtc"]["light_ttft_p99"]
     print(f"\n2. One tenant flooding ({len(trace)} requests over {duration:g} s, open loop, rates {rates} req/s)")
-    print(
-        "| scheduler | light TTFT p50 (ms) | light TTFT p99 (ms) | heavy TTFT p99 (ms) | output tokens/s | light requests |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, r in rows.items():
-        print(
-            f"| {name} | {ms(r['light_ttft_p50'])} | {ms(r['light_ttft_p99'])} | {ms(r['heavy_ttft_p99'])} | "
-            f"{r['tokens_per_s']:.1f} | {r['light_requests']} |"
-        )
+    header = ["scheduler", "light TTFT p50 (ms)", "light TTFT p99 (ms)", "heavy TTFT p99 (ms)", "output tokens/s"]
+    cells = [
+        [name, ms(r["light_ttft_p50"]), ms(r["light_ttft_p99"]), ms(r["heavy_ttft_p99"]), f"{r['tokens_per_s']:.1f}"]
+        + [r["light_requests"]]
+        for name, r in rows.items()
+    ]
+    print(table([*header, "light requests"], cells, "lrrrrr"))
     print(f"light tenants' p99 TTFT, FCFS / VTC: {ratio:.2f} (target >= 2)")
     return {
         "fairness_requests": len(trace),
@@ -260,12 +194,19 @@ async def bench_seed(model: Path, dirs: list[Path], out: Path, quick: bool, scal
         f"\n3. Seed workload x{scale}: {len(trace)} requests over {cfg.duration_s:g} s at {cfg.scaled_rate():g} req/s, "
         f"{adapters} adapters registered ({len(names)} in the trace), Zipf({cfg.zipf_alpha}), max_loras 16"
     )
-    print("| tier | requests | TTFT p50 (ms) | TTFT p95 (ms) | TTFT p99 (ms) | goodput |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for tier, lat in tiers.items():
-        g = p(report, "goodput", "by_tier", tier, "fraction")
-        t = lat["ttft"]
-        print(f"| {tier} | {t['count']} | {ms(t['p50'])} | {ms(t['p95'])} | {ms(t['p99'])} | {g:.2f} |")
+    cells = [
+        [
+            tier,
+            t["count"],
+            ms(t["p50"]),
+            ms(t["p95"]),
+            ms(t["p99"]),
+            f"{p(report, 'goodput', 'by_tier', tier, 'fraction'):.2f}",
+        ]
+        for tier, t in ((tier, lat["ttft"]) for tier, lat in tiers.items())
+    ]
+    header = ["tier", "requests", "TTFT p50 (ms)", "TTFT p95 (ms)", "TTFT p99 (ms)", "goodput"]
+    print(table(header, cells, "lrrrrr"))
     print(f"warm (gpu) p95 {ms(warm)} ms (target < 1,000); cold (ram + disk) p95 {ms(cold)} ms (target < 2,000)")
     return {
         "seed_requests": len(trace),
@@ -312,4 +253,4 @@ if __name__ == "__main__":
     )
     parser.add_argument("--seed-scale", type=float, default=0.02, help="scale of the seed workload (0.02: 0.8 req/s)")
     parser.add_argument("--out", default=None, help="where the runs' reports go (default: a temporary directory)")
-    print(json.dumps(asyncio.run(main(parser.parse_args()))))
+    print_json(asyncio.run(main(parser.parse_args())))

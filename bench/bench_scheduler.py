@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import bisect
 import itertools
-import json
 import random
 import time
 
-from lorapage.kernels.cpu_build import machine_info, machine_line
+from harness import machine_info, machine_line, print_json
+
 from lorapage.scheduler import VtcConfig, VtcScheduler
 from lorapage.sim import SimRequest as Req
 
@@ -241,7 +241,7 @@ def main() -> None:
             "long_rows_late": round(late["rows"], 1),
             "pass": figures["pass"] and long_ratio <= TARGET_LONG_RATIO,
         })  # fmt: skip
-    print(json.dumps(figures))
+    print_json(figures)
 
 
 if __name__ == "__main__":

@@ -54,11 +54,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
+from harness import machine_info, machine_line, print_json
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from lorapage.kernels.cpu_build import machine_info, machine_line
-from lorapage.server.serve_process import ServeProcess, start_serve
+from lorapage.testing.serve_process import ServeProcess, start_serve
 from lorapage.tiny import demo_adapter_dirs
 from lorapage.traces.stats import percentile
 
@@ -945,7 +945,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     met = verdicts(result)
     print_table(result, met)
-    print(json.dumps({**result, "targets": TARGETS, "met": met, "all_met": all(met.values()), **machine_info()}))
+    print_json({**result, "targets": TARGETS, "met": met, "all_met": all(met.values()), **machine_info()})
 
 
 if __name__ == "__main__":

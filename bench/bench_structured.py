@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from harness import interleaved, machine_info, machine_line, median, print_json
 from make_llama import write_adapter, write_model
 
 from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.structured import StructuredSpec
 
 ROWS, CONSTRAINED, ADAPTERS, NEW_TOKENS = 32, 8, 8, 32
@@ -82,13 +81,12 @@ def main() -> int:
 
         async def run() -> None:
             await decode_rate(engine, CONSTRAINED)  # warm-up: loads, grammar cache, mask thread
-            for r in range(rounds):
-                for case in (0, CONSTRAINED) if r % 2 == 0 else (CONSTRAINED, 0):
-                    rates[case].append(await decode_rate(engine, case))
+            for _, case in interleaved(rounds, (0, CONSTRAINED)):
+                rates[case].append(await decode_rate(engine, case))
             await engine.close()
 
         asyncio.run(run())
-    free, bound = statistics.median(rates[0]), statistics.median(rates[CONSTRAINED])
+    free, bound = median(rates[0]), median(rates[CONSTRAINED])
     ratio = bound / free
     print(machine_line())
     print(f"{ROWS} rows on {ADAPTERS} adapters, {NEW_TOKENS} tokens each, medians of {rounds} rounds")
@@ -96,19 +94,17 @@ def main() -> int:
     print(f"{'all rows free':<32} {free:>13.1f}")
     print(f"{f'{CONSTRAINED} rows under a JSON schema':<32} {bound:>13.1f}")
     print(f"constrained / free: {ratio:.3f} (target >= 0.90)")
-    print(
-        json.dumps(
-            {
-                "bench": "structured",
-                "free_tok_s": round(free, 1),
-                "constrained_tok_s": round(bound, 1),
-                "ratio": round(ratio, 3),
-                "target_ratio": 0.9,
-                "rounds": rounds,
-                "pass": ratio >= 0.9,
-                **machine_info(),
-            }
-        )
+    print_json(
+        {
+            "bench": "structured",
+            "free_tok_s": round(free, 1),
+            "constrained_tok_s": round(bound, 1),
+            "ratio": round(ratio, 3),
+            "target_ratio": 0.9,
+            "rounds": rounds,
+            "pass": ratio >= 0.9,
+            **machine_info(),
+        }
     )
     return 0
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import string
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from bench_engine import prompt
+from harness import median
 from make_llama import write_adapter, write_model
+from workloads import prompt
 
 from lorapage import Engine, EngineConfig, SamplingParams
 
@@ -223,14 +223,14 @@ def rate_table(rates: dict[str, dict[int, list[float]]], threads: Sequence[int],
     width = max(len(k) for k in rates) + 2
     lines = [f"{'configuration (' + unit + ', median)':<{width}}" + "".join(f"{h:>14}" for h in _heads(threads))]
     for name, per_thread in rates.items():
-        cells = "".join(f"{statistics.median(per_thread[t]):>14,.0f}" for t in threads)
+        cells = "".join(f"{median(per_thread[t]):>14,.0f}" for t in threads)
         lines.append(f"{name:<{width}}{cells}")
     return "\n".join(lines)
 
 
 def medians(rates: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
     """Each configuration's median per thread count."""
-    return {name: {t: statistics.median(v) for t, v in per.items()} for name, per in rates.items()}
+    return {name: {t: median(v) for t, v in per.items()} for name, per in rates.items()}
 
 
 def round_ratios(ours: Sequence[float], *peers: Sequence[float]) -> list[float]:

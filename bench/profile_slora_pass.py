@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -26,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import bench_replay as br
+import workloads
+from harness import machine_info, machine_line, print_json, table as harness_table
 
 from lorapage.adapters import (
     cache as cache_mod,
@@ -34,7 +34,6 @@ from lorapage.adapters import (
     loader as loader_mod,
 )
 from lorapage.config import LORA_DTYPE_NAMES
-from lorapage.kernels.cpu_build import machine_info, machine_line
 from lorapage.model import (
     forward as forward_mod,
     llama as llama_mod,
@@ -105,10 +104,10 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype: str = "auto") -> dict:
-    model, dirs = root / "base", [root / f"d{i}" for i in range(br.ADAPTER_DIRS)]
-    small, big = br.slora_traces(192)
+    model, dirs = root / "base", [root / f"d{i}" for i in range(workloads.ADAPTER_DIRS)]
+    small, big = workloads.slora_traces(192)
     trace = small if case == 5 else big
-    engine, _ = br.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)], lora_dtype=lora_dtype)
+    engine, _ = workloads.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)], lora_dtype=lora_dtype)
     if warm_host:
         cache = engine.adapters
         for name in {r.model for r in trace}:
@@ -118,7 +117,7 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
         part.clear()
     cpu, wall = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lorapage-profile-") as out:
-        report = await br.run(engine, trace, br.SLORA_OPTIONS, Path(out), f"c{case}")
+        report = await workloads.run(engine, trace, workloads.SLORA_OPTIONS, Path(out), f"c{case}")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     decode = [s for s in t.steps if s[1] == 0]
     mixed = [s for s in t.steps if s[1] > 0]
@@ -152,10 +151,8 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
 def table(title: str, headers: list[str], rows: list[dict], cells: Callable[[dict], list[str]]) -> None:
     """A markdown table of ``rows``, one per pass, led by its adapter count."""
     print(f"\n{title}")
-    print("| adapters | " + " | ".join(headers) + " |")
-    print("| ---: " * (len(headers) + 1) + "|")
-    for r in rows:
-        print(f"| {r['case']:,} | " + " | ".join(cells(r)) + " |")
+    body = [[f"{r['case']:,}", *cells(r)] for r in rows]
+    print(harness_table(["adapters", *headers], body, "r" * (len(headers) + 1)))
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -163,7 +160,7 @@ async def main(args: argparse.Namespace) -> dict:
     install(t)
     rows = []
     with tempfile.TemporaryDirectory(prefix="lorapage-bench-model-") as tmp:
-        br.make_assets(Path(tmp))
+        workloads.make_assets(Path(tmp))
         for case in (int(c) for c in args.cases.split(",")):
             rows.append(await one_pass(case, args.warm_host, Path(tmp), t, args.lora_dtype))
     cols = [
@@ -208,4 +205,4 @@ if __name__ == "__main__":
     parser.add_argument("--cases", default="5,2000", help="registered adapters of each pass, in order")
     parser.add_argument("--warm-host", action="store_true", help="every trace adapter in host RAM before the pass")
     parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPE_NAMES, help="the engines' lora_dtype")
-    print(json.dumps(asyncio.run(main(parser.parse_args()))))
+    print_json(asyncio.run(main(parser.parse_args())))

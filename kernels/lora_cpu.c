@@ -120,72 +120,72 @@ static inline void h_bf16(const float *hv, __m256 *h0, __m256 *h1) {
 #define SHRINK_ROWS 16
 #define EXPAND_ROWS 256
 
-/* Lanes: the tokens of cells of at most LANE_TOKENS tokens (decode rows, ~1 per adapter in a step
- * over many adapters) run LANES at a time in lockstep, each lane reading its own adapter's
+/* Stripes: the tokens of cells of at most STRIPE_TOKENS tokens (decode rows, ~1 per adapter in a step
+ * over many adapters) run STRIPES at a time in lockstep, each stripe reading its own adapter's
  * matrix. One core reads memory faster from several far-apart places at once than from one
  * place after another (the hardware prefetchers follow one stream each): 24 adapters' stacked
  * q/k/v A matrices, read 8 at a time in lockstep, went at 14.5 GB/s on one thread of the
  * 2-vCPU Xeon of bench/RESULTS.md (session 9), against 9.3-10.2 GB/s one adapter after another.
  * A cell of more tokens runs alone instead: its matrices are read once for all its tokens,
- * where lanes of one cell would load them once per token (from L1, but the loads add up). */
-#define LANES 8
-#define LANE_TOKENS 2
+ * where stripes of one cell would load them once per token (from L1, but the loads add up). */
+#define STRIPES 8
+#define STRIPE_TOKENS 2
 
 typedef struct {
     int64_t slot, token;
-} Lane;
+} Stripe;
 
-/* A call's cells split into those that run alone (big) and lanes, grouped in packs of up to LANES:
- * pack p is lanes[pack_begin[p] : pack_begin[p + 1]]. */
+/* A call's cells split into those that run alone (big) and stripes, grouped in packs of up to STRIPES:
+ * pack p is stripes[pack_begin[p] : pack_begin[p + 1]]. */
 typedef struct {
-    Lane *lanes;
+    Stripe *stripes;
     int64_t *pack_begin, *big;
     int64_t n_packs, n_big;
 } Plan;
 
-/* With ``lanes`` set and the memory to plan them, the tokens of short cells become lanes; a pack
- * holds lanes of one ``key`` (key[slot * key_stride]: the shrink's A rows, which lanes in
+/* With ``stripes`` set and the memory to plan them, the tokens of short cells become stripes; a pack
+ * holds stripes of one ``key`` (key[slot * key_stride]: the shrink's A rows, which stripes in
  * lockstep share), in cell order otherwise. Else every cell runs alone (big == NULL: cell i). */
-static Plan plan_lanes(int lanes, int64_t n_cells, const int64_t *cell_slot, const int64_t *cell_begin,
+static Plan plan_stripes(int stripes, int64_t n_cells, const int64_t *cell_slot, const int64_t *cell_begin,
                        const int64_t *tokens, const int32_t *key, int64_t key_stride) {
     Plan p = {NULL, NULL, NULL, 0, n_cells};
     int64_t n = 0;
     for (int64_t c = 0; c < n_cells; c++)
-        if (cell_begin[c + 1] - cell_begin[c] <= LANE_TOKENS) n += cell_begin[c + 1] - cell_begin[c];
-    if (!lanes || n == 0) return p;
-    p.lanes = malloc((size_t)n * sizeof(Lane));
+        if (cell_begin[c + 1] - cell_begin[c] <= STRIPE_TOKENS) n += cell_begin[c + 1] - cell_begin[c];
+    if (!stripes || n == 0) return p;
+    p.stripes = malloc((size_t)n * sizeof(Stripe));
     p.pack_begin = malloc((size_t)(n + 1) * sizeof(int64_t));
     p.big = malloc((size_t)n_cells * sizeof(int64_t));
-    if (!p.lanes || !p.pack_begin || !p.big) {
-        free(p.lanes), free(p.pack_begin), free(p.big);
+    if (!p.stripes || !p.pack_begin || !p.big) {
+        free(p.stripes), free(p.pack_begin), free(p.big);
         return (Plan){NULL, NULL, NULL, 0, n_cells};
     }
     int64_t k = 0;
     p.n_big = 0;
     for (int64_t c = 0; c < n_cells; c++) {
         int64_t nt = cell_begin[c + 1] - cell_begin[c];
-        if (nt > LANE_TOKENS) {
+        if (nt > STRIPE_TOKENS) {
             p.big[p.n_big++] = c;
             continue;
         }
         for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++) {
-            Lane l = {cell_slot[c], tokens[t]};
+            Stripe l = {cell_slot[c], tokens[t]};
             int64_t at = k++;
-            if (key) /* insertion sort, stable: lanes of one key stay in cell order */
-                for (; at > 0 && key[p.lanes[at - 1].slot * key_stride] > key[l.slot * key_stride]; at--)
-                    p.lanes[at] = p.lanes[at - 1];
-            p.lanes[at] = l;
+            if (key) /* insertion sort, stable: stripes of one key stay in cell order */
+                for (; at > 0 && key[p.stripes[at - 1].slot * key_stride] > key[l.slot * key_stride]; at--)
+                    p.stripes[at] = p.stripes[at - 1];
+            p.stripes[at] = l;
         }
     }
     for (int64_t i = 0; i < n; i++)
-        if (i == 0 || i - p.pack_begin[p.n_packs - 1] == LANES ||
-            (key && key[p.lanes[i].slot * key_stride] != key[p.lanes[i - 1].slot * key_stride]))
+        if (i == 0 || i - p.pack_begin[p.n_packs - 1] == STRIPES ||
+            (key && key[p.stripes[i].slot * key_stride] != key[p.stripes[i - 1].slot * key_stride]))
             p.pack_begin[p.n_packs++] = i;
     p.pack_begin[p.n_packs] = n;
     return p;
 }
 
-static void free_plan(Plan *p) { free(p->lanes), free(p->pack_begin), free(p->big); }
+static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->big); }
 
 /* Cells of at least this many tokens over bfloat16 pages widen each block of weights into float32
  * once, and run the float32 loops over it, rather than widening every weight once per token. */

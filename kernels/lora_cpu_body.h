@@ -125,16 +125,16 @@ static const float *F(widened)(const W *a, int64_t n, float **room, int64_t max_
 }
 #endif
 
-/* Lanes in lockstep (see LANES): row i of each lane's A against the lane's token, for
- * i < rows. Every lane is filled (padding repeats lane 0 and writes elsewhere). d % 8 == 0. */
-static void F(shrink_lanes)(const W *const a[LANES], const float *const x[LANES], float *const h[LANES], int64_t d,
+/* Stripes in lockstep (see STRIPES): row i of each stripe's A against the stripe's token, for
+ * i < rows. Every stripe is filled (padding repeats stripe 0 and writes elsewhere). d % 8 == 0. */
+static void F(shrink_stripes)(const W *const a[STRIPES], const float *const x[STRIPES], float *const h[STRIPES], int64_t d,
                             int64_t rows) {
     for (int64_t i = 0; i < rows; i++) {
-        v8 s[LANES] = {{0}};
+        v8 s[STRIPES] = {{0}};
         for (int64_t k = 0; k < d; k += 8)
-#pragma GCC unroll 8 /* LANES: the sums stay in registers */
-            for (int e = 0; e < LANES; e++) s[e] += LDW(a[e] + i * d + k) * ld(x[e] + k);
-        for (int e = 0; e < LANES; e++) h[e][i] = hsum(s[e]);
+#pragma GCC unroll 8 /* STRIPES: the sums stay in registers */
+            for (int e = 0; e < STRIPES; e++) s[e] += LDW(a[e] + i * d + k) * ld(x[e] + k);
+        for (int e = 0; e < STRIPES; e++) h[e][i] = hsum(s[e]);
     }
 }
 
@@ -144,8 +144,8 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                      const int64_t *a_offset, int64_t ao_stride, const int32_t *a_rows, int64_t ar_stride,
                      int64_t max_rows, int nthreads) {
     int64_t blocks = (max_rows + SHRINK_ROWS - 1) / SHRINK_ROWS;
-    /* A pack's lanes share their A's row count, so they run the same rows in lockstep. */
-    Plan plan = plan_lanes(d_in % 8 == 0, n_cells, cell_slot, cell_begin, tokens, a_rows, ar_stride);
+    /* A pack's stripes share their A's row count, so they run the same rows in lockstep. */
+    Plan plan = plan_stripes(d_in % 8 == 0, n_cells, cell_slot, cell_begin, tokens, a_rows, ar_stride);
     int64_t tasks = plan.n_big + plan.n_packs;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -174,25 +174,25 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                     F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a, rows, tokens + cell_begin[c], nt);
                     continue;
                 }
-                const Lane *lanes = plan.lanes + plan.pack_begin[task - plan.n_big];
-                int64_t n_lanes = plan.pack_begin[task - plan.n_big + 1] - plan.pack_begin[task - plan.n_big];
-                int64_t rows = a_rows[lanes[0].slot * ar_stride] - i0;
+                const Stripe *stripes = plan.stripes + plan.pack_begin[task - plan.n_big];
+                int64_t n_stripes = plan.pack_begin[task - plan.n_big + 1] - plan.pack_begin[task - plan.n_big];
+                int64_t rows = a_rows[stripes[0].slot * ar_stride] - i0;
                 if (rows <= 0) continue;
                 if (rows > SHRINK_ROWS) rows = SHRINK_ROWS;
-                const W *a[LANES];
-                const float *xl[LANES];
-                float *hl[LANES], dummy[SHRINK_ROWS];
-                int64_t tl[LANES]; /* each lane's token row */
+                const W *a[STRIPES];
+                const float *xl[STRIPES];
+                float *hl[STRIPES], dummy[SHRINK_ROWS];
+                int64_t tl[STRIPES]; /* each stripe's token row */
                 int n = 0;
-                for (int64_t l = 0; l < n_lanes; l++) {
-                    int64_t s = lanes[l].slot, off = a_offset[s * ao_stride] + i0 * d_in;
+                for (int64_t l = 0; l < n_stripes; l++) {
+                    int64_t s = stripes[l].slot, off = a_offset[s * ao_stride] + i0 * d_in;
                     F(Buffer) b = {slab, page_stride, page, page_table + s * pt_stride};
                     const W *al = F(span)(&b, off, rows * d_in, &scratch, SHRINK_ROWS * d_in);
                     if (al == scratch) { /* its pages are not one run: it runs alone, from the copy */
-                        F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, al, rows, &lanes[l].token, 1);
+                        F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, al, rows, &stripes[l].token, 1);
                         continue;
                     }
-                    a[n] = al, tl[n] = lanes[l].token;
+                    a[n] = al, tl[n] = stripes[l].token;
                     xl[n] = x + tl[n] * x_stride, hl[n] = h + tl[n] * h_stride + i0;
                     n++;
                 }
@@ -200,8 +200,8 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                     for (int e = 0; e < n; e++) F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a[e], rows, &tl[e], 1);
                     continue;
                 }
-                for (int e = n; e < LANES; e++) a[e] = a[0], xl[e] = xl[0], hl[e] = dummy;
-                F(shrink_lanes)(a, xl, hl, d_in, rows);
+                for (int e = n; e < STRIPES; e++) a[e] = a[0], xl[e] = xl[0], hl[e] = dummy;
+                F(shrink_stripes)(a, xl, hl, d_in, rows);
             }
         }
         free(scratch);
@@ -238,9 +238,9 @@ static inline void F(expand_rows)(float *yt, const W *b, int64_t w, int64_t r, c
     for (; j < w; j++) yt[j] += F(dot)(b + j * r, hv, r);
 }
 
-/* Lanes in lockstep (see LANES): yl[e][j] += bl[e][j, :] . hl[e] for j < w, 8 rows of each lane in turn. */
-static void F(expand_lanes)(float *const yl[LANES], const W *const bl[LANES], const float *const hl[LANES],
-                            const int64_t r[LANES], int n, int64_t w) {
+/* Stripes in lockstep (see STRIPES): yl[e][j] += bl[e][j, :] . hl[e] for j < w, 8 rows of each stripe in turn. */
+static void F(expand_stripes)(float *const yl[STRIPES], const W *const bl[STRIPES], const float *const hl[STRIPES],
+                            const int64_t r[STRIPES], int n, int64_t w) {
     for (int64_t j = 0; j < w; j += 8) {
         int64_t m = w - j < 8 ? w - j : 8;
         for (int e = 0; e < n; e++) F(expand_rows)(yl[e] + j, bl[e] + j * r[e], m, r[e], hl[e]);
@@ -256,7 +256,7 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
     for (int64_t m = 0; m < n_modules; m++)
         if (bounds[m + 1] - bounds[m] > widest) widest = bounds[m + 1] - bounds[m];
     int64_t blocks = (widest + EXPAND_ROWS - 1) / EXPAND_ROWS;
-    Plan plan = plan_lanes(1, n_cells, cell_slot, cell_begin, tokens, NULL, 0);
+    Plan plan = plan_stripes(1, n_cells, cell_slot, cell_begin, tokens, NULL, 0);
     int64_t tasks = plan.n_big + plan.n_packs;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -295,19 +295,19 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
                         }
                         continue;
                     }
-                    const Lane *lanes = plan.lanes + plan.pack_begin[task - plan.n_big];
-                    int64_t n_lanes = plan.pack_begin[task - plan.n_big + 1] - plan.pack_begin[task - plan.n_big];
-                    float hvs[LANES * max_rank];
-                    float *yl[LANES];
-                    const W *bl[LANES];
-                    const float *hl[LANES];
-                    int64_t rl[LANES];
+                    const Stripe *stripes = plan.stripes + plan.pack_begin[task - plan.n_big];
+                    int64_t n_stripes = plan.pack_begin[task - plan.n_big + 1] - plan.pack_begin[task - plan.n_big];
+                    float hvs[STRIPES * max_rank];
+                    float *yl[STRIPES];
+                    const W *bl[STRIPES];
+                    const float *hl[STRIPES];
+                    int64_t rl[STRIPES];
                     int n = 0;
-                    for (int64_t l = 0; l < n_lanes; l++) {
-                        int64_t s = lanes[l].slot, at = s * tab_stride + m, r = rank[at];
+                    for (int64_t l = 0; l < n_stripes; l++) {
+                        int64_t s = stripes[l].slot, at = s * tab_stride + m, r = rank[at];
                         if (r == 0) continue;
-                        float *hv = hvs + n * max_rank, *yt = y + lanes[l].token * y_stride + bounds[m] + j0;
-                        const float *ht = h + lanes[l].token * h_stride + h_start[at];
+                        float *hv = hvs + n * max_rank, *yt = y + stripes[l].token * y_stride + bounds[m] + j0;
+                        const float *ht = h + stripes[l].token * h_stride + h_start[at];
                         for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
                         F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
                         const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
@@ -318,7 +318,7 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
                         yl[n] = yt, bl[n] = bm, hl[n] = hv, rl[n] = r;
                         n++;
                     }
-                    F(expand_lanes)(yl, bl, hl, rl, n, w);
+                    F(expand_stripes)(yl, bl, hl, rl, n, w);
                 }
             }
         }

@@ -556,8 +556,8 @@ def lora_shrink(
     consts = dict(PAGE=pool.shape[1], ALIGN=_align(pool), INTERPRETED=_INTERPRETED)
     if indices.segment_table is None:
         block_r, block_k = BGMV_SHRINK_TILE
-        grid = (T, min(triton.cdiv(R, block_r), BGMV_ROW_PROGRAMS))
-        _bgmv_shrink_kernel[grid](
+        bgmv_grid = (T, min(triton.cdiv(R, block_r), BGMV_ROW_PROGRAMS))
+        _bgmv_shrink_kernel[bgmv_grid](
             h,
             x,
             pool,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,13 @@ class EngineConfig:
         "every version's traffic tier (off the event loop)",
         group="adapters",
     )
+    traffic_retention_hours: int = option(
+        14 * 24,
+        "hours of the registry's hourly traffic table (requests and tokens per adapter version) kept; older "
+        "hours are deleted as new counts are written",
+        group="adapters",
+        shown="336 (14 days)",
+    )
     base_names: str | None = option(
         None,
         'a TOML file naming the bases adapters were trained on, one per line: "NAME" = "sha256:<64 hex>", NAME as '
@@ -297,13 +304,6 @@ class EngineConfig:
         group="state",
         none="in memory for this engine's life",
     )
-    traffic_retention_hours: int = option(
-        14 * 24,
-        "hours of the registry's hourly traffic table (requests and tokens per adapter version) kept; older "
-        "hours are deleted as new counts are written",
-        group="state",
-        shown="336 (14 days)",
-    )
     adapter_cache_dir: str | None = option(
         None,
         "remote adapter sources (https, s3, hf) download into this content-addressed cache",
@@ -347,15 +347,10 @@ class EngineConfig:
         return self.dtype if self.lora_dtype == "auto" else self.lora_dtype
 
     def __post_init__(self) -> None:
-        allowed = {
-            "dtype": DTYPE_NAMES,
-            "lora_dtype": LORA_DTYPE_NAMES,
-            "kernel_backend": KERNEL_BACKENDS,
-            "scheduler": SCHEDULERS,
-        }
-        for name, values in allowed.items():
-            if getattr(self, name) not in values:
-                raise ValueError(f"EngineConfig.{name} must be one of {values}; got {getattr(self, name)!r}")
+        for f in fields(self):
+            values = f.metadata.get("choices")
+            if values is not None and getattr(self, f.name) not in values:
+                raise ValueError(f"EngineConfig.{f.name} must be one of {values}; got {getattr(self, f.name)!r}")
         if self.resolved_lora_dtype not in (self.dtype, *NARROW_LORA_DTYPES.get(self.dtype, ())):
             raise ValueError(
                 f"EngineConfig.lora_dtype {self.lora_dtype!r} cannot serve a {self.dtype} model: adapters are kept "

@@ -17,7 +17,7 @@ import pytest
 
 from lorapage import EngineConfig
 from lorapage.cli import COMMANDS
-from lorapage.server.serve_process import run_serve
+from lorapage.testing.serve_process import run_serve
 
 _CONFIG_FLAGS = {f.name for f in dataclasses.fields(EngineConfig)}
 

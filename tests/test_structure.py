@@ -125,6 +125,7 @@ def test_no_import_cycles_in_lorapage():
 # its own package and anything in a lower row, nothing in its row or above. docs/structure.md's
 # "Layers" block is this table rendered (checked below).
 LAYERS: tuple[tuple[str, str], ...] = (
+    ("lorapage.testing", "support for tests and benchmarks: `lorapage serve` as a child process"),
     ("lorapage.cli", "the `lorapage` command"),
     ("lorapage.demo", "`lorapage demo`"),
     ("lorapage", "the package face: Engine, EngineConfig, SamplingParams, RequestOutput"),
@@ -281,3 +282,18 @@ def test_pyproject_lists_every_package():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {name for name, path in module_files().items() if path.name == "__init__.py"}
     assert folders - listed == set()
+
+
+def test_bench_scripts_share_modules_not_one_another():
+    """bench/ is a package of scripts and the modules they share (bench/__init__.py names them):
+    a script imports the shared modules, never another script (``bench_*.py``, ``profile_*.py``)."""
+    bench = ROOT / "bench"
+    scripts = {p.stem for p in bench.glob("*.py") if p.stem.startswith(("bench_", "profile_"))}
+    assert (bench / "__init__.py").exists() and (bench / "harness.py").exists()
+    wrong = []
+    for path in sorted(bench.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{path.name} imports {n}" for n in names if n.split(".")[-1] in scripts or n.startswith("bench")]
+    assert wrong == []

@@ -29,13 +29,13 @@ from lorapage.adapters.cost import uniform_ranks
 from lorapage.adapters.envelope import MODULE_CLASSES, Envelope
 from lorapage.capacity.plan import Plan, Replica, Workload, make_plan
 from lorapage.capacity.report import as_json, render
-from lorapage.config import DTYPE_NAMES, EngineConfig
+from lorapage.config import DTYPE_NAMES, LORA_DTYPE_NAMES, EngineConfig
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.population import zipf_weights
 from lorapage.sim.costs import COSTS
-from lorapage.sim.fleet import SEED_SLO, FleetConfig, adapter_of
+from lorapage.sim.fleet import SEED_SLO, SimFleetConfig, adapter_of
 from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
 from lorapage.traces.trace import TraceError, TraceRequest, read_trace
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="a Hugging Face model directory (or its config.json): only the shape is read"
     )
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="the weights' dtype on the device")
-    p.add_argument("--lora-dtype", choices=("auto", *DTYPE_NAMES), default="auto", help="the adapters' (auto: --dtype)")
+    p.add_argument("--lora-dtype", choices=LORA_DTYPE_NAMES, default="auto", help="the adapters' (auto: --dtype)")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument(
         "--modules", default="all", help="attention, mlp, all, or a comma-separated list of the projections adapted"
@@ -139,7 +139,7 @@ def simulate(plan: Plan, replica: Replica, args: argparse.Namespace, trace: list
     """The affinity-routed fleet at the plan's replicas, and the fewest meeting the seed's SLO."""
     from lorapage.sim.compare import compare_routers
 
-    config = FleetConfig(
+    config = SimFleetConfig(
         replicas=plan.replicas,
         router_options={"owners": replica.owners},
         engine=SimConfig(max_num_seqs=replica.max_num_seqs, max_num_batched_tokens=8192),

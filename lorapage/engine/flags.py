@@ -19,24 +19,13 @@ from lorapage.flags import add_config_flags, config_overrides, fail
 from lorapage.sources import AdapterRoots
 from lorapage.tiny import demo_adapter_dirs
 
-# EngineConfig fields that are where a server keeps its state (flags: add_state_arguments).
-STATE_FIELDS = (
-    "adapter_cache_dir",
-    "adapter_cache_bytes",
-    "max_adapter_download_bytes",
-    "adapter_download_timeout_s",
-    "min_adapter_download_bytes_per_s",
-    "allow_private_adapter_sources",
-    "s3_endpoint_url",
-    "hf_endpoint",
-)
-
-
-ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != "state_dir")
-
-
 # Flags of their own below: a server keeps its registry on disk by default, an engine in memory.
 _STATE_FLAG = "state_dir"
+# EngineConfig fields that are where a server keeps its state (the "state" group; flags: add_state_arguments).
+STATE_FIELDS = tuple(
+    f.name for f in fields(EngineConfig) if f.metadata.get("group") == "state" and f.name != _STATE_FLAG
+)
+ENGINE_FLAG_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.name != _STATE_FLAG)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> list[str]:

@@ -188,7 +188,8 @@ class LlamaModel:
         nd = attn.num_decode
         q_size, kv_size = c.q_size, c.kv_size
         h = lora_h[:T]
-        use_lora = lora is not None and bool(lora.segments)
+        if lora is not None and not lora.segments:
+            lora = None  # no row has an adapter
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
@@ -196,7 +197,7 @@ class LlamaModel:
             # self.linear (F.linear, or oneDNN's over packed weights), not ``hs @ w.t()``: on a CPU
             # the transposed-view matmul ran on one thread whatever the intra-op threads.
             qkv = self.linear(hs, w["qkv"], w.get("qkv_bias"))
-            if use_lora:
+            if lora is not None:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
@@ -221,17 +222,17 @@ class LlamaModel:
                 )
             attn_out = out.view(T, q_size)
             o = self.linear(attn_out, w["o"])
-            if use_lora:
+            if lora is not None:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
             gu = self.linear(hs, w["gate_up"])
-            if use_lora:
+            if lora is not None:
                 self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)
             inter = c.intermediate_size
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             d = self.linear(act, w["down"])
-            if use_lora:
+            if lora is not None:
                 self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
             x = x + d
         return self._rms_norm(x, self.final_norm)

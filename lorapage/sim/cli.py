@@ -19,7 +19,7 @@ from lorapage.config import EngineConfig
 from lorapage.flags import add_config_flags
 from lorapage.fleet.routing import ROUTERS
 from lorapage.sim.compare import compare_routers, render_table
-from lorapage.sim.fleet import FleetConfig
+from lorapage.sim.fleet import SimFleetConfig
 from lorapage.traces.stats import Slo
 from lorapage.traces.trace import TraceRequest
 
@@ -42,7 +42,7 @@ _VTC_FIELDS = {
 }
 
 
-def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> FleetConfig:
+def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> SimFleetConfig:
     """The fleet ``args`` (replay's flags) and ``rest`` (engine flags) describe."""
     parser = argparse.ArgumentParser(prog=PROG, add_help=False)
     add_config_flags(parser, EngineConfig, only=_SIM_FIELDS)
@@ -54,7 +54,7 @@ def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> FleetConfig:
             f"{PROG}: the simulator models only --{', --'.join(f.replace('_', '-') for f in _SIM_FIELDS)}; "
             f"got {' '.join(leftover or unused)}"
         )
-    base = FleetConfig()
+    base = SimFleetConfig()
     engine = replace(base.engine, **{k: v for k, v in given.items() if k in ("max_num_seqs", "max_num_batched_tokens")})
     residency = replace(
         base.residency,

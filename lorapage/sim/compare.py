@@ -7,14 +7,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from lorapage.sim.fleet import SEED_SLO, FleetConfig, fewest_replicas, simulate
+from lorapage.sim.fleet import SEED_SLO, SimFleetConfig, fewest_replicas, simulate
 from lorapage.traces.stats import Slo
 from lorapage.traces.trace import TraceRequest
 
 
 def compare_routers(
     trace: Sequence[TraceRequest],
-    config: FleetConfig,
+    config: SimFleetConfig,
     routers: Sequence[str],
     *,
     find_most: int = 0,

@@ -30,8 +30,9 @@ SEED_SLO = Slo(ttft_s=1.0, ttft_cold_s=2.0, cold_tiers=COLD_TIERS)
 
 
 @dataclass(frozen=True)
-class FleetConfig:
-    """One fleet: replicas, their engine limits, the cost model and the router."""
+class SimFleetConfig:
+    """One simulated fleet: replicas, their engine limits, the cost model and the router (the deployed
+    fleet's configuration is :class:`lorapage.fleet.config.FleetConfig`)."""
 
     replicas: int = 26
     router: str = "affinity"
@@ -58,7 +59,7 @@ class FleetConfig:
 class Replica:
     """One simulated engine: its policy, step simulator and adapter tiers."""
 
-    def __init__(self, replica_id: str, config: FleetConfig) -> None:
+    def __init__(self, replica_id: str, config: SimFleetConfig) -> None:
         self.replica_id = replica_id
         self.capacity = config.engine.max_num_seqs
         # No batch holds more distinct adapters than rows, nor than are resident.
@@ -95,7 +96,7 @@ class Replica:
 class FleetResult:
     """A fleet run: one record per trace request (in trace order) and what each replica did."""
 
-    config: FleetConfig
+    config: SimFleetConfig
     records: list[Record]
     measured: list[Record]  # those arriving after the warm-up
     replica_of: list[str]  # per trace request, the replica that took it
@@ -197,7 +198,7 @@ def _record(i: int, req: TraceRequest, sim: SimRequest) -> Record:
     )
 
 
-def simulate(trace: Sequence[TraceRequest], config: FleetConfig, router: Router | None = None) -> FleetResult:
+def simulate(trace: Sequence[TraceRequest], config: SimFleetConfig, router: Router | None = None) -> FleetResult:
     """Run ``trace`` through a fleet; deterministic for a config (and seed)."""
     replicas = [Replica(f"r{k:03d}", config) for k in range(config.replicas)]
     by_id = {r.replica_id: r for r in replicas}
@@ -267,7 +268,7 @@ class _VirtualClock:
 
 
 def fewest_replicas(
-    trace: Sequence[TraceRequest], config: FleetConfig, *, most: int, slo: Slo = SEED_SLO
+    trace: Sequence[TraceRequest], config: SimFleetConfig, *, most: int, slo: Slo = SEED_SLO
 ) -> int | None:
     """The fewest replicas (1..``most``) meeting ``slo`` for ``config``'s router, by bisection
     (assumes more replicas never hurt); ``None`` when even ``most`` does not."""

@@ -20,7 +20,7 @@ import pytest
 from server_harness import ADMIN_KEY, KEYS, TENANTS_TOML
 
 from lorapage.registry.store import REGISTRY_FILE
-from lorapage.server.serve_process import ServeProcess, start_serve
+from lorapage.testing.serve_process import ServeProcess, start_serve
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -23,7 +23,7 @@ from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.adapters.decisions import Decision, Evict, Load, Read
 from lorapage.adapters.residency import HistoryEntry
 from lorapage.sim.costs import GPU_7B, LoadCosts
-from lorapage.sim.fleet import FleetConfig, Replica
+from lorapage.sim.fleet import Replica, SimFleetConfig
 from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig, SimRequest
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
@@ -96,7 +96,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
 
 
 def simulator_turns(pages: dict[str, int], loads: LoadCosts = GPU_7B.loads) -> list[HistoryEntry]:
-    config = FleetConfig(
+    config = SimFleetConfig(
         replicas=1,
         engine=SimConfig(max_num_seqs=8, max_num_batched_tokens=2048),
         residency=ResidencyConfig(max_resident_loras=2, max_cpu_loras=1, pages=pages, max_prefetches=2),

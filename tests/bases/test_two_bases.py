@@ -23,7 +23,7 @@ from lorapage.registry.drift_state import MIGRATED, PASSED, MigrationRow
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.sampling_params import SamplingParams
 from lorapage.serve.engine_backend import ENGINES
-from lorapage.server.serve_process import run_serve, start_serve
+from lorapage.testing.serve_process import run_serve, start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPTS = ["Hello", "How are you?", "Tell me about the weather."]

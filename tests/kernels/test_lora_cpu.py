@@ -4,7 +4,7 @@ variant this CPU runs (baseline x86-64, AVX, AVX2, AVX-512; kernels/cpu_isa.py).
 test_lora_torch.py runs them over every placement and step shape on its model; here the shapes
 reach the kernels' other branches: rows whose length is not a multiple of 8 (the scalar tail),
 rank 16 beside odd ranks, more A rows than one task's block, B wider than one task's block,
-cells of 1 to 64 tokens beside a long segment, decode rows run as lanes in lockstep (full,
+cells of 1 to 64 tokens beside a long segment, decode rows run as stripes in lockstep (full,
 padded and too few to pad), cells of 3 or more tokens whose bfloat16 weights are widened once,
 and adapters whose pages are not one run (copied into scratch). Free pages hold NaN, so a read
 outside an adapter's pages would show. "Equal": within what float32 sums in any order allow of
@@ -43,10 +43,10 @@ STEPS = {
     "decode": ([3, 16, 24, 16], [1, 0, 2, 3, 4], [1] * 5),
     "short_cells": ([3, 16, 24, 16], [2, 1, 4, 3, 2, 0], [5, 2, 13, 1, 3, 2]),
     "cell_limit_and_long": ([16, 24], [1, 2, 1], [CELL_TOKENS, CELL_TOKENS + 1, 7]),
-    # Decode rows on 15 adapters, as lanes in lockstep: 13 rank-16 lanes (a full pack of 8, then
-    # 5 padded), two lanes each of ranks 3 and 24 (packs too small to pad), three 2-token cells,
+    # Decode rows on 15 adapters, as stripes in lockstep: 13 rank-16 stripes (a full pack of 8, then
+    # 5 padded), two stripes each of ranks 3 and 24 (packs too small to pad), three 2-token cells,
     # and a 5-token cell beside them that runs alone.
-    "many_lanes": (
+    "many_stripes": (
         [16, 3, 16, 24, 16, 16, 3, 16, 16, 16, 24, 16, 16, 16, 16],
         [*range(1, 16), 1, 5, 9, 0, 3],
         [1] * 19 + [4],
@@ -109,7 +109,7 @@ def test_variants_agree_within_the_bound(pages, monkeypatch):
     built = {name: lib for name in VARIANTS if not isinstance(lib := _library(name), str)}
     if len(built) < 2:
         pytest.skip(f"this machine runs one kernel variant only ({', '.join(built)})")
-    model, pool, tables, planned, checks = _step("wide", "many_lanes", "grid_holes", pages)
+    model, pool, tables, planned, checks = _step("wide", "many_stripes", "grid_holes", pages)
     for layer, g, x, _, bound in checks:
         outputs = {}
         for name, lib in built.items():
@@ -189,7 +189,7 @@ def test_kernels_from_other_sources_build_beside_the_default(tmp_path, monkeypat
     assert lib._name != default._name and len(list((tmp_path / "cache").glob("lora_cpu-*.so"))) == 2
     assert cpu_build.load_from(other)._name == lib._name  # cached like the default
 
-    ranks, slots, lengths = STEPS["many_lanes"]
+    ranks, slots, lengths = STEPS["many_stripes"]
     pool, tables = build(ranks, "grid_holes", seed=3)
     idx, t = indices_for(slots, lengths)
     planned = idx.with_cells(

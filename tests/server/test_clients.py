@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 from server_harness import KEYS, TENANTS_TOML
 
-from lorapage.server.serve_process import start_serve
+from lorapage.testing.serve_process import start_serve
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR
 
 openai = pytest.importorskip("openai")

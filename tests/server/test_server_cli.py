@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from lorapage.server.serve_process import ServeDidNotStart, ServeProcess, run_serve, start_serve
+from lorapage.testing.serve_process import ServeDidNotStart, ServeProcess, run_serve, start_serve
 from lorapage.tiny import demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -28,7 +28,7 @@ from lorapage.frontend.edge import EdgeLimits
 from lorapage.frontend.generation import Formatter
 from lorapage.frontend.prompts import CHUNK_CHARS
 from lorapage.frontend.tenants import TenantsConfig
-from lorapage.server.serve_process import run_serve
+from lorapage.testing.serve_process import run_serve
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

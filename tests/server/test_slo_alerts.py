@@ -16,7 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorapage.frontend import hash_key
-from lorapage.server.serve_process import start_serve
+from lorapage.testing.serve_process import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

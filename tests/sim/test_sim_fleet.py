@@ -15,13 +15,13 @@ from lorapage.replay.driver import RunOptions, replay
 from lorapage.replay.embedded import EmbeddedTarget
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.costs import cpu_costs
-from lorapage.sim.fleet import FleetConfig, fewest_replicas, simulate
+from lorapage.sim.fleet import SimFleetConfig, fewest_replicas, simulate
 from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
 from lorapage.traces.records import OK
 from lorapage.traces.trace import TraceRequest
 
-SMALL = FleetConfig(
+SMALL = SimFleetConfig(
     replicas=4,
     engine=SimConfig(max_num_seqs=16, max_num_batched_tokens=4096),
     residency=ResidencyConfig(max_resident_loras=8, max_cpu_loras=16, max_disk_loras=64),
@@ -98,7 +98,7 @@ def test_single_replica_agrees_with_the_embedded_engine() -> None:
     cold = [r.ttft_s for r in measured if r.tier in ("ram", "disk")]
     load_s = max(statistics.median(cold) - warm, 0.0)
     sim_trace = [msgspec.structs.replace(req, max_tokens=rec.output_tokens) for req, rec in zip(trace, measured)]
-    config = FleetConfig(
+    config = SimFleetConfig(
         replicas=1,
         router="least_loaded",
         engine=SimConfig(max_num_seqs=64, max_num_batched_tokens=2048),
