@@ -109,7 +109,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_graph_is_read():
     graph = import_graph()
     assert "lorapage.engine.engine" in graph and "lorapage.kernels.backend" in graph
-    assert "lorapage.engine.step_scheduler" in graph["lorapage.engine.engine"]
+    assert "lorapage.engine.step_planner" in graph["lorapage.engine.engine"]
     assert "lorapage.kernels.triton_import" in graph["lorapage.kernels.lora_triton"]
 
 
@@ -135,7 +135,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.sim", "the fleet simulator: the real policies on a virtual clock"),
     ("lorapage.server", "HTTP: routes, auth, tenants, quotas, SSE, metrics"),
     ("lorapage.bases", "base upgrades: the drift check on two engines, validation jobs"),
-    ("lorapage.engine", "the Engine facade, the step scheduler, the step loop"),
+    ("lorapage.engine", "the Engine facade, the step planner, the step loop"),
     ("lorapage.adapters", "PEFT format, layout in pages, residency rules, tiered cache, registry, sources"),
     ("lorapage.model", "Llama decoder, tokenizer, sampler, runner, lookup tables"),
     ("lorapage.request", "Request, its OutputChannel, RequestOutput, TokenLogprob"),

@@ -57,7 +57,7 @@ from lorapage.engine.devices import (
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.stats import EngineMetrics, EngineStats
 from lorapage.engine.step_loop import StepLoop
-from lorapage.engine.step_scheduler import StepLimits, StepScheduler
+from lorapage.engine.step_planner import StepLimits, StepPlanner
 from lorapage.engine.tiering import TierKeeper
 from lorapage.errors import (
     AdapterLoadError,
@@ -306,7 +306,7 @@ class Engine:
             self.eos_token_ids,
             chunked_prefill=config.enable_chunked_prefill,
         )
-        self.scheduler = StepScheduler(
+        self.scheduler = StepPlanner(
             self.policy,
             self.adapters,
             self.pool,

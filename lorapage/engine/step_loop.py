@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from lorapage.engine.step_scheduler import StepScheduler
+from lorapage.engine.step_planner import StepPlanner
 from lorapage.errors import EngineStepError
 from lorapage.model.runner import ModelRunner, StepPlan
 
@@ -22,13 +22,13 @@ class StepLoop:
 
     def __init__(
         self,
-        scheduler: StepScheduler,
+        planner: StepPlanner,
         runner: ModelRunner,
         forward: Executor,
         on_new_loop: Callable[[], None],
         on_prefill: Callable[[float, int], None] | None = None,
     ) -> None:
-        self.scheduler, self.runner, self.forward = scheduler, runner, forward
+        self.planner, self.runner, self.forward = planner, runner, forward
         self._on_new_loop = on_new_loop  # state tied to the old loop (adapter loads) must reset
         # Told (seconds, tokens) of each step that prefilled: what recomputing a cached block costs.
         self._on_prefill = on_prefill
@@ -42,7 +42,7 @@ class StepLoop:
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._task is not None and not self._task.done():
             return
-        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.scheduler.requests:
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.planner.requests:
             raise RuntimeError("this engine has requests in flight on another event loop")
         self._loop = loop
         self._wake = asyncio.Event()
@@ -70,7 +70,7 @@ class StepLoop:
             wake.clear()
             try:
                 while True:
-                    plan = self.scheduler.plan_step()
+                    plan = self.planner.plan_step()
                     if plan is None:
                         break
                     started = time.perf_counter()
@@ -79,12 +79,12 @@ class StepLoop:
                     self.busy_s += seconds
                     if self._on_prefill is not None and len(plan.input_ids) > plan.num_decode:
                         self._on_prefill(seconds, len(plan.input_ids))
-                    self.scheduler.apply(plan, sampled, seconds)
+                    self.planner.apply(plan, sampled, seconds)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never leave callers hanging on a dead loop
                 log.exception("engine step failed; failing the requests in flight")
-                self.scheduler.fail_all(EngineStepError(f"the engine step failed: {exc}"))
+                self.planner.fail_all(EngineStepError(f"the engine step failed: {exc}"))
 
 
 def _execute(runner: ModelRunner, plan: StepPlan) -> Any:

@@ -1,4 +1,4 @@
-"""The step scheduler's admissions: refused when they can never fit, undone cleanly when the policy or
+"""The step planner's admissions: refused when they can never fit, undone cleanly when the policy or
 the adapter cache fails mid-step, and as many distinct adapters as lanes admitted in one step."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ async def test_as_many_adapters_as_lanes_run_as_one_batch(scheduler):
 
 
 class _NoAdapters:
-    """The adapter cache's side of the step scheduler, for requests that use no adapter: no
+    """The adapter cache's side of the step planner, for requests that use no adapter: no
     load waits for pages and nothing idle can be given back."""
 
     def __init__(self, pool) -> None:
@@ -145,7 +145,7 @@ async def test_an_abort_of_a_prompt_left_out_of_the_running_step_ends_it_with_th
     hold its pages until it next runs."""
     import torch
 
-    from lorapage.engine.step_scheduler import StepLimits, StepScheduler
+    from lorapage.engine.step_planner import StepLimits, StepPlanner
     from lorapage.memory.pages import PageKind
     from lorapage.memory.pool import PagePool
     from lorapage.model.sampler import SampleOutput
@@ -153,7 +153,7 @@ async def test_an_abort_of_a_prompt_left_out_of_the_running_step_ends_it_with_th
     from lorapage.scheduler.fcfs import FcfsScheduler
 
     pool = PagePool(1, 200, 8, torch.float32, torch.device("cpu"))
-    steps = StepScheduler(FcfsScheduler(), _NoAdapters(pool), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
+    steps = StepPlanner(FcfsScheduler(), _NoAdapters(pool), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
 
     def request(rid: str, n: int, t: float) -> Request:
         params = SamplingParams(max_tokens=50, ignore_eos=True)
