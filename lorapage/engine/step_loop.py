@@ -17,6 +17,23 @@ from lorapage.model.runner import ModelRunner, StepPlan
 log = logging.getLogger("lorapage.engine")
 
 
+class Wakeup:
+    """Wakes the step loop when there is work. Made before the loop and the parts that ring it (an
+    adapter cache whose load is done), and handed to both."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def renew(self) -> asyncio.Event:
+        """A fresh event, for a loop starting on a new event loop."""
+        self._event = asyncio.Event()
+        return self._event
+
+    def __call__(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+
 class StepLoop:
     """Runs steps while there is work and sleeps until :meth:`wake` otherwise."""
 
@@ -25,16 +42,18 @@ class StepLoop:
         planner: StepPlanner,
         runner: ModelRunner,
         forward: Executor,
+        wakeup: Wakeup | None = None,
+        *,
         on_new_loop: Callable[[], None],
         on_prefill: Callable[[float, int], None] | None = None,
     ) -> None:
         self.planner, self.runner, self.forward = planner, runner, forward
+        self._wakeup = wakeup if wakeup is not None else Wakeup()
         self._on_new_loop = on_new_loop  # state tied to the old loop (adapter loads) must reset
         # Told (seconds, tokens) of each step that prefilled: what recomputing a cached block costs.
         self._on_prefill = on_prefill
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_s = 0.0  # time steps took, in all (the device time usage is apportioned from)
-        self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
     def bind(self) -> None:
@@ -45,13 +64,12 @@ class StepLoop:
         if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.planner.requests:
             raise RuntimeError("this engine has requests in flight on another event loop")
         self._loop = loop
-        self._wake = asyncio.Event()
+        wake = self._wakeup.renew()
         self._on_new_loop()
-        self._task = loop.create_task(self._run(self._wake), name="lorapage-step-loop")
+        self._task = loop.create_task(self._run(wake), name="lorapage-step-loop")
 
     def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self._wakeup()
 
     async def stop(self) -> None:
         """Cancel the loop; a step in flight finishes on the forward thread, unapplied."""
