@@ -26,8 +26,8 @@ if TYPE_CHECKING:
         MemoryParts,
         SchedulingParts,
         Sizing,
-        Threads,
     )
+    from lorapage.engine.devices import Threads
     from lorapage.engine.intake import RequestIntake
     from lorapage.engine.step_loop import StepLoop
     from lorapage.engine.step_planner import StepPlanner

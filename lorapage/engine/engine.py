@@ -33,6 +33,7 @@ from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.config import EngineConfig
 from lorapage.engine import build
+from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.debug import EngineDebug
 from lorapage.engine.merging import MergedWeights, merge_tensors
 from lorapage.engine.stats import EngineMetrics, EngineStats, gather_stats
@@ -83,12 +84,22 @@ class Engine:
         self._runner = forward.runner
         catalog = build.build_catalog(base, threads, adapters, steps, self._check_open)
         self._catalog = catalog.catalog
-        self.admin = catalog.admin  # adapter administration, the one interface front ends manage adapters through
-        self.debug = EngineDebug.of(clock, sizing, memory, forward, threads, adapters, steps, catalog)
+        self._admin = catalog.admin
+        self._debug = EngineDebug.of(clock, sizing, memory, forward, threads, adapters, steps, catalog)
         self._merged = MergedWeights()  # a dedicated deployment's (merge_into_base)
         self._closed = False
 
     # -- what callers read ----------------------------------------------------------------------
+
+    @property
+    def admin(self) -> AdapterAdmin:
+        """Adapter administration: the one interface front ends manage adapters through."""
+        return self._admin
+
+    @property
+    def debug(self) -> EngineDebug:
+        """The engine's parts, read-only, for tests and diagnostics (:mod:`lorapage.engine.debug`)."""
+        return self._debug
 
     @property
     def config(self) -> EngineConfig:
