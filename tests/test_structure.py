@@ -109,7 +109,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_graph_is_read():
     graph = import_graph()
     assert "lorapage.engine.engine" in graph and "lorapage.kernels.backend" in graph
-    assert "lorapage.engine.step_planner" in graph["lorapage.engine.engine"]
+    assert "lorapage.engine.step_planner" in graph["lorapage.engine.build"]
     assert "lorapage.kernels.triton_import" in graph["lorapage.kernels.lora_triton"]
 
 
