@@ -32,8 +32,18 @@ from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.config import EngineConfig
-from lorapage.engine import build
 from lorapage.engine.admin import AdapterAdmin
+from lorapage.engine.build import (
+    build_adapters,
+    build_base,
+    build_catalog,
+    build_forward,
+    build_memory,
+    build_scheduling,
+    build_sizing,
+    build_threads,
+    load_model,
+)
 from lorapage.engine.debug import EngineDebug
 from lorapage.engine.merging import MergedWeights, merge_tensors
 from lorapage.engine.stats import EngineMetrics, EngineStats, gather_stats
@@ -68,21 +78,19 @@ class Engine:
         # First: a second engine on one state dir refuses to start before loading anything.
         self._state_lock = StateDirLock(Path(config.state_dir)) if config.state_dir is not None else None
         self._clock = clock
-        self._base = base = build.build_base(config)
-        self._sizing = sizing = build.build_sizing(config, base)
-        model = build.load_model(base, sizing)  # weights first: on CUDA the pool is sized from what they leave
-        self._memory = memory = build.build_memory(config, base, sizing, clock)
-        forward = build.build_forward(config, base, sizing, model, memory)
-        self._threads = threads = build.build_threads(config, sizing)
+        self._base = base = build_base(config)
+        self._sizing = sizing = build_sizing(config, base)
+        model = load_model(base, sizing)  # weights first: on CUDA the pool is sized from what they leave
+        self._memory = memory = build_memory(config, base, sizing, clock)
+        forward = build_forward(config, base, sizing, model, memory)
+        self._threads = threads = build_threads(config, sizing)
         self._wake_up = wakeup = Wakeup()  # rung by requests, aborts and finished adapter loads
-        self._adapters = adapters = build.build_adapters(
-            config, base, sizing, memory, threads, clock, adapter_roots, wakeup
-        )
-        self._steps = steps = build.build_scheduling(
+        self._adapters = adapters = build_adapters(config, base, sizing, memory, threads, clock, adapter_roots, wakeup)
+        self._steps = steps = build_scheduling(
             config, base, sizing, memory, forward, threads, adapters, wakeup, clock, tenant_weights
         )
         self._runner = forward.runner
-        catalog = build.build_catalog(base, threads, adapters, steps, self._check_open)
+        catalog = build_catalog(base, threads, adapters, steps, self._check_open)
         self._catalog = catalog.catalog
         self._admin = catalog.admin
         self._debug = EngineDebug.of(clock, sizing, memory, forward, threads, adapters, steps, catalog)
