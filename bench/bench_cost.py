@@ -74,11 +74,11 @@ def make_engine(model: Path, dirs: dict[str, Path]) -> tuple[Engine, dict[str, l
     )
     names: dict[str, list[str]] = {}
     for shape, path in dirs.items():
-        checked = engine.catalog.prepare(path, sha256=None, expected_base_digest=None)
+        checked = engine.debug.catalog.prepare(path, sha256=None, expected_base_digest=None)
         tag = shape.replace(" ", "-")
         names[shape] = [f"{tag}-{i}" for i in range(BATCH)]
         for name in names[shape]:
-            engine.catalog.register_prepared(name, path, checked)
+            engine.debug.catalog.register_prepared(name, path, checked)
     return engine, names
 
 
@@ -87,7 +87,7 @@ class PlanCapture:
     executes, so it can be run again and again, timed, after its requests finish."""
 
     def __init__(self, engine: Engine) -> None:
-        runner = engine.runner
+        runner = engine.debug.runner
         self.execute = runner.execute
         self.last: StepPlan | None = None
 
@@ -122,14 +122,14 @@ async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> 
     for shape, ids in names.items():
         plans[f"{shape}|distinct"] = await capture.plan_of(engine, list(ids))
         plans[f"{shape}|one"] = await capture.plan_of(engine, [ids[0]] * BATCH)
-    assert all(engine.residency.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
+    assert all(engine.debug.residency.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
     order = list(plans)
     out: dict[str, list[float]] = {}
     for turn in range(WARMUP_TURNS + repeats):
         k = turn % len(order)
         times = {}
         for mix in order[k:] + order[:k]:
-            times[mix] = await loop.run_in_executor(engine.step_loop.forward, timed, capture.execute, plans[mix])
+            times[mix] = await loop.run_in_executor(engine.debug.step_loop.forward, timed, capture.execute, plans[mix])
         if turn >= WARMUP_TURNS:
             out.setdefault("base_step_s", []).append(times["base"])
             for mix in order[1:]:

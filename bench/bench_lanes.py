@@ -96,7 +96,7 @@ def prompt(i: int) -> list[int]:
 async def run_batch(engine: Engine, mix: Mix, new_tokens: int) -> dict[str, float]:
     """One batch of ``mix`` through ``engine``: tokens/s, steps and mean rows per step."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    hist = engine.scheduler_metrics.batch_size
+    hist = engine.metrics().scheduler.batch_size
     steps, rows = hist.count, hist.sum
 
     async def one(i: int) -> int:

@@ -74,8 +74,8 @@ async def run(engine: Engine, chats: dict, args: argparse.Namespace) -> dict:
             tasks.append(chat(tenant, system, turns, previous, answered))
             previous = answered
     await asyncio.gather(*tasks)
-    hits = sum(engine.scheduler.prefix_hit_tokens.values())
-    total = sum(engine.scheduler.prefix_query_tokens.values())
+    hits = sum(engine.debug.step_planner.prefix_hit_tokens.values())
+    total = sum(engine.debug.step_planner.prefix_query_tokens.values())
     await engine.close()
     return {
         "prompt_tokens": total,

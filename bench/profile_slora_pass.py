@@ -109,9 +109,9 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
     trace = small if case == 5 else big
     engine, _ = workloads.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)], lora_dtype=lora_dtype)
     if warm_host:
-        cache = engine.adapters
+        cache = engine.debug.adapters
         for name in {r.model for r in trace}:
-            entry = cache.entries[engine.catalog.resolve(name)]
+            entry = cache.entries[engine.debug.catalog.resolve(name)]
             cache._keep_in_host(entry.name, cache._read_and_pack(entry, entry.spec))
     for part in (t.seconds, t.steps, t.loads):
         part.clear()

@@ -149,7 +149,7 @@ async def running_server(engine: Engine, access: Access | None = None, **app_opt
     app = create_app(engine, access or make_access(), **app_options)
     runner, port = await start(app, ("127.0.0.1", 0))
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
-    shared = engine.adapter_roots.shared
+    shared = engine.debug.adapter_roots.shared
     try:
         yield Server(f"http://127.0.0.1:{port}", engine, app, session, shared[0] if shared else None)
     finally:

@@ -127,17 +127,17 @@ def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
     flags = ["--state-dir", ":memory:", "--max-loras", "4", "--max-resident-loras", "6", "--reserved-tail-lanes", "1"]
     flags += ["--lane-age-deadline-s", "0.25", "--max-cpu-lora-bytes", "1000000"]
     engine = Engine(engine_config(build_parser().parse_args(flags), "lorapage serve"))
-    policy = engine.policy
+    policy = engine.debug.policy
     assert isinstance(policy, MeteredPolicy) and isinstance(policy.policy, VtcScheduler)
     vtc = policy.policy.config
     assert (vtc.max_loras, vtc.reserved_tail_lanes, vtc.tail_lanes, vtc.age_deadline_s) == (4, 1, 1, 0.25)
-    limits = engine.residency.limits
+    limits = engine.debug.residency.limits
     assert (limits.max_resident_loras, limits.max_cpu_lora_bytes) == (6, 1_000_000)
-    assert engine.residency.slots.num_free == 6 and engine.tables.page_table.shape[0] == 7
+    assert engine.debug.residency.slots.num_free == 6 and engine.debug.tables.page_table.shape[0] == 7
     # Derived: the pool's worth of largest adapters, at least max_loras.
     args = build_parser().parse_args(["--state-dir", ":memory:", "--max-loras", "4"])
     derived = Engine(engine_config(args, "lorapage serve"))
-    assert derived.max_resident_loras >= 4 and derived.residency.limits.max_cpu_lora_bytes is None
+    assert derived.debug.max_resident_loras >= 4 and derived.debug.residency.limits.max_cpu_lora_bytes is None
     for e in (engine, derived):
         asyncio.run(e.close())
 

@@ -109,7 +109,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_the_graph_is_read():
     graph = import_graph()
     assert "lorapage.engine.engine" in graph and "lorapage.kernels.backend" in graph
-    assert "lorapage.engine.step_scheduler" in graph["lorapage.engine.engine"]
+    assert "lorapage.engine.step_planner" in graph["lorapage.engine.build"]
     assert "lorapage.kernels.triton_import" in graph["lorapage.kernels.lora_triton"]
 
 
@@ -137,7 +137,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.sim", "the fleet simulator: the real policies on a virtual clock"),
     ("lorapage.frontend", "the one HTTP front end: routes, wire formats, auth, tenants, quotas, SLOs, metrics, SSE"),
     ("lorapage.bases", "base upgrades: the drift check on two engines, validation jobs"),
-    ("lorapage.engine", "the Engine facade, the step scheduler, the step loop"),
+    ("lorapage.engine", "the Engine facade, the step planner, the step loop"),
     ("lorapage.registry", "the SQLite store, version index, catalog, audit and drift state of adapter versions"),
     ("lorapage.sources", "where adapter files come from: directories, https, s3, hf, the download cache"),
     ("lorapage.adapters", "PEFT format, names, layout in pages, residency rules, tiered cache, loader"),

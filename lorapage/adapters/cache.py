@@ -163,7 +163,7 @@ class AdapterCache:
             return "loading"
         return "failed" if self.get(name).error is not None else "available"
 
-    # -- the requests a version serves (the step scheduler's calls) -----------------------------
+    # -- the requests a version serves (the step planner's calls) -----------------------------
 
     def enqueue(self, name: str, now: float, tenant: str | None = None) -> None:
         """A request for ``name`` (from ``tenant``) arrived: its load starts now, so fetching

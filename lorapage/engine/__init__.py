@@ -1,5 +1,5 @@
 """The embedded engine: :class:`Engine` is the face, :class:`AdapterAdmin` (``engine.admin``) its adapter
-administration; the step scheduler and step loop sit behind it."""
+administration; the step planner and step loop sit behind it."""
 
 from typing import TYPE_CHECKING
 

@@ -1,10 +1,14 @@
-"""The engine's device and dtype, from the config's names."""
+"""The engine's device and dtype, from the config's names, and its threads."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -111,3 +115,33 @@ def shorten_switch_interval(seconds: float | None) -> None:
     """
     if seconds is not None and sys.getswitchinterval() > seconds:
         sys.setswitchinterval(seconds)
+
+
+@dataclass(frozen=True)
+class Threads:
+    """The engine's executors: one forward thread, file reads (I/O), tokenizing, grammars and,
+    on a CPU, adapter copies."""
+
+    forward: ThreadPoolExecutor
+    io: ThreadPoolExecutor
+    tokenize: ThreadPoolExecutor
+    grammar: ThreadPoolExecutor
+    copies: ThreadPoolExecutor | None
+    forward_threads: int  # intra-op threads of the forward pass
+    io_threads: int
+
+    async def run_on_device(self, fn: Callable[[], None]) -> None:
+        """Run an adapter's copy into its pages. On CUDA it queues on the forward thread, ordered
+        with the steps on one stream (and between graph replays). On a CPU there is no stream, and
+        the copy writes only pages and a slot reserved for its load, which no step reads until
+        the load is done. So it runs on the copy thread beside the step in flight rather than
+        behind it, which would add up to a whole step to every cold request's wait."""
+        await asyncio.get_running_loop().run_in_executor(self.copies or self.forward, fn)
+
+    def shutdown_workers(self) -> None:
+        """Stop every thread but the forward one (the engine drains that one first)."""
+        self.io.shutdown(wait=False, cancel_futures=True)
+        self.tokenize.shutdown(wait=False, cancel_futures=True)
+        self.grammar.shutdown(wait=False, cancel_futures=True)
+        if self.copies is not None:
+            self.copies.shutdown(wait=False, cancel_futures=True)

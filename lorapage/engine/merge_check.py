@@ -159,7 +159,7 @@ async def merge_and_check(
 ) -> MergeCheck:
     """Run ``prompts`` through the LoRA path, merge ``adapter`` into ``engine``'s weights
     (:meth:`Engine.merge_into_base`), run them again on the merged weights and compare; the outcome
-    is kept as ``engine.merge_check`` (``/internal/state``). The merge stays whatever the verdict:
+    is kept in ``engine.stats().merged_deployment`` (``/internal/state``). The merge stays whatever the verdict:
     a caller that gets ``passed`` False must not serve from this engine."""
     tolerance = TOLERANCES[engine.config.dtype] if tolerance is None else tolerance
     key = engine.admin.resolve(adapter)
@@ -167,7 +167,7 @@ async def merge_and_check(
     await engine.merge_into_base(key, merge=merge)
     merged = await greedy_runs(engine, key, prompts, max_tokens)  # the plain base path now
     check = compare(key, unmerged, merged, tolerance)
-    engine.merge_check = check.as_json()
+    engine.record_merge_check(check.as_json())
     return check
 
 

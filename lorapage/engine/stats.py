@@ -9,12 +9,17 @@ it in their heartbeats as it is. No torch: the fleet's ingress reads it without 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lorapage.adapters.value import Stage
+from lorapage.memory.pages import PageKind
+
 if TYPE_CHECKING:
     from lorapage.adapters.metrics import AdapterMetrics
+    from lorapage.engine.build import AdapterParts, MemoryParts, SchedulingParts
+    from lorapage.request import Request
     from lorapage.scheduler import SchedulerMetrics
 
 
@@ -79,3 +84,99 @@ class EngineMetrics:
     scheduler: SchedulerMetrics  # admissions, rejections, waits per tenant
     vtc_counters: Callable[[], dict[str, float]]  # each tenant's VTC counter now (none under FCFS)
     adapters: AdapterMetrics  # loads, evictions, downloads, the top adapters' traffic
+
+
+def gather_stats(
+    now: float,
+    memory: MemoryParts,
+    adapters: AdapterParts,
+    scheduling: SchedulingParts,
+    merged_deployment: Mapping[str, Any] | None,
+) -> EngineStats:
+    """The engine's parts read at ``now`` (the engine's clock) into one record."""
+    planner, residency, cache, pool, prefix = (
+        scheduling.planner,
+        adapters.residency,
+        adapters.cache,
+        memory.pool,
+        memory.prefix_cache,
+    )
+    hits, queried = planner.prefix_hit_tokens, planner.prefix_query_tokens
+    resident, in_host = tuple(residency.slots.resident()), tuple(residency.host.keys())
+    prefetches = residency.prefetch.counts
+    costs = cache.costs
+    tenants = scheduling.metrics.tenants
+    return EngineStats(
+        resident_adapters=resident,
+        host_ram_adapters=in_host,
+        host_ram_adapter_bytes=residency.host.nbytes,
+        lora_slots=memory.max_resident_loras,
+        registered_adapters=len(cache.entries),
+        adapter_yields=residency.loads.yields,
+        adapters_pinned=len(residency.pins.pinned()),
+        adapters_resident=len(resident),
+        adapters_host_ram=len(in_host),
+        adapters_kept_hot=len(residency.pins.hot()),
+        adapter_pinned_pages=residency.pins.pinned_pages(),
+        adapter_pin_limit_pages=residency.pins.limit(),
+        adapter_prefetches_started=prefetches["started"],
+        adapter_prefetches_done=prefetches["done"],
+        adapter_prefetches_failed=prefetches["failed"],
+        adapter_prefetches_dropped=prefetches["dropped"],
+        adapter_copy_s_per_page=costs.seconds_per_page(Stage.COPY),
+        adapter_read_s_per_page=costs.seconds_per_page(Stage.READ),
+        adapter_download_s_per_page=costs.seconds_per_page(Stage.DOWNLOAD),
+        queue_depth=scheduling.policy.num_waiting(),
+        running=len(planner.running),
+        running_by_tenant=_running_by_tenant(planner.running, tenants),
+        preemptions=planner.num_preemptions,
+        kv_pages_held_by_tenant=_kv_pages_by_tenant(planner.running, tenants),
+        pool_pages_total=pool.capacity,
+        pool_pages_kv=pool.used[PageKind.KV] - prefix.num_idle,
+        pool_pages_adapters=pool.used[PageKind.ADAPTER],
+        pool_pages_free=pool.num_free + prefix.num_idle,
+        pool_pages_cached=prefix.num_cached,
+        pool_pages_cached_idle=prefix.num_idle,
+        prefix_cache_evicted_blocks=prefix.evicted,
+        prefix_cache_hit_rate=_ratio(sum(hits.values()), sum(queried.values())),
+        prefix_cache_hit_rate_by_tenant={t: _ratio(hits[t], n) for t, n in queried.items()},
+        evictions_per_minute=sum(1 for t in residency.slots.evictions if now - t <= 60.0),
+        adapter_held_pages=held_adapter_pages(adapters),
+        pool_page_bytes=memory.page_bytes,
+        tokens_in_flight=sum(
+            r.num_prompt_tokens + max(r.max_tokens - len(r.output_ids), 0) for r in planner.requests.values()
+        ),
+        merged_deployment=merged_deployment,
+    )
+
+
+def held_adapter_pages(adapters: AdapterParts) -> int:
+    """Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or with
+    requests queued or running."""
+    rules = adapters.residency
+    return sum(
+        pages
+        for key, pages in rules.slots.resident_pages().items()
+        if (r := rules.adapters[key]).pinned or r.hot or r.running or r.waiting
+    )
+
+
+def _running_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str, int]:
+    """Sequences in the batch per tenant; every tenant in ``seen`` is reported, at 0 when it has none."""
+    count = dict.fromkeys(seen, 0)
+    for req in running:
+        count[req.tenant] = count.get(req.tenant, 0) + 1
+    return count
+
+
+def _kv_pages_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str, int]:
+    """KV blocks in the block tables of each tenant's running requests (a cached block several
+    share counts for each); every tenant in ``seen`` is reported, at 0 when it holds none."""
+    held = dict.fromkeys(seen, 0)
+    for req in running:
+        held[req.tenant] = held.get(req.tenant, 0) + len(req.block_table)
+    return held
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

@@ -10,11 +10,28 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from lorapage.engine.step_scheduler import StepScheduler
+from lorapage.engine.step_planner import StepPlanner
 from lorapage.errors import EngineStepError
 from lorapage.model.runner import ModelRunner, StepPlan
 
 log = logging.getLogger("lorapage.engine")
+
+
+class Wakeup:
+    """Wakes the step loop when there is work. Made before the loop and the parts that ring it (an
+    adapter cache whose load is done), and handed to both."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def renew(self) -> asyncio.Event:
+        """A fresh event, for a loop starting on a new event loop."""
+        self._event = asyncio.Event()
+        return self._event
+
+    def __call__(self) -> None:
+        if self._event is not None:
+            self._event.set()
 
 
 class StepLoop:
@@ -22,19 +39,21 @@ class StepLoop:
 
     def __init__(
         self,
-        scheduler: StepScheduler,
+        planner: StepPlanner,
         runner: ModelRunner,
         forward: Executor,
+        wakeup: Wakeup | None = None,
+        *,
         on_new_loop: Callable[[], None],
         on_prefill: Callable[[float, int], None] | None = None,
     ) -> None:
-        self.scheduler, self.runner, self.forward = scheduler, runner, forward
+        self.planner, self.runner, self.forward = planner, runner, forward
+        self._wakeup = wakeup if wakeup is not None else Wakeup()
         self._on_new_loop = on_new_loop  # state tied to the old loop (adapter loads) must reset
         # Told (seconds, tokens) of each step that prefilled: what recomputing a cached block costs.
         self._on_prefill = on_prefill
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_s = 0.0  # time steps took, in all (the device time usage is apportioned from)
-        self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 
     def bind(self) -> None:
@@ -42,16 +61,15 @@ class StepLoop:
         loop = asyncio.get_running_loop()
         if self._loop is loop and self._task is not None and not self._task.done():
             return
-        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.scheduler.requests:
+        if self._loop is not None and self._loop is not loop and not self._loop.is_closed() and self.planner.requests:
             raise RuntimeError("this engine has requests in flight on another event loop")
         self._loop = loop
-        self._wake = asyncio.Event()
+        wake = self._wakeup.renew()
         self._on_new_loop()
-        self._task = loop.create_task(self._run(self._wake), name="lorapage-step-loop")
+        self._task = loop.create_task(self._run(wake), name="lorapage-step-loop")
 
     def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self._wakeup()
 
     async def stop(self) -> None:
         """Cancel the loop; a step in flight finishes on the forward thread, unapplied."""
@@ -70,7 +88,7 @@ class StepLoop:
             wake.clear()
             try:
                 while True:
-                    plan = self.scheduler.plan_step()
+                    plan = self.planner.plan_step()
                     if plan is None:
                         break
                     started = time.perf_counter()
@@ -79,12 +97,12 @@ class StepLoop:
                     self.busy_s += seconds
                     if self._on_prefill is not None and len(plan.input_ids) > plan.num_decode:
                         self._on_prefill(seconds, len(plan.input_ids))
-                    self.scheduler.apply(plan, sampled, seconds)
+                    self.planner.apply(plan, sampled, seconds)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never leave callers hanging on a dead loop
                 log.exception("engine step failed; failing the requests in flight")
-                self.scheduler.fail_all(EngineStepError(f"the engine step failed: {exc}"))
+                self.planner.fail_all(EngineStepError(f"the engine step failed: {exc}"))
 
 
 def _execute(runner: ModelRunner, plan: StepPlan) -> Any:

@@ -36,7 +36,7 @@ class EmbeddedTarget:
             "model": c.model,
             "adapters": len(self.engine.admin.served()),
             "config": {k: getattr(c, k) for k in ("max_loras", "max_cpu_loras", "max_num_seqs", "scheduler", "dtype")}
-            | {"lora_dtype": c.resolved_lora_dtype, "max_resident_loras": self.engine.max_resident_loras},
+            | {"lora_dtype": c.resolved_lora_dtype, "max_resident_loras": self.engine.stats().lora_slots},
             "device": str(self.engine.device),
         }
 

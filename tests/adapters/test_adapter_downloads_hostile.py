@@ -291,7 +291,7 @@ async def test_prefetch_goes_on_for_others_while_a_download_is_stuck(tmp_path, f
         for name in ("acme", "globex"):  # b's recent adapters; acme then falls off host RAM
             await collect(engine, "Hi", name, tenant="b")
         await engine.admin.unload("acme")
-        assert engine.residency.tier("acme@1") == "disk"
+        assert engine.debug.residency.tier("acme@1") == "disk"
         files.gate.clear()
         stuck = asyncio.create_task(collect(engine, "Hi", "r", tenant="alpha"))
         for _ in range(500):
@@ -301,10 +301,10 @@ async def test_prefetch_goes_on_for_others_while_a_download_is_stuck(tmp_path, f
         assert files.hits, "the download did not start"
         await collect(engine, "Hi", "globex", tenant="b")  # queues a prefetch of acme for b
         for _ in range(500):
-            if engine.residency.prefetch.counts["done"]:
+            if engine.debug.residency.prefetch.counts["done"]:
                 break
             await asyncio.sleep(0.01)
-        assert engine.residency.prefetch.counts["done"] == 1 and engine.residency.tier("acme@1") == "ram"
+        assert engine.debug.residency.prefetch.counts["done"] == 1 and engine.debug.residency.tier("acme@1") == "ram"
         assert not stuck.done()
         files.gate.set()
         out, _ = await asyncio.wait_for(stuck, 60)

@@ -17,17 +17,17 @@ from lorapage.tiny import demo_adapter_dirs
 
 async def test_adapter_copy_failure_returns_its_slot_and_pages():
     engine = tiny_engine(max_loras=2, max_resident_loras=2)
-    free = engine.pool_free_pages()
+    free = engine.debug.pool_free_pages()
 
     def broken_copy(*args):
         raise RuntimeError("device copy failed")
 
-    real_copy = engine.adapters.loader.write_pages
-    engine.adapters.loader.write_pages = broken_copy
+    real_copy = engine.debug.adapters.loader.write_pages
+    engine.debug.adapters.loader.write_pages = broken_copy
     with pytest.raises(AdapterLoadError):
         await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
-    assert engine.pool_free_pages() == free
-    engine.adapters.loader.write_pages = real_copy
+    assert engine.debug.pool_free_pages() == free
+    engine.debug.adapters.loader.write_pages = real_copy
     outs = await asyncio.gather(
         *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("acme", "globex"))
     )
@@ -39,30 +39,30 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
     """Unregistering an adapter whose copy is still queued (on CUDA, behind the step in flight on
     the forward thread) must not leak its slot and pages, nor free them before the copy has run."""
     engine = tiny_engine(max_loras=2, max_resident_loras=2)
-    free, slots = engine.pool_free_pages(), engine.residency.slots.num_free
+    free, slots = engine.debug.pool_free_pages(), engine.debug.residency.slots.num_free
     gate = asyncio.Event()
-    run_on_device = engine.adapters.loader.run_on_device
+    run_on_device = engine.debug.adapters.loader.run_on_device
 
     async def queued(fn):  # the copy waits its turn, as behind a busy forward thread
         await gate.wait()
         await run_on_device(fn)
 
-    engine.adapters.loader.run_on_device = queued
-    engine.adapters.ensure("acme@1")
+    engine.debug.adapters.loader.run_on_device = queued
+    engine.debug.adapters.ensure("acme@1")
     for _ in range(500):
-        if engine.pool_free_pages() < free:
+        if engine.debug.pool_free_pages() < free:
             break
         await asyncio.sleep(0.01)
-    assert engine.pool_free_pages() < free, "the load should have reserved its pages"
+    assert engine.debug.pool_free_pages() < free, "the load should have reserved its pages"
     engine.admin.remove("acme")
     await asyncio.sleep(0.05)
-    assert engine.pool_free_pages() < free, "pages went back while their copy was still queued"
+    assert engine.debug.pool_free_pages() < free, "pages went back while their copy was still queued"
     gate.set()
     for _ in range(500):
-        if engine.pool_free_pages() == free:
+        if engine.debug.pool_free_pages() == free:
             break
         await asyncio.sleep(0.01)
-    assert engine.pool_free_pages() == free and engine.residency.slots.num_free == slots
+    assert engine.debug.pool_free_pages() == free and engine.debug.residency.slots.num_free == slots
     outs = await asyncio.gather(
         *(collect(engine, [5, 9, 12, 30], a, SamplingParams(max_tokens=4)) for a in ("globex", "initech"))
     )
@@ -99,7 +99,7 @@ async def test_cold_adapter_is_not_starved_by_hot_adapters_holding_every_slot():
         await asyncio.sleep(0.01)
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
-    assert not any(e.yielding for e in engine.residency.adapters.values())
+    assert not any(e.yielding for e in engine.debug.residency.adapters.values())
     assert engine.stats().adapter_yields >= 1
     await engine.close()
 
@@ -119,7 +119,7 @@ async def test_starving_loads_take_turns_in_order():
     workers = [asyncio.ensure_future(hot(a, n)) for a in ("acme", "globex", "initech") for n in (20, 31)]
     turns: list[str] = []
     for _ in range(3000):
-        resident = [key.partition("@")[0] for key in engine.residency.slots.resident()]
+        resident = [key.partition("@")[0] for key in engine.debug.residency.slots.resident()]
         if resident and (not turns or turns[-1] != resident[0]):
             turns.append(resident[0])
         if len(turns) >= 7:
@@ -141,16 +141,16 @@ async def test_prewarm_does_not_make_a_busy_adapter_yield():
     long = asyncio.ensure_future(
         collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=300, ignore_eos=True))
     )
-    while not engine.residency.get("acme@1").running:
+    while not engine.debug.residency.get("acme@1").running:
         await asyncio.sleep(0.005)
     prewarm = asyncio.ensure_future(engine.admin.load("globex"))
     await asyncio.sleep(0.2)  # ten times adapter_wait_s
-    assert not prewarm.done() and engine.residency.loads.yields == 0
-    assert not engine.residency.get("acme@1").yielding
+    assert not prewarm.done() and engine.debug.residency.loads.yields == 0
+    assert not engine.debug.residency.get("acme@1").yielding
     last, _ = await asyncio.wait_for(long, 60)
     assert last.finish_reason == "length"
     await asyncio.wait_for(prewarm, 10)  # acme idle now: the pre-warm gets the slot
-    assert engine.residency.slots.resident() == ["globex@1"]
+    assert engine.debug.residency.slots.resident() == ["globex@1"]
     await engine.close()
 
 
@@ -183,7 +183,7 @@ async def test_yielding_adapter_is_evicted_only_once_the_load_fits():
         collect(engine, [5, 9, 12, 30], "initech", SamplingParams(max_tokens=4, temperature=0.0)), 30
     )
     assert cold.finish_reason == "length"
-    assert len(engine.residency.slots.evictions) <= 2, "the slot changed hands more than the one turn needs"
+    assert len(engine.debug.residency.slots.evictions) <= 2, "the slot changed hands more than the one turn needs"
     stop = True
     await asyncio.wait_for(asyncio.gather(*workers), 30)
     await engine.close()
@@ -197,16 +197,16 @@ async def test_resident_adapters_outnumber_the_distinct_adapters_of_a_batch():
     names = [f"k{i}" for i in range(6)]
     for i, name in enumerate(names):
         engine.add_adapter(name, dirs[i % len(dirs)])
-    assert engine.stats().lora_slots == 6 and engine.tables.page_table.shape[0] == 7  # slot 0: none
+    assert engine.stats().lora_slots == 6 and engine.debug.tables.page_table.shape[0] == 7  # slot 0: none
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     try:
         for _ in range(2):  # twice: the second round finds all six resident
             outs = await asyncio.gather(*(collect(engine, [5, 9, 12, 30], n, params) for n in names for _ in range(2)))
             assert all(o.finish_reason == "length" for o, _ in outs)
-            assert {f"{n}@1" for n in names} <= set(engine.residency.slots.resident())
+            assert {f"{n}@1" for n in names} <= set(engine.debug.residency.slots.resident())
         assert engine.stats().evictions_per_minute == 0
-        assert sum(engine.adapter_metrics.loads.values()) == 6  # each loaded once
-        distinct = engine.scheduler_metrics.distinct_adapters
+        assert sum(engine.debug.adapter_metrics.loads.values()) == 6  # each loaded once
+        distinct = engine.debug.scheduler_metrics.distinct_adapters
         two = DISTINCT_BOUNDS.index(2)
         assert distinct.counts[two] > 0  # steps did run two adapters at once
         assert sum(distinct.counts[two + 1 :]) == 0  # and never more

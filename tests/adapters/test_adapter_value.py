@@ -47,14 +47,14 @@ def engine_with(clock=None, *, extra: dict[str, str] | None = None, **overrides)
 def set_costs(engine: Engine, *, copy: float, read: float) -> None:
     """Feed the EWMA until it holds these seconds per page (what timed loads would teach it)."""
     for _ in range(200):
-        engine.adapters.costs.observe(Stage.COPY, copy, 1)
-        engine.adapters.costs.observe(Stage.READ, read, 1)
+        engine.debug.adapters.costs.observe(Stage.COPY, copy, 1)
+        engine.debug.adapters.costs.observe(Stage.READ, read, 1)
 
 
 def force_one_eviction(engine: Engine) -> list[str]:
-    before = set(engine.residency.slots.resident())
-    engine.adapters.room_for_kv(engine.pool.num_free + 1, reserve=False)
-    return sorted(before - set(engine.residency.slots.resident()))
+    before = set(engine.debug.residency.slots.resident())
+    engine.debug.adapters.room_for_kv(engine.debug.pool.num_free + 1, reserve=False)
+    return sorted(before - set(engine.debug.residency.slots.resident()))
 
 
 def test_reload_costs_start_from_seeds_and_follow_measurements():
@@ -90,10 +90,10 @@ async def test_equal_rates_evict_the_adapter_cheapest_to_reload():
     try:
         await collect(engine, PROMPT, "initech", SHORT, tenant="a")
         await collect(engine, PROMPT, "globex", SHORT, tenant="b")
-        assert engine.residency.host.keys() == ["globex@1"]
+        assert engine.debug.residency.host.keys() == ["globex@1"]
         set_costs(engine, copy=0.001, read=0.1)
         assert force_one_eviction(engine) == ["globex@1"]
-        assert engine.adapter_metrics.evictions["globex"] == 1
+        assert engine.debug.adapter_metrics.evictions["globex"] == 1
     finally:
         await engine.close()
 
@@ -118,7 +118,7 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
     # 10528 pool pages x 0.008 = 84 pages for pins: acme (37) + globex (6) fit, initech (73) not.
     engine = engine_with(max_loras=8, max_resident_loras=8, max_pinned_fraction=0.008)
     try:
-        assert engine.residency.pins.limit() == 84
+        assert engine.debug.residency.pins.limit() == 84
         assert (await engine.admin.pin("acme")).pinned
         await engine.admin.pin("globex@1")
         assert engine.admin.pins_to_load() == []  # both loaded as they were pinned
@@ -130,7 +130,7 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         message = err.value.message
         assert "asks for 73 pages" in message and "hold 43 pages" in message
         assert "may hold 84 of the pool's 10528" in message and "max_pinned_fraction 0.008" in message
-        assert not engine.residency.get("initech@1").pinned
+        assert not engine.debug.residency.get("initech@1").pinned
         stats = engine.stats()
         assert stats.adapter_pinned_pages == 43
         # what fleet placement reads: pinned and resident pages cannot be evicted; nothing queued
@@ -156,9 +156,11 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
     try:
         info = await engine.admin.pin("acme")
         assert info.tier == "gpu" and info.pinned
-        pinned_slot = engine.residency.get("acme@1").slot
-        assert not engine.adapters.room_for_kv(engine.pool.capacity, reserve=False)  # nothing else to evict: acme stays
-        assert engine.residency.get("acme@1").slot == pinned_slot
+        pinned_slot = engine.debug.residency.get("acme@1").slot
+        assert not engine.debug.adapters.room_for_kv(
+            engine.debug.pool.capacity, reserve=False
+        )  # nothing else to evict: acme stays
+        assert engine.debug.residency.get("acme@1").slot == pinned_slot
         with pytest.raises(ConflictError, match="pinned"):
             await engine.admin.unload("acme")
 
@@ -166,12 +168,12 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
         # waits (a loop of short ones left gaps in which globex was idle and simply evicted).
         long = SamplingParams(max_tokens=300, ignore_eos=True)
         hot_tasks = [asyncio.create_task(collect(engine, PROMPT, "globex", long)) for _ in range(3)]
-        while len(engine.scheduler.running) < 3:
+        while len(engine.debug.step_planner.running) < 3:
             await asyncio.sleep(0.01)
         out, _ = await asyncio.wait_for(collect(engine, PROMPT, "initech", SHORT), 60)
         assert out.finish_reason == "length"
-        assert engine.residency.loads.yields >= 1
-        assert engine.residency.get("acme@1").slot == pinned_slot
+        assert engine.debug.residency.loads.yields >= 1
+        assert engine.debug.residency.get("acme@1").slot == pinned_slot
         await asyncio.gather(*hot_tasks)
     finally:
         await engine.close()
@@ -187,7 +189,7 @@ async def test_pins_survive_a_restart(tmp_path):
 
     engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
-        entry = engine.residency.get("globex@1")
+        entry = engine.debug.residency.get("globex@1")
         assert entry.pinned and not entry.slot  # restored from the registry, loaded on the loop
         assert await engine.admin.restore_pins() == ["globex@1"]
         for _ in range(3000):  # the slot is given before the copy lands: wait for the tier itself
@@ -201,7 +203,7 @@ async def test_pins_survive_a_restart(tmp_path):
 
     engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
-        assert not engine.residency.get("globex@1").pinned
+        assert not engine.debug.residency.get("globex@1").pinned
     finally:
         await engine.close()
 
@@ -243,7 +245,7 @@ class ReadGates:
     loader's read, which every read of files goes through); ``started`` lists the reads begun."""
 
     def __init__(self, engine: Engine) -> None:
-        loader = engine.adapters.loader
+        loader = engine.debug.adapters.loader
         real = loader.read
         self.started: list[str] = []
         self._gates: dict[str, asyncio.Event] = {}
@@ -279,18 +281,20 @@ async def test_a_tenants_request_prefetches_its_other_adapters_after_the_load_ha
     try:
         await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         await collect(engine, PROMPT, "globex", SHORT, tenant="t")
-        assert engine.residency.tier("acme@1") == "disk"
+        assert engine.debug.residency.tier("acme@1") == "disk"
         reads = ReadGates(engine)
         request = asyncio.create_task(collect(engine, PROMPT, "initech", SHORT, tenant="t"))
         await wait_for(lambda: reads.started, "initech's read")
         await asyncio.sleep(0.05)
-        assert reads.started == ["initech@1"] and engine.residency.prefetch.counts["started"] == 0  # waits for the load
+        assert (
+            reads.started == ["initech@1"] and engine.debug.residency.prefetch.counts["started"] == 0
+        )  # waits for the load
         reads.open("initech@1", "acme@1")
         await request
-        await wait_for(lambda: engine.residency.prefetch.counts["done"] == 1, "the prefetch")
+        await wait_for(lambda: engine.debug.residency.prefetch.counts["done"] == 1, "the prefetch")
         assert reads.started == ["initech@1", "acme@1"]
-        assert engine.residency.slots.resident() == ["initech@1"]  # the prefetch took no slot
-        assert engine.residency.tier("acme@1") == "ram"
+        assert engine.debug.residency.slots.resident() == ["initech@1"]  # the prefetch took no slot
+        assert engine.debug.residency.tier("acme@1") == "ram"
         out, _ = await collect(engine, PROMPT, "acme", SHORT, tenant="t")
         assert out.adapter_tier == "ram"
         assert engine.stats().adapter_prefetches_done == 1
@@ -306,10 +310,10 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
         max_loras=8, max_resident_loras=8, io_threads=2, extra={"acme2": "acme", "globex2": "globex", "solo": "acme"}
     )
     try:
-        recent = engine.residency.recent  # t used these four lately (none was loaded: all on disk)
+        recent = engine.debug.residency.recent  # t used these four lately (none was loaded: all on disk)
         for name in others:
-            recent.use("t", name, engine.clock())
-        recent.use("u", "solo@1", engine.clock())
+            recent.use("t", name, engine.debug.clock())
+        recent.use("u", "solo@1", engine.debug.clock())
         reads = ReadGates(engine)
         request = asyncio.create_task(collect(engine, PROMPT, "initech", SHORT, tenant="t"))
         await wait_for(lambda: reads.started, "initech's read")
@@ -317,12 +321,12 @@ async def test_prefetches_run_one_at_a_time_with_two_io_threads():
         await request
         await wait_for(lambda: len(reads.started) == 2, "the first prefetch")
         await asyncio.sleep(0.05)
-        assert len(reads.started) == 2 and len(engine.residency.prefetch.waiting) == 3  # one at a time
+        assert len(reads.started) == 2 and len(engine.debug.residency.prefetch.waiting) == 3  # one at a time
         reads.open(*others)
-        await wait_for(lambda: engine.residency.prefetch.counts["done"] == 4, "four prefetches")
+        await wait_for(lambda: engine.debug.residency.prefetch.counts["done"] == 4, "four prefetches")
         assert sorted(reads.started[1:]) == sorted(others)
-        assert sorted(engine.residency.host.keys()) == sorted((*others, "initech@1"))
-        assert engine.residency.slots.resident() == ["initech@1"]
+        assert sorted(engine.debug.residency.host.keys()) == sorted((*others, "initech@1"))
+        assert engine.debug.residency.slots.resident() == ["initech@1"]
     finally:
         await engine.close()
 
@@ -340,7 +344,7 @@ async def test_pin_routes_describe_the_adapter_and_answer_409_with_the_numbers()
             assert_openai_error(body, 409, "id")
             assert status == 409 and body["error"]["code"] == "pin_limit_exceeded"
             pages = {name: engine.admin.info(name).num_pages for name in ("acme", "globex", "initech")}
-            limit, cap = engine.residency.pins.limit(), engine.pool.capacity
+            limit, cap = engine.debug.residency.pins.limit(), engine.debug.pool.capacity
             assert pages["acme"] + pages["globex"] <= limit < sum(pages.values())  # what this test relies on
             numbers = (
                 f"asks for {pages['initech']} pages; pins hold {pages['acme'] + pages['globex']} pages "

@@ -53,9 +53,9 @@ def set_costs(engine: Engine, *, reload_s: float, block_s: float) -> None:
     """Feed the EWMAs until an adapter page costs ``reload_s`` to reload from host RAM or disk
     alike and a block ``block_s`` to recompute (what timed loads and prefills would teach them)."""
     for _ in range(200):
-        engine.adapters.costs.observe(Stage.COPY, reload_s, 1)
-        engine.adapters.costs.observe(Stage.READ, 0.0, 1)
-        engine.reclaim.recompute.observe(block_s, BS)
+        engine.debug.adapters.costs.observe(Stage.COPY, reload_s, 1)
+        engine.debug.adapters.costs.observe(Stage.READ, 0.0, 1)
+        engine.debug.reclaim.recompute.observe(block_s, BS)
 
 
 def idle_chain(cache: PrefixCache, pool: PagePool, tag: bytes, blocks: int, uses: int) -> list[int]:
@@ -75,10 +75,10 @@ def idle_chain(cache: PrefixCache, pool: PagePool, tag: bytes, blocks: int, uses
 
 def evict_one_page(engine: Engine) -> list[str]:
     """Ask for one page more than is free; what left the pool (adapter names, or ``page N``)."""
-    cached, resident = set(engine.prefix_cache._key), set(engine.residency.slots.resident())
-    assert engine.adapters.room_for_kv(engine.pool.num_free + 1, reserve=False)
-    gone = sorted(resident - set(engine.residency.slots.resident()))
-    return gone + [f"page {p}" for p in sorted(cached - set(engine.prefix_cache._key))]
+    cached, resident = set(engine.debug.prefix_cache._key), set(engine.debug.residency.slots.resident())
+    assert engine.debug.adapters.room_for_kv(engine.debug.pool.num_free + 1, reserve=False)
+    gone = sorted(resident - set(engine.debug.residency.slots.resident()))
+    return gone + [f"page {p}" for p in sorted(cached - set(engine.debug.prefix_cache._key))]
 
 
 async def test_a_hot_prefix_outlives_a_cold_adapter():
@@ -88,9 +88,9 @@ async def test_a_hot_prefix_outlives_a_cold_adapter():
         await collect(engine, PROMPT, "globex", SHORT)
         clock.now += 10 * HIT_HALF_LIFE_S  # globex's one request is old now
         set_costs(engine, reload_s=1.0, block_s=1.0)
-        hot = idle_chain(engine.prefix_cache, engine.pool, b"hot", blocks=3, uses=10)
+        hot = idle_chain(engine.debug.prefix_cache, engine.debug.pool, b"hot", blocks=3, uses=10)
         assert evict_one_page(engine) == ["globex@1"]
-        assert engine.prefix_cache.num_cached == engine.prefix_cache.num_idle == len(hot)
+        assert engine.debug.prefix_cache.num_cached == engine.debug.prefix_cache.num_idle == len(hot)
         assert engine.stats().prefix_cache_evicted_blocks == 0
     finally:
         await engine.close()
@@ -100,13 +100,15 @@ async def test_a_cold_never_hit_block_goes_before_a_warm_adapter():
     clock = FrozenClock()
     engine = engine_with(clock)
     try:
-        cold = idle_chain(engine.prefix_cache, engine.pool, b"cold", blocks=1, uses=1)
+        cold = idle_chain(engine.debug.prefix_cache, engine.debug.pool, b"cold", blocks=1, uses=1)
         clock.now += 10 * HIT_HALF_LIFE_S
         for _ in range(3):
             await collect(engine, PROMPT, "globex", SHORT)
         set_costs(engine, reload_s=1.0, block_s=1.0)
         assert evict_one_page(engine) == [f"page {cold[0]}"]
-        assert engine.residency.slots.resident() == ["globex@1"] and engine.stats().prefix_cache_evicted_blocks == 1
+        assert (
+            engine.debug.residency.slots.resident() == ["globex@1"] and engine.stats().prefix_cache_evicted_blocks == 1
+        )
     finally:
         await engine.close()
 
@@ -121,7 +123,7 @@ async def test_blocks_and_adapters_interleave_by_value_per_page_leaves_first():
         for _ in range(2):
             await collect(engine, PROMPT, "globex", SHORT)
         set_costs(engine, reload_s=1.5, block_s=1.0)
-        cache, pool = engine.prefix_cache, engine.pool
+        cache, pool = engine.debug.prefix_cache, engine.debug.pool
         z = idle_chain(cache, pool, b"z", blocks=1, uses=4)
         x = idle_chain(cache, pool, b"x", blocks=2, uses=1)
         y = idle_chain(cache, pool, b"y", blocks=1, uses=2)
@@ -262,7 +264,7 @@ async def test_outputs_match_caching_off_when_blocks_and_adapters_are_both_evict
         for name in ("acme", "globex"):
             engine.add_adapter(name, demo_adapter_dirs()[name])
         for _ in range(50):  # a slow prefill (2.5 ms per token), so a block outweighs a cold adapter page
-            engine.reclaim.recompute.observe(0.01, BS)
+            engine.debug.reclaim.recompute.observe(0.01, BS)
         outs = []
         for adapter, k in plan:
             clock.now += 2 * HIT_HALF_LIFE_S
@@ -275,10 +277,10 @@ async def test_outputs_match_caching_off_when_blocks_and_adapters_are_both_evict
     try:
         assert got == expected
         stats = engine.stats()
-        assert stats.prefix_cache_evicted_blocks > 0 and sum(engine.adapter_metrics.evictions.values()) > 0
+        assert stats.prefix_cache_evicted_blocks > 0 and sum(engine.debug.adapter_metrics.evictions.values()) > 0
         assert stats.prefix_cache_hit_rate > 0
-        assert engine.reclaim.recompute.measured > 50  # the step loop fed each prefill's timing too
-        cache, pool = engine.prefix_cache, engine.pool
+        assert engine.debug.reclaim.recompute.measured > 50  # the step loop fed each prefill's timing too
+        cache, pool = engine.debug.prefix_cache, engine.debug.pool
         assert pool.used[PageKind.KV] == cache.num_idle == cache.num_cached  # nothing running: all idle
         assert pool.num_free + cache.num_idle + pool.used[PageKind.ADAPTER] == pool.capacity
     finally:

@@ -84,7 +84,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
                 )
                 assert out.finish_reason == "length"
                 for _ in range(2000):  # the prefetches this request started end in its turn
-                    if not engine.residency.loads.loading() and not engine.residency.prefetch.running:
+                    if not engine.debug.residency.loads.loading() and not engine.debug.residency.prefetch.running:
                         break
                     await asyncio.sleep(0.005)
         finally:
@@ -92,7 +92,7 @@ def engine_turns(clock: Clock) -> tuple[list[HistoryEntry], dict[str, int]]:
 
     asyncio.run(run())
     assert engine.stats().adapter_prefetches_failed == 0
-    return list(engine.residency.history), pages
+    return list(engine.debug.residency.history), pages
 
 
 def simulator_turns(pages: dict[str, int], loads: LoadCosts = GPU_7B.loads) -> list[HistoryEntry]:

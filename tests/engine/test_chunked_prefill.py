@@ -31,7 +31,7 @@ def run(base, adapter, **config) -> list:
     engine.add_adapter("a", adapter)
     items = [(p, "a" if i % 2 == 0 else None) for i, p in enumerate(PROMPTS)]
     outs = engine.generate_batch(items, GREEDY)
-    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
+    assert engine.debug.pool_free_pages() + engine.stats().pool_pages_adapters == engine.debug.pool.capacity
     return outs
 
 
@@ -61,11 +61,11 @@ async def test_a_long_prompt_is_chunked_while_other_streams_decode():
 
     steps_per_token: list[int] = []
     short = asyncio.ensure_future(collect(engine, [5, 6, 7], "acme", params))
-    while not engine.scheduler.running or engine.scheduler.running[0].output_ids == []:
+    while not engine.debug.step_planner.running or engine.debug.step_planner.running[0].output_ids == []:
         await asyncio.sleep(0.005)
     long = asyncio.ensure_future(collect(engine, long_prompt, "globex", params))
     while not long.done():
-        running = {r.adapter.partition("@")[0]: r for r in engine.scheduler.running if r.adapter}
+        running = {r.adapter.partition("@")[0]: r for r in engine.debug.step_planner.running if r.adapter}
         if "globex" in running and running["globex"].num_computed < len(long_prompt):
             steps_per_token.append(len(running["acme"].output_ids) if "acme" in running else -1)
         await asyncio.sleep(0)
@@ -73,7 +73,7 @@ async def test_a_long_prompt_is_chunked_while_other_streams_decode():
     assert long_out.token_ids == expected_long.token_ids
     assert short_out.token_ids == expected_short.token_ids
     assert len(set(steps_per_token)) > 1, "the short stream made no progress while the long prompt was prefilled"
-    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
+    assert engine.debug.pool_free_pages() + engine.stats().pool_pages_adapters == engine.debug.pool.capacity
     await engine.close()
 
 
@@ -96,12 +96,12 @@ async def test_chunked_prefill_survives_preemption_and_aborts():
     results = await asyncio.gather(*(collect(engine, p, a, params) for p, a in prompts), broken(*prompts[0]))
     assert [out.token_ids for out, _ in results[:4]] == expected
     for _ in range(100):
-        if not engine.scheduler.requests:
+        if not engine.debug.step_planner.requests:
             break
         await asyncio.sleep(0.01)
-    assert not engine.scheduler.requests and not engine.scheduler.running
-    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
-    assert all(e.running == 0 and e.waiting == 0 for e in engine.residency.adapters.values())
+    assert not engine.debug.step_planner.requests and not engine.debug.step_planner.running
+    assert engine.debug.pool_free_pages() + engine.stats().pool_pages_adapters == engine.debug.pool.capacity
+    assert all(e.running == 0 and e.waiting == 0 for e in engine.debug.residency.adapters.values())
     assert engine.stats().preemptions > 0  # the pool is sized so that it must preempt
     await engine.close()
 

@@ -109,8 +109,8 @@ def _hold_io_threads(engine: Engine) -> threading.Event:
     queued behind them is stuck as behind a slow disk. (A FIFO once stood in for a slow file;
     adapter files must be regular files now, and a FIFO is refused at once.)"""
     release = threading.Event()
-    for _ in range(engine.io_threads):
-        engine._io.submit(release.wait)
+    for _ in range(engine.debug.io_threads):
+        engine.debug.threads.io.submit(release.wait)
     return release
 
 
@@ -163,14 +163,14 @@ async def test_load_from_host_ram_does_not_wait_behind_a_stuck_read(tmp_path):
 
 async def test_abort_frees_pages_within_a_step():
     engine = tiny_engine()
-    start = engine.pool_free_pages()
+    start = engine.debug.pool_free_pages()
     gen = engine.generate(chat(engine), "acme", SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
     await gen.__anext__()
-    assert engine.pool_free_pages() < start
+    assert engine.debug.pool_free_pages() < start
     await gen.aclose()  # the caller went away
     for _ in range(3):
         await asyncio.sleep(0.01)
-    assert engine.pool_free_pages() == start - engine.stats().pool_pages_adapters
+    assert engine.debug.pool_free_pages() == start - engine.stats().pool_pages_adapters
     await engine.close()
 
 
@@ -200,7 +200,7 @@ def test_triton_backend_matches_torch_end_to_end():
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
     want = tiny_engine(kernel_backend="torch").generate_batch(rows, params)
     engine = tiny_engine(kernel_backend="triton")
-    assert engine.ops.name == "triton"
+    assert engine.debug.ops.name == "triton"
     got = engine.generate_batch(rows, params)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids

@@ -14,13 +14,13 @@ from lorapage import SamplingParams
 async def test_close_during_a_step_finishes_running_requests():
     """close() while a forward step is in flight must still end every caller's stream."""
     engine = tiny_engine()
-    execute = engine.runner.execute
+    execute = engine.debug.runner.execute
 
     def slow_execute(plan):
         time.sleep(0.05)
         return execute(plan)
 
-    engine.runner.execute = slow_execute
+    engine.debug.runner.execute = slow_execute
     gen = engine.generate([5, 9, 12, 30], "acme", SamplingParams(max_tokens=200, ignore_eos=True))
     await gen.__anext__()
 
@@ -41,7 +41,7 @@ async def test_close_keeps_the_event_loop_serving_while_the_step_in_flight_finis
     """close() waits for the forward thread's step without blocking the event loop (an HTTP server
     on the same loop keeps answering meanwhile), and a second close() is harmless."""
     engine = tiny_engine()
-    execute = engine.runner.execute
+    execute = engine.debug.runner.execute
     entered, gate = threading.Event(), threading.Event()
 
     def gated_execute(plan):
@@ -49,7 +49,7 @@ async def test_close_keeps_the_event_loop_serving_while_the_step_in_flight_finis
         gate.wait(10)
         return execute(plan)
 
-    engine.runner.execute = gated_execute
+    engine.debug.runner.execute = gated_execute
     outputs = asyncio.ensure_future(
         collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=50, ignore_eos=True))
     )

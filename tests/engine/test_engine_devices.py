@@ -12,6 +12,7 @@ import pytest
 import torch
 from engine_util import tiny_engine
 
+from lorapage.engine.build import MAX_PREFETCHES
 from lorapage.engine.devices import (
     IO_THREAD_NICENESS,
     MAX_IO_THREADS,
@@ -20,7 +21,6 @@ from lorapage.engine.devices import (
     io_thread_count,
     shorten_switch_interval,
 )
-from lorapage.engine.engine import MAX_PREFETCHES
 
 
 def _niceness() -> int:
@@ -32,8 +32,8 @@ async def test_cpu_engine_io_threads_run_below_the_forward_thread():
     engine = tiny_engine()
     try:
         loop = asyncio.get_running_loop()
-        forward = await loop.run_in_executor(engine._forward, _niceness)
-        io = await loop.run_in_executor(engine._io, _niceness)
+        forward = await loop.run_in_executor(engine.debug.threads.forward, _niceness)
+        io = await loop.run_in_executor(engine.debug.threads.io, _niceness)
         assert forward == _niceness()  # the forward keeps the process's priority
         assert io == min(forward + IO_THREAD_NICENESS, 19)  # Linux stops nice values at 19
     finally:
@@ -78,11 +78,13 @@ def test_forward_threads_are_the_configs_else_torchs_within_the_usable_cores(mon
 async def test_a_cpu_engine_starts_the_threads_it_counted():
     engine = tiny_engine(num_threads=1)
     try:
-        assert engine.forward_threads == 1
-        assert await asyncio.get_running_loop().run_in_executor(engine._forward, torch.get_num_threads) == 1
-        assert engine.io_threads == io_thread_count(None, torch.device("cpu"), 1)
-        assert engine._io._max_workers == engine.io_threads
-        assert engine.residency.limits.max_prefetches == min(MAX_PREFETCHES, engine.io_threads - 1)
+        assert engine.debug.forward_threads == 1
+        assert (
+            await asyncio.get_running_loop().run_in_executor(engine.debug.threads.forward, torch.get_num_threads) == 1
+        )
+        assert engine.debug.io_threads == io_thread_count(None, torch.device("cpu"), 1)
+        assert engine.debug.threads.io._max_workers == engine.debug.io_threads
+        assert engine.debug.residency.limits.max_prefetches == min(MAX_PREFETCHES, engine.debug.io_threads - 1)
     finally:
         await engine.close()
 

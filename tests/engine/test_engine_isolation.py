@@ -74,8 +74,8 @@ async def test_a_row_that_cannot_be_sampled_fails_alone(tmp_path):
     with pytest.raises(SamplingError, match="could not be sampled"):
         await collect(engine, prompt, "overflow", seeded)
     assert_same_answers(answers(await others), clean)
-    assert engine.pool_free_pages() + engine.stats().pool_pages_adapters == engine.pool.capacity
-    assert not engine.scheduler.requests and engine.residency.get("overflow@1").running == 0
+    assert engine.debug.pool_free_pages() + engine.stats().pool_pages_adapters == engine.debug.pool.capacity
+    assert not engine.debug.step_planner.requests and engine.debug.residency.get("overflow@1").running == 0
     await engine.close()
 
 
@@ -86,8 +86,8 @@ async def test_a_slow_reader_holds_one_pending_output():
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     stream = engine.generate(chat(engine), "acme", params)
     first = await stream.__anext__()  # submitted and running
-    req = next(iter(engine.scheduler.requests.values()))
-    while engine.scheduler.requests:  # finishes with nobody reading
+    req = next(iter(engine.debug.step_planner.requests.values()))
+    while engine.debug.step_planner.requests:  # finishes with nobody reading
         await asyncio.sleep(0.01)
     assert req.outputs.pending()
     last = await stream.__anext__()

@@ -24,9 +24,9 @@ async def test_n_branches_cost_one_prefill(prompt_len):
     engine = tiny_engine(block_size=4)
     try:
         prompt = [(11 * i) % 200 + 3 for i in range(prompt_len)]
-        before = engine.scheduler.prompt_tokens_computed
+        before = engine.debug.step_planner.prompt_tokens_computed
         outs = await run(engine, prompt, "acme", SamplingParams(n=4, max_tokens=6, temperature=2.0, seed=3))
-        computed = engine.scheduler.prompt_tokens_computed - before
+        computed = engine.debug.step_planner.prompt_tokens_computed - before
         assert [o.index for o in outs] == [0, 1, 2, 3] and all(len(o.token_ids) == 6 for o in outs)
         # The first branch computes the prompt; each other one only the tokens after its last full
         # block (at least one token, for its own logits).
@@ -36,7 +36,7 @@ async def test_n_branches_cost_one_prefill(prompt_len):
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # reproducible per branch
         greedy = await run(engine, prompt, "globex", SamplingParams(n=3, max_tokens=6, temperature=0))
         assert len({tuple(o.token_ids) for o in greedy}) == 1
-        assert not engine.scheduler.requests  # every branch finished and left
+        assert not engine.debug.step_planner.requests  # every branch finished and left
     finally:
         await engine.close()
 
@@ -52,9 +52,9 @@ async def test_stopping_early_aborts_every_branch():
                 break
         await gen.aclose()
         for _ in range(100):  # aborted branches leave within a step or two
-            if not engine.scheduler.requests:
+            if not engine.debug.step_planner.requests:
                 break
             await asyncio.sleep(0.02)
-        assert not engine.scheduler.requests
+        assert not engine.debug.step_planner.requests
     finally:
         await engine.close()

@@ -118,15 +118,15 @@ async def test_random_mixed_load_leaves_consistent_books(scheduler):
     # timing, so it is not asserted (tests/engine/test_engine.py and test_adapter_residency.py force each).
     # The books: nothing in flight, every KV page back, no request running on an adapter, none yielding.
     await asyncio.sleep(0.05)
-    state = engine.scheduler
-    assert not state.requests and not state.running and engine.policy.num_waiting() == 0
-    assert engine.residency.loads.loading() == []
-    for entry in engine.residency.adapters.values():
+    state = engine.debug.step_planner
+    assert not state.requests and not state.running and engine.debug.policy.num_waiting() == 0
+    assert engine.debug.residency.loads.loading() == []
+    for entry in engine.debug.residency.adapters.values():
         assert (entry.running, entry.waiting, entry.yielding) == (0, 0, False), entry.key
     # KV pages left are cached blocks nobody holds (refcounts all back to zero), nothing else.
-    pool, cache = engine.pool, engine.prefix_cache
+    pool, cache = engine.debug.pool, engine.debug.prefix_cache
     assert pool.used[PageKind.KV] == cache.num_idle == cache.num_cached
-    resident = sum(e.pages for e in engine.residency.adapters.values() if e.slot)
+    resident = sum(e.pages for e in engine.debug.residency.adapters.values() if e.slot)
     assert pool.used[PageKind.ADAPTER] == resident and pool.num_free == pool.capacity - resident - cache.num_idle
     # And it still serves each adapter correctly.
     for adapter in ADAPTERS:

@@ -46,21 +46,23 @@ async def test_a_hot_adapter_ends_up_resident_and_a_warm_one_in_host_ram_after_a
 
     engine = Engine(config)  # the versions and their traffic come back from the registry
     try:
-        assert engine.residency.slots.resident() == [] and engine.residency.host.keys() == []
+        assert engine.debug.residency.slots.resident() == [] and engine.debug.residency.host.keys() == []
         assert await engine.admin.refresh_tiers() == {"acme@1": "hot", "globex@1": "warm"}
-        await until(lambda: engine.residency.is_resident("acme@1") and "globex@1" in engine.residency.host.keys())
-        assert engine.residency.pins.hot() == ["acme@1"] and engine.residency.pins.pinned() == []
-        assert engine.residency.slots.resident() == ["acme@1"]  # globex only in host RAM; initech cold, on disk
-        assert engine.residency.tier("globex@1") == "ram" and engine.residency.tier("initech@1") == "disk"
+        await until(
+            lambda: engine.debug.residency.is_resident("acme@1") and "globex@1" in engine.debug.residency.host.keys()
+        )
+        assert engine.debug.residency.pins.hot() == ["acme@1"] and engine.debug.residency.pins.pinned() == []
+        assert engine.debug.residency.slots.resident() == ["acme@1"]  # globex only in host RAM; initech cold, on disk
+        assert engine.debug.residency.tier("globex@1") == "ram" and engine.debug.residency.tier("initech@1") == "disk"
         info = engine.admin.info("acme")
         assert (info.traffic_tier, info.kept_hot, info.status, info.pinned) == ("hot", True, "resident", False)
         assert engine.admin.info("initech").traffic_tier == "cold"
         # Kept resident: an admin's unload still wins (and it is hot no more until the next look).
         assert await engine.admin.unload("acme")
-        assert engine.residency.pins.hot() == []
+        assert engine.debug.residency.pins.hot() == []
         assert engine.stats().adapters_kept_hot == 0
         await engine.admin.refresh_tiers()
-        await until(lambda: engine.residency.is_resident("acme@1"))
+        await until(lambda: engine.debug.residency.is_resident("acme@1"))
         rows = await engine.admin.traffic("acme")
         assert [(r.key, r.requests, r.output_tokens) for r in rows] == [("acme@1", 4, 12)]
     finally:
@@ -75,14 +77,14 @@ async def test_the_engine_writes_the_table_and_judges_the_tiers_every_interval_o
             engine.add_adapter(name, path)
         for _ in range(3):
             await collect(engine, "Hello", "initech", SamplingParams(max_tokens=2, temperature=0))
-        await until(lambda: engine.tiers.tier("initech@1").value == "hot")
-        await until(lambda: engine.residency.pins.hot() == ["initech@1"])
+        await until(lambda: engine.debug.tiers.tier("initech@1").value == "hot")
+        await until(lambda: engine.debug.residency.pins.hot() == ["initech@1"])
         for _ in range(3000):  # the last step's tokens go out with the next write
             stored = await asyncio.to_thread(engine.admin.registry.traffic, 0)
             if [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]:
                 break
             await asyncio.sleep(0.02)
         assert [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]
-        assert engine.usage.traffic == {}  # written: nothing waits in the ledger
+        assert engine.debug.usage.traffic == {}  # written: nothing waits in the ledger
     finally:
         await engine.close()

@@ -260,9 +260,11 @@ async def test_a_merge_never_reuses_blocks_the_base_cached_before_it():
         await engine.run_to_end(prompt, None, greedy)
         unmerged = await engine.run_to_end(prompt, "acme", greedy)
         await engine.merge_into_base("acme")
-        hits = sum(engine.scheduler.prefix_hit_tokens.values())
+        hits = sum(engine.debug.step_planner.prefix_hit_tokens.values())
         merged = await engine.run_to_end(prompt, "acme", greedy)
-        assert sum(engine.scheduler.prefix_hit_tokens.values()) == hits and merged.token_ids == unmerged.token_ids
+        assert (
+            sum(engine.debug.step_planner.prefix_hit_tokens.values()) == hits and merged.token_ids == unmerged.token_ids
+        )
         assert merged.logprobs is not None and unmerged.logprobs is not None
         assert max(abs(a.logprob - b.logprob) for a, b in zip(merged.logprobs, unmerged.logprobs)) < 1e-3
     finally:

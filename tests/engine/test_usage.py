@@ -35,15 +35,15 @@ async def test_the_parts_add_up_to_the_engine_totals():
     parts = Usage()
     for _, usage in rows:
         parts.add(usage)
-    totals = engine.usage.totals
+    totals = engine.debug.usage.totals
     for name in USAGE_FIELDS:
         assert math.isclose(getattr(parts, name), getattr(totals, name), rel_tol=0.01), name
     # The totals, counted apart by the engine.
     assert parts.requests == len(trace)
-    assert math.isclose(parts.device_s, engine.step_loop.busy_s, rel_tol=0.01)
-    assert parts.prompt_tokens == engine.scheduler.prompt_tokens_computed
+    assert math.isclose(parts.device_s, engine.debug.step_loop.busy_s, rel_tol=0.01)
+    assert parts.prompt_tokens == engine.debug.step_planner.prompt_tokens_computed
     assert parts.output_tokens == sum(r.output_tokens for r in result.records)
-    loads = engine.adapter_metrics.loads
+    loads = engine.debug.adapter_metrics.loads
     assert sum(loads.values()) >= 3 and parts.load_bytes > 0 and parts.adapter_page_s > 0
     by_tenant = {key[1] for key, _ in rows}
     assert {"t0", "t1", "t2"} <= by_tenant and "" in by_tenant  # adapter costs under no tenant

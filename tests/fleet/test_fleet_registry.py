@@ -116,7 +116,7 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
     fleet.set_pinned("newco@2", True)
     reply2 = fleet.changes_since(reply.epoch, reply.generation, {})
     apply(mirror, reply2)
-    assert mirror.admin.resolve("newco") == "newco@2" and mirror.residency.get("newco@2").pinned
+    assert mirror.admin.resolve("newco") == "newco@2" and mirror.debug.residency.get("newco@2").pinned
 
     async def drop_while_running() -> tuple[list[str], list[str]]:
         # A version the registry dropped stays while a request runs on it, and goes after.

@@ -21,7 +21,7 @@ def test_buckets_cover_every_batch_size_largest_first():
 
 
 def test_cpu_engine_captures_nothing():
-    assert tiny_engine(device="cpu").runner.graphs is None
+    assert tiny_engine(device="cpu").debug.runner.graphs is None
 
 
 @pytest.mark.gpu
@@ -29,8 +29,8 @@ def test_graph_replay_matches_eager_across_adapter_swaps():
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True)
     graphs = tiny_engine(device="cuda", kernel_backend="triton", max_num_seqs=16)
     eager = tiny_engine(device="cuda", kernel_backend="triton", max_num_seqs=16, enforce_eager=True)
-    assert graphs.runner.graphs is not None and eager.runner.graphs is None
-    captured = set(graphs.runner.graphs.graphs)
+    assert graphs.debug.runner.graphs is not None and eager.debug.runner.graphs is None
+    captured = set(graphs.debug.runner.graphs.graphs)
     assert captured == set(batch_buckets(16))  # one graph per bucket, whatever the adapters
     for engine in (graphs, eager):
         engine.generate_batch(ROWS, params)
@@ -54,4 +54,4 @@ def test_graph_replay_matches_eager_across_adapter_swaps():
     want = eager.generate_batch(ROWS, params)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
-    assert set(graphs.runner.graphs.graphs) == captured
+    assert set(graphs.debug.runner.graphs.graphs) == captured

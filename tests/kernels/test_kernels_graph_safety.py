@@ -61,7 +61,7 @@ class Recording:
 
 def static_buffers(engine) -> dict[int, str]:
     """Storage address -> name of every buffer a captured graph may read or write."""
-    r, t = engine.runner.buffers, engine.tables
+    r, t = engine.debug.runner.buffers, engine.debug.tables
     named = dict(
         input_ids=r.input_ids,
         positions=r.positions,
@@ -70,7 +70,7 @@ def static_buffers(engine) -> dict[int, str]:
         block_tables=r.block_tables,
         context_lens=r.context_lens,
         lora_h=r.lora_h,
-        pool=engine.pool.storage,
+        pool=engine.debug.pool.storage,
         page_table=t.page_table,
         a_offset=t.a_offset,
         a_rows=t.a_rows,
@@ -84,7 +84,7 @@ def static_buffers(engine) -> dict[int, str]:
 
 def write_rows(engine, slots: list[int], positions: list[int], kv_pages: list[int], tokens: list[int]) -> None:
     """Decode rows into the runner's static buffers, as ``ModelRunner`` writes them before a replay."""
-    r, bs = engine.runner.buffers, engine.config.block_size
+    r, bs = engine.debug.runner.buffers, engine.config.block_size
     per_row = len(kv_pages) // ROWS
     for i, (slot, pos, token) in enumerate(zip(slots, positions, tokens)):
         pages = kv_pages[i * per_row : (i + 1) * per_row]
@@ -118,11 +118,11 @@ async def _check_launches() -> None:
     try:
         await engine.admin.load("acme")
         await engine.admin.load("globex")
-        slot = {n: engine.residency.get(f"{n}@1").slot for n in ("acme", "globex")}
-        acme_before = (slot["acme"], list(engine.residency.get("acme@1").page_ids))
-        kv = engine.pool.allocate(2 * ROWS, PageKind.KV)
+        slot = {n: engine.debug.residency.get(f"{n}@1").slot for n in ("acme", "globex")}
+        acme_before = (slot["acme"], list(engine.debug.residency.get("acme@1").page_ids))
+        kv = engine.debug.pool.allocate(2 * ROWS, PageKind.KV)
         write_rows(engine, [slot["acme"], slot["globex"], 0, slot["acme"]], [3, 5, 0, 6], kv, [11, 12, 13, 14])
-        first_hidden = decode_forward(engine.runner.ctx, ROWS).clone()
+        first_hidden = decode_forward(engine.debug.runner.ctx, ROWS).clone()
         first, log[:] = list(log), []
 
         # Other adapters, in other slots and pages; other rows, positions and KV pages.
@@ -130,11 +130,11 @@ async def _check_launches() -> None:
         await engine.admin.unload("globex")
         await engine.admin.load("initech")
         await engine.admin.load("acme")
-        moved = {n: engine.residency.get(f"{n}@1").slot for n in ("initech", "acme")}
-        assert (moved["acme"], engine.residency.get("acme@1").page_ids) != acme_before, "acme did not move"
-        kv2 = engine.pool.allocate(2 * ROWS, PageKind.KV)
+        moved = {n: engine.debug.residency.get(f"{n}@1").slot for n in ("initech", "acme")}
+        assert (moved["acme"], engine.debug.residency.get("acme@1").page_ids) != acme_before, "acme did not move"
+        kv2 = engine.debug.pool.allocate(2 * ROWS, PageKind.KV)
         write_rows(engine, [moved["initech"], 0, moved["acme"], moved["acme"]], [7, 2, 4, 1], kv2, [21, 22, 23, 24])
-        second_hidden = decode_forward(engine.runner.ctx, ROWS)
+        second_hidden = decode_forward(engine.debug.runner.ctx, ROWS)
         second = list(log)
     finally:
         for (module, name), fn in originals.items():
@@ -176,8 +176,8 @@ def test_replayed_decode_steps_match_eager_across_adapter_swaps():
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True)
     eager = tiny_engine(kernel_backend="triton", max_num_seqs=4, enforce_eager=True)
     replayed = tiny_engine(kernel_backend="triton", max_num_seqs=4, enforce_eager=True)
-    replayed.runner.capture_decode_graphs(4, capture=rerun_capture)
-    assert sorted(replayed.runner.graphs.graphs) == [1, 2, 4]
+    replayed.debug.runner.capture_decode_graphs(4, capture=rerun_capture)
+    assert sorted(replayed.debug.runner.graphs.graphs) == [1, 2, 4]
 
     async def swap(engine) -> None:
         for name in ("acme", "globex", "initech"):

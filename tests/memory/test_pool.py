@@ -55,7 +55,7 @@ def test_adapter_pages_in_a_narrower_dtype_are_the_pools_own_memory():
 def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora_dtype):
     wide, narrow = pool_engine(), pool_engine(lora_dtype=lora_dtype)
     # An auto-sized pool holds max_loras of the largest adapters beside the KV (no max_resident_loras): fewer pages now.
-    assert narrow.pool.num_pages < wide.pool.num_pages
+    assert narrow.debug.pool.num_pages < wide.debug.pool.num_pages
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
     prompts = [[5, 9, 11, 40], [7, 3, 200, 17, 4, 90]]
     outs = []
@@ -65,7 +65,7 @@ def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora
     pages = [e.admin.info("r64").num_pages for e in (wide, narrow)]
     assert pages[1] in (pages[0] // 2, pages[0] // 2 + 1)  # half, rounded up
     assert [e.stats().pool_pages_adapters for e in (wide, narrow)] == pages
-    host = [e.adapters._host["r64@1"] for e in (wide, narrow)]
+    host = [e.debug.adapters._host["r64@1"] for e in (wide, narrow)]
     assert host[1].dtype == getattr(torch, lora_dtype)
     assert host[1].nbytes * 2 == pytest.approx(host[0].nbytes, rel=0.05)
     for g, w in zip(outs[1], outs[0]):  # rounding each weight to 16 bits moves a logprob by far less than 0.05
@@ -75,13 +75,13 @@ def test_16_bit_adapters_take_half_the_pages_and_host_memory(rank_adapters, lora
 async def test_loading_shrinks_kv_capacity_and_evicting_restores_it(rank_adapters):
     engine = pool_engine()
     engine.add_adapter("r64", rank_adapters[64])
-    free0 = engine.pool_free_pages()
+    free0 = engine.debug.pool_free_pages()
     await engine.admin.load("r64")
     pages = engine.admin.info("r64").num_pages
-    assert engine.pool_free_pages() == free0 - pages
+    assert engine.debug.pool_free_pages() == free0 - pages
     assert engine.stats().pool_pages_adapters == pages
     assert await engine.admin.unload("r64")
-    assert engine.pool_free_pages() == free0
+    assert engine.debug.pool_free_pages() == free0
     await engine.close()
 
 
@@ -133,11 +133,11 @@ def test_fragmented_pool_gives_the_same_outputs(rank_adapters):
     frag = pool_engine()
     frag.add_adapter("r8", rank_adapters[8])
     # Take every other page so adapters and KV blocks land on scattered pages.
-    pool = frag.pool
+    pool = frag.debug.pool
     taken = pool.allocate(pool.num_free, PageKind.KV)
     pool.free(taken[::2], PageKind.KV)
     got = frag.generate_batch([(p, a) for p, a in zip(prompts, ["r8", "acme", "initech"])], params)
-    pages = frag.residency.get("r8@1").page_ids
+    pages = frag.debug.residency.get("r8@1").page_ids
     assert pages[-1] - pages[0] != len(pages) - 1, "the adapter should be scattered"
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
@@ -177,7 +177,7 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
     engine = pool_engine(num_pages=400, max_loras=3, max_resident_loras=3, max_model_len=256)
     engine.add_adapter("r8", rank_adapters[8])
     engine.add_adapter("r64", rank_adapters[64])
-    start = engine.pool_free_pages()
+    start = engine.debug.pool_free_pages()
     names = [None, "acme", "globex", "initech", "r8", "r64"]
     tasks, ids = [], []
     for i in range(120):
@@ -196,12 +196,12 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
             engine.abort(rng.choice(ids))
         if rng.random() < 0.1:
             for n in engine.stats().resident_adapters:
-                if engine.residency.get(n).running == 0:
+                if engine.debug.residency.get(n).running == 0:
                     await engine.admin.unload(n)
     await asyncio.gather(*tasks)
     for n in list(engine.stats().resident_adapters):
         await engine.admin.unload(n)
-    assert engine.pool_free_pages() == start
+    assert engine.debug.pool_free_pages() == start
     assert engine.stats().running == 0 and engine.stats().queue_depth == 0
     await engine.close()
 

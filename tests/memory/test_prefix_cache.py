@@ -101,7 +101,7 @@ def test_cached_prefixes_give_the_uncached_answers_and_the_reference(checkpoint)
             assert stats.pool_pages_kv == 0  # nothing held: the cached blocks are idle
         else:
             assert stats.prefix_cache_hit_rate == 0 and stats.pool_pages_cached == 0
-        assert engine.pool_free_pages() + stats.pool_pages_adapters == engine.pool.capacity
+        assert engine.debug.pool_free_pages() + stats.pool_pages_adapters == engine.debug.pool.capacity
     for off, on in zip(answers[False], answers[True]):
         assert off.token_ids == on.token_ids
         assert [x.logprob for x in on.logprobs] == pytest.approx([x.logprob for x in off.logprobs], abs=1e-5)
@@ -119,7 +119,7 @@ async def test_no_block_is_shared_across_adapters_registrations_or_the_base(chec
     prompt = SYSTEM + [7, 8, 9]
     params = SamplingParams(max_tokens=3, temperature=0.0)
     await collect(engine, prompt, "one", params)
-    hits = engine.scheduler.prefix_hit_tokens
+    hits = engine.debug.step_planner.prefix_hit_tokens
 
     async def hit_tokens(adapter) -> int:
         before = sum(hits.values())
@@ -145,7 +145,7 @@ async def test_no_block_is_shared_across_tenants_outside_one_prefix_group(checkp
     engine.add_adapter("one", one)
     prompt = SYSTEM + [7, 8, 9]
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    hits = engine.scheduler.prefix_hit_tokens
+    hits = engine.debug.step_planner.prefix_hit_tokens
 
     async def hit_tokens(adapter, tenant=None, group=None) -> int:
         name = tenant or DEFAULT_TENANT
@@ -182,11 +182,13 @@ async def test_cached_blocks_are_given_back_under_pressure_and_recomputed():
     for _ in range(2):
         got = [(await collect(engine, p, "acme", params))[0].token_ids for p in prompts]
         assert got == expected
-    cache = engine.prefix_cache
-    room = engine.pool.capacity - engine.stats().pool_pages_adapters
+    cache = engine.debug.prefix_cache
+    room = engine.debug.pool.capacity - engine.stats().pool_pages_adapters
     assert room < 6 * 12  # the six prompts' 72 blocks cannot all stay cached: some were given back
     assert 0 < cache.num_cached <= room and cache.num_idle == cache.num_cached
-    assert engine.pool.num_free + cache.num_idle + engine.stats().pool_pages_adapters == engine.pool.capacity
+    assert (
+        engine.debug.pool.num_free + cache.num_idle + engine.stats().pool_pages_adapters == engine.debug.pool.capacity
+    )
     await engine.close()
 
 
@@ -194,5 +196,5 @@ async def test_prefix_caching_can_be_turned_off():
     engine = tiny_engine(enable_prefix_caching=False)
     for _ in range(2):
         await collect(engine, SYSTEM + [9], "globex", GREEDY)
-    assert engine.prefix_cache.num_cached == 0 and engine.stats().prefix_cache_hit_rate == 0
+    assert engine.debug.prefix_cache.num_cached == 0 and engine.stats().prefix_cache_hit_rate == 0
     await engine.close()

@@ -24,12 +24,12 @@ async def _settle(engine, server_state, free_before: int, timeout: float = 20.0)
             not server_state.request_ids
             and stats.running == 0
             and stats.queue_depth == 0
-            and engine.pool_free_pages() == free_before
+            and engine.debug.pool_free_pages() == free_before
         ):
             return
         await asyncio.sleep(0.02)
     raise AssertionError(
-        f"pool did not settle: free {engine.pool_free_pages()} (was {free_before}), stats {engine.stats()}, "
+        f"pool did not settle: free {engine.debug.pool_free_pages()} (was {free_before}), stats {engine.stats()}, "
         f"server requests {len(server_state.request_ids)}"
     )
 
@@ -42,8 +42,8 @@ async def test_two_hundred_streams_cut_mid_generation_free_their_pages():
             # Warm every adapter into the pool first: their pages are not the requests' to free.
             for model in MODELS:
                 assert (await srv.post("/v1/completions", {"model": model, "prompt": "x", "max_tokens": 1}))[0] == 200
-            await _settle(engine, state, engine.pool_free_pages())
-            free_before = engine.pool_free_pages()
+            await _settle(engine, state, engine.debug.pool_free_pages())
+            free_before = engine.debug.pool_free_pages()
             cut_after_first_token = 0
 
             async def cut(i: int) -> None:

@@ -203,7 +203,7 @@ async def test_a_tenant_without_max_concurrency_cannot_fill_the_queue_for_the_ot
     async with serving(max_queue_len=8, max_num_seqs=1) as srv:
         flood = [asyncio.create_task(post(srv, COMP, {**LONG, "seed": i}, "hog")) for i in range(10)]
         # The whole flood is in first: each of its requests answered, or held by the engine.
-        while sum(t.done() for t in flood) + len(srv.engine.scheduler.requests) < len(flood):
+        while sum(t.done() for t in flood) + len(srv.engine.debug.step_planner.requests) < len(flood):
             await asyncio.sleep(0.005)
         victim = await asyncio.gather(
             *(post(srv, COMP, {"model": m, "prompt": "Hello there", "max_tokens": 48, "temperature": 0}, "victim")
@@ -222,7 +222,7 @@ async def test_a_tenant_without_max_concurrency_cannot_fill_the_queue_for_the_ot
 
 async def test_the_model_list_is_indexed_cached_per_tenant_and_counted_against_the_rate(monkeypatch):
     async with serving() as srv:
-        catalog = srv.engine.catalog
+        catalog = srv.engine.debug.catalog
         scans = []
         real = catalog.versions
         monkeypatch.setattr(catalog, "versions", lambda *a: scans.append(a) or real(*a))
@@ -319,7 +319,7 @@ async def test_cutting_requests_after_their_prefill_started_spends_the_tenants_t
         for n in range(6):
             task = asyncio.create_task(post(srv, COMP, body(n), "metered"))
             while True:
-                running = [r for r in engine.scheduler.requests.values() if r.tenant == "metered"]
+                running = [r for r in engine.debug.step_planner.requests.values() if r.tenant == "metered"]
                 if task.done() or (running and running[0].num_computed >= 300):
                     break
                 await asyncio.sleep(0)

@@ -294,7 +294,7 @@ async def test_an_adapter_that_overflows_fails_only_its_own_requests(srv, clean)
     for err in errors:
         assert err["code"] == "sampling_failed" and "could not be sampled" in err["message"], err
     # Failed requests let go of the adapter: it is idle, and can be deleted at once.
-    await until(lambda: srv.engine.residency.get("overflow@1").running == 0)
+    await until(lambda: srv.engine.debug.residency.get("overflow@1").running == 0)
     assert await srv.delete("overflow") == 200
 
 
@@ -336,7 +336,7 @@ async def test_backtracking_pattern_keys_are_accepted_and_matched_in_linear_time
 
     status, body = await under_load(srv, clean, hostile)
     assert status == 200 and body["choices"][0]["text"], body
-    spec = srv.engine.adapters.get("patterned@1").spec
+    spec = srv.engine.debug.adapters.get("patterned@1").spec
     rank = spec.ranks[(0, "q_proj")]
     assert spec.scales[(0, "q_proj")] == 2 * alpha / rank  # the last key matched q_proj
     assert spec.scales[(0, "v_proj")] == alpha / rank  # nothing matched v_proj: the default alpha
@@ -446,7 +446,7 @@ async def test_a_slow_reader_gets_its_whole_text_and_holds_up_nobody(srv, clean)
 
     async def engine_finishes(request_id: str) -> None:
         # The engine runs the request to its end while its reader reads nothing.
-        await until(lambda: request_id not in srv.engine.scheduler.requests)
+        await until(lambda: request_id not in srv.engine.debug.step_planner.requests)
 
     async def hostile():
         return await asyncio.gather(*(_slow_read(srv, SLOW, engine_finishes) for _ in range(3)))
@@ -467,13 +467,13 @@ async def test_clients_that_hang_up_mid_stream_free_their_requests(srv, clean):
         assert resp.status == 200
         ids.append(resp.headers["x-request-id"])
         await resp.content.readline()  # the first event: generation has started
-        cut_while_running += ids[-1] in srv.engine.scheduler.requests
+        cut_while_running += ids[-1] in srv.engine.debug.step_planner.requests
         resp.close()  # drop the connection without reading the rest
 
     async def hostile():
         await asyncio.gather(*(hang_up(i) for i in range(8)))
         # Each hang-up aborts its request: the server and the engine let go of all of them.
-        await until(lambda: not set(ids) & (state.request_ids | set(srv.engine.scheduler.requests)))
+        await until(lambda: not set(ids) & (state.request_ids | set(srv.engine.debug.step_planner.requests)))
 
     await under_load(srv, clean, hostile)
     assert len(ids) == 8 and cut_while_running >= 1
@@ -506,7 +506,7 @@ async def test_another_tenants_adapter_looks_like_one_that_does_not_exist(srv, c
 
 async def test_afterwards_no_kv_page_is_held_and_no_answer_was_a_5xx(srv, clean):
     state = srv.app[STATE]
-    await until(lambda: not state.request_ids and not srv.engine.scheduler.requests)
+    await until(lambda: not state.request_ids and not srv.engine.debug.step_planner.requests)
     async with srv.session.get(srv.url + "/internal/state", headers=key("admin")) as resp:
         engine = (await resp.json())["engine"]
     assert engine["pool_pages_kv"] == 0 and engine["running"] == 0 and engine["queue_depth"] == 0, engine

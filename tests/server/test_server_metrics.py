@@ -170,7 +170,7 @@ async def test_adapter_series_are_bounded_by_the_top_k():
         for model in ("acme", "globex", "initech"):
             async for out in engine.generate("hello", model, SamplingParams(max_tokens=2), tenant="alpha"):
                 pass
-        text = ServerMetrics(engine.stats, adapters=engine.adapter_metrics).render().decode()
+        text = ServerMetrics(engine.stats, adapters=engine.debug.adapter_metrics).render().decode()
     finally:
         await engine.close()
     cold = {("acme", "disk"): 1, ("globex", "disk"): 1, ("other", "disk"): 1}

@@ -61,7 +61,7 @@ async def test_a_tenant_gets_no_prefix_hit_on_another_tenants_prompt_unless_grou
     """The attack: b sends a prompt, then a1 sends its guess of it; a hit would answer a1's first
     token ~100x sooner (78 ms against 7.9 s) and tell a1 that b sent it. Asserted on the engine's
     per-tenant hit counts, not on time."""
-    hits = srv.engine.scheduler.prefix_hit_tokens
+    hits = srv.engine.debug.step_planner.prefix_hit_tokens
     block = srv.engine.config.block_size
 
     async def hit_tokens(tenant: str, model: str, prompt: list[int]) -> int:

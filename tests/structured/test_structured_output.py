@@ -167,7 +167,7 @@ async def test_a_broken_spec_is_refused_before_the_request_queues(spec, words):
         with pytest.raises(InvalidRequestError, match=words) as err:
             await collect(engine, "hi", "acme", SamplingParams(max_tokens=8, structured=spec))
         assert err.value.param == "response_format"
-        assert engine.stats().queue_depth == 0 and not engine.scheduler.requests
+        assert engine.stats().queue_depth == 0 and not engine.debug.step_planner.requests
         out, _ = await collect(engine, "Hello", "acme", SamplingParams(max_tokens=40, temperature=0))
         assert out.text.startswith("ACME")  # the engine serves on
     finally:
@@ -211,9 +211,9 @@ async def test_a_compiled_spec_is_cached_and_each_request_has_its_own_state():
     engine = tiny_engine()
     try:
         spec = StructuredSpec.of_choices(["alpha", "beta"])
-        first = await engine.grammars.constraint(spec)
-        second = await engine.grammars.constraint(spec)
-        assert first.matcher is not second.matcher and len(engine.grammars._grammars) == 1
+        first = await engine.debug.grammars.constraint(spec)
+        second = await engine.debug.grammars.constraint(spec)
+        assert first.matcher is not second.matcher and len(engine.debug.grammars._grammars) == 1
         first.consume(first_token := engine.tokenizer.encode("a", add_special_tokens=False)[0])
         assert second.error is None and first.error is None and first_token >= 0
         second.consume(engine.tokenizer.encode("z", add_special_tokens=False)[0])  # starts neither choice

@@ -1,4 +1,4 @@
-"""The step scheduler's admissions: refused when they can never fit, undone cleanly when the policy or
+"""The step planner's admissions: refused when they can never fit, undone cleanly when the policy or
 the adapter cache fails mid-step, and as many distinct adapters as lanes admitted in one step."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ async def test_adapter_that_cannot_fit_beside_one_full_sequence_is_refused_at_re
     blocks = -(-engine.max_model_len // 4)
     for part in (f"needs {pages} pages", f"{blocks} pages for one full-length sequence", "max_lora_rank 64"):
         assert part in msg, msg
-    assert f"the pool has {engine.pool.capacity} pages" in msg
+    assert f"the pool has {engine.debug.pool.capacity} pages" in msg
     assert engine.admin.served() == []  # nothing half-registered
     await engine.close()
     fits = Engine(EngineConfig(**base, max_model_len=12))  # 3 blocks of 4 beside the adapter
@@ -44,21 +44,21 @@ async def test_policy_failing_mid_schedule_leaks_nothing():
     and their pages and adapter pins come back, so the engine serves the next request normally."""
     engine = tiny_engine()
     await engine.admin.load("acme")
-    free = engine.pool_free_pages()
-    schedule = engine.policy.schedule
+    free = engine.debug.pool_free_pages()
+    schedule = engine.debug.policy.schedule
 
     def failing_schedule(now, ctx):
         if schedule(now, ctx):
-            engine.policy.schedule = schedule
+            engine.debug.policy.schedule = schedule
             raise RuntimeError("policy bug")
         return []
 
-    engine.policy.schedule = failing_schedule
+    engine.debug.policy.schedule = failing_schedule
     with pytest.raises(EngineStepError, match="policy bug"):
         await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
-    entry = engine.residency.get("acme@1")
+    entry = engine.debug.residency.get("acme@1")
     assert (entry.running, entry.waiting) == (0, 0)
-    assert engine.pool_free_pages() == free
+    assert engine.debug.pool_free_pages() == free
     out, _ = await collect(engine, [5, 9, 12, 30], "acme", SamplingParams(max_tokens=4))
     assert out.finish_reason == "length"
     await engine.close()
@@ -69,22 +69,22 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     pinning anything, and the undo must not release a pin that was never taken."""
     engine = tiny_engine(scheduler="fcfs")
     gate = threading.Event()
-    engine._forward.submit(gate.wait, 10)  # globex's copy queues behind this: not resident yet
-    inner = engine.policy.policy
-    schedule = engine.policy.schedule
+    engine.debug.threads.forward.submit(gate.wait, 10)  # globex's copy queues behind this: not resident yet
+    inner = engine.debug.policy.policy
+    schedule = engine.debug.policy.schedule
 
     def forgets_adapter_ready(now, ctx):
         for req in list(inner._waiting):
             ctx.try_admit(req)
         return []
 
-    engine.policy.schedule = forgets_adapter_ready
+    engine.debug.policy.schedule = forgets_adapter_ready
     with pytest.raises(EngineStepError, match="admitted while not resident"):
         await collect(engine, [5, 9, 12, 30], "globex", SamplingParams(max_tokens=4))
-    engine.policy.schedule = schedule
+    engine.debug.policy.schedule = schedule
     gate.set()
     await asyncio.sleep(0.1)
-    entry = engine.residency.get("globex@1")
+    entry = engine.debug.residency.get("globex@1")
     assert (entry.running, entry.waiting) == (0, 0)
     engine.admin.remove("globex")  # refused if a pin had gone negative
     await engine.close()
@@ -106,13 +106,13 @@ async def test_as_many_adapters_as_lanes_run_as_one_batch(scheduler):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = await asyncio.gather(*(collect(engine, [5 + i, 9, 12], f"a{i % 8}", params) for i in range(32)))
     assert all(len(out.token_ids) == 12 for out, _ in outs)
-    steps = engine.scheduler_metrics.batch_size
+    steps = engine.debug.scheduler_metrics.batch_size
     assert (steps.count, steps.sum) == (12, 32 * 12)
     await engine.close()
 
 
 class _NoAdapters:
-    """The adapter cache's side of the step scheduler, for requests that use no adapter: no
+    """The adapter cache's side of the step planner, for requests that use no adapter: no
     load waits for pages and nothing idle can be given back."""
 
     def __init__(self, pool) -> None:
@@ -145,7 +145,7 @@ async def test_an_abort_of_a_prompt_left_out_of_the_running_step_ends_it_with_th
     hold its pages until it next runs."""
     import torch
 
-    from lorapage.engine.step_scheduler import StepLimits, StepScheduler
+    from lorapage.engine.step_planner import StepLimits, StepPlanner
     from lorapage.memory.pages import PageKind
     from lorapage.memory.pool import PagePool
     from lorapage.model.sampler import SampleOutput
@@ -153,7 +153,7 @@ async def test_an_abort_of_a_prompt_left_out_of_the_running_step_ends_it_with_th
     from lorapage.scheduler.fcfs import FcfsScheduler
 
     pool = PagePool(1, 200, 8, torch.float32, torch.device("cpu"))
-    steps = StepScheduler(FcfsScheduler(), _NoAdapters(pool), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
+    steps = StepPlanner(FcfsScheduler(), _NoAdapters(pool), pool, StepLimits(4, 8, 8, 200, frozenset()), lambda: 0.0)
 
     def request(rid: str, n: int, t: float) -> Request:
         params = SamplingParams(max_tokens=50, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The step scheduler: which requests run each step, room for their KV, preemption, and results.
+"""The step planner: which requests run each step, room for their KV, preemption, and results.
 
 Runs only on the engine's event loop. Everything it works with is handed to it: the scheduling
 policy, the adapter cache, the page pool, the engine's limits and a clock. It is also the
@@ -26,7 +26,7 @@ from lorapage.usage import StepRow, UsageLedger
 
 @dataclass(frozen=True)
 class StepLimits:
-    """The engine's sizes the step scheduler admits against."""
+    """The engine's sizes the step planner admits against."""
 
     block_size: int
     max_num_seqs: int
@@ -36,7 +36,7 @@ class StepLimits:
     chunked_prefill: bool = True  # a prompt longer than the step's budget is computed over several steps
 
 
-class StepScheduler:
+class StepPlanner:
     """Requests in flight and the step-by-step transitions between waiting, running and finished."""
 
     def __init__(
