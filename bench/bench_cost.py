@@ -75,11 +75,11 @@ def make_engine(model: Path, dirs: dict[str, Path]) -> tuple[Engine, dict[str, l
     )
     names: dict[str, list[str]] = {}
     for shape, path in dirs.items():
-        checked = engine.catalog.prepare(path, sha256=None, expected_base_digest=None)
+        checked = engine.catalog.preparer.check(path)
         tag = shape.replace(" ", "-")
         names[shape] = [f"{tag}-{i}" for i in range(BATCH)]
         for name in names[shape]:
-            engine.catalog.register_prepared(name, path, checked)
+            engine.catalog.add(name, path, checked=checked)
     return engine, names
 
 
@@ -123,7 +123,9 @@ async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> 
     for shape, ids in names.items():
         plans[f"{shape}|distinct"] = await capture.plan_of(engine, list(ids))
         plans[f"{shape}|one"] = await capture.plan_of(engine, [ids[0]] * BATCH)
-    assert all(engine.adapters.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
+    assert all(
+        engine.adapters.tier(engine.admin.catalog.resolve_version(n)) == "gpu" for ids in names.values() for n in ids
+    )
     order = list(plans)
     out: dict[str, list[float]] = {}
     for turn in range(WARMUP_TURNS + repeats):

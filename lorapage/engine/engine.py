@@ -22,13 +22,14 @@ import torch
 
 from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache, AdapterEntry, AdapterInfo
-from lorapage.adapters.catalog import REGISTRATION_TIMEOUT_S, AdapterCatalog
+from lorapage.adapters.catalog import AdapterCatalog
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
 from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.peft_format import at_path, load_adapter_tensors, read_weights
 from lorapage.adapters.pins import PinBounds
+from lorapage.adapters.prepare import REGISTRATION_TIMEOUT_S, VersionPreparer
 from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.sources import (
@@ -278,14 +279,26 @@ class Engine:
             landed=self.sources.cached,
         )
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
-        self.registry = Registry(state)
+        registry = Registry(state)  # the catalog's; the traffic tiers write their table to it too
+        preparer = VersionPreparer(
+            self.adapters,
+            self.base_binding,
+            self.sources,
+            roots=self.adapter_roots,
+            download_cache=self.sources_cache_dir,
+            base_digest=lambda: self.digest,
+            io_executor=self._io,
+            check_open=self._check_open,
+        )
         # Restores every version committed before a restart (reading no weights).
         self.catalog = AdapterCatalog(
             self.adapters,
-            self.registry,
+            registry,
+            preparer,
             base_digest=lambda: self.digest,
-            binding=self.base_binding,
             io_executor=self._io,
+            locate=self._locate_version,
+            check_open=self._check_open,
         )
         self.scheduler_metrics = SchedulerMetrics()
         self.policy: SchedulerPolicy[Request] = make_policy(
@@ -320,7 +333,7 @@ class Engine:
         self.tiers = TierKeeper(
             TierRules.from_config(config),
             self.usage,
-            self.registry,
+            registry,
             self.adapters,
             self._io,
             self._wall_clock,
@@ -372,14 +385,7 @@ class Engine:
         self.admin = AdapterAdmin(
             self.catalog,
             self.adapters,
-            self.registry,
             self.tiers,
-            self.sources,
-            roots=self.adapter_roots,
-            download_cache=self.sources_cache_dir,
-            io_executor=self._io,
-            base_digest=lambda: self.digest,
-            locate=self._locate_version,
             check_open=self._check_open,
             bind=self.step_loop.bind,
             wall_clock=self._wall_clock,
@@ -429,9 +435,10 @@ class Engine:
     def add_adapter(
         self, name: str, path: str | Path, *, owner: str | None = None, expected_base_digest: str | None = None
     ) -> AdapterInfo:
-        """Shortcut for :meth:`AdapterAdmin.add <lorapage.engine.admin.AdapterAdmin.add>`: register
-        a PEFT LoRA directory as a new version of ``name``, validated now in the calling thread."""
-        return self.admin.add(name, path, owner=owner, expected_base_digest=expected_base_digest)
+        """Register a PEFT LoRA directory as a new version of ``name``, validated now in the calling
+        thread (:meth:`AdapterCatalog.add <lorapage.adapters.catalog.AdapterCatalog.add>`)."""
+        version = self.catalog.add(name, path, owner=owner, expected_base_digest=expected_base_digest)
+        return self.admin.info(version.key)
 
     async def register_adapter(
         self,
@@ -445,9 +452,10 @@ class Engine:
         timeout_s: float = REGISTRATION_TIMEOUT_S,
         actor: str | None = None,
     ) -> AdapterInfo:
-        """Shortcut for :meth:`AdapterAdmin.register <lorapage.engine.admin.AdapterAdmin.register>`:
-        :meth:`add_adapter` without holding the event loop, from a directory or a source URI."""
-        return await self.admin.register(
+        """:meth:`add_adapter` without holding the event loop, from a directory or a source URI
+        (:meth:`AdapterCatalog.register <lorapage.adapters.catalog.AdapterCatalog.register>`);
+        ``created`` False: the content of an existing version, which is returned."""
+        version, created = await self.catalog.register(
             name,
             source,
             owner=owner,
@@ -457,6 +465,7 @@ class Engine:
             timeout_s=timeout_s,
             actor=actor,
         )
+        return dataclasses.replace(self.admin.info(version.key), created=created)
 
     @asynccontextmanager
     async def _locate_version(self, source: str, digest: str, owner: str | None) -> AsyncIterator[Path]:
@@ -498,7 +507,7 @@ class Engine:
         self.step_loop.bind()
         sampling = sampling or SamplingParams()
         if adapter is not None:
-            adapter = self.catalog.resolve(adapter)  # this request runs on this version to its end
+            adapter = self.catalog.resolve_version(adapter)  # this request runs on this version to its end
         merged = self.merged_adapter
         self._check_weights(merged)
         if merged is not None:
@@ -661,7 +670,7 @@ class Engine:
         included) is refused 404. Its files are read again, checked against the registered digest.
         Returns the version's key; refused (409) while any request is in flight."""
         self._check_open()
-        key = self.catalog.resolve(name)
+        key = self.catalog.resolve_version(name)
         if self.merged_adapter is not None:
             raise ConflictError(f"this engine already holds {self.merged_adapter!r} merged into its weights")
         if self.scheduler.requests:
@@ -829,7 +838,7 @@ class Engine:
         if self._copies is not None:
             self._copies.shutdown(wait=False, cancel_futures=True)
         await self.sources.close()
-        self.registry.close()  # waits for a commit in flight (the registry's lock)
+        self.catalog.close()  # waits for a commit in flight (the registry's lock)
         if self._state_lock is not None:
             self._state_lock.release()  # the state dir is another server's to take from here
 

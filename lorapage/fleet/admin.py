@@ -33,8 +33,8 @@ from aiohttp import web
 
 from lorapage.adapters.audit import AliasMove, AuditEntry, AuditQuery
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.adapters.catalog import PreparedVersion
 from lorapage.adapters.drift_state import CheckPrompts
+from lorapage.adapters.prepare import PreparedVersion
 from lorapage.adapters.registry import parse_name
 from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.tiers import Tier
@@ -94,8 +94,8 @@ class FleetAdminOps:
         """The replica handle routed like a request for ``name``'s adapter (to its owner)."""
         return self.engines.options(multiplexed_model_id=parse_name(name)[0])
 
-    def _resolve(self, name: str) -> str:
-        return self.registry.resolve(name, self.profile.base_digest)
+    def _serving_key(self, name: str) -> str:
+        return self.registry.version_on(name, self.profile.base_digest)
 
     # -- describing -------------------------------------------------------------------------------
 
@@ -108,7 +108,7 @@ class FleetAdminOps:
         return [r.key for r in rows if r.base_digest == base]
 
     async def describe(self, names: Sequence[str]) -> list[AdapterOut]:
-        keys = [self._resolve(name) for name in names]
+        keys = [self._serving_key(name) for name in names]
         infos = await self.engines.describe.remote(keys) if keys else []
         return [self._out(k, answered(info)) for k, info in zip(keys, infos, strict=True)]
 
@@ -185,7 +185,7 @@ class FleetAdminOps:
     async def deploy(self, adapter_id: str, version: int, channel: str, actor: str) -> str:
         """Fleet-wide at once: the ingress resolves every request's version."""
         if (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
-            self._resolve(row.key)  # a version on another base: 409 before the alias (or channel) moves
+            self._serving_key(row.key)  # a version on another base: 409 before the alias (or channel) moves
         if channel:
             await self.write(lambda: self.registry.set_channel(adapter_id, channel, version, actor=actor))
             return f"{adapter_id}@{channel}"
@@ -193,17 +193,17 @@ class FleetAdminOps:
 
     async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
         if version is not None and (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
-            self._resolve(row.key)  # a version on another base: 409 before the alias moves
+            self._serving_key(row.key)  # a version on another base: 409 before the alias moves
         servable = self._servable(adapter_id)
         await self.write(lambda: self.registry.rollback(adapter_id, version, channel, servable, actor=actor))
-        return self._resolve(f"{adapter_id}@{channel}" if channel else adapter_id)
+        return self._serving_key(f"{adapter_id}@{channel}" if channel else adapter_id)
 
     def _servable(self, adapter_id: str) -> set[int]:
         """The versions of ``adapter_id`` a request could be served on (trained on a base the fleet runs)."""
         served = set()
         for row in self.registry.versions(adapter_id):
             try:
-                self._resolve(row.key)
+                self._serving_key(row.key)
             except LorapageError:
                 continue
             served.add(row.version)
@@ -232,7 +232,7 @@ class FleetAdminOps:
         """On every replica: checked against the bounds and loaded on its owner before the answer,
         on the others within a heartbeat. 409 ``pin_limit_exceeded`` past ``--max-pinned-fraction``
         (every replica holds the same pins)."""
-        key = self._resolve(name)
+        key = self._serving_key(name)
         owner = self._on_owner(key)
         answered(await owner.check_pin.remote(key))
         await self.write(lambda: self.registry.set_pinned(key, True, actor=actor))
@@ -245,13 +245,13 @@ class FleetAdminOps:
         return key
 
     async def unpin(self, name: str, actor: str) -> str:
-        key = self._resolve(name)
+        key = self._serving_key(name)
         await self.write(lambda: self.registry.set_pinned(key, False, actor=actor))
         return key
 
     async def load(self, name: str, actor: str) -> str:
         """Pre-warm a version on the replica the router sends its requests to (an owner)."""
-        key = self._resolve(name)
+        key = self._serving_key(name)
         answered(await self._on_owner(key).load_adapter.remote(key))
         adapter_id, version = parse_name(key)
         await self.write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
@@ -260,7 +260,7 @@ class FleetAdminOps:
     async def unload(self, name: str, actor: str) -> str:
         """From every replica's pool (not while it runs there, nor if pinned); answered once no
         replica reports it in its pool, or after a few heartbeats."""
-        key = self._resolve(name)
+        key = self._serving_key(name)
         await self.write(lambda: self.registry.unload(key, actor=actor))
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
         return key
@@ -270,10 +270,10 @@ class FleetAdminOps:
     ) -> CheckPrompts:
         """A promotion's equivalence check and a base upgrade's drift check run them. The
         ingress samples no traffic (:attr:`samples_traffic`: the routes refuse ``sample``)."""
-        return await store_check_prompts(self.registry.registry, adapter_id, prompts, sample, opt_out, actor)
+        return await store_check_prompts(self.registry.drift_record, adapter_id, prompts, sample, opt_out, actor)
 
     async def check_prompts(self, adapter_id: str) -> CheckPrompts:
-        return await asyncio.to_thread(self.registry.registry.check_prompts, adapter_id)
+        return await asyncio.to_thread(self.registry.drift_record.check_prompts, adapter_id)
 
     async def audit(self, query: AuditQuery) -> list[AuditEntry]:
         return await asyncio.to_thread(self.registry.audit, query)
@@ -309,7 +309,7 @@ class FleetAdminOps:
             (``dedicated.state`` ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed``
             and why). 409 when the id has one already."""
             actor = self.access.admin_actor(request)
-            key = self._resolve(request.match_info["id"])
+            key = self._serving_key(request.match_info["id"])
             if key in self.draining:  # a DELETE ?drain=true waits on it: a deployment would outlive the version
                 raise ConflictError(f"adapter {key!r} is being deleted; it is not promoted", param="id")
             self.dedicated.promote(key, actor)

@@ -24,8 +24,8 @@ from collections import deque
 
 from lorapage.adapters.audit import OK, AliasMove, AuditEntry, AuditQuery, check_channel, rollback_version
 from lorapage.adapters.binding import mismatch_message
-from lorapage.adapters.catalog import PreparedVersion
-from lorapage.adapters.drift_state import MigrationRow
+from lorapage.adapters.drift_state import DriftRecord, MigrationRow
+from lorapage.adapters.prepare import PreparedVersion
 from lorapage.adapters.registry import Registry, VersionRow, parse_name
 from lorapage.adapters.version_index import VersionIndex
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError
@@ -40,6 +40,8 @@ class FleetRegistry:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        self.drift_record: DriftRecord = registry
+        """Check prompts and base-migration states (blocking: use it in a worker)."""
         self.epoch = secrets.token_hex(8)  # this process's count of generations
         # Generation 1: every id as loaded (a replica that has 0 has nothing).
         self._index = VersionIndex.load(registry, generation=1)
@@ -65,7 +67,7 @@ class FleetRegistry:
         """``adapter_id``'s alias moves, every channel, newest first (a blocking read: run it in a worker)."""
         return self.registry.alias_history(adapter_id, limit)
 
-    def resolve(self, name: str, base_digest: str) -> str:
+    def version_on(self, name: str, base_digest: str) -> str:
         """The version key ``name`` serves now; 404 when none, 409 when it was trained on another
         base than the replicas run (both digests and the migration route)."""
         row = self.row(name)

@@ -77,7 +77,7 @@ class FleetUpgrades:
         """``models``: each base's directory, in the order of ``bases`` (what a job shows as its
         candidate); ``write``: runs a registry change in turn with the admin routes' (FleetAdminOps.write)."""
         self.bases, self.fleet_registry, self.models, self.write = bases, registry, list(models), write
-        self.registry = registry.registry
+        self.drift_record = registry.drift_record
         self.digest = digest
 
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
@@ -114,7 +114,7 @@ class FleetUpgrades:
         candidate = self.models[
             digests.index(target)
         ]  # the directory its deployment runs (a model given is not loaded)
-        return validator.start_with(self.registry, self.digest, target, candidate, keys, make)
+        return validator.start_with(self.drift_record, self.digest, target, candidate, keys, make)
 
     async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
         return await self.write(lambda: self.fleet_registry.migrate(row, actor=actor))

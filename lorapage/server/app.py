@@ -128,11 +128,11 @@ class ServerState(Generic[B]):
             return None
         return None if key in self.draining else key
 
-    def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
+    def route(self, model: str, tenant: str) -> tuple[str, str | None]:
         """``(id to echo, adapter version or None)`` for ``base``, ``base:adapter`` or
         ``adapter`` (each adapter as ``id`` or ``id@N``); else 404."""
         base = self.backend.base_named(model) or self.backend.base_name
-        return protocol.resolve_model(model, base, lambda name: self.version_of(tenant, name))
+        return protocol.route_model(model, base, lambda name: self.version_of(tenant, name))
 
     def card_of(self, model: str, adapter: str | None) -> BaseCard:
         """The card of the base ``model`` (resolved to ``adapter``, a version key or None) runs on."""
@@ -249,7 +249,7 @@ def _audit_later(app: web.Application, action: str, *, after: dict | None = None
 
     async def record() -> None:
         try:
-            await engine.admin.record(action, None, actor="sighup", after=after, outcome=outcome)
+            await engine.admin.catalog.record(action, None, actor="sighup", after=after, outcome=outcome)
         except Exception:
             log.exception("the audit row of %s was not written", action)
 
@@ -277,7 +277,7 @@ def check_length(request: web.Request) -> None:
 
 def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float) -> Job:
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
-    model, adapter = state.resolve(parsed.req.model, tenant)
+    model, adapter = state.route(parsed.req.model, tenant)
     backend = state.backend
     return make_job(
         kind,
@@ -318,7 +318,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         else:
             vocab, max_len = backend.vocab_size, backend.max_model_len
             parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
-        state.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+        state.route(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
         prompts = await state.prompts.of(kind, tenant, parsed)
         job = _job(state, kind, parsed, tenant, prompts, arrival)
         if job.adapter is not None:
@@ -340,7 +340,7 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.access.tenant_for(request)
     state.release(state.admit(tenant))
-    model, adapter = state.resolve(request.match_info["model"], tenant)
+    model, adapter = state.route(request.match_info["model"], tenant)
     card = state.card_of(model, adapter)
     found = card.base() if adapter is None else card.adapter(model, tenant)
     return web.Response(body=msgspec.json.encode(found), content_type="application/json")
@@ -506,7 +506,7 @@ def create_app(
     """
     local = EngineBackend(engine, bases)
     # Owners registered over the admin API survive restarts in the engine's registry.
-    for adapter_id, owner in engine.admin.owners().items():
+    for adapter_id, owner in engine.admin.catalog.owners().items():
         access.set_owner(adapter_id, owner)
 
     def serve_routes(app: web.Application) -> None:

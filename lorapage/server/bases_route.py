@@ -41,9 +41,10 @@ from lorapage.adapters.drift_state import (
     OPTED_OUT,
     PASSED,
     PENDING,
+    DriftRecord,
     MigrationRow,
 )
-from lorapage.adapters.registry import Registry, VersionRow
+from lorapage.adapters.registry import VersionRow
 from lorapage.bases.validation import BaseValidator, ValidationJob, check_model_dir, current_versions, parse_key
 from lorapage.errors import ConflictError, InvalidRequestError, PermissionDeniedError
 from lorapage.server import protocol
@@ -90,7 +91,7 @@ class BaseUpgrades(Protocol):
     or a fleet's deployments and registry (:class:`lorapage.fleet.upgrades.FleetUpgrades`)."""
 
     digest: str  # the running (primary) base's
-    registry: Registry  # the record of check prompts and migration states
+    drift_record: DriftRecord  # the record of check prompts and migration states (blocking)
 
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
         """The versions to check or migrate: each id's current one on the running base."""
@@ -113,7 +114,7 @@ class LocalUpgrades:
 
     def __init__(self, engines: Engines) -> None:
         self.engines, self.engine = engines, engines.engines[0]
-        self.digest, self.registry = self.engine.digest, self.engine.admin.registry
+        self.digest, self.drift_record = self.engine.digest, self.engine.admin.catalog.drift_record
 
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
         return current_versions(self.engine, adapters)
@@ -132,9 +133,7 @@ class LocalUpgrades:
         return validator.start(self.engine, target, checked, adapters, running=running)
 
     async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
-        new = await asyncio.to_thread(self.registry.migrate_version, row, actor=actor)
-        self.engine.admin.add_migrated_version(new)
-        return new
+        return await self.engine.admin.catalog.migrate_version(row, actor=actor)
 
 
 UPGRADES = web.AppKey("lorapage_base_upgrades", BaseUpgrades)
@@ -172,7 +171,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         owners = state.access.owners
         rows = [
             _row_out(r, owners.get(r.adapter_id))
-            for r in await asyncio.to_thread(upgrades.registry.migration_states, target)
+            for r in await asyncio.to_thread(upgrades.drift_record.migration_states, target)
         ]
         if wanted is not None:
             rows = [r for r in rows if r["tenant"] == wanted]
@@ -203,7 +202,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         if job is not None and job.status == "running":
             raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
         keys = upgrades.current_versions(req.adapters)
-        states = {r.key: r for r in await asyncio.to_thread(upgrades.registry.migration_states, target)}
+        states = {r.key: r for r in await asyncio.to_thread(upgrades.drift_record.migration_states, target)}
         ready, skipped = [], []
         for key in keys:
             row = states.get(key)

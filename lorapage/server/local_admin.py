@@ -33,12 +33,13 @@ class LocalAdmin:
     def __init__(self, local: EngineBackend, state: RouteState[Any]) -> None:
         self.local, self.state = local, state
         self.engines, self.admin = local.engines, local.engine.admin
+        self.catalog = self.admin.catalog
         self.base_name = local.engine.base_name
-        self.roots = self.admin.roots
+        self.roots = self.catalog.roots
         self.samples_traffic = True  # opted-in adapters' prompts are sampled (server/prompt_sampler.py)
 
     def ids(self) -> list[str]:
-        return self.admin.ids()
+        return self.catalog.ids()
 
     def listed(self) -> list[str]:
         return [info.name for info in self.admin.served()]
@@ -50,7 +51,7 @@ class LocalAdmin:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
         engine, name = self.engines.serving(name)  # the engine of the base it runs on
         info = engine.admin.info(name)
-        versions = self.admin.versions(info.adapter_id)
+        versions = self.catalog.versions(info.adapter_id)
         current = next((v.version for v in versions if v.current), None)
         state = self.state
         return AdapterOut(
@@ -97,11 +98,11 @@ class LocalAdmin:
                 in_flight=self.state.in_flight.get(v.key, 0),
                 projected_cost_pct=v.projected_cost_pct,
             )
-            for v in sorted(self.admin.versions(adapter_id), key=lambda v: v.version)
+            for v in sorted(self.catalog.versions(adapter_id), key=lambda v: v.version)
         ]
 
     async def register(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
-        info = await self.engines.register(
+        return await self.engines.register(
             reg.id,
             source,
             owner=reg.owner,
@@ -110,24 +111,23 @@ class LocalAdmin:
             activate=reg.activate,
             actor=actor,
         )
-        return info.name, info.created
 
     async def deploy(self, adapter_id: str, version: int, channel: str, actor: str) -> str:
-        info = await self.admin.deploy(adapter_id, version, channel=channel, actor=actor)
-        return f"{adapter_id}@{channel}" if channel else info.name
+        info = await self.catalog.deploy(adapter_id, version, channel=channel, actor=actor)
+        return f"{adapter_id}@{channel}" if channel else info.key
 
     async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
-        info = await self.admin.rollback(adapter_id, version, channel=channel, actor=actor)
-        return f"{adapter_id}@{channel}" if channel else info.name
+        info = await self.catalog.rollback(adapter_id, version, channel=channel, actor=actor)
+        return f"{adapter_id}@{channel}" if channel else info.key
 
     async def remove_channel(self, adapter_id: str, channel: str, actor: str) -> None:
-        await self.admin.remove_channel(adapter_id, channel, actor=actor)
+        await self.catalog.remove_channel(adapter_id, channel, actor=actor)
 
     def removable(self, name: str) -> list[str]:
-        return self.admin.removable_versions(name)
+        return self.catalog.removable(name)
 
     async def remove(self, name: str, actor: str) -> None:
-        self.admin.remove(name, actor=actor)
+        self.catalog.remove(name, actor=actor)
 
     async def pin(self, name: str, actor: str) -> str:
         return (await self.admin.pin(self.engines.on_primary(name, "pin"), actor=actor)).name
@@ -148,24 +148,24 @@ class LocalAdmin:
     async def store_check_prompts(
         self, adapter_id: str, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None, actor: str
     ) -> CheckPrompts:
-        stored = await store_check_prompts(self.admin.registry, adapter_id, prompts, sample, opt_out, actor)
+        stored = await store_check_prompts(self.catalog.drift_record, adapter_id, prompts, sample, opt_out, actor)
         self.local.sampler.set_enabled(adapter_id, stored.sample)  # sampled from its traffic from now on, or not
         return stored
 
     async def check_prompts(self, adapter_id: str) -> CheckPrompts:
-        return await asyncio.to_thread(self.admin.registry.check_prompts, adapter_id)
+        return await asyncio.to_thread(self.catalog.drift_record.check_prompts, adapter_id)
 
     async def audit(self, query: AuditQuery) -> list[AuditEntry]:
-        return await self.admin.audit(query)
+        return await self.catalog.audit(query)
 
     async def history(self, adapter_id: str, limit: int) -> list[AliasMove]:
-        return await self.admin.history(adapter_id, limit)
+        return await self.catalog.history(adapter_id, limit)
 
     def current(self, adapter_id: str) -> int | None:
-        return next((v.version for v in self.admin.versions(adapter_id) if v.current), None)
+        return next((v.version for v in self.catalog.versions(adapter_id) if v.current), None)
 
     def channels(self, adapter_id: str) -> dict[str, int]:
-        return self.admin.channels(adapter_id)
+        return self.catalog.channels(adapter_id)
 
     def internal_state(self) -> dict[str, Any]:
         state = self.state

@@ -45,7 +45,7 @@ class RouteState(Protocol[B_co]):
         """503 once the server is shutting down."""
         ...
 
-    def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
+    def route(self, model: str, tenant: str) -> tuple[str, str | None]:
         """``model`` as ``tenant`` may name it: (the name answered, the adapter version or None)."""
         ...
 

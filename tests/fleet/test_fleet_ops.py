@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lorapage.adapters.audit import AuditQuery
-from lorapage.adapters.catalog import PreparedVersion
+from lorapage.adapters.prepare import PreparedVersion
 from lorapage.adapters.registry import REGISTRY_FILE, Registry
 from lorapage.errors import InvalidRequestError
 from lorapage.fleet.registry import FleetRegistry
