@@ -191,6 +191,11 @@ class AdapterCatalog:
         """Every adapter id with a version, servable here or not."""
         return self._index.ids()
 
+    def current(self, adapter_id: str) -> int | None:
+        """The version ``adapter_id``'s alias serves (on a new base: the migration of the one it points at)."""
+        serving = self._index.serving(adapter_id)
+        return next((r.version for r in self._index.versions(adapter_id) if r.version == serving), None)
+
     def owners(self) -> dict[str, str]:
         """The owner of each id that has one (registered with it; restored after a restart)."""
         return {i: owner for i in self._index.ids() if (owner := self._index.owner(i)) is not None}

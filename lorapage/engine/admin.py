@@ -96,12 +96,17 @@ class AdapterAdmin:
 
     # -- residency ------------------------------------------------------------------------------
 
+    async def make_resident(self, key: str) -> None:
+        """Load version ``key`` now and wait until it is resident (its load's error if it fails)."""
+        self._check_open()
+        self._bind()
+        await self._cache.wait_resident(key)
+
     async def load(self, name: str, *, actor: str | None = None) -> str:
         """Make ``name`` resident in the pool now (pre-warm); audited once it is. Its version key."""
         self._check_open()
-        self._bind()
         key = self.catalog.resolve_version(name)
-        await self._cache.wait_resident(key)
+        await self.make_resident(key)
         await self.catalog.record("load", parse_name(key)[0], actor=actor, after={"version": parse_name(key)[1]})
         return key
 

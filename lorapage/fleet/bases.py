@@ -50,12 +50,12 @@ class FleetBases:
         """The base ``model`` names (a base's name, or ``NAME:adapter``), if any."""
         return next((b.name for b in self.bases if model == b.name or model.startswith(b.name + ":")), None)
 
-    def serving_key(self, registry: FleetRegistry, name: str, base_digest: str) -> str:
-        """The version key ``name`` serves now: on the one base ``base_digest`` as before, or on
+    def serving_key(self, registry: FleetRegistry, name: str) -> str:
+        """The version key ``name`` serves now: on the registry's one base as before, or on
         whichever base a deployment runs; 404 when there is none, 409 naming its base's digest
         when no deployment runs that base."""
         if not self.several:
-            return registry.version_on(name, base_digest)
+            return registry.resolve_version(name)
         return version_across(name, registry.row, self._served_migrations(registry), self.bases)[0]
 
     def handle_for(self, registry: FleetRegistry, adapter: str | None, model: str) -> Any:

@@ -31,7 +31,7 @@ from lorapage.fleet.bases import FleetBases
 from lorapage.fleet.messages import answered
 from lorapage.fleet.registry import FleetRegistry
 
-Writer = Callable[[Callable[[], VersionRow]], Awaitable[VersionRow]]  # FleetAdminOps.write
+Writer = Callable[[Callable[[], VersionRow]], Awaitable[VersionRow]]  # FleetRegistry.write
 CHECK_TIMEOUT_S = 900.0  # for one half of one version's drift check on a replica (~200 prompts)
 
 
@@ -75,7 +75,7 @@ class FleetUpgrades:
         self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str], write: Writer
     ) -> None:
         """``models``: each base's directory, in the order of ``bases`` (what a job shows as its
-        candidate); ``write``: runs a registry change in turn with the admin routes' (FleetAdminOps.write)."""
+        candidate); ``write``: runs a registry change in turn with the admin routes' (FleetRegistry.write)."""
         self.bases, self.fleet_registry, self.models, self.write = bases, registry, list(models), write
         self.drift_record = registry.drift_record
         self.digest = digest

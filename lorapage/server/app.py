@@ -49,7 +49,7 @@ from lorapage.server.engine_backend import ENGINES, EngineBackend
 from lorapage.server.error_json import Handler, error_middleware
 from lorapage.server.extra_routes import add_extra_routes
 from lorapage.server.generation import Formatter, Job, Timing, answer, make_job, write_answer
-from lorapage.server.local_admin import LocalAdmin
+from lorapage.server.local_admin import local_admin
 from lorapage.server.loop_lag import LoopLagMonitor
 from lorapage.server.metrics import CONTENT_TYPE
 from lorapage.server.models_view import BaseCard
@@ -512,7 +512,7 @@ def create_app(
     def serve_routes(app: web.Application) -> None:
         app[ENGINES] = local
         state: ServerState[EngineBackend] = app[STATE]
-        add_admin_routes(app, STATE, LocalAdmin(local, state))
+        add_admin_routes(app, STATE, local_admin(local, state))
         add_audit_routes(app, STATE)
         add_base_routes(app, STATE, LocalUpgrades(local.engines))
 

@@ -78,15 +78,17 @@ def test_changes_since_a_generation_and_a_restart(tmp_path: Path, engines) -> No
     assert fleet.changes_since(later.epoch, later.generation, {}).ids == ()  # nothing new
 
     fleet.set_current("newco", 2)
-    fleet.set_pinned("newco@2", True)
-    fleet.remove(fleet.removable("other"))
+    asyncio.run(fleet.set_pinned("newco@2", True))
+    fleet.remove("other")
     gone = fleet.changes_since(later.epoch, later.generation, {})
     assert {s.adapter_id: len(s.versions) for s in gone.ids} == {"newco": 2, "other": 0}
-    assert fleet.version_on("newco", acme.base_digest) == "newco@2"
-    with pytest.raises(AdapterBaseMismatchError):
-        fleet.version_on("newco", "0" * 64)
+    fleet.base_digest = acme.base_digest
+    assert fleet.resolve_version("newco") == "newco@2"
     with pytest.raises(AdapterNotFoundError):
-        fleet.version_on("other", acme.base_digest)
+        fleet.resolve_version("other")
+    fleet.base_digest = "0" * 64  # replicas on another base
+    with pytest.raises(AdapterBaseMismatchError):
+        fleet.resolve_version("newco")
 
     # A restarted ingress reads the same file: every version, alias and pin, in a new epoch; a
     # replica that counted in the old one gets everything again, and nothing of a deleted id.
@@ -113,14 +115,14 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
     assert asyncio.run(answer(mirror, "newco@2")) == DEMO_MARKERS["globex"]
     assert mirror.admin.catalog.resolve_version("newco") == "newco@1"
     fleet.set_current("newco", 2)
-    fleet.set_pinned("newco@2", True)
+    asyncio.run(fleet.set_pinned("newco@2", True))
     reply2 = fleet.changes_since(reply.epoch, reply.generation, {})
     apply(mirror, reply2)
     assert mirror.admin.catalog.resolve_version("newco") == "newco@2" and mirror.residency.get("newco@2").pinned
 
     async def drop_while_running() -> tuple[list[str], list[str]]:
         # A version the registry dropped stays while a request runs on it, and goes after.
-        fleet.remove(["newco@1"])
+        fleet.remove("newco@1")
         update = fleet.changes_since(reply2.epoch, reply2.generation, {})
         stream = mirror.generate("Hello there", "newco@1", GREEDY)
         await anext(stream)
