@@ -1,5 +1,5 @@
 """An engine's adapter catalog: ids, versions, aliases, channels, pins, check prompts and
-migration states, over the SQLite registry it alone holds. ``engine.admin`` is one.
+migration states, over the SQLite registry it alone holds (``engine.admin.catalog``).
 
 A registration of new content under an id makes an immutable version ``id@N`` in one path:
 prepare (fetch the files from a source an owner may read), check (read them whole against this
@@ -23,11 +23,9 @@ refused (:class:`~lorapage.errors.AdapterBaseMismatchError`), unless a base migr
 base: the id's alias and channels, pointing at the old version, then serve that one.
 
 A pin is decided here and committed; the residency applies it. A restart marks the pinned
-versions in the cache as it restores them, reading nothing; their loads start when the engine's
-step loop first binds to an event loop, since a load is a task on that loop. A pin that no longer
-fits (a smaller pool, a lower ``max_pinned_fraction``) is logged and not applied, and kept in the
-registry for a later start that has the room. Errors are :class:`~lorapage.errors.LorapageError`:
-a server answers them as they are (404 unknown, 409 busy or refused, 400 bad input).
+versions pinned as it restores them (their loads start when the engine's step loop first binds to
+an event loop); a pin that no longer fits is logged, not applied, and kept for a later start.
+Errors are :class:`~lorapage.errors.LorapageError` (404 unknown, 409 busy or refused, 400 bad input).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ What the front end (:mod:`lorapage.server.app`) asks of where requests go
 the bases served beside it; plus what only an engine in this process has: the check prompts
 sampled from traffic (:class:`~lorapage.server.prompt_sampler.PromptSampler`) and pins restored at
 start. The admin, audit and base-upgrade routes reach the engines through their own operations
-(:class:`~lorapage.server.local_admin.LocalAdmin`, :class:`~lorapage.server.bases_route.LocalUpgrades`).
+(:class:`~lorapage.server.local_admin.LocalDeployment`, :class:`~lorapage.server.bases_route.LocalUpgrades`).
 """
 
 from __future__ import annotations

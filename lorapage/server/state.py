@@ -4,7 +4,7 @@
 :class:`~lorapage.server.backend.Backend`; the route modules are typed against this instead,
 because ``app`` imports them and importing it back would cycle. The route modules both front ends
 serve take a ``RouteState[Backend]`` (the admin routes reach what changes adapters through the
-app's :class:`~lorapage.server.admin_ops.AdminOps`, not the backend).
+app's :class:`~lorapage.server.admin_ops.Admin`, not the backend).
 """
 
 from __future__ import annotations
