@@ -74,11 +74,11 @@ def make_engine(model: Path, dirs: dict[str, Path]) -> tuple[Engine, dict[str, l
     )
     names: dict[str, list[str]] = {}
     for shape, path in dirs.items():
-        checked = engine.debug.catalog.prepare(path, sha256=None, expected_base_digest=None)
+        checked = engine.admin.catalog.preparer.check(path)
         tag = shape.replace(" ", "-")
         names[shape] = [f"{tag}-{i}" for i in range(BATCH)]
         for name in names[shape]:
-            engine.debug.catalog.register_prepared(name, path, checked)
+            engine.admin.catalog.add(name, path, checked=checked)
     return engine, names
 
 
@@ -122,7 +122,11 @@ async def measure(engine: Engine, names: dict[str, list[str]], repeats: int) -> 
     for shape, ids in names.items():
         plans[f"{shape}|distinct"] = await capture.plan_of(engine, list(ids))
         plans[f"{shape}|one"] = await capture.plan_of(engine, [ids[0]] * BATCH)
-    assert all(engine.debug.residency.tier(engine.admin.resolve(n)) == "gpu" for ids in names.values() for n in ids)
+    assert all(
+        engine.debug.residency.tier(engine.admin.catalog.resolve_version(n)) == "gpu"
+        for ids in names.values()
+        for n in ids
+    )
     order = list(plans)
     out: dict[str, list[float]] = {}
     for turn in range(WARMUP_TURNS + repeats):

@@ -87,7 +87,7 @@ async def scatter(engine: Engine, names: list[str], fillers: list[str]) -> dict:
             await engine.admin.unload(f)
     for n in names[half:][::-1]:
         await engine.admin.load(n)
-    entries = [engine.debug.residency.get(engine.admin.resolve(n)) for n in names]
+    entries = [engine.debug.residency.get(engine.admin.catalog.resolve_version(n)) for n in names]
     placed = sorted((e.page_ids[0], e.slot) for e in entries)
     firsts, slots = [p for p, _ in placed], [s for _, s in placed]
     pages = engine.admin.info(names[0]).num_pages
@@ -124,7 +124,7 @@ def skewed_rows(names: list[str]) -> list[str]:
 async def residency(engine: Engine, name: str, repeats: int) -> dict:
     """Median ms for file -> pool and host RAM -> pool of ``name``, and a raw copy of its bytes."""
     cache = engine.debug.adapters
-    key = engine.admin.resolve(name)  # the cache holds versions (id@N)
+    key = engine.admin.catalog.resolve_version(name)  # the cache holds versions (id@N)
     full, from_ram = [], []
     for _ in range(repeats):
         await engine.admin.unload(name)
@@ -194,7 +194,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
         placement = await scatter(engine, names, fillers)
     for n in names:
         await engine.admin.load(n)
-    assert all(engine.debug.residency.tier(engine.admin.resolve(n)) == "gpu" for n in names)
+    assert all(engine.debug.residency.tier(engine.admin.catalog.resolve_version(n)) == "gpu" for n in names)
     await decode_rate(engine, [None] * 4, prompt_len, 3)  # warm-up
     c_rows = names  # (c): request i on adapter c_rows[i]; (d) runs these same requests
     e_rows = skewed_rows(names)  # (e): request i on adapter e_rows[i]; (f) runs these same requests

@@ -111,7 +111,7 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
     if warm_host:
         cache = engine.debug.adapters
         for name in {r.model for r in trace}:
-            entry = cache.entries[engine.debug.catalog.resolve(name)]
+            entry = cache.entries[engine.admin.catalog.resolve_version(name)]
             cache._keep_in_host(entry.name, cache._read_and_pack(entry, entry.spec))
     for part in (t.seconds, t.steps, t.loads):
         part.clear()

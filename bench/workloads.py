@@ -103,9 +103,9 @@ def engine_for(model: Path, dirs: list[Path], names: list[str], **config) -> tup
     start = time.perf_counter()
     # Each directory is read and checked once, as add_adapter would for every name; the names
     # are then registered on the checked result, each a distinct adapter of its own.
-    checked = [engine.catalog.prepare(d, sha256=None, expected_base_digest=None) for d in dirs]
+    checked = [engine.admin.catalog.preparer.check(d) for d in dirs]
     for k, name in enumerate(names):
-        engine.catalog.register_prepared(name, dirs[k % len(dirs)], checked[k % len(dirs)])
+        engine.admin.catalog.add(name, dirs[k % len(dirs)], checked=checked[k % len(dirs)])
     return engine, time.perf_counter() - start
 
 

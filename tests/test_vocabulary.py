@@ -7,6 +7,7 @@ files out), and the reason, which is the message a failure shows. To retire a wo
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -34,6 +35,17 @@ RETIRED: tuple[Retired, ...] = (
         r"\bclass FleetConfig\b",
         ("lorapage/**/*.py", "!lorapage/fleet/config.py"),
         "one FleetConfig, the deployed fleet's (lorapage/fleet/config.py); the simulator's is SimFleetConfig",
+    ),
+    Retired(
+        r"\bStepScheduler\b|\bstep_scheduler\b",
+        ("lorapage/**/*.py",),
+        "the engine's per-step planner is the StepPlanner (engine/step_planner.py); the scheduler is the VTC policy",
+    ),
+    Retired(
+        r"\b(AdminOps|LocalAdmin|FleetAdminOps|resolve_across|resolve_model)\b",
+        ("lorapage/**/*.py",),
+        "one admin (frontend/admin_ops.Admin) over a VersionStore and a Deployment; names resolve through "
+        "resolve_version (stores), route (front end), serving_key / version_across (several bases)",
     ),
 )
 
@@ -67,3 +79,49 @@ def test_a_retired_word_is_found():
     """The table's first row finds what it retires (it would, were it reintroduced)."""
     assert re.search(RETIRED[0].pattern, "static Plan plan_lanes(int lanes, ...)  /* LANES */")
     assert not re.search(RETIRED[0].pattern, "the plane's planned stripes")
+
+
+# The control plane's words, held: ``resolve_version(name)`` is a version store's alone, the front
+# end's model-name step is ``route(model, tenant)``. Classes, not files: files move, words stay.
+STORES = {"AdapterCatalog", "FleetRegistry", "VersionStore"}
+# Other words that begin alike and say what they do.
+OTHER_RESOLVES = {"resolve_device", "resolved_lora_dtype"}
+# aiohttp's resolver interface (the DNS lookup sources make): its name is aiohttp's.
+DNS = ("CheckedResolver", "resolve")
+
+
+def _definitions() -> list[tuple[str, str | None, str]]:
+    """(file, class or None, name) of every function and class defined in the library."""
+    out = []
+    for path in sorted((ROOT / "lorapage").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                out.append((rel, None, node.name))
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        out.append((rel, node.name, item.name))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((rel, None, node.name))
+    return out
+
+
+def test_resolve_version_is_a_stores_alone():
+    stores = {c for _, c, name in _definitions() if name == "resolve_version"}
+    assert stores == STORES
+
+
+def test_no_other_resolve():
+    """Each other step says what it does: ``route`` (front end), ``serving_key`` (several bases), ..."""
+    found = [
+        (c, name)
+        for _, c, name in _definitions()
+        if name.startswith("resolve") and name != "resolve_version" and name not in OTHER_RESOLVES
+    ]
+    assert found == [DNS], found
+
+
+def test_the_front_end_routes_a_model_name():
+    routes = {c for f, c, name in _definitions() if name == "route" and c is not None}
+    assert {"RouteState", "ServerState"} <= routes

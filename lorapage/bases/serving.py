@@ -3,7 +3,7 @@
 Which base a request runs on (:func:`route_base`): its adapter version's bound base (409 naming
 the digest when none served runs it), else the base model it names, else the primary. An alias at
 a version migrated onto a served base serves the migration (:func:`served_migrations`,
-:func:`followed`); a name resolves across the served bases by :func:`resolve_across`. Bases served
+:func:`followed`); a name resolves across the served bases by :func:`version_across`. Bases served
 together share a tokenizer and a context length (:func:`check_alike`); a side base's config is the
 primary's with its own model (:func:`side_config`), and on one CUDA device the bases share the
 memory utilization (:func:`utilization_share`). ``lorapage serve`` applies them over its engines
@@ -64,7 +64,7 @@ def served_migrations(rows: Iterable[MigrationRow], served: Collection[str]) -> 
     return {version_key(adapter_id, old): version_key(adapter_id, new) for _, adapter_id, old, new in done}
 
 
-def resolve_across(
+def version_across(
     name: str,
     row_of: Callable[[str], VersionRow | None],
     migrations: Mapping[str, str],

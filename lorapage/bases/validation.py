@@ -35,8 +35,7 @@ from typing import Protocol
 from lorapage.adapters.binding import shown_digest
 from lorapage.bases.drift import DriftThresholds, PromptDrift, verdict
 from lorapage.errors import ConflictError, InvalidRequestError, LorapageError
-from lorapage.registry.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, MigrationRow
-from lorapage.registry.store import Registry
+from lorapage.registry.drift_state import FAILED, MIGRATED, OPTED_OUT, PASSED, PENDING, DriftRecord, MigrationRow
 
 log = logging.getLogger("lorapage.bases")
 
@@ -95,11 +94,11 @@ class BaseValidator:
             if running is None:  # before any state is written: a wrong directory leaves the last check's states
                 await asyncio.get_running_loop().run_in_executor(None, check_digest, model, target)
 
-        return self.start_with(engine.admin.registry, engine.digest, target, model, keys, checker, precheck)
+        return self.start_with(engine.admin.catalog.drift_record, engine.digest, target, model, keys, checker, precheck)
 
     def start_with(
         self,
-        registry: Registry,
+        registry: DriftRecord,
         running_digest: str,
         target: str,
         model: str,
@@ -141,7 +140,7 @@ class BaseValidator:
 
     async def _run(
         self,
-        registry: Registry,
+        registry: DriftRecord,
         running_digest: str,
         job: ValidationJob,
         make_checker: Callable[[ValidationJob], Awaitable[Checker]],
@@ -182,7 +181,7 @@ class BaseValidator:
                 await loop.run_in_executor(None, registry.set_migration_states, rows)
             job.finished = time.time()
 
-    def _plan(self, registry: Registry, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
+    def _plan(self, registry: DriftRecord, job: ValidationJob) -> list[tuple[str, tuple[str, ...]]]:
         """Each version's prompts (in a worker: the registry is read), its first state recorded. A
         version migrated toward the target already stays so (not checked again)."""
         plan: list[tuple[str, tuple[str, ...]]] = []
@@ -259,10 +258,10 @@ class EngineChecker:
         name = check_name(job, adapter_id) if self.borrowed else adapter_id
         new = self.new
         try:
-            async with self.engine.admin.version_files(key) as path:
+            async with self.engine.admin.catalog.version_files(key) as path:
                 # Read and checked in a worker, committed on the loop (the new base's own catalog);
                 # bound to the new base, whose digest the job checked already (or its engine has).
-                await new.admin.register_checked(name, path, expected_base_digest=job.target)
+                await new.admin.catalog.register_checked(name, path, expected_base_digest=job.target)
             return await prompt_drifts(self.engine, new, key, name, prompts, max_tokens=max_tokens)
         finally:
             if self.borrowed:
@@ -281,9 +280,9 @@ def check_name(job: ValidationJob, adapter_id: str) -> str:
 def drop_check_version(engine, name: str) -> None:
     """Remove a version registered for a check from an engine serving traffic (left to it, logged,
     when still running: the job was cancelled mid-check)."""
-    if name in engine.admin.ids():
+    if name in engine.admin.catalog.ids():
         try:
-            engine.admin.remove(name)
+            engine.admin.catalog.remove(name)
         except LorapageError as exc:
             log.warning("a validation left %s registered on the new base: %s", name, exc.message)
 
@@ -295,10 +294,10 @@ def parse_key(key: str) -> tuple[str, int]:
 
 def current_versions(engine, adapters: Sequence[str] | None) -> list[str]:
     """The version keys to check: each id's current version, where it is served on this base."""
-    ids = list(adapters) if adapters is not None else engine.admin.ids()
+    ids = list(adapters) if adapters is not None else engine.admin.catalog.ids()
     keys = []
     for adapter_id in ids:
-        current = [v for v in engine.admin.versions(adapter_id) if v.current]
+        current = [v for v in engine.admin.catalog.versions(adapter_id) if v.current]
         if not current or (not current[0].servable and adapters is not None):
             raise InvalidRequestError(
                 f"adapter {adapter_id!r} has no current version served on this base", param="adapters"

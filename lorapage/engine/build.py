@@ -30,7 +30,6 @@ from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
-from lorapage.adapters.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
@@ -64,9 +63,11 @@ from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
 from lorapage.registry.catalog import AdapterCatalog
+from lorapage.registry.prepare import VersionPreparer
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
+from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
 from lorapage.structured.grammars import GrammarCompiler
 from lorapage.usage import UsageLedger
 
@@ -582,22 +583,31 @@ def build_catalog(
     check_open: Callable[[], None],
 ) -> CatalogParts:
     """``check_open``: raises once the engine is closed (admin calls refuse then)."""
+    preparer = VersionPreparer(
+        adapters.cache,
+        base.binding,
+        adapters.sources,
+        roots=adapters.roots,
+        download_cache=adapters.sources_cache_dir,
+        base_digest=base.digest,
+        io_executor=threads.io,
+        check_open=check_open,
+    )
     # Restores every version committed before a restart (reading no weights).
     catalog = AdapterCatalog(
-        adapters.cache, adapters.registry, base_digest=base.digest, binding=base.binding, io_executor=threads.io
+        adapters.cache,
+        adapters.registry,
+        preparer,
+        base_digest=base.digest,
+        io_executor=threads.io,
+        locate=adapters.files.locate,
+        check_open=check_open,
     )
     adapters.metrics.projected_costs = catalog.current_costs  # the metrics were made before the catalog
     admin = AdapterAdmin(
         catalog,
         adapters.cache,
-        adapters.registry,
         adapters.tiers,
-        adapters.sources,
-        roots=adapters.roots,
-        download_cache=adapters.sources_cache_dir,
-        io_executor=threads.io,
-        base_digest=base.digest,
-        locate=adapters.files.locate,
         check_open=check_open,
         bind=scheduling.step_loop.bind,
         wall_clock=adapters.wall_clock,

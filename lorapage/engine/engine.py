@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.adapters.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.config import EngineConfig
 from lorapage.engine.admin import AdapterAdmin
@@ -55,6 +54,7 @@ from lorapage.registry.catalog import REGISTRATION_TIMEOUT_S
 from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import MeteredPolicy, VtcScheduler
+from lorapage.sources import AdapterRoots
 from lorapage.usage import Usage
 
 log = logging.getLogger("lorapage.engine")
@@ -155,9 +155,10 @@ class Engine:
     def add_adapter(
         self, name: str, path: str | Path, *, owner: str | None = None, expected_base_digest: str | None = None
     ) -> AdapterInfo:
-        """Shortcut for :meth:`AdapterAdmin.add <lorapage.engine.admin.AdapterAdmin.add>`: register
-        a PEFT LoRA directory as a new version of ``name``, validated now in the calling thread."""
-        return self.admin.add(name, path, owner=owner, expected_base_digest=expected_base_digest)
+        """Register a PEFT LoRA directory as a new version of ``name``, validated now in the calling
+        thread (:meth:`AdapterCatalog.add <lorapage.registry.catalog.AdapterCatalog.add>`)."""
+        version = self._catalog.add(name, path, owner=owner, expected_base_digest=expected_base_digest)
+        return self.admin.info(version.key)
 
     async def register_adapter(
         self,
@@ -171,9 +172,10 @@ class Engine:
         timeout_s: float = REGISTRATION_TIMEOUT_S,
         actor: str | None = None,
     ) -> AdapterInfo:
-        """Shortcut for :meth:`AdapterAdmin.register <lorapage.engine.admin.AdapterAdmin.register>`:
-        :meth:`add_adapter` without holding the event loop, from a directory or a source URI."""
-        return await self.admin.register(
+        """:meth:`add_adapter` without holding the event loop, from a directory or a source URI
+        (:meth:`AdapterCatalog.register <lorapage.registry.catalog.AdapterCatalog.register>`);
+        ``created`` False: the content of an existing version, which is returned."""
+        version, created = await self._catalog.register(
             name,
             source,
             owner=owner,
@@ -183,6 +185,7 @@ class Engine:
             timeout_s=timeout_s,
             actor=actor,
         )
+        return dataclasses.replace(self.admin.info(version.key), created=created)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -211,7 +214,7 @@ class Engine:
         self._steps.step_loop.bind()
         sampling = sampling or SamplingParams()
         if adapter is not None:
-            adapter = self._catalog.resolve(adapter)  # this request runs on this version to its end
+            adapter = self._catalog.resolve_version(adapter)  # this request runs on this version to its end
         merged = self._merged.adapter
         self._merged.check_weights(merged)
         if merged is not None:
@@ -356,7 +359,7 @@ class Engine:
         included) is refused 404. Its files are read again, checked against the registered digest.
         Returns the version's key; refused (409) while any request is in flight."""
         self._check_open()
-        key = self._catalog.resolve(name)
+        key = self._catalog.resolve_version(name)
         if self._merged.adapter is not None:
             raise ConflictError(f"this engine already holds {self._merged.adapter!r} merged into its weights")
         if self._steps.planner.requests:
@@ -446,7 +449,7 @@ class Engine:
         self._threads.shutdown_workers()
         self._runner.close()
         await self._adapters.sources.close()
-        self._adapters.registry.close()  # waits for a commit in flight (the registry's lock)
+        self._catalog.close()  # waits for a commit in flight (the registry's lock)
         if self._state_lock is not None:
             self._state_lock.release()  # the state dir is another server's to take from here
 

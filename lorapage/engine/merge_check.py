@@ -162,7 +162,7 @@ async def merge_and_check(
     is kept in ``engine.stats().merged_deployment`` (``/internal/state``). The merge stays whatever the verdict:
     a caller that gets ``passed`` False must not serve from this engine."""
     tolerance = TOLERANCES[engine.config.dtype] if tolerance is None else tolerance
-    key = engine.admin.resolve(adapter)
+    key = engine.admin.catalog.resolve_version(adapter)
     unmerged = await greedy_runs(engine, key, prompts, max_tokens)
     await engine.merge_into_base(key, merge=merge)
     merged = await greedy_runs(engine, key, prompts, max_tokens)  # the plain base path now

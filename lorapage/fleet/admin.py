@@ -1,8 +1,10 @@
-"""The fleet's admin operations: ``lorapage serve``'s admin routes (:mod:`lorapage.frontend.admin`,
+"""The fleet's admin: ``lorapage serve``'s admin routes (:mod:`lorapage.frontend.admin`,
 :mod:`lorapage.frontend.audit_route`) over the fleet's registry and its replicas, and the fleet's own
 routes (promote, demote).
 
-:class:`FleetAdminOps` is the fleet's :class:`~lorapage.frontend.admin_ops.AdminOps`. The ingress
+The fleet's :class:`~lorapage.frontend.admin_ops.Admin` is the one ``lorapage serve`` runs, over the
+fleet's registry (its :class:`~lorapage.frontend.admin_ops.VersionStore`) and a
+:class:`FleetDeployment` (the replicas: fan-out, promotion and demotion). The ingress
 holds the fleet's registry (:mod:`lorapage.fleet.registry`) and answers from it; what needs an
 engine goes to one replica through the adapter-affinity router, so it lands on the adapter's
 owner: a registration is fetched and checked there (then committed here, answered 201, and
@@ -23,9 +25,8 @@ Every change is audited in the registry as the admin key's id (``actor``:
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -34,19 +35,17 @@ from aiohttp import web
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import Tier
-from lorapage.errors import ConflictError, LorapageError
+from lorapage.errors import ConflictError
 from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
 from lorapage.fleet.messages import EngineProfile, answered
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.frontend.admin import AdminRoutes, cost_fields, known_id, wait_until
 from lorapage.frontend.auth import Access
-from lorapage.frontend.check_prompts import store_check_prompts
 from lorapage.frontend.registration import Registration
 from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
-from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery
-from lorapage.registry.catalog import PreparedVersion
 from lorapage.registry.drift_state import CheckPrompts
+from lorapage.registry.prepare import PreparedVersion
 from lorapage.sources import AdapterRoots
 
 T = TypeVar("T")
@@ -60,8 +59,9 @@ class FleetAdapterOut(AdapterOut):
     dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
 
 
-class FleetAdminOps:
-    """The admin operations over the ingress's state (passed in: this module does not import the ingress)."""
+class FleetDeployment:
+    """The fleet's :class:`~lorapage.frontend.admin_ops.Deployment`: the replicas, reached through
+    the ingress's handle (passed in: this module does not import the ingress)."""
 
     def __init__(
         self,
@@ -83,24 +83,12 @@ class FleetAdminOps:
         self.base_name = profile.base_name
         self.roots, self.sync_period_s = adapter_roots, sync_period_s
         self.samples_traffic = False  # the ingress keeps no sample of any adapter's traffic
-        self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
-
-    async def write(self, change: Callable[[], T]) -> T:
-        """Run ``change`` (a blocking registry commit) in a worker, one change at a time."""
-        async with self._writes:
-            return await asyncio.to_thread(change)
 
     def _on_owner(self, name: str) -> Any:
         """The replica handle routed like a request for ``name``'s adapter (to its owner)."""
         return self.engines.options(multiplexed_model_id=parse_name(name)[0])
 
-    def _resolve(self, name: str) -> str:
-        return self.registry.resolve(name, self.profile.base_digest)
-
     # -- describing -------------------------------------------------------------------------------
-
-    def ids(self) -> list[str]:
-        return self.registry.ids()
 
     def listed(self) -> list[str]:
         base = self.profile.base_digest
@@ -108,7 +96,7 @@ class FleetAdminOps:
         return [r.key for r in rows if r.base_digest == base]
 
     async def describe(self, names: Sequence[str]) -> list[AdapterOut]:
-        keys = [self._resolve(name) for name in names]
+        keys = [self.registry.resolve_version(name) for name in names]
         infos = await self.engines.describe.remote(keys) if keys else []
         return [self._out(k, answered(info)) for k, info in zip(keys, infos, strict=True)]
 
@@ -166,9 +154,9 @@ class FleetAdminOps:
             for row in self.registry.versions(adapter_id)
         ]
 
-    # -- changes ----------------------------------------------------------------------------------
+    # -- what a change does on the replicas ------------------------------------------------------
 
-    async def register(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
+    async def add_version(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
         """Fetched and checked on the id's owner replica, then committed here."""
         self.registry.check_owner(reg.id, reg.owner)
         # envelope off: an adapter outside it registers with tier dedicated, its requests refused
@@ -177,44 +165,16 @@ class FleetAdminOps:
             source, reg.sha256, reg.expected_base_digest, reg.owner, False
         )
         prepared: PreparedVersion = answered(await got)
-        row, created = await self.write(
+        row, created = await self.registry.write(
             lambda: self.registry.add(reg.id, reg.owner, prepared, activate=reg.activate, actor=actor)
         )
         return row.key, created
 
-    async def deploy(self, adapter_id: str, version: int, channel: str, actor: str) -> str:
-        """Fleet-wide at once: the ingress resolves every request's version."""
-        if (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
-            self._resolve(row.key)  # a version on another base: 409 before the alias (or channel) moves
-        if channel:
-            await self.write(lambda: self.registry.set_channel(adapter_id, channel, version, actor=actor))
-            return f"{adapter_id}@{channel}"
-        return (await self.write(lambda: self.registry.set_current(adapter_id, version, actor=actor))).key
+    def key_for(self, name: str, action: str) -> str:
+        return self.registry.resolve_version(name)
 
-    async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
-        if version is not None and (row := self.registry.row(f"{adapter_id}@{version}")) is not None:
-            self._resolve(row.key)  # a version on another base: 409 before the alias moves
-        servable = self._servable(adapter_id)
-        await self.write(lambda: self.registry.rollback(adapter_id, version, channel, servable, actor=actor))
-        return self._resolve(f"{adapter_id}@{channel}" if channel else adapter_id)
-
-    def _servable(self, adapter_id: str) -> set[int]:
-        """The versions of ``adapter_id`` a request could be served on (trained on a base the fleet runs)."""
-        served = set()
-        for row in self.registry.versions(adapter_id):
-            try:
-                self._resolve(row.key)
-            except LorapageError:
-                continue
-            served.add(row.version)
-        return served
-
-    async def remove_channel(self, adapter_id: str, channel: str, actor: str) -> None:
-        await self.write(lambda: self.registry.set_channel(adapter_id, channel, None, action="channel", actor=actor))
-
-    def removable(self, name: str) -> list[str]:
-        """The versions a delete removes; 409 while the id has a dedicated deployment (demote it first)."""
-        keys = self.registry.removable(name)
+    def check_removable(self, name: str, keys: list[str]) -> None:
+        """409 while the id has a dedicated deployment (demote it first)."""
         promotion = self.dedicated.get(parse_name(name)[0])
         if promotion is not None and promotion.state != "failed" and promotion.key in keys:
             raise ConflictError(
@@ -222,70 +182,25 @@ class FleetAdminOps:
                 f"(POST /v1/adapters/{promotion.adapter_id}/demote)",
                 param="id",
             )
-        return keys
 
-    async def remove(self, name: str, actor: str) -> None:
-        """Dropped from every replica once its requests end (the ingress's counts decide that)."""
-        await self.write(lambda: self.registry.remove(self.registry.removable(name), actor=actor))
+    async def check_pin(self, key: str) -> None:
+        """A pin holds the version resident on every replica (each bounded by
+        ``--max-pinned-fraction``: they hold the same pins): checked on its owner."""
+        answered(await self._on_owner(key).check_pin.remote(key))
 
-    async def pin(self, name: str, actor: str) -> str:
-        """On every replica: checked against the bounds and loaded on its owner before the answer,
-        on the others within a heartbeat. 409 ``pin_limit_exceeded`` past ``--max-pinned-fraction``
-        (every replica holds the same pins)."""
-        key = self._resolve(name)
-        owner = self._on_owner(key)
-        answered(await owner.check_pin.remote(key))
-        await self.write(lambda: self.registry.set_pinned(key, True, actor=actor))
-        try:
-            answered(await owner.load_adapter.remote(key))
-        except LorapageError as exc:
-            undone = f"pin undone: its load failed ({exc.code})"  # as lorapage serve audits it
-            await self.write(lambda: self.registry.set_pinned(key, False, actor=actor, outcome=undone))
-            raise
-        return key
-
-    async def unpin(self, name: str, actor: str) -> str:
-        key = self._resolve(name)
-        await self.write(lambda: self.registry.set_pinned(key, False, actor=actor))
-        return key
-
-    async def load(self, name: str, actor: str) -> str:
-        """Pre-warm a version on the replica the router sends its requests to (an owner)."""
-        key = self._resolve(name)
+    async def make_resident(self, key: str) -> None:
+        """Loaded on the replica the router sends its requests to (an owner); the others follow a
+        pin within a heartbeat."""
         answered(await self._on_owner(key).load_adapter.remote(key))
-        adapter_id, version = parse_name(key)
-        await self.write(lambda: self.registry.record("load", adapter_id, actor=actor, after={"version": version}))
-        return key
 
-    async def unload(self, name: str, actor: str) -> str:
-        """From every replica's pool (not while it runs there, nor if pinned); answered once no
+    async def drop(self, key: str, actor: str) -> None:
+        """From every replica's pool (not while it runs there, nor if pinned); done once no
         replica reports it in its pool, or after a few heartbeats."""
-        key = self._resolve(name)
-        await self.write(lambda: self.registry.unload(key, actor=actor))
+        await self.registry.write(lambda: self.registry.unload(key, actor=actor))
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
-        return key
 
-    async def store_check_prompts(
-        self, adapter_id: str, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None, actor: str
-    ) -> CheckPrompts:
-        """A promotion's equivalence check and a base upgrade's drift check run them. The
-        ingress samples no traffic (:attr:`samples_traffic`: the routes refuse ``sample``)."""
-        return await store_check_prompts(self.registry.registry, adapter_id, prompts, sample, opt_out, actor)
-
-    async def check_prompts(self, adapter_id: str) -> CheckPrompts:
-        return await asyncio.to_thread(self.registry.registry.check_prompts, adapter_id)
-
-    async def audit(self, query: AuditQuery) -> list[AuditEntry]:
-        return await asyncio.to_thread(self.registry.audit, query)
-
-    async def history(self, adapter_id: str, limit: int) -> list[AliasMove]:
-        return await asyncio.to_thread(self.registry.history, adapter_id, limit)
-
-    def current(self, adapter_id: str) -> int | None:
-        return self.registry.current(adapter_id)
-
-    def channels(self, adapter_id: str) -> dict[str, int]:
-        return self.registry.channels(adapter_id)
+    def check_prompts_stored(self, stored: CheckPrompts) -> None:
+        return None  # the ingress samples no traffic (the routes refuse ``sample``)
 
     def internal_state(self) -> dict[str, Any]:
         ingress = {
@@ -309,7 +224,7 @@ class FleetAdminOps:
             (``dedicated.state`` ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed``
             and why). 409 when the id has one already."""
             actor = self.access.admin_actor(request)
-            key = self._resolve(request.match_info["id"])
+            key = self.registry.resolve_version(request.match_info["id"])
             if key in self.draining:  # a DELETE ?drain=true waits on it: a deployment would outlive the version
                 raise ConflictError(f"adapter {key!r} is being deleted; it is not promoted", param="id")
             self.dedicated.promote(key, actor)

@@ -125,7 +125,7 @@ class FleetBackend:
         return self.base_of(self.version(adapter_id))
 
     def version(self, name: str) -> str:
-        return self.bases.resolve(self.registry, name, self.profile.base_digest)
+        return self.bases.serving_key(self.registry, name)
 
     def base_named(self, model: str) -> str | None:
         return self.bases.named(model)

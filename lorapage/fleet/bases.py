@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lorapage.bases.serving import ServedBase, resolve_across, route_base, served_migrations
+from lorapage.bases.serving import ServedBase, route_base, served_migrations, version_across
 from lorapage.config import EngineConfig
 from lorapage.fleet.registry import FleetRegistry
 
@@ -50,13 +50,13 @@ class FleetBases:
         """The base ``model`` names (a base's name, or ``NAME:adapter``), if any."""
         return next((b.name for b in self.bases if model == b.name or model.startswith(b.name + ":")), None)
 
-    def resolve(self, registry: FleetRegistry, name: str, base_digest: str) -> str:
-        """The version key ``name`` serves now: on the one base ``base_digest`` as before, or on
+    def serving_key(self, registry: FleetRegistry, name: str) -> str:
+        """The version key ``name`` serves now: on the registry's one base as before, or on
         whichever base a deployment runs; 404 when there is none, 409 naming its base's digest
         when no deployment runs that base."""
         if not self.several:
-            return registry.resolve(name, base_digest)
-        return resolve_across(name, registry.row, self._served_migrations(registry), self.bases)[0]
+            return registry.resolve_version(name)
+        return version_across(name, registry.row, self._served_migrations(registry), self.bases)[0]
 
     def handle_for(self, registry: FleetRegistry, adapter: str | None, model: str) -> Any:
         """The deployment handle of the base a resolved request runs on."""

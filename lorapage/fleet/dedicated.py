@@ -233,7 +233,7 @@ class DedicatedDeployments:
 
     def _prompts(self, adapter_id: str) -> tuple[str, ...]:
         """The check's prompts: the built-in ones and the id's stored check prompts (bounded)."""
-        stored = self.registry.registry.check_prompts(adapter_id).all_prompts()
+        stored = self.registry.drift_record.check_prompts(adapter_id).all_prompts()
         return CHECK_PROMPTS + stored[: self.config.dedicated.check_prompts]
 
     async def _start(self, promotion: Promotion, state: IdState) -> None:
@@ -331,7 +331,7 @@ class DedicatedDeployments:
             after["check"] = {k: check[k] for k in ("prompts", "tokens", "max_abs_dlogprob", "passed")}
         try:
             await asyncio.to_thread(
-                self.registry.record, action, promotion.adapter_id, actor=promotion.actor, after=after, outcome=outcome
+                self.registry.note, action, promotion.adapter_id, actor=promotion.actor, after=after, outcome=outcome
             )
         except Exception:
             log.exception("the audit row of %s %s was not written", action, promotion.key)

@@ -39,7 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from lorapage.adapters.state_lock import StateDirLock
-from lorapage.fleet.admin import FleetAdminOps
+from lorapage.fleet.admin import FleetDeployment
 from lorapage.fleet.auto_promote import AutoPromoter
 from lorapage.fleet.backend import FleetBackend
 from lorapage.fleet.bases import FleetBases
@@ -52,6 +52,7 @@ from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.fleet.upgrades import FleetUpgrades
 from lorapage.frontend.access_log import AccessLog
 from lorapage.frontend.admin import add_admin_routes
+from lorapage.frontend.admin_ops import Admin
 from lorapage.frontend.app import STATE, ServerState, build_app
 from lorapage.frontend.audit_route import add_audit_routes
 from lorapage.frontend.auth import Access
@@ -95,7 +96,7 @@ class FleetIngress:
         # One writer per state dir: a second fleet (or server) on it fails to deploy, saying why.
         self._state_lock = StateDirLock(Path(config.state_dir)) if config.state_dir is not None else None
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
-        self.registry = FleetRegistry(Registry(state))
+        self.registry = FleetRegistry(Registry(state), base_digest=profile.base_digest)
         for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
             if (owner := self.registry.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
@@ -124,7 +125,7 @@ class FleetIngress:
         """``lorapage serve``'s admin, audit and base-upgrade routes over the fleet's registry and
         replicas, and the fleet's own (promote, demote)."""
         state = app[STATE]
-        ops = FleetAdminOps(
+        deployment = FleetDeployment(
             access=self.access,
             registry=self.registry,
             engines=self.engines,
@@ -136,13 +137,14 @@ class FleetIngress:
             sync_period_s=self.config.sync_period_s,
             dedicated=self.dedicated,
         )
-        self.admin_ops = ops  # its write lock orders every registry change (registration, migration)
-        routes = add_admin_routes(app, STATE, ops)
+        routes = add_admin_routes(app, STATE, Admin(self.registry, deployment))
         add_audit_routes(app, STATE)
         models = [self.config.engine.model, *self.config.bases]
-        upgrades = FleetUpgrades(self.backend.bases, self.registry, self.profile.base_digest, models, ops.write)
+        upgrades = FleetUpgrades(
+            self.backend.bases, self.registry, self.profile.base_digest, models, self.registry.write
+        )
         add_base_routes(app, STATE, upgrades)
-        ops.add_routes(app, routes)
+        deployment.add_routes(app, routes)
 
     async def __del__(self) -> None:
         """Ray Serve's graceful shutdown of the replica: stop taking requests (``/health`` 503),
@@ -159,7 +161,7 @@ class FleetIngress:
         for name, path in self.config.lora_modules:
             handle = self.engines.options(multiplexed_model_id=name)
             prepared = answered(await handle.prepare_adapter.remote(path, None, None))
-            await self.admin_ops.write(functools.partial(self.registry.add, name, None, prepared, activate=True))
+            await self.registry.write(functools.partial(self.registry.add, name, None, prepared, activate=True))
 
     def ready(self) -> list[str]:
         """The registered adapter ids (the deployment runs once :meth:`register_modules` has)."""
@@ -199,7 +201,7 @@ class FleetIngress:
         """Audit a reload as ``lorapage serve`` audits its SIGHUP (the fleet's CLI calls
         :meth:`reload_tenants` on one); a failure to write the row is logged, not raised."""
         try:
-            self.registry.record("tenants_reload", None, actor="sighup", after=after, outcome=outcome)
+            self.registry.note("tenants_reload", None, actor="sighup", after=after, outcome=outcome)
         except Exception:
             log.exception("the audit row of a tenants reload was not written")
 

@@ -82,7 +82,7 @@ class MergedReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         (row,) = state.versions
         self.key = row.key
-        self.engine.admin.mirror(state.adapter_id, state.owner, row.version, [row])
+        self.engine.admin.catalog.mirror(state.adapter_id, state.owner, row.version, [row])
         check, error = None, None
         try:
             check = (await merge_and_check(self.engine, self.key, prompts, tolerance=tolerance)).as_json()

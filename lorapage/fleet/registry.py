@@ -19,19 +19,23 @@ stored (a pre-warm, an unload, a tenants reload) and :meth:`audit` reads the row
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
 
 from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.names import parse_name
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError
 from lorapage.fleet.messages import IdState, SyncReply
 from lorapage.registry.audit import OK, AliasMove, AuditEntry, AuditQuery, check_channel, rollback_version
-from lorapage.registry.catalog import PreparedVersion
-from lorapage.registry.drift_state import MigrationRow
+from lorapage.registry.drift_state import DriftRecord, MigrationRow
+from lorapage.registry.prepare import PreparedVersion
 from lorapage.registry.store import Registry, VersionRow
 from lorapage.registry.version_index import VersionIndex
 
+T = TypeVar("T")
 MAX_UNLOADS = 1024  # admin unloads remembered for replicas that have not synced since
 
 
@@ -39,12 +43,22 @@ class FleetRegistry:
     """The live view of the fleet's registry and what each replica needs to catch up. Its
     writes are blocking SQLite commits: the ingress runs them in a worker, one at a time."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, *, base_digest: str = "") -> None:
+        """``base_digest``: the primary base's, which the replicas run (a version on another is refused)."""
         self.registry = registry
+        self.base_digest = base_digest
+        self.drift_record: DriftRecord = registry
+        """Check prompts and base-migration states (blocking: use it in a worker)."""
         self.epoch = secrets.token_hex(8)  # this process's count of generations
         # Generation 1: every id as loaded (a replica that has 0 has nothing).
         self._index = VersionIndex.load(registry, generation=1)
         self._unloads: deque[tuple[int, str]] = deque(maxlen=MAX_UNLOADS)
+        self._writes = asyncio.Lock()  # one registry change at a time, each committed in a worker
+
+    async def write(self, change: Callable[[], T]) -> T:
+        """Run ``change`` (a blocking registry commit) in a worker, one change at a time."""
+        async with self._writes:
+            return await asyncio.to_thread(change)
 
     @property
     def generation(self) -> int:
@@ -62,19 +76,20 @@ class FleetRegistry:
     def channels(self, adapter_id: str) -> dict[str, int]:
         return self._index.channels(adapter_id)
 
-    def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
-        """``adapter_id``'s alias moves, every channel, newest first (a blocking read: run it in a worker)."""
-        return self.registry.alias_history(adapter_id, limit)
+    async def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
+        """``adapter_id``'s alias moves, every channel, newest first (read in a worker)."""
+        return await asyncio.to_thread(self.registry.alias_history, adapter_id, limit)
 
-    def resolve(self, name: str, base_digest: str) -> str:
+    def resolve_version(self, name: str) -> str:
         """The version key ``name`` serves now; 404 when none, 409 when it was trained on another
-        base than the replicas run (both digests and the migration route)."""
+        base than the replicas run (:attr:`base_digest`; both digests and the migration route)."""
         row = self.row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
-        if row.base_digest != base_digest:
+        if row.base_digest != self.base_digest:
             raise AdapterBaseMismatchError(
-                mismatch_message(f"adapter {row.key}", row.base_digest, base_digest, server="fleet"), param="model"
+                mismatch_message(f"adapter {row.key}", row.base_digest, self.base_digest, server="fleet"),
+                param="model",
             )
         return row.key
 
@@ -93,9 +108,9 @@ class FleetRegistry:
     def removable(self, name: str) -> list[str]:
         return self._index.removable(name)
 
-    def audit(self, query: AuditQuery) -> list[AuditEntry]:
-        """The audit rows ``query`` selects, newest first (a blocking read: run it in a worker)."""
-        return self.registry.audit(query)
+    async def audit(self, query: AuditQuery) -> list[AuditEntry]:
+        """The audit rows ``query`` selects, newest first (read in a worker)."""
+        return await asyncio.to_thread(self.registry.audit, query)
 
     # -- writes (each committed, then shown, then counted) --------------------------------------
 
@@ -140,12 +155,30 @@ class FleetRegistry:
         self.registry.set_channel(adapter_id, channel, version, action=action, actor=actor)
         self._index.set_channel(adapter_id, channel, version)  # counted: what /v1/models shows may change
 
-    def rollback(
-        self, adapter_id: str, version: int | None, channel: str, servable: set[int], *, actor: str | None = None
+    async def deploy(self, adapter_id: str, version: int, *, channel: str = "", actor: str | None = None) -> VersionRow:
+        """Point ``adapter_id`` (or its named ``channel``) at ``version``, fleet-wide at once (the
+        ingress resolves every request's version); 409 for a version on a base the replicas do not run."""
+        if (row := self.row(f"{adapter_id}@{version}")) is not None:
+            self.resolve_version(row.key)  # a version on another base: 409 before the alias (or channel) moves
+        if channel:
+            await self.write(lambda: self.set_channel(adapter_id, channel, version, actor=actor))
+            return self._index.existing(adapter_id, version)
+        return await self.write(lambda: self.set_current(adapter_id, version, actor=actor))
+
+    async def rollback(
+        self, adapter_id: str, version: int | None = None, *, channel: str = "", actor: str | None = None
     ) -> VersionRow:
         """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the version
         before its last deploy (:func:`~lorapage.registry.audit.rollback_target`, over the versions
-        in ``servable``: those this fleet's bases run), as ``lorapage serve`` does; 409 when none is left."""
+        on :attr:`base_digest`), as ``lorapage serve`` does; 409 when none is left."""
+        if version is not None and (row := self.row(f"{adapter_id}@{version}")) is not None:
+            self.resolve_version(row.key)  # a version on another base: 409 before the alias moves
+        servable = {row.version for row in self.versions(adapter_id) if row.base_digest == self.base_digest}
+        return await self.write(lambda: self._roll_back(adapter_id, version, channel, servable, actor))
+
+    def _roll_back(
+        self, adapter_id: str, version: int | None, channel: str, servable: set[int], actor: str | None
+    ) -> VersionRow:
         self._index.require(adapter_id)
         check_channel(channel)
         at = self._index.at(adapter_id, channel)
@@ -157,18 +190,26 @@ class FleetRegistry:
             return self._index.existing(adapter_id, version)
         return self.set_current(adapter_id, version, action="rollback", actor=actor)
 
-    def set_pinned(self, key: str, pinned: bool, *, actor: str | None = None, outcome: str = OK) -> None:
+    async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
+        """Forget ``adapter_id``'s named ``channel``."""
+        await self.write(lambda: self.set_channel(adapter_id, channel, None, action="channel", actor=actor))
+
+    async def set_pinned(self, key: str, pinned: bool, *, actor: str | None = None, outcome: str = OK) -> None:
         """Pin version ``key`` resident on every replica, or unpin it (``outcome``: why, when not ``ok``)."""
         adapter_id, version = parse_name(key)
         row = self._index.version(adapter_id, version)
         if row is None:
             raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")
-        self.registry.set_pinned(adapter_id, row.version, pinned, actor=actor, outcome=outcome)
+        await self.write(
+            lambda: self.registry.set_pinned(adapter_id, row.version, pinned, actor=actor, outcome=outcome)
+        )
         self._index.set_pinned(adapter_id, row.version, pinned)
 
-    def remove(self, keys: list[str], *, actor: str | None = None) -> None:
-        """Forget versions ``keys`` (from :meth:`removable`); the alias moves to the newest
-        remaining version if it pointed at one of them."""
+    def remove(self, name: str, *, actor: str | None = None) -> list[str]:
+        """Forget the versions deleting ``name`` removes (:meth:`removable`), dropped from every
+        replica once their requests end; the alias moves to the newest remaining version if it
+        pointed at one of them. Returns their keys."""
+        keys = self.removable(name)
         for key in keys:
             adapter_id, version = parse_name(key)
             assert version is not None and self._index.version(adapter_id, version) is not None, key
@@ -176,18 +217,25 @@ class FleetRegistry:
                 adapter_id, version, self._index.current_without(adapter_id, version), actor=actor
             )
             self._index.remove(adapter_id, version)  # its channels are deleted with it
+        return keys
 
     def unload(self, key: str, *, actor: str | None = None) -> None:
         """Ask every replica to drop version ``key`` from its pool (an admin's unload), audited."""
         adapter_id, version = parse_name(key)
-        self.record("unload", adapter_id, actor=actor, after={"version": version})
+        self.note("unload", adapter_id, actor=actor, after={"version": version})
         self._index.count()
         self._unloads.append((self.generation, key))
 
-    def record(
+    async def record(
         self, action: str, adapter_id: str | None, *, actor: str | None, after: dict | None = None, outcome: str = OK
     ) -> None:
-        """Audit an action that changes nothing stored (``load``, ``unload``, ``tenants_reload``)."""
+        """:meth:`note`, committed in a worker in turn with the other changes."""
+        await self.write(lambda: self.note(action, adapter_id, actor=actor, after=after, outcome=outcome))
+
+    def note(
+        self, action: str, adapter_id: str | None, *, actor: str | None, after: dict | None = None, outcome: str = OK
+    ) -> None:
+        """Audit an action that changes nothing stored (``load``, ``unload``, ``tenants_reload``; blocking)."""
         tenant = self.owner(adapter_id) if adapter_id is not None else None
         self.registry.record(action, adapter_id, actor=actor, tenant=tenant, after=after, outcome=outcome)
 

@@ -42,7 +42,7 @@ from lorapage.errors import (
 from lorapage.fleet.config import APP_NAME, INGRESS_DEPLOYMENT
 from lorapage.fleet.messages import EngineJob, EngineProfile, Heartbeat, IdState, ReplicaStart, SyncReply
 from lorapage.frontend.metrics import register_engine_collectors
-from lorapage.registry.catalog import PreparedVersion
+from lorapage.registry.prepare import PreparedVersion
 from lorapage.request import RequestOutput
 from lorapage.sources import AdapterRoots
 from lorapage.usage.ledger import Key, Usage
@@ -91,7 +91,7 @@ class EngineReplica:
         the stream (the client went away) closes the engine's generator, which aborts the request."""
         try:
             # The ingress resolved the version (id@N); one the mirror lacks was registered since its last sync.
-            key = await self._resolve(job.adapter) if job.adapter is not None else None
+            key = await self._serving_key(job.adapter) if job.adapter is not None else None
         except LorapageError as exc:
             yield ReplicaStart(self.replica_id)
             yield _in_fleet(exc, job.adapter)
@@ -114,13 +114,13 @@ class EngineReplica:
         finally:
             self.in_flight -= 1
 
-    async def _resolve(self, name: str) -> str:
+    async def _serving_key(self, name: str) -> str:
         self._start_syncing()
         try:
-            return self.engine.admin.resolve(name)
+            return self.engine.admin.catalog.resolve_version(name)
         except AdapterNotFoundError:
             await self.sync()
-            return self.engine.admin.resolve(name)
+            return self.engine.admin.catalog.resolve_version(name)
 
     # -- admin work the ingress hands one replica -------------------------------------------------
 
@@ -137,7 +137,7 @@ class EngineReplica:
         ``dedicated``, served once promoted)."""
         self._start_syncing()
         try:
-            return await self.engine.admin.prepare(
+            return await self.engine.admin.catalog.preparer.prepare(
                 source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner, envelope=envelope
             )
         except LorapageError as exc:
@@ -161,7 +161,7 @@ class EngineReplica:
     async def load_adapter(self, key: str) -> AdapterInfo | LorapageError:
         """Pre-warm version ``key`` into this replica's pool (the router sent it to an owner)."""
         try:
-            await self._resolve(key)
+            await self._serving_key(key)
             await self.engine.admin.load(key)
         except LorapageError as exc:
             return exc
@@ -170,7 +170,7 @@ class EngineReplica:
     async def check_pin(self, key: str) -> LorapageError | None:
         """Whether pinning ``key`` fits (every replica has the same pool, pins and adapters)."""
         try:
-            await self._resolve(key)
+            await self._serving_key(key)
             self.engine.admin.check_pin(key)
         except LorapageError as exc:
             return exc
@@ -181,7 +181,7 @@ class EngineReplica:
     async def drift_references(self, key: str, prompts: list[str], max_tokens: int) -> list[Reference] | LorapageError:
         """The check's first half on this replica's (running) base: version ``key`` greedy on each prompt."""
         try:
-            await self._resolve(key)
+            await self._serving_key(key)
             return await references(self.engine, key, prompts, max_tokens=max_tokens)
         except LorapageError as exc:
             return exc
@@ -194,11 +194,11 @@ class EngineReplica:
         self._start_syncing()
         try:
             try:
-                self.engine.admin.row(key)
+                self.engine.admin.catalog.row(key)
             except AdapterNotFoundError:  # registered since this replica's last heartbeat
                 await self.sync()
-            async with self.engine.admin.version_files(key) as path:
-                await self.engine.admin.register_checked(name, path, expected_base_digest=target)
+            async with self.engine.admin.catalog.version_files(key) as path:
+                await self.engine.admin.catalog.register_checked(name, path, expected_base_digest=target)
             try:
                 return await candidate_drifts(self.engine, name, refs)
             finally:
@@ -241,7 +241,7 @@ class EngineReplica:
     async def _apply(self, reply: SyncReply) -> None:
         if reply.full:
             listed = {s.adapter_id for s in reply.ids}
-            gone = [IdState(i, None, None, ()) for i in self.engine.admin.ids() if i not in listed]
+            gone = [IdState(i, None, None, ()) for i in self.engine.admin.catalog.ids() if i not in listed]
             self._deferred.clear()
         else:
             gone = []
@@ -276,7 +276,7 @@ class EngineReplica:
         deferred = []
         for state in latest.values():
             self._deferred.pop(state.adapter_id, None)
-            busy = self.engine.admin.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
+            busy = self.engine.admin.catalog.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
             if busy:
                 deferred.append(state)
         return deferred
@@ -296,7 +296,7 @@ class EngineReplica:
         stats = self.engine.stats()
         pool = self._names(stats.resident_adapters)
         host = self._names(stats.host_ram_adapters) - pool
-        disk = self._names(v.key for v in self.engine.admin.versions() if v.servable) - pool - host
+        disk = self._names(v.key for v in self.engine.admin.catalog.versions() if v.servable) - pool - host
         return {
             "pool": sorted(pool),
             "host": sorted(host),
@@ -317,7 +317,7 @@ class EngineReplica:
             names.add(key)
             adapter_id, _ = parse_name(key)
             try:
-                if self.engine.admin.resolve(adapter_id) == key:
+                if self.engine.admin.catalog.resolve_version(adapter_id) == key:
                     names.add(adapter_id)
             except LorapageError:
                 pass

@@ -32,7 +32,7 @@ from lorapage.fleet.registry import FleetRegistry
 from lorapage.registry.drift_state import MigrationRow
 from lorapage.registry.store import VersionRow
 
-Writer = Callable[[Callable[[], VersionRow]], Awaitable[VersionRow]]  # FleetAdminOps.write
+Writer = Callable[[Callable[[], VersionRow]], Awaitable[VersionRow]]  # FleetRegistry.write
 CHECK_TIMEOUT_S = 900.0  # for one half of one version's drift check on a replica (~200 prompts)
 
 
@@ -76,9 +76,9 @@ class FleetUpgrades:
         self, bases: FleetBases, registry: FleetRegistry, digest: str, models: Sequence[str], write: Writer
     ) -> None:
         """``models``: each base's directory, in the order of ``bases`` (what a job shows as its
-        candidate); ``write``: runs a registry change in turn with the admin routes' (FleetAdminOps.write)."""
+        candidate); ``write``: runs a registry change in turn with the admin routes' (FleetRegistry.write)."""
         self.bases, self.fleet_registry, self.models, self.write = bases, registry, list(models), write
-        self.registry = registry.registry
+        self.drift_record = registry.drift_record
         self.digest = digest
 
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
@@ -115,7 +115,7 @@ class FleetUpgrades:
         candidate = self.models[
             digests.index(target)
         ]  # the directory its deployment runs (a model given is not loaded)
-        return validator.start_with(self.registry, self.digest, target, candidate, keys, make)
+        return validator.start_with(self.drift_record, self.digest, target, candidate, keys, make)
 
     async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
         return await self.write(lambda: self.fleet_registry.migrate(row, actor=actor))

@@ -5,7 +5,7 @@ registry as the admin key's id (:mod:`lorapage.registry.audit`); the trail and t
 are read by :mod:`lorapage.frontend.audit_route`.
 
 ``lorapage serve`` and the fleet's ingress serve these routes alike; what a change does is the
-app's :class:`~lorapage.frontend.admin_ops.AdminOps` (the engines here, or the fleet's registry and
+app's :class:`~lorapage.frontend.admin_ops.Admin` (the engines here, or the fleet's registry and
 replicas). All of them take the admin key only (reading one adapter and its check prompts: its
 owner's key too), and a body of at most :data:`ADMIN_MAX_BODY_BYTES` (read as it streams:
 nothing past the limit is read). What a registration may read, and from where, is
@@ -26,7 +26,7 @@ from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.names import parse_name
 from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
 from lorapage.frontend import protocol
-from lorapage.frontend.admin_ops import ADMIN, AdminOps
+from lorapage.frontend.admin_ops import ADMIN, Admin
 from lorapage.frontend.auth import bearer_key
 from lorapage.frontend.check_prompts import check_prompts_body, owned_id
 from lorapage.frontend.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
@@ -74,9 +74,9 @@ def cost_fields(info: AdapterInfo) -> dict[str, Any]:
     }
 
 
-def check_sampling(ops: AdminOps, sample: bool | None, param: str) -> None:
+def check_sampling(ops: Admin, sample: bool | None, param: str) -> None:
     """400 for an owner's choice to sample check prompts from traffic where nothing samples it (a fleet's ingress)."""
-    if sample and not ops.samples_traffic:
+    if sample and not ops.deployment.samples_traffic:
         raise InvalidRequestError(
             "this deployment keeps no sample of an adapter's traffic; give the check prompts themselves", param=param
         )
@@ -87,13 +87,13 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 
 class AdminRoutes:
-    """Handlers over the front end's state and the app's :class:`~lorapage.frontend.admin_ops.AdminOps`
+    """Handlers over the front end's state and the app's :class:`~lorapage.frontend.admin_ops.Admin`
     (the state key is passed in to avoid an import cycle)."""
 
     def __init__(self, state_key: web.AppKey) -> None:
         self.key = state_key
 
-    def _admin(self, request: web.Request) -> tuple[RouteState[Any], AdminOps, str]:
+    def _admin(self, request: web.Request) -> tuple[RouteState[Any], Admin, str]:
         """The state, the operations and the admin key's id (the actor audit rows name); 401/403
         for any other key."""
         state = request.app[self.key]
@@ -101,21 +101,21 @@ class AdminRoutes:
 
     async def describe(self, request: web.Request, name: str, status: int = 200) -> web.Response:
         """``name`` described, as every admin route answers."""
-        return _json((await request.app[ADMIN].describe([name]))[0], status=status)
+        return _json((await request.app[ADMIN].deployment.describe([name]))[0], status=status)
 
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
         state, ops, actor = self._admin(request)
-        reg = registration(await read_admin_body(request), ops.base_name, state.access)
+        reg = registration(await read_admin_body(request), ops.deployment.base_name, state.access)
         check_sampling(ops, reg.sample_check_prompts, "sample_check_prompts")  # refused before anything is stored
         key, created = await self._register(state, ops, reg, actor)
         if reg.check_prompts is not None or reg.sample_check_prompts is not None:  # kept for a base upgrade
             await ops.store_check_prompts(reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor)
         return await self.describe(request, key, status=201 if created else 200)
 
-    async def _register(self, state: RouteState[Any], ops: AdminOps, reg: Registration, actor: str) -> tuple[str, bool]:
+    async def _register(self, state: RouteState[Any], ops: Admin, reg: Registration, actor: str) -> tuple[str, bool]:
         with source_errors(reg):
-            source = await checked_source(reg, ops.roots, state.access)
+            source = await checked_source(reg, ops.deployment.roots, state.access)
             key, created = await ops.register(reg, source, actor)
         if reg.owner is not None:
             state.access.set_owner(reg.id, reg.owner)
@@ -125,7 +125,7 @@ class AdminRoutes:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.frontend.lora_admin`)."""
         state, ops, actor = self._admin(request)
         body = await read_admin_body(request)
-        reg = lora_registration(body, ops.base_name, state.access, ops.ids())
+        reg = lora_registration(body, ops.deployment.base_name, state.access, ops.store.ids())
         await self._register(state, ops, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
@@ -139,7 +139,7 @@ class AdminRoutes:
 
     async def list(self, request: web.Request) -> web.Response:
         _, ops, _ = self._admin(request)
-        return _json({"object": "list", "data": await ops.describe(ops.listed())})
+        return _json({"object": "list", "data": await ops.deployment.describe(ops.deployment.listed())})
 
     async def get(self, request: web.Request) -> web.Response:
         """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and, where
@@ -150,8 +150,8 @@ class AdminRoutes:
         state, ops = request.app[self.key], request.app[ADMIN]
         name = request.match_info["id"]
         admin = state.access.adapter_reader(request, name)
-        out = (await ops.describe([name]))[0]
-        out.traffic = await ops.traffic(out)
+        out = (await ops.deployment.describe([name]))[0]
+        out.traffic = await ops.deployment.traffic(out)
         if not admin:
             out.path = out.source = ""
         return _json(out)
@@ -160,7 +160,7 @@ class AdminRoutes:
         """Every version of an id, servable on a base served here or not, oldest first."""
         _, ops, _ = self._admin(request)
         adapter_id = request.match_info["id"]
-        versions = ops.versions(adapter_id) if "@" not in adapter_id else []
+        versions = ops.deployment.versions(adapter_id) if "@" not in adapter_id else []
         if not versions:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         return _json({"object": "list", "data": versions})
@@ -169,7 +169,7 @@ class AdminRoutes:
         """Deploy (or roll back to a version named): point the id at another version, atomically.
         Requests in flight finish on the version they started with; new ones get this one."""
         _, ops, actor = self._admin(request)
-        adapter_id = known_id(request.match_info["id"], ops.ids())
+        adapter_id = known_id(request.match_info["id"], ops.store.ids())
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         return await self.describe(request, await ops.deploy(adapter_id, req.version, "", actor))
 
@@ -177,7 +177,7 @@ class AdminRoutes:
         """Roll back in one call: with no body (or no ``version``) to the version the alias (or
         ``channel``) served before its last deploy; again, one deploy further back."""
         _, ops, actor = self._admin(request)
-        adapter_id = known_id(request.match_info["id"], ops.ids())
+        adapter_id = known_id(request.match_info["id"], ops.store.ids())
         body = await read_admin_body(request)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
         return await self.describe(request, await ops.rollback(adapter_id, req.version, req.channel or "", actor))
@@ -186,15 +186,15 @@ class AdminRoutes:
         """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy
         of that channel alone; the id's own alias stays where it is."""
         _, ops, actor = self._admin(request)
-        adapter_id, channel = known_id(request.match_info["id"], ops.ids()), request.match_info["channel"]
+        adapter_id, channel = known_id(request.match_info["id"], ops.store.ids()), request.match_info["channel"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         return await self.describe(request, await ops.deploy(adapter_id, req.version, channel, actor))
 
     async def delete_channel(self, request: web.Request) -> web.Response:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
         _, ops, actor = self._admin(request)
-        adapter_id, channel = known_id(request.match_info["id"], ops.ids()), request.match_info["channel"]
-        await ops.remove_channel(adapter_id, channel, actor)
+        adapter_id, channel = known_id(request.match_info["id"], ops.store.ids()), request.match_info["channel"]
+        await ops.store.remove_channel(adapter_id, channel, actor=actor)
         return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -205,17 +205,15 @@ class AdminRoutes:
         running = await self._delete(state, ops, name, request.query, actor)
         return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(
-        self, state: RouteState[Any], ops: AdminOps, name: str, query: Mapping[str, str], actor: str
-    ) -> int:
+    async def _delete(self, state: RouteState[Any], ops: Admin, name: str, query: Mapping[str, str], actor: str) -> int:
         keys = ops.removable(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
-            await ops.remove(name, actor)  # 409 from an engine if it still holds requests
+            ops.store.remove(name, actor=actor)  # 409 from an engine if it still holds requests
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
-        if adapter_id not in ops.ids():
+        if adapter_id not in ops.store.ids():
             state.access.drop_owner(adapter_id)
         return running
 
@@ -243,13 +241,13 @@ class AdminRoutes:
 
     async def internal_state(self, request: web.Request) -> web.Response:
         _, ops, _ = self._admin(request)
-        return _json(ops.internal_state())
+        return _json(ops.deployment.internal_state())
 
     async def put_check_prompts(self, request: web.Request) -> web.Response:
         """Replace what is given of an adapter's check prompts and choices (the admin, or the
         owner's key; :mod:`lorapage.frontend.check_prompts`)."""
         state, ops = request.app[self.key], request.app[ADMIN]
-        adapter_id = owned_id(state.access, ops.ids(), request)
+        adapter_id = owned_id(state.access, ops.store.ids(), request)
         req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
         check_sampling(ops, req.sample, "sample")
@@ -261,7 +259,7 @@ class AdminRoutes:
 
     async def get_check_prompts(self, request: web.Request) -> web.Response:
         state, ops = request.app[self.key], request.app[ADMIN]
-        return _json(check_prompts_body(await ops.check_prompts(owned_id(state.access, ops.ids(), request))))
+        return _json(check_prompts_body(await ops.check_prompts(owned_id(state.access, ops.store.ids(), request))))
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:
@@ -340,7 +338,7 @@ async def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def add_admin_routes(app: web.Application, state_key: web.AppKey, ops: AdminOps) -> AdminRoutes:
+def add_admin_routes(app: web.Application, state_key: web.AppKey, ops: Admin) -> AdminRoutes:
     """The admin routes over ``ops`` (``lorapage serve``'s and the fleet's alike); the side adds its
     own with the returned routes' helpers (the fleet: promote, demote)."""
     app[ADMIN] = ops

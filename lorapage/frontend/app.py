@@ -123,11 +123,11 @@ class ServerState(Generic[B]):
             return None
         return None if key in self.draining else key
 
-    def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
+    def route(self, model: str, tenant: str) -> tuple[str, str | None]:
         """``(id to echo, adapter version or None)`` for ``base``, ``base:adapter`` or
         ``adapter`` (each adapter as ``id`` or ``id@N``); else 404."""
         base = self.backend.base_named(model) or self.backend.base_name
-        return protocol.resolve_model(model, base, lambda name: self.version_of(tenant, name))
+        return protocol.route_model(model, base, lambda name: self.version_of(tenant, name))
 
     def card_of(self, model: str, adapter: str | None) -> BaseCard:
         """The card of the base ``model`` (resolved to ``adapter``, a version key or None) runs on."""
@@ -234,7 +234,7 @@ def check_length(request: web.Request) -> None:
 
 def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float) -> Job:
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
-    model, adapter = state.resolve(parsed.req.model, tenant)
+    model, adapter = state.route(parsed.req.model, tenant)
     backend = state.backend
     return make_job(
         kind,
@@ -275,7 +275,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         else:
             vocab, max_len = backend.vocab_size, backend.max_model_len
             parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
-        state.resolve(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+        state.route(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
         prompts = await state.prompts.of(kind, tenant, parsed)
         job = _job(state, kind, parsed, tenant, prompts, arrival)
         if job.adapter is not None:
@@ -297,7 +297,7 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     tenant = state.access.tenant_for(request)
     state.release(state.admit(tenant))
-    model, adapter = state.resolve(request.match_info["model"], tenant)
+    model, adapter = state.route(request.match_info["model"], tenant)
     card = state.card_of(model, adapter)
     found = card.base() if adapter is None else card.adapter(model, tenant)
     return web.Response(body=msgspec.json.encode(found), content_type="application/json")

@@ -156,7 +156,7 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
     async def audit(request: web.Request) -> web.Response:
         state = request.app[state_key]
         state.access.require_admin(request)
-        return _json(await audit_list(request.query, request.app[ADMIN].audit))
+        return _json(await audit_list(request.query, request.app[ADMIN].store.audit))
 
     async def history(request: web.Request) -> web.Response:
         state, ops = request.app[state_key], request.app[ADMIN]
@@ -169,10 +169,10 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
             if state.access.owners.get(adapter_id) != tenant:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
-        if adapter_id not in ops.ids():
+        if adapter_id not in ops.store.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
-        moves = await ops.history(adapter_id, limit + 1)
-        current, channels = ops.current(adapter_id), ops.channels(adapter_id)
+        moves = await ops.store.history(adapter_id, limit + 1)
+        current, channels = ops.store.current(adapter_id), ops.store.channels(adapter_id)
         return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
     app.router.add_get("/v1/audit", audit)

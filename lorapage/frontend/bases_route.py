@@ -45,9 +45,10 @@ from lorapage.registry.drift_state import (
     OPTED_OUT,
     PASSED,
     PENDING,
+    DriftRecord,
     MigrationRow,
 )
-from lorapage.registry.store import Registry, VersionRow
+from lorapage.registry.store import VersionRow
 
 VALIDATOR = web.AppKey("lorapage_base_validator", BaseValidator)
 
@@ -89,7 +90,7 @@ class BaseUpgrades(Protocol):
     or a fleet's deployments and registry (:class:`lorapage.fleet.upgrades.FleetUpgrades`)."""
 
     digest: str  # the running (primary) base's
-    registry: Registry  # the record of check prompts and migration states
+    drift_record: DriftRecord  # the record of check prompts and migration states (blocking)
 
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
         """The versions to check or migrate: each id's current one on the running base."""
@@ -141,7 +142,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         owners = state.access.owners
         rows = [
             _row_out(r, owners.get(r.adapter_id))
-            for r in await asyncio.to_thread(upgrades.registry.migration_states, target)
+            for r in await asyncio.to_thread(upgrades.drift_record.migration_states, target)
         ]
         if wanted is not None:
             rows = [r for r in rows if r["tenant"] == wanted]
@@ -172,7 +173,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         if job is not None and job.status == "running":
             raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
         keys = upgrades.current_versions(req.adapters)
-        states = {r.key: r for r in await asyncio.to_thread(upgrades.registry.migration_states, target)}
+        states = {r.key: r for r in await asyncio.to_thread(upgrades.drift_record.migration_states, target)}
         ready, skipped = [], []
         for key in keys:
             row = states.get(key)

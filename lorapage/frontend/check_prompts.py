@@ -23,8 +23,8 @@ from lorapage.registry.drift_state import (
     MAX_CHECK_PROMPTS,
     MAX_PROMPT_BYTES,
     CheckPrompts,
+    DriftRecord,
 )
-from lorapage.registry.store import Registry
 
 
 def admin_or_tenant(access: Access, request: web.Request) -> str | None:
@@ -47,7 +47,7 @@ def owned_id(access: Access, ids: Collection[str], request: web.Request) -> str:
 
 
 async def store_check_prompts(
-    registry: Registry,
+    registry: DriftRecord,
     adapter_id: str,
     prompts: Sequence[str] | None,
     sample: bool | None,
@@ -58,15 +58,7 @@ async def store_check_prompts(
     committed in a worker (``lorapage serve``'s engine's registry, or the fleet ingress's)."""
 
     def write() -> CheckPrompts:
-        old = registry.check_prompts(adapter_id)
-        on = old.sample if sample is None else sample
-        new = CheckPrompts(
-            adapter_id,
-            old.prompts if prompts is None else tuple(prompts),
-            on,
-            old.opt_out if opt_out is None else opt_out,
-            old.sampled if on else (),  # turning sampling off deletes what was sampled
-        )
+        new = registry.check_prompts(adapter_id).updated(prompts, sample, opt_out)
         registry.set_check_prompts(new, actor=actor)
         return new
 

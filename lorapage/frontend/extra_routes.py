@@ -89,10 +89,10 @@ class ExtraRoutes:
 
     @staticmethod
     def _resolver(state: RouteState[Backend], tenant: str) -> tokenization.Resolve:
-        async def resolve(model: str) -> object:
-            return state.resolve(model, tenant)
+        async def route(model: str) -> object:
+            return state.route(model, tenant)
 
-        return resolve
+        return route
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/responses``: checked and run as a chat completion is, answered in the
@@ -106,10 +106,10 @@ class ExtraRoutes:
             template, fmt = state.backend.tokenizer.chat_template, self.tool_format(state)
             parsed = await state.prompts.parse(tenant, body, lambda b: parse_responses(b, template, fmt))
             plan: ResponsesPlan = parsed.req
-            state.resolve(plan.req.model, tenant)  # 404 before the template or the tokenizer runs
+            state.route(plan.req.model, tenant)  # 404 before the template or the tokenizer runs
             ids = await state.prompts.chat_tokens(tenant, plan.messages, template_kwargs=plan.template_kwargs)
             # Resolved again: the adapter may have been deleted (or re-pointed) while the input was tokenized.
-            model, adapter = state.resolve(plan.req.model, tenant)
+            model, adapter = state.route(plan.req.model, tenant)
             max_len = state.backend.max_model_len
             job = responses_job(plan, model, adapter, tenant, ids, max_len, arrival, state.access)
 

@@ -77,7 +77,7 @@ class PromptSampler:
             for adapter_id, reservoir in pending.items():
                 texts = [_text(engine.tokenizer, ids) for ids in reservoir.items]
                 texts = [t for t in texts if t.strip() and len(t.encode("utf-8", "surrogatepass")) <= MAX_PROMPT_BYTES]
-                stored += engine.admin.registry.add_sampled_prompts(adapter_id, texts)
+                stored += engine.admin.catalog.drift_record.add_sampled_prompts(adapter_id, texts)
             return stored
 
         return await asyncio.get_running_loop().run_in_executor(None, write)

@@ -511,7 +511,7 @@ def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def resolve_model(model: str, base: str, version_of: Callable[[str], str | None]) -> tuple[str, str | None]:
+def route_model(model: str, base: str, version_of: Callable[[str], str | None]) -> tuple[str, str | None]:
     """``(id to echo, adapter version or None)`` for ``base``, ``base:adapter`` or ``adapter``,
     where ``version_of(adapter)`` is what the caller may run for that name (None: unknown or
     forbidden, both 404 alike). Without versions, it returns the name itself."""

@@ -4,7 +4,7 @@
 :class:`~lorapage.frontend.backend.Backend`; the route modules are typed against this instead,
 because ``app`` imports them and importing it back would cycle. The route modules both front ends
 serve take a ``RouteState[Backend]`` (the admin routes reach what changes adapters through the
-app's :class:`~lorapage.frontend.admin_ops.AdminOps`, not the backend).
+app's :class:`~lorapage.frontend.admin_ops.Admin`, not the backend).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class RouteState(Protocol[B_co]):
         """503 once the server is shutting down."""
         ...
 
-    def resolve(self, model: str, tenant: str) -> tuple[str, str | None]:
+    def route(self, model: str, tenant: str) -> tuple[str, str | None]:
         """``model`` as ``tenant`` may name it: (the name answered, the adapter version or None)."""
         ...
 

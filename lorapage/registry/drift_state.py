@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from lorapage.errors import InvalidRequestError
 
@@ -79,6 +79,18 @@ class CheckPrompts:
         """What its drift check runs: the given prompts, then the sampled ones."""
         return self.prompts + (self.sampled if self.sample else ())
 
+    def updated(self, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None) -> CheckPrompts:
+        """These settings with what is given replaced (None: kept); turning sampling off deletes
+        what was sampled."""
+        on = self.sample if sample is None else sample
+        return CheckPrompts(
+            self.adapter_id,
+            self.prompts if prompts is None else tuple(prompts),
+            on,
+            self.opt_out if opt_out is None else opt_out,
+            self.sampled if on else (),
+        )
+
 
 @dataclass(frozen=True)
 class MigrationRow:
@@ -98,6 +110,24 @@ class MigrationRow:
     @property
     def key(self) -> str:
         return f"{self.adapter_id}@{self.version}"
+
+
+class DriftRecord(Protocol):
+    """Where check prompts, sampled prompts and migration states are kept: the registry of an
+    engine (``engine.admin.drift_record``) or of a fleet's ingress. Its calls block (SQLite): run
+    them in a worker thread."""
+
+    def check_prompts(self, adapter_id: str) -> CheckPrompts: ...
+
+    def set_check_prompts(self, value: CheckPrompts, *, actor: str | None = None) -> None: ...
+
+    def sampling_ids(self) -> list[str]: ...
+
+    def add_sampled_prompts(self, adapter_id: str, prompts: Sequence[str]) -> int: ...
+
+    def migration_states(self, target: str | None = None, adapter_id: str | None = None) -> list[MigrationRow]: ...
+
+    def set_migration_states(self, rows: Iterable[MigrationRow]) -> None: ...
 
 
 def check_prompts_param(prompts: Sequence[object], param: str = "check_prompts") -> tuple[str, ...]:

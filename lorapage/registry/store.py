@@ -6,36 +6,7 @@ leaves each version either committed whole or absent, and the server answers 201
 commit. The registry only persists; the engine keeps the live view in memory and writes here
 first (see :mod:`lorapage.registry.catalog`).
 
-Tables:
-- ``adapters``: one row per id ever registered: its owner tenant, the version its alias points at
-  (``current``, NULL once every version is deleted) and the next version number. The row outlives
-  its versions so a number is never reused: ``id@3`` names the same bytes for good.
-- ``versions``: ``(id, version)`` with the content digest, the canonical source URI, the base
-  digest it was validated against and the adapter's spec (JSON: ranks and scales per module), so
-  a restart restores every version without reading or downloading any weights; whether an
-  admin pinned it resident (``pinned``, schema 2), so a restart loads it again; and its projected
-  decode cost in % of the base's (``projected_cost_pct``, schema 3; see
-  :mod:`lorapage.adapters.cost`), so "which adapters are expensive" is a query.
-- ``audit``, ``alias_history`` (append-only) and ``channels`` (schema 4): every change above with
-  who made it, each alias's moves, and the named channels (``id@prod``) an id has; see
-  :mod:`lorapage.registry.audit`. Each write method appends its rows in its own transaction.
-- ``adapter_traffic`` (schema 4): per version and calendar hour (``hour``: hours since the Unix
-  epoch, UTC), its requests, prompt tokens and output tokens. The engine adds to it in batches
-  (:meth:`Registry.add_traffic`, off its event loop) and hours past the retention are deleted in
-  the same transaction; the traffic tiers (:mod:`lorapage.adapters.tiers`) are read from it, so
-  they survive a restart. Rows outlive a deleted version until the retention takes them (its
-  number is never reused).
-- ``check_prompts`` and ``migrations`` (schema 5): each adapter id's stored check prompts and
-  opt-ins, and each version's migration state toward a new base, with its drift numbers; see
-  :mod:`lorapage.registry.drift_state`. A migration (:meth:`Registry.migrate_version`) adds a
-  ``versions`` row bound to the new base, its state and its audit row in one transaction.
-
-Older files are migrated in place when opened, each step in the transaction that records the new
-schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 gains
-``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
-the audit tables (empty: history begins there; a rollback of an alias with no history goes to the
-newest older version) and the ``adapter_traffic`` table (empty), schema 4 the check-prompt and
-migration tables (empty).
+The tables and their schema steps are :mod:`lorapage.registry.schema`'s.
 """
 
 from __future__ import annotations
@@ -53,56 +24,12 @@ from lorapage.errors import AdapterNotFoundError, ConflictError
 from lorapage.registry import audit, drift_state
 from lorapage.registry.audit import DEFAULT_CHANNEL, OK, AliasMove, AuditEntry, AuditQuery
 from lorapage.registry.drift_state import MIGRATED, CheckPrompts, MigrationRow
+from lorapage.registry.schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION, TRAFFIC_SCHEMA
 from lorapage.usage.ledger import RETENTION_HOURS  # the usage ledger's 14 days
 
-SCHEMA_VERSION = 5
 REGISTRY_FILE = "registry.sqlite3"
 # A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
 # ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS adapters (
-    id TEXT PRIMARY KEY,
-    owner TEXT,
-    current INTEGER,
-    next_version INTEGER NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS versions (
-    id TEXT NOT NULL REFERENCES adapters(id),
-    version INTEGER NOT NULL,
-    digest TEXT NOT NULL,
-    source TEXT NOT NULL,
-    base_digest TEXT NOT NULL,
-    spec TEXT NOT NULL,
-    created REAL NOT NULL,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    projected_cost_pct REAL,
-    PRIMARY KEY (id, version)
-);
-"""
-# -- the traffic table (schema 4): kept apart, its own statements, created fresh or by migration --
-_TRAFFIC_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS adapter_traffic (
-    id TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    hour INTEGER NOT NULL,
-    requests INTEGER NOT NULL DEFAULT 0,
-    prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    output_tokens INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (id, version, hour)
-) WITHOUT ROWID""",
-    # Pruning and "the last 24 hours" read by hour.
-    "CREATE INDEX IF NOT EXISTS adapter_traffic_hour ON adapter_traffic (hour)",
-)
-# Each step takes a file from schema N to N + 1 (N is the key).
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: ("ALTER TABLE versions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0",),
-    2: ("ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",),
-    3: (*audit.SCHEMA, *_TRAFFIC_SCHEMA),
-    4: drift_state.SCHEMA,
-}
 
 
 @dataclass(frozen=True)
@@ -195,11 +122,11 @@ class Registry:
         self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before it returns
         self._db.execute("PRAGMA foreign_keys=ON")
         with self._lock, self._transaction():
-            for statement in filter(str.strip, _SCHEMA.split(";")):
+            for statement in filter(str.strip, SCHEMA.split(";")):
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
-                for statement in (*audit.SCHEMA, *_TRAFFIC_SCHEMA, *drift_state.SCHEMA):
+                for statement in (*audit.SCHEMA, *TRAFFIC_SCHEMA, *drift_state.SCHEMA):
                     self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
@@ -214,7 +141,7 @@ class Registry:
                 f"{SCHEMA_VERSION}: use the lorapage that wrote it, or a newer one"
             )
         for version in range(found, SCHEMA_VERSION):
-            for statement in _MIGRATIONS[version]:
+            for statement in MIGRATIONS[version]:
                 self._db.execute(statement)
         self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
 

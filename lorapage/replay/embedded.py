@@ -46,7 +46,7 @@ class EmbeddedTarget:
     async def close(self) -> None:
         return None
 
-    def resolve(self, model: str) -> str | None:
+    def adapter_named(self, model: str) -> str | None:
         """The adapter ``model`` names (``None``: the base), as the server resolves it."""
         base = self.engine.base_name
         if model == base:
@@ -58,7 +58,7 @@ class EmbeddedTarget:
 
     async def send(self, req: TraceRequest, index: int, res: Result, clock: Callable[[], float]) -> None:
         try:
-            adapter = self.resolve(req.model)
+            adapter = self.adapter_named(req.model)
             sampling = SamplingParams(max_tokens=req.max_tokens, **_sampling(req))
             outputs = self.engine.generate(
                 prompt_for(req, index, self.token_range), adapter, sampling, tenant=req.tenant

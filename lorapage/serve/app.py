@@ -22,7 +22,7 @@ from lorapage.frontend.edge import EdgeLimits
 from lorapage.frontend.slo import DEFAULT_WINDOW_S
 from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError
 from lorapage.serve.engine_backend import ENGINES, EngineBackend
-from lorapage.serve.local_admin import LocalAdmin
+from lorapage.serve.local_admin import local_admin
 from lorapage.serve.upgrades import LocalUpgrades
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def _audit_later(app: web.Application, action: str, *, after: dict | None = None
 
     async def record() -> None:
         try:
-            await engine.admin.record(action, None, actor="sighup", after=after, outcome=outcome)
+            await engine.admin.catalog.record(action, None, actor="sighup", after=after, outcome=outcome)
         except Exception:
             log.exception("the audit row of %s was not written", action)
 
@@ -91,13 +91,13 @@ def create_app(
     """
     local = EngineBackend(engine, bases)
     # Owners registered over the admin API survive restarts in the engine's registry.
-    for adapter_id, owner in engine.admin.owners().items():
+    for adapter_id, owner in engine.admin.catalog.owners().items():
         access.set_owner(adapter_id, owner)
 
     def serve_routes(app: web.Application) -> None:
         app[ENGINES] = local
         state: ServerState[EngineBackend] = app[STATE]
-        add_admin_routes(app, STATE, LocalAdmin(local, state))
+        add_admin_routes(app, STATE, local_admin(local, state))
         add_audit_routes(app, STATE)
         add_base_routes(app, STATE, LocalUpgrades(local.engines))
 

@@ -5,7 +5,7 @@ What the front end (:mod:`lorapage.frontend.app`) asks of where requests go
 the bases served beside it; plus what only an engine in this process has: the check prompts
 sampled from traffic (:class:`~lorapage.frontend.prompt_sampler.PromptSampler`) and pins restored at
 start. The admin, audit and base-upgrade routes reach the engines through their own operations
-(:class:`~lorapage.serve.local_admin.LocalAdmin`, :class:`~lorapage.frontend.bases_route.LocalUpgrades`).
+(:class:`~lorapage.serve.local_admin.LocalDeployment`, :class:`~lorapage.frontend.bases_route.LocalUpgrades`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class EngineBackend:
         self.vocab_size = engine.model_config.vocab_size
         self.queue_len = engine.config.max_queue_len
         # Check prompts sampled from the traffic of the adapters whose owners opted in.
-        self.sampler = PromptSampler(engine.admin.registry.sampling_ids())
+        self.sampler = PromptSampler(engine.admin.catalog.drift_record.sampling_ids())
         self.sampler_task: asyncio.Task | None = None
         self._bases_of: dict[str, str] = {}  # adapter id -> the base it runs on (several bases), as last listed
         self._side_names = [e.base_name for e in bases]
@@ -77,20 +77,20 @@ class EngineBackend:
                     {i: base for i, (key, base) in self.engines.served_ids().items() if key not in draining}
                 )
                 return list(self._bases_of)
-            versions = engine.admin.versions()
+            versions = engine.admin.catalog.versions()
             return [v.adapter_id for v in versions if v.current and v.servable and v.key not in draining]
 
         return ModelsView(
             access,
             card,
             serving=serving,
-            key=lambda: (engine.admin.generation, frozenset(draining)),
+            key=lambda: (engine.admin.catalog.generation, frozenset(draining)),
             more_bases=more,
             base_of=self._bases_of.get,
         )
 
     def version(self, name: str) -> str:
-        return self.engines.resolve(name)
+        return self.engines.serving_key(name)
 
     def base_named(self, model: str) -> str | None:
         return next((n for n in self._side_names if model == n or model.startswith(n + ":")), None)

@@ -23,14 +23,13 @@ before the engine is chosen (a base upgrade keeps them; the drift check compares
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lorapage.adapters.binding import shown_digest
 from lorapage.adapters.digest import digest_param
-from lorapage.bases.serving import ServedBase, check_alike, resolve_across, route_base, served_migrations
+from lorapage.bases.serving import ServedBase, check_alike, route_base, served_migrations, version_across
 from lorapage.errors import (
     AdapterBaseMismatchError,
     AdapterBaseUnknownError,
@@ -43,7 +42,6 @@ from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import summed
 
 if TYPE_CHECKING:
-    from lorapage.adapters.cache import AdapterInfo
     from lorapage.engine import Engine
 
 log = logging.getLogger("lorapage.server")
@@ -76,7 +74,7 @@ class Engines:
 
     def base_of_key(self, key: str) -> ServedBase | None:
         """The served base version ``key`` (``id@N``) is bound to (None: not served here)."""
-        return route_base(self.bases, version_base=self.primary.admin.row(key).base_digest)
+        return route_base(self.bases, version_base=self.primary.admin.catalog.row(key).base_digest)
 
     def engine_for(self, adapter: str | None, model: str) -> Engine:
         """The engine a resolved request runs on: its adapter version's base's, else the base its
@@ -86,28 +84,28 @@ class Engines:
         base = self.base_of_key(adapter) if adapter is not None else route_base(self.bases, model=model)
         return self.primary if base is None else self.engine_of(base)
 
-    def resolve(self, name: str) -> str:
+    def serving_key(self, name: str) -> str:
         """The version key ``name`` (``id``, ``id@N``, ``id@channel``) serves now, on whichever
         base: 404 when there is none, 409 (naming its digest) when no engine here runs its base,
         the serving engine's own refusals (an envelope's 400) otherwise."""
         if not self.several:
-            return self.primary.admin.resolve(name)
+            return self.primary.admin.catalog.resolve_version(name)
         self.sync()
-        key, base = resolve_across(name, self._stored_row, self.migrations, self.bases)
-        return self.engine_of(base).admin.resolve(key)
+        key, base = version_across(name, self._stored_row, self.migrations, self.bases)
+        return self.engine_of(base).admin.catalog.resolve_version(key)
 
     def _stored_row(self, name: str) -> VersionRow | None:
         try:
-            return self.primary.admin.row(name)
+            return self.primary.admin.catalog.row(name)
         except AdapterNotFoundError:
             return None
 
     def served_ids(self) -> dict[str, tuple[str, str]]:
         """Each adapter id that serves a version now -> (that version's key, the name of the base it runs on)."""
         out = {}
-        for adapter_id in self.primary.admin.ids():
+        for adapter_id in self.primary.admin.catalog.ids():
             try:
-                key = self.resolve(adapter_id)
+                key = self.serving_key(adapter_id)
             except LorapageError:  # refused here (a base not served, outside the envelope): not listed
                 continue
             base = self.base_of_key(key)
@@ -123,12 +121,14 @@ class Engines:
         (a few rows per adapter, only after a change)."""
         if not self.several:
             return
-        generation = self.primary.admin.generation
+        generation = self.primary.admin.catalog.generation
         if generation == self._synced:
             if self._busy:
                 self._busy = self._mirror_ids(self._busy)
             return
-        self._stored = {i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.stored()}
+        self._stored = {
+            i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.catalog.stored()
+        }
         changed = {i for i, state in self._stored.items() if self._mirrored.get(i) != state}
         changed |= {i for i in self._mirrored if i not in self._stored}  # gone
         self._busy = self._mirror_ids(changed | self._busy)
@@ -152,7 +152,8 @@ class Engines:
         return busy
 
     def _served_migrations(self) -> dict[str, str]:
-        return served_migrations(self.primary.admin.registry.migration_states(), {b.digest for b in self.bases})
+        states = self.primary.admin.catalog.drift_record.migration_states()
+        return served_migrations(states, {b.digest for b in self.bases})
 
     async def register(
         self,
@@ -164,18 +165,19 @@ class Engines:
         expected_base_digest: str | None,
         activate: bool,
         actor: str | None,
-    ) -> AdapterInfo:
+    ) -> tuple[str, bool]:
         """A registration (``POST /v1/adapters``): on the primary, unless it was trained on
         another base served here: its ``expected_base_digest`` names that base, or (none given) the
         primary cannot bind it (another base, or a name it does not know) and that base's engine
         binds it by its metadata (``base_model_name_or_path``: that base's own names, or
         ``--base-names``). Then that engine fetches and checks it, the primary's registry stores
-        it, and that engine serves it. Otherwise the primary's refusal stands."""
+        it, and that engine serves it. Otherwise the primary's refusal stands. Returns the
+        version's key and whether it is new."""
         side = self._side(expected_base_digest)
         if side is not None:
             return await self._register_on(side, name, source, owner, sha256, expected_base_digest, activate, actor)
         try:
-            return await self.primary.admin.register(
+            version, created = await self.primary.admin.catalog.register(
                 name,
                 source,
                 owner=owner,
@@ -184,6 +186,7 @@ class Engines:
                 activate=activate,
                 actor=actor,
             )
+            return version.key, created
         except (AdapterBaseMismatchError, AdapterBaseUnknownError):
             if not self.several or expected_base_digest is not None:
                 raise
@@ -204,16 +207,16 @@ class Engines:
         expected_base_digest: str | None,
         activate: bool,
         actor: str | None,
-    ) -> AdapterInfo:
+    ) -> tuple[str, bool]:
         """Register on another base's engine: checked there, stored in the primary's registry, mirrored."""
-        prepared = await side.admin.prepare(
+        prepared = await side.admin.catalog.preparer.prepare(
             source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
         )
-        version, created = await self.primary.admin.add_prepared(
+        version, created = await self.primary.admin.catalog.add_prepared(
             name, prepared, owner=owner, activate=activate, actor=actor
         )
         self.sync()
-        return dataclasses.replace(side.admin.info(version.key), created=created)
+        return version.key, created
 
     def _side(self, expected_base_digest: str | None) -> Engine | None:
         """The engine of another base served here that ``expected_base_digest`` names (None: the primary's job)."""
@@ -224,10 +227,10 @@ class Engines:
 
     def serving(self, name: str) -> tuple[Engine, str]:
         """The engine that serves ``name`` and the name to ask it for (the version key on another
-        base than the primary's); the refusals of :meth:`resolve`."""
+        base than the primary's); the refusals of :meth:`serving_key`."""
         if not self.several:
             return self.primary, name
-        key = self.resolve(name)
+        key = self.serving_key(name)
         return self.engine_for(key, ""), key
 
     def side_engine(self, digest: str) -> Engine | None:
@@ -274,7 +277,7 @@ class Engines:
 
 def _mirror(engine: Engine, adapter_id: str, owner: str | None, current: int | None, rows: list[VersionRow]) -> bool:
     """Mirror one id into ``engine``; True when a version to drop still has requests there (kept for now)."""
-    busy = engine.admin.mirror(adapter_id, owner, current, rows)
+    busy = engine.admin.catalog.mirror(adapter_id, owner, current, rows)
     if busy:
         log.info("base %s keeps %s until its requests end", engine.base_name, ", ".join(busy))
     return bool(busy)

@@ -1,44 +1,43 @@
-"""``lorapage serve``'s admin operations: the :class:`~lorapage.frontend.admin_ops.AdminOps` of the
-engines in this process.
+"""``lorapage serve``'s :class:`~lorapage.frontend.admin_ops.Deployment`: the engines in this process.
 
-Every change goes through the primary engine's :class:`~lorapage.engine.admin.AdapterAdmin` (its
-registry is the server's; the other bases' engines mirror it after each request,
-:meth:`~lorapage.serve.engines.Engines.sync`); a registration goes to the engine of the base the
-version is bound to (:meth:`~lorapage.serve.engines.Engines.register`); pins, loads and unloads
-act on the primary's pool (:meth:`~lorapage.serve.engines.Engines.on_primary`). A version is
-described from the engine of the base it runs on, with its last 24 hours of traffic.
+The store is the primary engine's catalog (its registry is the server's; the other bases' engines
+mirror it after each request, :meth:`~lorapage.serve.engines.Engines.sync`); a registration goes
+to the engine of the base the version is bound to (:meth:`~lorapage.serve.engines.Engines.register`);
+pins, loads and unloads act on the primary's pool (:meth:`~lorapage.serve.engines.Engines.on_primary`).
+A version is described from the engine of the base it runs on, with its last 24 hours of traffic.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from lorapage.frontend.admin import cost_fields
-from lorapage.frontend.check_prompts import store_check_prompts
+from lorapage.frontend.admin_ops import Admin
 from lorapage.frontend.registration import Registration
 from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
 from lorapage.frontend.state import RouteState
-from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery
 from lorapage.registry.drift_state import CheckPrompts
 from lorapage.serve.engine_backend import EngineBackend
 
 TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
 
 
-class LocalAdmin:
-    """The admin operations over ``local``'s engines; ``state``: the front end's (requests in flight)."""
+def local_admin(local: EngineBackend, state: RouteState[Any]) -> Admin:
+    """The admin of ``local``'s engines: the primary's catalog, and those engines."""
+    return Admin(local.engine.admin.catalog, LocalDeployment(local, state))
+
+
+class LocalDeployment:
+    """Versions as ``local``'s engines run them; ``state``: the front end's (requests in flight)."""
 
     def __init__(self, local: EngineBackend, state: RouteState[Any]) -> None:
         self.local, self.state = local, state
         self.engines, self.admin = local.engines, local.engine.admin
+        self.catalog = self.admin.catalog
         self.base_name = local.engine.base_name
-        self.roots = self.admin.roots
+        self.roots = self.catalog.roots
         self.samples_traffic = True  # opted-in adapters' prompts are sampled (server/prompt_sampler.py)
-
-    def ids(self) -> list[str]:
-        return self.admin.ids()
 
     def listed(self) -> list[str]:
         return [info.name for info in self.admin.served()]
@@ -50,7 +49,7 @@ class LocalAdmin:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
         engine, name = self.engines.serving(name)  # the engine of the base it runs on
         info = engine.admin.info(name)
-        versions = self.admin.versions(info.adapter_id)
+        versions = self.catalog.versions(info.adapter_id)
         current = next((v.version for v in versions if v.current), None)
         state = self.state
         return AdapterOut(
@@ -97,11 +96,11 @@ class LocalAdmin:
                 in_flight=self.state.in_flight.get(v.key, 0),
                 projected_cost_pct=v.projected_cost_pct,
             )
-            for v in sorted(self.admin.versions(adapter_id), key=lambda v: v.version)
+            for v in sorted(self.catalog.versions(adapter_id), key=lambda v: v.version)
         ]
 
-    async def register(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
-        info = await self.engines.register(
+    async def add_version(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
+        return await self.engines.register(
             reg.id,
             source,
             owner=reg.owner,
@@ -110,62 +109,24 @@ class LocalAdmin:
             activate=reg.activate,
             actor=actor,
         )
-        return info.name, info.created
 
-    async def deploy(self, adapter_id: str, version: int, channel: str, actor: str) -> str:
-        info = await self.admin.deploy(adapter_id, version, channel=channel, actor=actor)
-        return f"{adapter_id}@{channel}" if channel else info.name
+    def key_for(self, name: str, action: str) -> str:
+        return self.catalog.resolve_version(self.engines.on_primary(name, action))
 
-    async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
-        info = await self.admin.rollback(adapter_id, version, channel=channel, actor=actor)
-        return f"{adapter_id}@{channel}" if channel else info.name
+    def check_removable(self, name: str, keys: list[str]) -> None:
+        return None  # an engine refuses a busy version's delete itself (409)
 
-    async def remove_channel(self, adapter_id: str, channel: str, actor: str) -> None:
-        await self.admin.remove_channel(adapter_id, channel, actor=actor)
+    async def check_pin(self, key: str) -> None:
+        return None  # the catalog checks the bounds as it commits the pin, under its lock
 
-    def removable(self, name: str) -> list[str]:
-        return self.admin.removable_versions(name)
+    async def make_resident(self, key: str) -> None:
+        await self.admin.make_resident(key)
 
-    async def remove(self, name: str, actor: str) -> None:
-        self.admin.remove(name, actor=actor)
+    async def drop(self, key: str, actor: str) -> None:
+        await self.admin.unload(key, actor=actor)
 
-    async def pin(self, name: str, actor: str) -> str:
-        return (await self.admin.pin(self.engines.on_primary(name, "pin"), actor=actor)).name
-
-    async def unpin(self, name: str, actor: str) -> str:
-        return (await self.admin.unpin(self.engines.on_primary(name, "unpin"), actor=actor)).name
-
-    async def load(self, name: str, actor: str) -> str:
-        adapter = self.engines.on_primary(name, "load")
-        await self.admin.load(adapter, actor=actor)
-        return adapter
-
-    async def unload(self, name: str, actor: str) -> str:
-        adapter = self.engines.on_primary(name, "unload")
-        await self.admin.unload(adapter, actor=actor)
-        return adapter
-
-    async def store_check_prompts(
-        self, adapter_id: str, prompts: Sequence[str] | None, sample: bool | None, opt_out: bool | None, actor: str
-    ) -> CheckPrompts:
-        stored = await store_check_prompts(self.admin.registry, adapter_id, prompts, sample, opt_out, actor)
-        self.local.sampler.set_enabled(adapter_id, stored.sample)  # sampled from its traffic from now on, or not
-        return stored
-
-    async def check_prompts(self, adapter_id: str) -> CheckPrompts:
-        return await asyncio.to_thread(self.admin.registry.check_prompts, adapter_id)
-
-    async def audit(self, query: AuditQuery) -> list[AuditEntry]:
-        return await self.admin.audit(query)
-
-    async def history(self, adapter_id: str, limit: int) -> list[AliasMove]:
-        return await self.admin.history(adapter_id, limit)
-
-    def current(self, adapter_id: str) -> int | None:
-        return next((v.version for v in self.admin.versions(adapter_id) if v.current), None)
-
-    def channels(self, adapter_id: str) -> dict[str, int]:
-        return self.admin.channels(adapter_id)
+    def check_prompts_stored(self, stored: CheckPrompts) -> None:
+        self.local.sampler.set_enabled(stored.adapter_id, stored.sample)  # sampled from its traffic from now on, or not
 
     def internal_state(self) -> dict[str, Any]:
         state = self.state

@@ -20,7 +20,7 @@ class LocalUpgrades:
 
     def __init__(self, engines: Engines) -> None:
         self.engines, self.engine = engines, engines.engines[0]
-        self.digest, self.registry = self.engine.digest, self.engine.admin.registry
+        self.digest, self.drift_record = self.engine.digest, self.engine.admin.catalog.drift_record
 
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
         return current_versions(self.engine, adapters)
@@ -39,6 +39,4 @@ class LocalUpgrades:
         return validator.start(self.engine, target, checked, adapters, running=running)
 
     async def migrate(self, row: MigrationRow, actor: str) -> VersionRow:
-        new = await asyncio.to_thread(self.registry.migrate_version, row, actor=actor)
-        self.engine.admin.add_migrated_version(new)
-        return new
+        return await self.engine.admin.catalog.migrate_version(row, actor=actor)

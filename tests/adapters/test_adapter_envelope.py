@@ -168,7 +168,7 @@ async def test_a_schema_2_registry_gains_its_costs_and_follows_the_reference_bat
     db.close()
     migrated = engine_at(state)
     assert stored_costs(state) == {"acme@1": pytest.approx(expected_pct(root / "acme"))}
-    assert migrated.admin.versions("acme")[0].projected_cost_pct == pytest.approx(expected_pct(root / "acme"))
+    assert migrated.admin.catalog.versions("acme")[0].projected_cost_pct == pytest.approx(expected_pct(root / "acme"))
     await migrated.close()
     halved = engine_at(state, cost_reference_batch=32)  # the cost is restated at the new batch
     assert stored_costs(state) == {"acme@1": pytest.approx(expected_pct(root / "acme", batch=32))}

@@ -54,7 +54,7 @@ async def test_adapter_removed_while_its_copy_is_queued_gives_back_slot_and_page
             break
         await asyncio.sleep(0.01)
     assert engine.debug.pool_free_pages() < free, "the load should have reserved its pages"
-    engine.admin.remove("acme")
+    engine.admin.catalog.remove("acme")
     await asyncio.sleep(0.05)
     assert engine.debug.pool_free_pages() < free, "pages went back while their copy was still queued"
     gate.set()

@@ -51,8 +51,8 @@ async def test_deploy_and_rollback_with_requests_in_flight_match_peft_per_versio
     assert (second.name, second.version, second.created) == ("cust@2", 2, True)
     started_on_v2 = asyncio.ensure_future(collect(engine, PROMPT, "cust", GREEDY))
     # ... and rolled back while both run: each finishes on the version it started with.
-    rolled = await engine.admin.deploy("cust", 1)
-    assert rolled.name == "cust@1"
+    rolled = await engine.admin.catalog.deploy("cust", 1)
+    assert rolled.key == "cust@1"
     async for out in on_v1:
         tokens_v1 = list(out.token_ids)
     assert tokens_v1 == ref["v1"]
@@ -62,11 +62,11 @@ async def test_deploy_and_rollback_with_requests_in_flight_match_peft_per_versio
     # The same content again is the same version (made current), not a new one.
     again = await engine.register_adapter("cust", v2)
     assert (again.name, again.created, again.current) == ("cust@2", False, True)
-    assert [v.version for v in engine.admin.versions("cust")] == [1, 2]
+    assert [v.version for v in engine.admin.catalog.versions("cust")] == [1, 2]
     # The current version of several cannot be deleted; another one can, and its number is never reused.
     with pytest.raises(ConflictError, match="point the alias"):
-        engine.admin.remove("cust@2")
-    engine.admin.remove("cust@1")
+        engine.admin.catalog.remove("cust@2")
+    engine.admin.catalog.remove("cust@1")
     third = await engine.register_adapter("cust", v1)
     assert third.name == "cust@3"
     await engine.close()
@@ -157,12 +157,12 @@ async def test_versions_of_another_base_are_kept_but_refused(tmp_path):
     engine = Engine(EngineConfig(model=str(other), block_size=4, state_dir=state))
     assert engine.digest != trained_on
     with pytest.raises(AdapterBaseMismatchError) as exc:
-        engine.admin.resolve("acme")
+        engine.admin.catalog.resolve_version("acme")
     message = exc.value.message  # both digests and the migration route, never "register it again"
     assert f"trained on base sha256:{trained_on}" in message and f"runs base sha256:{engine.digest}" in message
     assert f"POST /v1/bases/{engine.digest}/validate" in message and "lorapage base check" in message
     assert "register" not in message
-    [kept] = engine.admin.versions("acme")
+    [kept] = engine.admin.catalog.versions("acme")
     assert (kept.key, kept.servable, kept.base_digest) == ("acme@1", False, trained_on)
     with pytest.raises(
         AdapterBaseMismatchError, match=f"expected_base_digest\\) was trained on base sha256:{trained_on}"
@@ -219,7 +219,7 @@ async def test_known_content_registered_from_a_new_place_is_read_from_there(chec
     again = await engine.register_adapter("cust", new)
     assert (again.name, again.created) == ("cust@1", False)
     assert list((await collect(engine, PROMPT, "cust", GREEDY))[0].token_ids) == ref["v1"]
-    moved = (await engine.admin.audit(AuditQuery(adapter="cust", action="register")))[0]  # newest first
+    moved = (await engine.admin.catalog.audit(AuditQuery(adapter="cust", action="register")))[0]  # newest first
     assert json.loads(moved.before or "") == {"version": 1, "source": old.resolve().as_uri()}
     assert json.loads(moved.after or "") == {"version": 1, "source": new.resolve().as_uri()}
     await engine.close()

@@ -32,7 +32,7 @@ async def test_a_second_engine_on_one_state_dir_refuses_to_start(tmp_path):
         await first.close()
     again = _engine(state)  # the first one is gone: the dir is free, its registrations kept
     try:
-        assert again.admin.owners().get("a") == "alpha"
+        assert again.admin.catalog.owners().get("a") == "alpha"
         out, _ = await collect(again, "Hi", "a", SamplingParams(max_tokens=40, temperature=0.0))
         assert out.text == DEMO_MARKERS["acme"]
     finally:

@@ -142,14 +142,16 @@ async def test_an_engine_binds_by_table_refuses_the_unknown_and_allow_unbound_ke
     engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, base_names=table))
     assert engine.add_adapter("demo", demo_adapter_dirs()["acme"]).name == "demo@1"  # no flags needed
     info = await engine.register_adapter("mapped", named(tmp_path / "mapped", "acme-base-2024"))
-    assert engine.admin.versions("mapped")[0].base_digest == digest and info.created
+    assert engine.admin.catalog.versions("mapped")[0].base_digest == digest and info.created
     with pytest.raises(AdapterBaseMismatchError) as exc:
         engine.add_adapter("old", named(tmp_path / "old", "acme-base-2023"))
     assert_route(exc.value.message, OLD, digest)
     unbound = named(tmp_path / "unbound", None)
     with pytest.raises(AdapterBaseUnknownError, match="--allow-unbound"):
         await engine.register_adapter("unbound", unbound)
-    assert engine.admin.versions("old") == [] and engine.admin.versions("unbound") == []  # nothing committed
+    assert (
+        engine.admin.catalog.versions("old") == [] and engine.admin.catalog.versions("unbound") == []
+    )  # nothing committed
     # The operator's word binds what the files do not say.
     info = await engine.register_adapter("unbound", unbound, expected_base_digest=f"sha256:{digest}")
     assert info.name == "unbound@1"
@@ -157,7 +159,9 @@ async def test_an_engine_binds_by_table_refuses_the_unknown_and_allow_unbound_ke
 
     lenient = Engine(EngineConfig(model=str(TINY_BASE_DIR), block_size=4, allow_unbound=True))
     assert lenient.add_adapter("unbound", unbound).name == "unbound@1"
-    assert lenient.admin.versions("unbound")[0].base_digest == digest  # stamped with the running base, as before
+    assert (
+        lenient.admin.catalog.versions("unbound")[0].base_digest == digest
+    )  # stamped with the running base, as before
     await lenient.close()
 
 

@@ -106,10 +106,10 @@ async def test_check_prompts_are_bounded_and_owner_visible(adapter_root, tmp_pat
         assert status == 400 and got["error"]["param"] == "prompts", got
         status, got, _ = await srv.request("PUT", "/v1/adapters/cust-a/check_prompts", srv.admin(), {"bogus": 1})
         assert status == 400, got
-        assert engine.admin.registry.check_prompts("cust-a").prompts == tuple(
+        assert engine.admin.catalog.drift_record.check_prompts("cust-a").prompts == tuple(
             PROMPTS
         )  # the refused PUTs changed nothing
-        actions = [r.action for r in engine.admin.registry.audit(AuditQuery(adapter="cust-a"))]
+        actions = [r.action for r in await engine.admin.catalog.audit(AuditQuery(adapter="cust-a"))]
         assert actions.count("check_prompts") == 2, actions
 
         # Sampling from traffic, opted in at registration: the adapter's own prompts, as text, bounded.
@@ -124,9 +124,12 @@ async def test_check_prompts_are_bounded_and_owner_visible(adapter_root, tmp_pat
             "/v1/completions", {"model": "cust-a", "prompt": "not sampled: cust-a did not opt in", "max_tokens": 1}
         )
         assert await srv.app[ENGINES].sampler.flush(engine) == MAX_SAMPLED_PROMPTS
-        stored = engine.admin.registry.check_prompts("cust-s")
+        stored = engine.admin.catalog.drift_record.check_prompts("cust-s")
         assert len(stored.sampled) == MAX_SAMPLED_PROMPTS and set(stored.sampled) <= set(sent), stored.sampled
-        assert stored.all_prompts() == stored.sampled and engine.admin.registry.check_prompts("cust-a").sampled == ()
+        assert (
+            stored.all_prompts() == stored.sampled
+            and engine.admin.catalog.drift_record.check_prompts("cust-a").sampled == ()
+        )
         status, got, _ = await srv.request("GET", "/v1/adapters/cust-s/check_prompts", _auth("alpha"))
         assert got["sampled"] == MAX_SAMPLED_PROMPTS and got["sample"], got
         # Turning it off deletes what was sampled, and samples nothing more.
@@ -136,7 +139,7 @@ async def test_check_prompts_are_bounded_and_owner_visible(adapter_root, tmp_pat
         assert status == 200 and got["sampled"] == 0, got
         await srv.post("/v1/completions", {"model": "cust-s", "prompt": "after opting out", "max_tokens": 1})
         assert await srv.app[ENGINES].sampler.flush(engine) == 0
-        assert engine.admin.registry.check_prompts("cust-s").sampled == ()
+        assert engine.admin.catalog.drift_record.check_prompts("cust-s").sampled == ()
     await engine.close()
 
 
@@ -233,7 +236,7 @@ async def test_validate_then_migrate_only_what_passed(bases, adapter_root, tmp_p
             "/v1/completions", {"model": "cust-a", "prompt": "Hi", "max_tokens": 40, "temperature": 0}
         )
         assert status == 200 and headers["x-adapter-version"] == "1", got
-        rows = engine.admin.registry.audit(AuditQuery(action="migrate"))
+        rows = await engine.admin.catalog.audit(AuditQuery(action="migrate"))
         assert sorted(r.adapter for r in rows) == ["cust-a", "cust-b"] and all(r.actor for r in rows)
         assert (await _states(srv, near_digest, srv.admin()))["tenants"]["alpha"]["migrated"] == 1
         # Validating again leaves migrated versions migrated (not checked again, no second copy).
@@ -298,7 +301,7 @@ def test_base_check_records_states_in_a_state_dir(bases, adapter_root, tmp_path,
     state_dir = tmp_path / "state"
     engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), state_dir=str(state_dir)))
     engine.add_adapter("cust-a", adapter_root / "acme", owner="alpha")
-    engine.admin.registry.set_check_prompts(CheckPrompts("cust-a", tuple(PROMPTS[:3])))
+    engine.admin.catalog.drift_record.set_check_prompts(CheckPrompts("cust-a", tuple(PROMPTS[:3])))
     asyncio.run(engine.close())
     args = ["check", str(TINY_BASE_DIR), "--lora-modules", f"cust-a={adapter_root / 'acme'}", "--max-tokens", "16"]
     assert base_cli([*args[:2], str(near), *args[2:], "--state-dir", str(state_dir)]) == 0

@@ -86,7 +86,7 @@ async def test_admission_of_a_non_resident_adapter_undoes_cleanly():
     await asyncio.sleep(0.1)
     entry = engine.debug.residency.get("globex@1")
     assert (entry.running, entry.waiting) == (0, 0)
-    engine.admin.remove("globex")  # refused if a pin had gone negative
+    engine.admin.catalog.remove("globex")  # refused if a pin had gone negative
     await engine.close()
 
 

@@ -48,7 +48,7 @@ async def test_the_parts_add_up_to_the_engine_totals():
     by_tenant = {key[1] for key, _ in rows}
     assert {"t0", "t1", "t2"} <= by_tenant and "" in by_tenant  # adapter costs under no tenant
     adapter_rows = {key[2] for key, u in rows if key[1] == "" and u.load_bytes}
-    assert adapter_rows <= {engine.admin.resolve(a) for a in ("acme", "globex", "initech")}
+    assert adapter_rows <= {engine.admin.catalog.resolve_version(a) for a in ("acme", "globex", "initech")}
 
 
 def test_a_step_is_shared_by_tokens_and_residency_by_wall_time():
@@ -83,6 +83,6 @@ async def test_a_merged_deployment_charges_its_version_not_the_base():
         rows = {(key[1], key[2]): usage for key, usage in engine.usage_rows()}
     finally:
         await engine.close()
-    version = engine.admin.resolve("acme")
+    version = engine.admin.catalog.resolve_version("acme")
     assert rows[("t", version)].requests == 1 and rows[("t", version)].output_tokens > 0
     assert ("t", "") not in rows  # nothing of it charged to the base

@@ -60,7 +60,7 @@ def _registry_before_the_fleet(state_dir: Path, adapters: Path, near: Path) -> N
     cust-gone bound to a base no deployment runs."""
     engine = Engine(EngineConfig(model=str(TINY_BASE_DIR), state_dir=str(state_dir)))
     engine.add_adapter("cust-a", adapters / "acme", owner="alpha")
-    engine.admin.registry.set_check_prompts(CheckPrompts("cust-a", tuple(PROMPTS)))
+    engine.admin.catalog.drift_record.set_check_prompts(CheckPrompts("cust-a", tuple(PROMPTS)))
     asyncio.run(engine.close())
     check = ["check", str(TINY_BASE_DIR), str(near), "--lora-modules", f"cust-a={adapters / 'acme'}"]
     assert base_cli([*check, "--max-tokens", "16", "--state-dir", str(state_dir)]) == 0  # passed

@@ -18,6 +18,7 @@ from lorapage.frontend.audit_route import audit_list
 from lorapage.frontend.tenants import key_id
 from lorapage.registry.audit import AuditQuery
 from lorapage.registry.catalog import PreparedVersion
+from lorapage.registry.prepare import PreparedVersion
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.usage.ledger import Usage
 from lorapage.usage.report import summed, usage_json
@@ -35,14 +36,15 @@ def test_every_fleet_registry_write_is_audited_as_its_actor(tmp_path: Path) -> N
     fleet.add("acme", "alpha", version(1), activate=True, actor=ADMIN)
     fleet.add("acme", "alpha", version(2), activate=False, actor=ADMIN)
     fleet.set_current("acme", 2, actor=ADMIN)
-    fleet.set_pinned("acme@2", True, actor=ADMIN)
-    fleet.set_pinned("acme@2", False, actor=ADMIN, outcome="pin undone: its load failed (adapter_load_failed)")
-    fleet.record("load", "acme", actor=ADMIN, after={"version": 2})
+    asyncio.run(fleet.set_pinned("acme@2", True, actor=ADMIN))
+    undone = "pin undone: its load failed (adapter_load_failed)"
+    asyncio.run(fleet.set_pinned("acme@2", False, actor=ADMIN, outcome=undone))
+    asyncio.run(fleet.record("load", "acme", actor=ADMIN, after={"version": 2}))
     fleet.unload("acme@2", actor=ADMIN)
-    fleet.remove(fleet.removable("acme@1"), actor=ADMIN)
-    fleet.record("tenants_reload", None, actor="sighup", after={"tenants": ["alpha"]})
+    fleet.remove("acme@1", actor=ADMIN)
+    fleet.note("tenants_reload", None, actor="sighup", after={"tenants": ["alpha"]})
 
-    rows = fleet.audit(AuditQuery())
+    rows = asyncio.run(fleet.audit(AuditQuery()))
     assert [r.action for r in rows] == [
         "tenants_reload", "delete", "unload", "load", "unpin", "pin", "deploy", "register", "register",
     ]  # fmt: skip
@@ -52,9 +54,7 @@ def test_every_fleet_registry_write_is_audited_as_its_actor(tmp_path: Path) -> N
     assert json.loads(rows[2].after or "") == {"version": 2}
 
     # Read back through lorapage serve's /v1/audit answer: its filters and paging.
-    async def read(query: AuditQuery):
-        return await asyncio.to_thread(fleet.audit, query)
-
+    read = fleet.audit
     page = asyncio.run(audit_list({"actor": ADMIN, "limit": "3"}, read))
     assert page["has_more"] is True and [e["action"] for e in page["data"]] == ["delete", "unload", "load"]
     assert page["data"][0]["object"] == "audit.entry" and page["data"][0]["actor"] == ADMIN

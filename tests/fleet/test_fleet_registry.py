@@ -33,18 +33,18 @@ def engines():
 
 
 def prepared(engine: Engine, name: str):
-    return asyncio.run(engine.admin.prepare(demo_adapter_dirs()[name]))
+    return asyncio.run(engine.admin.catalog.preparer.prepare(demo_adapter_dirs()[name]))
 
 
 def apply(engine: Engine, reply: SyncReply) -> list[str]:
     """What a replica does with a reply's ids (replica.py); returns the keys it could not drop yet."""
     if reply.full:
         listed = {s.adapter_id for s in reply.ids}
-        for adapter_id in [i for i in engine.admin.ids() if i not in listed]:
-            engine.admin.mirror(adapter_id, None, None, [])
+        for adapter_id in [i for i in engine.admin.catalog.ids() if i not in listed]:
+            engine.admin.catalog.mirror(adapter_id, None, None, [])
     busy = []
     for state in reply.ids:
-        busy += engine.admin.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
+        busy += engine.admin.catalog.mirror(state.adapter_id, state.owner, state.current, list(state.versions))
     return busy
 
 
@@ -78,15 +78,17 @@ def test_changes_since_a_generation_and_a_restart(tmp_path: Path, engines) -> No
     assert fleet.changes_since(later.epoch, later.generation, {}).ids == ()  # nothing new
 
     fleet.set_current("newco", 2)
-    fleet.set_pinned("newco@2", True)
-    fleet.remove(fleet.removable("other"))
+    asyncio.run(fleet.set_pinned("newco@2", True))
+    fleet.remove("other")
     gone = fleet.changes_since(later.epoch, later.generation, {})
     assert {s.adapter_id: len(s.versions) for s in gone.ids} == {"newco": 2, "other": 0}
-    assert fleet.resolve("newco", acme.base_digest) == "newco@2"
-    with pytest.raises(AdapterBaseMismatchError):
-        fleet.resolve("newco", "0" * 64)
+    fleet.base_digest = acme.base_digest
+    assert fleet.resolve_version("newco") == "newco@2"
     with pytest.raises(AdapterNotFoundError):
-        fleet.resolve("other", acme.base_digest)
+        fleet.resolve_version("other")
+    fleet.base_digest = "0" * 64  # replicas on another base
+    with pytest.raises(AdapterBaseMismatchError):
+        fleet.resolve_version("newco")
 
     # A restarted ingress reads the same file: every version, alias and pin, in a new epoch; a
     # replica that counted in the old one gets everything again, and nothing of a deleted id.
@@ -111,16 +113,16 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
     assert apply(mirror, reply) == []
     assert asyncio.run(answer(mirror, "newco@1")) == DEMO_MARKERS["acme"]
     assert asyncio.run(answer(mirror, "newco@2")) == DEMO_MARKERS["globex"]
-    assert mirror.admin.resolve("newco") == "newco@1"
+    assert mirror.admin.catalog.resolve_version("newco") == "newco@1"
     fleet.set_current("newco", 2)
-    fleet.set_pinned("newco@2", True)
+    asyncio.run(fleet.set_pinned("newco@2", True))
     reply2 = fleet.changes_since(reply.epoch, reply.generation, {})
     apply(mirror, reply2)
-    assert mirror.admin.resolve("newco") == "newco@2" and mirror.debug.residency.get("newco@2").pinned
+    assert mirror.admin.catalog.resolve_version("newco") == "newco@2" and mirror.debug.residency.get("newco@2").pinned
 
     async def drop_while_running() -> tuple[list[str], list[str]]:
         # A version the registry dropped stays while a request runs on it, and goes after.
-        fleet.remove(["newco@1"])
+        fleet.remove("newco@1")
         update = fleet.changes_since(reply2.epoch, reply2.generation, {})
         stream = mirror.generate("Hello there", "newco@1", GREEDY)
         await anext(stream)
@@ -132,7 +134,7 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
     busy, later = asyncio.run(drop_while_running())
     assert busy == ["newco@1"] and later == []
     with pytest.raises(AdapterNotFoundError):
-        mirror.admin.resolve("newco@1")
+        mirror.admin.catalog.resolve_version("newco@1")
     # A full reply from a restarted (empty) registry drops every id the mirror holds.
     apply(mirror, FleetRegistry(Registry(":memory:")).changes_since("", 0, {}))
-    assert mirror.admin.ids() == [] and mirror.stats().registered_adapters == 0
+    assert mirror.admin.catalog.ids() == [] and mirror.stats().registered_adapters == 0

@@ -130,7 +130,7 @@ async def test_no_block_is_shared_across_adapters_registrations_or_the_base(chec
     assert await hit_tokens("two") == 0  # same tokens, another adapter
     assert await hit_tokens(None) == 0  # the base
     assert await hit_tokens(None) == len(SYSTEM)
-    engine.admin.remove("one")
+    engine.admin.catalog.remove("one")
     engine.add_adapter("one", two)  # the same name, other weights
     assert await hit_tokens("one") == 0
     await engine.close()

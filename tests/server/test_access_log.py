@@ -52,7 +52,7 @@ async def test_every_answer_is_one_line_without_text_or_keys(tmp_path):
     ]
     chat_line, stream_line = lines[0], lines[1]
     assert chat_line["request_id"] == request_id and chat_line["tenant"] == "alpha" and chat_line["model"] == "acme"
-    assert chat_line["adapter"] == engine.admin.resolve("acme")  # id@N: the version it ran on
+    assert chat_line["adapter"] == engine.admin.catalog.resolve_version("acme")  # id@N: the version it ran on
     assert chat_line["tier"] in ("disk", "host", "pool") and chat_line["output_tokens"] > 0
     assert chat_line["prompt_tokens"] > 0 and 0 < chat_line["ttft_s"] <= chat_line["e2e_s"]
     assert stream_line["tenant"] == "gamma" and stream_line["adapter"] is None and stream_line["tier"] == "none"

@@ -237,9 +237,7 @@ async def test_the_model_list_is_indexed_cached_per_tenant_and_counted_against_t
         assert len(scans) <= 1  # the registry is read once, not once per call (it was: every adapter, every call)
         # A change shows at once: the admin gives the hog an adapter of its own.
         path = demo_adapter_dirs()["acme"]
-        catalog.register_prepared(
-            "hogs-own", path, catalog.prepare(path, sha256=None, expected_base_digest=None), owner="hog"
-        )
+        catalog.add("hogs-own", path, owner="hog", checked=catalog.preparer.check(path))
         srv.app[STATE].access.set_owner("hogs-own", "hog")
         assert await listed("hog") == (200, {BASE, "initech", "hogs-own"})
         assert await listed("victim") == (200, {BASE, "acme", "globex"})
@@ -298,7 +296,7 @@ async def test_adapter_ids_are_matched_whole_and_reserved_names_refused(srv, ada
     status, payload, _ = await srv.post("/v1/adapters", body, tenant=None, headers=key("admin"))
     assert status == 400, payload
     assert_openai_error(payload, 400, "id")
-    assert adapter_id not in srv.engine.admin.ids()
+    assert adapter_id not in srv.engine.admin.catalog.ids()
 
 
 # --- 16: a request cut before its first token pays for the prompt it had computed ---------------
