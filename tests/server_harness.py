@@ -23,9 +23,9 @@ import pytest_asyncio
 from lorapage import Engine, EngineConfig
 from lorapage.frontend import Access, hash_key
 from lorapage.frontend.run import start
-from lorapage.frontend.tenants import TenantsConfig
 from lorapage.serve import create_app
 from lorapage.sources import AdapterRoots
+from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs
 
 KEYS = {"alpha": "key-alpha", "beta": "key-beta", "gamma": "key-gamma"}

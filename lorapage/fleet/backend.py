@@ -43,9 +43,9 @@ from lorapage.frontend.auth import Access
 from lorapage.frontend.generation import Job, chained
 from lorapage.frontend.metrics import ServerMetrics
 from lorapage.frontend.models_view import BaseCard, ModelsView
-from lorapage.frontend.slo import SloTracker
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import TokenStream
+from lorapage.tenancy.slo import SloTracker
 from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import summed
 

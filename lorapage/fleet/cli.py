@@ -46,9 +46,9 @@ from lorapage.frontend.flags import (
     slo_window,
 )
 from lorapage.frontend.run import listen
-from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError, hash_key
 from lorapage.model.config import ModelConfig, context_length
 from lorapage.model.tokenizer import Tokenizer
+from lorapage.tenancy.tenants import TenantsConfig, TenantsConfigError, hash_key
 
 PROG = "lorapage fleet"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from lorapage.config import EngineConfig
 from lorapage.fleet.promotion import DedicatedConfig
 from lorapage.frontend.edge import EdgeLimits
-from lorapage.frontend.slo import DEFAULT_WINDOW_S
 from lorapage.sources import AdapterRoots
+from lorapage.tenancy.slo import DEFAULT_WINDOW_S
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # as `lorapage serve`
 APP_NAME = "lorapage"

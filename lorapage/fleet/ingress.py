@@ -58,8 +58,8 @@ from lorapage.frontend.audit_route import add_audit_routes
 from lorapage.frontend.auth import Access
 from lorapage.frontend.bases_route import add_base_routes
 from lorapage.frontend.run import start
-from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError
 from lorapage.registry.store import REGISTRY_FILE, Registry
+from lorapage.tenancy.tenants import TenantsConfig, TenantsConfigError
 
 log = logging.getLogger("lorapage.fleet")
 

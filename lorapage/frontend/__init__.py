@@ -9,13 +9,13 @@ from lorapage._exports import lazy
 if TYPE_CHECKING:
     from lorapage.frontend.app import build_app as build_app
     from lorapage.frontend.auth import Access as Access
-    from lorapage.frontend.tenants import hash_key as hash_key
+    from lorapage.tenancy.tenants import hash_key as hash_key
 
 __getattr__, __dir__, __all__ = lazy(
     __name__,
     {
         "Access": "lorapage.frontend.auth",
         "build_app": "lorapage.frontend.app",
-        "hash_key": "lorapage.frontend.tenants",
+        "hash_key": "lorapage.tenancy.tenants",
     },
 )

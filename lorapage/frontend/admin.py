@@ -33,8 +33,8 @@ from lorapage.frontend.lora_admin import lora_not_found, lora_registration, lora
 from lorapage.frontend.registration import Registration, checked_source, registration, source_errors
 from lorapage.frontend.responses import AdapterCostOut
 from lorapage.frontend.state import RouteState
-from lorapage.frontend.tenants import key_id
 from lorapage.registry.drift_state import CHECK_PROMPTS_BODY_BYTES, check_prompts_param
+from lorapage.tenancy.tenants import key_id
 
 # An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
 ADMIN_MAX_BODY_BYTES = 64 << 10

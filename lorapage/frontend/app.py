@@ -49,11 +49,11 @@ from lorapage.frontend.loop_lag import LoopLagMonitor
 from lorapage.frontend.metrics import CONTENT_TYPE
 from lorapage.frontend.models_view import BaseCard
 from lorapage.frontend.prompts import PromptBuilder, Prompts
-from lorapage.frontend.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
-from lorapage.frontend.slo import DEFAULT_WINDOW_S, SloTracker, request_outcome
 from lorapage.frontend.state import AnswerWith, RouteState
-from lorapage.frontend.tenants import TenantsConfig
 from lorapage.frontend.usage_route import usage_answer, usage_request
+from lorapage.tenancy.quota import AdmissionRate, QuotaExceeded, QuotaManager, Reservation
+from lorapage.tenancy.slo import DEFAULT_WINDOW_S, SloTracker, request_outcome
+from lorapage.tenancy.tenants import TenantsConfig
 
 if TYPE_CHECKING:
     pass

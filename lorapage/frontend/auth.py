@@ -1,6 +1,6 @@
 """API keys -> tenants, which adapters each tenant may use, the admin key and the metrics keys.
 
-The tenants file (:mod:`lorapage.frontend.tenants`) holds only sha256 digests of keys. Access
+The tenants file (:mod:`lorapage.tenancy.tenants`) holds only sha256 digests of keys. Access
 fails closed: a tenant may use the base model, the adapters the admin registered for it, and the
 adapters without an owner that its ``adapters`` list opens (by name, or all with ``"*"``). An
 owner set by the admin always wins over any list. Any other adapter is reported exactly like one
@@ -22,7 +22,7 @@ from aiohttp import web
 
 from lorapage.adapters.names import parse_name
 from lorapage.errors import AdapterNotFoundError, AuthenticationError, PermissionDeniedError
-from lorapage.frontend.tenants import SHARED, TenantConfig, TenantsConfig, hash_key, key_id
+from lorapage.tenancy.tenants import SHARED, TenantConfig, TenantsConfig, hash_key, key_id
 
 
 def bearer_key(request: web.Request) -> str | None:
@@ -105,7 +105,7 @@ class Access:
         self._refuse_known(key, "this route needs the admin key")
 
     def admin_actor(self, request: web.Request) -> str:
-        """:meth:`require_admin`, then the key's id (:func:`~lorapage.frontend.tenants.key_id`),
+        """:meth:`require_admin`, then the key's id (:func:`~lorapage.tenancy.tenants.key_id`),
         which audit rows name as the actor."""
         self.require_admin(request)
         key = bearer_key(request)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Protocol
 from lorapage.frontend.auth import Access
 from lorapage.frontend.metrics import ServerMetrics
 from lorapage.frontend.models_view import ModelsView
-from lorapage.frontend.slo import SloTracker
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.request import TokenStream
+from lorapage.tenancy.slo import SloTracker
 from lorapage.usage.ledger import Key, Usage
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from lorapage.flags import fail
 from lorapage.frontend.access_log import AccessLog
 from lorapage.frontend.app import DEFAULT_MAX_BODY_BYTES
 from lorapage.frontend.edge import EdgeLimits
-from lorapage.frontend.slo import DEFAULT_WINDOW_S
-from lorapage.frontend.tenants import SHARED, hash_key
 from lorapage.sources import AdapterRoots
+from lorapage.tenancy.slo import DEFAULT_WINDOW_S
+from lorapage.tenancy.tenants import SHARED, hash_key
 
 API_KEY_ENV = "LORAPAGE_API_KEY"  # vLLM reads VLLM_API_KEY
 

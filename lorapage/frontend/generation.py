@@ -32,10 +32,10 @@ from lorapage.frontend.auth import Access
 from lorapage.frontend.error_json import error_payload
 from lorapage.frontend.fields import ToolUse
 from lorapage.frontend.metrics import ServerMetrics
-from lorapage.frontend.quota import AdmissionRate
 from lorapage.frontend.sse import DONE, EventStream, frame
 from lorapage.request import PromptProgress, RequestOutput, TokenStream
 from lorapage.sampling_params import SamplingParams
+from lorapage.tenancy.quota import AdmissionRate
 from lorapage.tools.formats import ToolCall
 from lorapage.tools.stream import ToolStream
 

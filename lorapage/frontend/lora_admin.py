@@ -2,7 +2,7 @@
 as lorapage's own admin operations.
 
 Both take the admin key (vLLM's take its ``--api-key``; in lorapage's single-tenant mode that key is
-the admin key too, see :mod:`lorapage.frontend.tenants`). A load is a registration with the rules of
+the admin key too, see :mod:`lorapage.tenancy.tenants`). A load is a registration with the rules of
 ``POST /v1/adapters`` (:mod:`lorapage.frontend.registration`): ``lora_name`` is the adapter id,
 ``lora_path`` its source (a directory under an ``--adapter-root``, or a URI). Its owner is the
 body's ``tenant`` (a lorapage extension) when given; without one the adapter has no owner, like

@@ -16,7 +16,7 @@ adapter id (versions aggregate) for the top ``--metrics-top-adapters`` ids by re
 few dozen series per family.
 
 Per-tenant SLO series (``lorapage_tenant_goodput_ratio``, ``lorapage_tenant_slo_*``, the
-tenant's answered, failed and good requests) come from a :class:`~lorapage.frontend.slo.SloTracker`:
+tenant's answered, failed and good requests) come from a :class:`~lorapage.tenancy.slo.SloTracker`:
 gauges over its sliding window, counters since start for Prometheus' own windows.
 """
 
@@ -35,8 +35,8 @@ from prometheus_client.utils import floatToGoString
 from lorapage.adapters.metrics import COST_BOUNDS_PCT, AdapterMetrics
 from lorapage.engine.stats import EngineStats
 from lorapage.frontend.loop_lag import LoopLagMonitor
-from lorapage.frontend.slo import SloTracker
 from lorapage.scheduler.metrics import Histogram as SchedHistogram, SchedulerMetrics, TenantStats
+from lorapage.tenancy.slo import SloTracker
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -19,7 +19,7 @@ import msgspec
 
 from lorapage.frontend.auth import Access
 from lorapage.frontend.responses import Model, ModelList
-from lorapage.frontend.tenants import SHARED
+from lorapage.tenancy.tenants import SHARED
 
 CACHED_TENANTS = 256  # encoded answers kept (least recently used out first)
 

@@ -22,9 +22,9 @@ from lorapage.adapters.names import check_adapter_id
 from lorapage.errors import AdapterFormatError, AdapterSourceError, InvalidRequestError, PermissionDeniedError
 from lorapage.frontend import protocol
 from lorapage.frontend.auth import Access
-from lorapage.frontend.tenants import TenantConfig
 from lorapage.registry.drift_state import check_prompts_param
 from lorapage.sources import AdapterRoots, HfSource, S3Source, Source, parse_source
+from lorapage.tenancy.tenants import TenantConfig
 
 
 # Matched whole (fullmatch): with ``match`` and ``$``, "a-priv\n" passed and was listed beside "a-priv".

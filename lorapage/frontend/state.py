@@ -18,8 +18,8 @@ from aiohttp import web
 from lorapage.frontend.auth import Access
 from lorapage.frontend.generation import Answer, Job, Timing
 from lorapage.frontend.prompts import PromptBuilder
-from lorapage.frontend.quota import Reservation
 from lorapage.request import TokenStream
+from lorapage.tenancy.quota import Reservation
 
 B_co = TypeVar("B_co", covariant=True)
 # How a job's engine outputs become its answer (generation.answer's role; /v1/responses brings its own).

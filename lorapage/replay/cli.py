@@ -230,7 +230,7 @@ def _token_range(text: str) -> tuple[int, int]:
 def _weights(path: str | None) -> dict[str, float]:
     if not path:
         return {}
-    from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError
+    from lorapage.tenancy.tenants import TenantsConfig, TenantsConfigError
 
     try:
         return dict(TenantsConfig.load(path).weights())

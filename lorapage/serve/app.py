@@ -19,11 +19,11 @@ from lorapage.frontend.audit_route import add_audit_routes
 from lorapage.frontend.auth import Access
 from lorapage.frontend.bases_route import add_base_routes
 from lorapage.frontend.edge import EdgeLimits
-from lorapage.frontend.slo import DEFAULT_WINDOW_S
-from lorapage.frontend.tenants import TenantsConfig, TenantsConfigError
 from lorapage.serve.engine_backend import ENGINES, EngineBackend
 from lorapage.serve.local_admin import local_admin
 from lorapage.serve.upgrades import LocalUpgrades
+from lorapage.tenancy.slo import DEFAULT_WINDOW_S
+from lorapage.tenancy.tenants import TenantsConfig, TenantsConfigError
 
 if TYPE_CHECKING:
     from lorapage.engine import Engine

@@ -55,11 +55,11 @@ from lorapage.frontend.flags import (
     slo_window,
 )
 from lorapage.frontend.run import listen, serve_until_signal
-from lorapage.frontend.tenants import SHARED, TenantsConfig, TenantsConfigError
 from lorapage.registry.store import REGISTRY_FILE, RegistrySchemaError
 from lorapage.serve.app import create_app, reload_tenants
 from lorapage.serve.engine_backend import ENGINES
 from lorapage.sources import AdapterRoots
+from lorapage.tenancy.tenants import SHARED, TenantsConfig, TenantsConfigError
 
 log = logging.getLogger("lorapage.serve")
 PROG = "lorapage serve"

@@ -23,10 +23,10 @@ from lorapage.frontend.generation import Job, engine_outputs
 from lorapage.frontend.metrics import BaseGauges, ServerMetrics
 from lorapage.frontend.models_view import BaseCard, ModelsView
 from lorapage.frontend.prompt_sampler import PromptSampler
-from lorapage.frontend.quota import overload_retry_after_s
-from lorapage.frontend.slo import SloTracker
 from lorapage.request import PromptProgress, TokenStream
 from lorapage.serve.engines import Engines
+from lorapage.tenancy.quota import overload_retry_after_s
+from lorapage.tenancy.slo import SloTracker
 from lorapage.usage.ledger import Key, Usage
 
 if TYPE_CHECKING:

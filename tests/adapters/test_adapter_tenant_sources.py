@@ -14,8 +14,8 @@ from server_harness import TENANTS_TOML, Server, assert_openai_error, make_engin
 
 from lorapage.errors import PermissionDeniedError
 from lorapage.frontend import Access
-from lorapage.frontend.tenants import TenantsConfig
 from lorapage.sources import AdapterRoots
+from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 COMP = "/v1/completions"

@@ -23,7 +23,7 @@ pytest.importorskip("ray.serve", reason="the fleet needs ray[serve]: pip install
 from server_harness import TENANTS_TOML  # noqa: E402
 
 from lorapage.fleet.ingress import TENANTS_FILE  # noqa: E402
-from lorapage.frontend.tenants import hash_key  # noqa: E402
+from lorapage.tenancy.tenants import hash_key  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 DELTA = f'\n[tenants.delta]\nkey_sha256 = ["{hash_key("key-delta")}"]\nadapters = ["acme"]\n'
@@ -144,7 +144,7 @@ async def test_access_log_and_slo_window_reach_the_ingress_or_are_refused_before
 
 async def test_api_key_is_the_single_tenant_and_not_beside_a_tenants_file(tmp_path: Path, capsys) -> None:
     from lorapage.fleet.cli import _tenants_toml
-    from lorapage.frontend.tenants import TenantsConfig
+    from lorapage.tenancy.tenants import TenantsConfig
 
     config = TenantsConfig.from_toml(_tenants_toml(None, ["acme"], ["sk-fleet"]))
     assert config.authenticate("sk-fleet") == "default" and config.is_admin("sk-fleet")

@@ -28,7 +28,7 @@ from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, build_app  # noqa: E402
 from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import MERGED_APP_PREFIX, FleetConfig  # noqa: E402
-from lorapage.frontend.tenants import key_id  # noqa: E402
+from lorapage.tenancy.tenants import key_id  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -15,11 +15,11 @@ from lorapage.errors import InvalidRequestError
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.routing import replica_target, targeted_replica
 from lorapage.frontend.audit_route import audit_list
-from lorapage.frontend.tenants import key_id
 from lorapage.registry.audit import AuditQuery
 from lorapage.registry.catalog import PreparedVersion
 from lorapage.registry.prepare import PreparedVersion
 from lorapage.registry.store import REGISTRY_FILE, Registry
+from lorapage.tenancy.tenants import key_id
 from lorapage.usage.ledger import Usage
 from lorapage.usage.report import summed, usage_json
 

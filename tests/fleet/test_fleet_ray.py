@@ -42,10 +42,10 @@ from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E
 from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import FleetConfig  # noqa: E402
 from lorapage.fleet.routing import rendezvous_owners  # noqa: E402
-from lorapage.frontend.tenants import hash_key, key_id  # noqa: E402
 from lorapage.model.tokenizer import Tokenizer  # noqa: E402
 from lorapage.registry.store import REGISTRY_FILE, Registry  # noqa: E402
 from lorapage.sampling_params import SamplingParams  # noqa: E402
+from lorapage.tenancy.tenants import hash_key, key_id  # noqa: E402
 from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

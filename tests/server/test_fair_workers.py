@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from lorapage.frontend.fair_workers import FairQueue, FairWorkers
 from lorapage.frontend.prompts import chunks
+from lorapage.tenancy.fair_workers import FairQueue, FairWorkers
 
 
 def test_tenants_are_served_in_turn_whatever_their_backlog():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorapage.frontend.quota import (
+from lorapage.tenancy.quota import (
     AdmissionRate,
     QuotaExceeded,
     QuotaManager,
@@ -12,7 +12,7 @@ from lorapage.frontend.quota import (
     TokenBucket,
     overload_retry_after_s,
 )
-from lorapage.frontend.tenants import TenantConfig, TenantsConfig
+from lorapage.tenancy.tenants import TenantConfig, TenantsConfig
 
 
 def manager(**limits) -> QuotaManager:

@@ -12,7 +12,7 @@ import pytest
 from server_harness import BASE, KEYS, TENANTS_TOML, make_engine, read_sse, running_server, server  # noqa: F401
 
 from lorapage.frontend import Access
-from lorapage.frontend.tenants import TenantsConfig, hash_key
+from lorapage.tenancy.tenants import TenantsConfig, hash_key
 from lorapage.tiny import DEMO_MARKERS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -27,7 +27,7 @@ from lorapage.frontend.app import STATE
 from lorapage.frontend.edge import EdgeLimits
 from lorapage.frontend.generation import Formatter
 from lorapage.frontend.prompts import CHUNK_CHARS
-from lorapage.frontend.tenants import TenantsConfig
+from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.testing.serve_process import run_serve
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 

@@ -30,8 +30,8 @@ from server_harness import BASE, assert_openai_error, make_engine, make_roots, r
 
 from lorapage.frontend import Access, hash_key
 from lorapage.frontend.app import STATE
-from lorapage.frontend.tenants import TenantsConfig
 from lorapage.serve.engine_backend import ENGINES
+from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.tiny import BASE_PHRASE, DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

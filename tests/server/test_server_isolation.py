@@ -24,7 +24,7 @@ from server_harness import (  # noqa: F401 (server: the module's fixture)
 
 from lorapage.frontend import Access, hash_key
 from lorapage.frontend.loop_lag import LoopLagMonitor
-from lorapage.frontend.tenants import TenantsConfig
+from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

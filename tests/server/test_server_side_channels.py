@@ -12,7 +12,7 @@ import pytest_asyncio
 from server_harness import BASE, Server, make_engine, running_server
 
 from lorapage.frontend import Access, hash_key
-from lorapage.frontend.tenants import TenantsConfig
+from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.tiny import demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorapage.frontend.slo import WINDOW_BUCKETS, Outcome, SloTargets, SloTracker, SloWindow, judge
+from lorapage.tenancy.slo import WINDOW_BUCKETS, Outcome, SloTargets, SloTracker, SloWindow, judge
 
 TIGHT = SloTargets(ttft_p95_s=0.5, itl_p95_s=0.05, error_rate=0.01)
 

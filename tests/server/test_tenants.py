@@ -7,10 +7,10 @@ import hashlib
 
 import pytest
 
-import lorapage.frontend.tenants as tenants_mod
+import lorapage.tenancy.tenants as tenants_mod
 from lorapage.frontend import Access, hash_key
-from lorapage.frontend.slo import SloTargets
-from lorapage.frontend.tenants import SHARED, TenantConfig, TenantsConfig, TenantsConfigError
+from lorapage.tenancy.slo import SloTargets
+from lorapage.tenancy.tenants import SHARED, TenantConfig, TenantsConfig, TenantsConfigError
 
 
 def digest(key: str) -> str:

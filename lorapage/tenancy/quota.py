@@ -14,7 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from lorapage.frontend.tenants import TenantConfig, TenantsConfig
+from lorapage.tenancy.tenants import TenantConfig, TenantsConfig
 
 _EPS = 1e-9  # relative slack on float comparisons, so refill arithmetic lands on whole tokens
 

@@ -30,7 +30,7 @@ slo_ttft_p95_s = 5.0
 ```
 
 SLOs (``slo_*``) are watched, never enforced: they set what ``/metrics`` reports as each tenant's
-goodput and burn rates (:mod:`lorapage.frontend.slo`) and what ``deploy/prometheus/alerts.yml``
+goodput and burn rates (:mod:`lorapage.tenancy.slo`) and what ``deploy/prometheus/alerts.yml``
 alerts on. A tenant's own value wins over ``[defaults]``.
 
 Access fails closed. A tenant may always use the base model and the adapters the admin registered
@@ -68,7 +68,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from lorapage.frontend.slo import NO_SLO, SloTargets
+from lorapage.tenancy.slo import NO_SLO, SloTargets
 
 SHARED = "*"  # in a tenant's `adapters`: every adapter that has no owner
 # Tenant fields a [defaults] table may set too (SloTargets' fields, "slo_" before each).
