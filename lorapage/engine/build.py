@@ -10,13 +10,11 @@ engine's ``check_open``) or set by the later builder (the adapter metrics' proje
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +47,6 @@ from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop, Wakeup
 from lorapage.engine.step_planner import StepLimits, StepPlanner
 from lorapage.engine.tiering import TierKeeper
-from lorapage.errors import AdapterSourceError, LorapageError
 from lorapage.kernels.backend import KernelOps, select_backend
 from lorapage.memory.pool import PagePool, adapter_page_size
 from lorapage.memory.prefix_cache import PrefixCache
@@ -67,7 +64,8 @@ from lorapage.registry.prepare import VersionPreparer
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
-from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
+from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits
+from lorapage.sources.version_files import VersionFiles
 from lorapage.structured.grammars import GrammarCompiler
 from lorapage.usage import UsageLedger
 
@@ -323,27 +321,6 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
 
 
 # -- adapters ----------------------------------------------------------------------------------
-
-
-class VersionFiles:
-    """Where a registered version's files are read from: its ``source``, checked against the roots
-    its owner may read from, through the download cache for a remote one."""
-
-    def __init__(self, roots: AdapterRoots, sources: AdapterSources) -> None:
-        self.roots, self.sources = roots, sources
-
-    @asynccontextmanager
-    async def locate(self, source: str, digest: str, owner: str | None) -> AsyncIterator[Path]:
-        """A version's files from its ``source``, checked against the roots ``owner`` may read
-        from (a directory) and verified against its ``digest``."""
-        try:
-            src = await asyncio.to_thread(parse_source, source, sha256=digest, roots=self.roots, owner=owner)
-        except LorapageError as exc:  # a directory that moved, links out now, or a root dropped
-            raise AdapterSourceError(f"adapter source {source} is no longer usable: {exc.message}") from None
-        # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
-        # a remote one was checked when it landed in the disk cache.
-        async with self.sources.use(src, None if isinstance(src, FileSource) else digest, owner) as path:
-            yield path
 
 
 @dataclass(frozen=True)

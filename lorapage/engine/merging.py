@@ -15,8 +15,8 @@ import torch
 from lorapage.adapters.cache import AdapterEntry
 from lorapage.adapters.loader import content_digest
 from lorapage.adapters.peft_format import at_path, load_adapter_tensors, read_weights
-from lorapage.engine.build import VersionFiles
 from lorapage.errors import AdapterLoadError, AdapterNotFoundError, ConflictError
+from lorapage.sources.version_files import VersionFiles
 
 
 class MergedWeights:
