@@ -38,7 +38,7 @@ from lorapage.adapters.digest import digest_param
 from lorapage.bases.validation import BaseValidator, ValidationJob, parse_key
 from lorapage.errors import ConflictError, PermissionDeniedError
 from lorapage.frontend import protocol
-from lorapage.frontend.check_prompts import admin_or_tenant
+from lorapage.frontend.caller import admin_or_tenant
 from lorapage.registry.drift_state import (
     FAILED,
     MIGRATED,
@@ -132,7 +132,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
 
     async def progress(request: web.Request) -> web.Response:
         state = request.app[state_key]
-        caller = admin_or_tenant(state.access, request)
+        caller = admin_or_tenant(state, request)
         target = _target(request)
         wanted = request.query.get("tenant")
         if caller is not None and wanted not in (None, caller):
