@@ -47,7 +47,8 @@ async def store_check_prompts(
     actor: str | None,
 ) -> CheckPrompts:
     """Replace what is given of ``adapter_id``'s check settings in ``registry`` (None: keep it;
-    nothing written when nothing changes), committed in a worker (``lorapage serve``'s engine's registry, or the fleet ingress's)."""
+    nothing written when nothing changes), committed in a worker (``lorapage serve``'s engine's
+    registry, or the fleet ingress's)."""
 
     def write() -> CheckPrompts:
         old = registry.check_prompts(adapter_id)
