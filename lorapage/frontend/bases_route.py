@@ -149,7 +149,10 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         shown = None
         if job is not None:
             shown = {"id": job.id, "status": job.status, "error": job.error, "started": job.started}
-            shown |= {"finished": job.finished, "checked": job.checked, "adapters": len(job.adapters)}
+            shown |= {"finished": job.finished, "adapters": len(job.adapters), "checked": job.checked}
+            if caller is not None:  # the job's counts are every tenant's: a tenant's own adapters only
+                shown |= {"adapters": sum(owners.get(k.partition("@")[0]) == caller for k in job.adapters)}
+                del shown["checked"]  # its rows' states say how far its own checks are
             if caller is None:
                 shown["model"] = job.model
         body = {

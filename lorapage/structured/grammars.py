@@ -25,6 +25,7 @@ from lorapage.errors import InvalidRequestError
 from lorapage.structured.spec import StructuredSpec
 
 COMPILE_TIMEOUT_S = 5.0  # validating a spec or building a request's matcher, in a worker
+REASON_CHARS = 300  # of the grammar engine's reason in an answer
 CACHE_SIZE = 256  # validated grammars kept, by spec
 # JSON output without free whitespace: a model that is not trained for JSON (or a random one)
 # could otherwise pad between tokens without end. Applied after the schema's own x-guidance.
@@ -57,7 +58,9 @@ class Constraint:
     @property
     def error(self) -> str | None:
         """Why the output can no longer follow the grammar (a token it refused, a limit hit)."""
-        return self.matcher.get_error() or None if self.matcher.is_error() else None  # type: ignore[attr-defined]
+        if not self.matcher.is_error():  # type: ignore[attr-defined]
+            return None
+        return engine_reason(self.matcher.get_error() or "the grammar engine stopped")  # type: ignore[attr-defined]
 
 
 class GrammarCompiler:
@@ -140,8 +143,14 @@ class GrammarCompiler:
             raise _refused(spec, str(exc)) from None
 
 
+def engine_reason(text: str) -> str:
+    """The grammar engine's reason, bounded for an answer: llguidance appends its whole parser
+    state and the grammar (the schema, up to 64 KiB) after ``<state>``; a client gets the reason."""
+    why = " ".join(text.split("<state>", 1)[0].split())
+    return why if len(why) <= REASON_CHARS else why[:REASON_CHARS] + "..."
+
+
 def _refused(spec: StructuredSpec, why: str) -> InvalidRequestError:
-    why = " ".join(why.split())
-    why = why if len(why) <= 500 else why[:500] + "..."
+    why = engine_reason(why)
     message = f"{spec.param}: the {spec.kind} cannot be used for structured output: {why}"
     return InvalidRequestError(message, param=spec.param)

@@ -195,7 +195,8 @@ async def test_validate_then_migrate_only_what_passed(bases, adapter_root, tmp_p
         # A tenant reads its own report only.
         mine = await _states(srv, near_digest, _auth("alpha"))
         assert {r["id"] for r in mine["adapters"]} == {"cust-a", "cust-c"} and set(mine["tenants"]) == {"alpha"}
-        assert "model" not in mine["job"]
+        assert "model" not in mine["job"] and "checked" not in mine["job"]  # the job's counts are every tenant's
+        assert mine["job"]["adapters"] == 2 < report["job"]["adapters"], (report["job"], mine["job"])
         status, got, _ = await srv.request("GET", f"/v1/bases/{near_digest}/validate?tenant=beta", _auth("alpha"))
         assert status == 403, got
         only_beta = await _states(srv, near_digest, srv.admin(), "?tenant=beta")

@@ -220,3 +220,18 @@ async def test_a_compiled_spec_is_cached_and_each_request_has_its_own_state():
         assert second.error is not None and first.error is None
     finally:
         await engine.close()
+
+
+async def test_a_failed_constraint_names_its_reason_not_the_engine_state():
+    """llguidance's error carries its parser state and the whole grammar (here a schema of 10 KB);
+    what reaches an answer is the reason, bounded."""
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(300)}}
+    engine = tiny_engine()
+    try:
+        constraint = await engine.debug.grammars.constraint(StructuredSpec("json", json.dumps(schema)))
+        constraint.consume(engine.tokenizer.encode("z", add_special_tokens=False)[0])  # no JSON starts so
+        error = constraint.error
+        assert error is not None and "doesn't satisfy the grammar" in error, error
+        assert len(error) <= 400 and "<state>" not in error and "k299" not in error, error[:600]
+    finally:
+        await engine.close()
