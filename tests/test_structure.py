@@ -151,6 +151,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.usage", "cost attribution by tenant and adapter version"),
     ("lorapage.tools", "tool-call formats, their grammars and parsers"),
     ("lorapage.structured", "structured-output specs, grammars and masks"),
+    ("lorapage.fair_workers", "worker threads shared by tenants in turn (prompts, grammar compiles)"),
     ("lorapage.flags", "command-line flags made from config declarations"),
     ("lorapage.tiny", "where the built-in tiny model lives"),
     ("lorapage.config", "EngineConfig, each field declared once"),

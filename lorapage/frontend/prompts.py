@@ -2,7 +2,7 @@
 
 Decoding a big body, rendering a chat template and tokenizing take time proportional to the
 input, so they run in a few worker threads the server owns, never on the loop, and those threads
-serve the tenants round robin (:mod:`lorapage.frontend.fair_workers`): one tenant's backlog of huge
+serve the tenants round robin (:mod:`lorapage.fair_workers`): one tenant's backlog of huge
 prompts does not hold another's small one. Before any of it, cheap bounds refuse what cannot fit,
 with a 400 ``context_length_exceeded``:
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lorapage.errors import InvalidRequestError, LorapageError, PromptTooLongError
-from lorapage.frontend.fair_workers import FairWorkers
+from lorapage.fair_workers import FairWorkers
 from lorapage.frontend.fields import ToolUse, tool_use
 from lorapage.frontend.protocol import Parsed
 from lorapage.tools.formats import detect_format

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from lorapage.frontend.fair_workers import FairQueue, FairWorkers
+from lorapage.fair_workers import FairQueue, FairWorkers
 from lorapage.frontend.prompts import chunks
 
 
