@@ -463,6 +463,7 @@ def build_adapters(
         wall_clock,
         interval_s=config.tier_interval_s,
         retention_hours=config.traffic_retention_hours,
+        audit_retention_s=config.audit_retention_days * 86400,
     )
     return AdapterParts(residency, cache, sources, files, cache_dir, usage, metrics, registry, tiers, roots, wall_clock)
 

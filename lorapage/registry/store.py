@@ -35,7 +35,7 @@ schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 
 ``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
 the audit tables (empty: history begins there; a rollback of an alias with no history goes to the
 newest older version) and the ``adapter_traffic`` table (empty), schema 4 the check-prompt and
-migration tables (empty).
+migration tables (empty), schema 5 the audit trail's retention (:meth:`Registry.prune_audit`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from lorapage.registry.audit import DEFAULT_CHANNEL, OK, AliasMove, AuditEntry, 
 from lorapage.registry.drift_state import MIGRATED, CheckPrompts, MigrationRow
 from lorapage.usage.ledger import RETENTION_HOURS  # the usage ledger's 14 days
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 REGISTRY_FILE = "registry.sqlite3"
 # A version number as a name spells it: ASCII digits only (``str.isdigit`` takes "²", which
 # ``int`` refuses), and few enough that parsing it costs nothing (``int`` of 4,300 digits raises).
@@ -102,6 +102,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",),
     3: (*audit.SCHEMA, *_TRAFFIC_SCHEMA),
     4: drift_state.SCHEMA,
+    5: audit.RETENTION_SCHEMA,
 }
 
 
@@ -199,7 +200,7 @@ class Registry:
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
-                for statement in (*audit.SCHEMA, *_TRAFFIC_SCHEMA, *drift_state.SCHEMA):
+                for statement in (*audit.SCHEMA, *audit.RETENTION_SCHEMA, *_TRAFFIC_SCHEMA, *drift_state.SCHEMA):
                     self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
@@ -502,6 +503,12 @@ class Registry:
                 ],
             )
             self._db.execute("DELETE FROM adapter_traffic WHERE hour < ?", (oldest,))
+
+    def prune_audit(self, before: float) -> int:
+        """Delete the audit rows older than ``before`` (Unix seconds): the trail's retention, from
+        a worker thread. The rows deleted."""
+        with self._lock, self._transaction():
+            return audit.prune(self._db, before)
 
     def traffic(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
         """Traffic rows of hour ``since_hour`` and later (of ``adapter_id``'s versions, or of

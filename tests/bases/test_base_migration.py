@@ -335,5 +335,5 @@ def test_a_schema_4_registry_gains_the_check_and_migration_tables(tmp_path):
     assert registry.sampling_ids() == ["cust"] and [v.key for v in registry.versions()] == ["cust@1"]
     registry.close()
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("5",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("6",)
     db.close()
