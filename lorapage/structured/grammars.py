@@ -7,8 +7,9 @@ precompile; its work per step is bounded by :class:`llguidance.LLParserLimits` (
 parser items), which is what bounds a hostile grammar; it reads the model's ``tokenizer.json``
 as is; and it installs as one dependency-free wheel (xgrammar needs transformers and triton).
 
-A spec is compiled once (cached by spec, LRU): turned into llguidance's grammar text, validated,
-and made into a fresh ``LLMatcher``. Compiles run on grammar threads shared by the tenants in
+A spec is compiled once: turned into llguidance's grammar text and validated (the text cached by
+spec, LRU), then made into a fresh ``LLMatcher`` (cached too when its grammar is small: a 40 KB schema's
+matcher holds about 3 MB, so a big one is made again per request, in its tenant's turn). Compiles run on grammar threads shared by the tenants in
 turn (:class:`~lorapage.fair_workers.FairWorkers`: one tenant's big schemas wait behind each
 other, not in front of another tenant's), under a deadline past which the request is refused and
 the compile no longer holds a thread the others need. Each request then gets its own
@@ -23,14 +24,18 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 from lorapage.errors import InvalidRequestError
 from lorapage.fair_workers import FairWorkers
 from lorapage.structured.spec import StructuredSpec
 
+V = TypeVar("V")
 COMPILE_TIMEOUT_S = 5.0  # compiling a spec (its wait for a thread included)
 REASON_CHARS = 300  # of the grammar engine's reason in an answer
-CACHE_SIZE = 256  # validated grammars kept, by spec
+CACHE_SIZE = 256  # validated grammar texts kept, by spec
+MATCHERS_CACHED = 32  # fresh matchers kept, by spec
+MATCHER_CACHED_CHARS = 8 << 10  # of a grammar's text at most, for its matcher to be kept
 # JSON output without free whitespace: a model that is not trained for JSON (or a random one)
 # could otherwise pad between tokens without end. Applied after the schema's own x-guidance.
 JSON_OVERRIDES = {"whitespace_flexible": False}
@@ -75,8 +80,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._workers = workers
-        self._grammars: OrderedDict[StructuredSpec, object] = OrderedDict()  # spec -> its fresh LLMatcher
-        self._lock = threading.Lock()  # the cache: read on the loop, filled by the grammar threads
+        self._grammars: OrderedDict[StructuredSpec, str] = OrderedDict()  # spec -> its validated grammar text
+        self._matchers: OrderedDict[StructuredSpec, object] = OrderedDict()  # spec -> a fresh LLMatcher of it
+        self._lock = threading.Lock()  # the caches: read on the loop, filled by the grammar threads
 
     @cached_property
     def _llg(self):
@@ -115,25 +121,27 @@ class GrammarCompiler:
 
     def _cached(self, spec: StructuredSpec) -> object | None:
         with self._lock:
-            if (fresh := self._grammars.get(spec)) is not None:
-                self._grammars.move_to_end(spec)
-            return fresh
+            return _lru_get(self._matchers, spec)
 
     def _compile(self, spec: StructuredSpec) -> object:
         """``spec``'s fresh matcher, compiled and cached (a grammar thread's work)."""
         if (fresh := self._cached(spec)) is not None:  # compiled while this waited its turn
             return fresh
-        grammar = self._text(spec)
-        problem = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
-        if problem:
-            raise _refused(spec, problem)
+        with self._lock:
+            grammar = _lru_get(self._grammars, spec)
+        if grammar is None:
+            grammar = self._text(spec)
+            problem = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
+            if problem:
+                raise _refused(spec, problem)
+            with self._lock:
+                _lru_put(self._grammars, spec, grammar, CACHE_SIZE)
         fresh = self._llg.LLMatcher(self.tokenizer, grammar, limits=self.limits, log_level=0)
         if fresh.is_error():
             raise _refused(spec, fresh.get_error())
-        with self._lock:
-            self._grammars[spec] = fresh
-            while len(self._grammars) > CACHE_SIZE:
-                self._grammars.popitem(last=False)
+        if len(grammar) <= MATCHER_CACHED_CHARS:
+            with self._lock:
+                _lru_put(self._matchers, spec, fresh, MATCHERS_CACHED)
         return fresh
 
     def _text(self, spec: StructuredSpec) -> str:
@@ -154,6 +162,18 @@ class GrammarCompiler:
             return llg.grammar_from("grammar", spec.value)
         except Exception as exc:  # the grammar engine refusing the caller's text, whatever the error's class
             raise _refused(spec, str(exc)) from None
+
+
+def _lru_get(cache: OrderedDict[StructuredSpec, V], key: StructuredSpec) -> V | None:
+    if (value := cache.get(key)) is not None:
+        cache.move_to_end(key)
+    return value
+
+
+def _lru_put(cache: OrderedDict[StructuredSpec, V], key: StructuredSpec, value: V, size: int) -> None:
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 def engine_reason(text: str) -> str:
