@@ -7,14 +7,15 @@ precompile; its work per step is bounded by :class:`llguidance.LLParserLimits` (
 parser items), which is what bounds a hostile grammar; it reads the model's ``tokenizer.json``
 as is; and it installs as one dependency-free wheel (xgrammar needs transformers and triton).
 
-A spec is compiled once: turned into llguidance's grammar text and validated (the text cached by
-spec, LRU), then made into a fresh ``LLMatcher`` (cached too when its grammar is small: a 40 KB schema's
-matcher holds about 3 MB, so a big one is made again per request, in its tenant's turn). Compiles run on grammar threads shared by the tenants in
-turn (:class:`~lorapage.fair_workers.FairWorkers`: one tenant's big schemas wait behind each
-other, not in front of another tenant's), under a deadline past which the request is refused and
-the compile no longer holds a thread the others need. Each request then gets its own
-:class:`Constraint` per branch, a copy of the cached fresh matcher: made on the loop, it waits
-behind no compile.
+A spec is compiled once: turned into llguidance's grammar text and validated (the text cached
+by spec, LRU), then made into a fresh ``LLMatcher`` (cached too when its grammar is small: a
+40 KB schema's matcher holds about 3 MB, so a big one is made again per request, in its
+tenant's turn). Compiles run on grammar threads shared by the tenants in turn
+(:class:`~lorapage.fair_workers.FairWorkers`: one tenant's big schemas wait behind each other,
+not in front of another tenant's), under a deadline past which the request is refused and the
+compile no longer holds a thread the others need. Each branch of a request gets its own
+:class:`Constraint`, a copy of one fresh matcher; a cached one is copied on the loop, behind no
+compile.
 """
 
 from __future__ import annotations

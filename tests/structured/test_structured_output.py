@@ -213,10 +213,8 @@ async def test_a_compiled_spec_is_cached_and_each_request_has_its_own_state():
         spec = StructuredSpec.of_choices(["alpha", "beta"])
         first = await engine.debug.grammars.constraint(spec)
         second = await engine.debug.grammars.constraint(spec)
-        assert (
-            first.matcher is not second.matcher
-            and len(engine.debug.grammars._grammars) == len(engine.debug.grammars._matchers) == 1
-        )
+        compiler = engine.debug.grammars
+        assert first.matcher is not second.matcher and len(compiler._grammars) == len(compiler._matchers) == 1
         first.consume(first_token := engine.tokenizer.encode("a", add_special_tokens=False)[0])
         assert second.error is None and first.error is None and first_token >= 0
         second.consume(engine.tokenizer.encode("z", add_special_tokens=False)[0])  # starts neither choice
