@@ -110,3 +110,23 @@ async def test_owner_writes_take_quota_and_a_no_op_adds_no_audit_row(srv: Server
         assert status == 200 and body["prompts"] == ["hi"], body
     status, audit, _ = await srv.request("GET", "/v1/audit?action=check_prompts", headers=srv.admin())
     assert status == 200 and len(audit["data"]) == 1, audit
+
+
+async def test_usage_rows_are_filtered_and_encoded_off_the_event_loop(srv: Server, monkeypatch) -> None:
+    """The ledger's rows may number a hundred thousand: a call's filtering and encoding run in a
+    worker thread, not on the loop that serves every tenant."""
+    import threading
+
+    from lorapage.frontend import app as app_module
+
+    threads: list[str] = []
+    answer = app_module.usage_answer
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return answer(*args)
+
+    monkeypatch.setattr(app_module, "usage_answer", recorded)
+    status, body = await _call(srv, "GET", "/v1/usage", ADMIN_KEY)
+    assert status == 200, body
+    assert threads and threads[0] != threading.main_thread().name, threads
