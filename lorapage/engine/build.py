@@ -301,7 +301,7 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
         # file, a text request for a resident adapter (or the base) must still get in.
         tokenize=ThreadPoolExecutor(io_threads, thread_name_prefix="lorapage-tokenize"),
         # Structured output: grammars compile on threads of their own, never behind prompts, in
-        # the tenants' turns; one spare covers a compile past its deadline.
+        # the tenants' turns; a spare thread (two at most) covers each compile past its deadline.
         grammar=FairWorkers(GRAMMAR_THREADS, name="lorapage-grammar", max_spare=GRAMMAR_THREADS),
         # On a CPU the copies into the pool get a thread of their own: queued behind file reads
         # on the I/O pool, a load whose read was done waited for every read queued after it (the
