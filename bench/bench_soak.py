@@ -16,7 +16,9 @@ then runs two phases:
   names that are not names, adapter ids with a newline or reserved, bogus keys, malformed HTTP,
   requests cut after their prefill started, non-streamed chats with 20 alternatives per token,
   a tenant flooding the queue, ``/v1/models`` in a loop over 100 registered adapters, and
-  connections that send their headers a byte at a time.
+  connections that send their headers a byte at a time; and the attacks of issue 38
+  (:mod:`soak_isolation`): a grammar-compile flood, a ``/v1/usage`` flood, an owner-write flood
+  and connections over the per-address cap.
 
     .venv/bin/python bench/bench_soak.py [--duration 180] [--quick] [--device cpu]
         [--hostile-rate 5] [--edge-rate 5] [--without hostile|slow|hangups|edge ...]
@@ -57,6 +59,7 @@ import aiohttp
 from harness import machine_info, machine_line, print_json
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
+from soak_isolation import SERVER_FLAGS as ISOLATION_FLAGS, TENANTS as ISOLATION_TENANTS, isolation_cases, prepare
 
 from lorapage.testing.serve_process import ServeProcess, start_serve
 from lorapage.tiny import demo_adapter_dirs
@@ -91,6 +94,7 @@ TARGETS = {
 SERVER_FLAGS = [  # a context of 65,536 tokens (the prompts far over it must be cut short), a queue of 64
     *("--max-model-len", "65536", "--num-pages", "8192", "--enable-chunked-prefill"),
     *("--max-num-batched-tokens", "2048", "--max-queue-len", "64", "--header-timeout", "2"),
+    *ISOLATION_FLAGS,
 ]
 EDGE_ADAPTERS = 100  # ids registered for the /v1/models loop
 
@@ -479,6 +483,7 @@ EDGE_TENANTS = {  # name -> its limits in the tenants file
     "limited": "rpm = 1\n",
     "metered": "tpm = 6000\n",
     "lister": "rpm = 120\n",
+    **ISOLATION_TENANTS,
 }
 FLOOD = 24  # requests the hog sends at once (its share of the queue is 64 / tenants)
 
@@ -585,7 +590,8 @@ def edge_cases(soak: Soak, tally: Tally) -> dict[str, tuple[Callable[[], Awaitab
 
 async def edge_worker(soak: Soak, more: Callable[[], bool], tally: Tally, rate: float, only: list[str]) -> None:
     """The edge attacks in turn (``only`` these, when given), ``rate`` per second at most (a flood counts as one)."""
-    cases = {name: case for name, case in edge_cases(soak, tally).items() if not only or name in only}
+    every = {**edge_cases(soak, tally), **isolation_cases(soak, tally)}
+    cases = {name: case for name, case in every.items() if not only or name in only}
     if not cases:
         return
     start = time.monotonic()
@@ -693,6 +699,7 @@ def _mismatches(soak: Tally, reference: dict[tuple[str, str], Answer]) -> tuple[
 async def run(args: argparse.Namespace, soak: Soak) -> dict:
     if "edge" not in args.without:
         await register_many(soak, EDGE_ADAPTERS)  # before the clean run: both phases list the same
+        await prepare(soak)
     clean = Tally()
     reference = {}  # one answer to each request, alone: also warms every adapter into the pool
     for model, prompt in GOOD_REQUESTS:

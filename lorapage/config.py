@@ -247,6 +247,12 @@ class EngineConfig:
         group="adapters",
         shown="336 (14 days)",
     )
+    audit_retention_days: float = option(
+        90.0,
+        "days the registry's audit trail keeps a row; older rows are deleted with the traffic table's writes "
+        "(off the event loop; 0: kept forever)",
+        group="adapters",
+    )
     base_names: str | None = option(
         None,
         'a TOML file naming the bases adapters were trained on, one per line: "NAME" = "sha256:<64 hex>", NAME as '
@@ -390,6 +396,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tier_interval_s must be > 0; got {self.tier_interval_s}")
         if self.traffic_retention_hours < 25:  # the tiers read the last 24 hours, and the hour in progress
             raise ValueError(f"EngineConfig.traffic_retention_hours must be >= 25; got {self.traffic_retention_hours}")
+        if not self.audit_retention_days >= 0:
+            raise ValueError(
+                f"EngineConfig.audit_retention_days must be >= 0 (0: forever); got {self.audit_retention_days}"
+            )
         positive = (
             "block_size",
             "max_num_seqs",

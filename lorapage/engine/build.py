@@ -67,8 +67,10 @@ from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, mak
 from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits
 from lorapage.sources.version_files import VersionFiles
 from lorapage.structured.grammars import GrammarCompiler
+from lorapage.tenancy.fair_workers import FairWorkers
 from lorapage.usage import UsageLedger
 
+GRAMMAR_THREADS = 2  # one tenant holds at most one of them (FairWorkers: threads - 1 each)
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
 
@@ -297,8 +299,9 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
         # Prompts are tokenized apart from file reads: with every I/O thread stuck on a slow
         # file, a text request for a resident adapter (or the base) must still get in.
         tokenize=ThreadPoolExecutor(io_threads, thread_name_prefix="lorapage-tokenize"),
-        # Structured output: grammars compile on a thread of their own, never behind prompts.
-        grammar=ThreadPoolExecutor(1, thread_name_prefix="lorapage-grammar"),
+        # Structured output: grammars compile on threads of their own, never behind prompts, in
+        # the tenants' turns; a spare thread (two at most) covers each compile past its deadline.
+        grammar=FairWorkers(GRAMMAR_THREADS, name="lorapage-grammar", max_spare=GRAMMAR_THREADS),
         # On a CPU the copies into the pool get a thread of their own: queued behind file reads
         # on the I/O pool, a load whose read was done waited for every read queued after it (the
         # S-LoRA replay: a wave of ten cold adapters all became resident together, ~0.5 s in,
@@ -436,6 +439,7 @@ def build_adapters(
         wall_clock,
         interval_s=config.tier_interval_s,
         retention_hours=config.traffic_retention_hours,
+        audit_retention_s=config.audit_retention_days * 86400,
     )
     return AdapterParts(residency, cache, sources, files, cache_dir, usage, metrics, registry, tiers, roots, wall_clock)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lorapage.tenancy.fair_workers import FairWorkers
+
 # Keyed by lorapage.config.DTYPE_NAMES.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,7 +127,7 @@ class Threads:
     forward: ThreadPoolExecutor
     io: ThreadPoolExecutor
     tokenize: ThreadPoolExecutor
-    grammar: ThreadPoolExecutor
+    grammar: FairWorkers
     copies: ThreadPoolExecutor | None
     forward_threads: int  # intra-op threads of the forward pass
     io_threads: int
@@ -142,6 +144,6 @@ class Threads:
         """Stop every thread but the forward one (the engine drains that one first)."""
         self.io.shutdown(wait=False, cancel_futures=True)
         self.tokenize.shutdown(wait=False, cancel_futures=True)
-        self.grammar.shutdown(wait=False, cancel_futures=True)
+        self.grammar.close()
         if self.copies is not None:
             self.copies.shutdown(wait=False, cancel_futures=True)

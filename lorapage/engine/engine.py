@@ -225,7 +225,7 @@ class Engine:
         try:
             ids, constraints, bad_words = await asyncio.gather(
                 self._steps.intake.prompt_ids(prompt),
-                asyncio.gather(*(self._steps.intake.constraint(sampling) for _ in range(sampling.n))),
+                self._steps.intake.constraints(sampling, tenant),
                 self._steps.intake.bad_words_ids(sampling),
             )
         except asyncio.CancelledError:

@@ -81,11 +81,12 @@ class RequestIntake:
         if sampling.structured is not None and self._grammars is None:
             raise InvalidRequestError("this engine has no structured-output support", param=sampling.structured.param)
 
-    async def constraint(self, sampling: SamplingParams) -> Constraint | None:
-        """The compiled structured-output constraint a request's sampling asks for (in a worker)."""
+    async def constraints(self, sampling: SamplingParams, tenant: str | None) -> list[Constraint | None]:
+        """The structured-output constraint of each of a request's ``n`` branches: one compile
+        (in ``tenant``'s turn on the grammar threads), a copy per branch."""
         if sampling.structured is None or self._grammars is None:
-            return None
-        return await self._grammars.constraint(sampling.structured)
+            return [None] * sampling.n
+        return list(await self._grammars.constraints(sampling.structured, sampling.n, tenant or ""))
 
     async def bad_words_ids(self, sampling: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids, as it would start the text and after a space (vLLM's rule)."""

@@ -55,11 +55,13 @@ class TierKeeper:
         *,
         interval_s: float,
         retention_hours: int,
+        audit_retention_s: float = 0.0,
     ) -> None:
         """``wall_clock``: Unix seconds (the engine's clock plus the ledger's offset)."""
         self.rules, self.usage, self.registry, self.adapters = rules, usage, registry, adapters
         self.executor, self.wall_clock = executor, wall_clock
         self.interval_s, self.retention_hours = interval_s, retention_hours
+        self.audit_retention_s = audit_retention_s  # 0: the audit trail is kept whole
         self.states: dict[str, TierState] = {}  # version key -> its tier; absent: cold
         self._task: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
@@ -112,6 +114,8 @@ class TierKeeper:
         hour = int(now // HOUR_S)
         if rows:
             self.registry.add_traffic(rows, hour, self.retention_hours)
+        if self.audit_retention_s > 0:
+            self.registry.prune_audit(now - self.audit_retention_s)
         return assess(self.rules, self.registry.weighted_requests(window_weights(now)), previous, now)
 
     async def stop(self) -> None:

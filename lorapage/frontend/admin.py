@@ -28,6 +28,7 @@ from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLarge
 from lorapage.frontend import protocol
 from lorapage.frontend.admin_ops import ADMIN, Admin
 from lorapage.frontend.auth import bearer_key
+from lorapage.frontend.caller import adapter_reader
 from lorapage.frontend.check_prompts import check_prompts_body, owned_id
 from lorapage.frontend.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.frontend.registration import Registration, checked_source, registration, source_errors
@@ -149,7 +150,7 @@ class AdminRoutes:
         the operator keeps the files (``path``, ``source``)."""
         state, ops = request.app[self.key], request.app[ADMIN]
         name = request.match_info["id"]
-        admin = state.access.adapter_reader(request, name)
+        admin = adapter_reader(state, request, name)
         out = (await ops.deployment.describe([name]))[0]
         out.traffic = await ops.deployment.traffic(out)
         if not admin:
@@ -247,7 +248,7 @@ class AdminRoutes:
         """Replace what is given of an adapter's check prompts and choices (the admin, or the
         owner's key; :mod:`lorapage.frontend.check_prompts`)."""
         state, ops = request.app[self.key], request.app[ADMIN]
-        adapter_id = owned_id(state.access, ops.store.ids(), request)
+        adapter_id = owned_id(state, ops.store.ids(), request)
         req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
         check_sampling(ops, req.sample, "sample")
@@ -259,7 +260,7 @@ class AdminRoutes:
 
     async def get_check_prompts(self, request: web.Request) -> web.Response:
         state, ops = request.app[self.key], request.app[ADMIN]
-        return _json(check_prompts_body(await ops.check_prompts(owned_id(state.access, ops.store.ids(), request))))
+        return _json(check_prompts_body(await ops.check_prompts(owned_id(state, ops.store.ids(), request))))
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:

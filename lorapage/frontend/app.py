@@ -322,9 +322,9 @@ async def metrics(request: web.Request) -> web.Response:
 async def usage(request: web.Request) -> web.Response:
     """``GET /v1/usage`` (:mod:`lorapage.frontend.usage_route`) over every engine's ledger."""
     state = request.app[STATE]
-    req = usage_request(state.access, request, request.query)
+    req = usage_request(state, request, request.query)
     rows = await state.backend.usage_rows(req.since_hour)
-    body, content_type = usage_answer(req, rows, state.access.owners)
+    body, content_type = await asyncio.to_thread(usage_answer, req, rows, dict(state.access.owners))
     charset = "utf-8" if content_type == "text/csv" else None
     return web.Response(body=body, content_type=content_type, charset=charset)
 

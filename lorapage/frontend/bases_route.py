@@ -38,7 +38,7 @@ from lorapage.adapters.digest import digest_param
 from lorapage.bases.validation import BaseValidator, ValidationJob, parse_key
 from lorapage.errors import ConflictError, PermissionDeniedError
 from lorapage.frontend import protocol
-from lorapage.frontend.check_prompts import admin_or_tenant
+from lorapage.frontend.caller import admin_or_tenant
 from lorapage.registry.drift_state import (
     FAILED,
     MIGRATED,
@@ -133,7 +133,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
 
     async def progress(request: web.Request) -> web.Response:
         state = request.app[state_key]
-        caller = admin_or_tenant(state.access, request)
+        caller = admin_or_tenant(state, request)
         target = _target(request)
         wanted = request.query.get("tenant")
         if caller is not None and wanted not in (None, caller):
@@ -150,7 +150,10 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         shown = None
         if job is not None:
             shown = {"id": job.id, "status": job.status, "error": job.error, "started": job.started}
-            shown |= {"finished": job.finished, "checked": job.checked, "adapters": len(job.adapters)}
+            shown |= {"finished": job.finished, "adapters": len(job.adapters), "checked": job.checked}
+            if caller is not None:  # the job's counts are every tenant's: a tenant's own adapters only
+                shown |= {"adapters": sum(owners.get(k.partition("@")[0]) == caller for k in job.adapters)}
+                del shown["checked"]  # its rows' states say how far its own checks are
             if caller is None:
                 shown["model"] = job.model
         body = {

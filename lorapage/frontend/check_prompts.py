@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 from aiohttp import web
 
 from lorapage.errors import AdapterNotFoundError
-from lorapage.frontend.auth import Access, bearer_key
+from lorapage.frontend.caller import Admits, admin_or_tenant
 from lorapage.registry.drift_state import (
     MAX_CHECK_PROMPTS,
     MAX_PROMPT_BYTES,
@@ -27,21 +27,13 @@ from lorapage.registry.drift_state import (
 )
 
 
-def admin_or_tenant(access: Access, request: web.Request) -> str | None:
-    """None for the admin key, else the caller's tenant (401 without a valid tenant key)."""
-    key = bearer_key(request)
-    if key is not None and access.tenants.is_admin(key):
-        return None
-    return access.tenant_for(request)
-
-
-def owned_id(access: Access, ids: Collection[str], request: web.Request) -> str:
+def owned_id(state: Admits, ids: Collection[str], request: web.Request) -> str:
     """The route's adapter id (one of ``ids``), when the caller may see it: the admin, or the
-    tenant that owns it; else the 404 of an id that does not exist."""
+    tenant that owns it (one of its requests taken first); else the 404 of an id that does not exist."""
     adapter_id = request.match_info["id"]
-    tenant = admin_or_tenant(access, request)
+    tenant = admin_or_tenant(state, request)
     known = "@" not in adapter_id and adapter_id in ids
-    if not known or (tenant is not None and access.owners.get(adapter_id) != tenant):
+    if not known or (tenant is not None and state.access.owners.get(adapter_id) != tenant):
         raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
     return adapter_id
 
@@ -54,12 +46,15 @@ async def store_check_prompts(
     opt_out: bool | None,
     actor: str | None,
 ) -> CheckPrompts:
-    """Replace what is given of ``adapter_id``'s check settings in ``registry`` (None: keep it),
-    committed in a worker (``lorapage serve``'s engine's registry, or the fleet ingress's)."""
+    """Replace what is given of ``adapter_id``'s check settings in ``registry`` (None: keep it;
+    nothing written when nothing changes), committed in a worker (``lorapage serve``'s engine's
+    registry, or the fleet ingress's)."""
 
     def write() -> CheckPrompts:
-        new = registry.check_prompts(adapter_id).updated(prompts, sample, opt_out)
-        registry.set_check_prompts(new, actor=actor)
+        old = registry.check_prompts(adapter_id)
+        new = old.updated(prompts, sample, opt_out)
+        if new != old:  # a PUT that changes nothing writes nothing, so it adds no audit row
+            registry.set_check_prompts(new, actor=actor)
         return new
 
     return await asyncio.get_running_loop().run_in_executor(None, write)

@@ -17,7 +17,7 @@ import socket
 from collections import Counter
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -41,6 +41,7 @@ class EdgeLimits:
             raise ValueError(f"max_connections_per_ip must be >= 0; got {self.max_connections_per_ip}")
 
 
+LINGER_S = 2.0  # how long a refused connection's late input is read and dropped before it is closed
 EDGE_LIMITS = web.AppKey("lorapage_edge_limits", EdgeLimits)
 
 
@@ -84,7 +85,11 @@ def _too_many(limit: int) -> bytes:
 
 class GuardedConnection(asyncio.Protocol):
     """aiohttp's protocol for one connection, behind the per-address cap: a connection over the
-    cap is answered 429 and closed before aiohttp sees it."""
+    cap is answered 429 and closed before aiohttp sees it.
+
+    The refusal half-closes and discards what the client still sends until it closes too (or
+    :data:`LINGER_S` passes): closing a socket with unread input resets it, and a reset may
+    reach the client before the 429 it was sent."""
 
     def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
         self.inner, self.cap = inner, cap
@@ -94,12 +99,19 @@ class GuardedConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
         if not self.cap.enter(address):
-            assert isinstance(transport, asyncio.WriteTransport)
-            transport.write(_too_many(self.cap.limit))
-            transport.close()
+            self._refuse(cast(asyncio.WriteTransport, transport))
             return
         self.address = address
         self.inner.connection_made(transport)
+
+    def _refuse(self, transport: asyncio.WriteTransport) -> None:
+        # A stream transport: uvloop's TCPTransport writes like asyncio's but is no subclass of it.
+        transport.write(_too_many(self.cap.limit))
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.address is None:
@@ -112,13 +124,15 @@ class GuardedConnection(asyncio.Protocol):
             self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.address is not None else None
+        return self.inner.eof_received() if self.address is not None else None  # None: the transport closes
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.address is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.address is not None:
+            self.inner.resume_writing()
 
 
 class GuardedSite(web.SockSite):

@@ -4,7 +4,8 @@ The admin key sees every row and may filter by ``tenant``; a tenant key sees its
 rows and the residency and loads of the adapters it owns, nothing of anyone else's (``tenant=``
 naming another tenant is 403). Query: ``since`` (Unix seconds or an ISO time: that hour and
 later), ``adapter`` (an id, every version, or ``id@N``), ``format`` (``json``, default, or ``csv``).
-The rows' fields are :mod:`lorapage.usage.ledger`'s. :func:`usage_request` and
+The rows' fields are :mod:`lorapage.usage.ledger`'s. A tenant's call takes one of its requests
+per minute; the rows are filtered and encoded in a worker, off the event loop. :func:`usage_request` and
 :func:`usage_answer` are the route's rule; the route itself is the front end's
 (:func:`lorapage.frontend.app.usage`), over the backend's rows (the engines' ledgers here, every
 replica's summed in a fleet).
@@ -19,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from lorapage.errors import PermissionDeniedError
-from lorapage.frontend.auth import Access, bearer_key
+from lorapage.frontend.caller import Admits, admin_or_tenant
 from lorapage.usage.ledger import Key, Usage
 from lorapage.usage.report import parse_format, parse_since, tenant_rows, usage_csv, usage_json
 
@@ -34,11 +35,11 @@ class UsageRequest:
     query: Mapping[str, str]
 
 
-def usage_request(access: Access, request: web.Request, query: Mapping[str, str]) -> UsageRequest:
-    """The caller (401 without a known key) and the query checked (400 naming a bad field, 403
-    for a tenant key naming another tenant), before any row is read."""
-    key = bearer_key(request)
-    caller = None if key is not None and access.tenants.is_admin(key) else access.tenant_for(request)
+def usage_request(state: Admits, request: web.Request, query: Mapping[str, str]) -> UsageRequest:
+    """The caller (401 without a known key; a tenant's request taken, 429 without) and the query
+    checked (400 naming a bad field, 403 for a tenant key naming another tenant), before any row
+    is read."""
+    caller = admin_or_tenant(state, request)
     fmt = parse_format(query.get("format"))
     since = parse_since(query["since"]) if "since" in query else None
     if caller is not None and query.get("tenant", caller) != caller:

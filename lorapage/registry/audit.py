@@ -1,7 +1,7 @@
 """The registry's audit trail and alias history: who changed what and when, and where each alias was.
 
 Two append-only tables in the registry's SQLite file (schema 4; triggers refuse any UPDATE or
-DELETE of them):
+DELETE of them, but for the audit rows past their retention, schema 6: :func:`prune`):
 
 - ``audit``: one row per admin action that changed something (register, deploy, rollback,
   delete, pin, unpin, channel, load, unload, tenants_reload, check_prompts, migrate: schema 5's
@@ -87,9 +87,19 @@ SCHEMA = (
     *(
         f"CREATE TRIGGER IF NOT EXISTS {table}_append_only_{op.lower()} BEFORE {op} ON {table} "
         f"BEGIN SELECT RAISE(ABORT, '{table} is append-only'); END"
-        for table in ("audit", "alias_history")
-        for op in ("UPDATE", "DELETE")
+        for table, op in (("audit", "UPDATE"), ("alias_history", "UPDATE"), ("alias_history", "DELETE"))
     ),
+    "CREATE INDEX IF NOT EXISTS audit_by_time ON audit (time)",
+)
+# Schema 6: an audit row may be deleted once older than the cutoff :func:`prune` records in
+# ``meta`` (only ever raised), never a newer one.
+_PRUNED_BEFORE = "audit_pruned_before"
+RETENTION_SCHEMA = (
+    "DROP TRIGGER IF EXISTS audit_append_only_delete",
+    "CREATE INDEX IF NOT EXISTS audit_by_time ON audit (time)",
+    "CREATE TRIGGER IF NOT EXISTS audit_append_only_delete BEFORE DELETE ON audit "
+    f"WHEN OLD.time >= COALESCE((SELECT CAST(value AS REAL) FROM meta WHERE key = '{_PRUNED_BEFORE}'), 0) "
+    "BEGIN SELECT RAISE(ABORT, 'audit is append-only within its retention'); END",
 )
 
 
@@ -153,6 +163,15 @@ def append(
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (now, actor, tenant, action, adapter, _json(before), _json(after), outcome),
     )
+
+
+def prune(db: sqlite3.Connection, before: float) -> int:
+    """Delete the audit rows older than ``before`` (Unix seconds; inside the caller's
+    transaction) and raise the cutoff the trigger allows; the rows deleted."""
+    row = db.execute("SELECT CAST(value AS REAL) FROM meta WHERE key = ?", (_PRUNED_BEFORE,)).fetchone()
+    cutoff = max(before, row[0] if row else 0.0)
+    db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_PRUNED_BEFORE, repr(cutoff)))
+    return db.execute("DELETE FROM audit WHERE time < ?", (cutoff,)).rowcount
 
 
 def record_move(

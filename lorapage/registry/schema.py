@@ -29,14 +29,14 @@ schema: schema 1 (before pins) gains ``pinned`` (0 for every version), schema 2 
 ``projected_cost_pct`` (NULL until an engine on that base fills it in at start), schema 3 gains
 the audit tables (empty: history begins there; a rollback of an alias with no history goes to the
 newest older version) and the ``adapter_traffic`` table (empty), schema 4 the check-prompt and
-migration tables (empty).
+migration tables (empty), schema 5 the audit trail's retention (:meth:`Registry.prune_audit`).
 """
 
 from __future__ import annotations
 
 from lorapage.registry import audit, drift_state
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -80,4 +80,5 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE versions ADD COLUMN projected_cost_pct REAL",),
     3: (*audit.SCHEMA, *TRAFFIC_SCHEMA),
     4: drift_state.SCHEMA,
+    5: audit.RETENTION_SCHEMA,
 }

@@ -126,7 +126,7 @@ class Registry:
                 self._db.execute(statement)
             row = self._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
             if row is None:
-                for statement in (*audit.SCHEMA, *TRAFFIC_SCHEMA, *drift_state.SCHEMA):
+                for statement in (*audit.SCHEMA, *audit.RETENTION_SCHEMA, *TRAFFIC_SCHEMA, *drift_state.SCHEMA):
                     self._db.execute(statement)
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             else:
@@ -429,6 +429,12 @@ class Registry:
                 ],
             )
             self._db.execute("DELETE FROM adapter_traffic WHERE hour < ?", (oldest,))
+
+    def prune_audit(self, before: float) -> int:
+        """Delete the audit rows older than ``before`` (Unix seconds): the trail's retention, from
+        a worker thread. The rows deleted."""
+        with self._lock, self._transaction():
+            return audit.prune(self._db, before)
 
     def traffic(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
         """Traffic rows of hour ``since_hour`` and later (of ``adapter_id``'s versions, or of

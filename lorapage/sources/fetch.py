@@ -56,6 +56,12 @@ class AdapterSources:
     of one tenant never stands in for another's). An entry is never evicted while a fetch is
     returning it or a :meth:`use` block holds it.
 
+    A cache entry stands in for a tenant's source only once that tenant has shown its source
+    serves the content: a tenant that names a cached digest with a source it never downloaded it
+    from downloads it again (and fails as its source does), so knowing another tenant's digest
+    gets nothing. ``registered`` (a version the owner registered already) and the operator's
+    versions use the cache as it is.
+
     A directory is checked against ``adapter_roots`` for its version's owner at every fetch.
     Downloads are held to ``limits`` (bytes, a total deadline, a minimum rate) and to
     :data:`DOWNLOADS_PER_TENANT` at once per tenant. File work runs on ``executor``; https
@@ -96,6 +102,7 @@ class AdapterSources:
         self._landed: dict[tuple[str, str], str] = {}  # a flight without a digest -> the digest it landed as
         self._held: Counter[str] = Counter()  # digest -> use() blocks reading it
         self._removing: dict[str, asyncio.Task[None]] = {}  # digest -> eviction deleting it
+        self._proven: dict[str, set[str]] = {}  # digest -> tenants whose own source delivered it (this run)
         self._downloads: Counter[str] = Counter()
         self._bytes: Counter[str] = Counter()
         self._failures: Counter[str] = Counter()
@@ -103,18 +110,22 @@ class AdapterSources:
         self._hits = 0
         self._evictions = 0
 
-    async def fetch(self, source: Source, digest: str | None, owner: str | None = None) -> Path:
+    async def fetch(
+        self, source: Source, digest: str | None, owner: str | None = None, *, registered: bool = False
+    ) -> Path:
         """A local directory holding the adapter files of ``source``, verified against ``digest``
         (stored form, :func:`normalize_digest`) when given, for a version owned by ``owner``.
         Raises AdapterSourceError or AdapterIntegrityError. A remote entry may be evicted once
         this returns; read it inside :meth:`use` instead when another download could need the
         room meanwhile."""
-        return await self._fetch(source, digest, owner, hold=False)
+        return await self._fetch(source, digest, owner, hold=False, registered=registered)
 
     @asynccontextmanager
-    async def use(self, source: Source, digest: str | None, owner: str | None = None) -> AsyncIterator[Path]:
+    async def use(
+        self, source: Source, digest: str | None, owner: str | None = None, *, registered: bool = False
+    ) -> AsyncIterator[Path]:
         """:meth:`fetch`, with the entry kept from eviction until the block ends."""
-        path = await self._fetch(source, digest, owner, hold=True)
+        path = await self._fetch(source, digest, owner, hold=True, registered=registered)
         try:
             yield path
         finally:
@@ -154,11 +165,14 @@ class AdapterSources:
         """``owner``'s downloads holding one of its slots now."""
         return self._slots.running(owner if owner is not None else _SHARED)
 
-    async def _fetch(self, source: Source, digest: str | None, owner: str | None, *, hold: bool) -> Path:
+    async def _fetch(
+        self, source: Source, digest: str | None, owner: str | None, *, hold: bool, registered: bool
+    ) -> Path:
         try:
             if isinstance(source, FileSource):
                 return await self._fetch_local(source, digest, owner)
-            return await self._fetch_remote(source, digest, owner if owner is not None else _SHARED, hold=hold)
+            tenant = owner if owner is not None else _SHARED
+            return await self._fetch_remote(source, digest, tenant, hold=hold, trusted=registered or owner is None)
         except AdapterSourceError as exc:
             self._failures[source.scheme] += 1
             self._integrity_failures += isinstance(exc, AdapterIntegrityError)
@@ -179,7 +193,9 @@ class AdapterSources:
             )
         return path
 
-    async def _fetch_remote(self, source: RemoteSource, digest: str | None, tenant: str, *, hold: bool) -> Path:
+    async def _fetch_remote(
+        self, source: RemoteSource, digest: str | None, tenant: str, *, hold: bool, trusted: bool
+    ) -> Path:
         if self._cache is None:
             raise AdapterSourceError(
                 f"adapter source {source.uri}: remote sources need a disk cache; start the server with "
@@ -188,7 +204,7 @@ class AdapterSources:
         key = (tenant, digest or source.uri)
         flight = self._flights.get(key)
         if flight is None:
-            task = self._obtain(source, digest, key)
+            task = self._obtain(source, digest, key, trusted)
             flight = self._flights[key] = asyncio.get_running_loop().create_task(task)
             flight.add_done_callback(functools.partial(self._flight_done, key))
         self._waiting[key] += 1
@@ -209,9 +225,9 @@ class AdapterSources:
         if not task.cancelled():
             task.exception()  # every waiter may have given up; do not warn about it
 
-    async def _obtain(self, source: RemoteSource, digest: str | None, key: tuple[str, str]) -> Path:
+    async def _obtain(self, source: RemoteSource, digest: str | None, key: tuple[str, str], trusted: bool) -> Path:
         assert self._cache is not None
-        if digest is not None:
+        if digest is not None and (trusted or key[0] in self._proven.get(digest, ())):
             if removal := self._removing.get(digest):
                 await removal
             if (path := self._cache.lookup(digest)) is not None:
@@ -250,6 +266,7 @@ class AdapterSources:
         self._downloads[source.scheme] += 1
         if digest is None:
             self._landed[key] = got
+        self._proven.setdefault(got, set()).add(key[0])
         await self._evict(self._cache.insert(got, size, protect=self._protected()))
         return self._cache.path(got)
 
@@ -292,6 +309,7 @@ class AdapterSources:
             task = asyncio.get_running_loop().create_task(self._run(disk_cache.remove_dir, self._cache.path(digest)))
             task.add_done_callback(functools.partial(self._removed, digest))
             self._removing[digest] = task
+            self._proven.pop(digest, None)
             tasks.append(task)
         self._evictions += len(victims)
         await asyncio.gather(*tasks)

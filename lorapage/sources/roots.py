@@ -7,7 +7,9 @@ outside every other tenant's (a shared root may hold tenants' roots: those stay 
 link planted in one tenant's directory cannot reach another tenant's weights. An owner-less
 version (the operator's ``--lora-modules``) is read from the exact directories the operator named,
 or from the shared roots. The rule is checked at registration and again at every load, so a
-directory that later links out is refused then. An embedded engine's caller may name any
+directory that later links out is refused then. A tenant's version may hold no hard-linked file
+either: a hard link is the other file itself, wherever it was made, and no path check sees it.
+An embedded engine's caller may name any
 directory (:data:`ANYWHERE`); a server never lets an HTTP request do so (:meth:`for_requests`).
 """
 
@@ -115,6 +117,12 @@ def check_local_dir(
         if not target.is_relative_to(root) or _inside(target, foreign):
             raise PermissionDeniedError(
                 f"adapter at {path}: {entry.name} links outside the adapter root {root}; copy the file in instead",
+                param=_PARAM,
+            )
+        if owner is not None and target.is_file() and target.stat().st_nlink > 1:
+            raise InvalidRequestError(
+                f"adapter at {path}: {entry.name} is a hard link ({target.stat().st_nlink} names for one file), "
+                "which a tenant's adapter may not hold; copy the file in instead",
                 param=_PARAM,
             )
     return resolved

@@ -32,5 +32,7 @@ class VersionFiles:
             raise AdapterSourceError(f"adapter source {source} is no longer usable: {exc.message}") from None
         # A directory in place is checked as it is read (the bytes hashed are the bytes loaded);
         # a remote one was checked when it landed in the disk cache.
-        async with self.sources.use(src, None if isinstance(src, FileSource) else digest, owner) as path:
+        async with self.sources.use(
+            src, None if isinstance(src, FileSource) else digest, owner, registered=True
+        ) as path:
             yield path

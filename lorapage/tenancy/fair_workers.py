@@ -10,6 +10,12 @@ so a tenant's turn is short.
 
 How many units a tenant can queue is bounded by its admission: each request it has in flight
 waits for at most one unit at a time.
+
+A unit given a deadline (:meth:`FairWorkers.run`'s ``deadline_s``: a grammar compile) that
+passes it fails its caller with TimeoutError; a Python thread cannot be stopped, so if it is
+running it goes on, counted against its own tenant's share until it ends, and a spare thread
+(at most ``max_spare`` at once) serves the others meanwhile: an overrun costs its tenant, not
+everyone.
 """
 
 from __future__ import annotations
@@ -85,24 +91,53 @@ class FairQueue(Generic[Item]):
 class FairWorkers:
     """``threads`` worker threads over a :class:`FairQueue`; :meth:`run` awaits one unit of work."""
 
-    def __init__(self, threads: int, *, name: str, per_tenant: int | None = None) -> None:
+    def __init__(self, threads: int, *, name: str, per_tenant: int | None = None, max_spare: int = 0) -> None:
         self._queue: FairQueue[tuple[Future, Callable[[], object]]] = FairQueue(per_tenant or max(1, threads - 1))
         self._cond = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
+        self._name, self._started = name, 0
+        self._max_spare = max_spare
+        self.spares = 0  # spare threads covering units past their deadline
+        self._retiring = 0  # threads to stop after their unit: an overrun they covered has ended
+        for _ in range(threads):
+            self._start_thread()
 
-    async def run(self, tenant: str, fn: Callable[..., T], *args: object) -> T:
+    def _start_thread(self) -> None:
+        threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True).start()
+        self._started += 1
+
+    async def run(self, tenant: str, fn: Callable[..., T], *args: object, deadline_s: float | None = None) -> T:
         """``fn(*args)`` on a worker thread, in ``tenant``'s turn. Cancelling the caller drops the
-        unit if it has not started."""
+        unit if it has not started. Past ``deadline_s`` (waiting included): TimeoutError, and a
+        unit that is running is covered by a spare thread until it ends."""
         future: Future = Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError("the prompt workers are closed")
+                raise RuntimeError("the workers are closed")
             self._queue.push(tenant, (future, partial(fn, *args)))
             self._cond.notify()
-        return await asyncio.wrap_future(future)
+        if deadline_s is None:
+            return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline_s)
+        except TimeoutError:
+            if not future.cancel():  # running: its thread is lost to the others until it ends
+                self._cover(future)
+            raise
+
+    def _cover(self, future: Future) -> None:
+        with self._cond:
+            if self._closed or self.spares >= self._max_spare:
+                return
+            self.spares += 1
+            self._start_thread()
+        future.add_done_callback(self._uncover)
+
+    def _uncover(self, _: Future) -> None:
+        with self._cond:
+            self.spares -= 1
+            self._retiring += 1  # the next thread to look for work stops: as many threads as before
+            self._cond.notify()
 
     def close(self) -> None:
         """Stop the threads once their current unit ends; queued units are cancelled."""
@@ -115,6 +150,9 @@ class FairWorkers:
     def _next(self) -> tuple[str, tuple[Future, Callable[[], object]]] | None:
         with self._cond:
             while not self._closed:
+                if self._retiring:
+                    self._retiring -= 1
+                    return None
                 got = self._queue.pop()
                 if got is not None:
                     return got

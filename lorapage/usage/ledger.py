@@ -181,7 +181,7 @@ class UsageLedger:
         """Rows in (hour, tenant, adapter) order, filtered: a row is kept when its tenant is in
         ``tenants`` or its adapter in ``adapters`` (either filter None: no filter on it)."""
         out = []
-        for key, usage in sorted(self.rows.items()):
+        for key, usage in self.rows.items():  # filtered first: only the rows kept are sorted
             hour, tenant, adapter = key
             if since_hour is not None and hour < since_hour:
                 continue
@@ -189,4 +189,5 @@ class UsageLedger:
                 if not ((tenants is not None and tenant in tenants) or (adapters is not None and adapter in adapters)):
                     continue
             out.append((key, usage))
+        out.sort(key=lambda row: row[0])
         return out

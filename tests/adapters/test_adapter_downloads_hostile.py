@@ -149,6 +149,28 @@ async def test_a_redirect_goes_only_where_a_source_may_go(
     assert content_digest(path) == digest and hosts.hits["real"] == len(ADAPTER_FILES)
 
 
+@pytest.mark.parametrize(
+    ("host", "says"),
+    [
+        ("[64:ff9b::a9fe:a9fe]", "169.254.169.254 is a link-local"),  # NAT64 of the metadata address
+        ("[64:ff9b:1::a9fe:a9fe]", "169.254.169.254 is a link-local"),
+        ("[2002:a9fe:a9fe::]", "169.254.169.254 is a link-local"),  # 6to4 of it
+        ("[fd00:ec2::254]", "fd00:ec2::254 is a cloud metadata address"),  # AWS's IPv6 IMDS
+        ("100.100.100.200", "100.100.100.200 is a cloud metadata address"),  # Alibaba's
+    ],
+)
+async def test_metadata_addresses_are_refused_in_every_form_even_with_private_allowed(
+    make_sources: Callable[..., AdapterSources], host: str, says: str
+) -> None:
+    """The operator's flag opens private addresses for a mirror, never a metadata service, and an
+    IPv6 address is judged by the IPv4 one it delivers to."""
+    digest = "0" * 64
+    with pytest.raises(AdapterSourceError, match=says):
+        await make_sources(allow_private=True).fetch(
+            parse_source(f"https://{host}/latest/meta-data", sha256=digest, roots=NO_ROOTS), digest
+        )
+
+
 async def test_an_unreachable_source_says_nothing_of_why(
     make_sources: Callable[..., AdapterSources], caplog: pytest.LogCaptureFixture
 ) -> None:

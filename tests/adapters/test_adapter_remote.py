@@ -17,6 +17,7 @@ from lorapage.tiny import DEMO_MARKERS, demo_adapter_dirs
 __all__ = ["files", "s3_bucket", "s3_endpoint"]  # fixtures, imported to be found
 COMP = "/v1/completions"
 WRONG = "0" * 64
+WEIGHTS = "adapter_model.safetensors"
 
 
 def _complete(model: str) -> dict:
@@ -81,4 +82,33 @@ async def test_s3_source_registers_and_serves(tmp_path, s3_endpoint, s3_bucket):
             "/v1/adapters", {**body, "id": "wrong", "sha256": WRONG}, headers=srv.admin()
         )
         assert status == 502 and refused["error"]["code"] == "adapter_integrity_failed", refused
+    await engine.close()
+
+
+async def test_a_cached_digest_is_no_key_to_another_tenants_adapter(tmp_path, files):
+    """alpha's adapter is in the download cache; beta knows its sha256 and names a source that
+    cannot serve it: refused as that source fails, not registered from alpha's copy. A source of
+    beta's that does serve the content registers (downloaded again, from beta's own source)."""
+    acme = demo_adapter_dirs()["acme"]
+    url, digest = files.publish("alpha/acme", acme), content_digest(acme)
+    engine = make_engine(state_dir=str(tmp_path / "state"), allow_private_adapter_sources=True)
+    async with running_server(engine) as srv:
+
+        async def register(adapter_id: str, tenant: str, source: str):
+            body = {"id": adapter_id, "tenant": tenant, "source": source, "sha256": digest}
+            return await srv.post("/v1/adapters", body, headers=srv.admin())
+
+        assert (await register("alphas", "alpha", url))[0] == 201
+        fetched = files.hits[f"alpha/acme/{WEIGHTS}"]
+        status, body, _ = await register("stolen", "beta", "http://127.0.0.1:9/nothing-here")
+        assert status == 502 and body["error"]["code"] == "adapter_source_failed", body
+        assert "stolen" not in engine.admin.ids()
+        status, body, _ = await register("stolen", "beta", files.publish("beta/acme", acme))
+        assert status == 201, body
+        assert files.hits[f"beta/acme/{WEIGHTS}"] == 1  # verified against beta's own source
+        assert (await register("again", "alpha", url))[0] == 201  # alpha's own source proved it: the cache serves
+        assert files.hits[f"alpha/acme/{WEIGHTS}"] == fetched
+        status, body, _ = await srv.post(COMP, _complete("alphas"))
+        assert status == 200 and body["choices"][0]["text"] == DEMO_MARKERS["acme"], body
+        assert files.hits[f"alpha/acme/{WEIGHTS}"] == fetched  # a registered version loads from the cache
     await engine.close()

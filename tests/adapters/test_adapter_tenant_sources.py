@@ -6,6 +6,7 @@ only those the tenant's entry in the tenants file lists. Over a real server and 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,34 @@ async def test_a_tenant_reads_only_its_own_roots_and_never_another_tenants(tmp_p
             assert status == 502 and body["error"]["code"] == "adapter_source_failed", body
             status, out, _ = await srv.post(COMP, _complete("theirs"), tenant="beta")
             assert status == 200 and out["choices"][0]["text"] == DEMO_MARKERS["initech"], out
+    finally:
+        await engine.close()
+
+
+async def test_a_directory_of_hard_links_to_another_tenants_files_is_refused(tmp_path):
+    """A hard link passes every path check (it resolves inside alpha's root) yet is beta's file:
+    alpha's registration of a directory of them is a 400 naming the file, and beta's own
+    adapter stays beta's (a later load of a directory that came to hold one is refused too)."""
+    alpha, beta = tmp_path / "alpha", tmp_path / "beta"
+    secret = _copy("initech", beta / "secret")
+    linked = alpha / "linked"
+    linked.mkdir(parents=True)
+    for entry in secret.iterdir():
+        (linked / entry.name).hardlink_to(entry)
+    own = _copy("acme", alpha / "own")
+    engine = make_engine(make_roots(f"alpha={alpha}", f"beta={beta}"))
+    try:
+        async with running_server(engine) as srv:
+            status, body, _ = await _register(srv, "stolen", linked, "alpha")
+            assert status == 400, body
+            assert_openai_error(body, 400, "source")
+            assert "is a hard link" in body["error"]["message"] and "copy the file in" in body["error"]["message"]
+            assert (await _register(srv, "mine", own, "alpha"))[0] == 201
+            (own / WEIGHTS).unlink()
+            (own / WEIGHTS).hardlink_to(secret / WEIGHTS)
+            status, body, _ = await srv.post(COMP, _complete("mine"))
+            assert status == 502 and body["error"]["code"] == "adapter_source_failed", body
+            assert "initech" not in json.dumps(body)
     finally:
         await engine.close()
 

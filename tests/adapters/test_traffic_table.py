@@ -80,7 +80,7 @@ def test_a_schema_3_registry_gains_the_traffic_table_and_keeps_its_versions(tmp_
     registry.add_traffic([TrafficRow("acme", 1, H, 4, 40, 9)], H)
     registry.close()
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("5",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("6",)
     assert db.execute("SELECT id, version, hour, requests FROM adapter_traffic").fetchall() == [("acme", 1, H, 4)]
     indexes = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "adapter_traffic_hour" in indexes

@@ -198,7 +198,8 @@ async def test_validate_then_migrate_only_what_passed(bases, adapter_root, tmp_p
         # A tenant reads its own report only.
         mine = await _states(srv, near_digest, _auth("alpha"))
         assert {r["id"] for r in mine["adapters"]} == {"cust-a", "cust-c"} and set(mine["tenants"]) == {"alpha"}
-        assert "model" not in mine["job"]
+        assert "model" not in mine["job"] and "checked" not in mine["job"]  # the job's counts are every tenant's
+        assert mine["job"]["adapters"] == 2 < report["job"]["adapters"], (report["job"], mine["job"])
         status, got, _ = await srv.request("GET", f"/v1/bases/{near_digest}/validate?tenant=beta", _auth("alpha"))
         assert status == 403, got
         only_beta = await _states(srv, near_digest, srv.admin(), "?tenant=beta")
@@ -337,5 +338,5 @@ def test_a_schema_4_registry_gains_the_check_and_migration_tables(tmp_path):
     assert registry.sampling_ids() == ["cust"] and [v.key for v in registry.versions()] == ["cust@1"]
     registry.close()
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("5",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (str(SCHEMA_VERSION),) == ("6",)
     db.close()

@@ -9,6 +9,7 @@ import asyncio
 from engine_util import collect
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.registry.audit import AuditQuery
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 CONFIG = dict(
@@ -86,5 +87,21 @@ async def test_the_engine_writes_the_table_and_judges_the_tiers_every_interval_o
             await asyncio.sleep(0.02)
         assert [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]
         assert engine.debug.usage.traffic == {}  # written: nothing waits in the ledger
+    finally:
+        await engine.close()
+
+
+async def test_the_audit_trail_is_pruned_past_its_retention_with_the_traffic_writes(tmp_path):
+    """With a retention shorter than the rows' age, the registry's audit trail empties on the
+    engine's own schedule, off the loop (issue 38, finding 6)."""
+    config = EngineConfig(state_dir=str(tmp_path / "state"), audit_retention_days=1e-9, **CONFIG)
+    engine = Engine(config)
+    try:
+        for name, path in demo_adapter_dirs().items():
+            engine.add_adapter(name, path)
+        engine.admin.registry.set_channel("acme", "prod", 1, action="deploy", actor="a")
+        assert await asyncio.to_thread(engine.admin.registry.audit, AuditQuery())
+        await engine.admin.refresh_tiers()
+        assert await asyncio.to_thread(engine.admin.registry.audit, AuditQuery()) == []
     finally:
         await engine.close()

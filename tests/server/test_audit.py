@@ -59,7 +59,7 @@ def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_p
     path = tmp_path / REGISTRY_FILE
     _schema_3_file(path)
     registry = Registry(path)
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     assert [(r.key, r.pinned, r.projected_cost_pct) for r in registry.versions()] == [
         ("cust@1", False, 0.5),
         ("cust@2", True, 0.7),
@@ -68,7 +68,7 @@ def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_p
     assert registry.set_current("cust", 1, action="rollback", actor="abcdefabcdef") == 2
     registry.set_channel("cust", "prod", 2, action="deploy", actor="abcdefabcdef")
     registry.close()
-    registry = Registry(path)  # reopened at schema 5: nothing migrated twice, everything kept
+    registry = Registry(path)  # reopened at schema 6: nothing migrated twice, everything kept
     assert [(m.channel, m.before, m.after, m.action) for m in registry.alias_history("cust")] == [
         ("prod", None, 2, "deploy"),
         ("", 2, 1, "rollback"),
@@ -82,11 +82,38 @@ def test_a_schema_3_registry_opens_migrates_and_keeps_an_append_only_trail(tmp_p
     assert registry.channels() == [("cust", "prod", 2)]
     registry.close()
     db = sqlite3.connect(path)
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("5",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("6",)
     for statement in ("UPDATE audit SET outcome = 'forged'", "DELETE FROM audit", "DELETE FROM alias_history"):
         with pytest.raises(sqlite3.DatabaseError, match="append-only"):
             db.execute(statement)
     db.close()
+
+
+def test_the_trail_keeps_its_retention_and_only_what_is_past_it_may_be_deleted(tmp_path):
+    """Rows older than the retention are pruned (from a worker, with the traffic writes); a
+    newer row stays append-only, and the cutoff never moves back."""
+    path = tmp_path / REGISTRY_FILE
+    _schema_3_file(path)
+    registry = Registry(path)
+    registry.set_current("cust", 1, action="rollback", actor="a")
+    registry.set_channel("cust", "prod", 2, action="deploy", actor="a")
+    first, second = sorted(r.time for r in registry.audit(AuditQuery()))
+    assert registry.prune_audit(second) == 1  # the older row only
+    assert [r.action for r in registry.audit(AuditQuery())] == ["deploy"]
+    assert registry.prune_audit(first) == 0  # an older cutoff deletes nothing more
+    registry.close()
+    db = sqlite3.connect(path)
+    with pytest.raises(sqlite3.DatabaseError, match="append-only within its retention"):
+        db.execute("DELETE FROM audit")
+    db.close()
+
+
+def test_an_audit_retention_is_a_config_field():
+    from lorapage import EngineConfig
+
+    assert EngineConfig(model="x").audit_retention_days == 90
+    with pytest.raises(ValueError, match="audit_retention_days"):
+        EngineConfig(model="x", audit_retention_days=-1)
 
 
 @pytest.fixture

@@ -213,10 +213,26 @@ async def test_a_compiled_spec_is_cached_and_each_request_has_its_own_state():
         spec = StructuredSpec.of_choices(["alpha", "beta"])
         first = await engine.debug.grammars.constraint(spec)
         second = await engine.debug.grammars.constraint(spec)
-        assert first.matcher is not second.matcher and len(engine.debug.grammars._grammars) == 1
+        compiler = engine.debug.grammars
+        assert first.matcher is not second.matcher and len(compiler._grammars) == len(compiler._matchers) == 1
         first.consume(first_token := engine.tokenizer.encode("a", add_special_tokens=False)[0])
         assert second.error is None and first.error is None and first_token >= 0
         second.consume(engine.tokenizer.encode("z", add_special_tokens=False)[0])  # starts neither choice
         assert second.error is not None and first.error is None
+    finally:
+        await engine.close()
+
+
+async def test_a_failed_constraint_names_its_reason_not_the_engine_state():
+    """llguidance's error carries its parser state and the whole grammar (here a schema of 10 KB);
+    what reaches an answer is the reason, bounded."""
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(300)}}
+    engine = tiny_engine()
+    try:
+        constraint = await engine.debug.grammars.constraint(StructuredSpec("json", json.dumps(schema)))
+        constraint.consume(engine.tokenizer.encode("z", add_special_tokens=False)[0])  # no JSON starts so
+        error = constraint.error
+        assert error is not None and "doesn't satisfy the grammar" in error, error
+        assert len(error) <= 400 and "<state>" not in error and "k299" not in error, error[:600]
     finally:
         await engine.close()
