@@ -120,7 +120,9 @@ class BaseValidator:
 
     def _check_free(self, running_digest: str, target: str) -> None:
         if self._running is not None and not self._running.done():
-            running = next(j for j in reversed(self.jobs.values()) if j.status == "running")
+            # The last job started is the one the task runs; its status may already say done
+            # while the task finishes its last writes, so it is not looked up by status.
+            running = next(reversed(self.jobs.values()))
             raise ConflictError(
                 f"validation {running.id} (toward {shown_digest(running.target)}) is still running; one runs at a "
                 "time: poll GET /v1/bases/{digest}/validate and start this one when it is done"
