@@ -43,6 +43,7 @@ from lorapage.traces.trace import TraceError, TraceRequest, read_trace
 PROG = "lorapage plan"
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ENVELOPE_FIELDS = ("cost_reference_batch", "shared_envelope", "shared_max_cost_pct")
+FLEET_ENVELOPE = "all:16"  # --shared-envelope's default here: a fleet sends wider adapters to its dedicated tier
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank < 1:
         fail(PROG, f"--rank must be >= 1; got {args.rank}")
     try:
-        config = EngineConfig(**config_overrides(args, _ENVELOPE_FIELDS))
+        # A fleet has a dedicated tier: its envelope, unless given, is the narrow default one.
+        config = EngineConfig(**{"shared_envelope": FLEET_ENVELOPE, **config_overrides(args, _ENVELOPE_FIELDS)})
         replica = Replica(
             device_bytes=args.device_gb * 1e9,
             working_bytes=args.working_gb * 1e9,
