@@ -17,6 +17,8 @@ import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from lorapage.structured.spec import closed_objects
+
 MAX_PARALLEL_CALLS = 4  # calls a constrained output may hold with parallel_tool_calls (else one)
 
 
@@ -54,9 +56,9 @@ def call_schema(tools: list[dict], args_key: str) -> dict:
     for tool in tools:
         fn = tool["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        # Only the declared arguments: a schema that does not say otherwise would let an untrained
-        # adapter add keys without end (OpenAI's strict function calling requires the same).
-        params = {"additionalProperties": False, **params}
+        # Only the declared arguments, at every depth: a schema that does not say otherwise would let
+        # an untrained adapter add keys without end (OpenAI's strict function calling requires the same).
+        params = closed_objects({"additionalProperties": False, **params})
         options.append(
             {
                 "type": "object",
