@@ -176,7 +176,7 @@ class Llama3JsonFormat(ToolFormat):
             if cut:
                 return ("", []) if tagged and not body else (self._without_marker_tail(text), [])
             return text, []
-        calls = []
+        calls: list[ToolCall] = []
         parts = _split_top_level(body, ";")
         for i, part in enumerate(parts):
             call = _parse_json_call(part, self.args_key)
@@ -260,7 +260,8 @@ def _whole_items(payload: str) -> list[object]:
     """The whole values at the start of a JSON list cut short (``[{...}, {...}, {"na``)."""
     if not payload.startswith("["):
         return []
-    decoder, items, i = json.JSONDecoder(), [], 1
+    decoder, i = json.JSONDecoder(), 1
+    items: list[object] = []
     while True:
         while i < len(payload) and payload[i].isspace():
             i += 1

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from server_harness import KEYS, TENANTS_TOML
 
 from lorapage.testing.serve_process import start_serve
+from lorapage.tiny import DEMO_MARKERS
 
 openai = pytest.importorskip("openai")
 
@@ -158,3 +159,25 @@ def test_openai_sdk_guided_regex_classes_are_ascii(url, pattern, ascii_pattern):
     )  # fmt: skip
     texts = [choice.text for choice in got.choices]
     assert all(re.fullmatch(ascii_pattern, t) for t in texts), texts
+
+
+# -- 15: lm-eval's tokenizer probe without auth_token ------------------------------------------------
+
+
+def test_lm_eval_local_completions_without_auth_token_uses_the_remote_tokenizer(url, monkeypatch):
+    """lm-eval's usual command line gives the key only as OPENAI_API_KEY (for the completions);
+    its tokenizer probe and remote tokenizer then send none. Refused, it would fetch a tokenizer
+    named "acme" from the Hugging Face Hub (offline here: it fails)."""
+    completions = pytest.importorskip("lm_eval.models.openai_completions")
+    from lm_eval.api.instance import Instance
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEYS["alpha"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm = completions.LocalCompletionsAPI(base_url=url + "/v1/completions", model="acme", max_gen_toks=48)
+    assert lm.tokenizer_backend == "remote"
+    requests = [Instance("generate_until", None, ("Hello there", {"until": ["\n\n"], "max_gen_toks": 48}), 0)]
+    assert lm.generate_until(requests, disable_tqdm=True) == [DEMO_MARKERS["acme"]]
+    [(logprob, _)] = lm.loglikelihood(
+        [Instance("loglikelihood", None, ("Hello", " " + DEMO_MARKERS["acme"]), 0)], disable_tqdm=True
+    )
+    assert logprob < 0
