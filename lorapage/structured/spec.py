@@ -17,7 +17,7 @@ from lorapage.errors import InvalidRequestError
 STRUCTURED_KINDS = {
     "json": "a JSON schema (JSON text)",
     "json_object": "any JSON object (value unused)",
-    "regex": "a regular expression (Rust regex syntax)",
+    "regex": "a regular expression (Rust regex syntax; \\d, \\w, \\s are ASCII classes, as vLLM reads them)",
     "choice": "a JSON list of strings, one of which is the whole output",
     "grammar": "a context-free grammar in Lark or GBNF (llama.cpp) syntax",
 }
