@@ -119,9 +119,14 @@ CASES: tuple[Case, ...] = (
     Case("tokenizer info without a key", "GET", "/tokenizer_info", 200, key=None),
     Case("tokenize without a key", "POST", "/tokenize", 200, key=None, body={"prompt": "Hi"}),
     Case(
-        "tokenize naming a model without a key", "POST", "/tokenize", 401, key=None,
-        body={"model": "acme", "prompt": "Hi"}, code="invalid_api_key",
-    ),  # fmt: skip
+        "tokenize naming a model",
+        "POST",
+        "/tokenize",
+        401,
+        key=None,
+        body={"model": "acme", "prompt": "Hi"},
+        code="invalid_api_key",
+    ),
     Case("ping", "GET", "/ping", 200, key=None),
     Case("ping by POST", "POST", "/ping", 200, key=None),
     Case("metrics need a key", "GET", "/metrics", 401, key=None, code="invalid_api_key"),
