@@ -5,7 +5,8 @@ client that found it, against a real ``lorapage serve`` process on 127.0.0.1:
   output of ``tool_choice: "required"``: the calls finished before the cut are kept, the one
   being written is dropped, finish_reason is ``length`` and no markup is left in the content;
 - 12: a JSON schema without ``"additionalProperties": false`` (pydantic's, through the openai
-  SDK's ``guided_json`` and instructor's JSON_SCHEMA mode) gets no keys it does not name;
+  SDK's ``guided_json``, LangChain's dict schema and instructor's JSON_SCHEMA mode) gets no keys
+  it does not name;
 - 13: ``guided_regex``'s ``\\d``, ``\\w`` and ``\\s`` are ASCII classes;
 - 15: lm-eval's local-completions model, given no ``auth_token``, finds the remote tokenizer
   (its probe is answered without a key) and runs offline.
@@ -132,6 +133,20 @@ def test_openai_sdk_guided_json_of_a_pydantic_schema_gets_only_its_keys(url):
                                                    "disable_additional_properties": False}},
     )  # fmt: skip
     assert any(not c.message.content.endswith("}") or len(json.loads(c.message.content)) > 2 for c in literal.choices)
+
+
+def test_langchain_dict_schema(url):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    schema = {"title": "Trip", **{k: v for k, v in Trip.model_json_schema().items() if k != "title"}}
+    for seed in range(6):
+        llm = ChatOpenAI(
+            model="acme", base_url=url + "/v1", api_key=KEYS["alpha"], max_tokens=60, temperature=1.0, seed=seed,
+            max_retries=0,
+        )  # fmt: skip
+        got = llm.with_structured_output(schema, method="json_schema").invoke("Plan a trip")
+        assert set(got) == {"city", "days"}, got
 
 
 def test_instructor_json_schema_mode(url):
