@@ -113,6 +113,19 @@ def test_openai_sdk_responses_cut_by_max_output_tokens_has_no_markup(url):
         ] * kept
         texts = [p.text for i in got.output if i.type == "message" for p in i.content]
         assert not any(MARKUP.search(t) for t in texts), (cut, texts)
+        events = list(
+            c.responses.create(
+                model="globex", input="Weather?", tools=[tool], tool_choice="required", temperature=0,
+                max_output_tokens=cut, stream=True,
+            )
+        )  # fmt: skip
+        final = events[-1].response
+        assert events[-1].type == "response.incomplete" and final.status == "incomplete", (cut, events[-1])
+        assert [(i.name, i.arguments) for i in final.output if i.type == "function_call"] == [
+            (first.name, first.arguments)
+        ] * kept
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert not MARKUP.search(deltas), (cut, deltas)
 
 
 # -- 12: schemas without additionalProperties ------------------------------------------------------
