@@ -21,6 +21,9 @@ SCHEDULERS = ("fcfs", "vtc")
 MAX_DERIVED_LORA_SLOTS = 1024
 # The module classes a shared-envelope rule names (lorapage.adapters.envelope maps them to modules).
 ENVELOPE_MODULE_CLASSES = ("attention", "mlp", "all")
+# The envelope where a dedicated tier takes the wider adapters (lorapage fleet, its capacity plan),
+# unless one is given; on one machine, with no dedicated tier, it follows max_lora_rank instead.
+FLEET_ENVELOPE = "all:16"
 # The concerns a config's fields are grouped by, in the order --help lists them.
 GROUPS = {
     "model": "model",
