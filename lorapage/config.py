@@ -196,7 +196,7 @@ class EngineConfig:
         "70B is attention:16,all:8; '' sets no shape rule",
         group="adapters",
         none="all:MAX_LORA_RANK, every rank max_lora_rank accepts: a rank the engine accepts is served unless an "
-        "envelope says otherwise",
+        f"envelope says otherwise ({FLEET_ENVELOPE} in lorapage fleet and capacity: a dedicated tier takes the rest)",
     )
     shared_max_cost_pct: float | None = option(
         None,
