@@ -33,7 +33,7 @@ from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.protocol import MAX_MESSAGES, Parsed
 
 Resolve = Callable[[str], Awaitable[object]]  # 404 unless the tenant may use the model
-KEYLESS_TENANT = "(no key)"  # the prompt threads' turn key-less callers share (no tenant id has parentheses)
+KEYLESS_TENANT = "(no key)"  # the prompt threads' turn key-less callers share (a tenant so named: its turn too)
 KEYLESS_IN_FLIGHT = 4  # key-less tokenizer requests at once, all callers together
 
 
