@@ -21,6 +21,9 @@ SCHEDULERS = ("fcfs", "vtc")
 MAX_DERIVED_LORA_SLOTS = 1024
 # The module classes a shared-envelope rule names (lorapage.adapters.envelope maps them to modules).
 ENVELOPE_MODULE_CLASSES = ("attention", "mlp", "all")
+# The envelope where a dedicated tier takes the wider adapters (lorapage fleet, its capacity plan),
+# unless one is given; on one machine, with no dedicated tier, it follows max_lora_rank instead.
+FLEET_ENVELOPE = "all:16"
 # The concerns a config's fields are grouped by, in the order --help lists them.
 GROUPS = {
     "model": "model",
@@ -184,14 +187,16 @@ class EngineConfig:
         "distinct adapter once for its rows (docs/capacity.md)",
         group="adapters",
     )
-    shared_envelope: str = option(
-        "all:16",
+    shared_envelope: str | None = option(
+        None,
         "adapter shapes the shared pool serves: comma-separated MODULES:RANK rules, MODULES one of attention "
         "(q/k/v/o_proj only), mlp (gate/up/down_proj only) or all; an adapter within a rule (and within "
         "shared_max_cost_pct) is tier shared, any other is tier dedicated, served by a dedicated merged deployment "
         "of its own, and refused with its projected cost while none is configured. The design's envelope for its "
         "70B is attention:16,all:8; '' sets no shape rule",
         group="adapters",
+        none="all:MAX_LORA_RANK, every rank max_lora_rank accepts: a rank the engine accepts is served unless an "
+        f"envelope says otherwise ({FLEET_ENVELOPE} in lorapage fleet and capacity: a dedicated tier takes the rest)",
     )
     shared_max_cost_pct: float | None = option(
         None,
@@ -352,6 +357,13 @@ class EngineConfig:
         """The adapters' dtype by name: ``lora_dtype``, with auto meaning the model's."""
         return self.dtype if self.lora_dtype == "auto" else self.lora_dtype
 
+    @property
+    def envelope_rules(self) -> str:
+        """``shared_envelope`` as set, else ``all:{max_lora_rank}``: a user who raises
+        max_lora_rank means those ranks to be served, and one machine has no dedicated tier to
+        send the others to."""
+        return f"all:{self.max_lora_rank}" if self.shared_envelope is None else self.shared_envelope
+
     def __post_init__(self) -> None:
         for f in fields(self):
             values = f.metadata.get("choices")
@@ -378,7 +390,7 @@ class EngineConfig:
         if self.min_adapter_download_bytes_per_s < 0:
             floor = self.min_adapter_download_bytes_per_s
             raise ValueError(f"EngineConfig.min_adapter_download_bytes_per_s must be >= 0; got {floor}")
-        parse_envelope_rules(self.shared_envelope)
+        parse_envelope_rules(self.envelope_rules)
         if self.shared_max_cost_pct is not None and not self.shared_max_cost_pct >= 0:
             raise ValueError(f"EngineConfig.shared_max_cost_pct must be >= 0; got {self.shared_max_cost_pct}")
         if not 0 <= self.max_pinned_fraction <= 1:

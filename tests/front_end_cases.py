@@ -115,6 +115,18 @@ CASES: tuple[Case, ...] = (
     Case("responses", "POST", "/v1/responses", 200, body={"model": BASE, "input": "Hi", "max_output_tokens": 4}),
     Case("detokenize", "POST", "/detokenize", 200, body={"model": BASE, "tokens": [72, 105]}),
     Case("tokenizer info", "GET", "/tokenizer_info", 200),
+    # Without a key the base's tokenizer answers (lm-eval's probe); naming a model takes a key.
+    Case("tokenizer info without a key", "GET", "/tokenizer_info", 200, key=None),
+    Case("tokenize without a key", "POST", "/tokenize", 200, key=None, body={"prompt": "Hi"}),
+    Case(
+        "tokenize naming a model",
+        "POST",
+        "/tokenize",
+        401,
+        key=None,
+        body={"model": "acme", "prompt": "Hi"},
+        code="invalid_api_key",
+    ),
     Case("ping", "GET", "/ping", 200, key=None),
     Case("ping by POST", "POST", "/ping", 200, key=None),
     Case("metrics need a key", "GET", "/metrics", 401, key=None, code="invalid_api_key"),

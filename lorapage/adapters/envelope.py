@@ -67,7 +67,7 @@ class Envelope:
         """The envelope ``config`` declares, for ``model`` in these element sizes."""
         return cls(
             model=model,
-            rules=tuple(ShapeRule(kind, rank) for kind, rank in parse_envelope_rules(config.shared_envelope)),
+            rules=tuple(ShapeRule(kind, rank) for kind, rank in parse_envelope_rules(config.envelope_rules)),
             max_cost_pct=config.shared_max_cost_pct,
             reference_batch=config.cost_reference_batch,
             base_bytes_per_param=base_bytes,

@@ -29,7 +29,7 @@ from lorapage.adapters.cost import uniform_ranks
 from lorapage.adapters.envelope import MODULE_CLASSES, Envelope
 from lorapage.capacity.plan import Plan, Replica, Workload, make_plan
 from lorapage.capacity.report import as_json, render
-from lorapage.config import DTYPE_NAMES, LORA_DTYPE_NAMES, EngineConfig
+from lorapage.config import DTYPE_NAMES, FLEET_ENVELOPE, LORA_DTYPE_NAMES, EngineConfig
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank < 1:
         fail(PROG, f"--rank must be >= 1; got {args.rank}")
     try:
-        config = EngineConfig(**config_overrides(args, _ENVELOPE_FIELDS))
+        # A fleet has a dedicated tier: its envelope, unless given, is the narrow one.
+        config = EngineConfig(**{"shared_envelope": FLEET_ENVELOPE, **config_overrides(args, _ENVELOPE_FIELDS)})
         replica = Replica(
             device_bytes=args.device_gb * 1e9,
             working_bytes=args.working_gb * 1e9,

@@ -13,6 +13,7 @@ tenants' weights and the front end's rejections; read-only, what servers, replay
 the bases tools read of it: ``config``, ``tokenizer``, ``model_config``, ``base_name``,
 ``digest``, ``max_model_len``, ``device``, ``merged_adapter``, ``step_reserve_bytes``. Everything
 else is a part, reached through the read-only ``debug`` view (tests, benchmarks, diagnostics).
+``load_adapter`` is kept as a deprecated alias of ``admin.load``, which replaced it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -186,6 +188,14 @@ class Engine:
             actor=actor,
         )
         return dataclasses.replace(self.admin.info(version.key), created=created)
+
+    async def load_adapter(self, name: str, *, actor: str | None = None) -> None:
+        """Deprecated: :meth:`AdapterAdmin.load <lorapage.engine.admin.AdapterAdmin.load>`
+        (``engine.admin.load``), which replaced it: make ``name`` resident in the pool now."""
+        warnings.warn(
+            "Engine.load_adapter is deprecated; use engine.admin.load(name) instead", DeprecationWarning, stacklevel=2
+        )
+        await self.admin.load(name, actor=actor)
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ SIGINT or SIGTERM stops (taking the application down).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from lorapage.bases.serving import check_alike
-from lorapage.config import EngineConfig
+from lorapage.config import FLEET_ENVELOPE, EngineConfig
 from lorapage.engine.flags import (
     adapter_roots,
     add_engine_arguments,
@@ -127,6 +128,8 @@ def _tenants_toml(path: str | None, adapters: list[str], keys: list[str]) -> str
 def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: str) -> FleetConfig:
     """The fleet the flags ask for; a bad flag ends the command naming it."""
     engine = engine_config(args, PROG)
+    if engine.shared_envelope is None:  # a fleet's dedicated tier takes the wider adapters
+        engine = dataclasses.replace(engine, shared_envelope=FLEET_ENVELOPE)
     modules = lora_modules(args, PROG)
     try:
         return FleetConfig(

@@ -10,12 +10,15 @@ with the checks in the order every route keeps: tenant key (401), declared size 
 tenant's requests per minute (429), the body, the model's visibility (404), the prompt in the
 tenant's turn; a response runs like a chat completion (its tokens against the tenant's TPM, the
 engine's queue).
-``/version`` and ``/ping`` take no key (vLLM's do not either; ``/health`` does not).
+``/version`` and ``/ping`` take no key (vLLM's do not either; ``/health`` does not). The tokenizer
+routes answer without a key for the base model's tokenizer alone, key-less callers sharing one
+bounded share (:mod:`lorapage.frontend.tokenization` says why that is safe).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -23,8 +26,10 @@ from aiohttp import web
 
 from lorapage.frontend import tokenization
 from lorapage.frontend.admin import check_body_length
+from lorapage.frontend.auth import bearer_key
 from lorapage.frontend.backend import Backend
 from lorapage.frontend.generation import Answer, Job, Timing
+from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.responses_api import ResponsesPlan, parse_responses
 from lorapage.frontend.responses_output import answer_response, responses_job
 from lorapage.frontend.state import RouteState
@@ -32,9 +37,16 @@ from lorapage.frontend.version import PING_BODY, version_body
 from lorapage.request import TokenStream
 from lorapage.tools import ToolFormat, detect_format
 
+# A tokenizer route's work: (prompts, tenant, body, resolve) -> its answer.
+TokenizerWork = Callable[[PromptBuilder, str, bytes, tokenization.Resolve], Awaitable[Any]]
+
 
 def _json(body: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+
+async def _tokenizer_info(prompts: PromptBuilder, tenant: str, body: bytes, resolve: tokenization.Resolve) -> Any:
+    return tokenization.tokenizer_info(prompts)
 
 
 class ExtraRoutes:
@@ -43,6 +55,7 @@ class ExtraRoutes:
     def __init__(self, state_key: web.AppKey) -> None:
         self.key = state_key
         self._tool_format: ToolFormat | None = None
+        self.keyless = tokenization.KeylessShare()
 
     def tool_format(self, state: RouteState[Backend]) -> ToolFormat:
         """The format the model's chat template writes tool calls in (found once)."""
@@ -57,28 +70,34 @@ class ExtraRoutes:
         check_body_length(request.content_length, state.max_body_bytes)
         return state, tenant
 
-    async def tokenize(self, request: web.Request) -> web.Response:
+    async def _tokenizer_route(self, request: web.Request, work: TokenizerWork) -> web.Response:
+        """A tokenizer route's answer: in the tenant's turn and quota with a key, in the key-less
+        callers' share (the base's tokenizer only) without one."""
+        state = request.app[self.key]
+        if bearer_key(request) is None:
+            check_body_length(request.content_length, state.max_body_bytes)
+            self.keyless.admit()
+            try:
+                body = await request.read()
+                return _json(await work(state.prompts, tokenization.KEYLESS_TENANT, body, self.keyless.resolve))
+            finally:
+                self.keyless.release()
         state, tenant = self._admitted(request)
         reservation = state.admit(tenant)
         try:
             body = await request.read()
-            return _json(await tokenization.tokenize(state.prompts, tenant, body, self._resolver(state, tenant)))
+            return _json(await work(state.prompts, tenant, body, self._resolver(state, tenant)))
         finally:
             state.release(reservation)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_route(request, tokenization.tokenize)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        state, tenant = self._admitted(request)
-        reservation = state.admit(tenant)
-        try:
-            body = await request.read()
-            return _json(await tokenization.detokenize(state.prompts, tenant, body, self._resolver(state, tenant)))
-        finally:
-            state.release(reservation)
+        return await self._tokenizer_route(request, tokenization.detokenize)
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
-        state = request.app[self.key]
-        state.release(state.admit(state.access.tenant_for(request)))
-        return _json(tokenization.tokenizer_info(state.prompts))
+        return await self._tokenizer_route(request, _tokenizer_info)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.Response(body=version_body(), content_type="application/json")

@@ -165,7 +165,8 @@ def structured_spec(req: Any) -> StructuredSpec | None:
             if kind == "choice":
                 found.append(StructuredSpec.of_choices(value, param))
             elif kind == "json":
-                found.append(StructuredSpec("json", _json_text(value, param), param))
+                closed = so.disable_additional_properties is not False  # vLLM's default engine's reading
+                found.append(StructuredSpec("json", _json_text(value, param), param, closed))
             else:
                 found.append(StructuredSpec(kind, value, param))
     if len(found) > 1:

@@ -273,8 +273,12 @@ class Timing:
 
 
 def _finish_reason(out: Any, calls: bool = False) -> str:
+    """OpenAI's finish_reason: ``length`` for an output max_tokens cut, even beside tool calls
+    it finished (a call it was writing is dropped); ``tool_calls`` for one that ended in calls."""
     if out.finish_reason == "abort":
         raise ServiceUnavailableError("the request was aborted: the server is shutting down; retry elsewhere")
+    if out.finish_reason == "length":
+        return "length"
     if calls:
         return "tool_calls"
     return out.finish_reason or "stop"
@@ -409,7 +413,7 @@ class Formatter:
                 calls: list[ToolCall] = []
                 content: str | None = out.text
                 if j.tools is not None:
-                    content, calls = j.tools.fmt.parse(out.text)
+                    content, calls = j.tools.fmt.parse(out.text, out.finish_reason == "length")
                 tool_calls = [r.ToolCallOut(t.id, r.FunctionCallOut(t.name, t.arguments)) for t in calls] or None
                 message = r.AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls)
                 assert c.gathered is None or isinstance(c.gathered, r.ChatLogprobs)
@@ -470,7 +474,7 @@ class Formatter:
         if out.finished:
             calls: list[ToolCall] = []
             if c.tools is not None:
-                rest, calls = c.tools.finish()
+                rest, calls = c.tools.finish(out.finish_reason == "length")
                 if rest:
                     chunks.append(self.chunk(out.index, rest))
                 if calls:

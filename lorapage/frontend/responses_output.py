@@ -190,7 +190,7 @@ class ResponseBuilder:
         """The finished response of the last output ``out``."""
         status = _status(out)
         if self.plan.tool_format is not None:
-            content, calls = self.plan.tool_format.parse(out.text)
+            content, calls = self.plan.tool_format.parse(out.text, out.finish_reason == "length")
         else:
             content, calls = out.text, []
         items: list[Any] = self.calls(calls)
@@ -240,7 +240,8 @@ class ResponseBuilder:
     def finish(self, out: Any) -> list[bytes]:
         """The closing frames, ending with the finished response."""
         status = _status(out)
-        rest, calls = self.stream.finish() if self.stream is not None else ("", [])
+        cut = out.finish_reason == "length"
+        rest, calls = self.stream.finish(cut) if self.stream is not None else ("", [])
         frames = self._text(rest)
         items: list[Any] = []
         call_items = self.calls(calls)

@@ -7,6 +7,17 @@ requests per minute, the body (bounded), the model's visibility (404 like everyw
 ``model`` means the base model, as vLLM's default), then the work, in the tenant's turn on the
 prompt threads (:class:`~lorapage.frontend.prompts.PromptBuilder`), bounded by the context: a
 prompt the model could not take is refused as a generation request's would be.
+
+Without a key the base model's tokenizer answers too (vLLM's does, and lm-eval's local-completions
+model probes ``/tokenizer_info`` and ``/tokenize`` without one unless given ``auth_token``; refused,
+it falls back to downloading a tokenizer named after the model from the Hugging Face Hub). What
+that reveals is the base model's own tokenizer, chat template and context length: the same for
+every tenant and every adapter, nothing of any tenant, adapter or request. So a caller without a
+key may not name a ``model`` (401: which adapters exist is for tenants to ask), and key-less callers
+together are one share (:class:`KeylessShare`): one turn on the prompt threads among the tenants',
+and at most :data:`KEYLESS_IN_FLIGHT` requests at once (429 past it); no requests-per-minute
+bound, which would break the remote tokenizer of an evaluation (a ``/tokenize`` per document). A
+key that is sent must be a tenant's (401 otherwise), and then the tenant's quota applies as before.
 """
 
 from __future__ import annotations
@@ -16,12 +27,42 @@ from typing import Annotated, Any, cast
 
 import msgspec
 
-from lorapage.errors import InvalidRequestError, PromptTooLongError
+from lorapage.errors import AuthenticationError, InvalidRequestError, PromptTooLongError, QuotaExceededError
 from lorapage.frontend import protocol
 from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.protocol import MAX_MESSAGES, Parsed
 
 Resolve = Callable[[str], Awaitable[object]]  # 404 unless the tenant may use the model
+KEYLESS_TENANT = "(no key)"  # the prompt threads' turn key-less callers share (a tenant so named: its turn too)
+KEYLESS_IN_FLIGHT = 4  # key-less tokenizer requests at once, all callers together
+
+
+class KeylessShare:
+    """What key-less callers of the tokenizer routes may hold together: :data:`KEYLESS_IN_FLIGHT`
+    requests at once (429 past it), each run in :data:`KEYLESS_TENANT`'s turn, for the base only."""
+
+    def __init__(self, limit: int = KEYLESS_IN_FLIGHT) -> None:
+        self.limit, self.in_flight = limit, 0
+
+    def admit(self) -> None:
+        if self.in_flight >= self.limit:
+            raise QuotaExceededError(
+                f"{self.limit} tokenizer requests without an API key are running; retry, or send a tenant key",
+                retry_after=1,
+            )
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    @staticmethod
+    async def resolve(model: str) -> object:
+        """A key-less caller names no model: the base's tokenizer is the one that answers."""
+        raise AuthenticationError(
+            "without an API key only the base model's tokenizer answers: omit model, or send a tenant key"
+        )
+
+
 # Fields of vLLM's /tokenize that lorapage refuses unless absent: a template from the client runs
 # its code in the server (vLLM refuses it too unless started with --trust-request-chat-template).
 _REFUSED = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools")

@@ -28,7 +28,7 @@ from functools import cached_property
 from typing import TypeVar
 
 from lorapage.errors import InvalidRequestError
-from lorapage.structured.spec import StructuredSpec
+from lorapage.structured.spec import StructuredSpec, closed_objects
 from lorapage.tenancy.fair_workers import FairWorkers
 
 V = TypeVar("V")
@@ -40,6 +40,11 @@ MATCHER_CACHED_CHARS = 8 << 10  # of a grammar's text at most, for its matcher t
 # JSON output without free whitespace: a model that is not trained for JSON (or a random one)
 # could otherwise pad between tokens without end. Applied after the schema's own x-guidance.
 JSON_OVERRIDES = {"whitespace_flexible": False}
+# A regex's \d, \w and \s (and \D, \W, \S) are ASCII classes, as vLLM's default grammar engine
+# reads them ([0-9], [0-9a-zA-Z_], [ \t\n\r\f\v]), not the Rust regex crate's Unicode ones: a
+# client asking for \d{4} wants '7469', not '٧469'. A schema's "pattern" is already read so
+# (JSON Schema's regex dialect) for \d and \w.
+REGEX_ASCII = "dws"
 
 
 @dataclass(eq=False)
@@ -153,13 +158,15 @@ class GrammarCompiler:
                 schema = json.loads(spec.value)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema is an object (or true / false)")
+                if spec.disable_additional_properties:
+                    schema = closed_objects(schema)
                 return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OVERRIDES)
             if spec.kind == "json_object":
                 return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OVERRIDES)
             if spec.kind == "choice":
                 return llg.grammar_from("choice", json.dumps(spec.choices(), ensure_ascii=False))
             if spec.kind == "regex":
-                return llg.grammar_from("regex", spec.value)
+                return llg.grammar_from("lark", f"start: /{llg.regex_to_lark(spec.value, REGEX_ASCII)}/")
             return llg.grammar_from("grammar", spec.value)
         except Exception as exc:  # the grammar engine refusing the caller's text, whatever the error's class
             raise _refused(spec, str(exc)) from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from lorapage.errors import InvalidRequestError
 
@@ -16,7 +17,7 @@ from lorapage.errors import InvalidRequestError
 STRUCTURED_KINDS = {
     "json": "a JSON schema (JSON text)",
     "json_object": "any JSON object (value unused)",
-    "regex": "a regular expression (Rust regex syntax)",
+    "regex": "a regular expression (Rust regex syntax; \\d, \\w, \\s are ASCII classes, as vLLM reads them)",
     "choice": "a JSON list of strings, one of which is the whole output",
     "grammar": "a context-free grammar in Lark or GBNF (llama.cpp) syntax",
 }
@@ -34,6 +35,11 @@ class StructuredSpec:
     kind: str
     value: str = ""
     param: str = "response_format"
+    # vLLM's option of the same name: a JSON schema's objects that do not say otherwise take no
+    # properties beyond those they name (:func:`closed_objects`). True by default, as vLLM's
+    # default grammar engine reads schemas; False reads the schema as JSON Schema does (extra
+    # keys allowed unless ``"additionalProperties": false``).
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -70,3 +76,31 @@ class StructuredSpec:
                 param=self.param,
             )
         return items
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` added to every object in it (nested ones,
+    ``$defs`` and the branches of ``anyOf`` included) that names ``properties`` or
+    ``patternProperties`` and says nothing of ``additionalProperties``: what vLLM's
+    ``disable_additional_properties`` does, and how its default engine (xgrammar) reads a schema.
+    instructor's JSON_SCHEMA mode, LangChain's dict schemas and ``guided_json=Model.model_json_schema()``
+    send schemas without it and count on it. ``schema`` is not changed (a copy is returned)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _VALUES:  # data, not schemas: left as they are
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: the names are no keywords
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = closed_objects(value)
+    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    return out

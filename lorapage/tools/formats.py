@@ -17,6 +17,8 @@ import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from lorapage.structured.spec import closed_objects
+
 MAX_PARALLEL_CALLS = 4  # calls a constrained output may hold with parallel_tool_calls (else one)
 
 
@@ -54,9 +56,9 @@ def call_schema(tools: list[dict], args_key: str) -> dict:
     for tool in tools:
         fn = tool["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        # Only the declared arguments: a schema that does not say otherwise would let an untrained
-        # adapter add keys without end (OpenAI's strict function calling requires the same).
-        params = {"additionalProperties": False, **params}
+        # Only the declared arguments, at every depth: a schema that does not say otherwise would let
+        # an untrained adapter add keys without end (OpenAI's strict function calling requires the same).
+        params = closed_objects({"additionalProperties": False, **params})
         options.append(
             {
                 "type": "object",
@@ -89,8 +91,11 @@ class ToolFormat(ABC):
     markers: tuple[str, ...] = ()  # text that starts a call (held back from content when streaming)
 
     @abstractmethod
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A finished output as ``(content, calls)``; text that is no valid call stays content."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """A finished output as ``(content, calls)``; text that is no valid call stays content.
+        ``cut``: the output was stopped by its length (max_tokens), so a call it was writing is
+        unfinished: the calls finished before it are kept, the unfinished one is dropped (no
+        markup is left in the content), as is a marker begun at the very end."""
 
     @abstractmethod
     def grammar(self, tools: list[dict], parallel: bool = True) -> str:
@@ -106,13 +111,17 @@ class ToolFormat(ABC):
         """Characters at the end of ``text`` that may be the start of a marker."""
         return max((k for m in self.markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
 
+    def _without_marker_tail(self, text: str) -> str:
+        """``text`` less a marker's beginning at its end (a cut output's call that never started)."""
+        return text[: len(text) - self.held_back(text)]
+
 
 class HermesFormat(ToolFormat):
     name = "hermes"
     markers = ("<tool_call>",)
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
         content: list[str] = []
         calls: list[ToolCall] = []
         rest = text
@@ -120,13 +129,23 @@ class HermesFormat(ToolFormat):
             if not calls or rest[:start].strip():  # whitespace between calls is no content
                 content.append(rest[:start])
             end = rest.find(self.CLOSE, start)
-            body = rest[start + len(self.OPEN) : end if end >= 0 else len(rest)]
-            call = _parse_json_call(body, self.args_key)
+            if end < 0:  # the last block, never closed: a call if its JSON is whole (its closing tag cut)
+                body = _less_suffix_prefix(rest[start + len(self.OPEN) :], self.CLOSE)
+                call = _parse_json_call(body, self.args_key)
+                if call is not None:
+                    calls.append(call)
+                elif not cut:  # not a call after all: it stays text (cut: a call unfinished, dropped)
+                    content.append(rest[start:])
+                rest = ""
+                break
+            call = _parse_json_call(rest[start + len(self.OPEN) : end], self.args_key)
             if call is None:  # not a call after all: it stays text
-                content.append(rest[start : end + len(self.CLOSE) if end >= 0 else len(rest)])
+                content.append(rest[start : end + len(self.CLOSE)])
             else:
                 calls.append(call)
-            rest = rest[end + len(self.CLOSE) :] if end >= 0 else ""
+            rest = rest[end + len(self.CLOSE) :]
+        if cut:
+            rest = self._without_marker_tail(rest)
         if not calls or rest.strip():
             content.append(rest)
         return _content("".join(content), calls), calls
@@ -149,15 +168,21 @@ class Llama3JsonFormat(ToolFormat):
             return len(text) - len(stripped)
         return super().call_start(text)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
         body = text.strip()
-        body = body[len(self.TAG) :].strip() if body.startswith(self.TAG) else body
+        tagged = body.startswith(self.TAG)
+        body = body[len(self.TAG) :].strip() if tagged else body
         if not body.startswith("{"):
+            if cut:
+                return ("", []) if tagged and not body else (self._without_marker_tail(text), [])
             return text, []
-        calls = []
-        for part in _split_top_level(body, ";"):
+        calls: list[ToolCall] = []
+        parts = _split_top_level(body, ";")
+        for i, part in enumerate(parts):
             call = _parse_json_call(part, self.args_key)
             if call is None:
+                if cut and i == len(parts) - 1 and (calls or tagged or _begins_call(part)):
+                    break  # the call the cut stopped in: dropped
                 return text, []
             calls.append(call)
         return "", calls
@@ -172,18 +197,21 @@ class MistralFormat(ToolFormat):
     TAG = "[TOOL_CALLS]"
     markers = (TAG,)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
         start = text.find(self.TAG)
         if start < 0:
-            return text, []
+            return (self._without_marker_tail(text) if cut else text), []
+        payload = text[start + len(self.TAG) :].strip()
         try:
-            items = json.loads(text[start + len(self.TAG) :].strip())
+            items = json.loads(payload)
         except ValueError:
-            return text, []
+            if not cut:
+                return text, []
+            items = _whole_items(payload)  # the calls finished before the cut
         items = items if isinstance(items, list) else [items]
         found = [_call(item, self.args_key) for item in items]
         calls = [c for c in found if c is not None]
-        if not calls or len(calls) < len(found):
+        if len(calls) < len(found) or (not calls and not cut):
             return text, []
         return _content(text[:start], calls), calls
 
@@ -211,6 +239,42 @@ def _parse_json_call(text: str, args_key: str) -> ToolCall | None:
         return _call(json.loads(text.strip()), args_key)
     except ValueError:
         return None
+
+
+def _less_suffix_prefix(text: str, closing: str) -> str:
+    """``text`` less trailing whitespace and the start of ``closing`` it ends with (a cut closing tag)."""
+    text = text.rstrip()
+    for k in range(len(closing), 0, -1):
+        if text.endswith(closing[:k]):
+            return text[:-k]
+    return text
+
+
+def _begins_call(text: str) -> bool:
+    """``text`` is the start of a JSON call object (``{"name"...``), however short."""
+    compact = "".join(text.split())
+    return compact.startswith('{"name"') or '{"name"'.startswith(compact)
+
+
+def _whole_items(payload: str) -> list[object]:
+    """The whole values at the start of a JSON list cut short (``[{...}, {...}, {"na``)."""
+    if not payload.startswith("["):
+        return []
+    decoder, i = json.JSONDecoder(), 1
+    items: list[object] = []
+    while True:
+        while i < len(payload) and payload[i].isspace():
+            i += 1
+        try:
+            item, i = decoder.raw_decode(payload, i)
+        except ValueError:
+            return items
+        items.append(item)
+        while i < len(payload) and payload[i].isspace():
+            i += 1
+        if payload[i : i + 1] != ",":
+            return items
+        i += 1
 
 
 def _content(text: str, calls: list[ToolCall]) -> str:

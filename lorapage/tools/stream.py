@@ -35,9 +35,10 @@ class ToolStream:
         out, self._sent = self.text[self._sent : end], end
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The output is complete: the content not released yet, and the calls it holds."""
-        content, calls = self.fmt.parse(self.text)
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The output is complete (``cut``: stopped by its length): the content not released yet,
+        and the calls it holds (:meth:`ToolFormat.parse <lorapage.tools.formats.ToolFormat.parse>`)."""
+        content, calls = self.fmt.parse(self.text, cut)
         sent = self.text[: self._sent]
         rest = content[len(sent) :] if content.startswith(sent) else ""
         return rest, calls

@@ -150,7 +150,7 @@ def test_a_cost_bound_and_shape_rules_must_both_pass(llama7b):
 def test_envelope_config_is_parsed_and_checked():
     assert parse_envelope_rules("attention:16, all:8") == (("attention", 16), ("all", 8))
     assert parse_envelope_rules("") == ()
-    assert EngineConfig().shared_envelope == "all:16" and EngineConfig().cost_reference_batch == 64
+    assert EngineConfig().envelope_rules == "all:64" and EngineConfig().cost_reference_batch == 64
     for bad in ("attn:16", "all:0", "all", "mlp:x"):
         with pytest.raises(ValueError, match="shared_envelope rule"):
             EngineConfig(shared_envelope=bad)

@@ -60,7 +60,8 @@ def root(tmp_path) -> Path:
 
 def engine_at(state: Path, root: Path | None = None, **overrides) -> Engine:
     """An engine keeping its registry under ``state``; HTTP registration may read under ``root``."""
-    cfg = dict(model=str(TINY_BASE_DIR), block_size=4, max_lora_rank=64, state_dir=str(state))
+    # The envelope is set: without one it follows max_lora_rank (all:64), and these tests are of a narrower one.
+    cfg = dict(model=str(TINY_BASE_DIR), block_size=4, max_lora_rank=64, shared_envelope="all:16", state_dir=str(state))
     return Engine(EngineConfig(**{**cfg, **overrides}), adapter_roots=make_roots(root) if root else None)
 
 

@@ -30,6 +30,7 @@ METHODS = {
     "record_merge_check",
     "set_tenant_weights",
     "record_rejected",
+    "load_adapter",  # deprecated: engine.admin.load (a DeprecationWarning says so)
 }
 # Read-only: what the server, replay, the fleet and the bases tools read of an engine.
 PROPERTIES = {

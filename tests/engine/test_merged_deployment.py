@@ -32,7 +32,7 @@ from lorapage.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 3, 250, 61]
 TOKENS = 12
-RANK = 32  # over the default shared envelope (all:16): tier dedicated
+RANK = 32  # over the shared envelope all:16 (the design's narrow one): tier dedicated
 KEY = "merge-test-key"
 
 
@@ -125,7 +125,7 @@ async def test_the_check_refuses_a_wrong_merge(checkpoint):
 
 def test_the_shared_pool_refuses_the_wide_adapter(checkpoint):
     base, adapter = checkpoint
-    engine = Engine(EngineConfig(model=str(base), max_num_seqs=8))
+    engine = Engine(EngineConfig(model=str(base), max_num_seqs=8, shared_envelope="all:16"))
     with pytest.raises(AdapterEnvelopeError):
         engine.add_adapter("wide", adapter)
     asyncio.run(engine.close())

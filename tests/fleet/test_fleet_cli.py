@@ -172,6 +172,10 @@ async def test_dedicated_tier_flags_reach_the_config_or_are_refused_before_ray_s
     from lorapage.fleet.promotion import DedicatedConfig
 
     assert fleet_config(build_parser().parse_args([]), 1.0, "").dedicated == DedicatedConfig()  # off, seed 001's 640
+    # A fleet's envelope, unless given, is the narrow one: its dedicated tier takes the wider adapters.
+    assert fleet_config(build_parser().parse_args([]), 1.0, "").engine.envelope_rules == "all:16"
+    wide = fleet_config(build_parser().parse_args(["--shared-envelope", "all:64"]), 1.0, "")
+    assert wide.engine.envelope_rules == "all:64"
     flags = ["--auto-promote", "--promote-tokens-per-s", "900", "--demote-tokens-per-s", "100", "--promote-after",
              "30", "--demote-after", "120", "--max-dedicated", "2", "--dedicated-replicas", "2"]  # fmt: skip
     dedicated = fleet_config(build_parser().parse_args(flags), 1.0, "").dedicated

@@ -19,7 +19,9 @@ from server_harness import (  # noqa: F401 (server: the module's fixture)
     server,
 )
 
+from lorapage.errors import QuotaExceededError
 from lorapage.frontend.app import STATE
+from lorapage.frontend.tokenization import KEYLESS_IN_FLIGHT, KeylessShare
 from lorapage.tiny import demo_adapter_dirs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -89,17 +91,50 @@ async def test_tokenizer_routes_refuse_bad_input_clearly(server, path, body, sta
 
 
 async def test_tokenizer_routes_take_a_tenant_key_and_count_against_its_rate(server):
+    bodies = {"/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [104, 105]}, "/tokenizer_info": None}
     for path, method in [("/tokenize", "POST"), ("/detokenize", "POST"), ("/tokenizer_info", "GET")]:
-        status, got, _ = await server.request(method, path, body={"prompt": "hi", "tokens": [1]})
-        assert status == 401, got
-        status, got, _ = await server.request(method, path, headers=server.admin(), body={"prompt": "hi"})
+        status, got, _ = await server.request(method, path, headers=server.admin(), body=bodies[path])
         assert status == 401 and "admin key only opens admin routes" in got["error"]["message"]
+        wrong = {"Authorization": "Bearer not-a-key"}
+        assert (await server.request(method, path, headers=wrong, body=bodies[path]))[0] == 401
     # gamma may send two requests a minute: a third tokenizer request is a 429 like any other.
     assert (await server.post("/tokenize", {"prompt": "hi"}, tenant="gamma"))[0] == 200
     assert (await server.post("/detokenize", {"tokens": [104, 105]}, tenant="gamma"))[0] == 200
     status, got, headers = await server.request("GET", "/tokenizer_info", headers=server.auth("gamma"))
     assert status == 429 and int(headers["Retry-After"]) >= 1
     assert_openai_error(got, 429)
+
+
+async def test_without_a_key_only_the_base_tokenizer_answers(server):
+    """vLLM's tokenizer routes answer without a key (lm-eval probes them so): the base model's
+    tokenizer, which every tenant shares; naming a model takes a key (which adapters exist is a
+    tenant's question), and key-less callers hold few requests at once, together."""
+    tokenizer = server.engine.tokenizer
+    status, got, _ = await server.request("POST", "/tokenize", body={"prompt": "Hello", "add_special_tokens": False})
+    assert status == 200 and got["tokens"] == tokenizer.encode("Hello", add_special_tokens=False)
+    status, got, _ = await server.request("POST", "/detokenize", body={"tokens": got["tokens"]})
+    assert status == 200 and got == {"prompt": "Hello"}
+    status, info, _ = await server.request("GET", "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == "<|endoftext|>"
+    for model in ("acme", "initech", "nope", BASE):  # owned, another tenant's, unknown, the base: all alike
+        status, got, _ = await server.request("POST", "/tokenize", body={"model": model, "prompt": "hi"})
+        assert status == 401 and "only the base model's tokenizer" in got["error"]["message"], model
+    bodies = [{"prompt": "x" * 20_000}] * (KEYLESS_IN_FLIGHT * 4)
+    answers = await asyncio.gather(*(server.request("POST", "/tokenize", body=b) for b in bodies))
+    for status, got, _ in answers:  # longer than the context (400), or past the share (429)
+        assert status in (400, 429), got
+        assert_openai_error(got, status)
+    assert (await server.request("POST", "/tokenize", body={"prompt": "hi"}))[0] == 200  # the share came back
+
+
+async def test_keyless_callers_share_a_few_requests_at_once():
+    share = KeylessShare(limit=2)
+    share.admit()
+    share.admit()
+    with pytest.raises(QuotaExceededError, match="without an API key"):
+        share.admit()
+    share.release()
+    share.admit()
 
 
 async def test_tokenizer_info_is_what_lm_evals_remote_tokenizer_reads(server):

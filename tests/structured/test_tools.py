@@ -79,6 +79,30 @@ def test_text_that_is_no_call_stays_content(fmt):
             assert calls == [] and streamed + rest == text
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_an_output_cut_short_keeps_the_calls_it_finished(fmt):
+    """Cut by max_tokens at every length: the calls finished before the cut (and one whose
+    closing tag alone was cut) are kept, the one being written dropped; the content never holds
+    call markup. Streamed alike."""
+    text, parse = OUTPUTS[fmt], FORMATS[fmt].parse
+    whole = [(c.name, c.arguments) for c in parse(text)[1]]
+    seen = set()
+    for cut in range(len(text)):
+        content, calls = parse(text[:cut], cut=True)
+        got = [(c.name, c.arguments) for c in calls]
+        assert got == whole[: len(got)], (cut, got)
+        seen.add(len(got))
+        assert not any(m in content for m in ("<tool", "[TOOL", "{")), (cut, content)
+        stream = ToolStream(FORMATS[fmt])
+        released = "".join(stream.feed(text[i : min(i + 3, cut)]) for i in range(0, cut, 3))
+        left, streamed = stream.finish(cut=True)
+        assert [(c.name, c.arguments) for c in streamed] == got and released + left == content, cut
+    assert {0, 1} <= seen  # cuts before the first call ends, and between the two
+    # One whose closing tag alone was cut is a call (Hermes: the JSON is whole).
+    if fmt == "hermes":
+        assert len(parse(text[: text.rfind("</tool_call>") + 5], cut=True)[1]) == 2
+
+
 def test_the_format_follows_the_chat_template():
     assert detect_format("{{ '<tool_call>' }}").name == "hermes"
     assert detect_format("{{ '[TOOL_CALLS]' }}").name == "mistral"
