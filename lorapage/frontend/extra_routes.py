@@ -37,15 +37,17 @@ from lorapage.frontend.version import PING_BODY, version_body
 from lorapage.request import TokenStream
 from lorapage.tools import ToolFormat, detect_format
 
-# A tokenizer route's work: (prompts, tenant, body, resolve) -> its answer.
-TokenizerWork = Callable[[PromptBuilder, str, bytes, tokenization.Resolve], Awaitable[Any]]
+# A tokenizer route's work: (prompts, tenant, body, check_model) -> its answer.
+TokenizerWork = Callable[[PromptBuilder, str, bytes, tokenization.ModelCheck], Awaitable[Any]]
 
 
 def _json(body: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
-async def _tokenizer_info(prompts: PromptBuilder, tenant: str, body: bytes, resolve: tokenization.Resolve) -> Any:
+async def _tokenizer_info(
+    prompts: PromptBuilder, tenant: str, body: bytes, check_model: tokenization.ModelCheck
+) -> Any:
     return tokenization.tokenizer_info(prompts)
 
 
@@ -79,14 +81,14 @@ class ExtraRoutes:
             self.keyless.admit()
             try:
                 body = await request.read()
-                return _json(await work(state.prompts, tokenization.KEYLESS_TENANT, body, self.keyless.resolve))
+                return _json(await work(state.prompts, tokenization.KEYLESS_TENANT, body, self.keyless.check_model))
             finally:
                 self.keyless.release()
         state, tenant = self._admitted(request)
         reservation = state.admit(tenant)
         try:
             body = await request.read()
-            return _json(await work(state.prompts, tenant, body, self._resolver(state, tenant)))
+            return _json(await work(state.prompts, tenant, body, self._model_check(state, tenant)))
         finally:
             state.release(reservation)
 
@@ -107,7 +109,7 @@ class ExtraRoutes:
         return web.Response(body=PING_BODY, status=503 if request.app[self.key].closing else 200)
 
     @staticmethod
-    def _resolver(state: RouteState[Backend], tenant: str) -> tokenization.Resolve:
+    def _model_check(state: RouteState[Backend], tenant: str) -> tokenization.ModelCheck:
         async def route(model: str) -> object:
             return state.route(model, tenant)
 

@@ -32,7 +32,7 @@ from lorapage.frontend import protocol
 from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.protocol import MAX_MESSAGES, Parsed
 
-Resolve = Callable[[str], Awaitable[object]]  # 404 unless the tenant may use the model
+ModelCheck = Callable[[str], Awaitable[object]]  # 404 unless the tenant may use the model
 KEYLESS_TENANT = "(no key)"  # the prompt threads' turn key-less callers share (a tenant so named: its turn too)
 KEYLESS_IN_FLIGHT = 4  # key-less tokenizer requests at once, all callers together
 
@@ -56,7 +56,7 @@ class KeylessShare:
         self.in_flight -= 1
 
     @staticmethod
-    async def resolve(model: str) -> object:
+    async def check_model(model: str) -> object:
         """A key-less caller names no model: the base's tokenizer is the one that answers."""
         raise AuthenticationError(
             "without an API key only the base model's tokenizer answers: omit model, or send a tenant key"
@@ -134,12 +134,12 @@ def parse_detokenize(body: bytes, vocab_size: int, max_model_len: int) -> Parsed
     return Parsed(req, None, [req.tokens])
 
 
-async def tokenize(prompts: PromptBuilder, tenant: str, body: bytes, resolve: Resolve) -> TokenizeResponse:
+async def tokenize(prompts: PromptBuilder, tenant: str, body: bytes, check_model: ModelCheck) -> TokenizeResponse:
     """``/tokenize``: the prompt's (or the rendered chat's) token ids, for ``tenant``."""
     parsed = await prompts.parse(tenant, body, parse_tokenize)
     req: TokenizeRequest = parsed.req
     if req.model is not None:
-        await resolve(req.model)
+        await check_model(req.model)
     if req.messages is None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         assert isinstance(parsed.prompt, str)
@@ -162,12 +162,12 @@ async def tokenize(prompts: PromptBuilder, tenant: str, body: bytes, resolve: Re
     return TokenizeResponse(count=len(ids), max_model_len=prompts.max_model_len, tokens=ids, token_strs=strs)
 
 
-async def detokenize(prompts: PromptBuilder, tenant: str, body: bytes, resolve: Resolve) -> DetokenizeResponse:
+async def detokenize(prompts: PromptBuilder, tenant: str, body: bytes, check_model: ModelCheck) -> DetokenizeResponse:
     """``/detokenize``: the text of the token ids (special tokens kept), for ``tenant``."""
     vocab, max_len = prompts.tokenizer.vocab_size, prompts.max_model_len
     parsed = await prompts.parse(tenant, body, lambda b: parse_detokenize(b, vocab, max_len))
     if parsed.req.model is not None:
-        await resolve(parsed.req.model)
+        await check_model(parsed.req.model)
     return DetokenizeResponse(prompt=await prompts.detokenize(tenant, cast(list[int], parsed.prompt)))
 
 
