@@ -30,7 +30,7 @@ from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
-from lorapage.adapters.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
+from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig

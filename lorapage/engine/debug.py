@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from lorapage.adapters.cache import AdapterCache
     from lorapage.adapters.metrics import AdapterMetrics
     from lorapage.adapters.residency import Residency
-    from lorapage.adapters.sources import AdapterRoots, AdapterSources
+    from lorapage.sources import AdapterRoots, AdapterSources
     from lorapage.engine.build import (
         AdapterParts,
         CatalogParts,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.adapters.sources import AdapterRoots
+from lorapage.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.config import EngineConfig
 from lorapage.engine.admin import AdapterAdmin
