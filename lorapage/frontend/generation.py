@@ -387,7 +387,8 @@ class Formatter:
             if lp is None:
                 result.append(None)
                 continue
-            entry = {i: r.PromptLogprob(v, None, self._token(i)[0]) for i, v in lp.top}
+            # The alternatives come most likely first: their ranks are 1..k (as vLLM gives them).
+            entry = {i: r.PromptLogprob(v, k, self._token(i)[0]) for k, (i, v) in enumerate(lp.top, 1)}
             entry[lp.token_id] = r.PromptLogprob(lp.logprob, lp.rank, self._token(lp.token_id)[0])
             result.append(entry)
         return result

@@ -169,7 +169,7 @@ async def test_a_backlog_of_huge_prompts_is_tokenized_in_turn_and_only_up_to_the
     max_len = 131_072
     huge = ("lorem ipsum dolor sit amet " * 40_000)[:900_000]
     victim_prompt = "Hello from the victim"
-    async with serving(max_model_len=max_len, max_num_seqs=2) as srv:
+    async with serving(max_model_len=max_len, max_num_seqs=2, allow_long_max_model_len=True) as srv:
         with EncodeLog(srv.engine.tokenizer, victim_prompt) as log:
 
             async def hog(i: int) -> int:
