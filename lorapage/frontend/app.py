@@ -44,7 +44,9 @@ from lorapage.frontend.backend import Backend
 from lorapage.frontend.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.frontend.error_json import Handler, error_middleware
 from lorapage.frontend.extra_routes import add_extra_routes
-from lorapage.frontend.generation import Formatter, Job, Timing, answer, make_job, write_answer
+from lorapage.frontend.formatter import Formatter
+from lorapage.frontend.generation import Job, Timing, answer, write_answer
+from lorapage.frontend.job import make_job
 from lorapage.frontend.loop_lag import LoopLagMonitor
 from lorapage.frontend.metrics import CONTENT_TYPE
 from lorapage.frontend.models_view import BaseCard

@@ -58,3 +58,25 @@ async def test_stopping_early_aborts_every_branch():
         assert not engine.debug.step_planner.requests
     finally:
         await engine.close()
+
+
+async def test_prompt_logprobs_are_computed_once_for_every_branch():
+    """``n`` branches that ask for prompt logprobs: the first computes the prompt (and its
+    logprobs), the others take its blocks, and every branch reports that one list."""
+    engine = tiny_engine(block_size=4)
+    try:
+        prompt = [(7 * i) % 200 + 3 for i in range(40)]
+        sampling = SamplingParams(n=6, max_tokens=3, temperature=1.0, seed=1, prompt_logprobs=2)
+        before = engine.debug.step_planner.prompt_tokens_computed
+        outs = await run(engine, prompt, None, sampling)
+        computed = engine.debug.step_planner.prompt_tokens_computed - before
+        assert computed <= 40 + 5 * 4, computed  # once, not six times
+        first = outs[0].prompt_logprobs
+        assert first is not None and len(first) == 40 and first[0] is None
+        assert all(o.prompt_logprobs is first for o in outs)  # one list, not six copies
+        alone = await run(engine, prompt, None, SamplingParams(max_tokens=1, prompt_logprobs=2))
+        assert [lp and (lp.token_id, lp.logprob) for lp in alone[0].prompt_logprobs] == [
+            lp and (lp.token_id, lp.logprob) for lp in first
+        ]
+    finally:
+        await engine.close()

@@ -25,7 +25,7 @@ from server_harness import BASE, assert_openai_error, make_engine, running_serve
 from lorapage.frontend import Access, hash_key, protocol
 from lorapage.frontend.app import STATE
 from lorapage.frontend.edge import EdgeLimits
-from lorapage.frontend.generation import Formatter
+from lorapage.frontend.formatter import Formatter
 from lorapage.frontend.prompts import CHUNK_CHARS
 from lorapage.frontend.tenants import TenantsConfig
 from lorapage.testing.serve_process import run_serve
