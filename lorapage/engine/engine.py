@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from lorapage.adapters.cache import AdapterInfo
-from lorapage.sources import AdapterRoots
 from lorapage.adapters.state_lock import StateDirLock
 from lorapage.config import EngineConfig
 from lorapage.engine.admin import AdapterAdmin
@@ -55,6 +54,7 @@ from lorapage.registry.catalog import REGISTRATION_TIMEOUT_S
 from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
 from lorapage.scheduler import MeteredPolicy, VtcScheduler
+from lorapage.sources import AdapterRoots
 from lorapage.usage import Usage
 
 log = logging.getLogger("lorapage.engine")

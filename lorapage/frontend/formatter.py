@@ -3,8 +3,11 @@ stream chunks, with their logprobs, tool calls and echoed prompts."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from lorapage.errors import ServiceUnavailableError
 from lorapage.frontend import responses as r
@@ -19,6 +22,11 @@ def _finish_reason(out: Any, calls: bool = False) -> str:
     if calls:
         return "tool_calls"
     return out.finish_reason or "stop"
+
+
+INLINE_LOGPROB_ENTRIES = 4096  # an answer with more logprob entries is built and encoded off the event loop
+# Runs fn(outs) on a worker and awaits it (the server's prompt workers, in the tenant's turn).
+Offload = Callable[[Callable[[list[Any]], bytes], list[Any]], Awaitable[bytes]]
 
 
 @dataclass
@@ -41,10 +49,14 @@ class Formatter:
     tokens at a time, not all at the end: 16,000 tokens with 20 alternatives each once held the
     event loop for 1.7 s after the last one."""
 
-    def __init__(self, job: Job, tokenizer: Any) -> None:
-        self.job, self.tokenizer = job, tokenizer
+    def __init__(self, job: Job, tokenizer: Any, offload: Offload | None = None) -> None:
+        self.job, self.tokenizer, self.offload = job, tokenizer, offload
         self._choices: dict[int, _Choice] = {}
         self._tokens: dict[int, tuple[str, list[int]]] = {}  # token id -> its text and bytes (at most the vocabulary)
+        # Per prompt, formatted once for all its choices: vLLM's prompt_logprobs, and an echo's
+        # prompt logprobs with the length of the prompt's text.
+        self._prompt_rows: dict[int, r.PromptLogprobs | None] = {}
+        self._echoed: dict[int, tuple[r.CompletionLogprobs, int] | None] = {}
 
     def choice(self, index: int) -> _Choice:
         c = self._choices.get(index)
@@ -93,19 +105,24 @@ class Formatter:
             return self._chat_logprobs(items)
         return self._completion_logprobs([(lp, lp.token_id) for lp in items], c)
 
-    def _echoed_logprobs(self, out: Any) -> r.CompletionLogprobs | None:
-        """The prompt's tokens as the start of an echoed answer's logprobs (first: None)."""
+    def _echoed_logprobs(self, out: Any) -> tuple[r.CompletionLogprobs, int] | None:
+        """An echoed prompt's tokens as the start of its choices' logprobs (the first: None), and
+        the length of their text; formatted once per prompt."""
         if self.job.sampling.logprobs is None:
             return None
-        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        return self._completion_logprobs(list(zip(entries, out.prompt_token_ids)), self.choice(out.index))
+        prompt = out.index // self.job.sampling.n
+        if prompt not in self._echoed:
+            entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            counter = _Choice()
+            formatted = self._completion_logprobs(list(zip(entries, out.prompt_token_ids)), counter)
+            self._echoed[prompt] = (formatted, counter.text_offset)
+        return self._echoed[prompt]
 
     def gather(self, out: Any) -> None:
-        """Format the logprobs ``out`` adds to its choice, for :meth:`whole`."""
+        """Format the logprobs ``out`` adds to its choice, for :meth:`whole` (an echoed prompt's
+        are formatted there, off the event loop when large)."""
         c = self.choice(out.index)
         c.last = out
-        if self.job.echo and c.gathered is None and c.logprobs_sent == 0:
-            c.gathered = self._echoed_logprobs(out)
         new = self._new_logprobs(out)
         if new is None:
             return
@@ -119,10 +136,28 @@ class Formatter:
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(c.gathered, name).extend(getattr(new, name))
 
+    def _with_echo(self, out: Any, generated: r.CompletionLogprobs | None) -> r.CompletionLogprobs | None:
+        """A completion choice's logprobs: its echoed prompt's, then its generated tokens'."""
+        echoed = self._echoed_logprobs(out) if self.job.echo else None
+        if echoed is None:
+            return generated
+        prompt, length = echoed
+        if generated is None:
+            return prompt
+        return r.CompletionLogprobs(
+            tokens=prompt.tokens + generated.tokens,
+            token_logprobs=prompt.token_logprobs + generated.token_logprobs,
+            top_logprobs=prompt.top_logprobs + generated.top_logprobs,
+            text_offset=prompt.text_offset + [length + o for o in generated.text_offset],
+        )
+
     def _prompt_logprobs(self, out: Any) -> r.PromptLogprobs | None:
-        """vLLM's ``prompt_logprobs`` of a choice's prompt, when asked for."""
+        """vLLM's ``prompt_logprobs`` of a choice's prompt, when asked for (formatted once per prompt)."""
         if self.job.sampling.prompt_logprobs is None or out.prompt_logprobs is None:
             return None
+        prompt = out.index // self.job.sampling.n
+        if prompt in self._prompt_rows:
+            return self._prompt_rows[prompt]
         result: r.PromptLogprobs = []
         for lp in out.prompt_logprobs:
             if lp is None:
@@ -132,6 +167,7 @@ class Formatter:
             entry = {i: r.PromptLogprob(v, k, self._token(i)[0]) for k, (i, v) in enumerate(lp.top, 1)}
             entry[lp.token_id] = r.PromptLogprob(lp.logprob, lp.rank, self._token(lp.token_id)[0])
             result.append(entry)
+        self._prompt_rows[prompt] = result
         return result
 
     def _text(self, out: Any) -> str:
@@ -169,10 +205,22 @@ class Formatter:
             c = self.choice(out.index)
             assert c.gathered is None or isinstance(c.gathered, r.CompletionLogprobs)
             reason = "length" if j.echo_only else _finish_reason(out)
+            logprobs = self._with_echo(out, c.gathered)
             completion_choices.append(
-                r.CompletionChoice(self._text(out), reason, c.gathered, out.index, self._prompt_logprobs(out))
+                r.CompletionChoice(self._text(out), reason, logprobs, out.index, self._prompt_logprobs(out))
             )
         return r.Completion(id=j.request_id, created=j.created, model=j.model, choices=completion_choices, usage=usage)
+
+    def encode(self, outs: list[Any]) -> bytes:
+        """:meth:`whole` as JSON."""
+        return msgspec.json.encode(self.whole(outs))
+
+    async def body(self, outs: list[Any]) -> bytes:
+        """:meth:`encode`, on a worker in its tenant's turn (``offload``) when the answer's
+        logprobs are many: prompt logprobs (bounded by the job) are formatted only here."""
+        if self.offload is None or self.job.logprob_entries() <= INLINE_LOGPROB_ENTRIES:
+            return self.encode(outs)
+        return await self.offload(self.encode, outs)
 
     def chunk(
         self,

@@ -20,7 +20,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from aiohttp import web
 
 from lorapage.adapters.names import parse_name
@@ -179,7 +178,7 @@ async def answer(outputs: TokenStream, job: Job, fmt: Formatter, timing: Timing)
             out = await anext(outputs)
             timing.observe(out)
         timing.finish()
-        return Answer(headers, body=msgspec.json.encode(fmt.whole([last[i] for i in sorted(last)])))
+        return Answer(headers, body=await fmt.body([last[i] for i in sorted(last)]))
     finally:
         if not streaming:
             await outputs.aclose()

@@ -49,9 +49,11 @@ class Job:
     echo_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
     prompt_texts: list[str] = field(default_factory=list)  # each prompt's text, for echo
     tools: ToolUse | None = None  # tools the output may call (parsed from it)
-    # Tokens of max_tokens taken from the TPM bucket up front when the client set no max_tokens
-    # (the tenant's default_max_tokens; the rest is settled when the request ends).
-    reserve_tokens: int | None = None
+    # A chat without max_tokens: its budget is set when it is charged (the tenant's TPM left,
+    # at least its default_max_tokens, at most the context left), then reserved whole.
+    open_ended: bool = False
+    reserve_tokens: int | None = None  # the least an open-ended chat is given (default_max_tokens)
+    prompt_logprob_copies: int = 0  # times each prompt's logprob rows appear in the answer
     first_token_at: float | None = None  # time.monotonic() of its first token (the request log's TTFT)
     tier: str = "none"  # where its adapter was when it started (x-adapter-tier's value)
     itl_total_s: float = 0.0  # the inter-token gaps observed, summed (the ITL histogram's observations)
@@ -89,10 +91,41 @@ class Job:
         """The engine's id of each prompt's request."""
         return [self.engine_id if i == 0 else f"{self.engine_id}-p{i}" for i in range(len(self.prompts))]
 
+    @property
+    def prompt_logprob_rows(self) -> int:
+        """Prompt-logprob rows its answer carries: each prompt token once per copy (vLLM puts a
+        completion's on every choice; an echo with logprobs adds the prompt's to each choice)."""
+        return self.prompt_tokens * self.prompt_logprob_copies
+
+    @property
+    def prompt_work(self) -> int:
+        """What its prompts cost its tenant's tokens per minute: their tokens, and a token per
+        prompt-logprob row (each is computed, formatted and sent)."""
+        return self.prompt_tokens + self.prompt_logprob_rows
+
+    def logprob_entries(self) -> int:
+        """Logprob entries (a token's logprob, or an alternative's) its whole answer may carry:
+        the prompt's rows and every choice's generated tokens, each with its alternatives."""
+        s = self.sampling
+        prompt = self.prompt_logprob_rows * (1 + (s.prompt_logprobs or 0))
+        generated = 0 if s.logprobs is None else self.completion_budget() * (1 + s.logprobs)
+        return prompt + generated
+
     def completion_budget(self) -> int:
         """Completion tokens the TPM bucket is charged up front, every choice together."""
-        per_choice = self.sampling.max_tokens if self.reserve_tokens is None else self.reserve_tokens
-        return per_choice * self.choices
+        return self.sampling.max_tokens * self.choices
+
+    def set_budget(self, room: int | None) -> None:
+        """An open-ended chat's budget, per choice: what its tenant's TPM holds beyond its prompt
+        (``room``; None: no TPM), at least the tenant's ``default_max_tokens``, at most the
+        context left. Reserved whole, so concurrent open-ended chats cannot together outrun the
+        bucket (30 of them once drew 115,615 tokens from a 20,000-token bucket)."""
+        if not self.open_ended or room is None:
+            return
+        least = self.reserve_tokens or 1
+        per_choice = min(self.sampling.max_tokens, max(least, room // self.choices))
+        s = self.sampling
+        self.sampling = dataclasses.replace(s, max_tokens=per_choice, min_tokens=min(s.min_tokens, per_choice))
 
 
 def make_job(
@@ -145,10 +178,47 @@ def make_job(
         # Chat's default (the rest of the context) would be refused on an adapter: the bound is the default.
         sampling = job.sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, max_adapter_tokens))
     if max_tokens is None and kind == "chat":
+        job.open_ended = True
         default = access.default_max_tokens(tenant)
         job.reserve_tokens = min(default, sampling.max_tokens) if default is not None else None
+    job.prompt_logprob_copies = _prompt_logprob_copies(kind, req, job)
+    check_prompt_logprobs(job, "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
     job.prefix_group = access.prefix_group(tenant)
     if adapter is not None:
         adapter_id, job.adapter_version = parse_name(adapter)  # the version this request runs on to its end
         job.show_tier = access.sole_user(tenant, adapter_id)
     return job
+
+
+# The most prompt-logprob entries (a token's logprob, or one of its alternatives) one answer may
+# hold, every choice together: about 25 MB of JSON. lm-eval's loglikelihood (echo, logprobs 1,
+# max_tokens 0) on 32 prompts of 2,048 tokens needs 131,072; prompt_logprobs 20 on one prompt of
+# 8,192 tokens, 172,032.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
+
+
+def _prompt_logprob_copies(kind: str, req: Any, job: Job) -> int:
+    n, copies = job.sampling.n, 0
+    if req.prompt_logprobs is not None:
+        copies += n if kind == "completion" else 1  # a chat's are on the response, once
+    if job.echo and job.sampling.logprobs is not None:
+        copies += n
+    return copies
+
+
+def check_prompt_logprobs(job: Job, param: str) -> None:
+    """400 when the prompt logprobs ``job``'s answer would carry pass
+    :data:`MAX_PROMPT_LOGPROB_ENTRIES`, before the engine computes any of them."""
+    if not job.prompt_logprob_copies:
+        return
+    per_row = 1 + (job.sampling.prompt_logprobs or 0)
+    entries = job.prompt_logprob_rows * per_row
+    if entries <= MAX_PROMPT_LOGPROB_ENTRIES:
+        return
+    raise InvalidRequestError(
+        f"the prompt logprobs of this request would be {entries:,} entries ({job.prompt_tokens} prompt tokens x "
+        f"{job.prompt_logprob_copies} copies (n {job.sampling.n}, echo {'on' if job.echo else 'off'}) x {per_row} "
+        f"(each token and {per_row - 1} alternatives)); one answer may hold at most {MAX_PROMPT_LOGPROB_ENTRIES:,}: "
+        "send fewer or shorter prompts, a smaller n, or fewer alternatives",
+        param=param,
+    )

@@ -222,6 +222,15 @@ class QuotaManager:
         held.sequences = sequences
         return None
 
+    def room(self, reservation: Reservation, prompt_tokens: int, now: float) -> int | None:
+        """Tokens the tenant's TPM bucket holds now beyond ``prompt_tokens`` (None: no TPM)."""
+        held = self._live.get(reservation.id)
+        bucket = held.state.tpm if held is not None else None
+        if bucket is None:
+            return None
+        bucket.refill(now)
+        return max(0, math.floor(bucket.level + _EPS) - prompt_tokens)
+
     def charge(self, reservation: Reservation, prompt_tokens: int, max_tokens: int, now: float) -> QuotaExceeded | None:
         """Take ``prompt_tokens + max_tokens`` from the TPM bucket of an admitted request, or say
         why not (nothing taken; the request keeps its RPM token and its slot until released)."""
@@ -267,7 +276,7 @@ class QuotaManager:
             # Never None: an rpm bucket holds at least one request.
             refusals.append(("rpm", state.rpm.retry_after_s(1, now) or 1, "requests per minute"))
         if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
-            what = "concurrent requests" if state.explicit else "share of the server's queue"
+            what = "concurrent sequences" if state.explicit else "share of the server's queue"
             refusals.append(("concurrency", self.concurrency_retry_after_s, what))
         return refusals
 
