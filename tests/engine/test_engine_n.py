@@ -80,3 +80,26 @@ async def test_prompt_logprobs_are_computed_once_for_every_branch():
         ]
     finally:
         await engine.close()
+
+
+async def test_branches_are_built_from_the_first_without_the_prompts_work(monkeypatch):
+    """Finding 2 of issue 38: a branch takes its prompt's checked ids and block keys from the
+    first sequence; the prompt is checked and hashed once, whatever ``n``."""
+    from lorapage.engine import intake as intake_module
+
+    engine = tiny_engine(block_size=4)
+    hashed: list[int] = []
+    real = intake_module.block_keys
+
+    def counted(namespace, ids, block_size, **kw):
+        hashed.append(len(ids))
+        return real(namespace, ids, block_size, **kw)
+
+    monkeypatch.setattr(intake_module, "block_keys", counted)
+    try:
+        prompt = [(5 * i) % 200 + 3 for i in range(64)]
+        outs = await run(engine, prompt, None, SamplingParams(n=16, max_tokens=2, temperature=1.0, seed=2))
+        assert [o.index for o in outs] == list(range(16))
+        assert hashed == [64]  # once for the prompt, not 16 times
+    finally:
+        await engine.close()
