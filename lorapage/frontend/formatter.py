@@ -24,7 +24,9 @@ def _finish_reason(out: Any, calls: bool = False) -> str:
     return out.finish_reason or "stop"
 
 
-INLINE_LOGPROB_ENTRIES = 4096  # an answer with more logprob entries is built and encoded off the event loop
+# An answer with more logprob entries, or more choices, is built and encoded off the event loop.
+INLINE_LOGPROB_ENTRIES = 4096
+INLINE_CHOICES = 256
 # Runs fn(outs) on a worker and awaits it (the server's prompt workers, in the tenant's turn).
 Offload = Callable[[Callable[[list[Any]], bytes], list[Any]], Awaitable[bytes]]
 
@@ -218,7 +220,8 @@ class Formatter:
     async def body(self, outs: list[Any]) -> bytes:
         """:meth:`encode`, on a worker in its tenant's turn (``offload``) when the answer's
         logprobs are many: prompt logprobs (bounded by the job) are formatted only here."""
-        if self.offload is None or self.job.logprob_entries() <= INLINE_LOGPROB_ENTRIES:
+        small = self.job.logprob_entries() <= INLINE_LOGPROB_ENTRIES and len(outs) <= INLINE_CHOICES
+        if self.offload is None or small:
             return self.encode(outs)
         return await self.offload(self.encode, outs)
 

@@ -112,7 +112,7 @@ class Timing:
             self.job.itl_total_s += now - self.last
             self.job.itl_tokens += new
         self.counts[out.index] = n
-        self.job.generated = sum(self.counts.values())
+        self.job.generated += new  # a running sum: 16,384 choices must not cost 16,384 additions per output
         if self.metrics is None or self.admissions is None:
             self.last = now
             return
@@ -147,6 +147,20 @@ def adapter_headers(job: Job, tier: str) -> dict[str, str]:
     return headers
 
 
+class Ended:
+    """Whether every choice of an answer has had its finished output: counted as outputs come,
+    never by scanning the choices (a request may hold 16,384)."""
+
+    def __init__(self, choices: int) -> None:
+        self.choices = choices
+        self.finished: set[int] = set()
+
+    def saw(self, out: Any) -> bool:
+        if out.finished:
+            self.finished.add(out.index)
+        return len(self.finished) == self.choices
+
+
 @dataclass
 class Answer:
     """A request's answer, whatever serves it over HTTP: status 200 with ``headers`` and either one
@@ -170,10 +184,11 @@ async def answer(outputs: TokenStream, job: Job, fmt: Formatter, timing: Timing)
             streaming = True
             return Answer(headers, events=_events(outputs, out, job, fmt, timing))
         last: dict[int, Any] = {}
+        ended = Ended(job.choices)
         while True:
             fmt.gather(out)
             last[out.index] = out
-            if len(last) == job.choices and all(o.finished for o in last.values()):
+            if ended.saw(out):
                 break
             out = await anext(outputs)
             timing.observe(out)
@@ -188,12 +203,13 @@ async def _events(
     outputs: TokenStream, out: RequestOutput, job: Job, fmt: Formatter, timing: Timing
 ) -> AsyncGenerator[bytes, None]:
     last: dict[int, Any] = {}
+    ended = Ended(job.choices)
     try:
         while True:
             for chunk in fmt.deltas(out):
                 yield frame(chunk)
             last[out.index] = out
-            if len(last) == job.choices and all(o.finished for o in last.values()):
+            if ended.saw(out):
                 break
             out = await anext(outputs)
             timing.observe(out)
