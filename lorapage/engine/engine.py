@@ -206,7 +206,9 @@ class Engine:
         server makes its own rather than take a client's). Stopping iteration early (a client
         went away) aborts the request and frees its pages. ``progress``, when given, holds the
         prompt tokens computed for it once the generator ends (what a quota charges a request cut
-        before its first token).
+        before its first token). With ``n`` > 1 the first sequence computes the prompt (and its
+        prompt logprobs, when asked: every sequence's outputs carry that one list) and the others
+        take its KV blocks.
         """
         self._check_open()
         self._steps.step_loop.bind()
