@@ -30,7 +30,6 @@ from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
-from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
@@ -67,6 +66,7 @@ from lorapage.registry.catalog import AdapterCatalog
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
+from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits, FileSource, parse_source
 from lorapage.structured.grammars import GrammarCompiler
 from lorapage.usage import UsageLedger
 

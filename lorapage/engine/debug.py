@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from lorapage.adapters.cache import AdapterCache
     from lorapage.adapters.metrics import AdapterMetrics
     from lorapage.adapters.residency import Residency
-    from lorapage.sources import AdapterRoots, AdapterSources
     from lorapage.engine.build import (
         AdapterParts,
         CatalogParts,
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
     from lorapage.registry.store import Registry
     from lorapage.request import Request
     from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
+    from lorapage.sources import AdapterRoots, AdapterSources
     from lorapage.structured.grammars import GrammarCompiler
     from lorapage.usage import UsageLedger
 

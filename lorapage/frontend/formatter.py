@@ -240,7 +240,8 @@ class Formatter:
         self._prompt_rows.clear()
         self._echoed.clear()
         self._choices.clear()
-        del whole, encoded
+        encoded.clear()
+        del whole
         return body
 
     async def body(self, outs: list[Any]) -> bytes:
