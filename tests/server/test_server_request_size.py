@@ -205,3 +205,13 @@ async def test_open_ended_chats_cannot_outrun_their_tenants_tpm():
             assert generated <= 1500, generated  # 8 x ~490 tokens before
     finally:
         await engine.close()
+
+
+async def test_a_long_max_model_len_is_served_when_allowed():
+    engine = make_engine(max_model_len=1024, allow_long_max_model_len=True)
+    try:
+        assert engine.max_model_len == 1024
+    finally:
+        await engine.close()
+    with pytest.raises(ValueError, match="--allow-long-max-model-len"):
+        make_engine(max_model_len=1024)
