@@ -86,7 +86,17 @@ class EngineConfig:
     )
     device: str = option("auto", "auto | cpu | cuda | cuda:N", group="model")
     max_model_len: int | None = option(
-        None, "the longest sequence (prompt + output) in tokens", group="model", none="the model's context, <= 8192"
+        None,
+        "the longest sequence (prompt + output) in tokens; at most the model's context (max_position_embeddings) "
+        "unless allow_long_max_model_len",
+        group="model",
+        none="the model's context, <= 8192",
+    )
+    allow_long_max_model_len: bool = option(
+        False,
+        "accept a max_model_len beyond the model's context (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past "
+        "what it was trained on may give wrong outputs",
+        group="model",
     )
     # -- memory ---------------------------------------------------------------------------------
     block_size: int = option(16, "tokens per KV block (one page)", group="memory")
@@ -427,6 +437,7 @@ class EngineConfig:
             "metrics_top_adapters",
             "cost_reference_batch",
             "max_adapter_tokens",
+            "max_model_len",
         )
         for name in positive:
             value = getattr(self, name)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from lorapage.errors import InvalidRequestError
 from lorapage.structured.spec import StructuredSpec
@@ -130,9 +132,7 @@ class SamplingParams:
         )
         for ok, name, expected in checks:
             if not ok:
-                got = repr(getattr(self, name))
-                got = got if len(got) <= 100 else f"{got[:100]}... ({len(got)} characters)"  # no echo of a huge value
-                raise InvalidRequestError(f"{name} must be {expected}; got {got}", param=name)
+                raise InvalidRequestError(f"{name} must be {expected}; got {_shown(getattr(self, name))}", param=name)
 
     @property
     def greedy(self) -> bool:
@@ -146,3 +146,14 @@ def _int(v: object) -> bool:
 
 def _ints(values: tuple) -> bool:
     return all(type(v) is int and v >= 0 for v in values)
+
+
+def _shown(value: Any) -> str:
+    """A refused value as the client sent it: a list as JSON with its length (never a Python
+    tuple), anything else as its repr; cut at 100 characters (no echo of a huge value)."""
+    if isinstance(value, tuple | list):
+        text = json.dumps(list(value), ensure_ascii=False, default=repr)
+        text = text if len(text) <= 100 else f"{text[:100]}... ({len(text)} characters)"
+        return f"{len(value)}: {text}"
+    text = repr(value)
+    return text if len(text) <= 100 else f"{text[:100]}... ({len(text)} characters)"

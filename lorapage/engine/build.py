@@ -142,7 +142,7 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     mc, bs = base.model_config, config.block_size
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
     page_size = 2 * bs * mc.kv_size
-    max_model_len = context_length(mc, config.max_model_len)
+    max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
     tokens = config.max_num_batched_tokens or max(2048, max_model_len)
     if tokens < max_model_len and not config.enable_chunked_prefill:
         # Without chunked prefill a whole prompt (or a preempted sequence's recompute) must fit in one step.

@@ -60,6 +60,7 @@ from lorapage.sources import AdapterRoots
 from lorapage.usage import Usage
 
 log = logging.getLogger("lorapage.engine")
+_BRANCHES_PER_TURN = 8  # branches of one prompt built between two turns of the event loop
 
 
 class Engine:
@@ -218,7 +219,9 @@ class Engine:
         server makes its own rather than take a client's). Stopping iteration early (a client
         went away) aborts the request and frees its pages. ``progress``, when given, holds the
         prompt tokens computed for it once the generator ends (what a quota charges a request cut
-        before its first token).
+        before its first token). With ``n`` > 1 the first sequence computes the prompt (and its
+        prompt logprobs, when asked: every sequence's outputs carry that one list) and the others
+        take its KV blocks.
         """
         self._check_open()
         self._steps.step_loop.bind()
@@ -246,16 +249,29 @@ class Engine:
         self._check_open()  # closed while the prompt was tokenized
         self._merged.check_weights(merged)  # the route was decided on the weights as they were before tokenizing
 
-        def build(k: int) -> Request:
-            rid = request_id if k == 0 or request_id is None else f"{request_id}-{k}"
-            branch = dataclasses.replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + k)
-            req = self._steps.intake.build(
-                ids, adapter, branch, tenant, rid, prefix_group, constraint=constraints[k], bad_words_ids=bad_words
-            )
-            req.merged_adapter = merged  # charged to the merged version, though it runs on the base path
-            return req
+        intake = self._steps.intake
+        first_sampling = dataclasses.replace(sampling, n=1)
+        req = intake.build(
+            ids,
+            adapter,
+            first_sampling,
+            tenant,
+            request_id,
+            prefix_group,
+            constraint=constraints[0],
+            bad_words_ids=bad_words,
+        )
+        req.merged_adapter = merged  # charged to the merged version, though it runs on the base path
 
-        req = build(0)
+        def build(k: int) -> Request:
+            """Branch k of the prompt: its own seed; the prompt's logprobs are the first's."""
+            seed = None if sampling.seed is None else sampling.seed + k
+            branch_sampling = dataclasses.replace(first_sampling, seed=seed, prompt_logprobs=None)
+            rid = f"{req.request_id}-{k}"
+            branch = intake.branch(req, branch_sampling, rid, constraints[k])
+            branch.merged_adapter = merged
+            return branch
+
         self._steps.planner.submit(req)
         self._wake_up()
         if sampling.n == 1:
@@ -305,9 +321,13 @@ class Engine:
                         requests.append(build(j))
                         self._steps.planner.submit(requests[j])
                         pumps.append(asyncio.ensure_future(pump(j, requests[j])))
+                        if j % _BRANCHES_PER_TURN == 0:
+                            self._wake_up()
+                            await asyncio.sleep(0)  # the loop's other work between batches of branches
                     self._wake_up()
                 done += item.finished
-                yield dataclasses.replace(item, index=k)
+                # One copy of the prompt's logprobs, computed by the first branch, in every branch's outputs.
+                yield dataclasses.replace(item, index=k, prompt_logprobs=first.prompt_logprobs)
         finally:
             for task in pumps:
                 task.cancel()

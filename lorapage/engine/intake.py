@@ -161,8 +161,9 @@ class RequestIntake:
         if self._num_waiting() >= self.max_queue_len:
             raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
         tenant = tenant or DEFAULT_TENANT
-        # Prompt logprobs come from computing the prompt: a request that asks takes no cached block.
-        namespace = self._namespace(adapter, tenant, prefix_group) if sampling.prompt_logprobs is None else None
+        # A request that asks for prompt logprobs computes its prompt (the planner matches no
+        # cached block for it) but offers its blocks, so its branches take them.
+        namespace = self._namespace(adapter, tenant, prefix_group)
         return Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             tenant=tenant,
@@ -179,6 +180,36 @@ class RequestIntake:
             block_keys=block_keys(namespace, ids, self.block_size) if namespace is not None else [],
             stop_ids=(() if sampling.ignore_eos else self._eos) + sampling.stop_token_ids,
             bad_words_ids=bad_words_ids,
+            constraint=constraint,
+        )
+
+    def branch(
+        self, first: Request, sampling: SamplingParams, request_id: str, constraint: Constraint | None
+    ) -> Request:
+        """Another sequence of ``first``'s prompt (``n`` > 1), with its own ``sampling``: the
+        prompt's checks, tokens and block keys are ``first``'s, so a branch costs no work that
+        grows with the prompt (16,384 branches of 256 prompts once held the loop for seconds)."""
+        if request_id in self._in_flight:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight", param="request_id")
+        if self._num_waiting() >= self.max_queue_len:
+            raise EngineOverloadedError(f"the queue holds {self.max_queue_len} requests; retry shortly")
+        ids = first.prompt_ids
+        return Request(
+            request_id=request_id,
+            tenant=first.tenant,
+            adapter=first.adapter,
+            prompt_ids=ids,  # never written to: shared
+            sampling=sampling,
+            arrival_time=self._clock(),
+            adapter_tier=first.adapter_tier,
+            detokenizer=IncrementalDecoder(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
+            generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
+            logprobs=[] if sampling.logprobs is not None else None,
+            prompt_logprobs=None,  # the prompt's are the first's (computed once)
+            cache_namespace=first.cache_namespace,
+            block_keys=first.block_keys[: len(ids) // self.block_size],  # a copy: the planner extends it
+            stop_ids=first.stop_ids,
+            bad_words_ids=first.bad_words_ids,
             constraint=constraint,
         )
 

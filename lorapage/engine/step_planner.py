@@ -138,8 +138,8 @@ class StepPlanner:
     def _match_prefix(self, req: Request) -> int:
         """Take the cached blocks of ``req``'s longest cached prefix (at least its last token is
         left to compute, for its logits); returns the tokens they hold."""
-        if req.cache_namespace is None or req.block_table:
-            return 0
+        if req.cache_namespace is None or req.block_table or req.prompt_logprobs is not None:
+            return 0  # prompt logprobs come from computing the prompt: no cached block for it
         bs = self.limits.block_size
         usable = (req.num_tokens - 1) // bs
         self._extend_keys(req, usable * bs)

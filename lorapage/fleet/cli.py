@@ -176,7 +176,7 @@ def _bases(args: argparse.Namespace, engine: EngineConfig) -> tuple[str, ...]:
                 (
                     name,
                     Tokenizer.from_dir(m).backend.to_str(),
-                    context_length(ModelConfig.from_dir(m), engine.max_model_len),
+                    context_length(ModelConfig.from_dir(m), engine.max_model_len, engine.allow_long_max_model_len),
                 )
                 for name, m in zip(names, models, strict=True)
             ]

@@ -10,7 +10,8 @@ Every request is checked in the same order, cheapest first, and takes its tenant
 any work that grows with its body: API key (401), declared body size (413), the tenant's
 requests per minute and its share of concurrency (429; nothing of the body has been read yet),
 the body read, decoded and checked (400; bounded in size, messages and nesting, decoded off the
-event loop when big), model visibility (404), prompt length against the context (400: first a
+event loop when big), model visibility (404), a concurrency slot per sequence (prompts x n; 429),
+prompt length against the context (400: first a
 bound on characters, then, off the event loop and in the tenant's turn, the template and the
 tokenizer, which stop at the context), the tenant's tokens per minute (429); only then does the
 engine see it (503 when its queue is full). ``/health`` answers 503 once shutting down.
@@ -19,6 +20,7 @@ engine see it (503 when its queue is full). ``/health`` answers 503 once shuttin
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -44,7 +46,9 @@ from lorapage.frontend.backend import Backend
 from lorapage.frontend.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.frontend.error_json import Handler, error_middleware
 from lorapage.frontend.extra_routes import add_extra_routes
-from lorapage.frontend.generation import Formatter, Job, Timing, answer, make_job, write_answer
+from lorapage.frontend.formatter import Formatter
+from lorapage.frontend.generation import Job, Timing, answer, write_answer
+from lorapage.frontend.job import make_job
 from lorapage.frontend.loop_lag import LoopLagMonitor
 from lorapage.frontend.metrics import CONTENT_TYPE
 from lorapage.frontend.models_view import BaseCard
@@ -154,15 +158,30 @@ class ServerState(Generic[B]):
     def release(self, reservation: Reservation, used_tokens: int = 0) -> None:
         self.quotas.release(reservation, used_tokens, time.monotonic())
 
+    def widen(self, reservation: Reservation, parsed: protocol.Parsed) -> None:
+        """Hold a concurrency slot per sequence of a decoded request (prompts x ``n``), before
+        its prompts are tokenized (429 when the tenant has not that many free, without
+        Retry-After when it never will)."""
+        prompts, n = len(parsed.prompts), parsed.req.n or 1
+        if prompts * n == 1:
+            return
+        refused = self.quotas.widen(reservation, prompts * n, f"{prompts} prompts x n {n}")
+        if refused is not None:
+            self.backend.record_rejected(reservation.tenant, 0, refused.which)
+            raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
+
     def charge(self, reservation: Reservation, job: Job) -> None:
-        """Take the request's tokens (prompt + max_tokens) from its tenant's TPM (429 when short)."""
-        refused = self.quotas.charge(reservation, job.prompt_tokens, job.completion_budget(), time.monotonic())
+        """Take the request's tokens (prompts, prompt-logprob rows, max_tokens per sequence) from
+        its tenant's TPM (429 when short); an open-ended chat's budget is what the bucket holds."""
+        now = time.monotonic()
+        job.set_budget(self.quotas.room(reservation, job.prompt_work, now))
+        refused = self.quotas.charge(reservation, job.prompt_work, job.completion_budget(), now)
         if refused is not None:
             self.record_rejected(job, refused.which)
             raise QuotaExceededError(refused.message, retry_after=refused.retry_after_s)
 
     def record_rejected(self, job: Job, reason: str) -> None:
-        tokens = job.prompt_tokens + job.completion_budget()
+        tokens = job.prompt_work + job.completion_budget()
         self.backend.record_rejected(job.tenant, tokens, reason)
 
     def record_slo(self, job: Job, status: int) -> None:
@@ -188,7 +207,8 @@ class ServerState(Generic[B]):
         try:
             timing = Timing(job, self.metrics, self.admissions)
             if answer_with is None:
-                got = await answer(outputs, job, Formatter(job, self.backend.tokenizer), timing)
+                offload = functools.partial(self.prompts.workers.run, job.tenant)
+                got = await answer(outputs, job, Formatter(job, self.backend.tokenizer, offload), timing)
             else:
                 got = await answer_with(outputs, job, timing)
             got.headers.update(extra)
@@ -205,7 +225,7 @@ class ServerState(Generic[B]):
             await outputs.aclose()
             # Refund what was not used: max_tokens not generated, and when it was cut (or refused)
             # before its first token, the prompt tokens the engine did not compute.
-            used = job.prompt_tokens + job.generated if job.generated else job.prompt_computed
+            used = job.prompt_work + job.generated if job.generated else job.prompt_computed
             self.release(reservation, used)
             self.request_ids.discard(job.engine_id)
             self.in_flight[job.adapter] -= 1
@@ -276,6 +296,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             vocab, max_len = backend.vocab_size, backend.max_model_len
             parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
         state.route(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+        state.widen(reservation, parsed)  # a slot per sequence, before any work per prompt
         prompts = await state.prompts.of(kind, tenant, parsed)
         job = _job(state, kind, parsed, tenant, prompts, arrival)
         if job.adapter is not None:

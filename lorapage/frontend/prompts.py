@@ -67,6 +67,13 @@ def chunks(text: str, size: int = CHUNK_CHARS) -> Iterator[str]:
         start = end
 
 
+def truncated(ids: list[int], keep: int | None) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (what the engine computes,
+    so what usage reports and the quota charges); a bad ``keep`` is refused with the sampling
+    parameters."""
+    return ids[-keep:] if isinstance(keep, int) and 0 < keep < len(ids) else ids
+
+
 @dataclass(frozen=True)
 class Prompts:
     """A request's prompts as token ids, with what the answer needs of them: each one's text (an
@@ -123,12 +130,18 @@ class PromptBuilder:
 
     async def of(self, kind: str, tenant: str, parsed: Parsed) -> Prompts:
         """Every prompt of a parsed chat or completions request, tokenized in ``tenant``'s turn."""
+        keep = parsed.req.truncate_prompt_tokens
         if kind == "chat":
             tools = tool_use(parsed.req, self.tool_format)
-            return Prompts([await self.chat(tenant, parsed.prompt, tools)], [], tools)
-        ids = [await self.completion(tenant, p) for p in parsed.prompts]
-        echo = bool(getattr(parsed.req, "echo", False))
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in parsed.prompts] if echo else []
+            return Prompts([truncated(await self.chat(tenant, parsed.prompt, tools), keep)], [], tools)
+        whole = [await self.completion(tenant, p) for p in parsed.prompts]
+        ids = [truncated(p, keep) for p in whole]
+        if not getattr(parsed.req, "echo", False):
+            return Prompts(ids, [])
+        texts = [
+            p if isinstance(p, str) and len(cut) == len(full) else self.tokenizer.decode(cut)
+            for p, full, cut in zip(parsed.prompts, whole, ids, strict=True)
+        ]
         return Prompts(ids, texts)
 
     async def completion(self, tenant: str, prompt: str | list[int]) -> list[int]:

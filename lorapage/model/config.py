@@ -127,6 +127,19 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def context_length(config: ModelConfig, max_model_len: int | None) -> int:
-    """The context an engine serves: ``--max-model-len`` when given, else the model's positions (at most 8,192)."""
-    return max_model_len or min(config.max_position_embeddings, 8192)
+def context_length(config: ModelConfig, max_model_len: int | None, allow_long: bool = False) -> int:
+    """The context an engine serves: ``--max-model-len`` when given, else the model's positions (at
+    most 8,192). A length past the model's positions is refused, as vLLM refuses it, unless
+    ``allow_long`` (its ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+    if max_model_len is None:
+        return min(config.max_position_embeddings, 8192)
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1; got {max_model_len}")
+    derived = config.max_position_embeddings
+    if max_model_len > derived and not allow_long:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is greater than the model's context (max_position_embeddings: "
+            f"{derived}): positions past it may give wrong outputs. Lower --max-model-len to at most {derived}, "
+            "or pass --allow-long-max-model-len to serve it anyway"
+        )
+    return max_model_len

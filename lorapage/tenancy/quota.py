@@ -3,8 +3,10 @@
 A bucket holds up to ``burst`` tokens and refills continuously at ``limit / 60`` per second, so
 over any interval of T seconds a tenant gets at most ``burst + limit * T / 60``: no fixed-window
 double burst at a minute boundary. A request is charged one RPM token (and holds a concurrency
-slot) before its body is read, and ``prompt + max_tokens`` TPM tokens once its prompt is
-tokenized; :meth:`QuotaManager.release` refunds the tokens it did not use. Time is injected as
+slot) before its body is read; once decoded, it holds a slot per sequence (prompts x ``n``,
+:meth:`QuotaManager.widen`), and once its prompt is tokenized, its tokens (prompts, prompt-logprob
+rows, ``max_tokens`` per sequence) from TPM; :meth:`QuotaManager.release` refunds what it did
+not use. Time is injected as
 ``now`` (seconds).
 """
 
@@ -115,6 +117,7 @@ class _TenantQuota:
 class _Held:
     state: _TenantQuota
     tokens: int  # taken from the TPM bucket so far
+    sequences: int = 1  # concurrency slots held: prompts x n, once known
 
 
 def _bucket(bucket: TokenBucket | None, per_minute: int | None, burst: int | None, now: float) -> TokenBucket | None:
@@ -127,7 +130,7 @@ def _bucket(bucket: TokenBucket | None, per_minute: int | None, burst: int | Non
 
 
 def queue_share(queue_len: int | None, tenants: int) -> int | None:
-    """Requests in flight a tenant without ``max_concurrency`` may have: an equal share of the
+    """Sequences in flight a tenant without ``max_concurrency`` may have: an equal share of the
     engine's queue (at least one), so that such tenants together never fill it; None: no bound."""
     if queue_len is None:
         return None
@@ -191,6 +194,43 @@ class QuotaManager:
             return _worst(tenant, refusals)
         return self._take(state, tenant)
 
+    def widen(self, reservation: Reservation, sequences: int, what: str) -> QuotaExceeded | None:
+        """Hold one concurrency slot per sequence of an admitted request (``what`` says how its
+        ``sequences`` are made, for the refusal), or say why not: over the tenant's bound for
+        good (no Retry-After) or for now. Nothing changes on a refusal."""
+        held = self._live.get(reservation.id)
+        if held is None:
+            raise KeyError(f"reservation {reservation.id} was released")
+        state, extra = held.state, sequences - held.sequences
+        bound = state.max_concurrency
+        if bound is not None and extra > 0:
+            name = "max_concurrency" if state.explicit else "its share of the server's queue"
+            if sequences > bound:
+                return QuotaExceeded(
+                    "concurrency", None,
+                    f"the request is {sequences} sequences ({what}) but tenant {reservation.tenant!r} may run at most "
+                    f"{bound} at once ({name}); send fewer prompts or a smaller n",
+                )  # fmt: skip
+            if state.in_flight + extra > bound:
+                retry = self.concurrency_retry_after_s
+                return QuotaExceeded(
+                    "concurrency", retry,
+                    f"tenant {reservation.tenant!r} runs {state.in_flight} of its {bound} concurrent sequences "
+                    f"({name}); this request needs {sequences} ({what}); retry after {retry} s",
+                )  # fmt: skip
+        state.in_flight += extra
+        held.sequences = sequences
+        return None
+
+    def room(self, reservation: Reservation, prompt_tokens: int, now: float) -> int | None:
+        """Tokens the tenant's TPM bucket holds now beyond ``prompt_tokens`` (None: no TPM)."""
+        held = self._live.get(reservation.id)
+        bucket = held.state.tpm if held is not None else None
+        if bucket is None:
+            return None
+        bucket.refill(now)
+        return max(0, math.floor(bucket.level + _EPS) - prompt_tokens)
+
     def charge(self, reservation: Reservation, prompt_tokens: int, max_tokens: int, now: float) -> QuotaExceeded | None:
         """Take ``prompt_tokens + max_tokens`` from the TPM bucket of an admitted request, or say
         why not (nothing taken; the request keeps its RPM token and its slot until released)."""
@@ -215,7 +255,7 @@ class QuotaManager:
         held = self._live.pop(reservation.id, None)
         if held is None:
             return
-        held.state.in_flight -= 1
+        held.state.in_flight -= held.sequences
         unused = held.tokens - used_tokens
         if held.state.tpm is not None and unused > 0:
             held.state.tpm.give_back(unused, now)
@@ -226,6 +266,7 @@ class QuotaManager:
             held.state.tpm.take_debt(-unused, now)
 
     def in_flight(self, tenant: str) -> int:
+        """Sequences ``tenant`` has in flight (a request's prompts x ``n`` once decoded)."""
         state = self._states.get(tenant)
         return state.in_flight if state else 0
 
@@ -235,7 +276,7 @@ class QuotaManager:
             # Never None: an rpm bucket holds at least one request.
             refusals.append(("rpm", state.rpm.retry_after_s(1, now) or 1, "requests per minute"))
         if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
-            what = "concurrent requests" if state.explicit else "share of the server's queue"
+            what = "concurrent sequences" if state.explicit else "share of the server's queue"
             refusals.append(("concurrency", self.concurrency_retry_after_s, what))
         return refusals
 

@@ -198,3 +198,35 @@ def test_admission_rate_memory_does_not_grow_with_traffic():
         rate.record(i * 0.001)  # 1,000 a second for 200 s
     assert rate.per_second(199.9995) == 1000.0
     assert len(rate._counts) == len(rate._seconds) == 10
+
+
+def test_a_request_holds_a_slot_per_sequence():
+    """Issue 38, finding 2: prompts x n sequences, each a concurrency slot; more than the tenant
+    may ever run is refused for good (no Retry-After), more than it has free for now."""
+    quota = manager(max_concurrency=8)
+    first = quota.admit("a", 0.0)
+    assert isinstance(first, Reservation)
+    assert quota.widen(first, 6, "3 prompts x n 2") is None and quota.in_flight("a") == 6
+    never = quota.admit("a", 0.0)
+    assert isinstance(never, Reservation)
+    refused = quota.widen(never, 9, "9 prompts x n 1")
+    assert isinstance(refused, QuotaExceeded) and refused.retry_after_s is None and "9 sequences" in refused.message
+    later = quota.widen(never, 3, "3 prompts x n 1")  # 6 + 3 > 8: not now
+    assert isinstance(later, QuotaExceeded) and later.retry_after_s == quota.concurrency_retry_after_s
+    assert quota.in_flight("a") == 7  # nothing taken by the refusals
+    quota.release(first, 0, 0.0)
+    assert quota.in_flight("a") == 1 and quota.widen(never, 3, "3 prompts x n 1") is None
+    quota.release(never, 0, 0.0)
+    assert quota.in_flight("a") == 0 and quota.in_flight("b") == 0
+
+
+def test_room_is_what_the_bucket_holds_beyond_the_prompt():
+    quota = manager(tpm=600)
+    got = quota.admit("a", 0.0)
+    assert isinstance(got, Reservation)
+    assert quota.room(got, 100, 0.0) == 500
+    assert quota.charge(got, 100, 500, 0.0) is None and quota.room(got, 0, 0.0) == 0
+    assert quota.room(got, 0, 6.0) == 60  # 600 a minute: 60 in 6 s
+    free = manager()
+    unmetered = free.admit("a", 0.0)
+    assert isinstance(unmetered, Reservation) and free.room(unmetered, 1, 0.0) is None

@@ -197,23 +197,25 @@ async def test_completions_default_to_sixteen_tokens(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 16
 
 
-async def test_default_parameter_chats_fit_a_small_tpm_and_settle_into_debt():
-    """A tenant whose TPM burst is below the context is served without max_tokens (its
-    default_max_tokens is reserved); a long answer is charged in full at its end, and the tenant's
-    next request waits."""
+async def test_default_parameter_chats_fit_a_small_tpm_and_are_held_to_it():
+    """A tenant whose TPM burst is below the context is served without max_tokens: the chat
+    gets what the bucket holds beyond its prompt (finish reason length there), reserved whole,
+    and the tenant's next request waits for the bucket to refill."""
     small = f'key_sha256 = ["{hash_key("key-small")}"]\nadapters = ["acme"]\ntpm = 300\ndefault_max_tokens = 50\n'
     toml = TENANTS_TOML + "\n[tenants.small]\n" + small
     engine = make_engine()
     try:
         async with running_server(engine, Access(TenantsConfig.from_toml(toml))) as srv:
             headers = {"Authorization": "Bearer key-small"}
-            body = chat(ignore_eos=True)  # no max_tokens: runs to the end of the 512-token context
+            body = chat(ignore_eos=True)  # no max_tokens: would run to the end of the 512-token context
             async with srv.session.post(srv.url + CHAT, json=body, headers=headers) as resp:
                 got = await resp.json()
                 assert resp.status == 200, got
-            assert got["usage"]["completion_tokens"] > 400  # far past the 50 reserved
+            usage = got["usage"]
+            assert usage["total_tokens"] <= 300 and usage["completion_tokens"] > 200, usage  # the bucket, whole
+            assert got["choices"][0]["finish_reason"] == "length"
             async with srv.session.post(srv.url + CHAT, json=chat(max_tokens=4), headers=headers) as resp:
-                assert resp.status == 429 and "Retry-After" in resp.headers  # in debt: it waits
+                assert resp.status == 429 and "Retry-After" in resp.headers  # spent: it waits
     finally:
         await engine.close()
     assert KEYS["alpha"]

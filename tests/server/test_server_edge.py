@@ -25,7 +25,7 @@ from server_harness import BASE, assert_openai_error, make_engine, running_serve
 from lorapage.frontend import Access, hash_key, protocol
 from lorapage.frontend.app import STATE
 from lorapage.frontend.edge import EdgeLimits
-from lorapage.frontend.generation import Formatter
+from lorapage.frontend.formatter import Formatter
 from lorapage.frontend.prompts import CHUNK_CHARS
 from lorapage.tenancy.tenants import TenantsConfig
 from lorapage.testing.serve_process import run_serve
@@ -169,7 +169,7 @@ async def test_a_backlog_of_huge_prompts_is_tokenized_in_turn_and_only_up_to_the
     max_len = 131_072
     huge = ("lorem ipsum dolor sit amet " * 40_000)[:900_000]
     victim_prompt = "Hello from the victim"
-    async with serving(max_model_len=max_len, max_num_seqs=2) as srv:
+    async with serving(max_model_len=max_len, max_num_seqs=2, allow_long_max_model_len=True) as srv:
         with EncodeLog(srv.engine.tokenizer, victim_prompt) as log:
 
             async def hog(i: int) -> int:

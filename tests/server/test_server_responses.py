@@ -64,7 +64,7 @@ SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server() -> AsyncIterator[Server]:
     root = Path(tempfile.mkdtemp(prefix="lorapage-adapter-root-")).resolve()
-    engine = make_engine(make_roots(root), max_model_len=2048)
+    engine = make_engine(make_roots(root), max_model_len=2048, allow_long_max_model_len=True)
     try:
         async with running_server(engine) as srv:
             yield srv
