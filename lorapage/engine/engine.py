@@ -449,7 +449,7 @@ class Engine:
         self._threads.shutdown_workers()
         self._runner.close()
         await self._adapters.sources.close()
-        self._catalog.close()  # waits for a commit in flight (the registry's lock)
+        self._adapters.registry.close()  # the catalog's and the tiers': waits for a commit in flight
         if self._state_lock is not None:
             self._state_lock.release()  # the state dir is another server's to take from here
 

@@ -70,7 +70,7 @@ class AutoPromoter:
                 if decision.action == "demote":
                     await self.dedicated.demote(decision.adapter_id, ACTOR)
                 else:
-                    row = self.dedicated.registry.row(decision.adapter_id)  # its current version
+                    row = self.dedicated.registry.index.row(decision.adapter_id)  # its current version
                     if row is None:
                         continue
                     self.dedicated.promote(row.key, ACTOR)
