@@ -239,4 +239,5 @@ class FleetRegistry:
         return SyncReply(self.epoch, self.generation, full, states, unloads, tenant_weights)
 
     def _state(self, adapter_id: str) -> IdState:
-        return IdState(adapter_id, self._index.owner(adapter_id), self._index.current(adapter_id), tuple(self._index.versions(adapter_id)))
+        i, index = adapter_id, self._index
+        return IdState(i, index.owner(i), index.current(i), tuple(index.versions(i)))

@@ -259,7 +259,8 @@ class AdminRoutes:
 
     async def get_check_prompts(self, request: web.Request) -> web.Response:
         state, ops = request.app[self.key], request.app[ADMIN]
-        return _json(check_prompts_body(await ops.check_prompts(owned_id(state.access, ops.store.index.ids(), request))))
+        adapter_id = owned_id(state.access, ops.store.index.ids(), request)
+        return _json(check_prompts_body(await ops.check_prompts(adapter_id)))
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:

@@ -555,7 +555,8 @@ class AdapterCatalog:
         shown in the live view: listed, served once this engine runs that base, or by an engine
         on it beside this one."""
         row = await asyncio.to_thread(self._registry.migrate_version, state, actor=actor)
-        if self._index.lookup(row.adapter_id)[1] is not None and self._index.version(row.adapter_id, row.version) is None:
+        known = self._index.lookup(row.adapter_id)[1] is not None
+        if known and self._index.version(row.adapter_id, row.version) is None:
             self._index.put(row)
         return row
 
