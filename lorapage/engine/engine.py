@@ -401,11 +401,6 @@ class Engine:
         adapters), for :func:`lorapage.frontend.metrics.register_engine_collectors`."""
         return EngineMetrics(self.stats, self._steps.metrics, self._vtc_counters, self._adapters.metrics)
 
-    def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
-        """Count a request a front end refused before it reached the engine (a quota's 429:
-        ``reason`` names which) against ``tenant``, with its ``tokens`` when known (else 0)."""
-        self._steps.metrics.record_rejected(tenant, tokens, reason)
-
     def _vtc_counters(self) -> dict[str, float]:
         """Each tenant's VTC virtual counter now (none under FCFS), as ``/metrics`` exports them."""
         policy = self._steps.policy

@@ -106,7 +106,7 @@ class FleetDeployment:
         assert row is not None and version is not None, key
         replicas = self.reports.tiers(key)
         tier = next((t for t in _TIER_ORDER if t in replicas.values()), "disk")
-        promotion = self.dedicated.get(adapter_id)
+        promotion = self.dedicated.promotions.get(adapter_id)
         return FleetAdapterOut(
             id=adapter_id,
             owner=self.registry.index.owner(adapter_id),
@@ -175,7 +175,7 @@ class FleetDeployment:
 
     def check_removable(self, name: str, keys: list[str]) -> None:
         """409 while the id has a dedicated deployment (demote it first)."""
-        promotion = self.dedicated.get(parse_name(name)[0])
+        promotion = self.dedicated.promotions.get(parse_name(name)[0])
         if promotion is not None and promotion.state != "failed" and promotion.key in keys:
             raise ConflictError(
                 f"adapter {promotion.key!r} has a dedicated deployment ({promotion.state}); demote it first "
@@ -208,7 +208,7 @@ class FleetDeployment:
             "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
             "draining_adapters": sorted(self.draining),
             "registry_generation": self.registry.generation,
-            "dedicated": {i: p.out() for i, p in sorted(self.dedicated.items())},
+            "dedicated": {i: p.out() for i, p in sorted(self.dedicated.promotions.items())},
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
         return {"ingress": ingress, "replicas": replicas}
@@ -235,7 +235,7 @@ class FleetDeployment:
             unless it has one serving."""
             actor = self.access.admin_actor(request)
             adapter_id = request.match_info["id"]
-            promoted = {adapter_id} if self.dedicated.get(adapter_id) is not None else set()  # deleted since: demoted
+            promoted = {adapter_id} if adapter_id in self.dedicated.promotions else set()  # deleted since: demoted
             known_id(adapter_id, set(self.registry.index.ids()) | promoted)
             promotion = await self.dedicated.demote(adapter_id, actor)
             if self.registry.index.row(promotion.key) is None:  # the version was deleted while it was promoted

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -149,12 +150,10 @@ class DedicatedDeployments:
                 break
         return seen
 
-    def get(self, adapter_id: str) -> Promotion | None:
-        return self._by_id.get(adapter_id)
-
-    def items(self) -> list[tuple[str, Promotion]]:
-        """Every adapter id with a dedicated deployment (or a failed start), and its state."""
-        return list(self._by_id.items())
+    @property
+    def promotions(self) -> Mapping[str, Promotion]:
+        """Every adapter id with a dedicated deployment (or a failed start), and its state (read only)."""
+        return MappingProxyType(self._by_id)
 
     def ids(self, *states: State) -> set[str]:
         """The adapter ids whose deployment is in one of ``states``."""

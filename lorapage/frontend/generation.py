@@ -33,7 +33,7 @@ from lorapage.frontend.error_json import error_payload
 from lorapage.frontend.fields import ToolUse
 from lorapage.frontend.metrics import ServerMetrics
 from lorapage.frontend.quota import AdmissionRate
-from lorapage.frontend.sse import DONE, EventStream, frame
+from lorapage.frontend.sse import DONE, event_stream, frame
 from lorapage.request import PromptProgress, RequestOutput, TokenStream
 from lorapage.sampling_params import SamplingParams
 from lorapage.tools.formats import ToolCall
@@ -316,7 +316,7 @@ class Formatter:
     def _token(self, token_id: int) -> tuple[str, list[int]]:
         got = self._tokens.get(token_id)
         if got is None:
-            text = self.tokenizer.decode([token_id])
+            text = self.tokenizer.backend.decode([token_id])
             got = self._tokens[token_id] = (text, list(text.encode()))
         return got
 
@@ -591,13 +591,13 @@ async def write_answer(request: web.Request, got: Answer) -> web.StreamResponse:
     """``got`` written with aiohttp: one JSON body, or its events as they come (then closed)."""
     if got.events is None:
         return web.Response(body=got.body, content_type="application/json", headers=got.headers)
-    stream = EventStream(got.headers)
+    stream = event_stream(got.headers)
     try:
-        await stream.open(request)
-        request[SENT] = stream.response.status
+        await stream.prepare(request)
+        request[SENT] = stream.status
         async for data in got.events:
             await stream.write(data)
     finally:
         await got.events.aclose()
-    await stream.close()
-    return stream.response
+    await stream.write_eof()
+    return stream

@@ -78,7 +78,7 @@ class Prompts:
 
 
 class PromptBuilder:
-    """Bounds, renders and tokenizes prompts for one model, fairly across tenants; owns the workers."""
+    """Bounds, renders and tokenizes prompts for one model, fairly across tenants, in :attr:`workers`."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, threads: int = _WORKERS) -> None:
         self.tokenizer = tokenizer
@@ -128,7 +128,7 @@ class PromptBuilder:
             return Prompts([await self.chat(tenant, parsed.prompt, tools)], [], tools)
         ids = [await self.completion(tenant, p) for p in parsed.prompts]
         echo = bool(getattr(parsed.req, "echo", False))
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in parsed.prompts] if echo else []
+        texts = [p if isinstance(p, str) else self.tokenizer.backend.decode(p) for p in parsed.prompts] if echo else []
         return Prompts(ids, texts)
 
     async def completion(self, tenant: str, prompt: str | list[int]) -> list[int]:
@@ -161,10 +161,7 @@ class PromptBuilder:
 
     async def detokenize(self, tenant: str, ids: list[int]) -> str:
         """The text of ``ids``, special tokens kept (vLLM's ``/detokenize``), in ``tenant``'s turn."""
-        return await self.workers.run(tenant, self.tokenizer.decode, ids, False)
-
-    def close(self) -> None:
-        self.workers.close()
+        return await self.workers.run(tenant, self.tokenizer.backend.decode, ids, False)
 
     async def _encode(self, tenant: str, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
         encode = self.tokenizer.encode
