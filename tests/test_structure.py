@@ -298,3 +298,79 @@ def test_bench_scripts_share_modules_not_one_another():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             wrong += [f"{path.name} imports {n}" for n in names if n.split(".")[-1] in scripts or n.startswith("bench")]
     assert wrong == []
+
+
+# -- methods that only forward -------------------------------------------------------------------
+# A method whose whole body calls a part's method of the same name (``return self.part.m(...)``)
+# is a corridor: its callers should ask the part. Except where the delegation IS the job: a class
+# implementing someone else's interface over a part (an entry names the class: each of its
+# forwarders is that), or one method with a reason of its own. Each entry says which; at most ~10.
+DELEGATES = {
+    "lorapage.frontend.edge.GuardedConnection": "asyncio.Protocol callbacks, passed to the wrapped protocol",
+    "lorapage.scheduler.metrics.MeteredPolicy": "a SchedulerPolicy metering another: the choices are the policy's",
+    "lorapage.scheduler.metrics._ObservingContext": "the admission context a metered policy sees, observed",
+    "lorapage.sim.loader.SimLoader": "the residency driver for the simulator: its rules' verbs, no engine behind",
+    "lorapage.serve.engine_backend.EngineBackend": "the front end's Backend protocol, over the engines",
+    "lorapage.serve.local_admin.LocalDeployment.make_resident": "the admin's Deployment strategy, over one engine",
+    "lorapage.fleet.replica.EngineReplica.usage_rows": "a Ray actor method: the ingress asks each replica",
+    "lorapage.sources.addresses.CheckedResolver.close": "aiohttp's AbstractResolver, over the resolver it checks",
+    "lorapage.engine.engine.Engine.digest": "the engine's face: the base's digest, computed when first asked",
+    "lorapage.frontend.app.ServerState.release": "supplies the clock the quota book is kept by",
+    "lorapage.frontend.access_log.AccessLog.write": "encodes a record as one JSON line",
+}
+MAX_DELEGATES = 12
+
+
+def forwarders_in(module: str, tree: ast.AST) -> list[str]:
+    """``module.Class.method`` for each method of ``tree`` whose whole body (its docstring aside)
+    is ``[return] [await] self.part.method(...)``, the part's method of the same name."""
+    found = []
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for f in cls.body:
+            if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = [s for s in f.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)):
+                continue
+            call = body[0].value.value if isinstance(body[0].value, ast.Await) else body[0].value
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr == f.name
+                and isinstance(call.func.value, ast.Attribute)
+            ):
+                found.append(f"{module}.{cls.name}.{f.name}")
+    return found
+
+
+def forwarders() -> list[str]:
+    return sorted(f for name, path in module_files().items() for f in forwarders_in(name, ast.parse(path.read_text())))
+
+
+def test_a_forwarder_is_found():
+    source = """
+class A:
+    def f(self, x):
+        "Docstring."
+        return self.part.f(x)
+
+    async def g(self):
+        await self.part.g()
+
+    def h(self):
+        return self.part.other()
+
+    def k(self):
+        self.part.k()
+        return 1
+"""
+    assert forwarders_in("m", ast.parse(source)) == ["m.A.f", "m.A.g"]
+
+
+def test_no_method_only_forwards_to_a_part_of_the_same_name():
+    """Every forwarder is listed in :data:`DELEGATES` (by itself or by its class)."""
+    found = forwarders()
+    assert [f for f in found if f not in DELEGATES and f.rpartition(".")[0] not in DELEGATES] == []
+    # the list stays short, each entry with its reason, and none outlives what it excused
+    assert len(DELEGATES) <= MAX_DELEGATES and all(reason.strip() for reason in DELEGATES.values())
+    assert [d for d in DELEGATES if not any(f == d or f.startswith(d + ".") for f in found)] == []

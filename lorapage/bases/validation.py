@@ -282,7 +282,7 @@ def check_name(job: ValidationJob, adapter_id: str) -> str:
 def drop_check_version(engine, name: str) -> None:
     """Remove a version registered for a check from an engine serving traffic (left to it, logged,
     when still running: the job was cancelled mid-check)."""
-    if name in engine.admin.catalog.ids():
+    if name in engine.admin.catalog.index.ids():
         try:
             engine.admin.catalog.remove(name)
         except LorapageError as exc:
@@ -296,7 +296,7 @@ def parse_key(key: str) -> tuple[str, int]:
 
 def current_versions(engine, adapters: Sequence[str] | None) -> list[str]:
     """The version keys to check: each id's current version, where it is served on this base."""
-    ids = list(adapters) if adapters is not None else engine.admin.catalog.ids()
+    ids = list(adapters) if adapters is not None else engine.admin.catalog.index.ids()
     keys = []
     for adapter_id in ids:
         current = [v for v in engine.admin.catalog.versions(adapter_id) if v.current]

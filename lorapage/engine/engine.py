@@ -431,11 +431,6 @@ class Engine:
         adapters), for :func:`lorapage.frontend.metrics.register_engine_collectors`."""
         return EngineMetrics(self.stats, self._steps.metrics, self._vtc_counters, self._adapters.metrics)
 
-    def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
-        """Count a request a front end refused before it reached the engine (a quota's 429:
-        ``reason`` names which) against ``tenant``, with its ``tokens`` when known (else 0)."""
-        self._steps.metrics.record_rejected(tenant, tokens, reason)
-
     def _vtc_counters(self) -> dict[str, float]:
         """Each tenant's VTC virtual counter now (none under FCFS), as ``/metrics`` exports them."""
         policy = self._steps.policy
@@ -479,7 +474,7 @@ class Engine:
         self._threads.shutdown_workers()
         self._runner.close()
         await self._adapters.sources.close()
-        self._catalog.close()  # waits for a commit in flight (the registry's lock)
+        self._adapters.registry.close()  # the catalog's and the tiers': waits for a commit in flight
         if self._state_lock is not None:
             self._state_lock.release()  # the state dir is another server's to take from here
 

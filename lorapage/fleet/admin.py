@@ -92,7 +92,7 @@ class FleetDeployment:
 
     def listed(self) -> list[str]:
         base = self.profile.base_digest
-        rows = [row for i in self.registry.ids() if (row := self.registry.row(i)) is not None]
+        rows = [row for i in self.registry.index.ids() if (row := self.registry.index.row(i)) is not None]
         return [r.key for r in rows if r.base_digest == base]
 
     async def describe(self, names: Sequence[str]) -> list[AdapterOut]:
@@ -102,14 +102,14 @@ class FleetDeployment:
 
     def _out(self, key: str, info: AdapterInfo) -> FleetAdapterOut:
         adapter_id, version = parse_name(key)
-        row = self.registry.row(key)
+        row = self.registry.index.row(key)
         assert row is not None and version is not None, key
         replicas = self.reports.tiers(key)
         tier = next((t for t in _TIER_ORDER if t in replicas.values()), "disk")
-        promotion = self.dedicated.get(adapter_id)
+        promotion = self.dedicated.promotions.get(adapter_id)
         return FleetAdapterOut(
             id=adapter_id,
-            owner=self.registry.owner(adapter_id),
+            owner=self.registry.index.owner(adapter_id),
             parent=self.profile.base_name,
             path=info.path,
             rank=info.rank,
@@ -120,11 +120,11 @@ class FleetDeployment:
             in_flight=self.in_flight.get(key, 0),
             pinned=row.pinned,
             version=version,
-            current=self.registry.current(adapter_id),
+            current=self.registry.index.current(adapter_id),
             digest=row.digest,
             source=row.source,
             base_digest=self.profile.base_digest,
-            versions=[r.version for r in self.registry.versions(adapter_id)],
+            versions=[r.version for r in self.registry.index.versions(adapter_id)],
             replicas=replicas,
             dedicated=promotion.out() if promotion is not None else None,
             # merged: this version is served by its dedicated deployment (the only tier the fleet judges)
@@ -136,7 +136,7 @@ class FleetDeployment:
         return None  # the ingress keeps no traffic table
 
     def versions(self, adapter_id: str) -> list[AdapterVersionOut]:
-        base, current = self.profile.base_digest, self.registry.current(adapter_id)
+        base, current = self.profile.base_digest, self.registry.index.current(adapter_id)
         return [
             AdapterVersionOut(
                 id=row.key,
@@ -151,14 +151,14 @@ class FleetDeployment:
                 in_flight=self.in_flight.get(row.key, 0),
                 projected_cost_pct=row.projected_cost_pct,
             )
-            for row in self.registry.versions(adapter_id)
+            for row in self.registry.index.versions(adapter_id)
         ]
 
     # -- what a change does on the replicas ------------------------------------------------------
 
     async def add_version(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
         """Fetched and checked on the id's owner replica, then committed here."""
-        self.registry.check_owner(reg.id, reg.owner)
+        self.registry.index.check_owner(reg.id, reg.owner)
         # envelope off: an adapter outside it registers with tier dedicated, its requests refused
         # (the envelope's 400) until it is promoted to a dedicated deployment of its own.
         got = self._on_owner(reg.id).prepare_adapter.remote(
@@ -175,7 +175,7 @@ class FleetDeployment:
 
     def check_removable(self, name: str, keys: list[str]) -> None:
         """409 while the id has a dedicated deployment (demote it first)."""
-        promotion = self.dedicated.get(parse_name(name)[0])
+        promotion = self.dedicated.promotions.get(parse_name(name)[0])
         if promotion is not None and promotion.state != "failed" and promotion.key in keys:
             raise ConflictError(
                 f"adapter {promotion.key!r} has a dedicated deployment ({promotion.state}); demote it first "
@@ -208,7 +208,7 @@ class FleetDeployment:
             "in_flight_by_adapter": {k or "none": v for k, v in self.in_flight.items() if v},
             "draining_adapters": sorted(self.draining),
             "registry_generation": self.registry.generation,
-            "dedicated": {i: p.out() for i, p in sorted(self.dedicated.items())},
+            "dedicated": {i: p.out() for i, p in sorted(self.dedicated.promotions.items())},
         }
         replicas = {rid: beat.stats for rid, beat in self.reports.live().items()}
         return {"ingress": ingress, "replicas": replicas}
@@ -235,10 +235,10 @@ class FleetDeployment:
             unless it has one serving."""
             actor = self.access.admin_actor(request)
             adapter_id = request.match_info["id"]
-            promoted = {adapter_id} if self.dedicated.get(adapter_id) is not None else set()  # deleted since: demoted
-            known_id(adapter_id, set(self.registry.ids()) | promoted)
+            promoted = {adapter_id} if adapter_id in self.dedicated.promotions else set()  # deleted since: demoted
+            known_id(adapter_id, set(self.registry.index.ids()) | promoted)
             promotion = await self.dedicated.demote(adapter_id, actor)
-            if self.registry.row(promotion.key) is None:  # the version was deleted while it was promoted
+            if self.registry.index.row(promotion.key) is None:  # the version was deleted while it was promoted
                 return web.json_response({"id": promotion.key, "object": "adapter", "dedicated": None})
             return await routes.describe(request, promotion.key)
 

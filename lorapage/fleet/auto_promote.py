@@ -57,12 +57,13 @@ class AutoPromoter:
     async def judge(self) -> None:
         """One judgement: failures reported to the policy, then its decisions carried out."""
         for adapter_id in self.dedicated.ids("failed"):
-            promotion = self.dedicated.get(adapter_id)
+            promotion = self.dedicated.promotions.get(adapter_id)
             if promotion is not None and self._failed_seen.get(adapter_id) != promotion.since:
                 self._failed_seen[adapter_id] = promotion.since
                 self.policy.failed(adapter_id)
         # Its own promotions only: an admin's (or an adopted one) stays until an admin demotes it.
-        merged = {i for i in self.dedicated.ids("merged") if (p := self.dedicated.get(i)) and p.actor == ACTOR}
+        promotions = self.dedicated.promotions
+        merged = {i for i in self.dedicated.ids("merged") if (p := promotions.get(i)) and p.actor == ACTOR}
         busy = self.dedicated.ids("starting", "stopping") | (self.dedicated.ids("merged") - merged)
         for decision in self.policy.decide(merged, busy):
             reason = decision.reason(self.policy.rules)
@@ -70,7 +71,7 @@ class AutoPromoter:
                 if decision.action == "demote":
                     await self.dedicated.demote(decision.adapter_id, ACTOR)
                 else:
-                    row = self.dedicated.registry.row(decision.adapter_id)  # its current version
+                    row = self.dedicated.registry.index.row(decision.adapter_id)  # its current version
                     if row is None:
                         continue
                     self.dedicated.promote(row.key, ACTOR)

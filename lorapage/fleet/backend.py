@@ -103,7 +103,7 @@ class FleetBackend:
         more = [BaseCard(b.name, self.max_model_len, started) for b in self.bases.bases[1:]]
 
         def serving() -> list[str]:
-            return [i for i in self.registry.ids() if self._serves(i, draining)]
+            return [i for i in self.registry.index.ids() if self._serves(i, draining)]
 
         return ModelsView(
             access,

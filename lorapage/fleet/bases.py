@@ -56,13 +56,13 @@ class FleetBases:
         when no deployment runs that base."""
         if not self.several:
             return registry.resolve_version(name)
-        return version_across(name, registry.row, self._served_migrations(registry), self.bases)[0]
+        return version_across(name, registry.index.row, self._served_migrations(registry), self.bases)[0]
 
     def handle_for(self, registry: FleetRegistry, adapter: str | None, model: str) -> Any:
         """The deployment handle of the base a resolved request runs on."""
         if not self.several:
             return self.handles[0]
-        row = registry.row(adapter) if adapter is not None else None
+        row = registry.index.row(adapter) if adapter is not None else None
         base = route_base(self.bases, version_base=row.base_digest if row else None, model=model)
         return self.handles[self.bases.index(base)] if base is not None else self.handles[0]
 
@@ -73,7 +73,7 @@ class FleetBases:
 
     def base_of(self, registry: FleetRegistry, key: str) -> ServedBase | None:
         """The base version ``key`` runs on (None: not served)."""
-        row = registry.row(key)
+        row = registry.index.row(key)
         return route_base(self.bases, version_base=row.base_digest) if row is not None else None
 
     def _served_migrations(self, registry: FleetRegistry) -> dict[str, str]:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -149,12 +150,10 @@ class DedicatedDeployments:
                 break
         return seen
 
-    def get(self, adapter_id: str) -> Promotion | None:
-        return self._by_id.get(adapter_id)
-
-    def items(self) -> list[tuple[str, Promotion]]:
-        """Every adapter id with a dedicated deployment (or a failed start), and its state."""
-        return list(self._by_id.items())
+    @property
+    def promotions(self) -> Mapping[str, Promotion]:
+        """Every adapter id with a dedicated deployment (or a failed start), and its state (read only)."""
+        return MappingProxyType(self._by_id)
 
     def ids(self, *states: State) -> set[str]:
         """The adapter ids whose deployment is in one of ``states``."""
@@ -197,7 +196,7 @@ class DedicatedDeployments:
                 statuses
                 and all(s.passed and s.adapter == key for s in statuses)
                 and parse_name(key)[0] == adapter_id
-                and self.registry.row(key) is not None
+                and self.registry.index.row(key) is not None
                 and adapter_id not in self._by_id  # promoted meanwhile
             ):
                 self._by_id[adapter_id] = Promotion(adapter_id, key, "merged", "adopted", time.time(), handle, statuses)
@@ -220,12 +219,12 @@ class DedicatedDeployments:
                 f"demote it first (POST /v1/adapters/{adapter_id}/demote)",
                 param="id",
             )
-        row = self.registry.row(key)
+        row = self.registry.index.row(key)
         if row is None:
             raise AdapterNotFoundError(f"adapter {key!r} does not exist", param="id")
         promotion = Promotion(adapter_id, key, "starting", actor, time.time())
         self._by_id[adapter_id] = promotion
-        state = IdState(adapter_id, self.registry.owner(adapter_id), row.version, (row,))
+        state = IdState(adapter_id, self.registry.index.owner(adapter_id), row.version, (row,))
         task = asyncio.get_running_loop().create_task(self._start(promotion, state))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

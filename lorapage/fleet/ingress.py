@@ -97,8 +97,8 @@ class FleetIngress:
         self._state_lock = StateDirLock(Path(config.state_dir)) if config.state_dir is not None else None
         state = Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"
         self.registry = FleetRegistry(Registry(state), base_digest=profile.base_digest)
-        for adapter_id in self.registry.ids():  # owners registered over the admin API, restored
-            if (owner := self.registry.owner(adapter_id)) is not None:
+        for adapter_id in self.registry.index.ids():  # owners registered over the admin API, restored
+            if (owner := self.registry.index.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
         # Promoted adapters' merged deployments (Serve applications of their own), and --auto-promote.
@@ -165,7 +165,7 @@ class FleetIngress:
 
     def ready(self) -> list[str]:
         """The registered adapter ids (the deployment runs once :meth:`register_modules` has)."""
-        return self.registry.ids()
+        return self.registry.index.ids()
 
     async def sync(self, beat: Heartbeat) -> SyncReply:
         """A replica's heartbeat: recorded, and answered with what it must mirror."""

@@ -114,10 +114,6 @@ class PromotionPolicy:
             if self.rates.rate(adapter_id, now) >= self.rules.promote_tokens_per_s:  # its wait starts here
                 self._above_since.setdefault(adapter_id, now)
 
-    def rate(self, adapter_id: str) -> float:
-        """``adapter_id``'s output tokens a second now."""
-        return self.rates.rate(adapter_id, self.clock())
-
     def failed(self, adapter_id: str) -> None:
         """A promotion of ``adapter_id`` failed: no automatic retry for ``retry_after_s``."""
         self._failed_at[adapter_id] = self.clock()

@@ -33,7 +33,7 @@ from lorapage.registry.audit import OK, AliasMove, AuditEntry, AuditQuery, check
 from lorapage.registry.drift_state import DriftRecord, MigrationRow
 from lorapage.registry.prepare import PreparedVersion
 from lorapage.registry.store import Registry, VersionRow
-from lorapage.registry.version_index import VersionIndex
+from lorapage.registry.version_index import VersionIndex, VersionReads
 
 T = TypeVar("T")
 MAX_UNLOADS = 1024  # admin unloads remembered for replicas that have not synced since
@@ -65,16 +65,14 @@ class FleetRegistry:
         """Grows at every change replicas or ``/v1/models`` may need to see."""
         return self._index.generation
 
-    # -- reads ----------------------------------------------------------------------------------
-
-    def row(self, name: str) -> VersionRow | None:
-        """The version ``name`` (``id``: its current one, ``id@N``, or ``id@channel``: the one the
-        channel points at) names. The ingress resolves every request to ``id@N`` before a replica
+    @property
+    def index(self) -> VersionReads:
+        """The live view's reads (ids, owners, aliases, versions, channels, what a delete
+        removes). The ingress resolves every request to ``id@N`` (``index.row``) before a replica
         sees it, so replicas never need the channels."""
-        return self._index.row(name)
+        return self._index
 
-    def channels(self, adapter_id: str) -> dict[str, int]:
-        return self._index.channels(adapter_id)
+    # -- reads ----------------------------------------------------------------------------------
 
     async def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
         """``adapter_id``'s alias moves, every channel, newest first (read in a worker)."""
@@ -83,7 +81,7 @@ class FleetRegistry:
     def resolve_version(self, name: str) -> str:
         """The version key ``name`` serves now; 404 when none, 409 when it was trained on another
         base than the replicas run (:attr:`base_digest`; both digests and the migration route)."""
-        row = self.row(name)
+        row = self._index.row(name)
         if row is None:
             raise AdapterNotFoundError(f"adapter {name!r} does not exist", param="model")
         if row.base_digest != self.base_digest:
@@ -93,36 +91,18 @@ class FleetRegistry:
             )
         return row.key
 
-    def ids(self) -> list[str]:
-        return self._index.ids()
-
-    def owner(self, adapter_id: str) -> str | None:
-        return self._index.owner(adapter_id)
-
-    def current(self, adapter_id: str) -> int | None:
-        return self._index.current(adapter_id)
-
-    def versions(self, adapter_id: str) -> list[VersionRow]:
-        return self._index.versions(adapter_id)
-
-    def removable(self, name: str) -> list[str]:
-        return self._index.removable(name)
-
     async def audit(self, query: AuditQuery) -> list[AuditEntry]:
         """The audit rows ``query`` selects, newest first (read in a worker)."""
         return await asyncio.to_thread(self.registry.audit, query)
 
     # -- writes (each committed, then shown, then counted) --------------------------------------
 
-    def check_owner(self, adapter_id: str, owner: str | None) -> None:
-        self._index.check_owner(adapter_id, owner)
-
     def add(
         self, adapter_id: str, owner: str | None, prepared: PreparedVersion, *, activate: bool, actor: str | None = None
     ) -> tuple[VersionRow, bool]:
         """A new version of ``adapter_id`` from ``prepared``, or the version that already has its
         content (made current when ``activate``); and whether it was created."""
-        self.check_owner(adapter_id, owner)
+        self._index.check_owner(adapter_id, owner)
         same = self._index.find(adapter_id, lambda r: r.digest == prepared.digest)
         if same is not None:
             if activate and self._index.current(adapter_id) != same.version:
@@ -158,7 +138,7 @@ class FleetRegistry:
     async def deploy(self, adapter_id: str, version: int, *, channel: str = "", actor: str | None = None) -> VersionRow:
         """Point ``adapter_id`` (or its named ``channel``) at ``version``, fleet-wide at once (the
         ingress resolves every request's version); 409 for a version on a base the replicas do not run."""
-        if (row := self.row(f"{adapter_id}@{version}")) is not None:
+        if (row := self._index.row(f"{adapter_id}@{version}")) is not None:
             self.resolve_version(row.key)  # a version on another base: 409 before the alias (or channel) moves
         if channel:
             await self.write(lambda: self.set_channel(adapter_id, channel, version, actor=actor))
@@ -171,9 +151,9 @@ class FleetRegistry:
         """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the version
         before its last deploy (:func:`~lorapage.registry.audit.rollback_target`, over the versions
         on :attr:`base_digest`), as ``lorapage serve`` does; 409 when none is left."""
-        if version is not None and (row := self.row(f"{adapter_id}@{version}")) is not None:
+        if version is not None and (row := self._index.row(f"{adapter_id}@{version}")) is not None:
             self.resolve_version(row.key)  # a version on another base: 409 before the alias moves
-        servable = {row.version for row in self.versions(adapter_id) if row.base_digest == self.base_digest}
+        servable = {row.version for row in self._index.versions(adapter_id) if row.base_digest == self.base_digest}
         return await self.write(lambda: self._roll_back(adapter_id, version, channel, servable, actor))
 
     def _roll_back(
@@ -209,7 +189,7 @@ class FleetRegistry:
         """Forget the versions deleting ``name`` removes (:meth:`removable`), dropped from every
         replica once their requests end; the alias moves to the newest remaining version if it
         pointed at one of them. Returns their keys."""
-        keys = self.removable(name)
+        keys = self._index.removable(name)
         for key in keys:
             adapter_id, version = parse_name(key)
             assert version is not None and self._index.version(adapter_id, version) is not None, key
@@ -236,7 +216,7 @@ class FleetRegistry:
         self, action: str, adapter_id: str | None, *, actor: str | None, after: dict | None = None, outcome: str = OK
     ) -> None:
         """Audit an action that changes nothing stored (``load``, ``unload``, ``tenants_reload``; blocking)."""
-        tenant = self.owner(adapter_id) if adapter_id is not None else None
+        tenant = self._index.owner(adapter_id) if adapter_id is not None else None
         self.registry.record(action, adapter_id, actor=actor, tenant=tenant, after=after, outcome=outcome)
 
     def migrate(self, state: MigrationRow, *, actor: str | None = None) -> VersionRow:
@@ -259,4 +239,5 @@ class FleetRegistry:
         return SyncReply(self.epoch, self.generation, full, states, unloads, tenant_weights)
 
     def _state(self, adapter_id: str) -> IdState:
-        return IdState(adapter_id, self.owner(adapter_id), self.current(adapter_id), tuple(self.versions(adapter_id)))
+        i, index = adapter_id, self._index
+        return IdState(i, index.owner(i), index.current(i), tuple(index.versions(i)))

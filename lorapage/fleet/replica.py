@@ -241,7 +241,7 @@ class EngineReplica:
     async def _apply(self, reply: SyncReply) -> None:
         if reply.full:
             listed = {s.adapter_id for s in reply.ids}
-            gone = [IdState(i, None, None, ()) for i in self.engine.admin.catalog.ids() if i not in listed]
+            gone = [IdState(i, None, None, ()) for i in self.engine.admin.catalog.index.ids() if i not in listed]
             self._deferred.clear()
         else:
             gone = []

@@ -84,8 +84,8 @@ class FleetUpgrades:
     def current_versions(self, adapters: Sequence[str] | None) -> list[str]:
         """Each id's current version where it is on the primary base (an id named that is not: 400)."""
         keys = []
-        for adapter_id in list(adapters) if adapters is not None else self.fleet_registry.ids():
-            row = self.fleet_registry.row(adapter_id) if "@" not in adapter_id else None
+        for adapter_id in list(adapters) if adapters is not None else self.fleet_registry.index.ids():
+            row = self.fleet_registry.index.row(adapter_id) if "@" not in adapter_id else None
             servable = row is not None and row.base_digest == self.digest
             if row is None or (not servable and adapters is not None):
                 raise InvalidRequestError(

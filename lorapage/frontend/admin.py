@@ -126,7 +126,7 @@ class AdminRoutes:
         """vLLM's ``POST /v1/load_lora_adapter``: a registration (see :mod:`lorapage.frontend.lora_admin`)."""
         state, ops, actor = self._admin(request)
         body = await read_admin_body(request)
-        reg = lora_registration(body, ops.deployment.base_name, state.access, ops.store.ids())
+        reg = lora_registration(body, ops.deployment.base_name, state.access, ops.store.index.ids())
         await self._register(state, ops, reg, actor)
         return web.Response(text=lora_success_text(reg.id, "added"))
 
@@ -170,7 +170,7 @@ class AdminRoutes:
         """Deploy (or roll back to a version named): point the id at another version, atomically.
         Requests in flight finish on the version they started with; new ones get this one."""
         _, ops, actor = self._admin(request)
-        adapter_id = known_id(request.match_info["id"], ops.store.ids())
+        adapter_id = known_id(request.match_info["id"], ops.store.index.ids())
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         return await self.describe(request, await ops.deploy(adapter_id, req.version, "", actor))
 
@@ -178,7 +178,7 @@ class AdminRoutes:
         """Roll back in one call: with no body (or no ``version``) to the version the alias (or
         ``channel``) served before its last deploy; again, one deploy further back."""
         _, ops, actor = self._admin(request)
-        adapter_id = known_id(request.match_info["id"], ops.store.ids())
+        adapter_id = known_id(request.match_info["id"], ops.store.index.ids())
         body = await read_admin_body(request)
         req = protocol.decode(body, protocol.RollbackRequest) if body.strip() else protocol.RollbackRequest()
         return await self.describe(request, await ops.rollback(adapter_id, req.version, req.channel or "", actor))
@@ -187,14 +187,14 @@ class AdminRoutes:
         """Point the named channel ``id@{channel}`` at a version (created on first use): a deploy
         of that channel alone; the id's own alias stays where it is."""
         _, ops, actor = self._admin(request)
-        adapter_id, channel = known_id(request.match_info["id"], ops.store.ids()), request.match_info["channel"]
+        adapter_id, channel = known_id(request.match_info["id"], ops.store.index.ids()), request.match_info["channel"]
         req = protocol.decode(await read_admin_body(request), protocol.AdapterAliasRequest)
         return await self.describe(request, await ops.deploy(adapter_id, req.version, channel, actor))
 
     async def delete_channel(self, request: web.Request) -> web.Response:
         """Forget a named channel: ``id@{channel}`` names nothing from now on (404)."""
         _, ops, actor = self._admin(request)
-        adapter_id, channel = known_id(request.match_info["id"], ops.store.ids()), request.match_info["channel"]
+        adapter_id, channel = known_id(request.match_info["id"], ops.store.index.ids()), request.match_info["channel"]
         await ops.store.remove_channel(adapter_id, channel, actor=actor)
         return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
@@ -214,7 +214,7 @@ class AdminRoutes:
 
         running = await remove_when_idle(name, keys, query, state.in_flight, state.draining, remove)
         adapter_id, _ = parse_name(name)
-        if adapter_id not in ops.store.ids():
+        if adapter_id not in ops.store.index.ids():
             state.access.drop_owner(adapter_id)
         return running
 
@@ -248,7 +248,7 @@ class AdminRoutes:
         """Replace what is given of an adapter's check prompts and choices (the admin, or the
         owner's key; :mod:`lorapage.frontend.check_prompts`)."""
         state, ops = request.app[self.key], request.app[ADMIN]
-        adapter_id = owned_id(state, ops.store.ids(), request)
+        adapter_id = owned_id(state, ops.store.index.ids(), request)
         req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
         check_sampling(ops, req.sample, "sample")
@@ -260,7 +260,8 @@ class AdminRoutes:
 
     async def get_check_prompts(self, request: web.Request) -> web.Response:
         state, ops = request.app[self.key], request.app[ADMIN]
-        return _json(check_prompts_body(await ops.check_prompts(owned_id(state, ops.store.ids(), request))))
+        adapter_id = owned_id(state, ops.store.index.ids(), request)
+        return _json(check_prompts_body(await ops.check_prompts(adapter_id)))
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:

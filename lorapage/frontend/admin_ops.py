@@ -28,6 +28,7 @@ from lorapage.frontend.registration import Registration
 from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
 from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery
 from lorapage.registry.drift_state import CheckPrompts, DriftRecord
+from lorapage.registry.version_index import VersionReads
 from lorapage.sources import AdapterRoots
 
 
@@ -49,13 +50,10 @@ class VersionStore(Protocol):
         """The version key ``name`` (``id``, ``id@N``, ``id@channel``) serves now (404, 409)."""
         ...
 
-    def ids(self) -> list[str]: ...
-
-    def current(self, adapter_id: str) -> int | None: ...
-
-    def channels(self, adapter_id: str) -> dict[str, int]: ...
-
-    def removable(self, name: str) -> list[str]: ...
+    @property
+    def index(self) -> VersionReads:
+        """The live view's reads (ids, aliases, channels, what a delete removes): readers ask it."""
+        ...
 
     def remove(self, name: str, *, actor: str | None = None) -> list[str]: ...
 
@@ -162,7 +160,7 @@ class Admin:
 
     def removable(self, name: str) -> list[str]:
         """The versions a delete of ``name`` removes (404 unknown; 409 where it is refused)."""
-        keys = self.store.removable(name)
+        keys = self.store.index.removable(name)
         self.deployment.check_removable(name, keys)
         return keys
 

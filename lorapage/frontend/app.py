@@ -401,7 +401,7 @@ async def _start(app: web.Application) -> None:
 async def _stop_workers(app: web.Application) -> None:
     state = app[STATE]
     await state.loop_lag.stop()
-    state.prompts.close()
+    state.prompts.workers.close()
     await state.backend.stop()
 
 

@@ -169,10 +169,10 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
             if state.access.owners.get(adapter_id) != tenant:
                 raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
         limit = history_limit(request.query)
-        if adapter_id not in ops.store.ids():
+        if adapter_id not in ops.store.index.ids():
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         moves = await ops.store.history(adapter_id, limit + 1)
-        current, channels = ops.store.current(adapter_id), ops.store.channels(adapter_id)
+        current, channels = ops.store.index.serving(adapter_id), ops.store.index.channels(adapter_id)
         return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
     app.router.add_get("/v1/audit", audit)

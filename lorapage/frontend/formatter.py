@@ -75,7 +75,7 @@ class Formatter:
     def _token(self, token_id: int) -> tuple[str, list[int]]:
         got = self._tokens.get(token_id)
         if got is None:
-            text = self.tokenizer.decode([token_id])
+            text = self.tokenizer.backend.decode([token_id])
             got = self._tokens[token_id] = (text, list(text.encode()))
         return got
 

@@ -29,7 +29,7 @@ from lorapage.frontend.error_json import error_payload
 from lorapage.frontend.formatter import Formatter
 from lorapage.frontend.job import Job
 from lorapage.frontend.metrics import ServerMetrics
-from lorapage.frontend.sse import DONE, EventStream, frame
+from lorapage.frontend.sse import DONE, event_stream, frame
 from lorapage.request import PromptProgress, RequestOutput, TokenStream
 from lorapage.tenancy.quota import AdmissionRate
 
@@ -248,13 +248,13 @@ async def write_answer(request: web.Request, got: Answer) -> web.StreamResponse:
     """``got`` written with aiohttp: one JSON body, or its events as they come (then closed)."""
     if got.events is None:
         return web.Response(body=got.body, content_type="application/json", headers=got.headers)
-    stream = EventStream(got.headers)
+    stream = event_stream(got.headers)
     try:
-        await stream.open(request)
-        request[SENT] = stream.response.status
+        await stream.prepare(request)
+        request[SENT] = stream.status
         async for data in got.events:
             await stream.write(data)
     finally:
         await got.events.aclose()
-    await stream.close()
-    return stream.response
+    await stream.write_eof()
+    return stream

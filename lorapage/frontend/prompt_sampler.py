@@ -97,4 +97,4 @@ def _text(tokenizer, ids: list[int]) -> str:
     markers), the BOS the encoder adds dropped."""
     if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id:
         ids = ids[1:]
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    return tokenizer.backend.decode(ids, skip_special_tokens=False)

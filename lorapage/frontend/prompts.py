@@ -85,7 +85,7 @@ class Prompts:
 
 
 class PromptBuilder:
-    """Bounds, renders and tokenizes prompts for one model, fairly across tenants; owns the workers."""
+    """Bounds, renders and tokenizes prompts for one model, fairly across tenants, in :attr:`workers`."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, threads: int = _WORKERS) -> None:
         self.tokenizer = tokenizer
@@ -139,7 +139,7 @@ class PromptBuilder:
         if not getattr(parsed.req, "echo", False):
             return Prompts(ids, [])
         texts = [
-            p if isinstance(p, str) and len(cut) == len(full) else self.tokenizer.decode(cut)
+            p if isinstance(p, str) and len(cut) == len(full) else self.tokenizer.backend.decode(cut)
             for p, full, cut in zip(parsed.prompts, whole, ids, strict=True)
         ]
         return Prompts(ids, texts)
@@ -174,10 +174,7 @@ class PromptBuilder:
 
     async def detokenize(self, tenant: str, ids: list[int]) -> str:
         """The text of ``ids``, special tokens kept (vLLM's ``/detokenize``), in ``tenant``'s turn."""
-        return await self.workers.run(tenant, self.tokenizer.decode, ids, False)
-
-    def close(self) -> None:
-        self.workers.close()
+        return await self.workers.run(tenant, self.tokenizer.backend.decode, ids, False)
 
     async def _encode(self, tenant: str, text: str, where: str, *, add_special_tokens: bool) -> list[int]:
         encode = self.tokenizer.encode

@@ -1,7 +1,7 @@
 """Server-sent events in OpenAI's streaming format: ``data: <json>\\n\\n`` ... ``data: [DONE]``.
 
 :func:`frame` and :data:`DONE` are the bytes on the wire, shared by every front end (the aiohttp
-server, the Ray Serve ingress); :class:`EventStream` writes them to an aiohttp response.
+server, the Ray Serve ingress); :func:`event_stream` is the aiohttp response they are written to.
 """
 
 from __future__ import annotations
@@ -27,17 +27,7 @@ def frame(event: msgspec.Struct | bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
-class EventStream:
-    """One SSE response over aiohttp. Each :meth:`write` is written and flushed at once (no buffering)."""
-
-    def __init__(self, headers: dict[str, str]) -> None:
-        self.response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})
-
-    async def open(self, request: web.Request) -> None:
-        await self.response.prepare(request)
-
-    async def write(self, data: bytes) -> None:
-        await self.response.write(data)
-
-    async def close(self) -> None:
-        await self.response.write_eof()
+def event_stream(headers: dict[str, str]) -> web.StreamResponse:
+    """One SSE response over aiohttp (``headers``: the answer's own besides :data:`SSE_HEADERS`);
+    each ``write`` is written and flushed at once (no buffering), ``write_eof`` ends it."""
+    return web.StreamResponse(status=200, headers={**SSE_HEADERS, **headers})

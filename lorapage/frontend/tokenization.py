@@ -158,7 +158,7 @@ async def tokenize(prompts: PromptBuilder, tenant: str, body: bytes, check_model
             f"tokens. Shorten the {where}.",
             param=where,
         )
-    strs = [prompts.tokenizer.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
+    strs = [prompts.tokenizer.backend.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=prompts.max_model_len, tokens=ids, token_strs=strs)
 
 

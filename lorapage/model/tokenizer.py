@@ -116,12 +116,12 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)  # "eos_token" -> "</s>", ...: the template sees these
         self.chat_template = chat_template
         self.name = name
-        named_eos = self.token_to_id(special_tokens["eos_token"]) if "eos_token" in special_tokens else None
+        named_eos = self.backend.token_to_id(special_tokens["eos_token"]) if "eos_token" in special_tokens else None
         eos_ids = ([named_eos] if named_eos is not None else []) + list(extra_eos_token_ids)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         bos = special_tokens.get("bos_token")
-        self.bos_token_id: int | None = self.token_to_id(bos) if bos is not None else None
+        self.bos_token_id: int | None = self.backend.token_to_id(bos) if bos is not None else None
         self._byte_fallback = bool(getattr(backend.model, "byte_fallback", False))  # only BPE has it
 
     @classmethod
@@ -171,24 +171,15 @@ class Tokenizer:
         longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
         return longest * (4 if self.backend.normalizer is not None else 1)
 
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the model adds (BOS for Llama)."""
         # encode_batch releases the GIL while it works and encode does not: a worker thread
         # tokenizing a long prompt must not stall the event loop's thread meanwhile.
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
     def is_byte_piece(self, token_id: int) -> bool:
         """Whether ``token_id`` is a SentencePiece byte-fallback piece such as ``<0xE2>``."""
-        return self._byte_fallback and _BYTE_TOKEN.match(self.id_to_token(token_id) or "") is not None
+        return self._byte_fallback and _BYTE_TOKEN.match(self.backend.id_to_token(token_id) or "") is not None
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -247,7 +238,7 @@ class IncrementalDecoder:
     the last token is a byte piece; :meth:`flush` releases what is still held when the request ends.
 
     Without ``prompt_ids``, the concatenated deltas plus :meth:`flush` equal
-    ``tokenizer.decode(generated_ids)``. With them, the last few prompt tokens are decoding context
+    ``tokenizer.backend.decode(generated_ids)``. With them, the last few prompt tokens are decoding context
     (as in vLLM), so a SentencePiece word piece that starts the answer keeps its leading space; for
     byte-level BPE models (Llama 3, Qwen2, the tiny model) the text is the same either way.
     """
@@ -268,7 +259,7 @@ class IncrementalDecoder:
         self._prefix_text: str | None = None  # decode of ids[prefix_offset:read_offset], cached
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        return self.tokenizer.backend.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _pending(self) -> tuple[str, str]:
         if self._prefix_text is None:

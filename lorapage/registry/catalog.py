@@ -61,7 +61,7 @@ from lorapage.registry.prepare import (
     spec_to_json,
 )
 from lorapage.registry.store import Registry, VersionRow
-from lorapage.registry.version_index import VersionIndex
+from lorapage.registry.version_index import VersionIndex, VersionReads
 
 log = logging.getLogger("lorapage.adapters")
 T = TypeVar("T")
@@ -123,6 +123,14 @@ class AdapterCatalog:
         """Grows at every change of the live view (ids, versions, aliases, channels, owners, pins):
         what a view of them (``/v1/models``) is cached under."""
         return self._index.generation
+
+    @property
+    def index(self) -> VersionReads:
+        """The live view's reads: ids, owners, aliases (``serving``: on a new base, the migration
+        of the version the alias points at), versions, channels, what a delete removes (404 when
+        unknown, 409 for a version the alias or a named channel serves while the id has others),
+        and every id as stored (what an engine serving another base beside this one mirrors)."""
+        return self._index
 
     # -- restart --------------------------------------------------------------------------------
 
@@ -186,15 +194,6 @@ class AdapterCatalog:
         """The version ``name`` names, described (one on another base is described, not refused)."""
         return self._info(self.row(name))
 
-    def ids(self) -> list[str]:
-        """Every adapter id with a version, servable here or not."""
-        return self._index.ids()
-
-    def current(self, adapter_id: str) -> int | None:
-        """The version ``adapter_id``'s alias serves (on a new base: the migration of the one it points at)."""
-        serving = self._index.serving(adapter_id)
-        return next((r.version for r in self._index.versions(adapter_id) if r.version == serving), None)
-
     def owners(self) -> dict[str, str]:
         """The owner of each id that has one (registered with it; restored after a restart)."""
         return {i: owner for i in self._index.ids() if (owner := self._index.owner(i)) is not None}
@@ -231,15 +230,6 @@ class AdapterCatalog:
             if row is not None and row.projected_cost_pct is not None and row.key in self._cache.entries:
                 out[adapter_id] = row.projected_cost_pct
         return out
-
-    def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]:
-        """Every id as stored: its owner, its alias (current version) and its versions' rows, on
-        any base: what an engine serving another base beside this one mirrors (:meth:`mirror`)."""
-        return self._index.stored()
-
-    def close(self) -> None:
-        """Close the registry (waits for a commit in flight)."""
-        self._registry.close()
 
     # -- registration: prepare -> check -> store -> announce ------------------------------------
 
@@ -404,7 +394,7 @@ class AdapterCatalog:
         primary engine's) says: these versions (none: the id is gone), this alias and these pins.
         Writes nothing to this catalog's own registry and reads no weights. A version to drop that
         still has requests queued or running stays until a later call; returns those keys."""
-        entry = self._index.get(adapter_id)
+        entry = self._index.lookup(adapter_id)[1]
         had, had_owner = (entry.versions, entry.owner) if entry is not None else ({}, owner)
         wanted = {row.version for row in rows}
         busy: dict[int, str] = {}
@@ -485,10 +475,6 @@ class AdapterCatalog:
             )
             self._index.set_channel(adapter_id, channel, None)
 
-    def channels(self, adapter_id: str) -> dict[str, int]:
-        """``adapter_id``'s named channels and the versions they point at (404 for an unknown id)."""
-        return dict(self._index.require(adapter_id).channels)
-
     async def history(self, adapter_id: str, limit: int | None = None) -> list[AliasMove]:
         """``adapter_id``'s alias moves (every channel), newest first (404 for an unknown id)."""
         self._index.require(adapter_id)
@@ -529,16 +515,11 @@ class AdapterCatalog:
 
     # -- deletion -------------------------------------------------------------------------------
 
-    def removable(self, name: str) -> list[str]:
-        """The version keys deleting ``name`` (``id@N`` or ``id``) removes, removing nothing: 404
-        when unknown, 409 for a version the alias or a named channel serves while the id has others."""
-        return self._index.removable(name)
-
     def remove(self, name: str, *, actor: str | None = None) -> list[str]:
-        """Remove version ``id@N``, or every version of ``id`` (see :meth:`removable`); refused
+        """Remove version ``id@N``, or every version of ``id`` (see ``index.removable``); refused
         (409) while any of them has requests queued or running, and then nothing is removed. The
         alias moves to the newest remaining version if it pointed at one removed. Returns the keys."""
-        keys = self.removable(name)
+        keys = self._index.removable(name)
         for key in keys:
             if key in self._cache.entries:
                 self._cache.residency.check_removable(key)
@@ -574,7 +555,8 @@ class AdapterCatalog:
         shown in the live view: listed, served once this engine runs that base, or by an engine
         on it beside this one."""
         row = await asyncio.to_thread(self._registry.migrate_version, state, actor=actor)
-        if self._index.get(row.adapter_id) is not None and self._index.version(row.adapter_id, row.version) is None:
+        known = self._index.lookup(row.adapter_id)[1] is not None
+        if known and self._index.version(row.adapter_id, row.version) is None:
             self._index.put(row)
         return row
 

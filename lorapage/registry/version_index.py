@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from lorapage.adapters.names import parse_name, version_key
 from lorapage.errors import AdapterNotFoundError, ConflictError
@@ -34,6 +35,22 @@ class IdVersions:
     current: int | None  # the version its alias points at
     versions: dict[int, VersionRow] = field(default_factory=dict)  # in the order they were shown
     channels: dict[str, int] = field(default_factory=dict)  # named channel (id@prod) -> version
+
+
+class VersionReads(Protocol):
+    """What a store's readers ask its index (:attr:`VersionStore.index`): the reads alone; the
+    store that owns the index applies every change, after its commit."""
+
+    def row(self, name: str) -> VersionRow | None: ...
+    def ids(self) -> list[str]: ...
+    def owner(self, adapter_id: str) -> str | None: ...
+    def current(self, adapter_id: str) -> int | None: ...
+    def serving(self, adapter_id: str) -> int | None: ...
+    def versions(self, adapter_id: str) -> list[VersionRow]: ...
+    def channels(self, adapter_id: str) -> dict[str, int]: ...
+    def removable(self, name: str) -> list[str]: ...
+    def check_owner(self, adapter_id: str, owner: str | None) -> None: ...
+    def stored(self) -> list[tuple[str, str | None, int | None, list[VersionRow]]]: ...
 
 
 class VersionIndex:
@@ -64,10 +81,6 @@ class VersionIndex:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def get(self, adapter_id: str) -> IdVersions | None:
-        """``adapter_id``'s entry, with or without versions; None when the index never had it."""
-        return self._ids.get(adapter_id)
-
     def require(self, adapter_id: str) -> IdVersions:
         """``adapter_id``'s entry; 404 unless it has versions (a name with a version is no id)."""
         entry = self._ids.get(adapter_id)
@@ -77,8 +90,9 @@ class VersionIndex:
 
     def lookup(self, name: str) -> tuple[VersionRow | None, IdVersions | None]:
         """The version ``name`` (``id``: its current one, ``id@N``, or ``id@channel``: the one the
-        channel points at) names, or None, and its id's entry (None when the id is unknown). An
-        alias or channel at a version with a migration (:attr:`migrations`) names the migration."""
+        channel points at) names, or None, and its id's entry, with or without versions (None
+        when the index never had the id). An alias or channel at a version with a migration
+        (:attr:`migrations`) names the migration."""
         adapter_id, version = parse_name(name)
         entry = self._ids.get(adapter_id)
         if entry is None:
@@ -123,9 +137,11 @@ class VersionIndex:
         return entry.current if entry is not None else None
 
     def serving(self, adapter_id: str) -> int | None:
-        """The version ``adapter_id``'s alias serves: its current one, or that one's migration."""
+        """The version ``adapter_id``'s alias serves: its current one, or that one's migration
+        (None when that is no version the index holds)."""
         current = self.current(adapter_id)
-        return self.migrations.get((adapter_id, current or 0), current)
+        serving = self.migrations.get((adapter_id, current or 0), current)
+        return serving if self.version(adapter_id, serving) is not None else None
 
     def versions(self, adapter_id: str) -> list[VersionRow]:
         """``adapter_id``'s versions, oldest first (none for an unknown id)."""

@@ -276,9 +276,6 @@ class _Bar:
             refresh=False,
         )
 
-    def close(self) -> None:
-        self.bar.close()
-
 
 def _progress(args: argparse.Namespace, total: int) -> _Bar | None:
     if args.no_progress or not sys.stderr.isatty():
@@ -325,7 +322,7 @@ async def _run(args: argparse.Namespace, trace: list[TraceRequest], engine_argv:
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         if progress is not None:
-            progress.close()
+            progress.bar.close()
         await target.close()
         if engine is not None:
             await engine.close()

@@ -116,7 +116,7 @@ class EngineBackend:
             job.prompt_computed = sum(p.computed for p in progress)  # the generators have ended: filled in
 
     def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
-        self.engine.record_rejected(tenant, tokens, reason)
+        self.engine.metrics().scheduler.record_rejected(tenant, tokens, reason)
 
     def overload_retry_after(self, admissions_per_s: float) -> int | None:
         return overload_retry_after_s(self.engine.stats().queue_depth, self.queue_len, admissions_per_s)

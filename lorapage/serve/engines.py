@@ -103,7 +103,7 @@ class Engines:
     def served_ids(self) -> dict[str, tuple[str, str]]:
         """Each adapter id that serves a version now -> (that version's key, the name of the base it runs on)."""
         out = {}
-        for adapter_id in self.primary.admin.catalog.ids():
+        for adapter_id in self.primary.admin.catalog.index.ids():
             try:
                 key = self.serving_key(adapter_id)
             except LorapageError:  # refused here (a base not served, outside the envelope): not listed
@@ -127,7 +127,7 @@ class Engines:
                 self._busy = self._mirror_ids(self._busy)
             return
         self._stored = {
-            i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.catalog.stored()
+            i: (owner, current, tuple(rows)) for i, owner, current, rows in self.primary.admin.catalog.index.stored()
         }
         changed = {i for i, state in self._stored.items() if self._mirrored.get(i) != state}
         changed |= {i for i in self._mirrored if i not in self._stored}  # gone

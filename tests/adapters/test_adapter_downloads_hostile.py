@@ -291,7 +291,7 @@ async def test_a_registration_from_a_trickling_source_is_answered_within_its_dea
             assert time.monotonic() - started < 2.0 + SLACK_S
             assert status == 502 and refused["error"]["code"] == "adapter_source_failed", refused
             assert_openai_error(refused, 502, "source")
-            assert "slow" not in engine.admin.catalog.ids()
+            assert "slow" not in engine.admin.catalog.index.ids()
     finally:
         await engine.close()
 

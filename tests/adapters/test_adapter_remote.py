@@ -41,7 +41,7 @@ async def test_https_source_is_verified_and_a_failed_download_fails_only_its_req
         files.truncate.add("acme-v1/adapter_model.safetensors")
         status, body, _ = await register(source=url, sha256=digest)
         assert status == 502 and body["error"]["code"] == "adapter_source_failed", body
-        assert "remote" not in engine.admin.catalog.ids()  # nothing half registered
+        assert "remote" not in engine.admin.catalog.index.ids()  # nothing half registered
         files.truncate.clear()
         status, body, _ = await register(source=url, sha256=digest)
         assert status == 201 and body["digest"] == digest and body["source"] == url, body

@@ -62,7 +62,7 @@ def test_a_name_finds_its_version_by_id_number_or_channel(registry: Registry) ->
     assert index.row("a@1x") is None  # neither a number nor a channel
     assert index.row("b") is None and index.lookup("b") == (None, None)
     row, entry = index.lookup("a@prod")
-    assert row == v3 and entry is index.get("a") and entry is not None and entry.current == 2
+    assert row == v3 and entry is index.lookup("a")[1] and entry is not None and entry.current == 2
     assert index.version("a", 3) == v3 and index.version("a", None) is None and index.version("a", -1) is None
     assert index.find("a", lambda r: r.digest == v2.digest) == v2
     assert index.ids() == ["a"] and index.current("a") == 2 and keys(index.versions("a")) == ["a@1", "a@2", "a@3"]
@@ -191,4 +191,4 @@ def test_a_mirror_takes_another_registry_s_word_and_keeps_what_is_in_use(registr
     index.mirror("a", "t9", 3, [r3], keep=set())
     assert index.versions("a") == [r3]
     index.mirror("a", None, None, [], keep=set())  # gone there: forgotten here
-    assert index.get("a") is None and index.ids() == []
+    assert index.lookup("a")[1] is None and index.ids() == []

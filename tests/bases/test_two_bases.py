@@ -170,7 +170,7 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
         status, got, _ = await srv.request("DELETE", "/v1/adapters/cust-b2", srv.admin())
         assert status == 200, got
         assert (await _completion(srv, "cust-b2", tenant="beta"))[0] == 404
-        assert "cust-b2" not in side.admin.catalog.ids()
+        assert "cust-b2" not in side.admin.catalog.index.ids()
 
         # Each adapter on its own base's engine, answering what a single-base engine of that base answers.
         status, got, headers = await _completion(srv, "cust-a")
@@ -229,7 +229,7 @@ async def test_two_bases_serve_their_own_adapters_and_migrate_while_both_serve(n
             await asyncio.sleep(0.1)
         assert {r["id"]: r["state"] for r in report["adapters"]} == {"cust-a": "passed"}, report
         checked = f"check-{report['job']['id']}-cust-a@1"
-        assert _served_on(side, checked) and checked.partition("@")[0] not in side.admin.catalog.ids()
+        assert _served_on(side, checked) and checked.partition("@")[0] not in side.admin.catalog.index.ids()
         status, got, _ = await srv.request("POST", f"/v1/bases/{near_digest}/migrate", srv.admin())
         assert status == 200 and got["migrated"] == [{"id": "cust-a", "from_version": 1, "version": 2}], got
         status, got, headers = await _completion(srv, "cust-a")

@@ -21,21 +21,21 @@ async def test_adapter_ids_owners_generation_and_versions_here():
     engine = tiny_engine()
     try:
         demo = sorted(demo_adapter_dirs())
-        assert sorted(engine.admin.catalog.ids()) == demo and engine.admin.catalog.owners() == {}
+        assert sorted(engine.admin.catalog.index.ids()) == demo and engine.admin.catalog.owners() == {}
         assert engine.admin.has_version(f"{demo[0]}@1") and not engine.admin.has_version(f"{demo[0]}@2")
         before = engine.admin.catalog.generation
         engine.add_adapter("owned", demo_adapter_dirs()[demo[0]], owner="alpha")
         assert engine.admin.catalog.generation > before
         assert engine.admin.catalog.owners() == {"owned": "alpha"} and engine.admin.has_version("owned@1")
-        assert engine.admin.catalog.removable("owned") == ["owned@1"]
+        assert engine.admin.catalog.index.removable("owned") == ["owned@1"]
         engine.add_adapter("owned", demo_adapter_dirs()[demo[1]], owner="alpha")  # owned@2, the current one
         with pytest.raises(ConflictError):
-            engine.admin.catalog.removable("owned@2")  # the current one of several
-        assert engine.admin.catalog.removable("owned@1") == ["owned@1"] and engine.admin.has_version(
+            engine.admin.catalog.index.removable("owned@2")  # the current one of several
+        assert engine.admin.catalog.index.removable("owned@1") == ["owned@1"] and engine.admin.has_version(
             "owned@1"
         )  # nothing removed
         with pytest.raises(AdapterNotFoundError):
-            engine.admin.catalog.removable("nope")
+            engine.admin.catalog.index.removable("nope")
     finally:
         await engine.close()
 
@@ -60,7 +60,7 @@ async def test_stats_is_a_frozen_record():
         stats = engine.stats()
         with pytest.raises(dataclasses.FrozenInstanceError):
             stats.queue_depth = 1  # type: ignore[misc]
-        assert stats.registered_adapters == len(engine.admin.catalog.ids()) and stats.running == 0
+        assert stats.registered_adapters == len(engine.admin.catalog.index.ids()) and stats.running == 0
         assert stats.pool_pages_free + stats.pool_pages_adapters + stats.pool_pages_kv == stats.pool_pages_total
     finally:
         await engine.close()

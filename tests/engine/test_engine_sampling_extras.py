@@ -49,7 +49,9 @@ async def test_skip_special_tokens_off_shows_them(engine):
     params = dict(max_tokens=3, temperature=0, logit_bias={eos: 100}, ignore_eos=True)
     hidden, _ = await collect(engine, "Hello", None, SamplingParams(**params))
     shown, _ = await collect(engine, "Hello", None, SamplingParams(**params, skip_special_tokens=False))
-    assert hidden.text == "" and shown.text == engine.tokenizer.decode([eos] * 3, skip_special_tokens=False) != ""
+    assert (
+        hidden.text == "" and shown.text == engine.tokenizer.backend.decode([eos] * 3, skip_special_tokens=False) != ""
+    )
 
 
 async def test_token_ids_outside_the_vocabulary_are_refused(engine):

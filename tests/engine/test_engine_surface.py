@@ -29,7 +29,6 @@ METHODS = {
     "merge_into_base",
     "record_merge_check",
     "set_tenant_weights",
-    "record_rejected",
     "load_adapter",  # deprecated: engine.admin.load (a DeprecationWarning says so)
 }
 # Read-only: what the server, replay, the fleet and the bases tools read of an engine.

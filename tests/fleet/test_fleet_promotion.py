@@ -52,8 +52,8 @@ def test_the_default_threshold_is_one_replicas_decode_throughput() -> None:
 def test_the_rate_follows_the_tokens() -> None:
     policy, clock = _policy()
     _traffic(policy, clock, 120, hot=800)
-    assert policy.rate("hot") == pytest.approx(800, rel=0.05)
-    assert policy.rate("never") == 0.0
+    assert policy.rates.rate("hot", policy.clock()) == pytest.approx(800, rel=0.05)
+    assert policy.rates.rate("never", policy.clock()) == 0.0
 
 
 def test_promotes_only_after_the_rate_holds_above_the_threshold() -> None:
@@ -75,7 +75,7 @@ def test_a_burst_does_not_promote() -> None:
     assert _actions(policy, set()) == []
     _traffic(policy, clock, 120)  # silence: the rate decays under the threshold, the wait resets
     assert _actions(policy, set()) == []
-    assert policy.rate("burst") < policy.rules.demote_tokens_per_s
+    assert policy.rates.rate("burst", policy.clock()) < policy.rules.demote_tokens_per_s
 
 
 def test_stays_merged_while_traffic_wobbles_between_the_thresholds() -> None:

@@ -40,7 +40,7 @@ def apply(engine: Engine, reply: SyncReply) -> list[str]:
     """What a replica does with a reply's ids (replica.py); returns the keys it could not drop yet."""
     if reply.full:
         listed = {s.adapter_id for s in reply.ids}
-        for adapter_id in [i for i in engine.admin.catalog.ids() if i not in listed]:
+        for adapter_id in [i for i in engine.admin.catalog.index.ids() if i not in listed]:
             engine.admin.catalog.mirror(adapter_id, None, None, [])
     busy = []
     for state in reply.ids:
@@ -137,4 +137,4 @@ def test_a_mirroring_engine_serves_what_the_registry_says(tmp_path: Path, engine
         mirror.admin.catalog.resolve_version("newco@1")
     # A full reply from a restarted (empty) registry drops every id the mirror holds.
     apply(mirror, FleetRegistry(Registry(":memory:")).changes_since("", 0, {}))
-    assert mirror.admin.catalog.ids() == [] and mirror.stats().registered_adapters == 0
+    assert mirror.admin.catalog.index.ids() == [] and mirror.stats().registered_adapters == 0

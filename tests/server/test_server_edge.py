@@ -296,7 +296,7 @@ async def test_adapter_ids_are_matched_whole_and_reserved_names_refused(srv, ada
     status, payload, _ = await srv.post("/v1/adapters", body, tenant=None, headers=key("admin"))
     assert status == 400, payload
     assert_openai_error(payload, 400, "id")
-    assert adapter_id not in srv.engine.admin.catalog.ids()
+    assert adapter_id not in srv.engine.admin.catalog.index.ids()
 
 
 # --- 16: a request cut before its first token pays for the prompt it had computed ---------------

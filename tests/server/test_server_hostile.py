@@ -350,7 +350,7 @@ async def test_a_pattern_key_re2_refuses_is_a_400(srv, clean, bad_key):
     status, body = await under_load(srv, clean, lambda: srv.register("refused-pattern", path))
     assert_refused(status, body, 400, "invalid_adapter", "path")
     assert "RE2" in body["error"]["message"] and "alpha_pattern" in body["error"]["message"], body
-    assert "refused-pattern" not in srv.engine.admin.catalog.ids()
+    assert "refused-pattern" not in srv.engine.admin.catalog.index.ids()
 
 
 async def _raw_post(srv: Server, head: bytes, body: bytes) -> tuple[int, dict]:
