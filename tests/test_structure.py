@@ -306,7 +306,6 @@ def test_bench_scripts_share_modules_not_one_another():
 # implementing someone else's interface over a part (an entry names the class: each of its
 # forwarders is that), or one method with a reason of its own. Each entry says which; at most ~10.
 DELEGATES = {
-    "lorapage.frontend.edge.GuardedConnection": "asyncio.Protocol callbacks, passed to the wrapped protocol",
     "lorapage.scheduler.metrics.MeteredPolicy": "a SchedulerPolicy metering another: the choices are the policy's",
     "lorapage.scheduler.metrics._ObservingContext": "the admission context a metered policy sees, observed",
     "lorapage.sim.loader.SimLoader": "the residency driver for the simulator: its rules' verbs, no engine behind",
@@ -374,3 +373,44 @@ def test_no_method_only_forwards_to_a_part_of_the_same_name():
     # the list stays short, each entry with its reason, and none outlives what it excused
     assert len(DELEGATES) <= MAX_DELEGATES and all(reason.strip() for reason in DELEGATES.values())
     assert [d for d in DELEGATES if not any(f == d or f.startswith(d + ".") for f in found)] == []
+
+
+# The house's size bounds (issue 37): what a newcomer reads in one sitting. Measured over
+# lorapage/ and kernels/ with ast; the figures are bounds, not today's values.
+MAX_MODULE_LINES = 600
+MAX_CLASS_METHODS = 40
+MAX_PACKAGE_SHARE = 0.20  # of the library's lines, per top-level package (kernels/ counts as one)
+MAX_ENGINE_INIT_LINES = 60
+
+
+def _classes():
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                yield name, node, [f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_class_over_the_method_bound():
+    big = [f"{m}.{c.name}: {len(ms)}" for m, c, ms in _classes() if len(ms) > MAX_CLASS_METHODS]
+    assert big == []
+
+
+def test_no_module_over_the_line_bound():
+    long = {m: n for m, p in module_files().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_package_over_its_share_of_the_lines():
+    lines: dict[str, int] = {}
+    for module, path in module_files().items():
+        top = ".".join(module.split(".")[:2])
+        lines[top] = lines.get(top, 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    assert {p: round(n / total, 3) for p, n in lines.items() if n / total > MAX_PACKAGE_SHARE} == {}
+
+
+def test_the_engine_builds_itself_in_a_few_lines():
+    tree = ast.parse(module_files()["lorapage.engine.engine"].read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    init = next(f for f in engine.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 <= MAX_ENGINE_INIT_LINES
