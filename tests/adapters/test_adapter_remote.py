@@ -102,7 +102,7 @@ async def test_a_cached_digest_is_no_key_to_another_tenants_adapter(tmp_path, fi
         fetched = files.hits[f"alpha/acme/{WEIGHTS}"]
         status, body, _ = await register("stolen", "beta", "http://127.0.0.1:9/nothing-here")
         assert status == 502 and body["error"]["code"] == "adapter_source_failed", body
-        assert "stolen" not in engine.admin.ids()
+        assert "stolen" not in engine.admin.catalog.index.ids()
         status, body, _ = await register("stolen", "beta", files.publish("beta/acme", acme))
         assert status == 201, body
         assert files.hits[f"beta/acme/{WEIGHTS}"] == 1  # verified against beta's own source

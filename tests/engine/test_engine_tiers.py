@@ -99,9 +99,9 @@ async def test_the_audit_trail_is_pruned_past_its_retention_with_the_traffic_wri
     try:
         for name, path in demo_adapter_dirs().items():
             engine.add_adapter(name, path)
-        engine.admin.registry.set_channel("acme", "prod", 1, action="deploy", actor="a")
-        assert await asyncio.to_thread(engine.admin.registry.audit, AuditQuery())
+        engine.debug.registry.set_channel("acme", "prod", 1, action="deploy", actor="a")
+        assert await asyncio.to_thread(engine.debug.registry.audit, AuditQuery())
         await engine.admin.refresh_tiers()
-        assert await asyncio.to_thread(engine.admin.registry.audit, AuditQuery()) == []
+        assert await asyncio.to_thread(engine.debug.registry.audit, AuditQuery()) == []
     finally:
         await engine.close()
