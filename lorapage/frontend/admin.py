@@ -19,15 +19,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.names import parse_name
-from lorapage.errors import AdapterBusyError, AdapterNotFoundError, BodyTooLargeError, InvalidRequestError
+from lorapage.errors import AdapterBusyError, AdapterNotFoundError, InvalidRequestError
 from lorapage.frontend import protocol
 from lorapage.frontend.admin_ops import ADMIN, Admin
 from lorapage.frontend.auth import bearer_key
+from lorapage.frontend.bodies import json_response, read_admin_body
 from lorapage.frontend.caller import adapter_reader
 from lorapage.frontend.check_prompts import check_prompts_body, owned_id
 from lorapage.frontend.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
@@ -36,33 +36,6 @@ from lorapage.frontend.responses import AdapterCostOut
 from lorapage.frontend.state import RouteState
 from lorapage.registry.drift_state import CHECK_PROMPTS_BODY_BYTES, check_prompts_param
 from lorapage.tenancy.tenants import key_id
-
-# An admin body is a few hundred bytes of JSON (an id, a tenant, a source URI, two digests).
-ADMIN_MAX_BODY_BYTES = 64 << 10
-
-
-def check_body_length(length: int | None, limit: int) -> None:
-    """Refuse (413) a body whose declared length is over ``limit``, before reading any of it."""
-    if length is not None and length > limit:
-        raise BodyTooLargeError(f"request body is {length} bytes; the limit is {limit}")
-
-
-def body_too_large(limit: int) -> BodyTooLargeError:
-    """The 413 for a body that streamed past ``limit`` (no length declared, or a wrong one)."""
-    return BodyTooLargeError(f"request body is over the limit of {limit} bytes; reading stopped there")
-
-
-async def read_admin_body(request: web.Request, limit: int = ADMIN_MAX_BODY_BYTES) -> bytes:
-    """An admin route's body, read as it streams and refused (413) once past ``limit``: a body
-    without a Content-Length (chunked) is never read whole first."""
-    check_body_length(request.content_length, limit)
-    chunks, size = [], 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def cost_fields(info: AdapterInfo) -> dict[str, Any]:
@@ -83,10 +56,6 @@ def check_sampling(ops: Admin, sample: bool | None, param: str) -> None:
         )
 
 
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
-
-
 class AdminRoutes:
     """Handlers over the front end's state and the app's :class:`~lorapage.frontend.admin_ops.Admin`
     (the state key is passed in to avoid an import cycle)."""
@@ -102,7 +71,7 @@ class AdminRoutes:
 
     async def describe(self, request: web.Request, name: str, status: int = 200) -> web.Response:
         """``name`` described, as every admin route answers."""
-        return _json((await request.app[ADMIN].deployment.describe([name]))[0], status=status)
+        return json_response((await request.app[ADMIN].deployment.describe([name]))[0], status=status)
 
     async def register(self, request: web.Request) -> web.Response:
         """A new version of ``id`` (201), or the existing version with the same content (200)."""
@@ -140,7 +109,7 @@ class AdminRoutes:
 
     async def list(self, request: web.Request) -> web.Response:
         _, ops, _ = self._admin(request)
-        return _json({"object": "list", "data": await ops.deployment.describe(ops.deployment.listed())})
+        return json_response({"object": "list", "data": await ops.deployment.describe(ops.deployment.listed())})
 
     async def get(self, request: web.Request) -> web.Response:
         """One adapter (``id``: its current version, or ``id@N``) with its traffic tier and, where
@@ -155,7 +124,7 @@ class AdminRoutes:
         out.traffic = await ops.deployment.traffic(out)
         if not admin:
             out.path = out.source = ""
-        return _json(out)
+        return json_response(out)
 
     async def versions(self, request: web.Request) -> web.Response:
         """Every version of an id, servable on a base served here or not, oldest first."""
@@ -164,7 +133,7 @@ class AdminRoutes:
         versions = ops.deployment.versions(adapter_id) if "@" not in adapter_id else []
         if not versions:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist", param="id")
-        return _json({"object": "list", "data": versions})
+        return json_response({"object": "list", "data": versions})
 
     async def set_current(self, request: web.Request) -> web.Response:
         """Deploy (or roll back to a version named): point the id at another version, atomically.
@@ -196,7 +165,7 @@ class AdminRoutes:
         _, ops, actor = self._admin(request)
         adapter_id, channel = known_id(request.match_info["id"], ops.store.index.ids()), request.match_info["channel"]
         await ops.store.remove_channel(adapter_id, channel, actor=actor)
-        return _json({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
+        return json_response({"id": f"{adapter_id}@{channel}", "object": "adapter.channel", "deleted": True})
 
     async def delete(self, request: web.Request) -> web.Response:
         """Delete ``id@N`` (one version) or ``id`` (every version). Refused (409) while requests
@@ -204,7 +173,7 @@ class AdminRoutes:
         state, ops, actor = self._admin(request)
         name = request.match_info["id"]
         running = await self._delete(state, ops, name, request.query, actor)
-        return _json({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
+        return json_response({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
     async def _delete(self, state: RouteState[Any], ops: Admin, name: str, query: Mapping[str, str], actor: str) -> int:
         keys = ops.removable(name)  # 404 when unknown, 409 for the current of several
@@ -242,7 +211,7 @@ class AdminRoutes:
 
     async def internal_state(self, request: web.Request) -> web.Response:
         _, ops, _ = self._admin(request)
-        return _json(ops.deployment.internal_state())
+        return json_response(ops.deployment.internal_state())
 
     async def put_check_prompts(self, request: web.Request) -> web.Response:
         """Replace what is given of an adapter's check prompts and choices (the admin, or the
@@ -254,14 +223,14 @@ class AdminRoutes:
         check_sampling(ops, req.sample, "sample")
         key = bearer_key(request)
         assert key is not None
-        return _json(
+        return json_response(
             check_prompts_body(await ops.store_check_prompts(adapter_id, prompts, req.sample, req.opt_out, key_id(key)))
         )
 
     async def get_check_prompts(self, request: web.Request) -> web.Response:
         state, ops = request.app[self.key], request.app[ADMIN]
         adapter_id = owned_id(state, ops.store.index.ids(), request)
-        return _json(check_prompts_body(await ops.check_prompts(adapter_id)))
+        return json_response(check_prompts_body(await ops.check_prompts(adapter_id)))
 
 
 def known_id(adapter_id: str, ids: Collection[str]) -> str:

@@ -34,7 +34,6 @@ from aiohttp.typedefs import Middleware
 from lorapage.adapters.names import parse_name
 from lorapage.errors import (
     AdapterNotFoundError,
-    BodyTooLargeError,
     EngineOverloadedError,
     QuotaExceededError,
     ServiceUnavailableError,
@@ -43,6 +42,7 @@ from lorapage.frontend import protocol
 from lorapage.frontend.access_log import JOB, AccessLog, access_log_middleware, status_when_cut
 from lorapage.frontend.auth import Access
 from lorapage.frontend.backend import Backend
+from lorapage.frontend.bodies import check_body_length
 from lorapage.frontend.edge import EDGE_LIMITS, EdgeLimits
 from lorapage.frontend.error_json import Handler, error_middleware
 from lorapage.frontend.extra_routes import add_extra_routes
@@ -244,14 +244,6 @@ if TYPE_CHECKING:  # mypy checks that ServerState is what the route modules are 
 BACKGROUND = web.AppKey("lorapage_background", set)  # audit writes started by a signal
 
 
-def check_length(request: web.Request) -> None:
-    """413 for a body declared past the limit, before anything else is spent on it (one sent
-    without a length is cut at the limit as it is read: aiohttp's ``client_max_size``)."""
-    limit = request.app[STATE].max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLargeError(f"request body is {request.content_length} bytes; the limit is {limit}")
-
-
 def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, prompts: Prompts, arrival: float) -> Job:
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
     model, adapter = state.route(parsed.req.model, tenant)
@@ -272,82 +264,82 @@ def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, pr
     )
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat")
+class CoreRoutes:
+    """The OpenAI routes (chat, completions, models), health, metrics and usage: handlers over
+    the front end's state (its key passed in, as every route module's is)."""
 
+    def __init__(self, state_key: web.AppKey) -> None:
+        self.key = state_key
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "completion")
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
 
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE]
-    tenant = state.access.tenant_for(request)
-    state.check_open()
-    check_length(request)
-    reservation = state.admit(tenant)  # before the body is read: a refusal costs nothing more
-    try:
-        body = await request.read()
-        backend = state.backend
-        if kind == "chat":
-            parsed = await state.prompts.parse(tenant, body, protocol.parse_chat)
-        else:
-            vocab, max_len = backend.vocab_size, backend.max_model_len
-            parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
-        state.route(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
-        state.widen(reservation, parsed)  # a slot per sequence, before any work per prompt
-        prompts = await state.prompts.of(kind, tenant, parsed)
-        job = _job(state, kind, parsed, tenant, prompts, arrival)
-        if job.adapter is not None:
-            backend.offer_prompt(job.adapter, job.prompt)
-        return await state.run(request, job, reservation)
-    finally:
-        state.release(reservation)  # already released (with its usage) once it ran: then nothing
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrival = time.monotonic()
+        state = request.app[self.key]
+        tenant = state.access.tenant_for(request)
+        state.check_open()
+        check_body_length(request.content_length, state.max_body_bytes)
+        reservation = state.admit(tenant)  # before the body is read: a refusal costs nothing more
+        try:
+            body = await request.read()
+            backend = state.backend
+            if kind == "chat":
+                parsed = await state.prompts.parse(tenant, body, protocol.parse_chat)
+            else:
+                vocab, max_len = backend.vocab_size, backend.max_model_len
+                parsed = await state.prompts.parse(tenant, body, lambda b: protocol.parse_completion(b, vocab, max_len))
+            state.route(parsed.req.model, tenant)  # 404 before the template or the tokenizer runs
+            state.widen(reservation, parsed)  # a slot per sequence, before any work per prompt
+            prompts = await state.prompts.of(kind, tenant, parsed)
+            job = _job(state, kind, parsed, tenant, prompts, arrival)
+            if job.adapter is not None:
+                backend.offer_prompt(job.adapter, job.prompt)
+            return await state.run(request, job, reservation)
+        finally:
+            state.release(reservation)  # already released (with its usage) once it ran: then nothing
 
+    async def list_models(self, request: web.Request) -> web.Response:
+        """The base and the adapters the tenant may use; one of its requests per minute."""
+        state = request.app[self.key]
+        tenant = state.access.tenant_for(request)
+        state.release(state.admit(tenant))
+        return web.Response(body=state.models.body(tenant), content_type="application/json")
 
-async def list_models(request: web.Request) -> web.Response:
-    """The base and the adapters the tenant may use; one of its requests per minute."""
-    state = request.app[STATE]
-    tenant = state.access.tenant_for(request)
-    state.release(state.admit(tenant))
-    return web.Response(body=state.models.body(tenant), content_type="application/json")
+    async def get_model(self, request: web.Request) -> web.Response:
+        state = request.app[self.key]
+        tenant = state.access.tenant_for(request)
+        state.release(state.admit(tenant))
+        model, adapter = state.route(request.match_info["model"], tenant)
+        card = state.card_of(model, adapter)
+        found = card.base() if adapter is None else card.adapter(model, tenant)
+        return web.Response(body=msgspec.json.encode(found), content_type="application/json")
 
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while serving; 503 once shutting down (a load balancer stops sending requests here)."""
+        state = request.app[self.key]
+        if state.closing:
+            return web.json_response({"status": "shutting_down"}, status=503)
+        return web.json_response({"status": "ok"})
 
-async def get_model(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    tenant = state.access.tenant_for(request)
-    state.release(state.admit(tenant))
-    model, adapter = state.route(request.match_info["model"], tenant)
-    card = state.card_of(model, adapter)
-    found = card.base() if adapter is None else card.adapter(model, tenant)
-    return web.Response(body=msgspec.json.encode(found), content_type="application/json")
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text; it names every tenant, so it takes a key unless started with --metrics-public."""
+        state = request.app[self.key]
+        if not state.metrics_public:
+            state.access.require_metrics(request)
+        return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-
-async def health(request: web.Request) -> web.Response:
-    """200 while serving; 503 once shutting down (a load balancer stops sending requests here)."""
-    state = request.app[STATE]
-    if state.closing:
-        return web.json_response({"status": "shutting_down"}, status=503)
-    return web.json_response({"status": "ok"})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text; it names every tenant, so it takes a key unless started with --metrics-public."""
-    state = request.app[STATE]
-    if not state.metrics_public:
-        state.access.require_metrics(request)
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-async def usage(request: web.Request) -> web.Response:
-    """``GET /v1/usage`` (:mod:`lorapage.frontend.usage_route`) over every engine's ledger."""
-    state = request.app[STATE]
-    req = usage_request(state, request, request.query)
-    rows = await state.backend.usage_rows(req.since_hour)
-    body, content_type = await asyncio.to_thread(usage_answer, req, rows, dict(state.access.owners))
-    charset = "utf-8" if content_type == "text/csv" else None
-    return web.Response(body=body, content_type=content_type, charset=charset)
+    async def usage(self, request: web.Request) -> web.Response:
+        """``GET /v1/usage`` (:mod:`lorapage.frontend.usage_route`) over every engine's ledger."""
+        state = request.app[self.key]
+        req = usage_request(state, request, request.query)
+        rows = await state.backend.usage_rows(req.since_hour)
+        body, content_type = await asyncio.to_thread(usage_answer, req, rows, dict(state.access.owners))
+        charset = "utf-8" if content_type == "text/csv" else None
+        return web.Response(body=body, content_type=content_type, charset=charset)
 
 
 @web.middleware
@@ -441,13 +433,14 @@ def build_app(
     )
     app[BACKGROUND] = set()
     backend.set_tenant_weights(access.tenants.weights())  # VTC shares come from the tenants file
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/usage", usage)
+    routes = CoreRoutes(STATE)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_get("/v1/models", routes.list_models)
+    app.router.add_get("/v1/models/{model}", routes.get_model)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/v1/usage", routes.usage)
     add_extra_routes(app, STATE)
     add_routes(app)
     app.on_startup.append(_start)

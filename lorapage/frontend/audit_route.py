@@ -21,12 +21,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from lorapage.errors import AdapterNotFoundError, InvalidRequestError
 from lorapage.frontend.admin_ops import ADMIN
 from lorapage.frontend.auth import bearer_key
+from lorapage.frontend.bodies import json_response
 from lorapage.registry.audit import ACTIONS, DEFAULT_LIMIT, MAX_LIMIT, AliasMove, AuditEntry, AuditQuery
 from lorapage.usage.report import parse_instant
 
@@ -145,21 +145,20 @@ def move_json(move: AliasMove, *, with_actor: bool) -> dict[str, Any]:
     return out
 
 
-def _json(body: Any) -> web.Response:
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+class AuditRoutes:
+    """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history``: handlers over the front end's
+    state (its key passed in) and the app's admin."""
 
+    def __init__(self, state_key: web.AppKey) -> None:
+        self.key = state_key
 
-def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
-    """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history`` over the app's admin operations
-    (:data:`~lorapage.frontend.admin_ops.ADMIN`: the engine's registry, or the fleet's)."""
-
-    async def audit(request: web.Request) -> web.Response:
-        state = request.app[state_key]
+    async def audit(self, request: web.Request) -> web.Response:
+        state = request.app[self.key]
         state.access.require_admin(request)
-        return _json(await audit_list(request.query, request.app[ADMIN].store.audit))
+        return json_response(await audit_list(request.query, request.app[ADMIN].store.audit))
 
-    async def history(request: web.Request) -> web.Response:
-        state, ops = request.app[state_key], request.app[ADMIN]
+    async def history(self, request: web.Request) -> web.Response:
+        state, ops = request.app[self.key], request.app[ADMIN]
         adapter_id = request.match_info["id"]
         key = bearer_key(request)
         admin = key is not None and state.access.tenants.is_admin(key)
@@ -173,7 +172,12 @@ def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} does not exist; name the id, not a version", param="id")
         moves = await ops.store.history(adapter_id, limit + 1)
         current, channels = ops.store.index.serving(adapter_id), ops.store.index.channels(adapter_id)
-        return _json(history_body(adapter_id, moves, limit, current, channels, admin=admin))
+        return json_response(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
-    app.router.add_get("/v1/audit", audit)
-    app.router.add_get("/v1/adapters/{id}/history", history)
+
+def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
+    """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history`` over the app's admin operations
+    (:data:`~lorapage.frontend.admin_ops.ADMIN`: the engine's registry, or the fleet's)."""
+    routes = AuditRoutes(state_key)
+    app.router.add_get("/v1/audit", routes.audit)
+    app.router.add_get("/v1/adapters/{id}/history", routes.history)

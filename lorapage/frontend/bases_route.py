@@ -30,7 +30,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import msgspec
 from aiohttp import web
 
 from lorapage.adapters.binding import shown_digest
@@ -38,6 +37,7 @@ from lorapage.adapters.digest import digest_param
 from lorapage.bases.validation import BaseValidator, ValidationJob, parse_key
 from lorapage.errors import ConflictError, PermissionDeniedError
 from lorapage.frontend import protocol
+from lorapage.frontend.bodies import json_response, read_admin_body
 from lorapage.frontend.caller import admin_or_tenant
 from lorapage.registry.drift_state import (
     FAILED,
@@ -51,10 +51,6 @@ from lorapage.registry.drift_state import (
 from lorapage.registry.store import VersionRow
 
 VALIDATOR = web.AppKey("lorapage_base_validator", BaseValidator)
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
 
 
 def _target(request: web.Request) -> str:
@@ -110,29 +106,25 @@ class BaseUpgrades(Protocol):
 UPGRADES = web.AppKey("lorapage_base_upgrades", BaseUpgrades)
 
 
-def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseUpgrades) -> None:
-    """The base-upgrade routes over ``upgrades`` (``lorapage serve``'s engines, or a fleet's deployments)."""
-    from lorapage.frontend.admin import read_admin_body
+class BaseRoutes:
+    """The base-upgrade routes: handlers over the front end's state (its key passed in) and a
+    :class:`BaseUpgrades`."""
 
-    app[VALIDATOR] = BaseValidator()
-    app[UPGRADES] = upgrades
+    def __init__(self, state_key: web.AppKey, upgrades: BaseUpgrades) -> None:
+        self.key = state_key
+        self.upgrades = upgrades
 
-    async def stop_validation(app: web.Application) -> None:
-        await app[VALIDATOR].cancel()
-
-    app.on_shutdown.append(stop_validation)
-
-    async def validate(request: web.Request) -> web.Response:
-        state = request.app[state_key]
+    async def validate(self, request: web.Request) -> web.Response:
+        state = request.app[self.key]
         state.access.require_admin(request)
         target = _target(request)
         req = protocol.decode(await read_admin_body(request), protocol.ValidateRequest)
-        job = await upgrades.validate(request.app[VALIDATOR], target, req.model, req.adapters)
+        job = await self.upgrades.validate(request.app[VALIDATOR], target, req.model, req.adapters)
         body = {"object": "base.validation", "job": job.id, "status": job.status, "target": shown_digest(target)}
-        return _json({**body, "adapters": job.adapters}, status=202)
+        return json_response({**body, "adapters": job.adapters}, status=202)
 
-    async def progress(request: web.Request) -> web.Response:
-        state = request.app[state_key]
+    async def progress(self, request: web.Request) -> web.Response:
+        state = request.app[self.key]
         caller = admin_or_tenant(state, request)
         target = _target(request)
         wanted = request.query.get("tenant")
@@ -142,7 +134,7 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         owners = state.access.owners
         rows = [
             _row_out(r, owners.get(r.adapter_id))
-            for r in await asyncio.to_thread(upgrades.drift_record.migration_states, target)
+            for r in await asyncio.to_thread(self.upgrades.drift_record.migration_states, target)
         ]
         if wanted is not None:
             rows = [r for r in rows if r["tenant"] == wanted]
@@ -159,15 +151,15 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         body = {
             "object": "base.validation",
             "target": shown_digest(target),
-            "running_base": shown_digest(upgrades.digest),
+            "running_base": shown_digest(self.upgrades.digest),
             "job": shown,
             "adapters": rows,
             "tenants": tenant_report(rows),
         }
-        return _json(body)
+        return json_response(body)
 
-    async def migrate(request: web.Request) -> web.Response:
-        state = request.app[state_key]
+    async def migrate(self, request: web.Request) -> web.Response:
+        state = request.app[self.key]
         actor = state.access.admin_actor(request)
         target = _target(request)
         body = await read_admin_body(request)
@@ -175,8 +167,8 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
         job = request.app[VALIDATOR].latest(target)
         if job is not None and job.status == "running":
             raise ConflictError(f"validation {job.id} toward {shown_digest(target)} is still running; migrate after it")
-        keys = upgrades.current_versions(req.adapters)
-        states = {r.key: r for r in await asyncio.to_thread(upgrades.drift_record.migration_states, target)}
+        keys = self.upgrades.current_versions(req.adapters)
+        states = {r.key: r for r in await asyncio.to_thread(self.upgrades.drift_record.migration_states, target)}
         ready, skipped = [], []
         for key in keys:
             row = states.get(key)
@@ -193,12 +185,24 @@ def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseU
             skipped.append({"id": parse_key(key)[0], "version": parse_key(key)[1], "state": why})
         migrated = []
         for row in ready:
-            new = await upgrades.migrate(row, actor)
+            new = await self.upgrades.migrate(row, actor)
             migrated.append({"id": row.adapter_id, "from_version": row.version, "version": new.version})
-        return _json(
+        return json_response(
             {"object": "base.migration", "target": shown_digest(target), "migrated": migrated, "skipped": skipped}
         )
 
-    app.router.add_post("/v1/bases/{digest}/validate", validate)
-    app.router.add_get("/v1/bases/{digest}/validate", progress)
-    app.router.add_post("/v1/bases/{digest}/migrate", migrate)
+
+def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseUpgrades) -> None:
+    """The base-upgrade routes over ``upgrades`` (``lorapage serve``'s engines, or a fleet's deployments)."""
+    routes = BaseRoutes(state_key, upgrades)
+    app[VALIDATOR] = BaseValidator()
+    app[UPGRADES] = upgrades
+
+    async def stop_validation(app: web.Application) -> None:
+        await app[VALIDATOR].cancel()
+
+    app.on_shutdown.append(stop_validation)
+
+    app.router.add_post("/v1/bases/{digest}/validate", routes.validate)
+    app.router.add_get("/v1/bases/{digest}/validate", routes.progress)
+    app.router.add_post("/v1/bases/{digest}/migrate", routes.migrate)

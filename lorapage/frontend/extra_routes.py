@@ -21,13 +21,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from lorapage.frontend import tokenization
-from lorapage.frontend.admin import check_body_length
 from lorapage.frontend.auth import bearer_key
 from lorapage.frontend.backend import Backend
+from lorapage.frontend.bodies import check_body_length, json_response
 from lorapage.frontend.generation import Answer, Job, Timing
 from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.responses_api import ResponsesPlan, parse_responses
@@ -39,10 +38,6 @@ from lorapage.tools import ToolFormat, detect_format
 
 # A tokenizer route's work: (prompts, tenant, body, check_model) -> its answer.
 TokenizerWork = Callable[[PromptBuilder, str, bytes, tokenization.ModelCheck], Awaitable[Any]]
-
-
-def _json(body: Any) -> web.Response:
-    return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
 async def _tokenizer_info(
@@ -81,14 +76,16 @@ class ExtraRoutes:
             self.keyless.admit()
             try:
                 body = await request.read()
-                return _json(await work(state.prompts, tokenization.KEYLESS_TENANT, body, self.keyless.check_model))
+                return json_response(
+                    await work(state.prompts, tokenization.KEYLESS_TENANT, body, self.keyless.check_model)
+                )
             finally:
                 self.keyless.release()
         state, tenant = self._admitted(request)
         reservation = state.admit(tenant)
         try:
             body = await request.read()
-            return _json(await work(state.prompts, tenant, body, self._model_check(state, tenant)))
+            return json_response(await work(state.prompts, tenant, body, self._model_check(state, tenant)))
         finally:
             state.release(reservation)
 

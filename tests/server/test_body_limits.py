@@ -15,7 +15,7 @@ import pytest
 from front_end_cases import replica_less_ingress
 from server_harness import ADMIN_KEY, KEYS, assert_openai_error, make_engine, running_server
 
-from lorapage.frontend.admin import ADMIN_MAX_BODY_BYTES
+from lorapage.frontend.bodies import ADMIN_MAX_BODY_BYTES
 from lorapage.frontend.run import start
 
 _CHUNK = b"x" * (64 << 10)
