@@ -137,13 +137,13 @@ class FleetIngress:
             sync_period_s=self.config.sync_period_s,
             dedicated=self.dedicated,
         )
-        routes = add_admin_routes(app, STATE, Admin(self.registry, deployment))
-        add_audit_routes(app, STATE)
+        routes = add_admin_routes(app, Admin(self.registry, deployment))
+        add_audit_routes(app)
         models = [self.config.engine.model, *self.config.bases]
         upgrades = FleetUpgrades(
             self.backend.bases, self.registry, self.profile.base_digest, models, self.registry.write
         )
-        add_base_routes(app, STATE, upgrades)
+        add_base_routes(app, upgrades)
         deployment.add_routes(app, routes)
 
     async def __del__(self) -> None:

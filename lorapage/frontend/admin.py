@@ -33,7 +33,7 @@ from lorapage.frontend.check_prompts import check_prompts_body, owned_id
 from lorapage.frontend.lora_admin import lora_not_found, lora_registration, lora_success_text, lora_unload_name
 from lorapage.frontend.registration import Registration, checked_source, registration, source_errors
 from lorapage.frontend.responses import AdapterCostOut
-from lorapage.frontend.state import RouteState
+from lorapage.frontend.state import STATE, ServerState
 from lorapage.registry.drift_state import CHECK_PROMPTS_BODY_BYTES, check_prompts_param
 from lorapage.tenancy.tenants import key_id
 
@@ -57,16 +57,12 @@ def check_sampling(ops: Admin, sample: bool | None, param: str) -> None:
 
 
 class AdminRoutes:
-    """Handlers over the front end's state and the app's :class:`~lorapage.frontend.admin_ops.Admin`
-    (the state key is passed in to avoid an import cycle)."""
+    """Handlers over the front end's state and the app's :class:`~lorapage.frontend.admin_ops.Admin`."""
 
-    def __init__(self, state_key: web.AppKey) -> None:
-        self.key = state_key
-
-    def _admin(self, request: web.Request) -> tuple[RouteState[Any], Admin, str]:
+    def _admin(self, request: web.Request) -> tuple[ServerState[Any], Admin, str]:
         """The state, the operations and the admin key's id (the actor audit rows name); 401/403
         for any other key."""
-        state = request.app[self.key]
+        state = request.app[STATE]
         return state, request.app[ADMIN], state.access.admin_actor(request)
 
     async def describe(self, request: web.Request, name: str, status: int = 200) -> web.Response:
@@ -83,7 +79,7 @@ class AdminRoutes:
             await ops.store_check_prompts(reg.id, reg.check_prompts, reg.sample_check_prompts, None, actor)
         return await self.describe(request, key, status=201 if created else 200)
 
-    async def _register(self, state: RouteState[Any], ops: Admin, reg: Registration, actor: str) -> tuple[str, bool]:
+    async def _register(self, state: ServerState[Any], ops: Admin, reg: Registration, actor: str) -> tuple[str, bool]:
         with source_errors(reg):
             source = await checked_source(reg, ops.deployment.roots, state.access)
             key, created = await ops.register(reg, source, actor)
@@ -117,7 +113,7 @@ class AdminRoutes:
         registered for that tenant, and any other is answered as one that does not exist (404):
         shared adapters included, whose traffic is other tenants' too. A tenant is not shown where
         the operator keeps the files (``path``, ``source``)."""
-        state, ops = request.app[self.key], request.app[ADMIN]
+        state, ops = request.app[STATE], request.app[ADMIN]
         name = request.match_info["id"]
         admin = adapter_reader(state, request, name)
         out = (await ops.deployment.describe([name]))[0]
@@ -175,7 +171,9 @@ class AdminRoutes:
         running = await self._delete(state, ops, name, request.query, actor)
         return json_response({"id": name, "object": "adapter", "deleted": True, "drained_requests": running})
 
-    async def _delete(self, state: RouteState[Any], ops: Admin, name: str, query: Mapping[str, str], actor: str) -> int:
+    async def _delete(
+        self, state: ServerState[Any], ops: Admin, name: str, query: Mapping[str, str], actor: str
+    ) -> int:
         keys = ops.removable(name)  # 404 when unknown, 409 for the current of several
 
         async def remove() -> None:
@@ -216,7 +214,7 @@ class AdminRoutes:
     async def put_check_prompts(self, request: web.Request) -> web.Response:
         """Replace what is given of an adapter's check prompts and choices (the admin, or the
         owner's key; :mod:`lorapage.frontend.check_prompts`)."""
-        state, ops = request.app[self.key], request.app[ADMIN]
+        state, ops = request.app[STATE], request.app[ADMIN]
         adapter_id = owned_id(state, ops.store.index.ids(), request)
         req = protocol.decode(await read_admin_body(request, CHECK_PROMPTS_BODY_BYTES), protocol.CheckPromptsRequest)
         prompts = check_prompts_param(req.prompts, "prompts") if req.prompts is not None else None
@@ -228,7 +226,7 @@ class AdminRoutes:
         )
 
     async def get_check_prompts(self, request: web.Request) -> web.Response:
-        state, ops = request.app[self.key], request.app[ADMIN]
+        state, ops = request.app[STATE], request.app[ADMIN]
         adapter_id = owned_id(state, ops.store.index.ids(), request)
         return json_response(check_prompts_body(await ops.check_prompts(adapter_id)))
 
@@ -309,11 +307,11 @@ async def wait_until(done: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def add_admin_routes(app: web.Application, state_key: web.AppKey, ops: Admin) -> AdminRoutes:
+def add_admin_routes(app: web.Application, ops: Admin) -> AdminRoutes:
     """The admin routes over ``ops`` (``lorapage serve``'s and the fleet's alike); the side adds its
     own with the returned routes' helpers (the fleet: promote, demote)."""
     app[ADMIN] = ops
-    routes = AdminRoutes(state_key)
+    routes = AdminRoutes()
     app.router.add_post("/v1/adapters", routes.register)
     app.router.add_get("/v1/adapters", routes.list)
     app.router.add_get("/v1/adapters/{id}", routes.get)

@@ -27,6 +27,7 @@ from lorapage.errors import AdapterNotFoundError, InvalidRequestError
 from lorapage.frontend.admin_ops import ADMIN
 from lorapage.frontend.auth import bearer_key
 from lorapage.frontend.bodies import json_response
+from lorapage.frontend.state import STATE
 from lorapage.registry.audit import ACTIONS, DEFAULT_LIMIT, MAX_LIMIT, AliasMove, AuditEntry, AuditQuery
 from lorapage.usage.report import parse_instant
 
@@ -147,18 +148,15 @@ def move_json(move: AliasMove, *, with_actor: bool) -> dict[str, Any]:
 
 class AuditRoutes:
     """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history``: handlers over the front end's
-    state (its key passed in) and the app's admin."""
-
-    def __init__(self, state_key: web.AppKey) -> None:
-        self.key = state_key
+    state (:data:`~lorapage.frontend.state.STATE`) and the app's admin."""
 
     async def audit(self, request: web.Request) -> web.Response:
-        state = request.app[self.key]
+        state = request.app[STATE]
         state.access.require_admin(request)
         return json_response(await audit_list(request.query, request.app[ADMIN].store.audit))
 
     async def history(self, request: web.Request) -> web.Response:
-        state, ops = request.app[self.key], request.app[ADMIN]
+        state, ops = request.app[STATE], request.app[ADMIN]
         adapter_id = request.match_info["id"]
         key = bearer_key(request)
         admin = key is not None and state.access.tenants.is_admin(key)
@@ -175,9 +173,9 @@ class AuditRoutes:
         return json_response(history_body(adapter_id, moves, limit, current, channels, admin=admin))
 
 
-def add_audit_routes(app: web.Application, state_key: web.AppKey) -> None:
+def add_audit_routes(app: web.Application) -> None:
     """``GET /v1/audit`` and ``GET /v1/adapters/{id}/history`` over the app's admin operations
     (:data:`~lorapage.frontend.admin_ops.ADMIN`: the engine's registry, or the fleet's)."""
-    routes = AuditRoutes(state_key)
+    routes = AuditRoutes()
     app.router.add_get("/v1/audit", routes.audit)
     app.router.add_get("/v1/adapters/{id}/history", routes.history)

@@ -39,6 +39,7 @@ from lorapage.errors import ConflictError, PermissionDeniedError
 from lorapage.frontend import protocol
 from lorapage.frontend.bodies import json_response, read_admin_body
 from lorapage.frontend.caller import admin_or_tenant
+from lorapage.frontend.state import STATE
 from lorapage.registry.drift_state import (
     FAILED,
     MIGRATED,
@@ -107,15 +108,14 @@ UPGRADES = web.AppKey("lorapage_base_upgrades", BaseUpgrades)
 
 
 class BaseRoutes:
-    """The base-upgrade routes: handlers over the front end's state (its key passed in) and a
+    """The base-upgrade routes: handlers over the front end's state and a
     :class:`BaseUpgrades`."""
 
-    def __init__(self, state_key: web.AppKey, upgrades: BaseUpgrades) -> None:
-        self.key = state_key
+    def __init__(self, upgrades: BaseUpgrades) -> None:
         self.upgrades = upgrades
 
     async def validate(self, request: web.Request) -> web.Response:
-        state = request.app[self.key]
+        state = request.app[STATE]
         state.access.require_admin(request)
         target = _target(request)
         req = protocol.decode(await read_admin_body(request), protocol.ValidateRequest)
@@ -124,7 +124,7 @@ class BaseRoutes:
         return json_response({**body, "adapters": job.adapters}, status=202)
 
     async def progress(self, request: web.Request) -> web.Response:
-        state = request.app[self.key]
+        state = request.app[STATE]
         caller = admin_or_tenant(state, request)
         target = _target(request)
         wanted = request.query.get("tenant")
@@ -159,7 +159,7 @@ class BaseRoutes:
         return json_response(body)
 
     async def migrate(self, request: web.Request) -> web.Response:
-        state = request.app[self.key]
+        state = request.app[STATE]
         actor = state.access.admin_actor(request)
         target = _target(request)
         body = await read_admin_body(request)
@@ -192,9 +192,9 @@ class BaseRoutes:
         )
 
 
-def add_base_routes(app: web.Application, state_key: web.AppKey, upgrades: BaseUpgrades) -> None:
+def add_base_routes(app: web.Application, upgrades: BaseUpgrades) -> None:
     """The base-upgrade routes over ``upgrades`` (``lorapage serve``'s engines, or a fleet's deployments)."""
-    routes = BaseRoutes(state_key, upgrades)
+    routes = BaseRoutes(upgrades)
     app[VALIDATOR] = BaseValidator()
     app[UPGRADES] = upgrades
 

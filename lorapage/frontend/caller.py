@@ -3,7 +3,7 @@
 Every route a tenant key reaches takes one of that tenant's requests per minute (its ``rpm``, 429
 with Retry-After when it has none) before it reads the body, looks anything up or does any work;
 the admin key takes none. Generation and tokenizer routes hold their reservation for the whole
-request (:meth:`RouteState.admit`); the reading routes (an adapter's record, its check prompts,
+request (:meth:`ServerState.admit`); the reading routes (an adapter's record, its check prompts,
 ``/v1/usage``, a validation's view) and an owner's writes call :func:`admin_or_tenant` here, so
 a tenant with ``rpm = 1`` gets one of them a minute, whichever it picks.
 """
@@ -19,7 +19,7 @@ from lorapage.tenancy.quota import Reservation
 
 
 class Admits(Protocol):
-    """What the helpers need of the front end's state (:class:`~lorapage.frontend.state.RouteState`)."""
+    """What the helpers need of the front end's state (:class:`~lorapage.frontend.state.ServerState`)."""
 
     access: Access
 

@@ -31,7 +31,7 @@ from lorapage.frontend.generation import Answer, Job, Timing
 from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.responses_api import ResponsesPlan, parse_responses
 from lorapage.frontend.responses_output import answer_response, responses_job
-from lorapage.frontend.state import RouteState
+from lorapage.frontend.state import STATE, ServerState
 from lorapage.frontend.version import PING_BODY, version_body
 from lorapage.request import TokenStream
 from lorapage.tools import ToolFormat, detect_format
@@ -47,22 +47,21 @@ async def _tokenizer_info(
 
 
 class ExtraRoutes:
-    """Handlers bound to the server state (its key passed in: ``app`` imports this module)."""
+    """Handlers over the front end's state (:data:`~lorapage.frontend.state.STATE`)."""
 
-    def __init__(self, state_key: web.AppKey) -> None:
-        self.key = state_key
+    def __init__(self) -> None:
         self._tool_format: ToolFormat | None = None
         self.keyless = tokenization.KeylessShare()
 
-    def tool_format(self, state: RouteState[Backend]) -> ToolFormat:
+    def tool_format(self, state: ServerState[Backend]) -> ToolFormat:
         """The format the model's chat template writes tool calls in (found once)."""
         if self._tool_format is None:
             self._tool_format = detect_format(state.backend.tokenizer.chat_template)
         return self._tool_format
 
-    def _admitted(self, request: web.Request) -> tuple[RouteState[Backend], str]:
+    def _admitted(self, request: web.Request) -> tuple[ServerState[Backend], str]:
         """The state and the tenant, once its key is known and its declared body size fits."""
-        state = request.app[self.key]
+        state = request.app[STATE]
         tenant = state.access.tenant_for(request)
         check_body_length(request.content_length, state.max_body_bytes)
         return state, tenant
@@ -70,7 +69,7 @@ class ExtraRoutes:
     async def _tokenizer_route(self, request: web.Request, work: TokenizerWork) -> web.Response:
         """A tokenizer route's answer: in the tenant's turn and quota with a key, in the key-less
         callers' share (the base's tokenizer only) without one."""
-        state = request.app[self.key]
+        state = request.app[STATE]
         if bearer_key(request) is None:
             check_body_length(request.content_length, state.max_body_bytes)
             self.keyless.admit()
@@ -103,10 +102,10 @@ class ExtraRoutes:
 
     async def ping(self, request: web.Request) -> web.Response:
         """vLLM's (SageMaker's) liveness check: 200 with no body, 503 once shutting down."""
-        return web.Response(body=PING_BODY, status=503 if request.app[self.key].closing else 200)
+        return web.Response(body=PING_BODY, status=503 if request.app[STATE].closing else 200)
 
     @staticmethod
-    def _model_check(state: RouteState[Backend], tenant: str) -> tokenization.ModelCheck:
+    def _model_check(state: ServerState[Backend], tenant: str) -> tokenization.ModelCheck:
         async def route(model: str) -> object:
             return state.route(model, tenant)
 
@@ -139,8 +138,8 @@ class ExtraRoutes:
             state.release(reservation)  # already released (with its usage) once it ran: then nothing
 
 
-def add_extra_routes(app: web.Application, state_key: web.AppKey) -> None:
-    routes = ExtraRoutes(state_key)
+def add_extra_routes(app: web.Application) -> None:
+    routes = ExtraRoutes()
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/tokenizer_info", routes.tokenizer_info)

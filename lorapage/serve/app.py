@@ -97,9 +97,9 @@ def create_app(
     def serve_routes(app: web.Application) -> None:
         app[ENGINES] = local
         state: ServerState[EngineBackend] = app[STATE]
-        add_admin_routes(app, STATE, local_admin(local, state))
-        add_audit_routes(app, STATE)
-        add_base_routes(app, STATE, LocalUpgrades(local.engines))
+        add_admin_routes(app, local_admin(local, state))
+        add_audit_routes(app)
+        add_base_routes(app, LocalUpgrades(local.engines))
 
     return build_app(
         local,

@@ -16,14 +16,14 @@ from lorapage.frontend.admin import cost_fields
 from lorapage.frontend.admin_ops import Admin
 from lorapage.frontend.registration import Registration
 from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
-from lorapage.frontend.state import RouteState
+from lorapage.frontend.state import ServerState
 from lorapage.registry.drift_state import CheckPrompts
 from lorapage.serve.engine_backend import EngineBackend
 
 TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
 
 
-def local_admin(local: EngineBackend, state: RouteState[Any]) -> Admin:
+def local_admin(local: EngineBackend, state: ServerState[Any]) -> Admin:
     """The admin of ``local``'s engines: the primary's catalog, and those engines."""
     return Admin(local.engine.admin.catalog, LocalDeployment(local, state))
 
@@ -31,7 +31,7 @@ def local_admin(local: EngineBackend, state: RouteState[Any]) -> Admin:
 class LocalDeployment:
     """Versions as ``local``'s engines run them; ``state``: the front end's (requests in flight)."""
 
-    def __init__(self, local: EngineBackend, state: RouteState[Any]) -> None:
+    def __init__(self, local: EngineBackend, state: ServerState[Any]) -> None:
         self.local, self.state = local, state
         self.engines, self.admin = local.engines, local.engine.admin
         self.catalog = self.admin.catalog
