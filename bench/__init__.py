@@ -5,5 +5,6 @@ A script imports the shared modules by their plain names (the script's folder is
 ``sys.path``) and never another script: ``harness`` (the machine line, rounds in alternating
 order, medians, tables, the JSON last line), ``workloads`` (the prompts, decode rate and replay
 model several benches measure with), ``make_llama`` (model and adapter files), ``peer_setup`` and
-``llamacpp_peer`` (the peer benchmarks' set-up).
+``llamacpp_peer`` (the peer benchmarks' set-up), ``soak_isolation`` and ``soak_size`` (the soak's
+attacks of issue 38).
 """

@@ -18,7 +18,12 @@ then runs two phases:
   a tenant flooding the queue, ``/v1/models`` in a loop over 100 registered adapters, and
   connections that send their headers a byte at a time; and the attacks of issue 38
   (:mod:`soak_isolation`): a grammar-compile flood, a ``/v1/usage`` flood, an owner-write flood
-  and connections over the per-address cap.
+  and connections over the per-address cap; and its request-size attacks (:mod:`soak_size`):
+  prompt logprobs past the 262,144-entry bound (400, and 429 from a tenant that may never run its
+  512 sequences) and just under it (200s, 16 MB answers, 4 at once), a fan-out of 4 x 256 prompts
+  x n 64 (429, never 503), 30 concurrent open-ended chats held to their tenant's TPM, and a
+  prompt cut by ``truncate_prompt_tokens`` reported as cut. The result's ``size_attacks_last``
+  says what the last of some of them measured.
 
     .venv/bin/python bench/bench_soak.py [--duration 180] [--quick] [--device cpu]
         [--hostile-rate 5] [--edge-rate 5] [--without hostile|slow|hangups|edge ...]
@@ -60,6 +65,7 @@ from harness import machine_info, machine_line, print_json
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from soak_isolation import SERVER_FLAGS as ISOLATION_FLAGS, TENANTS as ISOLATION_TENANTS, isolation_cases, prepare
+from soak_size import FIGURES as SIZE_FIGURES, TENANTS as SIZE_TENANTS, size_cases
 
 from lorapage.testing.serve_process import ServeProcess, start_serve
 from lorapage.tiny import demo_adapter_dirs
@@ -485,6 +491,7 @@ EDGE_TENANTS = {  # name -> its limits in the tenants file
     "metered": "tpm = 6000\n",
     "lister": "rpm = 120\n",
     **ISOLATION_TENANTS,
+    **SIZE_TENANTS,
 }
 FLOOD = 24  # requests the hog sends at once (its share of the queue is 64 / tenants)
 
@@ -591,7 +598,7 @@ def edge_cases(soak: Soak, tally: Tally) -> dict[str, tuple[Callable[[], Awaitab
 
 async def edge_worker(soak: Soak, more: Callable[[], bool], tally: Tally, rate: float, only: list[str]) -> None:
     """The edge attacks in turn (``only`` these, when given), ``rate`` per second at most (a flood counts as one)."""
-    every = {**edge_cases(soak, tally), **isolation_cases(soak, tally)}
+    every = {**edge_cases(soak, tally), **isolation_cases(soak, tally), **size_cases(soak, tally)}
     cases = {name: case for name, case in every.items() if not only or name in only}
     if not cases:
         return
@@ -795,6 +802,7 @@ async def run(args: argparse.Namespace, soak: Soak) -> dict:
         "edge_unexpected": len(soaked.edge_unexpected),
         "edge_unexpected_examples": soaked.edge_unexpected[:5],
         "edge_rejected": {f"{t}/{r}": n for (r, t), n in rejected.items() if t in EDGE_TENANTS},
+        "size_attacks_last": dict(SIZE_FIGURES),
         "pages_leaked": engine["pool_pages_kv"],
         "pool_accounting_ok": engine["pool_pages_free"] + engine["pool_pages_adapters"] == engine["pool_pages_total"],
         "client_5xx": sum(n for s, n in (clean.statuses + soaked.statuses).items() if s >= 500),
