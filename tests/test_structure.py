@@ -314,6 +314,7 @@ DELEGATES = {
     "lorapage.fleet.replica.EngineReplica.usage_rows": "a Ray actor method: the ingress asks each replica",
     "lorapage.sources.addresses.CheckedResolver.close": "aiohttp's AbstractResolver, over the resolver it checks",
     "lorapage.engine.engine.Engine.digest": "the engine's face: the base's digest, computed when first asked",
+    "lorapage.registry.catalog.AdapterCatalog.close": "the registry's one holder closes it: no one else has it",
     "lorapage.frontend.state.ServerState.release": "supplies the clock the quota book is kept by",
     "lorapage.frontend.access_log.AccessLog.write": "encodes a record as one JSON line",
 }

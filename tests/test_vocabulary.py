@@ -125,3 +125,63 @@ def test_no_other_resolve():
 def test_the_front_end_routes_a_model_name():
     routes = {c for f, c, name in _definitions() if name == "route" and c is not None}
     assert "ServerState" in routes
+
+
+# An admin verb is defined in at most 3 places (issue 37): the route (frontend/admin.py), the one
+# admin (:class:`Admin`), and the store: the VersionStore protocol and what satisfies it (an
+# engine's catalog, the fleet's registry) with the registry they keep (registry/). The verbs are
+# Admin's public methods. Not counted: the residency rules and the cache that carries out their
+# decisions (adapters/), whose pin, unpin and unload are the rules' own events, applied after the
+# store commits; and words spelled alike that name something else (each with its reason).
+ADMIN_CLASS = ("lorapage/frontend/admin_ops.py", "Admin")
+MAX_VERB_PLACES = 3
+HOMONYMS = {
+    ("lorapage/tenancy/tenants.py", "TenantsConfig", "load"): "reads a tenants file",
+    ("lorapage/replay/keys.py", "Keys", "load"): "reads a replay's keys file",
+    ("lorapage/fleet/routing/policies.py", "ReplicaView", "load"): "a replica's load: in flight over capacity",
+    ("lorapage/registry/version_index.py", "VersionIndex", "load"): "builds the live view from the registry's rows",
+}
+
+
+def _admin_verbs(definitions: list[tuple[str, str | None, str]]) -> set[str]:
+    return {name for f, c, name in definitions if (f, c) == ADMIN_CLASS and not name.startswith("_")}
+
+
+def _verb_places(definitions: list[tuple[str, str | None, str]], verb: str) -> set[str]:
+    """Where ``verb`` is defined: ``route``, ``admin``, ``store``, or ``file:class`` for anything else."""
+    places = set()
+    for f, c, name in definitions:
+        if name != verb or f.startswith("lorapage/adapters/") or (f, c, name) in HOMONYMS:
+            continue
+        if f == "lorapage/frontend/admin.py":
+            places.add("route")
+        elif (f, c) == ADMIN_CLASS:
+            places.add("admin")
+        elif c in STORES or f.startswith("lorapage/registry/"):
+            places.add("store")
+        else:
+            places.add(f"{f}:{c or '<module>'}")
+    return places
+
+
+def test_admin_verbs_are_counted_by_place():
+    defs = [
+        ("lorapage/frontend/admin.py", "AdminRoutes", "pin"),
+        ("lorapage/frontend/admin_ops.py", "Admin", "pin"),
+        ("lorapage/frontend/admin_ops.py", "VersionStore", "pin"),
+        ("lorapage/registry/catalog.py", "AdapterCatalog", "pin"),
+        ("lorapage/fleet/registry.py", "FleetRegistry", "pin"),
+        ("lorapage/adapters/residency.py", "Residency", "pin"),
+        ("lorapage/engine/admin.py", "AdapterAdmin", "pin"),
+    ]
+    assert _admin_verbs(defs) == {"pin"}
+    assert _verb_places(defs, "pin") == {"route", "admin", "store", "lorapage/engine/admin.py:AdapterAdmin"}
+
+
+def test_each_admin_verb_is_defined_in_at_most_three_places():
+    definitions = _definitions()
+    verbs = _admin_verbs(definitions)
+    assert {"register", "deploy", "rollback", "pin", "unpin", "load", "unload"} <= verbs
+    over = {v: sorted(p) for v in sorted(verbs) if len(p := _verb_places(definitions, v)) > MAX_VERB_PLACES}
+    assert over == {}
+    assert [h for h in HOMONYMS if h not in definitions] == []  # none outlives what it excused

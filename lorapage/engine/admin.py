@@ -1,9 +1,12 @@
 """What an engine does with its adapters at run time, over its catalog: describe a version as it
-is served (tier, residency, cost), pre-warm and drop it, pin it resident and wait for its load, and
-read its traffic. An :class:`~lorapage.engine.engine.Engine` holds one as ``engine.admin``; its
-:attr:`AdapterAdmin.catalog` (:class:`~lorapage.registry.catalog.AdapterCatalog`) is where
-versions, aliases, channels, pins, check prompts and the audit trail are kept: register, deploy,
-roll back, remove there. Every call that changes something is audited as ``actor``'s.
+is served (tier, residency, cost), pre-warm it and wait for its load, drop it, check a pin against
+the bounds and restore pins, and read its traffic. An :class:`~lorapage.engine.engine.Engine`
+holds one as ``engine.admin``; its :attr:`AdapterAdmin.catalog`
+(:class:`~lorapage.registry.catalog.AdapterCatalog`) is where versions, aliases, channels, pins,
+check prompts and the audit trail are kept: register, move an alias, pin (``set_pinned``: checked,
+committed, applied), remove there. The admin verbs over both (a pin committed, then loaded, undone
+if the load fails; a one-call rollback) are the one :class:`~lorapage.frontend.admin_ops.Admin`'s.
+Every call that changes something is audited as ``actor``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from collections.abc import Callable
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.names import parse_name
 from lorapage.engine.tiering import TierKeeper
-from lorapage.errors import LorapageError
 from lorapage.registry.catalog import AdapterCatalog
 from lorapage.registry.prepare import spec_from_json
 from lorapage.registry.store import TrafficRow
@@ -33,14 +35,13 @@ class AdapterAdmin:
         *,
         check_open: Callable[[], None],
         bind: Callable[[], None],
-        wall_clock: Callable[[], float],
     ) -> None:
         """``check_open`` refuses once the engine is closed, ``bind`` starts the step loop on the
         running event loop (loads need it)."""
         self.catalog = catalog
         """The engine's versions, aliases, channels, pins and their record."""
         self._cache, self._tiers, self._check_open, self._bind = cache, tiers, check_open, bind
-        self.wall_clock = wall_clock
+        self.wall_clock = tiers.wall_clock
         """Unix seconds by the engine's clock: the hours traffic and usage are counted in."""
 
     # -- describing -----------------------------------------------------------------------------
@@ -121,33 +122,6 @@ class AdapterAdmin:
         if dropped:
             await self.catalog.record("unload", parse_name(key)[0], actor=actor, after={"version": parse_name(key)[1]})
         return dropped
-
-    async def pin(self, name: str, *, actor: str | None = None) -> AdapterInfo:
-        """Pin the version ``name`` names (``id``: its current one, or ``id@N``) resident: it is
-        loaded now, never evicted nor made to yield, and pinned again after a restart. The pin is
-        on the version: after a deploy, pin the new one. Refused (409 ``PinLimitError``, with the
-        numbers) past ``max_pinned_fraction`` of the pool. If the load fails the pin is undone
-        and the load's error raised."""
-        self._check_open()
-        key = self.catalog.resolve_version(name)
-        self._bind()
-        await self.catalog.set_pinned(key, True, actor=actor)
-        try:
-            await self._cache.wait_resident(key)
-        except LorapageError as exc:
-            if key in self._cache.entries:
-                await self.catalog.set_pinned(
-                    key, False, actor=actor, outcome=f"pin undone: its load failed ({exc.code})"
-                )
-            raise
-        return self.info(key)
-
-    async def unpin(self, name: str, *, actor: str | None = None) -> AdapterInfo:
-        """Undo :meth:`pin`: the version stays resident, evictable by value again."""
-        self._check_open()
-        key = self.catalog.resolve_version(name)
-        await self.catalog.set_pinned(key, False, actor=actor)
-        return self.info(key)
 
     def check_pin(self, name: str) -> None:
         """Refuse (409 ``PinLimitError``, with the numbers) pinning ``name`` (``id`` or ``id@N``)

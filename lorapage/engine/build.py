@@ -2,10 +2,11 @@
 they run, each returning a frozen bundle of parts made from the one :class:`EngineConfig`
 (and the few runtime inputs: the clock, the adapter roots, the tenants' weights).
 
-``base -> sizing -> model weights -> memory -> forward -> threads -> adapters -> scheduling ->
-catalog``. A part is handed only what was built before it; where an earlier part must reach a
-later one, the link is an explicit callback made first (the step loop's :class:`Wakeup`, the
-engine's ``check_open``) or set by the later builder (the adapter metrics' projected costs).
+``base -> sizing -> model weights -> memory -> forward -> threads -> adapters -> catalog (and
+the traffic tiers) -> scheduling -> admin``. A part is handed only what was built before it;
+where an earlier part must reach a later one, the link is an explicit callback made first (the
+step loop's :class:`Wakeup`, the engine's ``check_open``) or set by the later builder (the
+adapter metrics' projected costs).
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
 @dataclass(frozen=True)
 class AdapterParts:
     """The adapters' residency rules and the cache that applies them, where their files come
-    from, the durable registry, usage and traffic, and the tiers judged from that traffic."""
+    from, and their usage and traffic (the registry and the tiers are the catalog's: :func:`build_catalog`)."""
 
     residency: Residency
     cache: AdapterCache  # registered versions and their loads
@@ -338,8 +339,6 @@ class AdapterParts:
     sources_cache_dir: str | None  # where remote versions land on disk
     usage: UsageLedger  # cost attribution, hours of the calendar
     metrics: AdapterMetrics
-    registry: Registry
-    tiers: TierKeeper
     roots: AdapterRoots
     wall_clock: Callable[[], float]  # Unix seconds by the engine's clock: the hours traffic and usage are counted in
 
@@ -428,20 +427,62 @@ def build_adapters(
         metrics=metrics,
         landed=sources.cached,
     )
-    registry = Registry(Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:")
+    return AdapterParts(residency, cache, sources, files, cache_dir, usage, metrics, roots, wall_clock)
+
+
+# -- the catalog and the traffic tiers ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CatalogParts:
+    """The registered versions (restored from the registry, the catalog's alone) and their traffic tiers."""
+
+    catalog: AdapterCatalog
+    tiers: TierKeeper
+
+
+def build_catalog(
+    config: EngineConfig,
+    base: BaseParts,
+    threads: Threads,
+    adapters: AdapterParts,
+    check_open: Callable[[], None],
+) -> CatalogParts:
+    """``check_open``: raises once the engine is closed (admin calls refuse then)."""
+    preparer = VersionPreparer(
+        adapters.cache,
+        base.binding,
+        adapters.sources,
+        roots=adapters.roots,
+        download_cache=adapters.sources_cache_dir,
+        base_digest=base.digest,
+        io_executor=threads.io,
+        check_open=check_open,
+    )
+    # Restores every version committed before a restart (reading no weights); the registry is its alone.
+    catalog = AdapterCatalog(
+        adapters.cache,
+        Registry(Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"),
+        preparer,
+        base_digest=base.digest,
+        io_executor=threads.io,
+        locate=adapters.files.locate,
+        check_open=check_open,
+    )
+    adapters.metrics.projected_costs = catalog.current_costs  # the metrics were made before the catalog
     # The traffic table and tiers: counts batched from the ledger, written and judged off the loop.
     tiers = TierKeeper(
         TierRules.from_config(config),
-        usage,
-        registry,
-        cache,
+        adapters.usage,
+        catalog,
+        adapters.cache,
         threads.io,
-        wall_clock,
+        adapters.wall_clock,
         interval_s=config.tier_interval_s,
         retention_hours=config.traffic_retention_hours,
         audit_retention_s=config.audit_retention_days * 86400,
     )
-    return AdapterParts(residency, cache, sources, files, cache_dir, usage, metrics, registry, tiers, roots, wall_clock)
+    return CatalogParts(catalog, tiers)
 
 
 # -- scheduling --------------------------------------------------------------------------------
@@ -468,6 +509,7 @@ def build_scheduling(
     forward: ForwardParts,
     threads: Threads,
     adapters: AdapterParts,
+    tiers: TierKeeper,
     wakeup: Wakeup,
     clock: Callable[[], float],
     tenant_weights: Mapping[str, float] | None,
@@ -506,7 +548,7 @@ def build_scheduling(
     def on_new_loop() -> None:
         """The step loop starts on an event loop: adapter loads restart there, and so do the tiers' re-evaluations."""
         adapters.cache.rebind_loop()
-        adapters.tiers.start()
+        tiers.start()
 
     step_loop = StepLoop(
         planner, forward.runner, threads.forward, wakeup, on_new_loop=on_new_loop, on_prefill=memory.recompute.observe
@@ -544,53 +586,12 @@ def _grammars(base: BaseParts, threads: Threads) -> GrammarCompiler:
     return GrammarCompiler(tokenizer.backend.to_str(), base.model_config.vocab_size, grammar_eos, threads.grammar)
 
 
-# -- the catalog and its administration --------------------------------------------------------
+# -- the engine's adapter administration -------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CatalogParts:
-    """The registered versions (restored from the registry at start) and the one interface front
-    ends manage adapters through."""
-
-    catalog: AdapterCatalog
-    admin: AdapterAdmin
-
-
-def build_catalog(
-    base: BaseParts,
-    threads: Threads,
-    adapters: AdapterParts,
-    scheduling: SchedulingParts,
-    check_open: Callable[[], None],
-) -> CatalogParts:
-    """``check_open``: raises once the engine is closed (admin calls refuse then)."""
-    preparer = VersionPreparer(
-        adapters.cache,
-        base.binding,
-        adapters.sources,
-        roots=adapters.roots,
-        download_cache=adapters.sources_cache_dir,
-        base_digest=base.digest,
-        io_executor=threads.io,
-        check_open=check_open,
-    )
-    # Restores every version committed before a restart (reading no weights).
-    catalog = AdapterCatalog(
-        adapters.cache,
-        adapters.registry,
-        preparer,
-        base_digest=base.digest,
-        io_executor=threads.io,
-        locate=adapters.files.locate,
-        check_open=check_open,
-    )
-    adapters.metrics.projected_costs = catalog.current_costs  # the metrics were made before the catalog
-    admin = AdapterAdmin(
-        catalog,
-        adapters.cache,
-        adapters.tiers,
-        check_open=check_open,
-        bind=scheduling.step_loop.bind,
-        wall_clock=adapters.wall_clock,
-    )
-    return CatalogParts(catalog, admin)
+def build_admin(
+    adapters: AdapterParts, catalog: CatalogParts, scheduling: SchedulingParts, check_open: Callable[[], None]
+) -> AdapterAdmin:
+    """``engine.admin``, over the catalog (made last: its loads bind the step loop)."""
+    bind = scheduling.step_loop.bind
+    return AdapterAdmin(catalog.catalog, adapters.cache, catalog.tiers, check_open=check_open, bind=bind)

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from lorapage.model.lora_tables import LoraTables
     from lorapage.model.runner import ModelRunner
     from lorapage.registry.catalog import AdapterCatalog
-    from lorapage.registry.store import Registry
     from lorapage.request import Request
     from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
     from lorapage.sources import AdapterRoots, AdapterSources
@@ -64,7 +63,6 @@ class EngineDebug:
     adapters: AdapterCache
     sources: AdapterSources
     adapter_roots: AdapterRoots
-    registry: Registry
     catalog: AdapterCatalog
     tiers: TierKeeper
     usage: UsageLedger
@@ -103,9 +101,8 @@ class EngineDebug:
             adapters=adapters.cache,
             sources=adapters.sources,
             adapter_roots=adapters.roots,
-            registry=adapters.registry,
             catalog=catalog.catalog,
-            tiers=adapters.tiers,
+            tiers=catalog.tiers,
             usage=adapters.usage,
             adapter_metrics=adapters.metrics,
             policy=scheduling.policy,

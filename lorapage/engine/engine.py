@@ -35,6 +35,7 @@ from lorapage.config import EngineConfig
 from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.build import (
     build_adapters,
+    build_admin,
     build_base,
     build_catalog,
     build_forward,
@@ -89,13 +90,13 @@ class Engine:
         self._threads = threads = build_threads(config, sizing)
         self._wake_up = wakeup = Wakeup()  # rung by requests, aborts and finished adapter loads
         self._adapters = adapters = build_adapters(config, base, sizing, memory, threads, clock, adapter_roots, wakeup)
+        catalog = build_catalog(config, base, threads, adapters, self._check_open)  # the registry is its alone
+        self._catalog, self._tiers = catalog.catalog, catalog.tiers
         self._steps = steps = build_scheduling(
-            config, base, sizing, memory, forward, threads, adapters, wakeup, clock, tenant_weights
+            config, base, sizing, memory, forward, threads, adapters, catalog.tiers, wakeup, clock, tenant_weights
         )
         self._runner = forward.runner
-        catalog = build_catalog(base, threads, adapters, steps, self._check_open)
-        self._catalog = catalog.catalog
-        self._admin = catalog.admin
+        self._admin = build_admin(adapters, catalog, steps, self._check_open)
         self._debug = EngineDebug.of(clock, sizing, memory, forward, threads, adapters, steps, catalog)
         self._merged = MergedWeights()  # a dedicated deployment's (merge_into_base)
         self._closed = False
@@ -467,14 +468,14 @@ class Engine:
         # Requests aborted while a step was in flight waited for that step's results, which the
         # cancelled loop will never apply: finish them now that the forward thread is idle.
         planner.abort_all_after_close()
-        try:  # the traffic counted since the last write, before the registry closes
-            await self._adapters.tiers.stop()
+        try:  # the traffic counted since the last write, before the catalog closes its registry
+            await self._tiers.stop()
         except Exception:
             log.exception("traffic tiers: the last traffic counts could not be written")
         self._threads.shutdown_workers()
         self._runner.close()
         await self._adapters.sources.close()
-        self._adapters.registry.close()  # the catalog's and the tiers': waits for a commit in flight
+        self._catalog.close()  # its registry: waits for a commit in flight
         if self._state_lock is not None:
             self._state_lock.release()  # the state dir is another server's to take from here
 

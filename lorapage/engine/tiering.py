@@ -3,7 +3,8 @@
 Requests and tokens are counted where cost is attributed (the usage ledger, per step, in memory:
 :meth:`~lorapage.usage.ledger.UsageLedger.take_traffic`). Every ``tier_interval_s`` the
 :class:`TierKeeper` takes those counts and, in one call on an I/O thread, adds them to the
-registry's hourly traffic table (pruning hours past the retention), has SQLite sum each version's
+catalog's hourly traffic table (pruning hours past the retention: the registry is the catalog's
+alone, :class:`TrafficStore`), has SQLite sum each version's
 requests of the last hour and the last 24 hours (one row per version, weighted by
 :func:`~lorapage.adapters.tiers.window_weights`) and judges every version's tier
 (:func:`~lorapage.adapters.tiers.assess`: pure, given the time).
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from typing import Protocol
 
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import HOUR_S, Tier, TierRules, TierState, assess, ranked, window_weights
-from lorapage.registry.store import Registry, TrafficRow
+from lorapage.registry.store import TrafficRow
 from lorapage.usage.ledger import Traffic, TrafficKey, UsageLedger
 
 TIER_WINDOW_HOURS = 25  # the last 24 hours, and the hour in progress
@@ -41,6 +43,20 @@ def traffic_rows(taken: Mapping[TrafficKey, Traffic]) -> list[TrafficRow]:
     return rows
 
 
+class TrafficStore(Protocol):
+    """Where the traffic table is kept: an engine's
+    :class:`~lorapage.registry.catalog.AdapterCatalog`, the registry's one holder. Blocking calls
+    (the tier keeper makes them on an I/O thread)."""
+
+    def keep_traffic(
+        self, rows: list[TrafficRow], hour: int, retention_hours: int, *, audit_before: float | None = None
+    ) -> None: ...
+
+    def requests_by_version(self, weights: Sequence[tuple[int, float, float]]) -> dict[str, tuple[float, float]]: ...
+
+    def traffic_rows(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]: ...
+
+
 class TierKeeper:
     """Writes the batched traffic counts and keeps every version's traffic tier (``states``)."""
 
@@ -48,7 +64,7 @@ class TierKeeper:
         self,
         rules: TierRules,
         usage: UsageLedger,
-        registry: Registry,
+        store: TrafficStore,
         adapters: AdapterCache,
         executor: Executor,
         wall_clock: Callable[[], float],
@@ -58,7 +74,7 @@ class TierKeeper:
         audit_retention_s: float = 0.0,
     ) -> None:
         """``wall_clock``: Unix seconds (the engine's clock plus the ledger's offset)."""
-        self.rules, self.usage, self.registry, self.adapters = rules, usage, registry, adapters
+        self.rules, self.usage, self.store, self.adapters = rules, usage, store, adapters
         self.executor, self.wall_clock = executor, wall_clock
         self.interval_s, self.retention_hours = interval_s, retention_hours
         self.audit_retention_s = audit_retention_s  # 0: the audit trail is kept whole
@@ -111,15 +127,12 @@ class TierKeeper:
         self, rows: list[TrafficRow], now: float, previous: dict[str, TierState]
     ) -> dict[str, TierState]:
         """On an I/O thread: add ``rows``, sum the recent hours per version, judge the tiers."""
-        hour = int(now // HOUR_S)
-        if rows:
-            self.registry.add_traffic(rows, hour, self.retention_hours)
-        if self.audit_retention_s > 0:
-            self.registry.prune_audit(now - self.audit_retention_s)
-        return assess(self.rules, self.registry.weighted_requests(window_weights(now)), previous, now)
+        audit_before = now - self.audit_retention_s if self.audit_retention_s > 0 else None
+        self.store.keep_traffic(rows, int(now // HOUR_S), self.retention_hours, audit_before=audit_before)
+        return assess(self.rules, self.store.requests_by_version(window_weights(now)), previous, now)
 
     async def stop(self) -> None:
-        """Stop re-evaluating and write the counts not written yet (before the registry closes)."""
+        """Stop re-evaluating and write the counts not written yet (before the catalog closes)."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -131,7 +144,7 @@ class TierKeeper:
         if rows:
             hour = int(self.wall_clock() // HOUR_S)
             await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.registry.add_traffic, rows, hour, self.retention_hours
+                self.executor, self.store.keep_traffic, rows, hour, self.retention_hours
             )
 
     async def recent(self, adapter_id: str, hours: int = TIER_WINDOW_HOURS) -> list[TrafficRow]:
@@ -140,7 +153,7 @@ class TierKeeper:
         hour = int(self.wall_clock() // HOUR_S)
         since = hour - hours + 1
         stored = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.registry.traffic, since, adapter_id
+            self.executor, self.store.traffic_rows, since, adapter_id
         )
         merged = {(r.adapter_id, r.version, r.hour): r for r in stored}
         for r in traffic_rows(self.usage.traffic):

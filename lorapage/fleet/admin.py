@@ -196,7 +196,7 @@ class FleetDeployment:
     async def drop(self, key: str, actor: str) -> None:
         """From every replica's pool (not while it runs there, nor if pinned); done once no
         replica reports it in its pool, or after a few heartbeats."""
-        await self.registry.write(lambda: self.registry.unload(key, actor=actor))
+        await self.registry.write(lambda: self.registry.drop(key, actor=actor))
         await wait_until(lambda: "gpu" not in self.reports.tiers(key).values(), 3 * self.sync_period_s)
 
     def check_prompts_stored(self, stored: CheckPrompts) -> None:

@@ -29,7 +29,7 @@ from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.names import parse_name
 from lorapage.errors import AdapterBaseMismatchError, AdapterNotFoundError
 from lorapage.fleet.messages import IdState, SyncReply
-from lorapage.registry.audit import OK, AliasMove, AuditEntry, AuditQuery, check_channel, rollback_version
+from lorapage.registry.audit import OK, AliasMove, AuditEntry, AuditQuery, Choose, check_channel
 from lorapage.registry.drift_state import DriftRecord, MigrationRow
 from lorapage.registry.prepare import PreparedVersion
 from lorapage.registry.store import Registry, VersionRow
@@ -135,40 +135,39 @@ class FleetRegistry:
         self.registry.set_channel(adapter_id, channel, version, action=action, actor=actor)
         self._index.set_channel(adapter_id, channel, version)  # counted: what /v1/models shows may change
 
-    async def deploy(self, adapter_id: str, version: int, *, channel: str = "", actor: str | None = None) -> VersionRow:
-        """Point ``adapter_id`` (or its named ``channel``) at ``version``, fleet-wide at once (the
-        ingress resolves every request's version); 409 for a version on a base the replicas do not run."""
-        if (row := self._index.row(f"{adapter_id}@{version}")) is not None:
-            self.resolve_version(row.key)  # a version on another base: 409 before the alias (or channel) moves
-        if channel:
-            await self.write(lambda: self.set_channel(adapter_id, channel, version, actor=actor))
-            return self._index.existing(adapter_id, version)
-        return await self.write(lambda: self.set_current(adapter_id, version, actor=actor))
-
-    async def rollback(
-        self, adapter_id: str, version: int | None = None, *, channel: str = "", actor: str | None = None
+    async def move(
+        self,
+        adapter_id: str,
+        to: int | Choose,
+        *,
+        channel: str = "",
+        action: str = "deploy",
+        actor: str | None = None,
     ) -> VersionRow:
-        """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the version
-        before its last deploy (:func:`~lorapage.registry.audit.rollback_target`, over the versions
-        on :attr:`base_digest`), as ``lorapage serve`` does; 409 when none is left."""
-        if version is not None and (row := self._index.row(f"{adapter_id}@{version}")) is not None:
-            self.resolve_version(row.key)  # a version on another base: 409 before the alias moves
+        """Point ``adapter_id`` (or its named ``channel``) at version ``to``, or at the one ``to``
+        chooses (a rollback's) from the alias's moves, where it points and the versions on
+        :attr:`base_digest`, read and moved in one write; fleet-wide at once (the ingress resolves
+        every request's version), as ``lorapage serve`` does. 409 for a version on a base the
+        replicas do not run."""
+        if isinstance(to, int) and (row := self._index.row(f"{adapter_id}@{to}")) is not None:
+            self.resolve_version(row.key)  # a version on another base: 409 before the alias (or channel) moves
         servable = {row.version for row in self._index.versions(adapter_id) if row.base_digest == self.base_digest}
-        return await self.write(lambda: self._roll_back(adapter_id, version, channel, servable, actor))
+        return await self.write(lambda: self._move(adapter_id, to, channel, servable, action, actor))
 
-    def _roll_back(
-        self, adapter_id: str, version: int | None, channel: str, servable: set[int], actor: str | None
+    def _move(
+        self, adapter_id: str, to: int | Choose, channel: str, servable: set[int], action: str, actor: str | None
     ) -> VersionRow:
         self._index.require(adapter_id)
         check_channel(channel)
-        at = self._index.at(adapter_id, channel)
-        if version is None:
+        if isinstance(to, int):
+            version = to
+        else:
             moves = [m for m in self.registry.alias_history(adapter_id) if m.channel == channel]
-            version = rollback_version(moves, at, servable, f"{adapter_id}@{channel}" if channel else adapter_id)
+            version = to(moves, self._index.at(adapter_id, channel), servable)
         if channel:
-            self.set_channel(adapter_id, channel, version, action="rollback", actor=actor)
+            self.set_channel(adapter_id, channel, version, action=action, actor=actor)
             return self._index.existing(adapter_id, version)
-        return self.set_current(adapter_id, version, action="rollback", actor=actor)
+        return self.set_current(adapter_id, version, action=action, actor=actor)
 
     async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
         """Forget ``adapter_id``'s named ``channel``."""
@@ -199,7 +198,7 @@ class FleetRegistry:
             self._index.remove(adapter_id, version)  # its channels are deleted with it
         return keys
 
-    def unload(self, key: str, *, actor: str | None = None) -> None:
+    def drop(self, key: str, *, actor: str | None = None) -> None:
         """Ask every replica to drop version ``key`` from its pool (an admin's unload), audited."""
         adapter_id, version = parse_name(key)
         self.note("unload", adapter_id, actor=actor, after={"version": version})

@@ -16,7 +16,7 @@ change is audited as ``actor`` (the admin key's id).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -26,7 +26,7 @@ from lorapage.errors import AdapterNotFoundError, LorapageError
 from lorapage.frontend.check_prompts import store_check_prompts
 from lorapage.frontend.registration import Registration
 from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
-from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery
+from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery, Choose, rollback_version
 from lorapage.registry.drift_state import CheckPrompts, DriftRecord
 from lorapage.registry.version_index import VersionReads
 from lorapage.sources import AdapterRoots
@@ -57,11 +57,13 @@ class VersionStore(Protocol):
 
     def remove(self, name: str, *, actor: str | None = None) -> list[str]: ...
 
-    async def deploy(self, adapter_id: str, version: int, *, channel: str = "", actor: str | None = None) -> Keyed: ...
-
-    async def rollback(
-        self, adapter_id: str, version: int | None = None, *, channel: str = "", actor: str | None = None
-    ) -> Keyed: ...
+    async def move(
+        self, adapter_id: str, to: int | Choose, *, channel: str = "", action: str = "deploy", actor: str | None = None
+    ) -> Keyed:
+        """Point the alias (or its named ``channel``) at version ``to``, or at the one ``to`` chooses
+        from the alias's moves, where it points and the versions servable, all read and moved under
+        the store's one lock; committed and audited as ``action``."""
+        ...
 
     async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None: ...
 
@@ -149,14 +151,22 @@ class Admin:
     async def deploy(self, adapter_id: str, version: int, channel: str, actor: str) -> str:
         """Point ``adapter_id`` (or its ``channel``, created on first use) at ``version``; the
         name to describe. Requests in flight finish on the version they started with."""
-        moved = await self.store.deploy(adapter_id, version, channel=channel, actor=actor)
+        moved = await self.store.move(adapter_id, version, channel=channel, action="deploy", actor=actor)
         return f"{adapter_id}@{channel}" if channel else moved.key
 
     async def rollback(self, adapter_id: str, version: int | None, channel: str, actor: str) -> str:
         """Back to ``version`` or, None, the one the alias (or channel) served before its last
-        deploy; the name to describe."""
-        moved = await self.store.rollback(adapter_id, version, channel=channel, actor=actor)
-        return f"{adapter_id}@{channel}" if channel else moved.key
+        deploy (:func:`~lorapage.registry.audit.rollback_version`: rolling back again goes one
+        deploy further back; 409 when none is left), chosen under the store's lock from the alias
+        history and the versions servable there; the name to describe."""
+        alias = f"{adapter_id}@{channel}" if channel else adapter_id
+
+        def back(moves: Sequence[AliasMove], at: int, servable: Collection[int]) -> int:
+            return rollback_version(moves, at, servable, alias)
+
+        to = back if version is None else version
+        moved = await self.store.move(adapter_id, to, channel=channel, action="rollback", actor=actor)
+        return alias if channel else moved.key
 
     def removable(self, name: str) -> list[str]:
         """The versions a delete of ``name`` removes (404 unknown; 409 where it is refused)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +221,12 @@ def moves(db: sqlite3.Connection, adapter_id: str, limit: int | None = None) -> 
         (adapter_id, -1 if limit is None else limit),
     ).fetchall()
     return [AliasMove(*r) for r in rows]
+
+
+Choose = Callable[[Sequence[AliasMove], int, Collection[int]], int]
+"""How a store's move picks its version when it is given none: from the alias's moves (one
+channel's, newest first), the version the alias points at and the versions servable there, read
+under the store's lock (a rollback: :func:`rollback_version`)."""
 
 
 def rollback_target(history: Sequence[AliasMove], current: int, existing: Collection[int]) -> int | None:

@@ -5,11 +5,12 @@ A registration of new content under an id makes an immutable version ``id@N`` in
 prepare (fetch the files from a source an owner may read), check (read them whole against this
 engine: :mod:`lorapage.registry.prepare`), store (commit to the registry, in a worker thread) and
 announce (show it in the live view and give it its cache entry). The id itself is an alias for one
-version (the current), re-pointed atomically by a deploy or a rollback. A request names ``id``,
-``id@N`` or ``id@channel`` (a named channel, e.g. ``prod``: a second alias a deploy moves on its
-own; a lowercase letter first, so it never reads as a version) and is resolved to one version when
-it is submitted (:meth:`AdapterCatalog.resolve_version`): it runs on that version to its end,
-whatever the aliases do meanwhile. The adapter cache serves each version under its key ``id@N``
+version (the current), re-pointed atomically by a move (:meth:`AdapterCatalog.move`: a deploy, or
+a rollback the admin chose). A request names ``id``, ``id@N`` or ``id@channel`` (a named
+channel, e.g. ``prod``: a second alias a deploy moves on its own; a lowercase letter first, so it
+never reads as a version) and is resolved to one version when it is submitted
+(:meth:`AdapterCatalog.resolve_version`): it runs on that version to its end, whatever the
+aliases do meanwhile. The adapter cache serves each version under its key ``id@N``
 and knows nothing of aliases.
 
 Every change is committed to the :class:`~lorapage.registry.store.Registry` before the live
@@ -33,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from lorapage.errors import (
     AdapterNotFoundError,
     PinLimitError,
 )
-from lorapage.registry.audit import DEFAULT_CHANNEL, AliasMove, AuditEntry, AuditQuery, check_channel, rollback_version
+from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery, Choose, check_channel
 from lorapage.registry.drift_state import MIGRATED, DriftRecord, MigrationRow
 from lorapage.registry.prepare import (
     REGISTRATION_TIMEOUT_S,
@@ -60,7 +61,7 @@ from lorapage.registry.prepare import (
     spec_from_json,
     spec_to_json,
 )
-from lorapage.registry.store import Registry, VersionRow
+from lorapage.registry.store import Registry, TrafficRow, VersionRow
 from lorapage.registry.version_index import VersionIndex, VersionReads
 
 log = logging.getLogger("lorapage.adapters")
@@ -420,49 +421,38 @@ class AdapterCatalog:
 
     # -- aliases and channels -------------------------------------------------------------------
 
-    async def deploy(
-        self, adapter_id: str, version: int, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
+    async def move(
+        self, adapter_id: str, to: int | Choose, *, channel: str = "", action: str = "deploy", actor: str | None = None
     ) -> VersionInfo:
-        """Point ``adapter_id`` (or its named ``channel``, created on first use: ``id@channel``)
-        at ``version``. Requests already submitted keep the version they were resolved to."""
-        self._index.require(adapter_id)
-        check_channel(channel)
-        async with self._lock:
-            return await self._move(adapter_id, version, channel, "deploy", actor)
-
-    async def rollback(
-        self, adapter_id: str, version: int | None = None, *, channel: str = DEFAULT_CHANNEL, actor: str | None = None
-    ) -> VersionInfo:
-        """Point ``adapter_id`` (or its ``channel``) back at ``version``, or without one at the
-        version before its last deploy (:func:`~lorapage.registry.audit.rollback_target`: rolling
-        back again goes one deploy further back); 409 when there is none."""
+        """Point ``adapter_id`` (or its named ``channel``, created on first use: ``id@channel``) at
+        version ``to``, or at the one ``to`` chooses (a rollback's :data:`~lorapage.registry.audit.Choose`)
+        from the alias's moves, where it points and the versions served here, under one lock. Committed
+        (audited as ``action``) before the live view shows it; submitted requests keep their version."""
         entry = self._index.require(adapter_id)
         check_channel(channel)
-        async with self._lock:  # no other move between reading the history and this one
-            at = self._index.at(adapter_id, channel)
-            if version is None:
+        async with self._lock:
+            if isinstance(to, int):
+                version = to
+            else:
+                at = self._index.at(adapter_id, channel)
                 history = await _blocking(self._io, lambda: self._registry.alias_history(adapter_id))
                 servable = [v for v, row in entry.versions.items() if row.key in self._cache.entries]
-                moves = [m for m in history if m.channel == channel]
-                version = rollback_version(moves, at, servable, f"{adapter_id}@{channel}" if channel else adapter_id)
-            return await self._move(adapter_id, version, channel, "rollback", actor)
-
-    async def _move(self, adapter_id: str, version: int, channel: str, action: str, actor: str | None) -> VersionInfo:
-        """Move the alias (or ``channel``) to ``version``, committed first (the caller holds the lock)."""
-        row = self._index.existing(adapter_id, version)
-        if row.key not in self._cache.entries:
-            self.resolve_version(row.key)  # raises the base mismatch
-        if channel:
-            await _blocking(
-                self._io, lambda: self._registry.set_channel(adapter_id, channel, version, action=action, actor=actor)
-            )
-            self._index.set_channel(adapter_id, channel, version)
-        else:
-            await _blocking(
-                self._io, lambda: self._registry.set_current(adapter_id, version, action=action, actor=actor)
-            )
-            self._index.set_current(adapter_id, version)
-        return self._info(row)
+                version = to([m for m in history if m.channel == channel], at, servable)
+            row = self._index.existing(adapter_id, version)
+            if row.key not in self._cache.entries:
+                self.resolve_version(row.key)  # raises the base mismatch
+            if channel:
+                await _blocking(
+                    self._io,
+                    lambda: self._registry.set_channel(adapter_id, channel, version, action=action, actor=actor),
+                )
+                self._index.set_channel(adapter_id, channel, version)
+            else:
+                await _blocking(
+                    self._io, lambda: self._registry.set_current(adapter_id, version, action=action, actor=actor)
+                )
+                self._index.set_current(adapter_id, version)
+            return self._info(row)
 
     async def remove_channel(self, adapter_id: str, channel: str, *, actor: str | None = None) -> None:
         """Forget ``adapter_id``'s named ``channel`` (``id@channel`` then names nothing), audited."""
@@ -549,6 +539,24 @@ class AdapterCatalog:
             lambda: self._registry.record(action, adapter_id, actor=actor, tenant=owner, after=after, outcome=outcome),
         )
 
+    def keep_traffic(
+        self, rows: list[TrafficRow], hour: int, retention_hours: int, *, audit_before: float | None = None
+    ) -> None:
+        """Add ``rows`` to the hourly traffic table (hours past ``retention_hours`` deleted) and drop
+        the audit rows older than ``audit_before``, if given (blocking: the tier keeper's upkeep)."""
+        if rows:
+            self._registry.add_traffic(rows, hour, retention_hours)
+        if audit_before is not None:
+            self._registry.prune_audit(audit_before)
+
+    def requests_by_version(self, weights: Sequence[tuple[int, float, float]]) -> dict[str, tuple[float, float]]:
+        """Every version's requests, weighted per hour (:meth:`Registry.weighted_requests`; blocking)."""
+        return self._registry.weighted_requests(weights)
+
+    def traffic_rows(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
+        """The traffic rows from hour ``since_hour`` on, of ``adapter_id`` or of every id (blocking)."""
+        return self._registry.traffic(since_hour, adapter_id)
+
     async def migrate_version(self, state: MigrationRow, *, actor: str | None = None) -> VersionRow:
         """Version ``state.key``, whose drift check passed, stored again bound to ``state.target``
         (:meth:`Registry.migrate_version`: the alias stays, the migration ``migrated``, audited) and
@@ -559,6 +567,10 @@ class AdapterCatalog:
         if known and self._index.version(row.adapter_id, row.version) is None:
             self._index.put(row)
         return row
+
+    def close(self) -> None:
+        """Close the registry this catalog alone holds (after the tiers' last write; waits for a commit)."""
+        self._registry.close()
 
 
 async def _blocking(io: Executor, work: Callable[[], T]) -> T:

@@ -28,11 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lorapage.adapters.binding import shown_digest
-from lorapage.adapters.digest import digest_param
 from lorapage.bases.serving import ServedBase, check_alike, route_base, served_migrations, version_across
 from lorapage.errors import (
-    AdapterBaseMismatchError,
-    AdapterBaseUnknownError,
     AdapterNotFoundError,
     ConflictError,
     LorapageError,
@@ -154,76 +151,6 @@ class Engines:
     def _served_migrations(self) -> dict[str, str]:
         states = self.primary.admin.catalog.drift_record.migration_states()
         return served_migrations(states, {b.digest for b in self.bases})
-
-    async def register(
-        self,
-        name: str,
-        source: str,
-        *,
-        owner: str | None,
-        sha256: str | None,
-        expected_base_digest: str | None,
-        activate: bool,
-        actor: str | None,
-    ) -> tuple[str, bool]:
-        """A registration (``POST /v1/adapters``): on the primary, unless it was trained on
-        another base served here: its ``expected_base_digest`` names that base, or (none given) the
-        primary cannot bind it (another base, or a name it does not know) and that base's engine
-        binds it by its metadata (``base_model_name_or_path``: that base's own names, or
-        ``--base-names``). Then that engine fetches and checks it, the primary's registry stores
-        it, and that engine serves it. Otherwise the primary's refusal stands. Returns the
-        version's key and whether it is new."""
-        side = self._side(expected_base_digest)
-        if side is not None:
-            return await self._register_on(side, name, source, owner, sha256, expected_base_digest, activate, actor)
-        try:
-            version, created = await self.primary.admin.catalog.register(
-                name,
-                source,
-                owner=owner,
-                sha256=sha256,
-                expected_base_digest=expected_base_digest,
-                activate=activate,
-                actor=actor,
-            )
-            return version.key, created
-        except (AdapterBaseMismatchError, AdapterBaseUnknownError):
-            if not self.several or expected_base_digest is not None:
-                raise
-            for side in self.engines[1:]:
-                try:
-                    return await self._register_on(side, name, source, owner, sha256, None, activate, actor)
-                except (AdapterBaseMismatchError, AdapterBaseUnknownError):
-                    continue
-            raise
-
-    async def _register_on(
-        self,
-        side: Engine,
-        name: str,
-        source: str,
-        owner: str | None,
-        sha256: str | None,
-        expected_base_digest: str | None,
-        activate: bool,
-        actor: str | None,
-    ) -> tuple[str, bool]:
-        """Register on another base's engine: checked there, stored in the primary's registry, mirrored."""
-        prepared = await side.admin.catalog.preparer.prepare(
-            source, sha256=sha256, expected_base_digest=expected_base_digest, owner=owner
-        )
-        version, created = await self.primary.admin.catalog.add_prepared(
-            name, prepared, owner=owner, activate=activate, actor=actor
-        )
-        self.sync()
-        return version.key, created
-
-    def _side(self, expected_base_digest: str | None) -> Engine | None:
-        """The engine of another base served here that ``expected_base_digest`` names (None: the primary's job)."""
-        if not self.several or expected_base_digest is None:
-            return None
-        digest = digest_param(expected_base_digest, "expected_base_digest")
-        return None if digest == self.primary.digest else self._by_digest.get(digest)
 
     def serving(self, name: str) -> tuple[Engine, str]:
         """The engine that serves ``name`` and the name to ask it for (the version key on another

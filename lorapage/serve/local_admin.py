@@ -2,7 +2,7 @@
 
 The store is the primary engine's catalog (its registry is the server's; the other bases' engines
 mirror it after each request, :meth:`~lorapage.serve.engines.Engines.sync`); a registration goes
-to the engine of the base the version is bound to (:meth:`~lorapage.serve.engines.Engines.register`);
+to the engine of the base the version is bound to (:meth:`LocalDeployment.add_version`);
 pins, loads and unloads act on the primary's pool (:meth:`~lorapage.serve.engines.Engines.on_primary`).
 A version is described from the engine of the base it runs on, with its last 24 hours of traffic.
 """
@@ -10,8 +10,10 @@ A version is described from the engine of the base it runs on, with its last 24 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lorapage.adapters.digest import digest_param
+from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError
 from lorapage.frontend.admin import cost_fields
 from lorapage.frontend.admin_ops import Admin
 from lorapage.frontend.registration import Registration
@@ -19,6 +21,9 @@ from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOu
 from lorapage.frontend.state import ServerState
 from lorapage.registry.drift_state import CheckPrompts
 from lorapage.serve.engine_backend import EngineBackend
+
+if TYPE_CHECKING:
+    from lorapage.engine import Engine
 
 TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
 
@@ -100,15 +105,51 @@ class LocalDeployment:
         ]
 
     async def add_version(self, reg: Registration, source: str, actor: str) -> tuple[str, bool]:
-        return await self.engines.register(
-            reg.id,
-            source,
-            owner=reg.owner,
-            sha256=reg.sha256,
-            expected_base_digest=reg.expected_base_digest,
-            activate=reg.activate,
-            actor=actor,
+        """On the primary, unless it was trained on another base served here: its
+        ``expected_base_digest`` names that base, or (none given) the primary cannot bind it
+        (another base, or a name it does not know) and that base's engine binds it by its metadata
+        (``base_model_name_or_path``: that base's own names, or ``--base-names``). Then that engine
+        fetches and checks it, the primary's registry stores it, and that engine serves it.
+        Otherwise the primary's refusal stands."""
+        engines, expected = self.engines, reg.expected_base_digest
+        side = None  # the engine of another base served here that ``expected`` names
+        if engines.several and expected is not None:
+            side = engines.side_engine(digest_param(expected, "expected_base_digest"))
+        if side is not None:
+            return await self._add_on(side, reg, source, expected, actor)
+        try:
+            version, created = await self.catalog.register(
+                reg.id,
+                source,
+                owner=reg.owner,
+                sha256=reg.sha256,
+                expected_base_digest=expected,
+                activate=reg.activate,
+                actor=actor,
+            )
+            return version.key, created
+        except (AdapterBaseMismatchError, AdapterBaseUnknownError):
+            if not engines.several or expected is not None:
+                raise
+            for side in engines.engines[1:]:
+                try:
+                    return await self._add_on(side, reg, source, None, actor)
+                except (AdapterBaseMismatchError, AdapterBaseUnknownError):
+                    continue
+            raise
+
+    async def _add_on(
+        self, side: Engine, reg: Registration, source: str, expected_base_digest: str | None, actor: str
+    ) -> tuple[str, bool]:
+        """Register on another base's engine: checked there, stored in the primary's registry, mirrored."""
+        prepared = await side.admin.catalog.preparer.prepare(
+            source, sha256=reg.sha256, expected_base_digest=expected_base_digest, owner=reg.owner
         )
+        version, created = await self.catalog.add_prepared(
+            reg.id, prepared, owner=reg.owner, activate=reg.activate, actor=actor
+        )
+        self.engines.sync()
+        return version.key, created
 
     def key_for(self, name: str, action: str) -> str:
         return self.catalog.resolve_version(self.engines.on_primary(name, action))

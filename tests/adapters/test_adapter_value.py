@@ -13,6 +13,7 @@ from engine_util import collect
 from server_harness import assert_openai_error, make_engine, running_server
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.value import LoadTier, RecentAdapters, ReloadCosts, Stage
 from lorapage.errors import ConflictError, PinLimitError
 from lorapage.registry.store import SCHEMA_VERSION, Registry
@@ -20,6 +21,20 @@ from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
 
 PROMPT = [5, 9, 12, 30]
 SHORT = SamplingParams(max_tokens=2, ignore_eos=True)
+
+
+async def pin(engine: Engine, name: str) -> AdapterInfo:
+    """A pin on an embedded engine: the catalog checks it against the bounds, commits and applies
+    it; then the version is loaded (the admin's pin over HTTP does the same, and undoes it when
+    the load fails)."""
+    key = engine.admin.catalog.resolve_version(name)
+    await engine.admin.catalog.set_pinned(key, True)
+    await engine.admin.make_resident(key)
+    return engine.admin.info(key)
+
+
+async def unpin(engine: Engine, name: str) -> None:
+    await engine.admin.catalog.set_pinned(engine.admin.catalog.resolve_version(name), False)
 
 
 class FrozenClock:
@@ -119,13 +134,13 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
     engine = engine_with(max_loras=8, max_resident_loras=8, max_pinned_fraction=0.008)
     try:
         assert engine.debug.residency.pins.limit() == 84
-        assert (await engine.admin.pin("acme")).pinned
-        await engine.admin.pin("globex@1")
+        assert (await pin(engine, "acme")).pinned
+        await pin(engine, "globex@1")
         assert engine.admin.pins_to_load() == []  # both loaded as they were pinned
         with pytest.raises(PinLimitError, match="asks for 73 pages"):
             engine.admin.check_pin("initech")  # asked before pinning: nothing is pinned
         with pytest.raises(PinLimitError) as err:
-            await engine.admin.pin("initech")
+            await pin(engine, "initech")
         assert err.value.status == 409 and err.value.code == "pin_limit_exceeded"
         message = err.value.message
         assert "asks for 73 pages" in message and "hold 43 pages" in message
@@ -135,16 +150,16 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert stats.adapter_pinned_pages == 43
         # what fleet placement reads: pinned and resident pages cannot be evicted; nothing queued
         assert stats.adapter_held_pages == 43 and stats.tokens_in_flight == 0 and stats.pool_page_bytes > 0
-        await engine.admin.unpin("acme")
-        await engine.admin.pin("initech")  # 6 + 73 fits now
+        await unpin(engine, "acme")
+        await pin(engine, "initech")  # 6 + 73 fits now
         assert engine.stats().adapters_pinned == 2
     finally:
         await engine.close()
     engine = engine_with(max_loras=2, max_resident_loras=2)
     try:
-        await engine.admin.pin("acme")
+        await pin(engine, "acme")
         with pytest.raises(PinLimitError, match="no unpinned lora slot"):
-            await engine.admin.pin("globex")
+            await pin(engine, "globex")
     finally:
         await engine.close()
 
@@ -154,7 +169,7 @@ async def test_a_pinned_adapter_is_never_evicted_nor_made_to_yield():
     A request for initech must be served by globex yielding, never by acme leaving."""
     engine = engine_with(max_loras=2, max_resident_loras=2, max_num_seqs=4, adapter_wait_s=0.05)
     try:
-        info = await engine.admin.pin("acme")
+        info = await pin(engine, "acme")
         assert info.tier == "gpu" and info.pinned
         pinned_slot = engine.debug.residency.get("acme@1").slot
         assert not engine.debug.adapters.room_for_kv(
@@ -183,7 +198,7 @@ async def test_pins_survive_a_restart(tmp_path):
     state = str(tmp_path / "state")
     engine = engine_with(state_dir=state, max_loras=4, max_resident_loras=4)
     try:
-        await engine.admin.pin("globex")
+        await pin(engine, "globex")
     finally:
         await engine.close()
 
@@ -197,7 +212,7 @@ async def test_pins_survive_a_restart(tmp_path):
                 break
             await asyncio.sleep(0.01)
         assert engine.admin.info("globex").tier == "gpu"
-        await engine.admin.unpin("globex")
+        await unpin(engine, "globex")
     finally:
         await engine.close()
 

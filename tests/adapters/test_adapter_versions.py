@@ -51,7 +51,7 @@ async def test_deploy_and_rollback_with_requests_in_flight_match_peft_per_versio
     assert (second.name, second.version, second.created) == ("cust@2", 2, True)
     started_on_v2 = asyncio.ensure_future(collect(engine, PROMPT, "cust", GREEDY))
     # ... and rolled back while both run: each finishes on the version it started with.
-    rolled = await engine.admin.catalog.deploy("cust", 1)
+    rolled = await engine.admin.catalog.move("cust", 1)
     assert rolled.key == "cust@1"
     async for out in on_v1:
         tokens_v1 = list(out.token_ids)

@@ -81,7 +81,7 @@ async def test_the_engine_writes_the_table_and_judges_the_tiers_every_interval_o
         await until(lambda: engine.debug.tiers.tier("initech@1").value == "hot")
         await until(lambda: engine.debug.residency.pins.hot() == ["initech@1"])
         for _ in range(3000):  # the last step's tokens go out with the next write
-            stored = await asyncio.to_thread(engine.debug.tiers.registry.traffic, 0)
+            stored = await asyncio.to_thread(engine.debug.catalog.traffic_rows, 0)
             if [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]:
                 break
             await asyncio.sleep(0.02)
@@ -99,9 +99,9 @@ async def test_the_audit_trail_is_pruned_past_its_retention_with_the_traffic_wri
     try:
         for name, path in demo_adapter_dirs().items():
             engine.add_adapter(name, path)
-        engine.debug.registry.set_channel("acme", "prod", 1, action="deploy", actor="a")
-        assert await asyncio.to_thread(engine.debug.registry.audit, AuditQuery())
+        await engine.admin.catalog.record("load", "acme", actor="a")
+        assert await engine.admin.catalog.audit(AuditQuery())
         await engine.admin.refresh_tiers()
-        assert await asyncio.to_thread(engine.debug.registry.audit, AuditQuery()) == []
+        assert await engine.admin.catalog.audit(AuditQuery()) == []
     finally:
         await engine.close()

@@ -40,7 +40,7 @@ def test_every_fleet_registry_write_is_audited_as_its_actor(tmp_path: Path) -> N
     undone = "pin undone: its load failed (adapter_load_failed)"
     asyncio.run(fleet.set_pinned("acme@2", False, actor=ADMIN, outcome=undone))
     asyncio.run(fleet.record("load", "acme", actor=ADMIN, after={"version": 2}))
-    fleet.unload("acme@2", actor=ADMIN)
+    fleet.drop("acme@2", actor=ADMIN)
     fleet.remove("acme@1", actor=ADMIN)
     fleet.note("tenants_reload", None, actor="sighup", after={"tenants": ["alpha"]})
 

@@ -70,7 +70,7 @@ def test_changes_since_a_generation_and_a_restart(tmp_path: Path, engines) -> No
     assert first.full and {s.adapter_id for s in first.ids} == {"newco", "other"}
     assert first.tenant_weights == {"alpha": 1.0}
     v2, _ = fleet.add("newco", "alpha", globex, activate=False)
-    fleet.unload("other@1")
+    fleet.drop("other@1")
     later = fleet.changes_since(first.epoch, first.generation, {})
     assert not later.full and [s.adapter_id for s in later.ids] == ["newco"]
     assert [r.key for r in later.ids[0].versions] == ["newco@1", "newco@2"] and later.ids[0].current == 1
