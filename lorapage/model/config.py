@@ -1,4 +1,4 @@
-"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2)."""
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2, Gemma 2/3 text)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorapage.model.gemma_config import GEMMA_ARCHITECTURES, REFUSED, GemmaConfig
+from lorapage.model.windows import layer_windows
+
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *GEMMA_ARCHITECTURES)
 
 # What config.json must say; everything else has the defaults transformers gives it.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -37,6 +40,9 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Per layer, the sliding window its attention reads (None: global); () when no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3's additions; None for every other family
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -48,7 +54,10 @@ class ModelConfig:
             raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(
+                f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}{REFUSED.get(arch, '')}"
+            )
+        gemma = GemmaConfig.from_raw(raw, arch) if arch in GEMMA_ARCHITECTURES else None
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -66,14 +75,20 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
+            rope_theta=gemma.global_rope_theta if gemma else raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=gemma.global_rope_scaling if gemma else scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", gemma is not None),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=layer_windows(raw, arch, raw["num_hidden_layers"]),
+            gemma=gemma,
         )
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, None where it attends to every position."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def q_size(self) -> int:
