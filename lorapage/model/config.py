@@ -49,14 +49,14 @@ class ModelConfig:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         if not isinstance(raw, dict):
             raise ValueError("config.json is not a JSON object")
-        missing = [k for k in REQUIRED_KEYS if k not in raw]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}{REFUSED.get(arch, '')}"
             )
+        missing = [k for k in REQUIRED_KEYS if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
         gemma = GemmaConfig.from_raw(raw, arch) if arch in GEMMA_ARCHITECTURES else None
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
