@@ -98,7 +98,12 @@ def paged_decode_attention_ref(
     # are G queries against it, so attention runs over [B, H_kv, G, D] queries.
     group = heads // kv_heads
     attn = _attend(
-        q.reshape(bsz, kv_heads, group, dim), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap
+        q.reshape(bsz, kv_heads, group, dim),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask[:, None, None, :],
+        scale,
+        softcap,
     )
     out.copy_(attn.reshape(bsz, heads, dim))
 

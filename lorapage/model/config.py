@@ -51,9 +51,8 @@ class ModelConfig:
             raise ValueError("config.json is not a JSON object")
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}{REFUSED.get(arch, '')}"
-            )
+            why = REFUSED.get(arch, "")
+            raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}{why}")
         missing = [k for k in REQUIRED_KEYS if k not in raw]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
@@ -65,6 +64,9 @@ class ModelConfig:
         scaling = raw.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
+        theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if gemma is not None:  # Gemma 3's rope is per layer type; these are the global layers'
+            theta, scaling = gemma.global_rope_theta, gemma.global_rope_scaling
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -75,8 +77,8 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=gemma.global_rope_theta if gemma else raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-            rope_scaling=gemma.global_rope_scaling if gemma else scaling,
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", gemma is not None),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),

@@ -45,10 +45,14 @@ class GemmaConfig:
                 "lorapage serves causal language models"
             )
         if raw.get("attention_bias"):
-            raise ValueError("config.json: attention_bias on a Gemma model is not supported (no released Gemma has one)")
+            raise ValueError(
+                "config.json: attention_bias on a Gemma model is not supported (no released Gemma has one)"
+            )
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ACTIVATIONS:
-            raise ValueError(f"config.json: hidden_activation {act!r} is not supported; expected one of {list(ACTIVATIONS)}")
+            raise ValueError(
+                f"config.json: hidden_activation {act!r} is not supported; expected one of {list(ACTIVATIONS)}"
+            )
         global_theta, local_theta = _DEFAULT_THETA[arch]
         params = raw.get("rope_parameters") or {}
         if "full_attention" in params or "sliding_attention" in params:

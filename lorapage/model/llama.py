@@ -134,7 +134,13 @@ class LlamaModel:
         return x * cos[:, None, :] + rotated * sin[:, None, :]
 
     def _paged_attention(
-        self, ops: KernelOps, q: Tensor, kv: Tensor, attn: AttentionMetadata, window: int | None, softcap: float | None = None
+        self,
+        ops: KernelOps,
+        q: Tensor,
+        kv: Tensor,
+        attn: AttentionMetadata,
+        window: int | None,
+        softcap: float | None = None,
     ) -> Tensor:
         """Each token's attention [T, H * D] over its sequence's pages: the decode rows', then the
         prefill rows', through a layer's sliding ``window`` (None: global) and logit ``softcap``."""

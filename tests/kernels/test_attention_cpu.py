@@ -109,7 +109,9 @@ def test_windows_and_soft_caps_are_within_the_bound(lib, window, softcap):
     out = torch.full_like(q, float("nan"))
     assert decode_attention_c(lib, out, q, kv, table, lens, scale, window, softcap)
     want = _reference(q, k, v, lens, scale, first, softcap)
-    assert_within(out, want, decode_attention(q, k, v, lens, scale, first=first, softcap=softcap), f"{window} {softcap}")
+    assert_within(
+        out, want, decode_attention(q, k, v, lens, scale, first=first, softcap=softcap), f"{window} {softcap}"
+    )
     ref = torch.empty_like(q)
     paged_decode_attention_ref(ref, q, kv, table, lens, scale, window, softcap)
     assert_within(ref, want, decode_attention(q, k, v, lens, scale, first=first, softcap=softcap), "reference")

@@ -284,5 +284,7 @@ def test_windowed_prefill_in_chunks_equals_the_whole_prompt_and_decode() -> None
         prefill_attention(chunked[lo:hi], q[lo:hi], kv, table, [0, hi - lo], [hi], 0.3, window, 3.0)
     assert rel_err(chunked, whole) < 1e-6
     last = torch.empty_like(q[-1:])
-    paged_decode_attention(last, q[-1:], kv, table, torch.tensor([n], dtype=torch.int32, device=DEVICE), 0.3, window, 3.0)
+    paged_decode_attention(
+        last, q[-1:], kv, table, torch.tensor([n], dtype=torch.int32, device=DEVICE), 0.3, window, 3.0
+    )
     assert rel_err(last, whole[-1:]) < 1e-5

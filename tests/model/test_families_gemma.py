@@ -22,7 +22,11 @@ from lorapage.tiny import TINY_BASE_DIR
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WINDOW = 6
 # Longer than the window, so the local layers' reads leave the prompt's start behind.
-PROMPTS = [[5, 9, 17, 33, 60, 2, 8, 11, 40, 7, 90, 3], [100, 3, 41, 8, 7, 6, 5, 4, 3, 2, 1], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+PROMPTS = [
+    [5, 9, 17, 33, 60, 2, 8, 11, 40, 7, 90, 3],
+    [100, 3, 41, 8, 7, 6, 5, 4, 3, 2, 1],
+    [12, 13, 14, 15, 16, 17, 18, 19, 20],
+]
 ADAPTERS = [None, "a0", "a1"]  # one row each: the base and two adapters
 MAX_TOKENS = 5
 TOL = 1e-4  # max |dlogprob| in float32, as tests/model/test_model_variants.py
@@ -42,10 +46,6 @@ COMMON = dict(
 )
 
 
-def _gemma2(cls_config, cls_model):
-    return cls_model(cls_config(num_hidden_layers=2, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **COMMON))
-
-
 def _build(kind: str):
     """The family's own config class and model: Gemma 2 (local, global: its default alternation,
     the real soft-caps) or Gemma 3 text (local, local, global; 1e4 local base, 1e6 global base
@@ -53,13 +53,16 @@ def _build(kind: str):
     from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     if kind == "gemma2":
-        return _gemma2(Gemma2Config, Gemma2ForCausalLM)
+        caps = dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        return Gemma2ForCausalLM(Gemma2Config(num_hidden_layers=2, **caps, **COMMON))
     rope = {
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     }
     layer_types = ["sliding_attention", "sliding_attention", "full_attention"]
-    return Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=3, layer_types=layer_types, rope_parameters=rope, **COMMON))
+    return Gemma3ForCausalLM(
+        Gemma3TextConfig(num_hidden_layers=3, layer_types=layer_types, rope_parameters=rope, **COMMON)
+    )
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
@@ -76,7 +79,9 @@ def family(request, tmp_path_factory):
     model.save_pretrained(path)
     for f in TOKENIZER_FILES:
         shutil.copy(TINY_BASE_DIR / f, path / f)
-    adapters = [make_peft_adapter(path, path.parent / f"{path.name}_a{i}", r=8, targets=TARGETS, seed=i + 1) for i in range(2)]
+    adapters = [
+        make_peft_adapter(path, path.parent / f"{path.name}_a{i}", r=8, targets=TARGETS, seed=i + 1) for i in range(2)
+    ]
     return path, adapters
 
 
