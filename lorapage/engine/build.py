@@ -493,6 +493,7 @@ def build_scheduling(
         sizing.max_model_len,
         base.eos_token_ids,
         chunked_prefill=config.enable_chunked_prefill,
+        layer_windows=base.model_config.layer_windows,
     )
     planner = StepPlanner(
         policy,

@@ -15,6 +15,7 @@ import torch
 from hf_reference import TOKENIZER_FILES, make_peft_adapter
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.memory.kv import held_pages
 from lorapage.model.config import ModelConfig
 from lorapage.model.windows import blocks_out_of_window
 from lorapage.tiny import TINY_BASE_DIR
@@ -85,31 +86,36 @@ def family(request, tmp_path_factory):
     return path, adapters
 
 
-def _reference(path, adapters, prompts=PROMPTS, names=ADAPTERS, **overrides):
+def _reference(path, adapters, prompts=PROMPTS, names=ADAPTERS, max_tokens=MAX_TOKENS, **overrides):
     """Greedy tokens and log-probabilities per row from transformers (+ peft, unmerged), eager
     attention; ``overrides`` change the config (to show what a setting is worth)."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, **overrides)
-    base = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation="eager")
-    model = PeftModel.from_pretrained(base, adapters[0], adapter_name="a0")
-    model.load_adapter(adapters[1], adapter_name="a1")
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation="eager")
+    if adapters:
+        model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
+        model.load_adapter(adapters[1], adapter_name="a1")
     model.eval()
+
+    def logits(ids: list[int], name: str | None) -> torch.Tensor:
+        if name is None and adapters:
+            with model.disable_adapter():
+                return model(torch.tensor([ids])).logits[0, -1].float()
+        if name is not None:
+            model.set_adapter(name)
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
     out = []
     for prompt, name in zip(prompts, names, strict=True):
         ids, tokens, logprobs = list(prompt), [], []
-        for _ in range(MAX_TOKENS):
+        for _ in range(max_tokens):
             with torch.no_grad():
-                if name is None:
-                    with model.disable_adapter():
-                        logits = model(torch.tensor([ids])).logits[0, -1].float()
-                else:
-                    model.set_adapter(name)
-                    logits = model(torch.tensor([ids])).logits[0, -1].float()
-            t = int(torch.argmax(logits))
+                row = logits(ids, name)
+            t = int(torch.argmax(row))
             tokens.append(t)
-            logprobs.append(float(torch.log_softmax(logits, -1)[t]))
+            logprobs.append(float(torch.log_softmax(row, -1)[t]))
             ids.append(t)
         out.append((tokens, logprobs))
     return out
@@ -204,6 +210,42 @@ def test_a_model_with_a_global_layer_frees_no_block():
     # All layers windowed (Mistral's sliding_window): the next token at 100 reads 95..100.
     assert blocks_out_of_window((WINDOW, WINDOW), 100, 4) == 23
     assert blocks_out_of_window((WINDOW, 3), 5, 4) == 0
+
+
+def test_all_local_layers_free_the_blocks_behind_the_window(tmp_path):
+    """A Gemma-2-shaped model whose every layer is windowed (as Mistral's sliding_window): while a
+    sequence runs, the blocks no window reads again go back (to the pool, or idle in the prefix
+    cache), its table keeps their places as page 0, and the outputs still match transformers."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(3)
+    config = Gemma2Config(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, **COMMON)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TINY_BASE_DIR / f, tmp_path / f)
+    assert ModelConfig.from_dir(tmp_path).layer_windows == (WINDOW, WINDOW)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=4, kernel_backend="cpu"))
+    seen: list[tuple[int, int]] = []  # per running sequence per step: (pages held, blocks in its table)
+    schedule = engine.debug.policy.schedule
+
+    def watching(now, ctx):
+        seen.extend((held_pages(r.block_table), len(r.block_table)) for r in engine.debug.step_planner.running)
+        return schedule(now, ctx)
+
+    engine.debug.policy.schedule = watching
+    free = engine.debug.pool_free_pages()
+    for _ in range(2):  # the second pass starts from cached blocks, some of them freed ones
+        out = engine.generate_batch([(PROMPTS[0], None)], SamplingParams(max_tokens=16, temperature=0.0, logprobs=0))
+        want_tokens, want_lps = _reference(tmp_path, [], PROMPTS[:1], [None], max_tokens=16)[0]
+        assert out[0].token_ids == want_tokens
+        assert [x.logprob for x in out[0].logprobs] == pytest.approx(want_lps, abs=TOL)
+    # A window of 6 spans at most 3 blocks of 4, plus the block the next token goes to.
+    assert max(h for h, _ in seen) <= 4 < max(n for _, n in seen)
+    assert engine.debug.pool_free_pages() == free  # every page back, free or idle in the cache; page 0 not freed
 
 
 def test_gemma3_vision_checkpoint_is_refused_naming_the_text_model(tmp_path):
