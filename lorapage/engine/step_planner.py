@@ -321,7 +321,9 @@ class StepPlanner:
             # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
             prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
             sampled_one = int(sample is not None)
-            charged.append(StepRow(req.tenant, req.usage_adapter, prompt_fed, sampled_one, held_pages(req.block_table)))
+            # Only a model whose every layer is windowed frees blocks (page 0): count them then alone.
+            pages = held_pages(req.block_table) if self.limits.layer_windows else len(req.block_table)
+            charged.append(StepRow(req.tenant, req.usage_adapter, prompt_fed, sampled_one, pages))
             if req.aborted:
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.
