@@ -1,9 +1,10 @@
-"""Gemma 2 and Gemma 3 text against transformers + peft: random-weight checkpoints made by their own
-config classes, with sliding-window layers (a window of 6 the prompts cross) between global ones,
-Gemma 2's attention and final logit soft-capping, Gemma 3's q/k norms, local rope base and linear
-rope scaling on its global layers; LoRA on all seven projections; one mixed batch (a base row and
-two adapters' rows) per kernel path. The reference runs HF's eager attention, the one that
-soft-caps (sdpa cannot)."""
+"""Gemma 2 and Gemma 3 text against transformers + peft: random-weight checkpoints made by their
+own config classes, with sliding-window layers (a window of 6 the prompts cross) between global
+ones, Gemma 2's attention and final logit soft-capping, Gemma 3's q/k norms, local rope base and
+linear rope scaling on its global layers; LoRA on all seven projections; one mixed batch (a base
+row and two adapters' rows) per kernel path. The reference runs HF's eager attention, the one
+that soft-caps (sdpa cannot). Also: all-windowed models (an all-local Gemma 2, Mistral's
+sliding_window), whose blocks behind the window are freed."""
 
 from __future__ import annotations
 
@@ -246,6 +247,31 @@ def test_all_local_layers_free_the_blocks_behind_the_window(tmp_path):
     # A window of 6 spans at most 3 blocks of 4, plus the block the next token goes to.
     assert max(h for h, _ in seen) <= 4 < max(n for _, n in seen)
     assert engine.debug.pool_free_pages() == free  # every page back, free or idle in the cache; page 0 not freed
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """Mistral windows every layer when ``sliding_window`` is set (v0.1's 4096; 5 here, which the
+    prompt and the generated tokens cross), as transformers does."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(4)
+    shape = {k: COMMON[k] for k in ("vocab_size", "num_attention_heads", "num_key_value_heads", "eos_token_id")}
+    config = MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, sliding_window=5, **shape)
+    model = MistralForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.dim() == 2 else p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TINY_BASE_DIR / f, tmp_path / f)
+    assert ModelConfig.from_dir(tmp_path).layer_windows == (5, 5)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=4, kernel_backend="cpu"))
+    out = engine.generate_batch([(PROMPTS[0], None)], SamplingParams(max_tokens=8, temperature=0.0, logprobs=0))[0]
+    want_tokens, want_lps = _reference(tmp_path, [], PROMPTS[:1], [None], max_tokens=8)[0]
+    assert out.token_ids == want_tokens
+    assert [x.logprob for x in out.logprobs] == pytest.approx(want_lps, abs=TOL)
+    unwindowed = _reference(tmp_path, [], PROMPTS[:1], [None], max_tokens=8, sliding_window=None)[0][1]
+    assert max(abs(a - b) for a, b in zip(unwindowed, want_lps)) > 10 * TOL  # the window matters here
 
 
 def test_gemma3_vision_checkpoint_is_refused_naming_the_text_model(tmp_path):
