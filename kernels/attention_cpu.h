@@ -4,7 +4,9 @@
  * Same result as kernels/attention_ref.py's paged_decode_attention_ref, for one query token per row:
  *   out[b, h] = softmax(q[b, h] @ K_b[:, h / G].T * scale) @ V_b[:, h / G],   G = heads / kv_heads,
  * over the first context_lens[b] positions, K_b and V_b read through the row's block table from
- * pages laid out [2, block_size, kv_heads, head_dim] (K, then V).
+ * pages laid out [2, block_size, kv_heads, head_dim] (K, then V). With window > 0 (a sliding-window
+ * layer) only the last `window` of those positions are read; with softcap > 0 each scaled score s
+ * becomes softcap * tanhf(s / softcap) before the softmax (Gemma 2's attention soft-capping).
  *
  * Why C: a decode step's attention is small (32 rows of ~40 positions is ~3 MFLOP), and the
  * PyTorch reference spends its time in the ops around it: gathering every row's pages into
@@ -27,7 +29,8 @@
 int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kv,
                           int64_t page_stride, int64_t block_size, int64_t kv_heads, int64_t head_dim,
                           int64_t heads, const int32_t *block_table, int64_t table_stride,
-                          const int32_t *context_lens, int64_t rows, float scale, int nthreads) {
+                          const int32_t *context_lens, int64_t rows, float scale, int64_t window, float softcap,
+                          int nthreads) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     const int64_t v_offset = block_size * token_stride; /* V's half of a page */
     int64_t longest = 0;
@@ -47,24 +50,26 @@ int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t
         for (int64_t b = 0; b < rows; b++)
             for (int64_t j = 0; j < kv_heads; j++) {
                 if (!scores) continue;
-                const int64_t n = context_lens[b];
+                const int64_t n = context_lens[b], first = window > 0 && n > window ? n - window : 0;
                 const int32_t *table = block_table + b * table_stride;
                 const float *qb = q + b * q_stride + j * group * head_dim;
-                for (int64_t p = 0; p < n; p++) {
+                for (int64_t p = first; p < n; p++) {
                     const float *k = kv + table[p / block_size] * page_stride + (p % block_size) * token_stride +
                                      j * head_dim;
-                    for (int64_t g = 0; g < group; g++)
-                        scores[g * longest + p] = dot_f32(qb + g * head_dim, k, head_dim) * scale;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float s = dot_f32(qb + g * head_dim, k, head_dim) * scale;
+                        scores[g * longest + p] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+                    }
                 }
                 float total[group];
                 for (int64_t g = 0; g < group; g++) {
                     float *s = scores + g * longest, top = -INFINITY, sum = 0.0f;
-                    for (int64_t p = 0; p < n; p++) top = s[p] > top ? s[p] : top;
-                    for (int64_t p = 0; p < n; p++) sum += (s[p] = expf(s[p] - top));
+                    for (int64_t p = first; p < n; p++) top = s[p] > top ? s[p] : top;
+                    for (int64_t p = first; p < n; p++) sum += (s[p] = expf(s[p] - top));
                     total[g] = sum;
                 }
                 memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-                for (int64_t p = 0; p < n; p++) {
+                for (int64_t p = first; p < n; p++) {
                     const float *v = kv + table[p / block_size] * page_stride + v_offset +
                                      (p % block_size) * token_stride + j * head_dim;
                     for (int64_t g = 0; g < group; g++) {

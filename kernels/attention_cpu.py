@@ -32,17 +32,33 @@ def _c_layout(out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_l
 
 
 def paged_decode_attention_cpu(
-    out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+    out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    block_table: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """Same as :func:`paged_decode_attention_ref`: ``out[b] = softmax(q[b] @ K_b.T * scale) @ V_b``
-    over the first ``context_lens[b]`` positions (GQA: query head h reads KV head ``h // (H / H_kv)``)."""
+    """Same as :func:`paged_decode_attention_ref`: ``out[b] = softmax(cap(q[b] @ K_b.T * scale)) @ V_b``
+    over the first ``context_lens[b]`` positions, the last ``window`` of them when given (GQA:
+    query head h reads KV head ``h // (H / H_kv)``)."""
     lib = cpu_kernels()
-    if lib is None or not decode_attention_c(lib, out, q, kv, block_table, context_lens, scale):
-        paged_decode_attention_ref(out, q, kv, block_table, context_lens, scale)
+    if lib is None or not decode_attention_c(lib, out, q, kv, block_table, context_lens, scale, window, softcap):
+        paged_decode_attention_ref(out, q, kv, block_table, context_lens, scale, window, softcap)
 
 
 def decode_attention_c(
-    lib: ctypes.CDLL, out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+    lib: ctypes.CDLL,
+    out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    block_table: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """The C kernel of ``lib`` into ``out``; False (``out`` untouched or partly written) where it
     cannot take these tensors or could not allocate its buffers."""
@@ -65,6 +81,8 @@ def decode_attention_c(
         context_lens.data_ptr(),
         rows,
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
     )
     return not failed

@@ -5,6 +5,11 @@ holds V for ``block_size`` token positions, as ``[num_pages, 2, block_size, num_
 head_dim]``. A token at position p of a sequence lives in page ``block_table[p // block_size]``
 at offset ``p % block_size``; its flat slot is ``page * block_size + offset``. Page 0 is the
 dummy page padded rows write to and nobody reads.
+
+Two per-layer options, as Gemma 2/3 and Mistral define them (HF's eager attention): ``window`` W
+(a sliding-window layer; None for a global one) lets the query at position p see positions
+``p - W < j <= p`` only; ``softcap`` c replaces each scaled score s by ``c * tanh(s / c)`` before
+the softmax.
 """
 
 from __future__ import annotations
@@ -32,10 +37,39 @@ def _gather_context(kv: Tensor, block_table: Tensor, max_blocks: int) -> tuple[T
     return blocks[:, :, 0].reshape(b, nb * bs, hkv, d), blocks[:, :, 1].reshape(b, nb * bs, hkv, d)
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
+    """``softmax(cap(q @ k.T * scale) + mask) @ v`` over [..., n, D] queries and [..., L, D] keys
+    (a None mask: causal), k and v with the same heads (dim -3) as q or fewer (GQA).
+    scaled_dot_product_attention has no soft-cap: with one, the scores are computed as HF's eager
+    attention computes them, the softmax in float32."""
+    group = q.shape[-3] // k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n, length = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def paged_decode_attention_ref(
-    out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+    out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    block_table: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """``out[b] = softmax(q[b] @ K_b.T * scale) @ V_b`` over the first ``context_lens[b]`` positions.
+    """``out[b] = softmax(cap(q[b] @ K_b.T * scale)) @ V_b`` over the first ``context_lens[b]``
+    positions, the last ``window`` of them when a window is given.
 
     One query token per row; K_b, V_b are read from the row's pages with GQA (query head h reads
     KV head ``h // (H / H_kv)``). Shapes: out and q [B, H, D], block_table [B, max_blocks] int32,
@@ -49,7 +83,10 @@ def paged_decode_attention_ref(
     # index_select copies whole blocks, ~3x faster on CPU than indexing with the table.
     k = kv[:, 0].index_select(0, table).view(bsz, length, kv_heads, dim)
     v = kv[:, 1].index_select(0, table).view(bsz, length, kv_heads, dim)
-    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].to(q.device)  # [B, L]
+    at, lens = torch.arange(length, device=q.device)[None, :], context_lens[:, None].to(q.device)
+    mask = at < lens  # [B, L]
+    if window is not None:
+        mask &= at >= lens - window
     # Positions past a row's context hold whatever their page held before (another sequence's
     # stale K/V, possibly NaN): a masked weight of 0 times NaN is still NaN, so zero them first,
     # as the Triton kernel's masked loads do: only those rows (an index_fill_ of them costs a
@@ -60,12 +97,13 @@ def paged_decode_attention_ref(
     # GQA without repeating K/V: the query heads that share KV head j (heads j*G .. j*G+G-1)
     # are G queries against it, so attention runs over [B, H_kv, G, D] queries.
     group = heads // kv_heads
-    attn = F.scaled_dot_product_attention(
+    attn = _attend(
         q.reshape(bsz, kv_heads, group, dim),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
+        mask[:, None, None, :],
+        scale,
+        softcap,
     )
     out.copy_(attn.reshape(bsz, heads, dim))
 
@@ -78,28 +116,30 @@ def prefill_attention_ref(
     query_starts: list[int],
     context_lens: list[int],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its whole context read from pages.
 
     Sequence i owns query rows ``query_starts[i] : query_starts[i + 1]`` (the last ``n_i`` of its
     ``context_lens[i]`` positions, whose K and V are already written) and pages ``block_table[i]``.
     ``out[rows] = softmax(mask(q[rows] @ K_i.T * scale)) @ V_i`` where query j sees positions
-    ``<= context_lens[i] - n_i + j``. Shapes: out and q [T, H, D].
+    ``<= context_lens[i] - n_i + j`` (and, with a window W, ``> context_lens[i] - n_i + j - W``).
+    Shapes: out and q [T, H, D].
     """
-    heads, kv_heads = q.shape[1], kv.shape[3]
     block_size = kv.shape[2]
     for i, ctx in enumerate(context_lens):
         start, end = query_starts[i], query_starts[i + 1]
         n = end - start
+        # With a window, positions before the first query's window are dropped: their pages may
+        # have been freed (and reused), so whatever was gathered there never reaches a sum.
+        first = 0 if window is None else max(0, ctx - n - window + 1)
         k, v = _gather_context(kv, block_table[i : i + 1], -(-ctx // block_size))
-        k, v = k[0, :ctx].transpose(0, 1), v[0, :ctx].transpose(0, 1)  # [H_kv, ctx, D]
+        k, v = k[0, first:ctx].transpose(0, 1), v[0, first:ctx].transpose(0, 1)  # [H_kv, ctx - first, D]
         qi = q[start:end].transpose(0, 1)  # [H, n, D]
-        if n == ctx:
-            mask = None
-        else:
+        mask = None
+        if n != ctx or window is not None:
             rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        attn = F.scaled_dot_product_attention(
-            qi, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=heads != kv_heads
-        )
-        out[start:end] = attn.transpose(0, 1)
+            at = torch.arange(first, ctx, device=q.device)[None, :]
+            mask = (at <= rows) if window is None else (at <= rows) & (at > rows - window)
+        out[start:end] = _attend(qi, k, v, mask, scale, softcap).transpose(0, 1)

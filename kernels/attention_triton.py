@@ -76,6 +76,16 @@ def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
 
 
 @triton.jit
+def _softcap(scores, softcap, SOFTCAP: tl.constexpr):
+    """``softcap * tanh(scores / softcap)`` when SOFTCAP, as ``1 - 2 / (exp(2x) + 1)`` (no tanh in
+    the interpreter's tl.math): within a few float32 ulps of 1 in absolute terms, saturating to
+    +-1 without NaN."""
+    if SOFTCAP:
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+    return scores
+
+
+@triton.jit
 def _paged_decode_kernel(
     out,
     q,
@@ -83,6 +93,8 @@ def _paged_decode_kernel(
     block_table,
     context_lens,
     scale,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -95,9 +107,11 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program per (row, KV head): the GROUP query heads sharing that KV head, online softmax
-    over the row's pages one page at a time."""
+    over the row's pages one page at a time, from the page holding the window's first position
+    (``window`` 0: position 0)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     ctx = tl.load(context_lens + b)
@@ -115,13 +129,14 @@ def _paged_decode_kernel(
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
     num_pages = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
-    for j in range(0, num_pages):
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    for j in range(first // BLOCK_SIZE, num_pages):
         page = tl.load(block_table + b.to(tl.int64) * stride_bt + j).to(tl.int64)
-        p_mask = (p < BLOCK_SIZE) & (j * BLOCK_SIZE + p < ctx)
+        p_mask = (p < BLOCK_SIZE) & (j * BLOCK_SIZE + p < ctx) & (j * BLOCK_SIZE + p >= first)
         offs = page * page_stride + p[:, None] * row + kv_head * HEAD_DIM + d[None, :]
         mask = p_mask[:, None] & d_mask[None, :]
         kt = tl.load(kv + offs, mask=mask, other=0.0).to(tl.float32)  # [P, D]
-        scores = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2)  # [G, P]
+        scores = _softcap(tl.sum(qv[:, None, :] * kt[None, :, :], axis=2), softcap, SOFTCAP)  # [G, P]
         scores = tl.where(p_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -135,9 +150,17 @@ def _paged_decode_kernel(
 
 
 def paged_decode_attention(
-    out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+    out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    block_table: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """``out[b] = softmax(q[b] @ K_b.T * scale) @ V_b`` over the first ``context_lens[b]`` positions.
+    """``out[b] = softmax(cap(q[b] @ K_b.T * scale)) @ V_b`` over the first ``context_lens[b]``
+    positions, the last ``window`` of them when given.
 
     As :func:`paged_decode_attention_ref`: one query token per row, K_b and V_b read from the row's
     pages, query head h reading KV head ``h // (H / H_kv)``. Shapes: out and q [B, H, D] (heads
@@ -166,6 +189,8 @@ def paged_decode_attention(
         block_table,
         context_lens,
         float(scale),
+        window or 0,
+        float(softcap or 0.0),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -178,6 +203,7 @@ def paged_decode_attention(
         BLOCK_G=triton.next_power_of_2(group),
         BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_P=triton.next_power_of_2(block_size),
+        SOFTCAP=softcap is not None,
     )
 
 
@@ -209,6 +235,8 @@ def _paged_prefill_kernel(
     block_table,
     tiles,
     scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -223,10 +251,13 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One program per (tile, KV head): BLOCK_M query tokens of one sequence times the GROUP query
     heads sharing that KV head, as BLOCK_M * BLOCK_G rows, online softmax over BLOCK_N context
-    positions at a time. ``tiles[i] = (sequence, first query row, end of its rows, context length)``."""
+    positions at a time. ``tiles[i] = (sequence, first query row, end of its rows, context length)``.
+    With ``window`` > 0 a query sees only the last ``window`` positions up to its own, and the
+    loop starts at the tile's first query's window."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tiles + tile * 4).to(tl.int64)
@@ -249,13 +280,15 @@ def _paged_prefill_kernel(
     last = ctx - q_end + t
     row = KV_HEADS * HEAD_DIM
     page_stride = 2 * BLOCK_SIZE * row
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    log2e = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M * BLOCK_G], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M * BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
-    # Every row sees position 0, so after the first block no row's maximum is -inf (no NaN).
+    # Without a window every row sees position 0, so after the first block no row's maximum is
+    # -inf; with one, a later row may see nothing of the first blocks: m_safe keeps exp2 off -inf - -inf.
     kv_end = ctx - q_end + tl.minimum(q0 + BLOCK_M, q_end)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = tl.where(window > 0, tl.maximum(ctx - q_end + q0 - window + 1, 0), 0)
+    for start in range(kv_start, kv_end, BLOCK_N):
         pos = start + n
         p_mask = pos < ctx
         page = tl.load(block_table + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
@@ -265,16 +298,20 @@ def _paged_prefill_kernel(
         kt = tl.load(kv + offs, mask=mask, other=0.0)  # [N, D]
         scores = _dot(qv, tl.trans(kt), tl.zeros([BLOCK_M * BLOCK_G, BLOCK_N], dtype=tl.float32), INTERPRETED)
         visible = p_mask[None, :] & (pos[None, :] <= last[:, None])
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        visible &= (window <= 0) | (pos[None, :] > last[:, None] - window)
+        scores = tl.where(visible, _softcap(scores * scale, softcap, SOFTCAP) * log2e, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        probs = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        probs = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(probs, axis=1)
         vt = tl.load(kv + offs + BLOCK_SIZE * row, mask=mask, other=0.0)
         acc = _dot(probs, vt, acc * alpha[:, None], INTERPRETED)
         m_i = m_new
     o_ptrs = out + t[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, _cast(acc / l_i[:, None], out.dtype.element_ty, INTERPRETED), mask=io_mask)
+    # Padding rows past q_end may see no position inside a window (l_i = 0): they are not stored.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(o_ptrs, _cast(acc / l_safe[:, None], out.dtype.element_ty, INTERPRETED), mask=io_mask)
 
 
 def prefill_attention(
@@ -285,13 +322,16 @@ def prefill_attention(
     query_starts: list[int],
     context_lens: list[int],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """``out[rows_i] = softmax(q[rows_i] @ K_i.T * scale + causal_i) @ V_i`` for each sequence i.
+    """``out[rows_i] = softmax(cap(q[rows_i] @ K_i.T * scale) + causal_i) @ V_i`` for each sequence i.
 
     As :func:`prefill_attention_ref`: sequence i owns query rows ``rows_i = query_starts[i] :
     query_starts[i + 1]``, the last ``n_i`` of its ``context_lens[i]`` positions (their K and V
     already written), and reads K_i, V_i from pages ``block_table[i]``; query j of the chunk sees
-    positions ``<= context_lens[i] - n_i + j``; query head h reads KV head ``h // (H / H_kv)``.
+    positions ``<= context_lens[i] - n_i + j`` (and ``> context_lens[i] - n_i + j - window`` with a
+    window); query head h reads KV head ``h // (H / H_kv)``.
     Shapes: out and q [T, H, D] (heads contiguous; rows may be strided), kv [num_pages, 2,
     block_size, H_kv, D] contiguous, block_table [B, max_blocks] int32 (a row-strided slice is
     fine), query_starts B + 1 ascending host ints, context_lens B host ints with
@@ -334,6 +374,8 @@ def prefill_attention(
         block_table,
         tile_table,
         float(scale),
+        window or 0,
+        float(softcap or 0.0),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -348,4 +390,5 @@ def prefill_attention(
         BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=PREFILL_BLOCK_N,
         INTERPRETED=_INTERPRETED,
+        SOFTCAP=softcap is not None,
     )

@@ -69,8 +69,19 @@ class WriteKv(Protocol):
 
 
 class DecodeAttention(Protocol):
+    """``window``: a sliding-window layer's width (None: global); ``softcap``: the attention
+    logits' tanh cap (None: none). See :mod:`lorapage.kernels.attention_ref`."""
+
     def __call__(
-        self, out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor, scale: float
+        self,
+        out: Tensor,
+        q: Tensor,
+        kv: Tensor,
+        block_table: Tensor,
+        context_lens: Tensor,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None: ...
 
 
@@ -84,6 +95,8 @@ class PrefillAttention(Protocol):
         query_starts: list[int],
         context_lens: list[int],
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None: ...
 
 

@@ -44,8 +44,8 @@ _EXPAND = [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT]  # y, 
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _F = ctypes.c_float
 # out, its row stride, q, its row stride; the KV slab, page stride, block size, KV heads, head dim,
-# heads; block table, its stride; context lengths, rows, scale, threads.
-_DECODE_ATTENTION = [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _F, _INT]
+# heads; block table, its stride; context lengths, rows, scale, window (0: none), soft-cap (0: none), threads.
+_DECODE_ATTENTION = [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _F, _I, _F, _INT]
 # name: (argument types, result type)
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     **{

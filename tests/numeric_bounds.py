@@ -135,7 +135,16 @@ def assert_within(got: Tensor, want: Tensor, bound: Tensor, what: str = "output"
         )
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, scale: float, u: float = U32) -> Tensor:
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lens: Tensor,
+    scale: float,
+    u: float = U32,
+    first: Tensor | None = None,
+    softcap: float | None = None,
+) -> Tensor:
     """The bound on a float32 decode attention's error per output element, from float64 copies of
     its inputs: ``q`` [B, H, D], ``k`` and ``v`` [B, L, H, D] (each query head's keys and values,
     GQA already resolved), ``lens`` [B] the positions each row attends to.
@@ -155,23 +164,39 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, scale: float
         |o^_d - o_d| <= [exp(2E) - 1 + exp(2E) g(L + 1) (2 + g(L + 1))] A_d.
 
     The float64 reference is within the same at ``u = 2**-53`` (added in).
+
+    **Windows and soft-caps.** ``first`` [B]: each row attends to positions ``first[b] <= p <
+    lens[b]`` only (a sliding window); L above is then the window's count. With ``softcap`` c the
+    kernel's score is ``c * tanhf(s^ / c)``: tanh is 1-Lipschitz, so ``e_p`` passes through, plus a
+    rounding of ``s^ / c`` (``u |s|``, and ``u e_p``), tanhf's (taken within ``4u`` of exact, as
+    expf) and the product's, ``u`` each of ``|s'|``: ``e'_p = (1 + u) e_p + u |s_p| + 6u |s'_p|``.
     """
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     _, length, _, dim = k.shape
-    mask = torch.arange(length)[None, :] < lens[:, None]  # [B, L]
+    at = torch.arange(length)[None, :]
+    mask = at < lens[:, None]  # [B, L]
+    if first is not None:
+        mask &= at >= first[:, None]
     scores = torch.einsum("bhd,blhd->bhl", q, k) * scale
     spread = torch.einsum("bhd,blhd->bhl", q.abs(), k.abs()) * abs(scale)  # sum_d |q_d k_pd scale|
+    raw = scores.abs()
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # [B, H, L]
     a = torch.einsum("bhl,blhd->bhd", weights, v.abs())
     total = torch.zeros_like(a)
     for unit in (u, U64):
-        e = (gamma(dim + 1, unit) * spread).masked_fill(~mask[:, None, :], 0.0)
+        e = gamma(dim + 1, unit) * spread
+        if softcap is not None:
+            e = (1 + unit) * e + unit * raw + 6 * unit * scores.abs().nan_to_num(0.0, posinf=0.0)
+        e = e.masked_fill(~mask[:, None, :], 0.0)
         e_max = e.amax(-1, keepdim=True)
         top = scores.amax(-1, keepdim=True)
         gap = (top - scores).masked_fill(~mask[:, None, :], 0.0)
         big_e = (e + unit * (gap + 2 * e_max) - math.log1p(-4 * unit)).amax(-1)  # [B, H]
-        g = torch.tensor([gamma(int(n) + 1, unit) for n in lens], dtype=torch.float64)[:, None]
+        counts = mask.sum(-1)
+        g = torch.tensor([gamma(int(n) + 1, unit) for n in counts], dtype=torch.float64)[:, None]
         grow = torch.exp(2 * big_e)
         total += ((grow - 1) + grow * g * (2 + g))[..., None] * a
     return total * (1 + gamma(dim + int(lens.max()) + 2, U64))

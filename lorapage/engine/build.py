@@ -54,6 +54,7 @@ from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
 from lorapage.memory.sizing import POOL_HEADROOM_BYTES, lora_slots, pages_for_memory, step_activation_bytes
 from lorapage.model.config import ModelConfig, context_length
+from lorapage.model.gemma import GemmaModel
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.lora_tables import LoraTables
@@ -173,7 +174,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
     weights = load_state_dict(base.model_dir, sizing.dtype)
-    return LlamaModel(base.model_config, weights, sizing.device, sizing.dtype, sizing.max_model_len)
+    family = GemmaModel if base.model_config.gemma is not None else LlamaModel
+    return family(base.model_config, weights, sizing.device, sizing.dtype, sizing.max_model_len)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -533,6 +535,7 @@ def build_scheduling(
         sizing.max_model_len,
         base.eos_token_ids,
         chunked_prefill=config.enable_chunked_prefill,
+        layer_windows=base.model_config.layer_windows,
     )
     planner = StepPlanner(
         policy,

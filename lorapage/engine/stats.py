@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lorapage.adapters.value import Stage
+from lorapage.memory.kv import held_pages
 from lorapage.memory.pages import PageKind
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def _kv_pages_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str
     share counts for each); every tenant in ``seen`` is reported, at 0 when it holds none."""
     held = dict.fromkeys(seen, 0)
     for req in running:
-        held[req.tenant] = held.get(req.tenant, 0) + len(req.block_table)
+        held[req.tenant] = held.get(req.tenant, 0) + held_pages(req.block_table)
     return held
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from lorapage.adapters.cache import AdapterCache
 from lorapage.engine.stops import find_stop, stop_prefix_len
 from lorapage.errors import SamplingError
-from lorapage.memory.kv import blocks_needed, grow_block_table
+from lorapage.memory.kv import blocks_needed, grow_block_table, held_pages
 from lorapage.memory.pool import PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
 from lorapage.model.runner import StepPlan
 from lorapage.model.sampler import SampleOutput
+from lorapage.model.windows import blocks_out_of_window
 from lorapage.request import Request, RequestStatus, TokenLogprob
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
 from lorapage.usage import StepRow, UsageLedger
@@ -34,6 +35,9 @@ class StepLimits:
     max_model_len: int
     eos_token_ids: frozenset[int]
     chunked_prefill: bool = True  # a prompt longer than the step's budget is computed over several steps
+    # Per layer, its sliding window (None: global); when every layer has one, blocks before the
+    # widest window are freed as a sequence moves on. () for models without windows.
+    layer_windows: tuple[int | None, ...] = ()
 
 
 class StepPlanner:
@@ -178,6 +182,8 @@ class StepPlanner:
         being prefilled in chunks (oldest first), then to new admissions."""
         now = self.clock()
         self._fail_broken_adapters()
+        for req in self.running:
+            self._free_out_of_window(req)
         decode = [r for r in self.running if r.num_computed == r.num_tokens - 1]
         self._make_room(decode, now)
         decode = [r for r in self.running if r.num_computed == r.num_tokens - 1]
@@ -256,6 +262,16 @@ class StepPlanner:
         self.prefix.release(req.block_table)
         req.num_computed = 0
 
+    def _free_out_of_window(self, req: Request) -> None:
+        """Give back the blocks no layer's window reads again (all layers windowed only): their
+        table entries become page 0, which the attention kernels never read, so positions keep
+        their blocks' indices. Cached ones stay cached (idle once nobody holds them)."""
+        gone = blocks_out_of_window(self.limits.layer_windows, req.num_computed, self.limits.block_size)
+        first = next((i for i, page in enumerate(req.block_table[:gone]) if page), gone)
+        if first < gone:
+            self.prefix.release(req.block_table[first:gone], first_depth=first)
+            req.block_table[first:gone] = [0] * (gone - first)
+
     def _make_room(self, decode: list[Request], now: float) -> None:
         """Each decode needs a page for its next token: evict idle adapters, then preempt."""
         bs = self.limits.block_size
@@ -305,7 +321,9 @@ class StepPlanner:
             # A decode row whose token is still the prompt's last (a chunk stopped one short) is input.
             prompt_fed = fed if i >= plan.num_decode or req.num_computed <= req.num_prompt_tokens else 0
             sampled_one = int(sample is not None)
-            charged.append(StepRow(req.tenant, req.usage_adapter, prompt_fed, sampled_one, len(req.block_table)))
+            # Only a model whose every layer is windowed frees blocks (page 0): count them then alone.
+            pages = held_pages(req.block_table) if self.limits.layer_windows else len(req.block_table)
+            charged.append(StepRow(req.tenant, req.usage_adapter, prompt_fed, sampled_one, pages))
             if req.aborted:
                 continue
             # Charged before a failure too: a request that cannot be sampled still took the step.

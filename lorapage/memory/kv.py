@@ -1,7 +1,8 @@
 """KV block bookkeeping: how many pages a sequence needs, and growing its block table.
 
 A block table is a sequence's list of page ids, one KV block each. These functions know pages,
-not requests.
+not requests. An entry of 0 (the dummy page) is a block given back while the sequence runs: one
+that every layer's sliding window has left behind (``model/windows.py``).
 """
 
 from __future__ import annotations
@@ -24,3 +25,8 @@ def grow_block_table(pool: PagePool, block_table: list[int], num_tokens: int, bl
         return False
     block_table.extend(pages)
     return True
+
+
+def held_pages(block_table: list[int]) -> int:
+    """Pages ``block_table`` still holds: its blocks less those a sliding window freed (page 0)."""
+    return sum(1 for page in block_table if page)

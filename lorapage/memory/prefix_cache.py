@@ -112,12 +112,16 @@ class PrefixCache:
         self._page[key], self._key[page], self._refs[page] = page, key, 1
         self._score[page] = self._clock() / HIT_HALF_LIFE_S
 
-    def release(self, block_table: list[int]) -> None:
+    def release(self, block_table: list[int], first_depth: int = 0) -> None:
         """A sequence gives its blocks back: cached pages lose a holder (idle at none), the rest
-        return to the pool. Empties ``block_table``."""
+        return to the pool; entries of 0 (blocks freed already) are skipped. ``block_table`` may
+        be a slice starting at block ``first_depth``. Empties ``block_table``."""
         own: list[int] = []
         parent: int | None = None  # the previous block's page, when it is cached
-        for depth, page in enumerate(block_table):
+        for depth, page in enumerate(block_table, first_depth):
+            if page == 0:
+                parent = None
+                continue
             refs = self._refs.get(page)
             if refs is None:
                 own.append(page)

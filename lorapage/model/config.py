@@ -1,4 +1,4 @@
-"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2)."""
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2, Gemma 2/3 text)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorapage.model.gemma_config import GEMMA_ARCHITECTURES, REFUSED, GemmaConfig
+from lorapage.model.windows import layer_windows
+
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *GEMMA_ARCHITECTURES)
 
 # What config.json must say; everything else has the defaults transformers gives it.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -37,18 +40,23 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Per layer, the sliding window its attention reads (None: global); () when no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    gemma: GemmaConfig | None = None  # Gemma 2 / 3's additions; None for every other family
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         if not isinstance(raw, dict):
             raise ValueError("config.json is not a JSON object")
+        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            why = REFUSED.get(arch, "")
+            raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}{why}")
         missing = [k for k in REQUIRED_KEYS if k not in raw]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
-        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}")
+        gemma = GemmaConfig.from_raw(raw, arch) if arch in GEMMA_ARCHITECTURES else None
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -56,6 +64,9 @@ class ModelConfig:
         scaling = raw.get("rope_scaling") or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
+        theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if gemma is not None:  # Gemma 3's rope is per layer type; these are the global layers'
+            theta, scaling = gemma.global_rope_theta, gemma.global_rope_scaling
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -66,14 +77,20 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", gemma is not None),
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=layer_windows(raw, arch, raw["num_hidden_layers"]),
+            gemma=gemma,
         )
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, None where it attends to every position."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def q_size(self) -> int:

@@ -133,6 +133,37 @@ class LlamaModel:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
 
+    def _paged_attention(
+        self,
+        ops: KernelOps,
+        q: Tensor,
+        kv: Tensor,
+        attn: AttentionMetadata,
+        window: int | None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        """Each token's attention [T, H * D] over its sequence's pages: the decode rows', then the
+        prefill rows', through a layer's sliding ``window`` (None: global) and logit ``softcap``."""
+        T, nd = q.shape[0], attn.num_decode
+        out = torch.empty_like(q)
+        if nd:
+            ops.paged_decode_attention(
+                out[:nd], q[:nd], kv, attn.decode_block_table, attn.decode_context_lens, self.scale, window, softcap
+            )
+        if T > nd:
+            ops.prefill_attention(
+                out[nd:],
+                q[nd:],
+                kv,
+                attn.prefill_block_table,
+                attn.prefill_query_starts,
+                attn.prefill_context_lens,
+                self.scale,
+                window,
+                softcap,
+            )
+        return out.view(T, -1)
+
     def _lora(
         self,
         ops: KernelOps,
@@ -185,7 +216,6 @@ class LlamaModel:
         T = input_ids.shape[0]
         x = self.embed[input_ids]
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
-        nd = attn.num_decode
         q_size, kv_size = c.q_size, c.kv_size
         h = lora_h[:T]
         if lora is not None and not lora.segments:
@@ -205,22 +235,7 @@ class LlamaModel:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
             ops.write_kv(kv, k, v, attn.slot_mapping)
-            out = torch.empty_like(q)
-            if nd:
-                ops.paged_decode_attention(
-                    out[:nd], q[:nd], kv, attn.decode_block_table, attn.decode_context_lens, self.scale
-                )
-            if T > nd:
-                ops.prefill_attention(
-                    out[nd:],
-                    q[nd:],
-                    kv,
-                    attn.prefill_block_table,
-                    attn.prefill_query_starts,
-                    attn.prefill_context_lens,
-                    self.scale,
-                )
-            attn_out = out.view(T, q_size)
+            attn_out = self._paged_attention(ops, q, kv, attn, c.window(i))
             o = self.linear(attn_out, w["o"])
             if lora is not None:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)

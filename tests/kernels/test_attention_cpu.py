@@ -62,10 +62,14 @@ def _gathered(q, kv, table, lens):
     return k, v
 
 
-def _reference(q, k, v, lens, scale):
-    """The float64 attention, from the gathered keys and values."""
+def _reference(q, k, v, lens, scale, first=None, softcap=None):
+    """The float64 attention, from the gathered keys and values (positions ``first[b] <= p <
+    lens[b]`` with a window; scores soft-capped with a cap)."""
     scores = torch.einsum("bhd,blhd->bhl", q.to(torch.float64), k) * scale
-    mask = torch.arange(k.shape[1])[None, :] < lens[:, None]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    at = torch.arange(k.shape[1])[None, :]
+    mask = (at < lens[:, None]) & (at >= (0 if first is None else first[:, None]))
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return torch.einsum("bhl,blhd->bhd", torch.softmax(scores, -1), v)
 
@@ -87,6 +91,30 @@ def test_decode_attention_is_within_the_float32_bound_of_float64(lib, shape):
     assert decode_attention_c(lib, out, q, kv, table, lens, scale)
     k, v = _gathered(q, kv, table, lens)
     assert_within(out, _reference(q, k, v, lens, scale), decode_attention(q, k, v, lens, scale), shape)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (1, None), (None, 5.0), (16, 50.0)])
+def test_windows_and_soft_caps_are_within_the_bound(lib, window, softcap):
+    """A sliding window reads only each row's last ``window`` positions: every position before it
+    is NaN here (its page freed and reused), and the result is still within the bound of the
+    float64 attention over the window; a soft-cap bends the (enlarged) scores before the softmax."""
+    heads, kv_heads, dim, block_size = SHAPES["gqa"]
+    q, kv, table, lens = _pool(heads, kv_heads, dim, block_size, LENS)
+    scale = dim**-0.5 * (8 if softcap else 1)  # scores of ~10: where a cap of 5 or 50 bends them
+    first = (lens - window).clamp_min(0) if window else torch.zeros_like(lens)
+    k, v = _gathered(q, kv, table, lens)
+    for b, start in enumerate(first.tolist()):
+        for pos in range(start):
+            kv[table[b, pos // block_size], :, pos % block_size] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    assert decode_attention_c(lib, out, q, kv, table, lens, scale, window, softcap)
+    want = _reference(q, k, v, lens, scale, first, softcap)
+    assert_within(
+        out, want, decode_attention(q, k, v, lens, scale, first=first, softcap=softcap), f"{window} {softcap}"
+    )
+    ref = torch.empty_like(q)
+    paged_decode_attention_ref(ref, q, kv, table, lens, scale, window, softcap)
+    assert_within(ref, want, decode_attention(q, k, v, lens, scale, first=first, softcap=softcap), "reference")
 
 
 def test_rows_of_a_larger_tensor_are_read_and_written_in_place(lib):

@@ -216,3 +216,75 @@ def test_prefill_attention_at_7b_sizes(kv_heads: int) -> None:
     prefill_attention_ref(ref, q, kv, table, starts, lens, dim**-0.5)
     prefill_attention(out, q, kv, table, starts, lens, dim**-0.5)
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+# Gemma-style per-layer options: (sliding window, logit soft-cap); None is a global / uncapped layer.
+WINDOWED = {"window": (3, None), "softcap": (None, 2.0), "both": (5, 1.5), "window_1": (1, None)}
+
+
+def poison_before_windows(kv: torch.Tensor, table: torch.Tensor, firsts: list[int]) -> None:
+    """NaN in each sequence's positions before ``firsts[i]``: pages a window left behind, freed
+    and reused by another request."""
+    block_size = kv.shape[2]
+    for i, first in enumerate(firsts):
+        for pos in range(first):
+            kv[int(table[i, pos // block_size]), :, pos % block_size] = float("nan")
+
+
+@pytest.mark.parametrize("option", list(WINDOWED))
+def test_paged_decode_attention_windows_and_soft_caps(option: str) -> None:
+    window, softcap = WINDOWED[option]
+    gen = np.random.default_rng(21)
+    torch.manual_seed(21)
+    block_size, heads, kv_heads, dim, num_pages, B = 4, 8, 2, 16, 40, 5
+    lens, table = make_rows(gen, B, 22, block_size, num_pages)
+    kv = torch.randn(num_pages, 2, block_size, kv_heads, dim)
+    if window is not None:
+        poison_before_windows(kv, table, [max(0, int(n) - window) for n in lens])
+    kv, table, lens = kv.to(DEVICE), table.to(DEVICE), lens.to(DEVICE)
+    q = torch.randn(B, heads, dim, device=DEVICE)
+    ref, out = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    paged_decode_attention_ref(ref, q, kv, table, lens, 0.5, window, softcap)
+    paged_decode_attention(out, q, kv, table, lens, 0.5, window, softcap)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("option", list(WINDOWED))
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attention_windows_and_soft_caps(case: str, option: str) -> None:
+    """Whole prompts and chunks after a cached prefix (query positions past the context's start):
+    each query sees only its own window, never the pages before the chunk's first window."""
+    window, softcap = WINDOWED[option]
+    q, kv, block_table, starts, lens, lead = prefill_inputs(case, 8, 2, torch.float32, seed=len(case))
+    if window is not None:
+        chunks = [starts[i + 1] - starts[i] for i in range(len(lens))]
+        firsts = [max(0, n - c - window + 1) for n, c in zip(lens, chunks, strict=True)]
+        poison_before_windows(kv, block_table.cpu(), firsts)
+    ref = torch.full(q.shape, float("nan"), device=DEVICE)
+    out = ref.clone()
+    prefill_attention_ref(ref, q, kv, block_table, starts, lens, 0.5, window, softcap)
+    prefill_attention(out, q, kv, block_table, starts, lens, 0.5, window, softcap)
+    assert out[:lead].isnan().all(), "a row no sequence owns was written"
+    assert rel_err(out[lead:], ref[lead:]) < TOLERANCE[torch.float32]
+
+
+def test_windowed_prefill_in_chunks_equals_the_whole_prompt_and_decode() -> None:
+    """A windowed, soft-capped prompt in three chunks gives the whole prompt's rows, and its last
+    row equals a decode step's attention at that position: the three ways a token is attended."""
+    gen = np.random.default_rng(12)
+    torch.manual_seed(12)
+    block_size, heads, kv_heads, dim, n, window = 4, 8, 2, 16, 29, 7
+    table = scattered_tables(gen, [n], block_size, 12).to(DEVICE)
+    kv = torch.randn(12, 2, block_size, kv_heads, dim, device=DEVICE)
+    q = torch.randn(n, heads, dim, device=DEVICE)
+    whole = torch.empty_like(q)
+    prefill_attention(whole, q, kv, table, [0, n], [n], 0.3, window, 3.0)
+    chunked = torch.full_like(q, float("nan"))
+    for lo, hi in ((0, 1), (1, 13), (13, n)):
+        prefill_attention(chunked[lo:hi], q[lo:hi], kv, table, [0, hi - lo], [hi], 0.3, window, 3.0)
+    assert rel_err(chunked, whole) < 1e-6
+    last = torch.empty_like(q[-1:])
+    paged_decode_attention(
+        last, q[-1:], kv, table, torch.tensor([n], dtype=torch.int32, device=DEVICE), 0.3, window, 3.0
+    )
+    assert rel_err(last, whole[-1:]) < 1e-5
