@@ -69,7 +69,7 @@ class Formatter:
         if c is None:
             c = self._choices[index] = _Choice()
             if self.job.tools is not None:
-                c.tools = ToolStream(self.job.tools.fmt)
+                c.tools = ToolStream(self.job.tools.fmt, self.job.tools.tools)
         return c
 
     def _token(self, token_id: int) -> tuple[str, list[int]]:
@@ -193,7 +193,7 @@ class Formatter:
                 calls: list[ToolCall] = []
                 content: str | None = out.text
                 if j.tools is not None:
-                    content, calls = j.tools.fmt.parse(out.text, out.finish_reason == "length")
+                    content, calls = j.tools.fmt.parse(out.text, out.finish_reason == "length", j.tools.tools)
                 tool_calls = [r.ToolCallOut(t.id, r.FunctionCallOut(t.name, t.arguments)) for t in calls] or None
                 message = r.AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls)
                 assert c.gathered is None or isinstance(c.gathered, r.ChatLogprobs)
