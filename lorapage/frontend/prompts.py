@@ -31,6 +31,7 @@ from lorapage.frontend.template_kwargs import template_kwargs
 from lorapage.tenancy.fair_workers import FairWorkers
 from lorapage.tools.families import AUTO, tool_format
 from lorapage.tools.prompting import conversation
+from lorapage.tools.reasoning import opens_thinking
 
 if TYPE_CHECKING:
     from lorapage.model.tokenizer import Tokenizer
@@ -83,6 +84,7 @@ class Prompts:
     ids: list[list[int]]
     texts: list[str]
     tools: ToolUse | None = None
+    thinking_open: bool = False  # the chat's prompt leaves a <think> block open (reasoning_parser qwen3)
 
 
 class PromptBuilder:
@@ -134,9 +136,14 @@ class PromptBuilder:
         """The conversation (with its tools, and earlier tool calls and results, as the template
         takes them: :func:`lorapage.tools.conversation`) through the chat template, with the
         request's ``chat_template_kwargs``, tokenized (the template writes BOS itself)."""
+        return (await self._chat(tenant, messages, tools, template_kwargs))[1]
+
+    async def _chat(
+        self, tenant: str, messages: list[dict[str, Any]], tools: ToolUse | None, template_kwargs: dict[str, Any] | None
+    ) -> tuple[str, list[int]]:
         self.check_chat(messages)
         text = await self.workers.run(tenant, self._render, messages, tools, True, template_kwargs)
-        return await self._encode(tenant, text, "messages", add_special_tokens=False)
+        return text, await self._encode(tenant, text, "messages", add_special_tokens=False)
 
     async def of(self, kind: str, tenant: str, parsed: Parsed) -> Prompts:
         """Every prompt of a parsed chat or completions request, tokenized in ``tenant``'s turn."""
@@ -145,7 +152,8 @@ class PromptBuilder:
             req = parsed.req
             tools = tool_use(req, self.tool_format)
             kwargs = template_kwargs(req.chat_template_kwargs, req.chat_template)
-            return Prompts([truncated(await self.chat(tenant, parsed.prompt, tools, kwargs), keep)], [], tools)
+            rendered, chat_ids = await self._chat(tenant, parsed.prompt, tools, kwargs)
+            return Prompts([truncated(chat_ids, keep)], [], tools, opens_thinking(rendered))
         whole = [await self.completion(tenant, p) for p in parsed.prompts]
         ids = [truncated(p, keep) for p in whole]
         if not getattr(parsed.req, "echo", False):

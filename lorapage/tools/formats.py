@@ -13,8 +13,10 @@ have modules of their own; :mod:`lorapage.tools.families` names them all and pic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
+import string
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +37,11 @@ class ToolCall:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_urlsafe(18)
+
+
+def mistral_call_id() -> str:
+    """9 letters and digits: the only call id Mistral's chat template renders back."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def _call(obj: object, args_key: str) -> ToolCall | None:
@@ -230,7 +237,8 @@ class MistralFormat(ToolFormat):
             items = _whole_items(payload)  # the calls finished before the cut
         items = items if isinstance(items, list) else [items]
         found = [_call(item, self.args_key) for item in items]
-        calls = [c for c in found if c is not None]
+        # Mistral's template takes back only 9-character alphanumeric call ids (as vLLM's parser makes them).
+        calls = [dataclasses.replace(c, id=mistral_call_id()) for c in found if c is not None]
         if len(calls) < len(found) or (not calls and not cut):
             return text, []
         return _content(text[:start], calls), calls

@@ -66,7 +66,9 @@ def test_each_format_parses_its_calls_whole_and_streamed(fmt):
         ("get_time", {"zone": 1}),
     ]
     assert content == ("Let me check.\n" if fmt in WITH_TEXT else "")
-    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert len({c.id for c in calls}) == 2
+    # Mistral's template takes back 9-character ids only (vLLM's mistral parser makes them so).
+    assert all(c.id.startswith("call_") or (fmt == "mistral" and len(c.id) == 9 and c.id.isalnum()) for c in calls)
     stream = ToolStream(FORMATS[fmt], [WEATHER, TIME])
     streamed = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
     rest, again = stream.finish()
