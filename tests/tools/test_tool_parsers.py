@@ -33,7 +33,7 @@ SEARCH = {
     },
 }
 CODER = (
-    "I will search.\n<tool_call>\n<function=search>\n<parameter=query>\nfn main() {\n  println!(\"<hi>\");\n}\n"
+    'I will search.\n<tool_call>\n<function=search>\n<parameter=query>\nfn main() {\n  println!("<hi>");\n}\n'
     "</parameter>\n<parameter=limit>\n5\n</parameter>\n<parameter=score>\n0.5\n</parameter>\n<parameter=exact>\n"
     'true\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n<parameter=filter>\n{"lang": "rust"}\n'
     "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n<parameter=query>\nnull\n</parameter>\n"
@@ -86,9 +86,13 @@ def test_qwen3_coder_values_keep_their_text_without_a_schema_and_the_unwrapped_f
     fmt = FORMATS["qwen3_coder"]
     _, calls = fmt.parse("<tool_call>\n<function=other>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>")
     assert json.loads(calls[0].arguments) == {"n": "5"}  # no schema: the text (vLLM's reading)
-    content, calls = fmt.parse("Sure.\n<function=search>\n<parameter=limit>\n7\n</parameter>\n</function>", tools=[SEARCH])
+    content, calls = fmt.parse(
+        "Sure.\n<function=search>\n<parameter=limit>\n7\n</parameter>\n</function>", tools=[SEARCH]
+    )
     assert content == "Sure.\n" and json.loads(calls[0].arguments) == {"limit": 7}
-    _, calls = fmt.parse("<tool_call>\n<function=search>\n<parameter=limit>\nmany\n</parameter>\n</function>", tools=[SEARCH])
+    _, calls = fmt.parse(
+        "<tool_call>\n<function=search>\n<parameter=limit>\nmany\n</parameter>\n</function>", tools=[SEARCH]
+    )
     assert json.loads(calls[0].arguments) == {"limit": "many"}  # not an integer: kept as text, as vLLM keeps it
 
 
@@ -97,7 +101,7 @@ def test_qwen3_coder_values_keep_their_text_without_a_schema_and_the_unwrapped_f
     [
         "Just an answer.",
         "Use <tool_call> tags to call.",
-        "<tool_call>\n{\"name\": \"x\"}\n</tool_call>",
+        '<tool_call>\n{"name": "x"}\n</tool_call>',
         "[1, 2, 3]",
         "[search('positional')]",
         "[search(query=undefined_name)]",
@@ -174,7 +178,11 @@ def test_each_family_template_shows_the_parser_vllm_recommends_for_it(template, 
 
 
 THINKING = [
-    ("<think>\nThe user wants weather.\n</think>\n\nIt is sunny.", False, ("\nThe user wants weather.\n", "\n\nIt is sunny.")),
+    (
+        "<think>\nThe user wants weather.\n</think>\n\nIt is sunny.",
+        False,
+        ("\nThe user wants weather.\n", "\n\nIt is sunny."),
+    ),
     ("<think>\nstill thinking when cut", False, ("\nstill thinking when cut", "")),
     ("It is sunny.", False, (None, "It is sunny.")),
     ("\n<think>x</think><tool_call>\n{}\n</tool_call>", False, ("x", "<tool_call>\n{}\n</tool_call>")),
