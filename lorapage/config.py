@@ -17,6 +17,9 @@ LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
+# vLLM's --tool-call-parser names lorapage has (lorapage.tools.families); auto: the chat template's.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic")
+REASONING_PARSERS = ("none", "qwen3")  # vLLM's --reasoning-parser names lorapage has
 # The most lora slots a derived max_resident_loras takes (an explicit one may be more).
 MAX_DERIVED_LORA_SLOTS = 1024
 # The module classes a shared-envelope rule names (lorapage.adapters.envelope maps them to modules).
@@ -97,6 +100,22 @@ class EngineConfig:
         "accept a max_model_len beyond the model's context (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): positions past "
         "what it was trained on may give wrong outputs",
         group="model",
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "how the model writes tool calls, as vLLM's --tool-call-parser names it: what tool_choice auto parses "
+        "from its output and what required / a named function constrains it to; auto: the format its chat "
+        "template shows (docs/families.md: qwen3_coder for Qwen3-Coder, mistral, pythonic for Llama 3.2 / 4 "
+        "pythonic templates and Gemma, llama3_json for Llama 3.1, else hermes: Qwen 2.5 / 3, Hermes)",
+        group="model",
+        choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str = option(
+        "none",
+        "as vLLM's --reasoning-parser: qwen3 moves the <think>...</think> a Qwen3 model writes before its answer "
+        "into the message's reasoning_content (streamed too); none leaves it in content",
+        group="model",
+        choices=REASONING_PARSERS,
     )
     # -- memory ---------------------------------------------------------------------------------
     block_size: int = option(16, "tokens per KV block (one page)", group="memory")

@@ -79,6 +79,8 @@ class FleetBackend:
         self.base_name = profile.base_name
         self.max_model_len = profile.max_model_len
         self.vocab_size = profile.vocab_size
+        self.tool_call_parser = config.engine.tool_call_parser
+        self.reasoning_parser = config.engine.reasoning_parser
         self._streams: dict[str, Any] = {}  # engine request id -> its replica call (abort() cancels it)
         # A tenant without max_concurrency may hold its share of the replicas' queues together.
         self.queue_len = config.engine.max_queue_len * config.replicas

@@ -60,7 +60,7 @@ def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, pr
     # Resolved again: the adapter may have been deleted (or re-pointed) while the prompt was tokenized.
     model, adapter = state.route(parsed.req.model, tenant)
     backend = state.backend
-    return make_job(
+    job = make_job(
         kind,
         parsed,
         model,
@@ -74,6 +74,9 @@ def _job(state: ServerState, kind: str, parsed: protocol.Parsed, tenant: str, pr
         prompt_texts=prompts.texts,
         max_adapter_tokens=backend.max_adapter_tokens(adapter),
     )
+    if kind == "chat" and state.reasoning_parser != "none":
+        job.thinking_open = prompts.thinking_open
+    return job
 
 
 class CoreRoutes:

@@ -34,6 +34,8 @@ class Backend(Protocol):
     max_model_len: int
     vocab_size: int
     queue_len: int  # requests the engines queue together (a tenant's default share of concurrency)
+    tool_call_parser: str  # EngineConfig.tool_call_parser: how the model writes tool calls ("auto": its template's)
+    reasoning_parser: str  # EngineConfig.reasoning_parser ("none", "qwen3")
 
     def server_metrics(self, loop_lag: LoopLagMonitor, slo: SloTracker) -> ServerMetrics:
         """The Prometheus registry ``/metrics`` renders: the front end's series and the engines'."""

@@ -34,7 +34,7 @@ from lorapage.frontend.responses_output import answer_response, responses_job
 from lorapage.frontend.state import STATE, ServerState
 from lorapage.frontend.version import PING_BODY, version_body
 from lorapage.request import TokenStream
-from lorapage.tools import ToolFormat, detect_format
+from lorapage.tools import ToolFormat
 
 # A tokenizer route's work: (prompts, tenant, body, check_model) -> its answer.
 TokenizerWork = Callable[[PromptBuilder, str, bytes, tokenization.ModelCheck], Awaitable[Any]]
@@ -56,7 +56,7 @@ class ExtraRoutes:
     def tool_format(self, state: ServerState[Backend]) -> ToolFormat:
         """The format the model's chat template writes tool calls in (found once)."""
         if self._tool_format is None:
-            self._tool_format = detect_format(state.backend.tokenizer.chat_template)
+            self._tool_format = state.prompts.tool_format  # --tool-call-parser's, else the template's
         return self._tool_format
 
     def _admitted(self, request: web.Request) -> tuple[ServerState[Backend], str]:
@@ -120,8 +120,9 @@ class ExtraRoutes:
         reservation = state.admit(tenant)  # before the body is read: a refusal costs nothing more
         try:
             body = await request.read()
-            template, fmt = state.backend.tokenizer.chat_template, self.tool_format(state)
-            parsed = await state.prompts.parse(tenant, body, lambda b: parse_responses(b, template, fmt))
+            tokenizer, fmt = state.backend.tokenizer, self.tool_format(state)
+            template, system_role = tokenizer.tool_template, tokenizer.takes_system_role
+            parsed = await state.prompts.parse(tenant, body, lambda b: parse_responses(b, template, fmt, system_role))
             plan: ResponsesPlan = parsed.req
             state.route(plan.req.model, tenant)  # 404 before the template or the tokenizer runs
             ids = await state.prompts.chat_tokens(tenant, plan.messages, template_kwargs=plan.template_kwargs)

@@ -13,6 +13,7 @@ from lorapage.errors import ServiceUnavailableError
 from lorapage.frontend import responses as r
 from lorapage.frontend.job import Job
 from lorapage.tools.formats import ToolCall
+from lorapage.tools.reasoning import ReasoningStream, split_reasoning
 from lorapage.tools.stream import ToolStream
 
 
@@ -43,6 +44,7 @@ class _Choice:
     text_offset: int = 0
     gathered: r.ChatLogprobs | r.CompletionLogprobs | None = None
     tools: ToolStream | None = None
+    reasoning: ReasoningStream | None = None
     last: Any = None
     role_sent: bool = False
 
@@ -69,7 +71,9 @@ class Formatter:
         if c is None:
             c = self._choices[index] = _Choice()
             if self.job.tools is not None:
-                c.tools = ToolStream(self.job.tools.fmt)
+                c.tools = ToolStream(self.job.tools.fmt, self.job.tools.tools)
+            if self.job.thinking_open is not None:
+                c.reasoning = ReasoningStream(self.job.thinking_open)
         return c
 
     def _token(self, token_id: int) -> tuple[str, list[int]]:
@@ -191,11 +195,12 @@ class Formatter:
             for out in outs:
                 c = self.choice(out.index)
                 calls: list[ToolCall] = []
-                content: str | None = out.text
+                reasoning, content = None, out.text
+                if j.thinking_open is not None:
+                    reasoning, content = split_reasoning(out.text, j.thinking_open)
                 if j.tools is not None:
-                    content, calls = j.tools.fmt.parse(out.text, out.finish_reason == "length")
-                tool_calls = [r.ToolCallOut(t.id, r.FunctionCallOut(t.name, t.arguments)) for t in calls] or None
-                message = r.AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls)
+                    content, calls = j.tools.fmt.parse(content, out.finish_reason == "length", j.tools.tools)
+                message = _message(content, calls, reasoning, j.thinking_open is not None)
                 assert c.gathered is None or isinstance(c.gathered, r.ChatLogprobs)
                 choices.append(r.ChatChoice(message, _finish_reason(out, bool(calls)), c.gathered, out.index))
             return r.ChatCompletion(
@@ -265,13 +270,16 @@ class Formatter:
         *,
         role: bool = False,
         calls: list[ToolCall] | None = None,
+        reasoning: str | None = None,
     ):
         j = self.job
         if j.kind == "chat":
             deltas = [
                 r.ToolCallDelta(k, t.id, r.FunctionCallOut(t.name, t.arguments)) for k, t in enumerate(calls or [])
             ]
-            delta = r.ChatDelta(role="assistant" if role else None, content=text, tool_calls=deltas or None)
+            delta = r.ChatDelta(
+                role="assistant" if role else None, content=text, reasoning_content=reasoning, tool_calls=deltas or None
+            )
             chat = r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs, index=index)
             return r.ChatCompletionChunk(id=j.request_id, created=j.created, model=j.model, choices=[chat])
         choice = r.CompletionChoice(text=text or "", finish_reason=finish, logprobs=logprobs, index=index)
@@ -286,6 +294,13 @@ class Formatter:
             c.role_sent = True
             chunks.append(self.chunk(out.index, "", role=True))
         text = out.delta_text
+        if c.reasoning is not None:
+            thought, text = c.reasoning.feed(text)
+            if out.finished:
+                more, rest = c.reasoning.finish()
+                thought, text = thought + more, text + rest
+            if thought:
+                chunks.append(self.chunk(out.index, None, reasoning=thought))
         if c.tools is not None:
             text = c.tools.feed(text)
         logprobs = self._new_logprobs(out)
@@ -307,6 +322,16 @@ class Formatter:
         j = self.job
         kind = r.ChatCompletionChunk if j.kind == "chat" else r.Completion
         return kind(id=j.request_id, created=j.created, model=j.model, choices=[], usage=_usage(j, outs))
+
+
+def _message(content: str, calls: list[ToolCall], reasoning: str | None, parsed: bool) -> r.AssistantMessage:
+    """A chat choice's message: no content beside calls unless there is some; under a reasoning
+    parser, the reasoning (and no empty content beside it, as vLLM answers)."""
+    tool_calls = [r.ToolCallOut(t.id, r.FunctionCallOut(t.name, t.arguments)) for t in calls] or None
+    if not parsed:
+        return r.AssistantMessage(content=content if content or not calls else None, tool_calls=tool_calls)
+    shown = content if content or (not calls and reasoning is None) else None
+    return r.ReasoningMessage(content=shown, tool_calls=tool_calls, reasoning_content=reasoning)
 
 
 def _encode_list(items: list[Any], per: int) -> bytes:

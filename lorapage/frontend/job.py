@@ -49,6 +49,8 @@ class Job:
     echo_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
     prompt_texts: list[str] = field(default_factory=list)  # each prompt's text, for echo
     tools: ToolUse | None = None  # tools the output may call (parsed from it)
+    # reasoning_parser qwen3: whether the prompt opened the <think> block (None: no reasoning parser).
+    thinking_open: bool | None = None
     # A chat without max_tokens: its budget is set when it is charged (the tenant's TPM left,
     # at least its default_max_tokens, at most the context left), then reserved whole.
     open_ended: bool = False

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 from lorapage.errors import InvalidRequestError, LorapageError, PromptTooLongError
 from lorapage.frontend.fields import ToolUse, tool_use
 from lorapage.frontend.protocol import Parsed
+from lorapage.frontend.template_kwargs import template_kwargs
 from lorapage.tenancy.fair_workers import FairWorkers
-from lorapage.tools.formats import detect_format
+from lorapage.tools.families import AUTO, tool_format
 from lorapage.tools.prompting import conversation
+from lorapage.tools.reasoning import opens_thinking
 
 if TYPE_CHECKING:
     from lorapage.model.tokenizer import Tokenizer
@@ -82,18 +84,22 @@ class Prompts:
     ids: list[list[int]]
     texts: list[str]
     tools: ToolUse | None = None
+    thinking_open: bool = False  # the chat's prompt leaves a <think> block open (reasoning_parser qwen3)
 
 
 class PromptBuilder:
     """Bounds, renders and tokenizes prompts for one model, fairly across tenants, in :attr:`workers`."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, threads: int = _WORKERS) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_model_len: int, threads: int = _WORKERS, *, tool_call_parser: str = AUTO
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.chars_per_token = max_chars_per_token(tokenizer)
         self.max_prompt_chars = max_model_len * self.chars_per_token
         self.workers = FairWorkers(threads, name="lorapage-prompt")
-        self.tool_format = detect_format(tokenizer.chat_template)  # how this model writes tool calls
+        # How this model writes tool calls: --tool-call-parser's, else the one its (tool) template shows.
+        self.tool_format = tool_format(tool_call_parser, tokenizer.tool_template)
 
     def check_chars(self, chars: int, where: str) -> None:
         """Refuse ``chars`` characters of prompt that no tokenization could fit in the context."""
@@ -120,20 +126,34 @@ class PromptBuilder:
             return parse(body)
         return await self.workers.run(tenant, parse, body)
 
-    async def chat(self, tenant: str, messages: list[dict[str, Any]], tools: ToolUse | None = None) -> list[int]:
+    async def chat(
+        self,
+        tenant: str,
+        messages: list[dict[str, Any]],
+        tools: ToolUse | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """The conversation (with its tools, and earlier tool calls and results, as the template
-        takes them: :func:`lorapage.tools.conversation`) through the chat template, tokenized (the
-        template writes BOS itself)."""
+        takes them: :func:`lorapage.tools.conversation`) through the chat template, with the
+        request's ``chat_template_kwargs``, tokenized (the template writes BOS itself)."""
+        return (await self._chat(tenant, messages, tools, template_kwargs))[1]
+
+    async def _chat(
+        self, tenant: str, messages: list[dict[str, Any]], tools: ToolUse | None, template_kwargs: dict[str, Any] | None
+    ) -> tuple[str, list[int]]:
         self.check_chat(messages)
-        text = await self.workers.run(tenant, self._render, messages, tools)
-        return await self._encode(tenant, text, "messages", add_special_tokens=False)
+        text = await self.workers.run(tenant, self._render, messages, tools, True, template_kwargs)
+        return text, await self._encode(tenant, text, "messages", add_special_tokens=False)
 
     async def of(self, kind: str, tenant: str, parsed: Parsed) -> Prompts:
         """Every prompt of a parsed chat or completions request, tokenized in ``tenant``'s turn."""
         keep = parsed.req.truncate_prompt_tokens
         if kind == "chat":
-            tools = tool_use(parsed.req, self.tool_format)
-            return Prompts([truncated(await self.chat(tenant, parsed.prompt, tools), keep)], [], tools)
+            req = parsed.req
+            tools = tool_use(req, self.tool_format)
+            kwargs = template_kwargs(req.chat_template_kwargs, req.chat_template)
+            rendered, chat_ids = await self._chat(tenant, parsed.prompt, tools, kwargs)
+            return Prompts([truncated(chat_ids, keep)], [], tools, opens_thinking(rendered))
         whole = [await self.completion(tenant, p) for p in parsed.prompts]
         ids = [truncated(p, keep) for p in whole]
         if not getattr(parsed.req, "echo", False):
@@ -200,7 +220,11 @@ class PromptBuilder:
         kwargs: dict[str, Any] = dict(template_kwargs or {})
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             fmt = tools.fmt if tools is not None else self.tool_format
-            messages, extra = conversation(messages, tools.tools if tools else None, fmt, self.tokenizer.chat_template)
+            tokenizer = self.tokenizer
+            template = tokenizer.tool_template if tools is not None else tokenizer.chat_template
+            messages, extra = conversation(
+                messages, tools.tools if tools else None, fmt, template, system_role=tokenizer.takes_system_role
+            )
             kwargs.update(extra)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -27,6 +27,7 @@ from lorapage.frontend.fields import (
     check_extras,
     structured_spec,
 )
+from lorapage.frontend.template_kwargs import template_kwargs
 from lorapage.sampling_params import MAX_N, SamplingParams
 from lorapage.structured.spec import StructuredSpec
 
@@ -90,6 +91,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template: Any = None  # vLLM's request template: refused (lorapage.frontend.template_kwargs)
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -419,6 +422,7 @@ def parse_chat(body: bytes) -> Parsed:
     :data:`MAX_MESSAGES`; the caller runs it off the event loop when the body is big)."""
     req = decode(body, ChatCompletionRequest)
     check_common(req)
+    template_kwargs(req.chat_template_kwargs, req.chat_template)
     logprobs = chat_logprobs(req)
     return Parsed(req, logprobs, [chat_messages(req)], structured_spec(req))
 

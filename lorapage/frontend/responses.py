@@ -60,6 +60,12 @@ class AssistantMessage(msgspec.Struct):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class ReasoningMessage(AssistantMessage):
+    """An answer under a reasoning parser: vLLM's ``reasoning_content`` beside the content."""
+
+    reasoning_content: str | None = None
+
+
 class PromptLogprob(msgspec.Struct):
     """vLLM's ``prompt_logprobs`` entry for one token (keyed by token id)."""
 
@@ -92,6 +98,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # under a reasoning parser (vLLM's field)
     tool_calls: list[ToolCallDelta] | None = None
 
 

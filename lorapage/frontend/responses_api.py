@@ -144,7 +144,9 @@ class ResponsesPlan:
         )
 
 
-def parse_responses(body: bytes, chat_template: str | None, tool_format: ToolFormat) -> Parsed:
+def parse_responses(
+    body: bytes, chat_template: str | None, tool_format: ToolFormat, system_role: bool = True
+) -> Parsed:
     """A ``/v1/responses`` body, decoded and checked (work bounded by the body's size and
     :data:`MAX_MESSAGES`): its request is the :class:`ResponsesPlan`, its prompt the messages."""
     req = protocol.decode(body, ResponsesRequest)
@@ -152,7 +154,8 @@ def parse_responses(body: bytes, chat_template: str | None, tool_format: ToolFor
     tools = _tools(req.tools)
     choice = _tool_choice(req.tool_choice, tools)
     messages = _messages(req)
-    rendered, kwargs = conversation(messages, tools if choice != "none" else None, tool_format, chat_template)
+    offered = tools if choice != "none" else None
+    rendered, kwargs = conversation(messages, offered, tool_format, chat_template, system_role=system_role)
     structured = _structured(req, tools, choice, tool_format)
     plan = ResponsesPlan(
         req=req,

@@ -147,7 +147,7 @@ class ResponseBuilder:
     def __init__(self, job: Job, plan: ResponsesPlan) -> None:
         self.job, self.plan = job, plan
         self.sequence = 0
-        self.stream = ToolStream(plan.tool_format) if plan.tool_format is not None else None
+        self.stream = ToolStream(plan.tool_format, plan.tools) if plan.tool_format is not None else None
         self.message_id = _item_id("msg")
         self.text = ""  # the message's text released so far
         self.open = False  # the message item was announced (streaming)
@@ -190,7 +190,7 @@ class ResponseBuilder:
         """The finished response of the last output ``out``."""
         status = _status(out)
         if self.plan.tool_format is not None:
-            content, calls = self.plan.tool_format.parse(out.text, out.finish_reason == "length")
+            content, calls = self.plan.tool_format.parse(out.text, out.finish_reason == "length", self.plan.tools)
         else:
             content, calls = out.text, []
         items: list[Any] = self.calls(calls)

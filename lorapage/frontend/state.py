@@ -64,7 +64,10 @@ class ServerState(Generic[B]):
         self.loop_lag = LoopLagMonitor()
         self.slo = SloTracker(access.tenants.slo_targets(), slo_window_s)
         self.metrics = backend.server_metrics(self.loop_lag, self.slo)
-        self.prompts = PromptBuilder(backend.tokenizer, backend.max_model_len)
+        self.prompts = PromptBuilder(
+            backend.tokenizer, backend.max_model_len, tool_call_parser=backend.tool_call_parser
+        )
+        self.reasoning_parser = backend.reasoning_parser
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace_s = shutdown_grace_s
         self.metrics_public = metrics_public

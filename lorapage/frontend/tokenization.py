@@ -31,6 +31,7 @@ from lorapage.errors import AuthenticationError, InvalidRequestError, PromptTooL
 from lorapage.frontend import protocol
 from lorapage.frontend.prompts import PromptBuilder
 from lorapage.frontend.protocol import MAX_MESSAGES, Parsed
+from lorapage.frontend.template_kwargs import template_kwargs
 
 ModelCheck = Callable[[str], Awaitable[object]]  # 404 unless the tenant may use the model
 KEYLESS_TENANT = "(no key)"  # the prompt threads' turn key-less callers share (a tenant so named: its turn too)
@@ -63,9 +64,9 @@ class KeylessShare:
         )
 
 
-# Fields of vLLM's /tokenize that lorapage refuses unless absent: a template from the client runs
-# its code in the server (vLLM refuses it too unless started with --trust-request-chat-template).
-_REFUSED = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools")
+# Fields of vLLM's /tokenize that lorapage refuses unless absent (chat_template: see
+# lorapage.frontend.template_kwargs, which checks chat_template_kwargs too).
+_REFUSED = ("mm_processor_kwargs", "tools")
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -79,7 +80,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     continue_final_message: bool = False
     return_token_strs: bool | None = False
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: Any = None
     tools: Any = None
 
@@ -106,6 +107,7 @@ def parse_tokenize(body: bytes) -> Parsed:
     for name in _REFUSED:
         if getattr(req, name) is not None:
             raise InvalidRequestError(f"{name} is not supported by lorapage's /tokenize; omit it", param=name)
+    template_kwargs(req.chat_template_kwargs, req.chat_template)
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("send either prompt (text) or messages (a chat), once", param="prompt")
     if req.continue_final_message:
@@ -150,6 +152,7 @@ async def tokenize(prompts: PromptBuilder, tenant: str, body: bytes, check_model
             cast(list[dict[str, Any]], parsed.prompt),
             add_generation_prompt=req.add_generation_prompt,
             add_special_tokens=bool(req.add_special_tokens),
+            template_kwargs=template_kwargs(req.chat_template_kwargs, None),
         )
     if len(ids) > prompts.max_model_len:
         where = "prompt" if req.messages is None else "messages"

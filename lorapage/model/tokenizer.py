@@ -48,16 +48,30 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(v for v in value if isinstance(v, int)) if isinstance(value, list) else ()
 
 
-def _read_chat_template(model_dir: Path, config: dict) -> str | None:
-    """The template from chat_template.jinja (newer transformers) or tokenizer_config.json."""
+def _read_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
+    """The model's chat templates by name, found as transformers finds them: ``chat_template.jinja``
+    (the default) and ``additional_chat_templates/NAME.jinja`` beside the model take priority over
+    tokenizer_config.json's ``chat_template``, a string (the default) or a list of named templates
+    (``[{"name": "default", "template": ...}, {"name": "tool_use", ...}]``); chat_template.json (an
+    older processor file) last."""
+    templates: dict[str, str] = {}
     jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8")
+    if jinja_file.is_file():
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates
     template = config.get("chat_template") or _read_json(model_dir / "chat_template.json").get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        return named.get("default") or next(iter(named.values()), None)
-    return template
+    if isinstance(template, list):
+        return {
+            t["name"]: t["template"]
+            for t in template
+            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        }
+    return {"default": template} if isinstance(template, str) else {}
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -108,13 +122,19 @@ class Tokenizer:
         backend: tokenizers.Tokenizer,
         *,
         special_tokens: dict[str, str],
-        chat_template: str | None = None,
+        chat_template: str | dict[str, str] | None = None,
         extra_eos_token_ids: Sequence[int] = (),
         name: str = "tokenizer",
     ) -> None:
         self.backend = backend
         self.special_tokens = dict(special_tokens)  # "eos_token" -> "</s>", ...: the template sees these
-        self.chat_template = chat_template
+        # Named templates (transformers' "default", "tool_use", ...); a lone one is the default.
+        named = (
+            chat_template if isinstance(chat_template, dict) else {"default": chat_template} if chat_template else {}
+        )
+        self.chat_templates: dict[str, str] = dict(named)
+        self.chat_template: str | None = self.chat_templates.get("default")  # the one a chat without tools gets
+        self._compiled: dict[str, jinja2.Template] = {}
         self.name = name
         named_eos = self.backend.token_to_id(special_tokens["eos_token"]) if "eos_token" in special_tokens else None
         eos_ids = ([named_eos] if named_eos is not None else []) + list(extra_eos_token_ids)
@@ -147,7 +167,7 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens=special,
-            chat_template=_read_chat_template(model_dir, config),
+            chat_template=_read_chat_templates(model_dir, config),
             extra_eos_token_ids=extra_eos,
             name=str(model_dir),
         )
@@ -181,21 +201,41 @@ class Tokenizer:
         """Whether ``token_id`` is a SentencePiece byte-fallback piece such as ``<0xE2>``."""
         return self._byte_fallback and _BYTE_TOKEN.match(self.backend.id_to_token(token_id) or "") is not None
 
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        if self.chat_template is None:
+    @property
+    def tool_template(self) -> str | None:
+        """The template a chat with tools gets: ``tool_use`` when the model names one, else the default."""
+        return self.chat_templates.get("tool_use", self.chat_template)
+
+    def template_name(self, tools: bool) -> str:
+        """Which named template renders a chat (``tools``: with tools), as transformers picks it."""
+        if tools and "tool_use" in self.chat_templates:
+            return "tool_use"
+        if "default" in self.chat_templates:
+            return "default"
+        if not self.chat_templates:
             raise InvalidRequestError(
                 f"the model at {self.name} has no chat template; send a plain prompt to the completions route instead",
                 param="messages",
             )
-        return _jinja_env().from_string(self.chat_template)
+        raise InvalidRequestError(
+            f"the model at {self.name} has chat templates named {sorted(self.chat_templates)} and no default one; "
+            "send a plain prompt to the completions route, or give the model a default chat template",
+            param="messages",
+        )
+
+    def _template(self, name: str) -> jinja2.Template:
+        if name not in self._compiled:
+            self._compiled[name] = _jinja_env().from_string(self.chat_templates[name])
+        return self._compiled[name]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render a conversation with the model's chat template, as transformers would.
+        """Render a conversation with the model's chat template, as transformers would (with
+        ``tools``, its ``tool_use`` template when it has one).
 
         The template sees ``messages``, ``add_generation_prompt``, the special tokens
-        (``bos_token``, ``eos_token``, ...) and any extra keyword (``tools``, ``documents``...).
-        Encode the result with ``add_special_tokens=False`` when the template writes BOS itself.
+        (``bos_token``, ``eos_token``, ...) and any extra keyword (``tools``, ``documents``,
+        ``enable_thinking``...). Encode the result with ``add_special_tokens=False`` when the
+        template writes BOS itself.
         """
         variables = {
             **self.special_tokens,
@@ -203,7 +243,17 @@ class Tokenizer:
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
-        return self._template.render(**variables)
+        return self._template(self.template_name(kwargs.get("tools") is not None)).render(**variables)
+
+    @cached_property
+    def takes_system_role(self) -> bool:
+        """Whether the chat template renders a system message (Gemma 2's raises on one)."""
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        try:
+            self.apply_chat_template(probe)
+        except Exception:  # any refusal of the probe: the template has no place for a system turn
+            return False
+        return True
 
 
 def _add_missing_special_tokens(backend: tokenizers.Tokenizer, special: dict[str, str], config: dict) -> None:

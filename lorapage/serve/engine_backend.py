@@ -47,6 +47,8 @@ class EngineBackend:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.queue_len = engine.config.max_queue_len
+        self.tool_call_parser = engine.config.tool_call_parser
+        self.reasoning_parser = engine.config.reasoning_parser
         # Check prompts sampled from the traffic of the adapters whose owners opted in.
         self.sampler = PromptSampler(engine.admin.catalog.drift_record.sampling_ids())
         self.sampler_task: asyncio.Task | None = None

@@ -1,7 +1,8 @@
 """How a model family writes tool calls: parsing them out of its output (whole or streamed), and
 the grammar that makes it write valid ones (``tool_choice`` ``required`` or a named function).
 
-Three formats, as vLLM's parsers of the same names read them:
+The JSON formats, as vLLM's parsers of the same names read them (``qwen3_coder`` and ``pythonic``
+have modules of their own; :mod:`lorapage.tools.families` names them all and picks one per model):
 
 - ``hermes`` (Hermes, Qwen 2 / 2.5 / 3): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   one block per call, text allowed around them;
@@ -12,9 +13,12 @@ Three formats, as vLLM's parsers of the same names read them:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
+import string
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorapage.structured.spec import closed_objects
@@ -33,6 +37,11 @@ class ToolCall:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_urlsafe(18)
+
+
+def mistral_call_id() -> str:
+    """9 letters and digits: the only call id Mistral's chat template renders back."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def _call(obj: object, args_key: str) -> ToolCall | None:
@@ -71,15 +80,16 @@ def call_schema(tools: list[dict], args_key: str) -> dict:
     return {"x-guidance": {"whitespace_flexible": False}, **schema}
 
 
-def _lark_literal(text: str) -> str:
+def lark_literal(text: str) -> str:
+    """``text`` as a Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
 
 
-def _more(parallel: bool, separator: str) -> str:
+def more_calls(parallel: bool, separator: str) -> str:
     """Lark for the calls after the first: up to MAX_PARALLEL_CALLS - 1 more with ``parallel``."""
     if not parallel:
         return ""
-    more = f"({_lark_literal(separator)} call)" if separator else "call"
+    more = f"({lark_literal(separator)} call)" if separator else "call"
     return f" {more}{{0,{MAX_PARALLEL_CALLS - 1}}}"
 
 
@@ -89,13 +99,21 @@ class ToolFormat(ABC):
     name: str
     args_key: str = "arguments"
     markers: tuple[str, ...] = ()  # text that starts a call (held back from content when streaming)
+    # How to call, in the format's own words: the tools prompt of a template that shows none.
+    instruction: str = ""
 
     @abstractmethod
-    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False, tools: Sequence[dict] = ()) -> tuple[str, list[ToolCall]]:
         """A finished output as ``(content, calls)``; text that is no valid call stays content.
         ``cut``: the output was stopped by its length (max_tokens), so a call it was writing is
         unfinished: the calls finished before it are kept, the unfinished one is dropped (no
-        markup is left in the content), as is a marker begun at the very end."""
+        markup is left in the content), as is a marker begun at the very end. ``tools``: the
+        request's OpenAI tools, for a format whose arguments are typed by their schemas."""
+
+    @abstractmethod
+    def write(self, calls: Sequence[dict]) -> str:
+        """Earlier calls (``{"name", "arguments"}``, arguments as an object) as the model writes
+        them: an assistant turn's text for a template that renders no ``tool_calls`` itself."""
 
     @abstractmethod
     def grammar(self, tools: list[dict], parallel: bool = True) -> str:
@@ -120,8 +138,9 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     markers = ("<tool_call>",)
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    instruction = 'To call one, answer <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>'
 
-    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False, tools: Sequence[dict] = ()) -> tuple[str, list[ToolCall]]:
         content: list[str] = []
         calls: list[ToolCall] = []
         rest = text
@@ -150,10 +169,13 @@ class HermesFormat(ToolFormat):
             content.append(rest)
         return _content("".join(content), calls), calls
 
+    def write(self, calls: Sequence[dict]) -> str:
+        return "".join(f"{self.OPEN}\n{_json_call(c, self.args_key)}\n{self.CLOSE}\n" for c in calls)
+
     def grammar(self, tools: list[dict], parallel: bool = True) -> str:
         schema = json.dumps(call_schema(tools, self.args_key), ensure_ascii=False)
-        opening, closing = _lark_literal(self.OPEN + "\n"), _lark_literal("\n" + self.CLOSE + "\n")
-        return f"start: call{_more(parallel, '')}\ncall: {opening} %json {schema} {closing}\n"
+        opening, closing = lark_literal(self.OPEN + "\n"), lark_literal("\n" + self.CLOSE + "\n")
+        return f"start: call{more_calls(parallel, '')}\ncall: {opening} %json {schema} {closing}\n"
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -161,6 +183,7 @@ class Llama3JsonFormat(ToolFormat):
     args_key = "parameters"
     TAG = "<|python_tag|>"
     markers = (TAG,)
+    instruction = 'To call one, answer only {"name": <name>, "parameters": <object>}'
 
     def call_start(self, text: str) -> int:
         stripped = text.lstrip()
@@ -168,7 +191,7 @@ class Llama3JsonFormat(ToolFormat):
             return len(text) - len(stripped)
         return super().call_start(text)
 
-    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False, tools: Sequence[dict] = ()) -> tuple[str, list[ToolCall]]:
         body = text.strip()
         tagged = body.startswith(self.TAG)
         body = body[len(self.TAG) :].strip() if tagged else body
@@ -187,17 +210,21 @@ class Llama3JsonFormat(ToolFormat):
             calls.append(call)
         return "", calls
 
+    def write(self, calls: Sequence[dict]) -> str:
+        return "; ".join(_json_call(c, self.args_key) for c in calls)
+
     def grammar(self, tools: list[dict], parallel: bool = True) -> str:
         schema = json.dumps(call_schema(tools, self.args_key), ensure_ascii=False)
-        return f"start: call{_more(parallel, '; ')}\ncall: %json {schema}\n"
+        return f"start: call{more_calls(parallel, '; ')}\ncall: %json {schema}\n"
 
 
 class MistralFormat(ToolFormat):
     name = "mistral"
     TAG = "[TOOL_CALLS]"
     markers = (TAG,)
+    instruction = 'To call functions, answer [TOOL_CALLS][{"name": <name>, "arguments": <object>}, ...]'
 
-    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False, tools: Sequence[dict] = ()) -> tuple[str, list[ToolCall]]:
         start = text.find(self.TAG)
         if start < 0:
             return (self._without_marker_tail(text) if cut else text), []
@@ -210,28 +237,22 @@ class MistralFormat(ToolFormat):
             items = _whole_items(payload)  # the calls finished before the cut
         items = items if isinstance(items, list) else [items]
         found = [_call(item, self.args_key) for item in items]
-        calls = [c for c in found if c is not None]
+        # Mistral's template takes back only 9-character alphanumeric call ids (as vLLM's parser makes them).
+        calls = [dataclasses.replace(c, id=mistral_call_id()) for c in found if c is not None]
         if len(calls) < len(found) or (not calls and not cut):
             return text, []
         return _content(text[:start], calls), calls
 
+    def write(self, calls: Sequence[dict]) -> str:
+        return self.TAG + "[" + ", ".join(_json_call(c, self.args_key) for c in calls) + "]"
+
     def grammar(self, tools: list[dict], parallel: bool = True) -> str:
         schema = json.dumps(call_schema(tools, self.args_key), ensure_ascii=False)
-        return f'start: {_lark_literal(self.TAG + "[")} call{_more(parallel, ", ")} "]"\ncall: %json {schema}\n'
+        return f'start: {lark_literal(self.TAG + "[")} call{more_calls(parallel, ", ")} "]"\ncall: %json {schema}\n'
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())}
-
-
-def detect_format(chat_template: str | None) -> ToolFormat:
-    """The format a chat template writes tool calls in (what vLLM's ``--tool-call-parser`` names);
-    Hermes for templates that show none (lorapage then describes the tools in Hermes's words)."""
-    template = chat_template or ""
-    if "[TOOL_CALLS]" in template:
-        return FORMATS["mistral"]
-    if "<|python_tag|>" in template or ("ipython" in template and '"parameters"' in template):
-        return FORMATS["llama3_json"]
-    return FORMATS["hermes"]
+def _json_call(call: dict, args_key: str) -> str:
+    return json.dumps({"name": call["name"], args_key: call["arguments"]}, ensure_ascii=False)
 
 
 def _parse_json_call(text: str, args_key: str) -> ToolCall | None:

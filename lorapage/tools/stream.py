@@ -8,14 +8,17 @@ accumulate like any other), and whatever is content after all goes out with them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lorapage.tools.formats import ToolCall, ToolFormat
 
 
 class ToolStream:
     """One request's output, fed delta by delta."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, tools: Sequence[dict] = ()) -> None:
         self.fmt = fmt
+        self.tools = tools  # the request's tools (a format may type arguments by their schemas)
         self.text = ""
         self._sent = 0  # characters of text released as content
         self._in_call = False
@@ -38,7 +41,7 @@ class ToolStream:
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         """The output is complete (``cut``: stopped by its length): the content not released yet,
         and the calls it holds (:meth:`ToolFormat.parse <lorapage.tools.formats.ToolFormat.parse>`)."""
-        content, calls = self.fmt.parse(self.text, cut)
+        content, calls = self.fmt.parse(self.text, cut, self.tools)
         sent = self.text[: self._sent]
         rest = content[len(sent) :] if content.startswith(sent) else ""
         return rest, calls

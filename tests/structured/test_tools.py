@@ -49,20 +49,27 @@ OUTPUTS = {
     '{"name": "get_time", "parameters": {"zone": 1}}',
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
     '{"name": "get_time", "arguments": {"zone": 1}}]',
+    "qwen3_coder": "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+    "<parameter=zone>\n1\n</parameter>\n</function>\n</tool_call>",
+    "pythonic": '[get_weather(city="Paris", unit="celsius"), get_time(zone=1)]',
 }
+WITH_TEXT = ("hermes", "qwen3_coder")  # formats whose OUTPUTS hold text before the calls
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_each_format_parses_its_calls_whole_and_streamed(fmt):
     text = OUTPUTS[fmt]
-    content, calls = FORMATS[fmt].parse(text)
+    content, calls = FORMATS[fmt].parse(text, tools=[WEATHER, TIME])
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}),
         ("get_time", {"zone": 1}),
     ]
-    assert content == ("Let me check.\n" if fmt == "hermes" else "")
-    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
-    stream = ToolStream(FORMATS[fmt])
+    assert content == ("Let me check.\n" if fmt in WITH_TEXT else "")
+    assert len({c.id for c in calls}) == 2
+    # Mistral's template takes back 9-character ids only (vLLM's mistral parser makes them so).
+    assert all(c.id.startswith("call_") or (fmt == "mistral" and len(c.id) == 9 and c.id.isalnum()) for c in calls)
+    stream = ToolStream(FORMATS[fmt], [WEATHER, TIME])
     streamed = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
     rest, again = stream.finish()
     assert streamed + rest == content and [c.name for c in again] == ["get_weather", "get_time"]
@@ -122,8 +129,11 @@ async def test_required_tool_choice_makes_even_an_untrained_adapter_write_valid_
             spec = StructuredSpec("grammar", FORMATS[fmt].grammar([WEATHER, TIME], parallel), param="tool_choice")
             params = SamplingParams(max_tokens=450, temperature=1.0, seed=seed, structured=spec)
             out, _ = await collect(engine, "What is the weather?", adapter, params)
-            assert out.finish_reason == "stop", out.text
-            content, calls = FORMATS[fmt].parse(out.text)
+            # Qwen3-Coder's markup is the longest: four of its calls take more of the tiny model's
+            # byte-level tokens than its 512-token context holds, so there a cut keeps those finished.
+            long_markup = fmt == "qwen3_coder" and parallel
+            assert out.finish_reason == "stop" or long_markup, out.text
+            content, calls = FORMATS[fmt].parse(out.text, out.finish_reason == "length", [WEATHER, TIME])
             assert calls and content == "" and (parallel or len(calls) == 1), out.text
             for call in calls:
                 jsonschema.validate(json.loads(call.arguments), schemas[call.name])
