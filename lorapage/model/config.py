@@ -124,7 +124,7 @@ def _rope_scaling(raw: dict, arch: str, rope_params: dict) -> dict | None:
     scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
     if not scaling:
         return None
-    scaling = dict(scaling)
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}  # read apart
     kind = scaling.get("rope_type", scaling.get("type")) or "default"
     if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):
         kind = "longrope"

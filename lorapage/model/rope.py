@@ -11,8 +11,8 @@ and a paged server cannot follow that (a KV block written at one length is read 
 - ``dynamic``: HF re-derives the base from the current length once it passes
   ``max_position_embeddings`` and uses the plain table below it. A context within
   ``max_position_embeddings`` gets exactly that plain table (HF's numbers); a longer one gets
-  vLLM's fixed table, whose base is scaled for ``max_position_embeddings * factor`` positions
-  (:func:`dynamic_ntk_base`), at every position.
+  vLLM's fixed table, HF's base taken once at the served length (:func:`dynamic_ntk_base`), at
+  every position (HF would rotate a short sequence with the plain table).
 - ``longrope``: HF rotates a whole forward with the long factors once it reaches past
   ``original_max_position_embeddings``, and vLLM a whole batch. Here position ``p`` uses the short
   factors below ``original_max_position_embeddings`` and the long ones from it on, so a row's
@@ -94,10 +94,15 @@ def _yarn(config: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv, attention
 
 
-def dynamic_ntk_base(base: float, factor: float, dim: int) -> float:
-    """vLLM's fixed dynamic-NTK base (``DynamicNTKScalingRotaryEmbedding``): HF's formula taken at
-    ``max_position_embeddings * factor`` positions, ``base * (factor * factor - (factor - 1)) ** (dim / (dim - 2))``."""
-    return base * ((factor * factor) - (factor - 1)) ** (dim / (dim - 2))
+def dynamic_ntk_base(base: float, factor: float, dim: int, served: int, trained: int) -> float:
+    """The fixed dynamic-NTK base for a server of ``served`` positions on a model trained on
+    ``trained`` (``max_position_embeddings``): HF's formula taken once at the longest sequence served,
+    ``base * (factor * served / trained - (factor - 1)) ** (dim / (dim - 2))``, as vLLM's
+    ``DynamicNTKScalingRotaryEmbedding`` computes it (vllm#41277); the plain base when ``served <=
+    trained`` (vllm#52675: truncation, not extension; HF's own table there)."""
+    if served <= trained:
+        return base
+    return base * (factor * served / trained - (factor - 1)) ** (dim / (dim - 2))
 
 
 def _longrope_attention(config: ModelConfig) -> float:
@@ -121,8 +126,9 @@ def inv_freq(config: ModelConfig, max_len: int) -> torch.Tensor:
         return inv / s["factor"]
     if kind == "yarn":
         return _yarn(config, dim)[0]
-    if kind == "dynamic" and max_len > config.max_position_embeddings:
-        return _base_inv_freq(dynamic_ntk_base(config.rope_theta, s["factor"], dim), dim)
+    if kind == "dynamic":
+        trained = config.max_position_embeddings
+        return _base_inv_freq(dynamic_ntk_base(config.rope_theta, s["factor"], dim, max_len, trained), dim)
     return inv
 
 
