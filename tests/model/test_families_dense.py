@@ -48,7 +48,12 @@ def _qwen3(path):
         tie_word_embeddings=True,
         eos_token_id=EOS,
         bos_token_id=None,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     )
 
 
