@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from engine_util import collect
 from hf_reference import make_peft_adapter, make_random_model, peft_greedy
 
 from lorapage import Engine, EngineConfig, SamplingParams
@@ -126,6 +127,24 @@ def test_triton_interpreted_matches_for_qwen3(family):
     for out, (tokens, lps) in zip(outs, refs):
         assert out.token_ids == tokens
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=TOL)
+
+
+async def test_a_fused_module_adapter_serves_after_a_restart(family, tmp_path):
+    """Restored from the registry (its spec stored per part), a Phi-3 adapter still splits its
+    fused weights when read."""
+    name, base, adapters, refs, _ = family
+    if name != "phi3":
+        pytest.skip("the fused-module case")
+    config = EngineConfig(model=str(base), kernel_backend="torch", state_dir=str(tmp_path / "state"), max_model_len=128)
+    engine = Engine(config)
+    engine.add_adapter("a", adapters["a"])
+    await engine.close()
+    engine = Engine(config)
+    try:
+        last, _ = await collect(engine, PROMPTS[1], "a", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        assert last.token_ids == refs[1][0]
+    finally:
+        await engine.close()
 
 
 def test_adapter_of_another_family_is_refused_naming_the_modules(family, tmp_path):
