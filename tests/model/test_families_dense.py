@@ -91,7 +91,16 @@ def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     base = build(root / "base")
     adapters = {
-        "a": make_peft_adapter(base, root / "a", r=8, targets=modules, seed=1),
+        # alpha_pattern / rank_pattern keyed by the family's own names (a fused one on Phi-3)
+        "a": make_peft_adapter(
+            base,
+            root / "a",
+            r=8,
+            targets=modules,
+            seed=1,
+            alpha_pattern={modules[0]: 24},
+            rank_pattern={modules[-1]: 2},
+        ),
         "b": make_peft_adapter(base, root / "b", r=4, targets=modules, seed=2, use_rslora=True),
     }
     rows = [None, "a", "b"]
@@ -104,7 +113,7 @@ def _mixed_batch(base, adapters, backend, max_tokens=MAX_TOKENS):
     engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, block_size=4, max_model_len=128))
     for name, path in adapters.items():
         engine.add_adapter(name, path)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     return engine.generate_batch(list(zip(PROMPTS, [None, "a", "b"])), params)
 
 
@@ -161,7 +170,9 @@ async def test_a_fused_module_adapter_serves_after_a_restart(family, tmp_path):
     await engine.close()
     engine = Engine(config)
     try:
-        last, _ = await collect(engine, PROMPTS[1], "a", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        last, _ = await collect(
+            engine, PROMPTS[1], "a", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        )
         assert last.token_ids == refs[1][0]
     finally:
         await engine.close()
@@ -205,13 +216,14 @@ def _llama(path, rope):
         {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16},
         {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "mscale": 2, "mscale_all_dim": 1},
         {"rope_type": "dynamic", "factor": 4.0},  # within max_position_embeddings: HF's plain table
+        {"rope_type": "linear", "factor": 3.0},
     ],
-    ids=["yarn", "yarn-mscale", "dynamic"],
+    ids=["yarn", "yarn-mscale", "dynamic", "linear"],
 )
 def test_llama_rope_scaling_matches_transformers(rope, tmp_path):
     base = _llama(tmp_path / "llama", rope)
     engine = Engine(EngineConfig(model=str(base), kernel_backend="torch", max_model_len=64))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, engine.generate_batch([(p, None) for p in PROMPTS], params)):
         tokens, lps = peft_greedy(base, None, prompt, MAX_TOKENS)
         assert out.token_ids == tokens
@@ -247,7 +259,7 @@ def test_phi3_longrope_matches_transformers_within_the_original_length(tmp_path)
         },
     )
     engine = Engine(EngineConfig(model=str(base), kernel_backend="torch", max_model_len=64))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, engine.generate_batch([(p, None) for p in PROMPTS], params)):
         tokens, lps = peft_greedy(base, None, prompt, MAX_TOKENS)
         assert out.token_ids == tokens
