@@ -41,7 +41,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     partial_rotary_factor: float = 1.0  # share of head_dim that rotates (Phi-4-mini: 0.75)
-    sliding_window: int | None = None  # Phi-3 / Qwen3 window: the context is capped at it (see context_length)
+    sliding_window: int | None = None  # Phi-3's window: the context is capped at it (see context_length)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -158,7 +158,8 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 
 def context_length(config: ModelConfig, max_model_len: int | None, allow_long: bool = False) -> int:
     """The context an engine serves: ``--max-model-len`` when given, else the model's positions (at
-    most 8,192). A length past the model's positions is refused, as vLLM refuses it, unless
+    most 8,192, and within Phi-3's sliding window). A length past the model's positions (for
+    ``yarn`` / ``dynamic`` rope, scaled as vLLM scales them) is refused, as vLLM refuses it, unless
     ``allow_long`` (its ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
     derived = config.derived_max_len()
     window = config.sliding_window
@@ -173,8 +174,9 @@ def context_length(config: ModelConfig, max_model_len: int | None, allow_long: b
             f"(where full attention is exactly the window). Lower --max-model-len to at most {window}"
         )
     if max_model_len > derived and not allow_long:
+        scaled = ", scaled by its rope factor" if derived != config.max_position_embeddings else ""
         raise ValueError(
-            f"max_model_len ({max_model_len}) is greater than the model's context (max_position_embeddings: "
+            f"max_model_len ({max_model_len}) is greater than the model's context (max_position_embeddings{scaled}: "
             f"{derived}): positions past it may give wrong outputs. Lower --max-model-len to at most {derived}, "
             "or pass --allow-long-max-model-len to serve it anyway"
         )
