@@ -20,8 +20,13 @@ from engine_util import collect
 from hf_reference import make_peft_adapter, make_random_model, peft_greedy
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.adapters.peft_format import load_adapter_tensors, read_adapter_spec
 from lorapage.errors import AdapterFormatError
-from lorapage.model.config import ModelConfig, context_length
+from lorapage.model.config import GROUPS, ModelConfig, context_length
+from lorapage.model.families import group_weight
+from lorapage.model.llama import PROJECTIONS, LlamaModel
+from lorapage.model.loader import load_state_dict
+from lorapage.model.merge import merge_adapter
 from lorapage.model.rope import dynamic_ntk_base, inv_freq, rope_tables
 
 VOCAB, EOS = 261, 257
@@ -136,6 +141,27 @@ def test_triton_interpreted_matches_for_qwen3(family):
     for out, (tokens, lps) in zip(outs, refs):
         assert out.token_ids == tokens[:2]
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps[:2], abs=TOL)
+
+
+def test_merged_weights_equal_peft_merge_and_unload(family):
+    """A dedicated deployment's merge (model/merge.py) of each family's adapter, fused modules
+    included, equals PEFT's merged checkpoint, group by group."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, base, adapters, _, _ = family
+    config = ModelConfig.from_dir(base)
+    model = LlamaModel(config, load_state_dict(base, torch.float32), torch.device("cpu"), torch.float32, 64)
+    spec = read_adapter_spec(adapters["a"], config, 64)
+    merge_adapter(model, load_adapter_tensors(spec, torch.float32), spec.scales)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapters["a"])
+    reference = peft.merge_and_unload().state_dict()
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        for key, prefix, group in zip(PROJECTIONS, ("self_attn.", "self_attn.", "mlp.", "mlp."), GROUPS):
+            want = group_weight(lambda k: reference[k + ".weight"], p + prefix, config, group)
+            # W + scale * B @ A in float32 both; only the order of the scale's product differs.
+            torch.testing.assert_close(model.dense_weight(layer, key), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.gpu
