@@ -16,7 +16,8 @@ and a paged server cannot follow that (a KV block written at one length is read 
 - ``longrope``: HF rotates a whole forward with the long factors once it reaches past
   ``original_max_position_embeddings``, and vLLM a whole batch. Here position ``p`` uses the short
   factors below ``original_max_position_embeddings`` and the long ones from it on, so a row's
-  rotation never depends on its batch; within the original length this is HF's table exactly.
+  rotation never depends on its batch: what HF's cached ``generate`` does to a prompt within the
+  original length decoding on past it (only a prefill that crosses it differs).
 """
 
 from __future__ import annotations

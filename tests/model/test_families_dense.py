@@ -256,7 +256,27 @@ def test_llama_rope_scaling_matches_transformers(rope, tmp_path):
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=TOL)
 
 
-def test_phi3_longrope_matches_transformers_within_the_original_length(tmp_path):
+def _cached_greedy(base, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy decode with its KV cache, as ``generate`` runs it: the prompt in one
+    forward, then one token per forward (longrope picks short or long factors per forward)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    tokens, lps = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_tokens):
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            t = int(torch.argmax(lp))
+            tokens.append(t)
+            lps.append(float(lp[t]))
+            out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, lps
+
+
+def test_phi3_longrope_matches_transformers_generate_across_the_original_length(tmp_path):
+    """Prompts within ``original_max_position_embeddings`` (8), decoding past it: each position
+    rotates as transformers' cached generation rotated it (short factors below 8, long from 8 on)."""
     from transformers import Phi3Config
 
     half = 6  # rotary_dim 12 / 2
@@ -270,8 +290,8 @@ def test_phi3_longrope_matches_transformers_within_the_original_length(tmp_path)
         num_attention_heads=4,
         num_key_value_heads=2,
         partial_rotary_factor=0.5,
-        max_position_embeddings=256,
-        original_max_position_embeddings=32,
+        max_position_embeddings=64,
+        original_max_position_embeddings=8,
         eos_token_id=EOS,
         bos_token_id=None,
         pad_token_id=None,
@@ -281,19 +301,18 @@ def test_phi3_longrope_matches_transformers_within_the_original_length(tmp_path)
             "partial_rotary_factor": 0.5,
             "short_factor": [1.0 + 0.3 * i for i in range(half)],
             "long_factor": [2.0 + i for i in range(half)],
-            "original_max_position_embeddings": 32,
+            "original_max_position_embeddings": 8,
         },
     )
     engine = Engine(EngineConfig(model=str(base), kernel_backend="torch", max_model_len=64))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, engine.generate_batch([(p, None) for p in PROMPTS], params)):
-        tokens, lps = peft_greedy(base, None, prompt, MAX_TOKENS)
+        tokens, lps = _cached_greedy(base, prompt, 6)
         assert out.token_ids == tokens
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=TOL)
-    # Past the original length each position takes the long factors (HF switches a whole pass).
     config = ModelConfig.from_dir(base)
     cos, _ = rope_tables(config, 64)
-    scale = math.sqrt(1 + math.log(256 / 32) / math.log(32))
+    scale = math.sqrt(1 + math.log(64 / 8) / math.log(8))  # the attention factor, at every position
     long = 1.0 / (torch.tensor([2.0 + i for i in range(half)]) * 10000.0 ** (torch.arange(0, 12, 2).float() / 12))
     assert torch.allclose(cos[40, :half], torch.cos(40 * long) * scale, atol=1e-6)
 
