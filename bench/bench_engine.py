@@ -23,7 +23,11 @@ the residency timings. (a), (b), (c), (e) and the prefill figures are each the m
 ``--rounds`` passes (default 5) taken in turn; prefix caching is off, since every pass reuses its
 prompts.
 
-    python bench/bench_engine.py [--quick] [--prefill] [--scattered] [--skip-residency] [--rounds N]
+``--families`` measures only the family column instead: (a) and (c) and c/a per dense family
+(Llama, Qwen3, Phi-3 with fused modules and fused-module adapters) at the same shape
+(bench/families.py).
+
+    python bench/bench_engine.py [--quick] [--prefill] [--scattered] [--skip-residency] [--rounds N] [--families]
 
 Prints a table, then one JSON line with every figure and its target.
 """
@@ -38,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from families import family_rates, print_families
 from harness import machine_info, machine_line, median, print_json
 from make_llama import write_adapter, write_model
 from safetensors.torch import load_file
@@ -162,8 +167,20 @@ async def main(quick: bool, prefill: bool, scattered: bool, residency_too: bool,
         return await _measure(Path(tmp), quick, prefill, scattered, residency_too, rounds)
 
 
+SHAPE = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
+
+
+async def families(quick: bool, rounds: int) -> dict:
+    """The family column (bench/families.py) at the bench's shape; prints it, returns the JSON."""
+    with tempfile.TemporaryDirectory(prefix="lorapage-bench-") as tmp:
+        rates = await family_rates(Path(tmp), SHAPE, 16, 8 if quick else 16, rounds)
+    print(machine_line())
+    print_families(rates)
+    return {"bench": "engine_families", "families": rates, "rounds": rounds} | machine_info()
+
+
 async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, residency_too: bool, rounds: int) -> dict:
-    shape = dict(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
+    shape = SHAPE
     model = write_model(root / "base", **shape)
     n_params = sum(t.numel() for t in load_file(model / "model.safetensors").values())
     n_extra = 20 if quick else 200
@@ -398,6 +415,10 @@ if __name__ == "__main__":
     parser.add_argument("--scattered", action="store_true", help="measured adapters scattered in the pool")
     parser.add_argument("--skip-residency", action="store_true", help="throughput figures only")
     parser.add_argument("--rounds", type=int, default=5, help="passes over (a), (b), (c), (e) and prefill (median)")
+    parser.add_argument("--families", action="store_true", help="only c/a per dense family (Llama, Qwen3, Phi-3)")
     args = parser.parse_args()
-    result = asyncio.run(main(args.quick, args.prefill, args.scattered, not args.skip_residency, args.rounds))
-    print_json(report(result))
+    if args.families:
+        print_json(asyncio.run(families(args.quick, args.rounds)))
+    else:
+        result = asyncio.run(main(args.quick, args.prefill, args.scattered, not args.skip_residency, args.rounds))
+        print_json(report(result))

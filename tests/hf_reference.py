@@ -56,6 +56,30 @@ def make_random_llama(
     return path
 
 
+def make_random_model(
+    path: Path, config_class, *, seed: int = 0, max_shard_size: str | None = None, **config_kwargs
+) -> Path:
+    """A random checkpoint of any family, built from ``config_class`` (e.g. ``Qwen3Config``) with
+    ``config_kwargs`` and saved by transformers beside the tiny model's tokenizer. 2-D weights are
+    drawn at 0.08 (outputs far from uniform) and every 1-D weight (norms, q/k norms, biases) as
+    ``1 + 0.1 * noise``, so a norm the engine skipped or misread shows in the logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_class(**config_kwargs))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            else:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TINY_BASE_DIR / f, path / f)
+    return path
+
+
 def make_peft_adapter(
     base_dir: Path, path: Path, *, r: int, targets: list[str], seed: int, alpha: float | None = None, **lora_kwargs
 ) -> Path:

@@ -33,11 +33,13 @@ from lorapage.adapters.safetensors_buffer import (
 )
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
+from lorapage.model.families import checkpoint_module_dims, refuse_foreign_module, split_fused_pairs, split_fused_values
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
+ATTENTION_NAMES = (*MODULES[:4], "qkv_proj")  # projections under self_attn (the rest are under mlp)
 # Bounds on rank_pattern / alpha_pattern: PEFT writes at most one key per module (under 900 on
 # the largest Llama), and a key longer than a module name has no reason to be.
 MAX_PATTERN_KEYS = 1024
@@ -66,6 +68,7 @@ class AdapterSpec:
     max_rank: int
     size_bytes: int  # bytes of the weights file
     trained_on: str | None = None  # base_model_name_or_path as the config says it (None: absent); not stored
+    model: ModelConfig | None = None  # the base it was checked against: splits a fused module's weights (Phi-3)
 
     def num_params(self, model: ModelConfig) -> int:
         dims = model.module_dims()
@@ -188,16 +191,18 @@ def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]], int]:
     return st, {k: shape for k, (_, shape) in header.shapes.items()}, header.size
 
 
-def parse_key(path: Path, key: str) -> tuple[int, str, str]:
-    """(layer, module, "A" | "B") of a LoRA weight key, or a specific refusal."""
+def parse_key(path: Path, key: str, model: ModelConfig | None = None) -> tuple[int, str, str]:
+    """(layer, module, "A" | "B") of a LoRA weight key, or a specific refusal. ``module`` is the
+    checkpoint's name, checked against ``model``'s family (fused ``qkv_proj`` on Phi-3) when given."""
     if "lora_embedding" in key or any(u in key for u in _UNSUPPORTED_TARGETS):
         raise _fail(path, f"tensor {key}: LoRA on embeddings / lm_head is not supported")
     m = _KEY.match(key)
     if not m:
         raise _fail(path, f"tensor {key} is not a LoRA A/B weight of a Llama-family projection")
     layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-    if module not in MODULES:
-        raise _fail(path, f"tensor {key}: module {module!r} is not one of {MODULES}")
+    why = refuse_foreign_module(model, module) if model is not None else None
+    if why or (model is None and module not in MODULES):
+        raise _fail(path, f"tensor {key}: {why or f'module {module!r} is not one of {MODULES}'}")
     return layer, module, ab
 
 
@@ -206,10 +211,10 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     path = Path(path)
     cfg = _read_config(path)
     weights_file, shapes, size_bytes = _tensor_shapes(path)
-    dims = model.module_dims()
+    dims = checkpoint_module_dims(model)
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in shapes.items():
-        layer, module, ab = parse_key(path, key)
+        layer, module, ab = parse_key(path, key, model)
         if layer >= model.num_layers:
             raise _fail(path, f"tensor {key}: layer {layer} does not exist (base has {model.num_layers})")
         halves = pairs.setdefault((layer, module), {})
@@ -237,10 +242,11 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
             )
         if not 1 <= r <= max_lora_rank:
             raise _fail(path, f"{where}: rank {r} exceeds max_lora_rank {max_lora_rank}")
-        name = f"model.layers.{layer}.{'self_attn' if module in MODULES[:4] else 'mlp'}.{module}"
+        name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION_NAMES else 'mlp'}.{module}"
         alpha = _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
         ranks[(layer, module)] = r
         scales[(layer, module)] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    ranks, scales = split_fused_values(model, ranks), split_fused_values(model, scales)  # a fused module's parts
     return AdapterSpec(
         path=path,
         weights_file=weights_file,
@@ -250,6 +256,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         max_rank=max(ranks.values()),
         size_bytes=size_bytes,
         trained_on=_trained_on(path, cfg),
+        model=model,
     )
 
 
@@ -289,10 +296,13 @@ def load_adapter_tensors(
     out: dict[tuple[int, str], list] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)
     for key, t in state.items():
-        layer, module, ab = parse_key(spec.path, key)
+        layer, module, ab = parse_key(spec.path, key, spec.model)
         converted = t if t.dtype == dtype else t.to(dtype)
         out.setdefault((layer, module), [None, None])["AB".index(ab)] = converted
         read.append((key, t, converted))
+    if spec.model is not None and all(a is not None and b is not None for a, b in out.values()):
+        # a fused module (Phi-3's qkv_proj) becomes its parts, as registered
+        out = {k: list(v) for k, v in split_fused_pairs(spec.model, {k: (a, b) for k, (a, b) in out.items()}).items()}
     if out.keys() != spec.ranks.keys():
         raise _fail(spec.path, "weights changed since registration (targeted modules differ)")
     for pair, (a, b) in out.items():

@@ -1,20 +1,24 @@
-"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2, Gemma 2/3 text)."""
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2/3 text)."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lorapage.model.gemma_config import GEMMA_ARCHITECTURES, REFUSED, GemmaConfig
 from lorapage.model.windows import layer_windows
 
-if TYPE_CHECKING:
-    import torch
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *GEMMA_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    *GEMMA_ARCHITECTURES,
+)
+# Rotary types lorapage computes (lorapage/model/rope.py); anything else is refused at load.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 # What config.json must say; everything else has the defaults transformers gives it.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -40,6 +44,8 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    partial_rotary_factor: float = 1.0  # share of head_dim that rotates (Phi-4-mini: 0.75)
+    sliding_window: int | None = None  # Phi-3's window: the context is capped at it (see context_length)
     # Per layer, the sliding window its attention reads (None: global); () when no layer has one.
     layer_windows: tuple[int | None, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2 / 3's additions; None for every other family
@@ -51,8 +57,10 @@ class ModelConfig:
             raise ValueError("config.json is not a JSON object")
         arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            why = REFUSED.get(arch, "")
-            raise ValueError(f"architecture {arch!r} is not supported; lorapage runs {SUPPORTED_ARCHITECTURES}{why}")
+            raise ValueError(
+                f"architecture {arch!r} is not supported; lorapage runs {', '.join(SUPPORTED_ARCHITECTURES)} "
+                f"(docs/families.md){REFUSED.get(arch, '')}"
+            )
         missing = [k for k in REQUIRED_KEYS if k not in raw]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder lorapage can run")
@@ -61,9 +69,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_params = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type", "default") != "default" else None
-        )
+        scaling = _rope_scaling(raw, arch, rope_params)
         theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if gemma is not None:  # Gemma 3's rope is per layer type; these are the global layers'
             theta, scaling = gemma.global_rope_theta, gemma.global_rope_scaling
@@ -84,6 +90,8 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            partial_rotary_factor=raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)),
+            sliding_window=_sliding_window(raw, arch),
             layer_windows=layer_windows(raw, arch, raw["num_hidden_layers"]),
             gemma=gemma,
         )
@@ -113,29 +121,50 @@ class ModelConfig:
             "down_proj": (i, h),
         }
 
-    def rope_inv_freq(self) -> torch.Tensor:
-        """float32 inverse frequencies, computed as HF computes them (so positions match bit for
-        bit), with Llama-3 ``rope_type: llama3`` or ``linear`` scaling applied when configured."""
-        import torch
-
-        dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    def derived_max_len(self) -> int:
+        """The positions the model serves, as vLLM derives them: ``max_position_embeddings``, or for
+        a ``yarn`` / ``dynamic`` rotary table its original length times ``factor``."""
         s = self.rope_scaling or {}
         kind = s.get("rope_type", s.get("type"))
-        if kind == "llama3":
-            factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-            old_len = s["original_max_position_embeddings"]
-            wavelen = 2 * math.pi / inv
-            scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
-            smooth = (old_len / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-            return torch.where(medium, smoothed, scaled)
-        if kind == "linear":
-            return inv / s["factor"]
-        if kind not in (None, "default"):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-        return inv
+        if kind == "yarn" and s.get("factor"):
+            original = s.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(original * s["factor"]))
+        if kind == "dynamic":
+            return int(self.max_position_embeddings * s["factor"])
+        return self.max_position_embeddings
+
+
+def _rope_scaling(raw: dict, arch: str, rope_params: dict) -> dict | None:
+    """The rotary scaling as one dict (``rope_scaling``, or transformers 5's ``rope_parameters``),
+    refused unless lorapage computes its type. Phi-3 spells ``longrope`` ``su`` or ``yarn`` in old
+    checkpoints (transformers reads both as ``longrope``) and keeps its original length at the top."""
+    scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+    if not scaling:
+        return None
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}  # read apart
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; lorapage computes {', '.join(ROPE_TYPES)}")
+    scaling["rope_type"] = kind
+    if "original_max_position_embeddings" not in scaling and "original_max_position_embeddings" in raw:
+        scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    return scaling
+
+
+def _sliding_window(raw: dict, arch: str) -> int | None:
+    """The attention window of a family whose every layer would apply it; lorapage caps the context
+    there (attention is then exactly full). Qwen's ``use_sliding_window`` windows some layers only:
+    refused, as is any other family's window beyond its families' own handling."""
+    if arch == "Phi3ForCausalLM":
+        return raw.get("sliding_window")
+    if arch == "Qwen3ForCausalLM" and raw.get("use_sliding_window"):
+        raise ValueError(
+            "Qwen3 with use_sliding_window=true (windowed upper layers) is not supported; "
+            "the released Qwen3 checkpoints set it false"
+        )
+    return None
 
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -146,16 +175,25 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
 
 def context_length(config: ModelConfig, max_model_len: int | None, allow_long: bool = False) -> int:
     """The context an engine serves: ``--max-model-len`` when given, else the model's positions (at
-    most 8,192). A length past the model's positions is refused, as vLLM refuses it, unless
+    most 8,192, and within Phi-3's sliding window). A length past the model's positions (for
+    ``yarn`` / ``dynamic`` rope, scaled as vLLM scales them) is refused, as vLLM refuses it, unless
     ``allow_long`` (its ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+    derived = config.derived_max_len()
+    window = config.sliding_window
     if max_model_len is None:
-        return min(config.max_position_embeddings, 8192)
+        return min(derived, 8192, window or derived)
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1; got {max_model_len}")
-    derived = config.max_position_embeddings
-    if max_model_len > derived and not allow_long:
+    if window is not None and max_model_len > window:
         raise ValueError(
-            f"max_model_len ({max_model_len}) is greater than the model's context (max_position_embeddings: "
+            f"max_model_len ({max_model_len}) is greater than the model's sliding window ({window}): lorapage "
+            f"does not window {config.architecture}'s attention yet, so it serves at most {window} tokens "
+            f"(where full attention is exactly the window). Lower --max-model-len to at most {window}"
+        )
+    if max_model_len > derived and not allow_long:
+        scaled = ", scaled by its rope factor" if derived != config.max_position_embeddings else ""
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is greater than the model's context (max_position_embeddings{scaled}: "
             f"{derived}): positions past it may give wrong outputs. Lower --max-model-len to at most {derived}, "
             "or pass --allow-long-max-model-len to serve it anyway"
         )

@@ -26,6 +26,7 @@ from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.model.config import ModelConfig
 from lorapage.model.gemma_config import GemmaConfig
+from lorapage.model.rope import rope_tables
 from lorapage.model.llama import AttentionMetadata, LlamaModel
 from lorapage.model.lora_tables import LoraTables
 
@@ -67,10 +68,9 @@ class GemmaModel(LlamaModel):
         self.scale = g.query_pre_attn_scalar**-0.5
         # The sliding-window layers' rope (Gemma 3's local base, unscaled); the inherited caches
         # are the global layers' (rope_theta with its scaling).
-        local = dataclasses.replace(config, rope_theta=g.local_rope_theta, rope_scaling=None).rope_inv_freq()
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * local[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.local_cos, self.local_sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+        local = dataclasses.replace(config, rope_theta=g.local_rope_theta, rope_scaling=None)
+        cos, sin = rope_tables(local, max_len)
+        self.local_cos, self.local_sin = cos.to(device, dtype), sin.to(device, dtype)
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the unified page pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4) over the unified page pool.
 
 The base runs one fused GEMM per projection group (qkv, o, gate_up, down) for the whole batch;
 each group's LoRA update is a shrink into ``h`` then an expand into the group's output, every
@@ -18,7 +18,9 @@ from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps, Linear, PackWeight
 from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.families import family_of, group_weight
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.rope import rope_tables
 
 
 @dataclass
@@ -67,19 +69,23 @@ class LlamaModel:
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in state else get("lm_head.weight")
         state.pop("lm_head.weight", None)
         self.final_norm = get("model.norm.weight")
+        weight = lambda k: get(k + ".weight")  # noqa: E731
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = {
                 "in_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([get(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]),
+                "qkv": group_weight(weight, p + "self_attn.", c, GROUPS[0]),
                 "o": get(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([get(p + f"mlp.{m}.weight") for m in ("gate_proj", "up_proj")]),
+                "gate_up": group_weight(weight, p + "mlp.", c, GROUPS[2]),
                 "down": get(p + "mlp.down_proj.weight"),
             }
             if c.attention_bias:
-                layer["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")])
+                layer["qkv_bias"] = group_weight(lambda k: get(k + ".bias"), p + "self_attn.", c, GROUPS[0])
+            if family_of(c).qk_norm:  # one [q heads + kv heads, head_dim] weight: both norms in one op
+                q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+                layer["qk_norm"] = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
             self.layers.append(layer)
         dims = c.module_dims()
         # Column where each module's output starts inside its group's fused output.
@@ -91,11 +97,9 @@ class LlamaModel:
                 col += dims[m][1]
             self.out_starts.append(tuple(starts))
         # cos / sin for every position, computed once in float32 exactly as HF does per step.
-        inv_freq = c.rope_inv_freq()
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache = emb.cos().to(device, dtype)
-        self.sin_cache = emb.sin().to(device, dtype)
+        cos, sin = rope_tables(c, max_len)
+        self.cos_cache = cos.to(device, dtype)
+        self.sin_cache = sin.to(device, dtype)
         self.scale = c.head_dim**-0.5
         # The projections' GEMM, and the layout their weights are held in (pack_weights).
         self.linear: Linear = linear_ref
@@ -129,7 +133,10 @@ class LlamaModel:
 
     @staticmethod
     def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
+        dim = cos.shape[-1]  # rotary_dim: a partial rotation passes the rest of each head through
+        if dim < x.shape[-1]:
+            return torch.cat((LlamaModel._apply_rope(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+        half = dim // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
 
@@ -231,7 +238,10 @@ class LlamaModel:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
-            qk = self._apply_rope(qkv[:, : q_size + kv_size].view(T, heads, c.head_dim), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
+            if "qk_norm" in w:  # Qwen3: each head normalised before its rotation
+                qk = self._rms_norm(qk, w["qk_norm"])
+            qk = self._apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
             ops.write_kv(kv, k, v, attn.slot_mapping)

@@ -161,7 +161,7 @@ class AdapterCatalog:
         silently: refused with the envelope's 400)."""
         if row.base_digest != base:
             return
-        spec = spec_from_json(row.spec)
+        spec = spec_from_json(row.spec, self._cache.checks.model)
         try:
             self._cache.checks.check_envelope(spec)
             self._cache.add(row.key, spec, self._cache.checks.plan(spec), row.digest, Origin(row.source, owner))

@@ -22,6 +22,7 @@ from lorapage.adapters.digest import digest_param, normalize_digest
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.errors import AdapterFormatError, AdapterIntegrityError, InvalidRequestError
+from lorapage.model.config import ModelConfig
 from lorapage.registry.store import Registry, VersionRow
 from lorapage.sources import AdapterRoots, AdapterSources, FileSource, parse_source
 
@@ -200,7 +201,9 @@ def spec_to_json(spec: AdapterSpec) -> str:
     )
 
 
-def spec_from_json(text: str) -> AdapterSpec:
+def spec_from_json(text: str, model: ModelConfig | None = None) -> AdapterSpec:
+    """The spec :func:`spec_to_json` stored, served on ``model`` (the base it was validated against:
+    what splits a fused module's weights when they are read)."""
     data = json.loads(text)
     path = Path(data["path"])
     return AdapterSpec(
@@ -211,4 +214,5 @@ def spec_from_json(text: str) -> AdapterSpec:
         target_modules=tuple(data["target_modules"]),
         max_rank=data["max_rank"],
         size_bytes=data["size_bytes"],
+        model=model,
     )
