@@ -26,9 +26,9 @@ from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.model.config import ModelConfig
 from lorapage.model.gemma_config import GemmaConfig
-from lorapage.model.rope import rope_tables
 from lorapage.model.llama import AttentionMetadata, LlamaModel
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.rope import rope_tables
 
 
 def _scale(weight: Tensor) -> Tensor:
