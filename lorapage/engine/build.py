@@ -61,6 +61,7 @@ from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
 from lorapage.registry.catalog import AdapterCatalog
 from lorapage.registry.prepare import VersionPreparer
+from lorapage.registry.push import VersionPusher, push_root
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
@@ -589,6 +590,7 @@ def build_catalog(
         catalog,
         adapters.cache,
         adapters.tiers,
+        VersionPusher(catalog, adapters.cache, push_root(adapters.registry.path), threads.io),
         check_open=check_open,
         bind=scheduling.step_loop.bind,
         wall_clock=adapters.wall_clock,
