@@ -102,3 +102,23 @@ async def test_push_refusals(srv):
     assert status in (401, 403)
     status, answer = await push(srv, body(5), "?max_staleness=x")
     assert_openai_error(answer, 400, "max_staleness")
+
+
+async def test_the_example_client_pushes_and_samples(srv):
+    """scripts/rl_client.py's two calls, as a trainer runs them."""
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "rl_client.py"
+    spec = importlib.util.spec_from_file_location("rl_client", path)
+    assert spec is not None and spec.loader is not None
+    client = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client)
+    tensors = load_file(str(ACME / "adapter_model.safetensors"))
+    config = json.loads((ACME / "adapter_config.json").read_text())
+    tensors = {k: v * 1.5 for k, v in tensors.items()}
+    pushed = await asyncio.to_thread(client.push, srv.url, ADMIN_KEY, "policy", tensors, config, max_staleness=2)
+    answer = await asyncio.to_thread(client.rollout, srv.url, "key-alpha", "policy", pushed["version"], "hi", 2, 3)
+    assert answer["usage"]["adapter_version"] == pushed["version"]
+    assert len(answer["choices"]) == 2 and all(c["logprobs"]["token_logprobs"] for c in answer["choices"])
