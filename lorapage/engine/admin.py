@@ -134,13 +134,14 @@ class AdapterAdmin:
         adapter_id = parse_name(name)[0]
         if max_staleness is not None:
             self.pusher.set_staleness(adapter_id, max_staleness)
-        info = await self.pusher.store(
-            name, weights, config, owner=owner, expected_base_digest=expected_base_digest, actor=actor
-        )
-        await self._cache.wait_resident(info.key)  # staged before it is current: no rollout waits for its load
-        if activate and not info.current:
-            info = await self.catalog.deploy(adapter_id, info.version, actor=actor)
-        self.pusher.retire(adapter_id)
+        async with self.pusher.serial(adapter_id):
+            info = await self.pusher.store(
+                name, weights, config, owner=owner, expected_base_digest=expected_base_digest, actor=actor
+            )
+            await self._cache.wait_resident(info.key)  # staged before it is current: no rollout waits for its load
+            if activate and not info.current:
+                info = await self.catalog.deploy(adapter_id, info.version, actor=actor)
+            self.pusher.retire(adapter_id)
         return info
 
     # -- residency ------------------------------------------------------------------------------

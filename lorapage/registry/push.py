@@ -36,6 +36,7 @@ from safetensors.torch import save
 
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import bytes_digest
+from lorapage.adapters.names import check_adapter_id
 from lorapage.adapters.safetensors_buffer import MAX_HEADER_BYTES
 from lorapage.errors import AdapterFormatError, AdapterVersionStaleError, InvalidRequestError
 from lorapage.registry.catalog import AdapterCatalog, VersionInfo
@@ -96,6 +97,7 @@ class VersionPusher:
         self._catalog, self._cache, self.root, self._io = catalog, cache, root, io_executor
         self.staleness: dict[str, int] = {}  # id -> k: versions below current - k are refused and retired
         self.retired: set[str] = set()  # version keys retired (kept in the registry, served no more)
+        self._serial: dict[str, asyncio.Lock] = {}
         if root.name.startswith("lorapage-pushed-"):  # this process's temporary root goes with it
             weakref.finalize(self, shutil.rmtree, str(root), True)
         catalog.freshness = self.check_fresh
@@ -120,6 +122,11 @@ class VersionPusher:
                 f"max_staleness must be between 0 and {MAX_STALENESS}; got {k}", param="max_staleness"
             )
         self.staleness[adapter_id] = k
+
+    def serial(self, adapter_id: str) -> asyncio.Lock:
+        """One push of ``adapter_id`` at a time, from its store to its move: a later push can never
+        be made current before an earlier one."""
+        return self._serial.setdefault(adapter_id, asyncio.Lock())
 
     def check_fresh(self, row: VersionRow) -> None:
         """409 for version ``row`` when it is older than its id's current - k, or retired."""
@@ -152,6 +159,7 @@ class VersionPusher:
         catalog = self._catalog
         if "@" in name:
             raise InvalidRequestError(f"push a version of an id, not of {name!r}", param="id")
+        check_adapter_id(name, "")  # it names a directory under the push root too: no separators
         owner = owner if owner is not None else catalog.index.owner(name)
         catalog.index.check_owner(name, owner)
         work = asyncio.get_running_loop().run_in_executor(self._io, self._write, name, weights, config)

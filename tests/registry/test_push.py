@@ -129,3 +129,15 @@ async def test_a_version_in_use_is_retired_once_free():
         assert "policy@1" not in engine.debug.adapters.entries
     finally:
         await engine.close()
+
+
+async def test_concurrent_pushes_land_in_order_and_ids_are_checked():
+    engine = tiny_engine()
+    try:
+        infos = await asyncio.gather(*(engine.admin.push("policy", *policy(s)) for s in range(1, 5)))
+        assert sorted(i.version for i in infos) == [1, 2, 3, 4]
+        assert engine.admin.catalog.resolve_version("policy") == "policy@4"
+        with pytest.raises(InvalidRequestError):
+            await engine.admin.push("../escape", *policy(9))
+    finally:
+        await engine.close()
