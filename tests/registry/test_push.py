@@ -141,3 +141,23 @@ async def test_concurrent_pushes_land_in_order_and_ids_are_checked():
             await engine.admin.push("../escape", *policy(9))
     finally:
         await engine.close()
+
+
+async def test_pushed_versions_survive_a_restart_and_retired_ones_stay_retired(tmp_path):
+    engine = tiny_engine(state_dir=str(tmp_path))
+    try:
+        for step in (1, 2, 3):
+            await engine.admin.push("policy", *policy(step), max_staleness=0)
+        await asyncio.sleep(0.2)  # file deletion runs on the I/O thread
+    finally:
+        await engine.close()
+    assert (tmp_path / "pushed" / "policy").is_dir()
+    engine = tiny_engine(state_dir=str(tmp_path))
+    try:
+        assert [v.version for v in engine.admin.catalog.versions("policy")] == [1, 2, 3]
+        out = [o async for o in engine.generate([5, 9, 17], "policy", GREEDY)][-1]
+        assert len(out.token_ids) == 4
+        with pytest.raises(AdapterVersionStaleError):
+            engine.admin.catalog.resolve_version("policy@1")
+    finally:
+        await engine.close()
