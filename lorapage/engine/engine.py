@@ -226,6 +226,8 @@ class Engine:
         self._check_open()
         self._steps.step_loop.bind()
         sampling = sampling or SamplingParams()
+        if sampling.logprobs_mode is None:  # the engine's (vLLM's --logprobs-mode)
+            sampling = dataclasses.replace(sampling, logprobs_mode=self._config.logprobs_mode)
         if adapter is not None:
             adapter = self._catalog.resolve_version(adapter)  # this request runs on this version to its end
         merged = self._merged.adapter

@@ -151,7 +151,7 @@ def _logprobs(logits: Tensor, processed: Tensor, rows: list[SampleRow], tokens: 
     if not want:
         return out
     scores = logits[want]
-    modes = [rows[i].params.logprobs_mode for i in want]
+    modes = [rows[i].params.logprobs_mode or "raw_logprobs" for i in want]
     drawn = [j for j, mode in enumerate(modes) if mode.startswith("processed")]
     if drawn:
         picked = [want[j] for j in drawn]

@@ -123,3 +123,19 @@ async def test_reference_prompt_logprobs_with_the_base_in_the_same_batch(checkpo
 def test_logprobs_mode_is_checked():
     with pytest.raises(Exception, match="logprobs_mode"):
         SamplingParams(logprobs_mode="final_logprobs")
+
+
+async def test_the_engine_setting_is_the_default_a_request_may_override(checkpoint):
+    base, adapter = checkpoint
+    engine = Engine(
+        EngineConfig(model=str(base), dtype="float32", max_lora_rank=16, logprobs_mode="processed_logprobs")
+    )
+    try:
+        engine.add_adapter("policy", adapter)
+        got = {}
+        for mode in (None, "processed_logprobs", "raw_logprobs"):
+            sampling = SamplingParams(max_tokens=4, temperature=0.7, top_k=5, seed=4, logprobs=0, logprobs_mode=mode)
+            got[mode] = [x.logprob for x in [o async for o in engine.generate(PROMPT, "policy", sampling)][-1].logprobs]
+        assert got[None] == got["processed_logprobs"] != got["raw_logprobs"]
+    finally:
+        await engine.close()
