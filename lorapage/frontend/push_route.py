@@ -49,8 +49,8 @@ Push = Callable[..., Awaitable[Pushed]]
 class PushRoutes:
     """The push route over ``push`` (an engine's ``admin.push``), bodies of at most ``max_bytes``."""
 
-    def __init__(self, push: Push, versions: Callable[[str], list[int]], max_bytes: int) -> None:
-        self._push, self._versions, self.max_bytes = push, versions, max_bytes
+    def __init__(self, push: Push, max_bytes: int) -> None:
+        self._push, self.max_bytes = push, max_bytes
 
     async def push(self, request: web.Request) -> web.Response:
         state = request.app[STATE]
@@ -66,7 +66,7 @@ class PushRoutes:
         body = await read_admin_body(request, self.max_bytes)
         if not body:
             raise InvalidRequestError("the body must be the version's safetensors bytes", param="body")
-        had = self._versions(adapter_id)
+        had = {row.version for row in request.app[ADMIN].store.index.versions(adapter_id)}
         pushed = await self._push(adapter_id, body, None, actor=actor, **options)
         if options["owner"] is not None:
             state.access.set_owner(adapter_id, options["owner"])
@@ -83,10 +83,8 @@ def _int(raw: str | None, param: str) -> int | None:
         raise InvalidRequestError(f"{param} must be an integer; got {raw!r}", param=param) from None
 
 
-def add_push_routes(
-    app: web.Application, push: Push, versions: Callable[[str], list[int]], max_bytes: int = PUSH_MAX_BODY_BYTES
-) -> PushRoutes:
-    """The push route over ``push``; ``versions`` lists an id's version numbers (none: unknown)."""
-    routes = PushRoutes(push, versions, max_bytes)
+def add_push_routes(app: web.Application, push: Push, max_bytes: int = PUSH_MAX_BODY_BYTES) -> PushRoutes:
+    """The push route over ``push`` (after the admin routes: the app's admin is read for its store)."""
+    routes = PushRoutes(push, max_bytes)
     app.router.add_post("/v1/adapters/{id}/versions", routes.push)
     return routes

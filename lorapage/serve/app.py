@@ -103,9 +103,7 @@ def create_app(
         add_admin_routes(app, local_admin(local, state))
         add_audit_routes(app)
         add_base_routes(app, LocalUpgrades(local.engines))
-        catalog = engine.admin.catalog
-        versions = lambda i: [v.version for v in catalog.versions(i)] if i in catalog.index.ids() else []  # noqa: E731
-        add_push_routes(app, engine.admin.push, versions, max_push_bytes)
+        add_push_routes(app, engine.admin.push, max_push_bytes)
 
     return build_app(
         local,
