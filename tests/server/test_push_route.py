@@ -122,3 +122,30 @@ async def test_the_example_client_pushes_and_samples(srv):
     answer = await asyncio.to_thread(client.rollout, srv.url, "key-alpha", "policy", pushed["version"], "hi", 2, 3)
     assert answer["usage"]["adapter_version"] == pushed["version"]
     assert len(answer["choices"]) == 2 and all(c["logprobs"]["token_logprobs"] for c in answer["choices"])
+
+
+async def test_a_push_from_shared_memory(srv, tmp_path):
+    import os
+    import uuid
+
+    from lorapage.frontend.push_route import SHM_DIR, read_shm
+
+    if not SHM_DIR.is_dir():
+        pytest.skip("no /dev/shm here")
+    name = f"lorapage-test-{uuid.uuid4().hex}"
+    (SHM_DIR / name).write_bytes(body(6))
+    try:
+        status, out = await push(srv, b"", f"?shm={name}")
+        assert status == 201, out
+        status, out = await push(srv, b"x", f"?shm={name}")
+        assert_openai_error(out, 400, "shm")
+        link = SHM_DIR / f"{name}-link"
+        os.symlink(tmp_path, link)
+        try:
+            for bad in ("../etc/passwd", link.name, "missing-" + name):
+                with pytest.raises(Exception, match="shm"):
+                    read_shm(bad, 1 << 20)
+        finally:
+            link.unlink()
+    finally:
+        (SHM_DIR / name).unlink()
