@@ -14,6 +14,7 @@ DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names 
 # The values EngineConfig accepts for its option fields (the CLI offers the same).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
@@ -88,6 +89,14 @@ class EngineConfig:
         choices=LORA_DTYPE_NAMES,
     )
     device: str = option("auto", "auto | cpu | cuda | cuda:N", group="model")
+    logprobs_mode: str = option(
+        "raw_logprobs",
+        "what reported logprobs describe where a request does not say (vLLM's logprobs_mode): the model's "
+        "(raw) or the distribution each token was drawn from, after the request's processors, temperature, "
+        "top-k, min-p and top-p (processed); as logprobs or as logits",
+        group="model",
+        choices=LOGPROBS_MODES,
+    )
     max_model_len: int | None = option(
         None,
         "the longest sequence (prompt + output) in tokens; at most the model's context (max_position_embeddings) "

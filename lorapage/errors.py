@@ -116,6 +116,13 @@ class AdapterBusyError(ConflictError):
     code = "adapter_busy"
 
 
+class AdapterVersionStaleError(ConflictError):
+    """A request named an adapter version older than its id's staleness bound allows (or one
+    retired): a rollout must sample from a policy version at most ``max_staleness`` behind."""
+
+    code = "adapter_version_stale"
+
+
 class AdapterBaseMismatchError(ConflictError):
     """An adapter (a version, or one being registered) was trained on another base model than the
     one running; the message names both digests and the migration route."""

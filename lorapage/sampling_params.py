@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorapage.config import LOGPROBS_MODES
 from lorapage.errors import InvalidRequestError
 from lorapage.structured.spec import StructuredSpec
 
@@ -28,8 +29,12 @@ class SamplingParams:
     ``temperature`` below :data:`SAMPLING_EPS` (0 included) is greedy. ``top_k == 0`` and
     ``top_p == 1`` disable those filters.
     ``logprobs`` is the number of top alternatives to report per token (``None`` reports none;
-    ``0`` reports only the chosen token's log-probability). ``seed`` makes sampling reproducible
-    for this request regardless of what else is in the batch.
+    ``0`` reports only the chosen token's log-probability), in ``logprobs_mode`` (vLLM's names;
+    None: the engine's ``EngineConfig.logprobs_mode``):
+    ``raw_logprobs`` / ``raw_logits`` of the model, or ``processed_logprobs`` /
+    ``processed_logits`` of the distribution the token was drawn from (after the request's
+    processors, temperature, top-k, min-p and top-p; a greedy row's after its processors).
+    ``seed`` makes sampling reproducible for this request regardless of what else is in the batch.
     """
 
     max_tokens: int = 16
@@ -42,6 +47,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprobs_mode: str | None = None  # one of LOGPROBS_MODES; None: the engine's (EngineConfig.logprobs_mode)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
@@ -81,6 +87,11 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables)"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "between 0 and 20"),
+            (
+                self.logprobs_mode is None or self.logprobs_mode in LOGPROBS_MODES,
+                "logprobs_mode",
+                "one of " + ", ".join(LOGPROBS_MODES),
+            ),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "between -2 and 2"),
             (len(self.stop) <= MAX_STOP_SEQUENCES, "stop", f"at most {MAX_STOP_SEQUENCES} sequences"),

@@ -11,14 +11,18 @@ Every call that changes something is audited as ``actor``'s.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+import torch
 
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.names import parse_name
 from lorapage.engine.tiering import TierKeeper
-from lorapage.registry.catalog import AdapterCatalog
+from lorapage.registry.catalog import AdapterCatalog, VersionInfo
 from lorapage.registry.prepare import spec_from_json
+from lorapage.registry.push import VersionPusher, config_of, encode
 from lorapage.registry.store import TrafficRow
 
 
@@ -32,6 +36,7 @@ class AdapterAdmin:
         catalog: AdapterCatalog,
         cache: AdapterCache,
         tiers: TierKeeper,
+        pusher: VersionPusher,
         *,
         check_open: Callable[[], None],
         bind: Callable[[], None],
@@ -43,6 +48,8 @@ class AdapterAdmin:
         self._cache, self._tiers, self._check_open, self._bind = cache, tiers, check_open, bind
         self.wall_clock = tiers.wall_clock
         """Unix seconds by the engine's clock: the hours traffic and usage are counted in."""
+        self.pusher = pusher
+        """Versions pushed from memory: each id's staleness bound and the versions retired."""
 
     # -- describing -----------------------------------------------------------------------------
 
@@ -95,6 +102,48 @@ class AdapterAdmin:
         self._bind()
         states = await self._tiers.refresh()
         return {key: state.tier.value for key, state in states.items()}
+
+    # -- pushed versions ---------------------------------------------------------------------------
+
+    async def push(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor] | bytes,
+        config: Mapping | None = None,
+        *,
+        max_staleness: int | None = None,
+        owner: str | None = None,
+        expected_base_digest: str | None = None,
+        activate: bool = True,
+        actor: str | None = None,
+    ) -> VersionInfo:
+        """A new version of ``name`` from memory: ``tensors`` (PEFT key naming, or safetensors
+        bytes whose ``__metadata__`` may carry ``config``) and ``config`` (the adapter_config.json
+        object), checked as a directory is, stored (:mod:`lorapage.registry.push`), loaded into
+        the pool, then made current when ``activate``, atomically: requests already submitted keep
+        the version they resolved, new ones get this one; nothing pauses. ``max_staleness`` k
+        (kept for the id): requests naming a version older than current - k are refused (409), and
+        older versions no request holds are retired. The same content is the same version."""
+        self._check_open()
+        self._bind()
+        if isinstance(tensors, bytes):
+            weights, config = tensors, config if config is not None else config_of(tensors)
+        elif config is None:
+            raise TypeError("push: give the adapter config with the tensors")
+        else:
+            weights = await asyncio.to_thread(encode, tensors, config)
+        adapter_id = parse_name(name)[0]
+        if max_staleness is not None:
+            self.pusher.set_staleness(adapter_id, max_staleness)
+        async with self.pusher.serial(adapter_id):
+            info = await self.pusher.store(
+                name, weights, config, owner=owner, expected_base_digest=expected_base_digest, actor=actor
+            )
+            await self._cache.wait_resident(info.key)  # staged before it is current: no rollout waits for its load
+            if activate and not info.current:
+                info = await self.catalog.move(adapter_id, info.version, actor=actor)
+            self.pusher.retire(adapter_id)
+        return info
 
     # -- residency ------------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
 from lorapage.registry.catalog import AdapterCatalog
 from lorapage.registry.prepare import VersionPreparer
+from lorapage.registry.push import VersionPusher, push_root
 from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
@@ -464,7 +465,7 @@ def build_catalog(
     # Restores every version committed before a restart (reading no weights); the registry is its alone.
     catalog = AdapterCatalog(
         adapters.cache,
-        Registry(Path(config.state_dir) / REGISTRY_FILE if config.state_dir is not None else ":memory:"),
+        Registry(_registry_path(config)),
         preparer,
         base_digest=base.digest,
         io_executor=threads.io,
@@ -593,8 +594,19 @@ def _grammars(base: BaseParts, threads: Threads) -> GrammarCompiler:
 
 
 def build_admin(
-    adapters: AdapterParts, catalog: CatalogParts, scheduling: SchedulingParts, check_open: Callable[[], None]
+    config: EngineConfig,
+    threads: Threads,
+    adapters: AdapterParts,
+    catalog: CatalogParts,
+    scheduling: SchedulingParts,
+    check_open: Callable[[], None],
 ) -> AdapterAdmin:
-    """``engine.admin``, over the catalog (made last: its loads bind the step loop)."""
+    """``engine.admin``, over the catalog (made last: its loads bind the step loop); versions
+    pushed from memory keep their files beside the registry."""
+    pusher = VersionPusher(catalog.catalog, adapters.cache, push_root(_registry_path(config)), threads.io)
     bind = scheduling.step_loop.bind
-    return AdapterAdmin(catalog.catalog, adapters.cache, catalog.tiers, check_open=check_open, bind=bind)
+    return AdapterAdmin(catalog.catalog, adapters.cache, catalog.tiers, pusher, check_open=check_open, bind=bind)
+
+
+def _registry_path(config: EngineConfig) -> str:
+    return str(Path(config.state_dir) / REGISTRY_FILE) if config.state_dir is not None else ":memory:"

@@ -96,7 +96,7 @@ class Engine:
             config, base, sizing, memory, forward, threads, adapters, catalog.tiers, wakeup, clock, tenant_weights
         )
         self._runner = forward.runner
-        self._admin = build_admin(adapters, catalog, steps, self._check_open)
+        self._admin = build_admin(config, threads, adapters, catalog, steps, self._check_open)
         self._debug = EngineDebug.of(clock, sizing, memory, forward, threads, adapters, steps, catalog)
         self._merged = MergedWeights()  # a dedicated deployment's (merge_into_base)
         self._closed = False
@@ -227,6 +227,8 @@ class Engine:
         self._check_open()
         self._steps.step_loop.bind()
         sampling = sampling or SamplingParams()
+        if sampling.logprobs_mode is None:  # the engine's (vLLM's --logprobs-mode)
+            sampling = dataclasses.replace(sampling, logprobs_mode=self._config.logprobs_mode)
         if adapter is not None:
             adapter = self._catalog.resolve_version(adapter)  # this request runs on this version to its end
         merged = self._merged.adapter

@@ -112,6 +112,10 @@ class Extras(msgspec.Struct, forbid_unknown_fields=True):
     structured_outputs: StructuredOutputs | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    # RL rollouts (docs/rl.md): the policy version the request must run on (``model`` names the
+    # id), and whose distribution its logprobs describe (SamplingParams.logprobs_mode).
+    adapter_version: int | None = None
+    logprobs_mode: str | None = None
 
 
 def _json_text(value: dict[str, Any] | bool | str, param: str) -> str:
@@ -183,11 +187,31 @@ def check_extras(req: Any) -> None:
         raise InvalidRequestError(
             "length_penalty applies to beam search, which is not supported", param="length_penalty"
         )
+    if req.adapter_version is not None:
+        req.model = pinned_model(req.model, req.adapter_version)
     if req.spaces_between_special_tokens is False:
         raise InvalidRequestError(
             "spaces_between_special_tokens=false is not supported (the tokenizer decides)",
             param="spaces_between_special_tokens",
         )
+
+
+def pinned_model(model: str, version: int) -> str:
+    """``model`` (``id`` or ``base:id``) pinned to ``adapter_version``: ``id@version``; 400 for a
+    version that is not a positive integer or that ``model``'s own ``@N`` contradicts."""
+    if not 1 <= version < 2**31:
+        raise InvalidRequestError(
+            f"adapter_version must be a version number >= 1; got {version}", param="adapter_version"
+        )
+    name, sep, named = model.rpartition("@")
+    if not sep:
+        return f"{model}@{version}"
+    if named != str(version):
+        raise InvalidRequestError(
+            f"model {model[:200]!r} names another version than adapter_version {version}; name the id alone",
+            param="adapter_version",
+        )
+    return model
 
 
 @dataclass(frozen=True)

@@ -344,4 +344,4 @@ def _usage(job: Job, outs: list[Any]) -> r.Usage:
     """Each prompt counts once, whatever its ``n``; every choice's tokens count."""
     p = job.prompt_tokens
     c = 0 if job.echo_only else sum(len(o.token_ids) for o in outs)
-    return r.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return r.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, adapter_version=job.adapter_version)

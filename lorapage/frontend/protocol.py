@@ -488,6 +488,7 @@ def sampling_params(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
+        logprobs_mode=req.logprobs_mode,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),

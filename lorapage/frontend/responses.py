@@ -9,10 +9,11 @@ from lorapage.registry.store import TrafficRow
 from lorapage.usage.report import hour_iso
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    adapter_version: int | None = None  # the adapter version that served it (absent for the base)
 
 
 class TopLogprob(msgspec.Struct):

@@ -45,28 +45,50 @@ class SampleOutput(NamedTuple):
 TOP_P_CANDIDATES = 512
 
 
-def filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Each row's distribution after its temperature, top-k, min-p and top-p (not normalized:
-    the tokens a filter drops are 0)."""
+def _scaled(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Each row's logits after its temperature and top-k (the tokens top-k drops are -inf)."""
     dev, (m, vocab) = logits.device, logits.shape
-    rows = params
-    temps = torch.tensor([r.temperature for r in rows], dtype=logits.dtype, device=dev)[:, None]
+    temps = torch.tensor([r.temperature for r in params], dtype=logits.dtype, device=dev)[:, None]
     x = logits / temps
-    ks = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
+    ks = [r.top_k if 0 < r.top_k < vocab else 0 for r in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
         kth = top[torch.arange(m, device=dev), torch.tensor([max(k, 1) - 1 for k in ks], device=dev)]
         kth = torch.where(torch.tensor(ks, device=dev) > 0, kth, torch.full_like(kth, NEG_INF))
         x = x.masked_fill(x < kth[:, None], NEG_INF)
-    probs = torch.softmax(x, dim=-1)
+    return x
+
+
+def filtered_probs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """Each row's distribution after its temperature, top-k, min-p and top-p (not normalized:
+    the tokens a filter drops are 0)."""
+    rows = params
+    probs = torch.softmax(_scaled(logits, params), dim=-1)
     min_p = [r.min_p for r in rows]
     if any(min_p):
-        floor = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None] * probs.amax(-1, keepdim=True)
+        floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     nucleus = [i for i, r in enumerate(rows) if r.top_p < 1.0]
     if nucleus:
         probs[nucleus] = _top_p(probs[nucleus], [rows[i].top_p for i in nucleus])
     return probs
+
+
+def processed_logits(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """The logits each row's token is drawn from (vLLM's ``processed_logits``): ``logits`` (after
+    the row's processors) with its temperature applied and what top-k, min-p and top-p drop at
+    -inf; a greedy row's as given. Their softmax is :func:`filtered_probs`, normalized."""
+    out = logits.clone()
+    free = [i for i, r in enumerate(params) if not r.greedy]
+    if not free:
+        return out
+    chosen = [params[i] for i in free]
+    x = _scaled(logits[free], chosen)
+    # A probability filter dropped exactly the tokens it zeroed (a token underflowing to 0 is
+    # below any min-p floor or nucleus edge too); rows without one keep what top-k kept.
+    by_prob = torch.tensor([r.min_p > 0 or r.top_p < 1.0 for r in chosen], device=x.device)[:, None]
+    out[free] = x.masked_fill(by_prob & (filtered_probs(logits[free], chosen) == 0), NEG_INF)
+    return out
 
 
 def _draw(logits: Tensor, rows: list[SampleRow]) -> tuple[Tensor, Tensor]:
@@ -121,12 +143,21 @@ def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLog
     ]
 
 
-def _logprobs(logits: Tensor, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:
+def _logprobs(logits: Tensor, processed: Tensor, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Each row's chosen token and top alternatives, in its ``logprobs_mode``: from the model's
+    ``logits`` (raw) or from the distribution it was sampled from (processed)."""
     out: list[TokenLogprob | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None and tokens[i] != FAILED_TOKEN]
     if not want:
         return out
-    lp = torch.log_softmax(logits[want], dim=-1)
+    scores = logits[want]
+    modes = [rows[i].params.logprobs_mode or "raw_logprobs" for i in want]
+    drawn = [j for j, mode in enumerate(modes) if mode.startswith("processed")]
+    if drawn:
+        picked = [want[j] for j in drawn]
+        scores[drawn] = processed_logits(processed[picked], [rows[i].params for i in picked])
+    as_logprobs = torch.tensor([mode.endswith("logprobs") for mode in modes], device=scores.device)[:, None]
+    lp = torch.where(as_logprobs, torch.log_softmax(scores, dim=-1), scores)
     index = torch.tensor([[tokens[i]] for i in want], device=lp.device)
     chosen = lp.gather(1, index)[:, 0].tolist()
     n_top = [rows[i].params.logprobs or 0 for i in want]
@@ -149,8 +180,9 @@ def sample(logits: Tensor, rows: list[SampleRow], masks: Tensor | None = None) -
     else in the batch. A row is failed (``errors[i]`` set, token :data:`FAILED_TOKEN`, logprobs
     None) when its logits hold NaN or Inf, or when nothing is left to choose from after its
     processors and filters; that never changes another row's token or logprobs. Logprobs are the
-    raw model's (before any processing), as vLLM reports them. (Unseeded rows share the global
-    generator, so their draws are fresh per step either way.)
+    raw model's (before any processing) by default, as vLLM reports them; a row's
+    ``logprobs_mode`` may ask for the processed distribution's (:func:`processed_logits`).
+    (Unseeded rows share the global generator, so their draws are fresh per step either way.)
     """
     processed = process(logits, rows, masks)
     picked = torch.argmax(processed, dim=-1)
@@ -166,4 +198,4 @@ def sample(logits: Tensor, rows: list[SampleRow], masks: Tensor | None = None) -
     status = torch.where(finite, torch.where(drawn_ok, picked, _BAD_DISTRIBUTION), _BAD_LOGITS).tolist()
     errors = [_ERRORS[s] if s < 0 else None for s in status]
     tokens = [FAILED_TOKEN if s < 0 else s for s in status]
-    return SampleOutput(tokens, _logprobs(logits, rows, tokens), errors)
+    return SampleOutput(tokens, _logprobs(logits, processed, rows, tokens), errors)

@@ -117,6 +117,8 @@ class AdapterCatalog:
         """Check prompts, sampled prompts and base-migration states (blocking: use it in a worker)."""
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
+        self.freshness: Callable[[VersionRow], None] = lambda row: None
+        """Refuses a version too far behind its id's current (a pushed id's staleness bound: 409)."""
         self._index = self._restore()
 
     @property
@@ -175,6 +177,7 @@ class AdapterCatalog:
         there is none, 409 when the version was trained on another base (both digests and the
         migration route)."""
         row = self.row(name)
+        self.freshness(row)
         if row.key in self._unfit:
             raise self._unfit[row.key]
         if row.key not in self._cache.entries:
@@ -261,14 +264,19 @@ class AdapterCatalog:
             )
             return await self._store(name, checked, uri, owner=owner, activate=activate, actor=actor)
 
-    async def register_checked(self, name: str, path: Path, *, expected_base_digest: str) -> VersionInfo:
+    async def register_checked(
+        self, name: str, path: Path, *, expected_base_digest: str | None, owner: str | None = None,
+        activate: bool = True, actor: str | None = None,
+    ) -> VersionInfo:  # fmt: skip
         """Register the files of a version the caller opened and verified already (a stored
-        version's, :meth:`version_files`), as trained on this base (``expected_base_digest``, which
-        must be its digest): no source is parsed and no root applies. What a base upgrade's check
-        does on an engine already serving the new base; :meth:`remove` it afterwards."""
+        version's, :meth:`version_files`; a pushed version's, :mod:`lorapage.registry.push`), as
+        trained on this base (``expected_base_digest``, which must be its digest; None: its
+        metadata says): no source is parsed and no root applies. What a base upgrade's check
+        does on an engine already serving the new base (:meth:`remove` it afterwards)."""
         self._check_open()
         checked = await self.preparer.check_in_worker(name, path, expected_base_digest=expected_base_digest)
-        version, _ = await self._store(name, checked, path.resolve().as_uri(), owner=None, activate=True, actor=None)
+        source = path.resolve().as_uri()
+        version, _ = await self._store(name, checked, source, owner=owner, activate=activate, actor=actor)
         return version
 
     def add(

@@ -19,6 +19,7 @@ from lorapage.frontend.audit_route import add_audit_routes
 from lorapage.frontend.auth import Access
 from lorapage.frontend.bases_route import add_base_routes
 from lorapage.frontend.edge import EdgeLimits
+from lorapage.frontend.push_route import PUSH_MAX_BODY_BYTES, add_push_routes
 from lorapage.serve.engine_backend import ENGINES, EngineBackend
 from lorapage.serve.local_admin import local_admin
 from lorapage.serve.upgrades import LocalUpgrades
@@ -80,11 +81,13 @@ def create_app(
     access_log: AccessLog | None = None,
     slo_window_s: float = DEFAULT_WINDOW_S,
     bases: Sequence[Engine] = (),
+    max_push_bytes: int = PUSH_MAX_BODY_BYTES,
 ) -> web.Application:
     """``lorapage serve``'s app: the front end over ``engine`` (the caller owns it) and, with
     ``bases``, the engines of other bases served beside it (the primary's registry is the
     server's; each request runs on its adapter version's base: :mod:`lorapage.serve.engines`),
-    with the admin, base-migration and audit routes over the primary's registry. Admin
+    with the admin, base-migration and audit routes over the primary's registry, and pushes of
+    versions from memory to the primary (bodies of at most ``max_push_bytes``). Admin
     registration reads adapter directories only under the engine's ``adapter_roots`` (an engine
     built to read any directory lets HTTP registration read none). The keyword arguments are
     :func:`build_app`'s.
@@ -100,6 +103,7 @@ def create_app(
         add_admin_routes(app, local_admin(local, state))
         add_audit_routes(app)
         add_base_routes(app, LocalUpgrades(local.engines))
+        add_push_routes(app, engine.admin.push, max_push_bytes)
 
     return build_app(
         local,
