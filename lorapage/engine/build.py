@@ -29,10 +29,8 @@ from lorapage.adapters.loader import AdapterLoader
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
-from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
-from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.devices import (
     DTYPES,
     Threads,
@@ -61,10 +59,6 @@ from lorapage.model.lora_tables import LoraTables
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
-from lorapage.registry.catalog import AdapterCatalog
-from lorapage.registry.prepare import VersionPreparer
-from lorapage.registry.push import VersionPusher, push_root
-from lorapage.registry.store import REGISTRY_FILE, Registry
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits
@@ -436,58 +430,6 @@ def build_adapters(
 # -- the catalog and the traffic tiers ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CatalogParts:
-    """The registered versions (restored from the registry, the catalog's alone) and their traffic tiers."""
-
-    catalog: AdapterCatalog
-    tiers: TierKeeper
-
-
-def build_catalog(
-    config: EngineConfig,
-    base: BaseParts,
-    threads: Threads,
-    adapters: AdapterParts,
-    check_open: Callable[[], None],
-) -> CatalogParts:
-    """``check_open``: raises once the engine is closed (admin calls refuse then)."""
-    preparer = VersionPreparer(
-        adapters.cache,
-        base.binding,
-        adapters.sources,
-        roots=adapters.roots,
-        download_cache=adapters.sources_cache_dir,
-        base_digest=base.digest,
-        io_executor=threads.io,
-        check_open=check_open,
-    )
-    # Restores every version committed before a restart (reading no weights); the registry is its alone.
-    catalog = AdapterCatalog(
-        adapters.cache,
-        Registry(_registry_path(config)),
-        preparer,
-        base_digest=base.digest,
-        io_executor=threads.io,
-        locate=adapters.files.locate,
-        check_open=check_open,
-    )
-    adapters.metrics.projected_costs = catalog.current_costs  # the metrics were made before the catalog
-    # The traffic table and tiers: counts batched from the ledger, written and judged off the loop.
-    tiers = TierKeeper(
-        TierRules.from_config(config),
-        adapters.usage,
-        catalog,
-        adapters.cache,
-        threads.io,
-        adapters.wall_clock,
-        interval_s=config.tier_interval_s,
-        retention_hours=config.traffic_retention_hours,
-        audit_retention_s=config.audit_retention_days * 86400,
-    )
-    return CatalogParts(catalog, tiers)
-
-
 # -- scheduling --------------------------------------------------------------------------------
 
 
@@ -591,22 +533,3 @@ def _grammars(base: BaseParts, threads: Threads) -> GrammarCompiler:
 
 
 # -- the engine's adapter administration -------------------------------------------------------
-
-
-def build_admin(
-    config: EngineConfig,
-    threads: Threads,
-    adapters: AdapterParts,
-    catalog: CatalogParts,
-    scheduling: SchedulingParts,
-    check_open: Callable[[], None],
-) -> AdapterAdmin:
-    """``engine.admin``, over the catalog (made last: its loads bind the step loop); versions
-    pushed from memory keep their files beside the registry."""
-    pusher = VersionPusher(catalog.catalog, adapters.cache, push_root(_registry_path(config)), threads.io)
-    bind = scheduling.step_loop.bind
-    return AdapterAdmin(catalog.catalog, adapters.cache, catalog.tiers, pusher, check_open=check_open, bind=bind)
-
-
-def _registry_path(config: EngineConfig) -> str:
-    return str(Path(config.state_dir) / REGISTRY_FILE) if config.state_dir is not None else ":memory:"

@@ -18,12 +18,12 @@ if TYPE_CHECKING:
     from lorapage.adapters.residency import Residency
     from lorapage.engine.build import (
         AdapterParts,
-        CatalogParts,
         ForwardParts,
         MemoryParts,
         SchedulingParts,
         Sizing,
     )
+    from lorapage.engine.build_catalog import CatalogParts
     from lorapage.engine.devices import Threads
     from lorapage.engine.intake import RequestIntake
     from lorapage.engine.step_loop import StepLoop

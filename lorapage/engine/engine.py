@@ -35,9 +35,7 @@ from lorapage.config import EngineConfig
 from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.build import (
     build_adapters,
-    build_admin,
     build_base,
-    build_catalog,
     build_forward,
     build_memory,
     build_scheduling,
@@ -45,6 +43,7 @@ from lorapage.engine.build import (
     build_threads,
     load_model,
 )
+from lorapage.engine.build_catalog import build_admin, build_catalog
 from lorapage.engine.debug import EngineDebug
 from lorapage.engine.merging import MergedWeights, merge_tensors
 from lorapage.engine.stats import EngineMetrics, EngineStats, gather_stats

@@ -45,12 +45,7 @@ from lorapage.adapters.binding import mismatch_message
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.loader import Origin
 from lorapage.adapters.names import parse_name, version_key
-from lorapage.errors import (
-    AdapterBaseMismatchError,
-    AdapterFormatError,
-    AdapterNotFoundError,
-    PinLimitError,
-)
+from lorapage.errors import AdapterBaseMismatchError, AdapterFormatError, AdapterNotFoundError, PinLimitError
 from lorapage.registry.audit import AliasMove, AuditEntry, AuditQuery, Choose, check_channel
 from lorapage.registry.drift_state import MIGRATED, DriftRecord, MigrationRow
 from lorapage.registry.prepare import (
@@ -117,8 +112,8 @@ class AdapterCatalog:
         """Check prompts, sampled prompts and base-migration states (blocking: use it in a worker)."""
         self._unfit: dict[str, AdapterFormatError] = {}  # restored versions this configuration cannot serve
         self._lock = asyncio.Lock()  # one registration or alias change of the live view at a time
+        # Refuses a version too far behind its id's current (a pushed id's staleness bound: 409).
         self.freshness: Callable[[VersionRow], None] = lambda row: None
-        """Refuses a version too far behind its id's current (a pushed id's staleness bound: 409)."""
         self._index = self._restore()
 
     @property
@@ -577,8 +572,7 @@ class AdapterCatalog:
         return row
 
     def close(self) -> None:
-        """Close the registry this catalog alone holds (after the tiers' last write; waits for a commit)."""
-        self._registry.close()
+        self._registry.close()  # the registry this catalog alone holds (after the tiers' last write)
 
 
 async def _blocking(io: Executor, work: Callable[[], T]) -> T:
