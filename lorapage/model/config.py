@@ -1,4 +1,5 @@
-"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2)."""
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2; Mixtral and
+Qwen3-MoE with :mod:`lorapage.model.moe_config`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorapage.model.moe_config import MOE_ARCHITECTURES, MoeConfig
+
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *MOE_ARCHITECTURES)
 
 # What config.json must say; everything else has the defaults transformers gives it.
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -37,6 +40,7 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None  # the router and experts of a MoE family; None: a dense MLP
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -73,6 +77,7 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", arch == "Qwen2ForCausalLM"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=MoeConfig.from_raw(arch, raw),
         )
 
     @property
@@ -84,17 +89,24 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
-        """(d_in, d_out) of every LoRA-targetable projection, in the fixed module order."""
+        """(d_in, d_out) of every LoRA-targetable projection, in the fixed module order (on a MoE
+        base, every expert's in place of the dense MLP's)."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
+        attention = {
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
         }
+        if self.moe is not None:
+            return attention | self.moe.expert_dims(h)
+        return attention | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_dims(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of every module an adapter may target: :meth:`module_dims`, and on a MoE
+        base each expert's fused gate_up (PEFT's ``target_parameters``)."""
+        dims = self.module_dims()
+        return dims if self.moe is None else dims | self.moe.fused_dims(self.hidden_size)
 
     def rope_inv_freq(self) -> torch.Tensor:
         """float32 inverse frequencies, computed as HF computes them (so positions match bit for

@@ -19,6 +19,7 @@ from lorapage.kernels.backend import KernelOps, Linear, PackWeight
 from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.moe import MoeMlp, expert_lora
 
 
 @dataclass
@@ -68,6 +69,7 @@ class LlamaModel:
         state.pop("lm_head.weight", None)
         self.final_norm = get("model.norm.weight")
         self.layers = []
+        self.moe_layers: list[MoeMlp] = []  # a MoE family's sparse MLPs, one per layer (moe.py)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = {
@@ -75,9 +77,15 @@ class LlamaModel:
                 "post_norm": get(p + "post_attention_layernorm.weight"),
                 "qkv": torch.cat([get(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]),
                 "o": get(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([get(p + f"mlp.{m}.weight") for m in ("gate_proj", "up_proj")]),
-                "down": get(p + "mlp.down_proj.weight"),
             }
+            if c.moe is None:
+                layer["gate_up"] = torch.cat([get(p + f"mlp.{m}.weight") for m in ("gate_proj", "up_proj")])
+                layer["down"] = get(p + "mlp.down_proj.weight")
+            else:
+                self.moe_layers.append(MoeMlp.load(c.moe, state, p, get))
+            if c.moe is not None and c.moe.qk_norm:  # q's heads then k's, as they sit in qkv
+                q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+                layer["qk_norm"] = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")])
             self.layers.append(layer)
@@ -88,7 +96,7 @@ class LlamaModel:
             starts, col = [], 0
             for m in group:
                 starts.append(col)
-                col += dims[m][1]
+                col += dims.get(m, (0, 0))[1]  # a MoE base has no dense MLP
             self.out_starts.append(tuple(starts))
         # cos / sin for every position, computed once in float32 exactly as HF does per step.
         inv_freq = c.rope_inv_freq()
@@ -107,7 +115,10 @@ class LlamaModel:
         a packed copy of its own (the embedding lookup reads the plain table)."""
         for layer in self.layers:
             for key in PROJECTIONS:
-                layer[key] = pack(layer[key])
+                if key in layer:
+                    layer[key] = pack(layer[key])
+        for moe in self.moe_layers:
+            moe.pack(pack)
         self.lm_head = pack(self.lm_head)
         self.linear, self._pack = linear, pack
 
@@ -190,6 +201,7 @@ class LlamaModel:
         h = lora_h[:T]
         if lora is not None and not lora.segments:
             lora = None  # no row has an adapter
+        experts_lora = expert_lora(ops, tables, lora, h) if self.moe_layers and lora is not None else None
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
@@ -201,7 +213,10 @@ class LlamaModel:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
-            qk = self._apply_rope(qkv[:, : q_size + kv_size].view(T, heads, c.head_dim), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
+            if "qk_norm" in w:
+                qk = self._rms_norm(qk, w["qk_norm"])
+            qk = self._apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
             ops.write_kv(kv, k, v, attn.slot_mapping)
@@ -226,6 +241,9 @@ class LlamaModel:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
+            if self.moe_layers:
+                x = x + self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab)
+                continue
             gu = self.linear(hs, w["gate_up"])
             if lora is not None:
                 self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)
