@@ -197,6 +197,7 @@ def spec_to_json(spec: AdapterSpec) -> str:
             "max_rank": spec.max_rank,
             "size_bytes": spec.size_bytes,
         }
+        | ({"expert_geometry": list(spec.expert_geometry)} if spec.expert_geometry else {})
     )
 
 
@@ -211,4 +212,5 @@ def spec_from_json(text: str) -> AdapterSpec:
         target_modules=tuple(data["target_modules"]),
         max_rank=data["max_rank"],
         size_bytes=data["size_bytes"],
+        expert_geometry=tuple(data["expert_geometry"]) if "expert_geometry" in data else None,
     )
