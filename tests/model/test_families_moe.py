@@ -97,22 +97,30 @@ def per_expert_adapter(base: Path, path: Path, names: tuple[str, str, str], bloc
     return path
 
 
+_BUILT: dict[str, tuple[Path, dict[str, Path]]] = {}
+
+
+def _family(name: str, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """(base dir, {adapter name: dir}) of family ``name``, built once per run: attention-only,
+    attention + fused experts, per-expert (transformers 4's form)."""
+    if name not in _BUILT:
+        root = tmp_path_factory.mktemp(name)
+        if name == "mixtral":
+            base, names, block = _mixtral(root / "base"), ("w1", "w3", "w2"), "block_sparse_moe"
+        else:
+            base, names, block = _qwen3_moe(root / "base"), ("gate_proj", "up_proj", "down_proj"), "mlp"
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        _BUILT[name] = base, {
+            "attn": make_peft_adapter(base, root / "attn", r=4, targets=ATTENTION, seed=1),
+            "fused": make_peft_adapter(base, root / "fused", r=4, targets=ATTENTION, seed=2, target_parameters=experts),
+            "per_expert": per_expert_adapter(base, root / "per_expert", names, block, r=2, seed=5),
+        }
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def family(request, tmp_path_factory):
-    """(base dir, {adapter name: dir}) for one family: attention-only, attention + fused experts,
-    per-expert (transformers 4's form)."""
-    root = tmp_path_factory.mktemp(request.param)
-    if request.param == "mixtral":
-        base, names, block = _mixtral(root / "base"), ("w1", "w3", "w2"), "block_sparse_moe"
-    else:
-        base, names, block = _qwen3_moe(root / "base"), ("gate_proj", "up_proj", "down_proj"), "mlp"
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    adapters = {
-        "attn": make_peft_adapter(base, root / "attn", r=4, targets=ATTENTION, seed=1),
-        "fused": make_peft_adapter(base, root / "fused", r=4, targets=ATTENTION, seed=2, target_parameters=experts),
-        "per_expert": per_expert_adapter(base, root / "per_expert", names, block, r=2, seed=5),
-    }
-    return base, adapters
+    return _family(request.param, tmp_path_factory)
 
 
 def routing_margin(base: Path, adapter: Path | None, ids: list[int]) -> float:
@@ -136,6 +144,20 @@ def _rows(adapters: dict[str, Path]) -> list[tuple[list[int], str | None]]:
     return [(PROMPTS[i % len(PROMPTS)], names[i % len(names)]) for i in range(len(names) + 1)]
 
 
+@pytest.fixture(scope="module")
+def reference(family):
+    """Each mixed-batch row's greedy tokens and log-probabilities from transformers (+ peft), alone,
+    after checking that no routing on the way is a near-tie."""
+    base, adapters = family
+    out = []
+    for prompt, name in _rows(adapters):
+        path = adapters[name] if name else None
+        tokens, logprobs = peft_greedy(base, path, prompt, STEPS)
+        assert routing_margin(base, path, prompt + tokens[:-1]) > ROUTING_MARGIN, f"a near-tie in routing ({name})"
+        out.append((tokens, logprobs))
+    return out
+
+
 def _engine(base: Path, adapters: dict[str, Path], backend: str) -> Engine:
     engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, max_lora_rank=16))
     for name, path in adapters.items():
@@ -144,49 +166,90 @@ def _engine(base: Path, adapters: dict[str, Path], backend: str) -> Engine:
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_transformers_and_peft(family, backend):
+def test_mixed_batch_matches_transformers_and_peft(family, reference, backend):
     base, adapters = family
-    engine = _engine(base, adapters, backend)
     rows = _rows(adapters)
-    outs = engine.generate_batch(rows, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0))
-    for (prompt, name), out in zip(rows, outs):
-        path = adapters[name] if name else None
-        tokens, logprobs = peft_greedy(base, path, prompt, STEPS)
-        assert routing_margin(base, path, prompt + tokens[:-1]) > ROUTING_MARGIN, "a near-tie in routing"
+    outs = _engine(base, adapters, backend).generate_batch(
+        rows, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0)
+    )
+    for (_, name), out, (tokens, logprobs) in zip(rows, outs, reference):
         assert out.token_ids == tokens, name
         assert [x.logprob for x in out.logprobs] == pytest.approx(logprobs, abs=1e-4), name
 
 
-def test_triton_interpreted_matches_torch(family):
-    """The Triton kernels (interpreted) give the torch path's tokens with experts' LoRA in the batch."""
+def test_triton_interpreted_matches_transformers(tmp_path_factory):
+    """The Triton kernels (interpreted: one family, one step) with both expert-LoRA forms in the batch."""
+    base, adapters = _family("qwen3_moe", tmp_path_factory)
+    rows = [(PROMPTS[1], "fused"), (PROMPTS[2], "per_expert")]
+    outs = _engine(base, adapters, "triton").generate_batch(
+        rows, SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    )
+    for (prompt, name), out in zip(rows, outs):
+        tokens, logprobs = peft_greedy(base, adapters[name], prompt, 1)
+        assert out.token_ids == tokens
+        assert out.logprobs[0].logprob == pytest.approx(logprobs[0], abs=1e-4)
+
+
+def _file_values(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        return sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys())
+
+
+@pytest.mark.parametrize("name", ["fused", "per_expert"])
+def test_expert_lora_is_held_and_costed_per_expert(family, name):
+    """Both forms read as per-expert modules whose values are exactly the file's; a token reads its
+    top_k of the E experts' LoRA; the envelope names the experts' modules."""
+    from lorapage.adapters.cost import adapter_params, project_cost
+    from lorapage.adapters.envelope import target_modules
+    from lorapage.adapters.layout import AdapterLayout
+    from lorapage.adapters.peft_format import read_adapter_spec
+    from lorapage.model.config import ModelConfig
+
     base, adapters = family
-    rows = [(PROMPTS[1], None), (PROMPTS[1], "fused"), (PROMPTS[2], "per_expert")]
-    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=0)
-    want = _engine(base, adapters, "torch").generate_batch(rows, params)
-    got = _engine(base, adapters, "triton").generate_batch(rows, params)
-    for a, b in zip(want, got):
-        assert a.token_ids == b.token_ids
-        assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-4)
+    model = ModelConfig.from_dir(base)
+    assert model.moe is not None
+    spec = read_adapter_spec(adapters[name], model, 16)
+    assert adapter_params(model, spec.ranks) == _file_values(adapters[name])
+    layout = AdapterLayout.plan(spec, model, 64)
+    assert layout.numel * model.num_layers == _file_values(adapters[name])  # every layer alike
+    experts = {m: r for (_, m), r in spec.ranks.items() if m.startswith("experts.")}
+    kinds = ("experts.gate_up_proj", "experts.down_proj") if name == "fused" else ("experts.gate_proj",)
+    assert set(kinds) <= set(target_modules(spec.ranks))
+    assert len(experts) == model.moe.num_experts * (2 if name == "fused" else 3)
+    attention = sum(r * sum(model.lora_dims()[m]) for (_, m), r in spec.ranks.items() if not m.startswith("e"))
+    expert_values = adapter_params(model, spec.ranks) - attention
+    cost = project_cost(model, spec.ranks)
+    assert cost.adapter_params == attention + expert_values * model.moe.top_k // model.moe.num_experts
 
 
-def test_expert_lora_is_counted_per_expert(family):
-    base, adapters = family
-    engine = _engine(base, {}, "torch")
-    spec = engine.add_adapter("fused", adapters["fused"]) or engine.adapters.spec("fused")
-    assert spec is not None
+def _write_adapter(path: Path, tensors: dict[str, torch.Tensor], targets: list[str]) -> Path:
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": targets, "bias": "none"}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
 
 
-def test_router_lora_and_dense_mlp_lora_are_refused(family, tmp_path):
-    base, _ = family
-    engine = _engine(base, {}, "torch")
-    dense = make_peft_adapter(_dense_twin(base, tmp_path / "dense"), tmp_path / "mlp", r=2, targets=["gate_proj"], seed=4)
+def test_what_a_moe_base_refuses(tmp_path, tmp_path_factory):
+    """LoRA on the router, on a dense MLP the base does not have, and on experts of a dense base."""
+    from lorapage.adapters.peft_format import read_adapter_spec
+    from lorapage.model.config import ModelConfig
+
+    base, adapters = _family("mixtral", tmp_path_factory)
+    model = ModelConfig.from_dir(base)
+    pre = "base_model.model.model.layers.0."
+    pair = lambda key, d_in, d_out: {  # noqa: E731
+        f"{pre}{key}.lora_A.weight": torch.zeros(2, d_in),
+        f"{pre}{key}.lora_B.weight": torch.zeros(d_out, 2),
+    }
+    router = _write_adapter(tmp_path / "router", pair("block_sparse_moe.gate", 64, 4), ["gate"])
+    with pytest.raises(AdapterFormatError, match="router"):
+        read_adapter_spec(router, model, 16)
+    dense = _write_adapter(tmp_path / "dense", pair("mlp.gate_proj", 64, 48), ["gate_proj"])
     with pytest.raises(AdapterFormatError, match="has no such module"):
-        engine.add_adapter("mlp", dense)
-
-
-def _dense_twin(base: Path, path: Path) -> Path:
-    """A Llama with ``base``'s attention shapes (an adapter trained on it targets a dense MLP)."""
-    from hf_reference import make_random_llama
-
-    cfg = json.loads((base / "config.json").read_text())
-    return make_random_llama(path, hidden=64, heads=4, kv_heads=2, head_dim=cfg.get("head_dim") or 16)
+        read_adapter_spec(dense, model, 16)
+    llama = ModelConfig.from_dir(TINY_BASE_DIR)
+    with pytest.raises(AdapterFormatError, match="base has no experts"):
+        read_adapter_spec(adapters["fused"], llama, 16)
