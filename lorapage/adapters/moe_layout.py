@@ -44,7 +44,7 @@ class ExpertRows:
     ) -> int:
         """Lay out layer ``layer``'s experts from ``cursor`` on; the cursor after them."""
         inter = moe.intermediate_size
-        rows: tuple[list, ...] = ([], [], [], [], [], [])
+        rows: tuple[list[list], ...] = ([], [], [], [], [], [])
         for e in range(moe.num_experts):
             fused = (layer, expert_module(e, FUSED_GATE_UP))
             if fused in ranks:
@@ -66,11 +66,11 @@ class ExpertRows:
             cursor += rk[2] * inter
             b_off.append(cursor)
             cursor += hidden * rk[2]
-            for table, row in zip(rows, (a_off, [a_rows, rk[2]], b_off, rk, hs, sc)):
-                table.append(row)
-        for table, layer_rows in zip(
-            (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale), rows
-        ):
+            per_expert: tuple[list, ...] = (a_off, [a_rows, rk[2]], b_off, rk, hs, sc)
+            for column, row in zip(rows, per_expert):
+                column.append(row)
+        tables: tuple[list, ...] = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)
+        for table, layer_rows in zip(tables, rows):
             table.append(layer_rows)
         return cursor
 

@@ -24,19 +24,19 @@ import re2
 import torch
 
 from lorapage.adapters.files import read_regular
-from lorapage.adapters.safetensors_buffer import (
-    ReadBuffer,
-    SafetensorsFormatError,
-    read_file,
-    read_header,
-    tensor_views,
-)
 from lorapage.adapters.moe_format import (
     check_expert_forms,
     expert_geometry,
     parse_expert_key,
     peft_module_name,
     split_fused,
+)
+from lorapage.adapters.safetensors_buffer import (
+    ReadBuffer,
+    SafetensorsFormatError,
+    read_file,
+    read_header,
+    tensor_views,
 )
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
@@ -243,7 +243,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         if set(halves) != {"A", "B"}:
             raise _fail(path, f"{where} has lora_{''.join(halves)} but not both lora_A and lora_B")
         if module not in dims:
-            raise _fail(path, f"{where}: the base ({model.architecture}) has no such module; was it trained on another?")
+            raise _fail(path, f"{where}: the base ({model.architecture}) has no such module; trained on another?")
         d_in, d_out = dims[module]
         r = halves["A"][0] if len(halves["A"]) == 2 else -1
         if halves["A"] != [r, d_in] or halves["B"] != [d_out, r]:

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 
-
 # An expert's LoRA modules are (gate_proj, up_proj, down_proj); its groups, as (first, end) module
 # columns: gate and up share their input (one shrink), down has its own.
 EXPERT_GROUPS = ((0, 2), (2, 3))

@@ -110,11 +110,16 @@ def _family(name: str, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
         else:
             base, names, block = _qwen3_moe(root / "base"), ("gate_proj", "up_proj", "down_proj"), "mlp"
         experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        _BUILT[name] = base, {
-            "attn": make_peft_adapter(base, root / "attn", r=4, targets=ATTENTION, seed=1),
-            "fused": make_peft_adapter(base, root / "fused", r=4, targets=ATTENTION, seed=2, target_parameters=experts),
-            "per_expert": per_expert_adapter(base, root / "per_expert", names, block, r=2, seed=5),
-        }
+        _BUILT[name] = (
+            base,
+            {
+                "attn": make_peft_adapter(base, root / "attn", r=4, targets=ATTENTION, seed=1),
+                "fused": make_peft_adapter(
+                    base, root / "fused", r=4, targets=ATTENTION, seed=2, target_parameters=experts
+                ),
+                "per_expert": per_expert_adapter(base, root / "per_expert", names, block, r=2, seed=5),
+            },
+        )
     return _BUILT[name]
 
 
