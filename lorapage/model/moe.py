@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps, Linear, PackWeight
+from lorapage.kernels.linear_cpu import keep_weight
 from lorapage.model.lora_tables import EXPERT_GROUPS, LoraTables
 from lorapage.model.moe_config import MoeConfig
 
@@ -90,6 +91,7 @@ class MoeMlp:
         self.router = router  # [E, hidden]
         self.gate_up = gate_up  # per expert [2 * I, hidden]: gate's rows, then up's
         self.down = down  # per expert [hidden, I]
+        self.pack_weight: PackWeight = keep_weight  # how the experts' weights are held (pack)
 
     @classmethod
     def load(cls, config: MoeConfig, state: dict[str, Tensor], prefix: str, get: Callable[[str], Tensor]) -> MoeMlp:
@@ -114,6 +116,7 @@ class MoeMlp:
         """Hold the experts' weights as the backend's GEMM reads them (the router stays plain)."""
         self.gate_up = [pack(w) for w in self.gate_up]
         self.down = [pack(w) for w in self.down]
+        self.pack_weight = pack
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (float32), as transformers routes."""

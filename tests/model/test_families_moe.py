@@ -258,3 +258,32 @@ def test_what_a_moe_base_refuses(tmp_path, tmp_path_factory):
     llama = ModelConfig.from_dir(TINY_BASE_DIR)
     with pytest.raises(AdapterFormatError, match="base has no experts"):
         read_adapter_spec(adapters["fused"], llama, 16)
+
+
+@pytest.mark.parametrize("name", ["fused", "per_expert"])
+def test_merged_experts_equal_peft_merge_and_unload(family, name):
+    """A dedicated deployment's merge of expert LoRA: each expert's weights as PEFT merges them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lorapage.adapters.peft_format import load_adapter_tensors, read_adapter_spec
+    from lorapage.kernels.linear_cpu import dense_weight, linear_cpu, pack_weight
+    from lorapage.model.config import ModelConfig
+    from lorapage.model.llama import LlamaModel
+    from lorapage.model.loader import load_state_dict
+    from lorapage.model.merge import merge_adapter
+
+    base, adapters = family
+    mc = ModelConfig.from_dir(base)
+    model = LlamaModel(mc, load_state_dict(base, torch.float32), torch.device("cpu"), torch.float32, 64)
+    model.pack_weights(pack_weight, linear_cpu)
+    spec = read_adapter_spec(adapters[name], mc, 16)
+    merge_adapter(model, load_adapter_tensors(spec, torch.float32), spec.scales)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapters[name])
+    reference = peft.merge_and_unload().state_dict()
+    for layer, mlp in enumerate(model.moe_layers):
+        for key, weights in (("gate_up_proj", mlp.gate_up), ("down_proj", mlp.down)):
+            want = reference[f"model.layers.{layer}.mlp.experts.{key}"]
+            got = torch.stack([dense_weight(w) for w in weights])
+            # Both sum W + scale * B @ A in float32 (entries <= ~1): a few units of roundoff.
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
