@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lorapage.model.config import MODULES, ModelConfig
-from lorapage.model.moe_config import split_expert_module
+from lorapage.model.moe_config import EXPERT_KINDS, module_kind, split_expert_module
 
 DEFAULT_REFERENCE_BATCH = 64  # the design's: "projected +75.7% decode cost at batch 64"
 ATTENTION_MODULES = MODULES[:4]
@@ -81,12 +81,17 @@ def base_token_params(model: ModelConfig) -> int:
 
 
 def uniform_ranks(model: ModelConfig, rank: int, modules: Iterable[str]) -> dict[tuple[int, str], int]:
-    """The ranks of an adapter of ``rank`` on ``modules`` of every layer (a shape, no file)."""
+    """The ranks of an adapter of ``rank`` on ``modules`` of every layer (a shape, no file). An
+    expert kind (``experts.gate_proj``) is every expert's on a MoE base; a module the base lacks
+    (a dense MLP on a MoE base, experts on a dense one) is left out."""
     wanted = tuple(modules)
-    unknown = [m for m in wanted if m not in MODULES]
+    unknown = [m for m in wanted if m not in MODULES + EXPERT_KINDS]
     if unknown or not wanted:
         raise ValueError(f"modules must be some of {', '.join(MODULES)}; got {', '.join(wanted) or 'none'}")
-    return {(layer, m): rank for layer in range(model.num_layers) for m in wanted}
+    if {"experts.gate_proj", "experts.up_proj"} & set(wanted):  # the per-module form is the larger
+        wanted = tuple(m for m in wanted if m != "experts.gate_up_proj")
+    dims = model.lora_dims()
+    return {(layer, m): rank for layer in range(model.num_layers) for m in dims if module_kind(m) in wanted}
 
 
 @dataclass(frozen=True)
