@@ -19,7 +19,7 @@ from lorapage.kernels.backend import KernelOps, Linear, PackWeight
 from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.lora_tables import LoraTables
-from lorapage.model.moe import MoeMlp, expert_lora
+from lorapage.model.moe import MoeMlp, expert_lora, norm_qk
 
 
 @dataclass
@@ -83,9 +83,11 @@ class LlamaModel:
                 layer["down"] = get(p + "mlp.down_proj.weight")
             else:
                 self.moe_layers.append(MoeMlp.load(c.moe, state, p, get))
-            if c.moe is not None and c.moe.qk_norm:  # q's heads then k's, as they sit in qkv
-                q_norm, k_norm = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
-                layer["qk_norm"] = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
+            if c.moe is not None and c.moe.qk_norm:
+                layer["q_norm"], layer["k_norm"] = (
+                    get(p + "self_attn.q_norm.weight"),
+                    get(p + "self_attn.k_norm.weight"),
+                )
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")])
             self.layers.append(layer)
@@ -213,9 +215,10 @@ class LlamaModel:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
-            qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
-            if "qk_norm" in w:
-                qk = self._rms_norm(qk, w["qk_norm"])
+            if "q_norm" in w:
+                qk = norm_qk(qkv, w["q_norm"], w["k_norm"], c, self._rms_norm)
+            else:
+                qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
             qk = self._apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)

@@ -27,6 +27,7 @@ from torch import Tensor
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps, Linear, PackWeight
 from lorapage.kernels.linear_cpu import keep_weight
+from lorapage.model.config import ModelConfig
 from lorapage.model.lora_tables import EXPERT_GROUPS, LoraTables
 from lorapage.model.moe_config import MoeConfig
 
@@ -155,3 +156,23 @@ class MoeMlp:
 def expert_lora(ops: KernelOps, tables: LoraTables, lora: LoraIndices, h: Tensor) -> ExpertLora:
     """The step's :class:`ExpertLora` for rows with slots ``lora.token_slot``."""
     return ExpertLora(ops, tables, lora.token_slot, lora.token_slot.cpu().numpy(), h)
+
+
+def norm_qk(
+    qkv: Tensor, q_norm: Tensor, k_norm: Tensor, config: ModelConfig, rms_norm: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
+    """q and k of ``qkv`` [T, q + k + v] after their RMSNorm, as ``[T, heads + kv heads, head_dim]``:
+    per head (Qwen3-MoE) or over each whole projection (OLMoE, which then clamps q, k and v to
+    ``clip_qkv`` when set; v in place in ``qkv``)."""
+    assert config.moe is not None
+    T, q_size, kv_size, d = qkv.shape[0], config.q_size, config.kv_size, config.head_dim
+    q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+    if config.moe.qk_norm == "head":
+        q, k = rms_norm(q.view(T, -1, d), q_norm), rms_norm(k.view(T, -1, d), k_norm)
+    else:
+        q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)
+    qk = torch.cat([q.reshape(T, q_size), k.reshape(T, kv_size)], dim=1)
+    if (clip := config.moe.clip_qkv) is not None:
+        qk.clamp_(-clip, clip)
+        qkv[:, q_size + kv_size :].clamp_(-clip, clip)
+    return qk.view(T, -1, d)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts shape read from ``config.json`` (Mixtral, Qwen3-MoE), and the names the
+"""Mixture-of-experts shape read from ``config.json`` (Mixtral, Qwen3-MoE, OLMoE), and the names the
 expert LoRA modules go by.
 
 An expert's projections are named ``experts.{e}.gate_proj`` (and ``up_proj``, ``down_proj``): the
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")  # one expert's matrices, as the base holds them
 FUSED_GATE_UP = "gate_up_proj"
 # What an expert module is, whichever expert: how the envelope's classes and the docs name them.
@@ -22,15 +22,18 @@ EXPERT_KINDS = ("experts.gate_proj", "experts.up_proj", "experts.gate_up_proj", 
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The router and experts of every layer (both families have no shared expert, and every
-    layer sparse: Qwen3-MoE's dense ``mlp_only_layers`` are refused)."""
+    """The router and experts of every layer (no family here has a shared expert, and every layer
+    is sparse: Qwen3-MoE's dense ``mlp_only_layers`` are refused), and the attention's extras."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert
     norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1 (Mixtral: always)
-    qk_norm: bool  # Qwen3-MoE's per-head RMSNorm of q and k before the rotation
-    float32_weights: bool  # Mixtral weighs an expert's output in float32; Qwen3-MoE in the model's dtype
+    # RMSNorm of q and k before the rotation: "head" per head (Qwen3-MoE), "all" over the whole
+    # projection (OLMoE), "" none (Mixtral).
+    qk_norm: str
+    float32_weights: bool  # Mixtral weighs an expert's output in float32; the others in the model's dtype
+    clip_qkv: float | None = None  # OLMoE: q, k (normed) and v clamped to [-clip, clip]
 
     @classmethod
     def from_raw(cls, arch: str, raw: dict) -> MoeConfig | None:
@@ -41,7 +44,10 @@ class MoeConfig:
         if not experts or not raw.get("num_experts_per_tok"):
             raise ValueError(f"config.json of a {arch} lacks num_local_experts / num_experts_per_tok")
         if arch == "MixtralForCausalLM":
-            return cls(experts, raw["num_experts_per_tok"], raw["intermediate_size"], True, False, True)
+            return cls(experts, raw["num_experts_per_tok"], raw["intermediate_size"], True, "", True)
+        if arch == "OlmoeForCausalLM":
+            top_k, inter, norm = raw["num_experts_per_tok"], raw["intermediate_size"], raw.get("norm_topk_prob", False)
+            return cls(experts, top_k, inter, bool(norm), "all", False, raw.get("clip_qkv"))
         if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
             raise ValueError(
                 "Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step != 1) is not supported: "
@@ -52,7 +58,7 @@ class MoeConfig:
             raw["num_experts_per_tok"],
             raw.get("moe_intermediate_size") or raw["intermediate_size"],
             bool(raw.get("norm_topk_prob", False)),
-            True,
+            "head",
             False,
         )
 

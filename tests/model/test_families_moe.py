@@ -1,4 +1,4 @@
-"""MoE bases against transformers + peft: Mixtral and Qwen3-MoE (random weights made with their
+"""MoE bases against transformers + peft: Mixtral, Qwen3-MoE and OLMoE (random weights made with their
 own config classes), with LoRA on attention and on the experts in both forms PEFT writes (fused
 ``target_parameters`` and transformers 4's per-expert ``target_modules``), every adapter and the
 base in one mixed batch, on each kernel path."""
@@ -38,8 +38,8 @@ COMMON = dict(
 )
 
 
-def _save(model, path: Path) -> Path:
-    torch.manual_seed(0)
+def _save(model, path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -67,11 +67,18 @@ def _qwen3_moe(path: Path) -> Path:
     return _save(Qwen3MoeForCausalLM(cfg), path)
 
 
+def _olmoe(path: Path) -> Path:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    # clip_qkv low enough that some normed q / k values are clamped
+    return _save(OlmoeForCausalLM(OlmoeConfig(intermediate_size=32, num_experts=4, clip_qkv=2.0, **COMMON)), path, 1)
+
+
 def per_expert_adapter(base: Path, path: Path, names: tuple[str, str, str], block: str, *, r: int, seed: int) -> Path:
     """A transformers-4 style adapter (LoRA per expert and matrix, ``names`` gate / up / down as
     the family spells them, and on q / v), which peft converts to the fused form on load."""
     cfg = json.loads((base / "config.json").read_text())
-    hidden, experts = cfg["hidden_size"], cfg["num_local_experts"]
+    hidden, experts = cfg["hidden_size"], cfg.get("num_local_experts") or cfg["num_experts"]
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or hidden // cfg["num_attention_heads"])
     dims = {names[0]: (hidden, inter), names[1]: (hidden, inter), names[2]: (inter, hidden)}
@@ -108,7 +115,8 @@ def _family(name: str, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
         if name == "mixtral":
             base, names, block = _mixtral(root / "base"), ("w1", "w3", "w2"), "block_sparse_moe"
         else:
-            base, names, block = _qwen3_moe(root / "base"), ("gate_proj", "up_proj", "down_proj"), "mlp"
+            make = _qwen3_moe if name == "qwen3_moe" else _olmoe
+            base, names, block = make(root / "base"), ("gate_proj", "up_proj", "down_proj"), "mlp"
         experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         _BUILT[name] = (
             base,
@@ -123,7 +131,7 @@ def _family(name: str, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return _BUILT[name]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe"])
 def family(request, tmp_path_factory):
     return _family(request.param, tmp_path_factory)
 
@@ -175,7 +183,7 @@ def test_mixed_batch_matches_transformers_and_peft(family, reference, backend):
     base, adapters = family
     rows = _rows(adapters)
     outs = _engine(base, adapters, backend).generate_batch(
-        rows, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0)
+        rows, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0, ignore_eos=True)
     )
     for (_, name), out, (tokens, logprobs) in zip(rows, outs, reference):
         assert out.token_ids == tokens, name
