@@ -1,4 +1,4 @@
-"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2; Mixtral and
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2; Mixtral, OLMoE and
 Qwen3-MoE with :mod:`lorapage.model.moe_config`)."""
 
 from __future__ import annotations
