@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,6 +15,7 @@ from lorapage.model.config import GROUPS, MODULES, ModelConfig
 # An expert's LoRA modules are (gate_proj, up_proj, down_proj); its groups, as (first, end) module
 # columns: gate and up share their input (one shrink), down has its own.
 EXPERT_GROUPS = ((0, 2), (2, 3))
+_EXPERT_RANK = 9  # in a layout's table_rows: the six dense tables, then the experts' a_offset, a_rows, b_offset, rank
 
 
 class ExpertTables:
@@ -28,6 +30,9 @@ class ExpertTables:
         self.rank = torch.zeros(L, S, E, M, dtype=i32, device=device)  # r, 0 = untargeted
         self.h_start = torch.zeros(L, S, E, M, dtype=i32, device=device)  # fused gate_up: gate's and up's both 0
         self.scale = torch.zeros(L, S, E, M, dtype=torch.float32, device=device)
+        # On the host: whether slot s's adapter has LoRA on any expert (a step whose rows have
+        # none skips the experts' LoRA ops; an attention-only adapter is the common case).
+        self.targeted = np.zeros(S, dtype=bool)
 
     @property
     def all(self) -> tuple[Tensor, ...]:
@@ -72,9 +77,13 @@ class LoraTables:
         self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         for table, rows in zip(self._tables(), layout.table_rows, strict=True):
             table[:, slot].copy_(rows, non_blocking=True)
+        if self.experts is not None:
+            self.experts.targeted[slot] = bool(layout.table_rows[_EXPERT_RANK].any())
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
         self.page_table[slot].zero_()
         for table in self._tables():
             table[:, slot].zero_()
+        if self.experts is not None:
+            self.experts.targeted[slot] = False

@@ -153,9 +153,13 @@ class MoeMlp:
         return out
 
 
-def expert_lora(ops: KernelOps, tables: LoraTables, lora: LoraIndices, h: Tensor) -> ExpertLora:
-    """The step's :class:`ExpertLora` for rows with slots ``lora.token_slot``."""
-    return ExpertLora(ops, tables, lora.token_slot, lora.token_slot.cpu().numpy(), h)
+def expert_lora(ops: KernelOps, tables: LoraTables, lora: LoraIndices, h: Tensor) -> ExpertLora | None:
+    """The step's :class:`ExpertLora` for rows with slots ``lora.token_slot``; None when no row's
+    adapter has LoRA on an expert. Rows whose adapter has none count as slot 0 in the experts."""
+    assert tables.experts is not None
+    slots = lora.token_slot.cpu().numpy()
+    slots = np.where(tables.experts.targeted[slots], slots, 0)
+    return ExpertLora(ops, tables, lora.token_slot, slots, h) if slots.any() else None
 
 
 def norm_qk(
