@@ -295,3 +295,19 @@ def test_merged_experts_equal_peft_merge_and_unload(family, name):
             got = torch.stack([dense_weight(w) for w in weights])
             # Both sum W + scale * B @ A in float32 (entries <= ~1): a few units of roundoff.
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_stored_spec_still_splits_fused_experts(family):
+    """The registry's copy of a spec keeps the base's expert geometry, so a restored version's
+    fused expert LoRA splits per expert as at registration."""
+    from lorapage.adapters.peft_format import load_adapter_tensors, read_adapter_spec
+    from lorapage.model.config import ModelConfig
+    from lorapage.registry.prepare import spec_from_json, spec_to_json
+
+    base, adapters = family
+    spec = read_adapter_spec(adapters["fused"], ModelConfig.from_dir(base), 16)
+    restored = spec_from_json(spec_to_json(spec))
+    assert restored.expert_geometry == spec.expert_geometry is not None
+    want, got = load_adapter_tensors(spec, torch.float32), load_adapter_tensors(restored, torch.float32)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k][i], got[k][i]) for k in want for i in (0, 1))
