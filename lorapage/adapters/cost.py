@@ -21,6 +21,11 @@ its own low-rank product. With ``D <= B`` distinct adapters in a batch the extra
 ``D * W_adapter`` (:meth:`AdapterCost.bytes_pct_at`): a batch of 64 rows on one adapter costs one
 adapter read, which is why the scheduler groups rows by adapter.
 
+On a MoE base (Mixtral, Qwen3-MoE) a token reaches ``top_k`` of the ``E`` experts, so its own
+adapter's expert LoRA is read at ``top_k / E`` of what the adapter holds (each expert's A and B
+counted as any module's), and the FLOPs compare against the base's active parameters; the base
+read per step is every expert (a reference batch's rows, routed apart, reach nearly all of them).
+
 For the design's 70B (80 layers, hidden 8,192, KV 1,024, MLP 28,672, 16-bit) this gives +6.1%
 for attention-only rank 8 and +154% for all-modules rank 64 at batch 128, and +77% for the latter
 at batch 64 (the seed rounds the base to 140 GB and says +6%, +151% and +75.7%). Pure: no torch.
@@ -32,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lorapage.model.config import MODULES, ModelConfig
+from lorapage.model.moe_config import EXPERT_KINDS, module_kind, split_expert_module
 
 DEFAULT_REFERENCE_BATCH = 64  # the design's: "projected +75.7% decode cost at batch 64"
 ATTENTION_MODULES = MODULES[:4]
@@ -39,34 +45,61 @@ MLP_MODULES = MODULES[4:]
 
 
 def adapter_params(model: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> int:
-    """Values an adapter holds: ``r * (d_in + d_out)`` per targeted (layer, module)."""
-    dims = model.module_dims()
+    """Values an adapter holds: ``r * (d_in + d_out)`` per targeted (layer, module), every
+    expert's on a MoE base."""
+    dims = model.lora_dims()
     return sum(r * sum(dims[m]) for (_, m), r in ranks.items())
 
 
+def adapter_token_params(model: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> int:
+    """Values one token reads of its adapter: :func:`adapter_params`, each expert's at
+    ``top_k / E`` (rounded down as a whole)."""
+    dims, moe = model.lora_dims(), model.moe
+    dense = sum(r * sum(dims[m]) for (_, m), r in ranks.items() if split_expert_module(m) is None)
+    experts = sum(r * sum(dims[m]) for (_, m), r in ranks.items() if split_expert_module(m) is not None)
+    return dense if moe is None else dense + experts * moe.top_k // moe.num_experts
+
+
 def base_decode_params(model: ModelConfig) -> int:
-    """Parameters one decode step reads: every layer's projections and norms, the final norm and
-    the LM head (tied or not, it is read whole); the embedding table only by row, so not counted."""
+    """Parameters one decode step reads: every layer's projections (every expert's, and the
+    router) and norms, the final norm and the LM head (tied or not, it is read whole); the
+    embedding table only by row, so not counted."""
     h = model.hidden_size
     projections = sum(d_in * d_out for d_in, d_out in model.module_dims().values())
-    return model.num_layers * (projections + 2 * h) + h + model.vocab_size * h
+    router = model.moe.num_experts * h if model.moe is not None else 0
+    return model.num_layers * (projections + router + 2 * h) + h + model.vocab_size * h
+
+
+def base_token_params(model: ModelConfig) -> int:
+    """Parameters one token computes with: :func:`base_decode_params` less the experts it is not
+    routed to (a dense base: the same)."""
+    moe = model.moe
+    if moe is None:
+        return base_decode_params(model)
+    expert = 3 * model.hidden_size * moe.intermediate_size
+    return base_decode_params(model) - model.num_layers * (moe.num_experts - moe.top_k) * expert
 
 
 def uniform_ranks(model: ModelConfig, rank: int, modules: Iterable[str]) -> dict[tuple[int, str], int]:
-    """The ranks of an adapter of ``rank`` on ``modules`` of every layer (a shape, no file)."""
+    """The ranks of an adapter of ``rank`` on ``modules`` of every layer (a shape, no file). An
+    expert kind (``experts.gate_proj``) is every expert's on a MoE base; a module the base lacks
+    (a dense MLP on a MoE base, experts on a dense one) is left out."""
     wanted = tuple(modules)
-    unknown = [m for m in wanted if m not in MODULES]
+    unknown = [m for m in wanted if m not in MODULES + EXPERT_KINDS]
     if unknown or not wanted:
         raise ValueError(f"modules must be some of {', '.join(MODULES)}; got {', '.join(wanted) or 'none'}")
-    return {(layer, m): rank for layer in range(model.num_layers) for m in wanted}
+    if {"experts.gate_proj", "experts.up_proj"} & set(wanted):  # the per-module form is the larger
+        wanted = tuple(m for m in wanted if m != "experts.gate_up_proj")
+    dims = model.lora_dims()
+    return {(layer, m): rank for layer in range(model.num_layers) for m in dims if module_kind(m) in wanted}
 
 
 @dataclass(frozen=True)
 class AdapterCost:
     """One adapter's projected cost against its base, at a reference batch."""
 
-    adapter_params: int
-    base_params: int  # read by one decode step
+    adapter_params: int  # read per token (on a MoE base, the experts' at top_k / E)
+    base_params: int  # one token computes with (a dense base: all, read by one decode step)
     adapter_bytes: int  # read once per step by every batch it is in (in the pool's adapter dtype)
     base_bytes: int  # read once per step, whatever the batch
     reference_batch: int  # rows, each on its own adapter
@@ -97,11 +130,11 @@ def project_cost(
     """The cost of an adapter with ``ranks`` ((layer, module) -> r) on ``model``."""
     if reference_batch < 1:
         raise ValueError(f"the reference batch must be >= 1; got {reference_batch}")
-    params, base = adapter_params(model, ranks), base_decode_params(model)
+    params = adapter_token_params(model, ranks)
     return AdapterCost(
         adapter_params=params,
-        base_params=base,
+        base_params=base_token_params(model),
         adapter_bytes=params * adapter_bytes_per_param,
-        base_bytes=base * base_bytes_per_param,
+        base_bytes=base_decode_params(model) * base_bytes_per_param,
         reference_batch=reference_batch,
     )

@@ -25,8 +25,14 @@ from lorapage.adapters.cost import ATTENTION_MODULES, MLP_MODULES, AdapterCost, 
 from lorapage.config import EngineConfig, parse_envelope_rules
 from lorapage.errors import AdapterEnvelopeError
 from lorapage.model.config import MODULES, ModelConfig
+from lorapage.model.moe_config import EXPERT_KINDS, ordered_kinds
 
-MODULE_CLASSES: dict[str, tuple[str, ...]] = {"attention": ATTENTION_MODULES, "mlp": MLP_MODULES, "all": MODULES}
+# A MoE base's expert modules are MLP modules (named by kind: ``experts.gate_proj``).
+MODULE_CLASSES: dict[str, tuple[str, ...]] = {
+    "attention": ATTENTION_MODULES,
+    "mlp": MLP_MODULES + EXPERT_KINDS,
+    "all": MODULES + EXPERT_KINDS,
+}
 _CLASS_WORDS = {"attention": "attention-only", "mlp": "MLP-only", "all": "on any modules"}
 
 
@@ -100,9 +106,9 @@ class Envelope:
 
 
 def target_modules(ranks: Mapping[tuple[int, str], int]) -> tuple[str, ...]:
-    """The modules an adapter targets, in the model's module order."""
-    targeted = {m for _, m in ranks}
-    return tuple(m for m in MODULES if m in targeted)
+    """The modules an adapter targets, in the model's module order (an expert module by its kind,
+    ``experts.gate_proj``, after them)."""
+    return ordered_kinds((m for _, m in ranks), MODULES)
 
 
 def describe_shape(rank: int, modules: Sequence[str], num_layers: int) -> str:

@@ -8,7 +8,8 @@ Per layer, an adapter's pages read in order form one flat buffer laid out group 
 ``A_group`` stacks the A matrices of the group's targeted modules (their inputs are the same
 activations, so one shrink serves the group); each ``B_m`` is ``[d_out_m, r_m]`` as PEFT stores
 it. Modules the adapter does not target take no space, and ranks are the adapter's own, so an
-adapter's page count is proportional to its rank and modules.
+adapter's page count is proportional to its rank and modules. On a MoE base the experts follow
+the attention groups (:mod:`lorapage.adapters.moe_layout`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from lorapage.adapters.moe_layout import ExpertRows, expert_pieces
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.memory.host import host_empty
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
@@ -35,6 +37,7 @@ class AdapterLayout:
     scale: list[list[float]]  # [layer][module] alpha / r (or alpha / sqrt(r))
     numel: int  # elements of the largest layer's buffer
     num_pages: int
+    experts: ExpertRows | None = None  # a MoE base's expert rows of the tables
 
     @classmethod
     def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> AdapterLayout:
@@ -46,12 +49,17 @@ class AdapterLayout:
         h_start: list[list[int]] = []
         scale: list[list[float]] = []
         sizes: list[int] = []
+        experts = ExpertRows() if model.moe is not None else None
         for layer in range(model.num_layers):
             cursor = 0
             ao: list[int] = []
             ar: list[int] = []
             bo, rk, hs, sc = [0] * len(MODULES), [0] * len(MODULES), [0] * len(MODULES), [0.0] * len(MODULES)
             for group in GROUPS:
+                if group[0] not in dims:  # a MoE base's dense MLP: none
+                    ao.append(cursor)
+                    ar.append(0)
+                    continue
                 d_in = dims[group[0]][0]
                 rows = 0
                 for m in group:
@@ -67,6 +75,8 @@ class AdapterLayout:
                     i = MODULES.index(m)
                     bo[i] = cursor
                     cursor += dims[m][1] * rk[i]
+            if experts is not None and model.moe is not None:
+                cursor = experts.plan_layer(model.moe, model.hidden_size, layer, spec.ranks, spec.scales, cursor)
             a_off.append(ao)
             a_rows.append(ar)
             b_off.append(bo)
@@ -75,13 +85,13 @@ class AdapterLayout:
             scale.append(sc)
             sizes.append(cursor)
         numel = max(sizes)
-        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size))
+        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size), experts)
 
     @cached_property
     def table_rows(self) -> tuple[torch.Tensor, ...]:
         """This adapter's rows of the lookup tables, built once (a load then only copies them):
         a_offset, a_rows, b_offset, rank, h_start, scale, each ``[num_layers, ...]``."""
-        return (
+        dense = (
             torch.tensor(self.a_offset, dtype=torch.int64),
             torch.tensor(self.a_rows, dtype=torch.int32),
             torch.tensor(self.b_offset, dtype=torch.int64),
@@ -89,6 +99,7 @@ class AdapterLayout:
             torch.tensor(self.h_start, dtype=torch.int32),
             torch.tensor(self.scale, dtype=torch.float32),
         )
+        return dense if self.experts is None else dense + self.experts.table_rows()
 
     def pack(self, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], page_size: int) -> torch.Tensor:
         """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages.
@@ -106,6 +117,10 @@ class AdapterLayout:
             for group in GROUPS:
                 pairs = [tensors[(layer, m)] for m in group if ranks[MODULES.index(m)]]
                 pieces = [a.reshape(-1) for a, _ in pairs] + [b.reshape(-1) for _, b in pairs]
+                parts += pieces
+                used += sum(x.numel() for x in pieces)
+            if self.experts is not None:
+                pieces = expert_pieces(tensors, layer, len(self.experts.rank[layer]))
                 parts += pieces
                 used += sum(x.numel() for x in pieces)
             parts.append(padding[: row - used])

@@ -24,6 +24,13 @@ import re2
 import torch
 
 from lorapage.adapters.files import read_regular
+from lorapage.adapters.moe_format import (
+    check_expert_forms,
+    expert_geometry,
+    parse_expert_key,
+    peft_module_name,
+    split_fused,
+)
 from lorapage.adapters.safetensors_buffer import (
     ReadBuffer,
     SafetensorsFormatError,
@@ -34,12 +41,12 @@ from lorapage.adapters.safetensors_buffer import (
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.model.families import checkpoint_module_dims, refuse_foreign_module, split_fused_pairs, split_fused_values
+from lorapage.model.moe_config import ordered_kinds
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
-ATTENTION_NAMES = (*MODULES[:4], "qkv_proj")  # projections under self_attn (the rest are under mlp)
 # Bounds on rank_pattern / alpha_pattern: PEFT writes at most one key per module (under 900 on
 # the largest Llama), and a key longer than a module name has no reason to be.
 MAX_PATTERN_KEYS = 1024
@@ -69,9 +76,12 @@ class AdapterSpec:
     size_bytes: int  # bytes of the weights file
     trained_on: str | None = None  # base_model_name_or_path as the config says it (None: absent); not stored
     model: ModelConfig | None = None  # the base it was checked against: splits a fused module's weights (Phi-3)
+    # (experts, hidden, expert intermediate) of the MoE base it was read against: how its fused
+    # expert LoRA splits per expert (moe_format.py); None: a dense base.
+    expert_geometry: tuple[int, int, int] | None = None
 
     def num_params(self, model: ModelConfig) -> int:
-        dims = model.module_dims()
+        dims = model.lora_dims()
         return sum(r * sum(dims[m]) for (_, m), r in self.ranks.items())
 
 
@@ -196,6 +206,8 @@ def parse_key(path: Path, key: str, model: ModelConfig | None = None) -> tuple[i
     checkpoint's name, checked against ``model``'s family (fused ``qkv_proj`` on Phi-3) when given."""
     if "lora_embedding" in key or any(u in key for u in _UNSUPPORTED_TARGETS):
         raise _fail(path, f"tensor {key}: LoRA on embeddings / lm_head is not supported")
+    if (expert := parse_expert_key(path, key)) is not None:
+        return expert
     m = _KEY.match(key)
     if not m:
         raise _fail(path, f"tensor {key} is not a LoRA A/B weight of a Llama-family projection")
@@ -211,7 +223,8 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     path = Path(path)
     cfg = _read_config(path)
     weights_file, shapes, size_bytes = _tensor_shapes(path)
-    dims = checkpoint_module_dims(model)
+    shapes = split_fused(path, shapes, expert_geometry(model), list, _expert_shape)
+    dims = model.lora_dims() if model.moe is not None else checkpoint_module_dims(model)
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in shapes.items():
         layer, module, ab = parse_key(path, key, model)
@@ -221,6 +234,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         if ab in halves:  # spelled twice (prefixes differ): the file's size would not follow from the base
             raise _fail(path, f"tensor {key}: a second lora_{ab} weight of layers.{layer}.{module}")
         halves[ab] = shape
+    check_expert_forms(path, set(pairs))
     if not pairs:
         raise _fail(path, "no LoRA weights found")
     ranks: dict[tuple[int, str], int] = {}
@@ -232,6 +246,8 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         where = f"layers.{layer}.{module}"
         if set(halves) != {"A", "B"}:
             raise _fail(path, f"{where} has lora_{''.join(halves)} but not both lora_A and lora_B")
+        if module not in dims:
+            raise _fail(path, f"{where}: the base ({model.architecture}) has no such module; trained on another?")
         d_in, d_out = dims[module]
         r = halves["A"][0] if len(halves["A"]) == 2 else -1
         if halves["A"] != [r, d_in] or halves["B"] != [d_out, r]:
@@ -242,7 +258,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
             )
         if not 1 <= r <= max_lora_rank:
             raise _fail(path, f"{where}: rank {r} exceeds max_lora_rank {max_lora_rank}")
-        name = f"model.layers.{layer}.{'self_attn' if module in ATTENTION_NAMES else 'mlp'}.{module}"
+        name = peft_module_name(layer, module)
         alpha = _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
         ranks[(layer, module)] = r
         scales[(layer, module)] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
@@ -252,12 +268,25 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         weights_file=weights_file,
         ranks=ranks,
         scales=scales,
-        target_modules=tuple(m for m in MODULES if any(k[1] == m for k in ranks)),
+        target_modules=ordered_kinds((m for _, m in ranks), MODULES),
         max_rank=max(ranks.values()),
         size_bytes=size_bytes,
         trained_on=_trained_on(path, cfg),
         model=model,
+        expert_geometry=expert_geometry(model),
     )
+
+
+def _expert_shape(shape: list[int], ab: str, expert: int, rank: int) -> list[int]:
+    """One expert's A or B shape out of a fused one's (see moe_format.py)."""
+    return [rank, shape[1]] if ab == "A" else [shape[0], rank]
+
+
+def _expert_matrix(t: torch.Tensor, ab: str, expert: int, rank: int) -> torch.Tensor:
+    """One expert's A [r, d_in] or B [d_out, r] out of PEFT's fused ``[r * E, d_in]`` / ``[d_out, r * E]``."""
+    if ab == "A":
+        return t[expert * rank : (expert + 1) * rank]
+    return t.view(t.shape[0], rank, -1)[:, :, expert]
 
 
 def _trained_on(path: Path, cfg: dict) -> str | None:
@@ -293,6 +322,8 @@ def load_adapter_tensors(
         state = tensor_views(weights)
     except SafetensorsFormatError as e:
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
+    if any("experts" in k for k in state):
+        state = split_fused(spec.path, state, spec.expert_geometry, lambda t: list(t.shape), _expert_matrix)
     out: dict[tuple[int, str], list] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)
     for key, t in state.items():

@@ -139,7 +139,7 @@ def make_plan(
 ) -> Plan:
     """The seed's arithmetic for this model, adapter shape (``ranks``), workload and replica."""
     values = adapter_params(model, ranks)
-    per_layer = max(sum(r * sum(model.module_dims()[m]) for (layer, m), r in ranks.items() if layer == i)
+    per_layer = max(sum(r * sum(model.lora_dims()[m]) for (layer, m), r in ranks.items() if layer == i)
                     for i in range(model.num_layers))  # fmt: skip
     adapter_bytes = values * adapter_elem
     cost = envelope.cost(ranks)

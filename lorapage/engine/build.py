@@ -275,7 +275,9 @@ def build_forward(
         sizing.max_blocks,
         lora_h_width(base.model_config, config.max_lora_rank),
     )
-    if sizing.device.type == "cuda" and ops.captures_graphs and not config.enforce_eager:
+    # A MoE base's routing varies its shapes per step (model/moe.py): it runs eagerly.
+    graphs = ops.captures_graphs and base.model_config.moe is None
+    if sizing.device.type == "cuda" and graphs and not config.enforce_eager:
         with torch.cuda.device(sizing.device):
             runner.capture_decode_graphs(config.max_num_seqs)
     return ForwardParts(ops, runner)

@@ -1,4 +1,5 @@
-"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2/3 text)."""
+"""Model shape read from a Hugging Face ``config.json`` (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4,
+Gemma 2/3 text; Mixtral, OLMoE and Qwen3-MoE with :mod:`lorapage.model.moe_config`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.model.gemma_config import GEMMA_ARCHITECTURES, REFUSED, GemmaConfig
+from lorapage.model.moe_config import MOE_ARCHITECTURES, MoeConfig
 from lorapage.model.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
@@ -16,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     *GEMMA_ARCHITECTURES,
+    *MOE_ARCHITECTURES,
 )
 # Rotary types lorapage computes (lorapage/model/rope.py); anything else is refused at load.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -49,6 +52,7 @@ class ModelConfig:
     # Per layer, the sliding window its attention reads (None: global); () when no layer has one.
     layer_windows: tuple[int | None, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2 / 3's additions; None for every other family
+    moe: MoeConfig | None = None  # the router and experts of a MoE family; None: a dense MLP
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -94,6 +98,7 @@ class ModelConfig:
             sliding_window=_sliding_window(raw, arch),
             layer_windows=layer_windows(raw, arch, raw["num_hidden_layers"]),
             gemma=gemma,
+            moe=MoeConfig.from_raw(arch, raw),
         )
 
     def window(self, layer: int) -> int | None:
@@ -109,17 +114,24 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def module_dims(self) -> dict[str, tuple[int, int]]:
-        """(d_in, d_out) of every LoRA-targetable projection, in the fixed module order."""
+        """(d_in, d_out) of every LoRA-targetable projection, in the fixed module order (on a MoE
+        base, every expert's in place of the dense MLP's)."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
+        attention = {
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
         }
+        if self.moe is not None:
+            return attention | self.moe.expert_dims(h)
+        return attention | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_dims(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of every module an adapter may target: :meth:`module_dims`, and on a MoE
+        base each expert's fused gate_up (PEFT's ``target_parameters``)."""
+        dims = self.module_dims()
+        return dims if self.moe is None else dims | self.moe.fused_dims(self.hidden_size)
 
     def derived_max_len(self) -> int:
         """The positions the model serves, as vLLM derives them: ``max_position_embeddings``, or for

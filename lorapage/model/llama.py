@@ -20,6 +20,7 @@ from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.families import family_of, group_weight
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.moe import MoeMlp, expert_lora, norm_qk
 from lorapage.model.rope import rope_tables
 
 
@@ -71,6 +72,7 @@ class LlamaModel:
         self.final_norm = get("model.norm.weight")
         weight = lambda k: get(k + ".weight")  # noqa: E731
         self.layers = []
+        self.moe_layers: list[MoeMlp] = []  # a MoE family's sparse MLPs, one per layer (moe.py)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = {
@@ -78,9 +80,17 @@ class LlamaModel:
                 "post_norm": get(p + "post_attention_layernorm.weight"),
                 "qkv": group_weight(weight, p + "self_attn.", c, GROUPS[0]),
                 "o": get(p + "self_attn.o_proj.weight"),
-                "gate_up": group_weight(weight, p + "mlp.", c, GROUPS[2]),
-                "down": get(p + "mlp.down_proj.weight"),
             }
+            if c.moe is None:
+                layer["gate_up"] = group_weight(weight, p + "mlp.", c, GROUPS[2])
+                layer["down"] = get(p + "mlp.down_proj.weight")
+            else:
+                self.moe_layers.append(MoeMlp.load(c.moe, state, p, get))
+            if c.moe is not None and c.moe.qk_norm:
+                layer["q_norm"], layer["k_norm"] = (
+                    get(p + "self_attn.q_norm.weight"),
+                    get(p + "self_attn.k_norm.weight"),
+                )
             if c.attention_bias:
                 layer["qkv_bias"] = group_weight(lambda k: get(k + ".bias"), p + "self_attn.", c, GROUPS[0])
             if family_of(c).qk_norm:  # one [q heads + kv heads, head_dim] weight: both norms in one op
@@ -94,7 +104,7 @@ class LlamaModel:
             starts, col = [], 0
             for m in group:
                 starts.append(col)
-                col += dims[m][1]
+                col += dims.get(m, (0, 0))[1]  # a MoE base has no dense MLP
             self.out_starts.append(tuple(starts))
         # cos / sin for every position, computed once in float32 exactly as HF does per step.
         cos, sin = rope_tables(c, max_len)
@@ -111,7 +121,10 @@ class LlamaModel:
         a packed copy of its own (the embedding lookup reads the plain table)."""
         for layer in self.layers:
             for key in PROJECTIONS:
-                layer[key] = pack(layer[key])
+                if key in layer:
+                    layer[key] = pack(layer[key])
+        for moe in self.moe_layers:
+            moe.pack(pack)
         self.lm_head = pack(self.lm_head)
         self.linear, self._pack = linear, pack
 
@@ -227,6 +240,7 @@ class LlamaModel:
         h = lora_h[:T]
         if lora is not None and not lora.segments:
             lora = None  # no row has an adapter
+        experts_lora = expert_lora(ops, tables, lora, h) if self.moe_layers and lora is not None else None
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
@@ -238,7 +252,10 @@ class LlamaModel:
                 self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
-            qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
+            if "q_norm" in w:  # a MoE family's q/k norms (moe.norm_qk: per head, or OLMoE's whole projection)
+                qk = norm_qk(qkv, w["q_norm"], w["k_norm"], c, self._rms_norm)
+            else:
+                qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
             if "qk_norm" in w:  # Qwen3: each head normalised before its rotation
                 qk = self._rms_norm(qk, w["qk_norm"])
             qk = self._apply_rope(qk, cos, sin)
@@ -251,6 +268,9 @@ class LlamaModel:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
+            if self.moe_layers:
+                x = x + self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab)
+                continue
             gu = self.linear(hs, w["gate_up"])
             if lora is not None:
                 self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)

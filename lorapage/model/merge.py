@@ -17,8 +17,11 @@ from itertools import groupby
 import torch
 from torch import Tensor
 
+from lorapage.kernels.linear_cpu import dense_weight
 from lorapage.model.config import GROUPS
 from lorapage.model.llama import PROJECTIONS, LlamaModel
+from lorapage.model.moe import MoeMlp
+from lorapage.model.moe_config import split_expert_module
 
 # What merges an adapter into a model in place: merge_adapter, or in a test a deliberately wrong one.
 MergeFn = Callable[[LlamaModel, Mapping[tuple[int, str], tuple[Tensor, Tensor]], Mapping[tuple[int, str], float]], None]
@@ -52,6 +55,12 @@ def merge_adapter(
     as :func:`~lorapage.adapters.peft_format.load_adapter_tensors` reads them, ``scales`` the
     spec's. The model then computes base + adapter on the plain base path (no LoRA op)."""
 
+    experts = {k: v for k, v in tensors.items() if split_expert_module(k[1]) is not None}
+    tensors = {k: v for k, v in tensors.items() if k not in experts}
+    with torch.no_grad():
+        for (layer, module), (a, b) in experts.items():
+            merge_expert(model.moe_layers[layer], module, a, b, scales[(layer, module)])
+
     def weight_of(item: tuple[tuple[int, str], object]) -> tuple[int, str]:
         (layer, module), _ = item
         return layer, module_rows(model, module)[0]
@@ -63,3 +72,19 @@ def merge_adapter(
                 _, start, end = module_rows(model, module)
                 weight[start:end].copy_(merged_weight(weight[start:end], a, b, scales[(layer, module)]))
             model.store_weight(layer, key, weight)
+
+
+def merge_expert(mlp: MoeMlp, module: str, a: Tensor, b: Tensor, scale: float) -> None:
+    """Merge one expert module's LoRA (``experts.{e}.gate_proj``, ``up_proj``, fused
+    ``gate_up_proj`` or ``down_proj``) into ``mlp``'s expert weights, as :func:`merge_adapter` does
+    a dense module's."""
+    parts = split_expert_module(module)
+    assert parts is not None, module
+    expert, name = parts
+    inter = mlp.config.intermediate_size
+    weights = mlp.down if name == "down_proj" else mlp.gate_up
+    start, end = (inter, 2 * inter) if name == "up_proj" else (0, b.shape[0])
+    weight = dense_weight(weights[expert])
+    weight[start:end].copy_(merged_weight(weight[start:end], a, b, scale))
+    if weight is not weights[expert]:
+        weights[expert] = mlp.pack_weight(weight)

@@ -198,6 +198,7 @@ def spec_to_json(spec: AdapterSpec) -> str:
             "max_rank": spec.max_rank,
             "size_bytes": spec.size_bytes,
         }
+        | ({"expert_geometry": list(spec.expert_geometry)} if spec.expert_geometry else {})
     )
 
 
@@ -215,4 +216,5 @@ def spec_from_json(text: str, model: ModelConfig | None = None) -> AdapterSpec:
         max_rank=data["max_rank"],
         size_bytes=data["size_bytes"],
         model=model,
+        expert_geometry=tuple(data["expert_geometry"]) if "expert_geometry" in data else None,
     )
