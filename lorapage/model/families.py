@@ -93,8 +93,11 @@ def split_fused_pairs(
     family, dims = family_of(config), config.module_dims()
     out: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
     for (layer, module), (a, b) in pairs.items():
+        if module not in family.fused:  # a plain module (or a MoE expert's, split by moe_format)
+            out[(layer, module)] = (a, b)
+            continue
         row = 0
-        for part in family.fused.get(module, (module,)):
+        for part in family.fused[module]:
             rows = dims[part][1]
             out[(layer, part)] = (a, b[row : row + rows])
             row += rows
