@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorapage.adapters.cost import AdapterCost
-from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, refusal
+from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, full_matrix_refusal, refusal
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec, read_weights
@@ -86,7 +86,9 @@ class AdapterChecks:
         """The adapter's projected cost; refused (400, with that cost and the allowed shapes) when
         its shape is outside the shared envelope. Its tier is then ``dedicated``, which only a
         dedicated deployment serves, and none exists yet: it is never shared silently."""
-        cost = self.envelope.cost(spec.ranks)
+        cost = self.envelope.spec_cost(spec)
+        if spec.variants.full_matrices:
+            raise full_matrix_refusal(str(spec.path), self.envelope, spec, cost)
         if self.envelope.tier(spec.ranks, cost) is ServingTier.DEDICATED:
             raise refusal(str(spec.path), self.envelope, spec.ranks, cost)
         return cost
@@ -111,7 +113,7 @@ class AdapterChecks:
     def spec_info(self, name: str, spec: AdapterSpec) -> AdapterInfo:
         """What ``spec``'s shape says of version ``name``, registered here or not (one outside the
         envelope, which the cache never holds: tier ``dedicated``, status ``dedicated``)."""
-        cost = self.envelope.cost(spec.ranks)
+        cost = self.envelope.spec_cost(spec)
         return AdapterInfo(
             name=name,
             path=str(spec.path),
@@ -122,6 +124,6 @@ class AdapterChecks:
             num_pages=0,
             tier="disk",
             cost=cost,
-            serving_tier=self.envelope.tier(spec.ranks, cost).value,
+            serving_tier=self.envelope.spec_tier(spec, cost).value,
             status="dedicated",
         )

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from lorapage.adapters.cost import ATTENTION_MODULES, MLP_MODULES, AdapterCost, project_cost
+from lorapage.adapters.peft_format import AdapterSpec
+from lorapage.adapters.peft_variants import full_matrix_params, variant_params
 from lorapage.config import EngineConfig, parse_envelope_rules
 from lorapage.errors import AdapterEnvelopeError
 from lorapage.model.config import MODULES, ModelConfig
@@ -74,15 +76,28 @@ class Envelope:
             adapter_bytes_per_param=adapter_bytes,
         )
 
-    def cost(self, ranks: Mapping[tuple[int, str], int]) -> AdapterCost:
-        """The projected cost of an adapter with these ranks ((layer, module) -> r)."""
+    def cost(self, ranks: Mapping[tuple[int, str], int], extra_params: int = 0) -> AdapterCost:
+        """The projected cost of an adapter with these ranks ((layer, module) -> r) and
+        ``extra_params`` more values read per step (its PEFT variants)."""
         return project_cost(
             self.model,
             ranks,
             reference_batch=self.reference_batch,
             base_bytes_per_param=self.base_bytes_per_param,
             adapter_bytes_per_param=self.adapter_bytes_per_param,
+            extra_params=extra_params,
         )
+
+    def spec_cost(self, spec: AdapterSpec) -> AdapterCost:
+        """An adapter's projected cost, its variants included: DoRA / lora_bias vectors, the
+        embedding LoRA's B, and any full matrix (``modules_to_save``) it would read for its rows."""
+        v = spec.variants
+        return self.cost(spec.ranks, variant_params(v, self.model) + full_matrix_params(v))
+
+    def spec_tier(self, spec: AdapterSpec, cost: AdapterCost) -> ServingTier:
+        """:meth:`tier`, and ``dedicated`` for any adapter with a full matrix of its own: the shared
+        pool batches low-rank deltas over one base, whose lm_head and embed_tokens every row shares."""
+        return ServingTier.DEDICATED if spec.variants.full_matrices else self.tier(spec.ranks, cost)
 
     def tier(self, ranks: Mapping[tuple[int, str], int], cost: AdapterCost) -> ServingTier:
         """``shared`` when the shape passes a rule (if any) and the cost bound (if set)."""
@@ -126,6 +141,24 @@ def refusal(
         f"{envelope.allowed()}. Its tier is dedicated (a deployment of its own with the adapter merged), and none "
         "is configured here: use a lower rank or fewer modules, or ask the operator to widen --shared-envelope "
         "or --shared-max-cost-pct"
+    )
+
+
+def full_matrix_refusal(where: str, envelope: Envelope, spec: AdapterSpec, cost: AdapterCost) -> AdapterEnvelopeError:
+    """The 400 for an adapter with ``modules_to_save`` (a full per-adapter matrix): its bytes, its
+    arithmetic, and why the shared tier never takes it."""
+    v = spec.variants
+    names = ", ".join(f"{name} {shape}" for name, shape in sorted(v.full_matrices.items()))
+    full = full_matrix_params(v) * envelope.adapter_bytes_per_param
+    return AdapterEnvelopeError(
+        f"adapter at {where!r} saves whole matrices of its own (modules_to_save: {names}): "
+        f"{format_bytes(full)}, read per decode step for its rows beside its LoRA weights, "
+        f"{format_bytes(cost.adapter_bytes)} in all against {format_bytes(cost.base_bytes)} of base weights, a "
+        f"projected +{cost.projected_cost_pct:.1f}% decode cost at batch {cost.reference_batch}. The shared tier "
+        f"batches low-rank deltas over one base whose lm_head and embed_tokens every row shares (it takes "
+        f"{envelope.allowed()}), so its tier is dedicated, and none is configured here: serve the merged checkpoint "
+        "(PEFT's merge_and_unload) as a base of its own, or retrain without modules_to_save (LoRA on embed_tokens "
+        "is served on the shared tier)"
     )
 
 

@@ -24,6 +24,7 @@ import re2
 import torch
 
 from lorapage.adapters.files import read_regular
+from lorapage.adapters.peft_variants import NO_VARIANTS, Variants, is_variant_key, read_variants, refuse_config
 from lorapage.adapters.safetensors_buffer import (
     ReadBuffer,
     SafetensorsFormatError,
@@ -37,7 +38,6 @@ from lorapage.model.config import MODULES, ModelConfig
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
-_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 # Bounds on rank_pattern / alpha_pattern: PEFT writes at most one key per module (under 900 on
 # the largest Llama), and a key longer than a module name has no reason to be.
 MAX_PATTERN_KEYS = 1024
@@ -66,6 +66,7 @@ class AdapterSpec:
     max_rank: int
     size_bytes: int  # bytes of the weights file
     trained_on: str | None = None  # base_model_name_or_path as the config says it (None: absent); not stored
+    variants: Variants = NO_VARIANTS  # DoRA, lora_bias, embedding LoRA, modules_to_save (peft_variants.py)
 
     def num_params(self, model: ModelConfig) -> int:
         dims = model.module_dims()
@@ -146,24 +147,7 @@ def _read_config(path: Path) -> dict:
         raise _fail(path, f"adapter_config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise _fail(path, "adapter_config.json must hold a JSON object")
-    refusals = (
-        (cfg.get("peft_type", "LORA") != "LORA", f"peft_type {cfg.get('peft_type')!r} is not LORA"),
-        (bool(cfg.get("use_dora")), "DoRA adapters (use_dora=true) are not supported"),
-        (
-            bool(cfg.get("modules_to_save")),
-            f"modules_to_save {cfg.get('modules_to_save')} is not supported: only LoRA deltas can be batched",
-        ),
-        (cfg.get("bias", "none") != "none", f"bias={cfg.get('bias')!r} is not supported (only 'none')"),
-        (bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out=true is for Conv1D models, not Llama-family"),
-    )
-    for bad, why in refusals:
-        if bad:
-            raise _fail(path, why)
-    targets = cfg.get("target_modules") or []
-    names = [targets] if isinstance(targets, str) else list(targets)
-    for t in names:
-        if any(u in t for u in _UNSUPPORTED_TARGETS):
-            raise _fail(path, f"LoRA on {t!r} (embedding / lm_head) is not supported")
+    refuse_config(path, cfg)
     return cfg
 
 
@@ -190,8 +174,6 @@ def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]], int]:
 
 def parse_key(path: Path, key: str) -> tuple[int, str, str]:
     """(layer, module, "A" | "B") of a LoRA weight key, or a specific refusal."""
-    if "lora_embedding" in key or any(u in key for u in _UNSUPPORTED_TARGETS):
-        raise _fail(path, f"tensor {key}: LoRA on embeddings / lm_head is not supported")
     m = _KEY.match(key)
     if not m:
         raise _fail(path, f"tensor {key} is not a LoRA A/B weight of a Llama-family projection")
@@ -207,8 +189,17 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     cfg = _read_config(path)
     weights_file, shapes, size_bytes = _tensor_shapes(path)
     dims = model.module_dims()
+    alpha_default = _alpha(path, cfg.get("lora_alpha", cfg.get("r", 8)), "lora_alpha")
+    alpha_pattern = _compile_patterns(path, cfg, "alpha_pattern")
+
+    def alpha_of(name: str) -> float:
+        return _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
+
+    variants, variant_keys = read_variants(path, cfg, shapes, model, alpha_of)
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in shapes.items():
+        if key in variant_keys:
+            continue
         layer, module, ab = parse_key(path, key)
         if layer >= model.num_layers:
             raise _fail(path, f"tensor {key}: layer {layer} does not exist (base has {model.num_layers})")
@@ -216,12 +207,14 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         if ab in halves:  # spelled twice (prefixes differ): the file's size would not follow from the base
             raise _fail(path, f"tensor {key}: a second lora_{ab} weight of layers.{layer}.{module}")
         halves[ab] = shape
-    if not pairs:
+    if not pairs and not variants.embedding_rank:
         raise _fail(path, "no LoRA weights found")
+    if not 0 <= variants.embedding_rank <= max_lora_rank:
+        raise _fail(path, f"embed_tokens: rank {variants.embedding_rank} exceeds max_lora_rank {max_lora_rank}")
+    if not variants.dora <= pairs.keys() or not variants.lora_bias <= pairs.keys():
+        raise _fail(path, "a lora_magnitude_vector or lora_B bias belongs to a module without lora_A / lora_B")
     ranks: dict[tuple[int, str], int] = {}
     scales: dict[tuple[int, str], float] = {}
-    alpha_default = _alpha(path, cfg.get("lora_alpha", cfg.get("r", 8)), "lora_alpha")
-    alpha_pattern = _compile_patterns(path, cfg, "alpha_pattern")
     _compile_patterns(path, cfg, "rank_pattern")  # ranks come from the shapes; its keys are refused alike
     for (layer, module), halves in sorted(pairs.items()):
         where = f"layers.{layer}.{module}"
@@ -238,7 +231,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         if not 1 <= r <= max_lora_rank:
             raise _fail(path, f"{where}: rank {r} exceeds max_lora_rank {max_lora_rank}")
         name = f"model.layers.{layer}.{'self_attn' if module in MODULES[:4] else 'mlp'}.{module}"
-        alpha = _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
+        alpha = alpha_of(name)
         ranks[(layer, module)] = r
         scales[(layer, module)] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return AdapterSpec(
@@ -247,9 +240,10 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         ranks=ranks,
         scales=scales,
         target_modules=tuple(m for m in MODULES if any(k[1] == m for k in ranks)),
-        max_rank=max(ranks.values()),
+        max_rank=max(ranks.values(), default=variants.embedding_rank),
         size_bytes=size_bytes,
         trained_on=_trained_on(path, cfg),
+        variants=variants,
     )
 
 
@@ -289,6 +283,8 @@ def load_adapter_tensors(
     out: dict[tuple[int, str], list] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)
     for key, t in state.items():
+        if is_variant_key(key):  # read by peft_variants' loader
+            continue
         layer, module, ab = parse_key(spec.path, key)
         converted = t if t.dtype == dtype else t.to(dtype)
         out.setdefault((layer, module), [None, None])["AB".index(ab)] = converted

@@ -30,6 +30,7 @@ from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts
+from lorapage.adapters.variant_layout import max_section_pages
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
 from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.devices import (
@@ -56,6 +57,7 @@ from lorapage.model.config import ModelConfig, context_length
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.merge import module_weight
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
@@ -169,6 +171,14 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     )
 
 
+def _section_pages(config: EngineConfig, mc: ModelConfig, sizing: Sizing) -> int:
+    """Pages a variant adapter (DoRA, lora_bias, embedding LoRA) may take beyond A / B: the page
+    table's extra width."""
+    return max_section_pages(
+        mc, config.max_lora_rank, adapter_page_size(sizing.page_size, sizing.dtype, sizing.lora_dtype)
+    )
+
+
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
     weights = load_state_dict(base.model_dir, sizing.dtype)
@@ -205,7 +215,7 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, sizing.adapter_pages, sizing.device),
+        tables=LoraTables(mc, slots, sizing.adapter_pages + _section_pages(config, mc, sizing), sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -353,6 +363,7 @@ def build_adapters(
     clock: Callable[[], float],
     roots: AdapterRoots | None,
     on_ready: Callable[[], None],
+    model: LlamaModel | None = None,
 ) -> AdapterParts:
     """``on_ready``: wakes the step loop when a load is done."""
     roots = roots if roots is not None else ANYWHERE
@@ -414,6 +425,7 @@ def build_adapters(
         io_executor=threads.io,
         run_on_device=threads.run_on_device,
         locate=files.locate,
+        base_weight=functools.partial(module_weight, model) if model is not None else None,
     )
     cache = AdapterCache(
         mc,

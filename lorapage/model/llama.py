@@ -19,6 +19,7 @@ from lorapage.kernels.backend import KernelOps, Linear, PackWeight
 from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.lora_variants import add_embedding_lora, apply_vectors
 
 
 @dataclass
@@ -144,6 +145,7 @@ class LlamaModel:
         tables: LoraTables,
         lora: LoraIndices,
         h: Tensor,
+        bias: Tensor | None = None,
     ) -> None:
         m0, m1 = GROUP_MODULES[group]
         ops.lora_shrink(
@@ -161,6 +163,8 @@ class LlamaModel:
             tables.scale[layer, :, m0:m1],
             self.out_starts[group],
         )
+        if tables.variants.in_step(lora):  # DoRA / lora_bias rows (lora_variants.py)
+            apply_vectors(y, bias, slab, tables.page_table, lora.token_slot, tables.variants, group)
 
     def forward(
         self,
@@ -190,6 +194,8 @@ class LlamaModel:
         h = lora_h[:T]
         if lora is not None and not lora.segments:
             lora = None  # no row has an adapter
+        if lora is not None and tables.variants.in_step(lora):  # embedding LoRA rows (lora_variants.py)
+            add_embedding_lora(x, input_ids, adapter_pool, tables.page_table, lora, tables.variants, h, ops)
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
@@ -198,7 +204,7 @@ class LlamaModel:
             # the transposed-view matmul ran on one thread whatever the intra-op threads.
             qkv = self.linear(hs, w["qkv"], w.get("qkv_bias"))
             if lora is not None:
-                self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
+                self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h, w.get("qkv_bias"))
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
             qk = self._apply_rope(qkv[:, : q_size + kv_size].view(T, heads, c.head_dim), cos, sin)

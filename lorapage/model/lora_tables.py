@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_variants import VariantTables
 
 
 class SlotRows(Protocol):
@@ -16,6 +17,9 @@ class SlotRows(Protocol):
 
     @property
     def table_rows(self) -> tuple[Tensor, ...]: ...
+
+    @property
+    def section(self) -> object | None: ...  # its variant data's place (adapters/variant_layout.py), None: none
 
 
 class LoraTables:
@@ -36,6 +40,7 @@ class LoraTables:
         self.rank = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m, 0 = untargeted
         self.h_start = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m's column in h
         self.scale = torch.zeros(L, S, M, dtype=f32, device=device)  # [layer, slot, module]: alpha / r
+        self.variants = VariantTables(model, S, device)  # DoRA, lora_bias, embedding LoRA (lora_variants.py)
 
     def write_slot(self, slot: int, layout: SlotRows, pages: list[int]) -> None:
         """Point ``slot`` at an adapter now resident in ``pages``."""
@@ -44,6 +49,7 @@ class LoraTables:
         tables = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)
         for table, rows in zip(tables, layout.table_rows):
             table[:, slot].copy_(rows, non_blocking=True)
+        self.variants.write(slot, layout.section)
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
@@ -57,3 +63,4 @@ class LoraTables:
             self.scale[:, slot],
         ):
             table.zero_()
+        self.variants.clear(slot)

@@ -1,0 +1,113 @@
+"""PEFT's LoRA variants against transformers + peft, in one mixed batch with the base: DoRA (its
+magnitudes perturbed so g != 1), embedding LoRA, lora_bias, layers_to_transform, plain LoRA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hf_reference import make_random_llama, peft_greedy
+
+from lorapage import Engine, EngineConfig, SamplingParams
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    # name: (rank, targets, extra LoraConfig kwargs)
+    "dora": (8, ALL, {"use_dora": True}),
+    "dora_rs": (4, ["q_proj", "v_proj", "down_proj"], {"use_dora": True, "use_rslora": True,
+                                                       "alpha_pattern": {"v_proj": 3}}),  # fmt: skip
+    "embedding": (4, ["embed_tokens", "q_proj", "up_proj"], {}),
+    "plain": (8, ALL, {"rank_pattern": {"down_proj": 2}}),
+    "lora_bias": (4, ["q_proj", "o_proj", "down_proj"], {"lora_bias": True}),
+    "layers": (4, ["k_proj", "gate_proj"], {"layers_to_transform": [1]}),
+}
+# PEFT refuses to merge lora_bias into a layer without a bias (Llama's projections have none).
+NO_MERGE = {"lora_bias"}
+MAX_TOKENS = 5
+# Logprobs of the same float32 arithmetic summed in another order (fused GEMMs, batched LoRA):
+# |d| stays within a few 1e-6 per value here; 1e-4 leaves room for any CPU's summation order.
+TOL = 1e-4
+
+
+def _adapter(base, path, r, targets, seed, **kw):
+    """A PEFT adapter with random A, B (and biases), DoRA magnitudes off their initial norms."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, **kw)
+    model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.normal_(0, 0.3 / r**0.5)
+            elif "lora_A" in name or "lora_embedding_A" in name:
+                p.normal_(0, 0.3)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("variants")
+    base = make_random_llama(root / "base")
+    adapters = {
+        name: _adapter(base, root / name, r, t, seed=i + 1, **kw) for i, (name, (r, t, kw)) in enumerate(ADAPTERS.items())
+    }
+    return base, adapters
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    """PEFT's greedy tokens and logprobs per (row's adapter, prompt), unmerged and merged."""
+    base, adapters = checkpoint
+    rows = [None, *adapters]
+    prompts = _prompts(len(rows))
+    out = {}
+    for adapter, prompt in zip(rows, prompts):
+        path = adapters.get(adapter)
+        out[(adapter, False)] = peft_greedy(base, path, prompt, MAX_TOKENS)
+        if adapter is not None and adapter not in NO_MERGE:
+            out[(adapter, True)] = peft_greedy(base, path, prompt, MAX_TOKENS, merged=True)
+    return rows, prompts, out
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 12))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mixed_batch_matches_peft_unmerged_and_merged(checkpoint, references, backend):
+    base, adapters = checkpoint
+    rows, prompts, ref = references
+    engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, max_loras=8, block_size=4))
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    outs = engine.generate_batch(
+        list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    )
+    for adapter, out in zip(rows, outs):
+        got = [lp.logprob for lp in out.logprobs]
+        for merged in (False, True):
+            if (adapter, merged) not in ref:
+                continue
+            tokens, lps = ref[(adapter, merged)]
+            assert out.token_ids == tokens, (adapter, merged)
+            assert got == pytest.approx(lps, abs=TOL), (adapter, merged)
+
+
+def test_decode_rows_alone_equal_the_batch(checkpoint, references):
+    """Each variant row alone gives the batch's tokens (the per-row tables, not the batch, decide)."""
+    base, adapters = checkpoint
+    rows, prompts, ref = references
+    engine = Engine(EngineConfig(model=str(base), kernel_backend="torch", max_loras=8))
+    for name in ("dora", "embedding"):
+        engine.add_adapter(name, adapters[name])
+        i = rows.index(name)
+        out = engine.generate_batch([(prompts[i], name)], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        assert out[0].token_ids == ref[(name, False)][0]
