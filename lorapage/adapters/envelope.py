@@ -17,13 +17,12 @@ Pure: the caller raises the refusal (:func:`refusal`) where the tier cannot be s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from lorapage.adapters.cost import ATTENTION_MODULES, MLP_MODULES, AdapterCost, project_cost
-from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.adapters.peft_variants import full_matrix_params, variant_params
 from lorapage.config import EngineConfig, parse_envelope_rules
 from lorapage.errors import AdapterEnvelopeError
 from lorapage.model.config import MODULES, ModelConfig
@@ -88,17 +87,6 @@ class Envelope:
             extra_params=extra_params,
         )
 
-    def spec_cost(self, spec: AdapterSpec) -> AdapterCost:
-        """An adapter's projected cost, its variants included: DoRA / lora_bias vectors, the
-        embedding LoRA's B, and any full matrix (``modules_to_save``) it would read for its rows."""
-        v = spec.variants
-        return self.cost(spec.ranks, variant_params(v, self.model) + full_matrix_params(v))
-
-    def spec_tier(self, spec: AdapterSpec, cost: AdapterCost) -> ServingTier:
-        """:meth:`tier`, and ``dedicated`` for any adapter with a full matrix of its own: the shared
-        pool batches low-rank deltas over one base, whose lm_head and embed_tokens every row shares."""
-        return ServingTier.DEDICATED if spec.variants.full_matrices else self.tier(spec.ranks, cost)
-
     def tier(self, ranks: Mapping[tuple[int, str], int], cost: AdapterCost) -> ServingTier:
         """``shared`` when the shape passes a rule (if any) and the cost bound (if set)."""
         modules, rank = target_modules(ranks), max(ranks.values(), default=0)
@@ -144,12 +132,13 @@ def refusal(
     )
 
 
-def full_matrix_refusal(where: str, envelope: Envelope, spec: AdapterSpec, cost: AdapterCost) -> AdapterEnvelopeError:
-    """The 400 for an adapter with ``modules_to_save`` (a full per-adapter matrix): its bytes, its
-    arithmetic, and why the shared tier never takes it."""
-    v = spec.variants
-    names = ", ".join(f"{name} {shape}" for name, shape in sorted(v.full_matrices.items()))
-    full = full_matrix_params(v) * envelope.adapter_bytes_per_param
+def full_matrix_refusal(
+    where: str, envelope: Envelope, matrices: Mapping[str, list[int]], cost: AdapterCost
+) -> AdapterEnvelopeError:
+    """The 400 for an adapter with ``modules_to_save`` (``matrices``: name -> shape, whole
+    matrices of its own): their bytes, its arithmetic, and why the shared tier never takes it."""
+    names = ", ".join(f"{name} {shape}" for name, shape in sorted(matrices.items()))
+    full = sum(math.prod(shape) for shape in matrices.values()) * envelope.adapter_bytes_per_param
     return AdapterEnvelopeError(
         f"adapter at {where!r} saves whole matrices of its own (modules_to_save: {names}): "
         f"{format_bytes(full)}, read per decode step for its rows beside its LoRA weights, "

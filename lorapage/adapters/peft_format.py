@@ -24,7 +24,14 @@ import re2
 import torch
 
 from lorapage.adapters.files import read_regular
-from lorapage.adapters.peft_variants import NO_VARIANTS, Variants, is_variant_key, read_variants, refuse_config
+from lorapage.adapters.peft_variants import (
+    NO_VARIANTS,
+    Variants,
+    check_pairs,
+    is_variant_key,
+    read_variants,
+    refuse_config,
+)
 from lorapage.adapters.safetensors_buffer import (
     ReadBuffer,
     SafetensorsFormatError,
@@ -211,8 +218,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         raise _fail(path, "no LoRA weights found")
     if not 0 <= variants.embedding_rank <= max_lora_rank:
         raise _fail(path, f"embed_tokens: rank {variants.embedding_rank} exceeds max_lora_rank {max_lora_rank}")
-    if not variants.dora <= pairs.keys() or not variants.lora_bias <= pairs.keys():
-        raise _fail(path, "a lora_magnitude_vector or lora_B bias belongs to a module without lora_A / lora_B")
+    check_pairs(path, cfg, variants, set(pairs))
     ranks: dict[tuple[int, str], int] = {}
     scales: dict[tuple[int, str], float] = {}
     _compile_patterns(path, cfg, "rank_pattern")  # ranks come from the shapes; its keys are refused alike

@@ -256,3 +256,18 @@ def variant_name(key: str) -> str | None:
     if m := _EMBEDDING.match(key):
         return f"embedding.{m.group(1)}"
     return None
+
+
+def check_pairs(path: Path, cfg: dict, variants: Variants, pairs: set[tuple[int, str]]) -> None:
+    """Every LoRA pair has the vectors its config promises (PEFT gives every targeted module a
+    magnitude under use_dora, a lora_B bias under lora_bias), and no vector lacks its pair."""
+    for flag, have, what in (("use_dora", variants.dora, "lora_magnitude_vector"), ("lora_bias", variants.lora_bias,
+                                                                                     "lora_B bias")):  # fmt: skip
+        if extra := sorted(have - pairs):
+            layer, module = extra[0]
+            raise _fail(path, f"layers.{layer}.{module} has a {what} but no lora_A / lora_B")
+        if cfg.get(flag) and (missing := sorted(pairs - have)):
+            layer, module = missing[0]
+            raise _fail(
+                path, f"{flag} is set but layers.{layer}.{module} has no {what} (a partial or hand-edited save?)"
+            )

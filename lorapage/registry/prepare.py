@@ -180,7 +180,7 @@ class VersionPreparer:
             rank=spec.max_rank,
             target_modules=spec.target_modules,
             size_bytes=spec.size_bytes,
-            projected_cost_pct=self._cache.checks.envelope.spec_cost(spec).projected_cost_pct,
+            projected_cost_pct=self._cache.checks.cost_of(spec).projected_cost_pct,
         )
 
 

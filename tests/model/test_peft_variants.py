@@ -15,8 +15,11 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 ADAPTERS = {
     # name: (rank, targets, extra LoraConfig kwargs)
     "dora": (8, ALL, {"use_dora": True}),
-    "dora_rs": (4, ["q_proj", "v_proj", "down_proj"], {"use_dora": True, "use_rslora": True,
-                                                       "alpha_pattern": {"v_proj": 3}}),  # fmt: skip
+    "dora_rs": (
+        4,
+        ["q_proj", "v_proj", "down_proj"],
+        {"use_dora": True, "use_rslora": True, "alpha_pattern": {"v_proj": 3}},
+    ),  # fmt: skip
     "embedding": (4, ["embed_tokens", "q_proj", "up_proj"], {}),
     "plain": (8, ALL, {"rank_pattern": {"down_proj": 2}}),
     "lora_bias": (4, ["q_proj", "o_proj", "down_proj"], {"lora_bias": True}),
@@ -56,7 +59,8 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
     base = make_random_llama(root / "base")
     adapters = {
-        name: _adapter(base, root / name, r, t, seed=i + 1, **kw) for i, (name, (r, t, kw)) in enumerate(ADAPTERS.items())
+        name: _adapter(base, root / name, r, t, seed=i + 1, **kw)
+        for i, (name, (r, t, kw)) in enumerate(ADAPTERS.items())
     }
     return base, adapters
 
