@@ -133,8 +133,9 @@ def load_variant_tensors(path: object, state: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
-def max_section_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:
-    """Pages the largest section takes (both vector rows and an embedding LoRA of ``max_rank``),
-    its page alignment included: how much wider than A / B alone an adapter's page list may be."""
-    numel = 2 * total_out(model) + max_rank * (rows_per_layer(model) + model.hidden_size)
-    return -(-numel // page_size) + 1
+def page_list_width(model: ModelConfig, max_rank: int, page_size: int) -> int:
+    """Pages the largest adapter may take (the page table's width): ``max_rank`` on every module
+    and the largest section (both vector rows, an embedding LoRA of ``max_rank``, its alignment)."""
+    ab = sum(max_rank * (d_in + d_out) for d_in, d_out in model.module_dims().values())  # layout.max_adapter_pages
+    section = 2 * total_out(model) + max_rank * (rows_per_layer(model) + model.hidden_size)
+    return -(-ab // page_size) + -(-section // page_size) + 1

@@ -30,7 +30,7 @@ from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.tiers import TierRules
 from lorapage.adapters.value import ReloadCosts
-from lorapage.adapters.variant_layout import max_section_pages
+from lorapage.adapters.variant_layout import page_list_width
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
 from lorapage.engine.admin import AdapterAdmin
 from lorapage.engine.devices import (
@@ -171,14 +171,6 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     )
 
 
-def _section_pages(config: EngineConfig, mc: ModelConfig, sizing: Sizing) -> int:
-    """Pages a variant adapter (DoRA, lora_bias, embedding LoRA) may take beyond A / B: the page
-    table's extra width."""
-    return max_section_pages(
-        mc, config.max_lora_rank, adapter_page_size(sizing.page_size, sizing.dtype, sizing.lora_dtype)
-    )
-
-
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
     weights = load_state_dict(base.model_dir, sizing.dtype)
@@ -215,7 +207,7 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, sizing.adapter_pages + _section_pages(config, mc, sizing), sizing.device),
+        tables=LoraTables(mc, slots, page_list_width(mc, config.max_lora_rank, pool.adapter_page_size), sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -363,7 +355,7 @@ def build_adapters(
     clock: Callable[[], float],
     roots: AdapterRoots | None,
     on_ready: Callable[[], None],
-    model: LlamaModel | None = None,
+    model: LlamaModel,
 ) -> AdapterParts:
     """``on_ready``: wakes the step loop when a load is done."""
     roots = roots if roots is not None else ANYWHERE
@@ -425,7 +417,7 @@ def build_adapters(
         io_executor=threads.io,
         run_on_device=threads.run_on_device,
         locate=files.locate,
-        base_weight=functools.partial(module_weight, model) if model is not None else None,
+        base_weight=functools.partial(module_weight, model),
     )
     cache = AdapterCache(
         mc,
