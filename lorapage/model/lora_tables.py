@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
-from lorapage.model.lora_variants import VariantTables
+from lorapage.model.lora_variants import Section, VariantTables
 
 
 class SlotRows(Protocol):
@@ -19,7 +19,7 @@ class SlotRows(Protocol):
     def table_rows(self) -> tuple[Tensor, ...]: ...
 
     @property
-    def section(self) -> object | None: ...  # its variant data's place (adapters/variant_layout.py), None: none
+    def section(self) -> Section | None: ...  # its variant data's place (adapters/variant_layout.py), None: none
 
 
 class LoraTables:

@@ -18,6 +18,8 @@ which is PEFT's DoRA Linear, ``base + (g - 1) * base_nobias + g * scale * lora``
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,21 @@ def _group_columns(model: ModelConfig) -> list[tuple[int, int]]:
         out.append((col, width))
         col += width
     return out
+
+
+class Section(Protocol):
+    """An adapter's variant section as its layout placed it (``adapters/variant_layout.py``)."""
+
+    @property
+    def section_page(self) -> int: ...
+    @property
+    def emb_offset(self) -> int: ...
+    @property
+    def emb_b_offset(self) -> int: ...
+    @property
+    def emb_rank(self) -> int: ...
+    @property
+    def emb_scale(self) -> float: ...
 
 
 class VariantTables:
@@ -56,17 +73,16 @@ class VariantTables:
         self.columns = _group_columns(model)
         self.live: set[int] = set()  # slots whose adapter has variants (host side: eager steps skip the rest)
 
-    def write(self, slot: int, section: object | None) -> None:
-        """Point ``slot`` at its adapter's section (a
-        :class:`~lorapage.adapters.variant_layout.VariantSection`, None: a plain adapter)."""
+    def write(self, slot: int, section: Section | None) -> None:
+        """Point ``slot`` at its adapter's section (None: a plain adapter)."""
         self.clear(slot)
         if section is None:
             return
-        self.vector_page[slot] = section.section_page  # type: ignore[attr-defined]
-        self.emb_offset[slot] = section.emb_offset  # type: ignore[attr-defined]
-        self.emb_b_offset[slot, 0] = section.emb_b_offset  # type: ignore[attr-defined]
-        self.emb_rank[slot, 0] = section.emb_rank  # type: ignore[attr-defined]
-        self.emb_scale[slot, 0] = section.emb_scale  # type: ignore[attr-defined]
+        self.vector_page[slot] = section.section_page
+        self.emb_offset[slot] = section.emb_offset
+        self.emb_b_offset[slot, 0] = section.emb_b_offset
+        self.emb_rank[slot, 0] = section.emb_rank
+        self.emb_scale[slot, 0] = section.emb_scale
         self.live.add(slot)
 
     def clear(self, slot: int) -> None:
