@@ -115,3 +115,56 @@ def test_decode_rows_alone_equal_the_batch(checkpoint, references):
         i = rows.index(name)
         out = engine.generate_batch([(prompts[i], name)], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
         assert out[0].token_ids == ref[(name, False)][0]
+
+
+def _rerun_capture(step):
+    """CUDA-graph capture's stand-in on a CPU: replay reruns the captured step over the static
+    buffers into the output captured the first time (tests/kernels/test_kernels_graph_safety.py)."""
+    out = step()
+
+    def replay() -> None:
+        with torch.inference_mode():
+            out.copy_(step())
+
+    return replay, out
+
+
+def test_replayed_decode_steps_apply_the_variants_across_slot_swaps(checkpoint, references):
+    """The captured decode step (its placeholder segment: variants always applied, read through the
+    per-slot tables) gives eager's tokens, before and after the adapters move to other slots; the
+    tables are the same tensors throughout (a graph reads them)."""
+    import asyncio
+
+    base, adapters = checkpoint
+    rows, prompts, _ = references
+    pytest.importorskip("triton")  # the graph path's kernels (interpreted here): BGMV reads token_slot
+    names = ["dora", "embedding", "lora_bias"]
+    batch = [(prompts[rows.index(n)], n) for n in names] + [(prompts[0], None)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=0, ignore_eos=True)
+    eager, replayed = (
+        Engine(EngineConfig(model=str(base), kernel_backend="triton", max_loras=4, max_num_seqs=4, enforce_eager=True))
+        for _ in range(2)
+    )
+    for engine in (eager, replayed):
+        for name in names:
+            engine.add_adapter(name, adapters[name])
+    replayed.debug.runner.capture_decode_graphs(4, capture=_rerun_capture)
+    tables = replayed.debug.tables.variants
+    pointers = [t.data_ptr() for t in (tables.vector_page, tables.emb_offset, tables.emb_rank, tables.emb_scale)]
+
+    async def swap(engine) -> None:
+        for name in names:
+            await engine.admin.unload(name)
+        for name in reversed(names):
+            await engine.admin.load(name)
+
+    for round_ in range(2):
+        want = eager.generate_batch(batch, params)
+        got = replayed.generate_batch(batch, params)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids, round_
+            assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=TOL)
+        asyncio.run(swap(replayed))
+    assert pointers == [
+        t.data_ptr() for t in (tables.vector_page, tables.emb_offset, tables.emb_rank, tables.emb_scale)
+    ]
