@@ -129,14 +129,15 @@ def _rerun_capture(step):
     return replay, out
 
 
-def test_replayed_decode_steps_apply_the_variants_across_slot_swaps(checkpoint, references):
-    """The captured decode step (its placeholder segment: variants always applied, read through the
-    per-slot tables) gives eager's tokens, before and after the adapters move to other slots; the
-    tables are the same tensors throughout (a graph reads them)."""
+def test_triton_eager_and_replayed_decode_steps_match_peft_across_slot_swaps(checkpoint, references):
+    """On the Triton kernels (interpreted here): eager steps give PEFT's tokens, and the captured
+    decode step (its placeholder segment: variants always applied, read through the per-slot
+    tables) gives eager's, before and after the adapters move to other slots; the tables are the
+    same tensors throughout (a graph reads them)."""
     import asyncio
 
     base, adapters = checkpoint
-    rows, prompts, _ = references
+    rows, prompts, ref = references
     pytest.importorskip("triton")  # the graph path's kernels (interpreted here): BGMV reads token_slot
     names = ["dora", "embedding", "lora_bias"]
     batch = [(prompts[rows.index(n)], n) for n in names] + [(prompts[0], None)]
@@ -161,6 +162,9 @@ def test_replayed_decode_steps_apply_the_variants_across_slot_swaps(checkpoint, 
     for round_ in range(2):
         want = eager.generate_batch(batch, params)
         got = replayed.generate_batch(batch, params)
+        for (_, name), w in zip(batch, want):
+            assert w.token_ids == ref[(name, False)][0][:3], name
+            assert [x.logprob for x in w.logprobs] == pytest.approx(ref[(name, False)][1][:3], abs=TOL), name
         for g, w in zip(got, want):
             assert g.token_ids == w.token_ids, round_
             assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=TOL)
