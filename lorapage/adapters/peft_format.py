@@ -31,6 +31,7 @@ from lorapage.adapters.peft_variants import (
     is_variant_key,
     read_variants,
     refuse_config,
+    unknown_key,
 )
 from lorapage.adapters.safetensors_buffer import (
     ReadBuffer,
@@ -183,7 +184,7 @@ def parse_key(path: Path, key: str) -> tuple[int, str, str]:
     """(layer, module, "A" | "B") of a LoRA weight key, or a specific refusal."""
     m = _KEY.match(key)
     if not m:
-        raise _fail(path, f"tensor {key} is not a LoRA A/B weight of a Llama-family projection")
+        raise _fail(path, unknown_key(key))
     layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
     if module not in MODULES:
         raise _fail(path, f"tensor {key}: module {module!r} is not one of {MODULES}")

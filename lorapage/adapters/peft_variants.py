@@ -71,7 +71,7 @@ NO_VARIANTS = Variants()
 def refuse_config(path: Path, cfg: dict) -> None:
     """Refuse, with a specific reason, what PEFT can configure and this engine does not serve."""
     targets = cfg.get("target_modules") or []
-    names = [targets] if isinstance(targets, str) else list(targets)
+    names = [] if isinstance(targets, str) else list(targets)  # a regex string is judged by the tensors' names
     refusals = (
         (
             cfg.get("peft_type", "LORA") != "LORA",
@@ -122,6 +122,16 @@ def refuse_config(path: Path, cfg: dict) -> None:
             )
         if cfg.get("use_dora") and "embed_tokens" in str(t):
             raise _fail(path, "DoRA on embed_tokens is not served (DoRA is, on the decoder's projections)")
+
+
+def unknown_key(key: str) -> str:
+    """Why a weights-file key that is no LoRA A/B weight of a decoder projection is refused."""
+    if any(word in key.lower() for word in _NON_DECODER):
+        return (
+            f"tensor {key} belongs to a module outside the language model's decoder (vision tower / projector / "
+            "encoder): only the decoder's projections and embed_tokens are served"
+        )
+    return f"tensor {key} is not a LoRA A/B weight of a Llama-family projection"
 
 
 def _module_of(path: Path, key: str, layer: str, module: str, model: ModelConfig) -> tuple[int, str]:

@@ -17,6 +17,7 @@ from lorapage import Engine, EngineConfig
 from lorapage.adapters.cost import project_cost
 from lorapage.adapters.peft_format import read_adapter_spec
 from lorapage.adapters.peft_variants import variant_params
+from lorapage.errors import AdapterFormatError
 from lorapage.model.config import ModelConfig
 from lorapage.registry.prepare import spec_from_json, spec_to_json
 from lorapage.registry.store import REGISTRY_FILE
@@ -141,3 +142,19 @@ async def test_unsupported_variants_are_refused_by_name_over_http(root, tmp_path
         assert_openai_error(body, 400)
         assert body["error"]["code"] == "invalid_adapter" and message in body["error"]["message"]
     await engine.close()
+
+
+def test_a_vision_tower_tensor_is_refused_by_what_it_is(root, tmp_path):
+    """A target_modules regex string is judged by the tensors it produced: one on a vision tower is
+    refused as such, not as an unknown name."""
+    from safetensors.torch import load_file, save_file
+
+    edited = tmp_path / "vision"
+    shutil.copytree(root / "acme", edited)
+    cfg = json.loads((edited / "adapter_config.json").read_text())
+    (edited / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": r".*(q_proj|v_proj)"}))
+    weights = load_file(edited / "adapter_model.safetensors")
+    weights["base_model.model.vision_tower.blocks.0.attn.q_proj.lora_A.weight"] = weights[next(iter(weights))].clone()
+    save_file(weights, edited / "adapter_model.safetensors")
+    with pytest.raises(AdapterFormatError, match="outside the language model's decoder"):
+        read_adapter_spec(edited, MODEL, 64)
