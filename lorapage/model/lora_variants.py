@@ -94,7 +94,10 @@ class VariantTables:
     def in_step(self, lora: LoraIndices) -> bool:
         """Whether the step may hold a row with variants: always for a captured decode graph (its
         placeholder segment is slot 0), else when one of its segments' slots has them."""
-        return any(slot == 0 or slot in self.live for _, _, slot in lora.segments)
+        segments = lora.segments
+        if segments and segments[0][2] == 0:
+            return True
+        return bool(self.live) and any(slot in self.live for _, _, slot in segments)
 
 
 def _section_rows(pool: Tensor, page_table: Tensor, token_slot: Tensor, first: Tensor, offset: int, width: int):
