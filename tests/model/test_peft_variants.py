@@ -85,11 +85,16 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 12))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_peft_unmerged_and_merged(checkpoint, references, backend):
+@pytest.mark.parametrize(
+    "backend, chunk", [("torch", None), ("cpu", None), ("torch", 8)], ids=["torch", "cpu", "torch_chunked_prefill"]
+)
+def test_mixed_batch_matches_peft_unmerged_and_merged(checkpoint, references, backend, chunk):
+    """Every row of one mixed batch (prompts split into chunks of 8 tokens in the last case, so
+    prefill and decode rows of different variants share steps) equals PEFT's alone."""
     base, adapters = checkpoint
     rows, prompts, ref = references
-    engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, max_loras=8, block_size=4))
+    extra = dict(max_num_batched_tokens=chunk, max_num_seqs=8) if chunk else {}
+    engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, max_loras=8, block_size=4, **extra))
     for name, path in adapters.items():
         engine.add_adapter(name, path)
     outs = engine.generate_batch(
