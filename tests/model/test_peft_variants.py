@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
-from hf_reference import make_random_llama, peft_greedy
+from hf_reference import TOKENIZER_FILES, make_random_llama, peft_greedy
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.tiny import TINY_BASE_DIR
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
@@ -177,3 +178,45 @@ def test_triton_eager_and_replayed_decode_steps_match_peft_across_slot_swaps(che
     assert pointers == [
         t.data_ptr() for t in (tables.vector_page, tables.emb_offset, tables.emb_rank, tables.emb_scale)
     ]
+
+
+def test_qwen2_qkv_bias_with_dora_lora_bias_and_embedding(tmp_path):
+    """Qwen2's q/k/v have biases: DoRA scales only the bias-free part (y = g * (Wx + lora) + b),
+    lora_bias adds to it, and PEFT can merge both there. Its embeddings are tied, where PEFT's
+    merge_and_unload of an embedding LoRA would move lm_head too: that row is checked unmerged."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=257)  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.3)  # the q/k/v biases (the norms' weights stay 1)
+    base = tmp_path / "qwen2"
+    model.save_pretrained(base, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        (base / f).write_bytes((TINY_BASE_DIR / f).read_bytes())
+    adapters = {
+        "dora": _adapter(base, tmp_path / "dora", 4, ["q_proj", "k_proj", "v_proj", "o_proj"], 11, use_dora=True),
+        "lora_bias": _adapter(base, tmp_path / "lora_bias", 4, ["q_proj", "v_proj"], 12, lora_bias=True),
+        "embedding": _adapter(base, tmp_path / "embedding", 4, ["embed_tokens", "k_proj"], 13),
+    }
+    rows = [*adapters, None]
+    prompts = _prompts(len(rows))
+    engine = Engine(EngineConfig(model=str(base), kernel_backend="cpu", max_loras=4, block_size=4))
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    outs = engine.generate_batch(
+        list(zip(prompts, rows)), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    )
+    for adapter, prompt, out in zip(rows, prompts, outs):
+        path = adapters.get(adapter)
+        for merged in (False, True) if adapter in ("dora", "lora_bias") else (False,):
+            tokens, lps = peft_greedy(base, path, prompt, MAX_TOKENS, merged=merged)
+            assert out.token_ids == tokens, (adapter, merged)
+            assert [lp.logprob for lp in out.logprobs] == pytest.approx(lps, abs=TOL), (adapter, merged)
