@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorapage.adapters.cost import AdapterCost
-from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, refusal
+from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, full_matrix_refusal, refusal
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterLoader, content_digest
 from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec, read_weights
+from lorapage.adapters.peft_variants import full_matrix_params, variant_params
 from lorapage.errors import AdapterFormatError
 from lorapage.memory.pool import PagePool
 from lorapage.model.config import ModelConfig
@@ -86,10 +87,23 @@ class AdapterChecks:
         """The adapter's projected cost; refused (400, with that cost and the allowed shapes) when
         its shape is outside the shared envelope. Its tier is then ``dedicated``, which only a
         dedicated deployment serves, and none exists yet: it is never shared silently."""
-        cost = self.envelope.cost(spec.ranks)
+        cost = self.cost_of(spec)
+        if spec.variants.full_matrices:
+            raise full_matrix_refusal(str(spec.path), self.envelope, spec.variants.full_matrices, cost)
         if self.envelope.tier(spec.ranks, cost) is ServingTier.DEDICATED:
             raise refusal(str(spec.path), self.envelope, spec.ranks, cost)
         return cost
+
+    def cost_of(self, spec: AdapterSpec) -> AdapterCost:
+        """An adapter's projected cost, its PEFT variants included: DoRA / lora_bias vectors, the
+        embedding LoRA's B, and any whole matrix (``modules_to_save``) it would read for its rows."""
+        v = spec.variants
+        return self.envelope.cost(spec.ranks, variant_params(v, self.model) + full_matrix_params(v))
+
+    def tier_of(self, spec: AdapterSpec, cost: AdapterCost) -> ServingTier:
+        """The envelope's tier, and ``dedicated`` for any adapter with a whole matrix of its own: the
+        shared pool batches low-rank deltas over one base, whose lm_head and embed_tokens every row shares."""
+        return ServingTier.DEDICATED if spec.variants.full_matrices else self.envelope.tier(spec.ranks, cost)
 
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
         """The adapter's page layout, refused when its pages cannot fit in the pool beside one
@@ -111,7 +125,7 @@ class AdapterChecks:
     def spec_info(self, name: str, spec: AdapterSpec) -> AdapterInfo:
         """What ``spec``'s shape says of version ``name``, registered here or not (one outside the
         envelope, which the cache never holds: tier ``dedicated``, status ``dedicated``)."""
-        cost = self.envelope.cost(spec.ranks)
+        cost = self.cost_of(spec)
         return AdapterInfo(
             name=name,
             path=str(spec.path),
@@ -122,6 +136,6 @@ class AdapterChecks:
             num_pages=0,
             tier="disk",
             cost=cost,
-            serving_tier=self.envelope.tier(spec.ranks, cost).value,
+            serving_tier=self.tier_of(spec, cost).value,
             status="dedicated",
         )

@@ -126,11 +126,13 @@ def project_cost(
     reference_batch: int = DEFAULT_REFERENCE_BATCH,
     base_bytes_per_param: int = 2,
     adapter_bytes_per_param: int = 2,
+    extra_params: int = 0,
 ) -> AdapterCost:
-    """The cost of an adapter with ``ranks`` ((layer, module) -> r) on ``model``."""
+    """The cost of an adapter with ``ranks`` ((layer, module) -> r) on ``model``; ``extra_params``
+    what its PEFT variants add to a decode step's reads (``peft_variants.variant_params``)."""
     if reference_batch < 1:
         raise ValueError(f"the reference batch must be >= 1; got {reference_batch}")
-    params = adapter_token_params(model, ranks)
+    params = adapter_token_params(model, ranks) + extra_params
     return AdapterCost(
         adapter_params=params,
         base_params=base_token_params(model),

@@ -17,6 +17,7 @@ Pure: the caller raises the refusal (:func:`refusal`) where the tier cannot be s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -80,14 +81,16 @@ class Envelope:
             adapter_bytes_per_param=adapter_bytes,
         )
 
-    def cost(self, ranks: Mapping[tuple[int, str], int]) -> AdapterCost:
-        """The projected cost of an adapter with these ranks ((layer, module) -> r)."""
+    def cost(self, ranks: Mapping[tuple[int, str], int], extra_params: int = 0) -> AdapterCost:
+        """The projected cost of an adapter with these ranks ((layer, module) -> r) and
+        ``extra_params`` more values read per step (its PEFT variants)."""
         return project_cost(
             self.model,
             ranks,
             reference_batch=self.reference_batch,
             base_bytes_per_param=self.base_bytes_per_param,
             adapter_bytes_per_param=self.adapter_bytes_per_param,
+            extra_params=extra_params,
         )
 
     def tier(self, ranks: Mapping[tuple[int, str], int], cost: AdapterCost) -> ServingTier:
@@ -132,6 +135,25 @@ def refusal(
         f"{envelope.allowed()}. Its tier is dedicated (a deployment of its own with the adapter merged), and none "
         "is configured here: use a lower rank or fewer modules, or ask the operator to widen --shared-envelope "
         "or --shared-max-cost-pct"
+    )
+
+
+def full_matrix_refusal(
+    where: str, envelope: Envelope, matrices: Mapping[str, list[int]], cost: AdapterCost
+) -> AdapterEnvelopeError:
+    """The 400 for an adapter with ``modules_to_save`` (``matrices``: name -> shape, whole
+    matrices of its own): their bytes, its arithmetic, and why the shared tier never takes it."""
+    names = ", ".join(f"{name} {shape}" for name, shape in sorted(matrices.items()))
+    full = sum(math.prod(shape) for shape in matrices.values()) * envelope.adapter_bytes_per_param
+    return AdapterEnvelopeError(
+        f"adapter at {where!r} saves whole matrices of its own (modules_to_save: {names}): "
+        f"{format_bytes(full)}, read per decode step for its rows beside its LoRA weights, "
+        f"{format_bytes(cost.adapter_bytes)} in all against {format_bytes(cost.base_bytes)} of base weights, a "
+        f"projected +{cost.projected_cost_pct:.1f}% decode cost at batch {cost.reference_batch}. The shared tier "
+        f"batches low-rank deltas over one base whose lm_head and embed_tokens every row shares (it takes "
+        f"{envelope.allowed()}), so its tier is dedicated, and none is configured here: serve the merged checkpoint "
+        "(PEFT's merge_and_unload) as a base of its own, or retrain without modules_to_save (LoRA on embed_tokens "
+        "is served on the shared tier)"
     )
 
 

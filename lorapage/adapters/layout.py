@@ -21,6 +21,7 @@ import torch
 
 from lorapage.adapters.moe_layout import ExpertRows, expert_pieces
 from lorapage.adapters.peft_format import AdapterSpec
+from lorapage.adapters.variant_layout import VariantSection
 from lorapage.memory.host import host_empty
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 
@@ -38,6 +39,7 @@ class AdapterLayout:
     numel: int  # elements of the largest layer's buffer
     num_pages: int
     experts: ExpertRows | None = None  # a MoE base's expert rows of the tables
+    section: VariantSection | None = None  # DoRA / lora_bias / embedding LoRA data (variant_layout.py)
 
     @classmethod
     def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> AdapterLayout:
@@ -84,8 +86,10 @@ class AdapterLayout:
             h_start.append(hs)
             scale.append(sc)
             sizes.append(cursor)
-        numel = max(sizes)
-        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size), experts)
+        numel = max(sizes, default=0)
+        section = VariantSection.plan(spec.variants, model, page_size, numel)
+        numel = section.numel if section is not None else numel
+        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size), experts, section)
 
     @cached_property
     def table_rows(self) -> tuple[torch.Tensor, ...]:
@@ -101,16 +105,26 @@ class AdapterLayout:
         )
         return dense if self.experts is None else dense + self.experts.table_rows()
 
-    def pack(self, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], page_size: int) -> torch.Tensor:
-        """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages.
+    def pack(
+        self,
+        tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+        section: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The adapter as ``[num_layers, num_pages * page_size]``, ready to copy into its pages;
+        ``section`` the variant data ``[num_layers, n]`` that ends each layer's buffer
+        (:func:`~lorapage.adapters.variant_layout.pack_section`), when the layout has one.
 
         :meth:`plan` lays each layer out in the order its pieces are listed here (per group: its
         targeted A's, then their B's), so the whole buffer is one ``torch.cat``: a single copy,
         where writing each matrix into a zeroed buffer paid Python overhead per slice.
         """
-        first = next(iter(tensors.values()))[0]
+        first = next(iter(tensors.values()))[0] if tensors else section
+        assert first is not None and (section is None) == (self.section is None)
         row = self.num_pages * page_size
         padding = first.new_zeros(row)
+        tail = 0 if section is None else section.shape[1]
+        end = self.section.numel - tail if self.section is not None else row
         parts: list[torch.Tensor] = []
         for layer, ranks in enumerate(self.rank):
             used = 0
@@ -123,7 +137,9 @@ class AdapterLayout:
                 pieces = expert_pieces(tensors, layer, len(self.experts.rank[layer]))
                 parts += pieces
                 used += sum(x.numel() for x in pieces)
-            parts.append(padding[: row - used])
+            parts.append(padding[: end - used])
+            if section is not None:
+                parts += [section[layer], padding[: row - end - tail]]
         # Into huge-page-backed memory: the packed copy is kept in host RAM (see memory/host.py).
         out = host_empty(len(self.rank) * row, first.dtype)
         return torch.cat(parts, out=out).view(len(self.rank), row)

@@ -32,8 +32,9 @@ from lorapage.adapters.peft_format import (
     read_config_bytes,
     read_weights,
 )
-from lorapage.adapters.safetensors_buffer import ReadBuffer
+from lorapage.adapters.safetensors_buffer import ReadBuffer, tensor_views
 from lorapage.adapters.value import LoadTier, ReloadCosts, Stage
+from lorapage.adapters.variant_layout import BaseWeight, load_variant_tensors, pack_section
 from lorapage.errors import AdapterIntegrityError
 from lorapage.memory.pool import PagePool
 from lorapage.model.lora_tables import LoraTables
@@ -76,11 +77,13 @@ class AdapterLoader:
         run_on_device: Callable[[Callable[[], None]], Awaitable[None]],
         locate: Locate | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        base_weight: BaseWeight | None = None,
     ) -> None:
         self.pool, self.tables, self.dtype, self.costs = pool, tables, dtype, costs
         self.io = io_executor
         self.run_on_device = run_on_device  # the copy's thread: the forward thread on CUDA, a copy thread on a CPU
         self.locate = locate  # None: files are read from the directory the spec names
+        self.base_weight = base_weight  # the base's module weights, for DoRA's column norms (None: DoRA refused)
         self._timer = timer
         self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every read it does
         self.finite_digests: set[str] = set()  # digests of bytes validation found finite in ``dtype``
@@ -148,12 +151,18 @@ class AdapterLoader:
         # another dtype (bfloat16 weights can overflow float16): its loads check again.
         finite = bool(version.digest) and version.digest in self.finite_digests
         tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not finite)
+        section = None
+        if (plan := version.layout.section) is not None:
+            extras = load_variant_tensors(spec.path, tensor_views(weights))
+            section = pack_section(
+                plan, spec, tensors, extras, self.pool.adapter_page_size, self.base_weight, self.dtype
+            )
         # Kept in pageable memory, not pinned: PyTorch's pinned allocator rounds blocks up to a
         # power of two (ATen/core/CachingHostAllocator.h) and caches freed ones, so max_cpu_loras
         # pinned adapters could hold up to twice their size in page-locked RAM for good. A pageable
         # copy to the GPU is slower per byte (the driver stages it), a few ms per 7B adapter
         # against a sub-second TTFT budget.
-        return version.layout.pack(tensors, self.pool.adapter_page_size)
+        return version.layout.pack(tensors, self.pool.adapter_page_size, section)
 
 
 def content_digest(spec: AdapterSpec, weights: torch.Tensor) -> str:

@@ -30,6 +30,14 @@ from lorapage.adapters.moe_format import (
     parse_expert_key,
     peft_module_name,
     split_fused,
+from lorapage.adapters.peft_variants import (
+    NO_VARIANTS,
+    Variants,
+    check_pairs,
+    is_variant_key,
+    read_variants,
+    refuse_config,
+    unknown_key,
 )
 from lorapage.adapters.safetensors_buffer import (
     ReadBuffer,
@@ -46,7 +54,6 @@ from lorapage.model.moe_config import ordered_kinds
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
-_UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 # Bounds on rank_pattern / alpha_pattern: PEFT writes at most one key per module (under 900 on
 # the largest Llama), and a key longer than a module name has no reason to be.
 MAX_PATTERN_KEYS = 1024
@@ -79,6 +86,7 @@ class AdapterSpec:
     # (experts, hidden, expert intermediate) of the MoE base it was read against: how its fused
     # expert LoRA splits per expert (moe_format.py); None: a dense base.
     expert_geometry: tuple[int, int, int] | None = None
+    variants: Variants = NO_VARIANTS  # DoRA, lora_bias, embedding LoRA, modules_to_save (peft_variants.py)
 
     def num_params(self, model: ModelConfig) -> int:
         dims = model.lora_dims()
@@ -159,24 +167,7 @@ def _read_config(path: Path) -> dict:
         raise _fail(path, f"adapter_config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise _fail(path, "adapter_config.json must hold a JSON object")
-    refusals = (
-        (cfg.get("peft_type", "LORA") != "LORA", f"peft_type {cfg.get('peft_type')!r} is not LORA"),
-        (bool(cfg.get("use_dora")), "DoRA adapters (use_dora=true) are not supported"),
-        (
-            bool(cfg.get("modules_to_save")),
-            f"modules_to_save {cfg.get('modules_to_save')} is not supported: only LoRA deltas can be batched",
-        ),
-        (cfg.get("bias", "none") != "none", f"bias={cfg.get('bias')!r} is not supported (only 'none')"),
-        (bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out=true is for Conv1D models, not Llama-family"),
-    )
-    for bad, why in refusals:
-        if bad:
-            raise _fail(path, why)
-    targets = cfg.get("target_modules") or []
-    names = [targets] if isinstance(targets, str) else list(targets)
-    for t in names:
-        if any(u in t for u in _UNSUPPORTED_TARGETS):
-            raise _fail(path, f"LoRA on {t!r} (embedding / lm_head) is not supported")
+    refuse_config(path, cfg)
     return cfg
 
 
@@ -204,13 +195,11 @@ def _tensor_shapes(path: Path) -> tuple[Path, dict[str, list[int]], int]:
 def parse_key(path: Path, key: str, model: ModelConfig | None = None) -> tuple[int, str, str]:
     """(layer, module, "A" | "B") of a LoRA weight key, or a specific refusal. ``module`` is the
     checkpoint's name, checked against ``model``'s family (fused ``qkv_proj`` on Phi-3) when given."""
-    if "lora_embedding" in key or any(u in key for u in _UNSUPPORTED_TARGETS):
-        raise _fail(path, f"tensor {key}: LoRA on embeddings / lm_head is not supported")
     if (expert := parse_expert_key(path, key)) is not None:
         return expert
     m = _KEY.match(key)
     if not m:
-        raise _fail(path, f"tensor {key} is not a LoRA A/B weight of a Llama-family projection")
+        raise _fail(path, unknown_key(key))
     layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
     why = refuse_foreign_module(model, module) if model is not None else None
     if why or (model is None and module not in MODULES):
@@ -222,11 +211,32 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
     """Validate a PEFT LoRA directory against ``model`` without reading its weight data."""
     path = Path(path)
     cfg = _read_config(path)
+    if cfg.get("target_parameters") and model.moe is None:
+        raise _fail(
+            path,
+            f"target_parameters {cfg['target_parameters']} (LoRA on raw parameters, e.g. fused MoE experts) "
+            f"is served on MoE bases only; this base is {model.architecture}",
+        )
     weights_file, shapes, size_bytes = _tensor_shapes(path)
     shapes = split_fused(path, shapes, expert_geometry(model), list, _expert_shape)
     dims = model.lora_dims() if model.moe is not None else checkpoint_module_dims(model)
+    alpha_default = _alpha(path, cfg.get("lora_alpha", cfg.get("r", 8)), "lora_alpha")
+    alpha_pattern = _compile_patterns(path, cfg, "alpha_pattern")
+
+    def alpha_of(name: str) -> float:
+        return _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
+
+    variants, variant_keys = read_variants(path, cfg, shapes, model, alpha_of)
+    if variants.embedding_rank and model.gemma is not None:
+        raise _fail(
+            path,
+            "embedding LoRA on a Gemma base is not served yet: Gemma scales its embeddings by sqrt(hidden), "
+            "and whether PEFT's delta is scaled with them differs between Gemma 2 and 3",
+        )
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in shapes.items():
+        if key in variant_keys:
+            continue
         layer, module, ab = parse_key(path, key, model)
         if layer >= model.num_layers:
             raise _fail(path, f"tensor {key}: layer {layer} does not exist (base has {model.num_layers})")
@@ -235,12 +245,13 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
             raise _fail(path, f"tensor {key}: a second lora_{ab} weight of layers.{layer}.{module}")
         halves[ab] = shape
     check_expert_forms(path, set(pairs))
-    if not pairs:
+    if not pairs and not variants.embedding_rank:
         raise _fail(path, "no LoRA weights found")
+    if not 0 <= variants.embedding_rank <= max_lora_rank:
+        raise _fail(path, f"embed_tokens: rank {variants.embedding_rank} exceeds max_lora_rank {max_lora_rank}")
+    check_pairs(path, cfg, variants, set(pairs))
     ranks: dict[tuple[int, str], int] = {}
     scales: dict[tuple[int, str], float] = {}
-    alpha_default = _alpha(path, cfg.get("lora_alpha", cfg.get("r", 8)), "lora_alpha")
-    alpha_pattern = _compile_patterns(path, cfg, "alpha_pattern")
     _compile_patterns(path, cfg, "rank_pattern")  # ranks come from the shapes; its keys are refused alike
     for (layer, module), halves in sorted(pairs.items()):
         where = f"layers.{layer}.{module}"
@@ -259,7 +270,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         if not 1 <= r <= max_lora_rank:
             raise _fail(path, f"{where}: rank {r} exceeds max_lora_rank {max_lora_rank}")
         name = peft_module_name(layer, module)
-        alpha = _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
+        alpha = alpha_of(name)
         ranks[(layer, module)] = r
         scales[(layer, module)] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     ranks, scales = split_fused_values(model, ranks), split_fused_values(model, scales)  # a fused module's parts
@@ -269,11 +280,12 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         ranks=ranks,
         scales=scales,
         target_modules=ordered_kinds((m for _, m in ranks), MODULES),
-        max_rank=max(ranks.values()),
+        max_rank=max(ranks.values(), default=variants.embedding_rank),
         size_bytes=size_bytes,
         trained_on=_trained_on(path, cfg),
         model=model,
         expert_geometry=expert_geometry(model),
+        variants=variants,
     )
 
 
@@ -327,6 +339,8 @@ def load_adapter_tensors(
     out: dict[tuple[int, str], list] = {}
     read: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (key, as read, in dtype)
     for key, t in state.items():
+        if is_variant_key(key):  # read by peft_variants' loader
+            continue
         layer, module, ab = parse_key(spec.path, key, spec.model)
         converted = t if t.dtype == dtype else t.to(dtype)
         out.setdefault((layer, module), [None, None])["AB".index(ab)] = converted

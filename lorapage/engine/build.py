@@ -30,6 +30,7 @@ from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.value import ReloadCosts
+from lorapage.adapters.variant_layout import page_list_width
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
 from lorapage.engine.devices import (
     DTYPES,
@@ -56,6 +57,7 @@ from lorapage.model.gemma import GemmaModel
 from lorapage.model.llama import LlamaModel, lora_h_width
 from lorapage.model.loader import load_state_dict, model_digest
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.merge import module_weight
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
@@ -203,7 +205,7 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, sizing.adapter_pages, sizing.device),
+        tables=LoraTables(mc, slots, page_list_width(mc, config.max_lora_rank, pool.adapter_page_size), sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -351,6 +353,7 @@ def build_adapters(
     clock: Callable[[], float],
     roots: AdapterRoots | None,
     on_ready: Callable[[], None],
+    model: LlamaModel,
 ) -> AdapterParts:
     """``on_ready``: wakes the step loop when a load is done."""
     roots = roots if roots is not None else ANYWHERE
@@ -412,6 +415,7 @@ def build_adapters(
         io_executor=threads.io,
         run_on_device=threads.run_on_device,
         locate=files.locate,
+        base_weight=functools.partial(module_weight, model),
     )
     cache = AdapterCache(
         mc,

@@ -88,7 +88,9 @@ class Engine:
         forward = build_forward(config, base, sizing, model, memory)
         self._threads = threads = build_threads(config, sizing)
         self._wake_up = wakeup = Wakeup()  # rung by requests, aborts and finished adapter loads
-        self._adapters = adapters = build_adapters(config, base, sizing, memory, threads, clock, adapter_roots, wakeup)
+        self._adapters = adapters = build_adapters(
+            config, base, sizing, memory, threads, clock, adapter_roots, wakeup, model
+        )
         catalog = build_catalog(config, base, threads, adapters, self._check_open)  # the registry is its alone
         self._catalog, self._tiers = catalog.catalog, catalog.tiers
         self._steps = steps = build_scheduling(

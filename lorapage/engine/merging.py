@@ -53,6 +53,11 @@ async def merge_tensors(
     """A version's A and B in float32 and its scales, read from its files (as the loader
     does) and checked against its registered digest."""
     loop = asyncio.get_running_loop()
+    if not entry.spec.variants.plain:  # merge_adapter folds A / B only: a variant would be served wrong
+        raise AdapterLoadError(
+            f"adapter {key!r} has PEFT variants (DoRA, lora_bias, embedding LoRA or modules_to_save) that a merged "
+            "deployment does not fold into the base; serve it unmerged on the shared pool"
+        )
     async with AsyncExitStack() as held:
         spec = entry.spec
         if entry.origin.source:  # a fetched copy, as the loader reads it (lorapage.adapters.loader)

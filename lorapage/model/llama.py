@@ -22,6 +22,7 @@ from lorapage.model.families import family_of, group_weight
 from lorapage.model.lora_tables import LoraTables
 from lorapage.model.moe import MoeMlp, expert_lora, norm_qk
 from lorapage.model.rope import rope_tables
+from lorapage.model.lora_variants import add_embedding_lora, apply_vectors
 
 
 @dataclass
@@ -195,6 +196,7 @@ class LlamaModel:
         tables: LoraTables,
         lora: LoraIndices,
         h: Tensor,
+        bias: Tensor | None = None,
     ) -> None:
         m0, m1 = GROUP_MODULES[group]
         ops.lora_shrink(
@@ -212,6 +214,8 @@ class LlamaModel:
             tables.scale[layer, :, m0:m1],
             self.out_starts[group],
         )
+        if tables.variants.in_step(lora):  # DoRA / lora_bias rows (lora_variants.py)
+            apply_vectors(y, bias, slab, tables.page_table, lora.token_slot, tables.variants, group)
 
     def forward(
         self,
@@ -241,6 +245,8 @@ class LlamaModel:
         if lora is not None and not lora.segments:
             lora = None  # no row has an adapter
         experts_lora = expert_lora(ops, tables, lora, h) if self.moe_layers and lora is not None else None
+        if lora is not None and tables.variants.in_step(lora):  # embedding LoRA rows (lora_variants.py)
+            add_embedding_lora(x, input_ids, adapter_pool, tables.page_table, lora, tables.variants, h, ops)
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
@@ -249,7 +255,7 @@ class LlamaModel:
             # the transposed-view matmul ran on one thread whatever the intra-op threads.
             qkv = self.linear(hs, w["qkv"], w.get("qkv_bias"))
             if lora is not None:
-                self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h)
+                self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h, w.get("qkv_bias"))
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
             if "q_norm" in w:  # a MoE family's q/k norms (moe.norm_qk: per head, or OLMoE's whole projection)

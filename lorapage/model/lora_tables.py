@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.lora_variants import Section, VariantTables
 
 # An expert's LoRA modules are (gate_proj, up_proj, down_proj); its groups, as (first, end) module
 # columns: gate and up share their input (one shrink), down has its own.
@@ -46,6 +47,9 @@ class SlotRows(Protocol):
     @property
     def table_rows(self) -> tuple[Tensor, ...]: ...
 
+    @property
+    def section(self) -> Section | None: ...  # its variant data's place (adapters/variant_layout.py), None: none
+
 
 class LoraTables:
     """Lookup tables the LoRA ops read, allocated once at ``max_resident_loras + 1`` slots (every
@@ -70,6 +74,7 @@ class LoraTables:
     def _tables(self) -> tuple[Tensor, ...]:
         dense = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)
         return dense if self.experts is None else dense + self.experts.all
+        self.variants = VariantTables(model, S, device)  # DoRA, lora_bias, embedding LoRA (lora_variants.py)
 
     def write_slot(self, slot: int, layout: SlotRows, pages: list[int]) -> None:
         """Point ``slot`` at an adapter now resident in ``pages``."""
@@ -79,6 +84,7 @@ class LoraTables:
             table[:, slot].copy_(rows, non_blocking=True)
         if self.experts is not None:
             self.experts.targeted[slot] = bool(layout.table_rows[_EXPERT_RANK].any())
+        self.variants.write(slot, layout.section)
 
     def clear_slot(self, slot: int) -> None:
         """Make ``slot`` an empty adapter (rank 0 everywhere) pointing at the dummy page."""
@@ -87,3 +93,4 @@ class LoraTables:
             table[:, slot].zero_()
         if self.experts is not None:
             self.experts.targeted[slot] = False
+        self.variants.clear(slot)

@@ -46,6 +46,12 @@ def module_rows(model: LlamaModel, module: str) -> tuple[str, int, int]:
     raise KeyError(f"{module!r} is not a projection of a Llama-family layer")
 
 
+def module_weight(model: LlamaModel, layer: int, module: str) -> Tensor:
+    """``module``'s base weight [d_out, d_in] in layer ``layer``, as a float32 copy (DoRA's norms)."""
+    key, start, end = module_rows(model, module)
+    return model.dense_weight(layer, key)[start:end].float().clone()
+
+
 def merge_adapter(
     model: LlamaModel,
     tensors: Mapping[tuple[int, str], tuple[Tensor, Tensor]],

@@ -329,7 +329,7 @@ class AdapterCatalog:
                 base_digest=self._base_digest(),
                 spec=spec_to_json(spec),
                 activate=activate,
-                projected_cost_pct=self._cache.checks.envelope.cost(spec.ranks).projected_cost_pct,
+                projected_cost_pct=self._cache.checks.cost_of(spec).projected_cost_pct,
                 actor=actor,
             )
             return row, True
@@ -587,7 +587,7 @@ def _costed(rows: list[VersionRow], base: str, cache: AdapterCache, registry: Re
     changed = {}
     for row in rows:
         if row.base_digest == base:
-            pct = cache.checks.envelope.cost(spec_from_json(row.spec).ranks).projected_cost_pct
+            pct = cache.checks.cost_of(spec_from_json(row.spec)).projected_cost_pct
             if row.projected_cost_pct is None or abs(row.projected_cost_pct - pct) > 1e-9 * max(1.0, pct):
                 changed[(row.adapter_id, row.version)] = pct
     if changed:

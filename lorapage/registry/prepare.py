@@ -21,6 +21,7 @@ from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.digest import digest_param, normalize_digest
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.peft_format import AdapterSpec
+from lorapage.adapters.peft_variants import variants_from_json, variants_to_json
 from lorapage.errors import AdapterFormatError, AdapterIntegrityError, InvalidRequestError
 from lorapage.model.config import ModelConfig
 from lorapage.registry.store import Registry, VersionRow
@@ -180,7 +181,7 @@ class VersionPreparer:
             rank=spec.max_rank,
             target_modules=spec.target_modules,
             size_bytes=spec.size_bytes,
-            projected_cost_pct=self._cache.checks.envelope.cost(spec.ranks).projected_cost_pct,
+            projected_cost_pct=self._cache.checks.cost_of(spec).projected_cost_pct,
         )
 
 
@@ -197,6 +198,7 @@ def spec_to_json(spec: AdapterSpec) -> str:
             "target_modules": list(spec.target_modules),
             "max_rank": spec.max_rank,
             "size_bytes": spec.size_bytes,
+            **({} if spec.variants.plain else {"variants": variants_to_json(spec.variants)}),
         }
         | ({"expert_geometry": list(spec.expert_geometry)} if spec.expert_geometry else {})
     )
@@ -217,4 +219,5 @@ def spec_from_json(text: str, model: ModelConfig | None = None) -> AdapterSpec:
         size_bytes=data["size_bytes"],
         model=model,
         expert_geometry=tuple(data["expert_geometry"]) if "expert_geometry" in data else None,
+        variants=variants_from_json(data.get("variants")),
     )

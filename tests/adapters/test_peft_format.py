@@ -36,10 +36,17 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"use_dora": True}, "DoRA"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        # DoRA, modules_to_save and embedding LoRA are served (tests/model/test_peft_variants.py);
+        # a DoRA config without its magnitudes is not.
+        ({"use_dora": True}, "use_dora is set but layers.0.down_proj has no lora_magnitude_vector"),
+        ({"lora_bias": True}, "lora_bias is set but layers.0.down_proj has no lora_B bias"),
+        ({"modules_to_save": ["score"]}, "modules_to_save names 'score'"),
         ({"bias": "lora_only"}, "bias"),
-        ({"target_modules": ["embed_tokens", "q_proj"]}, "embedding"),
+        ({"target_modules": ["lm_head", "q_proj"]}, "LoRA on 'lm_head' is not served"),
+        ({"target_modules": ["vision_tower.q_proj", "q_proj"]}, "outside the language model's decoder"),
+        ({"fan_in_fan_out": True}, "Conv1D"),
+        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
+        ({"use_dora": True, "lora_bias": True}, "PEFT itself refuses"),
         ({"peft_type": "IA3"}, "LORA"),
     ],
 )
@@ -64,7 +71,7 @@ def test_embedding_lora_tensor_and_missing_half_are_refused(acme):
     weights = load_file(acme / "adapter_model.safetensors")
     weights["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(8, 10)
     save_file(weights, acme / "adapter_model.safetensors")
-    with pytest.raises(AdapterFormatError, match="embeddings"):
+    with pytest.raises(AdapterFormatError, match="lora_embedding_A but not both"):
         read_adapter_spec(acme, MODEL, 64)
     del weights["base_model.model.model.embed_tokens.lora_embedding_A"]
     key = next(k for k in weights if "lora_B" in k)

@@ -78,6 +78,13 @@ def static_buffers(engine) -> dict[int, str]:
         rank=t.rank,
         h_start=t.h_start,
         scale=t.scale,
+        # The PEFT variants' per-slot tables (DoRA / lora_bias rows, embedding LoRA).
+        vector_page=t.variants.vector_page,
+        emb_offset=t.variants.emb_offset,
+        emb_b_offset=t.variants.emb_b_offset,
+        emb_rank=t.variants.emb_rank,
+        emb_h_start=t.variants.emb_h_start,
+        emb_scale=t.variants.emb_scale,
     )
     return {tensor.untyped_storage().data_ptr(): name for name, tensor in named.items()}
 
