@@ -140,6 +140,7 @@ HOMONYMS = {
     ("lorapage/replay/keys.py", "Keys", "load"): "reads a replay's keys file",
     ("lorapage/fleet/routing/policies.py", "ReplicaView", "load"): "a replica's load: in flight over capacity",
     ("lorapage/registry/version_index.py", "VersionIndex", "load"): "builds the live view from the registry's rows",
+    ("lorapage/model/moe.py", "MoeMlp", "load"): "reads a MoE layer's router and experts from the checkpoint",
 }
 
 

@@ -30,6 +30,7 @@ from lorapage.adapters.moe_format import (
     parse_expert_key,
     peft_module_name,
     split_fused,
+)
 from lorapage.adapters.peft_variants import (
     NO_VARIANTS,
     Variants,
@@ -215,7 +216,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         raise _fail(
             path,
             f"target_parameters {cfg['target_parameters']} (LoRA on raw parameters, e.g. fused MoE experts) "
-            f"is served on MoE bases only; this base is {model.architecture}",
+            f"is served on MoE bases only: this base has no experts ({model.architecture})",
         )
     weights_file, shapes, size_bytes = _tensor_shapes(path)
     shapes = split_fused(path, shapes, expert_geometry(model), list, _expert_shape)

@@ -143,7 +143,7 @@ def read_variants(
     """The variants ``shapes`` (the file's tensors) hold, checked against ``model``, and the keys
     they account for (the rest must be LoRA A/B pairs). ``alpha_of``: a module's lora_alpha (by
     its name, as alpha_pattern matches it)."""
-    dims = model.module_dims()
+    dims = model.projection_dims()
     dora: set[tuple[int, str]] = set()
     bias: set[tuple[int, str]] = set()
     embedding: dict[str, list[int]] = {}
@@ -205,7 +205,7 @@ def variant_params(variants: Variants, model: ModelConfig) -> int:
     """Values the variants add to what a decode step reads for the adapter (the full matrices
     aside): a d_out vector per DoRA / lora_bias module, and the embedding's B (its A is read one
     column per token, like the base's embedding table)."""
-    dims = model.module_dims()
+    dims = model.projection_dims()
     vectors = sum(dims[m][1] for _, m in variants.dora | variants.lora_bias)
     return vectors + variants.embedding_rank * model.hidden_size
 

@@ -44,7 +44,7 @@ def rows_per_layer(model: ModelConfig) -> int:
 
 def total_out(model: ModelConfig) -> int:
     """Output columns of every module of one layer together (a dora or bias row's length)."""
-    return sum(d_out for _, d_out in model.module_dims().values())
+    return sum(d_out for _, d_out in model.projection_dims().values())
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ def pack_section(
     start = section.section_page * page_size if section.section_page >= 0 else section.emb_offset
     out = torch.zeros(model.num_layers, section.numel - start, dtype=torch.float32)
     width, col = total_out(model), {}
-    for m, (_, d_out) in model.module_dims().items():
-        col[m] = (sum(model.module_dims()[x][1] for x in MODULES[: MODULES.index(m)]), d_out)
+    for m, (_, d_out) in model.projection_dims().items():
+        col[m] = (sum(model.projection_dims()[x][1] for x in MODULES[: MODULES.index(m)]), d_out)
     for layer, m in spec_variants.dora:
         if base_weight is None:
             raise ValueError("a DoRA adapter is packed against the base's weights; none were given")

@@ -127,6 +127,11 @@ class ModelConfig:
             return attention | self.moe.expert_dims(h)
         return attention | {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def projection_dims(self) -> dict[str, tuple[int, int]]:
+        """:meth:`module_dims` of the shared projections only (on a MoE base, attention's: its
+        experts' are apart); what per-column variants (DoRA, lora_bias) are laid out over."""
+        return {m: d for m, d in self.module_dims().items() if m in MODULES}
+
     def lora_dims(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of every module an adapter may target: :meth:`module_dims`, and on a MoE
         base each expert's fused gate_up (PEFT's ``target_parameters``)."""

@@ -20,9 +20,9 @@ from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.families import family_of, group_weight
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.lora_variants import add_embedding_lora, apply_vectors
 from lorapage.model.moe import MoeMlp, expert_lora, norm_qk
 from lorapage.model.rope import rope_tables
-from lorapage.model.lora_variants import add_embedding_lora, apply_vectors
 
 
 @dataclass

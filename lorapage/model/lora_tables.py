@@ -70,11 +70,11 @@ class LoraTables:
         self.h_start = torch.zeros(L, S, M, dtype=i32, device=device)  # [layer, slot, module]: r_m's column in h
         self.scale = torch.zeros(L, S, M, dtype=f32, device=device)  # [layer, slot, module]: alpha / r
         self.experts = ExpertTables(L, S, model.moe.num_experts, device) if model.moe is not None else None
+        self.variants = VariantTables(model, S, device)  # DoRA, lora_bias, embedding LoRA (lora_variants.py)
 
     def _tables(self) -> tuple[Tensor, ...]:
         dense = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)
         return dense if self.experts is None else dense + self.experts.all
-        self.variants = VariantTables(model, S, device)  # DoRA, lora_bias, embedding LoRA (lora_variants.py)
 
     def write_slot(self, slot: int, layout: SlotRows, pages: list[int]) -> None:
         """Point ``slot`` at an adapter now resident in ``pages``."""

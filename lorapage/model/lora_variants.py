@@ -30,9 +30,9 @@ from lorapage.model.config import GROUPS, ModelConfig
 
 def _group_columns(model: ModelConfig) -> list[tuple[int, int]]:
     """(first column, width) of each group's fused output within a layer's dora / bias row."""
-    dims, out, col = model.module_dims(), [], 0
+    dims, out, col = model.projection_dims(), [], 0
     for group in GROUPS:
-        width = sum(dims[m][1] for m in group)
+        width = sum(dims[m][1] for m in group if m in dims)  # a MoE base has no dense MLP
         out.append((col, width))
         col += width
     return out
@@ -69,7 +69,7 @@ class VariantTables:
         self.emb_h_start = torch.zeros(slots, 1, dtype=i32, device=device)  # [slot, 1]: always 0
         self.emb_scale = torch.zeros(slots, 1, dtype=f32, device=device)  # [slot, 1]: alpha / r
         self.rows_per_layer = -(-model.vocab_size // model.num_layers)
-        self.total_out = sum(d for _, d in model.module_dims().values())
+        self.total_out = sum(d for _, d in model.projection_dims().values())
         self.columns = _group_columns(model)
         self.live: set[int] = set()  # slots whose adapter has variants (host side: eager steps skip the rest)
 
