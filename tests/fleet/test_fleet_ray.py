@@ -680,7 +680,9 @@ async def test_tenants_reload_and_ingress_restart_keep_the_registry(fleet):
 
 async def test_killed_replica_loses_no_request_that_had_not_streamed(fleet):
     victim = owner("globex")
-    long = completion("globex", temperature=2.0, max_tokens=400)
+    # ignore_eos: every answer runs its 400 tokens, so none can finish on the victim before the kill
+    # (a seed's answer may end at EOS in a dozen tokens, quicker than the kill on a loaded machine).
+    long = completion("globex", temperature=2.0, max_tokens=400, ignore_eos=True)
     whole = [asyncio.create_task(fleet.post("/v1/completions", {**long, "seed": i})) for i in range(3)]
     started = asyncio.Event()
     streamed = asyncio.create_task(fleet.stream({**long, "seed": 99}, started))
