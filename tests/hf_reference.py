@@ -83,7 +83,9 @@ def make_random_model(
 def make_peft_adapter(
     base_dir: Path, path: Path, *, r: int, targets: list[str], seed: int, alpha: float | None = None, **lora_kwargs
 ) -> Path:
-    """A PEFT LoRA adapter with random (non-zero) A and B, saved by peft."""
+    """A PEFT LoRA adapter with random (non-zero) A and B (an embedding LoRA's too), saved by
+    peft; DoRA's magnitudes moved off the norms peft initialises them to, so its column scale is
+    not 1."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -100,10 +102,12 @@ def make_peft_adapter(
     model = get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_B" in name:
                 p.normal_(0, 0.3 / max(r, 1) ** 0.5)
-            elif "lora_A" in name:
+            elif "lora_A" in name or "lora_embedding_A" in name:
                 p.normal_(0, 0.3)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 

@@ -153,7 +153,7 @@ class AdapterLoader:
         tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not finite)
         section = None
         if (plan := version.layout.section) is not None:
-            extras = load_variant_tensors(spec.path, tensor_views(weights))
+            extras = load_variant_tensors(spec.path, tensor_views(weights), spec.model)
             section = pack_section(
                 plan, spec, tensors, extras, self.pool.adapter_page_size, self.base_weight, self.dtype
             )

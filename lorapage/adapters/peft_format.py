@@ -228,12 +228,6 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         return _alpha(path, _pattern_value(alpha_pattern, name, alpha_default), f"alpha_pattern for {name}")
 
     variants, variant_keys = read_variants(path, cfg, shapes, model, alpha_of)
-    if variants.embedding_rank and model.gemma is not None:
-        raise _fail(
-            path,
-            "embedding LoRA on a Gemma base is not served yet: Gemma scales its embeddings by sqrt(hidden), "
-            "and whether PEFT's delta is scaled with them differs between Gemma 2 and 3",
-        )
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     for key, shape in shapes.items():
         if key in variant_keys:
@@ -250,7 +244,7 @@ def read_adapter_spec(path: str | Path, model: ModelConfig, max_lora_rank: int) 
         raise _fail(path, "no LoRA weights found")
     if not 0 <= variants.embedding_rank <= max_lora_rank:
         raise _fail(path, f"embed_tokens: rank {variants.embedding_rank} exceeds max_lora_rank {max_lora_rank}")
-    check_pairs(path, cfg, variants, set(pairs))
+    check_pairs(path, cfg, variants, set(pairs), model)
     ranks: dict[tuple[int, str], int] = {}
     scales: dict[tuple[int, str], float] = {}
     _compile_patterns(path, cfg, "rank_pattern")  # ranks come from the shapes; its keys are refused alike

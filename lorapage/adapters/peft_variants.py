@@ -22,15 +22,23 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
+from lorapage.model.families import family_of, split_fused_values
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _PREFIX = r"^(?:base_model\.model\.)?(?:model\.)?"
 _LAYER = _PREFIX + r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
 # Per (layer, module) vectors: DoRA's magnitude, lora_bias's bias of lora_B.
 _MAGNITUDE = re.compile(_LAYER + r"lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$")
 _LORA_BIAS = re.compile(_LAYER + r"lora_B(?:\.[\w-]+)?\.bias$")
+# DoRA / lora_bias on a MoE expert (transformers 4's per-expert modules; peft refuses both on
+# target_parameters): refused by name.
+_EXPERT_VECTOR = re.compile(_PREFIX + r"layers\.\d+\..*experts\..*(?:lora_magnitude_vector|lora_B(?:\.[\w-]+)?\.bias)")
 _EMBEDDING = re.compile(_PREFIX + r"embed_tokens\.lora_embedding_([AB])(?:\.[\w-]+)?(?:\.weight)?$")
 # PEFT saves the base's own embedding beside an embedding LoRA (save_embedding_layers): not read.
 _EMBED_BASE_COPY = re.compile(_PREFIX + r"embed_tokens\.base_layer\.weight$")
@@ -130,8 +138,8 @@ def unknown_key(key: str) -> str:
 
 
 def _module_of(path: Path, key: str, layer: str, module: str, model: ModelConfig) -> tuple[int, str]:
-    if module not in MODULES:
-        raise _fail(path, f"tensor {key}: module {module!r} is not one of {MODULES}")
+    if module not in MODULES and module not in family_of(model).fused:
+        raise _fail(path, f"tensor {key}: module {module!r} is not one of {family_of(model).checkpoint_modules()}")
     if int(layer) >= model.num_layers:
         raise _fail(path, f"tensor {key}: layer {layer} does not exist (base has {model.num_layers})")
     return int(layer), module
@@ -143,20 +151,28 @@ def read_variants(
     """The variants ``shapes`` (the file's tensors) hold, checked against ``model``, and the keys
     they account for (the rest must be LoRA A/B pairs). ``alpha_of``: a module's lora_alpha (by
     its name, as alpha_pattern matches it)."""
-    dims = model.projection_dims()
+    dims, fused = model.projection_dims(), family_of(model).fused
     dora: set[tuple[int, str]] = set()
     bias: set[tuple[int, str]] = set()
     embedding: dict[str, list[int]] = {}
     full: dict[str, list[int]] = {}
     used: set[str] = set()
     for key, shape in shapes.items():
+        if _EXPERT_VECTOR.match(key):
+            what = "DoRA" if "magnitude" in key else "lora_bias"
+            raise _fail(
+                path,
+                f"tensor {key}: {what} on a MoE expert is not served ({what} is, on the attention projections; "
+                "plain LoRA is on the experts)",
+            )
         if (m := _MAGNITUDE.match(key)) or (m := _LORA_BIAS.match(key)):
-            pair = _module_of(path, key, m.group(1), m.group(2), model)
-            if shape != [dims[pair[1]][1]]:
-                raise _fail(
-                    path, f"tensor {key} has shape {shape}; the base's {pair[1]} has {dims[pair[1]][1]} outputs"
-                )
-            (dora if "magnitude" in key else bias).add(pair)
+            layer, module = _module_of(path, key, m.group(1), m.group(2), model)
+            # A fused module's (Phi-3's qkv_proj) vector is per row of the fused weight: its parts' rows.
+            parts = fused.get(module, (module,))
+            if any(p not in dims for p in parts) or shape != [sum(dims[p][1] for p in parts)]:
+                want = sum(dims[p][1] for p in parts if p in dims)
+                raise _fail(path, f"tensor {key} has shape {shape}; the base's {module} has {want} outputs")
+            (dora if "magnitude" in key else bias).update((layer, p) for p in parts)
         elif m := _EMBEDDING.match(key):
             embedding[m.group(1)] = shape
         elif m := _FULL_MATRIX.match(key):
@@ -250,6 +266,22 @@ def variants_from_json(data: dict | None) -> Variants:
     )
 
 
+def split_variant(name: str, t: Tensor, model: ModelConfig | None) -> dict[str, Tensor]:
+    """A variant tensor by its packer name (:func:`variant_name`), a fused module's vector split
+    into its parts' rows (``dora.L.qkv_proj`` -> ``dora.L.q_proj``, ...), as B is."""
+    kind, _, rest = name.partition(".")
+    layer, _, module = rest.partition(".")
+    parts = family_of(model).fused.get(module) if model is not None and kind in ("dora", "bias") else None
+    if not parts:
+        return {name: t}
+    assert model is not None
+    dims, out, row = model.projection_dims(), {}, 0
+    for p in parts:
+        out[f"{kind}.{layer}.{p}"] = t[row : row + dims[p][1]]
+        row += dims[p][1]
+    return out
+
+
 def variant_name(key: str) -> str | None:
     """The name the packer knows a variant tensor by (``dora.L.M``, ``bias.L.M``, ``embedding.A``
     / ``embedding.B``), None for a tensor it does not read (the base's embedding copy, full
@@ -263,9 +295,11 @@ def variant_name(key: str) -> str | None:
     return None
 
 
-def check_pairs(path: Path, cfg: dict, variants: Variants, pairs: set[tuple[int, str]]) -> None:
+def check_pairs(path: Path, cfg: dict, variants: Variants, pairs: set[tuple[int, str]], model: ModelConfig) -> None:
     """Every LoRA pair has the vectors its config promises (PEFT gives every targeted module a
-    magnitude under use_dora, a lora_B bias under lora_bias), and no vector lacks its pair."""
+    magnitude under use_dora, a lora_B bias under lora_bias), and no vector lacks its pair.
+    ``pairs`` as the checkpoint names them (a fused module: its parts)."""
+    pairs = set(split_fused_values(model, dict.fromkeys(pairs)))
     for flag, have, what in (("use_dora", variants.dora, "lora_magnitude_vector"), ("lora_bias", variants.lora_bias,
                                                                                      "lora_B bias")):  # fmt: skip
         if extra := sorted(have - pairs):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lorapage.adapters.peft_format import AdapterSpec
-from lorapage.adapters.peft_variants import Variants, variant_name
+from lorapage.adapters.peft_variants import Variants, split_variant, variant_name
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 
@@ -119,17 +119,20 @@ def pack_section(
     return out.to(dtype)
 
 
-def load_variant_tensors(path: object, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def load_variant_tensors(
+    path: object, state: dict[str, torch.Tensor], model: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
     """The variant tensors of a weights file's ``state`` (safetensors views) by their packer name,
-    in float32; one with a NaN or Inf value is refused, naming it."""
+    in float32, a fused module's vectors split into its parts (``model``'s family); one with a NaN
+    or Inf value is refused, naming it."""
     out = {}
     for key, t in state.items():
         if (name := variant_name(key)) is not None:
-            out[name] = t.float()
-            if not torch.isfinite(out[name]).all():
+            if not torch.isfinite(t.float()).all():
                 raise AdapterFormatError(
                     f"adapter at {path}: weight {key!r} has NaN or Inf values; the adapter cannot be served"
                 )
+            out.update(split_variant(name, t.float(), model))
     return out
 
 

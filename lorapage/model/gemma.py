@@ -6,7 +6,8 @@ rotation and paged attention it reuses:
 - RMSNorm scales by ``1 + w``, the product taken in float32 before rounding to the model's dtype;
 - four norms a layer: input, post-attention (on the attention's output), pre- and post-feed-forward;
 - GeGLU (gelu, tanh-approximated) instead of SwiGLU;
-- embeddings scaled by sqrt(hidden), the factor rounded to the model's dtype first;
+- embeddings scaled by sqrt(hidden), the factor rounded to the model's dtype first (an embedding
+  LoRA's delta too, as PEFT scales it);
 - attention scaled by ``query_pre_attn_scalar ** -0.5``; Gemma 2's scores soft-capped;
 - sliding-window layers (Gemma 2: every other; Gemma 3: five of six), which in Gemma 3 rotate with
   their own rope base (``rope_local_base_freq``), global layers with ``rope_theta`` and its scaling;
@@ -28,6 +29,7 @@ from lorapage.model.config import ModelConfig
 from lorapage.model.gemma_config import GemmaConfig
 from lorapage.model.llama import AttentionMetadata, LlamaModel
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.lora_variants import add_embedding_lora
 from lorapage.model.rope import rope_tables
 
 
@@ -96,6 +98,12 @@ class GemmaModel(LlamaModel):
         h = lora_h[:T]
         if lora is not None and not lora.segments:
             lora = None  # no row has an adapter
+        if lora is not None and tables.variants.in_step(lora):
+            # transformers' scaled embedding module (Gemma 2 and 3 alike) multiplies its output by
+            # sqrt(hidden) in the model's dtype; PEFT's embedding LoRA wraps that module and scales
+            # its delta by the same factor: E[id] * s + delta * s.
+            add_embedding_lora(x, input_ids, adapter_pool, tables.page_table, lora, tables.variants, h, ops,
+                               self.embed_scale)  # fmt: skip
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]

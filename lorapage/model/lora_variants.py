@@ -136,10 +136,12 @@ def add_embedding_lora(
     t: VariantTables,
     h: Tensor,
     ops: KernelOps,
+    embed_scale: Tensor | None = None,
 ) -> None:
     """``x[t] += scale * B @ A[:, id_t]`` for each token whose adapter has an embedding LoRA:
     ``A[:, id]`` gathered from the layer that holds token ``id``'s row, then ``B`` by the backend's
-    LoRA expand (``h`` [T, >= max rank] its scratch input)."""
+    LoRA expand (``h`` [T, >= max rank] its scratch input). ``embed_scale``: a factor the model
+    scales its embeddings by (Gemma's sqrt(hidden)), which PEFT applies to the delta too."""
     size, slot = adapter_pool.shape[2], lora.token_slot.long()
     width = h.shape[1]
     rank = t.emb_rank[slot, 0].long()
@@ -152,5 +154,6 @@ def add_embedding_lora(
     a_cols = adapter_pool[layer, pages, offset % size]
     h.copy_(torch.where(k[None, :] < rank[:, None], a_cols.to(h.dtype), 0))
     plain = LoraIndices(lora.token_slot, lora.segments, lora.segment_table)  # the op plans for its own tables
+    scale = t.emb_scale if embed_scale is None else t.emb_scale * embed_scale.float()
     ops.lora_expand(x, h, adapter_pool[0], page_table, plain, t.emb_b_offset, t.emb_rank, t.emb_h_start,
-                    t.emb_scale, (0,))  # fmt: skip
+                    scale, (0,))  # fmt: skip

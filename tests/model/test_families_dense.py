@@ -30,7 +30,11 @@ from lorapage.model.merge import merge_adapter
 from lorapage.model.rope import dynamic_ntk_base, inv_freq, rope_tables
 
 VOCAB, EOS = 261, 257
-PROMPTS = [[5, 9, 17, 33, 60, 2, 8], [100, 3, 41, 7], [12, 250, 31, 4, 77, 9]]
+PROMPTS = [[5, 9, 17, 33, 60, 2, 8], [100, 3, 41, 7], [12, 250, 31, 4, 77, 9], [8, 61, 2, 30], [44, 7, 120, 3, 9],
+           [200, 13, 5, 66, 21]]  # fmt: skip
+# One mixed batch: the base, two all-module adapters, DoRA on every module, an embedding LoRA and
+# lora_bias (on a fused module's name where the family fuses).
+ROWS = [None, "a", "b", "dora", "emb", "bias"]
 MAX_TOKENS = 4
 TOL = 1e-4
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -107,38 +111,50 @@ def family(request, tmp_path_factory):
             rank_pattern={modules[-1]: 2},
         ),
         "b": make_peft_adapter(base, root / "b", r=4, targets=modules, seed=2, use_rslora=True),
+        "dora": make_peft_adapter(base, root / "dora", r=4, targets=modules, seed=3, use_dora=True),
+        "emb": make_peft_adapter(base, root / "emb", r=4, targets=["embed_tokens", modules[-1]], seed=4),
+        "bias": make_peft_adapter(base, root / "bias", r=4, targets=[modules[0], modules[2]], seed=5, lora_bias=True),
     }
-    rows = [None, "a", "b"]
-    refs = [peft_greedy(base, adapters.get(name), p, MAX_TOKENS) for name, p in zip(rows, PROMPTS)]
-    merged = peft_greedy(base, adapters["a"], PROMPTS[1], MAX_TOKENS, merged=True)
+    refs = [peft_greedy(base, adapters.get(name), p, MAX_TOKENS) for name, p in zip(ROWS, PROMPTS)]
+    # merge_and_unload's too: PEFT cannot merge lora_bias into these bias-free projections, and an
+    # embedding LoRA on a tied base (Qwen3 here) would move lm_head with it, so those rows are unmerged only.
+    tied = ModelConfig.from_dir(base).tie_word_embeddings
+    mergeable = ["a", "dora"] if tied else ["a", "dora", "emb"]
+    merged = {n: peft_greedy(base, adapters[n], PROMPTS[ROWS.index(n)], MAX_TOKENS, merged=True) for n in mergeable}
     return request.param, base, adapters, refs, merged
 
 
-def _mixed_batch(base, adapters, backend, max_tokens=MAX_TOKENS):
-    engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, block_size=4, max_model_len=128))
+def _mixed_batch(base, adapters, backend, max_tokens=MAX_TOKENS, rows=ROWS):
+    engine = Engine(
+        EngineConfig(model=str(base), kernel_backend=backend, block_size=4, max_model_len=128, max_loras=len(ROWS))
+    )
     for name, path in adapters.items():
         engine.add_adapter(name, path)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    return engine.generate_batch(list(zip(PROMPTS, [None, "a", "b"])), params)
+    return engine.generate_batch([(PROMPTS[ROWS.index(r)], r) for r in rows], params)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_mixed_batch_matches_transformers_and_peft(family, backend):
     name, base, adapters, refs, merged = family
     outs = _mixed_batch(base, adapters, backend)
-    for row, out, (tokens, lps) in zip(["base", "a", "b"], outs, refs):
+    for row, out, (tokens, lps) in zip(ROWS, outs, refs):
         assert out.token_ids == tokens, f"{name} {row}"
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=TOL), f"{name} {row}"
-    assert outs[1].token_ids == merged[0]  # merge_and_unload's greedy tokens too
-    assert [x.logprob for x in outs[1].logprobs] == pytest.approx(merged[1], abs=TOL)
+    for row, (tokens, lps) in merged.items():  # merge_and_unload's greedy tokens too
+        out = outs[ROWS.index(row)]
+        assert out.token_ids == tokens, f"{name} {row} merged"
+        assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=TOL), f"{name} {row} merged"
 
 
 def test_triton_interpreted_matches_for_qwen3(family):
     name, base, adapters, refs, _ = family
     if name != "qwen3":
         pytest.skip("Triton interpreted runs for one family (it is slow)")
-    outs = _mixed_batch(base, adapters, "triton", max_tokens=2)  # a prefill and a decode step: the interpreter is slow
-    for out, (tokens, lps) in zip(outs, refs):
+    # a prefill and a decode step: the interpreter is slow
+    outs = _mixed_batch(base, adapters, "triton", max_tokens=2, rows=[None, "a", "dora", "emb"])
+    for row, out in zip([None, "a", "dora", "emb"], outs):
+        tokens, lps = refs[ROWS.index(row)]
         assert out.token_ids == tokens[:2]
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps[:2], abs=TOL)
 
@@ -172,13 +188,13 @@ def test_cuda_graph_replay_matches_eager(family):
     outs = []
     for eager in (False, True):
         config = EngineConfig(
-            model=str(base), device="cuda", kernel_backend="triton", enforce_eager=eager, max_num_seqs=4
+            model=str(base), device="cuda", kernel_backend="triton", enforce_eager=eager, max_num_seqs=4, max_loras=8
         )
         engine = Engine(config)
         assert (engine.debug.runner.graphs is None) == eager
         for name, path in adapters.items():
             engine.add_adapter(name, path)
-        outs.append(engine.generate_batch(list(zip(PROMPTS, [None, "a", "b"])), params))
+        outs.append(engine.generate_batch(list(zip(PROMPTS, ROWS)), params))
     for g, w in zip(*outs):
         assert g.token_ids == w.token_ids
         assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-3)
