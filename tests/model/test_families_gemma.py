@@ -16,6 +16,7 @@ import torch
 from hf_reference import TOKENIZER_FILES, make_peft_adapter
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.adapters.peft_format import load_adapter_tensors, read_adapter_spec
 from lorapage.memory.kv import held_pages
 from lorapage.model.config import ModelConfig
 from lorapage.model.windows import blocks_out_of_window
@@ -28,8 +29,12 @@ PROMPTS = [
     [5, 9, 17, 33, 60, 2, 8, 11, 40, 7, 90, 3],
     [100, 3, 41, 8, 7, 6, 5, 4, 3, 2, 1],
     [12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [61, 7, 150, 22, 9, 31, 4, 88],
+    [3, 250, 19, 47, 2, 6, 73],
 ]
-ADAPTERS = [None, "a0", "a1"]  # one row each: the base and two adapters
+# One row each: the base, two all-module adapters, DoRA on every module, an embedding LoRA (its
+# delta scaled by sqrt(hidden) with the embeddings, as PEFT's layer scales it on Gemma).
+ADAPTERS = [None, "a0", "a1", "a2", "a3"]
 MAX_TOKENS = 5
 TOL = 1e-4  # max |dlogprob| in float32, as tests/model/test_model_variants.py
 COMMON = dict(
@@ -84,12 +89,18 @@ def family(request, tmp_path_factory):
     adapters = [
         make_peft_adapter(path, path.parent / f"{path.name}_a{i}", r=8, targets=TARGETS, seed=i + 1) for i in range(2)
     ]
+    adapters.append(make_peft_adapter(path, path.parent / f"{path.name}_a2", r=4, targets=TARGETS, seed=3,
+                                      use_dora=True))  # fmt: skip
+    adapters.append(
+        make_peft_adapter(path, path.parent / f"{path.name}_a3", r=4, targets=["embed_tokens", "q_proj"], seed=4)
+    )
     return path, adapters
 
 
-def _reference(path, adapters, prompts=PROMPTS, names=ADAPTERS, max_tokens=MAX_TOKENS, **overrides):
-    """Greedy tokens and log-probabilities per row from transformers (+ peft, unmerged), eager
-    attention; ``overrides`` change the config (to show what a setting is worth)."""
+def _reference(path, adapters, prompts=PROMPTS, names=ADAPTERS, max_tokens=MAX_TOKENS, merged=False, **overrides):
+    """Greedy tokens and log-probabilities per row from transformers (+ peft, unmerged, or with
+    ``merged`` its one adapter's ``merge_and_unload``), eager attention; ``overrides`` change the
+    config (to show what a setting is worth)."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,7 +108,11 @@ def _reference(path, adapters, prompts=PROMPTS, names=ADAPTERS, max_tokens=MAX_T
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation="eager")
     if adapters:
         model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
-        model.load_adapter(adapters[1], adapter_name="a1")
+        for i, adapter in enumerate(adapters[1:], 1):
+            model.load_adapter(adapter, adapter_name=f"a{i}")
+    if merged:  # one adapter, merged into the base's weights (rows then name None)
+        model = model.merge_and_unload()
+        adapters = []
     model.eval()
 
     def logits(ids: list[int], name: str | None) -> torch.Tensor:
@@ -128,6 +143,7 @@ def reference(family):
 
 
 def _engine(path, adapters, backend: str, **kw) -> Engine:
+    kw.setdefault("max_loras", len(ADAPTERS))
     engine = Engine(EngineConfig(model=str(path), max_lora_rank=16, kernel_backend=backend, block_size=4, **kw))
     for i, a in enumerate(adapters):
         engine.add_adapter(f"a{i}", a)
@@ -200,9 +216,41 @@ def test_windows_and_soft_caps_change_these_outputs(family, reference):
     if raw.get("attn_logit_softcapping"):
         changes += [{"attn_logit_softcapping": None}, {"final_logit_softcapping": None}]
     for change in changes:
-        other = _reference(path, adapters, **change)
+        other = _reference(path, adapters[:2], PROMPTS[:3], ADAPTERS[:3], **change)
         worst = max(abs(a - b) for (_, x), (_, y) in zip(other, reference) for a, b in zip(x, y))
         assert worst > 10 * TOL, change
+
+
+def test_merge_matches_peft_merge_and_unload(family, reference):
+    """A dedicated deployment's merge (model/merge.py) of an all-module adapter into a Gemma base
+    equals PEFT's merged checkpoint group by group, and PEFT's merge_and_unload decodes the mixed
+    batch's rows (the plain adapter's and DoRA's) greedily to the same tokens. (The embedding LoRA's
+    row is checked unmerged only: Gemma ties lm_head to the embedding, which PEFT's merge would move.)"""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lorapage.model.config import GROUPS
+    from lorapage.model.families import group_weight
+    from lorapage.model.gemma import GemmaModel
+    from lorapage.model.llama import PROJECTIONS
+    from lorapage.model.loader import load_state_dict
+    from lorapage.model.merge import merge_adapter
+
+    path, adapters = family
+    config = ModelConfig.from_dir(path)
+    model = GemmaModel(config, load_state_dict(path, torch.float32), torch.device("cpu"), torch.float32, 64)
+    spec = read_adapter_spec(adapters[0], config, 16)
+    merge_adapter(model, load_adapter_tensors(spec, torch.float32), spec.scales)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapters[0])
+    want = peft.merge_and_unload().state_dict()
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        for key, prefix, group in zip(PROJECTIONS, ("self_attn.", "self_attn.", "mlp.", "mlp."), GROUPS):
+            merged = group_weight(lambda k: want[k + ".weight"], p + prefix, config, group)
+            torch.testing.assert_close(model.dense_weight(layer, key), merged, rtol=0, atol=1e-6)
+    for i in (1, 3):  # a0 and the DoRA adapter a2
+        row = _reference(path, [adapters[i - 1]], PROMPTS[i : i + 1], [None], merged=True)
+        _assert_matches(row, reference[i : i + 1])
 
 
 def test_a_model_with_a_global_layer_frees_no_block():
