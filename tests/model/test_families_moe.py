@@ -1,7 +1,7 @@
 """MoE bases against transformers + peft: Mixtral, Qwen3-MoE and OLMoE (random weights made with their
 own config classes), with LoRA on attention and on the experts in both forms PEFT writes (fused
-``target_parameters`` and transformers 4's per-expert ``target_modules``), every adapter and the
-base in one mixed batch, on each kernel path."""
+``target_parameters`` and transformers 4's per-expert ``target_modules``), DoRA on attention and an
+embedding LoRA, every adapter and the base in one mixed batch, on each kernel path."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ _BUILT: dict[str, tuple[Path, dict[str, Path]]] = {}
 
 def _family(name: str, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     """(base dir, {adapter name: dir}) of family ``name``, built once per run: attention-only,
-    attention + fused experts, per-expert (transformers 4's form)."""
+    attention + fused experts, per-expert (transformers 4's form), DoRA on attention, embedding LoRA."""
     if name not in _BUILT:
         root = tmp_path_factory.mktemp(name)
         if name == "mixtral":
@@ -126,6 +126,10 @@ def _family(name: str, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
                     base, root / "fused", r=4, targets=ATTENTION, seed=2, target_parameters=experts
                 ),
                 "per_expert": per_expert_adapter(base, root / "per_expert", names, block, r=2, seed=5),
+                # DoRA on attention (peft refuses DoRA on target_parameters; per expert it is refused
+                # here), and an embedding LoRA
+                "dora": make_peft_adapter(base, root / "dora", r=4, targets=ATTENTION, seed=6, use_dora=True),
+                "emb": make_peft_adapter(base, root / "emb", r=4, targets=["embed_tokens", "v_proj"], seed=7),
             },
         )
     return _BUILT[name]
@@ -160,19 +164,22 @@ def _rows(adapters: dict[str, Path]) -> list[tuple[list[int], str | None]]:
 @pytest.fixture(scope="module")
 def reference(family):
     """Each mixed-batch row's greedy tokens and log-probabilities from transformers (+ peft), alone,
-    after checking that no routing on the way is a near-tie."""
+    after checking that no routing on the way is a near-tie; and merge_and_unload's for the DoRA and
+    embedding rows."""
     base, adapters = family
-    out = []
+    out, merged = [], {}
     for prompt, name in _rows(adapters):
         path = adapters[name] if name else None
         tokens, logprobs = peft_greedy(base, path, prompt, STEPS)
         assert routing_margin(base, path, prompt + tokens[:-1]) > ROUTING_MARGIN, f"a near-tie in routing ({name})"
         out.append((tokens, logprobs))
-    return out
+        if name in ("dora", "emb"):  # and merge_and_unload's (these bases are untied)
+            merged[name] = peft_greedy(base, path, prompt, STEPS, merged=True)
+    return out, merged
 
 
 def _engine(base: Path, adapters: dict[str, Path], backend: str) -> Engine:
-    engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, max_lora_rank=16))
+    engine = Engine(EngineConfig(model=str(base), kernel_backend=backend, max_lora_rank=16, max_loras=8))
     for name, path in adapters.items():
         engine.add_adapter(name, path)
     return engine
@@ -185,9 +192,11 @@ def test_mixed_batch_matches_transformers_and_peft(family, reference, backend):
     outs = _engine(base, adapters, backend).generate_batch(
         rows, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=0, ignore_eos=True)
     )
-    for (_, name), out, (tokens, logprobs) in zip(rows, outs, reference):
-        assert out.token_ids == tokens, name
-        assert [x.logprob for x in out.logprobs] == pytest.approx(logprobs, abs=1e-4), name
+    unmerged, merged = reference
+    for (_, name), out, (tokens, logprobs) in zip(rows, outs, unmerged):
+        for want_tokens, want_logprobs in [(tokens, logprobs)] + ([merged[name]] if name in merged else []):
+            assert out.token_ids == want_tokens, name
+            assert [x.logprob for x in out.logprobs] == pytest.approx(want_logprobs, abs=1e-4), name
 
 
 def test_triton_interpreted_matches_transformers(tmp_path_factory):
@@ -246,7 +255,8 @@ def _write_adapter(path: Path, tensors: dict[str, torch.Tensor], targets: list[s
 
 
 def test_what_a_moe_base_refuses(tmp_path, tmp_path_factory):
-    """LoRA on the router, on a dense MLP the base does not have, and on experts of a dense base."""
+    """LoRA on the router, on a dense MLP the base does not have, DoRA / lora_bias on an expert,
+    and experts on a dense base."""
     from lorapage.adapters.peft_format import read_adapter_spec
     from lorapage.model.config import ModelConfig
 
@@ -263,6 +273,14 @@ def test_what_a_moe_base_refuses(tmp_path, tmp_path_factory):
     dense = _write_adapter(tmp_path / "dense", pair("mlp.gate_proj", 64, 48), ["gate_proj"])
     with pytest.raises(AdapterFormatError, match="has no such module"):
         read_adapter_spec(dense, model, 16)
+    # DoRA / lora_bias on an expert (transformers 4's per-expert modules; peft refuses them on target_parameters)
+    for what, key in (("DoRA", "lora_magnitude_vector"), ("lora_bias", "lora_B.bias")):
+        tensors = pair("block_sparse_moe.experts.0.w1", 64, 48) | {
+            f"{pre}block_sparse_moe.experts.0.w1.{key}": torch.ones(48)
+        }
+        vectors = _write_adapter(tmp_path / what, tensors, ["w1"])
+        with pytest.raises(AdapterFormatError, match=f"{what} on a MoE expert is not served"):
+            read_adapter_spec(vectors, model, 16)
     llama = ModelConfig.from_dir(TINY_BASE_DIR)
     with pytest.raises(AdapterFormatError, match="base has no experts"):
         read_adapter_spec(adapters["fused"], llama, 16)
