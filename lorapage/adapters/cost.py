@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lorapage.model.config import MODULES, ModelConfig
+from lorapage.model.families import family_of
 from lorapage.model.moe_config import EXPERT_KINDS, module_kind, split_expert_module
 
 DEFAULT_REFERENCE_BATCH = 64  # the design's: "projected +75.7% decode cost at batch 64"
@@ -60,14 +61,29 @@ def adapter_token_params(model: ModelConfig, ranks: Mapping[tuple[int, str], int
     return dense if moe is None else dense + experts * moe.top_k // moe.num_experts
 
 
+def _layer_small_params(model: ModelConfig) -> int:
+    """A layer's norm weights and biases, as its family holds them: two RMSNorms (Gemma: four),
+    q / k norms (Qwen3, Qwen3-MoE, Gemma 3: per head, ``head_dim`` each; OLMoE: over each whole
+    projection), and the q / k / v biases (Qwen2)."""
+    h, moe, gemma = model.hidden_size, model.moe, model.gemma
+    n = (4 if gemma is not None else 2) * h
+    if family_of(model).qk_norm or (gemma is not None and gemma.qk_norm) or (moe is not None and moe.qk_norm == "head"):
+        n += 2 * model.head_dim
+    elif moe is not None and moe.qk_norm == "all":
+        n += model.q_size + model.kv_size
+    if model.attention_bias:
+        n += model.q_size + 2 * model.kv_size
+    return n
+
+
 def base_decode_params(model: ModelConfig) -> int:
     """Parameters one decode step reads: every layer's projections (every expert's, and the
-    router) and norms, the final norm and the LM head (tied or not, it is read whole); the
-    embedding table only by row, so not counted."""
+    router), norms and biases, the final norm and the LM head (tied or not, it is read whole);
+    the embedding table only by row, so not counted."""
     h = model.hidden_size
     projections = sum(d_in * d_out for d_in, d_out in model.module_dims().values())
     router = model.moe.num_experts * h if model.moe is not None else 0
-    return model.num_layers * (projections + router + 2 * h) + h + model.vocab_size * h
+    return model.num_layers * (projections + router + _layer_small_params(model)) + h + model.vocab_size * h
 
 
 def base_token_params(model: ModelConfig) -> int:

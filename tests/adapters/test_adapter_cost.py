@@ -173,3 +173,38 @@ def test_cost_and_envelope_modules_import_no_torch():
             name,
             imported,
         )
+
+
+SMALL = dict(
+    vocab_size=261, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0
+)
+
+
+@pytest.mark.parametrize(
+    "config_class, extra",
+    [
+        ("LlamaConfig", {"intermediate_size": 96}),
+        ("Qwen2Config", {"intermediate_size": 96}),  # q / k / v biases
+        ("Qwen3Config", {"intermediate_size": 96, "head_dim": 32}),  # per-head q / k norms
+        ("Phi3Config", {"intermediate_size": 96}),
+        ("Gemma2Config", {"intermediate_size": 96, "head_dim": 32}),  # four norms a layer
+        ("Gemma3TextConfig", {"intermediate_size": 96, "head_dim": 32}),  # and q / k norms
+        ("MixtralConfig", {"intermediate_size": 32, "num_local_experts": 4}),
+        ("Qwen3MoeConfig", {"moe_intermediate_size": 32, "num_experts": 4, "head_dim": 16}),
+        ("OlmoeConfig", {"intermediate_size": 32, "num_experts": 4}),  # q / k norms over the projections
+    ],
+)
+def test_base_decode_params_are_the_checkpoints_own(config_class, extra, tmp_path):
+    """Every parameter transformers builds for the family, the embedding table aside (read by row)
+    and the LM head counted once whether tied or not: norms, q / k norms and biases per family."""
+    import transformers
+
+    from lorapage.adapters.cost import base_decode_params
+
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(tmp_path)
+    params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    lm_head = 0 if "lm_head.weight" in dict(model.named_parameters()) else SMALL["vocab_size"] * SMALL["hidden_size"]
+    assert base_decode_params(ModelConfig.from_dir(tmp_path)) == params + lm_head
