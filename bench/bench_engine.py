@@ -23,9 +23,9 @@ the residency timings. (a), (b), (c), (e) and the prefill figures are each the m
 ``--rounds`` passes (default 5) taken in turn; prefix caching is off, since every pass reuses its
 prompts.
 
-``--families`` measures only the family column instead: (a) and (c) and c/a per dense family
-(Llama, Qwen3, Phi-3 with fused modules and fused-module adapters) at the same shape
-(bench/families.py).
+``--families`` measures only the family column instead: (a) and (c) and c/a per family
+(Llama, Qwen3, Phi-3 with fused modules and fused-module adapters, Gemma 2, Qwen3-MoE with expert
+LoRA) at the same shape (bench/families.py).
 
     python bench/bench_engine.py [--quick] [--prefill] [--scattered] [--skip-residency] [--rounds N] [--families]
 
@@ -415,7 +415,9 @@ if __name__ == "__main__":
     parser.add_argument("--scattered", action="store_true", help="measured adapters scattered in the pool")
     parser.add_argument("--skip-residency", action="store_true", help="throughput figures only")
     parser.add_argument("--rounds", type=int, default=5, help="passes over (a), (b), (c), (e) and prefill (median)")
-    parser.add_argument("--families", action="store_true", help="only c/a per dense family (Llama, Qwen3, Phi-3)")
+    parser.add_argument(
+        "--families", action="store_true", help="only c/a per family (Llama, Qwen3, Phi-3, Gemma 2, Qwen3-MoE)"
+    )
     args = parser.parse_args()
     if args.families:
         print_json(asyncio.run(families(args.quick, args.rounds)))

@@ -1,8 +1,10 @@
 """The engine bench's family column: c/a (32 rows on 32 distinct rank-16 all-module adapters over
-base only, decode tokens/s) per dense family, on checkpoints of one shape written without
+base only, decode tokens/s) per family, on checkpoints of one shape written without
 transformers: Llama (``make_llama``), Qwen3 (the same weights plus per-head q/k norms and its own
-``head_dim``) and Phi-3 (the groups fused in the checkpoint, and adapters on the fused modules,
-which the engine splits into parts: qkv's A is held three times, gate_up's twice).
+``head_dim``), Phi-3 (the groups fused in the checkpoint, and adapters on the fused modules,
+which the engine splits into parts: qkv's A is held three times, gate_up's twice), Gemma 2 (four
+norms, GeGLU, soft-caps, windowed layers, tied embeddings) and Qwen3-MoE (8 experts of a quarter
+width, top-2; adapters on attention and every expert).
 """
 
 from __future__ import annotations
@@ -81,10 +83,95 @@ def write_phi3_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, std
     return path
 
 
+def write_gemma2(path: Path, **shape) -> Path:
+    """A Gemma 2 checkpoint: the Llama one of ``shape`` with its four norms a layer (``1 + w``,
+    so zeros are ones), GeGLU, tied embeddings, both soft-caps and a 4096 window on every other
+    layer (longer than the bench's sequences: the windowed kernels run, reading everything)."""
+    write_model(path, **shape)
+    head_dim = shape["hidden"] // shape["heads"]
+
+    def norms(w: dict) -> dict:
+        w.pop("lm_head.weight", None)
+        for i in range(shape["layers"]):
+            for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                w[f"model.layers.{i}.{n}.weight"] = torch.zeros(shape["hidden"])
+        return w
+
+    config = {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
+    return _edit(path, config, norms)
+
+
+# The MoE row's experts: 8 of a quarter of the dense MLP's width, 2 per token (Qwen3-MoE's form).
+MOE = dict(experts=8, top_k=2, divide=4)
+
+
+def write_qwen3_moe(path: Path, **shape) -> Path:
+    """A Qwen3-MoE checkpoint: the Qwen3 one of ``shape`` with each layer's MLP replaced by a router
+    and ``MOE["experts"]`` experts of ``intermediate / MOE["divide"]`` (random, one tensor per
+    expert and matrix as ``save_pretrained`` writes them)."""
+    write_qwen3(path, **shape)
+    h, inter = shape["hidden"], shape["intermediate"] // MOE["divide"]
+    g = torch.Generator().manual_seed(7)
+
+    def experts(w: dict) -> dict:
+        for i in range(shape["layers"]):
+            p = f"model.layers.{i}.mlp."
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                w.pop(p + m + ".weight")
+            w[p + "gate.weight"] = torch.randn(MOE["experts"], h, generator=g) * 0.02
+            for e in range(MOE["experts"]):
+                for m, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                    w[f"{p}experts.{e}.{m}.weight"] = torch.randn(*shp, generator=g) * 0.02
+        return w
+
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": MOE["experts"],
+        "num_experts_per_tok": MOE["top_k"],
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": True,
+    }
+    return _edit(path, config, experts)
+
+
+def write_moe_adapter(path: Path, model_dir: Path, *, rank: int, seed: int, std: float = 0.01) -> Path:
+    """A PEFT adapter of ``rank`` on attention and on every expert's gate / up / down (transformers
+    4's per-expert form: the experts' LoRA a row reaches through its routing)."""
+    write_adapter(path, model_dir, rank=rank, seed=seed, targets=("q_proj", "k_proj", "v_proj", "o_proj"), std=std)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    g = torch.Generator().manual_seed(seed + 20_000)
+    w = load_file(path / "adapter_model.safetensors")
+    for i in range(cfg["num_hidden_layers"]):
+        for e in range(cfg["num_experts"]):
+            for m, (d_in, d_out) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):
+                key = f"base_model.model.model.layers.{i}.mlp.experts.{e}.{m}"
+                w[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * std
+                w[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * std
+    save_file(w, path / "adapter_model.safetensors")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter_cfg = json.loads((path / "adapter_config.json").read_text()) | {"target_modules": targets}
+    (path / "adapter_config.json").write_text(json.dumps(adapter_cfg))
+    return path
+
+
 FAMILIES: dict[str, tuple[Callable[..., Path], Callable[..., Path]]] = {
     "llama": (write_model, write_adapter),
     "qwen3": (write_qwen3, write_adapter),
     "phi3": (write_phi3, write_phi3_adapter),
+    "gemma2": (write_gemma2, write_adapter),
+    "qwen3_moe": (write_qwen3_moe, write_moe_adapter),
 }
 
 
