@@ -202,20 +202,22 @@ def test_cuda_graph_replay_matches_eager(family):
 
 async def test_a_fused_module_adapter_serves_after_a_restart(family, tmp_path):
     """Restored from the registry (its spec stored per part), a Phi-3 adapter still splits its
-    fused weights when read."""
+    fused weights when read, and a DoRA one its fused magnitudes."""
     name, base, adapters, refs, _ = family
     if name != "phi3":
         pytest.skip("the fused-module case")
     config = EngineConfig(model=str(base), kernel_backend="torch", state_dir=str(tmp_path / "state"), max_model_len=128)
     engine = Engine(config)
-    engine.add_adapter("a", adapters["a"])
+    for row in ("a", "dora"):
+        engine.add_adapter(row, adapters[row])
     await engine.close()
     engine = Engine(config)
     try:
-        last, _ = await collect(
-            engine, PROMPTS[1], "a", SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        )
-        assert last.token_ids == refs[1][0]
+        for row in ("a", "dora"):
+            i = ROWS.index(row)
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            last, _ = await collect(engine, PROMPTS[i], row, params)
+            assert last.token_ids == refs[i][0], row
     finally:
         await engine.close()
 

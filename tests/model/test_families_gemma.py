@@ -31,10 +31,11 @@ PROMPTS = [
     [12, 13, 14, 15, 16, 17, 18, 19, 20],
     [61, 7, 150, 22, 9, 31, 4, 88],
     [3, 250, 19, 47, 2, 6, 73],
+    [9, 14, 201, 35, 8, 66],
 ]
 # One row each: the base, two all-module adapters, DoRA on every module, an embedding LoRA (its
-# delta scaled by sqrt(hidden) with the embeddings, as PEFT's layer scales it on Gemma).
-ADAPTERS = [None, "a0", "a1", "a2", "a3"]
+# delta scaled by sqrt(hidden) with the embeddings, as PEFT's layer scales it on Gemma), lora_bias.
+ADAPTERS = [None, "a0", "a1", "a2", "a3", "a4"]
 MAX_TOKENS = 5
 TOL = 1e-4  # max |dlogprob| in float32, as tests/model/test_model_variants.py
 COMMON = dict(
@@ -94,6 +95,8 @@ def family(request, tmp_path_factory):
     adapters.append(
         make_peft_adapter(path, path.parent / f"{path.name}_a3", r=4, targets=["embed_tokens", "q_proj"], seed=4)
     )
+    adapters.append(make_peft_adapter(path, path.parent / f"{path.name}_a4", r=4, targets=["v_proj", "gate_proj"],
+                                      seed=5, lora_bias=True))  # fmt: skip
     return path, adapters
 
 
