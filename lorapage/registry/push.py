@@ -14,7 +14,8 @@ Each pushed id may have a staleness bound ``k`` (:meth:`VersionPusher.set_stalen
 naming a version older than current - k is refused (409 ``adapter_version_stale``), and versions
 older than the last k + 1 that no request holds are retired: their cache entry goes (pool pages
 and host copy freed) and their files are deleted, while the registry keeps their row, digest and
-audit trail. That is what keeps a trainer pushing every step flat in memory and disk.
+audit trail. That is what keeps a trainer pushing every step flat in memory and disk. The bounds
+are kept in ``staleness.json`` under the push root, so a restarted engine refuses what it refused.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ log = logging.getLogger("lorapage.adapters")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 CONFIG_METADATA_KEY = "adapter_config"  # a pushed safetensors body's __metadata__ key holding the config JSON
 MAX_STALENESS = 1 << 20
+STALENESS_FILE = "staleness.json"  # {id: k} under the push root, rewritten whole at every change
 
 
 def push_root(registry_path: str) -> Path:
@@ -95,7 +97,8 @@ class VersionPusher:
 
     def __init__(self, catalog: AdapterCatalog, cache: AdapterCache, root: Path, io_executor: Executor) -> None:
         self._catalog, self._cache, self.root, self._io = catalog, cache, root, io_executor
-        self.staleness: dict[str, int] = {}  # id -> k: versions below current - k are refused and retired
+        # id -> k: versions below current - k are refused and retired (kept across restarts).
+        self.staleness: dict[str, int] = _read_staleness(root / STALENESS_FILE)
         self.retired: set[str] = set()  # version keys retired (kept in the registry, served no more)
         self._serial: dict[str, asyncio.Lock] = {}
         if root.name.startswith("lorapage-pushed-"):  # this process's temporary root goes with it
@@ -114,14 +117,21 @@ class VersionPusher:
 
     def set_staleness(self, adapter_id: str, k: int | None) -> None:
         """Bound ``adapter_id``'s staleness to ``k`` versions behind its current (None: unbounded)."""
-        if k is None:
-            self.staleness.pop(adapter_id, None)
-            return
-        if not 0 <= k <= MAX_STALENESS:
+        if k is not None and not 0 <= k <= MAX_STALENESS:
             raise InvalidRequestError(
                 f"max_staleness must be between 0 and {MAX_STALENESS}; got {k}", param="max_staleness"
             )
-        self.staleness[adapter_id] = k
+        if self.staleness.get(adapter_id) == k:
+            return
+        if k is None:
+            del self.staleness[adapter_id]
+        else:
+            self.staleness[adapter_id] = k
+        # A few bytes, rewritten whole (temp file, then rename): a crash leaves the old or the new.
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{STALENESS_FILE}.tmp"
+        tmp.write_text(json.dumps(self.staleness, sort_keys=True))
+        os.replace(tmp, self.root / STALENESS_FILE)
 
     def serial(self, adapter_id: str) -> asyncio.Lock:
         """One push of ``adapter_id`` at a time, from its store to its move: a later push can never
@@ -214,6 +224,22 @@ class VersionPusher:
             if path is not None and path.is_relative_to(self.root):
                 self._io.submit(shutil.rmtree, path, True)
         return gone
+
+
+def _read_staleness(path: Path) -> dict[str, int]:
+    """The bounds a previous run kept; none when the file is absent or unreadable (logged)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("%s is unreadable (%s): pushed ids start without staleness bounds", path, e)
+        return {}
+    ok = isinstance(data, dict) and all(isinstance(k, int) and 0 <= k <= MAX_STALENESS for k in data.values())
+    if not ok:
+        log.warning("%s does not hold {id: k}: pushed ids start without staleness bounds", path)
+        return {}
+    return data
 
 
 def _local_path(source: str) -> Path | None:

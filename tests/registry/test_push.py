@@ -161,3 +161,24 @@ async def test_pushed_versions_survive_a_restart_and_retired_ones_stay_retired(t
             engine.admin.catalog.resolve_version("policy@1")
     finally:
         await engine.close()
+
+
+async def test_a_staleness_bound_outlives_a_restart(tmp_path):
+    engine = tiny_engine(state_dir=str(tmp_path))
+    try:
+        for step in (1, 2, 3):
+            await engine.admin.push("policy", *policy(step), max_staleness=2)
+        assert engine.admin.catalog.resolve_version("policy@1") == "policy@1"  # 3 - 2: still served
+    finally:
+        await engine.close()
+    engine = tiny_engine(state_dir=str(tmp_path))
+    try:
+        assert engine.admin.pusher.staleness == {"policy": 2}
+        await engine.admin.push("policy", *policy(4))  # no bound given: the kept one applies
+        with pytest.raises(AdapterVersionStaleError):
+            engine.admin.catalog.resolve_version("policy@1")
+        assert engine.admin.catalog.resolve_version("policy@2") == "policy@2"
+        await engine.admin.push("policy", *policy(5), max_staleness=None)
+        assert engine.admin.pusher.staleness == {"policy": 2}  # None leaves a kept bound as it is
+    finally:
+        await engine.close()
