@@ -217,11 +217,12 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
         config.max_loras, config.max_resident_loras, pool.capacity, sizing.adapter_pages, MAX_DERIVED_LORA_SLOTS
     )
     prefix_cache = PrefixCache(pool, clock)
+    list_width = page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size)
     page_bytes = mc.num_layers * sizing.page_size * pool.storage.element_size()
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, _page_list_width(config, sizing, pool), sizing.device),
+        tables=LoraTables(mc, slots, list_width, sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -229,10 +230,6 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
         page_bytes=page_bytes,
         step_reserve_bytes=reserve,
     )
-
-
-def _page_list_width(config: EngineConfig, sizing: Sizing, pool: PagePool) -> int:
-    return page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size)
 
 
 def _num_pages(config: EngineConfig, mc: ModelConfig, sizing: Sizing) -> tuple[int, int]:
@@ -298,7 +295,7 @@ def build_forward(
         sizing.max_blocks,
         lora_h_width(base.model_config, config.max_lora_rank),
     )
-    parallel = _start_ranks(config, base, sizing, memory, model) if sizing.tensor_parallel_size > 1 else None
+    parallel = _start_ranks(config, base, sizing, memory) if sizing.tensor_parallel_size > 1 else None
     if parallel is not None:
         model.all_reduce = parallel.guard_reduce
         runner.send_step, runner.on_close = parallel.send_step, parallel.close
@@ -311,18 +308,14 @@ def build_forward(
     return ForwardParts(ops, runner, None)
 
 
-def _start_ranks(
-    config: EngineConfig, base: BaseParts, sizing: Sizing, memory: MemoryParts, model: LlamaModel
-) -> TensorParallelGroup:
+def _start_ranks(config: EngineConfig, base: BaseParts, sizing: Sizing, memory: MemoryParts) -> TensorParallelGroup:
     """The worker ranks, each building the pool and tables rank 0 built, at its shard's sizes."""
     tp = sizing.tensor_parallel_size
     threads = forward_thread_count(config.num_threads, sizing.device)
     return TensorParallelGroup(
         WorkerSpec(
             model_dir=str(base.model_dir),
-            rank=0,
             world_size=tp,
-            store_path="",
             timeout_s=config.tensor_parallel_timeout_s,
             device=str(sizing.device),
             dtype=sizing.dtype,

@@ -28,9 +28,7 @@ class WorkerSpec:
     """Everything a worker rank needs to build its shard: the same numbers rank 0 built its own from."""
 
     model_dir: str
-    rank: int
     world_size: int
-    store_path: str  # the process group's rendezvous file
     timeout_s: float  # a collective waiting longer than this fails (a rank died mid-step)
     device: str
     dtype: torch.dtype
@@ -47,6 +45,8 @@ class WorkerSpec:
     max_num_batched_tokens: int
     max_blocks: int
     lora_h_width: int
+    rank: int = 0
+    store_path: str = ""  # the process group's rendezvous file (set by TensorParallelGroup)
 
 
 @dataclass(frozen=True)
