@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterTensors
+from lorapage.errors import EngineStepError
 from lorapage.model.runner import StepInputs
 from lorapage.parallel.shards import shard_lora
 from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, all_reducer, process_group
@@ -32,8 +33,12 @@ START_TIMEOUT_S = 300.0  # a worker loading its shard of a large base
 STOP_TIMEOUT_S = 10.0
 
 
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank died or failed: the engine cannot step any more (restart it)."""
+class TensorParallelError(EngineStepError):
+    """A tensor-parallel rank died or failed: the engine cannot step any more (a supervisor
+    restarts it). 503: the service, not the request."""
+
+    status = 503
+    code = "unavailable"
 
 
 class TensorParallelGroup:
@@ -54,7 +59,10 @@ class TensorParallelGroup:
         for rank in range(1, spec.world_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=run_worker, args=(replace(spec, rank=rank), theirs), name=f"lorapage-tp-{rank}", daemon=True
+                target=run_worker,
+                args=(replace(spec, rank=rank, device=rank_device(spec.device, rank)), theirs),
+                name=f"lorapage-tp-{rank}",
+                daemon=True,
             )
             proc.start()
             theirs.close()
@@ -130,9 +138,13 @@ class TensorParallelGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def cpu_threads_per_rank(threads: int, world_size: int) -> int:
-    """Intra-op threads each rank's forward gets: the forward's threads shared by the ranks."""
-    return max(1, threads // world_size)
+def rank_device(device: str, rank: int) -> str:
+    """Rank ``rank``'s device when rank 0 runs on ``device``: the next GPUs after rank 0's (``cuda:2``
+    with 2 ranks: ``cuda:2``, ``cuda:3``); a CPU for every rank on a CPU."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + rank}"
 
 
-__all__ = ["TensorParallelGroup", "TensorParallelError", "cpu_threads_per_rank"]
+__all__ = ["TensorParallelGroup", "TensorParallelError", "rank_device"]

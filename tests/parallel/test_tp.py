@@ -176,6 +176,7 @@ def test_qwen3_matches_and_a_killed_rank_fails_requests_never_hangs(checkpoint, 
         return await asyncio.wait_for(engine.run_to_end([1, 2, 3], adapter, GREEDY), 30)
 
     for adapter in ("q1", None):  # the engine stays stopped: the next request fails too, at once
-        with pytest.raises(EngineStepError, match="tensor-parallel rank 1 died"):
+        with pytest.raises(EngineStepError, match="tensor-parallel rank 1 died") as failed:
             asyncio.run(run(adapter))
+        assert failed.value.status == 503  # the service is gone, not the request: a supervisor restarts it
     asyncio.run(engine.close())
