@@ -12,7 +12,7 @@ On a 2-core machine TP=2 cannot be faster: both ranks share the same two cores t
 forward uses, and every layer adds two all-reduces over loopback. What it shows is the overhead
 of the collectives and the per-step plan, and the per-rank memory, which is what TP buys.
 
-    python bench/bench_tp.py [--rounds N] [--tokens N]
+    python bench/bench_tp.py [--rounds N] [--tokens N] [--device cpu|cuda]
 
 Prints a table, then one JSON line.
 """
@@ -33,8 +33,11 @@ from lorapage import Engine, EngineConfig, SamplingParams
 ADAPTERS, REQUESTS, PROMPT, PAGES = 8, 16, 16, 2048
 
 
-def run(model: Path, adapters: list[Path], tp: int, tokens: int) -> dict:
-    engine = Engine(EngineConfig(model=str(model), tensor_parallel_size=tp, max_lora_rank=16, num_pages=PAGES))
+def run(model: Path, adapters: list[Path], tp: int, tokens: int, device: str) -> dict:
+    config = EngineConfig(
+        model=str(model), tensor_parallel_size=tp, max_lora_rank=16, num_pages=PAGES, device=device, enforce_eager=True
+    )
+    engine = Engine(config)
     for i, path in enumerate(adapters):
         engine.add_adapter(f"a{i}", str(path))
     rows = [([(7 * r + j) % 4000 + 1 for j in range(PROMPT)], f"a{r % ADAPTERS}") for r in range(REQUESTS)]
@@ -59,6 +62,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: ranks on cuda:0 and cuda:1 (NCCL)")
     args = p.parse_args()
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +71,7 @@ def main() -> None:
         adapters = [write_adapter(root / f"a{i}", model, rank=16, seed=i) for i in range(ADAPTERS)]
         results: dict[int, list[dict]] = {1: [], 2: []}
         for _, tp in interleaved(args.rounds, [1, 2]):
-            results[tp].append(run(model, adapters, tp, args.tokens))
+            results[tp].append(run(model, adapters, tp, args.tokens, args.device))
     same = all(r["tokens"] == results[1][0]["tokens"] for r in results[1] + results[2])
     summary = {}
     rows = []
@@ -97,7 +101,16 @@ def main() -> None:
     ]
     print(table(header, rows, "rrrrrrr"))
     print(f"greedy tokens identical across TP=1 and TP=2 and rounds: {same}")
-    print_json({"bench": "tp", "rounds": args.rounds, "tokens": args.tokens, "tokens_identical": same, **summary})
+    print_json(
+        {
+            "bench": "tp",
+            "device": args.device,
+            "rounds": args.rounds,
+            "tokens": args.tokens,
+            "tokens_identical": same,
+            **summary,
+        }
+    )
 
 
 if __name__ == "__main__":
