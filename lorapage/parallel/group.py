@@ -14,6 +14,7 @@ import multiprocessing
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -69,16 +70,25 @@ class TensorParallelGroup:
             self._conns.append(ours)
             self.processes.append(proc)
         try:
+            self._expect("joining")  # a worker that fails to start (an import, a device) is seen at once
             self.group = process_group(spec)
-            for rank, conn in enumerate(self._conns, 1):
-                if not conn.poll(START_TIMEOUT_S):
-                    raise TensorParallelError(f"tensor-parallel rank {rank} did not start in {START_TIMEOUT_S:.0f} s")
-                if (said := conn.recv()) != "ready":
-                    raise TensorParallelError(str(said))
+            self._expect("ready")
         except BaseException:
             self.close()
             raise
         self.all_reduce = all_reducer(self.group)
+
+    def _expect(self, word: str) -> None:
+        """Wait for every worker to say ``word``: TensorParallelError with what it said instead, or
+        when it exits or takes longer than START_TIMEOUT_S."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rank, (conn, proc) in enumerate(zip(self._conns, self.processes, strict=True), 1):
+            while not conn.poll(0.1):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    state = f"exited (code {proc.exitcode})" if not proc.is_alive() else "did not answer"
+                    raise TensorParallelError(f"tensor-parallel rank {rank} {state} while starting")
+            if (said := conn.recv()) != word:
+                raise TensorParallelError(str(said))
 
     def _check(self) -> None:
         """TensorParallelError if a rank has died or failed before."""

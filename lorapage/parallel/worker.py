@@ -50,6 +50,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
+    conn.send("joining")
     group = process_group(spec)
     try:
         runner, pool, tables = build_rank(spec)

@@ -180,3 +180,30 @@ def test_qwen3_matches_and_a_killed_rank_fails_requests_never_hangs(checkpoint, 
             asyncio.run(run(adapter))
         assert failed.value.status == 503  # the service is gone, not the request: a supervisor restarts it
     asyncio.run(engine.close())
+
+
+def test_a_rank_that_fails_to_start_fails_the_start_and_leaves_nothing(tmp_path):
+    """A worker that cannot build its shard says why; the group is not made and no process is left."""
+    import torch
+
+    from lorapage.parallel.group import TensorParallelError, TensorParallelGroup
+    from lorapage.parallel.wire import WorkerSpec
+
+    numbers = dict.fromkeys(("max_model_len", "block_size", "page_size", "num_pages", "lora_slots"), 8)
+    numbers |= dict.fromkeys(("page_list_width", "max_num_seqs", "max_num_batched_tokens", "max_blocks"), 8)
+    spec = WorkerSpec(
+        model_dir=str(tmp_path / "missing"),
+        world_size=2,
+        timeout_s=30,
+        device="cpu",
+        dtype=torch.float32,
+        lora_dtype=torch.float32,
+        kernel_backend="torch",
+        threads=1,
+        lora_h_width=8,
+        **numbers,
+    )
+    others = {p.pid for p in _workers()}
+    with pytest.raises(TensorParallelError, match="rank 1 failed to start"):
+        TensorParallelGroup(spec)
+    assert [p for p in _workers() if p.pid not in others] == []
