@@ -106,4 +106,9 @@ print(f"gpu_check on {bench.get('device', '?')}")
 for name, value, target, note in rows:
     print(f"  {name:<36} {value:<32} {target:<9} {note}")
 EOF
+# Tensor parallelism over NCCL (docs/parallel.md): TP=1 vs TP=2 on cuda:0 and cuda:1, tokens
+# compared, where the machine has two GPUs (NCCL refuses two ranks on one device).
+if [ -z "${GPU_CHECK_TINY:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  (cd bench && timeout 240 "$py" bench_tp.py --device cuda --rounds 1 --tokens 16) 2>&1 | tee "$out/bench_tp.log"
+fi
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

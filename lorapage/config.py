@@ -89,6 +89,19 @@ class EngineConfig:
         choices=LORA_DTYPE_NAMES,
     )
     device: str = option("auto", "auto | cpu | cuda | cuda:N", group="model")
+    tensor_parallel_size: int = option(
+        1,
+        "ranks the base, the KV pages and every resident adapter are split over (vLLM's name): this process is "
+        "rank 0 and starts the others (gloo on a CPU, NCCL on CUDA: cuda:0..N-1); Llama, Mistral, Qwen2 and "
+        "Qwen3 bases only, CUDA graphs off (docs/parallel.md)",
+        group="model",
+    )
+    tensor_parallel_timeout_s: float = option(
+        60.0,
+        "a tensor-parallel collective waiting longer than this fails the engine (a rank that died mid-step); "
+        "a dead rank process is seen before the next step without waiting",
+        group="model",
+    )
     logprobs_mode: str = option(
         "raw_logprobs",
         "what reported logprobs describe where a request does not say (vLLM's logprobs_mode): the model's "
@@ -444,6 +457,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.tier_min_hold_s must be >= 0; got {self.tier_min_hold_s}")
         if not self.tier_interval_s > 0:
             raise ValueError(f"EngineConfig.tier_interval_s must be > 0; got {self.tier_interval_s}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.tensor_parallel_timeout_s must be > 0; got {self.tensor_parallel_timeout_s}"
+            )
         if self.traffic_retention_hours < 25:  # the tiers read the last 24 hours, and the hour in progress
             raise ValueError(f"EngineConfig.traffic_retention_hours must be >= 25; got {self.traffic_retention_hours}")
         if not self.audit_retention_days >= 0:
@@ -466,6 +483,7 @@ class EngineConfig:
             "cost_reference_batch",
             "max_adapter_tokens",
             "max_model_len",
+            "tensor_parallel_size",
         )
         for name in positive:
             value = getattr(self, name)

@@ -139,6 +139,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.bases", "base upgrades: the drift check on two engines, validation jobs"),
     ("lorapage.engine", "the Engine facade, the step planner, the step loop"),
     ("lorapage.registry", "the SQLite store, version index, catalog, audit and drift state of adapter versions"),
+    ("lorapage.parallel", "tensor parallelism: the worker ranks, their base, KV and adapter shards, the wire"),
     ("lorapage.sources", "where adapter files come from: directories, https, s3, hf, the download cache"),
     ("lorapage.adapters", "PEFT format, names, layout in pages, residency rules, tiered cache, loader"),
     ("lorapage.model", "Llama decoder, tokenizer, sampler, runner, lookup tables"),

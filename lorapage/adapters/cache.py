@@ -81,9 +81,12 @@ class AdapterCache:
         metrics: AdapterMetrics | None = None,
         landed: Callable[[str], bool] = lambda digest: False,
         timer: Callable[[], float] = time.perf_counter,
+        layout_model: ModelConfig | None = None,
     ) -> None:
+        """``layout_model``: the model an adapter's pages are laid out for (a tensor-parallel
+        rank's shard, :func:`lorapage.parallel.shard_config`); None: ``model``."""
         self.model, self.pool, self.residency, self.loader = model, pool, residency, loader
-        self.checks = AdapterChecks(model, pool, loader, max_lora_rank, envelope, sequence_pages)
+        self.checks = AdapterChecks(model, pool, loader, max_lora_rank, envelope, sequence_pages, layout_model)
         self.costs = loader.costs
         self._on_ready, self._clock, self._landed, self._timer = on_ready, clock, landed, timer
         self.metrics = metrics or AdapterMetrics()

@@ -62,8 +62,10 @@ class AdapterChecks:
         max_lora_rank: int,
         envelope: Envelope,
         sequence_pages: int = 0,
+        layout_model: ModelConfig | None = None,
     ) -> None:
         self.model, self.pool, self.loader = model, pool, loader
+        self.layout_model = layout_model or model  # a tensor-parallel rank's shard of the model
         self.max_lora_rank, self.envelope = max_lora_rank, envelope
         self.sequence_pages = sequence_pages  # KV pages of one full-length sequence: an adapter must fit beside it
 
@@ -108,7 +110,12 @@ class AdapterChecks:
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
         """The adapter's page layout, refused when its pages cannot fit in the pool beside one
         full-length sequence's KV blocks: it could never serve a request here."""
-        layout = AdapterLayout.plan(spec, self.model, self.pool.adapter_page_size)
+        layout = AdapterLayout.plan(spec, self.layout_model, self.pool.adapter_page_size)
+        if layout.section is not None and self.layout_model is not self.model:
+            raise AdapterFormatError(
+                f"adapter at {str(spec.path)!r}: DoRA, lora_bias and embedding LoRA are not served under tensor "
+                "parallelism yet (docs/parallel.md); serve it on an engine with tensor_parallel_size 1"
+            )
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
             page_bytes = self.pool.page_size * self.pool.storage.element_size()
             shape = describe_shape(spec.max_rank, spec.target_modules, self.model.num_layers)

@@ -63,6 +63,18 @@ class Readable(Protocol):
     origin: Origin
 
 
+AdapterTensors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class RankShards(Protocol):
+    """Tensor parallelism's part in a load (:class:`lorapage.parallel.TensorParallelGroup`): each
+    rank's shard of an adapter's matrices, and the other ranks' packed shards sent to them."""
+
+    def split(self, tensors: AdapterTensors) -> list[AdapterTensors]: ...  # one per rank, rank 0 first
+
+    def send_pages(self, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]) -> None: ...
+
+
 class AdapterLoader:
     """Reads and packs versions in the I/O pool and copies them into pool pages on the device."""
 
@@ -78,6 +90,7 @@ class AdapterLoader:
         locate: Locate | None = None,
         timer: Callable[[], float] = time.perf_counter,
         base_weight: BaseWeight | None = None,
+        ranks: RankShards | None = None,
     ) -> None:
         self.pool, self.tables, self.dtype, self.costs = pool, tables, dtype, costs
         self.io = io_executor
@@ -85,6 +98,8 @@ class AdapterLoader:
         self.locate = locate  # None: files are read from the directory the spec names
         self.base_weight = base_weight  # the base's module weights, for DoRA's column norms (None: DoRA refused)
         self._timer = timer
+        # Under tensor parallelism a packed copy is [ranks, layers, ...]: every rank's shard.
+        self.ranks = ranks
         self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every read it does
         self.finite_digests: set[str] = set()  # digests of bytes validation found finite in ``dtype``
 
@@ -125,15 +140,12 @@ class AdapterLoader:
         return seconds
 
     def write_pages(self, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]) -> None:
-        """Host RAM -> pool pages, then the slot's table rows (runs on the device's thread)."""
-        n, size = len(pages), self.pool.adapter_page_size
-        src = packed.view(packed.shape[0], n, size)
-        storage = self.pool.adapter_storage
-        if pages[-1] - pages[0] == n - 1:
-            storage[:, pages[0] : pages[0] + n].copy_(src, non_blocking=True)
-        else:
-            storage[:, torch.tensor(pages, device=storage.device)] = src.to(storage.device, non_blocking=True)
-        self.tables.write_slot(slot, layout, pages)
+        """Host RAM -> pool pages, then the slot's table rows (runs on the device's thread); under
+        tensor parallelism the other ranks' shards are sent to them first."""
+        if self.ranks is not None:
+            self.ranks.send_pages(layout, packed[1:], slot, pages)
+            packed = packed[0]
+        write_adapter_pages(self.pool, self.tables, layout, packed, slot, pages)
 
     def _read_and_pack(self, version: Readable, spec: AdapterSpec) -> torch.Tensor:
         """Read both files once, check them against the registered digest (the bytes hashed are
@@ -162,7 +174,25 @@ class AdapterLoader:
         # pinned adapters could hold up to twice their size in page-locked RAM for good. A pageable
         # copy to the GPU is slower per byte (the driver stages it), a few ms per 7B adapter
         # against a sub-second TTFT budget.
-        return version.layout.pack(tensors, self.pool.adapter_page_size, section)
+        if self.ranks is None:
+            return version.layout.pack(tensors, self.pool.adapter_page_size, section)
+        assert section is None, "variants are refused under tensor parallelism (AdapterChecks.plan)"
+        shards = self.ranks.split(tensors)
+        return torch.stack([version.layout.pack(t, self.pool.adapter_page_size) for t in shards])
+
+
+def write_adapter_pages(
+    pool: PagePool, tables: LoraTables, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]
+) -> None:
+    """Copy a packed adapter [layers, pages * adapter page] into ``pages`` and point ``slot`` at them."""
+    n, size = len(pages), pool.adapter_page_size
+    src = packed.view(packed.shape[0], n, size)
+    storage = pool.adapter_storage
+    if pages[-1] - pages[0] == n - 1:
+        storage[:, pages[0] : pages[0] + n].copy_(src, non_blocking=True)
+    else:
+        storage[:, torch.tensor(pages, device=storage.device)] = src.to(storage.device, non_blocking=True)
+    tables.write_slot(slot, layout, pages)
 
 
 def content_digest(spec: AdapterSpec, weights: torch.Tensor) -> str:

@@ -25,7 +25,7 @@ from lorapage.adapters.binding import BaseBinding, BaseNames, load_base_names
 from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.envelope import Envelope
 from lorapage.adapters.layout import max_adapter_pages
-from lorapage.adapters.loader import AdapterLoader
+from lorapage.adapters.loader import AdapterLoader, RankShards
 from lorapage.adapters.metrics import AdapterMetrics
 from lorapage.adapters.pins import PinBounds
 from lorapage.adapters.residency import Residency, ResidencyLimits
@@ -61,6 +61,9 @@ from lorapage.model.merge import module_weight
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
+from lorapage.parallel import TensorParallelGroup, check_tensor_parallel, shard_config
+from lorapage.parallel.shards import shard_base
+from lorapage.parallel.wire import WorkerSpec
 from lorapage.request import Request
 from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, make_policy
 from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits
@@ -134,11 +137,22 @@ class Sizing:
     max_blocks: int  # KV blocks of the longest sequence
     max_model_len: int
     max_num_batched_tokens: int
+    tensor_parallel_size: int
+    shard_model: ModelConfig  # what one tensor-parallel rank holds (the base's config when there is one rank)
 
 
 def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     """The sizes, checked: ValueError naming the fields when a step could never hold its work."""
-    mc, bs = base.model_config, config.block_size
+    bs, tp = config.block_size, config.tensor_parallel_size
+    check_tensor_parallel(base.model_config, tp)
+    device = resolve_device(config.device)
+    if tp > 1 and device.type == "cuda" and not config.enforce_eager:
+        raise ValueError(
+            f"tensor_parallel_size {tp} on CUDA needs enforce_eager (--enforce-eager): decode steps are not "
+            "captured as CUDA graphs with their collectives yet (docs/parallel.md)"
+        )
+    # A rank's pool pages hold its KV heads and its shard of each adapter: sized from its shard.
+    mc = shard_config(base.model_config, tp)
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
     page_size = 2 * bs * mc.kv_size
     max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
@@ -155,7 +169,7 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
             f"({config.max_num_seqs}): every running sequence decodes one token per step"
         )
     return Sizing(
-        device=resolve_device(config.device),
+        device=device,
         dtype=dtype,
         lora_dtype=lora_dtype,
         block_size=bs,
@@ -165,14 +179,16 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
         max_blocks=-(-max_model_len // bs),
         max_model_len=max_model_len,
         max_num_batched_tokens=tokens,
+        tensor_parallel_size=tp,
+        shard_model=mc,
     )
 
 
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
-    weights = load_state_dict(base.model_dir, sizing.dtype)
+    weights = shard_base(load_state_dict(base.model_dir, sizing.dtype), 0, sizing.tensor_parallel_size)
     family = GemmaModel if base.model_config.gemma is not None else LlamaModel
-    return family(base.model_config, weights, sizing.device, sizing.dtype, sizing.max_model_len)
+    return family(sizing.shard_model, weights, sizing.device, sizing.dtype, sizing.max_model_len)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -201,11 +217,12 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
         config.max_loras, config.max_resident_loras, pool.capacity, sizing.adapter_pages, MAX_DERIVED_LORA_SLOTS
     )
     prefix_cache = PrefixCache(pool, clock)
+    list_width = page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size)
     page_bytes = mc.num_layers * sizing.page_size * pool.storage.element_size()
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, page_list_width(mc, config.max_lora_rank, pool.adapter_page_size), sizing.device),
+        tables=LoraTables(mc, slots, list_width, sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -260,6 +277,7 @@ class ForwardParts:
 
     ops: KernelOps
     runner: ModelRunner
+    parallel: TensorParallelGroup | None  # the other tensor-parallel ranks (None: one device)
 
 
 def build_forward(
@@ -277,12 +295,45 @@ def build_forward(
         sizing.max_blocks,
         lora_h_width(base.model_config, config.max_lora_rank),
     )
+    parallel = _start_ranks(config, base, sizing, memory) if sizing.tensor_parallel_size > 1 else None
+    if parallel is not None:
+        model.all_reduce = parallel.guard_reduce
+        runner.send_step, runner.on_close = parallel.send_step, parallel.close
+        return ForwardParts(ops, runner, parallel)
     # A MoE base's routing varies its shapes per step (model/moe.py): it runs eagerly.
     graphs = ops.captures_graphs and base.model_config.moe is None
     if sizing.device.type == "cuda" and graphs and not config.enforce_eager:
         with torch.cuda.device(sizing.device):
             runner.capture_decode_graphs(config.max_num_seqs)
-    return ForwardParts(ops, runner)
+    return ForwardParts(ops, runner, None)
+
+
+def _start_ranks(config: EngineConfig, base: BaseParts, sizing: Sizing, memory: MemoryParts) -> TensorParallelGroup:
+    """The worker ranks, each building the pool and tables rank 0 built, at its shard's sizes."""
+    tp = sizing.tensor_parallel_size
+    threads = forward_thread_count(config.num_threads, sizing.device)
+    return TensorParallelGroup(
+        WorkerSpec(
+            model_dir=str(base.model_dir),
+            world_size=tp,
+            timeout_s=config.tensor_parallel_timeout_s,
+            device=str(sizing.device),
+            dtype=sizing.dtype,
+            lora_dtype=sizing.lora_dtype,
+            kernel_backend=config.kernel_backend,
+            threads=max(1, threads // tp) if sizing.device.type == "cpu" else threads,
+            max_model_len=sizing.max_model_len,
+            block_size=sizing.block_size,
+            page_size=sizing.page_size,
+            num_pages=memory.pool.storage.shape[1],
+            lora_slots=memory.max_resident_loras,
+            page_list_width=memory.tables.page_table.shape[1],
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=sizing.max_num_batched_tokens,
+            max_blocks=sizing.max_blocks,
+            lora_h_width=lora_h_width(base.model_config, config.max_lora_rank),
+        )
+    )
 
 
 # -- threads -----------------------------------------------------------------------------------
@@ -292,6 +343,8 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
     device = sizing.device
     shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
     forward_threads = forward_thread_count(config.num_threads, device)
+    if device.type == "cpu":  # the ranks' forwards run at once: they share the cores
+        forward_threads = max(1, forward_threads // sizing.tensor_parallel_size)
     io_threads = io_thread_count(config.io_threads, device, forward_threads)
     threads = Threads(
         forward=ThreadPoolExecutor(
@@ -354,8 +407,10 @@ def build_adapters(
     roots: AdapterRoots | None,
     on_ready: Callable[[], None],
     model: LlamaModel,
+    ranks: RankShards | None = None,
 ) -> AdapterParts:
-    """``on_ready``: wakes the step loop when a load is done."""
+    """``on_ready``: wakes the step loop when a load is done; ``ranks``: the other tensor-parallel
+    ranks, sent their shard of each load."""
     roots = roots if roots is not None else ANYWHERE
     mc, pool = base.model_config, memory.pool
     costs = ReloadCosts(memory.page_bytes)
@@ -416,6 +471,7 @@ def build_adapters(
         run_on_device=threads.run_on_device,
         locate=files.locate,
         base_weight=functools.partial(module_weight, model),
+        ranks=ranks,
     )
     cache = AdapterCache(
         mc,
@@ -429,6 +485,7 @@ def build_adapters(
         sequence_pages=sizing.max_blocks,
         metrics=metrics,
         landed=sources.cached,
+        layout_model=sizing.shard_model,
     )
     return AdapterParts(residency, cache, sources, files, cache_dir, usage, metrics, roots, wall_clock)
 

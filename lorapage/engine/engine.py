@@ -89,7 +89,7 @@ class Engine:
         self._threads = threads = build_threads(config, sizing)
         self._wake_up = wakeup = Wakeup()  # rung by requests, aborts and finished adapter loads
         self._adapters = adapters = build_adapters(
-            config, base, sizing, memory, threads, clock, adapter_roots, wakeup, model
+            config, base, sizing, memory, threads, clock, adapter_roots, wakeup, model, forward.parallel
         )
         catalog = build_catalog(config, base, threads, adapters, self._check_open)  # the registry is its alone
         self._catalog, self._tiers = catalog.catalog, catalog.tiers
@@ -396,6 +396,8 @@ class Engine:
         key = self._catalog.resolve_version(name)
         if self._merged.adapter is not None:
             raise ConflictError(f"this engine already holds {self._merged.adapter!r} merged into its weights")
+        if self._sizing.tensor_parallel_size > 1:
+            raise ConflictError("merging an adapter into the base is not done under tensor parallelism yet")
         if self._steps.planner.requests:
             raise ConflictError("requests are in flight: the weights they run on cannot change under them")
         entry = self._adapters.cache.get(key)

@@ -102,7 +102,9 @@ class StepLoop:
                 raise
             except Exception as exc:  # never leave callers hanging on a dead loop
                 log.exception("engine step failed; failing the requests in flight")
-                self.planner.fail_all(EngineStepError(f"the engine step failed: {exc}"))
+                # One that says what failed (a lost tensor-parallel rank) is passed on as it is.
+                error = exc if isinstance(exc, EngineStepError) else EngineStepError(f"the engine step failed: {exc}")
+                self.planner.fail_all(error)
 
 
 def _execute(runner: ModelRunner, plan: StepPlan) -> Any:

@@ -8,6 +8,7 @@ then reads each sequence's context back from its pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,9 @@ class LlamaModel:
         # The projections' GEMM, and the layout their weights are held in (pack_weights).
         self.linear: Linear = linear_ref
         self._pack: PackWeight = keep_weight
+        # Tensor parallelism (lorapage.parallel): sums a row-parallel projection's partial output
+        # (o, down: base and LoRA together) over the ranks in place; None on one device.
+        self.all_reduce: Callable[[Tensor], None] | None = None
 
     def pack_weights(self, pack: PackWeight, linear: Linear) -> None:
         """Hold every projection's weight (and the logits') as ``pack`` lays it out, and compute
@@ -272,6 +276,8 @@ class LlamaModel:
             o = self.linear(attn_out, w["o"])
             if lora is not None:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
+            if self.all_reduce is not None:
+                self.all_reduce(o)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
             if self.moe_layers:
@@ -285,6 +291,8 @@ class LlamaModel:
             d = self.linear(act, w["down"])
             if lora is not None:
                 self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
+            if self.all_reduce is not None:
+                self.all_reduce(d)
             x = x + d
         return self._rms_norm(x, self.final_norm)
 

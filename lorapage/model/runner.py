@@ -8,6 +8,7 @@ tokens; within each part sequences are sorted by adapter slot so a slot's tokens
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,6 +26,22 @@ from lorapage.model.sampler import SampleOutput, SampleRow, sample, token_logpro
 from lorapage.model.step_buffers import StepBuffers
 from lorapage.request import Request, TokenLogprob
 from lorapage.structured.masks import bitmask_words, fill_bitmask
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step's forward reads: the plan less its requests and sampling (all that crosses to
+    the other tensor-parallel ranks each step, :mod:`lorapage.parallel`)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    token_slot: list[int]
+    segments: tuple[tuple[int, int, int], ...]
+    num_decode: int
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    prefill_query_starts: list[int]
 
 
 @dataclass
@@ -51,6 +68,20 @@ class StepPlan:
     completes: list[bool]  # whether each sequence samples a token this step
     sample_index: list[int]  # token index of each sampling sequence's last token, in row order
     sample_rows: list[SampleRow]  # one per sampling sequence, in row order
+
+    def inputs(self) -> StepInputs:
+        """The forward's part of the plan."""
+        return StepInputs(
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.token_slot,
+            self.segments,
+            self.num_decode,
+            self.block_tables,
+            self.context_lens,
+            self.prefill_query_starts,
+        )
 
     @classmethod
     def build(cls, decode: list[Request], prefill: list[tuple[Request, int]], block_size: int) -> StepPlan:
@@ -141,11 +172,17 @@ class ModelRunner:
         self._bitmask = torch.empty(0, dtype=torch.int32)
         self._bitmask_rows, self._vocab_size = max_num_seqs, model.config.vocab_size
         self._masks: ThreadPoolExecutor | None = None
+        # Under tensor parallelism: sends each step's inputs to the other ranks before this
+        # rank's forward, and stops them on close (lorapage.parallel.TensorParallelGroup).
+        self.send_step: Callable[[StepInputs], None] | None = None
+        self.on_close: Callable[[], None] | None = None
 
     def close(self) -> None:
-        """Stop the mask thread (if a constrained step ever started it)."""
+        """Stop the mask thread (if a constrained step ever started it), and the other ranks."""
         if self._masks is not None:
             self._masks.shutdown(wait=True)
+        if self.on_close is not None:
+            self.on_close()
 
     def _start_masks(self, plan: StepPlan) -> Future[Tensor] | None:
         """Fill the bitmasks of the plan's constrained rows beside the forward; None if it has none."""
@@ -171,39 +208,54 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> SampleOutput:
         """Forward the plan's tokens and sample one token per sequence."""
-        b, model = self.buffers, self.ctx.model
-        T, B = len(plan.input_ids), len(plan.block_tables)
-        for buf, values in (
-            (b.input_ids, plan.input_ids),
-            (b.positions, plan.positions),
-            (b.slot_mapping, plan.slot_mapping),
-            (b.token_slot, plan.token_slot),
-        ):
-            buf[:T].copy_(torch.tensor(values, dtype=buf.dtype))
-        nd = plan.num_decode
         masks = self._start_masks(plan)
-        if self.graphs is not None and nd == B and self.graphs.bucket(B) is not None:
+        B = len(plan.block_tables)
+        if self.graphs is not None and plan.num_decode == B and self.graphs.bucket(B) is not None:
+            self._write_tokens(plan.inputs())
             return self._replay(plan, masks)
-        width = max(len(t) for t in plan.block_tables)
-        self._write_rows(plan, width)
+        inputs = plan.inputs()
+        if self.send_step is not None:
+            self.send_step(inputs)
+        with torch.inference_mode():
+            hidden = self.forward_hidden(inputs)
+            if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
+                return SampleOutput([], [], [], self._prompt_logprobs(plan, hidden))
+            prompt_logprobs = self._prompt_logprobs(plan, hidden)
+            logits = self.ctx.model.logits(hidden[plan.sample_index])
+            out = sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
+            return out._replace(prompt_logprobs=prompt_logprobs) if prompt_logprobs else out
+
+    def forward_hidden(self, inputs: StepInputs) -> Tensor:
+        """The final hidden states [T, hidden] of the step's tokens (eager): what every
+        tensor-parallel rank runs on its shard."""
+        b = self.buffers
+        T, B, nd = len(inputs.input_ids), len(inputs.block_tables), inputs.num_decode
+        self._write_tokens(inputs)
+        width = max(len(t) for t in inputs.block_tables)
+        self._write_rows(inputs, width)
         attn = AttentionMetadata(
             slot_mapping=b.slot_mapping[:T],
             num_decode=nd,
             decode_block_table=b.block_tables[:nd, :width],
             decode_context_lens=b.context_lens[:nd],
             prefill_block_table=b.block_tables[nd:B, :width],
-            prefill_query_starts=plan.prefill_query_starts,
-            prefill_context_lens=plan.context_lens[nd:],
+            prefill_query_starts=inputs.prefill_query_starts,
+            prefill_context_lens=inputs.context_lens[nd:],
         )
-        lora = self._plan_lora(LoraIndices(b.token_slot[:T], plan.segments), T > nd) if plan.segments else None
+        segments = inputs.segments
+        lora = self._plan_lora(LoraIndices(b.token_slot[:T], segments), T > nd) if segments else None
         with torch.inference_mode():
-            hidden = self.ctx.forward(T, attn, lora)
-            if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
-                return SampleOutput([], [], [], self._prompt_logprobs(plan, hidden))
-            prompt_logprobs = self._prompt_logprobs(plan, hidden)
-            logits = model.logits(hidden[plan.sample_index])
-            out = sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
-            return out._replace(prompt_logprobs=prompt_logprobs) if prompt_logprobs else out
+            return self.ctx.forward(T, attn, lora)
+
+    def _write_tokens(self, inputs: StepInputs) -> None:
+        b, T = self.buffers, len(inputs.input_ids)
+        for buf, values in (
+            (b.input_ids, inputs.input_ids),
+            (b.positions, inputs.positions),
+            (b.slot_mapping, inputs.slot_mapping),
+            (b.token_slot, inputs.token_slot),
+        ):
+            buf[:T].copy_(torch.tensor(values, dtype=buf.dtype))
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: Tensor) -> tuple[tuple[int, int, list[TokenLogprob]], ...]:
         """For each prefill row that asked (``prompt_logprobs``): the logprobs of the prompt tokens
@@ -236,7 +288,7 @@ class ModelRunner:
         with torch.inference_mode():
             return sample(self.ctx.model.logits(hidden), plan.sample_rows, masks.result() if masks else None)
 
-    def _write_rows(self, plan: StepPlan, width: int) -> None:
+    def _write_rows(self, plan: StepInputs | StepPlan, width: int) -> None:
         """Block tables (zero-padded to ``width``) and context lengths of the plan's rows."""
         B = len(plan.block_tables)
         padded = [t + [0] * (width - len(t)) for t in plan.block_tables]

@@ -1,0 +1,99 @@
+"""What crosses from rank 0 to the worker ranks, and the collective the ranks share.
+
+Control goes over one pipe per worker, in order: a worker's messages are applied exactly in the
+order rank 0 sent them, so an adapter's pages are written on every rank before any step that
+reads its slot (rank 0 marks the adapter resident only after sending them). Data (the partial
+sums of the row-parallel projections) goes over a ``torch.distributed`` process group made
+directly on a file store in a private temporary directory: no port to choose, no default group,
+so several engines (and their ranks) share a host and a process without colliding.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lorapage.adapters.layout import AdapterLayout
+from lorapage.model.runner import StepInputs
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker rank needs to build its shard: the same numbers rank 0 built its own from."""
+
+    model_dir: str
+    world_size: int
+    timeout_s: float  # a collective waiting longer than this fails (a rank died mid-step)
+    device: str
+    dtype: torch.dtype
+    lora_dtype: torch.dtype
+    kernel_backend: str
+    threads: int  # intra-op threads of the worker's forward
+    max_model_len: int
+    block_size: int
+    page_size: int  # the shard's: elements of one page in one layer
+    num_pages: int
+    lora_slots: int
+    page_list_width: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_blocks: int
+    lora_h_width: int
+    rank: int = 0
+    store_path: str = ""  # the process group's rendezvous file (set by TensorParallelGroup)
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One step: the plan's token rows (every rank runs the same forward on its shard)."""
+
+    inputs: StepInputs
+
+
+@dataclass(frozen=True)
+class PagesMessage:
+    """An adapter load: this rank's shard of the packed adapter, the slot and the pages (the same
+    page ids on every rank: rank 0's pool plan is every rank's)."""
+
+    layout: AdapterLayout
+    packed: Tensor  # [num_layers, num_pages * adapter_page_size], this rank's shard
+    slot: int
+    pages: list[int]
+
+
+STOP = "stop"
+
+
+class Group(Protocol):
+    """A c10d backend's collective this code uses (its stubs do not declare it)."""
+
+    def allreduce(self, tensors: list[Tensor]) -> dist.Work: ...
+
+
+def process_group(spec: WorkerSpec) -> Group:
+    """The ranks' group (blocks until every rank joined): NCCL on CUDA, gloo over loopback elsewhere."""
+    store = dist.FileStore(spec.store_path, spec.world_size)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.device.startswith("cuda"):
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return cast(Group, dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, options))
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # its options, only private
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = timeout
+    return cast(Group, dist.ProcessGroupGloo(store, spec.rank, spec.world_size, options))
+
+
+def all_reducer(group: Group) -> Callable[[Tensor], None]:
+    """In-place sum of a row-parallel projection's partial output over the ranks."""
+
+    def all_reduce(t: Tensor) -> None:
+        group.allreduce([t]).wait()
+
+    return all_reduce

@@ -1,0 +1,72 @@
+"""A worker rank's process: builds its shard of the model, pool and tables, then applies rank 0's
+messages in order (a step's forward, an adapter's pages) until told to stop or its pipe closes."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+import torch
+
+from lorapage.adapters.loader import write_adapter_pages
+from lorapage.kernels.backend import select_backend
+from lorapage.memory.pool import PagePool
+from lorapage.model.config import ModelConfig
+from lorapage.model.llama import LlamaModel
+from lorapage.model.loader import load_state_dict
+from lorapage.model.lora_tables import LoraTables
+from lorapage.model.runner import ModelRunner
+from lorapage.parallel.shards import shard_base, shard_config
+from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, all_reducer, process_group
+
+log = logging.getLogger("lorapage.parallel")
+
+
+def build_rank(spec: WorkerSpec) -> tuple[ModelRunner, PagePool, LoraTables]:
+    """This rank's model shard, pool and lookup tables, the same shapes rank 0 made its own in."""
+    device = torch.device(spec.device)
+    mc = shard_config(ModelConfig.from_dir(spec.model_dir), spec.world_size)
+    state = shard_base(load_state_dict(spec.model_dir, spec.dtype), spec.rank, spec.world_size)
+    model = LlamaModel(mc, state, device, spec.dtype, spec.max_model_len)
+    pool = PagePool(mc.num_layers, spec.num_pages, spec.page_size, spec.dtype, device, spec.lora_dtype)
+    tables = LoraTables(mc, spec.lora_slots, spec.page_list_width, device)
+    ops = select_backend(spec.kernel_backend, device, spec.dtype)
+    runner = ModelRunner(
+        model,
+        pool,
+        tables,
+        ops,
+        spec.block_size,
+        spec.max_num_seqs,
+        spec.max_num_batched_tokens,
+        spec.max_blocks,
+        spec.lora_h_width,
+    )
+    return runner, pool, tables
+
+
+def run_worker(spec: WorkerSpec, conn: Connection) -> None:
+    """The worker's main: join the group, build, say ready, then serve rank 0's messages."""
+    torch.set_num_threads(spec.threads)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))
+    conn.send("joining")
+    group = process_group(spec)
+    try:
+        runner, pool, tables = build_rank(spec)
+        runner.ctx.model.all_reduce = all_reducer(group)
+    except Exception as exc:  # rank 0 reports it: the engine does not start
+        conn.send(f"rank {spec.rank} failed to start: {exc!r}")
+        return
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # rank 0 is gone
+            return
+        if isinstance(msg, StepMessage):
+            runner.forward_hidden(msg.inputs)
+        elif isinstance(msg, PagesMessage):
+            write_adapter_pages(pool, tables, msg.layout, msg.packed, msg.slot, msg.pages)
+        elif msg == STOP:
+            return
