@@ -212,6 +212,9 @@ class TrafficHourOut(msgspec.Struct):
     output_tokens: int
 
 
+TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
+
+
 class TrafficOut(msgspec.Struct):
     """A version's recent traffic: its hourly rows of the last 24 hours (the hour in progress and
     the 23 before; hours without requests left out), oldest first, and their totals."""

@@ -17,15 +17,13 @@ from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError
 from lorapage.frontend.admin import cost_fields
 from lorapage.frontend.admin_ops import Admin
 from lorapage.frontend.registration import Registration
-from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.frontend.responses import TRAFFIC_HOURS, AdapterOut, AdapterVersionOut, TrafficOut
 from lorapage.frontend.state import ServerState
 from lorapage.registry.drift_state import CheckPrompts
 from lorapage.serve.engine_backend import EngineBackend
 
 if TYPE_CHECKING:
     from lorapage.engine import Engine
-
-TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
 
 
 def local_admin(local: EngineBackend, state: ServerState[Any]) -> Admin:
