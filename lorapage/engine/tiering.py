@@ -3,8 +3,8 @@
 Requests and tokens are counted where cost is attributed (the usage ledger, per step, in memory:
 :meth:`~lorapage.usage.ledger.UsageLedger.take_traffic`). Every ``tier_interval_s`` the
 :class:`TierKeeper` takes those counts and, in one call on an I/O thread, adds them to the
-catalog's hourly traffic table (pruning hours past the retention: the registry is the catalog's
-alone, :class:`TrafficStore`), has SQLite sum each version's
+registry's hourly traffic table (pruning hours past the retention: :class:`TrafficStore`), has
+SQLite sum each version's
 requests of the last hour and the last 24 hours (one row per version, weighted by
 :func:`~lorapage.adapters.tiers.window_weights`) and judges every version's tier
 (:func:`~lorapage.adapters.tiers.assess`: pure, given the time).
@@ -48,9 +48,8 @@ def traffic_rows(taken: Mapping[TrafficKey, Traffic]) -> list[TrafficRow]:
 
 
 class TrafficStore(Protocol):
-    """Where the traffic table is kept: an engine's
-    :class:`~lorapage.registry.catalog.AdapterCatalog`, the registry's one holder. Blocking calls
-    (the tier keeper makes them on an I/O thread)."""
+    """Where the traffic table is kept: :class:`~lorapage.registry.traffic.RegistryTraffic` over an
+    engine's registry (or a fleet's). Blocking calls (the tier keeper makes them on an I/O thread)."""
 
     def keep_traffic(
         self, rows: list[TrafficRow], hour: int, retention_hours: int, *, audit_before: float | None = None

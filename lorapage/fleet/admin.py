@@ -37,7 +37,7 @@ from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import Tier
 from lorapage.engine.tiering import TierKeeper
 from lorapage.errors import ConflictError
-from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
+from lorapage.fleet.dedicated import DedicatedDeployments
 from lorapage.fleet.messages import EngineProfile, answered
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
@@ -57,7 +57,6 @@ class FleetAdapterOut(AdapterOut):
     """An adapter as the fleet's admin routes describe it: also where it is on each replica."""
 
     replicas: dict[str, str] = msgspec.field(default_factory=dict)  # replica id -> gpu | ram
-    dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
 
 
 class FleetDeployment:

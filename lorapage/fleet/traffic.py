@@ -21,13 +21,14 @@ the table (the ingress's automatic promotion counts it, :mod:`lorapage.fleet.aut
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from lorapage.adapters.tiers import TierRules, TierState
 from lorapage.config import EngineConfig
 from lorapage.engine.tiering import TierKeeper
-from lorapage.registry.store import Registry, TrafficRow
+from lorapage.registry.store import Registry
+from lorapage.registry.traffic import RegistryTraffic
 from lorapage.usage.ledger import Traffic, TrafficKey
 
 
@@ -48,27 +49,6 @@ class TrafficInbox:
             mine.requests += t.requests
             mine.prompt_tokens += t.prompt_tokens
             mine.output_tokens += t.output_tokens
-
-
-class RegistryTraffic:
-    """The fleet's registry as the keeper's :class:`~lorapage.engine.tiering.TrafficStore` (blocking)."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-
-    def keep_traffic(
-        self, rows: list[TrafficRow], hour: int, retention_hours: int, *, audit_before: float | None = None
-    ) -> None:
-        if rows:
-            self.registry.add_traffic(rows, hour, retention_hours)
-        if audit_before is not None:
-            self.registry.prune_audit(audit_before)
-
-    def requests_by_version(self, weights: Sequence[tuple[int, float, float]]) -> dict[str, tuple[float, float]]:
-        return self.registry.weighted_requests(weights)
-
-    def traffic_rows(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
-        return self.registry.traffic(since_hour, adapter_id)
 
 
 def fleet_tiers(
