@@ -160,8 +160,8 @@ class LocalDedicated:
             row = self.primary.admin.catalog.row(promotion.key)
             engine = await asyncio.to_thread(self._build, self.primary)
             engine.admin.tiers.follow()  # its traffic is the adapter's: counted in the primary's table
-            engine.admin.catalog.mirror(row.adapter_id, self.primary.admin.catalog.index.owner(row.adapter_id),
-                                        row.version, [row])  # fmt: skip
+            owner = self.primary.admin.catalog.index.owner(row.adapter_id)
+            engine.admin.catalog.mirror(row.adapter_id, owner, row.version, [row])  # the one version, no weights read
             promotion.engine = engine
             check = await merge_and_check(engine, promotion.key, self.prompts, tolerance=self.tolerance)
             promotion.check = check.as_json()
