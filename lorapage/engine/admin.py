@@ -45,7 +45,9 @@ class AdapterAdmin:
         running event loop (loads need it)."""
         self.catalog = catalog
         """The engine's versions, aliases, channels, pins and their record."""
-        self._cache, self._tiers, self._check_open, self._bind = cache, tiers, check_open, bind
+        self._cache, self._check_open, self._bind = cache, check_open, bind
+        self.tiers = tiers
+        """The traffic tiers (a fleet replica's follow the ingress's: :meth:`TierKeeper.follow`)."""
         self.wall_clock = tiers.wall_clock
         """Unix seconds by the engine's clock: the hours traffic and usage are counted in."""
         self.pusher = pusher
@@ -59,7 +61,7 @@ class AdapterAdmin:
         version = self.catalog.version(key)
         return dataclasses.replace(
             self._cache.info(key),
-            traffic_tier=self._tiers.tier(key).value,
+            traffic_tier=self.tiers.tier(key).value,
             adapter_id=version.adapter_id,
             version=version.version,
             digest=version.digest,
@@ -92,7 +94,7 @@ class AdapterAdmin:
         """``adapter_id``'s traffic rows of the last ``hours`` hours (the one in progress
         included), per version and hour, counts not yet written included."""
         self._check_open()
-        return await self._tiers.recent(adapter_id, hours)
+        return await self.tiers.recent(adapter_id, hours)
 
     async def refresh_tiers(self) -> dict[str, str]:
         """Write the traffic counted since the last time and judge every version's traffic tier
@@ -100,7 +102,7 @@ class AdapterAdmin:
         ones read into host RAM. Returns the versions not cold, with their tier."""
         self._check_open()
         self._bind()
-        states = await self._tiers.refresh()
+        states = await self.tiers.refresh()
         return {key: state.tier.value for key, state in states.items()}
 
     # -- pushed versions ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from lorapage.registry.catalog import AdapterCatalog
 from lorapage.registry.prepare import VersionPreparer
 from lorapage.registry.push import VersionPusher, push_root
 from lorapage.registry.store import REGISTRY_FILE, Registry
+from lorapage.registry.traffic import RegistryTraffic
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,10 @@ def build_catalog(
         check_open=check_open,
     )
     # Restores every version committed before a restart (reading no weights); the registry is its alone.
+    registry = Registry(_registry_path(config))
     catalog = AdapterCatalog(
         adapters.cache,
-        Registry(_registry_path(config)),
+        registry,
         preparer,
         base_digest=base.digest,
         io_executor=threads.io,
@@ -61,7 +63,7 @@ def build_catalog(
     tiers = TierKeeper(
         TierRules.from_config(config),
         adapters.usage,
-        catalog,
+        RegistryTraffic(registry),
         adapters.cache,
         threads.io,
         adapters.wall_clock,

@@ -3,15 +3,20 @@
 Requests and tokens are counted where cost is attributed (the usage ledger, per step, in memory:
 :meth:`~lorapage.usage.ledger.UsageLedger.take_traffic`). Every ``tier_interval_s`` the
 :class:`TierKeeper` takes those counts and, in one call on an I/O thread, adds them to the
-catalog's hourly traffic table (pruning hours past the retention: the registry is the catalog's
-alone, :class:`TrafficStore`), has SQLite sum each version's
+registry's hourly traffic table (pruning hours past the retention: :class:`TrafficStore`), has
+SQLite sum each version's
 requests of the last hour and the last 24 hours (one row per version, weighted by
 :func:`~lorapage.adapters.tiers.window_weights`) and judges every version's tier
 (:func:`~lorapage.adapters.tiers.assess`: pure, given the time).
-Back on the loop it only carries the result out: hot versions kept resident, warm ones read
-into host RAM (:meth:`~lorapage.adapters.cache.AdapterCache.set_hot`, ``prewarm``). The tiers are
-read from the table, so they survive a restart; a write that fails gives its counts back to the
-ledger for the next one.
+Back on the loop it only carries the result out (:meth:`TierKeeper.apply`): hot versions kept
+resident, warm ones read into host RAM (:meth:`~lorapage.adapters.cache.AdapterCache.set_hot`,
+``prewarm``). The tiers are read from the table, so they survive a restart; a write that fails
+gives its counts back to the ledger for the next one.
+
+In a fleet the same keeper runs twice (:mod:`lorapage.fleet.traffic`): at the ingress, over the
+fleet's registry and the counts every replica reports (it judges, and carries nothing out), and
+in each replica's engine, which *follows* (:meth:`TierKeeper.follow`): its counts leave with its
+heartbeats, and it carries out the tiers the ingress judged.
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
 
-from lorapage.adapters.cache import AdapterCache
 from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import HOUR_S, Tier, TierRules, TierState, assess, ranked, window_weights
 from lorapage.registry.store import TrafficRow
-from lorapage.usage.ledger import Traffic, TrafficKey, UsageLedger
+from lorapage.usage.ledger import Traffic, TrafficKey
 
 TIER_WINDOW_HOURS = 25  # the last 24 hours, and the hour in progress
 
@@ -44,9 +48,8 @@ def traffic_rows(taken: Mapping[TrafficKey, Traffic]) -> list[TrafficRow]:
 
 
 class TrafficStore(Protocol):
-    """Where the traffic table is kept: an engine's
-    :class:`~lorapage.registry.catalog.AdapterCatalog`, the registry's one holder. Blocking calls
-    (the tier keeper makes them on an I/O thread)."""
+    """Where the traffic table is kept: :class:`~lorapage.registry.traffic.RegistryTraffic` over an
+    engine's registry (or a fleet's). Blocking calls (the tier keeper makes them on an I/O thread)."""
 
     def keep_traffic(
         self, rows: list[TrafficRow], hour: int, retention_hours: int, *, audit_before: float | None = None
@@ -57,15 +60,37 @@ class TrafficStore(Protocol):
     def traffic_rows(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]: ...
 
 
+class TrafficCounts(Protocol):
+    """Where counts wait to be written: an engine's :class:`~lorapage.usage.ledger.UsageLedger`,
+    or the fleet's ingress's inbox of the replicas' reports."""
+
+    traffic: dict[TrafficKey, Traffic]  # counted since the last take
+
+    def take_traffic(self) -> dict[TrafficKey, Traffic]: ...
+
+    def restore_traffic(self, taken: Mapping[TrafficKey, Traffic]) -> None: ...
+
+
+class TierTarget(Protocol):
+    """What carries the tiers out: an engine's :class:`~lorapage.adapters.cache.AdapterCache`."""
+
+    @property
+    def entries(self) -> Mapping[str, object]: ...  # the versions it knows, by key
+
+    def set_hot(self, names: list[str]) -> None: ...
+
+    def prewarm(self, names: list[str]) -> None: ...
+
+
 class TierKeeper:
     """Writes the batched traffic counts and keeps every version's traffic tier (``states``)."""
 
     def __init__(
         self,
         rules: TierRules,
-        usage: UsageLedger,
+        usage: TrafficCounts,
         store: TrafficStore,
-        adapters: AdapterCache,
+        adapters: TierTarget | None,
         executor: Executor,
         wall_clock: Callable[[], float],
         *,
@@ -73,12 +98,15 @@ class TierKeeper:
         retention_hours: int,
         audit_retention_s: float = 0.0,
     ) -> None:
-        """``wall_clock``: Unix seconds (the engine's clock plus the ledger's offset)."""
+        """``wall_clock``: Unix seconds (the engine's clock plus the ledger's offset); ``adapters``
+        None: the tiers are judged here and carried out elsewhere (the fleet's ingress)."""
         self.rules, self.usage, self.store, self.adapters = rules, usage, store, adapters
         self.executor, self.wall_clock = executor, wall_clock
         self.interval_s, self.retention_hours = interval_s, retention_hours
         self.audit_retention_s = audit_retention_s  # 0: the audit trail is kept whole
         self.states: dict[str, TierState] = {}  # version key -> its tier; absent: cold
+        self.judged = 0  # judgements made here (a follower counts those it was sent)
+        self.leads = True  # False: another keeper judges (follow)
         self._task: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -87,8 +115,19 @@ class TierKeeper:
         state = self.states.get(key)
         return state.tier if state is not None else Tier.COLD
 
+    def follow(self) -> None:
+        """Judge no more here: the counts are taken by whoever reports them (a fleet replica's
+        heartbeat) and the tiers come back through :meth:`apply`."""
+        self.leads = False
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
     def start(self) -> None:
-        """Re-evaluate every ``interval_s`` on the running loop (a task of a loop that ended is gone)."""
+        """Re-evaluate every ``interval_s`` on the running loop (a task of a loop that ended is
+        gone); nothing while following."""
+        if not self.leads:
+            return
         if self._task is not None and not self._task.done() and self._task.get_loop() is asyncio.get_running_loop():
             return  # already running here
         self._lock = asyncio.Lock()
@@ -117,11 +156,19 @@ class TierKeeper:
             except Exception:  # not committed (one transaction): the next write takes the counts
                 self.usage.restore_traffic(taken)
                 raise
-            self.states = states
-            known = self.adapters.entries
-            self.adapters.set_hot([k for k in ranked(states, Tier.HOT) if k in known])
-            self.adapters.prewarm([k for k in ranked(states, Tier.WARM) if k in known])
+            self.judged += 1
+            self.apply(states)
             return states
+
+    def apply(self, states: dict[str, TierState]) -> None:
+        """Hold ``states`` as the tiers and carry them out: hot versions kept resident, warm ones
+        read into host RAM (a follower's tiers, judged by the keeper it follows)."""
+        self.states = states
+        if self.adapters is None:
+            return
+        known = self.adapters.entries
+        self.adapters.set_hot([k for k in ranked(states, Tier.HOT) if k in known])
+        self.adapters.prewarm([k for k in ranked(states, Tier.WARM) if k in known])
 
     def _write_and_assess(
         self, rows: list[TrafficRow], now: float, previous: dict[str, TierState]

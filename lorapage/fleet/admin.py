@@ -35,15 +35,16 @@ from aiohttp import web
 from lorapage.adapters.cache import AdapterInfo
 from lorapage.adapters.names import parse_name
 from lorapage.adapters.tiers import Tier
+from lorapage.engine.tiering import TierKeeper
 from lorapage.errors import ConflictError
-from lorapage.fleet.dedicated import DedicatedDeployments, PromotionOut
+from lorapage.fleet.dedicated import DedicatedDeployments
 from lorapage.fleet.messages import EngineProfile, answered
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
 from lorapage.frontend.admin import AdminRoutes, cost_fields, known_id, wait_until
 from lorapage.frontend.auth import Access
 from lorapage.frontend.registration import Registration
-from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.frontend.responses import TRAFFIC_HOURS, AdapterOut, AdapterVersionOut, TrafficOut
 from lorapage.registry.drift_state import CheckPrompts
 from lorapage.registry.prepare import PreparedVersion
 from lorapage.sources import AdapterRoots
@@ -56,7 +57,6 @@ class FleetAdapterOut(AdapterOut):
     """An adapter as the fleet's admin routes describe it: also where it is on each replica."""
 
     replicas: dict[str, str] = msgspec.field(default_factory=dict)  # replica id -> gpu | ram
-    dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
 
 
 class FleetDeployment:
@@ -76,9 +76,11 @@ class FleetDeployment:
         adapter_roots: AdapterRoots,
         sync_period_s: float,
         dedicated: DedicatedDeployments,
+        tiers: TierKeeper,
     ) -> None:
+        """``tiers``: the fleet's traffic record and tiers (:mod:`lorapage.fleet.traffic`)."""
         self.access, self.registry, self.engines, self.reports = access, registry, engines, reports
-        self.dedicated = dedicated
+        self.dedicated, self.tiers = dedicated, tiers
         self.profile, self.in_flight, self.draining = profile, in_flight, draining
         self.base_name = profile.base_name
         self.roots, self.sync_period_s = adapter_roots, sync_period_s
@@ -127,13 +129,18 @@ class FleetDeployment:
             versions=[r.version for r in self.registry.index.versions(adapter_id)],
             replicas=replicas,
             dedicated=promotion.out() if promotion is not None else None,
-            # merged: this version is served by its dedicated deployment (the only tier the fleet judges)
-            traffic_tier=Tier.MERGED.value if self.dedicated.route(key) is not None else None,
+            # merged: served by its dedicated deployment; else judged from every replica's traffic
+            traffic_tier=Tier.MERGED.value if self.dedicated.route(key) is not None else self.tiers.tier(key).value,
+            kept_hot=info.kept_hot,  # on the replica that described it (each carries the fleet's tiers out)
             **cost_fields(info),
         )
 
     async def traffic(self, out: AdapterOut) -> TrafficOut | None:
-        return None  # the ingress keeps no traffic table
+        """From the fleet's traffic table: every replica's counts, summed (the last few seconds'
+        reach it with the replicas' next heartbeats)."""
+        rows = await self.tiers.recent(out.id, TRAFFIC_HOURS)
+        first_hour = int(self.tiers.wall_clock() // 3600) - TRAFFIC_HOURS + 1
+        return TrafficOut.of([r for r in rows if r.version == out.version], first_hour)
 
     def versions(self, adapter_id: str) -> list[AdapterVersionOut]:
         base, current = self.profile.base_digest, self.registry.index.current(adapter_id)

@@ -7,6 +7,11 @@ starts the current version's deployment (:meth:`DedicatedDeployments.promote`), 
 deletes it. A promotion that fails is reported back to the policy, which waits ``retry_after_s``
 before it tries that adapter again. Audited as the admin routes' changes are, as actor
 ``auto-promotion``, with the rate in the log.
+
+On first use (:meth:`AutoPromoter.first_use`): a request the shared pool refused for its
+adapter's shape (outside the shared envelope) starts that version's deployment at once and waits
+for it, at most ``wait_s``; then the request goes there, or gets a 503 with ``Retry-After``. A
+hot adapter inside the envelope needs no wait: the shared pool serves it until its deployment does.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import time
 
 from lorapage.adapters.names import parse_name
-from lorapage.errors import LorapageError
+from lorapage.errors import LorapageError, ServiceUnavailableError
 from lorapage.fleet.dedicated import DedicatedDeployments
 from lorapage.fleet.promotion import PromotionPolicy
 
@@ -38,6 +43,33 @@ class AutoPromoter:
         """One answer's output tokens on version ``adapter`` (None: the base, not counted)."""
         if adapter is not None:
             self.policy.observe(parse_name(adapter)[0], tokens)
+
+    async def first_use(self, key: str) -> None:
+        """Version ``key``'s request was refused by the shared pool for its shape: its dedicated
+        deployment is started (unless one is starting, or failed within ``retry_after_s``) and
+        waited for, at most ``wait_s``. Returns once it serves; else a 503 with Retry-After."""
+        adapter_id, wait_s = parse_name(key)[0], self.dedicated.config.dedicated.wait_s
+        promotion = self.dedicated.promotions.get(adapter_id)
+        retry_s = self.policy.rules.retry_after_s
+        recent_failure = promotion is not None and promotion.state == "failed" and promotion.key == key
+        if recent_failure and promotion is not None and time.time() - promotion.since < retry_s:
+            raise ServiceUnavailableError(
+                f"adapter {key!r} is outside the shared envelope and its dedicated deployment failed: "
+                f"{promotion.reason}",
+                retry_after=max(1, round(retry_s - (time.time() - promotion.since))),
+            )
+        if promotion is None or promotion.state == "failed":
+            promotion = self.dedicated.promote(key, ACTOR)
+            log.info("automatic promote of %s: its first request, outside the shared envelope", key)
+        deadline = time.monotonic() + wait_s
+        while self.dedicated.route(key) is None and promotion.state == "starting" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.dedicated.route(key) is None:
+            raise ServiceUnavailableError(
+                f"adapter {key!r} is served by a dedicated deployment of its own (its shape is outside the shared "
+                f"envelope), which is {promotion.state}" + (f": {promotion.reason}" if promotion.reason else ""),
+                retry_after=max(1, round(wait_s)),
+            )
 
     def ensure_running(self) -> None:
         """Start the loop (on the running event loop) unless it runs."""

@@ -30,7 +30,7 @@ from prometheus_client import Counter as MetricCounter
 from ray.exceptions import RayActorError
 
 from lorapage.adapters.names import parse_name
-from lorapage.errors import LorapageError, ServiceUnavailableError
+from lorapage.errors import AdapterEnvelopeError, LorapageError, ServiceUnavailableError
 from lorapage.fleet.auto_promote import AutoPromoter
 from lorapage.fleet.bases import FleetBases
 from lorapage.fleet.config import FleetConfig
@@ -218,13 +218,18 @@ class FleetBackend:
                     elif isinstance(item, LorapageError):
                         job.prompt_computed -= counted  # refused: nothing was computed
                         counted = 0
-                        raise item
+                        if self.auto is None or job.adapter is None or not isinstance(item, AdapterEnvelopeError):
+                            raise item
+                        await self.auto.first_use(job.adapter)  # --auto-promote: its deployment started, waited for
+                        break
                     elif job.stream or item.finished:
                         passed_on = True
                         yield item
                     elif item.token_ids and job.first_token_at is None:  # a whole answer's TTFT: when it came
                         job.first_token_at = time.monotonic()
-                return
+                else:
+                    return
+                continue  # promoted on first use: sent again at once, to its dedicated deployment
             except RayActorError:
                 job.prompt_computed -= counted  # resent: the next replica's start counts it again
                 counted = 0

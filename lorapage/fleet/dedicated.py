@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
-import msgspec
 from ray import serve
 from ray.exceptions import RayActorError
 
@@ -38,6 +37,7 @@ from lorapage.fleet.merged import MergedReplica, MergedStatus
 from lorapage.fleet.messages import EngineProfile, IdState
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.start import run_app
+from lorapage.frontend.responses import PromotionOut
 from lorapage.usage.ledger import Key, Usage
 
 log = logging.getLogger("lorapage.fleet")
@@ -46,19 +46,6 @@ T = TypeVar("T")
 MERGED_DEPLOYMENT = "MergedReplica"
 _STATUS_TIMEOUT_S = 30.0  # for a running replica's verdict (it was computed in its constructor)
 State = Literal["starting", "merged", "failed", "stopping"]
-
-
-class PromotionOut(msgspec.Struct):
-    """An adapter's dedicated deployment as ``GET /v1/adapters/{id}`` shows it."""
-
-    state: str  # starting | merged | failed | stopping
-    version: int  # the version merged
-    deployment: str  # the Serve application's name
-    since: int  # Unix seconds, when it entered this state
-    actor: str  # who asked (an admin key's id, or "auto-promotion")
-    replicas: list[str] = msgspec.field(default_factory=list)  # its replicas' ids, once checked
-    check: dict | None = None  # the equivalence check's numbers (MergeCheck.as_json)
-    reason: str | None = None  # why it failed
 
 
 @dataclass

@@ -31,7 +31,16 @@ def add_dedicated_arguments(p: argparse.ArgumentParser) -> None:
         "--auto-promote",
         action="store_true",
         help="promote an adapter whose own output tokens/s stays >= --promote-tokens-per-s for --promote-after "
-        "seconds, and demote it once they stay < --demote-tokens-per-s for --demote-after seconds",
+        "seconds (the shared pool serves it meanwhile), and an adapter outside the shared envelope on its first "
+        "request (which waits at most --dedicated-wait seconds, then gets a 503 with Retry-After); demote either "
+        "once its tokens/s stay < --demote-tokens-per-s for --demote-after seconds",
+    )
+    group.add_argument(
+        "--dedicated-wait",
+        type=float,
+        default=_DEFAULTS.wait_s,
+        metavar="SECONDS",
+        help="with --auto-promote: how long a request waits for the dedicated deployment its first use started",
     )
     group.add_argument(
         "--promote-tokens-per-s",
@@ -70,6 +79,7 @@ def dedicated_config(args: argparse.Namespace, prog: str) -> DedicatedConfig:
             auto=args.auto_promote,
             rules=rules,
             start_timeout_s=args.dedicated_start_timeout,
+            wait_s=args.dedicated_wait,
         )
     except ValueError as exc:
         fail(prog, f"--auto-promote / --dedicated-*: {exc}")

@@ -49,6 +49,7 @@ from lorapage.fleet.messages import EngineProfile, Heartbeat, SyncReply, answere
 from lorapage.fleet.prewarm import PREWARMS
 from lorapage.fleet.registry import FleetRegistry
 from lorapage.fleet.telemetry import ReplicaReports
+from lorapage.fleet.traffic import fleet_tiers, tiers_for
 from lorapage.fleet.upgrades import FleetUpgrades
 from lorapage.frontend.access_log import AccessLog
 from lorapage.frontend.admin import add_admin_routes
@@ -101,6 +102,8 @@ class FleetIngress:
             if (owner := self.registry.index.owner(adapter_id)) is not None:
                 self.access.set_owner(adapter_id, owner)
         self.reports = ReplicaReports(config.sync_period_s, time.monotonic)
+        # The fleet's one traffic record: the replicas' counts summed in the registry, tiers judged here.
+        self.tiers, self.traffic = fleet_tiers(config.engine, self.registry.registry, time.time)
         # Promoted adapters' merged deployments (Serve applications of their own), and --auto-promote.
         self.dedicated = DedicatedDeployments(config, self.registry, self._profile)
         self.auto = AutoPromoter(self.dedicated, config.dedicated.interval_s) if config.dedicated.auto else None
@@ -136,6 +139,7 @@ class FleetIngress:
             adapter_roots=self.config.roots(),
             sync_period_s=self.config.sync_period_s,
             dedicated=self.dedicated,
+            tiers=self.tiers,
         )
         routes = add_admin_routes(app, Admin(self.registry, deployment))
         add_audit_routes(app)
@@ -152,6 +156,9 @@ class FleetIngress:
         runner = getattr(self, "runner", None)  # None: the constructor failed before it listened
         if runner is not None:
             await runner.cleanup()
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            await tiers.stop()  # the counts reported since the last write
 
     # -- Ray-side calls (the CLI, the replicas) ---------------------------------------------------
 
@@ -168,14 +175,19 @@ class FleetIngress:
         return self.registry.index.ids()
 
     async def sync(self, beat: Heartbeat) -> SyncReply:
-        """A replica's heartbeat: recorded, and answered with what it must mirror."""
+        """A replica's heartbeat: recorded (its traffic counts added to the fleet's), and answered
+        with what it must mirror and the tiers it must carry out."""
         self.reports.record(beat)
+        self.traffic.restore_traffic(beat.traffic)
+        self.tiers.start()  # judged every tier_interval_s on this loop (once started, a no-op)
         self.dedicated.ensure_adopted()  # a restarted ingress takes over the merged deployments running
         if self.auto is not None:  # heartbeats never stop: the rules are judged with traffic or without
             self.auto.ensure_running()
         reply = self.registry.changes_since(beat.epoch, beat.generation, self.access.tenants.weights())
-        prewarms = PREWARMS.take(beat.replica_id)
-        return dataclasses.replace(reply, prewarms=prewarms) if prewarms else reply
+        tiers = tiers_for(self.tiers, beat.tiers_judged, reply.full)
+        return dataclasses.replace(
+            reply, prewarms=PREWARMS.take(beat.replica_id), tiers=tiers, tiers_judged=self.tiers.judged
+        )
 
     def reload_tenants(self, text: str) -> str:
         """Apply an edited tenants file: keys, adapter lists, quotas (buckets keep their level)

@@ -5,13 +5,15 @@ Kept free of Ray imports so the records (and their tests) load without the ``[fl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
+from lorapage.adapters.tiers import TierState
 from lorapage.engine.stats import EngineStats
 from lorapage.errors import LorapageError
 from lorapage.registry.store import VersionRow
 from lorapage.sampling_params import SamplingParams
+from lorapage.usage.ledger import Traffic, TrafficKey
 
 T = TypeVar("T")
 
@@ -69,7 +71,8 @@ class IdState:
 @dataclass(frozen=True)
 class Heartbeat:
     """What an engine replica tells the ingress every ``sync_period_s``: the registry generation
-    it has mirrored (0: none yet), its ``Engine.stats()`` and its engine series (Prometheus text)."""
+    it has mirrored (0: none yet), its ``Engine.stats()`` and its engine series (Prometheus text),
+    and its traffic counts since its last heartbeat (:mod:`lorapage.fleet.traffic`)."""
 
     replica_id: str
     epoch: str  # the ingress process the generation counts in ("" before the first reply)
@@ -77,13 +80,16 @@ class Heartbeat:
     stats: EngineStats
     metrics: bytes
     base_digest: str = ""  # the base its engine runs: which deployment it is (--base, lorapage.fleet.bases)
+    traffic: dict[TrafficKey, Traffic] = field(default_factory=dict)  # requests and tokens per (hour, version)
+    tiers_judged: int = 0  # the ingress's tier judgement it carries out (0: none yet)
 
 
 @dataclass(frozen=True)
 class SyncReply:
     """The ingress's answer: the ids changed since the replica's generation (``full``: every id,
     and any other the replica holds is gone), admin unloads since then, the VTC shares, and the
-    pre-warms the request router asked of this replica (:mod:`lorapage.fleet.prewarm`)."""
+    pre-warms the request router asked of this replica (:mod:`lorapage.fleet.prewarm`), and the
+    fleet's traffic tiers when judged since the replica's last (:mod:`lorapage.fleet.traffic`)."""
 
     epoch: str
     generation: int
@@ -92,3 +98,5 @@ class SyncReply:
     unloads: tuple[str, ...]
     tenant_weights: dict[str, float]
     prewarms: tuple[str, ...] = ()  # versions the router made this replica an owner of: load them
+    tiers: dict[str, TierState] | None = None  # the fleet's traffic tiers, when newer than the replica's
+    tiers_judged: int = 0  # which judgement ``tiers`` is

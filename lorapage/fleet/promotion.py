@@ -69,12 +69,19 @@ class DedicatedConfig:
     interval_s: float = 5.0  # how often the automatic rules are judged
     start_timeout_s: float = 300.0
     check_prompts: int = 32  # of the adapter's stored check prompts, beside the built-in ones
+    wait_s: float = 30.0  # with auto: a first request's wait for a deployment started by its use (then 503)
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.interval_s <= 0 or self.start_timeout_s <= 0 or self.check_prompts < 0:
+        if (
+            self.replicas < 1
+            or self.interval_s <= 0
+            or self.start_timeout_s <= 0
+            or self.check_prompts < 0
+            or not 0 < self.wait_s < math.inf
+        ):
             raise ValueError(
-                "dedicated replicas must be >= 1, interval_s and start_timeout_s > 0, check_prompts >= 0; got "
-                f"{self.replicas}, {self.interval_s}, {self.start_timeout_s}, {self.check_prompts}"
+                "dedicated replicas must be >= 1, interval_s, start_timeout_s and wait_s > 0, check_prompts >= 0; "
+                f"got {self.replicas}, {self.interval_s}, {self.start_timeout_s}, {self.wait_s}, {self.check_prompts}"
             )
 
 

@@ -62,6 +62,8 @@ class EngineReplica:
             adapter_roots=adapter_roots,
         )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._tiers = self.engine.admin.tiers
+        self._tiers.follow()  # the ingress judges the fleet's tiers from every replica's counts
         self.in_flight = 0
         self.sync_period_s = sync_period_s
         self._metrics = CollectorRegistry()
@@ -232,10 +234,16 @@ class EngineReplica:
                 self.engine.stats(),
                 generate_latest(self._metrics),
                 self.engine.digest,
+                traffic=self._tiers.usage.take_traffic(),
+                tiers_judged=self._tiers.judged,
             )
             if self._ingress is None:
                 self._ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
-            reply: SyncReply = await self._ingress.sync.remote(beat)
+            try:
+                reply: SyncReply = await self._ingress.sync.remote(beat)
+            except BaseException:  # not counted at the ingress: the next heartbeat reports them
+                self._tiers.usage.restore_traffic(beat.traffic)
+                raise
             await self._apply(reply)
 
     async def _apply(self, reply: SyncReply) -> None:
@@ -259,6 +267,9 @@ class EngineReplica:
             task = asyncio.get_running_loop().create_task(self._prewarm(key))
             self._prewarming.add(task)
             task.add_done_callback(self._prewarming.discard)
+        if reply.tiers is not None:  # the fleet's tiers, judged at the ingress: hot kept resident, warm read in
+            self._tiers.apply(reply.tiers)
+            self._tiers.judged = reply.tiers_judged
         if reply.tenant_weights != self._weights:
             self._weights = dict(reply.tenant_weights)
             self.engine.set_tenant_weights(self._weights)

@@ -212,6 +212,9 @@ class TrafficHourOut(msgspec.Struct):
     output_tokens: int
 
 
+TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
+
+
 class TrafficOut(msgspec.Struct):
     """A version's recent traffic: its hourly rows of the last 24 hours (the hour in progress and
     the 23 before; hours without requests left out), oldest first, and their totals."""
@@ -234,6 +237,20 @@ class TrafficOut(msgspec.Struct):
             sum(h.output_tokens for h in hours),
         )
         return cls(last_24h=total, hours=hours)
+
+
+class PromotionOut(msgspec.Struct):
+    """An adapter's dedicated deployment (its weights merged into the base) as ``GET
+    /v1/adapters/{id}`` shows it: a fleet's Serve application, or a merged engine in ``lorapage serve``."""
+
+    state: str  # starting | merged | failed | stopping
+    version: int  # the version merged
+    deployment: str  # the Serve application's name (a fleet), or "in-process" (lorapage serve)
+    since: int  # Unix seconds, when it entered this state
+    actor: str  # who asked (an admin key's id, or "auto-promotion")
+    replicas: list[str] = msgspec.field(default_factory=list)  # its replicas' ids, once checked (a fleet)
+    check: dict | None = None  # the equivalence check's numbers (MergeCheck.as_json)
+    reason: str | None = None  # why it failed
 
 
 class AdapterOut(msgspec.Struct):
@@ -260,10 +277,11 @@ class AdapterOut(msgspec.Struct):
     projected_cost_pct: float | None = None
     cost: AdapterCostOut | None = None
     serving_tier: str = "shared"  # shared | dedicated, from its shape and the serving envelope
-    # From its hourly traffic (docs/capacity.md): cold | warm | hot; never declared. None (and the
-    # next two): not judged where this answer comes from (the fleet's ingress has no traffic table).
+    # From its hourly traffic (docs/capacity.md): cold | warm | hot, or merged while its dedicated
+    # deployment serves it; never declared. None (and the next two): not judged where this answer comes from.
     traffic_tier: str | None = None
     kept_hot: bool | None = None  # kept resident for being hot (within the pins' bounds)
     status: str | None = None  # resident | loading | failed | available | draining
     traffic: TrafficOut | None = None  # GET /v1/adapters/{id} only
+    dedicated: PromotionOut | None = None  # its dedicated merged deployment (POST .../promote), if any
     object: str = "adapter"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -56,7 +56,7 @@ from lorapage.registry.prepare import (
     spec_from_json,
     spec_to_json,
 )
-from lorapage.registry.store import Registry, TrafficRow, VersionRow
+from lorapage.registry.store import Registry, VersionRow
 from lorapage.registry.version_index import VersionIndex, VersionReads
 
 log = logging.getLogger("lorapage.adapters")
@@ -243,6 +243,7 @@ class AdapterCatalog:
         activate: bool = True,
         timeout_s: float = REGISTRATION_TIMEOUT_S,
         actor: str | None = None,
+        envelope: bool = True,
     ) -> tuple[VersionInfo, bool]:
         """A new version of ``name`` from a directory or a source URI (``file://``, ``https://``,
         ``s3://``, ``hf://``): fetched and verified against ``sha256`` when given, read and checked
@@ -250,13 +251,16 @@ class AdapterCatalog:
         before this returns; the alias then points at it when ``activate``. It must have been
         trained on this base: ``expected_base_digest`` when given, else its
         ``base_model_name_or_path`` says so (:mod:`lorapage.adapters.binding`). Content equal to an
-        existing version of ``name`` returns that version (``created`` False)."""
+        existing version of ``name`` returns that version (``created`` False). ``envelope`` False:
+        one outside the shared envelope is stored too (tier ``dedicated``: its requests here are
+        refused with the envelope's 400; ``lorapage serve``'s dedicated tier serves it merged)."""
         self._check_open()
         async with self.preparer.fetched(source, sha256, owner) as (uri, path):
             self._index.check_owner(name, owner)
             checked = await self.preparer.check_in_worker(
-                name, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s
-            )
+                name, path, sha256=sha256, expected_base_digest=expected_base_digest, timeout_s=timeout_s,
+                envelope=envelope,
+            )  # fmt: skip
             return await self._store(name, checked, uri, owner=owner, activate=activate, actor=actor)
 
     async def register_checked(
@@ -345,6 +349,11 @@ class AdapterCatalog:
         """Show a stored registration in the live view, and a new version in the cache."""
         if created:
             entry = self._index.add(row, owner, activate=activate)
+            try:
+                self._cache.checks.check_envelope(checked.spec)
+            except AdapterFormatError as exc:  # registered for the dedicated tier (envelope False): refused here
+                self._unfit[row.key] = exc
+                return self._info(row)
             self._cache.add(row.key, checked.spec, checked.layout, row.digest, Origin(row.source, entry.owner))
             return self._info(row)
         if row.source != source:  # the files moved, or their old place is gone: later loads read from here
@@ -541,24 +550,6 @@ class AdapterCatalog:
             self._io,
             lambda: self._registry.record(action, adapter_id, actor=actor, tenant=owner, after=after, outcome=outcome),
         )
-
-    def keep_traffic(
-        self, rows: list[TrafficRow], hour: int, retention_hours: int, *, audit_before: float | None = None
-    ) -> None:
-        """Add ``rows`` to the hourly traffic table (hours past ``retention_hours`` deleted) and drop
-        the audit rows older than ``audit_before``, if given (blocking: the tier keeper's upkeep)."""
-        if rows:
-            self._registry.add_traffic(rows, hour, retention_hours)
-        if audit_before is not None:
-            self._registry.prune_audit(audit_before)
-
-    def requests_by_version(self, weights: Sequence[tuple[int, float, float]]) -> dict[str, tuple[float, float]]:
-        """Every version's requests, weighted per hour (:meth:`Registry.weighted_requests`; blocking)."""
-        return self._registry.weighted_requests(weights)
-
-    def traffic_rows(self, since_hour: int, adapter_id: str | None = None) -> list[TrafficRow]:
-        """The traffic rows from hour ``since_hour`` on, of ``adapter_id`` or of every id (blocking)."""
-        return self._registry.traffic(since_hour, adapter_id)
 
     async def migrate_version(self, state: MigrationRow, *, actor: str | None = None) -> VersionRow:
         """Version ``state.key``, whose drift check passed, stored again bound to ``state.target``

@@ -14,14 +14,16 @@ from aiohttp import web
 
 from lorapage.frontend.access_log import AccessLog
 from lorapage.frontend.admin import add_admin_routes
+from lorapage.frontend.admin_ops import Admin
 from lorapage.frontend.app import BACKGROUND, DEFAULT_MAX_BODY_BYTES, STATE, ServerState, build_app
 from lorapage.frontend.audit_route import add_audit_routes
 from lorapage.frontend.auth import Access
 from lorapage.frontend.bases_route import add_base_routes
 from lorapage.frontend.edge import EdgeLimits
 from lorapage.frontend.push_route import PUSH_MAX_BODY_BYTES, add_push_routes
+from lorapage.serve.dedicated import LocalDedicated
 from lorapage.serve.engine_backend import ENGINES, EngineBackend
-from lorapage.serve.local_admin import local_admin
+from lorapage.serve.local_admin import LocalDeployment
 from lorapage.serve.upgrades import LocalUpgrades
 from lorapage.tenancy.slo import DEFAULT_WINDOW_S
 from lorapage.tenancy.tenants import TenantsConfig, TenantsConfigError
@@ -82,6 +84,7 @@ def create_app(
     slo_window_s: float = DEFAULT_WINDOW_S,
     bases: Sequence[Engine] = (),
     max_push_bytes: int = PUSH_MAX_BODY_BYTES,
+    dedicated: LocalDedicated | None = None,
 ) -> web.Application:
     """``lorapage serve``'s app: the front end over ``engine`` (the caller owns it) and, with
     ``bases``, the engines of other bases served beside it (the primary's registry is the
@@ -89,10 +92,11 @@ def create_app(
     with the admin, base-migration and audit routes over the primary's registry, and pushes of
     versions from memory to the primary (bodies of at most ``max_push_bytes``). Admin
     registration reads adapter directories only under the engine's ``adapter_roots`` (an engine
-    built to read any directory lets HTTP registration read none). The keyword arguments are
-    :func:`build_app`'s.
+    built to read any directory lets HTTP registration read none). ``dedicated``: the merged
+    engines of promoted adapters (:mod:`lorapage.serve.dedicated`; default: promoted by the admin
+    routes only). The other keyword arguments are :func:`build_app`'s.
     """
-    local = EngineBackend(engine, bases)
+    local = EngineBackend(engine, bases, dedicated)
     # Owners registered over the admin API survive restarts in the engine's registry.
     for adapter_id, owner in engine.admin.catalog.owners().items():
         access.set_owner(adapter_id, owner)
@@ -100,7 +104,9 @@ def create_app(
     def serve_routes(app: web.Application) -> None:
         app[ENGINES] = local
         state: ServerState[EngineBackend] = app[STATE]
-        add_admin_routes(app, local_admin(local, state))
+        deployment = LocalDeployment(local, state)
+        routes = add_admin_routes(app, Admin(engine.admin.catalog, deployment))
+        deployment.add_routes(app, routes)  # promote, demote: the fleet's routes
         add_audit_routes(app)
         add_base_routes(app, LocalUpgrades(local.engines))
         add_push_routes(app, engine.admin.push, max_push_bytes)

@@ -57,6 +57,7 @@ from lorapage.frontend.flags import (
 from lorapage.frontend.run import listen, serve_until_signal
 from lorapage.registry.store import REGISTRY_FILE, RegistrySchemaError
 from lorapage.serve.app import create_app, reload_tenants
+from lorapage.serve.dedicated import DEFAULT_WAIT_S, LocalDedicated
 from lorapage.serve.engine_backend import ENGINES
 from lorapage.sources import AdapterRoots
 from lorapage.tenancy.tenants import SHARED, TenantsConfig, TenantsConfigError
@@ -116,6 +117,21 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
         help="the --merge check's bound on |d logprob| of a chosen token, and on the gap of a near-tie (default: "
         + ", ".join(f"{v:g} in {k}" for k, v in TOLERANCES.items())
         + ")",
+    )
+    group.add_argument(
+        "--auto-promote",
+        action="store_true",
+        help="the dedicated tier without an admin: an adapter outside the shared envelope registers (tier "
+        "dedicated) and its first request starts its merged engine beside the shared one (merged, checked, then "
+        "serving); its requests wait for it at most --dedicated-wait seconds, then get a 503 with Retry-After "
+        "(default: off; POST /v1/adapters/{id}/promote starts one either way)",
+    )
+    group.add_argument(
+        "--dedicated-wait",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        metavar="SECONDS",
+        help="how long a request for an adapter whose merged engine is starting waits for it before a 503",
     )
 
 
@@ -217,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     modules = lora_modules(args, PROG)
     merge = merge_target(args, modules)
+    if not 0 < args.dedicated_wait < float("inf"):
+        fail(PROG, f"--dedicated-wait must be a number of seconds > 0; got {args.dedicated_wait}")
     check_prompts = merge_check_prompts(args) if merge is not None else []
     roots = adapter_roots(args, modules, PROG)
     keys = api_keys(args, PROG)
@@ -281,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 access_log=access_log,
                 slo_window_s=window,
                 bases=bases,
+                dedicated=LocalDedicated(engine, auto=args.auto_promote, wait_s=args.dedicated_wait),
             )
         except ValueError as exc:  # a --base that cannot serve beside --model
             fail(PROG, f"--base: {exc}")

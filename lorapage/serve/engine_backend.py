@@ -18,16 +18,19 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from lorapage.adapters.names import parse_name
+from lorapage.errors import AdapterEnvelopeError
 from lorapage.frontend.auth import Access
 from lorapage.frontend.generation import Job, engine_outputs
 from lorapage.frontend.metrics import BaseGauges, ServerMetrics
 from lorapage.frontend.models_view import BaseCard, ModelsView
 from lorapage.frontend.prompt_sampler import PromptSampler
 from lorapage.request import PromptProgress, TokenStream
+from lorapage.serve.dedicated import LocalDedicated
 from lorapage.serve.engines import Engines
 from lorapage.tenancy.quota import overload_retry_after_s
 from lorapage.tenancy.slo import SloTracker
 from lorapage.usage.ledger import Key, Usage
+from lorapage.usage.report import summed
 
 if TYPE_CHECKING:
     from lorapage.engine import Engine
@@ -37,11 +40,13 @@ log = logging.getLogger("lorapage.server")
 
 
 class EngineBackend:
-    """The primary ``engine`` (its registry is the server's) and the engines of ``bases`` beside it."""
+    """The primary ``engine`` (its registry is the server's), the engines of ``bases`` beside it,
+    and the merged engines of the adapters promoted (``dedicated``, :mod:`lorapage.serve.dedicated`)."""
 
-    def __init__(self, engine: Engine, bases: Sequence[Engine] = ()) -> None:
+    def __init__(self, engine: Engine, bases: Sequence[Engine] = (), dedicated: LocalDedicated | None = None) -> None:
         self.engine = engine
         self.engines = Engines([engine, *bases])
+        self.dedicated = dedicated or LocalDedicated(engine)
         self.tokenizer = engine.tokenizer
         self.base_name = engine.base_name
         self.max_model_len = engine.max_model_len
@@ -92,7 +97,14 @@ class EngineBackend:
         )
 
     def version(self, name: str) -> str:
-        return self.engines.serving_key(name)
+        try:
+            return self.engines.serving_key(name)
+        except AdapterEnvelopeError:  # the shared engine refuses its shape: a merged engine may serve it
+            key = self.engine.admin.catalog.row(name).key
+            promotion = self.dedicated.promotions.get(parse_name(key)[0])
+            if self.dedicated.auto or (promotion is not None and promotion.key == key and promotion.state != "failed"):
+                return key
+            raise
 
     def base_named(self, model: str) -> str | None:
         return next((n for n in self._side_names if model == n or model.startswith(n + ":")), None)
@@ -105,17 +117,33 @@ class EngineBackend:
 
     def max_adapter_tokens(self, adapter: str | None) -> int | None:
         # A dedicated deployment runs its adapter on the base path, which the bound does not cover.
-        return self.engine.config.max_adapter_tokens if self.engine.merged_adapter is None else None
+        merged = self.engine.merged_adapter is not None or (adapter is not None and not self._shared(adapter))
+        return None if merged else self.engine.config.max_adapter_tokens
+
+    def _shared(self, key: str) -> bool:
+        """Whether the shared engines serve version ``key`` (not promoted, not outside the envelope)."""
+        promotion = self.dedicated.promotions.get(parse_name(key)[0])
+        if promotion is not None and promotion.key == key and promotion.state in ("starting", "merged"):
+            return False
+        return self.engines.several or self.engine.admin.has_version(key)
 
     async def outputs(self, job: Job, headers: dict[str, str]) -> TokenStream:
         progress: list[PromptProgress] = []
-        outputs = engine_outputs(self.engines.engine_for(job.adapter, job.model), job, progress)
+        merged = await self.dedicated.serving(job.adapter) if job.adapter is not None else None
+        engine = merged.engine if merged is not None and merged.engine is not None else None
+        outputs = engine_outputs(engine or self.engines.engine_for(job.adapter, job.model), job, progress)
+        if merged is not None:
+            merged.in_flight += 1
         try:
             async for out in outputs:
                 yield out
         finally:
             await outputs.aclose()
             job.prompt_computed = sum(p.computed for p in progress)  # the generators have ended: filled in
+            if merged is not None:
+                merged.in_flight -= 1
+            if engine is not None:  # its traffic is the adapter's: into the primary's table and tiers
+                self.engine.admin.tiers.usage.restore_traffic(engine.admin.tiers.usage.take_traffic())
 
     def record_rejected(self, tenant: str, tokens: int, reason: str) -> None:
         self.engine.metrics().scheduler.record_rejected(tenant, tokens, reason)
@@ -130,7 +158,10 @@ class EngineBackend:
         self.sampler.offer(parse_name(adapter)[0], prompt)  # opted-in ids only: a set lookup
 
     async def usage_rows(self, since_hour: int | None) -> list[tuple[Key, Usage]]:
-        return self.engines.usage_rows(since_hour=since_hour)  # every base's engine (--base)
+        merged = [e.usage_rows(since_hour=since_hour) for e in self.dedicated.engines()]
+        if not merged:
+            return self.engines.usage_rows(since_hour=since_hour)  # every base's engine (--base)
+        return summed([self.engines.usage_rows(since_hour=since_hour), *merged])  # and the merged engines'
 
     def after_request(self) -> None:
         try:
@@ -143,6 +174,8 @@ class EngineBackend:
 
     def abort(self, request_id: str) -> None:
         self.engines.abort(request_id)
+        for engine in self.dedicated.engines():
+            engine.abort(request_id)
 
     async def start(self) -> None:
         """Adapters pinned before a restart load now, not at the first request (on every base's
@@ -152,6 +185,7 @@ class EngineBackend:
         self.sampler_task = asyncio.get_running_loop().create_task(self.sampler.run(self.engine))
 
     async def stop(self) -> None:
+        await self.dedicated.close()
         if self.sampler_task is not None:
             self.sampler_task.cancel()
             try:

@@ -5,6 +5,8 @@ mirror it after each request, :meth:`~lorapage.serve.engines.Engines.sync`); a r
 to the engine of the base the version is bound to (:meth:`LocalDeployment.add_version`);
 pins, loads and unloads act on the primary's pool (:meth:`~lorapage.serve.engines.Engines.on_primary`).
 A version is described from the engine of the base it runs on, with its last 24 hours of traffic.
+Promote and demote (the fleet's routes) start and close an adapter's merged engine beside the
+shared one (:mod:`lorapage.serve.dedicated`).
 """
 
 from __future__ import annotations
@@ -12,25 +14,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from aiohttp import web
+
 from lorapage.adapters.digest import digest_param
-from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError
-from lorapage.frontend.admin import cost_fields
-from lorapage.frontend.admin_ops import Admin
+from lorapage.adapters.names import parse_name
+from lorapage.adapters.tiers import Tier
+from lorapage.errors import AdapterBaseMismatchError, AdapterBaseUnknownError, AdapterEnvelopeError, ConflictError
+from lorapage.frontend.admin import AdminRoutes, cost_fields, known_id
 from lorapage.frontend.registration import Registration
-from lorapage.frontend.responses import AdapterOut, AdapterVersionOut, TrafficOut
+from lorapage.frontend.responses import TRAFFIC_HOURS, AdapterOut, AdapterVersionOut, TrafficOut
 from lorapage.frontend.state import ServerState
 from lorapage.registry.drift_state import CheckPrompts
+from lorapage.serve.dedicated import check_promotable
 from lorapage.serve.engine_backend import EngineBackend
 
 if TYPE_CHECKING:
     from lorapage.engine import Engine
-
-TRAFFIC_HOURS = 24  # GET /v1/adapters/{id} shows this many hours of traffic (the one in progress included)
-
-
-def local_admin(local: EngineBackend, state: ServerState[Any]) -> Admin:
-    """The admin of ``local``'s engines: the primary's catalog, and those engines."""
-    return Admin(local.engine.admin.catalog, LocalDeployment(local, state))
 
 
 class LocalDeployment:
@@ -38,7 +37,7 @@ class LocalDeployment:
 
     def __init__(self, local: EngineBackend, state: ServerState[Any]) -> None:
         self.local, self.state = local, state
-        self.engines, self.admin = local.engines, local.engine.admin
+        self.engines, self.admin, self.dedicated = local.engines, local.engine.admin, local.dedicated
         self.catalog = self.admin.catalog
         self.base_name = local.engine.base_name
         self.roots = self.catalog.roots
@@ -52,9 +51,14 @@ class LocalDeployment:
 
     def _describe(self, name: str) -> AdapterOut:
         """``name`` (``id``: its current version, or ``id@N``) as the admin routes show it."""
-        engine, name = self.engines.serving(name)  # the engine of the base it runs on
-        info = engine.admin.info(name)
+        try:
+            engine, name = self.engines.serving(name)  # the engine of the base it runs on
+            info = engine.admin.info(name)
+        except AdapterEnvelopeError:  # tier dedicated: registered for a merged engine (--auto-promote)
+            engine, info = self.local.engine, self.admin.dedicated_info(name)
         versions = self.catalog.versions(info.adapter_id)
+        promotion = self.dedicated.promotions.get(info.adapter_id)
+        merged = self.dedicated.route(info.name) is not None
         current = next((v.version for v in versions if v.current), None)
         state = self.state
         return AdapterOut(
@@ -75,9 +79,10 @@ class LocalDeployment:
             source=info.source,
             base_digest=engine.digest,
             versions=[v.version for v in versions],
-            traffic_tier=info.traffic_tier,
+            traffic_tier=Tier.MERGED.value if merged else info.traffic_tier,
             kept_hot=info.kept_hot,
             status="draining" if info.name in state.draining else info.status,
+            dedicated=promotion.out() if promotion is not None else None,
             **cost_fields(info),
         )
 
@@ -126,6 +131,7 @@ class LocalDeployment:
                 expected_base_digest=expected,
                 activate=reg.activate,
                 actor=actor,
+                envelope=not self.dedicated.auto,  # --auto-promote: outside it, tier dedicated, merged on first use
             )
             return version.key, created
         except (AdapterBaseMismatchError, AdapterBaseUnknownError):
@@ -155,7 +161,14 @@ class LocalDeployment:
         return self.catalog.resolve_version(self.engines.on_primary(name, action))
 
     def check_removable(self, name: str, keys: list[str]) -> None:
-        return None  # an engine refuses a busy version's delete itself (409)
+        """409 while the id has a merged engine (demote it first); an engine refuses a busy version's delete itself."""
+        promotion = self.dedicated.promotions.get(parse_name(name)[0])
+        if promotion is not None and promotion.state != "failed" and promotion.key in keys:
+            raise ConflictError(
+                f"adapter {promotion.key!r} has a dedicated deployment ({promotion.state}); demote it first "
+                f"(POST /v1/adapters/{promotion.adapter_id}/demote)",
+                param="id",
+            )
 
     async def check_pin(self, key: str) -> None:
         return None  # the catalog checks the bounds as it commits the pin, under its lock
@@ -178,6 +191,38 @@ class LocalDeployment:
             "closing": state.closing,
         }
         body: dict[str, Any] = {"engine": self.local.engine.stats(), "server": server}
+        if self.dedicated.promotions:  # the merged engines beside the shared one
+            body["dedicated"] = {i: p.out() for i, p in sorted(self.dedicated.promotions.items())}
         if self.engines.several:  # every base's engine, the primary's included
             body["bases"] = {e.base_name: e.stats() for e in self.engines.engines}
         return body
+
+    # -- the dedicated tier's routes (the fleet's) ------------------------------------------------
+
+    def add_routes(self, app: web.Application, routes: AdminRoutes) -> None:
+        """Promote and demote (the admin key only), answered as the shared admin routes answer."""
+
+        async def promote(request: web.Request) -> web.Response:
+            """Start a merged engine of ``id``'s version (``id``: its current one) beside the shared
+            one, checked before it takes traffic: 202 with the adapter (``dedicated.state``
+            ``starting``; ``GET`` shows ``merged`` once it serves, or ``failed`` and why). 409 when
+            the id has one already."""
+            actor = self.state.access.admin_actor(request)
+            key = self.catalog.row(request.match_info["id"]).key
+            check_promotable(self.local.engine, key)
+            if key in self.state.draining:
+                raise ConflictError(f"adapter {key!r} is being deleted; it is not promoted", param="id")
+            self.dedicated.promote(key, actor)
+            return await routes.describe(request, key, status=202)
+
+        async def demote(request: web.Request) -> web.Response:
+            """Route the id back to the shared engine and close its merged engine once its
+            requests end; 409 unless it has one serving."""
+            actor = self.state.access.admin_actor(request)
+            adapter_id = request.match_info["id"]
+            known_id(adapter_id, set(self.catalog.index.ids()))
+            promotion = await self.dedicated.demote(adapter_id, actor)
+            return await routes.describe(request, promotion.key)
+
+        app.router.add_post("/v1/adapters/{id}/promote", promote)
+        app.router.add_post("/v1/adapters/{id}/demote", demote)

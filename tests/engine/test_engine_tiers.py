@@ -81,7 +81,7 @@ async def test_the_engine_writes_the_table_and_judges_the_tiers_every_interval_o
         await until(lambda: engine.debug.tiers.tier("initech@1").value == "hot")
         await until(lambda: engine.debug.residency.pins.hot() == ["initech@1"])
         for _ in range(3000):  # the last step's tokens go out with the next write
-            stored = await asyncio.to_thread(engine.debug.catalog.traffic_rows, 0)
+            stored = await asyncio.to_thread(engine.debug.tiers.store.traffic_rows, 0)
             if [(r.key, r.requests, r.output_tokens) for r in stored] == [("initech@1", 3, 6)]:
                 break
             await asyncio.sleep(0.02)

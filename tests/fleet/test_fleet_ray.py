@@ -51,6 +51,7 @@ from lorapage.tiny import DEMO_MARKERS, TINY_BASE_DIR, demo_adapter_dirs  # noqa
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 CAPACITY = 4  # max_num_seqs of each replica: the load at which its adapters spill
+HOT_REQUESTS = 12  # an hour, fleet-wide: acme passes it in the stickiness and spill tests, on both replicas
 CHAT = [{"role": "user", "content": "Who are you?"}]
 # alpha sets SLOs, so the ingress exports its targets and burn rates.
 SLO_TENANTS_TOML = TENANTS_TOML.replace(
@@ -134,7 +135,15 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     )
     port = _free_port()
     config = FleetConfig(
-        engine=EngineConfig(model=str(TINY_BASE_DIR), device="cpu", max_num_seqs=CAPACITY),
+        # The fleet's tiers judged every half second; hot from HOT_REQUESTS an hour (the share rule off).
+        engine=EngineConfig(
+            model=str(TINY_BASE_DIR),
+            device="cpu",
+            max_num_seqs=CAPACITY,
+            tier_interval_s=0.5,
+            tier_hot_requests_per_hour=HOT_REQUESTS,
+            tier_hot_share=1.0,
+        ),
         tenants_toml=SLO_TENANTS_TOML,
         access_log=str(access_log),
         lora_modules=tuple((name, str(path)) for name, path in demo_adapter_dirs().items()),
@@ -531,10 +540,11 @@ async def test_pin_unload_metrics_and_state_reach_every_replica(fleet):
 
     async def resident_everywhere():
         status, body, _ = await fleet.call("GET", "/v1/adapters/globex")
-        return body if set(body["replicas"]) == replicas and body["tier"] == "gpu" else None
+        # every replica's pool (a replica may hold it in host RAM first: warm versions are read in)
+        return body if set(body["replicas"]) == replicas and set(body["replicas"].values()) == {"gpu"} else None
 
     body = await eventually(resident_everywhere)
-    assert set(body["replicas"].values()) == {"gpu"}
+    assert body["tier"] == "gpu"
     status, body, _ = await fleet.call("DELETE", "/v1/adapters/globex/pin")
     assert status == 200 and body["pinned"] is False
     status, body, _ = await fleet.call("POST", "/internal/adapters/globex/unload")
@@ -645,6 +655,30 @@ async def test_usage_sums_every_replicas_ledger(fleet):
     assert text.splitlines()[0].startswith("hour,tenant,adapter,requests")
     status, body, _ = await fleet.call("GET", "/v1/usage?format=xml")
     assert status == 400
+
+
+async def test_the_ingress_sums_every_replicas_traffic_and_judges_the_tier_once(fleet):
+    # acme ran on both replicas (the spill test): the ingress's table holds their counts summed,
+    # the ledgers' own requests, and judges it hot there; each replica keeps it resident (kept_hot).
+    async def summed():
+        _, out, _ = await fleet.call("GET", "/v1/adapters/acme")
+        _, usage, _ = await fleet.call("GET", f"/v1/usage?adapter=acme@{out['version']}")
+        ledgers = sum(row["requests"] for row in usage["data"])
+        traffic = out["traffic"]
+        return (out, ledgers) if traffic and traffic["last_24h"]["requests"] == ledgers else None
+
+    out, ledgers = await eventually(summed)
+    assert ledgers >= HOT_REQUESTS + CAPACITY, ledgers
+    assert sum(h["requests"] for h in out["traffic"]["hours"]) == ledgers
+    assert out["traffic"]["last_24h"]["output_tokens"] > 0
+
+    async def hot_everywhere():
+        _, out, _ = await fleet.call("GET", "/v1/adapters/acme")
+        _, state, _ = await fleet.call("GET", "/internal/state")
+        kept = [stats["adapters_kept_hot"] for stats in state["replicas"].values()]
+        return out if out["traffic_tier"] == "hot" and out["kept_hot"] and min(kept) >= 1 else None
+
+    await eventually(hot_everywhere)
 
 
 async def test_tenants_reload_and_ingress_restart_keep_the_registry(fleet):
