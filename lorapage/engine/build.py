@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -322,6 +323,13 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
         SPINCOUNT_ENV,
         spin_setting(),  # what lets 2+ threads beat one (lorapage.omp_env)
     )
+    if device.type == "cpu" and forward_threads > 1 and SPINCOUNT_ENV not in os.environ:
+        log.warning(
+            "%s unset with %d forward threads: most parallel regions wait for a sleeping OpenMP worker; "
+            "call lorapage.configure_threads() before importing torch (docs/benchmarks.md)",
+            SPINCOUNT_ENV,
+            forward_threads,
+        )
     return threads
 
 
