@@ -49,7 +49,7 @@ from lorapage.engine.step_loop import StepLoop, Wakeup
 from lorapage.engine.step_planner import StepLimits, StepPlanner
 from lorapage.engine.tiering import TierKeeper
 from lorapage.kernels.backend import KernelOps, select_backend
-from lorapage.memory.pool import PagePool, adapter_page_size
+from lorapage.memory.pool import PagePool, adapter_page_size, kv_page_elements
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
 from lorapage.memory.sizing import POOL_HEADROOM_BYTES, lora_slots, pages_for_memory, step_activation_bytes
@@ -129,8 +129,9 @@ class Sizing:
     device: torch.device
     dtype: torch.dtype
     lora_dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pages' (kv_cache_dtype)
     block_size: int
-    page_size: int  # elements of one pool page in one layer (a KV block's K and V)
+    page_size: int  # elements (dtype) of one pool page in one layer: a KV block's K and V in kv_dtype
     adapter_pages: int  # pool pages the largest adapter takes
     max_blocks: int  # KV blocks of the longest sequence
     max_model_len: int
@@ -141,7 +142,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     """The sizes, checked: ValueError naming the fields when a step could never hold its work."""
     mc, bs = base.model_config, config.block_size
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
-    page_size = 2 * bs * mc.kv_size
+    kv_dtype = DTYPES[config.kv_dtype_name]
+    page_size = kv_page_elements(bs, mc.kv_size, dtype, kv_dtype)
     max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
     tokens = config.max_num_batched_tokens or max(2048, max_model_len)
     if tokens < max_model_len and not config.enable_chunked_prefill:
@@ -159,6 +161,7 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
         device=resolve_device(config.device),
         dtype=dtype,
         lora_dtype=lora_dtype,
+        kv_dtype=kv_dtype,
         block_size=bs,
         page_size=page_size,
         # A page holds more adapter elements when adapters are narrower than KV.
@@ -197,7 +200,9 @@ class MemoryParts:
 def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: Callable[[], float]) -> MemoryParts:
     mc = base.model_config
     num_pages, reserve = _num_pages(config, mc, sizing)
-    pool = PagePool(mc.num_layers, num_pages, sizing.page_size, sizing.dtype, sizing.device, sizing.lora_dtype)
+    pool = PagePool(
+        mc.num_layers, num_pages, sizing.page_size, sizing.dtype, sizing.device, sizing.lora_dtype, sizing.kv_dtype
+    )
     slots = lora_slots(
         config.max_loras, config.max_resident_loras, pool.capacity, sizing.adapter_pages, MAX_DERIVED_LORA_SLOTS
     )

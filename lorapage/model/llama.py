@@ -232,8 +232,8 @@ class LlamaModel:
     ) -> Tensor:
         """Hidden states [T, hidden] after the final norm for this step's tokens.
 
-        ``pool`` is the page storage [num_layers, num_pages, page_size]; ``adapter_pool`` the same
-        memory in the adapters' dtype (``pool`` itself when they match); ``lora_h`` a scratch buffer
+        ``pool`` is the page storage in KV's dtype [num_layers, num_pages, kv_page_size]; ``adapter_pool``
+        the same memory in the adapters' dtype (``pool`` itself when they match); ``lora_h`` a scratch buffer
         [>= T, >= max group rank] for the shrink output.
         """
         c = self.config
