@@ -40,6 +40,7 @@ from lorapage.engine.devices import (
     forward_thread_count,
     io_thread,
     io_thread_count,
+    quantized_ops,
     resolve_device,
     shorten_switch_interval,
     usable_cores,
@@ -272,6 +273,8 @@ def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
     ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype)
+    if config.quantization is not None:
+        ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
     runner = ModelRunner(
         model,
         memory.pool,
