@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from numeric_bounds import assert_within, decode_attention
-from test_attention_cpu import SHAPES, _gathered, _pool, _reference
+from test_attention_cpu import SHAPES, _gathered, _pool, _reference, lib  # noqa: F401 (lib: a fixture per ISA variant)
 
 from lorapage.kernels.attention_cpu import decode_attention_c
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
@@ -38,14 +38,14 @@ def test_write_kv_rounds_to_the_pages_dtype(dtype):
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
 @pytest.mark.parametrize("shape", ["gqa", "odd_head_dim"])
 @pytest.mark.parametrize("dtype", HALVES)
-def test_c_kernel_and_reference_over_half_pages_are_within_the_float32_bound(dtype, shape):
+def test_c_kernel_and_reference_over_half_pages_are_within_the_float32_bound(lib, dtype, shape):  # noqa: F811
     """Widening a half value to float32 is exact, so the float32 bound of float32 pages holding
     the same values applies unchanged."""
     q, kv, table, lens, scale = half_pool(dtype, shape)
     k, v = _gathered(q, kv, table, lens)  # float64 copies of the rounded values
     want, bound = _reference(q, k, v, lens, scale), decode_attention(q, k, v, lens, scale)
     out = torch.full_like(q, float("nan"))
-    assert decode_attention_c(cpu_kernels(), out, q, kv, table, lens, scale)
+    assert decode_attention_c(lib, out, q, kv, table, lens, scale)
     assert_within(out, want, bound, f"C {dtype}")
     ref = torch.full_like(q, float("nan"))
     paged_decode_attention_ref(ref, q, kv, table, lens, scale)
@@ -53,12 +53,14 @@ def test_c_kernel_and_reference_over_half_pages_are_within_the_float32_bound(dty
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
-def test_c_kernel_equals_float32_pages_holding_the_rounded_values():
-    """fp16 pages and float32 pages with fp16's values: the same widened rows, the same sums."""
-    q, kv, table, lens, scale = half_pool(torch.float16)
+@pytest.mark.parametrize("dtype", HALVES)
+def test_c_kernel_equals_float32_pages_holding_the_rounded_values(lib, dtype):  # noqa: F811
+    """Half pages and float32 pages with their values: the same widened rows (exact, vector or
+    scalar conversion), the same sums."""
+    q, kv, table, lens, scale = half_pool(dtype, "odd_head_dim")  # head dim 20: 8 + 8 + a tail of 4
     half, wide = torch.empty_like(q), torch.empty_like(q)
-    assert decode_attention_c(cpu_kernels(), half, q, kv, table, lens, scale)
-    assert decode_attention_c(cpu_kernels(), wide, q, kv.float(), table, lens, scale)
+    assert decode_attention_c(lib, half, q, kv, table, lens, scale)
+    assert decode_attention_c(lib, wide, q, kv.float(), table, lens, scale)
     assert torch.equal(half, wide)
 
 
