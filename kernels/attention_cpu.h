@@ -1,5 +1,5 @@
-/* The CPU path's paged decode attention over float32 KV pages (included by lora_cpu.c, built
- * with it once per ISA variant).
+/* The CPU path's paged decode attention over float32, float16 or bfloat16 KV pages (included by
+ * lora_cpu.c, built with it once per ISA variant); queries and outputs float32.
  *
  * Same result as kernels/attention_ref.py's paged_decode_attention_ref, for one query token per row:
  *   out[b, h] = softmax(q[b, h] @ K_b[:, h / G].T * scale) @ V_b[:, h / G],   G = heads / kv_heads,
@@ -14,6 +14,10 @@
  * dispatch. It took ~9% of the 512-wide bench model's decode step at one thread (bench/RESULTS.md,
  * round 3); here the pages are read in place, each (row, KV head) once for its G query heads.
  *
+ * Half-precision pages (kv_cache_dtype float16 / bfloat16): each K or V row is widened into a
+ * per-thread float32 row once per position (exactly: every half value is a float32 value), then
+ * read as float32 pages are.
+ *
  * Numerics: every score, exponential and sum in float32, the scores of a (row, KV head) kept in a
  * per-thread buffer; softmax subtracts the row's largest score before expf. tests/test_attention_cpu.py
  * checks it against a float64 reference with a bound that holds for any summation order.
@@ -26,11 +30,52 @@
 
 /* Returns 0, or 1 when a thread could not allocate its buffer (its rows are then left unwritten:
  * the caller runs the reference instead). */
-int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kv,
-                          int64_t page_stride, int64_t block_size, int64_t kv_heads, int64_t head_dim,
-                          int64_t heads, const int32_t *block_table, int64_t table_stride,
-                          const int32_t *context_lens, int64_t rows, float scale, int64_t window, float softcap,
-                          int nthreads) {
+enum kv_format { KV_F32, KV_F16, KV_BF16 };
+
+/* An IEEE half's value as a float32 (exact: normals, subnormals, infinities and NaNs). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h & 0x7c00u, man = h & 0x03ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0x7c00u)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp)
+        bits = sign | (((exp >> 10) + 112) << 23) | (man << 13);
+    else {
+        f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24: a subnormal half, exact in float32 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Row `index` (in elements) of the pages as float32: in place for float32 pages, else widened into `buf`. */
+static inline const float *kv_row(const void *kv, int format, int64_t index, int64_t n, float *buf) {
+    if (format == KV_F32) return (const float *)kv + index;
+    const uint16_t *h = (const uint16_t *)kv + index;
+    int64_t d = 0;
+    if (format == KV_F16) {
+#if defined(__F16C__)
+        for (; d + 8 <= n; d += 8) /* x86-64-v3 and up: 8 halves per conversion */
+            _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+#endif
+        for (; d < n; d++) buf[d] = f16_to_f32(h[d]);
+    } else {
+        for (; d + 8 <= n; d += 8) *(v8u *)(buf + d) = ld_bf16(h + d);
+        for (; d < n; d++) {
+            const uint32_t bits = (uint32_t)h[d] << 16;
+            memcpy(buf + d, &bits, 4);
+        }
+    }
+    return buf;
+}
+
+static int decode_attention(float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kv, int format,
+                            int64_t page_stride, int64_t block_size, int64_t kv_heads, int64_t head_dim,
+                            int64_t heads, const int32_t *block_table, int64_t table_stride,
+                            const int32_t *context_lens, int64_t rows, float scale, int64_t window, float softcap,
+                            int nthreads) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     const int64_t v_offset = block_size * token_stride; /* V's half of a page */
     int64_t longest = 0;
@@ -40,8 +85,8 @@ int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t
 #pragma omp parallel num_threads(nthreads)
     {
         /* Per thread: the G query heads' scores over the longest context, and their outputs. */
-        float *scores = malloc((size_t)(group * longest + group * head_dim) * sizeof(float));
-        float *acc = scores + group * longest;
+        float *scores = malloc((size_t)(group * longest + group * head_dim + head_dim) * sizeof(float));
+        float *acc = scores + group * longest, *row = acc + group * head_dim; /* row: a widened K or V */
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -54,8 +99,10 @@ int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t
                 const int32_t *table = block_table + b * table_stride;
                 const float *qb = q + b * q_stride + j * group * head_dim;
                 for (int64_t p = first; p < n; p++) {
-                    const float *k = kv + table[p / block_size] * page_stride + (p % block_size) * token_stride +
-                                     j * head_dim;
+                    const float *k = kv_row(kv, format,
+                                            table[p / block_size] * page_stride + (p % block_size) * token_stride +
+                                                j * head_dim,
+                                            head_dim, row);
                     for (int64_t g = 0; g < group; g++) {
                         const float s = dot_f32(qb + g * head_dim, k, head_dim) * scale;
                         scores[g * longest + p] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
@@ -70,8 +117,10 @@ int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t
                 }
                 memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
                 for (int64_t p = first; p < n; p++) {
-                    const float *v = kv + table[p / block_size] * page_stride + v_offset +
-                                     (p % block_size) * token_stride + j * head_dim;
+                    const float *v = kv_row(kv, format,
+                                            table[p / block_size] * page_stride + v_offset +
+                                                (p % block_size) * token_stride + j * head_dim,
+                                            head_dim, row);
                     for (int64_t g = 0; g < group; g++) {
                         const float w = scores[g * longest + p];
                         float *a = acc + g * head_dim;
@@ -88,3 +137,17 @@ int decode_attention_f32(float *out, int64_t out_stride, const float *q, int64_t
     }
     return failed;
 }
+
+/* The exported entry points, one per page dtype (the same arguments, kv's elements of that type). */
+#define DECODE_ATTENTION(name, format)                                                                        \
+    int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kv, int64_t page_stride, \
+             int64_t block_size, int64_t kv_heads, int64_t head_dim, int64_t heads, const int32_t *block_table,     \
+             int64_t table_stride, const int32_t *context_lens, int64_t rows, float scale, int64_t window,         \
+             float softcap, int nthreads) {                                                                     \
+        return decode_attention(out, out_stride, q, q_stride, kv, format, page_stride, block_size, kv_heads,       \
+                                head_dim, heads, block_table, table_stride, context_lens, rows, scale, window,    \
+                                softcap, nthreads);                                                            \
+    }
+DECODE_ATTENTION(decode_attention_f32, KV_F32)
+DECODE_ATTENTION(decode_attention_f16, KV_F16)
+DECODE_ATTENTION(decode_attention_bf16, KV_BF16)

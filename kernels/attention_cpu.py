@@ -1,5 +1,6 @@
-"""The CPU path's paged decode attention: float32 KV pages read in place by the C kernel of
-``attention_cpu.h`` (built with the LoRA kernels), the PyTorch reference for anything else.
+"""The CPU path's paged decode attention: float32, float16 or bfloat16 KV pages (``kv_cache_dtype``)
+read in place by the C kernel of ``attention_cpu.h`` (built with the LoRA kernels), the PyTorch
+reference for anything else.
 
 Same signature and result as :func:`lorapage.kernels.attention_ref.paged_decode_attention_ref`.
 """
@@ -12,14 +13,15 @@ import torch
 from torch import Tensor
 
 from lorapage.kernels.attention_ref import paged_decode_attention_ref
-from lorapage.kernels.cpu_build import cpu_kernels
+from lorapage.kernels.cpu_build import KV_DTYPES, cpu_kernels
 
 
 def _c_layout(out: Tensor, q: Tensor, kv: Tensor, block_table: Tensor, context_lens: Tensor) -> bool:
-    """Whether the C kernel reads these as they are: float32 q, out and pages, each row's heads and
-    each page's positions packed, int32 tables on the CPU."""
+    """Whether the C kernel reads these as they are: float32 q and out, pages in a dtype it reads
+    (``KV_DTYPES``), each row's heads and each page's positions packed, int32 tables on the CPU."""
     return (
-        q.dtype == out.dtype == kv.dtype == torch.float32
+        q.dtype == out.dtype == torch.float32
+        and kv.dtype in KV_DTYPES
         and q.device.type == out.device.type == kv.device.type == "cpu"
         and q.stride()[1:] == (q.shape[2], 1)
         and out.stride()[1:] == (out.shape[2], 1)
@@ -65,7 +67,12 @@ def decode_attention_c(
     if not _c_layout(out, q, kv, block_table, context_lens) or q.shape[0] == 0:
         return False
     rows, heads, dim = q.shape
-    failed = lib.decode_attention_f32(
+    kernel = {
+        torch.float32: lib.decode_attention_f32,
+        torch.float16: lib.decode_attention_f16,
+        torch.bfloat16: lib.decode_attention_bf16,
+    }[kv.dtype]
+    failed = kernel(
         out.data_ptr(),
         out.stride(0),
         q.data_ptr(),

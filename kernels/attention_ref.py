@@ -10,6 +10,10 @@ Two per-layer options, as Gemma 2/3 and Mistral define them (HF's eager attentio
 (a sliding-window layer; None for a global one) lets the query at position p see positions
 ``p - W < j <= p`` only; ``softcap`` c replaces each scaled score s by ``c * tanh(s / c)`` before
 the softmax.
+
+The pages may be narrower than the activations (``kv_cache_dtype``: float16 / bfloat16 pages under a
+float32 model): K and V are rounded to the pages' dtype as they are written, and widened back as
+they are read, so the scores, softmax and weighted sum run in the wider of the two (float32).
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ def write_kv_ref(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None
     """
     block_size = kv.shape[2]
     pages, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv[pages, 0, offsets] = k
-    kv[pages, 1, offsets] = v
+    kv[pages, 0, offsets] = k.to(kv.dtype)
+    kv[pages, 1, offsets] = v.to(kv.dtype)
+
+
+def widen(pages: Tensor, q: Tensor) -> Tensor:
+    """K or V read from pages in a narrower dtype than the queries, as float32 (as is otherwise)."""
+    return pages if pages.dtype == q.dtype else pages.float()
 
 
 def _gather_context(kv: Tensor, block_table: Tensor, max_blocks: int) -> tuple[Tensor, Tensor]:
@@ -81,8 +90,8 @@ def paged_decode_attention_ref(
     table, length = block_table[:, :blocks].reshape(-1).long(), blocks * block_size
     # K and V gathered apart, each [B, L, H_kv, D] contiguous (fresh: written in place below);
     # index_select copies whole blocks, ~3x faster on CPU than indexing with the table.
-    k = kv[:, 0].index_select(0, table).view(bsz, length, kv_heads, dim)
-    v = kv[:, 1].index_select(0, table).view(bsz, length, kv_heads, dim)
+    k = widen(kv[:, 0].index_select(0, table), q).view(bsz, length, kv_heads, dim)
+    v = widen(kv[:, 1].index_select(0, table), q).view(bsz, length, kv_heads, dim)
     at, lens = torch.arange(length, device=q.device)[None, :], context_lens[:, None].to(q.device)
     mask = at < lens  # [B, L]
     if window is not None:
@@ -98,7 +107,7 @@ def paged_decode_attention_ref(
     # are G queries against it, so attention runs over [B, H_kv, G, D] queries.
     group = heads // kv_heads
     attn = _attend(
-        q.reshape(bsz, kv_heads, group, dim),
+        q.reshape(bsz, kv_heads, group, dim).to(k.dtype),
         k.transpose(1, 2),
         v.transpose(1, 2),
         mask[:, None, None, :],
@@ -135,8 +144,8 @@ def prefill_attention_ref(
         # have been freed (and reused), so whatever was gathered there never reaches a sum.
         first = 0 if window is None else max(0, ctx - n - window + 1)
         k, v = _gather_context(kv, block_table[i : i + 1], -(-ctx // block_size))
-        k, v = k[0, first:ctx].transpose(0, 1), v[0, first:ctx].transpose(0, 1)  # [H_kv, ctx - first, D]
-        qi = q[start:end].transpose(0, 1)  # [H, n, D]
+        k, v = widen(k[0, first:ctx], q).transpose(0, 1), widen(v[0, first:ctx], q).transpose(0, 1)
+        qi = q[start:end].transpose(0, 1).to(k.dtype)  # [H, n, D]
         mask = None
         if n != ctx or window is not None:
             rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)

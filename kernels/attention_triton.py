@@ -39,6 +39,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -46,8 +47,11 @@ def _write_kv_kernel(
     slot = tl.load(slot_mapping + t).to(tl.int64)
     dst = kv + (slot // BLOCK_SIZE) * (2 * BLOCK_SIZE * ROW) + (slot % BLOCK_SIZE) * ROW + i
     src = t.to(tl.int64)
-    tl.store(dst, tl.load(k + src * stride_k + i, mask=mask), mask=mask)
-    tl.store(dst + BLOCK_SIZE * ROW, tl.load(v + src * stride_v + i, mask=mask), mask=mask)
+    # Pages narrower than the activations (kv_cache_dtype) take each value rounded to nearest even.
+    kt = _cast(tl.load(k + src * stride_k + i, mask=mask).to(tl.float32), kv.dtype.element_ty, INTERPRETED)
+    vt = _cast(tl.load(v + src * stride_v + i, mask=mask).to(tl.float32), kv.dtype.element_ty, INTERPRETED)
+    tl.store(dst, kt, mask=mask)
+    tl.store(dst + BLOCK_SIZE * ROW, vt, mask=mask)
 
 
 def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -61,8 +65,8 @@ def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     T, heads, dim = k.shape
     assert v.shape == k.shape and (heads, dim) == tuple(kv.shape[3:]), f"k, v {tuple(k.shape)} vs kv {tuple(kv.shape)}"
     for name, t in (("k", k), ("v", v)):
-        assert t.dtype == kv.dtype and t.stride(2) == 1 and t.stride(1) == dim, (
-            f"{name}: {kv.dtype} with contiguous heads"
+        assert t.dtype.itemsize >= kv.dtype.itemsize and t.stride(2) == 1 and t.stride(1) == dim, (
+            f"{name}: no narrower than {kv.dtype}, with contiguous heads"
         )
     assert slot_mapping.shape == (T,) and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
     assert len({kv.device, k.device, v.device, slot_mapping.device}) == 1, "all tensors must be on one device"
@@ -71,7 +75,16 @@ def write_kv(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     row = heads * dim
     block = min(WRITE_BLOCK, triton.next_power_of_2(row))
     _write_kv_kernel[(T, triton.cdiv(row, block))](
-        kv, k, v, slot_mapping, k.stride(0), v.stride(0), BLOCK_SIZE=kv.shape[2], ROW=row, BLOCK=block
+        kv,
+        k,
+        v,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        BLOCK_SIZE=kv.shape[2],
+        ROW=row,
+        BLOCK=block,
+        INTERPRETED=_INTERPRETED,
     )
 
 
@@ -174,7 +187,9 @@ def paged_decode_attention(
         f"q {tuple(q.shape)} vs kv {tuple(kv.shape)}"
     )
     assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
-    assert q.dtype == out.dtype == kv.dtype, f"q, out and kv must share a dtype; got {q.dtype}, {out.dtype}, {kv.dtype}"
+    assert q.dtype == out.dtype and kv.dtype.itemsize <= q.dtype.itemsize, (
+        f"q and out must share a dtype, kv no wider; got {q.dtype}, {out.dtype}, {kv.dtype}"
+    )
     assert block_table.dim() == 2 and block_table.shape[0] == B and block_table.dtype == torch.int32
     assert block_table.stride(1) == 1, "block_table rows must be contiguous"
     assert context_lens.shape == (B,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
@@ -208,9 +223,10 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    """``acc + a @ b`` in float32; half-precision operands multiply natively on the GPU."""
-    if INTERPRETED or b.dtype == tl.float32:
+def _dot(a, b, acc, WIDE: tl.constexpr):
+    """``acc + a @ b`` in float32; half-precision operands multiply natively on the GPU unless
+    ``WIDE`` (interpreted, or a float32 model's queries over half-precision pages)."""
+    if WIDE or b.dtype == tl.float32:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         out = tl.dot(a.to(b.dtype), b, acc)
@@ -251,6 +267,7 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    WIDE: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     """One program per (tile, KV head): BLOCK_M query tokens of one sequence times the GROUP query
@@ -296,7 +313,7 @@ def _paged_prefill_kernel(
         # other=0: positions past the context may hold another sequence's stale K/V, even NaN.
         mask = p_mask[:, None] & d_mask[None, :]
         kt = tl.load(kv + offs, mask=mask, other=0.0)  # [N, D]
-        scores = _dot(qv, tl.trans(kt), tl.zeros([BLOCK_M * BLOCK_G, BLOCK_N], dtype=tl.float32), INTERPRETED)
+        scores = _dot(qv, tl.trans(kt), tl.zeros([BLOCK_M * BLOCK_G, BLOCK_N], dtype=tl.float32), WIDE)
         visible = p_mask[None, :] & (pos[None, :] <= last[:, None])
         visible &= (window <= 0) | (pos[None, :] > last[:, None] - window)
         scores = tl.where(visible, _softcap(scores * scale, softcap, SOFTCAP) * log2e, float("-inf"))
@@ -306,7 +323,7 @@ def _paged_prefill_kernel(
         probs = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(probs, axis=1)
         vt = tl.load(kv + offs + BLOCK_SIZE * row, mask=mask, other=0.0)
-        acc = _dot(probs, vt, acc * alpha[:, None], INTERPRETED)
+        acc = _dot(probs, vt, acc * alpha[:, None], WIDE)
         m_i = m_new
     o_ptrs = out + t[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
     # Padding rows past q_end may see no position inside a window (l_i = 0): they are not stored.
@@ -344,7 +361,9 @@ def prefill_attention(
         f"q {tuple(q.shape)} vs kv {tuple(kv.shape)}"
     )
     assert q.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
-    assert q.dtype == out.dtype == kv.dtype, f"q, out and kv must share a dtype; got {q.dtype}, {out.dtype}, {kv.dtype}"
+    assert q.dtype == out.dtype and kv.dtype.itemsize <= q.dtype.itemsize, (
+        f"q and out must share a dtype, kv no wider; got {q.dtype}, {out.dtype}, {kv.dtype}"
+    )
     B = len(context_lens)
     assert block_table.dim() == 2 and block_table.shape[0] == B and block_table.dtype == torch.int32, (
         f"block_table must be [{B}, max_blocks] int32; got {tuple(block_table.shape)} {block_table.dtype}"
@@ -390,5 +409,6 @@ def prefill_attention(
         BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_N=PREFILL_BLOCK_N,
         INTERPRETED=_INTERPRETED,
+        WIDE=_INTERPRETED or q.dtype == torch.float32,
         SOFTCAP=softcap is not None,
     )

@@ -153,6 +153,7 @@ class KernelOps:
     plan_lora: PlanLora
     linear: Linear = linear_ref  # the base's dense projections and the logits
     pack_weight: PackWeight = keep_weight
+    pack_logits: PackWeight | None = None  # lm_head's, where it differs (a quantized base's stays float32)
     captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
 
 

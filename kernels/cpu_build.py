@@ -42,6 +42,8 @@ _SHRINK = [_P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _INT]  # h, x, d_in;
 _EXPAND = [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT]  # y, h; cells; B tables
 # One pair per page dtype the kernels read (float32 activations always).
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# The KV page dtypes decode attention reads (float32 queries always): kv_cache_dtype.
+KV_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _F = ctypes.c_float
 # out, its row stride, q, its row stride; the KV slab, page stride, block size, KV heads, head dim,
 # heads; block table, its stride; context lengths, rows, scale, window (0: none), soft-cap (0: none), threads.
@@ -53,7 +55,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
         for w in WEIGHT_DTYPES.values()
         for op, args in (("shrink", _SHRINK), ("expand", _EXPAND))
     },
-    "decode_attention_f32": (_DECODE_ATTENTION, ctypes.c_int),
+    **{f"decode_attention_{kv}": (_DECODE_ATTENTION, ctypes.c_int) for kv in KV_DTYPES.values()},
 }
 
 

@@ -51,7 +51,8 @@ def pack_weight(weight: Tensor) -> Tensor:
 
 
 def dense_weight(weight: Tensor) -> Tensor:
-    """A weight as a plain tensor: a packed one unpacked into a new tensor, any other as it is."""
+    """A weight as a plain tensor: a packed one unpacked into a new tensor, any other as it is
+    (``linear_int8.dense_weight`` dequantizes an int8 one too)."""
     return weight.to_dense() if weight.is_mkldnn else weight
 
 

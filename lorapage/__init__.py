@@ -2,6 +2,8 @@
 
 The embedded API::
 
+    import lorapage
+    lorapage.configure_threads()  # first, before torch loads: the command's OpenMP spin
     from lorapage import Engine, EngineConfig, SamplingParams
     engine = Engine(EngineConfig(model="path/to/hf_dir"))
     engine.add_adapter("acme", "path/to/peft_dir")
@@ -16,6 +18,7 @@ from lorapage._exports import lazy
 if TYPE_CHECKING:
     from lorapage.config import EngineConfig as EngineConfig
     from lorapage.engine import Engine as Engine
+    from lorapage.omp_env import configure_threads as configure_threads
     from lorapage.request import RequestOutput as RequestOutput
     from lorapage.sampling_params import SamplingParams as SamplingParams
 
@@ -26,5 +29,6 @@ __getattr__, __dir__, __all__ = lazy(
         "EngineConfig": "lorapage.config",
         "SamplingParams": "lorapage.sampling_params",
         "RequestOutput": "lorapage.request",
+        "configure_threads": "lorapage.omp_env",
     },
 )

@@ -16,6 +16,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
+# vLLM's kv_cache_dtype names (and their long forms) -> the pages' dtype; auto: the model's.
+KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+QUANTIZATIONS = ("int8",)  # vLLM's --quantization names lorapage has (None: the weights in dtype)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # accepted names, refused with a reason
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
 # vLLM's --tool-call-parser names lorapage has (lorapage.tools.families); auto: the chat template's.
@@ -88,6 +92,15 @@ class EngineConfig:
         group="model",
         choices=LORA_DTYPE_NAMES,
     )
+    quantization: str | None = option(
+        None,
+        "the base's weights quantized at load (vLLM's --quantization): int8 is weight-only, per output channel, "
+        "symmetric, on a CPU through torch's int8 GEMM (bfloat16 activations into it); the LoRA ops, attention "
+        "and logits stay in the model's dtype (docs/kernels.md)",
+        group="model",
+        choices=QUANTIZATIONS,
+        none="none: the weights in --dtype",
+    )
     device: str = option("auto", "auto | cpu | cuda | cuda:N", group="model")
     tensor_parallel_size: int = option(
         1,
@@ -141,6 +154,14 @@ class EngineConfig:
     )
     # -- memory ---------------------------------------------------------------------------------
     block_size: int = option(16, "tokens per KV block (one page)", group="memory")
+    kv_cache_dtype: str = option(
+        "auto",
+        "the dtype K and V are kept in, in the pool's pages (vLLM's kv_cache_dtype); auto: the model's. fp16 / "
+        "bf16 under a float32 model halve a page's bytes (twice the tokens per pool budget, half the KV bytes a "
+        "step reads) at that dtype's rounding of each K and V value; attention still computes in float32",
+        group="memory",
+        choices=(*KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES),
+    )
     num_pages: int | None = option(
         None,
         "pages in the one pool of KV blocks and adapter weights",
@@ -409,6 +430,11 @@ class EngineConfig:
         return self.dtype if self.lora_dtype == "auto" else self.lora_dtype
 
     @property
+    def kv_dtype_name(self) -> str:
+        """The KV pages' dtype by name: ``kv_cache_dtype``'s, with auto meaning the model's."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.dtype
+
+    @property
     def envelope_rules(self) -> str:
         """``shared_envelope`` as set, else ``all:{max_lora_rank}``: a user who raises
         max_lora_rank means those ranks to be served, and one machine has no dedicated tier to
@@ -418,13 +444,28 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             values = f.metadata.get("choices")
-            if values is not None and getattr(self, f.name) not in values:
+            if values is not None and getattr(self, f.name) not in (*values, *((None,) if f.default is None else ())):
                 raise ValueError(f"EngineConfig.{f.name} must be one of {values}; got {getattr(self, f.name)!r}")
         if self.resolved_lora_dtype not in (self.dtype, *NARROW_LORA_DTYPES.get(self.dtype, ())):
             raise ValueError(
                 f"EngineConfig.lora_dtype {self.lora_dtype!r} cannot serve a {self.dtype} model: adapters are kept "
                 "in the model's dtype, or in bfloat16 / float16 under a float32 one (pages share the pool's "
                 "memory, and the ops widen weights to the model's dtype, which another 16-bit type is not)"
+            )
+        if self.quantization is not None and self.dtype != "float32":
+            raise ValueError(
+                f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernel runs bfloat16 "
+                f"activations into an int8 GEMM and widens the result to float32); got {self.dtype}"
+            )
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r}: an fp8 KV cache is not supported (a CPU has no "
+                "fp8 arithmetic, and lorapage's CUDA kernels read 16- and 32-bit pages only); use fp16 or bf16"
+            )
+        if self.dtype != "float32" and self.kv_dtype_name != self.dtype:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} cannot serve a {self.dtype} model: a 16-bit "
+                "model keeps K and V in its own dtype (auto); fp16 / bf16 pages are for a float32 model"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

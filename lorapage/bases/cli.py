@@ -30,6 +30,7 @@ from pathlib import Path
 
 from lorapage.bases.drift import DriftReport, DriftThresholds, verdict
 from lorapage.bases.stored import StoredStates
+from lorapage.config import QUANTIZATIONS
 from lorapage.flags import HelpFormatter, fail, parser
 
 PROG = "lorapage base check"
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a server's state dir: check each adapter's stored prompts too, and record its migration state there",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="serve the new base quantized (EngineConfig.quantization): with old = new, whether each adapter "
+        "survives the quantized base",
+    )
     d = DriftThresholds()
     p.add_argument("--min-token-agreement", type=float, default=d.min_token_agreement, help="pass at or above")
     p.add_argument("--max-dlogprob", type=float, default=d.max_mean_abs_dlogprob, help="pass at or below")
@@ -109,7 +117,10 @@ async def run(args: argparse.Namespace) -> dict[str, DriftReport]:
             prompts[name].extend(states.prompts[name])
     # The check compares outputs; what the shared pool would serve is not its question (no envelope).
     slots = max(1, len(modules))
-    old, new = (Engine(EngineConfig(model=m, max_loras=slots, shared_envelope="")) for m in (args.old, args.new))
+    old, new = (
+        Engine(EngineConfig(model=m, max_loras=slots, shared_envelope="", quantization=q))
+        for m, q in ((args.old, None), (args.new, args.quantization))
+    )
     try:
         for engine in (old, new):
             for name, path in modules.items():

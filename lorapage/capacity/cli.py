@@ -29,7 +29,7 @@ from lorapage.adapters.cost import uniform_ranks
 from lorapage.adapters.envelope import MODULE_CLASSES, Envelope
 from lorapage.capacity.plan import Plan, Replica, Workload, make_plan
 from lorapage.capacity.report import as_json, render
-from lorapage.config import DTYPE_NAMES, FLEET_ENVELOPE, LORA_DTYPE_NAMES, EngineConfig
+from lorapage.config import DTYPE_NAMES, FLEET_ENVELOPE, KV_CACHE_DTYPES, LORA_DTYPE_NAMES, EngineConfig
 from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="the weights' dtype on the device")
     p.add_argument("--lora-dtype", choices=LORA_DTYPE_NAMES, default="auto", help="the adapters' (auto: --dtype)")
+    p.add_argument(
+        "--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto", help="the KV pages' (auto: --dtype)"
+    )
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument(
         "--modules", default="all", help="attention, mlp, all, or a comma-separated list of the projections adapted"
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks,
         base_elem=ELEM_BYTES[args.dtype],
         adapter_elem=ELEM_BYTES[lora_dtype],
+        kv_elem=ELEM_BYTES[KV_CACHE_DTYPES[args.kv_cache_dtype] or args.dtype],
         envelope=envelope,
         workload=workload,
         replica=replica,

@@ -132,6 +132,7 @@ def make_plan(
     *,
     base_elem: int,
     adapter_elem: int,
+    kv_elem: int | None = None,
     envelope: Envelope,
     workload: Workload,
     replica: Replica,
@@ -145,16 +146,17 @@ def make_plan(
     cost = envelope.cost(ranks)
     params = base_params(model)
     base_bytes = params * base_elem if replica.base_bytes is None else int(replica.base_bytes)
-    kv_per_token = 2 * model.num_layers * model.kv_size * base_elem
+    kv_elem = base_elem if kv_elem is None else kv_elem  # kv_cache_dtype's (auto: the model's)
+    kv_per_token = 2 * model.num_layers * model.kv_size * kv_elem
     kv_bytes = kv_per_token * replica.max_num_seqs * replica.max_model_len
     left = replica.device_bytes - base_bytes - kv_bytes - replica.working_bytes
-    # lorapage's pool: a page is block_size tokens of K and V in every layer; an adapter's rows in
-    # a layer fill whole pages of the same size (in its own dtype).
-    page_elems = 2 * replica.block_size * model.kv_size
-    page_bytes = page_elems * base_elem * model.num_layers
+    # lorapage's pool: a page is block_size tokens of K and V in every layer (in the KV dtype); an
+    # adapter's rows in a layer fill whole pages of the same bytes (in its own dtype).
+    layer_page_bytes = 2 * replica.block_size * model.kv_size * kv_elem
+    page_bytes = layer_page_bytes * model.num_layers
     pool_pages = int((replica.device_bytes - base_bytes - replica.working_bytes) // page_bytes)
     kv_pages = replica.max_num_seqs * -(-replica.max_model_len // replica.block_size)
-    adapter_pages = -(-per_layer * adapter_elem // (page_elems * base_elem))
+    adapter_pages = -(-per_layer * adapter_elem // layer_page_bytes)
     rank = max(ranks.values())
     step_s = replica.max_num_seqs / costs.decode_tokens_per_s(replica.max_num_seqs, replica.max_num_seqs, rank)
     decode, prefill = workload.rate * workload.output_mean, workload.rate * workload.prompt_mean

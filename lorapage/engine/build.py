@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from lorapage.engine.devices import (
     forward_thread_count,
     io_thread,
     io_thread_count,
+    quantized_ops,
     resolve_device,
     shorten_switch_interval,
     usable_cores,
@@ -48,7 +50,7 @@ from lorapage.engine.step_loop import StepLoop, Wakeup
 from lorapage.engine.step_planner import StepLimits, StepPlanner
 from lorapage.engine.tiering import TierKeeper
 from lorapage.kernels.backend import KernelOps, select_backend
-from lorapage.memory.pool import PagePool, adapter_page_size
+from lorapage.memory.pool import PagePool, adapter_page_size, kv_page_elements
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
 from lorapage.memory.sizing import POOL_HEADROOM_BYTES, lora_slots, pages_for_memory, step_activation_bytes
@@ -131,8 +133,9 @@ class Sizing:
     device: torch.device
     dtype: torch.dtype
     lora_dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pages' (kv_cache_dtype)
     block_size: int
-    page_size: int  # elements of one pool page in one layer (a KV block's K and V)
+    page_size: int  # elements (dtype) of one pool page in one layer: a KV block's K and V in kv_dtype
     adapter_pages: int  # pool pages the largest adapter takes
     max_blocks: int  # KV blocks of the longest sequence
     max_model_len: int
@@ -154,7 +157,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     # A rank's pool pages hold its KV heads and its shard of each adapter: sized from its shard.
     mc = shard_config(base.model_config, tp)
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
-    page_size = 2 * bs * mc.kv_size
+    kv_dtype = DTYPES[config.kv_dtype_name]
+    page_size = kv_page_elements(bs, mc.kv_size, dtype, kv_dtype)
     max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
     tokens = config.max_num_batched_tokens or max(2048, max_model_len)
     if tokens < max_model_len and not config.enable_chunked_prefill:
@@ -172,6 +176,7 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
         device=device,
         dtype=dtype,
         lora_dtype=lora_dtype,
+        kv_dtype=kv_dtype,
         block_size=bs,
         page_size=page_size,
         # A page holds more adapter elements when adapters are narrower than KV.
@@ -212,7 +217,9 @@ class MemoryParts:
 def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: Callable[[], float]) -> MemoryParts:
     mc = base.model_config
     num_pages, reserve = _num_pages(config, mc, sizing)
-    pool = PagePool(mc.num_layers, num_pages, sizing.page_size, sizing.dtype, sizing.device, sizing.lora_dtype)
+    pool = PagePool(
+        mc.num_layers, num_pages, sizing.page_size, sizing.dtype, sizing.device, sizing.lora_dtype, sizing.kv_dtype
+    )
     slots = lora_slots(
         config.max_loras, config.max_resident_loras, pool.capacity, sizing.adapter_pages, MAX_DERIVED_LORA_SLOTS
     )
@@ -284,6 +291,8 @@ def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
     ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype)
+    if config.quantization is not None:
+        ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
     runner = ModelRunner(
         model,
         memory.pool,
@@ -375,6 +384,13 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
         SPINCOUNT_ENV,
         spin_setting(),  # what lets 2+ threads beat one (lorapage.omp_env)
     )
+    if device.type == "cpu" and forward_threads > 1 and SPINCOUNT_ENV not in os.environ:
+        log.warning(
+            "%s unset with %d forward threads: most parallel regions wait for a sleeping OpenMP worker; "
+            "call lorapage.configure_threads() before importing torch (docs/benchmarks.md)",
+            SPINCOUNT_ENV,
+            forward_threads,
+        )
     return threads
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import threading
@@ -12,6 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lorapage.kernels.backend import KernelOps
+from lorapage.kernels.linear_cpu import pack_weight
+from lorapage.kernels.linear_int8 import linear_int8, pack_int8
+from lorapage.model.config import ModelConfig
 from lorapage.tenancy.fair_workers import FairWorkers
 
 # Keyed by lorapage.config.DTYPE_NAMES.
@@ -147,3 +152,17 @@ class Threads:
         self.grammar.close()
         if self.copies is not None:
             self.copies.shutdown(wait=False, cancel_futures=True)
+
+
+def quantized_ops(ops: KernelOps, quantization: str, device: torch.device, model: ModelConfig) -> KernelOps:
+    """``ops`` with the base's projections quantized as ``quantization`` names (EngineConfig
+    checked the name and the float32 dtype): int8 weight-only on a CPU (``kernels/linear_int8.py``).
+    ValueError where it cannot run: on CUDA, or a MoE base (its experts' weights are held apart)."""
+    if device.type != "cpu":
+        raise ValueError(
+            f"EngineConfig.quantization {quantization!r} runs on a CPU only (torch's int8 weight-only GEMM); "
+            "on CUDA serve the unquantized base"
+        )
+    if model.moe is not None:
+        raise ValueError(f"EngineConfig.quantization {quantization!r}: a MoE base's experts are not quantized yet")
+    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear_int8, pack_logits=pack_weight)

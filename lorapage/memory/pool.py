@@ -7,7 +7,10 @@ write to it and slot 0 / block 0 point at it. See docs/memory.md.
 
 Adapters may be kept in a narrower dtype than KV (``--lora-dtype``): they see the same bytes as
 ``adapter_storage``, ``storage`` viewed in their dtype, so one page holds ``adapter_page_size``
-of their elements (twice ``page_size`` for bfloat16 adapters in a float32 pool).
+of their elements (twice ``page_size`` for bfloat16 adapters in a float32 pool). K and V may be
+kept narrower too (``--kv-cache-dtype``): ``kv_storage`` is the same memory in their dtype, a page
+``kv_page_size`` of their elements, so a float16 KV block of a float32 model takes half the bytes
+(the pool's ``page_size`` is sized to the block: :func:`kv_page_elements`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ def adapter_page_size(page_size: int, dtype: torch.dtype, adapter_dtype: torch.d
     return page_size * dtype.itemsize // adapter_dtype.itemsize
 
 
+def kv_page_elements(block_size: int, kv_size: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """``page_size``: the pool elements (``dtype``) that hold one KV block, K and V for
+    ``block_size`` tokens of ``kv_size`` values each in ``kv_dtype``."""
+    nbytes = 2 * block_size * kv_size * kv_dtype.itemsize
+    if kv_dtype.itemsize > dtype.itemsize or nbytes % dtype.itemsize:
+        raise ValueError(f"KV pages in {kv_dtype} cannot share a {dtype} pool: they must be no wider")
+    return nbytes // dtype.itemsize
+
+
 class PagePool(PageAllocator):
     """The pool tensor plus the allocator (:class:`~lorapage.memory.pages.PageAllocator`) that
     hands out its pages to KV blocks and adapters."""
@@ -36,11 +48,15 @@ class PagePool(PageAllocator):
         dtype: torch.dtype,
         device: torch.device,
         adapter_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(num_pages)
-        adapter_dtype = adapter_dtype or dtype
+        adapter_dtype, kv_dtype = adapter_dtype or dtype, kv_dtype or dtype
         self.adapter_page_size = adapter_page_size(page_size, dtype, adapter_dtype)
         self.page_size = page_size
         self.storage = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
         # The same memory in the adapters' dtype: [num_layers, num_pages, adapter_page_size].
         self.adapter_storage = self.storage.view(adapter_dtype)
+        # ... and in KV's: [num_layers, num_pages, kv_page_size], a page one KV block.
+        self.kv_storage = self.storage.view(kv_dtype)
+        self.kv_page_size = self.kv_storage.shape[-1]

@@ -37,7 +37,7 @@ class ForwardContext:
             b.input_ids[:num_tokens],
             b.positions[:num_tokens],
             attn,
-            self.pool.storage,
+            self.pool.kv_storage,
             self.pool.adapter_storage,
             self.block_size,
             self.ops,

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps, Linear, PackWeight
-from lorapage.kernels.linear_cpu import dense_weight, keep_weight, linear_ref
+from lorapage.kernels.linear_cpu import keep_weight, linear_ref
+from lorapage.kernels.linear_int8 import dense_weight
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 from lorapage.model.families import family_of, group_weight
 from lorapage.model.lora_tables import LoraTables
@@ -120,17 +121,17 @@ class LlamaModel:
         # (o, down: base and LoRA together) over the ranks in place; None on one device.
         self.all_reduce: Callable[[Tensor], None] | None = None
 
-    def pack_weights(self, pack: PackWeight, linear: Linear) -> None:
-        """Hold every projection's weight (and the logits') as ``pack`` lays it out, and compute
-        them with ``linear``: the kernel backend's pair, once at start-up. A tied ``lm_head`` gets
-        a packed copy of its own (the embedding lookup reads the plain table)."""
+    def pack_weights(self, pack: PackWeight, linear: Linear, pack_logits: PackWeight | None = None) -> None:
+        """Hold every projection's weight (and the logits', as ``pack_logits`` when given) as
+        ``pack`` lays it out, and compute them with ``linear``: the kernel backend's pair, once at
+        start-up. A tied ``lm_head`` gets a packed copy of its own (the embedding lookup reads the plain table)."""
         for layer in self.layers:
             for key in PROJECTIONS:
                 if key in layer:
                     layer[key] = pack(layer[key])
         for moe in self.moe_layers:
             moe.pack(pack)
-        self.lm_head = pack(self.lm_head)
+        self.lm_head = (pack_logits or pack)(self.lm_head)
         self.linear, self._pack = linear, pack
 
     def dense_weight(self, layer: int, key: str) -> Tensor:
@@ -236,8 +237,8 @@ class LlamaModel:
     ) -> Tensor:
         """Hidden states [T, hidden] after the final norm for this step's tokens.
 
-        ``pool`` is the page storage [num_layers, num_pages, page_size]; ``adapter_pool`` the same
-        memory in the adapters' dtype (``pool`` itself when they match); ``lora_h`` a scratch buffer
+        ``pool`` is the page storage in KV's dtype [num_layers, num_pages, kv_page_size]; ``adapter_pool``
+        the same memory in the adapters' dtype (``pool`` itself when they match); ``lora_h`` a scratch buffer
         [>= T, >= max group rank] for the shrink output.
         """
         c = self.config

@@ -17,7 +17,7 @@ from itertools import groupby
 import torch
 from torch import Tensor
 
-from lorapage.kernels.linear_cpu import dense_weight
+from lorapage.kernels.linear_int8 import dense_weight
 from lorapage.model.config import GROUPS
 from lorapage.model.llama import PROJECTIONS, LlamaModel
 from lorapage.model.moe import MoeMlp

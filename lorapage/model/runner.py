@@ -164,7 +164,7 @@ class ModelRunner:
             dtype=model.dtype,
             device=model.device,
         )
-        model.pack_weights(ops.pack_weight, ops.linear)  # in the layout the backend's GEMM reads
+        model.pack_weights(ops.pack_weight, ops.linear, ops.pack_logits)  # in the layout the backend's GEMM reads
         self.ctx = ForwardContext(model, ops, pool, tables, self.buffers, block_size)
         self.graphs: DecodeGraphs | None = None
         # Structured-output masks of a step's constrained rows, filled on a thread of their own

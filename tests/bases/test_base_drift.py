@@ -101,3 +101,15 @@ def test_kl_and_agreement_from_logprobs():
     assert verdict([same]).passed and not verdict([]).passed
     assert isinstance(verdict([same]).notice("acme", "a" * 64, "b" * 64), str)
     assert PromptDrift(0, 1.0, 0.0, 0.0, False).positions == 0
+
+
+def test_the_drift_check_runs_against_the_int8_quantized_base(bases, capsys):
+    """``--quantization int8`` serves the new base quantized: against itself unquantized, the
+    adapters' answers drift by the quantization alone (a measure, not a fixed verdict)."""
+    old, _, _, adapters, prompts = bases
+    modules = [f"{n}={p}" for n, p in adapters.items()]
+    argv = ["check", str(old), str(old), "--lora-modules", *modules, "--prompts", str(prompts)]
+    main([*argv, "--max-tokens", "8", "--quantization", "int8"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    r = report["adapters"]["a0"]
+    assert r["prompts"] == 8 and 0 < r["mean_abs_dlogprob"] < 0.5 and r["token_agreement"] > 0.5

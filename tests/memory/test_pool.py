@@ -209,3 +209,18 @@ async def test_engine_random_submit_abort_evict_returns_every_page(rank_adapters
 async def _drain(engine, prompt, adapter, params, rid):
     async for _ in engine.generate(prompt, adapter, params, request_id=rid):
         pass
+
+
+def test_fp16_kv_pages_hold_a_block_in_half_the_bytes():
+    """kv_cache_dtype fp16 under a float32 model: a page is one block either way, in half the pool
+    elements, so a pool budget holds twice the tokens; K/V see the pages in their own dtype."""
+    from lorapage.memory.pool import kv_page_elements
+
+    wide = kv_page_elements(16, 128, torch.float32, torch.float32)
+    half = kv_page_elements(16, 128, torch.float32, torch.float16)
+    assert wide == 2 * 16 * 128 and half * 2 == wide
+    pool = PagePool(2, 8, half, torch.float32, torch.device("cpu"), kv_dtype=torch.float16)
+    assert pool.kv_storage.dtype == torch.float16 and pool.kv_page_size == 2 * 16 * 128
+    assert pool.kv_storage.data_ptr() == pool.storage.data_ptr()
+    with pytest.raises(ValueError, match="no wider"):
+        kv_page_elements(16, 128, torch.float16, torch.float32)

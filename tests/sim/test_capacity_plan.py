@@ -131,3 +131,13 @@ def test_the_command_is_registered():
         [sys.executable, "-m", "lorapage.cli", "plan", "--model", "/nonexistent"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.startswith("lorapage plan: --model /nonexistent")
+
+
+def test_a_narrower_kv_cache_halves_kv_bytes_and_pages(model_dir, capsys):
+    """A float32 base: fp16 KV pages hold each token in half the bytes, so a page is half as large
+    and the same memory holds twice the pages."""
+    argv = ("--model", str(model_dir), "--dtype", "float32", "--json")
+    wide = json.loads(plan_text(capsys, *argv))["plan"]
+    half = json.loads(plan_text(capsys, *argv, "--kv-cache-dtype", "fp16"))["plan"]
+    assert half["kv_bytes_per_token"] * 2 == wide["kv_bytes_per_token"]
+    assert half["pool_pages"] == pytest.approx(2 * wide["pool_pages"], abs=1)
