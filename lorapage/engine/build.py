@@ -321,28 +321,18 @@ def _start_ranks(config: EngineConfig, base: BaseParts, sizing: Sizing, memory: 
     """The worker ranks, each building the pool and tables rank 0 built, at its shard's sizes."""
     tp = sizing.tensor_parallel_size
     threads = forward_thread_count(config.num_threads, sizing.device)
-    return TensorParallelGroup(
-        WorkerSpec(
-            model_dir=str(base.model_dir),
-            world_size=tp,
-            timeout_s=config.tensor_parallel_timeout_s,
-            device=str(sizing.device),
-            dtype=sizing.dtype,
-            lora_dtype=sizing.lora_dtype,
-            kernel_backend=config.kernel_backend,
-            threads=max(1, threads // tp) if sizing.device.type == "cpu" else threads,
-            max_model_len=sizing.max_model_len,
-            block_size=sizing.block_size,
-            page_size=sizing.page_size,
-            num_pages=memory.pool.storage.shape[1],
-            lora_slots=memory.max_resident_loras,
-            page_list_width=memory.tables.page_table.shape[1],
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=sizing.max_num_batched_tokens,
-            max_blocks=sizing.max_blocks,
-            lora_h_width=lora_h_width(base.model_config, config.max_lora_rank),
-        )
-    )
+    spec = WorkerSpec(
+        model_dir=str(base.model_dir), world_size=tp, timeout_s=config.tensor_parallel_timeout_s,
+        device=str(sizing.device), dtype=sizing.dtype, lora_dtype=sizing.lora_dtype,
+        kernel_backend=config.kernel_backend,
+        threads=max(1, threads // tp) if sizing.device.type == "cpu" else threads,
+        max_model_len=sizing.max_model_len, block_size=sizing.block_size, page_size=sizing.page_size,
+        num_pages=memory.pool.storage.shape[1], lora_slots=memory.max_resident_loras,
+        page_list_width=memory.tables.page_table.shape[1], max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens, max_blocks=sizing.max_blocks,
+        lora_h_width=lora_h_width(base.model_config, config.max_lora_rank),
+    )  # fmt: skip
+    return TensorParallelGroup(spec)
 
 
 # -- threads -----------------------------------------------------------------------------------
@@ -506,9 +496,6 @@ def build_adapters(
     return AdapterParts(residency, cache, sources, files, cache_dir, usage, metrics, roots, wall_clock)
 
 
-# -- the catalog and the traffic tiers ---------------------------------------------------------
-
-
 # -- scheduling --------------------------------------------------------------------------------
 
 
@@ -609,6 +596,3 @@ def _grammars(base: BaseParts, threads: Threads) -> GrammarCompiler:
     if not grammar_eos and tokenizer.eos_token_id is not None:
         grammar_eos = (tokenizer.eos_token_id,)
     return GrammarCompiler(tokenizer.backend.to_str(), base.model_config.vocab_size, grammar_eos, threads.grammar)
-
-
-# -- the engine's adapter administration -------------------------------------------------------
