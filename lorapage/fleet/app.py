@@ -14,6 +14,7 @@ from ray import serve
 from ray.serve import Application
 
 from lorapage.config import EngineConfig
+from lorapage.fleet.autoscale import autoscaling_config
 from lorapage.fleet.bases import base_engine
 from lorapage.fleet.config import APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, FleetConfig, base_deployment
 from lorapage.fleet.ingress import FleetIngress
@@ -40,9 +41,14 @@ def build_app(config: FleetConfig) -> Application:
     }
 
     def engine_deployment(name: str, engine: EngineConfig) -> Application:
+        # Autoscaled: Ray Serve runs lorapage.fleet.autoscale's policy over the replicas'
+        # record_autoscaling_stats (queue depth, tokens in flight, KV headroom).
+        scaling: dict[str, object] = {"num_replicas": config.replicas}
+        if config.autoscale is not None:
+            scaling = {"autoscaling_config": autoscaling_config(config.autoscale)}
         return serve.deployment(
             name=name,
-            num_replicas=config.replicas,
+            **scaling,
             max_ongoing_requests=config.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
             request_router_config=router,
@@ -55,7 +61,7 @@ def build_app(config: FleetConfig) -> Application:
     ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
-        max_ongoing_requests=max(1000, config.replicas * config.max_ongoing_requests),
+        max_ongoing_requests=max(1000, config.max_replicas() * config.max_ongoing_requests),
         ray_actor_options={"num_cpus": config.ingress_cpus},
         # Its shutdown drains the front end: the grace period, then 5 s for aborted requests and
         # aiohttp's own 5 s; Ray's default (20 s) would cut the last of that short.

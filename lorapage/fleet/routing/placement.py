@@ -64,7 +64,7 @@ class LoadAffinityConfig:
     spill_load: float = 1.0  # requests in flight / capacity at which an owner counts as full
     kv_reserve: float = 0.05  # KV headroom below which an owner counts as full
     spill_width: int = 2  # past the owners, how many next-ranked open replicas a spill weighs
-    pinned_guard: float = 0.9  # held fraction of adapter room past which no new adapters come
+    pinned_guard: float = 0.8  # held fraction of adapter room past which no new adapters come
     bonus: ResidencyBonus = field(default_factory=_token_bonus)  # in tokens
     max_tracked: int = 10_000  # adapters whose rate and owner count are remembered
 
