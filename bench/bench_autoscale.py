@@ -76,7 +76,14 @@ def main(args: argparse.Namespace) -> dict:
         f"{args.join:g} s\n"
     )
     rows = [
-        [h["hour"], h["requests"], f"{h['replicas']:.2f}", _s(h["warm_p95"]), _s(h["cold_p95"]), "yes" if h["meets"] else "NO"]
+        [
+            h["hour"],
+            h["requests"],
+            f"{h['replicas']:.2f}",
+            _s(h["warm_p95"]),
+            _s(h["cold_p95"]),
+            "yes" if h["meets"] else "NO",
+        ]
         for h in hourly
     ]
     print(table(["hour", "requests", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrl"))

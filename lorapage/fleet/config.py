@@ -42,7 +42,7 @@ class FleetConfig:
     router: str = "affinity"  # a name of lorapage.fleet.routing.ROUTERS
     owners: int = 2
     spill_load: float = 1.0
-    pinned_guard: float = 0.8  # affinity_load: held fraction of a replica's lora slots past which it takes no new adapter
+    pinned_guard: float = 0.8  # affinity_load: held share of a replica's lora slots past which no new adapter comes
     autoscale: AutoscaleConfig | None = None  # None: a fixed ``replicas``; else ``replicas`` is its min_replicas
     max_ongoing_requests: int = 256
     routing_stats_period_s: float = 1.0

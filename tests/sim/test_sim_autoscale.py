@@ -21,7 +21,7 @@ def day():
         GenConfig(seed=3, scale=0.2, rate=21.6, duration_s=DAY_S, diurnal_amplitude=0.85, diurnal_period_s=DAY_S)
     )
     config = replace(SimFleetConfig(), router="affinity_load")
-    policy = AutoscaleConfig(min_replicas=1, max_replicas=12, target_tokens=20_000, upscale_delay_s=5, downscale_delay_s=20)
+    policy = AutoscaleConfig(max_replicas=12, target_tokens=20_000, upscale_delay_s=5, downscale_delay_s=20)
     scaling = ScalingConfig(policy=policy, hour_s=DAY_S / 24, join_s=10.0, warm_s=1.0)
     return trace, config, simulate_scaled(trace, config, scaling)
 
