@@ -12,7 +12,7 @@ Every replica is the seed's 7B replica under ``GPU_7B`` costs (``bench_fleet.py`
 size follows ``lorapage.fleet.autoscale`` (the policy Ray Serve runs) on the virtual clock, with the
 join sequence of ``lorapage.sim.scaling``. ``--hour`` shrinks the day (24 "hours" of that many
 seconds: the ramp is steeper than a real day's, which is harder on the autoscaler); ``--scale``
-multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25 (about a minute).
+multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 10 s, delays 2 s / 30 s (about 20 s).
 
     python bench/bench_autoscale.py [--quick] [--hour 3600] [--scale 1] [--router affinity_load]
 
@@ -126,6 +126,6 @@ if __name__ == "__main__":
     p.add_argument("--downscale-delay", type=float, default=AutoscaleConfig().downscale_delay_s)
     p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
     a = p.parse_args()
-    if a.quick:
-        a.hour, a.scale = 60.0, 0.25
+    if a.quick:  # a day 60 times shorter: the delays and the base load shorter too
+        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay = 60.0, 0.25, 10.0, 2.0, 30.0
     print_json(main(a), default=str)

@@ -43,12 +43,11 @@ def build_app(config: FleetConfig) -> Application:
     def engine_deployment(name: str, engine: EngineConfig) -> Application:
         # Autoscaled: Ray Serve runs lorapage.fleet.autoscale's policy over the replicas'
         # record_autoscaling_stats (queue depth, tokens in flight, KV headroom).
-        scaling: dict[str, object] = {"num_replicas": config.replicas}
-        if config.autoscale is not None:
-            scaling = {"autoscaling_config": autoscaling_config(config.autoscale)}
+        auto = None if config.autoscale is None else autoscaling_config(config.autoscale)
         return serve.deployment(
             name=name,
-            **scaling,
+            num_replicas=config.replicas if auto is None else "auto",
+            autoscaling_config=auto,
             max_ongoing_requests=config.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
             request_router_config=router,
