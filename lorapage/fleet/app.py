@@ -21,6 +21,8 @@ from lorapage.fleet.ingress import FleetIngress
 from lorapage.fleet.replica import EngineReplica
 from lorapage.fleet.request_router import AffinityRequestRouter
 
+ENGINE_DRAIN_S = 300.0  # an autoscaled replica's drain: a 2,000-token generation at 50 ms a token is 100 s
+RAY_SHUTDOWN_S = 20.0  # Ray Serve's default graceful_shutdown_timeout_s (a fixed fleet keeps it)
 INGRESS_SHUTDOWN_S = 30.0  # Ray's graceful shutdown of the ingress: > the 10 s grace + 5 s + 5 s it may take
 
 __all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "build_app"]
@@ -48,6 +50,9 @@ def build_app(config: FleetConfig) -> Application:
             name=name,
             num_replicas=config.replicas if auto is None else "auto",
             autoscaling_config=auto,
+            # A replica scaled down stops taking requests at once; Ray then waits this long for the
+            # ones under way (streams of long generations) before it stops the process.
+            graceful_shutdown_timeout_s=ENGINE_DRAIN_S if auto is not None else RAY_SHUTDOWN_S,
             max_ongoing_requests=config.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
             request_router_config=router,
