@@ -175,7 +175,7 @@ class EngineConfig:
         0,
         "output tokens a request may have to open or join a tail lane lent to general traffic, so a tail "
         "adapter's request waits at most this many steps for its lane; 32 keeps it inside a 2 s cold TTFT at "
-        "50 ms a step, for about 1% of the batch's rows (vtc only; 0: unbounded)",
+        "50 ms a step, for about one row in a hundred (vtc only; 0: unbounded)",
         group="scheduling",
     )
     # -- prefix cache ---------------------------------------------------------------------------
