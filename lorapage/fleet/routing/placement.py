@@ -172,6 +172,19 @@ class LoadAffinityRouter:
         k = max(c.min_owners, min(c.max_owners, math.ceil(share * replicas * c.owner_factor)))
         return min(k, replicas)
 
+    def handover(self, before: Sequence[str], after: Sequence[str], top: int = 64) -> list[Prewarm]:
+        """The replica set changed from ``before`` to ``after`` (one joined, or left): of the ``top``
+        busiest adapters remembered, each owner in ``after`` that was not one in ``before`` is named
+        to pre-warm it: a joining replica's share, a leaving one's adapters on their next owners."""
+        now = self.clock()
+        busiest = sorted(self.counts.keys(), key=lambda a: (-self.counts.count(a, now), a))[:top]
+        out = []
+        for adapter in busiest:
+            old = set(rendezvous_owners(adapter, before, self.owner_count(adapter, len(before)))) if before else set()
+            new = rendezvous_owners(adapter, after, self.owner_count(adapter, len(after))) if after else []
+            out += [Prewarm(adapter, rid) for rid in new if rid not in old]
+        return out
+
     def take_prewarms(self) -> list[Prewarm]:
         """The pre-warms decided since the last call (the caller carries them out)."""
         out, self._prewarms = self._prewarms, []
