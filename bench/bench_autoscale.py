@@ -31,7 +31,7 @@ from harness import machine_line, print_json, table
 from lorapage.fleet.autoscale import AutoscaleConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.fleet import SEED_SLO, SimFleetConfig
-from lorapage.sim.scaling import ScalingConfig, simulate_scaled
+from lorapage.sim.scaling import ScalingConfig, floor_replica_hours, simulate_scaled
 
 PEAK, TROUGH_SHARE = 40.0, 0.08  # req/s at the peak, the trough's share of it
 AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
@@ -61,7 +61,11 @@ def main(args: argparse.Namespace) -> dict:
         upscale_delay_s=args.upscale_delay,
         downscale_delay_s=args.downscale_delay,
     )
-    scaling = ScalingConfig(policy=policy, hour_s=args.hour, join_s=args.join)
+    # The day starts with the fleet its first hour needs (yesterday's fleet at the trough), not from
+    # one replica under load: the compute floor of the first hour, in replicas.
+    first = [r for r in trace if r.arrival_s < args.hour]
+    initial = max(1, round(floor_replica_hours(first, config, args.hour) * 3600 / args.hour))
+    scaling = ScalingConfig(policy=policy, hour_s=args.hour, join_s=args.join, initial_replicas=initial)
     started = time.perf_counter()
     result = simulate_scaled(trace, config, scaling)
     elapsed = time.perf_counter() - started
@@ -73,7 +77,7 @@ def main(args: argparse.Namespace) -> dict:
         f"seed day: {len(trace)} requests, 24 hours of {args.hour:g} s, scale {args.scale:g} (peak "
         f"{PEAK * args.scale:g} req/s), router {args.router}, {config.costs.name} costs; target tokens "
         f"{args.target_tokens:g}, delays up {args.upscale_delay:g} s / down {args.downscale_delay:g} s, join "
-        f"{args.join:g} s\n"
+        f"{args.join:g} s; the day starts with {initial} replicas (the first hour's floor)\n"
     )
     rows = [
         [
@@ -101,6 +105,7 @@ def main(args: argparse.Namespace) -> dict:
         "router": args.router,
         "policy": policy.__dict__,
         "join_s": args.join,
+        "initial_replicas": initial,
         "replica_hours": round(result.replica_hours, 3),
         "floor_replica_hours": round(result.floor_hours, 3),
         "ratio": None if ratio is None else round(ratio, 4),
