@@ -147,6 +147,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.sampling_params", "SamplingParams (per request)"),
     ("lorapage.traces", "trace format, records and statistics (replay and simulator)"),
     ("lorapage.fleet.routing", "routing policies (the Ray router and the simulator)"),
+    ("lorapage.fleet.autoscale", "the autoscaling policy (Ray Serve's custom policy and the simulator)"),
     ("lorapage.scheduler", "VTC and FCFS: pure policy"),
     ("lorapage.memory", "the page pool, block tables, prefix cache, reclaim, sizing"),
     ("lorapage.usage", "cost attribution by tenant and adapter version"),

@@ -533,6 +533,7 @@ def build_scheduling(
             max_loras=config.max_loras,
             reserved_tail_lanes=config.reserved_tail_lanes,
             age_deadline_s=config.lane_age_deadline_s,
+            lend_max_tokens=config.lane_lend_max_tokens,
         ),
         tenant_weights=tenant_weights,
         metrics=metrics,

@@ -70,6 +70,7 @@ class EngineStats:
     # -- what fleet placement weighs (docs/fleet.md, affinity_load)
     adapter_held_pages: int = 0  # pages of resident adapters that cannot be evicted now (pinned, hot, in use)
     pool_page_bytes: int = 0  # the bytes of one pool page
+    adapter_room_pages: int = 0  # the lora slots' pages: slots x pages of an adapter of max_lora_rank, at most the pool
     tokens_in_flight: int = 0  # prompt + remaining output tokens of every request queued or running here
     # -- a dedicated deployment (lorapage serve --merge): its equivalence check; None: the shared pool
     merged_deployment: Mapping[str, Any] | None = None
@@ -144,6 +145,7 @@ def gather_stats(
         evictions_per_minute=sum(1 for t in residency.slots.evictions if now - t <= 60.0),
         adapter_held_pages=held_adapter_pages(adapters),
         pool_page_bytes=memory.page_bytes,
+        adapter_room_pages=min(memory.max_resident_loras * memory.tables.page_table.shape[1], pool.capacity),
         tokens_in_flight=sum(
             r.num_prompt_tokens + max(r.max_tokens - len(r.output_ids), 0) for r in planner.requests.values()
         ),

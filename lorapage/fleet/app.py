@@ -14,12 +14,15 @@ from ray import serve
 from ray.serve import Application
 
 from lorapage.config import EngineConfig
+from lorapage.fleet.autoscale import autoscaling_config
 from lorapage.fleet.bases import base_engine
 from lorapage.fleet.config import APP_NAME, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, FleetConfig, base_deployment
 from lorapage.fleet.ingress import FleetIngress
 from lorapage.fleet.replica import EngineReplica
 from lorapage.fleet.request_router import AffinityRequestRouter
 
+ENGINE_DRAIN_S = 300.0  # an autoscaled replica's drain: a 2,000-token generation at 50 ms a token is 100 s
+RAY_SHUTDOWN_S = 20.0  # Ray Serve's default graceful_shutdown_timeout_s (a fixed fleet keeps it)
 INGRESS_SHUTDOWN_S = 30.0  # Ray's graceful shutdown of the ingress: > the 10 s grace + 5 s + 5 s it may take
 
 __all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "build_app"]
@@ -40,9 +43,16 @@ def build_app(config: FleetConfig) -> Application:
     }
 
     def engine_deployment(name: str, engine: EngineConfig) -> Application:
+        # Autoscaled: Ray Serve runs lorapage.fleet.autoscale's policy over the replicas'
+        # record_autoscaling_stats (queue depth, tokens in flight, KV headroom).
+        auto = None if config.autoscale is None else autoscaling_config(config.autoscale)
         return serve.deployment(
             name=name,
-            num_replicas=config.replicas,
+            num_replicas=config.replicas if auto is None else "auto",
+            autoscaling_config=auto,
+            # A replica scaled down stops taking requests at once; Ray then waits this long for the
+            # ones under way (streams of long generations) before it stops the process.
+            graceful_shutdown_timeout_s=ENGINE_DRAIN_S if auto is not None else RAY_SHUTDOWN_S,
             max_ongoing_requests=config.max_ongoing_requests,
             ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
             request_router_config=router,
@@ -55,7 +65,7 @@ def build_app(config: FleetConfig) -> Application:
     ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
-        max_ongoing_requests=max(1000, config.replicas * config.max_ongoing_requests),
+        max_ongoing_requests=max(1000, config.max_replicas() * config.max_ongoing_requests),
         ray_actor_options={"num_cpus": config.ingress_cpus},
         # Its shutdown drains the front end: the grace period, then 5 s for aborted requests and
         # aiohttp's own 5 s; Ray's default (20 s) would cut the last of that short.

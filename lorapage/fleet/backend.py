@@ -83,7 +83,7 @@ class FleetBackend:
         self.reasoning_parser = config.engine.reasoning_parser
         self._streams: dict[str, Any] = {}  # engine request id -> its replica call (abort() cancels it)
         # A tenant without max_concurrency may hold its share of the replicas' queues together.
-        self.queue_len = config.engine.max_queue_len * config.replicas
+        self.queue_len = config.engine.max_queue_len * config.max_replicas()
         self.rejected: MetricCounter | None = None
 
     def server_metrics(self, loop_lag: LoopLagMonitor, slo: SloTracker) -> ServerMetrics:

@@ -32,6 +32,7 @@ from lorapage.engine.flags import (
     lora_modules,
 )
 from lorapage.flags import fail, parser
+from lorapage.fleet.autoscale_flags import add_autoscale_arguments, autoscale_config
 from lorapage.fleet.config import INGRESS_CPUS, MERGED_APP_PREFIX, FleetConfig, replica_cpus_for
 from lorapage.fleet.dedicated_flags import add_dedicated_arguments, dedicated_config
 from lorapage.fleet.routing import ROUTERS
@@ -98,7 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     routing.add_argument(
         "--sync-period", type=float, default=1.0, help="seconds between replica heartbeats (registry, stats)"
     )
+    routing.add_argument(
+        "--pinned-guard",
+        type=float,
+        default=0.8,
+        help="affinity_load: a replica whose lora slots are this held (pinned, hot, in use) takes no adapter it lacks",
+    )
     add_dedicated_arguments(p)
+    add_autoscale_arguments(p)
     return p
 
 
@@ -146,6 +154,8 @@ def fleet_config(args: argparse.Namespace, replica_cpus: float, tenants_toml: st
             router=args.router,
             owners=args.owners,
             spill_load=args.spill_load,
+            pinned_guard=args.pinned_guard,
+            autoscale=autoscale_config(args, engine.max_num_seqs, PROG),
             max_body_bytes=args.max_body_bytes,
             slo_window_s=slo_window(args, PROG),
             access_log=_access_log_path(args),
@@ -196,7 +206,8 @@ def _access_log_path(args: argparse.Namespace) -> str | None:
 
 def _replica_cpus(args: argparse.Namespace, cpus: float) -> float:
     try:
-        return replica_cpus_for(cpus, args.replicas, INGRESS_CPUS, args.replica_cpus)
+        # An autoscaled fleet must fit at its largest.
+        return replica_cpus_for(cpus, args.max_replicas or args.replicas, INGRESS_CPUS, args.replica_cpus)
     except ValueError as exc:
         fail(PROG, str(exc))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.config import EngineConfig
+from lorapage.fleet.autoscale import AutoscaleConfig
 from lorapage.fleet.promotion import DedicatedConfig
 from lorapage.frontend.edge import EdgeLimits
 from lorapage.sources import AdapterRoots
@@ -41,6 +42,8 @@ class FleetConfig:
     router: str = "affinity"  # a name of lorapage.fleet.routing.ROUTERS
     owners: int = 2
     spill_load: float = 1.0
+    pinned_guard: float = 0.8  # affinity_load: held share of a replica's lora slots past which no new adapter comes
+    autoscale: AutoscaleConfig | None = None  # None: a fixed ``replicas``; else ``replicas`` is its min_replicas
     max_ongoing_requests: int = 256
     routing_stats_period_s: float = 1.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -73,6 +76,10 @@ class FleetConfig:
                 f"{self.routing_stats_period_s}, {self.request_retries}, {self.sync_period_s}, {self.slo_window_s}"
             )
 
+    def max_replicas(self) -> int:
+        """Engine replicas at most: ``replicas``, or the autoscaler's maximum."""
+        return self.replicas if self.autoscale is None else max(self.replicas, self.autoscale.max_replicas)
+
     def roots(self) -> AdapterRoots:
         """The adapter roots, at registration and at every load; ``lora_modules`` are the operator's."""
         return AdapterRoots.parse(self.adapter_roots, operator=[path for _, path in self.lora_modules])
@@ -88,7 +95,12 @@ class FleetConfig:
         if self.router == "affinity":
             return {"owners": self.owners, "spill_load": self.spill_load}
         if self.router == "affinity_load":  # --owners is its fewest owners; more follow traffic
-            return {"min_owners": self.owners, "max_owners": max(self.owners, 8), "spill_load": self.spill_load}
+            return {
+                "min_owners": self.owners,
+                "max_owners": max(self.owners, 8),
+                "spill_load": self.spill_load,
+                "pinned_guard": self.pinned_guard,
+            }
         return {}
 
 

@@ -317,8 +317,20 @@ class EngineReplica:
             # The load that matters (affinity_load): work in tokens, KV headroom, held adapter bytes.
             "tokens_in_flight": stats.tokens_in_flight,
             "kv_free": stats.pool_pages_free / max(stats.pool_pages_total, 1),
+            # Held of the lora slots' room (the simulator's held adapters over its slots), not of the
+            # whole pool: KV pages are never adapter room, so the guard could not fire that way.
             "pinned_bytes": stats.adapter_held_pages * stats.pool_page_bytes,
-            "adapter_room_bytes": stats.pool_pages_total * stats.pool_page_bytes,
+            "adapter_room_bytes": stats.adapter_room_pages * stats.pool_page_bytes,
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom metrics for :class:`~lorapage.fleet.autoscale.RayAutoscalingPolicy`:
+        queue depth, tokens in flight and free KV fraction (``autoscale.METRICS``)."""
+        stats = self.engine.stats()
+        return {
+            "queue_depth": float(stats.queue_depth),
+            "tokens_in_flight": float(stats.tokens_in_flight),
+            "kv_free": stats.pool_pages_free / max(stats.pool_pages_total, 1),
         }
 
     def _names(self, keys: Iterable[str]) -> set[str]:

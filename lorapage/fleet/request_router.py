@@ -62,6 +62,7 @@ class AffinityRequestRouter(RequestRouter):
         # up to a second old: a burst would all go to one owner before either counted it.
         self.sent: Counter[str] = Counter()
         self.policy = make_router(str(options.pop("policy", "affinity")), clock=time.monotonic, **options)
+        self.members: list[str] = []  # the replica ids of the last choice (a change: one joined or left)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -93,7 +94,11 @@ class AffinityRequestRouter(RequestRouter):
         views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
         chosen = self.policy.choose(adapter or None, list(views.values()))
         if isinstance(self.policy, LoadAffinityRouter):  # new owners load it at their next heartbeat
-            for p in self.policy.take_prewarms():
+            members = sorted(views)
+            # A replica joined (autoscaling, a restart) or left: the busiest adapters' new owners warm them.
+            handover = self.policy.handover(self.members, members) if self.members and members != self.members else []
+            self.members = members
+            for p in [*handover, *self.policy.take_prewarms()]:
                 ask_prewarm(p.replica_id, p.adapter)
         first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
         rest = sorted(

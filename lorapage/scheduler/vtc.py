@@ -38,6 +38,10 @@ class VtcConfig:
     max_loras: int = 32  # distinct adapters the running batch may hold
     reserved_tail_lanes: int | None = None  # of max_loras, for single-request adapters; None: max_loras // 8
     age_deadline_s: float = 1.0  # a request waiting this long may take any lane, or claim the next
+    # Output tokens a request may have to open or join a lent tail lane: a tail request's wait for
+    # one is then at most this many steps (lanes.py). 32 x 40-50 ms a step: under 1.6 s, inside
+    # the design's 2 s cold TTFT. None or 0 (the default): lent lanes take any request.
+    lend_max_tokens: int | None = None
     max_scan: int = 1024  # waiting requests examined per step at most (bounds the step's cost)
 
     def __post_init__(self) -> None:
@@ -85,7 +89,7 @@ class VtcScheduler(Generic[R]):
 
     def __init__(self, config: VtcConfig | None = None, tenant_weights: Mapping[str, float] | None = None) -> None:
         self.config = config or VtcConfig()
-        self.lanes = AdapterLanes(self.config.max_loras, self.config.tail_lanes)
+        self.lanes = AdapterLanes(self.config.max_loras, self.config.tail_lanes, self.config.lend_max_tokens)
         self._weights: dict[str, float] = dict(tenant_weights or {})
         self._queue: TenantQueue[R] = TenantQueue()
         self._groups: AdapterGroups[R] = AdapterGroups()

@@ -33,12 +33,14 @@ _SIM_FIELDS = (
     "scheduler",
     "reserved_tail_lanes",
     "lane_age_deadline_s",
+    "lane_lend_max_tokens",
 )
 # Engine flags -> the simulator's VtcConfig fields.
 _VTC_FIELDS = {
     "max_loras": "max_loras",
     "reserved_tail_lanes": "reserved_tail_lanes",
     "lane_age_deadline_s": "age_deadline_s",
+    "lane_lend_max_tokens": "lend_max_tokens",
 }
 
 

@@ -150,6 +150,8 @@ async def test_pins_are_bounded_by_pages_and_slots_with_the_numbers():
         assert stats.adapter_pinned_pages == 43
         # what fleet placement reads: pinned and resident pages cannot be evicted; nothing queued
         assert stats.adapter_held_pages == 43 and stats.tokens_in_flight == 0 and stats.pool_page_bytes > 0
+        # the guard's room: the 8 lora slots of the largest adapter's pages, not the 10528-page pool
+        assert stats.adapter_room_pages == 8 * engine.debug.tables.page_table.shape[1] < stats.pool_pages_total
         await unpin(engine, "acme")
         await pin(engine, "initech")  # 6 + 73 fits now
         assert engine.stats().adapters_pinned == 2

@@ -178,3 +178,23 @@ def test_prewarm_box_hands_each_replica_its_own_once_and_stays_bounded() -> None
     box.put("r2", "y")
     box.put("r3", "z")  # a third replica: the least recently asked one (r1) is forgotten
     assert box.take("r1") == () and box.take("r3") == ("z",)
+
+
+def test_a_replica_that_joins_or_leaves_hands_the_busiest_adapters_to_their_new_owners() -> None:
+    """Autoscaling's join and leave: the owners a changed replica set adds are named to pre-warm."""
+    clock = Clock()
+    router = _router(clock, min_owners=2, max_owners=2)
+    views = _views(4)
+    for i in range(40):
+        router.choose(f"a{i % 20}", views)
+    router.take_prewarms()
+    before = [v.replica_id for v in views]
+    after = [*before, "r9"]
+    joined = router.handover(before, after, top=20)
+    # Exactly the adapters whose owners now include the new replica, each named to it alone.
+    owned = {f"a{i}" for i in range(20) if "r9" in rendezvous_owners(f"a{i}", after, 2)}
+    assert owned and {p.adapter for p in joined} == owned and {p.replica_id for p in joined} == {"r9"}
+    # It leaves again: the replicas that now own its adapters warm them; nothing else moves.
+    left = router.handover(after, before, top=20)
+    assert {p.adapter for p in left} == owned and "r9" not in {p.replica_id for p in left}
+    assert router.handover(before, before) == []

@@ -281,3 +281,54 @@ def test_fcfs_holds_at_most_max_loras_distinct_adapters_and_keeps_order():
     assert ids(fcfs.schedule(0.0, Ctx())) == ["r0", "r1", "r3", "r4"]  # c would be a third adapter
     fcfs.on_finish(reqs[1], 1.0)
     assert ids(fcfs.schedule(1.0, Ctx())) == ["r2"]  # b's lane freed
+
+
+def _long_holders(lend_max_tokens: int | None) -> tuple[VtcScheduler[Req], list[Req]]:
+    """8 lanes (1 reserved), 8 adapters admitted while nobody wants the tail: the eighth borrows
+    it. Every holder's requests generate 500 tokens but the lent lane's, which generate 20."""
+    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=8, age_deadline_s=100.0, lend_max_tokens=lend_max_tokens))
+    reqs = [Req(f"r{i}", "t", f"a{i % 8}", max_tokens=20 if i % 8 == 7 else 500) for i in range(32)]
+    for r in reqs:
+        vtc.add(r, 0.0)
+    running = vtc.schedule(0.0, Ctx())
+    assert len(running) == 32
+    return vtc, running
+
+
+def _steps_until_admitted(vtc: VtcScheduler[Req], running: list[Req], solo: Req) -> int:
+    """Decode steps until ``solo`` gets a lane; each running request finishes after its max_tokens."""
+    left = {r.request_id: r.max_tokens for r in running}
+    for step in range(1, 1000):
+        now = 1.0 + step * 0.05
+        for r in list(running):
+            left[r.request_id] -= 1
+            if left[r.request_id] == 0:
+                running.remove(r)
+                vtc.on_finish(r, now)
+        if solo in vtc.schedule(now, Ctx()):
+            return step
+    raise AssertionError("never admitted")
+
+
+@pytest.mark.parametrize("bound", [None, 32])
+def test_the_lend_token_bound_keeps_a_tail_request_from_waiting_a_long_generation(bound):
+    """Without the bound the oldest general holder closes and the single waits for its 500-token
+    rows; with it the lent lane (short requests only) closes, and the wait is at most the bound."""
+    vtc, running = _long_holders(bound)
+    assert vtc.lanes.lent == ({"a7"} if bound else set())
+    # A long request may not open or join the lent lane: it waits for a general one.
+    long7 = Req("long7", "t", "a7", arrival_time=0.5, max_tokens=400)
+    vtc.add(long7, 0.5)
+    vtc.add(Req("short7", "t", "a7", arrival_time=0.5, max_tokens=10), 0.5)
+    admitted = vtc.schedule(0.5, Ctx())
+    assert ids(admitted) == (["short7"] if bound else ["long7", "short7"])
+    running += admitted
+    if bound:  # its client gives up: it would be a single itself, first in line for the lane
+        vtc.remove(long7)
+    solo = Req("solo", "light", "solo", arrival_time=1.0, max_tokens=300)
+    vtc.add(solo, 1.0)
+    steps = _steps_until_admitted(vtc, running, solo)
+    if bound:
+        assert steps <= bound
+    else:
+        assert steps >= 400  # a whole long generation

@@ -64,7 +64,7 @@ class LoadAffinityConfig:
     spill_load: float = 1.0  # requests in flight / capacity at which an owner counts as full
     kv_reserve: float = 0.05  # KV headroom below which an owner counts as full
     spill_width: int = 2  # past the owners, how many next-ranked open replicas a spill weighs
-    pinned_guard: float = 0.9  # held fraction of adapter room past which no new adapters come
+    pinned_guard: float = 0.8  # held fraction of adapter room past which no new adapters come
     bonus: ResidencyBonus = field(default_factory=_token_bonus)  # in tokens
     max_tracked: int = 10_000  # adapters whose rate and owner count are remembered
 
@@ -171,6 +171,19 @@ class LoadAffinityRouter:
         share = self.counts.count(adapter, now) / max(self.counts.total(now), c.min_total)
         k = max(c.min_owners, min(c.max_owners, math.ceil(share * replicas * c.owner_factor)))
         return min(k, replicas)
+
+    def handover(self, before: Sequence[str], after: Sequence[str], top: int = 64) -> list[Prewarm]:
+        """The replica set changed from ``before`` to ``after`` (one joined, or left): of the ``top``
+        busiest adapters remembered, each owner in ``after`` that was not one in ``before`` is named
+        to pre-warm it: a joining replica's share, a leaving one's adapters on their next owners."""
+        now = self.clock()
+        busiest = sorted(self.counts.keys(), key=lambda a: (-self.counts.count(a, now), a))[:top]
+        out = []
+        for adapter in busiest:
+            old = set(rendezvous_owners(adapter, before, self.owner_count(adapter, len(before)))) if before else set()
+            new = rendezvous_owners(adapter, after, self.owner_count(adapter, len(after))) if after else []
+            out += [Prewarm(adapter, rid) for rid in new if rid not in old]
+        return out
 
     def take_prewarms(self) -> list[Prewarm]:
         """The pre-warms decided since the last call (the caller carries them out)."""

@@ -1,0 +1,136 @@
+"""The seed's day on an autoscaled simulated fleet: replica-hours against the compute floor's,
+p95 TTFT hour by hour, and TTFT on replicas that just joined.
+
+The trace is ``lorapage replay gen``'s seed workload under a diurnal ramp: the mean rate 21.6
+req/s with amplitude 0.85 peaks at 40 req/s and bottoms at 3.2 (8%), Zipf 1.3 over 5,000 adapters,
+Zipf tenants (a few customers most of the traffic); the same as
+
+    lorapage replay gen -o day.jsonl --duration 86400 --rate 21.62 --diurnal-amplitude 0.85 \\
+        --diurnal-period 86400
+
+Every replica is the seed's 7B replica under ``GPU_7B`` costs (``bench_fleet.py``); the fleet's
+size follows ``lorapage.fleet.autoscale`` (the policy Ray Serve runs) on the virtual clock, with the
+join sequence of ``lorapage.sim.scaling``. ``--hour`` shrinks the day (24 "hours" of that many
+seconds: the ramp is steeper than a real day's, which is harder on the autoscaler); ``--scale``
+multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 10 s, delays 2 s / 30 s (about 20 s).
+
+    python bench/bench_autoscale.py [--quick] [--hour 3600] [--scale 1] [--router affinity_load]
+
+Prints the table; the last line is one JSON object with every figure and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import replace
+
+from harness import machine_line, print_json, table
+
+from lorapage.fleet.autoscale import AutoscaleConfig
+from lorapage.replay.generator import GenConfig, generate
+from lorapage.sim.fleet import SEED_SLO, SimFleetConfig
+from lorapage.sim.scaling import ScalingConfig, floor_replica_hours, simulate_scaled
+
+PEAK, TROUGH_SHARE = 40.0, 0.08  # req/s at the peak, the trough's share of it
+AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
+TARGET_RATIO = 1.15
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else ("inf" if math.isinf(v) else f"{v:.3f}")
+
+
+def main(args: argparse.Namespace) -> dict:
+    day = 24 * args.hour
+    gen = GenConfig(
+        seed=args.seed,
+        scale=args.scale,
+        rate=PEAK / (1 + AMPLITUDE),
+        duration_s=day,
+        diurnal_amplitude=AMPLITUDE,
+        diurnal_period_s=day,
+    )
+    trace = generate(gen)
+    config = replace(SimFleetConfig(), router=args.router, seed=args.seed)
+    policy = AutoscaleConfig(
+        min_replicas=1,
+        max_replicas=args.max_replicas,
+        target_tokens=args.target_tokens,
+        upscale_delay_s=args.upscale_delay,
+        downscale_delay_s=args.downscale_delay,
+    )
+    # The day starts with the fleet its first hour needs (yesterday's fleet at the trough), not from
+    # one replica under load: the compute floor of the first hour, in replicas.
+    first = [r for r in trace if r.arrival_s < args.hour]
+    initial = max(1, round(floor_replica_hours(first, config, args.hour) * 3600 / args.hour))
+    scaling = ScalingConfig(policy=policy, hour_s=args.hour, join_s=args.join, initial_replicas=initial)
+    started = time.perf_counter()
+    result = simulate_scaled(trace, config, scaling)
+    elapsed = time.perf_counter() - started
+    hourly = result.hourly(SEED_SLO)
+    ratio = result.replica_hours / result.floor_hours if result.floor_hours else None
+    up = result.scale_up_ttft()
+    print(machine_line())
+    print(
+        f"seed day: {len(trace)} requests, 24 hours of {args.hour:g} s, scale {args.scale:g} (peak "
+        f"{PEAK * args.scale:g} req/s), router {args.router}, {config.costs.name} costs; target tokens "
+        f"{args.target_tokens:g}, delays up {args.upscale_delay:g} s / down {args.downscale_delay:g} s, join "
+        f"{args.join:g} s; the day starts with {initial} replicas (the first hour's floor)\n"
+    )
+    rows = [
+        [
+            h["hour"],
+            h["requests"],
+            f"{h['replicas']:.2f}",
+            _s(h["warm_p95"]),
+            _s(h["cold_p95"]),
+            "yes" if h["meets"] else "NO",
+        ]
+        for h in hourly
+    ]
+    print(table(["hour", "requests", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrl"))
+    print(
+        f"\nreplica-hours {result.replica_hours:.2f} (hours of 3,600 s), compute floor {result.floor_hours:.2f}: "
+        f"{ratio:.3f}x (target <= {TARGET_RATIO}); every hour meets: {all(h['meets'] for h in hourly)}; "
+        f"TTFT on just-joined replicas p50 / p95 / p99 {_s(up['p50'])} / {_s(up['p95'])} / {_s(up['p99'])} s "
+        f"({up['count']} requests); {result.prewarms} pre-warms\n({elapsed:.0f} s of simulation)"
+    )
+    return {
+        "bench": "autoscale",
+        "requests": len(trace),
+        "hour_s": args.hour,
+        "scale": args.scale,
+        "router": args.router,
+        "policy": policy.__dict__,
+        "join_s": args.join,
+        "initial_replicas": initial,
+        "replica_hours": round(result.replica_hours, 3),
+        "floor_replica_hours": round(result.floor_hours, 3),
+        "ratio": None if ratio is None else round(ratio, 4),
+        "every_hour_meets": all(h["meets"] for h in hourly),
+        "hourly": hourly,
+        "scale_up_ttft": up,
+        "prewarms": result.prewarms,
+        "targets": {"warm_p95_s": SEED_SLO.ttft_s, "cold_p95_s": SEED_SLO.ttft_cold_s, "ratio": TARGET_RATIO},
+        "elapsed_s": round(elapsed, 1),
+    }
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a 24-minute day at scale 0.25")
+    p.add_argument("--hour", type=float, default=3600.0, help="seconds of one of the day's 24 hours")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies rate and adapters")
+    p.add_argument("--router", default="affinity_load")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-replicas", type=int, default=40)
+    p.add_argument("--target-tokens", type=float, default=AutoscaleConfig().target_tokens)
+    p.add_argument("--upscale-delay", type=float, default=AutoscaleConfig().upscale_delay_s)
+    p.add_argument("--downscale-delay", type=float, default=AutoscaleConfig().downscale_delay_s)
+    p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
+    a = p.parse_args()
+    if a.quick:  # a day 60 times shorter: the delays and the base load shorter too
+        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay = 60.0, 0.25, 10.0, 2.0, 30.0
+    print_json(main(a), default=str)

@@ -1,0 +1,61 @@
+"""``lorapage fleet``'s autoscaling flags (:mod:`lorapage.fleet.autoscale`): ``--max-replicas``
+turns it on, ``--replicas`` is then the fewest (and the start)."""
+
+from __future__ import annotations
+
+import argparse
+
+from lorapage.flags import fail
+from lorapage.fleet.autoscale import AutoscaleConfig
+
+_DEFAULTS = AutoscaleConfig()
+
+
+def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags (defaults in docs/fleet.md, "Autoscaling")."""
+    group = p.add_argument_group("autoscaling (engine replicas by queue depth, tokens in flight and KV headroom)")
+    group.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscale the engine replicas between --replicas and this many (default: a fixed --replicas)",
+    )
+    group.add_argument(
+        "--scale-target-tokens",
+        type=float,
+        default=_DEFAULTS.target_tokens,
+        help="tokens in flight (prompt + remaining output, queued or running) one replica should hold",
+    )
+    group.add_argument(
+        "--scale-target-queue",
+        type=float,
+        default=_DEFAULTS.target_queue,
+        help="queued requests a replica may hold before the queue itself calls for more replicas",
+    )
+    group.add_argument(
+        "--upscale-delay", type=float, default=_DEFAULTS.upscale_delay_s, help="seconds more replicas must be wanted"
+    )
+    group.add_argument(
+        "--downscale-delay",
+        type=float,
+        default=_DEFAULTS.downscale_delay_s,
+        help="seconds fewer replicas must be wanted before one drains and leaves",
+    )
+
+
+def autoscale_config(args: argparse.Namespace, max_num_seqs: int, prog: str) -> AutoscaleConfig | None:
+    """The policy's options, or None without ``--max-replicas``."""
+    if args.max_replicas is None:
+        return None
+    try:
+        return AutoscaleConfig(
+            min_replicas=args.replicas,
+            max_replicas=args.max_replicas,
+            target_tokens=args.scale_target_tokens,
+            target_queue=args.scale_target_queue,
+            max_num_seqs=max_num_seqs,
+            upscale_delay_s=args.upscale_delay,
+            downscale_delay_s=args.downscale_delay,
+        )
+    except ValueError as exc:
+        fail(prog, f"--replicas / --max-replicas / scaling flags: {exc}")
