@@ -78,6 +78,12 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
         "tokens_in_flight",
     ),
     EngineSeries(
+        "lorapage_engine_adapter_room_pages",
+        "Pool pages the lora slots can hold: slots x pages of a max-rank adapter, at most the pool "
+        "(what the pinned-bytes guard divides by).",
+        "adapter_room_pages",
+    ),
+    EngineSeries(
         "lorapage_engine_adapter_held_pages",
         "Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or in use.",
         "adapter_held_pages",
