@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lorapage.config import EngineConfig
 from lorapage.fleet.autoscale import AutoscaleConfig
@@ -91,7 +92,7 @@ class FleetConfig:
         sides = {base_deployment(model): engine for model in self.bases}
         return {ENGINE_DEPLOYMENT: engine, **sides, INGRESS_DEPLOYMENT: {"CPU": self.ingress_cpus}}
 
-    def engine_options(self, engine: EngineConfig) -> dict[str, object]:
+    def engine_options(self, engine: EngineConfig) -> dict[str, Any]:
         """Ray Serve deployment options that place one replica of ``engine``.
 
         One rank: the actor's CPUs and GPUs. ``k`` tensor-parallel ranks: a placement group of
