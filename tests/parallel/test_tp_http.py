@@ -18,7 +18,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from lorapage.testing.serve_process import ServeProcess, start_serve
+
+pytestmark = pytest.mark.slow  # three servers and two worker ranks start: ~16 CPU-seconds
 
 KEY = "tp-test-key"
 MODELS = ("base", "acme", "globex")  # the tiny model and two demo adapters
