@@ -13,7 +13,10 @@ trace (or one generated from the rate and Zipf) to find the fewest replicas meet
 
 The defaults are seed 001's 7B replica (docs/capacity.md walks it): 16-bit weights, rank 16 on
 every module, 80 GB devices with 4 GB of working memory, 32 sequences of up to 2,000 tokens,
-2 owners per adapter, 30% headroom, the ``gpu-7b`` step costs.
+2 owners per adapter, 30% headroom, the ``gpu-7b`` step costs. ``--tensor-parallel-size K``
+prices a replica of K devices as seed 003 prices its 70B (docs/parallel.md):
+
+    lorapage plan --model atlas --base-gb 140 --tensor-parallel-size 4 --modules attention --adapters 50
 """
 
 from __future__ import annotations
@@ -34,15 +37,17 @@ from lorapage.flags import add_config_flags, config_overrides, fail, parser
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.population import zipf_weights
-from lorapage.sim.costs import COSTS
+from lorapage.sim.costs import COSTS, StepCosts
 from lorapage.sim.fleet import SEED_SLO, SimFleetConfig, adapter_of
 from lorapage.sim.loader import ResidencyConfig
 from lorapage.sim.simulator import SimConfig
+from lorapage.sim.tensor_parallel import ModelShape, tensor_parallel_costs
 from lorapage.traces.trace import TraceError, TraceRequest, read_trace
 
 PROG = "lorapage plan"
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _ENVELOPE_FIELDS = ("cost_reference_batch", "shared_envelope", "shared_max_cost_pct")
+_FLAG_FIELDS = (*_ENVELOPE_FIELDS, "tensor_parallel_size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--owners", type=int, default=2, help="replicas each adapter is placed on")
     rep.add_argument("--headroom", type=float, default=0.3, help="replicas beyond the arithmetic's, as a fraction")
     rep.add_argument("--costs", choices=sorted(COSTS), default="gpu-7b", help="the step-time model")
+    rep.add_argument(
+        "--resident-adapters",
+        type=int,
+        default=None,
+        help="adapters resident on every device, priced first as seed 003 does (KV gets the rest; "
+        "default: the registered ones, up to what fits beside every sequence's KV)",
+    )
     sim = p.add_argument_group("the fleet simulator")
     sim.add_argument(
         "--find-replicas", type=int, default=0, help="also find the fewest replicas (up to N) meeting the SLO"
@@ -87,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--duration", type=float, default=90.0, help="seconds of generated trace to simulate")
     sim.add_argument("--warmup", type=float, default=30.0, help="seconds of trace run but left out of the figures")
     sim.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
-    add_config_flags(p, EngineConfig, only=_ENVELOPE_FIELDS)
+    add_config_flags(p, EngineConfig, only=_FLAG_FIELDS)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead")
     return p
 
@@ -98,6 +110,18 @@ def load_model(path: str) -> ModelConfig:
         return ModelConfig.from_dir(target.parent if target.name == "config.json" else target)
     except (OSError, ValueError) as exc:
         fail(PROG, f"--model {path}: {exc}")
+
+
+def check_shares(model: ModelConfig, k: int) -> None:
+    """ValueError unless ``k`` devices take equal shares of the heads, KV heads and MLP columns
+    (what the engine asks too, ``lorapage.parallel.check_tensor_parallel``)."""
+    for name, value in (
+        ("num_attention_heads", model.num_heads),
+        ("num_key_value_heads", model.num_kv_heads),
+        ("intermediate_size", model.intermediate_size),
+    ):
+        if value % k:
+            raise ValueError(f"--tensor-parallel-size {k} must divide the model's {name} ({value})")
 
 
 def modules_of(text: str) -> tuple[str, ...]:
@@ -138,21 +162,27 @@ def zipf_workload(args: argparse.Namespace) -> Workload:
     )
 
 
-def simulate(plan: Plan, replica: Replica, args: argparse.Namespace, trace: list[TraceRequest], rank: int) -> dict:
+def simulate(
+    plan: Plan, replica: Replica, args: argparse.Namespace, trace: list[TraceRequest], rank: int, costs: StepCosts
+) -> dict:
     """The affinity-routed fleet at the plan's replicas, and the fewest meeting the seed's SLO."""
     from lorapage.sim.compare import compare_routers
 
     config = SimFleetConfig(
         replicas=plan.replicas,
         router_options={"owners": replica.owners},
-        engine=SimConfig(max_num_seqs=replica.max_num_seqs, max_num_batched_tokens=8192),
+        engine=SimConfig(
+            max_num_seqs=replica.max_num_seqs,
+            max_num_batched_tokens=8192,
+            num_kv_pages=SimConfig.num_kv_pages * replica.tensor_parallel_size,  # pages 1/k as wide
+        ),
         residency=ResidencyConfig(
             max_resident_loras=max(1, plan.pool_adapters),
             max_cpu_loras=max(1, plan.host_adapters or round(plan.adapters_per_replica)),
             max_disk_loras=1000,
             rank=rank,
         ),
-        costs=COSTS[args.costs],
+        costs=costs,
         warmup_s=args.warmup,
         base_name=args.base_name,
     )
@@ -182,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     lora_dtype = args.dtype if args.lora_dtype == "auto" else args.lora_dtype
     if args.rank < 1:
         fail(PROG, f"--rank must be >= 1; got {args.rank}")
+    if args.resident_adapters is not None and args.resident_adapters < 0:
+        fail(PROG, f"--resident-adapters must be >= 0; got {args.resident_adapters}")
     try:
         # A fleet has a dedicated tier: its envelope, unless given, is the narrow one.
-        config = EngineConfig(**{"shared_envelope": FLEET_ENVELOPE, **config_overrides(args, _ENVELOPE_FIELDS)})
+        config = EngineConfig(**{"shared_envelope": FLEET_ENVELOPE, **config_overrides(args, _FLAG_FIELDS)})
+        check_shares(model, config.tensor_parallel_size)
         replica = Replica(
             device_bytes=args.device_gb * 1e9,
             working_bytes=args.working_gb * 1e9,
@@ -195,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             owners=args.owners,
             headroom=args.headroom,
+            tensor_parallel_size=config.tensor_parallel_size,
+            resident_adapters=args.resident_adapters,
         )
         trace = read_trace(args.trace) if args.trace else None
     except (OSError, ValueError, TraceError) as exc:
@@ -202,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     workload = trace_workload(trace, args) if trace is not None else zipf_workload(args)
     envelope = Envelope.from_config(config, model, ELEM_BYTES[args.dtype], ELEM_BYTES[lora_dtype])
     ranks = uniform_ranks(model, args.rank, modules)
+    costs = tensor_parallel_costs(
+        COSTS[args.costs],
+        config.tensor_parallel_size,
+        ModelShape(model.num_layers, model.hidden_size, ELEM_BYTES[args.dtype]),
+    )
     plan = make_plan(
         model,
         ranks,
@@ -211,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         envelope=envelope,
         workload=workload,
         replica=replica,
-        costs=COSTS[args.costs],
+        costs=costs,
     )
     source = f"trace {args.trace}" if args.trace else f"Zipf {args.zipf:g}"
     sim_row = None
     if args.find_replicas:
         sim_trace = trace if trace is not None else generated_trace(args, workload)
-        sim_row = simulate(plan, replica, args, sim_trace, args.rank)
+        sim_row = simulate(plan, replica, args, sim_trace, args.rank, costs)
     if args.json:
         print(json.dumps({"plan": as_json(plan), "simulation": sim_row}, default=float))
         return 0

@@ -15,6 +15,14 @@ its owners take at the fleet's mean load per replica (the router spills it: ``la
 
 Step times come from a simulator cost model (:mod:`lorapage.sim.costs`, the seed's by default),
 with every row of a full batch on its own adapter, as the seed assumes.
+
+A replica of ``k`` tensor-parallel devices (``Replica.tensor_parallel_size``) is priced the way
+seed 003 prices its 70B on 4 devices: every device holds ``1/k`` of the base (vocabulary-parallel
+embedding and lm_head included), ``1/k`` of each resident adapter (S-LoRA's shards) and ``1/k`` of
+every token's KV (its KV heads), so the GPU-memory figures are one device's; what is left after
+the base, the resident adapters and working memory is KV, and its tokens are the replica's (each
+device holds its share of the same tokens). Step times are the cost model's at ``k`` devices
+(:func:`lorapage.sim.tensor_parallel.tensor_parallel_costs`).
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ class Replica:
     block_size: int = 16  # tokens per KV page
     owners: int = 2  # replicas each adapter is placed on
     headroom: float = 0.3  # replicas beyond the arithmetic's
+    tensor_parallel_size: int = 1  # devices per replica, each holding 1/k of the base, adapters and KV
+    resident_adapters: int | None = None  # seed 003's resident set; None: the registered ones that fit
 
 
 @dataclass(frozen=True)
@@ -66,14 +76,24 @@ class Plan:
     cost: AdapterCost
     tier: ServingTier
     all_adapters_bytes: int
-    # GPU memory
+    # GPU memory (one device's: 1/k of the replica's under tensor parallelism)
     base_params: int
-    base_bytes: int
+    base_bytes: int  # the whole base
     merged_bytes: int
-    kv_bytes_per_token: int
-    kv_bytes: int
+    kv_bytes_per_token: int  # the whole model's
+    kv_bytes: int  # on one device: every sequence's share
     left_bytes: float
     adapters_fit: int
+    # seed 003's accounting, per device: the base's share, the resident adapters' shards, KV left
+    tensor_parallel_size: int
+    device_base_bytes: float
+    device_adapter_bytes: float  # one adapter's shard
+    resident_adapters: int
+    device_adapters_bytes: float  # every resident adapter's shard
+    device_kv_bytes_per_token: float
+    kv_left_bytes: float  # after the base, the resident adapters and working memory
+    kv_left_no_adapters_bytes: float
+    kv_tokens: int  # tokens the KV left holds (on every device, each its share: the replica's)
     page_bytes: int
     pool_pages: int
     kv_pages: int
@@ -146,21 +166,29 @@ def make_plan(
     cost = envelope.cost(ranks)
     params = base_params(model)
     base_bytes = params * base_elem if replica.base_bytes is None else int(replica.base_bytes)
+    k = replica.tensor_parallel_size
+    device_base = base_bytes / k
     kv_elem = base_elem if kv_elem is None else kv_elem  # kv_cache_dtype's (auto: the model's)
     kv_per_token = 2 * model.num_layers * model.kv_size * kv_elem
-    kv_bytes = kv_per_token * replica.max_num_seqs * replica.max_model_len
-    left = replica.device_bytes - base_bytes - kv_bytes - replica.working_bytes
-    # lorapage's pool: a page is block_size tokens of K and V in every layer (in the KV dtype); an
-    # adapter's rows in a layer fill whole pages of the same bytes (in its own dtype).
-    layer_page_bytes = 2 * replica.block_size * model.kv_size * kv_elem
+    kv_bytes = kv_per_token * replica.max_num_seqs * replica.max_model_len // k
+    left = replica.device_bytes - device_base - kv_bytes - replica.working_bytes
+    adapters_fit = max(0, int(left // (adapter_bytes / k)))
+    held = min(workload.adapters, adapters_fit) if replica.resident_adapters is None else replica.resident_adapters
+    kv_left_no_adapters = replica.device_bytes - device_base - replica.working_bytes
+    kv_left = kv_left_no_adapters - held * adapter_bytes / k
+    # lorapage's pool: a page is block_size tokens of K and V in every layer (in the KV dtype; a
+    # rank's page its KV heads only); an adapter's rows in a layer fill whole pages of the same
+    # bytes (in its own dtype; a rank's, its 1/k shard).
+    layer_page_bytes = 2 * replica.block_size * model.kv_size * kv_elem // k
     page_bytes = layer_page_bytes * model.num_layers
-    pool_pages = int((replica.device_bytes - base_bytes - replica.working_bytes) // page_bytes)
+    pool_pages = int(kv_left_no_adapters // page_bytes)
     kv_pages = replica.max_num_seqs * -(-replica.max_model_len // replica.block_size)
-    adapter_pages = -(-per_layer * adapter_elem // layer_page_bytes)
+    adapter_pages = -(-per_layer * adapter_elem // (k * layer_page_bytes))
     rank = max(ranks.values())
     step_s = replica.max_num_seqs / costs.decode_tokens_per_s(replica.max_num_seqs, replica.max_num_seqs, rank)
     decode, prefill = workload.rate * workload.output_mean, workload.rate * workload.prompt_mean
-    replica_decode, replica_prefill = replica.max_num_seqs / step_s, 1 / costs.prefill_token_s
+    replica_decode = replica.max_num_seqs / step_s
+    replica_prefill = 1 / (costs.prefill_token_s + costs.collective_token_s)
     exact = decode / replica_decode + prefill / replica_prefill
     replicas = math.ceil(exact * (1 + replica.headroom) - 1e-9)
     owners = min(replica.owners, replicas)
@@ -181,7 +209,16 @@ def make_plan(
         kv_bytes_per_token=kv_per_token,
         kv_bytes=kv_bytes,
         left_bytes=left,
-        adapters_fit=max(0, int(left // adapter_bytes)),
+        adapters_fit=adapters_fit,
+        tensor_parallel_size=k,
+        device_base_bytes=device_base,
+        device_adapter_bytes=adapter_bytes / k,
+        resident_adapters=held,
+        device_adapters_bytes=held * adapter_bytes / k,
+        device_kv_bytes_per_token=kv_per_token / k,
+        kv_left_bytes=kv_left,
+        kv_left_no_adapters_bytes=kv_left_no_adapters,
+        kv_tokens=max(0, int(kv_left // (kv_per_token / k))),
         page_bytes=page_bytes,
         pool_pages=pool_pages,
         kv_pages=kv_pages,

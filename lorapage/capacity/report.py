@@ -50,16 +50,10 @@ def render(
             f"{format_bytes(p.all_adapters_bytes)}; merged copies {workload.adapters:,} x "
             f"{format_bytes(p.base_bytes)} = {format_bytes(p.merged_bytes)}",
         ),
-        f"GPU memory: one {format_bytes(replica.device_bytes)} device",
-        _row(
-            "base weights",
-            f"{format_bytes(p.base_bytes)} ({p.base_params:,} parameters)"
-            if replica.base_bytes is None
-            else f"{format_bytes(p.base_bytes)} (as given; {p.base_params:,} parameters)",
-        ),
+        *_gpu_head(p, replica),
         _row(
             "KV cache",
-            f"{format_bytes(p.kv_bytes)} = {p.kv_bytes_per_token:,} bytes per token x {replica.max_num_seqs} "
+            f"{format_bytes(p.kv_bytes)} = {_per_token(p)} bytes per token x {replica.max_num_seqs} "
             f"sequences x {replica.max_model_len:,} tokens",
         ),
         _row("working memory", format_bytes(replica.working_bytes)),
@@ -69,7 +63,8 @@ def render(
             f"{p.pool_pages:,} pages of {format_bytes(p.page_bytes)} ({replica.block_size} tokens of KV): "
             f"{p.kv_pages:,} for KV, {p.pool_adapters:,} adapters of {p.adapter_pages} pages",
         ),
-        f"replicas ({costs} step costs)",
+        *(_seed_003(p, replica) if p.tensor_parallel_size > 1 or replica.resident_adapters is not None else []),
+        f"replicas ({costs} step costs{_tp_costs(p, model)})",
         _row(
             "decode",
             f"{p.decode_tokens_s:,.0f} tokens/s / {p.replica_decode_tokens_s:,.0f} per replica "
@@ -81,7 +76,11 @@ def render(
             f"{p.prefill_tokens_s:,.0f} tokens/s / {p.replica_prefill_tokens_s:,.0f} per replica = "
             f"{p.prefill_tokens_s / p.replica_prefill_tokens_s:.2f}",
         ),
-        _row("total", f"{p.replicas_exact:.1f} -> {p.replicas} replicas with {100 * replica.headroom:.0f}% headroom"),
+        _row(
+            "total",
+            f"{p.replicas_exact:.1f} -> {p.replicas} replicas with {100 * replica.headroom:.0f}% headroom"
+            + (f" = {p.replicas * p.tensor_parallel_size} devices" if p.tensor_parallel_size > 1 else ""),
+        ),
         "host RAM",
         _row(
             "placement",
@@ -121,6 +120,66 @@ def render(
         ),
     ]
     return lines
+
+
+def _gpu_head(p: Plan, replica: Replica) -> list[str]:
+    """The section's title and its base row: one device's share under tensor parallelism."""
+    k = p.tensor_parallel_size
+    given = "as given; " if replica.base_bytes is not None else ""
+    if k == 1:
+        return [
+            f"GPU memory: one {format_bytes(replica.device_bytes)} device",
+            _row("base weights", f"{format_bytes(p.base_bytes)} ({given}{p.base_params:,} parameters)"),
+        ]
+    return [
+        f"GPU memory: one {format_bytes(replica.device_bytes)} device of {k} (tensor parallel: each holds 1/{k} "
+        "of the base, of every adapter and of every token's KV)",
+        _row(
+            "base weights",
+            f"{format_bytes(p.device_base_bytes)} = {format_bytes(p.base_bytes)} / {k} "
+            f"({given}{p.base_params:,} parameters)",
+        ),
+    ]
+
+
+def _per_token(p: Plan) -> str:
+    if p.tensor_parallel_size == 1:
+        return f"{p.kv_bytes_per_token:,}"
+    return f"{p.device_kv_bytes_per_token:,.0f} (= {p.kv_bytes_per_token:,} / {p.tensor_parallel_size})"
+
+
+def _seed_003(p: Plan, replica: Replica) -> list[str]:
+    """Seed 003's accounting on one device: the base's share and the resident adapters' shards
+    first, what is left for KV (activations and graph pools are ``--working-gb``), its tokens."""
+    k = p.tensor_parallel_size
+    shard = f" (1/{k} of {format_bytes(p.adapter_bytes)})" if k > 1 else ""
+    return [
+        f"per device, adapters first (seed 003's accounting): {p.resident_adapters:,} resident adapters",
+        _row(
+            "adapters resident",
+            f"{p.resident_adapters:,} x {format_bytes(p.device_adapter_bytes)}{shard} = "
+            f"{format_bytes(p.device_adapters_bytes)}",
+        ),
+        _row(
+            "left for KV",
+            f"{format_bytes(p.kv_left_bytes)} = {format_bytes(replica.device_bytes)} - "
+            f"{format_bytes(p.device_base_bytes)} base - {format_bytes(p.device_adapters_bytes)} adapters - "
+            f"{format_bytes(replica.working_bytes)} working ({format_bytes(p.kv_left_no_adapters_bytes)} "
+            "without adapters)",
+        ),
+        _row(
+            "KV tokens",
+            f"{p.kv_tokens:,} at {p.device_kv_bytes_per_token:,.0f} bytes per token per device = "
+            f"{p.kv_tokens / replica.max_model_len:,.1f} sequences of {replica.max_model_len:,} tokens",
+        ),
+    ]
+
+
+def _tp_costs(p: Plan, model: ModelConfig) -> str:
+    k = p.tensor_parallel_size
+    if k == 1:
+        return ""
+    return f" on {k} devices: compute / {k} + {2 * model.num_layers} all-reduces per step"
 
 
 def as_json(plan: Plan) -> dict:

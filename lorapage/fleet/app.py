@@ -54,8 +54,8 @@ def build_app(config: FleetConfig) -> Application:
             # ones under way (streams of long generations) before it stops the process.
             graceful_shutdown_timeout_s=ENGINE_DRAIN_S if auto is not None else RAY_SHUTDOWN_S,
             max_ongoing_requests=config.max_ongoing_requests,
-            ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},  # replica_needs()
             request_router_config=router,
+            **config.engine_options(engine),  # its CPUs and GPUs; a placement group of one bundle per TP rank
         )(EngineReplica).bind(engine, config.sync_period_s, config.roots())
 
     engines = engine_deployment(ENGINE_DEPLOYMENT, config.engine)

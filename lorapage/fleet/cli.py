@@ -70,10 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-cpus",
         type=float,
         default=None,
-        help="CPUs Ray reserves per engine replica (default: 1, or what the cluster's CPUs leave each replica "
-        f"after the ingress's {INGRESS_CPUS})",
+        help="CPUs Ray reserves per engine replica, per rank under --tensor-parallel-size (default: 1, or what "
+        f"the cluster's CPUs leave each after the ingress's {INGRESS_CPUS})",
     )
-    ray_group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per engine replica")
+    ray_group.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs Ray reserves per engine replica, per rank under --tensor-parallel-size (a replica of K ranks: "
+        "one placement group of K bundles on one node, docs/parallel.md)",
+    )
     ray_group.add_argument(
         "--start-timeout",
         type=float,
@@ -207,7 +213,9 @@ def _access_log_path(args: argparse.Namespace) -> str | None:
 def _replica_cpus(args: argparse.Namespace, cpus: float) -> float:
     try:
         # An autoscaled fleet must fit at its largest.
-        return replica_cpus_for(cpus, args.max_replicas or args.replicas, INGRESS_CPUS, args.replica_cpus)
+        return replica_cpus_for(
+            cpus, args.max_replicas or args.replicas, INGRESS_CPUS, args.replica_cpus, args.tensor_parallel_size or 1
+        )
     except ValueError as exc:
         fail(PROG, str(exc))
 

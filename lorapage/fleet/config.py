@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lorapage.config import EngineConfig
 from lorapage.fleet.autoscale import AutoscaleConfig
@@ -36,8 +37,8 @@ class FleetConfig:
     tenants_toml: str
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, directory), registered on every replica
     replicas: int = 2
-    replica_cpus: float = 1.0
-    replica_gpus: float = 0.0
+    replica_cpus: float = 1.0  # per tensor-parallel rank (one rank: per replica)
+    replica_gpus: float = 0.0  # per tensor-parallel rank
     ingress_cpus: float = INGRESS_CPUS
     router: str = "affinity"  # a name of lorapage.fleet.routing.ROUTERS
     owners: int = 2
@@ -85,10 +86,31 @@ class FleetConfig:
         return AdapterRoots.parse(self.adapter_roots, operator=[path for _, path in self.lora_modules])
 
     def replica_needs(self) -> dict[str, dict[str, float]]:
-        """What one replica of each deployment reserves from Ray."""
-        engine = {"CPU": self.replica_cpus, "GPU": self.replica_gpus}
+        """What one replica of each deployment reserves from Ray (every rank's bundle together)."""
+        k = self.engine.tensor_parallel_size
+        engine = {"CPU": self.replica_cpus * k, "GPU": self.replica_gpus * k}
         sides = {base_deployment(model): engine for model in self.bases}
         return {ENGINE_DEPLOYMENT: engine, **sides, INGRESS_DEPLOYMENT: {"CPU": self.ingress_cpus}}
+
+    def engine_options(self, engine: EngineConfig) -> dict[str, Any]:
+        """Ray Serve deployment options that place one replica of ``engine``.
+
+        One rank: the actor's CPUs and GPUs. ``k`` tensor-parallel ranks: a placement group of
+        ``k`` bundles on one node (``STRICT_PACK``), one per rank, each ``replica_cpus`` CPUs.
+        The ranks are the replica's own child processes (not Ray actors), so they see only the
+        GPUs Ray made visible to the replica: its bundle, the first (where Ray Serve puts the
+        replica's actor), holds the ``k`` GPUs (``cuda:0..k-1`` to the ranks), and the others the
+        CPUs of ranks 1..k-1."""
+        k = engine.tensor_parallel_size
+        actor = {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus * k}
+        if k == 1:
+            return {"ray_actor_options": actor}
+        first = _bundle(self.replica_cpus, self.replica_gpus * k)
+        return {
+            "ray_actor_options": actor,
+            "placement_group_bundles": [first] + [_bundle(self.replica_cpus, 0.0) for _ in range(k - 1)],
+            "placement_group_strategy": "STRICT_PACK",
+        }
 
     def router_options(self) -> dict[str, object]:
         """Keyword options for :func:`~lorapage.fleet.routing.make_router`."""
@@ -109,24 +131,32 @@ def base_deployment(model: str) -> str:
     return f"{ENGINE_DEPLOYMENT}-{Path(model).name}"
 
 
-def replica_cpus_for(cpus: float, replicas: int, ingress_cpus: float, wanted: float | None) -> float:
-    """CPUs to reserve per engine replica on a cluster of ``cpus`` CPUs so that ``replicas`` of
-    them and the ingress fit: ``wanted`` when given and it fits, else as much as fits up to one
-    each. Raises ValueError with the arithmetic and the flags to change when nothing fits."""
-    room = cpus - ingress_cpus
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    """A placement-group bundle (Ray refuses a resource of 0 in one)."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def replica_cpus_for(cpus: float, replicas: int, ingress_cpus: float, wanted: float | None, ranks: int = 1) -> float:
+    """CPUs to reserve per engine replica (per tensor-parallel rank of one, when ``ranks`` > 1) on
+    a cluster of ``cpus`` CPUs so that ``replicas`` of them and the ingress fit: ``wanted`` when
+    given and it fits, else as much as fits up to one each. Raises ValueError with the arithmetic
+    and the flags to change when nothing fits."""
+    room, units = cpus - ingress_cpus, replicas * ranks
+    each = "replica" if ranks == 1 else f"rank ({ranks} per replica, --tensor-parallel-size)"
     if wanted is None:
-        share = math.floor(min(1.0, room / replicas) * 1000) / 1000  # rounded down: the sum must fit
+        share = math.floor(min(1.0, room / units) * 1000) / 1000  # rounded down: the sum must fit
         if share >= MIN_REPLICA_CPUS:
             return share
         raise ValueError(
             f"{replicas} engine replicas and the ingress ({ingress_cpus} CPU) do not fit in {cpus:g} CPUs: each "
-            f"replica would get {room / replicas:.3f} CPU (< {MIN_REPLICA_CPUS}); pass fewer --replicas, or more "
+            f"{each} would get {room / units:.3f} CPU (< {MIN_REPLICA_CPUS}); pass fewer --replicas, or more "
             "--num-cpus (a local Ray) / a bigger cluster"
         )
-    if replicas * wanted + ingress_cpus > cpus:
+    if units * wanted + ingress_cpus > cpus:
+        ranks_x = "" if ranks == 1 else f" x {ranks} ranks"
         raise ValueError(
-            f"--replica-cpus {wanted:g} x {replicas} replicas + {ingress_cpus} for the ingress = "
-            f"{replicas * wanted + ingress_cpus:g} CPUs, but Ray has {cpus:g}: Ray would never schedule them all. "
-            f"Pass --replica-cpus {room / replicas:.2f} or less, fewer --replicas, or more --num-cpus"
+            f"--replica-cpus {wanted:g} x {replicas} replicas{ranks_x} + {ingress_cpus} for the ingress = "
+            f"{units * wanted + ingress_cpus:g} CPUs, but Ray has {cpus:g}: Ray would never schedule them all. "
+            f"Pass --replica-cpus {room / units:.2f} or less, fewer --replicas, or more --num-cpus"
         )
     return wanted

@@ -109,7 +109,8 @@ def _run_parser(sub) -> None:
         "--simulate",
         action="store_true",
         help="run the fleet simulator (virtual clock, GPU cost model) instead of a server; engine flags "
-        "--max-loras, --max-cpu-loras, --max-num-seqs, --max-num-batched-tokens, --scheduler size each replica",
+        "--max-loras, --max-cpu-loras, --max-num-seqs, --max-num-batched-tokens, --scheduler size each replica; "
+        "--tensor-parallel-size puts it on that many devices",
     )
     p.add_argument("--keys", help='keys file: JSON or TOML {"tenants": {tenant: key, "*": key}, "admin": key}')
     p.add_argument("--admin-key", help="key for /metrics (lorapage: the admin key or a [metrics] key)")

@@ -3,8 +3,9 @@
 Each replica is sized by the same engine flags ``lorapage serve`` takes (only the ones the
 simulator models: ``--max-loras``, ``--max-resident-loras``, ``--max-cpu-loras``,
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--scheduler``, ``--reserved-tail-lanes``,
-``--lane-age-deadline-s``); absent ones take the seed design's 7B replica (250 resident, at most
-32 distinct adapters in one batch).
+``--lane-age-deadline-s``, ``--tensor-parallel-size``); absent ones take the seed design's 7B
+replica (250 resident, at most 32 distinct adapters in one batch). ``--tensor-parallel-size K``
+puts each replica on K devices (:mod:`lorapage.sim.tensor_parallel`: step costs, pool per rank).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lorapage.flags import add_config_flags
 from lorapage.fleet.routing import ROUTERS
 from lorapage.sim.compare import compare_routers, render_table
 from lorapage.sim.fleet import SimFleetConfig
+from lorapage.sim.tensor_parallel import tensor_parallel_fleet
 from lorapage.traces.stats import Slo
 from lorapage.traces.trace import TraceRequest
 
@@ -34,6 +36,7 @@ _SIM_FIELDS = (
     "reserved_tail_lanes",
     "lane_age_deadline_s",
     "lane_lend_max_tokens",
+    "tensor_parallel_size",
 )
 # Engine flags -> the simulator's VtcConfig fields.
 _VTC_FIELDS = {
@@ -65,7 +68,7 @@ def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> SimFleetConfi
     )
     try:
         vtc = replace(base.vtc, **{_VTC_FIELDS[k]: v for k, v in given.items() if k in _VTC_FIELDS})
-        return replace(
+        fleet = replace(
             base,
             replicas=args.replicas,
             seed=args.seed,
@@ -75,6 +78,8 @@ def fleet_config(args: argparse.Namespace, rest: Sequence[str]) -> SimFleetConfi
             residency=residency,
             warmup_s=args.warmup,
         )
+        k = given.get("tensor_parallel_size", 1)
+        return tensor_parallel_fleet(fleet, k, scale_slots="max_resident_loras" not in given)
     except ValueError as exc:
         raise SystemExit(f"{PROG}: {exc}") from None
 

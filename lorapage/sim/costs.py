@@ -48,15 +48,22 @@ class StepCosts:
     lora_step_s: float  # once per step with any adapter in the batch
     lora_adapter_s: float  # per distinct adapter of rank 16 (scaled by rank / 16)
     loads: LoadCosts
+    # Tensor parallelism's collectives (lorapage.sim.tensor_parallel): per step, and per token of
+    # the step (prefill tokens and decode rows alike); 0 on one device.
+    collective_step_s: float = 0.0
+    collective_token_s: float = 0.0
 
     def time(self, shape: StepShape) -> float:
         lora = self.lora_step_s + self.lora_adapter_s * sum(shape.adapter_ranks) / 16 if shape.adapter_ranks else 0.0
+        tokens = shape.prefill_tokens + shape.decode_rows
         return (
             self.step_s
             + self.prefill_token_s * shape.prefill_tokens
             + self.decode_row_s * shape.decode_rows
             + lora
             + shape.copy_s
+            + self.collective_step_s
+            + self.collective_token_s * tokens
         )
 
     def decode_tokens_per_s(self, rows: int, distinct: int, rank: int = 16) -> float:
