@@ -37,15 +37,17 @@ from test_fleet_ray import _free_port  # noqa: E402
 from lorapage.config import EngineConfig  # noqa: E402
 from lorapage.fleet.app import APP_NAME, ENGINE_DEPLOYMENT, build_app  # noqa: E402
 from lorapage.fleet.autoscale import AutoscaleConfig  # noqa: E402
+from lorapage.fleet.backend import REPLICA_HEADER  # noqa: E402
 from lorapage.fleet.config import FleetConfig  # noqa: E402
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 ADAPTERS = ("acme", "globex")  # alpha's
-MAX_TOKENS = 160  # each stream holds ~170 tokens in flight while it runs (ignore_eos)
+MAX_TOKENS = 160  # each ramp stream holds ~170 tokens in flight while it runs (ignore_eos)
 RAMP = 6  # concurrent streams at the peak: ~1,000 tokens in flight, past two replicas' target
-TARGET_TOKENS = 300.0  # one stream (~170) wants one replica, the ramp two
+TAIL, TAIL_TOKENS = 2, 48  # after the ramp: two short streams back to back (~110 tokens: one replica's work)
+TARGET_TOKENS = 300.0  # tokens in flight one replica should hold
 SCALE_TIMEOUT_S = 240.0  # a new replica's start (a Ray worker importing torch) on a loaded 2-core machine
 
 
@@ -114,12 +116,15 @@ async def adapter_requests(session: aiohttp.ClientSession, url: str) -> dict[str
     return out
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, adapter: str, seed: int) -> str:
-    """One streamed completion: "ok" once it reached ``[DONE]``, else what went wrong."""
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, adapter: str, seed: int, max_tokens: int
+) -> tuple[str, str]:
+    """One streamed completion: ("ok" once it reached ``[DONE]``, else what went wrong; the replica
+    that answered)."""
     body = {
         "model": adapter,
         "prompt": f"Ramp request {seed}",
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
@@ -128,28 +133,35 @@ async def stream_one(session: aiohttp.ClientSession, url: str, adapter: str, see
         async with session.post(
             url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['alpha']}"}
         ) as resp:
+            replica = resp.headers.get(REPLICA_HEADER, "")
             if resp.status != 200:
-                return f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return f"HTTP {resp.status}: {(await resp.text())[:200]}", replica
             async for raw in resp.content:
                 line = raw.decode().strip()
                 if line == "data: [DONE]":
-                    return "ok"
+                    return "ok", replica
                 if line.startswith("data: ") and "error" in json.loads(line.removeprefix("data: ")):
-                    return f"error event: {line[:200]}"
-            return "the stream ended without data: [DONE]"
+                    return f"error event: {line[:200]}", replica
+            return "the stream ended without data: [DONE]", replica
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}", ""
 
 
 async def test_load_ramp_scales_one_two_one_warm_and_loses_nothing(fleet_url) -> None:
     url = fleet_url
     outcomes: Counter[str] = Counter()
+    tail_served: Counter[str] = Counter()  # replica -> streams of the tail it answered
     width = RAMP  # streams the workers keep going; 0 stops them
     seeds = iter(range(1_000_000))
 
     async def worker(slot: int, session: aiohttp.ClientSession) -> None:
         while slot < width:
-            outcomes[await stream_one(session, url, ADAPTERS[slot % len(ADAPTERS)], next(seeds))] += 1
+            tail = width == TAIL
+            outcome, replica = await stream_one(
+                session, url, ADAPTERS[slot % len(ADAPTERS)], next(seeds), TAIL_TOKENS if tail else MAX_TOKENS
+            )
+            outcomes[outcome] += 1
+            tail_served[replica] += tail
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         assert replica_states() == Counter(RUNNING=1)
@@ -169,7 +181,7 @@ async def test_load_ramp_scales_one_two_one_warm_and_loses_nothing(fleet_url) ->
         # ... while the first replica's first requests found theirs cold (the series tells one).
         assert tiers[next(iter(first))].total() > tiers[next(iter(first))]["gpu"], tiers
 
-        width = 1  # the ramp ends: one stream at a time (under the target) while the fleet shrinks
+        width = TAIL  # the ramp ends: short streams (under the target) go on while the fleet shrinks
 
         async def one_replica() -> bool:
             return replica_states() == Counter(RUNNING=1)
@@ -177,5 +189,7 @@ async def test_load_ramp_scales_one_two_one_warm_and_loses_nothing(fleet_url) ->
         await until(one_replica, "the fleet scaled back down to one replica")
         width = 0
         await asyncio.wait_for(asyncio.gather(*workers), SCALE_TIMEOUT_S)
-    # Every request of the ramp, the ones the leaving replica drained included, completed.
+    # Every request of the ramp and the tail completed, the ones the leaving replica drained included:
+    # both replicas served the tail's streams, so the one that left had them until Ray stopped it.
     assert set(outcomes) == {"ok"} and outcomes["ok"] > 2 * RAMP, outcomes
+    assert all(tail_served[rid] > 0 for rid in first | {new}), tail_served
