@@ -62,9 +62,11 @@ JOIN_WARM_S = 30.0  # how long a joining replica's traffic waits for its pre-war
 
 class JoinGate:
     """The join sequence's last step in the request router: a replica that joined (autoscaling, a
-    restart) takes traffic once the adapters it was handed are resident in its pool, or after
-    ``timeout_s`` (a load that failed must not keep it idle). Until then the router ranks it
-    after every other replica, so it is sent a request only when the others refuse one."""
+    restart) takes traffic once the adapters it was handed are resident in its pool, or once it
+    reports as many pre-warm loads settled (loaded or failed: a pool too small for them all, a
+    load that failed), or after ``timeout_s`` (a replica that never reports). Until then the
+    router ranks it after every other replica, so it is sent a request only when the others
+    refuse one."""
 
     def __init__(self, clock: Callable[[], float], timeout_s: float = JOIN_WARM_S) -> None:
         self.clock = clock
@@ -76,11 +78,13 @@ class JoinGate:
         if wanted := frozenset(adapters):
             self._waiting[replica_id] = (wanted, self.clock() + self.timeout_s)
 
-    def warming(self, pools: Mapping[str, frozenset[str]]) -> frozenset[str]:
-        """The replicas still warming, given each live replica's pool (``pools``); the ones that
-        left, hold their adapters or waited ``timeout_s`` are let through, once and for all."""
+    def warming(self, pools: Mapping[str, frozenset[str]], settled: Mapping[str, int]) -> frozenset[str]:
+        """The replicas still warming, given each live replica's pool (``pools``) and pre-warm
+        loads settled since it started (``settled``); the ones that left, hold their adapters,
+        settled as many loads or waited ``timeout_s`` are let through, once and for all."""
         now = self.clock()
         for rid, (adapters, deadline) in list(self._waiting.items()):
-            if rid not in pools or adapters <= pools[rid] or now >= deadline:
+            done = adapters <= pools.get(rid, adapters) or settled.get(rid, 0) >= len(adapters)
+            if rid not in pools or done or now >= deadline:
                 del self._waiting[rid]
         return frozenset(self._waiting)

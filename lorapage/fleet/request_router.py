@@ -98,7 +98,9 @@ class AffinityRequestRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
         handover, warming = (
-            self._join(self.policy, views) if isinstance(self.policy, LoadAffinityRouter) else ([], frozenset())
+            self._join(self.policy, views, candidate_replicas)
+            if isinstance(self.policy, LoadAffinityRouter)
+            else ([], frozenset())
         )
         chosen = self.policy.choose(adapter or None, [v for rid, v in views.items() if rid not in warming])
         if isinstance(self.policy, LoadAffinityRouter):  # new owners load it at their next heartbeat
@@ -116,12 +118,13 @@ class AffinityRequestRouter(RequestRouter):
         return ranks
 
     def _join(
-        self, policy: LoadAffinityRouter, views: Mapping[str, ReplicaView]
+        self, policy: LoadAffinityRouter, views: Mapping[str, ReplicaView], replicas: list[RunningReplica]
     ) -> tuple[list[Prewarm], frozenset[str]]:
         """A replica joined (autoscaling, a restart) or left since the last choice: the busiest
         adapters' new owners are named to pre-warm them, and one that joined is held back from
-        traffic until they are resident in its pool (the join sequence). The pre-warms, and the
-        replicas still warming (none when every one is: the requests must go somewhere)."""
+        traffic until they are resident in its pool or its pre-warm loads have settled (the join
+        sequence). The pre-warms, and the replicas still warming (none when every one is: the
+        requests must go somewhere)."""
         members = sorted(views)
         handover: list[Prewarm] = []
         if self.members and members != self.members:
@@ -129,5 +132,6 @@ class AffinityRequestRouter(RequestRouter):
             for rid in set(members) - set(self.members):
                 self.gate.join(rid, (p.adapter for p in handover if p.replica_id == rid))
         self.members = members
-        warming = self.gate.warming({rid: v.pool for rid, v in views.items()})
+        settled = {r.replica_id.unique_id: int((r.routing_stats or {}).get("prewarms_settled", 0)) for r in replicas}
+        warming = self.gate.warming({rid: v.pool for rid, v in views.items()}, settled)
         return handover, warming if len(warming) < len(views) else frozenset()
