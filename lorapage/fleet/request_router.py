@@ -16,7 +16,8 @@ so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView
 
 Under ``affinity_load`` a replica that joins (autoscaling, a restart) is handed the busiest
 adapters it now owns to pre-warm, and is ranked after every other replica until its reported pool
-holds them (:class:`~lorapage.fleet.prewarm.JoinGate`): it takes traffic warm.
+holds them or its pre-warm loads have settled (:class:`~lorapage.fleet.prewarm.JoinGate`): it
+takes traffic warm.
 """
 
 from __future__ import annotations
