@@ -57,6 +57,10 @@ class AutoscaleConfig:
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 300.0
     max_downscale: int = 4  # replicas removed by one decision at most
+    # Ray Serve only (the simulator reads its replicas directly): how often each replica's
+    # record_autoscaling_stats reaches the controller, and the window Ray averages them over.
+    metrics_interval_s: float = 1.0
+    look_back_period_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -68,6 +72,11 @@ class AutoscaleConfig:
             raise ValueError(
                 "need target_tokens > 0, target_queue >= 0, max_num_seqs >= 1 and max_downscale >= 1; got "
                 f"{self.target_tokens}, {self.target_queue}, {self.max_num_seqs}, {self.max_downscale}"
+            )
+        if min(self.metrics_interval_s, self.look_back_period_s) <= 0:
+            raise ValueError(
+                f"need metrics_interval_s > 0 and look_back_period_s > 0; got "
+                f"{self.metrics_interval_s}, {self.look_back_period_s}"
             )
         if not 0 <= self.kv_reserve < 1 or min(self.upscale_delay_s, self.downscale_delay_s) < 0:
             raise ValueError(
@@ -156,13 +165,14 @@ def autoscaling_config(config: AutoscaleConfig) -> dict[str, Any]:
     """Ray Serve's ``autoscaling_config`` for an engine deployment driven by this policy."""
     from ray.serve.config import AutoscalingPolicy
 
-    kwargs = {k: v for k, v in asdict(config).items() if k not in ("min_replicas", "max_replicas")}
+    ray_own = ("min_replicas", "max_replicas", "metrics_interval_s", "look_back_period_s")
+    kwargs = {k: v for k, v in asdict(config).items() if k not in ray_own}
     return {
         "min_replicas": config.min_replicas,
         "max_replicas": config.max_replicas,
         "initial_replicas": config.min_replicas,
-        "metrics_interval_s": 1.0,
-        "look_back_period_s": 5.0,
+        "metrics_interval_s": config.metrics_interval_s,
+        "look_back_period_s": config.look_back_period_s,
         # The policy keeps its own delays; Ray's would only add to them.
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,

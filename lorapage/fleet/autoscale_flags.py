@@ -41,6 +41,18 @@ def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS.downscale_delay_s,
         help="seconds fewer replicas must be wanted before one drains and leaves",
     )
+    group.add_argument(
+        "--scale-metrics-interval",
+        type=float,
+        default=_DEFAULTS.metrics_interval_s,
+        help="seconds between each replica's reports to Ray's autoscaler (Ray's metrics_interval_s)",
+    )
+    group.add_argument(
+        "--scale-look-back",
+        type=float,
+        default=_DEFAULTS.look_back_period_s,
+        help="seconds of reports Ray averages each replica's over (Ray's look_back_period_s)",
+    )
 
 
 def autoscale_config(args: argparse.Namespace, max_num_seqs: int, prog: str) -> AutoscaleConfig | None:
@@ -56,6 +68,8 @@ def autoscale_config(args: argparse.Namespace, max_num_seqs: int, prog: str) -> 
             max_num_seqs=max_num_seqs,
             upscale_delay_s=args.upscale_delay,
             downscale_delay_s=args.downscale_delay,
+            metrics_interval_s=args.scale_metrics_interval,
+            look_back_period_s=args.scale_look_back,
         )
     except ValueError as exc:
         fail(prog, f"--replicas / --max-replicas / scaling flags: {exc}")

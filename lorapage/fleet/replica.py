@@ -75,6 +75,7 @@ class EngineReplica:
         self._sync_lock = asyncio.Lock()
         self._syncing: asyncio.Task | None = None
         self._prewarming: set[asyncio.Task] = set()  # pre-warm loads under way (held so they are not collected)
+        self._prewarms_settled = 0  # pre-warm loads done or failed: a joining replica takes traffic after them
         self._ingress: DeploymentHandle | None = None
 
     def __del__(self) -> None:
@@ -280,6 +281,8 @@ class EngineReplica:
             await self.engine.admin.load(key)
         except LorapageError as exc:
             log.info("replica %s did not pre-warm %s: %s", self.replica_id, key, exc.message)
+        finally:
+            self._prewarms_settled += 1
 
     def _mirror(self, states: Iterable[IdState]) -> list[IdState]:
         """Apply ``states`` (later ones win); the ones whose busy versions must be dropped later."""
@@ -321,6 +324,8 @@ class EngineReplica:
             # whole pool: KV pages are never adapter room, so the guard could not fire that way.
             "pinned_bytes": stats.adapter_held_pages * stats.pool_page_bytes,
             "adapter_room_bytes": stats.adapter_room_pages * stats.pool_page_bytes,
+            # The join sequence (lorapage.fleet.prewarm.JoinGate): traffic once its pre-warms settled.
+            "prewarms_settled": self._prewarms_settled,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

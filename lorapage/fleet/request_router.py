@@ -13,6 +13,11 @@ so Ray's own backpressure still applies. The policy sees one :class:`ReplicaView
 - ``capacity``, ``pool``, ``host``, ``disk`` and, for ``affinity_load``, ``tokens_in_flight``,
   ``kv_free`` and the held adapter bytes come from the replica's ``record_routing_stats`` (up to
   ``request_routing_stats_period_s`` old: between two reports only ``in_flight`` moves).
+
+Under ``affinity_load`` a replica that joins (autoscaling, a restart) is handed the busiest
+adapters it now owns to pre-warm, and is ranked after every other replica until its reported pool
+holds them or its pre-warm loads have settled (:class:`~lorapage.fleet.prewarm.JoinGate`): it
+takes traffic warm.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lorapage.fleet.prewarm import ask_prewarm
-from lorapage.fleet.routing import LoadAffinityRouter, ReplicaView, Router, make_router, targeted_replica
+from lorapage.fleet.prewarm import JoinGate, ask_prewarm
+from lorapage.fleet.routing import LoadAffinityRouter, Prewarm, ReplicaView, Router, make_router, targeted_replica
 
 
 def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: Mapping[str, Any]) -> ReplicaView:
@@ -63,6 +68,7 @@ class AffinityRequestRouter(RequestRouter):
         self.sent: Counter[str] = Counter()
         self.policy = make_router(str(options.pop("policy", "affinity")), clock=time.monotonic, **options)
         self.members: list[str] = []  # the replica ids of the last choice (a change: one joined or left)
+        self.gate = JoinGate(time.monotonic)  # joined replicas wait for their pre-warms before traffic
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -92,17 +98,41 @@ class AffinityRequestRouter(RequestRouter):
         if (target := targeted_replica(adapter)) is not None:  # that replica or none (the caller times out)
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
-        chosen = self.policy.choose(adapter or None, list(views.values()))
+        handover, warming = (
+            self._join(self.policy, views, candidate_replicas)
+            if isinstance(self.policy, LoadAffinityRouter)
+            else ([], frozenset())
+        )
+        chosen = self.policy.choose(adapter or None, [v for rid, v in views.items() if rid not in warming])
         if isinstance(self.policy, LoadAffinityRouter):  # new owners load it at their next heartbeat
-            members = sorted(views)
-            # A replica joined (autoscaling, a restart) or left: the busiest adapters' new owners warm them.
-            handover = self.policy.handover(self.members, members) if self.members and members != self.members else []
-            self.members = members
             for p in [*handover, *self.policy.take_prewarms()]:
                 ask_prewarm(p.replica_id, p.adapter)
-        first = [r for r in candidate_replicas if r.replica_id.unique_id == chosen]
-        rest = sorted(
-            (r for r in candidate_replicas if r.replica_id.unique_id != chosen),
-            key=lambda r: (views[r.replica_id.unique_id].load, r.replica_id.unique_id),
-        )
-        return [first, rest] if rest else [first]
+        ranks = [[r for r in candidate_replicas if r.replica_id.unique_id == chosen]]
+        for held in (False, True):  # the others least loaded first; a joining replica still warming last
+            rank = [
+                r
+                for r in candidate_replicas
+                if r.replica_id.unique_id != chosen and (r.replica_id.unique_id in warming) == held
+            ]
+            if rank:
+                ranks.append(sorted(rank, key=lambda r: (views[r.replica_id.unique_id].load, r.replica_id.unique_id)))
+        return ranks
+
+    def _join(
+        self, policy: LoadAffinityRouter, views: Mapping[str, ReplicaView], replicas: list[RunningReplica]
+    ) -> tuple[list[Prewarm], frozenset[str]]:
+        """A replica joined (autoscaling, a restart) or left since the last choice: the busiest
+        adapters' new owners are named to pre-warm them, and one that joined is held back from
+        traffic until they are resident in its pool or its pre-warm loads have settled (the join
+        sequence). The pre-warms, and the replicas still warming (none when every one is: the
+        requests must go somewhere)."""
+        members = sorted(views)
+        handover: list[Prewarm] = []
+        if self.members and members != self.members:
+            handover = policy.handover(self.members, members)
+            for rid in set(members) - set(self.members):
+                self.gate.join(rid, (p.adapter for p in handover if p.replica_id == rid))
+        self.members = members
+        settled = {r.replica_id.unique_id: int((r.routing_stats or {}).get("prewarms_settled", 0)) for r in replicas}
+        warming = self.gate.warming({rid: v.pool for rid, v in views.items()}, settled)
+        return handover, warming if len(warming) < len(views) else frozenset()

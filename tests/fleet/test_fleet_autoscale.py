@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -92,6 +93,8 @@ def test_config_is_checked() -> None:
         AutoscaleConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="target_tokens > 0"):
         AutoscaleConfig(target_tokens=0)
+    with pytest.raises(ValueError, match="look_back_period_s > 0"):
+        AutoscaleConfig(look_back_period_s=0)
 
 
 def test_ray_policy_reads_the_custom_metrics_and_keeps_its_state_in_ray() -> None:
@@ -111,3 +114,7 @@ def test_ray_policy_reads_the_custom_metrics_and_keeps_its_state_in_ray() -> Non
     assert (n, state["up_since"]) == (2, 0.0)
     assert policy(ctx(10.0, 30_000, state)) == (6, {})
     assert autoscaling_config(CONFIG)["upscale_delay_s"] == 0.0  # the policy's own delays, not Ray's on top
+    # Ray's report cadence and window are Ray's options, not the policy's.
+    fast = autoscaling_config(dataclasses.replace(CONFIG, metrics_interval_s=0.5, look_back_period_s=2.0))
+    assert (fast["metrics_interval_s"], fast["look_back_period_s"]) == (0.5, 2.0)
+    assert "look_back_period_s" not in fast["policy"].policy_kwargs

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from lorapage.fleet.prewarm import PrewarmBox
+from lorapage.fleet.prewarm import JoinGate, PrewarmBox
 from lorapage.fleet.routing import (
     DecayingCounts,
     LoadAffinityConfig,
@@ -198,3 +198,27 @@ def test_a_replica_that_joins_or_leaves_hands_the_busiest_adapters_to_their_new_
     left = router.handover(after, before, top=20)
     assert {p.adapter for p in left} == owned and "r9" not in {p.replica_id for p in left}
     assert router.handover(before, before) == []
+
+
+def test_a_joining_replica_is_held_from_traffic_until_its_prewarms_are_resident() -> None:
+    """The join sequence's last step: traffic once the handed-over adapters are in its pool, or
+    its pre-warm loads settled (a pool too small for them all, a failed load), or after the
+    timeout (a replica that never reports); one handed nothing serves at once."""
+    clock = Clock()
+    gate = JoinGate(clock, timeout_s=30.0)
+    gate.join("r1", ["a@1", "b@1"])
+    gate.join("r2", [])
+    pools = {"r0": frozenset({"a@1", "b@1"}), "r1": frozenset({"a@1"}), "r2": frozenset()}
+    assert gate.warming(pools, {}) == {"r1"}  # b@1 not resident yet; r2 had nothing to warm
+    assert gate.warming(pools, {"r1": 1}) == {"r1"}  # one of its two loads settled
+    assert gate.warming({**pools, "r1": frozenset({"a@1", "a", "b@1"})}, {}) == frozenset()
+    assert gate.warming(pools, {}) == frozenset()  # let through once and for all, whatever it evicts later
+    gate.join("r3", ["c@1", "d@1"])
+    assert gate.warming({**pools, "r3": frozenset({"d@1"})}, {"r3": 2}) == frozenset()  # c@1 evicted or failed
+    gate.join("r3", ["c@1"])
+    clock.now = 29.0
+    assert gate.warming({**pools, "r3": frozenset()}, {}) == {"r3"}
+    clock.now = 30.0
+    assert gate.warming({**pools, "r3": frozenset()}, {}) == frozenset()  # it never reported: it serves
+    gate.join("r4", ["c@1"])
+    assert gate.warming(pools, {}) == frozenset()  # r4 left before it warmed: forgotten
