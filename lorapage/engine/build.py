@@ -191,7 +191,9 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
 
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
-    weights = shard_base(load_state_dict(base.model_dir, sizing.dtype), 0, sizing.tensor_parallel_size)
+    weights = shard_base(
+        load_state_dict(base.model_dir, sizing.dtype), 0, sizing.tensor_parallel_size, base.model_config
+    )
     family = GemmaModel if base.model_config.gemma is not None else LlamaModel
     return family(sizing.shard_model, weights, sizing.device, sizing.dtype, sizing.max_model_len)
 
@@ -306,7 +308,7 @@ def build_forward(
     )
     parallel = _start_ranks(config, base, sizing, memory) if sizing.tensor_parallel_size > 1 else None
     if parallel is not None:
-        model.all_reduce = parallel.guard_reduce
+        model.comm = parallel.comm
         runner.send_step, runner.on_close = parallel.send_step, parallel.close
         return ForwardParts(ops, runner, parallel)
     # A MoE base's routing varies its shapes per step (model/moe.py): it runs eagerly.
