@@ -218,7 +218,8 @@ class ModelRunner:
             return self._replay(plan, masks)
         inputs, spans = plan.inputs(), self._prompt_spans(plan)
         if self.send_step is not None:  # every logit of the step in one gather, the ranks told which
-            inputs = replace(inputs, logits_rows=(*(r for _, s, n in spans for r in range(s, s + n)), *plan.sample_index))
+            prompt_rows = (r for _, start, n in spans for r in range(start, start + n))
+            inputs = replace(inputs, logits_rows=(*prompt_rows, *plan.sample_index))
             self.send_step(inputs)
         with torch.inference_mode():
             hidden = self.forward_hidden(inputs)

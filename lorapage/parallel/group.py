@@ -26,9 +26,9 @@ from torch import Tensor
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterTensors
 from lorapage.errors import EngineStepError
+from lorapage.model.rank_comm import RankComm
 from lorapage.model.runner import StepInputs
 from lorapage.parallel.shards import shard_lora
-from lorapage.model.rank_comm import RankComm
 from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, process_group, rank_comm
 from lorapage.parallel.worker import run_worker
 
@@ -124,7 +124,7 @@ class TensorParallelGroup:
         """Worker ``r`` writes ``packed[r - 1]`` (its shard) into ``pages`` and points ``slot`` at them."""
         self._send(None, [PagesMessage(layout, packed[i], slot, pages) for i in range(len(self._conns))])
 
-    def _guard(self, collective: Callable[[], None]) -> None:
+    def _guard(self, collective: Callable[[], object]) -> None:
         """Run a collective, failing the group (not only the step) when a rank is gone mid-step."""
         try:
             collective()

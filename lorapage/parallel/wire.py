@@ -96,7 +96,7 @@ def process_group(spec: WorkerSpec) -> Group:
     return cast(Group, dist.ProcessGroupGloo(store, spec.rank, spec.world_size, options))
 
 
-def rank_comm(group: Group, rank: int, world: int, guard: Callable[[Callable[[], None]], None]) -> RankComm:
+def rank_comm(group: Group, rank: int, world: int, guard: Callable[[Callable[[], object]], None]) -> RankComm:
     """The collectives a rank's forward calls over ``group``, each run through ``guard`` (rank 0's
     turns a failed collective into the group's failure)."""
 
@@ -121,6 +121,6 @@ def rank_comm(group: Group, rank: int, world: int, guard: Callable[[Callable[[],
     return RankComm(rank, world, all_reduce, all_gather, gather)
 
 
-def unguarded(run: Callable[[], None]) -> None:
+def unguarded(run: Callable[[], object]) -> None:
     """A worker's guard: a failed collective raises (and ends the worker)."""
     run()
