@@ -29,10 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from harness import interleaved, machine_line, median, print_json, table
 from make_llama import write_adapter, write_model
-
-import torch
 
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.model.config import ModelConfig

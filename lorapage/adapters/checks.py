@@ -114,7 +114,12 @@ class AdapterChecks:
         if layout.section is not None and self.layout_model is not self.model:
             raise AdapterFormatError(
                 f"adapter at {str(spec.path)!r}: DoRA, lora_bias and embedding LoRA are not served under tensor "
-                "parallelism yet (docs/parallel.md); serve it on an engine with tensor_parallel_size 1"
+                "parallelism yet: DoRA's magnitude divides each output column by the norm of W + s BA over its "
+                "inputs, which o_proj and down_proj split across ranks (the norms are computed at load from "
+                "the whole weight, and their vectors are not sharded); lora_bias would be added once per rank "
+                "to o/down's partial sums; an embedding LoRA's A is indexed by token ids that the "
+                "vocabulary-parallel embedding spreads over ranks (docs/parallel.md). Serve it on an engine "
+                "with tensor_parallel_size 1"
             )
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
             page_bytes = self.pool.page_size * self.pool.storage.element_size()

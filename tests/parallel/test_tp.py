@@ -99,13 +99,13 @@ def test_tp2_matches_tp1_in_one_mixed_batch(checkpoint, tp2):
 
 
 def test_adapter_bytes_per_rank_are_a_shard(tp2, checkpoint):
-    """A rank's pages are half as wide (its KV heads) and hold its shard: B of q/k/v/gate/up and A of
-    o/down halved, the other matrix whole, so a rank holds (1 + 1/2) / 2 of an adapter, not all of it."""
+    """A rank's pages are half as wide (its KV heads) and hold its shard, half of every matrix
+    (fully sharded): an adapter's bytes per rank are half of TP=1's, but for rounding to pages."""
     one = _engine(checkpoint, 1)
     for name in ("a1", "a2"):
         per_rank = tp2.admin.info(name).num_pages * tp2._sizing.page_size
         whole = one.admin.info(name).num_pages * one._sizing.page_size
-        assert per_rank < 0.8 * whole
+        assert per_rank <= whole / 2 + tp2._sizing.page_size
     assert tp2._sizing.page_size * 2 == one._sizing.page_size
     asyncio.run(one.close())
 

@@ -105,3 +105,16 @@ def test_each_rank_holds_half_of_an_adapter(family):
     for name in ("a", "b"):
         whole, per_rank = one.admin.info(name).num_pages, two.admin.info(name).num_pages
         assert whole <= per_rank <= whole + 1
+
+
+def test_prompt_logprobs_are_gathered_with_the_sampled_rows(family):
+    """A prefill row asking for prompt logprobs beside sampling rows: rank 0 gathers every rank's
+    vocabulary share of all those rows at once; the values are TP=1's."""
+    asked = SamplingParams(max_tokens=2, temperature=0.0, logprobs=0, prompt_logprobs=2)
+    rows = [([3, 4, 5, 6, 7], "a"), ([9, 8, 7], None)]
+    want, got = (family[tp].generate_batch(rows, asked) for tp in (1, 2))
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) > 0
+        for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:], strict=True):
+            assert b.token_id == a.token_id and b.logprob == pytest.approx(a.logprob, abs=BOUND)
