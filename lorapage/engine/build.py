@@ -191,9 +191,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
 
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
-    weights = shard_base(
-        load_state_dict(base.model_dir, sizing.dtype), 0, sizing.tensor_parallel_size, base.model_config
-    )
+    state, tp = load_state_dict(base.model_dir, sizing.dtype), sizing.tensor_parallel_size
+    weights = shard_base(state, 0, tp, base.model_config)
     family = GemmaModel if base.model_config.gemma is not None else LlamaModel
     return family(sizing.shard_model, weights, sizing.device, sizing.dtype, sizing.max_model_len)
 
