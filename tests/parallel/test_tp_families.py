@@ -1,7 +1,8 @@
 """Tensor parallelism on this CPU for the families beyond Llama: Phi-3 (fused qkv_proj and
 gate_up_proj, split per part on each rank; partial rotary) and Gemma 2 (four norms a layer, soft-caps,
 tied embeddings that are vocabulary-parallel too), each TP=2 over gloo against TP=1 in one mixed
-batch of adapters whose ranks do not divide by 2 (a fully sharded LoRA-A ends in a zero row), and
+batch of adapters whose ranks do not divide by 2 (a fully sharded LoRA-A ends in a zero row), with
+6-token steps (prompts prefill in chunks beside decode rows; prompt logprobs across chunks), and
 the pages each rank holds per adapter (1/2 of TP=1's, but for rounding up to whole pages).
 
 The logprob bound is tests/parallel/test_tp.py's argument (two summation orders of float32 sums
@@ -76,8 +77,12 @@ def family(request, tmp_path_factory):
     make_peft_adapter(base, root / "a", r=5, targets=modules, seed=1)
     make_peft_adapter(base, root / "b", r=3, targets=modules[:2] + modules[-1:], seed=2)
     engines = {}
-    for tp in (1, 2):
-        engines[tp] = Engine(EngineConfig(model=str(base), tensor_parallel_size=tp, max_lora_rank=MAX_RANK))
+    for tp in (1, 2):  # 6-token steps: prompts prefill in chunks beside decode rows
+        config = EngineConfig(
+            model=str(base), tensor_parallel_size=tp, max_lora_rank=MAX_RANK, max_num_seqs=4,
+            max_num_batched_tokens=6, enable_chunked_prefill=True,
+        )  # fmt: skip
+        engines[tp] = Engine(config)
         for name in ("a", "b"):
             engines[tp].add_adapter(name, str(root / name))
     yield engines
