@@ -111,15 +111,11 @@ class AdapterChecks:
         """The adapter's page layout, refused when its pages cannot fit in the pool beside one
         full-length sequence's KV blocks: it could never serve a request here."""
         layout = AdapterLayout.plan(spec, self.layout_model, self.pool.adapter_page_size)
-        if layout.section is not None and self.layout_model is not self.model:
+        if layout.section is not None and layout.section.emb_rank and self.layout_model is not self.model:
             raise AdapterFormatError(
-                f"adapter at {str(spec.path)!r}: DoRA, lora_bias and embedding LoRA are not served under tensor "
-                "parallelism yet: DoRA's magnitude divides each output column by the norm of W + s BA over its "
-                "inputs, which o_proj and down_proj split across ranks (the norms are computed at load from "
-                "the whole weight, and their vectors are not sharded); lora_bias would be added once per rank "
-                "to o/down's partial sums; an embedding LoRA's A is indexed by token ids that the "
-                "vocabulary-parallel embedding spreads over ranks (docs/parallel.md). Serve it on an engine "
-                "with tensor_parallel_size 1"
+                f"adapter at {str(spec.path)!r}: an embedding LoRA is not served under tensor parallelism yet: "
+                "its A is indexed by token ids, which the vocabulary-parallel embedding spreads over the ranks "
+                "(docs/parallel.md); serve it on an engine with tensor_parallel_size 1"
             )
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
             page_bytes = self.pool.page_size * self.pool.storage.element_size()

@@ -230,7 +230,7 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, list_width, sizing.device),
+        tables=LoraTables(sizing.shard_model, slots, list_width, sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -477,7 +477,7 @@ def build_adapters(
         io_executor=threads.io,
         run_on_device=threads.run_on_device,
         locate=files.locate,
-        base_weight=functools.partial(module_weight, model),
+        base_weight=functools.partial(module_weight, model) if ranks is None else ranks.base_weight,
         ranks=ranks,
     )
     cache = AdapterCache(

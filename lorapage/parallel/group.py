@@ -26,9 +26,10 @@ from torch import Tensor
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterTensors
 from lorapage.errors import EngineStepError
+from lorapage.model.config import ModelConfig
 from lorapage.model.rank_comm import RankComm
 from lorapage.model.runner import StepInputs
-from lorapage.parallel.shards import shard_lora
+from lorapage.parallel.shards import checkpoint_weight, shard_lora, shard_section
 from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, process_group, rank_comm
 from lorapage.parallel.worker import run_worker
 
@@ -75,6 +76,8 @@ class TensorParallelGroup:
             self._expect("joining")  # a worker that fails to start (an import, a device) is seen at once
             self.group = process_group(spec)
             self._expect("ready")
+            self.model = ModelConfig.from_dir(spec.model_dir)  # the whole base's: an adapter's section is planned on it
+            self.base_weight = checkpoint_weight(spec.model_dir, self.model)  # DoRA's norms, over whole weights
         except BaseException:
             self.close()
             raise
@@ -119,6 +122,10 @@ class TensorParallelGroup:
     def split(self, tensors: AdapterTensors) -> list[AdapterTensors]:
         """Each rank's shard of an adapter's (A, B) matrices, rank 0 first."""
         return [shard_lora(tensors, rank, self.world_size) for rank in range(self.world_size)]
+
+    def split_section(self, section: Tensor) -> list[Tensor]:
+        """Each rank's DoRA / lora_bias rows of an adapter's whole ones, rank 0 first."""
+        return [shard_section(section, rank, self.world_size, self.model) for rank in range(self.world_size)]
 
     def send_pages(self, layout: AdapterLayout, packed: Tensor, slot: int, pages: list[int]) -> None:
         """Worker ``r`` writes ``packed[r - 1]`` (its shard) into ``pages`` and points ``slot`` at them."""

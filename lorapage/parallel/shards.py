@@ -21,6 +21,7 @@ shard's dimensions.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -175,3 +176,53 @@ def shard_lora(
             for key, a, (_, b) in zip(keys, _a_share(pairs, rank, tp), pairs, strict=True):
                 out[key] = (a, _rows(b, rank, tp))
     return out
+
+
+def checkpoint_weight(model_dir: str, model: ModelConfig) -> Callable[[int, str], Tensor]:
+    """DoRA's base weights under tensor parallelism: ``module``'s whole weight [d_out, d_in] of layer
+    ``layer`` in float32, read from the checkpoint's files (no rank holds it whole; its norm is over
+    every input, which o and down split across ranks)."""
+    from safetensors import safe_open
+
+    from lorapage.model.loader import weight_files
+
+    where: dict[str, object] = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            where |= dict.fromkeys(f.keys(), path)
+    dims, fused = model.module_dims(), family_of(model).fused
+
+    def weight(layer: int, module: str) -> Tensor:
+        prefix = f"model.layers.{layer}." + ("self_attn." if module in GROUPS[0] + GROUPS[1] else "mlp.")
+        name, rows = module, slice(None)
+        for fused_name, parts in fused.items():
+            if module in parts:
+                start = sum(dims[p][1] for p in parts[: parts.index(module)])
+                name, rows = fused_name, slice(start, start + dims[module][1])
+        key = prefix + name + ".weight"
+        with safe_open(str(where[key]), framework="pt") as f:
+            return f.get_tensor(key)[rows].float()
+
+    return weight
+
+
+def shard_section(section: Tensor, rank: int, tp: int, model: ModelConfig) -> Tensor:
+    """Rank ``rank``'s DoRA / lora_bias rows [layers, 2 * its columns] from the whole model's
+    [layers, 2 * every module's output columns] (``adapters/variant_layout.py``'s dora then bias
+    rows): a column-parallel module's columns are the rank's output rows; a row-parallel module's
+    output is whole on every rank (a partial sum, which DoRA's per-column factor scales as it scales
+    the sum), so its DoRA factors are whole everywhere and its lora_bias is rank 0's alone (added
+    once to the sum)."""
+    dims = model.projection_dims()
+    total = sum(d for _, d in dims.values())
+    dora, bias, col = [], [], 0
+    for module, (_, d_out) in dims.items():
+        g, b = section[:, col : col + d_out], section[:, total + col : total + col + d_out]
+        if module in ROW_PARALLEL:
+            dora.append(g)
+            bias.append(b if rank == 0 else torch.zeros_like(b))
+        else:
+            dora.append(_cols(g, rank, tp))
+            bias.append(_cols(b, rank, tp))
+        col += d_out
+    return torch.cat(dora + bias, dim=1)
