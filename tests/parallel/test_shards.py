@@ -12,7 +12,7 @@ from lorapage.model.config import ModelConfig
 from lorapage.model.rank_comm import RankComm, gather_shrink, vocab_embed, vocab_logits
 from lorapage.parallel import check_tensor_parallel, shard_config
 from lorapage.parallel.group import rank_device
-from lorapage.parallel.shards import shard_base, shard_lora
+from lorapage.parallel.shards import shard_base, shard_lora, shard_section
 from lorapage.tiny import TINY_BASE_DIR
 
 
@@ -206,3 +206,26 @@ def test_rank_devices():
     assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:1"]
     assert rank_device("cuda:2", 1) == "cuda:3"
     assert rank_device("cpu", 1) == "cpu"
+
+
+def test_dora_and_bias_rows_follow_their_columns():
+    """A section's dora and bias rows [layers, 2 * total]: q/k/v/gate/up's columns split with their
+    outputs; o/down's factors whole on every rank, their bias on rank 0 only."""
+    tiny = _tiny()
+    dims = tiny.projection_dims()
+    total = sum(d for _, d in dims.values())
+    section = torch.arange(2.0 * total)[None].expand(2, -1) + 1
+    shards = [shard_section(section, r, 2, tiny) for r in range(2)]
+    shard_total = sum(d for _, d in shard_config(tiny, 2).projection_dims().values())
+    assert all(s.shape == (2, 2 * shard_total) for s in shards)
+    col = {}
+    for m, (_, d) in dims.items():
+        col[m] = (sum(dims[x][1] for x in list(dims)[: list(dims).index(m)]), d)
+    q0, q = col["q_proj"]
+    torch.testing.assert_close(shards[1][:, : q // 2], section[:, q0 + q // 2 : q0 + q])
+    o0, o = col["o_proj"]  # after the rank's half of q, k and v
+    start = (col["k_proj"][1] + col["v_proj"][1] + q) // 2
+    for r in range(2):
+        torch.testing.assert_close(shards[r][:, start : start + o], section[:, o0 : o0 + o])
+        bias = shards[r][:, shard_total + start : shard_total + start + o]
+        assert bias.eq(section[:, total + o0 : total + o0 + o]).all() if r == 0 else not bias.any()
