@@ -76,7 +76,7 @@ class RankShards(Protocol):
 
     def split(self, tensors: AdapterTensors) -> list[AdapterTensors]: ...  # one per rank, rank 0 first
 
-    def split_section(self, section: torch.Tensor) -> list[torch.Tensor]: ...  # DoRA / lora_bias rows, per rank
+    def split_section(self, section: torch.Tensor, vectors: bool) -> list[torch.Tensor]: ...  # variant data, per rank
 
     def send_pages(self, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]) -> None: ...
 
@@ -187,7 +187,10 @@ class AdapterLoader:
         if self.ranks is None:
             return version.layout.pack(tensors, self.pool.adapter_page_size, section)
         shards = self.ranks.split(tensors)
-        sections = self.ranks.split_section(section) if section is not None else [None] * len(shards)
+        if section is not None:
+            sections: list[torch.Tensor | None] = [*self.ranks.split_section(section, spec.variants.has_vectors)]
+        else:
+            sections = [None] * len(shards)
         size = self.pool.adapter_page_size
         return torch.stack([version.layout.pack(t, size, sec) for t, sec in zip(shards, sections, strict=True)])
 

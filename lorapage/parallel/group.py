@@ -123,9 +123,11 @@ class TensorParallelGroup:
         """Each rank's shard of an adapter's (A, B) matrices, rank 0 first."""
         return [shard_lora(tensors, rank, self.world_size) for rank in range(self.world_size)]
 
-    def split_section(self, section: Tensor) -> list[Tensor]:
-        """Each rank's DoRA / lora_bias rows of an adapter's whole ones, rank 0 first."""
-        return [shard_section(section, rank, self.world_size, self.model) for rank in range(self.world_size)]
+    def split_section(self, section: Tensor, vectors: bool) -> list[Tensor]:
+        """Each rank's variant data of an adapter's whole (DoRA / lora_bias rows when ``vectors``,
+        then any embedding LoRA's), rank 0 first."""
+        w = self.world_size
+        return [shard_section(section, rank, w, self.model, vectors) for rank in range(w)]
 
     def send_pages(self, layout: AdapterLayout, packed: Tensor, slot: int, pages: list[int]) -> None:
         """Worker ``r`` writes ``packed[r - 1]`` (its shard) into ``pages`` and points ``slot`` at them."""

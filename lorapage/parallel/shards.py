@@ -206,14 +206,17 @@ def checkpoint_weight(model_dir: str, model: ModelConfig) -> Callable[[int, str]
     return weight
 
 
-def shard_section(section: Tensor, rank: int, tp: int, model: ModelConfig) -> Tensor:
-    """Rank ``rank``'s DoRA / lora_bias rows [layers, 2 * its columns] from the whole model's
-    [layers, 2 * every module's output columns] (``adapters/variant_layout.py``'s dora then bias
-    rows): a column-parallel module's columns are the rank's output rows; a row-parallel module's
-    output is whole on every rank (a partial sum, which DoRA's per-column factor scales as it scales
-    the sum), so its DoRA factors are whole everywhere and its lora_bias is rank 0's alone (added
-    once to the sum)."""
+def shard_section(section: Tensor, rank: int, tp: int, model: ModelConfig, vectors: bool = True) -> Tensor:
+    """Rank ``rank``'s variant data from the whole model's (``adapters/variant_layout.py``): the DoRA
+    and lora_bias rows [layers, 2 * its columns] from [layers, 2 * every module's output columns]
+    when there are ``vectors``, then the embedding LoRA's data as it is (every rank adds the same
+    delta to its whole embeddings, after their all-reduce). A column-parallel module's columns are
+    the rank's output rows; a row-parallel module's output is whole on every rank (a partial sum,
+    which DoRA's per-column factor scales as it scales the sum), so its DoRA factors are whole
+    everywhere and its lora_bias is rank 0's alone (added once to the sum)."""
     dims = model.projection_dims()
+    if not vectors:
+        return section
     total = sum(d for _, d in dims.values())
     dora, bias, col = [], [], 0
     for module, (_, d_out) in dims.items():
@@ -225,4 +228,4 @@ def shard_section(section: Tensor, rank: int, tp: int, model: ModelConfig) -> Te
             dora.append(_cols(g, rank, tp))
             bias.append(_cols(b, rank, tp))
         col += d_out
-    return torch.cat(dora + bias, dim=1)
+    return torch.cat([*dora, *bias, section[:, 2 * total :]], dim=1)
