@@ -3,14 +3,18 @@
 
 Per round and configuration: one engine, 16 requests (two per adapter) of 16 prompt tokens, 32
 greedy tokens each, all submitted at once; the figure is the wall time per decode step (the
-batch's time over its steps, prefill included) and the tokens/s. Also printed: the pool's page
-and total bytes per rank (2,048 pages, each holding a KV block of the rank's KV heads) and the
-pages one adapter takes on each rank. Rounds alternate the order
+batch's time over its steps, prefill included) and the tokens/s. Also printed: the base's bytes
+per rank (projections split, the embedding and lm_head vocabulary-parallel, norms whole), the
+pool's page and total bytes per rank (2,048 pages, each holding a KV block of the rank's KV heads),
+the pages (and bytes) one adapter takes on each rank (fully sharded: 1/k of every matrix, in pages
+1/k as wide) and how many such adapters the pool holds. Rounds alternate the order
 (harness.interleaved); medians are reported. Greedy tokens are checked equal between the two.
 
 On a 2-core machine TP=2 cannot be faster: both ranks share the same two cores that TP=1's one
-forward uses, and every layer adds two all-reduces over loopback. What it shows is the overhead
-of the collectives and the per-step plan, and the per-rank memory, which is what TP buys.
+forward uses, and every layer adds its collectives over loopback (two all-reduces of the hidden
+states; with adapters in the step, two all-gathers and two all-reduces of LoRA shrinks; the step's
+logits gathered to rank 0). What it shows is the overhead of the collectives and the per-step plan,
+and the per-rank memory, which is what TP buys.
 
     python bench/bench_tp.py [--rounds N] [--tokens N] [--device cpu|cuda]
 
@@ -25,10 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from harness import interleaved, machine_line, median, print_json, table
 from make_llama import write_adapter, write_model
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.model.config import ModelConfig
+from lorapage.model.loader import load_state_dict
+from lorapage.parallel.shards import shard_base
 
 ADAPTERS, REQUESTS, PROMPT, PAGES = 8, 16, 16, 2048
 
@@ -58,6 +66,12 @@ def run(model: Path, adapters: list[Path], tp: int, tokens: int, device: str) ->
     return out
 
 
+def base_bytes(model: Path, tp: int) -> int:
+    """Bytes of rank 0's shard of the base (float32)."""
+    state = shard_base(load_state_dict(model, torch.float32), 0, tp, ModelConfig.from_dir(model))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -69,6 +83,7 @@ def main() -> None:
         root = Path(tmp)
         model = write_model(root / "base", hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1536, vocab=4096)
         adapters = [write_adapter(root / f"a{i}", model, rank=16, seed=i) for i in range(ADAPTERS)]
+        base_mib = {tp: base_bytes(model, tp) / 2**20 for tp in (1, 2)}
         results: dict[int, list[dict]] = {1: [], 2: []}
         for _, tp in interleaved(args.rounds, [1, 2]):
             results[tp].append(run(model, adapters, tp, args.tokens, args.device))
@@ -78,28 +93,33 @@ def main() -> None:
     for tp, rs in results.items():
         step = median(r["step_ms"] for r in rs)
         rate = median(r["tokens_per_s"] for r in rs)
-        page, pages = rs[0]["page_bytes"], rs[0]["adapter_pages"]
+        page, pages, base = rs[0]["page_bytes"], rs[0]["adapter_pages"], base_mib[tp]
         pool_mib = PAGES * page / 2**20
         rows.append(
-            [tp, f"{step:.1f}", f"{rate:.0f}", f"{page:,}", f"{pool_mib:.0f}", pages, f"{pages * page / 1024:.0f}"]
-        )
+            [tp, f"{step:.1f}", f"{rate:.0f}", f"{base:.1f}", f"{page:,}", f"{pool_mib:.0f}", pages,
+             f"{pages * page / 1024:.0f}", PAGES // pages]
+        )  # fmt: skip
         summary[f"tp{tp}"] = {
             "step_ms": step,
             "tokens_per_s": rate,
+            "base_mib_per_rank": base,
             "page_bytes": page,
             "pool_mib_per_rank": pool_mib,
             "adapter_pages": pages,
+            "adapter_kib_per_rank": pages * page / 1024,
         }
     header = [
         "TP",
         "step ms",
         "tokens/s",
+        "base MiB / rank",
         "page bytes / rank",
         "pool MiB / rank",
         "adapter pages / rank",
         "adapter KiB / rank",
+        "adapters the pool holds",
     ]
-    print(table(header, rows, "rrrrrrr"))
+    print(table(header, rows, "rrrrrrrrr"))
     print(f"greedy tokens identical across TP=1 and TP=2 and rounds: {same}")
     print_json(
         {

@@ -105,8 +105,8 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1,
         "ranks the base, the KV pages and every resident adapter are split over (vLLM's name): this process is "
-        "rank 0 and starts the others (gloo on a CPU, NCCL on CUDA: cuda:0..N-1); Llama, Mistral, Qwen2 and "
-        "Qwen3 bases only, CUDA graphs off (docs/parallel.md)",
+        "rank 0 and starts the others (gloo on a CPU, NCCL on CUDA: cuda:0..N-1); dense bases (Llama, Mistral, "
+        "Qwen2/3, Phi-3, Gemma 2/3; not MoE), CUDA graphs off (docs/parallel.md)",
         group="model",
     )
     tensor_parallel_timeout_s: float = option(

@@ -111,11 +111,6 @@ class AdapterChecks:
         """The adapter's page layout, refused when its pages cannot fit in the pool beside one
         full-length sequence's KV blocks: it could never serve a request here."""
         layout = AdapterLayout.plan(spec, self.layout_model, self.pool.adapter_page_size)
-        if layout.section is not None and self.layout_model is not self.model:
-            raise AdapterFormatError(
-                f"adapter at {str(spec.path)!r}: DoRA, lora_bias and embedding LoRA are not served under tensor "
-                "parallelism yet (docs/parallel.md); serve it on an engine with tensor_parallel_size 1"
-            )
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
             page_bytes = self.pool.page_size * self.pool.storage.element_size()
             shape = describe_shape(spec.max_rank, spec.target_modules, self.model.num_layers)

@@ -70,13 +70,16 @@ class AdapterLayout:
                     sc[i] = spec.scales.get((layer, m), 0.0)
                     hs[i] = rows
                     rows += rk[i]
+                # A tensor-parallel rank's share of the stacked A (ModelConfig.lora_shape: all of
+                # it on one device); h_start stays the whole h's, which the ranks' shares make up.
+                rows = model.lora_shape(group[0], rows)[0]
                 ao.append(cursor)
                 ar.append(rows)
                 cursor += rows * d_in
                 for m in group:
                     i = MODULES.index(m)
                     bo[i] = cursor
-                    cursor += dims[m][1] * rk[i]
+                    cursor += model.lora_shape(m, rk[i])[2] * rk[i]
             if experts is not None and model.moe is not None:
                 cursor = experts.plan_layer(model.moe, model.hidden_size, layer, spec.ranks, spec.scales, cursor)
             a_off.append(ao)
@@ -147,5 +150,4 @@ class AdapterLayout:
 
 def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:
     """Pages of the largest adapter allowed: ``max_rank`` on every module."""
-    per_layer = sum(max_rank * (d_in + d_out) for d_in, d_out in model.module_dims().values())
-    return -(-per_layer // page_size)
+    return -(-model.lora_layer_elements(max_rank) // page_size)

@@ -34,9 +34,10 @@ from lorapage.adapters.peft_format import (
 )
 from lorapage.adapters.safetensors_buffer import ReadBuffer, tensor_views
 from lorapage.adapters.value import LoadTier, ReloadCosts, Stage
-from lorapage.adapters.variant_layout import BaseWeight, load_variant_tensors, pack_section
+from lorapage.adapters.variant_layout import BaseWeight, VariantSection, load_variant_tensors, pack_section
 from lorapage.errors import AdapterIntegrityError
 from lorapage.memory.pool import PagePool
+from lorapage.model.config import ModelConfig
 from lorapage.model.lora_tables import LoraTables
 
 # Where a version's files are read from: a block holding them fetched from their source (for the
@@ -70,7 +71,12 @@ class RankShards(Protocol):
     """Tensor parallelism's part in a load (:class:`lorapage.parallel.TensorParallelGroup`): each
     rank's shard of an adapter's matrices, and the other ranks' packed shards sent to them."""
 
+    model: ModelConfig  # the whole base's
+    base_weight: BaseWeight  # its whole weights (DoRA's norms), which no rank holds
+
     def split(self, tensors: AdapterTensors) -> list[AdapterTensors]: ...  # one per rank, rank 0 first
+
+    def split_section(self, section: torch.Tensor, vectors: bool) -> list[torch.Tensor]: ...  # variant data, per rank
 
     def send_pages(self, layout: AdapterLayout, packed: torch.Tensor, slot: int, pages: list[int]) -> None: ...
 
@@ -166,6 +172,10 @@ class AdapterLoader:
         section = None
         if (plan := version.layout.section) is not None:
             extras = load_variant_tensors(spec.path, tensor_views(weights), spec.model)
+            if self.ranks is not None:  # computed whole (DoRA's norms span the ranks), then split
+                whole = VariantSection.plan(spec.variants, self.ranks.model, self.pool.adapter_page_size, 0)
+                assert whole is not None
+                plan = whole
             section = pack_section(
                 plan, spec, tensors, extras, self.pool.adapter_page_size, self.base_weight, self.dtype
             )
@@ -176,9 +186,13 @@ class AdapterLoader:
         # against a sub-second TTFT budget.
         if self.ranks is None:
             return version.layout.pack(tensors, self.pool.adapter_page_size, section)
-        assert section is None, "variants are refused under tensor parallelism (AdapterChecks.plan)"
         shards = self.ranks.split(tensors)
-        return torch.stack([version.layout.pack(t, self.pool.adapter_page_size) for t in shards])
+        if section is not None:
+            sections: list[torch.Tensor | None] = [*self.ranks.split_section(section, spec.variants.has_vectors)]
+        else:
+            sections = [None] * len(shards)
+        size = self.pool.adapter_page_size
+        return torch.stack([version.layout.pack(t, size, sec) for t, sec in zip(shards, sections, strict=True)])
 
 
 def write_adapter_pages(

@@ -139,6 +139,6 @@ def load_variant_tensors(
 def page_list_width(model: ModelConfig, max_rank: int, page_size: int) -> int:
     """Pages the largest adapter may take (the page table's width): ``max_rank`` on every module
     and the largest section (both vector rows, an embedding LoRA of ``max_rank``, its alignment)."""
-    ab = sum(max_rank * (d_in + d_out) for d_in, d_out in model.module_dims().values())  # layout.max_adapter_pages
+    ab = model.lora_layer_elements(max_rank)  # layout.max_adapter_pages
     section = 2 * total_out(model) + max_rank * (rows_per_layer(model) + model.hidden_size)
     return -(-ab // page_size) + -(-section // page_size) + 1

@@ -191,7 +191,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
 
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
-    weights = shard_base(load_state_dict(base.model_dir, sizing.dtype), 0, sizing.tensor_parallel_size)
+    state, tp = load_state_dict(base.model_dir, sizing.dtype), sizing.tensor_parallel_size
+    weights = shard_base(state, 0, tp, base.model_config)
     family = GemmaModel if base.model_config.gemma is not None else LlamaModel
     return family(sizing.shard_model, weights, sizing.device, sizing.dtype, sizing.max_model_len)
 
@@ -229,7 +230,7 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
         pool=pool,
-        tables=LoraTables(mc, slots, list_width, sizing.device),
+        tables=LoraTables(sizing.shard_model, slots, list_width, sizing.device),
         prefix_cache=prefix_cache,
         recompute=recompute,
         reclaim=Reclaim(pool, prefix_cache, recompute),
@@ -306,7 +307,7 @@ def build_forward(
     )
     parallel = _start_ranks(config, base, sizing, memory) if sizing.tensor_parallel_size > 1 else None
     if parallel is not None:
-        model.all_reduce = parallel.guard_reduce
+        model.comm = parallel.comm
         runner.send_step, runner.on_close = parallel.send_step, parallel.close
         return ForwardParts(ops, runner, parallel)
     # A MoE base's routing varies its shapes per step (model/moe.py): it runs eagerly.
@@ -476,7 +477,7 @@ def build_adapters(
         io_executor=threads.io,
         run_on_device=threads.run_on_device,
         locate=files.locate,
-        base_weight=functools.partial(module_weight, model),
+        base_weight=functools.partial(module_weight, model) if ranks is None else ranks.base_weight,
         ranks=ranks,
     )
     cache = AdapterCache(

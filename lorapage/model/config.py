@@ -53,6 +53,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     gemma: GemmaConfig | None = None  # Gemma 2 / 3's additions; None for every other family
     moe: MoeConfig | None = None  # the router and experts of a MoE family; None: a dense MLP
+    # Tensor-parallel ranks an adapter is split over (lorapage.parallel.shard_config): on a rank's
+    # model, its LoRA pages hold 1/lora_shards of each matrix (lora_shape); 1 on one device.
+    lora_shards: int = 1
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -138,6 +141,29 @@ class ModelConfig:
         dims = self.module_dims()
         return dims if self.moe is None else dims | self.moe.fused_dims(self.hidden_size)
 
+    def lora_shape(self, module: str, rank: int) -> tuple[int, int, int]:
+        """(A rows, A columns, B rows) of a rank-``rank`` LoRA on ``module`` as this model's pages
+        hold it: on a tensor-parallel rank's model (``lora_shards`` k > 1, S-LoRA's and vLLM's fully
+        sharded LoRA), a column-parallel module's A keeps ``ceil(r / k)`` of its rows (its B is
+        already the rank's output rows) and a row-parallel one's B keeps ``1/k`` of its output rows
+        (its A is already the rank's input columns); B's columns are always the whole ``r``."""
+        d_in, d_out = self.module_dims()[module]
+        k = self.lora_shards
+        if k == 1:
+            return rank, d_in, d_out
+        if module in ROW_PARALLEL:
+            return rank, d_in, d_out // k
+        return -(-rank // k), d_in, d_out
+
+    def lora_layer_elements(self, max_rank: int) -> int:
+        """Elements of one layer of the largest adapter allowed (``max_rank`` on every module) in
+        this model's pages: at most, a group's stacked A rounding up once per module."""
+        total = 0
+        for m in self.module_dims():
+            a_rows, d_in, b_rows = self.lora_shape(m, max_rank) if m in MODULES else (max_rank, *self.module_dims()[m])
+            total += a_rows * d_in + b_rows * max_rank
+        return total
+
     def derived_max_len(self) -> int:
         """The positions the model serves, as vLLM derives them: ``max_position_embeddings``, or for
         a ``yarn`` / ``dynamic`` rotary table its original length times ``factor``."""
@@ -188,6 +214,10 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Projection groups that share an input, so one LoRA shrink serves all of a group's modules and
 # the base runs one fused GEMM per group.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+# Under tensor parallelism (lorapage.parallel): the projections split by their input rows, whose
+# outputs are partial sums until an all-reduce; the others are split by output columns.
+ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_GROUPS = (1, 3)  # their indices in GROUPS
 
 
 def context_length(config: ModelConfig, max_model_len: int | None, allow_long: bool = False) -> int:

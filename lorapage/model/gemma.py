@@ -90,7 +90,7 @@ class GemmaModel(LlamaModel):
         """Hidden states [T, hidden] after the final norm, as :meth:`LlamaModel.forward`."""
         c, g = self.config, self.gemma
         eps, T = c.rms_norm_eps, input_ids.shape[0]
-        x = self.embed[input_ids] * self.embed_scale
+        x = self.embed_tokens(input_ids) * self.embed_scale
         rope = {
             None: (self.cos_cache[positions], self.sin_cache[positions]),  # global layers
             "local": (self.local_cos[positions], self.local_sin[positions]),
@@ -125,6 +125,8 @@ class GemmaModel(LlamaModel):
             o = self.linear(attn_out, w["o"])
             if lora is not None:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
+            if self.comm is not None:  # the partial sums whole before the post-attention norm
+                self.comm.all_reduce(o)
             x = x + _norm(o, w["post_attn_norm"], eps)
             hs = _norm(x, w["pre_ffn_norm"], eps)
             gu = self.linear(hs, w["gate_up"])
@@ -135,12 +137,14 @@ class GemmaModel(LlamaModel):
             d = self.linear(act, w["down"])
             if lora is not None:
                 self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
+            if self.comm is not None:
+                self.comm.all_reduce(d)
             x = x + _norm(d, w["post_ffn_norm"], eps)
         return _norm(x, self.final_norm, eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """float32 logits [N, vocab], soft-capped as HF caps them (in the model's dtype)."""
-        logits = self.linear(hidden, self.lm_head)
+        logits = self.head(hidden)  # whole (under tensor parallelism, gathered) before the cap
         cap = self.gemma.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

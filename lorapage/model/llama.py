@@ -8,7 +8,6 @@ then reads each sequence's context back from its pages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +18,12 @@ from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps, Linear, PackWeight
 from lorapage.kernels.linear_cpu import keep_weight, linear_ref
 from lorapage.kernels.linear_int8 import dense_weight
-from lorapage.model.config import GROUPS, MODULES, ModelConfig
+from lorapage.model.config import GROUPS, MODULES, ROW_GROUPS, ModelConfig
 from lorapage.model.families import family_of, group_weight
 from lorapage.model.lora_tables import LoraTables
 from lorapage.model.lora_variants import add_embedding_lora, apply_vectors
 from lorapage.model.moe import MoeMlp, expert_lora, norm_qk
+from lorapage.model.rank_comm import RankComm, gather_shrink, vocab_embed, vocab_logits
 from lorapage.model.rope import rope_tables
 
 
@@ -117,9 +117,10 @@ class LlamaModel:
         # The projections' GEMM, and the layout their weights are held in (pack_weights).
         self.linear: Linear = linear_ref
         self._pack: PackWeight = keep_weight
-        # Tensor parallelism (lorapage.parallel): sums a row-parallel projection's partial output
-        # (o, down: base and LoRA together) over the ranks in place; None on one device.
-        self.all_reduce: Callable[[Tensor], None] | None = None
+        # Tensor parallelism (lorapage.parallel): this rank's collectives, which sum a row-parallel
+        # projection's partial output (o, down: base and LoRA together), gather the sharded LoRA's
+        # shrink and the vocabulary-parallel embedding and logits; None on one device.
+        self.comm: RankComm | None = None
 
     def pack_weights(self, pack: PackWeight, linear: Linear, pack_logits: PackWeight | None = None) -> None:
         """Hold every projection's weight (and the logits', as ``pack_logits`` when given) as
@@ -207,8 +208,16 @@ class LlamaModel:
         ops.lora_shrink(
             h, x, slab, tables.page_table, lora, tables.a_offset[layer, :, group], tables.a_rows[layer, :, group]
         )
+        comm, out = self.comm, y
+        if comm is not None and group in ROW_GROUPS:
+            # A split by input columns: a partial shrink, summed; B split by output rows: this
+            # rank's expand lands in its columns, and the base's all-reduce adds the rest.
+            comm.all_reduce(h)
+            out = y.new_zeros(y.shape[0], y.shape[1] // comm.world)
+        elif comm is not None:  # A split by rank rows: each rank's share of h, gathered
+            gather_shrink(h, comm, tables.a_rows[layer, :, group][lora.token_slot.long()])
         ops.lora_expand(
-            y,
+            out,
             h,
             slab,
             tables.page_table,
@@ -219,6 +228,9 @@ class LlamaModel:
             tables.scale[layer, :, m0:m1],
             self.out_starts[group],
         )
+        if out is not y:
+            assert comm is not None
+            y[:, comm.rank * out.shape[1] : (comm.rank + 1) * out.shape[1]] += out
         if tables.variants.in_step(lora):  # DoRA / lora_bias rows (lora_variants.py)
             apply_vectors(y, bias, slab, tables.page_table, lora.token_slot, tables.variants, group)
 
@@ -243,7 +255,7 @@ class LlamaModel:
         """
         c = self.config
         T = input_ids.shape[0]
-        x = self.embed[input_ids]
+        x = self.embed_tokens(input_ids)
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]
         q_size, kv_size = c.q_size, c.kv_size
         h = lora_h[:T]
@@ -277,8 +289,8 @@ class LlamaModel:
             o = self.linear(attn_out, w["o"])
             if lora is not None:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
-            if self.all_reduce is not None:
-                self.all_reduce(o)
+            if self.comm is not None:
+                self.comm.all_reduce(o)
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
             if self.moe_layers:
@@ -292,14 +304,27 @@ class LlamaModel:
             d = self.linear(act, w["down"])
             if lora is not None:
                 self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
-            if self.all_reduce is not None:
-                self.all_reduce(d)
+            if self.comm is not None:
+                self.comm.all_reduce(d)
             x = x + d
         return self._rms_norm(x, self.final_norm)
 
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The embedding rows of ``input_ids`` (under tensor parallelism each rank holds a share of
+        the vocabulary: looked up where it lies and all-reduced)."""
+        if self.comm is None:
+            return self.embed[input_ids]
+        return vocab_embed(self.embed, input_ids, self.comm)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """lm_head's logits [N, vocab] in the model's dtype (under tensor parallelism: each rank's
+        vocabulary share gathered, whole on rank 0 only)."""
+        out = self.linear(hidden, self.lm_head)
+        return out if self.comm is None else vocab_logits(out, self.comm, self.config.vocab_size)
+
     def logits(self, hidden: Tensor) -> Tensor:
         """float32 logits [N, vocab] for the given final hidden states."""
-        return self.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()
 
 
 def lora_h_width(config: ModelConfig, max_rank: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -42,6 +42,9 @@ class StepInputs:
     block_tables: list[list[int]]
     context_lens: list[int]
     prefill_query_starts: list[int]
+    # Under tensor parallelism: the hidden rows whose logits rank 0 computes this step, in order
+    # (the vocabulary-parallel lm_head gathers every rank's share of them); empty on one device.
+    logits_rows: tuple[int, ...] = ()
 
 
 @dataclass
@@ -213,17 +216,36 @@ class ModelRunner:
         if self.graphs is not None and plan.num_decode == B and self.graphs.bucket(B) is not None:
             self._write_tokens(plan.inputs())
             return self._replay(plan, masks)
-        inputs = plan.inputs()
-        if self.send_step is not None:
+        inputs, spans = plan.inputs(), self._prompt_spans(plan)
+        if self.send_step is not None:  # every logit of the step in one gather, the ranks told which
+            prompt_rows = (r for _, start, n in spans for r in range(start, start + n))
+            inputs = replace(inputs, logits_rows=(*prompt_rows, *plan.sample_index))
             self.send_step(inputs)
         with torch.inference_mode():
             hidden = self.forward_hidden(inputs)
+            logits_of = self._logits_of(hidden, inputs.logits_rows)
+            prompt_logprobs = self._prompt_logprobs(plan, spans, logits_of)
             if not plan.sample_rows:  # every sequence fed a chunk of a longer prompt
-                return SampleOutput([], [], [], self._prompt_logprobs(plan, hidden))
-            prompt_logprobs = self._prompt_logprobs(plan, hidden)
-            logits = self.ctx.model.logits(hidden[plan.sample_index])
+                return SampleOutput([], [], [], prompt_logprobs)
+            logits = logits_of(plan.sample_index)
             out = sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
             return out._replace(prompt_logprobs=prompt_logprobs) if prompt_logprobs else out
+
+    def _logits_of(self, hidden: Tensor, rows: tuple[int, ...]) -> Callable[[list[int]], Tensor]:
+        """The logits of given hidden rows: computed per call on one device; under tensor
+        parallelism, rows of the step's one gathered logits (``rows``, in the order they are asked)."""
+        model = self.ctx.model
+        if not rows:
+            return lambda want: model.logits(hidden[want])
+        whole = model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        taken = [0]
+
+        def take(want: list[int]) -> Tensor:
+            start = taken[0]
+            taken[0] += len(want)
+            return whole[start : start + len(want)]
+
+        return take
 
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
         """The final hidden states [T, hidden] of the step's tokens (eager): what every
@@ -257,20 +279,34 @@ class ModelRunner:
         ):
             buf[:T].copy_(torch.tensor(values, dtype=buf.dtype))
 
-    def _prompt_logprobs(self, plan: StepPlan, hidden: Tensor) -> tuple[tuple[int, int, list[TokenLogprob]], ...]:
-        """For each prefill row that asked (``prompt_logprobs``): the logprobs of the prompt tokens
-        its chunk predicts, from the chunk's own hidden states. Rows that did not ask cost nothing."""
+    @staticmethod
+    def _prompt_spans(plan: StepPlan) -> list[tuple[int, int, int]]:
+        """(row, first hidden row, rows) of each prefill row that asked for ``prompt_logprobs`` and
+        whose chunk predicts prompt tokens: the chunk's hidden rows from its first position on."""
         out = []
         for i in range(plan.num_decode, len(plan.sequences)):
             req = plan.sequences[i]
-            top = req.sampling.prompt_logprobs
             start = plan.num_decode + plan.prefill_query_starts[i - plan.num_decode]
             first = plan.positions[start]  # the chunk's first position: it predicts token first + 1
             end = min(first + plan.fed[i], req.num_prompt_tokens - 1)  # positions predicting prompt tokens
-            if top is None or end <= first:
-                continue
-            logits = self.ctx.model.logits(hidden[start : start + end - first])
-            out.append((i, first + 1, token_logprobs(logits, req.prompt_ids[first + 1 : end + 1], top)))
+            if req.sampling.prompt_logprobs is not None and end > first:
+                out.append((i, start, end - first))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(
+        plan: StepPlan, spans: list[tuple[int, int, int]], logits_of: Callable[[list[int]], Tensor]
+    ) -> tuple[tuple[int, int, list[TokenLogprob]], ...]:
+        """For each span (:meth:`_prompt_spans`): the logprobs of the prompt tokens its chunk
+        predicts, from the chunk's own hidden states. Rows that did not ask cost nothing."""
+        out = []
+        for i, start, n in spans:
+            req = plan.sequences[i]
+            first = plan.positions[start]
+            logits = logits_of(list(range(start, start + n)))
+            top = req.sampling.prompt_logprobs
+            assert top is not None
+            out.append((i, first + 1, token_logprobs(logits, req.prompt_ids[first + 1 : first + n + 1], top)))
         return tuple(out)
 
     def _plan_lora(self, lora: LoraIndices, prefill: bool) -> LoraIndices:

@@ -2,8 +2,8 @@
 step's inputs and each adapter's shards, and stops them on close.
 
 Rank 0 is the engine's own process: its forward thread runs rank 0's shard after sending the step
-to the workers, then samples from the (all-reduced, so whole) hidden states alone; nothing comes
-back from the workers. A worker that dies is seen before the next step (its process is gone) or
+to the workers, then samples alone from the logits gathered to it (the vocabulary-parallel
+lm_head); nothing comes back over the pipes. A worker that dies is seen before the next step (its process is gone) or
 by the collective it leaves waiting (gloo's closed connection, else the group's timeout); from
 then on every step fails at once with :class:`TensorParallelError`, so requests fail and none hangs.
 """
@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -25,9 +26,11 @@ from torch import Tensor
 from lorapage.adapters.layout import AdapterLayout
 from lorapage.adapters.loader import AdapterTensors
 from lorapage.errors import EngineStepError
+from lorapage.model.config import ModelConfig
+from lorapage.model.rank_comm import RankComm
 from lorapage.model.runner import StepInputs
-from lorapage.parallel.shards import shard_lora
-from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, all_reducer, process_group
+from lorapage.parallel.shards import checkpoint_weight, shard_lora, shard_section
+from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, process_group, rank_comm
 from lorapage.parallel.worker import run_worker
 
 START_TIMEOUT_S = 300.0  # a worker loading its shard of a large base
@@ -73,10 +76,12 @@ class TensorParallelGroup:
             self._expect("joining")  # a worker that fails to start (an import, a device) is seen at once
             self.group = process_group(spec)
             self._expect("ready")
+            self.model = ModelConfig.from_dir(spec.model_dir)  # the whole base's: an adapter's section is planned on it
+            self.base_weight = checkpoint_weight(spec.model_dir, self.model)  # DoRA's norms, over whole weights
         except BaseException:
             self.close()
             raise
-        self.all_reduce = all_reducer(self.group)
+        self.comm: RankComm = rank_comm(self.group, 0, self.world_size, self._guard)
 
     def _expect(self, word: str) -> None:
         """Wait for every worker to say ``word``: TensorParallelError with what it said instead, or
@@ -118,14 +123,20 @@ class TensorParallelGroup:
         """Each rank's shard of an adapter's (A, B) matrices, rank 0 first."""
         return [shard_lora(tensors, rank, self.world_size) for rank in range(self.world_size)]
 
+    def split_section(self, section: Tensor, vectors: bool) -> list[Tensor]:
+        """Each rank's variant data of an adapter's whole (DoRA / lora_bias rows when ``vectors``,
+        then any embedding LoRA's), rank 0 first."""
+        w = self.world_size
+        return [shard_section(section, rank, w, self.model, vectors) for rank in range(w)]
+
     def send_pages(self, layout: AdapterLayout, packed: Tensor, slot: int, pages: list[int]) -> None:
         """Worker ``r`` writes ``packed[r - 1]`` (its shard) into ``pages`` and points ``slot`` at them."""
         self._send(None, [PagesMessage(layout, packed[i], slot, pages) for i in range(len(self._conns))])
 
-    def guard_reduce(self, t: Tensor) -> None:
-        """The all-reduce, failing the group (not only the step) when a rank is gone mid-step."""
+    def _guard(self, collective: Callable[[], object]) -> None:
+        """Run a collective, failing the group (not only the step) when a rank is gone mid-step."""
         try:
-            self.all_reduce(t)
+            collective()
         except RuntimeError as exc:
             self._failure = f"a tensor-parallel collective failed ({exc})"
             self._check()

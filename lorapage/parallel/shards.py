@@ -1,48 +1,68 @@
 """What one tensor-parallel rank holds of the base and of an adapter (Megatron's split, S-LoRA's
-LoRA shards), as pure slicing of the tensors every rank reads alike.
+and vLLM's fully sharded LoRA), as pure slicing of the tensors every rank reads alike.
 
 Column-parallel projections (q, k, v by heads; gate, up by columns): the base weight and LoRA-B
-are split by output rows, LoRA-A is whole on every rank (its shrink is computed on each rank:
-``r`` columns, cheaper than gathering it). Row-parallel ones (o, down): the base weight and LoRA-A
-are split by input columns, LoRA-B is whole; each rank's base output plus its LoRA expand is a
-partial sum, and one all-reduce per projection adds base and LoRA together::
+are split by output rows, and the group's stacked LoRA-A by its rank rows (``ceil(R / k)`` each,
+zero rows padding the last): each rank's shrink is its share of ``h``, all-gathered before the
+expand. Row-parallel ones (o, down): the base weight and LoRA-A are split by input columns, LoRA-B
+by output rows; each rank's shrink is a partial sum (all-reduced: ``r`` wide), and each rank adds
+its expand into its own output columns of the base's partial output, so the one all-reduce after
+the projection adds base and LoRA together (S-LoRA's fusion)::
 
-    sum_r (x_r W_r^T + s (x_r A_r^T) B^T) = x W^T + s (x A^T) B^T
+    sum_r (x_r W_r^T + [s h B_r^T at rank r's columns]) = x W^T + s h B^T,  h = sum_r x_r A_r^T
 
-The embedding, lm_head and norms are whole on every rank (vocabulary-parallel is a later step).
-A rank's model is the base's :class:`ModelConfig` with its heads and intermediate divided
-(:func:`shard_config`), so the decoder, the pool's page size and an adapter's page layout are the
-unsharded code run at the shard's dimensions.
+The embedding and lm_head are vocabulary-parallel (``ceil(V / k)`` rows each, zero rows padding
+the last rank's); the norms are whole on every rank. A rank's model is the base's
+:class:`ModelConfig` with its heads and intermediate divided (:func:`shard_config`), so the
+decoder, the pool's page size and an adapter's page layout are the unsharded code run at the
+shard's dimensions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
-from lorapage.model.config import ModelConfig
+from lorapage.model.config import GROUPS, ROW_PARALLEL, ModelConfig
+from lorapage.model.families import family_of
 
-# Architectures served under tensor parallelism: separate q/k/v and gate/up weights, dense MLP.
-TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Architectures served under tensor parallelism: dense MLPs (Phi-3's fused weights split per part).
+TP_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     """ValueError naming what keeps ``model`` from running on ``tp`` ranks (nothing when tp == 1)."""
     if tp == 1:
         return
+    if model.moe is not None:
+        raise ValueError(
+            f"tensor_parallel_size {tp}: {model.architecture} is a mixture of experts, which is not served under "
+            "tensor parallelism yet (its experts would be split by expert or by columns, and its router and "
+            "per-expert LoRA pages with them); serve it with tensor_parallel_size 1 (docs/parallel.md)"
+        )
     if model.architecture not in TP_ARCHITECTURES:
         raise ValueError(
             f"tensor_parallel_size {tp}: {model.architecture} is not served under tensor parallelism yet "
-            f"(supported: {', '.join(TP_ARCHITECTURES)}; fused Phi-3 weights, Gemma and MoE run with "
-            "tensor_parallel_size 1; docs/parallel.md)"
+            f"(supported: {', '.join(TP_ARCHITECTURES)}; docs/parallel.md)"
         )
     for name, value in (
         ("num_attention_heads", model.num_heads),
         ("num_key_value_heads", model.num_kv_heads),
         ("intermediate_size", model.intermediate_size),
+        ("hidden_size", model.hidden_size),  # a row-parallel LoRA-B's output rows
     ):
         if value % tp:
             raise ValueError(
@@ -52,7 +72,8 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
 
 
 def shard_config(model: ModelConfig, tp: int) -> ModelConfig:
-    """One rank's model: ``1/tp`` of the query heads, KV heads and MLP columns, the rest as is."""
+    """One rank's model: ``1/tp`` of the query heads, KV heads and MLP columns, adapters split
+    ``tp`` ways (``lora_shards``), the rest (the vocabulary's size included) as is."""
     if tp == 1:
         return model
     return dataclasses.replace(
@@ -60,6 +81,7 @@ def shard_config(model: ModelConfig, tp: int) -> ModelConfig:
         num_heads=model.num_heads // tp,
         num_kv_heads=model.num_kv_heads // tp,
         intermediate_size=model.intermediate_size // tp,
+        lora_shards=tp,
     )
 
 
@@ -73,16 +95,38 @@ def _cols(t: Tensor, rank: int, tp: int) -> Tensor:
     return t[:, rank * n : (rank + 1) * n].contiguous()
 
 
-def shard_base(state: dict[str, Tensor], rank: int, tp: int) -> dict[str, Tensor]:
-    """Rank ``rank``'s tensors of a checkpoint: column-parallel weights (and biases) by output rows,
-    row-parallel ones by input columns, everything else whole. Heads stay whole: q, k and v rows
-    are head-major, so ``1/tp`` of the rows is ``1/tp`` of the heads."""
+def _padded_rows(t: Tensor, rank: int, tp: int) -> Tensor:
+    """Rows ``[rank n, (rank + 1) n)``, ``n = ceil(rows / tp)``, zero rows past the end."""
+    n = -(-t.shape[0] // tp)
+    part = t[rank * n : (rank + 1) * n]
+    if part.shape[0] == n:
+        return part.contiguous()
+    return torch.cat([part, part.new_zeros(n - part.shape[0], *t.shape[1:])])
+
+
+def _fused_rows(t: Tensor, sizes: list[int], rank: int, tp: int) -> Tensor:
+    """A fused projection's (Phi-3's qkv_proj, gate_up_proj) rows for ``rank``: each part's share,
+    stacked in the parts' order."""
+    return torch.cat([_rows(part, rank, tp) for part in t.split(sizes)])
+
+
+def shard_base(state: dict[str, Tensor], rank: int, tp: int, model: ModelConfig) -> dict[str, Tensor]:
+    """Rank ``rank``'s tensors of ``model``'s checkpoint: column-parallel weights (and biases) by
+    output rows, row-parallel ones by input columns, the embedding and lm_head by vocabulary rows,
+    everything else whole. Heads stay whole: q, k and v rows are head-major, so ``1/tp`` of the rows
+    is ``1/tp`` of the heads."""
     if tp == 1:
         return state
+    dims = model.module_dims()
+    fused = {name: [dims[p][1] for p in parts] for name, parts in family_of(model).fused.items()}
     out = {}
     for key, t in state.items():
         module = key.split(".")[-2] if key.count(".") >= 2 else ""
-        if module in COLUMN_PARALLEL:
+        if key in VOCAB_PARALLEL:
+            out[key] = _padded_rows(t, rank, tp)
+        elif module in fused:
+            out[key] = _fused_rows(t, fused[module], rank, tp)
+        elif module in COLUMN_PARALLEL:
             out[key] = _rows(t, rank, tp)
         elif module in ROW_PARALLEL and key.endswith(".weight"):
             out[key] = _cols(t, rank, tp)
@@ -91,15 +135,97 @@ def shard_base(state: dict[str, Tensor], rank: int, tp: int) -> dict[str, Tensor
     return out
 
 
+def _a_share(pairs: list[tuple[Tensor, Tensor]], rank: int, tp: int) -> list[Tensor]:
+    """Rank ``rank``'s rows of a column-parallel group's stacked A (its targeted modules' A, in
+    order), returned as each module's part of them (some empty) so that stacking the parts again is
+    the share; the last rank's share ends in zero rows when ``tp`` does not divide the rows."""
+    total = sum(a.shape[0] for a, _ in pairs)
+    n = -(-total // tp)
+    lo, hi = rank * n, (rank + 1) * n
+    parts, start = [], 0
+    for a, _ in pairs:
+        end = start + a.shape[0]
+        parts.append(a[max(lo, start) - start : max(min(hi, end), start) - start].contiguous())
+        start = end
+    short = n - sum(p.shape[0] for p in parts)
+    if short:
+        parts[-1] = torch.cat([parts[-1], parts[-1].new_zeros(short, pairs[-1][0].shape[1])])
+    return parts
+
+
 def shard_lora(
     tensors: dict[tuple[int, str], tuple[Tensor, Tensor]], rank: int, tp: int
 ) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
-    """Rank ``rank``'s (A, B) of each (layer, module): B by output rows on a column-parallel
-    module, A by input columns on a row-parallel one; the other matrix whole."""
+    """Rank ``rank``'s (A, B) of each (layer, module): on a column-parallel group, B's output rows
+    and the rank's rows of the group's stacked A (:func:`_a_share`); on a row-parallel module, A's
+    input columns and B's output rows. Each rank holds ``1/tp`` of the adapter (up to ``tp - 1``
+    zero rows of A per group)."""
     out = {}
-    for (layer, module), (a, b) in tensors.items():
-        if module in ROW_PARALLEL:
-            out[(layer, module)] = (_cols(a, rank, tp), b)
-        else:
-            out[(layer, module)] = (a, _rows(b, rank, tp))
+    layers = sorted({layer for layer, _ in tensors})
+    for layer in layers:
+        for group in GROUPS:
+            keys = [(layer, m) for m in group if (layer, m) in tensors]
+            if not keys:
+                continue
+            if group[0] in ROW_PARALLEL:
+                for key in keys:
+                    a, b = tensors[key]
+                    out[key] = (_cols(a, rank, tp), _rows(b, rank, tp))
+                continue
+            pairs = [tensors[key] for key in keys]
+            for key, a, (_, b) in zip(keys, _a_share(pairs, rank, tp), pairs, strict=True):
+                out[key] = (a, _rows(b, rank, tp))
     return out
+
+
+def checkpoint_weight(model_dir: str, model: ModelConfig) -> Callable[[int, str], Tensor]:
+    """DoRA's base weights under tensor parallelism: ``module``'s whole weight [d_out, d_in] of layer
+    ``layer`` in float32, read from the checkpoint's files (no rank holds it whole; its norm is over
+    every input, which o and down split across ranks)."""
+    from safetensors import safe_open
+
+    from lorapage.model.loader import weight_files
+
+    where: dict[str, object] = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            where |= dict.fromkeys(f.keys(), path)
+    dims, fused = model.module_dims(), family_of(model).fused
+
+    def weight(layer: int, module: str) -> Tensor:
+        prefix = f"model.layers.{layer}." + ("self_attn." if module in GROUPS[0] + GROUPS[1] else "mlp.")
+        name, rows = module, slice(None)
+        for fused_name, parts in fused.items():
+            if module in parts:
+                start = sum(dims[p][1] for p in parts[: parts.index(module)])
+                name, rows = fused_name, slice(start, start + dims[module][1])
+        key = prefix + name + ".weight"
+        with safe_open(str(where[key]), framework="pt") as f:
+            return f.get_tensor(key)[rows].float()
+
+    return weight
+
+
+def shard_section(section: Tensor, rank: int, tp: int, model: ModelConfig, vectors: bool = True) -> Tensor:
+    """Rank ``rank``'s variant data from the whole model's (``adapters/variant_layout.py``): the DoRA
+    and lora_bias rows [layers, 2 * its columns] from [layers, 2 * every module's output columns]
+    when there are ``vectors``, then the embedding LoRA's data as it is (every rank adds the same
+    delta to its whole embeddings, after their all-reduce). A column-parallel module's columns are
+    the rank's output rows; a row-parallel module's output is whole on every rank (a partial sum,
+    which DoRA's per-column factor scales as it scales the sum), so its DoRA factors are whole
+    everywhere and its lora_bias is rank 0's alone (added once to the sum)."""
+    dims = model.projection_dims()
+    if not vectors:
+        return section
+    total = sum(d for _, d in dims.values())
+    dora, bias, col = [], [], 0
+    for module, (_, d_out) in dims.items():
+        g, b = section[:, col : col + d_out], section[:, total + col : total + col + d_out]
+        if module in ROW_PARALLEL:
+            dora.append(g)
+            bias.append(b if rank == 0 else torch.zeros_like(b))
+        else:
+            dora.append(_cols(g, rank, tp))
+            bias.append(_cols(b, rank, tp))
+        col += d_out
+    return torch.cat([*dora, *bias, section[:, 2 * total :]], dim=1)

@@ -3,7 +3,8 @@
 Control goes over one pipe per worker, in order: a worker's messages are applied exactly in the
 order rank 0 sent them, so an adapter's pages are written on every rank before any step that
 reads its slot (rank 0 marks the adapter resident only after sending them). Data (the partial
-sums of the row-parallel projections) goes over a ``torch.distributed`` process group made
+sums of the row-parallel projections, the vocabulary-parallel embedding and logits, the sharded
+LoRA's shrinks) goes over a ``torch.distributed`` process group made
 directly on a file store in a private temporary directory: no port to choose, no default group,
 so several engines (and their ranks) share a host and a process without colliding.
 """
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lorapage.adapters.layout import AdapterLayout
+from lorapage.model.rank_comm import RankComm
 from lorapage.model.runner import StepInputs
 
 
@@ -75,6 +77,10 @@ class Group(Protocol):
 
     def allreduce(self, tensors: list[Tensor]) -> dist.Work: ...
 
+    def allgather(self, output: list[list[Tensor]], tensors: list[Tensor]) -> dist.Work: ...
+
+    def gather(self, output: list[list[Tensor]], tensors: list[Tensor], opts: dist.GatherOptions) -> dist.Work: ...
+
 
 def process_group(spec: WorkerSpec) -> Group:
     """The ranks' group (blocks until every rank joined): NCCL on CUDA, gloo over loopback elsewhere."""
@@ -90,10 +96,31 @@ def process_group(spec: WorkerSpec) -> Group:
     return cast(Group, dist.ProcessGroupGloo(store, spec.rank, spec.world_size, options))
 
 
-def all_reducer(group: Group) -> Callable[[Tensor], None]:
-    """In-place sum of a row-parallel projection's partial output over the ranks."""
+def rank_comm(group: Group, rank: int, world: int, guard: Callable[[Callable[[], object]], None]) -> RankComm:
+    """The collectives a rank's forward calls over ``group``, each run through ``guard`` (rank 0's
+    turns a failed collective into the group's failure)."""
 
     def all_reduce(t: Tensor) -> None:
-        group.allreduce([t]).wait()
+        guard(lambda: group.allreduce([t]).wait())
 
-    return all_reduce
+    def all_gather(t: Tensor) -> Tensor:
+        out = t.new_empty(world, *t.shape)
+        guard(lambda: group.allgather([list(out.unbind(0))], [t]).wait())
+        return out
+
+    def gather(t: Tensor) -> Tensor:
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if rank:
+            guard(lambda: group.gather([], [t], opts).wait())
+            return t
+        out = t.new_empty(world, *t.shape)
+        guard(lambda: group.gather([list(out.unbind(0))], [t], opts).wait())
+        return out
+
+    return RankComm(rank, world, all_reduce, all_gather, gather)
+
+
+def unguarded(run: Callable[[], object]) -> None:
+    """A worker's guard: a failed collective raises (and ends the worker)."""
+    run()

@@ -12,12 +12,13 @@ from lorapage.adapters.loader import write_adapter_pages
 from lorapage.kernels.backend import select_backend
 from lorapage.memory.pool import PagePool
 from lorapage.model.config import ModelConfig
+from lorapage.model.gemma import GemmaModel
 from lorapage.model.llama import LlamaModel
 from lorapage.model.loader import load_state_dict
 from lorapage.model.lora_tables import LoraTables
 from lorapage.model.runner import ModelRunner
 from lorapage.parallel.shards import shard_base, shard_config
-from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, all_reducer, process_group
+from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, process_group, rank_comm, unguarded
 
 log = logging.getLogger("lorapage.parallel")
 
@@ -25,9 +26,11 @@ log = logging.getLogger("lorapage.parallel")
 def build_rank(spec: WorkerSpec) -> tuple[ModelRunner, PagePool, LoraTables]:
     """This rank's model shard, pool and lookup tables, the same shapes rank 0 made its own in."""
     device = torch.device(spec.device)
-    mc = shard_config(ModelConfig.from_dir(spec.model_dir), spec.world_size)
-    state = shard_base(load_state_dict(spec.model_dir, spec.dtype), spec.rank, spec.world_size)
-    model = LlamaModel(mc, state, device, spec.dtype, spec.max_model_len)
+    whole = ModelConfig.from_dir(spec.model_dir)
+    mc = shard_config(whole, spec.world_size)
+    state = shard_base(load_state_dict(spec.model_dir, spec.dtype), spec.rank, spec.world_size, whole)
+    family = GemmaModel if mc.gemma is not None else LlamaModel
+    model = family(mc, state, device, spec.dtype, spec.max_model_len)
     pool = PagePool(mc.num_layers, spec.num_pages, spec.page_size, spec.dtype, device, spec.lora_dtype)
     tables = LoraTables(mc, spec.lora_slots, spec.page_list_width, device)
     ops = select_backend(spec.kernel_backend, device, spec.dtype)
@@ -54,7 +57,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     group = process_group(spec)
     try:
         runner, pool, tables = build_rank(spec)
-        runner.ctx.model.all_reduce = all_reducer(group)
+        runner.ctx.model.comm = rank_comm(group, spec.rank, spec.world_size, unguarded)
     except Exception as exc:  # rank 0 reports it: the engine does not start
         conn.send(f"rank {spec.rank} failed to start: {exc!r}")
         return
@@ -65,7 +68,10 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         except EOFError:  # rank 0 is gone
             return
         if isinstance(msg, StepMessage):
-            runner.forward_hidden(msg.inputs)
+            hidden = runner.forward_hidden(msg.inputs)
+            if msg.inputs.logits_rows:  # rank 0's logits of these rows gather this rank's vocabulary share
+                with torch.inference_mode():
+                    runner.ctx.model.head(hidden[torch.tensor(msg.inputs.logits_rows, device=hidden.device)])
         elif isinstance(msg, PagesMessage):
             write_adapter_pages(pool, tables, msg.layout, msg.packed, msg.slot, msg.pages)
         elif msg == STOP:
