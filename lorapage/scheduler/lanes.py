@@ -77,7 +77,8 @@ class AdapterLanes:
         # Most output tokens any running row of each holder has left (whom a recall closes first);
         # None: the holder that opened first.
         self.tokens_left = tokens_left
-        self.reclaim_in: int | None = None  # steps until the recalled holder's rows are preempted
+        self.reclaiming: str | None = None  # the holder whose rows are preempted in reclaim_in steps
+        self.reclaim_in = 0
         self.running: dict[str, int] = {}  # adapter -> running requests using it, in opening order
         self.tail: set[str] = set()  # holders that opened a tail lane; they take no joins until lent
         self.claim: SchedRequest | None = None  # an aged request owed the next lane that frees
@@ -149,38 +150,49 @@ class AdapterLanes:
             self.wanting.pop(req.request_id, None)
 
     def recall(self) -> None:
-        """A request is ``wanting`` a lane and none is free to it while tail lanes are lent: the
+        """A request is ``wanting`` a lane and none is free to it. While tail lanes are lent, the
         general holder whose rows finish soonest closes, so a lane (now a tail lane) frees within
-        its generation, and within ``lend_max_tokens`` steps at most (:meth:`reclaim`)."""
-        if not self.borrowed() or self.free_tail():
+        its generation. With the bound, the holder whose lane is to free (that one, or while no
+        lane is lent the tail holder whose rows finish soonest) is reclaimed in
+        ``lend_max_tokens`` steps if its rows still run then (:meth:`reclaim`)."""
+        if self.free_tail():
             return
-        if self.closing is None:  # else: one already closes
-            general = [a for a in self.running if a not in self.tail]
-            if general and self.tokens_left is not None:
-                left = self.tokens_left()
-                general = [min(general, key=lambda a: left.get(a, 0))]  # first opened among equals
-            self.closing = general[0] if general else None
-        if self.lend_max_tokens is not None and self.reclaim_in is None and self.closing is not None:
-            self.reclaim_in = self.lend_max_tokens
+        if self.borrowed():
+            if self.closing is None:  # else: one already closes
+                self.closing = self._soonest([a for a in self.running if a not in self.tail])
+            target = self.closing
+        else:  # every tail lane held by a tail holder (which takes no joins): one long row could keep it
+            target = self._soonest([a for a in self.running if a in self.tail])
+        if self.lend_max_tokens is not None and self.reclaiming is None and target is not None:
+            self.reclaiming, self.reclaim_in = target, self.lend_max_tokens
+
+    def _soonest(self, holders: list[str]) -> str | None:
+        """The one of ``holders`` whose rows finish soonest (fewest output tokens left), the first
+        among equals; the first without ``tokens_left``."""
+        if holders and self.tokens_left is not None:
+            left = self.tokens_left()
+            return min(holders, key=lambda a: left.get(a, 0))
+        return holders[0] if holders else None
 
     def reclaim(self) -> str | None:
         """Once a step, before admissions: the holder whose running rows are to be preempted now
-        (the lent lane's bound ran out while a request still wants it), or None."""
-        if self.reclaim_in is None:
+        (the bound ran out while a request still wants a lane), or None."""
+        target = self.reclaiming
+        if target is None:
             return None
-        if self.closing is None or not self.wanting:
-            self.reclaim_in = None
+        if target not in self.running or not self.wanting:
+            self.reclaiming = None
             return None
         self.reclaim_in -= 1
         if self.reclaim_in > 0:
             return None
-        self.reclaim_in = None
-        return self.closing
+        self.reclaiming = None
+        return target
 
     def lend(self) -> None:
         """Nobody is ``wanting`` a lane: tail holders take joins like general ones, and a closing
         holder that nobody is owed a lane for any more takes joins again."""
-        self.reclaim_in = None
+        self.reclaiming = None
         if self.tail:
             self.changed += self.tail
             self.tail.clear()
@@ -213,6 +225,8 @@ class AdapterLanes:
             return
         del self.running[adapter]
         self.tail.discard(adapter)
+        if self.reclaiming == adapter:  # its lane freed on its own
+            self.reclaiming = None
         if self.closing == adapter:
             self.closing = None
         self.changed.append(adapter)

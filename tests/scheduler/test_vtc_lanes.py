@@ -357,3 +357,24 @@ def test_the_holder_that_finishes_first_is_recalled_and_nothing_is_preempted():
     vtc.add(solo, 1.0)
     steps, preempted = _steps_until_admitted(vtc, running, solo)
     assert steps <= 10 and preempted == []
+
+
+@pytest.mark.parametrize("bound", [None, 16])
+def test_a_tail_lane_held_by_a_long_single_is_reclaimed_for_the_next_single(bound):
+    """No lane lent: the tail lane is held by a single of 500 tokens (a tail holder takes no joins,
+    but its one row can keep the lane a whole generation). With the bound it is reclaimed: the
+    next single is in within the bound, the first waits again (it had its first token)."""
+    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_lanes=1, age_deadline_s=100.0,
+                                                    lend_max_tokens=bound))  # fmt: skip
+    for i in range(2):
+        vtc.add(Req(f"g{i}", "t", "group", max_tokens=500), 0.0)
+    vtc.add(Req("first", "u", "one", max_tokens=500), 0.0)
+    running = vtc.schedule(0.0, Ctx())
+    assert sorted(ids(running)) == ["first", "g0", "g1"] and vtc.lanes.tail == {"one"}
+    solo = Req("solo", "v", "two", arrival_time=1.0, max_tokens=10)
+    vtc.add(solo, 1.0)
+    steps, preempted = _steps_until_admitted(vtc, running, solo)
+    if bound is None:
+        assert steps >= 400 and preempted == []
+    else:
+        assert steps <= bound and ids(preempted) == ["first"] and vtc.num_waiting() == 1
