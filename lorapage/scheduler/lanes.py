@@ -23,14 +23,15 @@ request whose adapter is still loading goes on wanting (nothing is lent or recal
 now, the lane would be held for a whole generation, and the load takes a moment. Lending and
 recalling around every load was also what made a step cost more with many adapters.
 
-Lent lanes come back within a bound (``lend_max_tokens``, default 16 decode steps): while nobody
-wants a tail lane, lending is free (any request opens or joins a lent lane: no row is lost in
-steady state). Once a request wants one and every lane is held, the general holder whose rows
-finish soonest (fewest output tokens left) is recalled: it takes no joins, and if its rows still
-run ``lend_max_tokens`` steps later they are *reclaimed*: the policy hands them to the engine to
+Lanes come back within a bound (``lend_max_tokens``, default 16 decode steps): while nobody wants
+a tail lane, lending is free (any request opens or joins a lent lane: no row is lost in steady
+state). Once a request wants one and none is free, the holder whose lane is to free is chosen:
+the general holder whose rows finish soonest (fewest output tokens left) is recalled while tail
+lanes are lent, else the tail holder whose rows finish soonest; if its rows still run
+``lend_max_tokens`` steps later they are *reclaimed*: the policy hands them to the engine to
 preempt (they wait again and recompute, their tokens kept), so the lane frees. A tail request's
 wait for a lane is then at most that many steps (plus its load and prefill), however long the
-other generations are; without the bound (``None`` or 0) it waits for the recalled holder's whole
+other generations are; without the bound (``None`` or 0) it waits for a holder's whole
 generation (500 tokens at 50 ms: 25 s). 16 steps at the design's 50 ms are 0.8 s, inside its
 p95 TTFT of 1 s warm and 2 s cold with the prefill and a load on top.
 """
