@@ -123,3 +123,11 @@ async def test_serve_promotes_a_hot_adapter_and_serves_it_merged():
     finally:
         await dedicated.close()
         await engine.close()
+
+
+def test_serve_refuses_rules_without_hysteresis_naming_the_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        flags("--auto-promote", "--demote-tokens-per-s", "700")  # over the default 640
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--demote-" in err and "hysteresis" in err and "700" in err
