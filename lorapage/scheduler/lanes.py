@@ -162,8 +162,11 @@ class AdapterLanes:
             if self.closing is None:  # else: one already closes
                 self.closing = self._soonest([a for a in self.running if a not in self.tail])
             target = self.closing
-        else:  # every tail lane held by a tail holder (which takes no joins): one long row could keep it
+        elif self.lend_max_tokens is not None and self.reclaiming is None:
+            # Every tail lane held by a tail holder (which takes no joins): one long row could keep it.
             target = self._soonest([a for a in self.running if a in self.tail])
+        else:
+            return
         if self.lend_max_tokens is not None and self.reclaiming is None and target is not None:
             self.reclaiming, self.reclaim_in = target, self.lend_max_tokens
 
