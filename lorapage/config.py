@@ -206,10 +206,11 @@ class EngineConfig:
         group="scheduling",
     )
     lane_lend_max_tokens: int = option(
-        0,
-        "output tokens a request may have to open or join a tail lane lent to general traffic, so a tail "
-        "adapter's request waits at most this many steps for its lane; 32 keeps it inside a 2 s cold TTFT at "
-        "50 ms a step, for about one row in a hundred (vtc only; 0: unbounded)",
+        16,
+        "decode steps a tail lane lent to general traffic is kept once a single-request adapter wants it: then "
+        "the recalled holder's rows are preempted (recomputed later), so a tail adapter waits at most this many "
+        "steps for its lane; 16 at 50 ms a step is 0.8 s, inside a 1 s p95 TTFT; nothing is lost while nobody "
+        "waits (vtc only; 0: unbounded, it waits for the holder's whole generation)",
         group="scheduling",
     )
     # -- prefix cache ---------------------------------------------------------------------------

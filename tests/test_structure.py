@@ -146,6 +146,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.request", "Request, its OutputChannel, RequestOutput, TokenLogprob"),
     ("lorapage.sampling_params", "SamplingParams (per request)"),
     ("lorapage.traces", "trace format, records and statistics (replay and simulator)"),
+    ("lorapage.fleet.promotion", "the dedicated tier's promotion rules (the fleet's ingress and `lorapage serve`)"),
     ("lorapage.fleet.routing", "routing policies (the Ray router and the simulator)"),
     ("lorapage.fleet.autoscale", "the autoscaling policy (Ray Serve's custom policy and the simulator)"),
     ("lorapage.scheduler", "VTC and FCFS: pure policy"),

@@ -182,6 +182,9 @@ class StepPlanner:
         being prefilled in chunks (oldest first), then to new admissions."""
         now = self.clock()
         self._fail_broken_adapters()
+        for req in self.policy.reclaim(now):  # a lent lane owed back past its bound
+            if req.status is RequestStatus.RUNNING and req in self.running:
+                self._preempt(req, now)
         for req in self.running:
             self._free_out_of_window(req)
         decode = [r for r in self.running if r.num_computed == r.num_tokens - 1]

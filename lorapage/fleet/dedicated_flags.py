@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 
 from lorapage.flags import fail
-from lorapage.fleet.promotion import DedicatedConfig, PromotionRules
+from lorapage.fleet.promotion import DedicatedConfig, add_rule_arguments, rules_from
 
-_RULES = PromotionRules()
 _DEFAULTS = DedicatedConfig()
 
 
@@ -42,38 +41,13 @@ def add_dedicated_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="with --auto-promote: how long a request waits for the dedicated deployment its first use started",
     )
-    group.add_argument(
-        "--promote-tokens-per-s",
-        type=float,
-        default=_RULES.promote_tokens_per_s,
-        help="an adapter's own output tokens a second that fill a replica (seed 001: 32 rows / 50 ms = 640)",
-    )
-    group.add_argument(
-        "--demote-tokens-per-s",
-        type=float,
-        default=_RULES.demote_tokens_per_s,
-        help="below this (and below the promotion threshold: hysteresis) a promoted adapter goes back to the pool",
-    )
-    group.add_argument("--promote-after", type=float, default=_RULES.promote_after_s, help="seconds over, to promote")
-    group.add_argument("--demote-after", type=float, default=_RULES.demote_after_s, help="seconds under, to demote")
-    group.add_argument(
-        "--max-dedicated",
-        type=int,
-        default=_RULES.max_deployments,
-        help="dedicated deployments --auto-promote may hold at once (the admin route is not bounded by it)",
-    )
+    add_rule_arguments(group)
 
 
 def dedicated_config(args: argparse.Namespace, prog: str) -> DedicatedConfig:
     """The dedicated tier the flags ask for; a bad value ends the command naming it."""
     try:
-        rules = PromotionRules(
-            promote_tokens_per_s=args.promote_tokens_per_s,
-            demote_tokens_per_s=args.demote_tokens_per_s,
-            promote_after_s=args.promote_after,
-            demote_after_s=args.demote_after,
-            max_deployments=args.max_dedicated,
-        )
+        rules = rules_from(args)
         return DedicatedConfig(
             replicas=args.dedicated_replicas,
             auto=args.auto_promote,

@@ -14,13 +14,16 @@ tail stays on the shared pool. So the rule here, per adapter id, on its own outp
   threshold: hysteresis) for ``demote_after_s``; a rate back at or over it restarts that wait, so
   traffic that wobbles between the two thresholds changes nothing.
 
-No torch, no Ray: the fleet's ingress drives it (:mod:`lorapage.fleet.auto_promote`) and the
-simulator can. Merged traffic is still the adapter's traffic: the ingress counts every answer,
-whichever deployment served it.
+No torch, no Ray: the fleet's ingress drives it (:mod:`lorapage.fleet.auto_promote`), so does
+``lorapage serve --auto-promote`` (:mod:`lorapage.serve.dedicated`: this module has a layer of its
+own below both), and the simulator can. The rules' flags are declared here once, for both commands.
+Merged traffic is still the adapter's traffic: the ingress counts every answer, whichever
+deployment served it.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -159,3 +162,40 @@ class PromotionPolicy:
             return None
         del self._below_since[adapter_id]
         return Decision("demote", adapter_id, rate)
+
+
+def add_rule_arguments(group: argparse._ArgumentGroup) -> None:
+    """The automatic rules' flags (``lorapage fleet`` and ``lorapage serve``; defaults: the
+    design's, seed 001's 640 tokens/s a replica)."""
+    rules = PromotionRules()
+    group.add_argument(
+        "--promote-tokens-per-s",
+        type=float,
+        default=rules.promote_tokens_per_s,
+        help="an adapter's own output tokens a second that fill a replica (seed 001: 32 rows / 50 ms = 640)",
+    )
+    group.add_argument(
+        "--demote-tokens-per-s",
+        type=float,
+        default=rules.demote_tokens_per_s,
+        help="below this (and below the promotion threshold: hysteresis) a promoted adapter goes back to the pool",
+    )
+    group.add_argument("--promote-after", type=float, default=rules.promote_after_s, help="seconds over, to promote")
+    group.add_argument("--demote-after", type=float, default=rules.demote_after_s, help="seconds under, to demote")
+    group.add_argument(
+        "--max-dedicated",
+        type=int,
+        default=rules.max_deployments,
+        help="dedicated deployments --auto-promote may hold at once (the admin route is not bounded by it)",
+    )
+
+
+def rules_from(args: argparse.Namespace) -> PromotionRules:
+    """The rules :func:`add_rule_arguments`' flags ask for (ValueError: a bad value)."""
+    return PromotionRules(
+        promote_tokens_per_s=args.promote_tokens_per_s,
+        demote_tokens_per_s=args.demote_tokens_per_s,
+        promote_after_s=args.promote_after,
+        demote_after_s=args.demote_after,
+        max_deployments=args.max_dedicated,
+    )

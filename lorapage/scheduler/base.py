@@ -73,6 +73,11 @@ class SchedulerPolicy(Protocol[R]):
         """A waiting request was aborted."""
         ...
 
+    def reclaim(self, now: float) -> list[R]:
+        """Running requests the engine is to preempt before this step's admissions (a lane owed
+        back past its bound); asked once a step."""
+        ...
+
     def schedule(self, now: float, ctx: AdmissionContext[R]) -> list[R]:
         """Admit waiting requests through ``ctx.try_admit``; return those admitted, in order."""
         ...

@@ -32,6 +32,9 @@ class FcfsScheduler(Generic[R]):
         if req in self._waiting:
             self._waiting.remove(req)
 
+    def reclaim(self, now: float) -> list[R]:
+        return []  # no lane is lent
+
     def schedule(self, now: float, ctx: AdmissionContext[R]) -> list[R]:
         admitted: list[R] = []
         for req in list(self._waiting):

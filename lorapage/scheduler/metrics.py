@@ -177,6 +177,9 @@ class MeteredPolicy(Generic[R]):
         self._forget(req)
         self.policy.remove(req)
 
+    def reclaim(self, now: float) -> list[R]:
+        return self.policy.reclaim(now)
+
     def schedule(self, now: float, ctx: AdmissionContext[R]) -> list[R]:
         admitted = self.policy.schedule(now, _ObservingContext(ctx, now, self._loaded_at))
         for req in admitted:

@@ -38,10 +38,11 @@ class VtcConfig:
     max_loras: int = 32  # distinct adapters the running batch may hold
     reserved_tail_lanes: int | None = None  # of max_loras, for single-request adapters; None: max_loras // 8
     age_deadline_s: float = 1.0  # a request waiting this long may take any lane, or claim the next
-    # Output tokens a request may have to open or join a lent tail lane: a tail request's wait for
-    # one is then at most this many steps (lanes.py). 32 x 40-50 ms a step: under 1.6 s, inside
-    # the design's 2 s cold TTFT. None or 0 (the default): lent lanes take any request.
-    lend_max_tokens: int | None = None
+    # Decode steps a lent tail lane is kept once a request wants it back: then the recalled
+    # holder's rows are preempted (lanes.py), so a tail request waits at most this many steps for
+    # a lane. 16 x 50 ms a step: 0.8 s, inside the design's p95 TTFT of 1 s warm. None or 0: no
+    # bound (it waits for the recalled holder's whole generation).
+    lend_max_tokens: int | None = 16
     max_scan: int = 1024  # waiting requests examined per step at most (bounds the step's cost)
 
     def __post_init__(self) -> None:
@@ -76,6 +77,7 @@ class _Ledger(Generic[R]):
     prepaid: int = 0  # prompt tokens charged at admission and not yet reported as served
     free: int = 0  # tokens a recompute after preemption may prefill without charge
     served_this_run: int = 0  # tokens served since the last (re)admission
+    generated: int = 0  # output tokens over every run (what is left: max_tokens - generated)
 
 
 class VtcScheduler(Generic[R]):
@@ -89,7 +91,9 @@ class VtcScheduler(Generic[R]):
 
     def __init__(self, config: VtcConfig | None = None, tenant_weights: Mapping[str, float] | None = None) -> None:
         self.config = config or VtcConfig()
-        self.lanes = AdapterLanes(self.config.max_loras, self.config.tail_lanes, self.config.lend_max_tokens)
+        self.lanes = AdapterLanes(
+            self.config.max_loras, self.config.tail_lanes, self.config.lend_max_tokens, self._tokens_left
+        )
         self._weights: dict[str, float] = dict(tenant_weights or {})
         self._queue: TenantQueue[R] = TenantQueue()
         self._groups: AdapterGroups[R] = AdapterGroups()
@@ -186,12 +190,31 @@ class VtcScheduler(Generic[R]):
             self._queue.put_back(t)
         return admitted
 
+    def reclaim(self, now: float) -> list[R]:
+        """Running rows to preempt before this step's admissions: those of a holder of a lent
+        tail lane recalled ``lend_max_tokens`` steps ago for a request still wanting a lane."""
+        adapter = self.lanes.reclaim()
+        if adapter is None:
+            return []
+        return [r for r in self._running.values() if r.adapter == adapter]
+
+    def _tokens_left(self) -> dict[str, int]:
+        """Most output tokens any running row of each adapter has left (asked only on a recall)."""
+        left: dict[str, int] = {}
+        for req in self._running.values():
+            if req.adapter is not None:
+                led = self._ledger.get(req.request_id)
+                n = req.max_tokens - (led.generated if led else 0)
+                left[req.adapter] = max(left.get(req.adapter, 0), n)
+        return left
+
     def on_service(self, req: R, input_tokens: int, output_tokens: int, now: float) -> None:
         led = self._ledger.get(req.request_id)
         if led is None:
             return
         t = led.tenant
         led.served_this_run += input_tokens + output_tokens
+        led.generated += output_tokens
         if input_tokens:  # prefill: the prompt was paid at admission, a recompute is free
             covered = min(led.free, input_tokens)
             led.free -= covered

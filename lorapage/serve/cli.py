@@ -43,6 +43,7 @@ from lorapage.engine.flags import (
 from lorapage.engine.merge_check import CHECK_PROMPTS, TOLERANCES, merge_and_check, read_check_prompts
 from lorapage.errors import LorapageError
 from lorapage.flags import fail, parser
+from lorapage.fleet.promotion import PromotionRules, add_rule_arguments, rules_from
 from lorapage.frontend.auth import Access
 from lorapage.frontend.flags import (
     API_KEY_TENANT,
@@ -123,8 +124,11 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the dedicated tier without an admin: an adapter outside the shared envelope registers (tier "
         "dedicated) and its first request starts its merged engine beside the shared one (merged, checked, then "
-        "serving); its requests wait for it at most --dedicated-wait seconds, then get a 503 with Retry-After "
-        "(default: off; POST /v1/adapters/{id}/promote starts one either way)",
+        "serving); its requests wait for it at most --dedicated-wait seconds, then get a 503 with Retry-After. "
+        "An adapter whose own output tokens/s stay >= --promote-tokens-per-s for --promote-after seconds gets one "
+        "too (the shared engine serves it meanwhile); either is demoted once its tokens/s stay < "
+        "--demote-tokens-per-s for --demote-after seconds (default: off; POST /v1/adapters/{id}/promote starts "
+        "one either way)",
     )
     group.add_argument(
         "--dedicated-wait",
@@ -133,6 +137,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long a request for an adapter whose merged engine is starting waits for it before a 503",
     )
+    add_rule_arguments(group)  # --auto-promote's hot-enough rules, as `lorapage fleet`'s
 
 
 def merge_target(args: argparse.Namespace, modules: dict[str, str], prog: str = PROG) -> str | None:
@@ -188,6 +193,14 @@ def run_merge_check(
     log.info("%s", check.line())
 
 
+def promotion_rules(args: argparse.Namespace, prog: str = PROG) -> PromotionRules:
+    """``--auto-promote``'s hot-enough rules from the flags; a bad value ends the command naming it."""
+    try:
+        return rules_from(args)
+    except ValueError as exc:
+        fail(prog, f"--auto-promote / --promote-* / --demote-*: {exc}")
+
+
 def check_state_dir(state_dir: str | None) -> None:
     """End ``lorapage serve`` with one line when ``state_dir`` cannot hold its state: not a
     directory, or one it cannot write (permissions, a read-only file system)."""
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     merge = merge_target(args, modules)
     if not 0 < args.dedicated_wait < float("inf"):
         fail(PROG, f"--dedicated-wait must be a number of seconds > 0; got {args.dedicated_wait}")
+    rules = promotion_rules(args)
     check_prompts = merge_check_prompts(args) if merge is not None else []
     roots = adapter_roots(args, modules, PROG)
     keys = api_keys(args, PROG)
@@ -299,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 access_log=access_log,
                 slo_window_s=window,
                 bases=bases,
-                dedicated=LocalDedicated(engine, auto=args.auto_promote, wait_s=args.dedicated_wait),
+                dedicated=LocalDedicated(engine, auto=args.auto_promote, wait_s=args.dedicated_wait, rules=rules),
             )
         except ValueError as exc:  # a --base that cannot serve beside --model
             fail(PROG, f"--base: {exc}")

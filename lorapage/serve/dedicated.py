@@ -18,6 +18,15 @@ check, at most ``--dedicated-wait`` seconds, then get a 503 with ``Retry-After``
 engine cannot serve its shape). Its merged engine's traffic counts in the primary's traffic table
 and usage ledger, as the adapter's.
 
+Hot enough (``--auto-promote`` too): every answer's output tokens are counted per adapter id
+(:class:`~lorapage.fleet.promotion.PromotionPolicy`, the fleet ingress's rules, on an injected
+clock); an adapter whose own rate stays at or above ``--promote-tokens-per-s`` (seed 001's 640,
+a replica's worth) for ``--promote-after`` seconds gets its merged engine, while the shared engine
+serves it until the check passed; one promoted that way (or on first use) whose rate stays below
+``--demote-tokens-per-s`` for ``--demote-after`` seconds is demoted. Judged after an answer at
+most every ``interval_s`` seconds, and on a timer (so an idle adapter is demoted). An admin's
+promotion is left to the admin.
+
 On one CUDA device the merged engine sizes its pool from what the others left
 (``--gpu-memory-utilization`` counts every engine's memory): leave room for it.
 """
@@ -27,17 +36,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lorapage.adapters.names import parse_name
 from lorapage.engine.merge_check import CHECK_PROMPTS, merge_and_check
 from lorapage.errors import AdapterNotFoundError, ConflictError, LorapageError, ServiceUnavailableError
+from lorapage.fleet.promotion import Decision, PromotionPolicy, PromotionRules
 from lorapage.frontend.responses import PromotionOut
 
 if TYPE_CHECKING:
@@ -49,6 +60,7 @@ ACTOR = "auto-promotion"  # who starts a promotion on first use (as the fleet's 
 DEPLOYMENT = "in-process"  # where a merged engine runs, as GET /v1/adapters/{id} names it
 DRAIN_TIMEOUT_S = 60.0  # a demoted engine's requests get this long before it closes
 DEFAULT_WAIT_S = 30.0  # a first request's wait for its merged engine (--dedicated-wait)
+JUDGE_INTERVAL_S = 5.0  # how often the hot-enough rules are judged at most (as the fleet's ingress)
 State = Literal["starting", "merged", "failed", "stopping"]
 
 
@@ -109,11 +121,19 @@ class LocalDedicated:
         prompts: Sequence[str] = CHECK_PROMPTS,
         tolerance: float | None = None,
         build: Callable[[Engine], Engine] = merged_engine,
+        rules: PromotionRules | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = JUDGE_INTERVAL_S,
     ) -> None:
-        """``auto``: an adapter outside the shared envelope is promoted on first use;
-        ``wait_s``: how long its requests wait for the merged engine."""
+        """``auto``: an adapter outside the shared envelope is promoted on first use, and one hot
+        enough by ``rules`` (default: the design's) on its measured rate; ``wait_s``: how long
+        requests wait for a merged engine their use started; ``clock``: the rates' clock."""
         self.primary, self.auto, self.wait_s = primary, auto, wait_s
         self.prompts, self.tolerance, self._build = tuple(prompts), tolerance, build
+        self.policy = PromotionPolicy(rules or PromotionRules(), clock)
+        self.interval_s = interval_s
+        self._judged_at = -math.inf
+        self._failed_seen: dict[str, float] = {}  # id -> the `since` of the failure already reported
         self._by_id: dict[str, LocalPromotion] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -148,9 +168,7 @@ class LocalDedicated:
             )
         promotion = LocalPromotion(adapter_id, key, "starting", actor, time.time())
         self._by_id[adapter_id] = promotion
-        task = asyncio.get_running_loop().create_task(self._start(promotion))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._start(promotion))
         return promotion
 
     async def _start(self, promotion: LocalPromotion) -> None:
@@ -208,6 +226,67 @@ class LocalDedicated:
             + (f": {promotion.reason}" if promotion.reason else "; retry shortly"),
             retry_after=max(1, round(self.wait_s)),
         )
+
+    # -- hot enough ---------------------------------------------------------------------------------
+
+    def observe(self, key: str | None, tokens: int) -> None:
+        """One answer's output tokens on version ``key`` (None: the base, not counted), whichever
+        engine served it; judges the rules if ``interval_s`` has passed since the last time."""
+        if not self.auto or key is None:
+            return
+        self.policy.observe(parse_name(key)[0], tokens)
+        if self.policy.clock() - self._judged_at >= self.interval_s:
+            self.judge()
+
+    def start(self) -> None:
+        """With ``auto``: judge on a timer too, so that an adapter whose traffic stopped is demoted."""
+        if self.auto:
+            self._spawn(self._judge_forever())
+
+    async def _judge_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.judge()
+            except Exception:  # a registry hiccup: judged again next time
+                log.exception("automatic promotion failed to judge")
+
+    def judge(self) -> list[Decision]:
+        """One judgement: failed starts reported to the rules (no retry for ``retry_after_s``),
+        then the promotions (the adapter's current version) and demotions they call for, of the
+        automatic promotions only."""
+        self._judged_at = self.policy.clock()
+        for adapter_id, promotion in self._by_id.items():
+            if promotion.state == "failed" and self._failed_seen.get(adapter_id) != promotion.since:
+                self._failed_seen[adapter_id] = promotion.since
+                self.policy.failed(adapter_id)
+        mine = {i for i, p in self._by_id.items() if p.state == "merged" and p.actor == ACTOR}
+        busy = {i for i, p in self._by_id.items() if p.state != "failed"} - mine
+        decisions = self.policy.decide(mine, busy)
+        for decision in decisions:
+            if decision.action == "demote":
+                self._spawn(self._demote_quietly(decision.adapter_id))
+            else:
+                try:
+                    key = self.primary.admin.catalog.row(decision.adapter_id).key
+                    check_promotable(self.primary, key)
+                    self.promote(key, ACTOR)
+                except LorapageError as exc:
+                    log.info("automatic promote of %s not done: %s", decision.adapter_id, exc.message)
+                    continue
+            log.info("automatic %s of %s: %s", decision.action, decision.adapter_id, decision.reason(self.policy.rules))
+        return decisions
+
+    async def _demote_quietly(self, adapter_id: str) -> None:
+        try:
+            await self.demote(adapter_id, ACTOR)
+        except LorapageError as exc:  # demoted (or re-promoted) meanwhile
+            log.info("automatic demote of %s not done: %s", adapter_id, exc.message)
+
+    def _spawn(self, job: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- demotion ---------------------------------------------------------------------------------
 

@@ -152,7 +152,7 @@ class EngineBackend:
         return overload_retry_after_s(self.engine.stats().queue_depth, self.queue_len, admissions_per_s)
 
     def finished(self, job: Job) -> None:
-        pass  # the engines count their own traffic
+        self.dedicated.observe(job.adapter, job.generated)  # the engines count their own traffic; hot enough?
 
     def offer_prompt(self, adapter: str, prompt: list[int]) -> None:
         self.sampler.offer(parse_name(adapter)[0], prompt)  # opted-in ids only: a set lookup
@@ -183,6 +183,7 @@ class EngineBackend:
         for engine in self.engines.engines:
             await engine.admin.restore_pins()
         self.sampler_task = asyncio.get_running_loop().create_task(self.sampler.run(self.engine))
+        self.dedicated.start()
 
     async def stop(self) -> None:
         await self.dedicated.close()

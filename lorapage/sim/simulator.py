@@ -243,6 +243,9 @@ class Simulator:
                 self.now = max(self.now, wake)
                 self._copy_s += self.residency.advance(self.now)
                 continue
+            for req in self.policy.reclaim(self.now):  # a lent lane owed back past its bound
+                if req in self.running:
+                    self._preempt(req)
             self._make_room_for_decode()
             self._copy_s += self.residency.advance(self.now)
             ctx = _Context(self, self.now)

@@ -283,52 +283,98 @@ def test_fcfs_holds_at_most_max_loras_distinct_adapters_and_keeps_order():
     assert ids(fcfs.schedule(1.0, Ctx())) == ["r2"]  # b's lane freed
 
 
-def _long_holders(lend_max_tokens: int | None) -> tuple[VtcScheduler[Req], list[Req]]:
-    """8 lanes (1 reserved), 8 adapters admitted while nobody wants the tail: the eighth borrows
-    it. Every holder's requests generate 500 tokens but the lent lane's, which generate 20."""
-    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=8, age_deadline_s=100.0, lend_max_tokens=lend_max_tokens))
-    reqs = [Req(f"r{i}", "t", f"a{i % 8}", max_tokens=20 if i % 8 == 7 else 500) for i in range(32)]
+def _long_holders(bound: int | None, lent_tokens: int = 500) -> tuple[VtcScheduler[Req], list[Req]]:
+    """8 lanes (1 reserved), 8 adapters admitted while nobody wants the tail: the eighth (a7)
+    borrows it. Every holder's requests generate 500 tokens but a7's, which generate ``lent_tokens``."""
+    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=8, age_deadline_s=100.0, lend_max_tokens=bound))
+    reqs = [Req(f"r{i}", "t", f"a{i % 8}", max_tokens=lent_tokens if i % 8 == 7 else 500) for i in range(32)]
     for r in reqs:
         vtc.add(r, 0.0)
     running = vtc.schedule(0.0, Ctx())
-    assert len(running) == 32
+    assert len(running) == 32 and vtc.lanes.borrowed() == 1
     return vtc, running
 
 
-def _steps_until_admitted(vtc: VtcScheduler[Req], running: list[Req], solo: Req) -> int:
-    """Decode steps until ``solo`` gets a lane; each running request finishes after its max_tokens."""
-    left = {r.request_id: r.max_tokens for r in running}
+def _steps_until_admitted(vtc: VtcScheduler[Req], running: list[Req], solo: Req) -> tuple[int, list[Req]]:
+    """Steps that ran while ``solo`` waited for a lane, as the engine runs them: each step the
+    policy's reclaimed rows are preempted first, then admissions; each running request generates a
+    token a step and finishes after its max_tokens. Also the rows preempted."""
+    done = {r.request_id: 0 for r in running}
+    preempted: list[Req] = []
     for step in range(1, 1000):
         now = 1.0 + step * 0.05
+        for r in vtc.reclaim(now):
+            running.remove(r)
+            vtc.preempt(r, now)
+            preempted.append(r)
+        admitted = vtc.schedule(now, Ctx())
+        running += [r for r in admitted if r is not solo]
+        if solo in admitted:
+            return step - 1, preempted
         for r in list(running):
-            left[r.request_id] -= 1
-            if left[r.request_id] == 0:
+            vtc.on_service(r, 0, 1, now)
+            done[r.request_id] = done.get(r.request_id, 0) + 1
+            if done[r.request_id] == r.max_tokens:
                 running.remove(r)
                 vtc.on_finish(r, now)
-        if solo in vtc.schedule(now, Ctx()):
-            return step
     raise AssertionError("never admitted")
 
 
-@pytest.mark.parametrize("bound", [None, 32])
-def test_the_lend_token_bound_keeps_a_tail_request_from_waiting_a_long_generation(bound):
-    """Without the bound the oldest general holder closes and the single waits for its 500-token
-    rows; with it the lent lane (short requests only) closes, and the wait is at most the bound."""
+def test_a_lent_lane_takes_long_requests_while_nobody_wants_it():
+    """The bound costs nothing in steady state: with nobody wanting a tail lane, a long request
+    joins the lent lane's holder like any other (the bound once refused it, losing rows)."""
+    vtc, running = _long_holders(16)
+    late = [Req(f"late{i}", "t", "a7", arrival_time=0.5, max_tokens=400) for i in range(2)]
+    for r in late:
+        vtc.add(r, 0.5)
+    assert ids(vtc.schedule(0.5, Ctx())) == ["late0", "late1"]
+    assert vtc.reclaim(0.6) == []
+
+
+@pytest.mark.parametrize("bound", [None, 16, 32])
+def test_the_lend_bound_keeps_a_tail_request_from_waiting_a_long_generation(bound):
+    """Every holder generates 500 tokens. Without the bound the recalled holder closes and the
+    single waits for its whole generation; with it the holder's rows are preempted ``bound``
+    steps after the single wanted the lane, and the single is in by then. The preempted rows
+    wait again (none lost: they are readmitted later with the tokens they had)."""
     vtc, running = _long_holders(bound)
-    assert vtc.lanes.lent == ({"a7"} if bound else set())
-    # A long request may not open or join the lent lane: it waits for a general one.
-    long7 = Req("long7", "t", "a7", arrival_time=0.5, max_tokens=400)
-    vtc.add(long7, 0.5)
-    vtc.add(Req("short7", "t", "a7", arrival_time=0.5, max_tokens=10), 0.5)
-    admitted = vtc.schedule(0.5, Ctx())
-    assert ids(admitted) == (["short7"] if bound else ["long7", "short7"])
-    running += admitted
-    if bound:  # its client gives up: it would be a single itself, first in line for the lane
-        vtc.remove(long7)
     solo = Req("solo", "light", "solo", arrival_time=1.0, max_tokens=300)
     vtc.add(solo, 1.0)
-    steps = _steps_until_admitted(vtc, running, solo)
-    if bound:
-        assert steps <= bound
+    steps, preempted = _steps_until_admitted(vtc, running, solo)
+    if bound is None:
+        assert steps >= 400 and preempted == []  # a whole long generation
     else:
-        assert steps >= 400  # a whole long generation
+        assert steps <= bound
+        assert len(preempted) == 4 and len({r.adapter for r in preempted}) == 1  # one holder's rows
+        assert vtc.num_waiting() == 4
+
+
+def test_the_holder_that_finishes_first_is_recalled_and_nothing_is_preempted():
+    """The recall closes the holder with the fewest tokens left (here the lent lane's, 10 tokens),
+    so the single is in within its generation, under the bound, with no preemption."""
+    vtc, running = _long_holders(16, lent_tokens=10)
+    solo = Req("solo", "light", "solo", arrival_time=1.0, max_tokens=300)
+    vtc.add(solo, 1.0)
+    steps, preempted = _steps_until_admitted(vtc, running, solo)
+    assert steps <= 10 and preempted == []
+
+
+@pytest.mark.parametrize("bound", [None, 16])
+def test_a_tail_lane_held_by_a_long_single_is_reclaimed_for_the_next_single(bound):
+    """No lane lent: the tail lane is held by a single of 500 tokens (a tail holder takes no joins,
+    but its one row can keep the lane a whole generation). With the bound it is reclaimed: the
+    next single is in within the bound, the first waits again (it had its first token)."""
+    vtc: VtcScheduler[Req] = VtcScheduler(VtcConfig(max_loras=2, reserved_tail_lanes=1, age_deadline_s=100.0,
+                                                    lend_max_tokens=bound))  # fmt: skip
+    for i in range(2):
+        vtc.add(Req(f"g{i}", "t", "group", max_tokens=500), 0.0)
+    vtc.add(Req("first", "u", "one", max_tokens=500), 0.0)
+    running = vtc.schedule(0.0, Ctx())
+    assert sorted(ids(running)) == ["first", "g0", "g1"] and vtc.lanes.tail == {"one"}
+    solo = Req("solo", "v", "two", arrival_time=1.0, max_tokens=10)
+    vtc.add(solo, 1.0)
+    steps, preempted = _steps_until_admitted(vtc, running, solo)
+    if bound is None:
+        assert steps >= 400 and preempted == []
+    else:
+        assert steps <= bound and ids(preempted) == ["first"] and vtc.num_waiting() == 1
