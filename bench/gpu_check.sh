@@ -6,7 +6,10 @@
 #      paged prefill attention at Llama-2-7B sizes, Triton vs the PyTorch reference, and its error;
 #      the `gpu` test in tests/kernels/test_kernels_attention.py checks it against the reference at
 #      Llama-2-7B and Llama-3-8B sizes);
-#   3. a short table of both, printed last.
+#   3. a short table of both, printed last;
+#   4. on two or more GPUs, tensor parallelism over NCCL: bench/bench_tp.py (eager), then
+#      bench/check_tp_graphs.py (decode CUDA graphs with the collectives inside, TP=2 graphs ==
+#      TP=2 --enforce-eager == TP=1 graphs); "skipped: one GPU" otherwise.
 # Logs land in $OUT (or bench/out). Works from a plain checkout: when lorapage is not installed it
 # is installed in place (editable, no downloads), or failing that put on the path with a shim.
 #
