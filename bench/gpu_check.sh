@@ -6,7 +6,10 @@
 #      paged prefill attention at Llama-2-7B sizes, Triton vs the PyTorch reference, and its error;
 #      the `gpu` test in tests/kernels/test_kernels_attention.py checks it against the reference at
 #      Llama-2-7B and Llama-3-8B sizes);
-#   3. a short table of both, printed last.
+#   3. a short table of both, printed last;
+#   4. on two or more GPUs, tensor parallelism over NCCL: bench/bench_tp.py (eager), then
+#      bench/check_tp_graphs.py (decode CUDA graphs with the collectives inside, TP=2 graphs ==
+#      TP=2 --enforce-eager == TP=1 graphs); "skipped: one GPU" otherwise.
 # Logs land in $OUT (or bench/out). Works from a plain checkout: when lorapage is not installed it
 # is installed in place (editable, no downloads), or failing that put on the path with a shim.
 #
@@ -106,9 +109,18 @@ print(f"gpu_check on {bench.get('device', '?')}")
 for name, value, target, note in rows:
     print(f"  {name:<36} {value:<32} {target:<9} {note}")
 EOF
-# Tensor parallelism over NCCL (docs/parallel.md): TP=1 vs TP=2 on cuda:0 and cuda:1, tokens
-# compared, where the machine has two GPUs (NCCL refuses two ranks on one device).
-if [ -z "${GPU_CHECK_TINY:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+# Tensor parallelism over NCCL (docs/parallel.md), where the machine has two GPUs (NCCL refuses
+# two ranks on one device): TP=1 vs TP=2 eager on cuda:0 and cuda:1, tokens compared; then decode
+# CUDA graphs with the collectives captured inside: TP=2 with graphs == TP=2 --enforce-eager ==
+# TP=1 with graphs, greedy tokens, and the TP=2 decode steps replayed (bench/check_tp_graphs.py).
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+tp_graphs_rc=0
+if [ -z "${GPU_CHECK_TINY:-}" ] && [ "$gpus" -ge 2 ]; then
   (cd bench && timeout 240 "$py" bench_tp.py --device cuda --rounds 1 --tokens 16) 2>&1 | tee "$out/bench_tp.log"
+  (cd bench && timeout 300 "$py" check_tp_graphs.py --device cuda --tokens 16) 2>&1 | tee "$out/tp_graphs.log"
+  tp_graphs_rc=${PIPESTATUS[0]}
+  echo "TP=2 CUDA graphs (check_tp_graphs.py): $([ "$tp_graphs_rc" -eq 0 ] && echo ok || echo "FAILED (rc $tp_graphs_rc)")"
+else
+  echo "TP=2 (bench_tp.py, check_tp_graphs.py) skipped: one GPU (found $gpus; NCCL needs a device per rank)"
 fi
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$tp_graphs_rc" -eq 0 ]

@@ -149,11 +149,6 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     bs, tp = config.block_size, config.tensor_parallel_size
     check_tensor_parallel(base.model_config, tp)
     device = resolve_device(config.device)
-    if tp > 1 and device.type == "cuda" and not config.enforce_eager:
-        raise ValueError(
-            f"tensor_parallel_size {tp} on CUDA needs enforce_eager (--enforce-eager): decode steps are not "
-            "captured as CUDA graphs with their collectives yet (docs/parallel.md)"
-        )
     # A rank's pool pages hold its KV heads and its shard of each adapter: sized from its shard.
     mc = shard_config(base.model_config, tp)
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
@@ -306,16 +301,20 @@ def build_forward(
         lora_h_width(base.model_config, config.max_lora_rank),
     )
     parallel = _start_ranks(config, base, sizing, memory) if sizing.tensor_parallel_size > 1 else None
-    if parallel is not None:
+    if parallel is not None:  # every rank captures its graphs (collectives inside) at once
         model.comm = parallel.comm
         runner.send_step, runner.on_close = parallel.send_step, parallel.close
-        return ForwardParts(ops, runner, parallel)
+        runner.send_capture = parallel.send_capture
     # A MoE base's routing varies its shapes per step (model/moe.py): it runs eagerly.
     graphs = ops.captures_graphs and base.model_config.moe is None
     if sizing.device.type == "cuda" and graphs and not config.enforce_eager:
-        with torch.cuda.device(sizing.device):
-            runner.capture_decode_graphs(config.max_num_seqs)
-    return ForwardParts(ops, runner, None)
+        try:
+            with torch.cuda.device(sizing.device):
+                runner.capture_decode_graphs(config.max_num_seqs)
+        except BaseException:
+            runner.close()  # the worker ranks with it
+            raise
+    return ForwardParts(ops, runner, parallel)
 
 
 def _start_ranks(config: EngineConfig, base: BaseParts, sizing: Sizing, memory: MemoryParts) -> TensorParallelGroup:

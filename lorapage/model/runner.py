@@ -18,7 +18,7 @@ from torch import Tensor
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
 from lorapage.memory.pool import PagePool
-from lorapage.model.cuda_graphs import Capture, DecodeGraphs
+from lorapage.model.cuda_graphs import Capture, DecodeGraphs, batch_buckets
 from lorapage.model.forward import ForwardContext
 from lorapage.model.llama import AttentionMetadata, LlamaModel
 from lorapage.model.lora_tables import LoraTables
@@ -45,6 +45,9 @@ class StepInputs:
     # Under tensor parallelism: the hidden rows whose logits rank 0 computes this step, in order
     # (the vocabulary-parallel lm_head gathers every rank's share of them); empty on one device.
     logits_rows: tuple[int, ...] = ()
+    # A decode-only step that fits a captured graph: the graph's size (its rows padded to it),
+    # chosen once by rank 0 so every rank replays the same graph; 0: the step runs eagerly.
+    graph_size: int = 0
 
 
 @dataclass
@@ -179,6 +182,9 @@ class ModelRunner:
         # rank's forward, and stops them on close (lorapage.parallel.TensorParallelGroup).
         self.send_step: Callable[[StepInputs], None] | None = None
         self.on_close: Callable[[], None] | None = None
+        # Under tensor parallelism: the other ranks capture the given sizes beside this one; the
+        # returned call waits until they have.
+        self.send_capture: Callable[[list[int]], Callable[[], None]] | None = None
 
     def close(self) -> None:
         """Stop the mask thread (if a constrained step ever started it), and the other ranks."""
@@ -206,17 +212,19 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
         """Capture decode steps as CUDA graphs (CUDA with the Triton kernels only; ``capture``:
-        see :class:`DecodeGraphs`)."""
-        self.graphs = DecodeGraphs(self.ctx, max_num_seqs, capture)
+        see :class:`DecodeGraphs`), on every tensor-parallel rank at once."""
+        sizes = batch_buckets(max_num_seqs)
+        captured = self.send_capture(sizes) if self.send_capture is not None else None
+        self.graphs = DecodeGraphs(self.ctx, sizes, capture)
+        if captured is not None:
+            captured()
 
     def execute(self, plan: StepPlan) -> SampleOutput:
         """Forward the plan's tokens and sample one token per sequence."""
         masks = self._start_masks(plan)
-        B = len(plan.block_tables)
-        if self.graphs is not None and plan.num_decode == B and self.graphs.bucket(B) is not None:
-            self._write_tokens(plan.inputs())
-            return self._replay(plan, masks)
-        inputs, spans = plan.inputs(), self._prompt_spans(plan)
+        inputs, spans, B = plan.inputs(), self._prompt_spans(plan), len(plan.block_tables)
+        if self.graphs is not None and plan.num_decode == B:
+            inputs = replace(inputs, graph_size=self.graphs.bucket(B) or 0)
         if self.send_step is not None:  # every logit of the step in one gather, the ranks told which
             prompt_rows = (r for _, start, n in spans for r in range(start, start + n))
             inputs = replace(inputs, logits_rows=(*prompt_rows, *plan.sample_index))
@@ -248,8 +256,10 @@ class ModelRunner:
         return take
 
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
-        """The final hidden states [T, hidden] of the step's tokens (eager): what every
-        tensor-parallel rank runs on its shard."""
+        """The final hidden states [T, hidden] of the step's tokens, eager or replayed
+        (``inputs.graph_size``): what every tensor-parallel rank runs on its shard."""
+        if inputs.graph_size:
+            return self._replay(inputs)
         b = self.buffers
         T, B, nd = len(inputs.input_ids), len(inputs.block_tables), inputs.num_decode
         self._write_tokens(inputs)
@@ -316,13 +326,13 @@ class ModelRunner:
         pages = self.ctx.pool.adapter_storage[0]
         return self.ctx.ops.plan_lora(lora, t.page_table, layout, pages, self.ctx.model.dtype, prefill)
 
-    def _replay(self, plan: StepPlan, masks: Future[Tensor] | None) -> SampleOutput:
+    def _replay(self, inputs: StepInputs) -> Tensor:
         """A decode-only step through its captured graph: write the rows, pad, replay."""
-        assert self.graphs is not None
-        self._write_rows(plan, self.buffers.block_tables.shape[1])  # graphs read the full width
-        hidden = self.graphs.run(len(plan.block_tables))
-        with torch.inference_mode():
-            return sample(self.ctx.model.logits(hidden), plan.sample_rows, masks.result() if masks else None)
+        if self.graphs is None:
+            raise ValueError(f"a step asks for the captured graph of {inputs.graph_size} rows, but none was captured")
+        self._write_tokens(inputs)
+        self._write_rows(inputs, self.buffers.block_tables.shape[1])  # graphs read the full width
+        return self.graphs.run(len(inputs.block_tables), inputs.graph_size)
 
     def _write_rows(self, plan: StepInputs | StepPlan, width: int) -> None:
         """Block tables (zero-padded to ``width``) and context lengths of the plan's rows."""

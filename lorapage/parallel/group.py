@@ -30,7 +30,16 @@ from lorapage.model.config import ModelConfig
 from lorapage.model.rank_comm import RankComm
 from lorapage.model.runner import StepInputs
 from lorapage.parallel.shards import checkpoint_weight, shard_lora, shard_section
-from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, process_group, rank_comm
+from lorapage.parallel.wire import (
+    CAPTURED,
+    STOP,
+    CaptureMessage,
+    PagesMessage,
+    StepMessage,
+    WorkerSpec,
+    process_group,
+    rank_comm,
+)
 from lorapage.parallel.worker import run_worker
 
 START_TIMEOUT_S = 300.0  # a worker loading its shard of a large base
@@ -118,6 +127,13 @@ class TensorParallelGroup:
     def send_step(self, inputs: StepInputs) -> None:
         """Every worker runs this step's forward beside rank 0's."""
         self._send(StepMessage(inputs))
+
+    def send_capture(self, sizes: list[int]) -> Callable[[], None]:
+        """Every worker captures the decode graphs of ``sizes`` (in order) while rank 0 captures its
+        own; call the result after rank 0's capture to wait for theirs (TensorParallelError with a
+        worker's reason when one failed)."""
+        self._send(CaptureMessage(tuple(sizes)))
+        return lambda: self._expect(CAPTURED)
 
     def split(self, tensors: AdapterTensors) -> list[AdapterTensors]:
         """Each rank's shard of an adapter's (A, B) matrices, rank 0 first."""

@@ -59,6 +59,16 @@ class StepMessage:
 
 
 @dataclass(frozen=True)
+class CaptureMessage:
+    """Capture the decode step's graphs of these sizes, in this order, now: rank 0 captures the
+    same ones at the same time, so every warm-up's collectives meet their peers' and the graphs
+    of one size hold the same collectives on every rank. The worker answers ``CAPTURED`` (or its
+    error, and exits)."""
+
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PagesMessage:
     """An adapter load: this rank's shard of the packed adapter, the slot and the pages (the same
     page ids on every rank: rank 0's pool plan is every rank's)."""
@@ -70,6 +80,7 @@ class PagesMessage:
 
 
 STOP = "stop"
+CAPTURED = "captured"
 
 
 class Group(Protocol):

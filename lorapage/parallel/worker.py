@@ -12,13 +12,24 @@ from lorapage.adapters.loader import write_adapter_pages
 from lorapage.kernels.backend import select_backend
 from lorapage.memory.pool import PagePool
 from lorapage.model.config import ModelConfig
+from lorapage.model.cuda_graphs import DecodeGraphs, cuda_graph_capture, rerun_capture
 from lorapage.model.gemma import GemmaModel
 from lorapage.model.llama import LlamaModel
 from lorapage.model.loader import load_state_dict
 from lorapage.model.lora_tables import LoraTables
 from lorapage.model.runner import ModelRunner
 from lorapage.parallel.shards import shard_base, shard_config
-from lorapage.parallel.wire import STOP, PagesMessage, StepMessage, WorkerSpec, process_group, rank_comm, unguarded
+from lorapage.parallel.wire import (
+    CAPTURED,
+    STOP,
+    CaptureMessage,
+    PagesMessage,
+    StepMessage,
+    WorkerSpec,
+    process_group,
+    rank_comm,
+    unguarded,
+)
 
 log = logging.getLogger("lorapage.parallel")
 
@@ -72,7 +83,27 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
             if msg.inputs.logits_rows:  # rank 0's logits of these rows gather this rank's vocabulary share
                 with torch.inference_mode():
                     runner.ctx.model.head(hidden[torch.tensor(msg.inputs.logits_rows, device=hidden.device)])
+        elif isinstance(msg, CaptureMessage):
+            if not capture_graphs(runner, msg, conn, spec):
+                return
         elif isinstance(msg, PagesMessage):
             write_adapter_pages(pool, tables, msg.layout, msg.packed, msg.slot, msg.pages)
         elif msg == STOP:
             return
+
+
+def capture_graphs(runner: ModelRunner, msg: CaptureMessage, conn: Connection, spec: WorkerSpec) -> bool:
+    """Capture ``msg.sizes`` beside rank 0 and answer; False (the worker then exits) when it failed.
+    CUDA graphs on CUDA; on a CPU, where there are none (the engine never asks there), the eager
+    stand-in, whose capture and replays run the same collectives a graph's would."""
+    try:
+        if spec.device.startswith("cuda"):
+            with torch.cuda.device(torch.device(spec.device)):
+                runner.graphs = DecodeGraphs(runner.ctx, msg.sizes, cuda_graph_capture())
+        else:
+            runner.graphs = DecodeGraphs(runner.ctx, msg.sizes, rerun_capture)
+    except Exception as exc:  # rank 0 raises it from the engine's start
+        conn.send(f"rank {spec.rank} failed to capture CUDA graphs of {list(msg.sizes)} rows: {exc!r}")
+        return False
+    conn.send(CAPTURED)
+    return True
