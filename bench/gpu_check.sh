@@ -69,10 +69,26 @@ timeout 180 "$py" bench/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$out/ben
 bench_rc=${PIPESTATUS[0]}
 bench_s=$(( $(date +%s) - start ))
 
-"$py" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" <<'EOF'
+# Tensor parallelism over NCCL (docs/parallel.md), where the machine has two GPUs (NCCL refuses
+# two ranks on one device): TP=1 vs TP=2 eager on cuda:0 and cuda:1, tokens compared; then decode
+# CUDA graphs with the collectives captured inside: TP=2 with graphs == TP=2 --enforce-eager ==
+# TP=1 with graphs, greedy tokens, and the TP=2 decode steps replayed (bench/check_tp_graphs.py).
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+tp_graphs_rc=0
+if [ -z "${GPU_CHECK_TINY:-}" ] && [ "$gpus" -ge 2 ]; then
+  (cd bench && timeout 240 "$py" bench_tp.py --device cuda --rounds 1 --tokens 16) 2>&1 | tee "$out/bench_tp.log"
+  (cd bench && timeout 300 "$py" check_tp_graphs.py --device cuda --tokens 16) 2>&1 | tee "$out/tp_graphs.log"
+  tp_graphs_rc=${PIPESTATUS[0]}
+  tp_note="$([ "$tp_graphs_rc" -eq 0 ] && echo ok || echo "FAILED (rc $tp_graphs_rc)")"
+else
+  tp_note="skipped: $gpus GPU(s), NCCL needs a device per rank"
+fi
+
+"$py" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" "$tp_note" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
-out, tests_rc, tests_s, bench_rc, bench_s = sys.argv[1], *map(int, sys.argv[2:])
+out, tp_note = sys.argv[1], sys.argv[6]
+tests_rc, tests_s, bench_rc, bench_s = map(int, sys.argv[2:6])
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 try:
     suite = ET.parse(f"{out}/kernel_tests.xml").getroot()
@@ -103,24 +119,11 @@ if bench:
          f"{bench['prefill_attention_ref_us']:.0f} / {bench['prefill_attention_triton_us']:.0f} us, "
          f"{bench['prefill_attention_tflops']:.0f} TFLOP/s, err {bench['prefill_attention_rel_err']:.1e}"),
     ]
+rows.append(("TP=2 CUDA graphs (check_tp_graphs.py)", tp_note, "", "bench_tp.py beside it"))
 rows.append(("bench_kernels.py", "ok" if bench_rc == 0 and bench else "FAILED", "", f"rc {bench_rc}, {bench_s} s"))
 print()
 print(f"gpu_check on {bench.get('device', '?')}")
 for name, value, target, note in rows:
     print(f"  {name:<36} {value:<32} {target:<9} {note}")
 EOF
-# Tensor parallelism over NCCL (docs/parallel.md), where the machine has two GPUs (NCCL refuses
-# two ranks on one device): TP=1 vs TP=2 eager on cuda:0 and cuda:1, tokens compared; then decode
-# CUDA graphs with the collectives captured inside: TP=2 with graphs == TP=2 --enforce-eager ==
-# TP=1 with graphs, greedy tokens, and the TP=2 decode steps replayed (bench/check_tp_graphs.py).
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-tp_graphs_rc=0
-if [ -z "${GPU_CHECK_TINY:-}" ] && [ "$gpus" -ge 2 ]; then
-  (cd bench && timeout 240 "$py" bench_tp.py --device cuda --rounds 1 --tokens 16) 2>&1 | tee "$out/bench_tp.log"
-  (cd bench && timeout 300 "$py" check_tp_graphs.py --device cuda --tokens 16) 2>&1 | tee "$out/tp_graphs.log"
-  tp_graphs_rc=${PIPESTATUS[0]}
-  echo "TP=2 CUDA graphs (check_tp_graphs.py): $([ "$tp_graphs_rc" -eq 0 ] && echo ok || echo "FAILED (rc $tp_graphs_rc)")"
-else
-  echo "TP=2 (bench_tp.py, check_tp_graphs.py) skipped: one GPU (found $gpus; NCCL needs a device per rank)"
-fi
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$tp_graphs_rc" -eq 0 ]
