@@ -2,8 +2,9 @@
 whole on every rank, each expert's gate / up split by output rows and its down by input columns,
 the experts' LoRA fully sharded as the dense MLP's. TP=2 over gloo against TP=1 on Mixtral (LoRA
 per expert on w1 / w3 / w2, transformers 4's form, and on q / v) and Qwen3-MoE (per-head q / k
-norms; PEFT's fused ``target_parameters`` experts and attention), the base and adapters of ranks
-that do not divide by 2 in one mixed batch of 6-token steps (prompts prefill in chunks).
+norms; PEFT's fused ``target_parameters`` experts and attention), the base, that adapter (of a rank
+that does not divide by 2) and an attention-only one in one mixed batch of 6-token steps (prompts
+prefill in chunks).
 
 The logprob bound is tests/parallel/test_tp.py's argument for the longest float32 sum here (o's
 64 inputs, the LoRA's rank, the top-k experts' weighted sum); the routing of every token on the
@@ -31,7 +32,8 @@ GAIN, MAX_LOGIT = 4.0, 4.0
 BOUND = 2 * 2 * gamma(LONGEST_SUM, U32) * (1 + GAIN) ** (2 * LAYERS) * MAX_LOGIT
 ROUTING_MARGIN = 1e-4
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
-ROWS = [([5, 9, 17, 33, 60, 2, 8], None), ([100, 3, 41], "moe"), ([7, 7, 19, 200], "moe"), ([11, 4], None)]
+# an attention-only adapter's rows too: they reach the experts with a slot that has no expert LoRA
+ROWS = [([5, 9, 17, 33, 60, 2, 8], None), ([100, 3, 41], "moe"), ([7, 7, 19, 200], "moe"), ([11, 4], "attn")]
 
 
 def _adapter(name: str, base: Path, root: Path) -> Path:
@@ -45,7 +47,8 @@ def _adapter(name: str, base: Path, root: Path) -> Path:
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     base = (_mixtral if request.param == "mixtral" else _qwen3_moe)(root / "base")
-    adapter = _adapter(request.param, base, root)
+    adapters = {"moe": _adapter(request.param, base, root)}
+    adapters["attn"] = make_peft_adapter(base, root / "attn", r=3, targets=ATTENTION, seed=1)
     engines = {}
     for tp in (1, 2):
         config = EngineConfig(
@@ -53,18 +56,19 @@ def family(request, tmp_path_factory):
             max_num_batched_tokens=6, enable_chunked_prefill=True,
         )  # fmt: skip
         engines[tp] = Engine(config)
-        engines[tp].add_adapter("moe", str(adapter))
-    yield engines, base, adapter
+        for name, path in adapters.items():
+            engines[tp].add_adapter(name, str(path))
+    yield engines, base, adapters
     for engine in engines.values():
         asyncio.run(engine.close())
 
 
 def test_tp2_matches_tp1(family):
-    engines, base, adapter = family
+    engines, base, adapters = family
     want, got = (engines[tp].generate_batch(ROWS, GREEDY) for tp in (1, 2))
     assert BOUND < 0.1
     for (prompt, name), w, g in zip(ROWS, want, got, strict=True):
-        margin = routing_margin(base, adapter if name else None, prompt + w.token_ids[:-1])
+        margin = routing_margin(base, adapters.get(name), prompt + w.token_ids[:-1])
         assert margin > ROUTING_MARGIN, f"a near-tie in routing ({name}): the test would not be meaningful"
         assert g.token_ids == w.token_ids
         assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=BOUND)
