@@ -255,3 +255,36 @@ def test_dora_and_bias_rows_follow_their_columns():
         torch.testing.assert_close(shards[r][:, start : start + o], section[:, o0 : o0 + o])
         bias = shards[r][:, shard_total + start : shard_total + start + o]
         assert bias.eq(section[:, total + o0 : total + o0 + o]).all() if r == 0 else not bias.any()
+
+
+def test_experts_shard_alike_in_either_checkpoint_spelling():
+    """transformers 5's fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]
+    split as the per-expert tensors (Mixtral's w1 / w3 by rows, w2 by columns); the router whole."""
+    moe = ModelConfig.from_dir(_moe_dir("MixtralForCausalLM"))
+    g = torch.Generator().manual_seed(0)
+    E, INTER, H = 4, 6, 8
+    gate, up, down = (
+        torch.randn(E, INTER, H, generator=g),
+        torch.randn(E, INTER, H, generator=g),
+        torch.randn(E, H, INTER, generator=g),
+    )
+    router = torch.randn(E, H, generator=g)
+    p = "model.layers.0.block_sparse_moe."
+    fused = {
+        p + "gate.weight": router,
+        p + "experts.gate_up_proj": torch.cat([gate, up], 1),
+        p + "experts.down_proj": down,
+    }
+    per_expert = {p + "gate.weight": router}
+    for e in range(E):
+        per_expert |= {p + f"experts.{e}.w1.weight": gate[e], p + f"experts.{e}.w3.weight": up[e]}
+        per_expert[p + f"experts.{e}.w2.weight"] = down[e]
+    for rank in range(2):
+        a, b = shard_base(fused, rank, 2, moe), shard_base(per_expert, rank, 2, moe)
+        assert torch.equal(a[p + "gate.weight"], router) and torch.equal(b[p + "gate.weight"], router)
+        for e in range(E):
+            w1, w3, w2 = (b[p + f"experts.{e}.{w}.weight"] for w in ("w1", "w3", "w2"))
+            assert torch.equal(w1, gate[e, rank * 3 : rank * 3 + 3]) and torch.equal(w3, up[e, rank * 3 : rank * 3 + 3])
+            assert torch.equal(w2, down[e, :, rank * 3 : rank * 3 + 3])
+            assert torch.equal(a[p + "experts.gate_up_proj"][e], torch.cat([w1, w3]))
+            assert torch.equal(a[p + "experts.down_proj"][e], w2)
