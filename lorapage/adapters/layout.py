@@ -81,7 +81,9 @@ class AdapterLayout:
                     bo[i] = cursor
                     cursor += model.lora_shape(m, rk[i])[2] * rk[i]
             if experts is not None and model.moe is not None:
-                cursor = experts.plan_layer(model.moe, model.hidden_size, layer, spec.ranks, spec.scales, cursor)
+                cursor = experts.plan_layer(
+                    model.moe, model.hidden_size, layer, spec.ranks, spec.scales, cursor, model.lora_shards
+                )
             a_off.append(ao)
             a_rows.append(ar)
             b_off.append(bo)

@@ -41,8 +41,12 @@ class ExpertRows:
         ranks: Mapping[tuple[int, str], int],
         scales: Mapping[tuple[int, str], float],
         cursor: int,
+        shards: int = 1,
     ) -> int:
-        """Lay out layer ``layer``'s experts from ``cursor`` on; the cursor after them."""
+        """Lay out layer ``layer``'s experts from ``cursor`` on; the cursor after them. On a
+        tensor-parallel rank's model (``moe`` its share of each expert, ``shards`` ranks), an
+        expert's stacked gate_up A keeps ``ceil(rows / shards)`` rows and its down B ``1/shards``
+        of the hidden rows (``parallel/shards.py``); h_start stays the whole shrink's."""
         inter = moe.intermediate_size
         rows: tuple[list[list], ...] = ([], [], [], [], [], [])
         for e in range(moe.num_experts):
@@ -58,6 +62,7 @@ class ExpertRows:
             rk.append(ranks.get(down, 0))
             sc.append(scales.get(down, 0.0))
             hs.append(0)
+            a_rows = -(-a_rows // shards)
             a_off = [cursor, 0]
             cursor += a_rows * hidden
             b_off = [cursor, cursor + inter * rk[0]]
@@ -65,7 +70,7 @@ class ExpertRows:
             a_off[1] = cursor
             cursor += rk[2] * inter
             b_off.append(cursor)
-            cursor += hidden * rk[2]
+            cursor += hidden // shards * rk[2]
             per_expert: tuple[list, ...] = (a_off, [a_rows, rk[2]], b_off, rk, hs, sc)
             for column, row in zip(rows, per_expert):
                 column.append(row)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorapage.model.gemma_config import GEMMA_ARCHITECTURES, REFUSED, GemmaConfig
-from lorapage.model.moe_config import MOE_ARCHITECTURES, MoeConfig
+from lorapage.model.moe_config import MOE_ARCHITECTURES, MoeConfig, split_expert_module
 from lorapage.model.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
@@ -146,12 +146,14 @@ class ModelConfig:
         hold it: on a tensor-parallel rank's model (``lora_shards`` k > 1, S-LoRA's and vLLM's fully
         sharded LoRA), a column-parallel module's A keeps ``ceil(r / k)`` of its rows (its B is
         already the rank's output rows) and a row-parallel one's B keeps ``1/k`` of its output rows
-        (its A is already the rank's input columns); B's columns are always the whole ``r``."""
-        d_in, d_out = self.module_dims()[module]
+        (its A is already the rank's input columns); B's columns are always the whole ``r``. An
+        expert's gate / up (or fused gate_up) is column-parallel, its down row-parallel."""
+        d_in, d_out = self.lora_dims()[module]
         k = self.lora_shards
         if k == 1:
             return rank, d_in, d_out
-        if module in ROW_PARALLEL:
+        expert = split_expert_module(module)
+        if (module if expert is None else expert[1]) in ROW_PARALLEL:
             return rank, d_in, d_out // k
         return -(-rank // k), d_in, d_out
 
@@ -160,7 +162,7 @@ class ModelConfig:
         this model's pages: at most, a group's stacked A rounding up once per module."""
         total = 0
         for m in self.module_dims():
-            a_rows, d_in, b_rows = self.lora_shape(m, max_rank) if m in MODULES else (max_rank, *self.module_dims()[m])
+            a_rows, d_in, b_rows = self.lora_shape(m, max_rank)
             total += a_rows * d_in + b_rows * max_rank
         return total
 

@@ -294,7 +294,7 @@ class LlamaModel:
             x = x + o
             hs = self._rms_norm(x, w["post_norm"])
             if self.moe_layers:
-                x = x + self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab)
+                x = x + self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab, self.comm)
                 continue
             gu = self.linear(hs, w["gate_up"])
             if lora is not None:

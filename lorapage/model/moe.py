@@ -30,6 +30,7 @@ from lorapage.kernels.linear_cpu import keep_weight
 from lorapage.model.config import ModelConfig
 from lorapage.model.lora_tables import EXPERT_GROUPS, LoraTables
 from lorapage.model.moe_config import MoeConfig
+from lorapage.model.rank_comm import RankComm, gather_shrink
 
 # The keys a checkpoint may hold one layer's experts under (after ``model.layers.{i}.``):
 # transformers' own fused tensors, then the hub's per-expert spellings (Mixtral's w1 / w3 / w2).
@@ -62,14 +63,30 @@ class ExpertLora:
         out_start: tuple[int, ...],
     ) -> None:  # fmt: skip
         """``y += x``'s LoRA update through expert ``expert``'s group ``group`` (0: gate_up, 1: down)."""
+        h = self.h[: x.shape[0]]
+        self.shrink(h, x, slab, layer, expert, group, lora)
+        self.expand(y, h, slab, layer, expert, group, lora, out_start)
+
+    def shrink(
+        self, h: Tensor, x: Tensor, slab: Tensor, layer: int, expert: int, group: int, lora: LoraIndices
+    ) -> None:
+        """``h`` = ``x``'s shrink through expert ``expert``'s group ``group``'s stacked A."""
+        t = self.tables
+        assert t.experts is not None
+        e = t.experts
+        self.ops.lora_shrink(
+            h, x, slab, t.page_table, lora, e.a_offset[layer, :, expert, group], e.a_rows[layer, :, expert, group]
+        )
+
+    def expand(
+        self, y: Tensor, h: Tensor, slab: Tensor, layer: int, expert: int, group: int, lora: LoraIndices,
+        out_start: tuple[int, ...],
+    ) -> None:  # fmt: skip
+        """``y += h``'s expand through expert ``expert``'s group ``group``'s B's, scaled."""
         t = self.tables
         assert t.experts is not None
         e = t.experts
         m0, m1 = EXPERT_GROUPS[group]
-        h = self.h[: x.shape[0]]
-        self.ops.lora_shrink(
-            h, x, slab, t.page_table, lora, e.a_offset[layer, :, expert, group], e.a_rows[layer, :, expert, group]
-        )
         self.ops.lora_expand(
             y,
             h,
@@ -127,9 +144,17 @@ class MoeMlp:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights
 
-    def forward(self, x: Tensor, linear: Linear, lora: ExpertLora | None, layer: int, slab: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, linear: Linear, lora: ExpertLora | None, layer: int, slab: Tensor,
+        comm: RankComm | None = None,
+    ) -> Tensor:  # fmt: skip
         """The MLP's output [T, hidden] for the normed hidden states ``x``; ``lora`` None: no row
-        has an adapter. ``slab`` is layer ``layer``'s adapter pages."""
+        has an adapter. ``slab`` is layer ``layer``'s adapter pages. Under tensor parallelism
+        (``comm``) each rank computes its partial output and the one all-reduce sums them."""
+        if comm is not None:
+            out = self._rank_share(x, linear, lora, layer, slab, comm)
+            comm.all_reduce(out)
+            return out
         experts, weights = self.route(x)
         if not self.config.float32_weights:
             weights = weights.to(x.dtype)
@@ -148,6 +173,59 @@ class MoeMlp:
             y = linear(act, self.down[e])
             if indices is not None and lora is not None:
                 lora.apply(y, act, slab, layer, e, 1, indices, (0,))
+            w = (weights.index_select(0, device_rows) * (experts.index_select(0, device_rows) == e)).sum(-1)
+            out.index_add_(0, device_rows, (y * w[:, None]).to(x.dtype))
+        return out
+
+    def _rank_share(
+        self, x: Tensor, linear: Linear, lora: ExpertLora | None, layer: int, slab: Tensor, comm: RankComm
+    ) -> Tensor:
+        """This rank's partial MLP output: every routed expert through the rank's share of its
+        columns (``parallel/shards.py``), and its LoRA fully sharded as the dense MLP's, with the
+        collectives batched over the step's experts: one all-gather of every gate_up shrink share,
+        one all-reduce of every partial down shrink. Every rank routes the same all-reduced hidden
+        states alike, so every rank runs the same experts and the same collectives."""
+        experts, weights = self.route(x)
+        if not self.config.float32_weights:
+            weights = weights.to(x.dtype)
+        host = experts.cpu().numpy()
+        inter = self.config.intermediate_size
+        runs: list[tuple[int, Tensor, Tensor, LoraIndices | None, int]] = []  # expert, rows, x, LoRA, h row
+        start = 0
+        for e in np.unique(host).tolist():
+            rows = np.flatnonzero((host == e).any(axis=1))
+            device_rows = torch.from_numpy(rows).to(x.device)
+            indices = lora.indices(rows, device_rows) if lora is not None else None
+            runs.append((e, device_rows, x.index_select(0, device_rows), indices, start))
+            start += len(rows) if indices is not None else 0
+        h_gate_up = h_down = None
+        if lora is not None and start:  # the rows' shrinks, each tuned run's at its h row
+            assert lora.tables.experts is not None
+            h_gate_up, h_down = (lora.h.new_zeros(start, lora.h.shape[1]) for _ in range(2))
+            shares = []
+            for e, _, xe, indices, at in runs:
+                if indices is not None:
+                    lora.shrink(h_gate_up[at : at + xe.shape[0]], xe, slab, layer, e, 0, indices)
+                    shares.append(lora.tables.experts.a_rows[layer, indices.token_slot.long(), e, 0])
+            gather_shrink(h_gate_up, comm, torch.cat(shares))
+        ys = []
+        for e, _, xe, indices, at in runs:
+            gu = linear(xe, self.gate_up[e])
+            if indices is not None and lora is not None and h_gate_up is not None and h_down is not None:
+                lora.expand(gu, h_gate_up[at : at + xe.shape[0]], slab, layer, e, 0, indices, (0, inter))
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            if indices is not None and lora is not None and h_down is not None:
+                lora.shrink(h_down[at : at + act.shape[0]], act, slab, layer, e, 1, indices)
+            ys.append(linear(act, self.down[e]))
+        if h_down is not None:
+            comm.all_reduce(h_down)  # each rank's A held its input columns: partial shrinks
+        out = torch.zeros_like(x)
+        width = x.shape[1] // comm.world  # a rank's rows of each down B: its columns of the output
+        for (e, device_rows, _, indices, at), y in zip(runs, ys, strict=True):
+            if indices is not None and lora is not None and h_down is not None:
+                part = y.new_zeros(y.shape[0], width)
+                lora.expand(part, h_down[at : at + y.shape[0]], slab, layer, e, 1, indices, (0,))
+                y[:, comm.rank * width : (comm.rank + 1) * width] += part
             w = (weights.index_select(0, device_rows) * (experts.index_select(0, device_rows) == e)).sum(-1)
             out.index_add_(0, device_rows, (y * w[:, None]).to(x.dtype))
         return out

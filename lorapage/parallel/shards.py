@@ -11,6 +11,12 @@ the projection adds base and LoRA together (S-LoRA's fusion)::
 
     sum_r (x_r W_r^T + [s h B_r^T at rank r's columns]) = x W^T + s h B^T,  h = sum_r x_r A_r^T
 
+A mixture of experts (Mixtral, Qwen3-MoE) is tensor-parallel by experts' columns, as vLLM runs it
+by default: the router whole on every rank, each expert's gate and up (w1, w3) split by output rows
+and its down (w2) by input columns, so each rank computes a partial output of every routed expert
+and the layer's one all-reduce adds them (and the experts' weighted sum with them); an expert's
+LoRA is split as the dense MLP's (:func:`_expert_shards`).
+
 The embedding and lm_head are vocabulary-parallel (``ceil(V / k)`` rows each, zero rows padding
 the last rank's); the norms are whole on every rank. A rank's model is the base's
 :class:`ModelConfig` with its heads and intermediate divided (:func:`shard_config`), so the
@@ -28,8 +34,10 @@ from torch import Tensor
 
 from lorapage.model.config import GROUPS, ROW_PARALLEL, ModelConfig
 from lorapage.model.families import family_of
+from lorapage.model.moe_config import FUSED_GATE_UP, expert_module
 
-# Architectures served under tensor parallelism: dense MLPs (Phi-3's fused weights split per part).
+# Architectures served under tensor parallelism: dense MLPs (Phi-3's fused weights split per part)
+# and experts split by columns (Mixtral, Qwen3-MoE).
 TP_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -38,8 +46,17 @@ TP_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# Mixtral's per-expert spellings in a checkpoint: w1 (gate) and w3 (up) by rows, w2 (down) by columns.
+_EXPERT_COLUMN, _EXPERT_ROW = ("w1", "w3"), ("w2",)
+# Why a family is not served under tensor parallelism (the rest of the refusal says what to do).
+_REFUSED = {
+    "OlmoeForCausalLM": "OLMoE's q / k RMSNorm spans every head of the projection, which the ranks split "
+    "(it would take one more all-reduce of the squares per layer)",
+}
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -47,21 +64,24 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
     """ValueError naming what keeps ``model`` from running on ``tp`` ranks (nothing when tp == 1)."""
     if tp == 1:
         return
-    if model.moe is not None:
+    if model.architecture in _REFUSED:
         raise ValueError(
-            f"tensor_parallel_size {tp}: {model.architecture} is a mixture of experts, which is not served under "
-            "tensor parallelism yet (its experts would be split by expert or by columns, and its router and "
-            "per-expert LoRA pages with them); serve it with tensor_parallel_size 1 (docs/parallel.md)"
+            f"tensor_parallel_size {tp}: {model.architecture} is not served under tensor parallelism: "
+            f"{_REFUSED[model.architecture]}; serve it with tensor_parallel_size 1 (docs/parallel.md)"
         )
     if model.architecture not in TP_ARCHITECTURES:
         raise ValueError(
             f"tensor_parallel_size {tp}: {model.architecture} is not served under tensor parallelism yet "
             f"(supported: {', '.join(TP_ARCHITECTURES)}; docs/parallel.md)"
         )
+    # A MoE base's MLP is its experts: theirs is the intermediate each rank splits.
+    inter = ("intermediate_size", model.intermediate_size)
+    if model.moe is not None:
+        inter = ("intermediate size of an expert", model.moe.intermediate_size)
     for name, value in (
         ("num_attention_heads", model.num_heads),
         ("num_key_value_heads", model.num_kv_heads),
-        ("intermediate_size", model.intermediate_size),
+        inter,
         ("hidden_size", model.hidden_size),  # a row-parallel LoRA-B's output rows
     ):
         if value % tp:
@@ -72,15 +92,20 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
 
 
 def shard_config(model: ModelConfig, tp: int) -> ModelConfig:
-    """One rank's model: ``1/tp`` of the query heads, KV heads and MLP columns, adapters split
-    ``tp`` ways (``lora_shards``), the rest (the vocabulary's size included) as is."""
+    """One rank's model: ``1/tp`` of the query heads, KV heads and MLP columns (every expert's on a
+    MoE base), adapters split ``tp`` ways (``lora_shards``), the rest (the vocabulary's size and the
+    number of experts included) as is."""
     if tp == 1:
         return model
+    moe = model.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp)
     return dataclasses.replace(
         model,
         num_heads=model.num_heads // tp,
         num_kv_heads=model.num_kv_heads // tp,
         intermediate_size=model.intermediate_size // tp,
+        moe=moe,
         lora_shards=tp,
     )
 
@@ -122,7 +147,19 @@ def shard_base(state: dict[str, Tensor], rank: int, tp: int, model: ModelConfig)
     out = {}
     for key, t in state.items():
         module = key.split(".")[-2] if key.count(".") >= 2 else ""
-        if key in VOCAB_PARALLEL:
+        expert = ".experts." in key
+        if key.endswith(".experts.gate_up_proj"):  # transformers 5's fused [E, 2I, H]: gate's rows, up's
+            e, rows, d = t.shape
+            n = rows // 2 // tp
+            out[key] = t.view(e, 2, rows // 2, d)[:, :, rank * n : (rank + 1) * n].reshape(e, 2 * n, d).contiguous()
+        elif key.endswith(".experts.down_proj"):  # [E, H, I]: by input columns
+            n = t.shape[2] // tp
+            out[key] = t[:, :, rank * n : (rank + 1) * n].contiguous()
+        elif expert and module in _EXPERT_COLUMN:
+            out[key] = _rows(t, rank, tp)
+        elif expert and module in _EXPERT_ROW:
+            out[key] = _cols(t, rank, tp)
+        elif key in VOCAB_PARALLEL:
             out[key] = _padded_rows(t, rank, tp)
         elif module in fused:
             out[key] = _fused_rows(t, fused[module], rank, tp)
@@ -175,6 +212,32 @@ def shard_lora(
             pairs = [tensors[key] for key in keys]
             for key, a, (_, b) in zip(keys, _a_share(pairs, rank, tp), pairs, strict=True):
                 out[key] = (a, _rows(b, rank, tp))
+        out |= _expert_shards(tensors, layer, rank, tp)
+    return out
+
+
+def _expert_shards(
+    tensors: dict[tuple[int, str], tuple[Tensor, Tensor]], layer: int, rank: int, tp: int
+) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
+    """Rank ``rank``'s (A, B) of layer ``layer``'s expert LoRA, split as the dense MLP's: an expert's
+    gate_up group (gate and up, or PEFT's fused gate_up with one A and B ``[2I, r]``: each half's
+    rows) column-parallel, its down row-parallel (``adapters/moe_layout.py`` lays out the shares)."""
+    out = {}
+    experts = sorted({int(m.split(".")[1]) for lay, m in tensors if lay == layer and m.startswith("experts.")})
+    for e in experts:
+        fused = (layer, expert_module(e, FUSED_GATE_UP))
+        if fused in tensors:
+            a, b = tensors[fused]
+            out[fused] = (_a_share([(a, b)], rank, tp)[0], _fused_rows(b, [b.shape[0] // 2] * 2, rank, tp))
+        keys = [k for m in ("gate_proj", "up_proj") if (k := (layer, expert_module(e, m))) in tensors]
+        if keys:
+            pairs = [tensors[key] for key in keys]
+            for key, a, (_, b) in zip(keys, _a_share(pairs, rank, tp), pairs, strict=True):
+                out[key] = (a, _rows(b, rank, tp))
+        down = (layer, expert_module(e, "down_proj"))
+        if down in tensors:
+            a, b = tensors[down]
+            out[down] = (_cols(a, rank, tp), _rows(b, rank, tp))
     return out
 
 

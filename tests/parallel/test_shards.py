@@ -48,22 +48,48 @@ def test_refusals_name_the_reason(tiny, change, message):
         check_tensor_parallel(dataclasses.replace(tiny, **change), 2)
 
 
-def test_moe_is_refused_with_the_reason(tiny):
-    moe = ModelConfig.from_dir(_moe_dir())
-    with pytest.raises(ValueError, match="mixture of experts, which is not served under tensor parallelism"):
-        check_tensor_parallel(moe, 2)
+def test_moe_is_served_and_its_refusals_name_the_reason(tiny):
+    """Mixtral's experts split by columns (each rank: 1/2 of every expert's intermediate); an
+    expert intermediate the ranks cannot split evenly, and OLMoE (q / k norms over every head), are
+    refused with the reason."""
+    moe = ModelConfig.from_dir(_moe_dir("MixtralForCausalLM"))
+    check_tensor_parallel(moe, 2)
+    assert moe.moe is not None and shard_config(moe, 2).moe == dataclasses.replace(
+        moe.moe, intermediate_size=moe.moe.intermediate_size // 2
+    )
+    odd = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, intermediate_size=15))
+    with pytest.raises(ValueError, match="intermediate size of an expert"):
+        check_tensor_parallel(odd, 2)
+    with pytest.raises(ValueError, match="OLMoE's q / k RMSNorm spans every head"):
+        check_tensor_parallel(ModelConfig.from_dir(_moe_dir("OlmoeForCausalLM")), 2)
     check_tensor_parallel(dataclasses.replace(tiny, architecture="Phi3ForCausalLM"), 2)
     check_tensor_parallel(dataclasses.replace(tiny, architecture="Gemma2ForCausalLM"), 2)
 
 
-def _moe_dir():
+def test_expert_lora_shards_put_back_together():
+    """An expert's LoRA split 2 ways: the fused gate_up's A by rank rows (3 of 5, a zero row
+    padding rank 1's), its B's gate and up halves each by rows; down's A by columns, B by rows."""
+    g = torch.Generator().manual_seed(0)
+    fused = (torch.randn(5, 8, generator=g), torch.randn(12, 5, generator=g))
+    down = (torch.randn(4, 6, generator=g), torch.randn(8, 4, generator=g))
+    whole = {(0, "experts.1.gate_up_proj"): fused, (0, "experts.1.down_proj"): down}
+    shards = [shard_lora(whole, rank, 2) for rank in range(2)]
+    a = torch.cat([s[(0, "experts.1.gate_up_proj")][0] for s in shards])
+    assert torch.equal(a[:5], fused[0]) and not a[5:].any()
+    b = [s[(0, "experts.1.gate_up_proj")][1] for s in shards]
+    assert torch.equal(torch.cat([b[0][:3], b[1][:3], b[0][3:], b[1][3:]]), fused[1])
+    assert torch.equal(torch.cat([s[(0, "experts.1.down_proj")][0] for s in shards], dim=1), down[0])
+    assert torch.equal(torch.cat([s[(0, "experts.1.down_proj")][1] for s in shards]), down[1])
+
+
+def _moe_dir(arch):
     import json
     import tempfile
     from pathlib import Path
 
     d = Path(tempfile.mkdtemp())
     raw = json.loads((TINY_BASE_DIR / "config.json").read_text())
-    raw |= {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    raw |= {"architectures": [arch], "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2}
     (d / "config.json").write_text(json.dumps(raw))
     return d
 
@@ -229,3 +255,36 @@ def test_dora_and_bias_rows_follow_their_columns():
         torch.testing.assert_close(shards[r][:, start : start + o], section[:, o0 : o0 + o])
         bias = shards[r][:, shard_total + start : shard_total + start + o]
         assert bias.eq(section[:, total + o0 : total + o0 + o]).all() if r == 0 else not bias.any()
+
+
+def test_experts_shard_alike_in_either_checkpoint_spelling():
+    """transformers 5's fused ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]
+    split as the per-expert tensors (Mixtral's w1 / w3 by rows, w2 by columns); the router whole."""
+    moe = ModelConfig.from_dir(_moe_dir("MixtralForCausalLM"))
+    g = torch.Generator().manual_seed(0)
+    E, INTER, H = 4, 6, 8
+    gate, up, down = (
+        torch.randn(E, INTER, H, generator=g),
+        torch.randn(E, INTER, H, generator=g),
+        torch.randn(E, H, INTER, generator=g),
+    )
+    router = torch.randn(E, H, generator=g)
+    p = "model.layers.0.block_sparse_moe."
+    fused = {
+        p + "gate.weight": router,
+        p + "experts.gate_up_proj": torch.cat([gate, up], 1),
+        p + "experts.down_proj": down,
+    }
+    per_expert = {p + "gate.weight": router}
+    for e in range(E):
+        per_expert |= {p + f"experts.{e}.w1.weight": gate[e], p + f"experts.{e}.w3.weight": up[e]}
+        per_expert[p + f"experts.{e}.w2.weight"] = down[e]
+    for rank in range(2):
+        a, b = shard_base(fused, rank, 2, moe), shard_base(per_expert, rank, 2, moe)
+        assert torch.equal(a[p + "gate.weight"], router) and torch.equal(b[p + "gate.weight"], router)
+        for e in range(E):
+            w1, w3, w2 = (b[p + f"experts.{e}.{w}.weight"] for w in ("w1", "w3", "w2"))
+            assert torch.equal(w1, gate[e, rank * 3 : rank * 3 + 3]) and torch.equal(w3, up[e, rank * 3 : rank * 3 + 3])
+            assert torch.equal(w2, down[e, :, rank * 3 : rank * 3 + 3])
+            assert torch.equal(a[p + "experts.gate_up_proj"][e], torch.cat([w1, w3]))
+            assert torch.equal(a[p + "experts.down_proj"][e], w2)
