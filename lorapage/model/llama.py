@@ -204,21 +204,14 @@ class LlamaModel:
         bias: Tensor | None = None,
     ) -> None:
         m0, m1 = GROUP_MODULES[group]
-        ops.lora_shrink(
-            h, x, slab, tables.page_table, lora, tables.a_offset[layer, :, group], tables.a_rows[layer, :, group]
-        )
-        ops.lora_expand(
-            y,
-            h,
-            slab,
-            tables.page_table,
-            lora,
-            tables.b_offset[layer, :, m0:m1],
-            tables.rank[layer, :, m0:m1],
-            tables.h_start[layer, :, m0:m1],
-            tables.scale[layer, :, m0:m1],
-            self.out_starts[group],
-        )
+        a = (tables.a_offset[layer, :, group], tables.a_rows[layer, :, group])
+        b = (tables.b_offset[layer, :, m0:m1], tables.rank[layer, :, m0:m1], tables.h_start[layer, :, m0:m1])
+        scale = tables.scale[layer, :, m0:m1]
+        if ops.lora_group is not None:  # the two in one op (the C kernels: one call)
+            ops.lora_group(y, h, x, slab, tables.page_table, lora, *a, *b, scale, self.out_starts[group])
+        else:
+            ops.lora_shrink(h, x, slab, tables.page_table, lora, *a)
+            ops.lora_expand(y, h, slab, tables.page_table, lora, *b, scale, self.out_starts[group])
         if tables.variants.in_step(lora):  # DoRA / lora_bias rows (lora_variants.py)
             apply_vectors(y, bias, slab, tables.page_table, lora.token_slot, tables.variants, group)
 
