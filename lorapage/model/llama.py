@@ -203,10 +203,7 @@ class LlamaModel:
         h: Tensor,
         bias: Tensor | None = None,
     ) -> None:
-        m0, m1 = GROUP_MODULES[group]
-        a = (tables.a_offset[layer, :, group], tables.a_rows[layer, :, group])
-        b = (tables.b_offset[layer, :, m0:m1], tables.rank[layer, :, m0:m1], tables.h_start[layer, :, m0:m1])
-        scale = tables.scale[layer, :, m0:m1]
+        a, b, scale = tables.group_views(layer, group, GROUP_MODULES[group])
         if ops.lora_group is not None:  # the two in one op (the C kernels: one call)
             ops.lora_group(y, h, x, slab, tables.page_table, lora, *a, *b, scale, self.out_starts[group])
         else:
