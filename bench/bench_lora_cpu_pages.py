@@ -113,7 +113,7 @@ def main() -> dict:
         sys.exit("the C kernels did not build here")
     torch.set_num_threads(1)
     rows = []
-    for distinct in (5, 24):
+    for distinct in (5, 24, 32):
         for pages in (torch.float32, torch.bfloat16):
             ms, nbytes = step_ms(pages, distinct)
             rows.append({"distinct": distinct, "pages": str(pages).removeprefix("torch."), "ms": ms, "bytes": nbytes})

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import tempfile
+import time
 from pathlib import Path
 
 from harness import interleaved, machine_info, machine_line, median, print_json, table
@@ -53,6 +55,30 @@ def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:,.0f}"
 
 
+def forward_cpu(engine) -> list[float]:
+    """A one-element list holding the forward thread's CPU seconds over every step ``engine`` runs
+    from now on (the runner's ``execute`` wrapped on the instance, timed by ``time.thread_time``)."""
+    total = [0.0]
+    runner = engine._runner
+    execute = runner.execute
+
+    def wrapped(plan):
+        start = time.thread_time()
+        try:
+            return execute(plan)
+        finally:
+            total[0] += time.thread_time() - start
+
+    runner.execute = wrapped
+    return total
+
+
+def process_cpu() -> float:
+    """This process's CPU seconds so far, every thread's (the forward's, the I/O threads', the loop's)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def bench_slora(
     model: Path, dirs: list[Path], out: Path, quick: bool, rounds: int = 4, lora_dtype: str = "auto"
 ) -> dict:
@@ -71,7 +97,9 @@ async def bench_slora(
         names = [f"a{k:0{width}d}" for k in range(registered)]
         assert set(trace_adapters(trace, "base")) <= set(names)
         engine, reg_s = engine_for(model, dirs, names, lora_dtype=lora_dtype)
+        forward, cpu0 = forward_cpu(engine), process_cpu()
         report = await run(engine, trace, opts, out, f"{label}-round{i + 1}")
+        tokens = sum(r.max_tokens for r in trace)  # the same in both traces: the CPU ratio is per token
         samples[registered].append(
             {
                 "register_s": reg_s,
@@ -80,6 +108,9 @@ async def bench_slora(
                 "ttft_p50": p(report, "latency", "overall", "ttft", "p50"),
                 "ttft_p95": p(report, "latency", "overall", "ttft", "p95"),
                 "ok": report["statuses"]["by_outcome"].get("ok", 0),
+                # CPU per output token: the forward thread's, and the whole process's (loads included)
+                "forward_cpu_ms_per_token": forward[0] / tokens * 1e3,
+                "process_cpu_ms_per_token": (process_cpu() - cpu0) / tokens * 1e3,
             }
         )
     rows = {}
@@ -104,6 +135,14 @@ async def bench_slora(
     print(table(header, cells, "rrrrrrrr"))
     rounds_text = ", ".join(f"{x:.2f}" for x in per_round)
     print(f"throughput 2,000 / 5: {ratio:.3f} (target >= 0.95); per round: {rounds_text}")
+    fwd = small["forward_cpu_ms_per_token"] / large["forward_cpu_ms_per_token"]
+    proc = small["process_cpu_ms_per_token"] / large["process_cpu_ms_per_token"]
+    print(
+        f"CPU per output token, 5 / 2,000 (what the ratio would be were CPU time the only cost): forward "
+        f"thread {fwd:.3f} ({small['forward_cpu_ms_per_token']:.2f} / {large['forward_cpu_ms_per_token']:.2f} ms), "
+        f"whole process {proc:.3f} ({small['process_cpu_ms_per_token']:.2f} / "
+        f"{large['process_cpu_ms_per_token']:.2f} ms)"
+    )
     return {
         "slora_requests": n,
         "slora_lora_dtype": lora_dtype,
@@ -112,6 +151,10 @@ async def bench_slora(
         "slora_tokens_per_s_2000": large["tokens_per_s"],
         "slora_throughput_ratio": ratio,
         "slora_ratio_per_round": per_round,
+        "slora_forward_cpu_ratio": fwd,
+        "slora_process_cpu_ratio": proc,
+        "slora_forward_cpu_ms_per_token": [small["forward_cpu_ms_per_token"], large["forward_cpu_ms_per_token"]],
+        "slora_process_cpu_ms_per_token": [small["process_cpu_ms_per_token"], large["process_cpu_ms_per_token"]],
         "slora_ttft_p95_5_s": small["ttft_p95"],
         "slora_ttft_p95_2000_s": large["ttft_p95"],
         "slora_target_ratio": 0.95,

@@ -23,7 +23,7 @@ from lorapage.kernels.attention_cpu import paged_decode_attention_cpu
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_cpu import keep_weight, linear_cpu, linear_ref, pack_weight
-from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_shrink_cpu
+from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_group_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 from lorapage.kernels.names import BACKENDS
@@ -56,6 +56,28 @@ class LoraExpand(Protocol):
         pool: Tensor,
         page_table: Tensor,
         indices: LoraIndices,
+        b_offset: Tensor,
+        rank: Tensor,
+        h_start: Tensor,
+        scale: Tensor,
+        out_start: tuple[int, ...],
+    ) -> None: ...
+
+
+class LoraGroup(Protocol):
+    """One group's :class:`LoraShrink` into ``h``, then its :class:`LoraExpand` into ``y``, as one op
+    (a backend without one runs the two)."""
+
+    def __call__(
+        self,
+        y: Tensor,
+        h: Tensor,
+        x: Tensor,
+        pool: Tensor,
+        page_table: Tensor,
+        indices: LoraIndices,
+        a_offset: Tensor,
+        a_rows: Tensor,
         b_offset: Tensor,
         rank: Tensor,
         h_start: Tensor,
@@ -155,6 +177,7 @@ class KernelOps:
     pack_weight: PackWeight = keep_weight
     pack_logits: PackWeight | None = None  # lm_head's, where it differs (a quantized base's stays float32)
     captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
+    lora_group: LoraGroup | None = None  # shrink then expand in one op, where the backend fuses them
 
 
 TORCH_OPS = KernelOps(
@@ -176,6 +199,7 @@ CPU_OPS = KernelOps(
     _plan_cpu,
     linear=linear_cpu,
     pack_weight=pack_weight,
+    lora_group=lora_group_cpu,
 )
 
 

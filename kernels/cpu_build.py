@@ -40,7 +40,9 @@ _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _CELLS = [_P, _I, _I, _P, _I, _I, _P, _P, _P]
 _SHRINK = [_P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _INT]  # h, x, d_in; cells; A tables
 _EXPAND = [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT]  # y, h; cells; B tables
-# One pair per page dtype the kernels read (float32 activations always).
+# y, h, x, d_in; cells; A tables; B tables; the highest rank, threads (lora_group: shrink then expand)
+_GROUP = [_P, _I, _P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _INT]
+# One set per page dtype the kernels read (float32 activations always).
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # The KV page dtypes decode attention reads (float32 queries always): kv_cache_dtype.
 KV_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -53,7 +55,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     **{
         f"lora_{op}_{w}": (args, None)
         for w in WEIGHT_DTYPES.values()
-        for op, args in (("shrink", _SHRINK), ("expand", _EXPAND))
+        for op, args in (("shrink", _SHRINK), ("expand", _EXPAND), ("group", _GROUP))
     },
     **{f"decode_attention_{kv}": (_DECODE_ATTENTION, ctypes.c_int) for kv in KV_DTYPES.values()},
 }

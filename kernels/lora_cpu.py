@@ -126,3 +126,59 @@ def lora_expand_cpu(
         )
     if indices.batches != ():  # the long segments
         lora_expand_torch(y, h, pool, page_table, indices, b_offset, rank, h_start, scale, out_start)
+
+
+def lora_group_cpu(
+    y: Tensor,
+    h: Tensor,
+    x: Tensor,
+    pool: Tensor,
+    page_table: Tensor,
+    indices: LoraIndices,
+    a_offset: Tensor,
+    a_rows: Tensor,
+    b_offset: Tensor,
+    rank: Tensor,
+    h_start: Tensor,
+    scale: Tensor,
+    out_start: tuple[int, ...],
+) -> None:
+    """:func:`lora_shrink_cpu` then :func:`lora_expand_cpu` of one group, the short segments in one
+    C call (``lora_group``): half the crossings from Python a layer, and h is written and read
+    within the call. Same result as the two."""
+    if indices.cells is None and indices.batches is None:  # unplanned (a caller outside the runner)
+        lora_shrink_cpu(h, x, pool, page_table, indices, a_offset, a_rows)
+        lora_expand_cpu(y, h, pool, page_table, indices, b_offset, rank, h_start, scale, out_start)
+        return
+    if (cells := indices.cells) is not None:
+        assert h.stride(1) == 1 and y.stride(1) == 1 and a_offset.dtype == torch.int64 and a_rows.dtype == torch.int32
+        tables = (b_offset, rank, h_start, scale)
+        assert [t.dtype for t in tables] == [torch.int64, torch.int32, torch.int32, torch.float32]
+        assert all(t.stride() == b_offset.stride() for t in tables) and b_offset.stride(1) == 1
+        x = _rows(x)
+        _kernel("group", pool, y, h, x)(
+            y.data_ptr(),
+            y.stride(0),
+            h.data_ptr(),
+            h.stride(0),
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[1],
+            *_cell_args(pool, page_table, cells),
+            a_offset.data_ptr(),
+            a_offset.stride(0),
+            a_rows.data_ptr(),
+            a_rows.stride(0),
+            len(out_start),
+            _bounds(out_start, y.shape[1]).data_ptr(),
+            b_offset.data_ptr(),
+            rank.data_ptr(),
+            h_start.data_ptr(),
+            scale.data_ptr(),
+            b_offset.stride(0),
+            h.shape[1],  # the highest rank: h's width, the most rows an A has
+            torch.get_num_threads(),
+        )
+    if indices.batches != ():  # the long segments
+        lora_shrink_torch(h, x, pool, page_table, indices, a_offset, a_rows)
+        lora_expand_torch(y, h, pool, page_table, indices, b_offset, rank, h_start, scale, out_start)

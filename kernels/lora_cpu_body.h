@@ -327,3 +327,21 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
     }
     free_plan(&plan);
 }
+
+/* One group of one layer, shrink then expand, in one call: one crossing from Python a group instead
+ * of two, and h never leaves this call between the two (issue 40, item 4). Same arguments as the
+ * two, in their order, the cells and pages once; the A tables, then the B tables; the highest
+ * rank bounds both h's width and the rows an A has. */
+void F(lora_group)(float *y, int64_t y_stride, float *h, int64_t h_stride, const float *x, int64_t x_stride,
+                   int64_t d_in, const W *slab, int64_t page_stride, int64_t page, const int32_t *page_table,
+                   int64_t pt_stride, int64_t n_cells, const int64_t *cell_slot, const int64_t *cell_begin,
+                   const int64_t *tokens, const int64_t *a_offset, int64_t ao_stride, const int32_t *a_rows,
+                   int64_t ar_stride, int64_t n_modules, const int64_t *bounds, const int64_t *b_offset,
+                   const int32_t *rank, const int32_t *h_start, const float *scale, int64_t tab_stride,
+                   int64_t max_rank, int nthreads) {
+    F(lora_shrink)(h, h_stride, x, x_stride, d_in, slab, page_stride, page, page_table, pt_stride, n_cells, cell_slot,
+                   cell_begin, tokens, a_offset, ao_stride, a_rows, ar_stride, max_rank, nthreads);
+    F(lora_expand)(y, y_stride, h, h_stride, slab, page_stride, page, page_table, pt_stride, n_cells, cell_slot,
+                   cell_begin, tokens, n_modules, bounds, b_offset, rank, h_start, scale, tab_stride, max_rank,
+                   nthreads);
+}

@@ -204,33 +204,27 @@ class LlamaModel:
         h: Tensor,
         bias: Tensor | None = None,
     ) -> None:
-        m0, m1 = GROUP_MODULES[group]
-        ops.lora_shrink(
-            h, x, slab, tables.page_table, lora, tables.a_offset[layer, :, group], tables.a_rows[layer, :, group]
-        )
-        comm, out = self.comm, y
-        if comm is not None and group in ROW_GROUPS:
-            # A split by input columns: a partial shrink, summed; B split by output rows: this
-            # rank's expand lands in its columns, and the base's all-reduce adds the rest.
-            comm.all_reduce(h)
-            out = y.new_zeros(y.shape[0], y.shape[1] // comm.world)
-        elif comm is not None:  # A split by rank rows: each rank's share of h, gathered
-            gather_shrink(h, comm, tables.a_rows[layer, :, group][lora.token_slot.long()])
-        ops.lora_expand(
-            out,
-            h,
-            slab,
-            tables.page_table,
-            lora,
-            tables.b_offset[layer, :, m0:m1],
-            tables.rank[layer, :, m0:m1],
-            tables.h_start[layer, :, m0:m1],
-            tables.scale[layer, :, m0:m1],
-            self.out_starts[group],
-        )
-        if out is not y:
-            assert comm is not None
-            y[:, comm.rank * out.shape[1] : (comm.rank + 1) * out.shape[1]] += out
+        a, b, scale = tables.group_views(layer, group, GROUP_MODULES[group])
+        comm = self.comm
+        if comm is None:
+            if ops.lora_group is not None:  # the two in one op (the C kernels: one call)
+                ops.lora_group(y, h, x, slab, tables.page_table, lora, *a, *b, scale, self.out_starts[group])
+            else:
+                ops.lora_shrink(h, x, slab, tables.page_table, lora, *a)
+                ops.lora_expand(y, h, slab, tables.page_table, lora, *b, scale, self.out_starts[group])
+        else:  # under TP a collective sits between the shrink and the expand
+            ops.lora_shrink(h, x, slab, tables.page_table, lora, *a)
+            out = y
+            if group in ROW_GROUPS:
+                # A split by input columns: a partial shrink, summed; B split by output rows: this
+                # rank's expand lands in its columns, and the base's all-reduce adds the rest.
+                comm.all_reduce(h)
+                out = y.new_zeros(y.shape[0], y.shape[1] // comm.world)
+            else:  # A split by rank rows: each rank's share of h, gathered
+                gather_shrink(h, comm, a[1][lora.token_slot.long()])
+            ops.lora_expand(out, h, slab, tables.page_table, lora, *b, scale, self.out_starts[group])
+            if out is not y:
+                y[:, comm.rank * out.shape[1] : (comm.rank + 1) * out.shape[1]] += out
         if tables.variants.in_step(lora):  # DoRA / lora_bias rows (lora_variants.py)
             apply_vectors(y, bias, slab, tables.page_table, lora.token_slot, tables.variants, group)
 

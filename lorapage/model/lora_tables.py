@@ -51,6 +51,9 @@ class SlotRows(Protocol):
     def section(self) -> Section | None: ...  # its variant data's place (adapters/variant_layout.py), None: none
 
 
+GroupViews = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor], Tensor]
+
+
 class LoraTables:
     """Lookup tables the LoRA ops read, allocated once at ``max_resident_loras + 1`` slots (every
     lora slot, not only the ``max_loras`` distinct adapters one batch may hold); slot 0 = none.
@@ -71,6 +74,20 @@ class LoraTables:
         self.scale = torch.zeros(L, S, M, dtype=f32, device=device)  # [layer, slot, module]: alpha / r
         self.experts = ExpertTables(L, S, model.moe.num_experts, device) if model.moe is not None else None
         self.variants = VariantTables(model, S, device)  # DoRA, lora_bias, embedding LoRA (lora_variants.py)
+        self._views: dict[tuple[int, int], GroupViews] = {}
+
+    def group_views(self, layer: int, group: int, modules: tuple[int, int]) -> GroupViews:
+        """Group ``group``'s tables in ``layer`` as the LoRA ops take them (its ``modules``, a range):
+        the shrink's (a_offset, a_rows), the expand's (b_offset, rank, h_start), then scale. Made once
+        per (layer, group): views stay valid since the tables are only written into, and indexing a
+        tensor costs microseconds of Python 48 times a step (issue 40, item 4)."""
+        key = (layer, group)
+        if key not in self._views:
+            m0, m1 = modules
+            b, r, hs = (t[layer, :, m0:m1] for t in (self.b_offset, self.rank, self.h_start))
+            a = (self.a_offset[layer, :, group], self.a_rows[layer, :, group])
+            self._views[key] = (a, (b, r, hs), self.scale[layer, :, m0:m1])
+        return self._views[key]
 
     def _tables(self) -> tuple[Tensor, ...]:
         dense = (self.a_offset, self.a_rows, self.b_offset, self.rank, self.h_start, self.scale)

@@ -20,11 +20,11 @@ import itertools
 import pytest
 import torch
 from numeric_bounds import assert_within, violations
-from test_lora_torch import MODEL, build, group_output, indices_for, step_references
+from test_lora_torch import MODEL, _group_tables, build, group_output, indices_for, step_references
 
 from lorapage.kernels import cpu_isa, lora_cpu as lora_cpu_mod
 from lorapage.kernels.cpu_build import cpu_kernels, load_variant
-from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_shrink_cpu
+from lorapage.kernels.lora_cpu import lora_expand_cpu, lora_group_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_plan import CELL_TOKENS
 from lorapage.kernels.lora_ref import lora_shrink_ref
 from lorapage.model.config import GROUPS
@@ -100,6 +100,32 @@ def test_c_kernels_match_reference(variant, model_name, step, placement, pages):
     for layer, g, x, want, bound in checks:
         got = group_output(C_OPS, model, pool, tables, planned, x, layer, g)
         assert_within(got, want, bound, f"{variant}, layer {layer}, group {g}")
+
+
+def _group_op(model, pool, tables, idx, x, layer, g):
+    """``ones + `` group ``g``'s delta through the fused op (lora_group_cpu: shrink then expand, one C call)."""
+    (a_offset, a_rows), (b_offset, rank, h_start, scales), starts = _group_tables(model, tables, layer, g)
+    h = torch.zeros(x.shape[0], 3 * 24)
+    y = torch.ones(x.shape[0], sum(model.module_dims()[m][1] for m in GROUPS[g]))
+    a, b = (a_offset, a_rows), (b_offset, rank, h_start, scales)
+    lora_group_cpu(y, h, x, pool[layer], tables.page_table, idx, *a, *b, starts)
+    return y
+
+
+@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_the_fused_group_op_is_the_two_ops(step, pages):
+    """lora_group_cpu (one C call a group, as the model runs it) gives the shrink-then-expand pair's
+    output bit for bit (the same loops in the same order), planned or not, and so the reference's
+    within the bound; with a long segment beside the cells too (``cell_limit_and_long``)."""
+    model, pool, tables, planned, checks = _step("wide", step, "scattered", pages)
+    unplanned = dataclasses.replace(planned, cells=None, batches=None)
+    for layer, g, x, want, bound in checks:
+        pair = group_output(C_OPS, model, pool, tables, planned, x, layer, g)
+        for idx in (planned, unplanned):
+            fused = _group_op(model, pool, tables, idx, x, layer, g)
+            assert torch.equal(fused, pair), f"layer {layer}, group {g}"
+        assert_within(fused, want, bound, f"layer {layer}, group {g}")
 
 
 @pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])

@@ -224,3 +224,26 @@ def test_fp16_kv_pages_hold_a_block_in_half_the_bytes():
     assert pool.kv_storage.data_ptr() == pool.storage.data_ptr()
     with pytest.raises(ValueError, match="no wider"):
         kv_page_elements(16, 128, torch.float16, torch.float32)
+
+
+async def test_bfloat16_pages_hold_twice_the_adapters_in_the_same_bytes(rank_adapters):
+    """Issue 40, item 4: a pool of the same bytes (same pages of the same size) keeps twice as many
+    resident bfloat16 adapters as float32 ones, each loaded in turn until loads evict. A float32
+    adapter here takes 37 pages and a bfloat16 one 19 (half, rounded up): the 304 pages past page 0
+    hold 8 and 16 (a pool whose size the rounding does not divide may hold one fewer)."""
+    resident, pages = [], []
+    for lora_dtype in ("float32", "bfloat16"):
+        slots = dict(max_loras=64, max_resident_loras=64, max_cpu_loras=64)
+        engine = pool_engine(lora_dtype=lora_dtype, num_pages=305, **slots)
+        pool = engine.debug.pool
+        assert pool.num_pages == 305 and pool.storage.nbytes == 305 * pool.page_size * 4 * pool.storage.shape[0]
+        names = [f"a{i}" for i in range(60)]
+        for n in names:
+            engine.add_adapter(n, rank_adapters[8])
+            await engine.admin.load(n)
+        resident.append(len(engine.stats().resident_adapters))
+        pages.append(engine.admin.info(names[0]).num_pages)
+        await engine.close()
+    assert resident[0] < 60  # the float32 pool filled: loads evicted
+    assert pages[1] == -(-pages[0] // 2)  # half the pages, rounded up
+    assert resident == [304 // p for p in pages] and resident[1] == 2 * resident[0], (resident, pages)
