@@ -31,7 +31,7 @@ from harness import machine_line, print_json, table
 from lorapage.fleet.autoscale import AutoscaleConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.fleet import SEED_SLO, SimFleetConfig
-from lorapage.sim.scaling import ScalingConfig, floor_replica_hours, simulate_scaled
+from lorapage.sim.scaling import ScalingConfig, floor_device_seconds, floor_replica_hours, simulate_scaled
 
 PEAK, TROUGH_SHARE = 40.0, 0.08  # req/s at the peak, the trough's share of it
 AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
@@ -60,6 +60,8 @@ def main(args: argparse.Namespace) -> dict:
         target_tokens=args.target_tokens,
         upscale_delay_s=args.upscale_delay,
         downscale_delay_s=args.downscale_delay,
+        headroom=args.headroom,
+        smoothing_s=args.smoothing,
     )
     # The day starts with the fleet its first hour needs (yesterday's fleet at the trough), not from
     # one replica under load: the compute floor of the first hour, in replicas.
@@ -70,19 +72,26 @@ def main(args: argparse.Namespace) -> dict:
     result = simulate_scaled(trace, config, scaling)
     elapsed = time.perf_counter() - started
     hourly = result.hourly(SEED_SLO)
+    need = floor_device_seconds(trace, config, args.hour)
+    for h in hourly:
+        h["floor"] = math.ceil(need.get(h["hour"], 0.0) / args.hour)
     ratio = result.replica_hours / result.floor_hours if result.floor_hours else None
+    ratio_cont = result.replica_hours / result.floor_continuous_hours if result.floor_continuous_hours else None
+    phases = {k: round(v, 3) for k, v in result.phase_hours.items()}
     up = result.scale_up_ttft()
     print(machine_line())
     print(
         f"seed day: {len(trace)} requests, 24 hours of {args.hour:g} s, scale {args.scale:g} (peak "
         f"{PEAK * args.scale:g} req/s), router {args.router}, {config.costs.name} costs; target tokens "
-        f"{args.target_tokens:g}, delays up {args.upscale_delay:g} s / down {args.downscale_delay:g} s, join "
-        f"{args.join:g} s; the day starts with {initial} replicas (the first hour's floor)\n"
+        f"{args.target_tokens:g}, headroom {args.headroom:g}, smoothing {args.smoothing:g} s, delays up "
+        f"{args.upscale_delay:g} s / down {args.downscale_delay:g} s, join {args.join:g} s; the day starts with "
+        f"{initial} replicas (the first hour's floor)\n"
     )
     rows = [
         [
             h["hour"],
             h["requests"],
+            h["floor"],
             f"{h['replicas']:.2f}",
             _s(h["warm_p95"]),
             _s(h["cold_p95"]),
@@ -90,10 +99,12 @@ def main(args: argparse.Namespace) -> dict:
         ]
         for h in hourly
     ]
-    print(table(["hour", "requests", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrl"))
+    print(table(["hour", "requests", "floor", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrrl"))
     print(
-        f"\nreplica-hours {result.replica_hours:.2f} (hours of 3,600 s), compute floor {result.floor_hours:.2f}: "
-        f"{ratio:.3f}x (target <= {TARGET_RATIO}); every hour meets: {all(h['meets'] for h in hourly)}; "
+        f"\nreplica-hours {result.replica_hours:.2f} (hours of 3,600 s; loading the base {phases['joining']:.2f}, "
+        f"serving {phases['serving']:.2f}, draining {phases['draining']:.2f}), compute floor in whole replicas "
+        f"per hour {result.floor_hours:.2f}: {ratio:.3f}x (target <= {TARGET_RATIO}); continuous floor "
+        f"{result.floor_continuous_hours:.2f}: {ratio_cont:.3f}x; every hour meets: {all(h['meets'] for h in hourly)}; "
         f"TTFT on just-joined replicas p50 / p95 / p99 {_s(up['p50'])} / {_s(up['p95'])} / {_s(up['p99'])} s "
         f"({up['count']} requests); {result.prewarms} pre-warms\n({elapsed:.0f} s of simulation)"
     )
@@ -107,8 +118,12 @@ def main(args: argparse.Namespace) -> dict:
         "join_s": args.join,
         "initial_replicas": initial,
         "replica_hours": round(result.replica_hours, 3),
+        "phase_replica_hours": phases,
         "floor_replica_hours": round(result.floor_hours, 3),
+        "floor_continuous_replica_hours": round(result.floor_continuous_hours, 3),
         "ratio": None if ratio is None else round(ratio, 4),
+        "ratio_continuous": None if ratio_cont is None else round(ratio_cont, 4),
+        "meets_target": bool(ratio is not None and ratio <= TARGET_RATIO and all(h["meets"] for h in hourly)),
         "every_hour_meets": all(h["meets"] for h in hourly),
         "hourly": hourly,
         "scale_up_ttft": up,
@@ -129,6 +144,8 @@ if __name__ == "__main__":
     p.add_argument("--target-tokens", type=float, default=AutoscaleConfig().target_tokens)
     p.add_argument("--upscale-delay", type=float, default=AutoscaleConfig().upscale_delay_s)
     p.add_argument("--downscale-delay", type=float, default=AutoscaleConfig().downscale_delay_s)
+    p.add_argument("--headroom", type=float, default=AutoscaleConfig().headroom)
+    p.add_argument("--smoothing", type=float, default=AutoscaleConfig().smoothing_s)
     p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
     a = p.parse_args()
     if a.quick:  # a day 60 times shorter: the delays and the base load shorter too
