@@ -12,7 +12,7 @@ Every replica is the seed's 7B replica under ``GPU_7B`` costs (``bench_fleet.py`
 size follows ``lorapage.fleet.autoscale`` (the policy Ray Serve runs) on the virtual clock, with the
 join sequence of ``lorapage.sim.scaling``. ``--hour`` shrinks the day (24 "hours" of that many
 seconds: the ramp is steeper than a real day's, which is harder on the autoscaler); ``--scale``
-multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 10 s, delays 2 s / 30 s (about 20 s).
+multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 1 s, delays 1 s / 3 s, smoothing 4 s, lead 1 s (about 30 s).
 
     python bench/bench_autoscale.py [--quick] [--hour 3600] [--scale 1] [--router affinity_load]
 
@@ -36,6 +36,12 @@ from lorapage.sim.scaling import ScalingConfig, floor_device_seconds, floor_repl
 PEAK, TROUGH_SHARE = 40.0, 0.08  # req/s at the peak, the trough's share of it
 AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
 TARGET_RATIO = 1.15
+# The policy this bench runs unless told otherwise (AutoscaleConfig's own defaults keep every option
+# off): a nearly full replica's tokens, square-root headroom, tokens averaged over a minute and
+# projected a base load (60 s) ahead on a rising slope, scale-down after 30 s. docs/fleet.md.
+SEED_POLICY = AutoscaleConfig(
+    target_tokens=30_000, headroom=0.3, smoothing_s=60.0, lead_s=60.0, upscale_delay_s=10.0, downscale_delay_s=30.0
+)
 
 
 def _s(v: float | None) -> str:
@@ -62,6 +68,7 @@ def main(args: argparse.Namespace) -> dict:
         downscale_delay_s=args.downscale_delay,
         headroom=args.headroom,
         smoothing_s=args.smoothing,
+        lead_s=args.lead,
     )
     # The day starts with the fleet its first hour needs (yesterday's fleet at the trough), not from
     # one replica under load: the compute floor of the first hour, in replicas.
@@ -83,7 +90,7 @@ def main(args: argparse.Namespace) -> dict:
     print(
         f"seed day: {len(trace)} requests, 24 hours of {args.hour:g} s, scale {args.scale:g} (peak "
         f"{PEAK * args.scale:g} req/s), router {args.router}, {config.costs.name} costs; target tokens "
-        f"{args.target_tokens:g}, headroom {args.headroom:g}, smoothing {args.smoothing:g} s, delays up "
+        f"{args.target_tokens:g}, headroom {args.headroom:g}, smoothing {args.smoothing:g} s, lead {args.lead:g} s, delays up "
         f"{args.upscale_delay:g} s / down {args.downscale_delay:g} s, join {args.join:g} s; the day starts with "
         f"{initial} replicas (the first hour's floor)\n"
     )
@@ -141,13 +148,14 @@ if __name__ == "__main__":
     p.add_argument("--router", default="affinity_load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-replicas", type=int, default=40)
-    p.add_argument("--target-tokens", type=float, default=AutoscaleConfig().target_tokens)
-    p.add_argument("--upscale-delay", type=float, default=AutoscaleConfig().upscale_delay_s)
-    p.add_argument("--downscale-delay", type=float, default=AutoscaleConfig().downscale_delay_s)
-    p.add_argument("--headroom", type=float, default=AutoscaleConfig().headroom)
-    p.add_argument("--smoothing", type=float, default=AutoscaleConfig().smoothing_s)
+    p.add_argument("--target-tokens", type=float, default=SEED_POLICY.target_tokens)
+    p.add_argument("--upscale-delay", type=float, default=SEED_POLICY.upscale_delay_s)
+    p.add_argument("--downscale-delay", type=float, default=SEED_POLICY.downscale_delay_s)
+    p.add_argument("--headroom", type=float, default=SEED_POLICY.headroom)
+    p.add_argument("--smoothing", type=float, default=SEED_POLICY.smoothing_s)
+    p.add_argument("--lead", type=float, default=SEED_POLICY.lead_s)
     p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
     a = p.parse_args()
-    if a.quick:  # a day 60 times shorter: the delays and the base load shorter too
-        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay = 60.0, 0.25, 10.0, 2.0, 30.0
+    if a.quick:  # a day 60 times shorter: the base load, waits and smoothing about 60 times shorter too
+        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay, a.smoothing, a.lead = 60.0, 0.25, 1, 1, 3, 4, 1
     print_json(main(a), default=str)

@@ -5,7 +5,8 @@ Every ``tick_s`` the live replicas report queue depth, tokens in flight and KV h
 policy decides. The seed's join sequence: a replica started at ``t`` loads the base for
 ``join_s``, then registers and pre-warms the adapters it now owns by the placement rule (of the
 ``prewarm_top`` busiest adapters lately, those whose rendezvous owners include it), and takes
-traffic ``warm_s`` later. A scale-down takes the replica with the least work out of routing at once,
+traffic ``warm_s`` later. A scale-down takes replicas out of routing at once as Ray Serve picks them
+(one still joining first, then the newest),
 pre-warms the busy adapters it held in its pool on their next owners, and the replica drains its
 requests before it stops. Replica-hours count every replica from its start to its stop (base load
 and drain included).
@@ -192,7 +193,8 @@ def simulate_scaled(
         for _ in range(target - len(counted)):
             start(now, ready=False)
         if target < len(counted):
-            gone = sorted(counted, key=lambda m: (m.serving_from > now, -m.replica.sim.tokens_in_flight))
+            # Ray Serve's choice: replicas not yet serving first, then the newest.
+            gone = sorted(counted, key=lambda m: (m.serving_from <= now, -m.started))
             for m in gone[: len(counted) - target]:
                 m.leaving, m.left_at = True, now
                 held = [a for a in busy if a in m.replica.residency.snapshot()[0]]
