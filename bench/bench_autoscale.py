@@ -38,9 +38,9 @@ AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
 TARGET_RATIO = 1.15
 # The policy this bench runs unless told otherwise (AutoscaleConfig's own defaults keep every option
 # off): a nearly full replica's tokens, square-root headroom, tokens averaged over a minute and
-# projected a base load (60 s) ahead on a rising slope, scale-down after 30 s. docs/fleet.md.
+# projected a base load (60 s) ahead on a rising slope, scale-down after 120 s. docs/fleet.md.
 SEED_POLICY = AutoscaleConfig(
-    target_tokens=30_000, headroom=0.3, smoothing_s=60.0, lead_s=60.0, upscale_delay_s=10.0, downscale_delay_s=30.0
+    target_tokens=30_000, headroom=0.3, smoothing_s=60.0, lead_s=60.0, upscale_delay_s=10.0, downscale_delay_s=120.0
 )
 
 
