@@ -12,7 +12,7 @@ Every replica is the seed's 7B replica under ``GPU_7B`` costs (``bench_fleet.py`
 size follows ``lorapage.fleet.autoscale`` (the policy Ray Serve runs) on the virtual clock, with the
 join sequence of ``lorapage.sim.scaling``. ``--hour`` shrinks the day (24 "hours" of that many
 seconds: the ramp is steeper than a real day's, which is harder on the autoscaler); ``--scale``
-multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 1 s, delays 1 s / 3 s, smoothing 4 s, lead 1 s (about 30 s).
+multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 1 s, delays 1 s / 8 s, smoothing 4 s, lead 1 s (about 30 s).
 
     python bench/bench_autoscale.py [--quick] [--hour 3600] [--scale 1] [--router affinity_load]
 
@@ -157,5 +157,5 @@ if __name__ == "__main__":
     p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
     a = p.parse_args()
     if a.quick:  # a day 60 times shorter: the base load, waits and smoothing about 60 times shorter too
-        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay, a.smoothing, a.lead = 60.0, 0.25, 1, 1, 3, 4, 1
+        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay, a.smoothing, a.lead = 60.0, 0.25, 1, 1, 8, 4, 1
     print_json(main(a), default=str)
