@@ -12,7 +12,7 @@ Every replica is the seed's 7B replica under ``GPU_7B`` costs (``bench_fleet.py`
 size follows ``lorapage.fleet.autoscale`` (the policy Ray Serve runs) on the virtual clock, with the
 join sequence of ``lorapage.sim.scaling``. ``--hour`` shrinks the day (24 "hours" of that many
 seconds: the ramp is steeper than a real day's, which is harder on the autoscaler); ``--scale``
-multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 10 s, delays 2 s / 30 s (about 20 s).
+multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 1 s, delays 1 s / 8 s, smoothing 4 s, lead 1 s (about 30 s).
 
     python bench/bench_autoscale.py [--quick] [--hour 3600] [--scale 1] [--router affinity_load]
 
@@ -31,11 +31,17 @@ from harness import machine_line, print_json, table
 from lorapage.fleet.autoscale import AutoscaleConfig
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.sim.fleet import SEED_SLO, SimFleetConfig
-from lorapage.sim.scaling import ScalingConfig, floor_replica_hours, simulate_scaled
+from lorapage.sim.scaling import ScalingConfig, floor_device_seconds, floor_replica_hours, simulate_scaled
 
 PEAK, TROUGH_SHARE = 40.0, 0.08  # req/s at the peak, the trough's share of it
 AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
 TARGET_RATIO = 1.15
+# The policy this bench runs unless told otherwise (AutoscaleConfig's own defaults keep every option
+# off): a nearly full replica's tokens, square-root headroom, tokens averaged over a minute and
+# projected a base load (60 s) ahead on a rising slope, scale-down after 120 s. docs/fleet.md.
+SEED_POLICY = AutoscaleConfig(
+    target_tokens=30_000, headroom=0.3, smoothing_s=60.0, lead_s=60.0, upscale_delay_s=10.0, downscale_delay_s=120.0
+)
 
 
 def _s(v: float | None) -> str:
@@ -60,6 +66,9 @@ def main(args: argparse.Namespace) -> dict:
         target_tokens=args.target_tokens,
         upscale_delay_s=args.upscale_delay,
         downscale_delay_s=args.downscale_delay,
+        headroom=args.headroom,
+        smoothing_s=args.smoothing,
+        lead_s=args.lead,
     )
     # The day starts with the fleet its first hour needs (yesterday's fleet at the trough), not from
     # one replica under load: the compute floor of the first hour, in replicas.
@@ -70,19 +79,26 @@ def main(args: argparse.Namespace) -> dict:
     result = simulate_scaled(trace, config, scaling)
     elapsed = time.perf_counter() - started
     hourly = result.hourly(SEED_SLO)
+    need = floor_device_seconds(trace, config, args.hour)
+    for h in hourly:
+        h["floor"] = math.ceil(need.get(h["hour"], 0.0) / args.hour)
     ratio = result.replica_hours / result.floor_hours if result.floor_hours else None
+    ratio_cont = result.replica_hours / result.floor_continuous_hours if result.floor_continuous_hours else None
+    phases = {k: round(v, 3) for k, v in result.phase_hours.items()}
     up = result.scale_up_ttft()
     print(machine_line())
     print(
         f"seed day: {len(trace)} requests, 24 hours of {args.hour:g} s, scale {args.scale:g} (peak "
         f"{PEAK * args.scale:g} req/s), router {args.router}, {config.costs.name} costs; target tokens "
-        f"{args.target_tokens:g}, delays up {args.upscale_delay:g} s / down {args.downscale_delay:g} s, join "
-        f"{args.join:g} s; the day starts with {initial} replicas (the first hour's floor)\n"
+        f"{args.target_tokens:g}, headroom {args.headroom:g}, smoothing {args.smoothing:g} s, lead {args.lead:g} s, delays up "
+        f"{args.upscale_delay:g} s / down {args.downscale_delay:g} s, join {args.join:g} s; the day starts with "
+        f"{initial} replicas (the first hour's floor)\n"
     )
     rows = [
         [
             h["hour"],
             h["requests"],
+            h["floor"],
             f"{h['replicas']:.2f}",
             _s(h["warm_p95"]),
             _s(h["cold_p95"]),
@@ -90,10 +106,12 @@ def main(args: argparse.Namespace) -> dict:
         ]
         for h in hourly
     ]
-    print(table(["hour", "requests", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrl"))
+    print(table(["hour", "requests", "floor", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrrl"))
     print(
-        f"\nreplica-hours {result.replica_hours:.2f} (hours of 3,600 s), compute floor {result.floor_hours:.2f}: "
-        f"{ratio:.3f}x (target <= {TARGET_RATIO}); every hour meets: {all(h['meets'] for h in hourly)}; "
+        f"\nreplica-hours {result.replica_hours:.2f} (hours of 3,600 s; loading the base {phases['joining']:.2f}, "
+        f"serving {phases['serving']:.2f}, draining {phases['draining']:.2f}), compute floor in whole replicas "
+        f"per hour {result.floor_hours:.2f}: {ratio:.3f}x (target <= {TARGET_RATIO}); continuous floor "
+        f"{result.floor_continuous_hours:.2f}: {ratio_cont:.3f}x; every hour meets: {all(h['meets'] for h in hourly)}; "
         f"TTFT on just-joined replicas p50 / p95 / p99 {_s(up['p50'])} / {_s(up['p95'])} / {_s(up['p99'])} s "
         f"({up['count']} requests); {result.prewarms} pre-warms\n({elapsed:.0f} s of simulation)"
     )
@@ -107,8 +125,12 @@ def main(args: argparse.Namespace) -> dict:
         "join_s": args.join,
         "initial_replicas": initial,
         "replica_hours": round(result.replica_hours, 3),
+        "phase_replica_hours": phases,
         "floor_replica_hours": round(result.floor_hours, 3),
+        "floor_continuous_replica_hours": round(result.floor_continuous_hours, 3),
         "ratio": None if ratio is None else round(ratio, 4),
+        "ratio_continuous": None if ratio_cont is None else round(ratio_cont, 4),
+        "meets_target": bool(ratio is not None and ratio <= TARGET_RATIO and all(h["meets"] for h in hourly)),
         "every_hour_meets": all(h["meets"] for h in hourly),
         "hourly": hourly,
         "scale_up_ttft": up,
@@ -126,11 +148,14 @@ if __name__ == "__main__":
     p.add_argument("--router", default="affinity_load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-replicas", type=int, default=40)
-    p.add_argument("--target-tokens", type=float, default=AutoscaleConfig().target_tokens)
-    p.add_argument("--upscale-delay", type=float, default=AutoscaleConfig().upscale_delay_s)
-    p.add_argument("--downscale-delay", type=float, default=AutoscaleConfig().downscale_delay_s)
+    p.add_argument("--target-tokens", type=float, default=SEED_POLICY.target_tokens)
+    p.add_argument("--upscale-delay", type=float, default=SEED_POLICY.upscale_delay_s)
+    p.add_argument("--downscale-delay", type=float, default=SEED_POLICY.downscale_delay_s)
+    p.add_argument("--headroom", type=float, default=SEED_POLICY.headroom)
+    p.add_argument("--smoothing", type=float, default=SEED_POLICY.smoothing_s)
+    p.add_argument("--lead", type=float, default=SEED_POLICY.lead_s)
     p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
     a = p.parse_args()
-    if a.quick:  # a day 60 times shorter: the delays and the base load shorter too
-        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay = 60.0, 0.25, 10.0, 2.0, 30.0
+    if a.quick:  # a day 60 times shorter: the base load, waits and smoothing about 60 times shorter too
+        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay, a.smoothing, a.lead = 60.0, 0.25, 1, 1, 8, 4, 1
     print_json(main(a), default=str)

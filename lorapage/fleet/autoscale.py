@@ -14,6 +14,16 @@ call for, :func:`decide` adds the hysteresis:
   before rows: long prompts);
 - clamped to ``[min_replicas, max_replicas]``.
 
+Three options shape the tokens signal (all off by default: the signal above, each report as it comes):
+
+- ``headroom`` (square-root staffing): ``ceil(L + headroom * sqrt(L))`` for ``L = tokens /
+  target_tokens``, so ``target_tokens`` can be a nearly full replica and the spare room grows with
+  the square root of the load (the relative noise of many streams shrinks as their number grows);
+- ``smoothing_s``: the tokens are read as their exponential mean over this time (state ``tokens``),
+  so the noise of single reports neither adds replicas nor resets a scale-down wait;
+- ``lead_s``: a rising slope of the tokens (from their means over ``smoothing_s`` and twice that)
+  projects them this far ahead, so a replica whose base takes ``lead_s`` to load is asked for in time.
+
 :func:`decide` scales up once the count wanted has stayed above the current one for
 ``upscale_delay_s`` (to the least it wanted over that time, so a one-report burst adds nothing),
 and down once it has stayed below for ``downscale_delay_s`` (to the most it wanted over that time,
@@ -61,6 +71,15 @@ class AutoscaleConfig:
     # record_autoscaling_stats reaches the controller, and the window Ray averages them over.
     metrics_interval_s: float = 1.0
     look_back_period_s: float = 5.0
+    # Square-root staffing: the tokens signal wants ceil(L + headroom * sqrt(L)) replicas for a load
+    # of L = tokens / target_tokens (0: ceil(L), a fixed share of headroom in target_tokens alone).
+    headroom: float = 0.0
+    # Scale-down reads the tokens as an exponential mean over this many seconds (0: each report as
+    # it comes); scale-up always reads them as they come.
+    smoothing_s: float = 0.0
+    # Predictive scale-up (needs smoothing_s): the tokens' slope (from their means over smoothing_s
+    # and twice that) projects them this many seconds ahead; a replica's base load is the lead to cover.
+    lead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -78,6 +97,11 @@ class AutoscaleConfig:
                 f"need metrics_interval_s > 0 and look_back_period_s > 0; got "
                 f"{self.metrics_interval_s}, {self.look_back_period_s}"
             )
+        if min(self.headroom, self.smoothing_s, self.lead_s) < 0 or (self.lead_s > 0 and not self.smoothing_s):
+            raise ValueError(
+                "need headroom, smoothing_s and lead_s >= 0, and smoothing_s > 0 for a lead_s; got "
+                f"{self.headroom}, {self.smoothing_s}, {self.lead_s}"
+            )
         if not 0 <= self.kv_reserve < 1 or min(self.upscale_delay_s, self.downscale_delay_s) < 0:
             raise ValueError(
                 f"need 0 <= kv_reserve < 1 and delays >= 0; got {self.kv_reserve}, "
@@ -85,10 +109,12 @@ class AutoscaleConfig:
             )
 
 
-def wanted(loads: Sequence[ReplicaLoad], current: int, config: AutoscaleConfig) -> int:
-    """The replica count these reports call for now (no hysteresis), within the bounds."""
+def wanted(loads: Sequence[ReplicaLoad], current: int, config: AutoscaleConfig, tokens: float | None = None) -> int:
+    """The replica count these reports call for now (no hysteresis), within the bounds; ``tokens``
+    replaces the reports' sum of tokens in flight (a smoothed one)."""
     n = max(current, 1)
-    by_tokens = math.ceil(sum(r.tokens_in_flight for r in loads) / config.target_tokens)
+    load = (sum(r.tokens_in_flight for r in loads) if tokens is None else tokens) / config.target_tokens
+    by_tokens = math.ceil(load + config.headroom * math.sqrt(load))
     queued = sum(r.queue_depth for r in loads)
     excess = queued - config.target_queue * n
     by_queue = n + math.ceil(excess / config.max_num_seqs) if excess > 0 else 0
@@ -102,22 +128,37 @@ def decide(
     """The replica count to run from ``now`` on, and the state for the next call (start with ``{}``).
 
     ``state`` holds when the count wanted went above (below) the current one and the least (most)
-    it has wanted since; a decision, or a report that wants the current count, resets it."""
-    want = wanted(loads, current, config)
+    it has wanted since; a decision, or a report that wants the current count, resets it. With
+    ``smoothing_s`` it also keeps the tokens' exponential mean (``tokens``, ``tokens_at``), which
+    the scale-down side reads."""
+    keep: dict[str, Any] = {}
+    tokens = None
+    if config.smoothing_s > 0:
+        raw, tau = float(sum(r.tokens_in_flight for r in loads)), config.smoothing_s
+        fast = slow = raw
+        if "tokens" in state:
+            dt = max(now - state["tokens_at"], 0.0)
+            w1, w2 = math.exp(-dt / tau), math.exp(-dt / (2 * tau))
+            fast, slow = w1 * state["tokens"] + (1 - w1) * raw, w2 * state["tokens_slow"] + (1 - w2) * raw
+        keep = {"tokens": fast, "tokens_slow": slow, "tokens_at": now}
+        # On a ramp of r tokens/s the two means lag tau * r and 2 tau * r: r = (fast - slow) / tau;
+        # a rising one is projected lead_s ahead of now.
+        tokens = fast + max(fast - slow, 0.0) / tau * (tau + config.lead_s) if config.lead_s > 0 else fast
+    want = wanted(loads, current, config, tokens)
     bounded = min(max(current, config.min_replicas), config.max_replicas)
     if bounded != current:  # outside the bounds (a changed config): move at once
-        return bounded, {}
+        return bounded, keep
     if want > current:
         since, least = state.get("up_since", now), min(state.get("up_least", want), want)
         if now - since >= config.upscale_delay_s:
-            return max(least, current + 1), {}
-        return current, {"up_since": since, "up_least": least}
+            return max(least, current + 1), keep
+        return current, {"up_since": since, "up_least": least, **keep}
     if want < current:
         since, most = state.get("down_since", now), max(state.get("down_most", want), want)
         if now - since >= config.downscale_delay_s:
-            return max(most, current - config.max_downscale), {}
-        return current, {"down_since": since, "down_most": most}
-    return current, {}
+            return max(most, current - config.max_downscale), keep
+        return current, {"down_since": since, "down_most": most, **keep}
+    return current, keep
 
 
 class Autoscaler:

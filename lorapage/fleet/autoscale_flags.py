@@ -33,6 +33,24 @@ def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
         help="queued requests a replica may hold before the queue itself calls for more replicas",
     )
     group.add_argument(
+        "--scale-headroom",
+        type=float,
+        default=_DEFAULTS.headroom,
+        help="square-root staffing: want ceil(L + this * sqrt(L)) replicas for L replicas' worth of tokens",
+    )
+    group.add_argument(
+        "--scale-smoothing",
+        type=float,
+        default=_DEFAULTS.smoothing_s,
+        help="seconds over which the tokens in flight are averaged (exponentially) before they are read",
+    )
+    group.add_argument(
+        "--scale-lead",
+        type=float,
+        default=_DEFAULTS.lead_s,
+        help="seconds ahead a rising tokens slope is projected (a replica's base load; needs --scale-smoothing)",
+    )
+    group.add_argument(
         "--upscale-delay", type=float, default=_DEFAULTS.upscale_delay_s, help="seconds more replicas must be wanted"
     )
     group.add_argument(
@@ -70,6 +88,9 @@ def autoscale_config(args: argparse.Namespace, max_num_seqs: int, prog: str) -> 
             downscale_delay_s=args.downscale_delay,
             metrics_interval_s=args.scale_metrics_interval,
             look_back_period_s=args.scale_look_back,
+            headroom=args.scale_headroom,
+            smoothing_s=args.scale_smoothing,
+            lead_s=args.scale_lead,
         )
     except ValueError as exc:
         fail(prog, f"--replicas / --max-replicas / scaling flags: {exc}")

@@ -5,7 +5,8 @@ Every ``tick_s`` the live replicas report queue depth, tokens in flight and KV h
 policy decides. The seed's join sequence: a replica started at ``t`` loads the base for
 ``join_s``, then registers and pre-warms the adapters it now owns by the placement rule (of the
 ``prewarm_top`` busiest adapters lately, those whose rendezvous owners include it), and takes
-traffic ``warm_s`` later. A scale-down takes the replica with the least work out of routing at once,
+traffic ``warm_s`` later. A scale-down takes replicas out of routing at once as Ray Serve picks them
+(one still joining first, then the newest),
 pre-warms the busy adapters it held in its pool on their next owners, and the replica drains its
 requests before it stops. Replica-hours count every replica from its start to its stop (base load
 and drain included).
@@ -52,6 +53,7 @@ class _Member:
     started: float
     serving_from: float  # joins routing
     leaving: bool = False
+    left_at: float | None = None  # out of routing (drain starts)
     stopped: float | None = None
     prewarmed: bool = False
 
@@ -68,7 +70,9 @@ class ScaledResult:
     timeline: list[tuple[float, int]]  # (time, replicas started and not stopped) at every change
     replica_hours: float
     prewarms: int
-    floor_hours: float
+    floor_hours: float  # whole replicas per hour (the target's floor)
+    floor_continuous_hours: float  # device-seconds / 3,600 (fractional replicas)
+    phase_hours: dict[str, float]  # replica-hours loading the base, serving, draining
 
     def hourly(self, slo: Slo = SEED_SLO) -> list[dict]:
         """Per hour of arrivals: requests, warm / cold p95 TTFT, mean replicas, whether both p95s meet ``slo``."""
@@ -189,9 +193,10 @@ def simulate_scaled(
         for _ in range(target - len(counted)):
             start(now, ready=False)
         if target < len(counted):
-            gone = sorted(counted, key=lambda m: (m.serving_from > now, -m.replica.sim.tokens_in_flight))
+            # Ray Serve's choice: replicas not yet serving first, then the newest.
+            gone = sorted(counted, key=lambda m: (m.serving_from <= now, -m.started))
             for m in gone[: len(counted) - target]:
-                m.leaving = True
+                m.leaving, m.left_at = True, now
                 held = [a for a in busy if a in m.replica.residency.snapshot()[0]]
                 rest = [x.replica.replica_id for x in live() if not x.leaving]
                 if rest:
@@ -230,6 +235,14 @@ def simulate_scaled(
         m.stopped = last
     records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
     hours = sum(max(min(m.stopped or last, last) - m.started, 0.0) for m in members.values()) / 3600.0
+    phases = {"joining": 0.0, "serving": 0.0, "draining": 0.0}
+    for m in members.values():
+        stop = min(m.stopped if m.stopped is not None else last, last)
+        joined = min(max(m.serving_from, m.started), stop)
+        left = min(m.left_at if m.left_at is not None else stop, stop)
+        phases["joining"] += (joined - m.started) / 3600.0
+        phases["serving"] += max(left - joined, 0.0) / 3600.0
+        phases["draining"] += max(stop - left, 0.0) / 3600.0
     timeline.append((last, 0))
     return ScaledResult(
         config=config,
@@ -241,6 +254,8 @@ def simulate_scaled(
         replica_hours=hours,
         prewarms=prewarms,
         floor_hours=floor_replica_hours(trace, config, scaling.hour_s),
+        floor_continuous_hours=floor_replica_hours(trace, config, scaling.hour_s, continuous=True),
+        phase_hours=phases,
     )
 
 
@@ -249,13 +264,25 @@ def _load(replica: Replica) -> ReplicaLoad:
     return ReplicaLoad(len(sim.waiting), sim.tokens_in_flight, sim.kv_free)
 
 
-def floor_replica_hours(trace: Sequence[TraceRequest], config: SimFleetConfig, hour_s: float = 3600.0) -> float:
-    """Replica-hours of the compute floor over ``trace``'s span: per hour ``ceil(device-seconds / hour)``
-    with full one-adapter decode batches, in hours of 3,600 s (module docstring)."""
+def floor_device_seconds(trace: Sequence[TraceRequest], config: SimFleetConfig, interval_s: float) -> dict[int, float]:
+    """Per interval of arrivals, the device-seconds its requests need with every decode batch full
+    (``max_num_seqs`` rows of one adapter) and every prompt prefilled once."""
     costs, rows = config.costs, config.engine.max_num_seqs
     row_s = costs.time(StepShape(0, rows, [config.residency.rank])) / rows
     need: dict[int, float] = {}
     for req in to_sim_requests(trace, config.base_name):
-        h = int(req.arrival_time // hour_s)
-        need[h] = need.get(h, 0.0) + req.num_prompt_tokens * costs.prefill_token_s + req.max_tokens * row_s
+        k = int(req.arrival_time // interval_s)
+        need[k] = need.get(k, 0.0) + req.num_prompt_tokens * costs.prefill_token_s + req.max_tokens * row_s
+    return need
+
+
+def floor_replica_hours(
+    trace: Sequence[TraceRequest], config: SimFleetConfig, hour_s: float = 3600.0, continuous: bool = False
+) -> float:
+    """Replica-hours of the compute floor over ``trace``'s span, in hours of 3,600 s: per hour
+    ``ceil(device-seconds / hour)`` whole replicas (a fleet runs whole replicas), or with
+    ``continuous`` the device-seconds themselves (fractional replicas: the lower bound)."""
+    need = floor_device_seconds(trace, config, hour_s)
+    if continuous:
+        return sum(need.values()) / 3600.0
     return sum(math.ceil(s / hour_s) * hour_s for s in need.values()) / 3600.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -115,6 +115,49 @@ def test_ray_policy_reads_the_custom_metrics_and_keeps_its_state_in_ray() -> Non
     assert policy(ctx(10.0, 30_000, state)) == (6, {})
     assert autoscaling_config(CONFIG)["upscale_delay_s"] == 0.0  # the policy's own delays, not Ray's on top
     # Ray's report cadence and window are Ray's options, not the policy's.
-    fast = autoscaling_config(dataclasses.replace(CONFIG, metrics_interval_s=0.5, look_back_period_s=2.0))
+    fast = autoscaling_config(replace(CONFIG, metrics_interval_s=0.5, look_back_period_s=2.0))
     assert (fast["metrics_interval_s"], fast["look_back_period_s"]) == (0.5, 2.0)
     assert "look_back_period_s" not in fast["policy"].policy_kwargs
+
+
+def test_headroom_grows_with_the_square_root_of_the_load() -> None:
+    config = AutoscaleConfig(max_replicas=100, target_tokens=10_000, headroom=0.5)
+    assert wanted(loads(1, 40_000), 1, config) == 5  # L = 4: ceil(4 + 0.5 * 2)
+    assert wanted(loads(1, 160_000), 1, config) == 18  # L = 16: ceil(16 + 0.5 * 4), not 4 x 5
+    assert wanted(loads(1, 0), 1, config) == 1  # min_replicas
+
+
+def test_smoothing_reads_the_mean_so_a_spike_neither_adds_nor_resets() -> None:
+    config = AutoscaleConfig(
+        max_replicas=10, target_tokens=10_000, upscale_delay_s=10, downscale_delay_s=60, smoothing_s=20
+    )
+    t = [0.0]
+    scaler = Autoscaler(config, lambda: t[0])
+    assert scaler(loads(4, 5_000), 4) == 4  # 20k tokens: wants 2, the downscale wait starts
+    for now in range(1, 60):  # one report in ten is a spike to 60k tokens (6 replicas' worth)
+        t[0] = now
+        assert scaler(loads(4, 15_000 if now % 10 == 0 else 5_000), 4) == 4
+    t[0] = 60
+    assert scaler(loads(4, 5_000), 4) == 3  # the mean (~24k) never wanted 4: down after the delay
+    # Without smoothing the same spikes reset the wait each time.
+    raw = Autoscaler(replace(config, smoothing_s=0.0), lambda: t[0])
+    for now in range(0, 121):
+        t[0] = now
+        assert raw(loads(4, 15_000 if now % 10 == 0 else 5_000), 4) == 4
+
+
+def test_lead_projects_a_rising_slope_ahead() -> None:
+    config = AutoscaleConfig(max_replicas=20, target_tokens=10_000, upscale_delay_s=0, smoothing_s=10, lead_s=30)
+    flat = Autoscaler(replace(config, lead_s=0.0), lambda: t[0])
+    t = [0.0]
+    ahead = Autoscaler(config, lambda: t[0])
+    n_flat = n_ahead = 2
+    for now in range(0, 101):  # 1,000 tokens more each second: from 20k to 120k
+        t[0] = now
+        n_flat = flat(loads(1, 20_000 + 1_000 * now), n_flat)
+        n_ahead = ahead(loads(1, 20_000 + 1_000 * now), n_ahead)
+        assert n_ahead >= n_flat
+    # The mean lags 10 s (10k tokens); the projection covers it and 30 s more: 150k tokens' worth.
+    assert n_flat in (11, 12) and n_ahead == 15
+    with pytest.raises(ValueError, match="smoothing_s > 0 for a lead_s"):
+        AutoscaleConfig(lead_s=30)

@@ -56,3 +56,39 @@ def test_hours_meet_the_slo_and_the_floor_counts_compute(day) -> None:
     assert result.floor_hours == floor_replica_hours(trace, config, DAY_S / 24)
     missed = [h for h in hours if not h["meets"]]
     assert len(missed) <= 1, missed  # a 20 s "hour" ramps far faster than a day does (the 4th, scaling 1 -> 3)
+
+
+@pytest.fixture(scope="module")
+def tuned_day():
+    # The quarter-size seed day compressed 90 times (24 "hours" of 40 s, 5,215 requests) under the
+    # policy bench/bench_autoscale.py runs, its times shortened with the day: base load 1 s, waits
+    # 1 s / 5 s, tokens averaged over 5 s and projected 2 s ahead.
+    hour = 40.0
+    trace = generate(
+        GenConfig(
+            seed=0, scale=0.25, rate=21.6, duration_s=24 * hour, diurnal_amplitude=0.85, diurnal_period_s=24 * hour
+        )
+    )
+    config = replace(SimFleetConfig(), router="affinity_load")
+    policy = AutoscaleConfig(
+        max_replicas=20, target_tokens=30_000, headroom=0.3, smoothing_s=5, lead_s=2, upscale_delay_s=1,
+        downscale_delay_s=5,
+    )  # fmt: skip
+    scaling = ScalingConfig(policy=policy, hour_s=hour, join_s=1.0, warm_s=1.0, initial_replicas=1)
+    return trace, config, hour, simulate_scaled(trace, config, scaling)
+
+
+def test_the_tuned_day_meets_every_hour_and_its_replica_hours_add_up(tuned_day) -> None:
+    trace, config, hour, result = tuned_day
+    hours = result.hourly()
+    assert len(hours) == 24 and all(h["meets"] for h in hours), [h for h in hours if not h["meets"]]
+    # The floors of the same run: whole replicas per hour >= device-seconds (fractional replicas).
+    assert result.floor_hours == floor_replica_hours(trace, config, hour)
+    assert result.floor_continuous_hours == floor_replica_hours(trace, config, hour, continuous=True)
+    assert result.floor_continuous_hours <= result.floor_hours <= result.replica_hours
+    assert sum(result.phase_hours.values()) == pytest.approx(result.replica_hours)
+    # Loading bases and serving: within 1.2x of the floor; the drains (a request's whole life, up to
+    # a minute, against a 40 s "hour": ~90 times a real day's share) bring the day to ~1.33x.
+    kept = result.phase_hours["joining"] + result.phase_hours["serving"]
+    assert kept <= 1.2 * result.floor_hours
+    assert result.replica_hours <= 1.4 * result.floor_hours
