@@ -90,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     routing = p.add_argument_group("routing")
     routing.add_argument(
-        "--router", choices=ROUTERS, default="affinity_load", help="routing policy (default affinity_load; affinity: the older one)"
+        "--router",
+        choices=ROUTERS,
+        default="affinity_load",
+        help="routing policy (default affinity_load; affinity: the older one)",
     )
     routing.add_argument(
         "--owners", type=int, default=2, help="rendezvous owners per adapter (affinity; affinity_load: the fewest)"
