@@ -95,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "replicas each, with the same engine flags; a request goes to the base its adapter version is bound to",
     )
     routing = p.add_argument_group("routing")
-    routing.add_argument("--router", choices=ROUTERS, default="affinity", help="routing policy")
+    routing.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="affinity_load",
+        help="routing policy (default affinity_load; affinity: the older one)",
+    )
     routing.add_argument(
         "--owners", type=int, default=2, help="rendezvous owners per adapter (affinity; affinity_load: the fewest)"
     )

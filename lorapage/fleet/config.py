@@ -40,7 +40,7 @@ class FleetConfig:
     replica_cpus: float = 1.0  # per tensor-parallel rank (one rank: per replica)
     replica_gpus: float = 0.0  # per tensor-parallel rank
     ingress_cpus: float = INGRESS_CPUS
-    router: str = "affinity"  # a name of lorapage.fleet.routing.ROUTERS
+    router: str = "affinity_load"  # a name of lorapage.fleet.routing.ROUTERS (issue 42: the default; "affinity" stays)
     owners: int = 2
     spill_load: float = 1.0
     pinned_guard: float = 0.8  # affinity_load: held share of a replica's lora slots past which no new adapter comes

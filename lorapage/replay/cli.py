@@ -139,8 +139,8 @@ def _run_parser(sub) -> None:
     sim.add_argument("--replicas", type=int, default=26, help="replicas in the simulated fleet")
     sim.add_argument(
         "--router",
-        default="affinity,ray_default,least_loaded,random",
-        help="comma-separated routing policies to compare (affinity, ray_default, least_loaded, random)",
+        default="affinity_load,affinity,ray_default,least_loaded,random",
+        help="comma-separated routing policies to compare (affinity_load, affinity, ray_default, least_loaded, random)",
     )
     sim.add_argument("--warmup", type=float, default=0.0, help="seconds of trace run but left out of the figures")
     sim.add_argument("--max-disk-loras", type=int, default=1000, help="adapters each replica's disk cache holds")

@@ -35,7 +35,7 @@ class SimFleetConfig:
     fleet's configuration is :class:`lorapage.fleet.config.FleetConfig`)."""
 
     replicas: int = 26
-    router: str = "affinity"
+    router: str = "affinity_load"  # as the deployed fleet's default (FleetConfig.router)
     router_options: dict = field(default_factory=dict)  # AffinityRouter / LoadAffinityConfig arguments
     seed: int = 0
     scheduler: str = "vtc"

@@ -93,23 +93,30 @@ def test_picks_the_owner_with_fewest_tokens_in_flight_not_requests() -> None:
     assert router.spills == 0
 
 
-def test_spills_along_the_rendezvous_ranking_when_owners_are_full() -> None:
+def test_a_spill_goes_to_the_fleets_least_load_for_residency_and_its_replica_becomes_an_owner() -> None:
     clock = Clock()
-    router = _router(clock, min_owners=2, max_owners=2, spill_width=2)
+    router = _router(clock, min_owners=2, max_owners=2, spill_owners=2, spill_ttl_s=60.0)
     ids = [f"r{i}" for i in range(5)]
     ranked = rendezvous_owners("a", ids, 5)
-    fields = {o: {"in_flight": 8} for o in ranked[:2]}
-    fields |= {ranked[2]: {"tokens_in_flight": 900}, ranked[3]: {"tokens_in_flight": 500}}
-    # the next two of a's ranking are weighed; the idle fifth is not (a's spills stay together)
-    assert router.choose("a", _views(5, **fields)) == ranked[3]
-    fields |= {ranked[2]: {"in_flight": 8}, ranked[3]: {"in_flight": 8}}
+    full = {o: {"in_flight": 8} for o in ranked[:2]}
+    # owners full: the fleet's lowest requests / capacity (not tokens), whatever its rank
+    fields = full | {ranked[2]: {"in_flight": 5}, ranked[3]: {"in_flight": 6, "tokens_in_flight": 10}}
+    fields |= {ranked[4]: {"in_flight": 3, "tokens_in_flight": 9000}}
     assert router.choose("a", _views(5, **fields)) == ranked[4]
-    # every replica full: the least work for its residency, owners included
-    full = {rid: {"in_flight": 8, "tokens_in_flight": 5000} for rid in ids} | {
-        ranked[0]: {"in_flight": 9, "tokens_in_flight": 9000, "pool": frozenset({"a"})}
-    }
-    assert router.choose("a", _views(5, **full)) == ranked[0]
-    assert router.spills == 3
+    assert router.spills == 1 and router.spill_owners("a", ids) == [ranked[4]]
+    # it is an owner now: the next request goes there while the rendezvous owners stay full, no spill
+    fields[ranked[4]] = {"in_flight": 6}
+    assert router.choose("a", _views(5, **fields)) == ranked[4] and router.spills == 1
+    # a full replica holding the adapter in its pool beats an open one without it (0.25 of capacity)
+    pooled = full | {ranked[4]: {"in_flight": 8}, ranked[3]: {"in_flight": 8, "pool": frozenset({"a"})}}
+    pooled |= {ranked[2]: {"in_flight": 7}}
+    assert router.choose("a", _views(5, **pooled)) == ranked[3]
+    assert router.spills == 2 and router.spill_owners("a", ids) == [ranked[4], ranked[3]]
+    # one that left the fleet is not named; unused for spill_ttl_s, a spill owner is forgotten
+    assert router.spill_owners("a", [rid for rid in ids if rid != ranked[4]]) == [ranked[3]]
+    clock.now = 61.0
+    assert router.spill_owners("a", ids) == []
+    assert router.owners("a", ids) == ranked[:2]
 
 
 def test_pinned_bytes_guard_sends_new_adapters_elsewhere() -> None:
