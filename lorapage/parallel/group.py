@@ -83,7 +83,11 @@ class TensorParallelGroup:
             self.processes.append(proc)
         try:
             self._expect("joining")  # a worker that fails to start (an import, a device) is seen at once
-            self.group = process_group(spec)
+            try:
+                self.group = process_group(spec)
+            except Exception:
+                self._raise_reason()  # a worker that failed after joining says why: that, not gloo's words
+                raise
             self._expect("ready")
             self.model = ModelConfig.from_dir(spec.model_dir)  # the whole base's: an adapter's section is planned on it
             self.base_weight = checkpoint_weight(spec.model_dir, self.model)  # DoRA's norms, over whole weights
@@ -103,6 +107,14 @@ class TensorParallelGroup:
                     raise TensorParallelError(f"tensor-parallel rank {rank} {state} while starting")
             if (said := conn.recv()) != word:
                 raise TensorParallelError(str(said))
+
+    def _raise_reason(self) -> None:
+        """TensorParallelError with the first reason a worker has sent, if one has (no waiting)."""
+        for conn in self._conns:
+            if conn.poll(0):
+                said = conn.recv()
+                if isinstance(said, str) and said not in ("joining", "ready"):
+                    raise TensorParallelError(said)
 
     def _check(self) -> None:
         """TensorParallelError if a rank has died or failed before."""

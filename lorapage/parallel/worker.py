@@ -71,6 +71,14 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
         runner.ctx.model.comm = rank_comm(group, spec.rank, spec.world_size, unguarded)
     except Exception as exc:  # rank 0 reports it: the engine does not start
         conn.send(f"rank {spec.rank} failed to start: {exc!r}")
+        # Stay until rank 0 has read why (its STOP, or its end of the pipe closing): exiting at once
+        # can close this rank's sockets while rank 0 is still connecting its side of the group,
+        # and rank 0 would then see gloo's "connection closed by peer" instead of the reason.
+        if conn.poll(spec.timeout_s):
+            try:
+                conn.recv()
+            except EOFError:
+                pass
         return
     conn.send("ready")
     while True:
