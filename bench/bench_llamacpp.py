@@ -82,8 +82,9 @@ def rows(mixed: bool) -> Rows:
     return [(p, f"a{i % ADAPTERS}" if mixed else None) for i, p in enumerate(prompts(REQUESTS))]
 
 
-def llama_run(workers: list[Worker], mode: str, setting: str) -> Run:
-    """``mode`` on llama.cpp: one worker, or the requests dealt between several running at once."""
+def llama_run(workers: list[Worker], mode: str, setting: str, new: int) -> Run:
+    """``mode`` on llama.cpp, ``new`` tokens a request: one worker, or the requests dealt between
+    several running at once."""
     batch = rows(mode != "base")
     parts = split([a for _, a in batch], len(workers))
 
@@ -94,7 +95,7 @@ def llama_run(workers: list[Worker], mode: str, setting: str) -> Run:
                 setting=setting,
                 prompts=[batch[i][0] for i in part],
                 adapters=[batch[i][1] for i in part],
-                new=NEW,
+                new=new,
                 switch=mode == "switch",
             )
         tokens: list[list[int]] = [[] for _ in batch]
@@ -104,15 +105,15 @@ def llama_run(workers: list[Worker], mode: str, setting: str) -> Run:
             seconds = max(seconds, reply["seconds"])
             for i, t in zip(part, reply["tokens"]):
                 tokens[i] = t
-        return REQUESTS * NEW / seconds, tokens
+        return REQUESTS * new / seconds, tokens
 
     return run
 
 
-def ours_run(worker: Worker, name: str, mixed: bool) -> Run:
+def ours_run(worker: Worker, name: str, mixed: bool, new: int) -> Run:
     def run() -> tuple[float, list[list[int]]]:
-        reply = worker.ask(op="run", name=name, rows=rows(mixed), new=NEW)
-        return REQUESTS * NEW / reply["seconds"], reply["tokens"]
+        reply = worker.ask(op="run", name=name, rows=rows(mixed), new=new)
+        return REQUESTS * new / reply["seconds"], reply["tokens"]
 
     return run
 
@@ -152,7 +153,7 @@ class Bench:
 
     def llama_worker(self, prec: str, threads: int, tag: str) -> Worker:
         log = self.root / f"llama-{self.size}-{prec}-{tag}.log"
-        w = Worker([self.args.llamacpp_python, str(HERE / "llamacpp_peer.py")], log)
+        w = Worker([self.args.llamacpp_python, str(HERE / "llamacpp_peer.py")], log, self.args.llama_env)
         base, adapters = self.gguf[prec]
         w.ask(
             op="load",
@@ -175,7 +176,7 @@ class Bench:
         for r in range(self.args.sweep_rounds):
             for s in settings if r % 2 == 0 else settings[::-1]:
                 for mode in LLAMA_MODES:
-                    per[mode][str(s)].append(llama_run([worker], mode, str(s))()[0])
+                    per[mode][str(s)].append(llama_run([worker], mode, str(s), self.args.sweep_tokens)()[0])
         self.sweeps[key] = per
         self.best[key] = best_settings(per)
         for mode in LLAMA_MODES:
@@ -185,7 +186,7 @@ class Bench:
 
     def measure(self, threads: int) -> None:
         """Every configuration at ``threads`` in interleaved rounds, after llama.cpp's sweep."""
-        col, multi = str(threads), threads > 1 and not self.args.no_multiprocess
+        col, multi, new = str(threads), threads > 1 and not self.args.no_multiprocess, self.args.new
         ours = Worker([sys.executable, str(HERE / "lorapage_peer.py"), "--threads", col], self.root / "lorapage.log")
         workers = [ours]
         runs: dict[str, Run] = {}
@@ -204,17 +205,17 @@ class Bench:
                 workers.append(one)
                 best = self.sweep(prec, threads, one)
                 for mode in LLAMA_MODES:
-                    runs[llama_name(prec, mode)] = llama_run([one], mode, best[mode])
+                    runs[llama_name(prec, mode)] = llama_run([one], mode, best[mode], new)
                     self.used.setdefault(llama_name(prec, mode), {})[col] = best[mode]
-                runs[ours_name(prec, True)] = ours_run(ours, prec, True)
-                runs[ours_name(prec, False)] = ours_run(ours, prec, False)
+                runs[ours_name(prec, True)] = ours_run(ours, prec, True, new)
+                runs[ours_name(prec, False)] = ours_run(ours, prec, False, new)
                 if multi:
                     single = self.best.get(f"{prec}@1") or best
                     procs = [self.llama_worker(prec, 1, f"{col}x1-{k}") for k in range(threads)]
                     workers += procs
                     for mode in LLAMA_MODES:
                         name = llama_name(prec, mode, threads)
-                        runs[name] = llama_run(procs, mode, single[mode])
+                        runs[name] = llama_run(procs, mode, single[mode], new)
                         self.used.setdefault(name, {})[col] = single[mode]
             per_config, tokens = interleaved(runs, self.args.rounds)
         finally:
@@ -223,7 +224,8 @@ class Bench:
         for name, rates in per_config.items():
             self.rates.setdefault(name, {})[col] = rates
             mixed = "base" not in name.split(":")[-1]
-            self.agree.setdefault(name, {})[col] = agreeing(tokens[name], self.reference[mixed])
+            reference = [r[:new] for r in self.reference[mixed]]
+            self.agree.setdefault(name, {})[col] = agreeing(tokens[name], reference)
 
     def report(self, threads: list[int]) -> dict:
         med = {name: {c: median(v) for c, v in per.items()} for name, per in self.rates.items()}
@@ -231,7 +233,7 @@ class Bench:
         shape = SIZES[self.size]
         print(
             f"\n### {self.size} model: hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} / "
-            f"{shape['kv_heads']} heads, vocab {shape['vocab']:,}; {REQUESTS} requests x {NEW} tokens, "
+            f"{shape['kv_heads']} heads, vocab {shape['vocab']:,}; {REQUESTS} requests x {self.args.new} tokens, "
             f"{self.args.rounds} rounds (GGUF conversion {self.convert_s:.0f} s)\n"
         )
         header = ["configuration (tok/s, median; requests equal to PEFT; llama.cpp setting)"]
@@ -284,9 +286,18 @@ def parse() -> argparse.Namespace:
     p.add_argument("--precisions", default="f32,q8_0", help=f"of {', '.join(PRECISIONS)}, comma-separated")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--sweep-rounds", type=int, default=1)
+    p.add_argument("--new", type=int, default=NEW, help=f"greedy tokens a request (at most {NEW})")
+    p.add_argument("--sweep-tokens", type=int, default=NEW, help="greedy tokens a request in the sweep")
     p.add_argument("--fa", default="auto,off", help="llama.cpp flash attention values swept (auto, on, off)")
     p.add_argument("--kv", default="f16,f32", help="llama.cpp KV cache types swept")
     p.add_argument("--ubatch", default="32,512", help="llama.cpp n_ubatch values swept")
+    p.add_argument(
+        "--llamacpp-env",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="an environment variable for llama.cpp's processes (repeatable), e.g. GOMP_SPINCOUNT=3000000",
+    )
     p.add_argument("--no-multiprocess", action="store_true", help="no llama.cpp one-process-per-core runs")
     p.add_argument(
         "--keep",
@@ -294,10 +305,15 @@ def parse() -> argparse.Namespace:
         help="a directory for the models, adapters, GGUF files and reference tokens, reused by later runs "
         "(default: a temporary one)",
     )
+    p.add_argument(
+        "--prepare", action="store_true", help="only write the files into --keep (no llama-cpp-python needed)"
+    )
     p.add_argument("--settings", type=Path, help="a JSON line of an earlier run: its best settings, no sweep")
     p.add_argument("--quick", action="store_true", help="the bench model, f32, one round, no sweep (a smoke run)")
     args = p.parse_args()
-    if not args.llamacpp_python:
+    if args.prepare and not (args.keep and args.llama_cpp):
+        p.error("--prepare writes into --keep, with the converters of --llama-cpp")
+    if not args.llamacpp_python and not args.prepare:
         p.error("give --llamacpp-python (or set LORAPAGE_LLAMACPP_PYTHON): an interpreter with llama-cpp-python")
     if args.quick:
         args.sizes, args.precisions, args.rounds, args.fa, args.kv, args.ubatch = (
@@ -316,6 +332,7 @@ def parse() -> argparse.Namespace:
     unknown = (set(args.sizes) - set(SIZES)) | (set(args.precisions) - set(PRECISIONS))
     if unknown:
         p.error(f"unknown size or precision: {', '.join(sorted(unknown))}")
+    args.llama_env = {**os.environ, **dict(kv.split("=", 1) for kv in args.llamacpp_env)}
     args.fixed = {}
     if args.settings:
         earlier = json.loads(args.settings.read_text().strip().splitlines()[-1])
@@ -329,18 +346,23 @@ def main() -> None:
     models = {}
     with tempfile.TemporaryDirectory(prefix="lorapage-peers-") as tmp:
         files = args.keep or Path(tmp)
-        probe = Worker([args.llamacpp_python, str(HERE / "llamacpp_peer.py")], Path(tmp) / "probe.log")
-        try:
-            llama = probe.ask(op="version")
-        finally:
-            probe.close()
-        print(f"llama-cpp-python {llama['version']}: {llama['system']}", flush=True)
+        llama = {"version": "-", "system": "-"}
+        if not args.prepare:
+            probe = Worker([args.llamacpp_python, str(HERE / "llamacpp_peer.py")], Path(tmp) / "probe.log")
+            try:
+                llama = probe.ask(op="version")
+            finally:
+                probe.close()
+            print(f"llama-cpp-python {llama['version']}: {llama['system']}", flush=True)
         tree = converter_dir(args.llama_cpp, llama["version"])
-        for size in args.sizes:
-            bench = Bench(args, files / size, size, tree)
+        benches = [Bench(args, files / size, size, tree) for size in args.sizes]
+        if args.prepare:
+            print(f"the models, GGUF files and reference tokens are in {files}")
+            return
+        for bench in benches:
             for t in sorted(args.threads):  # 1 first: its best settings are the per-core processes'
                 bench.measure(t)
-            models[size] = bench.report(args.threads)
+            models[bench.size] = bench.report(args.threads)
     print(machine_line())
     print_json(
         {
@@ -350,7 +372,8 @@ def main() -> None:
             "precisions": args.precisions,
             "rounds": args.rounds,
             "requests": REQUESTS,
-            "new_tokens": NEW,
+            "new_tokens": args.new,
+            "sweep_tokens": args.sweep_tokens,
             "llamacpp": llama,
             "models": models,
             "targets": {
