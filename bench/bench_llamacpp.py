@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from harness import machine_info, machine_line, median, print_json, table
 from llamacpp_peer import convert, converter_dir
 from peer_proc import Worker
@@ -133,13 +134,25 @@ class Bench:
         t = time.perf_counter()
         self.gguf = {}
         for prec in args.precisions:
+            base_type, adapter_type = PRECISIONS[prec][:2]
+            there = [
+                root / "gguf" / f"{n}.gguf"
+                for n in (f"base-{base_type}", *(f"{a}-{adapter_type}" for a in self.adapters))
+            ]
+            if prec not in ready.get("gguf", {}) and all(f.exists() for f in there):
+                ready.setdefault("gguf", {})[prec] = [
+                    str(there[0]),
+                    {a: str(f) for a, f in zip(self.adapters, there[1:])},
+                ]
             if prec not in ready.get("gguf", {}):
-                files = convert(tree, self.model, self.adapters, root / "gguf", *PRECISIONS[prec][:2])
+                files = convert(tree, self.model, self.adapters, root / "gguf", base_type, adapter_type)
                 ready.setdefault("gguf", {})[prec] = [str(files[0]), {k: str(v) for k, v in files[1].items()}]
             base, adapters = ready["gguf"][prec]
             self.gguf[prec] = (Path(base), {k: Path(v) for k, v in adapters.items()})
         self.convert_s = time.perf_counter() - t
+        done.write_text(json.dumps(ready))
         if "reference" not in ready:
+            torch.set_num_threads(1)  # the reference's speed does not matter; on a busy machine 1 thread is safest
             peft = load_peft(self.model, self.adapters)
             ready["reference"] = {str(m): peft_generate(peft, rows(m), NEW, "single")[1] for m in (True, False)}
             del peft
