@@ -160,6 +160,7 @@ class Bench:
         self.reference = {m: ready["reference"][str(m)] for m in (True, False)}
         self.sweeps: dict[str, dict[str, dict[str, list[float]]]] = {}  # "prec@threads" -> mode -> setting
         self.best: dict[str, dict[str, str]] = dict(args.fixed.get(size, {}))
+        self.fixed = bool(self.best)
         self.rates: dict[str, dict[str, list[float]]] = {}  # configuration -> column -> rates
         self.agree: dict[str, dict[str, int]] = {}
         self.used: dict[str, dict[str, str]] = {}  # llama.cpp configuration -> column -> setting
@@ -230,7 +231,11 @@ class Bench:
                         name = llama_name(prec, mode, threads)
                         runs[name] = llama_run(procs, mode, single[mode], new)
                         self.used.setdefault(name, {})[col] = single[mode]
-            per_config, tokens = interleaved(runs, self.args.rounds)
+            swept = (
+                {llama_name(prec, m) for prec in self.args.precisions for m in LLAMA_MODES} if not self.fixed else set()
+            )
+            warm = [name for name in runs if name not in swept]  # the sweep warmed these (weights paged in)
+            per_config, tokens = interleaved(runs, self.args.rounds, warm)
         finally:
             for w in workers:
                 w.close()
