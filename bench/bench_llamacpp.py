@@ -380,6 +380,8 @@ def main() -> None:
         for bench in benches:
             for t in sorted(args.threads):  # 1 first: its best settings are the per-core processes'
                 bench.measure(t)
+                if args.keep:  # what a run stopped later still leaves
+                    (bench.root / "rates.json").write_text(json.dumps({"rates": bench.rates, "agree": bench.agree}))
             models[bench.size] = bench.report(args.threads)
     print(machine_line())
     print_json(
