@@ -1,201 +1,410 @@
-"""lorapage against llama.cpp on one base and 8 adapters, side by side in one run (issue 27).
+"""lorapage against llama.cpp at its best, each engine in a process of its own (issues 27, 40).
 
-The model of ``peer_setup.py`` (hidden 512, 4 layers, vocab 4,096, float32) with 8 rank-16 all-module
-adapters; llama.cpp runs float32 GGUF files of the same base and adapters, written by llama.cpp's own
-converters (``llamacpp_peer.py`` says where they come from). 32 requests of 8 prompt tokens, request
-``i`` on adapter ``i mod 8``, 32 greedy tokens each, EOS ignored; every engine gets the same token ids.
-Generated tokens/s over the whole batch (prefill included) of:
+Two models (``--sizes``): the 512-wide bench model of ``peer_setup.py`` (4 layers, 8 / 4 heads,
+vocab 4,096) and a user-sized one (hidden 1,024, 8 layers, 16 / 8 heads, FFN 2,816, vocab 8,192),
+random float32 weights, each with 8 rank-16 all-module PEFT adapters. llama.cpp runs GGUF files
+written by its own converters (``llamacpp_peer.py``): the float32 base with float32 adapters, and
+(``--precisions``) the Q8_0 base its users run with float16 adapters. lorapage runs the checkpoint in
+float32 and with ``quantization="int8"`` (weight-only, per channel). 32 requests of 8 prompt tokens,
+request ``i`` on adapter ``i mod 8``, 32 greedy tokens each, EOS ignored, the same token ids in every
+engine; tokens/s over the whole batch, prefill included.
 
-  llama.cpp base: the 32 requests on the base, 32 rows per decode call;
-  llama.cpp, one adapter at a time: each adapter's 4 requests batched, run to their end, then the next;
-  llama.cpp, switch per step: all 32 in flight, 8 decode calls a step, the adapter set before each;
-  lorapage mixed: the 32 requests through ``Engine.generate_batch``, default scheduler (vtc), and fcfs;
-  lorapage base only: the 32 requests on the base.
+Each engine runs in a worker process (``peer_proc``): lorapage under this interpreter
+(``lorapage_peer.py``, the command's OpenMP settings), llama.cpp under ``--llamacpp-python`` (or
+``$LORAPAGE_LLAMACPP_PYTHON``): an interpreter with llama-cpp-python installed, best in a venv of its
+own, e.g. ``python3 -m venv /work/lcpp-venv && CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON"
+/work/lcpp-venv/bin/pip install llama-cpp-python==0.3.36`` (built from source for this CPU). No two
+engines share a process, an OpenMP runtime or a thread pool, and only one runs at a time, except
+llama.cpp's one-process-per-core mode, whose processes run together.
 
-Rounds alternate the configurations (each round starts one later), at each thread count of
-``--threads`` (torch's threads for lorapage, ``n_threads`` for llama.cpp); medians are reported.
-Greedy tokens of each configuration are checked against transformers + PEFT (each request alone);
-llama.cpp may differ where two logits nearly tie (it sums in another order). Targets: lorapage mixed
-(default scheduler) >= 2x llama.cpp's better multi-adapter mode; lorapage base >= 0.8x llama.cpp base.
+llama.cpp's modes: its base, 32 rows per decode call; one adapter at a time (each adapter's 4
+requests batched, run to their end, then the next); all 32 in flight with the adapter switched
+before each of a step's 8 decode calls. Each mode gets its best setting: a sweep (``--sweep-rounds``
+rounds) over flash attention, the KV cache's type and ``n_ubatch`` (``--fa``, ``--kv``,
+``--ubatch``) at each thread count; at ``t`` > 1 threads also ``t`` processes of one thread each,
+the requests dealt between them by adapter, at the 1-thread sweep's best. Then every configuration
+runs in ``--rounds`` interleaved rounds after a warm-up pass, each round starting one later; medians.
+``--settings FILE`` takes the best settings from an earlier run's JSON line instead of sweeping.
 
-Needs the ``peers`` extra (``pip install -e ".[peers]"``; llama-cpp-python builds llama.cpp from source).
+Greedy tokens of every configuration are checked against transformers + PEFT (each request alone,
+float32); llama.cpp may differ where two logits nearly tie (it sums in another order), and a
+quantized base differs more. Targets at every size and thread count: lorapage mixed (default
+scheduler) >= 2x llama.cpp's best multi-adapter configuration, and lorapage base >= 1x llama.cpp's
+batched base, at the same weight precision (float32 against f32; int8 against Q8_0).
 
-    python bench/bench_llamacpp.py [--quick] [--rounds N] [--threads 1,2] [--llama-cpp PATH]
+    python bench/bench_llamacpp.py --llamacpp-python /work/lcpp-venv/bin/python \\
+        [--sizes bench,user] [--threads 1,2] [--precisions f32,q8_0] [--rounds 6] [--quick]
 
-Prints a table, then one JSON line with every figure and its target.
+Prints the sweep, a table per model, the ratios, then one JSON line with every figure and target.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from harness import machine_info, machine_line, median, print_json
-from llamacpp_peer import KV_TYPES, LlamaCppPeer, convert, converter_dir
-from peer_setup import (
-    PROMPT_LEN,
-    Run,
-    agreeing,
-    agreement_table,
-    close,
-    interleaved,
-    load_peft,
-    lorapage_engine,
-    lorapage_generate,
-    make_adapters,
-    make_model,
-    medians,
-    peft_generate,
-    prompts,
-    rate_table,
-    round_ratios,
+from harness import machine_info, machine_line, median, print_json, table
+from llamacpp_peer import convert, converter_dir
+from peer_proc import Worker
+from peer_setup import SHAPE, agreeing, interleaved, load_peft, make_adapters, make_model, peft_generate, prompts
+from peer_sweep import (
+    LLAMA_MODES,
+    PRECISIONS,
+    best_settings,
+    cell,
+    grid,
+    llama_name,
+    met,
+    ours_name,
+    ratios,
+    split,
 )
 
+SIZES = {
+    "bench": SHAPE,
+    "user": dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=8192),
+}
 REQUESTS, ADAPTERS, NEW = 32, 8, 32
-MAX_LEN = 64  # room for PROMPT_LEN + NEW per sequence
-LLAMA_BASE = "llama.cpp base, 32 rows per decode call"
-LLAMA_GROUPED = "llama.cpp, 8 adapters, one adapter at a time, its requests batched"
-LLAMA_SWITCH = "llama.cpp, 8 adapters, 8 decode calls per step, adapter switched before each"
-OURS_VTC = "lorapage mixed, default scheduler (vtc)"
-OURS_FCFS = 'lorapage mixed, scheduler="fcfs"'
-OURS_BASE = "lorapage base only"
-CONFIGS = (LLAMA_BASE, LLAMA_GROUPED, LLAMA_SWITCH, OURS_VTC, OURS_FCFS, OURS_BASE)
-BASE_CONFIGS = (LLAMA_BASE, OURS_BASE)
+MAX_LEN = 64  # room for the prompt + NEW per sequence
+HERE = Path(__file__).resolve().parent
+Rows = list[tuple[list[int], str | None]]
+Run = Callable[[], tuple[float, list[list[int]]]]
 
 
-def rows(mixed: bool) -> list[tuple[list[int], str | None]]:
+def rows(mixed: bool) -> Rows:
     """Request ``i``: its prompt, on adapter ``i mod 8`` (``mixed``) or on the base."""
     return [(p, f"a{i % ADAPTERS}" if mixed else None) for i, p in enumerate(prompts(REQUESTS))]
 
 
-def llama_run(peer: LlamaCppPeer, mixed: bool, switch_per_step: bool) -> Run:
-    batch = rows(mixed)
+def llama_run(workers: list[Worker], mode: str, setting: str, new: int) -> Run:
+    """``mode`` on llama.cpp, ``new`` tokens a request: one worker, or the requests dealt between
+    several running at once."""
+    batch = rows(mode != "base")
+    parts = split([a for _, a in batch], len(workers))
 
     def run() -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        tokens = peer.generate([p for p, _ in batch], [a for _, a in batch], NEW, switch_per_step=switch_per_step)
-        return REQUESTS * NEW / (time.perf_counter() - start), tokens
+        for w, part in zip(workers, parts):
+            w.send(
+                op="run",
+                setting=setting,
+                prompts=[batch[i][0] for i in part],
+                adapters=[batch[i][1] for i in part],
+                new=new,
+                switch=mode == "switch",
+            )
+        tokens: list[list[int]] = [[] for _ in batch]
+        seconds = 0.0
+        for w, part in zip(workers, parts):
+            reply = w.receive()
+            seconds = max(seconds, reply["seconds"])
+            for i, t in zip(part, reply["tokens"]):
+                tokens[i] = t
+        return REQUESTS * new / seconds, tokens
 
     return run
 
 
-def measure_at(
-    threads: int, files: tuple[Path, dict[str, Path]], model: Path, adapters: dict[str, Path], rounds: int, kv_type: str
-):
-    """Every configuration at ``threads``, ``rounds`` interleaved rounds after a warm-up pass: rates
-    per configuration, and the last round's tokens."""
-    torch.set_num_threads(threads)  # before the engines start their forward threads, which keep it
-    peer = LlamaCppPeer(files[0], files[1], threads=threads, max_seqs=REQUESTS, max_len=MAX_LEN, kv_type=kv_type)
-    vtc, fcfs = (
-        lorapage_engine(model, adapters, scheduler=s, max_seqs=REQUESTS, max_len=MAX_LEN) for s in ("vtc", "fcfs")
-    )
-    runs: dict[str, Run] = {  # in CONFIGS' order
-        LLAMA_BASE: llama_run(peer, mixed=False, switch_per_step=False),
-        LLAMA_GROUPED: llama_run(peer, mixed=True, switch_per_step=False),
-        LLAMA_SWITCH: llama_run(peer, mixed=True, switch_per_step=True),
-        OURS_VTC: lambda: lorapage_generate(vtc, rows(True), NEW),
-        OURS_FCFS: lambda: lorapage_generate(fcfs, rows(True), NEW),
-        OURS_BASE: lambda: lorapage_generate(vtc, rows(False), NEW),
-    }
-    try:
-        return interleaved(runs, rounds)
-    finally:
-        close(vtc)
-        close(fcfs)
-        peer.close()
+def ours_run(worker: Worker, name: str, mixed: bool, new: int) -> Run:
+    def run() -> tuple[float, list[list[int]]]:
+        reply = worker.ask(op="run", name=name, rows=rows(mixed), new=new)
+        return REQUESTS * new / reply["seconds"], reply["tokens"]
+
+    return run
 
 
-def main() -> None:
+class Bench:
+    """One model's files and workers, the sweep and the rounds at each thread count."""
+
+    def __init__(self, args: argparse.Namespace, root: Path, size: str, tree: Path):
+        self.args, self.root, self.size = args, root, size
+        done = root / "ready.json"  # the files below, complete: a --keep directory's second run reuses them
+        ready = json.loads(done.read_text()) if done.exists() else {}
+        if "reference" not in ready:
+            make_model(root, SIZES[size])
+            make_adapters(root, root / "base", ADAPTERS)
+        self.model = root / "base"
+        self.adapters = {f"a{i}": root / f"a{i}" for i in range(ADAPTERS)}
+        t = time.perf_counter()
+        self.gguf = {}
+        for prec in args.precisions:
+            base_type, adapter_type = PRECISIONS[prec][:2]
+            there = [
+                root / "gguf" / f"{n}.gguf"
+                for n in (f"base-{base_type}", *(f"{a}-{adapter_type}" for a in self.adapters))
+            ]
+            if prec not in ready.get("gguf", {}) and all(f.exists() for f in there):
+                ready.setdefault("gguf", {})[prec] = [
+                    str(there[0]),
+                    {a: str(f) for a, f in zip(self.adapters, there[1:])},
+                ]
+            if prec not in ready.get("gguf", {}):
+                files = convert(tree, self.model, self.adapters, root / "gguf", base_type, adapter_type)
+                ready.setdefault("gguf", {})[prec] = [str(files[0]), {k: str(v) for k, v in files[1].items()}]
+            base, adapters = ready["gguf"][prec]
+            self.gguf[prec] = (Path(base), {k: Path(v) for k, v in adapters.items()})
+        self.convert_s = time.perf_counter() - t
+        done.write_text(json.dumps(ready))
+        if "reference" not in ready:
+            torch.set_num_threads(1)  # the reference's speed does not matter; on a busy machine 1 thread is safest
+            peft = load_peft(self.model, self.adapters)
+            ready["reference"] = {str(m): peft_generate(peft, rows(m), NEW, "single")[1] for m in (True, False)}
+            del peft
+        done.write_text(json.dumps(ready))
+        self.reference = {m: ready["reference"][str(m)] for m in (True, False)}
+        self.sweeps: dict[str, dict[str, dict[str, list[float]]]] = {}  # "prec@threads" -> mode -> setting
+        self.best: dict[str, dict[str, str]] = dict(args.fixed.get(size, {}))
+        self.fixed = bool(self.best)
+        self.rates: dict[str, dict[str, list[float]]] = {}  # configuration -> column -> rates
+        self.agree: dict[str, dict[str, int]] = {}
+        self.used: dict[str, dict[str, str]] = {}  # llama.cpp configuration -> column -> setting
+
+    def llama_worker(self, prec: str, threads: int, tag: str) -> Worker:
+        log = self.root / f"llama-{self.size}-{prec}-{tag}.log"
+        w = Worker([self.args.llamacpp_python, str(HERE / "llamacpp_peer.py")], log, self.args.llama_env)
+        base, adapters = self.gguf[prec]
+        w.ask(
+            op="load",
+            model=str(base),
+            adapters={k: str(v) for k, v in adapters.items()},
+            threads=threads,
+            max_seqs=REQUESTS,
+            max_len=MAX_LEN,
+        )
+        return w
+
+    def sweep(self, prec: str, threads: int, worker: Worker) -> dict[str, str]:
+        """llama.cpp's best setting per mode at ``threads`` (the sweep's rounds, each setting's modes
+        run one after another so one context serves them)."""
+        key = f"{prec}@{threads}"
+        if key in self.best:
+            return self.best[key]
+        settings = grid(self.args.fa, self.args.kv, self.args.ubatch)
+        per: dict[str, dict[str, list[float]]] = {m: {str(s): [] for s in settings} for m in LLAMA_MODES}
+        for r in range(self.args.sweep_rounds):
+            for s in settings if r % 2 == 0 else settings[::-1]:
+                for mode in LLAMA_MODES:
+                    per[mode][str(s)].append(llama_run([worker], mode, str(s), self.args.sweep_tokens)()[0])
+        self.sweeps[key] = per
+        self.best[key] = best_settings(per)
+        for mode in LLAMA_MODES:
+            cells = ", ".join(f"{s} {median(v):,.0f}" for s, v in per[mode].items())
+            print(f"  sweep {self.size} {prec} {threads}t {mode}: {cells} -> {self.best[key][mode]}", flush=True)
+        return self.best[key]
+
+    def measure(self, threads: int) -> None:
+        """Every configuration at ``threads`` in interleaved rounds, after llama.cpp's sweep."""
+        col, multi, new = str(threads), threads > 1 and not self.args.no_multiprocess, self.args.new
+        ours = Worker([sys.executable, str(HERE / "lorapage_peer.py"), "--threads", col], self.root / "lorapage.log")
+        workers = [ours]
+        runs: dict[str, Run] = {}
+        try:
+            for prec in self.args.precisions:
+                ours.ask(
+                    op="load",
+                    name=prec,
+                    model=str(self.model),
+                    adapters={k: str(v) for k, v in self.adapters.items()},
+                    max_seqs=REQUESTS,
+                    max_len=MAX_LEN,
+                    quantization=PRECISIONS[prec][2],
+                )
+                one = self.llama_worker(prec, threads, col)
+                workers.append(one)
+                best = self.sweep(prec, threads, one)
+                for mode in LLAMA_MODES:
+                    runs[llama_name(prec, mode)] = llama_run([one], mode, best[mode], new)
+                    self.used.setdefault(llama_name(prec, mode), {})[col] = best[mode]
+                runs[ours_name(prec, True)] = ours_run(ours, prec, True, new)
+                runs[ours_name(prec, False)] = ours_run(ours, prec, False, new)
+                if multi:
+                    single = self.best.get(f"{prec}@1") or best
+                    procs = [self.llama_worker(prec, 1, f"{col}x1-{k}") for k in range(threads)]
+                    workers += procs
+                    for mode in LLAMA_MODES:
+                        name = llama_name(prec, mode, threads)
+                        runs[name] = llama_run(procs, mode, single[mode], new)
+                        self.used.setdefault(name, {})[col] = single[mode]
+            swept = (
+                {llama_name(prec, m) for prec in self.args.precisions for m in LLAMA_MODES} if not self.fixed else set()
+            )
+            warm = [name for name in runs if name not in swept]  # the sweep warmed these (weights paged in)
+            per_config, tokens = interleaved(runs, self.args.rounds, warm)
+        finally:
+            for w in workers:
+                w.close()
+        for name, rates in per_config.items():
+            self.rates.setdefault(name, {})[col] = rates
+            mixed = "base" not in name.split(":")[-1]
+            reference = [r[:new] for r in self.reference[mixed]]
+            self.agree.setdefault(name, {})[col] = agreeing(tokens[name], reference)
+
+    def report(self, threads: list[int]) -> dict:
+        med = {name: {c: median(v) for c, v in per.items()} for name, per in self.rates.items()}
+        cols = [str(t) for t in threads]
+        shape = SIZES[self.size]
+        print(
+            f"\n### {self.size} model: hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} / "
+            f"{shape['kv_heads']} heads, vocab {shape['vocab']:,}; {REQUESTS} requests x {self.args.new} tokens, "
+            f"{self.args.rounds} rounds (GGUF conversion {self.convert_s:.0f} s)\n"
+        )
+        header = ["configuration (tok/s, median; requests equal to PEFT; llama.cpp setting)"]
+        header += [f"{c} thread{'s' if c != '1' else ''}" for c in cols]
+        body = [
+            [name] + [cell(per.get(c), self.agree[name].get(c), REQUESTS, self.used.get(name, {}).get(c)) for c in cols]
+            for name, per in self.rates.items()
+        ]
+        print(table(header, body, "l" + "r" * len(cols)))
+        adapters_matter = REQUESTS - agreeing(self.reference[True], self.reference[False])
+        print(f"(adapters change the PEFT tokens of {adapters_matter} of {REQUESTS} requests)")
+        out = {}
+        for t in threads:
+            c = str(t)
+            at = {name: per[c] for name, per in med.items() if c in per}
+            procs = t if t > 1 and not self.args.no_multiprocess else 1
+            out[c] = ratios(at, self.args.precisions, procs)
+            for key, e in out[c].items():
+                print(f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']})")
+        return {
+            "shape": shape,
+            "tokens_per_s": med,
+            "rates_per_round": self.rates,
+            "agreeing_requests": self.agree,
+            "adapters_change_tokens": adapters_matter,
+            "llamacpp_settings": self.used,
+            "best_settings": self.best,
+            "sweep": self.sweeps,
+            "ratios": out,
+            "targets_met": all(met(r) for r in out.values()),
+            "convert_s": self.convert_s,
+        }
+
+
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one round per thread count (a smoke run)")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    p.add_argument(
+        "--llamacpp-python",
+        default=os.environ.get("LORAPAGE_LLAMACPP_PYTHON"),
+        help="an interpreter with llama-cpp-python (default: $LORAPAGE_LLAMACPP_PYTHON)",
+    )
     p.add_argument(
         "--llama-cpp",
         type=Path,
-        help="llama.cpp source with its converters, or the llama-cpp-python sdist (.tar.gz); default: "
-        "the installed version's sdist, fetched once with pip download",
+        help="llama.cpp source with its converters, or the llama-cpp-python sdist (.tar.gz); default: the "
+        "worker's version's sdist, fetched once with pip download",
     )
-    p.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="llama.cpp's KV cache type (default: its own)")
+    p.add_argument("--sizes", default="bench,user", help=f"models, comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    p.add_argument("--precisions", default="f32,q8_0", help=f"of {', '.join(PRECISIONS)}, comma-separated")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--sweep-rounds", type=int, default=1)
+    p.add_argument("--new", type=int, default=NEW, help=f"greedy tokens a request (at most {NEW})")
+    p.add_argument("--sweep-tokens", type=int, default=NEW, help="greedy tokens a request in the sweep")
+    p.add_argument("--fa", default="auto,off", help="llama.cpp flash attention values swept (auto, on, off)")
+    p.add_argument("--kv", default="f16,f32", help="llama.cpp KV cache types swept")
+    p.add_argument("--ubatch", default="32,512", help="llama.cpp n_ubatch values swept")
+    p.add_argument(
+        "--llamacpp-env",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="an environment variable for llama.cpp's processes (repeatable), e.g. GOMP_SPINCOUNT=3000000",
+    )
+    p.add_argument("--no-multiprocess", action="store_true", help="no llama.cpp one-process-per-core runs")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        help="a directory for the models, adapters, GGUF files and reference tokens, reused by later runs "
+        "(default: a temporary one)",
+    )
+    p.add_argument(
+        "--prepare", action="store_true", help="only write the files into --keep (no llama-cpp-python needed)"
+    )
+    p.add_argument("--settings", type=Path, help="a JSON line of an earlier run: its best settings, no sweep")
+    p.add_argument("--quick", action="store_true", help="the bench model, f32, one round, no sweep (a smoke run)")
     args = p.parse_args()
-    load_start = os.getloadavg()  # the machine's load, reported beside the figures
-    threads = [int(t) for t in args.threads.split(",")]
-    rounds = 1 if args.quick else args.rounds
-    tree = converter_dir(args.llama_cpp)
-    with tempfile.TemporaryDirectory(prefix="lorapage-peers-") as tmp:
-        root = Path(tmp)
-        model = make_model(root)
-        adapters = make_adapters(root, model, ADAPTERS)
-        t = time.perf_counter()
-        files = convert(tree, model, adapters, root / "gguf")
-        convert_s = time.perf_counter() - t
-        peft = load_peft(model, adapters)
-        reference = {mixed: peft_generate(peft, rows(mixed), NEW, "single")[1] for mixed in (True, False)}
-        del peft
-        rates: dict[str, dict[int, list[float]]] = {name: {} for name in CONFIGS}
-        agree: dict[str, dict[int, int]] = {name: {} for name in CONFIGS}
-        for n in threads:
-            per_config, tokens = measure_at(n, files, model, adapters, rounds, args.kv_type)
-            for name in CONFIGS:
-                rates[name][n] = per_config[name]
-                agree[name][n] = agreeing(tokens[name], reference[name not in BASE_CONFIGS])
-    report(rates, agree, threads, reference, convert_s, rounds, args.kv_type, load_start)
-
-
-def report(rates, agree, threads, reference, convert_s: float, rounds: int, kv_type: str, load_start) -> None:
-    med = medians(rates)
-    adapters_matter = REQUESTS - agreeing(reference[True], reference[False])
-    print(
-        f"model: hidden 512, 4 layers, vocab 4,096, fp32; {REQUESTS} requests of {PROMPT_LEN} prompt tokens, "
-        f"request i on adapter i mod {ADAPTERS} (rank 16, all modules), {NEW} greedy tokens each, EOS ignored; "
-        f"{rounds} interleaved round(s) after a warm-up, medians; llama.cpp: f32 GGUF, {kv_type} KV cache "
-        f"(conversion took {convert_s:.0f} s)"
-    )
-    print(rate_table(rates, threads))
-    print(agreement_table(agree, threads, REQUESTS) + f"\n(adapters change the tokens of {adapters_matter} requests)")
-    ratios, per_round = {}, {}
-    for t in threads:
-        best_llama = max(med[LLAMA_GROUPED][t], med[LLAMA_SWITCH][t])
-        ratios[t] = {
-            "mixed_over_llamacpp_best_mixed": med[OURS_VTC][t] / best_llama,
-            "fcfs_mixed_over_llamacpp_best_mixed": med[OURS_FCFS][t] / best_llama,
-            "base_over_llamacpp_base": med[OURS_BASE][t] / med[LLAMA_BASE][t],
-        }
-        per_round[t] = {
-            "mixed_over_llamacpp_best_mixed": round_ratios(
-                rates[OURS_VTC][t], rates[LLAMA_GROUPED][t], rates[LLAMA_SWITCH][t]
-            ),
-            "base_over_llamacpp_base": round_ratios(rates[OURS_BASE][t], rates[LLAMA_BASE][t]),
-        }
-        r, pr = ratios[t], {k: median(v) for k, v in per_round[t].items()}
-        print(
-            f"{t} thread(s): lorapage mixed (vtc) / llama.cpp best mixed = {r['mixed_over_llamacpp_best_mixed']:.2f} "
-            f"(median per round {pr['mixed_over_llamacpp_best_mixed']:.2f}; target >= 2.0; "
-            f"fcfs: {r['fcfs_mixed_over_llamacpp_best_mixed']:.2f}); lorapage base / llama.cpp base = "
-            f"{r['base_over_llamacpp_base']:.2f} (median per round {pr['base_over_llamacpp_base']:.2f}; target >= 0.8)"
+    if args.prepare and not (args.keep and args.llama_cpp):
+        p.error("--prepare writes into --keep, with the converters of --llama-cpp")
+    if not args.llamacpp_python and not args.prepare:
+        p.error("give --llamacpp-python (or set LORAPAGE_LLAMACPP_PYTHON): an interpreter with llama-cpp-python")
+    if args.quick:
+        args.sizes, args.precisions, args.rounds, args.fa, args.kv, args.ubatch = (
+            "bench",
+            "f32",
+            1,
+            "auto",
+            "f16",
+            "512",
         )
-    summary = {
-        "bench": "llamacpp",
-        "threads": threads,
-        "rounds": rounds,
-        "llamacpp_kv_type": kv_type,
-        "tokens_per_s": med,
-        "rates_per_round": rates,
-        "ratios": ratios,
-        "ratios_per_round": per_round,
-        "load_average": {"start": load_start, "end": os.getloadavg()},
-        "agreeing_requests": agree,
-        "requests": REQUESTS,
-        "adapters_change_tokens": adapters_matter,
-        "targets": {"mixed_over_llamacpp_best_mixed": ">=2.0", "base_over_llamacpp_base": ">=0.8"},
-        **machine_info(),
-    }
+    args.sizes = args.sizes.split(",")
+    args.precisions = args.precisions.split(",")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.fa, args.kv = args.fa.split(","), args.kv.split(",")
+    args.ubatch = [int(u) for u in args.ubatch.split(",")]
+    unknown = (set(args.sizes) - set(SIZES)) | (set(args.precisions) - set(PRECISIONS))
+    if unknown:
+        p.error(f"unknown size or precision: {', '.join(sorted(unknown))}")
+    args.llama_env = {**os.environ, **dict(kv.split("=", 1) for kv in args.llamacpp_env)}
+    args.fixed = {}
+    if args.settings:
+        earlier = json.loads(args.settings.read_text().strip().splitlines()[-1])
+        args.fixed = {size: r["best_settings"] for size, r in earlier["models"].items()}
+    return args
+
+
+def main() -> None:
+    args = parse()
+    load_start = os.getloadavg()
+    models = {}
+    with tempfile.TemporaryDirectory(prefix="lorapage-peers-") as tmp:
+        files = args.keep or Path(tmp)
+        llama = {"version": "-", "system": "-"}
+        if not args.prepare:
+            probe = Worker([args.llamacpp_python, str(HERE / "llamacpp_peer.py")], Path(tmp) / "probe.log")
+            try:
+                llama = probe.ask(op="version")
+            finally:
+                probe.close()
+            print(f"llama-cpp-python {llama['version']}: {llama['system']}", flush=True)
+        tree = converter_dir(args.llama_cpp, llama["version"])
+        benches = [Bench(args, files / size, size, tree) for size in args.sizes]
+        if args.prepare:
+            print(f"the models, GGUF files and reference tokens are in {files}")
+            return
+        for bench in benches:
+            for t in sorted(args.threads):  # 1 first: its best settings are the per-core processes'
+                bench.measure(t)
+                if args.keep:  # what a run stopped later still leaves
+                    (bench.root / "rates.json").write_text(json.dumps({"rates": bench.rates, "agree": bench.agree}))
+            models[bench.size] = bench.report(args.threads)
     print(machine_line())
-    print_json(summary)
+    print_json(
+        {
+            "bench": "llamacpp",
+            "sizes": args.sizes,
+            "threads": args.threads,
+            "precisions": args.precisions,
+            "rounds": args.rounds,
+            "requests": REQUESTS,
+            "new_tokens": args.new,
+            "sweep_tokens": args.sweep_tokens,
+            "llamacpp": llama,
+            "models": models,
+            "targets": {
+                "mixed_over_llamacpp_best_mixed": ">=2.0 (same weight precision)",
+                "base_over_llamacpp_base": ">=1.0 (same weight precision)",
+            },
+            "targets_met": all(m["targets_met"] for m in models.values()),
+            "load_average": {"start": load_start, "end": os.getloadavg()},
+            **machine_info(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """llama.cpp as a peer: the base and adapters converted by llama.cpp's own converters, greedy batches
-run through llama-cpp-python's C API on token ids.
+run through llama-cpp-python's C API on token ids, in a process of its own.
+
+Run as a script (``python bench/llamacpp_peer.py``, under an interpreter that has llama-cpp-python:
+the bench's ``--llamacpp-python``) it is a worker of ``peer_proc``: ``load`` a base GGUF and its
+adapters' GGUFs at a thread count, then ``run`` greedy batches at a :class:`Setting` (flash
+attention, KV cache type, ``n_ubatch``). It imports neither lorapage nor torch, so llama.cpp's
+OpenMP runtime is the only one in its process.
 
 The converters (``convert_hf_to_gguf.py``, ``convert_lora_to_gguf.py``, their ``conversion/`` package
 and the ``gguf-py`` they import) ship in the llama.cpp source, which the llama-cpp-python sdist vendors.
@@ -19,23 +25,43 @@ import tarfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
+from typing import Any, NamedTuple
 
 CONVERTERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lorapage" / "peers"
 # What the converters need from the llama.cpp tree: the scripts, the model classes, the GGUF writer.
 _SOURCE_PARTS = (*CONVERTERS, "conversion/", "gguf-py/")
 KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids (GGML_TYPE_F32, GGML_TYPE_F16)
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+N_BATCH = 2048  # the most tokens one decode call takes (llama.cpp's default n_batch)
 
 
-def converter_dir(source: Path | None) -> Path:
+class Setting(NamedTuple):
+    """A context's settings the bench sweeps: flash attention (``FLASH_ATTN``), the KV cache's type
+    (``KV_TYPES``) and ``n_ubatch``, the most tokens one graph computes (a decode call's tokens
+    beyond it run as several)."""
+
+    flash_attn: str = "auto"
+    kv_type: str = "f16"
+    ubatch: int = 512
+
+    def __str__(self) -> str:
+        return f"fa={self.flash_attn},kv={self.kv_type},ub={self.ubatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        """The setting :meth:`__str__` wrote."""
+        parts = dict(kv.split("=", 1) for kv in text.split(","))
+        return cls(parts["fa"], parts["kv"], int(parts["ub"]))
+
+
+def converter_dir(source: Path | None, version: str) -> Path:
     """The llama.cpp source holding the converters: ``source`` itself (a llama.cpp tree, or an unpacked
     llama-cpp-python sdist), the tree inside ``source`` when it is the sdist (``.tar.gz``, unpacked once
-    into the cache), or, with no ``source``, the sdist of the installed llama-cpp-python, fetched once
-    into the cache."""
+    into the cache), or, with no ``source``, the sdist of llama-cpp-python ``version`` (the one the
+    worker runs), fetched once into the cache."""
     if source is None:
-        return _unpack(_download_sdist())
+        return _unpack(_download_sdist(version))
     if source.is_dir():
         tree = source / "vendor" / "llama.cpp" if (source / "vendor" / "llama.cpp").is_dir() else source
         if not _has_converters(tree):
@@ -50,10 +76,7 @@ def _has_converters(tree: Path) -> bool:
     return all((tree / c).is_file() for c in CONVERTERS)
 
 
-def _download_sdist() -> Path:
-    import llama_cpp
-
-    version = llama_cpp.__version__
+def _download_sdist(version: str) -> Path:
     sdist = CACHE / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.exists():
         print(f"fetching the llama-cpp-python {version} sdist for llama.cpp's converters into {CACHE}", flush=True)
@@ -84,15 +107,17 @@ def _unpack(sdist: Path) -> Path:
     return out / root / "vendor" / "llama.cpp"
 
 
-def convert(tree: Path, model: Path, adapters: dict[str, Path], out: Path) -> tuple[Path, dict[str, Path]]:
-    """``model`` and ``adapters`` as float32 GGUF files under ``out``, written by llama.cpp's converters
-    (run as scripts with this Python, two at a time)."""
+def convert(
+    tree: Path, model: Path, adapters: dict[str, Path], out: Path, base_type: str = "f32", adapter_type: str = "f32"
+) -> tuple[Path, dict[str, Path]]:
+    """``model`` (as ``base_type``: f32, f16, q8_0) and ``adapters`` (as ``adapter_type``) as GGUF files
+    under ``out``, written by llama.cpp's converters (run as scripts with this Python, two at a time)."""
     out.mkdir(parents=True, exist_ok=True)
-    base = out / "base.gguf"
-    jobs = [[str(tree / CONVERTERS[0]), str(model), "--outtype", "f32", "--outfile", str(base)]]
-    files = {name: out / f"{name}.gguf" for name in adapters}
+    base = out / f"base-{base_type}.gguf"
+    jobs = [[str(tree / CONVERTERS[0]), str(model), "--outtype", base_type, "--outfile", str(base)]]
+    files = {name: out / f"{name}-{adapter_type}.gguf" for name in adapters}
     for name, path in adapters.items():
-        args = [str(path), "--base", str(model), "--outtype", "f32", "--outfile", str(files[name])]
+        args = [str(path), "--base", str(model), "--outtype", adapter_type, "--outfile", str(files[name])]
         jobs.append([str(tree / CONVERTERS[1]), *args])
 
     def run(args: list[str]) -> None:
@@ -106,23 +131,17 @@ def convert(tree: Path, model: Path, adapters: dict[str, Path], out: Path) -> tu
 
 
 class LlamaCppPeer:
-    """One llama.cpp context over the base GGUF with every adapter GGUF loaded, running greedy decoding
-    of whole batches on token ids (no tokenizer, no sampler: the argmax of each row's logits).
+    """One llama.cpp model (the base GGUF, every adapter GGUF loaded against it) running greedy decoding
+    of whole batches on token ids (no tokenizer, no sampler: the argmax of each row's logits), in a
+    context per :class:`Setting` (the last few kept).
 
-    One KV stream per sequence; the KV cache in ``kv_type`` (llama.cpp's default, float16, runs its
-    attention about twice as fast here as float32).
+    One KV stream per sequence (``kv_unified`` off, llama.cpp's default), ``threads`` for decoding and
+    for batches alike.
     """
 
-    def __init__(
-        self,
-        model: Path,
-        adapters: dict[str, Path],
-        *,
-        threads: int,
-        max_seqs: int,
-        max_len: int,
-        kv_type: str = "f16",
-    ):
+    KEEP = 3  # contexts kept: one per mode when each mode's best setting differs
+
+    def __init__(self, model: Path, adapters: dict[str, Path], *, threads: int, max_seqs: int, max_len: int):
         import llama_cpp as lc
 
         self._lc = lc
@@ -131,15 +150,6 @@ class LlamaCppPeer:
         self._model = lc.llama_model_load_from_file(str(model).encode(), lc.llama_model_default_params())
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {model}")
-        params = lc.llama_context_default_params()
-        params.n_ctx = max_seqs * -(-max_len // 256) * 256  # llama.cpp rounds each sequence's share up to 256
-        params.n_batch = params.n_ubatch = max_seqs * max_len  # any step's tokens in one decode call
-        params.n_seq_max = max_seqs
-        params.n_threads = params.n_threads_batch = threads
-        params.type_k = params.type_v = KV_TYPES[kv_type]
-        self._ctx = lc.llama_init_from_model(self._model, params)
-        if not self._ctx:
-            raise RuntimeError("llama.cpp could not make a context")
         self._adapters = {
             name: lc.llama_adapter_lora_init(self._model, str(p).encode()) for name, p in adapters.items()
         }
@@ -147,31 +157,60 @@ class LlamaCppPeer:
             if not handle:
                 raise RuntimeError(f"llama.cpp could not load the adapter {name} ({adapters[name]})")
         self._vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
-        self._batch = lc.llama_batch_init(params.n_batch, 0, 1)
-        self._current: str | None | bool = False  # the adapter set on the context (False: none set yet)
+        self._threads, self._max_seqs, self._max_len = threads, max_seqs, max_len
+        self._contexts: dict[Setting, _Context] = {}
+
+    def context(self, setting: Setting) -> _Context:
+        """The context of ``setting``, made on first use; the least recently used beyond :attr:`KEEP` freed."""
+        if setting in self._contexts:
+            self._contexts[setting] = self._contexts.pop(setting)  # most recently used last
+            return self._contexts[setting]
+        while len(self._contexts) >= self.KEEP:
+            self._contexts.pop(next(iter(self._contexts))).close()
+        lc = self._lc
+        params = lc.llama_context_default_params()
+        params.n_ctx = self._max_seqs * -(-self._max_len // 256) * 256  # each sequence's share rounds up to 256
+        params.n_batch = N_BATCH
+        params.n_ubatch = min(setting.ubatch, N_BATCH)
+        params.n_seq_max = self._max_seqs
+        params.n_threads = params.n_threads_batch = self._threads
+        params.type_k = params.type_v = KV_TYPES[setting.kv_type]
+        params.flash_attn_type = FLASH_ATTN[setting.flash_attn]
+        ctx = lc.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not make a context at {setting}")
+        self._contexts[setting] = made = _Context(lc, ctx, self._adapters, self._vocab)
+        return made
 
     def generate(
-        self, prompts: Sequence[list[int]], adapters: Sequence[str | None], new_tokens: int, *, switch_per_step: bool
+        self,
+        setting: Setting,
+        prompts: Sequence[list[int]],
+        adapters: Sequence[str | None],
+        new_tokens: int,
+        *,
+        switch_per_step: bool,
     ) -> list[list[int]]:
-        """Greedy ``new_tokens`` for each prompt on its adapter (``None``: the base).
+        """Greedy ``new_tokens`` for each prompt on its adapter (``None``: the base), at ``setting``.
 
         Rows on one adapter form one batch. ``switch_per_step``: every batch is in flight at once and
         each step makes one decode call per batch, setting that batch's adapter before it. Otherwise
         the batches run one after another, each to its end on its adapter (one decode call a step).
         """
+        ctx = self.context(setting)
         groups: dict[str | None, list[int]] = {}
         for i, a in enumerate(adapters):
             groups.setdefault(a, []).append(i)
         tokens: list[list[int]] = [[] for _ in prompts]
         waves = [list(groups.items())] if switch_per_step else [[g] for g in groups.items()]
         for wave in waves:
-            self._lc.llama_memory_clear(self._lc.llama_get_memory(self._ctx), True)
+            ctx.clear()
             # A batch's sequences get neighbouring ids: with a KV stream per sequence, llama.cpp's
             # attention spans the streams from a batch's lowest id to its highest.
             seq = {i: k for k, i in enumerate(i for _, rows in wave for i in rows)}
             for step in range(new_tokens):
                 for adapter, rows in wave:
-                    self._set_adapter(adapter)
+                    ctx.set_adapter(adapter)
                     if step == 0:
                         entries = [
                             (seq[i], pos, t, pos == len(prompts[i]) - 1)
@@ -180,11 +219,32 @@ class LlamaCppPeer:
                         ]
                     else:
                         entries = [(seq[i], len(prompts[i]) + step - 1, tokens[i][-1], True) for i in rows]
-                    for i, t in zip(rows, self._decode(entries)):
+                    for i, t in zip(rows, ctx.decode(entries)):
                         tokens[i].append(t)
         return tokens
 
-    def _set_adapter(self, name: str | None) -> None:
+    def close(self) -> None:
+        """Free the contexts, adapters and model."""
+        lc = self._lc
+        for ctx in self._contexts.values():
+            ctx.close()
+        for handle in self._adapters.values():
+            lc.llama_adapter_lora_free(handle)
+        lc.llama_model_free(self._model)
+
+
+class _Context:
+    """A llama.cpp context with its batch and the adapter set on it."""
+
+    def __init__(self, lc: Any, ctx: Any, adapters: dict[str, Any], vocab: int):
+        self._lc, self._ctx, self._adapters, self._vocab = lc, ctx, adapters, vocab
+        self._batch = lc.llama_batch_init(N_BATCH, 0, 1)
+        self._current: str | None | bool = False  # the adapter set (False: none set yet)
+
+    def clear(self) -> None:
+        self._lc.llama_memory_clear(self._lc.llama_get_memory(self._ctx), True)
+
+    def set_adapter(self, name: str | None) -> None:
         if name == self._current:
             return
         lc = self._lc
@@ -195,9 +255,11 @@ class LlamaCppPeer:
             lc.llama_set_adapters_lora(self._ctx, handles, 1, (ctypes.c_float * 1)(1.0))  # alpha / r from the GGUF
         self._current = name
 
-    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
         """One ``llama_decode`` of ``(sequence, position, token, wants_logits)`` entries; the argmax
         token of each entry that wanted logits, in order."""
+        import numpy as np
+
         b = self._batch
         for k, (seq, pos, token, wants) in enumerate(entries):
             b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = token, pos, 1, wants
@@ -210,10 +272,48 @@ class LlamaCppPeer:
         return rows.argmax(axis=1).tolist()
 
     def close(self) -> None:
-        """Free the batch, adapters, context and model."""
-        lc = self._lc
-        lc.llama_batch_free(self._batch)
-        for handle in self._adapters.values():
-            lc.llama_adapter_lora_free(handle)
-        lc.llama_free(self._ctx)
-        lc.llama_model_free(self._model)
+        self._lc.llama_batch_free(self._batch)
+        self._lc.llama_free(self._ctx)
+
+
+def worker() -> None:
+    """The worker loop (``peer_proc.serve``): ``version``; ``load`` (model, adapters, threads, max_seqs,
+    max_len); ``run`` (setting, prompts, adapters, new, switch): the tokens and the seconds they took."""
+    import time
+
+    from peer_proc import serve
+
+    state: dict[str, LlamaCppPeer] = {}
+
+    def handle(req: dict[str, Any]) -> dict[str, Any]:
+        if req["op"] == "version":
+            import llama_cpp
+
+            return {"version": llama_cpp.__version__, "system": llama_cpp.llama_print_system_info().decode()}
+        if req["op"] == "load":
+            if "peer" in state:
+                state.pop("peer").close()
+            adapters = {name: Path(p) for name, p in req["adapters"].items()}
+            state["peer"] = LlamaCppPeer(
+                Path(req["model"]), adapters, threads=req["threads"], max_seqs=req["max_seqs"], max_len=req["max_len"]
+            )
+            return {}
+        if req["op"] == "run":
+            setting = Setting.parse(req["setting"])
+            state["peer"].context(setting)  # made before the clock starts
+            start = time.perf_counter()
+            tokens = state["peer"].generate(
+                setting, req["prompts"], req["adapters"], req["new"], switch_per_step=req["switch"]
+            )
+            return {"seconds": time.perf_counter() - start, "tokens": tokens}
+        raise ValueError(f"unknown op {req['op']!r}")
+
+    try:
+        serve(handle)
+    finally:
+        if "peer" in state:
+            state["peer"].close()
+
+
+if __name__ == "__main__":
+    worker()

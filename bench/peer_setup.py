@@ -66,10 +66,11 @@ def write_llama_tokenizer(path: Path, vocab_size: int) -> Path:
     return path
 
 
-def make_model(root: Path) -> Path:
-    """The base checkpoint under ``root/base``."""
-    tokenizer = write_llama_tokenizer(root / "tokenizer", SHAPE["vocab"])
-    return write_model(root / "base", **SHAPE, tokenizer_from=tokenizer)
+def make_model(root: Path, shape: dict[str, int] | None = None) -> Path:
+    """The base checkpoint under ``root/base``: :data:`SHAPE`, or ``shape``."""
+    shape = shape or SHAPE
+    tokenizer = write_llama_tokenizer(root / "tokenizer", shape["vocab"])
+    return write_model(root / "base", **shape, tokenizer_from=tokenizer)
 
 
 def make_adapters(root: Path, model: Path, n: int) -> dict[str, Path]:
@@ -85,9 +86,18 @@ def prompts(n: int) -> list[list[int]]:
 # -- lorapage, through the public embedded API ----------------------------------------------------
 
 
-def lorapage_engine(model: Path, adapters: dict[str, Path], *, scheduler: str, max_seqs: int, max_len: int) -> Engine:
+def lorapage_engine(
+    model: Path,
+    adapters: dict[str, Path],
+    *,
+    scheduler: str,
+    max_seqs: int,
+    max_len: int,
+    quantization: str | None = None,
+) -> Engine:
     """An engine over ``model`` with ``adapters`` registered, room for all of them resident and
-    ``max_seqs`` requests at once; prefix caching off (every pass repeats its prompts)."""
+    ``max_seqs`` requests at once; prefix caching off (every pass repeats its prompts); the base's
+    weights quantized as ``quantization`` names (None: float32)."""
     config = EngineConfig(
         model=str(model),
         max_num_seqs=max_seqs,
@@ -96,6 +106,7 @@ def lorapage_engine(model: Path, adapters: dict[str, Path], *, scheduler: str, m
         max_lora_rank=RANK,
         enable_prefix_caching=False,
         scheduler=scheduler,
+        quantization=quantization,
     )
     engine = Engine(config)
     for name, path in adapters.items():

@@ -1,0 +1,100 @@
+"""The llama.cpp peer bench's bookkeeping, free of any engine: the settings grid it sweeps, the best
+setting per mode, requests split across processes, the configurations' names, the ratios against
+llama.cpp's best and the table (``bench_llamacpp.py`` runs the engines).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+
+from harness import median
+from llamacpp_peer import Setting
+
+LLAMA_MODES = ("base", "grouped", "switch")  # batched base; one adapter at a time; adapter switched per step
+MIXED_MODES = LLAMA_MODES[1:]
+MODE_WORDS = {
+    "base": "base, 32 rows per decode call",
+    "grouped": "8 adapters, one adapter at a time, its requests batched",
+    "switch": "8 adapters, 8 decode calls per step, adapter switched before each",
+}
+# precision -> (llama.cpp's base GGUF type, its adapters' type, lorapage's quantization); what each
+# engine's users run at that weight precision
+PRECISIONS = {"f32": ("f32", "f32", None), "q8_0": ("q8_0", "f16", "int8")}
+OURS = {"f32": "float32", "q8_0": "int8"}  # lorapage's base at each precision
+
+
+def grid(flash_attn: Iterable[str], kv_types: Iterable[str], ubatches: Iterable[int]) -> list[Setting]:
+    """Every combination of the swept values."""
+    return [Setting(f, k, u) for f, k, u in itertools.product(flash_attn, kv_types, ubatches)]
+
+
+def best_settings(rates: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, str]:
+    """Per mode, the setting with the highest median rate (``rates[mode][setting]``: a rate per round)."""
+    return {mode: max(per, key=lambda s: median(per[s])) for mode, per in rates.items()}
+
+
+def split(adapters: Sequence[str | None], parts: int) -> list[list[int]]:
+    """The rows of each of ``parts`` processes: whole adapter groups dealt in turn (a process keeps
+    its adapters' batches whole), or, with one group, the rows dealt in turn."""
+    groups: dict[str | None, list[int]] = {}
+    for i, a in enumerate(adapters):
+        groups.setdefault(a, []).append(i)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    if len(groups) == 1:
+        for i in range(len(adapters)):
+            out[i % parts].append(i)
+    else:
+        for g, rows in enumerate(groups.values()):
+            out[g % parts].extend(rows)
+    return [sorted(rows) for rows in out]
+
+
+def llama_name(precision: str, mode: str, processes: int = 1) -> str:
+    procs = f", {processes} processes" if processes > 1 else ""
+    return f"llama.cpp {precision}{procs}: {MODE_WORDS[mode]}"
+
+
+def ours_name(precision: str, mixed: bool) -> str:
+    what = "mixed, default scheduler (vtc)" if mixed else "base only"
+    return f"lorapage {OURS[precision]}: {what}"
+
+
+def ratios(med: Mapping[str, float], precisions: Sequence[str], processes: int) -> dict[str, dict[str, float | str]]:
+    """lorapage against llama.cpp's best at each weight precision (its base at ``precision``, float32
+    and int8 for lorapage), from the medians ``med`` of one thread count: llama.cpp's best mixed is
+    its better multi-adapter mode, in one process or (``processes`` > 1) one per core. Each entry:
+    the ratio, and which llama.cpp configuration it is against."""
+    out: dict[str, dict[str, float | str]] = {}
+    for prec in precisions:
+        procs = (1, processes) if processes > 1 else (1,)
+        mixed_peers = [llama_name(prec, m, p) for m in MIXED_MODES for p in procs]
+        base_peers = [llama_name(prec, "base", p) for p in procs]
+        best_mixed = max(mixed_peers, key=lambda n: med[n])
+        best_base = max(base_peers, key=lambda n: med[n])
+        ours = sorted({prec, "f32"})  # lorapage at the same precision, and float32 against any
+        for mine in ours:
+            out[f"lorapage_{OURS[mine]}_mixed_over_llamacpp_{prec}_best_mixed"] = {
+                "ratio": med[ours_name(mine, True)] / med[best_mixed],
+                "against": best_mixed,
+                "target": 2.0 if mine == prec else "-",
+            }
+            out[f"lorapage_{OURS[mine]}_base_over_llamacpp_{prec}_base"] = {
+                "ratio": med[ours_name(mine, False)] / med[best_base],
+                "against": best_base,
+                "target": 1.0 if mine == prec else "-",
+            }
+    return out
+
+
+def met(entries: Mapping[str, Mapping[str, float | str]]) -> bool:
+    """Every entry with a numeric target at or above it."""
+    return all(e["ratio"] >= e["target"] for e in entries.values() if isinstance(e["target"], float))
+
+
+def cell(rates: Sequence[float] | None, agree: int | None, of: int, setting: str | None = None) -> str:
+    """A table cell: the median rate, the requests agreeing with the reference, and the setting."""
+    if not rates:
+        return "-"
+    text = f"{median(rates):,.0f}" + (f" ({agree}/{of})" if agree is not None else "")
+    return text + (f" `{setting}`" if setting else "")
