@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -163,13 +164,51 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {key: int(value) for key, value in re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", text)}
 
 
+# The distinct specializations and the target, set by main() before it forks the compiling workers.
+JOBS: list[tuple] = []
+TARGET: list = []
+
+
+def compile_one(index: int) -> dict:
+    """Compile ``JOBS[index]`` to a cubin (in a forked worker) and describe it: one report row, or
+    the row's names with ``error`` when Triton refused it."""
+    from triton.compiler import ASTSource
+
+    fn, signature, constexprs, attrs, options = JOBS[index]
+    pointers = ",".join(t[1:] for t in signature.values() if t.startswith("*"))
+    consts = ",".join(
+        f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items() if fn.arg_names[path[0]].isupper()
+    )
+    start = time.perf_counter()
+    try:
+        source = ASTSource(fn, signature, constexprs, attrs)
+        compiled = triton.compile(source, target=TARGET[0], options=options.__dict__)
+    except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+        return dict(kernel=fn.__name__, pointers=pointers, constexprs=consts, error=f"{type(e).__name__}: {e}")
+    usage = resource_usage(compiled.asm["cubin"])
+    ptx = compiled.asm["ptx"]
+    # 16-byte accesses: vector loads, or the async copies software pipelining turns them into.
+    wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global", ptx))
+    return dict(
+        kernel=fn.__name__,
+        pointers=pointers,
+        constexprs=consts,
+        num_warps=options.num_warps,
+        registers=usage.get("REG", 0),
+        shared=compiled.metadata.shared,
+        local=usage.get("LOCAL", 0),
+        wide_loads=wide,
+        seconds=round(time.perf_counter() - start, 2),
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     args = parser.parse_args()
     try:
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, make_backend
+        from triton.compiler import ASTSource, make_backend  # noqa: F401 - compile_one's, checked here
         from triton.runtime.jit import create_function_from_signature
     except ImportError as e:
         print(f"this Triton ({triton.__version__}) lacks the launch internals the check uses: {e}")
@@ -184,13 +223,9 @@ def main() -> int:
     for shape in SHAPES:
         record_launches(shape, calls)
 
-    seen: dict[str, dict] = {}
-    failures = []
-    print(f"triton {triton.__version__}, target sm_{args.arch}")
-    print(
-        f"{'kernel':<22} {'signature (pointers)':<28} {'constexprs':<52} {'regs':>4} {'smem':>6} {'local':>5} "
-        f"{'16B':>4} {'s':>5}"
-    )
+    # Bind every launch (cheap, here), then compile the distinct specializations in worker
+    # processes forked from this one: each compile is independent and single-threaded.
+    jobs: dict[str, tuple] = {}
     for fn, grid, call_args, kwargs in calls:
         if not hasattr(fn, "_pack_args"):
             print(f"this Triton ({triton.__version__}) has no JITFunction._pack_args")
@@ -198,47 +233,36 @@ def main() -> int:
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*call_args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-        pointers = ",".join(t[1:] for t in signature.values() if t.startswith("*"))
-        consts = ",".join(
-            f"{fn.arg_names[path[0]]}={value}" for path, value in constexprs.items() if fn.arg_names[path[0]].isupper()
-        )
         key = f"{fn.__name__}|{signature}|{constexprs}|{attrs}|{options.num_warps}"
-        if key in seen:
-            continue
-        start = time.perf_counter()
-        try:
-            compiled = triton.compile(
-                ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+        jobs.setdefault(key, (fn, signature, constexprs, attrs, options))
+    JOBS.extend(jobs.values())
+    TARGET.append(target)
+    workers = max(1, min(len(JOBS), len(os.sched_getaffinity(0))))
+    failures = []
+    rows = []
+    print(f"triton {triton.__version__}, target sm_{args.arch}, {len(JOBS)} specializations on {workers} processes")
+    print(
+        f"{'kernel':<22} {'signature (pointers)':<28} {'constexprs':<52} {'regs':>4} {'smem':>6} {'local':>5} "
+        f"{'16B':>4} {'s':>5}"
+    )
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for index, row in enumerate(pool.imap(compile_one, range(len(JOBS)))):
+            options = JOBS[index][4]
+            name, pointers, consts = row["kernel"], row["pointers"], row["constexprs"]
+            if "error" in row:
+                failures.append(f"{name} ({pointers}; {consts}): {row['error']}")
+                print(f"{name:<22} {pointers:<28} {consts:<52} FAILED: {row['error'].split(':')[0]}")
+                continue
+            rows.append(row)
+            print(
+                f"{name:<22} {pointers:<28} {consts:<52} {row['registers']:>4} {row['shared']:>6} "
+                f"{row['local']:>5} {row['wide_loads']:>4} {row['seconds']:>5}"
             )
-        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
-            failures.append(f"{fn.__name__} ({pointers}; {consts}): {type(e).__name__}: {e}")
-            print(f"{fn.__name__:<22} {pointers:<28} {consts:<52} FAILED: {type(e).__name__}")
-            continue
-        usage = resource_usage(compiled.asm["cubin"])
-        threads = options.num_warps * 32
-        ptx = compiled.asm["ptx"]
-        # 16-byte accesses: vector loads, or the async copies software pipelining turns them into.
-        wide = len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32|cp\.async\.cg\.shared\.global", ptx))
-        row = dict(
-            kernel=fn.__name__,
-            pointers=pointers,
-            constexprs=consts,
-            num_warps=options.num_warps,
-            registers=usage.get("REG", 0),
-            shared=compiled.metadata.shared,
-            local=usage.get("LOCAL", 0),
-            wide_loads=wide,
-            seconds=round(time.perf_counter() - start, 2),
-        )
-        seen[key] = row
-        print(
-            f"{fn.__name__:<22} {pointers:<28} {consts:<52} {row['registers']:>4} {row['shared']:>6} "
-            f"{row['local']:>5} {row['wide_loads']:>4} {row['seconds']:>5}"
-        )
-        if row["registers"] * threads > REGISTERS_PER_SM:
-            failures.append(f"{fn.__name__} ({consts}): {row['registers']} registers x {threads} threads > one SM")
-        if row["shared"] > SHARED_PER_BLOCK.get(args.arch, 99 * 1024):
-            failures.append(f"{fn.__name__} ({consts}): {row['shared']} bytes of shared memory > one block's")
+            threads = options.num_warps * 32
+            if row["registers"] * threads > REGISTERS_PER_SM:
+                failures.append(f"{name} ({consts}): {row['registers']} registers x {threads} threads > one SM")
+            if row["shared"] > SHARED_PER_BLOCK.get(args.arch, 99 * 1024):
+                failures.append(f"{name} ({consts}): {row['shared']} bytes of shared memory > one block's")
     for failure in failures:
         print("FAILED", failure)
     print(
@@ -247,9 +271,9 @@ def main() -> int:
                 "check": "kernel_compile",
                 "triton": triton.__version__,
                 "arch": args.arch,
-                "compiled": len(seen),
+                "compiled": len(rows),
                 "failures": failures,
-                "kernels": list(seen.values()),
+                "kernels": rows,
             }
         )
     )

@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,13 @@ def lorapage(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
     return subprocess.run(
         [sys.executable, "-m", "lorapage.cli", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def concurrently(*runs: Callable[[], subprocess.CompletedProcess[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """Each of ``runs`` (independent commands, each a process that mostly imports), one per CPU at
+    a time: their results in order."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda run: run(), runs))
 
 
 def one_clear_line(done: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -86,18 +95,33 @@ def test_serve_on_a_busy_port_says_so_before_loading_anything():
 
 
 def test_serve_names_a_model_directory_it_cannot_use(tmp_path: Path):
-    absent = str(tmp_path / "absent")
-    one_clear_line(run_serve("--model", absent), "--model", "no such directory")
-    one_clear_line(run_serve("--model", str(tmp_path)), "--model", "config.json")
-    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
-    one_clear_line(run_serve("--model", str(tmp_path)), "config.json lacks", "vocab_size")
+    absent, empty, partial = tmp_path / "absent", tmp_path / "empty", tmp_path / "partial"
+    empty.mkdir()
+    partial.mkdir()
+    (partial / "config.json").write_text('{"hidden_size": 8}')
+    # A state directory each: they run at once, and the engine takes its state directory's lock.
+    done = concurrently(
+        *(
+            lambda d=d: run_serve("--model", str(d), env={"LORAPAGE_STATE_DIR": str(tmp_path / f"state-{d.name}")})
+            for d in (absent, empty, partial)
+        )
+    )
+    one_clear_line(done[0], "--model", "no such directory")
+    one_clear_line(done[1], "--model", "config.json")
+    one_clear_line(done[2], "config.json lacks", "vocab_size")
 
 
 def test_bad_values_are_one_line(tmp_path: Path):
-    one_clear_line(run_serve("--access-log", str(tmp_path / "absent" / "log")), "--access-log")
-    one_clear_line(run_serve("--max-loras", "0"), "max_loras must be >= 1")
-    one_clear_line(run_serve("--slo-window", "0"), "--slo-window must be")
-    one_clear_line(lorapage("demo", "--max-tokens", "0"), "--max-tokens", "max_tokens")
+    done = concurrently(
+        lambda: run_serve("--access-log", str(tmp_path / "absent" / "log")),
+        lambda: run_serve("--max-loras", "0"),
+        lambda: run_serve("--slo-window", "0"),
+        lambda: lorapage("demo", "--max-tokens", "0"),
+    )
+    one_clear_line(done[0], "--access-log")
+    one_clear_line(done[1], "max_loras must be >= 1")
+    one_clear_line(done[2], "--slo-window must be")
+    one_clear_line(done[3], "--max-tokens", "max_tokens")
 
 
 def test_serve_help_lists_the_two_lora_counts_the_tail_lanes_and_the_host_byte_bound():
@@ -143,14 +167,12 @@ def test_lane_and_slot_flags_reach_the_engine_s_policy_and_residency_rules():
 
 
 def test_bad_lane_and_slot_values_are_one_line():
-    one_clear_line(
-        run_serve("--max-loras", "8", "--max-resident-loras", "4"),
-        "max_resident_loras (4) must be >= max_loras (8)",
+    done = concurrently(
+        lambda: run_serve("--max-loras", "8", "--max-resident-loras", "4"),
+        lambda: run_serve("--max-loras", "8", "--reserved-tail-lanes", "8"),
     )
-    one_clear_line(
-        run_serve("--max-loras", "8", "--reserved-tail-lanes", "8"),
-        "reserved_tail_lanes must be in [0, max_loras=8)",
-    )
+    one_clear_line(done[0], "max_resident_loras (4) must be >= max_loras (8)")
+    one_clear_line(done[1], "reserved_tail_lanes must be in [0, max_loras=8)")
 
 
 def test_the_command_sets_openmp_spin_before_torch_loads(monkeypatch):

@@ -239,12 +239,14 @@ async def _serve_fails(*args: str) -> str:
 
 
 async def test_serve_refuses_an_unbound_lora_module_and_a_bad_base_names_file(tmp_path):
-    err = await _serve_fails("--lora-modules", f"stray={named(tmp_path / 'stray', 'some/other-base')}")
-    assert "adapter 'stray'" in err and "'some/other-base'" in err and "--allow-unbound" in err
     bad = tmp_path / "bases.toml"
     bad.write_text('"tiny" = "sha256:nope"\n')
-    err = await _serve_fails("--base-names", str(bad))
-    assert f"--base-names {bad}: 'tiny': sha256 must be 64 hex digits" in err
+    err, err2 = await asyncio.gather(  # independent commands, both at once
+        _serve_fails("--lora-modules", f"stray={named(tmp_path / 'stray', 'some/other-base')}"),
+        _serve_fails("--base-names", str(bad)),
+    )
+    assert "adapter 'stray'" in err and "'some/other-base'" in err and "--allow-unbound" in err
+    assert f"--base-names {bad}: 'tiny': sha256 must be 64 hex digits" in err2
 
 
 def test_the_flags_reach_the_config(tmp_path):

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -260,8 +261,10 @@ async def test_serve_takes_base_flags(near, tmp_path):
             async with session.post(served.url + "/v1/completions", json=body, headers=headers) as resp:
                 assert resp.status == 200 and (await resp.json())["model"] == "near"
         assert served.stop(30) == 0
-    for args in (["--base", str(tmp_path / "absent")], ["--merge", "acme", "--base", str(near)]):
-        done = run_serve(*args)
+    refusals = (["--base", str(tmp_path / "absent")], ["--merge", "acme", "--base", str(near)])
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent commands, both at once
+        done_all = list(pool.map(lambda args: run_serve(*args), refusals))
+    for done in done_all:
         err = done.stderr
         assert done.returncode == 2 and "--base" in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err

@@ -136,10 +136,11 @@ async def test_access_log_and_slo_window_reach_the_ingress_or_are_refused_before
     assert config.access_log == str(tmp_path / "access.jsonl") and config.slo_window_s == 60.0
     assert fleet_config(build_parser().parse_args(["--access-log", "-"]), 1.0, "").access_log == "-"
     missing = tmp_path / "missing" / "access.jsonl"
-    code, out, err = await _run_fleet("--access-log", str(missing), timeout_s=60)
+    (code, out, err), (code2, out2, err2) = await asyncio.gather(  # independent: both at once
+        _run_fleet("--access-log", str(missing), timeout_s=60), _run_fleet("--slo-window", "0", timeout_s=60)
+    )
     assert code == 2 and f"--access-log {missing}: No such file" in err and "Traceback" not in err
-    code, out, err = await _run_fleet("--slo-window", "0", timeout_s=60)
-    assert code == 2 and "--slo-window must be a number of seconds > 0" in err and "key" not in out
+    assert code2 == 2 and "--slo-window must be a number of seconds > 0" in err2 and "key" not in out2
 
 
 async def test_api_key_is_the_single_tenant_and_not_beside_a_tenants_file(tmp_path: Path, capsys) -> None:

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -120,8 +121,10 @@ async def test_serve_api_key_from_the_environment_and_not_beside_a_tenants_file(
                 assert resp.status == 200
     tenants = tmp_path / "tenants.toml"
     tenants.write_text("[tenants.a]\n")
-    for args in (["--api-key", "k", "--tenants", str(tenants)], ["--api-key", "two words"]):
-        bad = run_serve(*args)
+    refused = (["--api-key", "k", "--tenants", str(tenants)], ["--api-key", "two words"])
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent commands, both at once
+        runs = list(pool.map(lambda args: run_serve(*args), refused))
+    for bad in runs:
         err = bad.stderr
         assert bad.returncode == 2 and "--api-key" in err and len(err.strip().splitlines()) == 1, err
 

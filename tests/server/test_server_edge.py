@@ -14,6 +14,7 @@ import logging
 import sqlite3
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -416,8 +417,10 @@ async def test_a_corrupt_or_unusable_state_dir_ends_serve_with_one_line(tmp_path
     (corrupt / "registry.sqlite3").write_bytes(b"this is not an SQLite file " * 100)
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("a file, not a directory")
-    for state_dir, what in ((corrupt, "corrupt"), (not_a_dir, "cannot write")):
-        done = run_serve("--state-dir", str(state_dir))
+    cases = ((corrupt, "corrupt"), (not_a_dir, "cannot write"))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent commands (own state dirs), both at once
+        runs = list(pool.map(lambda case: run_serve("--state-dir", str(case[0])), cases))
+    for (state_dir, what), done in zip(cases, runs, strict=True):
         rc, stderr = done.returncode, done.stderr
         lines = [line for line in stderr.splitlines() if line.startswith("lorapage serve:")]
         assert rc == 2, stderr[-2000:]
