@@ -98,7 +98,9 @@ async def test_a_replica_past_the_pinned_guard_takes_no_new_adapter(fleet_url) -
     owned_by_a = owned[a]
     held, new = owned_by_a[0], owned_by_a[1:4]
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as s:
+    # A fresh connection a request: a kept-alive one the ingress closed meanwhile would fail the next.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as s:
 
         async def held_shares() -> dict[str, float]:
             """Per replica, what the guard compares: held pages over adapter room, or held lora
