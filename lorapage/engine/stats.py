@@ -71,6 +71,8 @@ class EngineStats:
     adapter_held_pages: int = 0  # pages of resident adapters that cannot be evicted now (pinned, hot, in use)
     pool_page_bytes: int = 0  # the bytes of one pool page
     adapter_room_pages: int = 0  # the lora slots' pages: slots x pages of an adapter of max_lora_rank, at most the pool
+    adapter_held_slots: int = 0  # lora slots taken by those adapters (held pages may be few: low-rank adapters)
+    adapter_slots: int = 0  # the lora slots (max_resident_loras)
     tokens_in_flight: int = 0  # prompt + remaining output tokens of every request queued or running here
     # -- a dedicated deployment (lorapage serve --merge): its equivalence check; None: the shared pool
     merged_deployment: Mapping[str, Any] | None = None
@@ -146,6 +148,8 @@ def gather_stats(
         adapter_held_pages=held_adapter_pages(adapters),
         pool_page_bytes=memory.page_bytes,
         adapter_room_pages=min(memory.max_resident_loras * memory.tables.page_table.shape[1], pool.capacity),
+        adapter_held_slots=len(held_adapters(adapters)),
+        adapter_slots=memory.max_resident_loras,
         tokens_in_flight=sum(
             r.num_prompt_tokens + max(r.max_tokens - len(r.output_ids), 0) for r in planner.requests.values()
         ),
@@ -153,15 +157,21 @@ def gather_stats(
     )
 
 
+def held_adapters(adapters: AdapterParts) -> dict[str, int]:
+    """Resident adapters that cannot be evicted now (pinned, kept hot, or with requests queued or
+    running): version key -> its pool pages."""
+    rules = adapters.residency
+    return {
+        key: pages
+        for key, pages in rules.slots.resident_pages().items()
+        if (r := rules.adapters[key]).pinned or r.hot or r.running or r.waiting
+    }
+
+
 def held_adapter_pages(adapters: AdapterParts) -> int:
     """Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or with
     requests queued or running."""
-    rules = adapters.residency
-    return sum(
-        pages
-        for key, pages in rules.slots.resident_pages().items()
-        if (r := rules.adapters[key]).pinned or r.hot or r.running or r.waiting
-    )
+    return sum(held_adapters(adapters).values())
 
 
 def _running_by_tenant(running: list[Request], seen: Iterable[str]) -> dict[str, int]:

@@ -324,6 +324,9 @@ class EngineReplica:
             # whole pool: KV pages are never adapter room, so the guard could not fire that way.
             "pinned_bytes": stats.adapter_held_pages * stats.pool_page_bytes,
             "adapter_room_bytes": stats.adapter_room_pages * stats.pool_page_bytes,
+            # and of its lora slots: a slot fits a max-rank adapter, so slots can run out first.
+            "held_slots": stats.adapter_held_slots,
+            "slots": stats.adapter_slots,
             # The join sequence (lorapage.fleet.prewarm.JoinGate): traffic once its pre-warms settled.
             "prewarms_settled": self._prewarms_settled,
         }

@@ -48,6 +48,8 @@ def replica_view(replica_id: str, queued: int | None, max_ongoing: int, stats: M
         kv_free=float(stats.get("kv_free", 1.0)),
         pinned_bytes=int(stats.get("pinned_bytes", 0)),
         adapter_room_bytes=int(stats.get("adapter_room_bytes", 0)),
+        held_slots=int(stats.get("held_slots", 0)),
+        slots=int(stats.get("slots", 0)),
     )
 
 

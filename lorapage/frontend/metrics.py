@@ -88,6 +88,12 @@ ENGINE_SERIES: tuple[EngineSeries, ...] = (
         "Pool pages of resident adapters that cannot be evicted now: pinned, kept hot, or in use.",
         "adapter_held_pages",
     ),
+    EngineSeries(
+        "lorapage_engine_adapter_held_slots",
+        "Lora slots of resident adapters that cannot be evicted now (the guard's other share).",
+        "adapter_held_slots",
+    ),
+    EngineSeries("lorapage_engine_adapter_slots", "Lora slots (max_resident_loras).", "adapter_slots"),
     EngineSeries("lorapage_engine_pool_page_bytes", "Bytes of one pool page.", "pool_page_bytes"),
     EngineSeries("lorapage_engine_pool_pages_total", "Pages in the pool.", "pool_pages_total"),
     EngineSeries("lorapage_engine_pool_pages_kv", "Pool pages of KV blocks held by sequences.", "pool_pages_kv"),

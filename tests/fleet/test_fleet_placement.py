@@ -133,6 +133,10 @@ def test_pinned_bytes_guard_sends_new_adapters_elsewhere() -> None:
     # every replica past the guard: the request still goes somewhere
     assert router.choose("a", _views(4, **{r: guarded for r in ids})) in (first, second)
     assert router.guarded >= 2
+    # every lora slot held by adapters smaller than a max-rank slot: few bytes, no slot left
+    by_slots = {"pinned_bytes": 76, "adapter_room_bytes": 100, "held_slots": 4, "slots": 4}
+    views = _views(4, **{first: by_slots, second: {"tokens_in_flight": 4000}})
+    assert router.choose("a", views) == second
 
 
 def test_prewarms_name_new_owners_when_the_owner_count_grows() -> None:

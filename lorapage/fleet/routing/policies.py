@@ -48,6 +48,10 @@ class ReplicaView:
     kv_free: float = 1.0
     pinned_bytes: int = 0
     adapter_room_bytes: int = 0
+    # The same in lora slots: a slot is sized for an adapter of max_lora_rank on every module, so
+    # slots full of smaller held adapters leave bytes but no slot (0: unknown).
+    held_slots: int = 0
+    slots: int = 0
 
     @property
     def load(self) -> float:
@@ -56,8 +60,10 @@ class ReplicaView:
 
     @property
     def pinned_fraction(self) -> float:
-        """Held adapter bytes over the adapter room (0 when the room is unknown)."""
-        return self.pinned_bytes / self.adapter_room_bytes if self.adapter_room_bytes > 0 else 0.0
+        """Held adapter bytes over the adapter room, or held lora slots over the slots, whichever
+        is more (0 when both are unknown)."""
+        by_bytes = self.pinned_bytes / self.adapter_room_bytes if self.adapter_room_bytes > 0 else 0.0
+        return max(by_bytes, self.held_slots / self.slots if self.slots > 0 else 0.0)
 
 
 class Router(Protocol):
