@@ -26,11 +26,18 @@ from lorapage.kernels import linear_cpu as cpu
 QMAX = 127
 
 
-class Int8Rows(Tensor):
-    """An int8 weight [d_out, d_in] carrying its per-row ``scales`` [d_out] (bfloat16)."""
+class ScaledRows(Tensor):
+    """A quantized weight ``q`` [d_out, d_in] carrying its per-row ``scales`` [d_out]: it stands for
+    ``q * scales[:, None]`` (:func:`dequantize`)."""
 
     scales: Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # plain int8 ops
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # plain tensor ops
+
+
+class Int8Rows(ScaledRows):
+    """An int8 weight [d_out, d_in] carrying its per-row ``scales`` [d_out]: bfloat16 (the kernel's),
+    or float32 where a pre-quantized checkpoint's scales are not bfloat16 values (applied to the GEMM's
+    output instead, so the checkpoint's scales are used exactly)."""
 
 
 def bf16_round_up(x: Tensor) -> Tensor:
@@ -61,8 +68,8 @@ def pack_int8(weight: Tensor) -> Tensor:
 
 
 def dequantize(weight: Tensor) -> Tensor:
-    """A packed weight as float32 ``q * s`` (a new tensor); any other weight as it is."""
-    if not isinstance(weight, Int8Rows):
+    """A packed weight (int8 or fp8 rows) as float32 ``q * s`` (a new tensor); any other weight as it is."""
+    if not isinstance(weight, ScaledRows):
         return weight
     return weight.as_subclass(Tensor).float() * weight.scales.float()[:, None]
 
@@ -70,7 +77,7 @@ def dequantize(weight: Tensor) -> Tensor:
 def dense_weight(weight: Tensor) -> Tensor:
     """Any base weight as a plain tensor: an int8 one dequantized to float32, a oneDNN-packed one
     unpacked (:func:`lorapage.kernels.linear_cpu.dense_weight`), others as they are."""
-    return dequantize(weight) if isinstance(weight, Int8Rows) else cpu.dense_weight(weight)
+    return dequantize(weight) if isinstance(weight, ScaledRows) else cpu.dense_weight(weight)
 
 
 def linear_int8(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -78,6 +85,9 @@ def linear_int8(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     ``x``'s dtype; another weight (the logits' ``lm_head``, float32) runs :func:`linear_cpu`."""
     if not isinstance(weight, Int8Rows):
         return cpu.linear_cpu(x, weight, bias)
-    y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), weight.as_subclass(Tensor), weight.scales)
-    y = y.to(x.dtype)
+    xb, q, scales = x.to(torch.bfloat16).contiguous(), weight.as_subclass(Tensor), weight.scales
+    if scales.dtype == torch.bfloat16:
+        y = torch._weight_int8pack_mm(xb, q, scales).to(x.dtype)
+    else:  # a checkpoint's float32 scales: bf16(bf16(x) @ q.T) * s, the same one output rounding
+        y = torch._weight_int8pack_mm(xb, q, torch.ones_like(scales, dtype=torch.bfloat16)).to(x.dtype) * scales
     return y if bias is None else y + bias

@@ -18,7 +18,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 # vLLM's kv_cache_dtype names (and their long forms) -> the pages' dtype; auto: the model's.
 KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-QUANTIZATIONS = ("int8",)  # vLLM's --quantization names lorapage has (None: the weights in dtype)
+QUANTIZATIONS = ("int8", "fp8")  # vLLM's --quantization names lorapage has (None: the weights in dtype)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # accepted names, refused with a reason
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
@@ -95,8 +95,10 @@ class EngineConfig:
     quantization: str | None = option(
         None,
         "the base's weights quantized at load (vLLM's --quantization): int8 is weight-only, per output channel, "
-        "symmetric, on a CPU through torch's int8 GEMM (bfloat16 activations into it); the LoRA ops, attention "
-        "and logits stay in the model's dtype (docs/kernels.md)",
+        "symmetric, on a CPU through torch's int8 GEMM (bfloat16 activations into it); fp8 is e4m3 weight-only per "
+        "output channel, for CUDA (on a CPU a slow correctness path); the LoRA ops, attention and logits stay in "
+        "the model's dtype. A pre-quantized (compressed-tensors) checkpoint is detected: none serves it as it is "
+        "quantized (docs/kernels.md)",
         group="model",
         choices=QUANTIZATIONS,
         none="none: the weights in --dtype",
@@ -460,7 +462,7 @@ class EngineConfig:
                 "in the model's dtype, or in bfloat16 / float16 under a float32 one (pages share the pool's "
                 "memory, and the ops widen weights to the model's dtype, which another 16-bit type is not)"
             )
-        if self.quantization is not None and self.dtype != "float32":
+        if self.quantization not in (None, "fp8") and self.dtype != "float32":
             raise ValueError(
                 f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernel runs bfloat16 "
                 f"activations into an int8 GEMM and widens the result to float32); got {self.dtype}"

@@ -57,9 +57,10 @@ from lorapage.memory.sizing import POOL_HEADROOM_BYTES, lora_slots, pages_for_me
 from lorapage.model.config import ModelConfig, context_length
 from lorapage.model.gemma import GemmaModel
 from lorapage.model.llama import LlamaModel, lora_h_width
-from lorapage.model.loader import load_state_dict, model_digest
+from lorapage.model.loader import model_digest
 from lorapage.model.lora_tables import LoraTables
 from lorapage.model.merge import module_weight
+from lorapage.model.quantized_checkpoint import load_checkpoint, quantized_base
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
@@ -186,10 +187,10 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
 
 def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
     """The base's weights on the device: loaded before the pool, which on CUDA is sized from what they leave."""
-    state, tp = load_state_dict(base.model_dir, sizing.dtype), sizing.tensor_parallel_size
-    weights = shard_base(state, 0, tp, base.model_config)
-    family = GemmaModel if base.model_config.gemma is not None else LlamaModel
-    return family(sizing.shard_model, weights, sizing.device, sizing.dtype, sizing.max_model_len)
+    state, scales = load_checkpoint(base.model_dir, sizing.dtype, base.model_config)
+    weights = shard_base(state, 0, sizing.tensor_parallel_size, base.model_config)
+    arch = GemmaModel if base.model_config.gemma is not None else LlamaModel
+    return quantized_base(arch(sizing.shard_model, weights, sizing.device, sizing.dtype, sizing.max_model_len), scales)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -287,8 +288,7 @@ def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
     ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype)
-    if config.quantization is not None:
-        ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
+    ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
     runner = ModelRunner(
         model,
         memory.pool,

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from lorapage.kernels.backend import KernelOps
-from lorapage.kernels.linear_cpu import pack_weight
+from lorapage.kernels.linear_cpu import keep_weight, pack_weight
+from lorapage.kernels.linear_fp8 import linear_fp8, pack_fp8
 from lorapage.kernels.linear_int8 import linear_int8, pack_int8
 from lorapage.model.config import ModelConfig
+from lorapage.model.quant_scheme import serving_quantization
 from lorapage.tenancy.fair_workers import FairWorkers
 
 # Keyed by lorapage.config.DTYPE_NAMES.
@@ -154,15 +156,25 @@ class Threads:
             self.copies.shutdown(wait=False, cancel_futures=True)
 
 
-def quantized_ops(ops: KernelOps, quantization: str, device: torch.device, model: ModelConfig) -> KernelOps:
-    """``ops`` with the base's projections quantized as ``quantization`` names (EngineConfig
-    checked the name and the float32 dtype): int8 weight-only on a CPU (``kernels/linear_int8.py``).
-    ValueError where it cannot run: on CUDA, or a MoE base (its experts' weights are held apart)."""
+def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device, model: ModelConfig) -> KernelOps:
+    """``ops`` with the base's projections quantized: as ``quantization`` names (EngineConfig checked
+    the name and the dtype), or as the pre-quantized checkpoint is (``model.quantization``; the two
+    must agree); ``ops`` as they are when neither is. int8 weight-only on a CPU
+    (``kernels/linear_int8.py``); fp8 weight-only anywhere (``kernels/linear_fp8.py``: on a CPU a
+    slow correctness path). ValueError where it cannot run: int8 on CUDA, or a MoE base (its
+    experts' weights are held apart)."""
+    name = serving_quantization(quantization, model.quantization)
+    if name is None:
+        return ops
+    if model.moe is not None:
+        raise ValueError(f"EngineConfig.quantization {name!r}: a MoE base's experts are not quantized yet")
+    if name == "fp8":  # the logits' lm_head stays in the model's dtype, a plain tensor for F.linear
+        return dataclasses.replace(ops, pack_weight=pack_fp8, linear=linear_fp8, pack_logits=keep_weight)
     if device.type != "cpu":
         raise ValueError(
-            f"EngineConfig.quantization {quantization!r} runs on a CPU only (torch's int8 weight-only GEMM); "
-            "on CUDA serve the unquantized base"
+            f"EngineConfig.quantization {name!r} runs on a CPU only (torch's int8 weight-only GEMM); "
+            "on CUDA serve fp8 or the unquantized base"
         )
-    if model.moe is not None:
-        raise ValueError(f"EngineConfig.quantization {quantization!r}: a MoE base's experts are not quantized yet")
+    if name == "w8a8":
+        raise ValueError("a W8A8 (int8 weights and dynamic per-token int8 activations) base is not supported yet")
     return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear_int8, pack_logits=pack_weight)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lorapage.model.gemma_config import GEMMA_ARCHITECTURES, REFUSED, GemmaConfig
 from lorapage.model.moe_config import MOE_ARCHITECTURES, MoeConfig, split_expert_module
+from lorapage.model.quant_scheme import CheckpointQuantization, checkpoint_quantization
 from lorapage.model.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = (
@@ -56,6 +57,8 @@ class ModelConfig:
     # Tensor-parallel ranks an adapter is split over (lorapage.parallel.shard_config): on a rank's
     # model, its LoRA pages hold 1/lora_shards of each matrix (lora_shape); 1 on one device.
     lora_shards: int = 1
+    # A pre-quantized checkpoint's scheme (compressed-tensors, quant_scheme.py); None: float weights.
+    quantization: CheckpointQuantization | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -102,6 +105,7 @@ class ModelConfig:
             layer_windows=layer_windows(raw, arch, raw["num_hidden_layers"]),
             gemma=gemma,
             moe=MoeConfig.from_raw(arch, raw),
+            quantization=checkpoint_quantization(raw),
         )
 
     def window(self, layer: int) -> int | None:

@@ -1,0 +1,123 @@
+"""Pre-quantized checkpoints (compressed-tensors, written by its own API) against transformers +
+compressed-tensors + PEFT on the same checkpoint and adapter: the engine detects the scheme from
+config.json and serves the checkpoint's own values and scales.
+
+Bounds: fp8 weights are exact in float32, and lorapage's ``(x @ q.T) * s`` is transformers'
+``x @ (q * s).T`` reordered: float32 sums only (1e-4, as every float32 comparison in tests/model).
+int8 runs bfloat16 activations into torch's kernel: its reference rounds the same way (hooks,
+tests/ct_checkpoints.py), which leaves float32 sums, and a bfloat16 rounding those sums can tip
+(2^-8 of one element, ~1e-3 of a logprob here): 1e-2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ct_checkpoints import compress_checkpoint, round_like_the_int8_kernel
+from hf_reference import make_peft_adapter, make_random_llama
+
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.kernels.linear_fp8 import Fp8Rows, pack_fp8
+from lorapage.kernels.linear_int8 import Int8Rows, dequantize
+
+pytest.importorskip("compressed_tensors")
+
+PROMPTS = [[5, 9, 17, 33, 60, 2, 8], [100, 3, 41]]
+TOKENS = 4
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ct")
+    src = make_random_llama(root / "float", seed=3)
+    return {
+        "float": src,
+        "adapter": make_peft_adapter(src, root / "adapter", r=8, targets=MODULES, seed=4),
+        "int8": compress_checkpoint(src, root / "int8"),
+        "int8-packed": compress_checkpoint(src, root / "int8-packed", fmt="pack-quantized"),
+        "fp8": compress_checkpoint(src, root / "fp8", weight_type="float"),
+        # per-tensor scales, and an lm_head quantized too (dequantized at load, as transformers does)
+        "fp8-tensor": compress_checkpoint(src, root / "fp8-tensor", weight_type="float", strategy="tensor", ignore=()),
+        "int8-partial": compress_checkpoint(src, root / "int8-partial", ignore=("lm_head", "re:.*down_proj")),
+    }
+
+
+def reference(model_dir, adapter_dir, prompt, prepare=None):
+    """Greedy tokens and logprobs from transformers (decompressing the checkpoint) + PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        base(torch.tensor([[0]]))  # compressed-tensors decompresses on the first forward (a packed weight too)
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    if prepare is not None:
+        prepare(model)
+    ids, tokens, lps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            tokens.append(int(lp.argmax()))
+            lps.append(float(lp.max()))
+            ids.append(tokens[-1])
+    return tokens, lps
+
+
+def served(model_dir, adapter_dir, **config):
+    engine = Engine(EngineConfig(model=str(model_dir), num_threads=1, max_lora_rank=16, allow_unbound=True, **config))
+    engine.add_adapter("a", str(adapter_dir))
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=0)
+    return engine, engine.generate_batch([(p, "a") for p in PROMPTS], params)
+
+
+@pytest.mark.parametrize(
+    "kind, rows, tol",
+    [("int8", Int8Rows, 1e-2), ("int8-packed", Int8Rows, 1e-2), ("fp8", Fp8Rows, 1e-4), ("fp8-tensor", Fp8Rows, 1e-4)],
+)
+def test_a_compressed_checkpoint_gives_transformers_tokens(ckpts, kind, rows, tol):
+    engine, outs = served(ckpts[kind], ckpts["adapter"])
+    assert isinstance(engine.debug.runner.ctx.model.layers[0]["qkv"], rows)
+    prepare = round_like_the_int8_kernel if rows is Int8Rows else None
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        tokens, lps = reference(ckpts[kind], ckpts["adapter"], prompt, prepare)
+        assert out.token_ids == tokens
+        assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=tol)
+
+
+def test_the_checkpoint_values_and_scales_are_served_as_they_are(ckpts):
+    """The engine's fused q/k/v rows are the checkpoint's int8 values and float32 scales, not a
+    dequantized weight quantized again (packed and plain formats alike)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(ckpts["int8"] / "model.safetensors"))
+    for kind in ("int8", "int8-packed"):
+        qkv = Engine(EngineConfig(model=str(ckpts[kind]), num_threads=1)).debug.runner.ctx.model.layers[1]["qkv"]
+        names = [f"model.layers.1.self_attn.{m}_proj" for m in "qkv"]
+        assert torch.equal(qkv.as_subclass(torch.Tensor), torch.cat([state[n + ".weight"] for n in names]))
+        assert torch.equal(qkv.scales, torch.cat([state[n + ".weight_scale"].reshape(-1) for n in names]))
+
+
+def test_quantizing_at_load_matches_the_compressed_fp8_checkpoint(ckpts):
+    """``quantization fp8`` on the float checkpoint rounds each weight as compressed-tensors does:
+    the same tokens and logprobs as the engine serving its fp8 checkpoint."""
+    _, at_load = served(ckpts["float"], ckpts["adapter"], quantization="fp8")
+    _, stored = served(ckpts["fp8"], ckpts["adapter"])
+    assert [o.token_ids for o in at_load] == [o.token_ids for o in stored]
+    for a, b in zip(at_load, stored, strict=True):
+        assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-5)
+    engine = Engine(EngineConfig(model=str(ckpts["float"]), quantization="fp8", num_threads=1))
+    w = engine.debug.runner.ctx.model.layers[0]["down"]
+    assert isinstance(w, Fp8Rows) and torch.equal(dequantize(w), dequantize(pack_fp8(dequantize(w))))
+
+
+@pytest.mark.parametrize(
+    "kind, config, message",
+    [
+        ("int8", dict(quantization="fp8"), "disagrees with the checkpoint, which is already quantized int8"),
+        ("int8", dict(dtype="bfloat16"), "serve it with dtype float32"),
+        ("int8-partial", {}, "leaves model.layers.0.mlp.down_proj .* unquantized"),
+    ],
+)
+def test_a_checkpoint_the_engine_cannot_serve_as_asked_is_refused(ckpts, kind, config, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(EngineConfig(model=str(ckpts[kind]), num_threads=1, **config))
