@@ -16,6 +16,7 @@ import torch
 from lorapage.kernels.backend import KernelOps
 from lorapage.kernels.linear_cpu import pack_weight
 from lorapage.kernels.linear_int8 import linear_int8, pack_int8
+from lorapage.kernels.linear_w8a8 import linear_w8a8
 from lorapage.model.config import ModelConfig
 from lorapage.tenancy.fair_workers import FairWorkers
 
@@ -156,13 +157,15 @@ class Threads:
 
 def quantized_ops(ops: KernelOps, quantization: str, device: torch.device, model: ModelConfig) -> KernelOps:
     """``ops`` with the base's projections quantized as ``quantization`` names (EngineConfig
-    checked the name and the float32 dtype): int8 weight-only on a CPU (``kernels/linear_int8.py``).
+    checked the name and the float32 dtype) on a CPU: int8 weight-only (``kernels/linear_int8.py``), or
+    w8a8, the same int8 weights with the activations quantized per token (``kernels/linear_w8a8.py``).
     ValueError where it cannot run: on CUDA, or a MoE base (its experts' weights are held apart)."""
     if device.type != "cpu":
         raise ValueError(
-            f"EngineConfig.quantization {quantization!r} runs on a CPU only (torch's int8 weight-only GEMM); "
+            f"EngineConfig.quantization {quantization!r} runs on a CPU only (torch's int8 GEMMs there); "
             "on CUDA serve the unquantized base"
         )
     if model.moe is not None:
         raise ValueError(f"EngineConfig.quantization {quantization!r}: a MoE base's experts are not quantized yet")
-    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear_int8, pack_logits=pack_weight)
+    linear = linear_w8a8 if quantization == "w8a8" else linear_int8
+    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear, pack_logits=pack_weight)
