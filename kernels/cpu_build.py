@@ -1,5 +1,5 @@
-"""Compiling the CPU path's C kernels (``lora_cpu.c`` with ``lora_cpu_body.h`` and ``attention_cpu.h``) once
-per variant, and loading them.
+"""Compiling the CPU path's C kernels (``lora_cpu.c`` with ``lora_cpu_body.h``, ``attention_cpu.h`` and
+``linear_w8a8.h``) once per variant, and loading them.
 
 A variant (``cpu_isa.py``) is the kernels built for one ISA level (baseline x86-64, AVX, AVX2,
 AVX-512; a portable build elsewhere); :func:`cpu_kernels` loads the best one this CPU runs, or
@@ -32,7 +32,7 @@ from lorapage.kernels.cpu_isa import Variant
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
-SOURCES = (SOURCE, SOURCE.with_name("lora_cpu_body.h"), SOURCE.with_name("attention_cpu.h"))  # the cache key
+SOURCES = tuple(SOURCE.with_name(n) for n in ("lora_cpu.c", "lora_cpu_body.h", "attention_cpu.h", "linear_w8a8.h"))
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")  # then the variant's
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Argument types, in the order of lora_cpu.c's signatures: pool slab, page stride, page size,
@@ -58,6 +58,9 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
         for op, args in (("shrink", _SHRINK), ("expand", _EXPAND), ("group", _GROUP))
     },
     **{f"decode_attention_{kv}": (_DECODE_ATTENTION, ctypes.c_int) for kv in KV_DTYPES.values()},
+    # linear_w8a8.h: x, its row stride, rows, d_in, q, scales, threads; acc, rows, d_out, s_x, s_w, bias, threads
+    "w8a8_quantize_rows": ([_P, _I, _I, _I, _P, _P, _INT], None),
+    "w8a8_rescale": ([_P, _I, _I, _P, _P, _P, _INT], None),
 }
 
 
@@ -172,6 +175,8 @@ def _load(
                 _build(toolchain, flags, target, sources[0])
     lib = ctypes.CDLL(str(target))
     for name, (argtypes, restype) in SIGNATURES.items():
+        if not hasattr(lib, name):  # an older revision's sources (bench_ab.py) lack the newer kernels
+            continue
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib

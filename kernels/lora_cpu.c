@@ -228,3 +228,5 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #undef NARROW
 
 #include "attention_cpu.h"
+
+#include "linear_w8a8.h"

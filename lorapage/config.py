@@ -18,7 +18,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
 # vLLM's kv_cache_dtype names (and their long forms) -> the pages' dtype; auto: the model's.
 KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-QUANTIZATIONS = ("int8", "fp8")  # vLLM's --quantization names lorapage has (None: the weights in dtype)
+QUANTIZATIONS = ("int8", "w8a8", "fp8")  # vLLM's --quantization names lorapage has (None: the weights in dtype)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # accepted names, refused with a reason
 KERNEL_BACKENDS = BACKENDS  # defined beside the kernels, which know nothing of this config
 SCHEDULERS = ("fcfs", "vtc")
@@ -95,7 +95,9 @@ class EngineConfig:
     quantization: str | None = option(
         None,
         "the base's weights quantized at load (vLLM's --quantization): int8 is weight-only, per output channel, "
-        "symmetric, on a CPU through torch's int8 GEMM (bfloat16 activations into it); fp8 is e4m3 weight-only per "
+        "symmetric, on a CPU through torch's int8 GEMM (bfloat16 activations into it); w8a8 keeps the same "
+        "int8 weights and quantizes the activations to int8 per token at run time (dynamic, symmetric: "
+        "llama.cpp Q8_0's and vLLM's W8A8-int8 arithmetic) for an int8 x int8 GEMM; fp8 is e4m3 weight-only per "
         "output channel, for CUDA (on a CPU a slow correctness path); the LoRA ops, attention and logits stay in "
         "the model's dtype. A pre-quantized (compressed-tensors) checkpoint is detected: none serves it as it is "
         "quantized (docs/kernels.md)",
@@ -464,8 +466,8 @@ class EngineConfig:
             )
         if self.quantization not in (None, "fp8") and self.dtype != "float32":
             raise ValueError(
-                f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernel runs bfloat16 "
-                f"activations into an int8 GEMM and widens the result to float32); got {self.dtype}"
+                f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernels take float32 "
+                f"activations into an int8 GEMM and give float32 back); got {self.dtype}"
             )
         if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             raise ValueError(

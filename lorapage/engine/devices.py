@@ -17,6 +17,7 @@ from lorapage.kernels.backend import KernelOps
 from lorapage.kernels.linear_cpu import keep_weight, pack_weight
 from lorapage.kernels.linear_fp8 import linear_fp8, pack_fp8
 from lorapage.kernels.linear_int8 import linear_int8, pack_int8
+from lorapage.kernels.linear_w8a8 import linear_w8a8
 from lorapage.model.config import ModelConfig
 from lorapage.model.quant_scheme import serving_quantization
 from lorapage.tenancy.fair_workers import FairWorkers
@@ -159,10 +160,11 @@ class Threads:
 def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device, model: ModelConfig) -> KernelOps:
     """``ops`` with the base's projections quantized: as ``quantization`` names (EngineConfig checked
     the name and the dtype), or as the pre-quantized checkpoint is (``model.quantization``; the two
-    must agree); ``ops`` as they are when neither is. int8 weight-only on a CPU
-    (``kernels/linear_int8.py``); fp8 weight-only anywhere (``kernels/linear_fp8.py``: on a CPU a
-    slow correctness path). ValueError where it cannot run: int8 on CUDA, or a MoE base (its
-    experts' weights are held apart)."""
+    must agree); ``ops`` as they are when neither is. On a CPU int8 weight-only
+    (``kernels/linear_int8.py``) or w8a8, the same int8 weights with the activations quantized per
+    token (``kernels/linear_w8a8.py``); fp8 weight-only anywhere (``kernels/linear_fp8.py``: on a
+    CPU a slow correctness path). ValueError where it cannot run: int8 or w8a8 on CUDA, or a MoE
+    base (its experts' weights are held apart)."""
     name = serving_quantization(quantization, model.quantization)
     if name is None:
         return ops
@@ -172,9 +174,8 @@ def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device
         return dataclasses.replace(ops, pack_weight=pack_fp8, linear=linear_fp8, pack_logits=keep_weight)
     if device.type != "cpu":
         raise ValueError(
-            f"EngineConfig.quantization {name!r} runs on a CPU only (torch's int8 weight-only GEMM); "
+            f"EngineConfig.quantization {name!r} runs on a CPU only (torch's int8 GEMMs there); "
             "on CUDA serve fp8 or the unquantized base"
         )
-    if name == "w8a8":
-        raise ValueError("a W8A8 (int8 weights and dynamic per-token int8 activations) base is not supported yet")
-    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear_int8, pack_logits=pack_weight)
+    linear = linear_w8a8 if name == "w8a8" else linear_int8
+    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear, pack_logits=pack_weight)

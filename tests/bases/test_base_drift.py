@@ -103,13 +103,14 @@ def test_kl_and_agreement_from_logprobs():
     assert PromptDrift(0, 1.0, 0.0, 0.0, False).positions == 0
 
 
-def test_the_drift_check_runs_against_the_int8_quantized_base(bases, capsys):
-    """``--quantization int8`` serves the new base quantized: against itself unquantized, the
-    adapters' answers drift by the quantization alone (a measure, not a fixed verdict)."""
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_the_drift_check_runs_against_the_quantized_base(bases, capsys, quantization):
+    """``--quantization int8`` (or w8a8) serves the new base quantized: against itself unquantized,
+    the adapters' answers drift by the quantization alone (a measure, not a fixed verdict)."""
     old, _, _, adapters, prompts = bases
     modules = [f"{n}={p}" for n, p in adapters.items()]
     argv = ["check", str(old), str(old), "--lora-modules", *modules, "--prompts", str(prompts)]
-    main([*argv, "--max-tokens", "8", "--quantization", "int8"])
+    main([*argv, "--max-tokens", "8", "--quantization", quantization])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     r = report["adapters"]["a0"]
     assert r["prompts"] == 8 and 0 < r["mean_abs_dlogprob"] < 0.5 and r["token_agreement"] > 0.5
