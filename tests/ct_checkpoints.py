@@ -73,3 +73,22 @@ def round_like_the_int8_kernel(model: torch.nn.Module) -> None:
         if hasattr(module, "weight_scale"):
             module.register_forward_pre_hook(lambda _m, args: (bf16(args[0]), *args[1:]))
             module.register_forward_hook(output)
+
+
+def quantize_activations_like_w8a8(model: torch.nn.Module) -> None:
+    """On every quantized projection of a transformers model: compressed-tensors' own activation
+    quantization off (it divides each token's absmax by 127.5 and clamps to [-128, 127]), and a hook
+    that quantizes each token's input as ``quantization w8a8`` does (kernels/linear_w8a8.py, vLLM's
+    dynamic per-token int8: absmax / 127, [-127, 127]), so the reference differs from lorapage by
+    float32 sums only."""
+
+    def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        s = x.abs().amax(-1, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return (torch.round(x / s).clamp(-127, 127) * s, *args[1:])
+
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            module.quantization_enabled = False
+            module.register_forward_pre_hook(quantize)

@@ -166,7 +166,8 @@ async def merge_and_check(
     is kept in ``engine.stats().merged_deployment`` (``/internal/state``). The merge stays whatever the verdict:
     a caller that gets ``passed`` False must not serve from this engine."""
     if tolerance is None:
-        quantized = QUANTIZED_TOLERANCES.get(engine.config.quantization or "")
+        scheme = engine.model_config.quantization  # a pre-quantized checkpoint's, else the config's
+        quantized = QUANTIZED_TOLERANCES.get(scheme.name if scheme else engine.config.quantization or "")
         tolerance = TOLERANCES[engine.config.dtype] if quantized is None else quantized
     key = engine.admin.catalog.resolve_version(adapter)
     unmerged = await greedy_runs(engine, key, prompts, max_tokens)

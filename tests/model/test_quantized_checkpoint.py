@@ -4,15 +4,18 @@ config.json and serves the checkpoint's own values and scales.
 
 Bounds: fp8 weights are exact in float32, and lorapage's ``(x @ q.T) * s`` is transformers'
 ``x @ (q * s).T`` reordered: float32 sums only (1e-4, as every float32 comparison in tests/model).
-int8 runs bfloat16 activations into torch's kernel: its reference rounds the same way (hooks,
-tests/ct_checkpoints.py), which leaves float32 sums, and a bfloat16 rounding those sums can tip
-(2^-8 of one element, ~1e-3 of a logprob here): 1e-2."""
+int8 runs bfloat16 activations into torch's kernel, and w8a8 quantizes each token's activations
+as vLLM does (absmax / 127; compressed-tensors' own fake quantization divides by 127.5): their
+references round the same way (hooks, tests/ct_checkpoints.py), which leaves float32 sums, and a
+rounding those sums can tip (2^-8 of one element, or one int8 step of one activation): 1e-2.
+Measured on this CPU: 1.4e-6 (int8) and under 1e-6 (w8a8); against compressed-tensors' unmodified
+W8A8 reference the tokens agree and logprobs differ by 0.03 (the two activation roundings)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ct_checkpoints import compress_checkpoint, round_like_the_int8_kernel
+from ct_checkpoints import compress_checkpoint, quantize_activations_like_w8a8, round_like_the_int8_kernel
 from hf_reference import make_peft_adapter, make_random_llama
 
 from lorapage import Engine, EngineConfig, SamplingParams
@@ -35,6 +38,7 @@ def ckpts(tmp_path_factory):
         "adapter": make_peft_adapter(src, root / "adapter", r=8, targets=MODULES, seed=4),
         "int8": compress_checkpoint(src, root / "int8"),
         "int8-packed": compress_checkpoint(src, root / "int8-packed", fmt="pack-quantized"),
+        "w8a8": compress_checkpoint(src, root / "w8a8", activations=True),
         "fp8": compress_checkpoint(src, root / "fp8", weight_type="float"),
         # per-tensor scales, and an lm_head quantized too (dequantized at load, as transformers does)
         "fp8-tensor": compress_checkpoint(src, root / "fp8-tensor", weight_type="float", strategy="tensor", ignore=()),
@@ -42,8 +46,8 @@ def ckpts(tmp_path_factory):
     }
 
 
-def reference(model_dir, adapter_dir, prompt, prepare=None):
-    """Greedy tokens and logprobs from transformers (decompressing the checkpoint) + PEFT."""
+def reference(model_dir, adapter_dir, prepare=None):
+    """Per prompt, greedy tokens and logprobs from transformers (decompressing the checkpoint) + PEFT."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -53,14 +57,17 @@ def reference(model_dir, adapter_dir, prompt, prepare=None):
     model = PeftModel.from_pretrained(base, adapter_dir)
     if prepare is not None:
         prepare(model)
-    ids, tokens, lps = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            tokens.append(int(lp.argmax()))
-            lps.append(float(lp.max()))
-            ids.append(tokens[-1])
-    return tokens, lps
+    out = []
+    for prompt in PROMPTS:
+        ids, tokens, lps = list(prompt), [], []
+        with torch.no_grad():
+            for _ in range(TOKENS):
+                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+                tokens.append(int(lp.argmax()))
+                lps.append(float(lp.max()))
+                ids.append(tokens[-1])
+        out.append((tokens, lps))
+    return out
 
 
 def served(model_dir, adapter_dir, **config):
@@ -72,14 +79,19 @@ def served(model_dir, adapter_dir, **config):
 
 @pytest.mark.parametrize(
     "kind, rows, tol",
-    [("int8", Int8Rows, 1e-2), ("int8-packed", Int8Rows, 1e-2), ("fp8", Fp8Rows, 1e-4), ("fp8-tensor", Fp8Rows, 1e-4)],
+    [
+        ("int8", Int8Rows, 1e-2),
+        ("int8-packed", Int8Rows, 1e-2),
+        ("w8a8", Int8Rows, 1e-2),
+        ("fp8", Fp8Rows, 1e-4),
+        ("fp8-tensor", Fp8Rows, 1e-4),
+    ],
 )
 def test_a_compressed_checkpoint_gives_transformers_tokens(ckpts, kind, rows, tol):
     engine, outs = served(ckpts[kind], ckpts["adapter"])
     assert isinstance(engine.debug.runner.ctx.model.layers[0]["qkv"], rows)
-    prepare = round_like_the_int8_kernel if rows is Int8Rows else None
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        tokens, lps = reference(ckpts[kind], ckpts["adapter"], prompt, prepare)
+    prepare = {"int8": round_like_the_int8_kernel, "w8a8": quantize_activations_like_w8a8}.get(kind[:4])
+    for (tokens, lps), out in zip(reference(ckpts[kind], ckpts["adapter"], prepare), outs, strict=True):
         assert out.token_ids == tokens
         assert [x.logprob for x in out.logprobs] == pytest.approx(lps, abs=tol)
 
