@@ -6,7 +6,9 @@
 #      paged prefill attention at Llama-2-7B sizes, Triton vs the PyTorch reference, and its error;
 #      the `gpu` test in tests/kernels/test_kernels_attention.py checks it against the reference at
 #      Llama-2-7B and Llama-3-8B sizes);
-#   3. a short table of both, printed last;
+#   3. fp8 weight-only: bench/check_fp8.py (the fp8 engine's greedy tokens vs the bf16 one on the tiny
+#      model, one Llama-2-7B projection's GEMM bf16 vs fp8);
+#   3b. a short table of all of it, printed last;
 #   4. on two or more GPUs, tensor parallelism over NCCL: bench/bench_tp.py (eager), then
 #      bench/check_tp_graphs.py (decode CUDA graphs with the collectives inside, TP=2 graphs ==
 #      TP=2 --enforce-eager == TP=1 graphs); "skipped: one GPU" otherwise.
@@ -69,6 +71,13 @@ timeout 180 "$py" bench/bench_kernels.py "${bench_args[@]}" 2>&1 | tee "$out/ben
 bench_rc=${PIPESTATUS[0]}
 bench_s=$(( $(date +%s) - start ))
 
+# fp8 weight-only (kernels/linear_fp8.py): the fp8 engine's greedy tokens against the bf16 one on the
+# tiny model with its demo adapters, and a Llama-2-7B projection's GEMM timed both ways.
+start=$(date +%s)
+(cd bench && timeout 150 "$py" check_fp8.py ${GPU_CHECK_TINY:+--tiny}) 2>&1 | tee "$out/fp8.log"
+fp8_rc=${PIPESTATUS[0]}
+fp8_s=$(( $(date +%s) - start ))
+
 # Tensor parallelism over NCCL (docs/parallel.md), where the machine has two GPUs (NCCL refuses
 # two ranks on one device): TP=1 vs TP=2 eager on cuda:0 and cuda:1, tokens compared; then decode
 # CUDA graphs with the collectives captured inside: TP=2 with graphs == TP=2 --enforce-eager ==
@@ -84,11 +93,11 @@ else
   tp_note="skipped: $gpus GPU(s), NCCL needs a device per rank"
 fi
 
-"$py" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" "$tp_note" <<'EOF'
+"$py" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" "$tp_note" "$fp8_rc" "$fp8_s" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 out, tp_note = sys.argv[1], sys.argv[6]
-tests_rc, tests_s, bench_rc, bench_s = map(int, sys.argv[2:6])
+tests_rc, tests_s, bench_rc, bench_s, fp8_rc, fp8_s = map(int, sys.argv[2:6] + sys.argv[7:9])
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 try:
     suite = ET.parse(f"{out}/kernel_tests.xml").getroot()
@@ -119,6 +128,17 @@ if bench:
          f"{bench['prefill_attention_ref_us']:.0f} / {bench['prefill_attention_triton_us']:.0f} us, "
          f"{bench['prefill_attention_tflops']:.0f} TFLOP/s, err {bench['prefill_attention_rel_err']:.1e}"),
     ]
+fp8 = {}
+try:
+    fp8 = json.loads([l for l in open(f"{out}/fp8.log").read().splitlines() if l.strip()][-1])
+except (OSError, IndexError, ValueError):
+    pass
+if fp8:
+    rows.append(("fp8 / bf16 weights (check_fp8.py)", f"{fp8['requests_agree']} / {fp8['requests']} requests agree",
+                 ">= half", f"GEMM {fp8['gemm_shape']}: {fp8['gemm_fp8_us']:.0f} / {fp8['gemm_bf16_us']:.0f} us, "
+                 f"rc {fp8_rc}, {fp8_s} s"))
+else:
+    rows.append(("fp8 / bf16 weights (check_fp8.py)", "FAILED", "", f"rc {fp8_rc}, {fp8_s} s"))
 rows.append(("TP=2 CUDA graphs (check_tp_graphs.py)", tp_note, "", "bench_tp.py beside it"))
 rows.append(("bench_kernels.py", "ok" if bench_rc == 0 and bench else "FAILED", "", f"rc {bench_rc}, {bench_s} s"))
 print()
@@ -126,4 +146,4 @@ print(f"gpu_check on {bench.get('device', '?')}")
 for name, value, target, note in rows:
     print(f"  {name:<36} {value:<32} {target:<9} {note}")
 EOF
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$tp_graphs_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$fp8_rc" -eq 0 ] && [ "$tp_graphs_rc" -eq 0 ]

@@ -42,7 +42,8 @@ def test_gpu_check_script_runs_tiny(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
     summary = lines[max(i for i, line in enumerate(lines) if line.startswith("gpu_check on")) :]
-    assert len(summary) == 9, "the summary table must come last"
+    assert len(summary) == 10, "the summary table must come last"
+    assert "fp8 / bf16 weights" in summary[-3] and "requests agree" in summary[-3]
     assert "kernel tests" in summary[1] and "3 passed, 0 failed" in summary[1]
     assert "TP=2 CUDA graphs" in summary[-2] and "skipped" in summary[-2]  # the tiny run uses no second GPU
     assert "bench_kernels.py" in summary[-1] and " ok " in summary[-1]

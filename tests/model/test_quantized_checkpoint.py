@@ -128,6 +128,7 @@ def test_quantizing_at_load_matches_the_compressed_fp8_checkpoint(ckpts):
         ("int8", dict(quantization="fp8"), "disagrees with the checkpoint, which is already quantized int8"),
         ("int8", dict(dtype="bfloat16"), "serve it with dtype float32"),
         ("int8-partial", {}, "leaves model.layers.0.mlp.down_proj .* unquantized"),
+        ("fp8", dict(tensor_parallel_size=2), "tensor_parallel_size > 1"),
     ],
 )
 def test_a_checkpoint_the_engine_cannot_serve_as_asked_is_refused(ckpts, kind, config, message):
