@@ -8,7 +8,9 @@ then widened to ``x``'s dtype: the kernel's fast path takes bfloat16 activations
 a scalar fallback, 30-50x slower than oneDNN's float32 GEMM on the bench CPU). So each projection
 carries the weight's rounding (<= s / 2), the activations' rounding to bfloat16 and the output's
 (each within 2^-8 relatively). The LoRA ops, norms, attention, residual sums and the logits stay in
-the model's float32: ``lm_head`` is not quantized.
+the model's float32: ``lm_head`` is not quantized. A pre-quantized checkpoint's scales that are not
+bfloat16 values (a float32 model's) are applied to the kernel's output instead of inside it,
+``bf16(bf16(x) @ q.T) * s``: the same one bfloat16 rounding of the product, the scales exact.
 
 Why not torchao: its ``Int8WeightOnlyConfig`` (0.18) runs ``mm(x, q.T.to(x.dtype)) * s`` in eager
 mode, widening the whole weight on every call (relying on ``torch.compile`` to fuse it): on the bench

@@ -134,3 +134,19 @@ def test_quantizing_at_load_matches_the_compressed_fp8_checkpoint(ckpts):
 def test_a_checkpoint_the_engine_cannot_serve_as_asked_is_refused(ckpts, kind, config, message):
     with pytest.raises(ValueError, match=message):
         Engine(EngineConfig(model=str(ckpts[kind]), num_threads=1, **config))
+
+
+def test_the_merge_check_on_a_w8a8_checkpoint_takes_its_schemes_tolerance(ckpts):
+    """The dedicated tier on a pre-quantized base: the merged weight (the checkpoint's rows
+    dequantized, ``scale B A`` added, quantized again) is compared with the LoRA path at the
+    tolerance of the checkpoint's scheme, which the config does not name. (This random adapter
+    moves the weights far more than a trained one: whether it passes is the check's verdict.)"""
+    import asyncio
+
+    from lorapage.engine.merge_check import QUANTIZED_TOLERANCES, merge_and_check
+
+    engine, _ = served(ckpts["w8a8"], ckpts["adapter"])
+    assert engine.config.quantization is None
+    check = asyncio.run(merge_and_check(engine, "a", max_tokens=2))
+    assert check.tolerance == QUANTIZED_TOLERANCES["w8a8"] and check.prompts > 0
+    assert isinstance(engine.debug.runner.ctx.model.layers[0]["qkv"], Int8Rows)
