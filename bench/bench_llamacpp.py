@@ -275,9 +275,13 @@ class Bench:
             c = str(t)
             at = {name: per[c] for name, per in med.items() if c in per}
             procs = t if t > 1 and not self.args.no_multiprocess else 1
-            out[c] = ratios(at, self.args.precisions, procs, self.args.quantizations)
+            rounds = {name: per[c] for name, per in self.rates.items() if c in per}
+            out[c] = ratios(at, self.args.precisions, procs, self.args.quantizations, rounds)
             for key, e in out[c].items():
-                print(f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']})")
+                print(
+                    f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']}; "
+                    f"median of the rounds' own ratios {e['round_ratio']:.2f})"
+                )
         return {
             "shape": shape,
             "tokens_per_s": med,

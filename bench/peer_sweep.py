@@ -79,11 +79,14 @@ def ratios(
     precisions: Sequence[str],
     processes: int,
     quantizations: Sequence[str] = (OURS["q8_0"],),
+    per_round: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, dict[str, float | str]]:
     """lorapage against llama.cpp's best at each weight precision (its base at ``precision``; float32
     and each of ``quantizations`` for lorapage), from the medians ``med`` of one thread count:
     llama.cpp's best mixed is its better multi-adapter mode, in one process or (``processes`` > 1) one
-    per core. Each entry: the ratio, and which llama.cpp configuration it is against."""
+    per core. Each entry: the ratio, and which llama.cpp configuration it is against; with
+    ``per_round`` (each configuration's rates, round by round), also ``round_ratio``: the median of
+    the rounds' own ratios (a round's configurations ran back to back, under much the same load)."""
     out: dict[str, dict[str, float | str]] = {}
     for prec in precisions:
         procs = (1, processes) if processes > 1 else (1,)
@@ -96,16 +99,14 @@ def ratios(
         if prec != "f32" and ours_name("f32", True) in med:
             ours.insert(0, (OURS["f32"], False))
         for mine, same in ours:
-            out[f"lorapage_{mine}_mixed_over_llamacpp_{prec}_best_mixed"] = {
-                "ratio": med[ours_name(prec, True, mine)] / med[best_mixed],
-                "against": best_mixed,
-                "target": 2.0 if same else "-",
-            }
-            out[f"lorapage_{mine}_base_over_llamacpp_{prec}_base"] = {
-                "ratio": med[ours_name(prec, False, mine)] / med[best_base],
-                "against": best_base,
-                "target": 1.0 if same else "-",
-            }
+            for mixed, peer, key, target in (
+                (True, best_mixed, f"lorapage_{mine}_mixed_over_llamacpp_{prec}_best_mixed", 2.0),
+                (False, best_base, f"lorapage_{mine}_base_over_llamacpp_{prec}_base", 1.0),
+            ):
+                name = ours_name(prec, mixed, mine)
+                out[key] = {"ratio": med[name] / med[peer], "against": peer, "target": target if same else "-"}
+                if per_round is not None:
+                    out[key]["round_ratio"] = median([a / b for a, b in zip(per_round[name], per_round[peer])])
     return out
 
 

@@ -112,3 +112,7 @@ def test_each_quantized_base_is_measured_against_q8_0():
     assert out["lorapage_w8a8_base_over_llamacpp_q8_0_base"]["ratio"] == 1.1
     assert out["lorapage_int8_base_over_llamacpp_q8_0_base"]["target"] == 1.0
     assert out["lorapage_float32_base_over_llamacpp_q8_0_base"]["target"] == "-"
+    rounds = {name: [rate, rate * 2, rate * 3] for name, rate in med.items()}
+    rounds[ours_name("q8_0", False, "w8a8")] = [330.0, 300.0, 1500.0]  # ratios 1.1, 0.5, 1.67
+    per = ratios(med, ["q8_0"], 1, ("w8a8",), rounds)["lorapage_w8a8_base_over_llamacpp_q8_0_base"]
+    assert per["round_ratio"] == 1.1
