@@ -5,7 +5,8 @@ vocab 4,096) and a user-sized one (hidden 1,024, 8 layers, 16 / 8 heads, FFN 2,8
 random float32 weights, each with 8 rank-16 all-module PEFT adapters. llama.cpp runs GGUF files
 written by its own converters (``llamacpp_peer.py``): the float32 base with float32 adapters, and
 (``--precisions``) the Q8_0 base its users run with float16 adapters. lorapage runs the checkpoint in
-float32 and with ``quantization="int8"`` (weight-only, per channel). 32 requests of 8 prompt tokens,
+float32 and, against Q8_0, with each of ``--quantizations``: ``int8`` (weight-only, per channel) and
+``w8a8`` (the same int8 weights and per-token int8 activations: Q8_0's arithmetic class). 32 requests of 8 prompt tokens,
 request ``i`` on adapter ``i mod 8``, 32 greedy tokens each, EOS ignored, the same token ids in every
 engine; tokens/s over the whole batch, prefill included.
 
@@ -57,12 +58,15 @@ from peer_setup import SHAPE, agreeing, interleaved, load_peft, make_adapters, m
 from peer_sweep import (
     LLAMA_MODES,
     PRECISIONS,
+    Q8_OURS,
     best_settings,
     cell,
     grid,
     llama_name,
     met,
+    ours_bases,
     ours_name,
+    quantization_of,
     ratios,
     split,
 )
@@ -206,23 +210,26 @@ class Bench:
         runs: dict[str, Run] = {}
         try:
             for prec in self.args.precisions:
-                ours.ask(
-                    op="load",
-                    name=prec,
-                    model=str(self.model),
-                    adapters={k: str(v) for k, v in self.adapters.items()},
-                    max_seqs=REQUESTS,
-                    max_len=MAX_LEN,
-                    quantization=PRECISIONS[prec][2],
-                )
+                mine = ours_bases(prec, self.args.quantizations)
+                for base in mine:
+                    ours.ask(
+                        op="load",
+                        name=base,
+                        model=str(self.model),
+                        adapters={k: str(v) for k, v in self.adapters.items()},
+                        max_seqs=REQUESTS,
+                        max_len=MAX_LEN,
+                        quantization=quantization_of(base),
+                    )
                 one = self.llama_worker(prec, threads, col)
                 workers.append(one)
                 best = self.sweep(prec, threads, one)
                 for mode in LLAMA_MODES:
                     runs[llama_name(prec, mode)] = llama_run([one], mode, best[mode], new)
                     self.used.setdefault(llama_name(prec, mode), {})[col] = best[mode]
-                runs[ours_name(prec, True)] = ours_run(ours, prec, True, new)
-                runs[ours_name(prec, False)] = ours_run(ours, prec, False, new)
+                for base in mine:
+                    runs[ours_name(prec, True, base)] = ours_run(ours, base, True, new)
+                    runs[ours_name(prec, False, base)] = ours_run(ours, base, False, new)
                 if multi:
                     single = self.best.get(f"{prec}@1") or best
                     procs = [self.llama_worker(prec, 1, f"{col}x1-{k}") for k in range(threads)]
@@ -268,9 +275,13 @@ class Bench:
             c = str(t)
             at = {name: per[c] for name, per in med.items() if c in per}
             procs = t if t > 1 and not self.args.no_multiprocess else 1
-            out[c] = ratios(at, self.args.precisions, procs)
+            rounds = {name: per[c] for name, per in self.rates.items() if c in per}
+            out[c] = ratios(at, self.args.precisions, procs, self.args.quantizations, rounds)
             for key, e in out[c].items():
-                print(f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']})")
+                print(
+                    f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']}; "
+                    f"median of the rounds' own ratios {e['round_ratio']:.2f})"
+                )
         return {
             "shape": shape,
             "tokens_per_s": med,
@@ -302,6 +313,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--sizes", default="bench,user", help=f"models, comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     p.add_argument("--precisions", default="f32,q8_0", help=f"of {', '.join(PRECISIONS)}, comma-separated")
+    p.add_argument(
+        "--quantizations",
+        default=",".join(Q8_OURS),
+        help=f"lorapage's quantized bases run against llama.cpp's Q8_0, of {', '.join(Q8_OURS)}, comma-separated",
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--sweep-rounds", type=int, default=1)
     p.add_argument("--new", type=int, default=NEW, help=f"greedy tokens a request (at most {NEW})")
@@ -344,10 +360,12 @@ def parse() -> argparse.Namespace:
         )
     args.sizes = args.sizes.split(",")
     args.precisions = args.precisions.split(",")
+    args.quantizations = args.quantizations.split(",")
     args.threads = [int(t) for t in args.threads.split(",")]
     args.fa, args.kv = args.fa.split(","), args.kv.split(",")
     args.ubatch = [int(u) for u in args.ubatch.split(",")]
     unknown = (set(args.sizes) - set(SIZES)) | (set(args.precisions) - set(PRECISIONS))
+    unknown |= set(args.quantizations) - set(Q8_OURS)
     if unknown:
         p.error(f"unknown size or precision: {', '.join(sorted(unknown))}")
     args.llama_env = {**os.environ, **dict(kv.split("=", 1) for kv in args.llamacpp_env)}
@@ -390,6 +408,7 @@ def main() -> None:
             "sizes": args.sizes,
             "threads": args.threads,
             "precisions": args.precisions,
+            "quantizations": args.quantizations,
             "rounds": args.rounds,
             "requests": REQUESTS,
             "new_tokens": args.new,

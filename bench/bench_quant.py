@@ -1,13 +1,14 @@
-"""An int8 base (``quantization int8``) against the float32 one: tokens per second, base alone and
-mixed over adapters, and what quantization costs in accuracy.
+"""Quantized bases (``quantization int8``: weight-only; ``w8a8``: int8 weights and per-token int8
+activations) against the float32 one: tokens per second, base alone and mixed over adapters, and
+what quantization costs in accuracy.
 
 On a generated Llama-shaped model (the 512-wide bench model, or ``--size user``: 1,024 wide, 8
 layers, 16 heads / 8 KV heads, vocab 8,192) with 8 rank-16 adapters on every module, each engine
-(float32, int8; the same checkpoint) runs one batch of 32 requests submitted together, 16-token
+(float32, int8, w8a8; the same checkpoint) runs one batch of 32 requests submitted together, 16-token
 prompts, 32 greedy tokens each (EOS ignored): on the base alone, and mixed (request i on adapter i
 mod 8). Variants and modes interleaved round by round; tok/s medians of the rounds.
 
-Accuracy, int8 against float32 on the same requests: greedy agreement (requests whose tokens are
+Accuracy, each quantized base against float32 on the same requests: greedy agreement (requests whose tokens are
 identical, and tokens before each request's first difference), the largest |d logprob| of the
 chosen tokens where both runs agree so far, and the perplexity of each on a fixed text
 (teacher-forced prompt logprobs).
@@ -37,7 +38,8 @@ SIZES = {
     "user": dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816, vocab=8192),
 }
 ADAPTERS, RANK, REQUESTS, PROMPT_LEN, NEW_TOKENS = 8, 16, 32, 16, 32
-VARIANTS = ("float32", "int8")
+VARIANTS = ("float32", "int8", "w8a8")
+QUANTIZED = VARIANTS[1:]
 MODES = ("base", "mixed")
 TEXT = (
     "The engine keeps one base model and many small adapters in a single pool of pages. Each step "
@@ -118,10 +120,11 @@ async def measure(root: Path, size: str, rounds: int, threads: int, new_tokens: 
     for _, (v, m) in interleaved(rounds, [(v, m) for m in MODES for v in VARIANTS]):
         runs[v, m].append(await run_batch(engines[v], requests(m, shape["vocab"]), new_tokens))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
-    accuracy = {}
+    accuracy: dict[str, dict[str, dict[str, float]]] = {v: {} for v in QUANTIZED}
     for m in MODES:
         outs = {v: await outputs(engines[v], requests(m, shape["vocab"]), params) for v in VARIANTS}
-        accuracy[m] = agreement(outs["float32"], outs["int8"])
+        for v in QUANTIZED:
+            accuracy[v][m] = agreement(outs["float32"], outs[v])
     ppl = {v: await perplexity(engines[v]) for v in VARIANTS}
     for e in engines.values():
         await e.close()
@@ -133,7 +136,7 @@ def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> di
     print(machine_line())
     shape = SIZES[size]
     print(
-        f"int8 vs float32 base: hidden {shape['hidden']} x {shape['layers']} layers, vocab {shape['vocab']}; "
+        f"int8 and w8a8 vs float32 base: hidden {shape['hidden']} x {shape['layers']} layers, vocab {shape['vocab']}; "
         f"{REQUESTS} requests of {PROMPT_LEN} prompt tokens, {new_tokens} greedy tokens; {ADAPTERS} rank-{RANK} "
         f"adapters on every module (mixed); {threads} thread(s); median of {rounds} interleaved rounds"
     )
@@ -141,19 +144,23 @@ def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> di
     rows = [
         [
             m,
-            f"{t[f'float32_{m}']:.0f}",
-            f"{t[f'int8_{m}']:.0f}",
-            f"{t[f'int8_{m}'] / t[f'float32_{m}']:.2f}",
-            f"{acc[m]['requests_identical']:.2f}",
-            f"{acc[m]['tokens_agreeing']:.3f}",
-            f"{acc[m]['max_abs_dlogprob']:.3g}",
+            v,
+            f"{t[f'{v}_{m}']:.0f}",
+            f"{t[f'{v}_{m}'] / t[f'float32_{m}']:.2f}",
+            *(
+                [f"{acc[v][m]['requests_identical']:.2f}", f"{acc[v][m]['tokens_agreeing']:.3f}"]
+                + [f"{acc[v][m]['max_abs_dlogprob']:.3g}"]
+                if v in acc
+                else ["-", "-", "-"]
+            ),
         ]
         for m in MODES
+        for v in VARIANTS
     ]
-    header = ["mode", "float32 tok/s", "int8 tok/s", "int8 / f32", "reqs identical", "tokens agreeing", "max |dlp|"]
-    print(table(header, rows, "lrrrrrr"))
+    header = ["mode", "base", "tok/s", "/ float32", "reqs identical", "tokens agreeing", "max |dlp|"]
+    print(table(header, rows, "llrrrrr"))
     ppl = r["perplexity"]
-    print(f"perplexity on the fixed text: float32 {ppl['float32']:.3f}, int8 {ppl['int8']:.3f}")
+    print("perplexity on the fixed text: " + ", ".join(f"{v} {ppl[v]:.3f}" for v in VARIANTS))
     return {
         "bench": "quant",
         "size": size,
@@ -161,9 +168,9 @@ def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> di
         "rounds": rounds,
         "new_tokens": new_tokens,
         "tok_s": {k: round(v, 1) for k, v in t.items()},
-        "ratio_base": round(t["int8_base"] / t["float32_base"], 3),
-        "ratio_mixed": round(t["int8_mixed"] / t["float32_mixed"], 3),
-        "accuracy": {m: {k: round(v, 6) for k, v in a.items()} for m, a in acc.items()},
+        "ratio_base": {v: round(t[f"{v}_base"] / t["float32_base"], 3) for v in QUANTIZED},
+        "ratio_mixed": {v: round(t[f"{v}_mixed"] / t["float32_mixed"], 3) for v in QUANTIZED},
+        "accuracy": {v: {m: {k: round(x, 6) for k, x in a.items()} for m, a in per.items()} for v, per in acc.items()},
         "perplexity": {k: round(v, 4) for k, v in ppl.items()},
         **machine_info(),
     }

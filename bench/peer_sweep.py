@@ -22,6 +22,19 @@ MODE_WORDS = {
 # engine's users run at that weight precision
 PRECISIONS = {"f32": ("f32", "f32", None), "q8_0": ("q8_0", "f16", "int8")}
 OURS = {"f32": "float32", "q8_0": "int8"}  # lorapage's base at each precision
+# lorapage's quantized bases that can run against llama.cpp's Q8_0 (--quantizations): weight-only
+# int8, and w8a8 (int8 activations per token too: Q8_0's arithmetic class)
+Q8_OURS = ("int8", "w8a8")
+
+
+def ours_bases(precision: str, quantizations: Sequence[str] = (OURS["q8_0"],)) -> list[str]:
+    """lorapage's bases measured at ``precision``: float32 at f32; each of ``quantizations`` at q8_0."""
+    return [OURS[precision]] if precision == "f32" else list(quantizations)
+
+
+def quantization_of(base: str) -> str | None:
+    """EngineConfig.quantization of lorapage's base ``base`` (None: float32)."""
+    return None if base == OURS["f32"] else base
 
 
 def grid(flash_attn: Iterable[str], kv_types: Iterable[str], ubatches: Iterable[int]) -> list[Setting]:
@@ -55,16 +68,25 @@ def llama_name(precision: str, mode: str, processes: int = 1) -> str:
     return f"llama.cpp {precision}{procs}: {MODE_WORDS[mode]}"
 
 
-def ours_name(precision: str, mixed: bool) -> str:
+def ours_name(precision: str, mixed: bool, base: str | None = None) -> str:
+    """lorapage's configuration: its base (default: the precision's, :data:`OURS`) and mode."""
     what = "mixed, default scheduler (vtc)" if mixed else "base only"
-    return f"lorapage {OURS[precision]}: {what}"
+    return f"lorapage {base or OURS[precision]}: {what}"
 
 
-def ratios(med: Mapping[str, float], precisions: Sequence[str], processes: int) -> dict[str, dict[str, float | str]]:
-    """lorapage against llama.cpp's best at each weight precision (its base at ``precision``, float32
-    and int8 for lorapage), from the medians ``med`` of one thread count: llama.cpp's best mixed is
-    its better multi-adapter mode, in one process or (``processes`` > 1) one per core. Each entry:
-    the ratio, and which llama.cpp configuration it is against."""
+def ratios(
+    med: Mapping[str, float],
+    precisions: Sequence[str],
+    processes: int,
+    quantizations: Sequence[str] = (OURS["q8_0"],),
+    per_round: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, dict[str, float | str]]:
+    """lorapage against llama.cpp's best at each weight precision (its base at ``precision``; float32
+    and each of ``quantizations`` for lorapage), from the medians ``med`` of one thread count:
+    llama.cpp's best mixed is its better multi-adapter mode, in one process or (``processes`` > 1) one
+    per core. Each entry: the ratio, and which llama.cpp configuration it is against; with
+    ``per_round`` (each configuration's rates, round by round), also ``round_ratio``: the median of
+    the rounds' own ratios (a round's configurations ran back to back, under much the same load)."""
     out: dict[str, dict[str, float | str]] = {}
     for prec in precisions:
         procs = (1, processes) if processes > 1 else (1,)
@@ -72,18 +94,19 @@ def ratios(med: Mapping[str, float], precisions: Sequence[str], processes: int) 
         base_peers = [llama_name(prec, "base", p) for p in procs]
         best_mixed = max(mixed_peers, key=lambda n: med[n])
         best_base = max(base_peers, key=lambda n: med[n])
-        ours = sorted({prec, "f32"})  # lorapage at the same precision, and float32 against any
-        for mine in ours:
-            out[f"lorapage_{OURS[mine]}_mixed_over_llamacpp_{prec}_best_mixed"] = {
-                "ratio": med[ours_name(mine, True)] / med[best_mixed],
-                "against": best_mixed,
-                "target": 2.0 if mine == prec else "-",
-            }
-            out[f"lorapage_{OURS[mine]}_base_over_llamacpp_{prec}_base"] = {
-                "ratio": med[ours_name(mine, False)] / med[best_base],
-                "against": best_base,
-                "target": 1.0 if mine == prec else "-",
-            }
+        # lorapage at the same precision (targets), and float32 against any (where it ran)
+        ours = [(b, True) for b in ours_bases(prec, quantizations)]
+        if prec != "f32" and ours_name("f32", True) in med:
+            ours.insert(0, (OURS["f32"], False))
+        for mine, same in ours:
+            for mixed, peer, key, target in (
+                (True, best_mixed, f"lorapage_{mine}_mixed_over_llamacpp_{prec}_best_mixed", 2.0),
+                (False, best_base, f"lorapage_{mine}_base_over_llamacpp_{prec}_base", 1.0),
+            ):
+                name = ours_name(prec, mixed, mine)
+                out[key] = {"ratio": med[name] / med[peer], "against": peer, "target": target if same else "-"}
+                if per_round is not None:
+                    out[key]["round_ratio"] = median([a / b for a, b in zip(per_round[name], per_round[peer])])
     return out
 
 

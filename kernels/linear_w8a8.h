@@ -1,10 +1,10 @@
 /* The w8a8 projection's two passes around torch's int8 GEMM (kernels/linear_w8a8.py):
- *   w8a8_quantize_rows: each row of x (float32) as int8 q = round_half_even(x / s), s = max|x_row| / 127
- *     (s = 1 for a row of zeros, or one so small that s underflows to 0: its q are 0);
+ *   w8a8_quantize_rows: each row of x (float32) as int8 q = round_half_even(x * (127 / a)) with a = max|x_row|,
+ *     and its scale s = a / 127 (a row with a < 2^-100, zeros included: q = 0, s = 1);
  *   w8a8_rescale: y = (float(acc) * s_x[row]) * s_w[col] (+ bias[col]) written in place over the GEMM's
  *     int32 result acc [m, n] (a float32 has the int32's size: the tensor is viewed as float32 after).
  * Same results as the PyTorch expression in linear_w8a8.py: the quantization bit for bit (one IEEE
- * division, and the round-to-nearest-even of 1.5 * 2^23 added and taken away, exact for |v| < 2^22);
+ * product, and the round-to-nearest-even of 1.5 * 2^23 added and taken away, exact for |v| < 2^22);
  * the rescale within the rounding of its two products (an FMA may fuse the bias's add).
  * Why C: the same passes as torch ops cost as much as the GEMM at 32 rows (abs, amax, div, round,
  * to int8; then float, two products, each a new [m, n] tensor). Rows split over OpenMP threads. */
@@ -12,29 +12,31 @@
 
 typedef int32_t i32x8 __attribute__((vector_size(32), aligned(4)));
 typedef float f32x8a __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint32_t u32a __attribute__((may_alias));
 
 #define W8A8_MAGIC 12582912.0f /* 1.5 * 2^23: v + it - it rounds v to an integer, ties to even */
+#define W8A8_TINY 7.888609052210118e-31f /* 2^-100: a row whose max |x| is below it quantizes to 0 */
 
 static void w8a8_quantize_row(const float *x, int64_t k, int8_t *q, float *s_out) {
-    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= k; j += 8)
-        for (int l = 0; l < 8; l++) {
-            float a = fabsf(x[j + l]);
-            part[l] = a > part[l] ? a : part[l];
-        }
-    float amax = 0;
-    for (int l = 0; l < 8; l++) amax = part[l] > amax ? part[l] : amax;
-    for (; j < k; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-    float s = amax / 127.0f;
-    if (!(s > 0)) { /* zeros (or |x| < 2^-149 * 127): q = 0 */
+    /* max |x| as the largest of the bit patterns with the sign cleared: for floats >= 0 they order
+     * as the values do, and an integer max is a reduction every compiler vectorizes */
+    const u32a *bits = (const u32a *)x;
+    uint32_t top = 0;
+    for (int64_t j = 0; j < k; j++) {
+        uint32_t b = bits[j] & 0x7fffffffu;
+        top = b > top ? b : top;
+    }
+    float amax;
+    memcpy(&amax, &top, sizeof amax);
+    if (!(amax >= W8A8_TINY)) { /* zeros, or a row too small to scale: q = 0 */
         memset(q, 0, (size_t)k);
         *s_out = 1.0f;
         return;
     }
-    *s_out = s;
-    for (j = 0; j < k; j++) {
-        float v = (x[j] / s + W8A8_MAGIC) - W8A8_MAGIC;
+    float inv = 127.0f / amax; /* a product per element: a division's throughput is a sixth of it */
+    *s_out = amax / 127.0f;
+    for (int64_t j = 0; j < k; j++) {
+        float v = (x[j] * inv + W8A8_MAGIC) - W8A8_MAGIC;
         v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
         q[j] = (int8_t)(int32_t)v;
     }

@@ -8,11 +8,13 @@ weights, dynamic per-token activations).
 The PyTorch reference (:func:`linear_w8a8_ref`), for ``x`` [T, d_in] float32 and a weight ``q``
 [d_out, d_in] int8 with scales ``s_w`` [d_out]::
 
-    s_x = x.abs().amax(1, keepdim=True) / 127          # a row whose s_x is 0: s_x = 1 (and q_x = 0)
-    q_x = torch.round(x / s_x).clamp(-127, 127).to(torch.int8)
+    a = x.abs().amax(1, keepdim=True)                  # a row with a < 2^-100 (zeros): q_x = 0, s_x = 1
+    q_x = torch.round(x * (127 / a)).clamp(-127, 127).to(torch.int8)
+    s_x = a / 127
     y = torch._int_mm(q_x, q.T).float() * s_x * s_w.float() + bias
 
-Each activation's error is at most ``s_x / 2`` (round to nearest), each weight's ``s_w / 2``
+Each activation's error is at most ``s_x (1/2 + 128 g_3)`` (round to nearest, of ``x / s_x`` computed
+as ``x * (127 / a)``: three roundings, ``g_3 = 3u / (1 - 3u)``, u = 2^-24), each weight's ``s_w / 2``
 (:func:`~lorapage.kernels.linear_int8.quantize_rows`); the int32 sums are exact (|sum| <= d_in * 127^2
 < 2^31 for d_in < 133,000), and the float32 conversion and two products round each within float32's
 unit. The LoRA ops, norms, attention, residual sums and the logits stay float32 (``lm_head`` is not
@@ -38,30 +40,35 @@ from lorapage.kernels import linear_cpu as cpu
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_int8 import QMAX, Int8Rows
 
+TINY = 2.0**-100  # a row whose largest |x| is below it quantizes to zeros (its 127 / a would overflow near 2^-128)
 
-def weight_scales(weight: Int8Rows) -> Tensor:
-    """``weight``'s scales in float32, widened once and kept on the weight (its scales are bfloat16
-    when :func:`~lorapage.kernels.linear_int8.pack_int8` made it; a loaded checkpoint's may be float32)."""
-    wide = weight.__dict__.get("_scales_f32")
-    if wide is None or wide[0] is not weight.scales:
-        s = weight.scales
-        wide = (s, s.float().contiguous())
-        weight.__dict__["_scales_f32"] = wide
-    return wide[1]
+
+def gemm_operands(weight: Int8Rows) -> tuple[Tensor, Tensor]:
+    """``(q.T, s_w)``: ``weight`` as the GEMM reads it (a transposed view of its int8 rows) and its
+    scales in float32 (bfloat16 when :func:`~lorapage.kernels.linear_int8.pack_int8` made it; a loaded
+    checkpoint's may be float32); made once and kept on the weight."""
+    kept = weight.__dict__.get("_w8a8")
+    if kept is None or kept[0] is not weight.scales:
+        kept = (weight.scales, weight.as_subclass(Tensor).t(), weight.scales.float().contiguous())
+        weight.__dict__["_w8a8"] = kept
+    return kept[1], kept[2]
 
 
 def quantize_activations_ref(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(q_x, s_x)``: each row of ``x`` [T, d_in] (float32) as int8 over its scale [T, 1], as the module
     docstring's reference rounds it."""
-    s = x.abs().amax(1, keepdim=True) / QMAX
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s).clamp_(-QMAX, QMAX).to(torch.int8), s
+    a = x.abs().amax(1, keepdim=True)
+    live = a >= TINY
+    inv = torch.where(live, QMAX / a, torch.zeros_like(a))
+    q = torch.round(x * inv).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, torch.where(live, a / QMAX, torch.ones_like(a))
 
 
 def linear_w8a8_ref(x: Tensor, weight: Int8Rows, bias: Tensor | None = None) -> Tensor:
     """The reference: ``F.linear(x, q * s_w, bias)`` with ``x`` quantized per row to int8 first."""
     q_x, s_x = quantize_activations_ref(x.float())
-    y = torch._int_mm(q_x, weight.as_subclass(Tensor).t()).float() * s_x * weight_scales(weight)
+    q_t, s_w = gemm_operands(weight)
+    y = torch._int_mm(q_x, q_t).float() * s_x * s_w
     return (y if bias is None else y + bias).to(x.dtype)
 
 
@@ -91,12 +98,12 @@ def linear_w8a8(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     if lib is None or x.dtype != torch.float32 or x.dim() != 2:
         return linear_w8a8_ref(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], -1)
     threads = torch.get_num_threads()
+    q_t, s_w = gemm_operands(weight)
     q_x, s_x = quantize_activations(x)
-    acc = torch._int_mm(q_x, weight.as_subclass(Tensor).t())
+    acc = torch._int_mm(q_x, q_t)
     rows, d_out = acc.shape
     if bias is not None:
         bias = bias.float().contiguous()
-    s_w = weight_scales(weight)
     lib.w8a8_rescale(
         acc.data_ptr(), rows, d_out, s_x.data_ptr(), s_w.data_ptr(), 0 if bias is None else bias.data_ptr(), threads
     )

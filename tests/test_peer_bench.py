@@ -95,3 +95,24 @@ def test_ratios_take_llama_cpps_best_configuration_at_the_same_precision():
     assert (base["ratio"], base["against"]) == (125.0 / 120.0, llama_name("f32", "base", 2))
     assert met(out)
     assert not met(ratios(med, ["f32"], processes=1) | {"x": {"ratio": 1.9, "target": 2.0, "against": ""}})
+
+
+def test_each_quantized_base_is_measured_against_q8_0():
+    """lorapage's int8 and w8a8 bases each get targets against llama.cpp's Q8_0; float32 a ratio only."""
+    from peer_sweep import llama_name, ours_bases, ours_name, quantization_of, ratios
+
+    assert ours_bases("f32", ("int8", "w8a8")) == ["float32"] and ours_bases("q8_0", ("w8a8",)) == ["w8a8"]
+    assert quantization_of("float32") is None and quantization_of("w8a8") == "w8a8"
+    med = {llama_name("q8_0", m): r for m, r in (("base", 300.0), ("grouped", 120.0), ("switch", 100.0))}
+    for base, mixed, alone in (("float32", 160.0, 170.0), ("int8", 140.0, 150.0), ("w8a8", 260.0, 330.0)):
+        med[ours_name("q8_0", True, base)], med[ours_name("q8_0", False, base)] = mixed, alone
+    out = ratios(med, ["q8_0"], processes=1, quantizations=("int8", "w8a8"))
+    w8a8 = out["lorapage_w8a8_mixed_over_llamacpp_q8_0_best_mixed"]
+    assert (w8a8["ratio"], w8a8["target"], w8a8["against"]) == (260.0 / 120.0, 2.0, llama_name("q8_0", "grouped"))
+    assert out["lorapage_w8a8_base_over_llamacpp_q8_0_base"]["ratio"] == 1.1
+    assert out["lorapage_int8_base_over_llamacpp_q8_0_base"]["target"] == 1.0
+    assert out["lorapage_float32_base_over_llamacpp_q8_0_base"]["target"] == "-"
+    rounds = {name: [rate, rate * 2, rate * 3] for name, rate in med.items()}
+    rounds[ours_name("q8_0", False, "w8a8")] = [330.0, 300.0, 1500.0]  # ratios 1.1, 0.5, 1.67
+    per = ratios(med, ["q8_0"], 1, ("w8a8",), rounds)["lorapage_w8a8_base_over_llamacpp_q8_0_base"]
+    assert per["round_ratio"] == 1.1
