@@ -79,14 +79,14 @@ def quantize_activations_like_w8a8(model: torch.nn.Module) -> None:
     """On every quantized projection of a transformers model: compressed-tensors' own activation
     quantization off (it divides each token's absmax by 127.5 and clamps to [-128, 127]), and a hook
     that quantizes each token's input as ``quantization w8a8`` does (kernels/linear_w8a8.py, vLLM's
-    dynamic per-token int8: absmax / 127, [-127, 127]), so the reference differs from lorapage by
-    float32 sums only."""
+    dynamic per-token int8: ``round(x * (127 / absmax))`` in [-127, 127], scale ``absmax / 127``),
+    so the reference differs from lorapage by float32 sums only."""
 
     def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
         x = args[0]
-        s = x.abs().amax(-1, keepdim=True) / 127
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        return (torch.round(x / s).clamp(-127, 127) * s, *args[1:])
+        a = x.abs().amax(-1, keepdim=True)
+        q = torch.round(x * torch.where(a > 0, 127 / a, torch.zeros_like(a))).clamp(-127, 127)
+        return (q * (a / 127), *args[1:])
 
     for module in model.modules():
         if hasattr(module, "weight_scale"):
