@@ -118,6 +118,8 @@ def quantized_base(model: LlamaModel, scales: dict[str, Tensor]) -> LlamaModel:
         for (key, sub), group in zip(PROJECTION_PREFIXES, GROUPS, strict=True):
             fused = group_weight(scales.__getitem__, f"model.layers.{i}.{sub}", model.config, group)
             layer[key] = _rows(layer[key], fused.to(model.device), scheme.name)
+    if model.device.type == "cuda":  # the widened weights' blocks back to the device: the pool is sized next
+        torch.cuda.empty_cache()
     return model
 
 
