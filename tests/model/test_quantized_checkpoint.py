@@ -107,6 +107,22 @@ def test_the_checkpoint_values_and_scales_are_served_as_they_are(ckpts):
         names = [f"model.layers.1.self_attn.{m}_proj" for m in "qkv"]
         assert torch.equal(qkv.as_subclass(torch.Tensor), torch.cat([state[n + ".weight"] for n in names]))
         assert torch.equal(qkv.scales, torch.cat([state[n + ".weight_scale"].reshape(-1) for n in names]))
+        assert qkv.scales.dtype == torch.float32  # not bfloat16 values: applied after the kernel
+
+
+def test_bfloat16_scales_go_into_the_kernel_as_they_are(ckpts, tmp_path):
+    """A bf16 model's checkpoint stores bfloat16 scales: they are the kernel's own, unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpts["int8"], tmp_path / "bf16", dirs_exist_ok=True)
+    state = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    state = {k: t.bfloat16() if k.endswith("weight_scale") else t for k, t in state.items()}
+    save_file(state, str(tmp_path / "bf16" / "model.safetensors"), metadata={"format": "pt"})
+    down = Engine(EngineConfig(model=str(tmp_path / "bf16"), num_threads=1)).debug.runner.ctx.model.layers[0]["down"]
+    assert down.scales.dtype == torch.bfloat16
+    assert torch.equal(down.scales, state["model.layers.0.mlp.down_proj.weight_scale"].reshape(-1))
 
 
 def test_quantizing_at_load_matches_the_compressed_fp8_checkpoint(ckpts):
