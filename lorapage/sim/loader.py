@@ -21,6 +21,7 @@ request, with ``pages`` of its own (default: its rank).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -150,6 +151,13 @@ class SimLoader:
         if check is not None:
             times.append(check)
         return min(times) if times else None
+
+    def settled_until(self, now: float) -> float:
+        """Until when :meth:`advance` has nothing to do: ``now`` while a load is under way (it may
+        be placed at any step), else the next prefetch due (``math.inf``: none)."""
+        if self.rules.loads.loading():
+            return now
+        return min((t for t, *_ in self._due), default=math.inf)
 
     # -- carrying out the rules' decisions ----------------------------------------------------------
 

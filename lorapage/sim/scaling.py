@@ -163,7 +163,7 @@ def simulate_scaled(
             for rid in owners(adapter, ids):
                 m = members[rid]
                 if (only is None or rid == only) and adapter not in m.replica.residency.snapshot()[0]:
-                    m.replica.residency.prewarm(adapter, now)
+                    m.replica.prewarm(adapter, now)
                     prewarms += 1
 
     def tick(now: float) -> None:
@@ -226,12 +226,13 @@ def simulate_scaled(
         if isinstance(router, LoadAffinityRouter):
             for p in router.take_prewarms():
                 if p.replica_id in by_id:
-                    by_id[p.replica_id].replica.residency.prewarm(p.adapter, req.arrival_time)
+                    by_id[p.replica_id].replica.prewarm(p.adapter, req.arrival_time)
                     prewarms += 1
     end = (reqs[order[-1]].arrival_time if reqs else 0.0) + config.drain_s
     last = reqs[order[-1]].arrival_time if reqs else 0.0
     for m in live():  # the run's span ends at the last arrival: what still runs then is billed to it
         m.replica.sim.run(until=end)
+        m.replica.sim.settle()
         m.stopped = last
     records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
     hours = sum(max(min(m.stopped or last, last) - m.started, 0.0) for m in members.values()) / 3600.0
