@@ -70,12 +70,16 @@ class Replica:
         self.slots = config.residency.max_resident_loras  # adapter room, counted in (equal) adapters
         engine = SimConfig(**{**config.engine.__dict__, "cost": config.costs, "adapter_rank": config.residency.rank})
         self.sim = Simulator(policy, engine, residency=self.residency)
+        self._view: tuple[tuple, ReplicaView] | None = None
 
     def view(self) -> ReplicaView:
         """What the replica reports: load, residency, tokens in flight, KV headroom, held adapters."""
-        pool, host, disk = self.residency.snapshot()
         sim = self.sim
-        return ReplicaView(
+        key = (sim.now, len(sim.trace), sim.steps, self.residency.version)
+        if self._view is not None and self._view[0] == key:
+            return self._view[1]  # nothing happened here since it was last asked
+        pool, host, disk = self.residency.snapshot()
+        view = ReplicaView(
             self.replica_id,
             sim.in_flight,
             self.capacity,
@@ -89,6 +93,8 @@ class Replica:
             pinned_bytes=sim.adapters_in_flight,
             adapter_room_bytes=self.slots,
         )
+        self._view = (key, view)
+        return view
 
     def prewarm(self, adapter: str, now: float) -> None:
         """Start loading ``adapter`` into the pool (a decode run under way stops: a load is an event)."""

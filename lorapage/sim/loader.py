@@ -89,6 +89,11 @@ class SimLoader:
         self._version = 0  # bumped when a tier's membership may have changed
         self._snapshot: tuple[int, tuple[frozenset[str], frozenset[str], frozenset[str]]] | None = None
 
+    @property
+    def version(self) -> int:
+        """Bumped whenever an adapter may have changed tier (a router's view of it may be stale)."""
+        return self._version
+
     def tier(self, name: str) -> str:
         return self.rules.tier(name) if name in self.rules.adapters else self._cold(name).value
 

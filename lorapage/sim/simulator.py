@@ -301,8 +301,8 @@ class Simulator:
                     raise RuntimeError(f"{len(self.waiting)} waiting requests can never be admitted at t={self.now}")
                 self.now = wake
                 continue
-            finished = self._step(ctx)
-            self._quiet = nothing_waited and not finished
+            self._step(ctx)
+            self._quiet = nothing_waited
             if on_step is not None:
                 on_step(self)
 
@@ -323,8 +323,7 @@ class Simulator:
             served[req.tenant][1] += n
             on_service(req, 0, n, now)
             pages[req.request_id] = max(pages[req.request_id], -(-(req.num_prompt_tokens + req.generated) // block))
-        if self._finish(self.running):
-            self._quiet = False
+        self._finish(self.running)
 
     def _start_run(self) -> bool:
         """Plan the decode run from now, if at least one step of it is possible (nothing waits,

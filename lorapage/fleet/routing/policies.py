@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from functools import lru_cache
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class Router(Protocol):
         ...
 
 
+@lru_cache(maxsize=1 << 16)  # pure: a fleet asks the same pairs at every request
 def _weight(adapter: str, replica_id: str) -> int:
     digest = hashlib.blake2b(f"{adapter}|{replica_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
