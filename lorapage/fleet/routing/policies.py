@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import random
-from functools import lru_cache
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 # A call for one replica by id (the ingress gathering every replica's usage) names it so in place
