@@ -293,7 +293,6 @@ class Simulator:
             self._make_room_for_decode()
             self._copy_s += self.residency.advance(self.now)
             ctx = _Context(self, self.now)
-            nothing_waited = not self.waiting
             self.policy.schedule(self.now, ctx)
             if not self.running and not ctx.admitted:
                 wake = self._next_event()
@@ -302,7 +301,7 @@ class Simulator:
                 self.now = wake
                 continue
             self._step(ctx)
-            self._quiet = nothing_waited
+            self._quiet = not self.waiting  # the policy has nothing left to decide
             if on_step is not None:
                 on_step(self)
 
