@@ -23,7 +23,8 @@ def _key(records) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def trace():
-    return generate(GenConfig(seed=3, scale=0.2, rate=12.0, duration_s=40.0, diurnal_amplitude=0.5, diurnal_period_s=40.0))
+    config = GenConfig(seed=3, scale=0.2, rate=12.0, duration_s=40.0, diurnal_amplitude=0.5, diurnal_period_s=40.0)
+    return generate(config)
 
 
 @pytest.mark.parametrize("replicas, kv_pages", [(4, 4096), (2, 600)])
