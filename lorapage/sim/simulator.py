@@ -231,7 +231,7 @@ class Simulator:
         self.preemptions = 0
         self._tokens = sum(r.num_prompt_tokens + r.max_tokens for r in self.trace)  # in flight
         self._adapters: Counter[str] = Counter(r.adapter for r in self.trace if r.adapter is not None)
-        self._quiet = False  # the policy's last step found nothing waiting, and nothing came or went since
+        self._quiet = False  # the last step left nothing waiting, and nothing arrived or was preempted since
         self._run: _DecodeRun | None = None
 
     def submit(self, req: SimRequest) -> None:
