@@ -80,8 +80,12 @@ def main(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - started
     hourly = result.hourly(SEED_SLO)
     need = floor_device_seconds(trace, config, args.hour)
+    split = {s["hour"]: s for s in result.split()}
     for h in hourly:
         h["floor"] = math.ceil(need.get(h["hour"], 0.0) / args.hour)
+        h["floor_continuous"] = round(need.get(h["hour"], 0.0) / args.hour, 3)
+        h.update({k: v for k, v in split.get(h["hour"], {}).items() if k != "hour"})
+    excess = _excess(hourly, args.hour)
     ratio = result.replica_hours / result.floor_hours if result.floor_hours else None
     ratio_cont = result.replica_hours / result.floor_continuous_hours if result.floor_continuous_hours else None
     phases = {k: round(v, 3) for k, v in result.phase_hours.items()}
@@ -99,6 +103,10 @@ def main(args: argparse.Namespace) -> dict:
             h["hour"],
             h["requests"],
             h["floor"],
+            f"{h['floor_continuous']:.2f}",
+            f"{h.get('asked', 0):.2f}",
+            f"{h.get('held', 0):.2f}",
+            f"{h.get('draining', 0):.2f}",
             f"{h['replicas']:.2f}",
             _s(h["warm_p95"]),
             _s(h["cold_p95"]),
@@ -106,7 +114,8 @@ def main(args: argparse.Namespace) -> dict:
         ]
         for h in hourly
     ]
-    print(table(["hour", "requests", "floor", "mean replicas", "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrrl"))
+    heads = ["hour", "requests", "floor", "continuous", "asked", "held", "draining", "mean replicas"]
+    print(table([*heads, "warm p95 s", "cold p95 s", "meets"], rows, "rrrrrrrrrrl"))
     print(
         f"\nreplica-hours {result.replica_hours:.2f} (hours of 3,600 s; loading the base {phases['joining']:.2f}, "
         f"serving {phases['serving']:.2f}, draining {phases['draining']:.2f}), compute floor in whole replicas "
@@ -114,6 +123,10 @@ def main(args: argparse.Namespace) -> dict:
         f"{result.floor_continuous_hours:.2f}: {ratio_cont:.3f}x; every hour meets: {all(h['meets'] for h in hourly)}; "
         f"TTFT on just-joined replicas p50 / p95 / p99 {_s(up['p50'])} / {_s(up['p95'])} / {_s(up['p99'])} s "
         f"({up['count']} requests); {result.prewarms} pre-warms\n({elapsed:.0f} s of simulation)"
+    )
+    print(
+        "where the replica-hours above the continuous floor went (replica-hours): "
+        + ", ".join(f"{k} {v:+.2f}" for k, v in excess.items())
     )
     return {
         "bench": "autoscale",
@@ -133,10 +146,31 @@ def main(args: argparse.Namespace) -> dict:
         "meets_target": bool(ratio is not None and ratio <= TARGET_RATIO and all(h["meets"] for h in hourly)),
         "every_hour_meets": all(h["meets"] for h in hourly),
         "hourly": hourly,
+        "excess_replica_hours": excess,
         "scale_up_ttft": up,
         "prewarms": result.prewarms,
         "targets": {"warm_p95_s": SEED_SLO.ttft_s, "cold_p95_s": SEED_SLO.ttft_cold_s, "ratio": TARGET_RATIO},
         "elapsed_s": round(elapsed, 1),
+    }
+
+
+def _excess(hourly: list[dict], hour_s: float) -> dict[str, float]:
+    """Replica-hours above the continuous floor, by cause: the level the reports asked for over
+    the floor (``level``), the hysteresis (held above or below it: ``lag``), drains and the rest
+    (base loads, and ticks' sampling against the exact timeline: ``other``)."""
+    f = hour_s / 3600.0
+    total = {
+        k: sum(h.get(k, 0.0) for h in hourly) * f for k in ("floor_continuous", "asked", "held", "draining", "replicas")
+    }
+    level = total["asked"] - total["floor_continuous"]
+    lag = total["held"] - total["asked"]
+    other = total["replicas"] - total["held"] - total["draining"]
+    return {
+        "level": round(level, 3),
+        "lag": round(lag, 3),
+        "draining": round(total["draining"], 3),
+        "other": round(other, 3),
+        "total": round(total["replicas"] - total["floor_continuous"], 3),
     }
 
 

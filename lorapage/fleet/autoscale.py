@@ -122,6 +122,26 @@ def wanted(loads: Sequence[ReplicaLoad], current: int, config: AutoscaleConfig, 
     return min(max(by_tokens, by_queue, by_kv, config.min_replicas), config.max_replicas)
 
 
+def desired(
+    loads: Sequence[ReplicaLoad], now: float, state: Mapping[str, Any], config: AutoscaleConfig, current: int
+) -> tuple[int, dict[str, Any]]:
+    """The replica count these reports call for now (:func:`wanted`, the tokens read as the
+    options say), and the tokens' means to keep in the state (with ``smoothing_s``)."""
+    if config.smoothing_s <= 0:
+        return wanted(loads, current, config), {}
+    raw, tau = float(sum(r.tokens_in_flight for r in loads)), config.smoothing_s
+    fast = slow = raw
+    if "tokens" in state:
+        dt = max(now - state["tokens_at"], 0.0)
+        w1, w2 = math.exp(-dt / tau), math.exp(-dt / (2 * tau))
+        fast, slow = w1 * state["tokens"] + (1 - w1) * raw, w2 * state["tokens_slow"] + (1 - w2) * raw
+    keep = {"tokens": fast, "tokens_slow": slow, "tokens_at": now}
+    # On a ramp of r tokens/s the two means lag tau * r and 2 tau * r: r = (fast - slow) / tau;
+    # a rising one is projected lead_s ahead of now.
+    tokens = fast + max(fast - slow, 0.0) / tau * (tau + config.lead_s) if config.lead_s > 0 else fast
+    return wanted(loads, current, config, tokens), keep
+
+
 def decide(
     loads: Sequence[ReplicaLoad], current: int, now: float, state: Mapping[str, Any], config: AutoscaleConfig
 ) -> tuple[int, dict[str, Any]]:
@@ -131,20 +151,7 @@ def decide(
     it has wanted since; a decision, or a report that wants the current count, resets it. With
     ``smoothing_s`` it also keeps the tokens' exponential mean (``tokens``, ``tokens_at``), which
     the scale-down side reads."""
-    keep: dict[str, Any] = {}
-    tokens = None
-    if config.smoothing_s > 0:
-        raw, tau = float(sum(r.tokens_in_flight for r in loads)), config.smoothing_s
-        fast = slow = raw
-        if "tokens" in state:
-            dt = max(now - state["tokens_at"], 0.0)
-            w1, w2 = math.exp(-dt / tau), math.exp(-dt / (2 * tau))
-            fast, slow = w1 * state["tokens"] + (1 - w1) * raw, w2 * state["tokens_slow"] + (1 - w2) * raw
-        keep = {"tokens": fast, "tokens_slow": slow, "tokens_at": now}
-        # On a ramp of r tokens/s the two means lag tau * r and 2 tau * r: r = (fast - slow) / tau;
-        # a rising one is projected lead_s ahead of now.
-        tokens = fast + max(fast - slow, 0.0) / tau * (tau + config.lead_s) if config.lead_s > 0 else fast
-    want = wanted(loads, current, config, tokens)
+    want, keep = desired(loads, now, state, config, current)
     bounded = min(max(current, config.min_replicas), config.max_replicas)
     if bounded != current:  # outside the bounds (a changed config): move at once
         return bounded, keep
@@ -168,9 +175,12 @@ class Autoscaler:
         self.config = config
         self.clock = clock
         self.state: dict[str, Any] = {}
+        self.wanted = 0  # what the last reports called for before the hysteresis (a report's figure)
 
     def __call__(self, loads: Sequence[ReplicaLoad], current: int) -> int:
-        target, self.state = decide(loads, current, self.clock(), self.state, self.config)
+        now = self.clock()
+        self.wanted = desired(loads, now, self.state, self.config, current)[0]
+        target, self.state = decide(loads, current, now, self.state, self.config)
         return target
 
 

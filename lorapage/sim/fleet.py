@@ -70,15 +70,16 @@ class Replica:
         self.slots = config.residency.max_resident_loras  # adapter room, counted in (equal) adapters
         engine = SimConfig(**{**config.engine.__dict__, "cost": config.costs, "adapter_rank": config.residency.rank})
         self.sim = Simulator(policy, engine, residency=self.residency)
+        self._view: tuple[tuple, ReplicaView] | None = None
 
     def view(self) -> ReplicaView:
         """What the replica reports: load, residency, tokens in flight, KV headroom, held adapters."""
-        pool, host, disk = self.residency.snapshot()
         sim = self.sim
-        # Held adapter room: the slots of the distinct adapters its requests run on or wait for
-        # (they cannot be evicted); there are no admin pins in a simulated run.
-        busy = {r.adapter for r in (*sim.running, *sim.waiting, *sim.trace[sim._next :]) if r.adapter is not None}
-        return ReplicaView(
+        key = (sim.now, len(sim.trace), sim.steps, self.residency.version)
+        if self._view is not None and self._view[0] == key:
+            return self._view[1]  # nothing happened here since it was last asked
+        pool, host, disk = self.residency.snapshot()
+        view = ReplicaView(
             self.replica_id,
             sim.in_flight,
             self.capacity,
@@ -87,9 +88,18 @@ class Replica:
             disk,
             tokens_in_flight=sim.tokens_in_flight,
             kv_free=sim.kv_free,
-            pinned_bytes=len(busy),
+            # Held adapter room: the slots of the distinct adapters its requests run on or wait
+            # for (they cannot be evicted); there are no admin pins in a simulated run.
+            pinned_bytes=sim.adapters_in_flight,
             adapter_room_bytes=self.slots,
         )
+        self._view = (key, view)
+        return view
+
+    def prewarm(self, adapter: str, now: float) -> None:
+        """Start loading ``adapter`` into the pool (a decode run under way stops: a load is an event)."""
+        self.sim.settle()
+        self.residency.prewarm(adapter, now)
 
 
 @dataclass
@@ -221,7 +231,7 @@ def simulate(trace: Sequence[TraceRequest], config: SimFleetConfig, router: Rout
         by_id[chosen].sim.submit(req)
         if isinstance(router, LoadAffinityRouter):
             for p in router.take_prewarms():
-                by_id[p.replica_id].residency.prewarm(p.adapter, req.arrival_time)
+                by_id[p.replica_id].prewarm(p.adapter, req.arrival_time)
                 prewarms += 1
     last = reqs[order[-1]].arrival_time if reqs else 0.0
     device_busy = None  # the devices' share of time stepping, from the warm-up's end to the last arrival
@@ -234,6 +244,8 @@ def simulate(trace: Sequence[TraceRequest], config: SimFleetConfig, router: Rout
     horizon = last + config.drain_s
     for r in replicas:
         r.sim.run(until=horizon)
+        r.sim.settle()
+
     records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
     return FleetResult(
         config=config,

@@ -21,6 +21,7 @@ request, with ``pages`` of its own (default: its rank).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -88,6 +89,11 @@ class SimLoader:
         self._version = 0  # bumped when a tier's membership may have changed
         self._snapshot: tuple[int, tuple[frozenset[str], frozenset[str], frozenset[str]]] | None = None
 
+    @property
+    def version(self) -> int:
+        """Bumped whenever an adapter may have changed tier (a router's view of it may be stale)."""
+        return self._version
+
     def tier(self, name: str) -> str:
         return self.rules.tier(name) if name in self.rules.adapters else self._cold(name).value
 
@@ -150,6 +156,13 @@ class SimLoader:
         if check is not None:
             times.append(check)
         return min(times) if times else None
+
+    def settled_until(self, now: float) -> float:
+        """Until when :meth:`advance` has nothing to do: ``now`` while a load is under way (it may
+        be placed at any step), else the next prefetch due (``math.inf``: none)."""
+        if self.rules.loads.loading():
+            return now
+        return min((t for t, *_ in self._due), default=math.inf)
 
     # -- carrying out the rules' decisions ----------------------------------------------------------
 

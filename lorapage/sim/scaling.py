@@ -73,6 +73,9 @@ class ScaledResult:
     floor_hours: float  # whole replicas per hour (the target's floor)
     floor_continuous_hours: float  # device-seconds / 3,600 (fractional replicas)
     phase_hours: dict[str, float]  # replica-hours loading the base, serving, draining
+    # Every tick: (time, replicas counted by the policy (joining and serving), replicas draining,
+    # the count the reports called for before the hysteresis).
+    ticks: list[tuple[float, int, int, int]] = field(default_factory=list)
 
     def hourly(self, slo: Slo = SEED_SLO) -> list[dict]:
         """Per hour of arrivals: requests, warm / cold p95 TTFT, mean replicas, whether both p95s meet ``slo``."""
@@ -97,6 +100,28 @@ class ScaledResult:
                 }
             )
         return out
+
+    def split(self) -> list[dict]:
+        """Per hour, the mean replicas the policy held (``held``), the reports called for
+        (``asked``) and drained (``draining``), from the ticks: ``held - asked`` is the
+        hysteresis (positive: a scale-down waiting; negative: a scale-up waiting or loading)."""
+        hour = self.scaling.hour_s
+        sums: dict[int, list[float]] = {}
+        for t, held, draining, asked in self.ticks:
+            acc = sums.setdefault(int(t // hour), [0.0, 0.0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += held
+            acc[2] += asked
+            acc[3] += draining
+        return [
+            {
+                "hour": h,
+                "held": round(v[1] / v[0], 3),
+                "asked": round(v[2] / v[0], 3),
+                "draining": round(v[3] / v[0], 3),
+            }
+            for h, v in sorted(sums.items())
+        ]
 
     def scale_up_ttft(self) -> dict[str, float | int | None]:
         """TTFT of requests that a replica took within ``scale_up_window_s`` of joining (after the first start)."""
@@ -129,14 +154,16 @@ def simulate_scaled(
     reqs = to_sim_requests(trace, config.base_name)
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_time, i))
     members: dict[str, _Member] = {}
+    alive: dict[str, _Member] = {}  # not stopped
     serial = 0
     traffic: Counter[str] = Counter()
     last_halving = 0.0
     timeline: list[tuple[float, int]] = []
     prewarms = 0
+    ticks: list[tuple[float, int, int, int]] = []
 
     def live() -> list[_Member]:
-        return [m for m in members.values() if m.stopped is None]
+        return list(alive.values())
 
     def note(now: float) -> None:
         n = len(live())
@@ -148,7 +175,7 @@ def simulate_scaled(
         rid = f"r{serial:03d}"
         serial += 1
         delay = 0.0 if ready else scaling.join_s + scaling.warm_s
-        members[rid] = _Member(Replica(rid, config), now, now + delay, prewarmed=ready)
+        members[rid] = alive[rid] = _Member(Replica(rid, config), now, now + delay, prewarmed=ready)
 
     def routable(now: float) -> list[_Member]:
         return [m for m in live() if not m.leaving and m.serving_from <= now]
@@ -163,7 +190,7 @@ def simulate_scaled(
             for rid in owners(adapter, ids):
                 m = members[rid]
                 if (only is None or rid == only) and adapter not in m.replica.residency.snapshot()[0]:
-                    m.replica.residency.prewarm(adapter, now)
+                    m.replica.prewarm(adapter, now)
                     prewarms += 1
 
     def tick(now: float) -> None:
@@ -177,19 +204,27 @@ def simulate_scaled(
                 if not traffic[key]:
                     del traffic[key]
             last_halving = now
-        busy = [a for a, _ in traffic.most_common(scaling.prewarm_top)]
+        top: list[list[str]] = []
+
+        def busy() -> list[str]:  # asked only when a replica joins or leaves
+            if not top:
+                top.append([a for a, _ in traffic.most_common(scaling.prewarm_top)])
+            return top[0]
+
         for m in live():  # base loaded: register and pre-warm what it owns among the ones serving and itself
             if not m.prewarmed and now >= m.serving_from - scaling.warm_s:
                 ids = [x.replica.replica_id for x in live() if not x.leaving]
-                warm(now, busy, ids, m.replica.replica_id)
+                warm(now, busy(), ids, m.replica.replica_id)
                 m.prewarmed = True
         for m in live():  # drained: stop
             sim = m.replica.sim
             if m.leaving and not sim.running and not sim.waiting and sim._next >= len(sim.trace):
                 m.stopped = now
+                del alive[m.replica.replica_id]
         counted = [m for m in live() if not m.leaving]
         loads = [_load(m.replica) for m in counted if m.serving_from <= now]
         target = autoscaler(loads, len(counted))
+        ticks.append((now, len(counted), len(live()) - len(counted), autoscaler.wanted))
         for _ in range(target - len(counted)):
             start(now, ready=False)
         if target < len(counted):
@@ -197,7 +232,7 @@ def simulate_scaled(
             gone = sorted(counted, key=lambda m: (m.serving_from <= now, -m.started))
             for m in gone[: len(counted) - target]:
                 m.leaving, m.left_at = True, now
-                held = [a for a in busy if a in m.replica.residency.snapshot()[0]]
+                held = [a for a in busy() if a in m.replica.residency.snapshot()[0]]
                 rest = [x.replica.replica_id for x in live() if not x.leaving]
                 if rest:
                     warm(now, held, rest, None)  # its owned adapters to their next owners
@@ -226,12 +261,13 @@ def simulate_scaled(
         if isinstance(router, LoadAffinityRouter):
             for p in router.take_prewarms():
                 if p.replica_id in by_id:
-                    by_id[p.replica_id].replica.residency.prewarm(p.adapter, req.arrival_time)
+                    by_id[p.replica_id].replica.prewarm(p.adapter, req.arrival_time)
                     prewarms += 1
     end = (reqs[order[-1]].arrival_time if reqs else 0.0) + config.drain_s
     last = reqs[order[-1]].arrival_time if reqs else 0.0
     for m in live():  # the run's span ends at the last arrival: what still runs then is billed to it
         m.replica.sim.run(until=end)
+        m.replica.sim.settle()
         m.stopped = last
     records = [_record(i, trace[i], reqs[i]) for i in range(len(reqs))]
     hours = sum(max(min(m.stopped or last, last) - m.started, 0.0) for m in members.values()) / 3600.0
@@ -256,6 +292,7 @@ def simulate_scaled(
         floor_hours=floor_replica_hours(trace, config, scaling.hour_s),
         floor_continuous_hours=floor_replica_hours(trace, config, scaling.hour_s, continuous=True),
         phase_hours=phases,
+        ticks=ticks,
     )
 
 

@@ -16,7 +16,8 @@ loads by tier). A request's first token comes at the end of the step that prefil
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from bisect import bisect_right
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -97,6 +98,11 @@ class ReplicaAdapters(Protocol):
         """When a load next progresses on its own (None: never)."""
         ...
 
+    def settled_until(self, now: float) -> float:
+        """Until when :meth:`advance` has nothing to do if nothing else happens (``now``: it may
+        have now; ``math.inf``: never): steps before it may be run as one decode run."""
+        ...
+
 
 class FixedLoad:
     """An adapter is ready ``load_s`` after its first request and stays resident (tier ``gpu``
@@ -132,6 +138,9 @@ class FixedLoad:
         later = [t for t in self.ready_at.values() if t > now]
         return min(later) if later else None
 
+    def settled_until(self, now: float) -> float:
+        return min((t for t in self.ready_at.values() if t >= now), default=math.inf)
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -142,6 +151,23 @@ class SimConfig:
     adapter_load_s: float = 0.05  # of the default FixedLoad residency
     cost: StepCost = field(default_factory=CostModel)
     adapter_rank: int = 16  # the rank the step cost charges each distinct adapter at
+    # Steps that only decode (nothing waits, arrives, loads or finishes) run as one decode run,
+    # their rows' bookkeeping done once at its end: the same results, several times faster.
+    decode_runs: bool = True
+
+
+@dataclass
+class _DecodeRun:
+    """Steps of an unchanged batch that only decode: step ``i`` starts at ``times[i]``; ``done`` of
+    its ``len(times) - 1`` steps are done; ``grows[k]``: the k-th KV page the rows take, at
+    (after) that many steps."""
+
+    times: list[float]
+    cost: float
+    grows: list[int]
+    free_pages: int  # at its start
+    tokens: int  # tokens in flight at its start
+    done: int = 0
 
 
 class _Context:
@@ -203,12 +229,20 @@ class Simulator:
         self.rows = 0  # requests over all steps (rows / steps: how full batches are)
         self.last_batch_size = 0  # rows of the latest step
         self.preemptions = 0
+        self._tokens = sum(r.num_prompt_tokens + r.max_tokens for r in self.trace)  # in flight
+        self._adapters: Counter[str] = Counter(r.adapter for r in self.trace if r.adapter is not None)
+        self._quiet = False  # the last step left nothing waiting, and nothing arrived or was preempted since
+        self._run: _DecodeRun | None = None
 
     def submit(self, req: SimRequest) -> None:
         """Add a request arriving at or after every one added so far (the fleet routes online)."""
         if self.trace and req.arrival_time < self.trace[-1].arrival_time:
             raise ValueError(f"{req.request_id} arrives at {req.arrival_time}, before the last submitted request")
+        self.settle()
         self.trace.append(req)
+        self._tokens += req.num_prompt_tokens + req.max_tokens - req.generated
+        if req.adapter is not None:
+            self._adapters[req.adapter] += 1
 
     @property
     def in_flight(self) -> int:
@@ -219,8 +253,12 @@ class Simulator:
     def tokens_in_flight(self) -> int:
         """Prompt + remaining output tokens of the requests running or waiting here (a router's
         ``ReplicaView.tokens_in_flight``)."""
-        reqs = [*self.running, *self.waiting, *self.trace[self._next :]]
-        return sum(r.num_prompt_tokens + r.max_tokens - r.generated for r in reqs)
+        return self._tokens
+
+    @property
+    def adapters_in_flight(self) -> int:
+        """Distinct adapters of the requests running or waiting here."""
+        return len(self._adapters)
 
     @property
     def kv_free(self) -> float:
@@ -233,6 +271,10 @@ class Simulator:
     def run(self, until: float = math.inf, on_step: Callable[[Simulator], None] | None = None) -> None:
         """Simulate until every request finished or the clock passes ``until`` (call again to go on)."""
         while self.now < until:
+            if self._run is not None:
+                if self._go_on(until):
+                    return
+                continue
             while self._next < len(self.trace) and self.trace[self._next].arrival_time <= self.now:
                 self._arrive(self.trace[self._next])
                 self._next += 1
@@ -242,6 +284,8 @@ class Simulator:
                     return
                 self.now = max(self.now, wake)
                 self._copy_s += self.residency.advance(self.now)
+                continue
+            if self._quiet and on_step is None and self.config.decode_runs and self._start_run():
                 continue
             for req in self.policy.reclaim(self.now):  # a lent lane owed back past its bound
                 if req in self.running:
@@ -257,10 +301,89 @@ class Simulator:
                 self.now = wake
                 continue
             self._step(ctx)
+            self._quiet = not self.waiting  # the policy has nothing left to decide
             if on_step is not None:
                 on_step(self)
 
+    def settle(self) -> None:
+        """Bring the rows of a decode run under way up to date (their tokens, pages, the policy's
+        counters): call it before reading a request or the policy between :meth:`run` calls."""
+        run = self._run
+        if run is None:
+            return
+        self._run = None
+        n = run.done
+        if not n:
+            return
+        now, block = run.times[n], self.config.block_size
+        served, on_service, pages = self.served, self.policy.on_service, self.pages
+        for req in self.running:
+            req.generated += n
+            served[req.tenant][1] += n
+            on_service(req, 0, n, now)
+            pages[req.request_id] = max(pages[req.request_id], -(-(req.num_prompt_tokens + req.generated) // block))
+        self._finish(self.running)
+
+    def _start_run(self) -> bool:
+        """Plan the decode run from now, if at least one step of it is possible (nothing waits,
+        the policy had nothing to do, no copy is due); :meth:`_go_on` carries it out."""
+        running = self.running
+        if not running or self.waiting or self._copy_s:
+            return False
+        limit = self.residency.settled_until(self.now)
+        if self._next < len(self.trace):
+            limit = min(limit, self.trace[self._next].arrival_time)
+        if self.now >= limit:
+            return False
+        left = min(r.max_tokens - r.generated for r in running)
+        distinct = len({r.adapter for r in running if r.adapter is not None})
+        cost = self.config.cost.time(StepShape(0, len(running), [self.config.adapter_rank] * distinct))
+        t = self.now
+        times = [t]
+        while len(times) <= left and t < limit:
+            t += cost
+            times.append(t)
+        steps, block, pages = len(times) - 1, self.config.block_size, self.pages
+        grows: list[int] = []
+        for req in running:  # before step k it needs pages for prompt + generated + k + 1 tokens
+            first = pages[req.request_id] * block - req.num_prompt_tokens - req.generated
+            grows.extend(range(first, steps, block))
+        grows.sort()
+        if len(grows) > self.free_pages:  # out of pages: the step that would need one is a normal one
+            steps = grows[self.free_pages]
+            del times[steps + 1 :]
+        if steps < 1:
+            return False
+        self._run = _DecodeRun(times, cost, grows, self.free_pages, self._tokens)
+        return True
+
+    def _go_on(self, until: float) -> bool:
+        """Carry the decode run on through the steps starting before ``until``; True when it
+        stopped there (``run`` returns), False when it ended (the rows are settled)."""
+        run = self._run
+        assert run is not None
+        times, last, n = run.times, len(run.times) - 1, run.done
+        start = n
+        while n < last and times[n] < until:
+            n += 1
+        if n > start:
+            rows, cost = len(self.running), run.cost
+            for _ in range(n - start):
+                self.busy_s += cost
+            self.steps += n - start
+            self.rows += rows * (n - start)
+            self.last_batch_size = rows
+            self.now = times[n]
+            self._tokens = run.tokens - rows * n
+            self.free_pages = run.free_pages - bisect_right(run.grows, n - 1)
+            run.done = n
+        if n < last:
+            return True
+        self.settle()
+        return False
+
     def _arrive(self, req: SimRequest) -> None:
+        self._quiet = False
         if req.adapter is not None:
             req.tier = self.residency.arrive(req.adapter, self.now, req.tenant)
         self.waiting.add(req)
@@ -293,6 +416,7 @@ class Simulator:
                     break
 
     def _preempt(self, req: SimRequest) -> None:
+        self._quiet = False
         self.running.remove(req)
         self.free_pages += self.pages.pop(req.request_id)
         req.preemptions += 1
@@ -302,7 +426,7 @@ class Simulator:
             self.residency.requeue(req.adapter, self.now)
         self.policy.preempt(req, self.now)
 
-    def _step(self, ctx: _Context) -> None:
+    def _step(self, ctx: _Context) -> bool:
         batch = self.running + ctx.admitted
         distinct = len({r.adapter for r in batch if r.adapter is not None})
         started = self.now
@@ -327,13 +451,24 @@ class Simulator:
             served[req.tenant][1] += 1
             on_service(req, 0, 1, now)
         self.running = batch
-        for req in [r for r in batch if r.generated >= r.max_tokens]:
+        self._tokens -= len(batch)
+        return self._finish(batch)
+
+    def _finish(self, batch: list[SimRequest]) -> bool:
+        """End the requests of ``batch`` that generated all their tokens; whether any did."""
+        done = [r for r in batch if r.generated >= r.max_tokens]
+        for req in done:
             self.running.remove(req)
             self.free_pages += self.pages.pop(req.request_id)
             req.finished_at = self.now
+            self._tokens -= req.num_prompt_tokens + req.max_tokens - req.generated
             if req.adapter is not None:
+                self._adapters[req.adapter] -= 1
+                if not self._adapters[req.adapter]:
+                    del self._adapters[req.adapter]
                 self.residency.finish(req.adapter, self.now)
             self.policy.on_finish(req, self.now)
+        return bool(done)
 
     def _serve(self, req: SimRequest, input_tokens: int) -> None:
         if req.first_token_at is None:

@@ -14,6 +14,7 @@ from lorapage.fleet.autoscale import (
     ReplicaLoad,
     autoscaling_config,
     decide,
+    desired,
     wanted,
 )
 
@@ -161,3 +162,16 @@ def test_lead_projects_a_rising_slope_ahead() -> None:
     assert n_flat in (11, 12) and n_ahead == 15
     with pytest.raises(ValueError, match="smoothing_s > 0 for a lead_s"):
         AutoscaleConfig(lead_s=30)
+
+
+def test_desired_is_what_decide_moves_to_and_the_autoscaler_reports_it() -> None:
+    # Before the hysteresis: what the reports call for now, as decide() reads them.
+    assert desired(loads(2, 20_000), 0.0, {}, CONFIG, 2) == (4, {})
+    now = [0.0]
+    scaler = Autoscaler(CONFIG, lambda: now[0])
+    assert scaler(loads(2, 20_000), 2) == 2 and scaler.wanted == 4  # wanted at once, held for the delay
+    now[0] = 10.0
+    assert scaler(loads(2, 20_000), 2) == 4 and scaler.wanted == 4
+    smooth = replace(CONFIG, smoothing_s=10.0)
+    count, state = desired(loads(2, 20_000), 5.0, {"tokens": 0.0, "tokens_slow": 0.0, "tokens_at": 0.0}, smooth, 2)
+    assert state["tokens"] < 40_000 and count == wanted(loads(2, 20_000), 2, smooth, state["tokens"])

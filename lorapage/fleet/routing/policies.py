@@ -14,6 +14,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 # A call for one replica by id (the ingress gathering every replica's usage) names it so in place
@@ -76,6 +77,7 @@ class Router(Protocol):
         ...
 
 
+@lru_cache(maxsize=1 << 16)  # pure: a fleet asks the same pairs at every request
 def _weight(adapter: str, replica_id: str) -> int:
     digest = hashlib.blake2b(f"{adapter}|{replica_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
