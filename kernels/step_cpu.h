@@ -47,7 +47,7 @@ void rms_norm_f32(float *out, int64_t out_stride, float *x, int64_t x_stride, co
 typedef int32_t i8 __attribute__((vector_size(32)));
 
 static inline v8 clamp8(v8 x, float lo, float hi) {
-    const i8 over = (i8)(x > hi), under = (i8)(x < lo); /* lanes: -1 where true */
+    const i8 over = (i8)(x > hi), under = (i8)(x < lo); /* elements: -1 where true */
     const v8 l = (v8){0} + lo, h = (v8){0} + hi;
     return (v8)(((i8)x & ~(over | under)) | ((i8)h & over) | ((i8)l & under));
 }
