@@ -1,8 +1,13 @@
-"""The CPU path's paged decode attention: float32, float16 or bfloat16 KV pages (``kv_cache_dtype``)
+"""The CPU path's paged attention: float32, float16 or bfloat16 KV pages (``kv_cache_dtype``)
 read in place by the C kernel of ``attention_cpu.h`` (built with the LoRA kernels), the PyTorch
 reference for anything else.
 
-Same signature and result as :func:`lorapage.kernels.attention_ref.paged_decode_attention_ref`.
+Same signatures and results as :func:`lorapage.kernels.attention_ref.paged_decode_attention_ref`
+and :func:`~lorapage.kernels.attention_ref.prefill_attention_ref`. A prompt's token is a decode
+row of its own to the kernel: its sequence's pages, and a context that ends at its own position
+(causal; a window counted back from it), so a prefill runs the same C loop over every token and
+head at once instead of PyTorch's ops sequence by sequence (8 ms a layer for 32 prompts of 8
+tokens on the 512-wide bench model).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from lorapage.kernels.attention_ref import paged_decode_attention_ref
+from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref
 from lorapage.kernels.cpu_build import KV_DTYPES, cpu_kernels
 
 
@@ -49,6 +54,35 @@ def paged_decode_attention_cpu(
     lib = cpu_kernels()
     if lib is None or not decode_attention_c(lib, out, q, kv, block_table, context_lens, scale, window, softcap):
         paged_decode_attention_ref(out, q, kv, block_table, context_lens, scale, window, softcap)
+
+
+def prefill_attention_cpu(
+    out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    block_table: Tensor,
+    query_starts: list[int],
+    context_lens: list[int],
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Same as :func:`prefill_attention_ref`: sequence ``i``'s query rows ``query_starts[i] :
+    query_starts[i + 1]``, the last of its ``context_lens[i]`` positions, each attending to the
+    positions up to its own (the last ``window`` of them when given)."""
+    lib = cpu_kernels()
+    if lib is not None and q.shape[0] and block_table.dtype == torch.int32:
+        seq: list[int] = []
+        lens: list[int] = []
+        for i, ctx in enumerate(context_lens):
+            n = query_starts[i + 1] - query_starts[i]
+            seq += [i] * n
+            lens += range(ctx - n + 1, ctx + 1)
+        tables = block_table[torch.tensor(seq, dtype=torch.int64)]  # each token's sequence's pages
+        ends = torch.tensor(lens, dtype=torch.int32)
+        if decode_attention_c(lib, out, q, kv, tables, ends, scale, window, softcap):
+            return
+    prefill_attention_ref(out, q, kv, block_table, query_starts, context_lens, scale, window, softcap)
 
 
 def decode_attention_c(

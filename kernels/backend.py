@@ -1,9 +1,10 @@
 """Choosing the kernel implementation once, at start-up.
 
 ``torch`` runs the PyTorch references and batched PyTorch LoRA ops. ``cpu`` is the same with the
-LoRA ops' short segments (decode rows) and decode attention in the C kernels of ``lora_cpu.c``,
-built on first use with the system compiler (float32 models only), and the base's projections as
-oneDNN GEMMs over weights packed once (``linear_cpu.py``). ``triton`` runs the Triton
+LoRA ops' short segments (decode rows), paged attention and the layers' norms, rotation, K/V
+write and SiLU (``step_cpu.py``) in the C kernels of ``lora_cpu.c``, built on first use with the
+system compiler (float32 models only), and the base's projections as oneDNN GEMMs over weights
+packed once (``linear_cpu.py``). ``triton`` runs the Triton
 kernels: compiled on CUDA, and under Triton's interpreter on a machine without CUDA (that is how
 the CPU test suite checks them; it is far too slow to serve with). ``auto`` picks Triton on CUDA
 when it is installed, else ``cpu`` for a float32 model on a CPU where the C kernels build, else
@@ -19,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lorapage.kernels.attention_cpu import paged_decode_attention_cpu
+from lorapage.kernels.attention_cpu import paged_decode_attention_cpu, prefill_attention_cpu
 from lorapage.kernels.attention_ref import paged_decode_attention_ref, prefill_attention_ref, write_kv_ref
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_cpu import keep_weight, linear_cpu, linear_ref, pack_weight
@@ -27,6 +28,8 @@ from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_grou
 from lorapage.kernels.lora_ref import LoraIndices
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 from lorapage.kernels.names import BACKENDS
+from lorapage.kernels.step_cpu import rms_norm_cpu, rope_cpu, silu_mul_cpu, write_kv_cpu
+from lorapage.kernels.step_ref import rms_norm_ref, rope_ref, silu_mul_ref
 from lorapage.kernels.triton_import import triton_available, triton_interpreted
 
 
@@ -88,6 +91,25 @@ class LoraGroup(Protocol):
 
 class WriteKv(Protocol):
     def __call__(self, kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None: ...
+
+
+class RmsNorm(Protocol):
+    """``x + residual`` (None: ``x``) and its RMS norm times ``weight``, as ``(x', norm)``; ``x`` may
+    take the residual in place (:func:`lorapage.kernels.step_ref.rms_norm_ref`)."""
+
+    def __call__(self, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]: ...
+
+
+class Rope(Protocol):
+    """``x`` [T, heads, D] rotated by ``cos`` / ``sin`` [T, rotary_dim], maybe in place: use the result."""
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...
+
+
+class SiluMul(Protocol):
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:]``."""
+
+    def __call__(self, gate_up: Tensor, inter: int) -> Tensor: ...
 
 
 class DecodeAttention(Protocol):
@@ -178,6 +200,9 @@ class KernelOps:
     pack_logits: PackWeight | None = None  # lm_head's, where it differs (a quantized base's stays float32)
     captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
     lora_group: LoraGroup | None = None  # shrink then expand in one op, where the backend fuses them
+    rms_norm: RmsNorm = rms_norm_ref  # a dense layer's norms, with the residual add before them
+    rope: Rope = rope_ref
+    silu_mul: SiluMul = silu_mul_ref
 
 
 TORCH_OPS = KernelOps(
@@ -193,13 +218,16 @@ CPU_OPS = KernelOps(
     "cpu",
     lora_shrink_cpu,
     lora_expand_cpu,
-    write_kv_ref,
+    write_kv_cpu,
     paged_decode_attention_cpu,
-    prefill_attention_ref,
+    prefill_attention_cpu,
     _plan_cpu,
     linear=linear_cpu,
     pack_weight=pack_weight,
     lora_group=lora_group_cpu,
+    rms_norm=rms_norm_cpu,
+    rope=rope_cpu,
+    silu_mul=silu_mul_cpu,
 )
 
 

@@ -1,5 +1,5 @@
 """Compiling the CPU path's C kernels (``lora_cpu.c`` with ``lora_cpu_body.h``, ``attention_cpu.h`` and
-``linear_w8a8.h``) once per variant, and loading them.
+``linear_w8a8.h``, ``step_cpu.h``) once per variant, and loading them.
 
 A variant (``cpu_isa.py``) is the kernels built for one ISA level (baseline x86-64, AVX, AVX2,
 AVX-512; a portable build elsewhere); :func:`cpu_kernels` loads the best one this CPU runs, or
@@ -32,7 +32,10 @@ from lorapage.kernels.cpu_isa import Variant
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_cpu.c")
-SOURCES = tuple(SOURCE.with_name(n) for n in ("lora_cpu.c", "lora_cpu_body.h", "attention_cpu.h", "linear_w8a8.h"))
+SOURCES = (
+    SOURCE,
+    *(SOURCE.with_name(f) for f in ("lora_cpu_body.h", "attention_cpu.h", "linear_w8a8.h", "step_cpu.h")),
+)
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")  # then the variant's
 _P, _I, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Argument types, in the order of lora_cpu.c's signatures: pool slab, page stride, page size,
@@ -50,6 +53,16 @@ _F = ctypes.c_float
 # out, its row stride, q, its row stride; the KV slab, page stride, block size, KV heads, head dim,
 # heads; block table, its stride; context lengths, rows, scale, window (0: none), soft-cap (0: none), threads.
 _DECODE_ATTENTION = [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _F, _I, _F, _INT]
+# step_cpu.h: out, x, residual (each with its row stride), weight, rows, dim, eps, threads;
+# out, gate_up (each with its row stride), rows, intermediate size, threads; x, row stride, heads,
+# head dim, cos, sin (a row per token), their row stride, rotated columns, rows, threads; the KV slab, page
+# stride, block size, width, k, its stride, v, its stride, slots, rows.
+_STEP = {
+    "rms_norm_f32": [_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _INT],
+    "silu_mul_f32": [_P, _I, _P, _I, _I, _I, _INT],
+    "rope_f32": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _INT],
+    "write_kv_f32": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I],
+}
 # name: (argument types, result type)
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     **{
@@ -61,6 +74,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # linear_w8a8.h: x, its row stride, rows, d_in, q, scales, threads; acc, rows, d_out, s_x, s_w, bias, threads
     "w8a8_quantize_rows": ([_P, _I, _I, _I, _P, _P, _INT], None),
     "w8a8_rescale": ([_P, _I, _I, _P, _P, _P, _INT], None),
+    **{name: (args, None) for name, args in _STEP.items()},
 }
 
 

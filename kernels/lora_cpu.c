@@ -1,5 +1,6 @@
 /* The CPU path's LoRA shrink and expand for short segments (decode rows), reading adapters
- * straight from pool pages; and (attention_cpu.h, included at the end) its decode attention.
+ * straight from pool pages; and (attention_cpu.h, included at the end) its decode attention, and
+ * (step_cpu.h) the layer's norms, rotation, K/V write and SiLU.
  *
  * Same results as kernels/lora_ref.py, cell by cell (a cell: one adapter slot and its tokens):
  *   shrink: h[t, :a_rows[s]] = x[t] @ A_s.T
@@ -230,3 +231,4 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #include "attention_cpu.h"
 
 #include "linear_w8a8.h"
+#include "step_cpu.h"

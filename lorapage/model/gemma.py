@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lorapage.kernels import LoraIndices
 from lorapage.kernels.backend import KernelOps
+from lorapage.kernels.step_ref import rope_ref
 from lorapage.model.config import ModelConfig
 from lorapage.model.gemma_config import GemmaConfig
 from lorapage.model.llama import AttentionMetadata, LlamaModel
@@ -119,7 +120,7 @@ class GemmaModel(LlamaModel):
             if g.qk_norm:
                 q, k = _norm(q, w["q_norm"], eps), _norm(k, w["k_norm"], eps)
             cos, sin = rope["local" if window is not None else None]
-            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+            q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
             ops.write_kv(kv, k, v, attn.slot_mapping)
             attn_out = self._paged_attention(ops, q, kv, attn, window, g.attn_logit_softcapping)
             o = self.linear(attn_out, w["o"])

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lorapage.kernels import LoraIndices
@@ -151,15 +150,6 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
-    @staticmethod
-    def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        dim = cos.shape[-1]  # rotary_dim: a partial rotation passes the rest of each head through
-        if dim < x.shape[-1]:
-            return torch.cat((LlamaModel._apply_rope(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
-        half = dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos[:, None, :] + rotated * sin[:, None, :]
-
     def _paged_attention(
         self,
         ops: KernelOps,
@@ -258,10 +248,13 @@ class LlamaModel:
         experts_lora = expert_lora(ops, tables, lora, h) if self.moe_layers and lora is not None else None
         if lora is not None and tables.variants.in_step(lora):  # embedding LoRA rows (lora_variants.py)
             add_embedding_lora(x, input_ids, adapter_pool, tables.page_table, lora, tables.variants, h, ops)
+        eps = c.rms_norm_eps
+        pending: Tensor | None = None  # the last layer's MLP output, added to x by the next norm
         for i, w in enumerate(self.layers):
             slab, lora_slab = pool[i], adapter_pool[i]
             kv = slab.view(slab.shape[0], 2, block_size, c.num_kv_heads, c.head_dim)
-            hs = self._rms_norm(x, w["in_norm"])
+            # ops.rms_norm adds the residual first (the CPU backend: one C call, in place on x).
+            x, hs = ops.rms_norm(x, pending, w["in_norm"], eps)
             # self.linear (F.linear, or oneDNN's over packed weights), not ``hs @ w.t()``: on a CPU
             # the transposed-view matmul ran on one thread whatever the intra-op threads.
             qkv = self.linear(hs, w["qkv"], w.get("qkv_bias"))
@@ -275,7 +268,7 @@ class LlamaModel:
                 qk = qkv[:, : q_size + kv_size].view(T, heads, c.head_dim)
             if "qk_norm" in w:  # Qwen3: each head normalised before its rotation
                 qk = self._rms_norm(qk, w["qk_norm"])
-            qk = self._apply_rope(qk, cos, sin)
+            qk = ops.rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
             ops.write_kv(kv, k, v, attn.slot_mapping)
@@ -285,23 +278,20 @@ class LlamaModel:
                 self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
             if self.comm is not None:
                 self.comm.all_reduce(o)
-            x = x + o
-            hs = self._rms_norm(x, w["post_norm"])
+            x, hs = ops.rms_norm(x, o, w["post_norm"], eps)
             if self.moe_layers:
-                x = x + self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab, self.comm)
+                pending = self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab, self.comm)
                 continue
             gu = self.linear(hs, w["gate_up"])
             if lora is not None:
                 self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)
-            inter = c.intermediate_size
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            d = self.linear(act, w["down"])
+            act = ops.silu_mul(gu, c.intermediate_size)
+            pending = self.linear(act, w["down"])
             if lora is not None:
-                self._lora(ops, d, act, i, 3, lora_slab, tables, lora, h)
+                self._lora(ops, pending, act, i, 3, lora_slab, tables, lora, h)
             if self.comm is not None:
-                self.comm.all_reduce(d)
-            x = x + d
-        return self._rms_norm(x, self.final_norm)
+                self.comm.all_reduce(pending)
+        return ops.rms_norm(x, pending, self.final_norm, eps)[1]
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         """The embedding rows of ``input_ids`` (under tensor parallelism each rank holds a share of
