@@ -103,6 +103,7 @@ class HostArena:
 
 def _map(nbytes: int) -> mmap.mmap:
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    assert _MADV_HUGEPAGE is not None  # host_empty maps only where the advice exists
     try:
         region.madvise(_MADV_HUGEPAGE)
     except OSError:  # a kernel built without THP: small pages, as torch.empty would have
