@@ -103,9 +103,9 @@ class HostArena:
 
 def _map(nbytes: int) -> mmap.mmap:
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    assert _MADV_HUGEPAGE is not None  # host_empty maps only where the advice exists
     try:
-        region.madvise(_MADV_HUGEPAGE)
+        if _MADV_HUGEPAGE is not None:  # off Linux an arena's mappings have small pages
+            region.madvise(_MADV_HUGEPAGE)
     except OSError:  # a kernel built without THP: small pages, as torch.empty would have
         pass
     return region
