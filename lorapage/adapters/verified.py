@@ -72,7 +72,7 @@ class VerifiedFiles:
         self.euid = os.geteuid() if euid is None else euid
         self._digests: OrderedDict[tuple[bytes, tuple[int, ...]], str] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0  # reads that skipped hashing (metrics and tests read it)
+        self.hits = 0  # reads that skipped hashing (tests read it)
 
     def digest_of(self, config: bytes, stamp: FileStamp | None) -> str | None:
         """The digest remembered for these bytes of the config and this stamp of the weights, or None."""

@@ -55,16 +55,17 @@ class HostArena:
 
     A mapping is idle when the storage of the buffer it last lent has been freed (every view of
     it gone), which :class:`~torch.multiprocessing.reductions.StorageWeakRef` tells without a
-    hook on the tensors. :meth:`take` lends the smallest idle mapping that holds ``nbytes`` and is
-    at most a quarter larger than a new one would be, else maps a new one, first unmapping idle ones while more than
-    :attr:`keep_bytes` are idle. Thread-safe: loads take buffers on I/O threads.
+    hook on the tensors. :meth:`take` lends the smallest idle mapping that holds ``nbytes`` and
+    is at most a quarter larger than a new one would be, else maps a new one, first unmapping
+    idle ones while more than :attr:`keep_bytes` are idle. Thread-safe: loads take buffers on
+    I/O threads.
     """
 
     def __init__(self, keep_bytes: int = KEEP_IDLE_BYTES) -> None:
         self.keep_bytes = keep_bytes
         self._mappings: list[_Mapping] = []
         self._lock = threading.Lock()
-        self.reused = 0  # buffers lent from a mapping lent before (tests and the bench read it)
+        self.reused = 0  # buffers lent from a mapping lent before (tests read it)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (at least one huge page) in a mapping of this arena."""
