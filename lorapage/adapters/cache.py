@@ -119,6 +119,12 @@ class AdapterCache:
         self.entries[name] = AdapterEntry(name, spec, layout, digest=digest, origin=origin)
         return self.info(name)
 
+    def drop_host_copies(self) -> None:
+        """Let go of every packed copy (the engine closed): their buffers go back to the process's
+        host arena (:mod:`lorapage.memory.host`) now, not when a garbage collection finds this engine."""
+        self._host.clear()
+        self._staged.clear()
+
     def set_owner(self, name: str, owner: str | None) -> None:
         """Version ``name``'s id changed hands: its reads go through ``owner``'s roots and slots."""
         entry = self.get(name)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from lorapage.adapters.cost import AdapterCost
 from lorapage.adapters.envelope import Envelope, ServingTier, describe_shape, full_matrix_refusal, refusal
 from lorapage.adapters.layout import AdapterLayout
-from lorapage.adapters.loader import AdapterLoader, content_digest
-from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec, read_weights
+from lorapage.adapters.loader import AdapterLoader
+from lorapage.adapters.peft_format import AdapterSpec, load_adapter_tensors, read_adapter_spec
 from lorapage.adapters.peft_variants import full_matrix_params, variant_params
 from lorapage.errors import AdapterFormatError
 from lorapage.memory.pool import PagePool
@@ -79,9 +79,8 @@ class AdapterChecks:
         if envelope:
             self.check_envelope(spec)
         layout = self.plan(spec)
-        weights = read_weights(spec)
+        weights, digest = self.loader.read_verified(spec)
         load_adapter_tensors(spec, self.loader.dtype, weights)  # refuses NaN / Inf weights now, not at a request
-        digest = content_digest(spec, weights)
         self.loader.finite_digests.add(digest)
         return spec, layout, digest
 

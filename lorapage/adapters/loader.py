@@ -31,10 +31,12 @@ from lorapage.adapters.peft_format import (
     load_adapter_tensors,
     read_config_bytes,
     read_weights,
+    read_weights_stamped,
 )
 from lorapage.adapters.safetensors_buffer import ReadBuffer, tensor_views
 from lorapage.adapters.value import LoadTier, ReloadCosts, Stage
 from lorapage.adapters.variant_layout import BaseWeight, VariantSection, load_variant_tensors, pack_section
+from lorapage.adapters.verified import VerifiedFiles
 from lorapage.errors import AdapterIntegrityError
 from lorapage.memory.pool import PagePool
 from lorapage.model.config import ModelConfig
@@ -108,6 +110,7 @@ class AdapterLoader:
         self.ranks = ranks
         self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every read it does
         self.finite_digests: set[str] = set()  # digests of bytes validation found finite in ``dtype``
+        self.verified = VerifiedFiles()  # weights files hashed before that only this server's user can write
 
     async def read(
         self, version: Readable, tier: LoadTier, downloaded: Callable[[], None] = lambda: None
@@ -153,17 +156,30 @@ class AdapterLoader:
             packed = packed[0]
         write_adapter_pages(self.pool, self.tables, layout, packed, slot, pages)
 
+    def read_verified(self, spec: AdapterSpec, into: ReadBuffer | None = None) -> tuple[torch.Tensor, str]:
+        """The weights file's bytes and the content digest of the directory as read: the sha256
+        of those bytes, or, where a read of a file only this server's user can write found the
+        same stamp before, the digest that read computed (:mod:`lorapage.adapters.verified`)."""
+        config = read_config_bytes(spec.path)
+        weights, stamp = read_weights_stamped(spec, into)
+        digest = self.verified.digest_of(config, stamp)
+        if digest is None:
+            digest = bytes_digest({"adapter_config.json": config, spec.weights_file.name: weights.numpy().data})
+            self.verified.remember(config, stamp, digest)
+        return weights, digest
+
     def _read_and_pack(self, version: Readable, spec: AdapterSpec) -> torch.Tensor:
         """Read both files once, check them against the registered digest (the bytes hashed are
-        the bytes used), then parse and pack."""
-        weights = read_weights(spec, self._read_buffer)
+        the bytes used, or bytes a stamp shows unchanged since they were hashed), then parse and pack."""
         if version.digest:
-            got = content_digest(spec, weights)
+            weights, got = self.read_verified(spec, self._read_buffer)
             if got != version.digest:
                 raise AdapterIntegrityError(
                     f"adapter {version.name}: files in {spec.path} changed after registration (sha256 {got}, "
                     f"registered {version.digest}); register the new content as a new version"
                 )
+        else:
+            weights = read_weights(spec, self._read_buffer)
         # Bytes that match a digest validation returned are bytes it found finite in this dtype.
         # A version restored from the registry was checked by an earlier process, perhaps in
         # another dtype (bfloat16 weights can overflow float16): its loads check again.

@@ -43,10 +43,11 @@ from lorapage.adapters.peft_variants import (
 from lorapage.adapters.safetensors_buffer import (
     ReadBuffer,
     SafetensorsFormatError,
-    read_file,
     read_header,
+    read_stamped,
     tensor_views,
 )
+from lorapage.adapters.verified import FileStamp
 from lorapage.errors import AdapterFormatError
 from lorapage.model.config import MODULES, ModelConfig
 from lorapage.model.families import checkpoint_module_dims, refuse_foreign_module, split_fused_pairs, split_fused_values
@@ -306,8 +307,13 @@ def _trained_on(path: Path, cfg: dict) -> str | None:
 def read_weights(spec: AdapterSpec, into: ReadBuffer | None = None) -> torch.Tensor:
     """The weights file's bytes (see :func:`read_file`), refused before any is read unless the
     file is a regular one of the size registration found; a failed read is a format error naming it."""
+    return read_weights_stamped(spec, into)[0]
+
+
+def read_weights_stamped(spec: AdapterSpec, into: ReadBuffer | None = None) -> tuple[torch.Tensor, FileStamp | None]:
+    """:func:`read_weights` and the file's stamp as the read saw it (see :func:`read_stamped`)."""
     try:
-        return read_file(spec.weights_file, into, size=spec.size_bytes)
+        return read_stamped(spec.weights_file, into, size=spec.size_bytes)
     except OSError as e:
         raise _fail(spec.path, f"{spec.weights_file.name} could not be read ({e})") from None
 

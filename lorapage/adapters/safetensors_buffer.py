@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lorapage.adapters.files import UntrustedFileError, open_regular
+from lorapage.adapters.verified import FileStamp
 from lorapage.memory.host import host_empty
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -66,10 +69,20 @@ def read_file(path: Path, into: ReadBuffer | None = None, *, size: int | None = 
     or a view of this thread's buffer from ``into``. Only a regular file is read (a FIFO or a
     device is refused without blocking, see :mod:`lorapage.adapters.files`), and with ``size``
     only one of exactly that many bytes: any other is refused before a byte is read."""
+    return read_stamped(path, into, size=size)[0]
+
+
+def read_stamped(
+    path: Path, into: ReadBuffer | None = None, *, size: int | None = None
+) -> tuple[torch.Tensor, FileStamp | None]:
+    """:func:`read_file`, and the file's stamp (:mod:`lorapage.adapters.verified`) when ``fstat``
+    said the same before and after the read (None: it changed while it was read)."""
+    read_ns = time.time_ns()
     f, actual = open_regular(path, max_bytes=size)
     with f:
         if size is not None and actual != size:
             raise UntrustedFileError(f"{path.name} is {actual} bytes; {size} were expected")
+        before = os.fstat(f.fileno())
         buf = _buffer(actual, into)
         view = buf.numpy().data.cast("B")
         got = 0
@@ -77,7 +90,8 @@ def read_file(path: Path, into: ReadBuffer | None = None, *, size: int | None = 
             got += n
         if got != actual or f.read(1):
             raise OSError(f"{path.name} changed size while it was read ({actual} bytes when opened)")
-    return buf
+        stamp = FileStamp.of(before, os.fstat(f.fileno()), read_ns)
+    return buf, stamp
 
 
 def _buffer(size: int, into: ReadBuffer | None) -> torch.Tensor:

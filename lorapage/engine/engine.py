@@ -479,6 +479,7 @@ class Engine:
             log.exception("traffic tiers: the last traffic counts could not be written")
         self._threads.shutdown_workers()
         self._runner.close()
+        self._adapters.cache.drop_host_copies()
         await self._adapters.sources.close()
         self._catalog.close()  # its registry: waits for a commit in flight
         if self._state_lock is not None:
