@@ -8,8 +8,10 @@ without a plan gets one made for that call from the tables it passes.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from lorapage.kernels.lora_int8 import SCALE_BYTES, scales_at, scales_of
 from lorapage.kernels.lora_plan import LoraBatch, plan_lora_batches
 from lorapage.kernels.lora_ref import LoraIndices, _host
 
@@ -18,6 +20,17 @@ def _batches(indices: LoraIndices, page_table: Tensor, pool: Tensor, *tables: Te
     if indices.batches is not None:
         return indices.batches
     return plan_lora_batches(indices.segments, page_table, [_host(t) for t in tables], pool)
+
+
+def _weights(batch: LoraBatch, pool: Tensor, offset: int, rows: int, cols: int, scaled: int, dtype) -> Tensor:
+    """``[cells, rows, cols]``: the matrix at ``offset`` of each cell's buffer in ``dtype``; from
+    int8 pages, times its scales (kernels/lora_int8.py), one per row (``scaled`` 1: A) or column (2: B)."""
+    w = batch.matrices(pool, offset, rows, cols).to(dtype)  # pages may be narrower
+    if pool.dtype != torch.int8:
+        return w
+    n = w.shape[scaled]
+    s = scales_of(batch.matrices(pool, scales_at(offset, rows * cols), 1, SCALE_BYTES * n)).to(dtype)  # [cells, 1, n]
+    return w * (s.transpose(1, 2) if scaled == 1 else s)
 
 
 def lora_shrink_torch(
@@ -30,7 +43,7 @@ def lora_shrink_torch(
         r = int(group_rows[batch.rep])
         if not r:
             continue
-        a = batch.matrices(pool, int(offsets[batch.rep]), r, d_in).to(x.dtype)  # pages may be narrower
+        a = _weights(batch, pool, int(offsets[batch.rep]), r, d_in, 1, x.dtype)
         rows = batch.alone
         if rows is not None:
             h[rows, :r] = x[rows] @ a[0].t()
@@ -66,7 +79,7 @@ def lora_expand_torch(
             if r == 0:
                 continue
             width, hs = bounds[m + 1] - bounds[m], int(starts[rep, m])
-            b = batch.matrices(pool, int(offsets[rep, m]), width, r).to(y.dtype)
+            b = _weights(batch, pool, int(offsets[rep, m]), width, r, 2, y.dtype)
             out = y[:, bounds[m] : bounds[m + 1]]
             if rows is not None:
                 assert host_scales is not None

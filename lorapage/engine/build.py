@@ -153,6 +153,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     mc = shard_config(base.model_config, tp)
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
     kv_dtype = DTYPES[config.kv_dtype_name]
+    if lora_dtype == torch.int8 and mc.moe is not None:
+        raise ValueError("lora_dtype 'int8' cannot serve a MoE base (its experts' LoRA has no int8 pages); use bfloat16")
     page_size = kv_page_elements(bs, mc.kv_size, dtype, kv_dtype)
     max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
     tokens = config.max_num_batched_tokens or max(2048, max_model_len)
@@ -175,7 +177,9 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
         block_size=bs,
         page_size=page_size,
         # A page holds more adapter elements when adapters are narrower than KV.
-        adapter_pages=max_adapter_pages(mc, config.max_lora_rank, adapter_page_size(page_size, dtype, lora_dtype)),
+        adapter_pages=max_adapter_pages(
+            mc, config.max_lora_rank, adapter_page_size(page_size, dtype, lora_dtype), lora_dtype == torch.int8
+        ),
         max_blocks=-(-max_model_len // bs),
         max_model_len=max_model_len,
         max_num_batched_tokens=tokens,
@@ -220,7 +224,8 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
         config.max_loras, config.max_resident_loras, pool.capacity, sizing.adapter_pages, MAX_DERIVED_LORA_SLOTS
     )
     prefix_cache = PrefixCache(pool, clock)
-    list_width = page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size)
+    # int8 pages' scales make the largest adapter a little more than a quarter of float32's.
+    list_width = max(page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size), sizing.adapter_pages)
     page_bytes = mc.num_layers * sizing.page_size * pool.storage.element_size()
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
@@ -287,6 +292,11 @@ def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
     ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype)
+    if sizing.lora_dtype == torch.int8 and ops.name == "triton":  # kernel_backend auto on CUDA
+        raise ValueError(
+            "lora_dtype 'int8': the triton backend cannot read int8 adapter pages; set kernel_backend torch, or "
+            "lora_dtype bfloat16"
+        )
     if config.quantization is not None:
         ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
     runner = ModelRunner(
@@ -471,7 +481,7 @@ def build_adapters(
     loader = AdapterLoader(
         pool,
         memory.tables,
-        sizing.lora_dtype,
+        sizing.dtype if sizing.lora_dtype == torch.int8 else sizing.lora_dtype,  # int8: quantized as packed
         costs,
         io_executor=threads.io,
         run_on_device=threads.run_on_device,
