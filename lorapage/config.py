@@ -15,7 +15,8 @@ DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES, "int8")  # auto: the model's dtype; int8: with per-row scales
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
-NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16", "int8")}  # per model dtype, the narrower ones adapters may take
+# Per model dtype, the narrower ones adapters may take.
+NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16", "int8")}
 # vLLM's kv_cache_dtype names (and their long forms) -> the pages' dtype; auto: the model's.
 KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 QUANTIZATIONS = ("int8",)  # vLLM's --quantization names lorapage has (None: the weights in dtype)

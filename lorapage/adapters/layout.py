@@ -53,7 +53,8 @@ class AdapterLayout:
     def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int, quantized: bool = False) -> AdapterLayout:
         """Where ``spec``'s matrices go in pages of ``page_size`` elements; ``quantized``: int8 ones."""
         if quantized and (model.moe is not None or not spec.variants.plain):
-            what = "a MoE base's experts" if model.moe is not None else "PEFT variant data (DoRA, lora_bias, embedding LoRA)"
+            what = "PEFT variant data (DoRA, lora_bias, embedding LoRA)"
+            what = "a MoE base's experts" if model.moe is not None else what
             raise AdapterFormatError(
                 f"adapter at {str(spec.path)!r}: int8 adapter pages (--lora-dtype int8) hold plain LoRA A and B "
                 f"only, not {what}; serve it with --lora-dtype float32 or bfloat16"

@@ -152,9 +152,7 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     # A rank's pool pages hold its KV heads and its shard of each adapter: sized from its shard.
     mc = shard_config(base.model_config, tp)
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
-    kv_dtype = DTYPES[config.kv_dtype_name]
-    if lora_dtype == torch.int8 and mc.moe is not None:
-        raise ValueError("lora_dtype 'int8' cannot serve a MoE base (its experts' LoRA has no int8 pages); use bfloat16")
+    kv_dtype, int8 = DTYPES[config.kv_dtype_name], lora_dtype == torch.int8
     page_size = kv_page_elements(bs, mc.kv_size, dtype, kv_dtype)
     max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
     tokens = config.max_num_batched_tokens or max(2048, max_model_len)
@@ -176,9 +174,8 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
         kv_dtype=kv_dtype,
         block_size=bs,
         page_size=page_size,
-        # A page holds more adapter elements when adapters are narrower than KV.
-        adapter_pages=max_adapter_pages(
-            mc, config.max_lora_rank, adapter_page_size(page_size, dtype, lora_dtype), lora_dtype == torch.int8
+        adapter_pages=max_adapter_pages(  # a page holds more adapter elements when adapters are narrower than KV
+            mc, config.max_lora_rank, adapter_page_size(page_size, dtype, lora_dtype), int8
         ),
         max_blocks=-(-max_model_len // bs),
         max_model_len=max_model_len,
@@ -224,8 +221,7 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
         config.max_loras, config.max_resident_loras, pool.capacity, sizing.adapter_pages, MAX_DERIVED_LORA_SLOTS
     )
     prefix_cache = PrefixCache(pool, clock)
-    # int8 pages' scales make the largest adapter a little more than a quarter of float32's.
-    list_width = max(page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size), sizing.adapter_pages)
+    list_width = page_list_width(sizing.shard_model, config.max_lora_rank, pool.adapter_page_size)
     page_bytes = mc.num_layers * sizing.page_size * pool.storage.element_size()
     recompute = RecomputeCost(page_bytes, sizing.block_size)
     return MemoryParts(
@@ -291,12 +287,7 @@ class ForwardParts:
 def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
-    ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype)
-    if sizing.lora_dtype == torch.int8 and ops.name == "triton":  # kernel_backend auto on CUDA
-        raise ValueError(
-            "lora_dtype 'int8': the triton backend cannot read int8 adapter pages; set kernel_backend torch, or "
-            "lora_dtype bfloat16"
-        )
+    ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype, sizing.lora_dtype)
     if config.quantization is not None:
         ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
     runner = ModelRunner(

@@ -146,7 +146,9 @@ def _checks(model_name: str, step: str, placement: str) -> tuple:
 
 @pytest.mark.parametrize("ops", sorted(OPS))
 @pytest.mark.parametrize("step", sorted(STEPS))
-@pytest.mark.parametrize(("model_name", "placement"), [("wide", "grid_holes"), ("wide", "scattered"), ("odd_widths", "scattered")])
+@pytest.mark.parametrize(
+    ("model_name", "placement"), [("wide", "grid_holes"), ("wide", "scattered"), ("odd_widths", "scattered")]
+)
 def test_ops_over_int8_pages_match_the_dequantized_weights(ops, model_name, step, placement):
     """Decode stripes, cells widened once, long segments on the PyTorch ops, scattered pages,
     rows of odd widths (the scalar tails): every op within the bound, planned per step as the
