@@ -11,7 +11,8 @@
  *   NARROW     1 for weights narrower than float32: cells of WIDEN_TOKENS or more widen their
  *              blocks into float32 once and run the _f32 loops (defined by the first include)
  *   SCALED     1 for int8 weights: each matrix's float32 scales follow it (SCALES_AT), one per A
- *              row (applied to the shrink's sums) and per B column (folded into h)
+ *              row (applied to the shrink's sums) and per B column (folded into h); B is stored
+ *              transposed, [r, d_out], and its expand sums r scaled rows (expand_cols)
  * Activations, products and sums are float32 for every W.
  */
 
@@ -283,6 +284,36 @@ static inline void F(expand_rows)(float *yt, const W *b, int64_t w, int64_t r, c
     for (; j < w; j++) yt[j] += F(dot)(b + j * r, hv, r);
 }
 
+#if SCALED
+/* yt[j] += sum_k bt[k * stride + j] * hv[k] for j < w: B transposed ([r, W] with row stride
+ * ``stride``), so its outputs are r int8 rows times a broadcast value each: vertical FMAs, no
+ * horizontal sums (the [w, r] layout's rank-16 path spends most of its shuffles on those). Row by
+ * row, so B^T is read front to back (the prefetchers' one stream; across rows at once, the r
+ * streams a row apart ran 1.4x slower) while the w outputs stay in L1. Each output adds its r
+ * products in order onto y, as expand_rows does. */
+static void F(expand_cols)(float *yt, const W *bt, int64_t stride, int64_t w, int64_t r, const float *hv) {
+    for (int64_t k = 0; k < r; k++) {
+        const W *row = bt + k * stride;
+        v8 hk = (v8){0} + hv[k];
+        int64_t j = 0;
+        for (; j + 16 <= w; j += 16) {
+            *(v8u *)(yt + j) = ld(yt + j) + LDW(row + j) * hk;
+            *(v8u *)(yt + j + 8) = ld(yt + j + 8) + LDW(row + j + 8) * hk;
+        }
+        for (; j + 8 <= w; j += 8) *(v8u *)(yt + j) = ld(yt + j) + LDW(row + j) * hk;
+        for (; j < w; j++) yt[j] += TOF(row[j]) * hv[k];
+    }
+}
+/* A block of w outputs from j0 of B^T [r, wm] at off: elements [off + j0, off + j0 + (r - 1) wm + w). */
+#define B_SPAN(off, j0, w, r, wm) (off) + (j0), ((r) - 1) * (wm) + (w)
+#define B_ROOM(max_rank, widest) ((max_rank) * (widest))
+#define EXPAND_BLOCK(yt, b, w, r, hv, wm) F(expand_cols)(yt, b, wm, w, r, hv)
+#else
+/* A block of w outputs from j0 of B [wm, r] at off: its rows [j0, j0 + w). */
+#define B_SPAN(off, j0, w, r, wm) (off) + (j0) * (r), (w) * (r)
+#define B_ROOM(max_rank, widest) (EXPAND_ROWS * (max_rank))
+#define EXPAND_BLOCK(yt, b, w, r, hv, wm) ((void)(wm), F(expand_rows)(yt, b, w, r, hv))
+
 /* Stripes in lockstep (see STRIPES): yl[e][j] += bl[e][j, :] . hl[e] for j < w, 8 rows of each stripe in turn. */
 static void F(expand_stripes)(float *const yl[STRIPES], const W *const bl[STRIPES], const float *const hl[STRIPES],
                             const int64_t r[STRIPES], int n, int64_t w) {
@@ -291,6 +322,7 @@ static void F(expand_stripes)(float *const yl[STRIPES], const W *const bl[STRIPE
         for (int e = 0; e < n; e++) F(expand_rows)(yl[e] + j, bl[e] + j * r[e], m, r[e], hl[e]);
     }
 }
+#endif
 
 void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride, const W *slab,
                      int64_t page_stride, int64_t page, const int32_t *page_table, int64_t pt_stride, int64_t n_cells,
@@ -300,7 +332,8 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
     int64_t widest = 0;
     for (int64_t m = 0; m < n_modules; m++)
         if (bounds[m + 1] - bounds[m] > widest) widest = bounds[m + 1] - bounds[m];
-    int64_t blocks = (widest + EXPAND_ROWS - 1) / EXPAND_ROWS;
+    /* Blocks of outputs a task takes; int8's B^T: whole rows, read front to back (expand_cols). */
+    int64_t block = SCALED && widest > 0 ? widest : EXPAND_ROWS, blocks = (widest + block - 1) / block;
     Plan plan = plan_stripes(1, n_cells, cell_slot, cell_begin, tokens, NULL, 0);
     int64_t tasks = plan.n_big + plan.n_packs;
 #pragma omp parallel num_threads(nthreads)
@@ -311,22 +344,23 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
         for (int64_t task = 0; task < tasks; task++) {
             for (int64_t m = 0; m < n_modules; m++) {
                 for (int64_t blk = 0; blk < blocks; blk++) {
-                    int64_t j0 = blk * EXPAND_ROWS, w = bounds[m + 1] - bounds[m] - j0;
+                    int64_t j0 = blk * block, w = bounds[m + 1] - bounds[m] - j0;
                     if (w <= 0) continue;
-                    if (w > EXPAND_ROWS) w = EXPAND_ROWS;
+                    if (w > block) w = block;
                     if (task < plan.n_big) { /* a cell alone */
                         int64_t c = plan.big ? plan.big[task] : task;
                         int64_t s = cell_slot[c], at = s * tab_stride + m, r = rank[at];
                         if (r == 0) continue;
                         F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
-                        const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
+                        int64_t wm = bounds[m + 1] - bounds[m];
+                        const W *bm = F(span)(&buf, B_SPAN(b_offset[at], j0, w, r, wm), &scratch, B_ROOM(max_rank, widest));
                         float hv[r], sb[r]; /* sb: B's column scales (SCALED), else ones */
 #if SCALED
                         F(read_scales)(&buf, SCALES_AT(b_offset[at], (bounds[m + 1] - bounds[m]) * r), r, sb);
 #else
                         for (int64_t k = 0; k < r; k++) sb[k] = 1.0f;
 #endif
-#if NARROW
+#if NARROW && !SCALED
                         const float *wide = cell_begin[c + 1] - cell_begin[c] >= WIDEN_TOKENS
                                                 ? F(widened)(bm, w * r, &room, EXPAND_ROWS * max_rank)
                                                 : NULL;
@@ -335,13 +369,13 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
                             const float *ht = h + tokens[t] * h_stride + h_start[at];
                             for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k] * sb[k];
                             float *yt = y + tokens[t] * y_stride + bounds[m] + j0;
-#if NARROW
+#if NARROW && !SCALED
                             if (wide) {
                                 expand_rows_f32(yt, wide, w, r, hv);
                                 continue;
                             }
 #endif
-                            F(expand_rows)(yt, bm, w, r, hv);
+                            EXPAND_BLOCK(yt, bm, w, r, hv, wm);
                         }
                         continue;
                     }
@@ -365,15 +399,20 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
 #else
                         for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
 #endif
-                        const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
+                        int64_t wm = bounds[m + 1] - bounds[m];
+                        const W *bm = F(span)(&buf, B_SPAN(b_offset[at], j0, w, r, wm), &scratch, B_ROOM(max_rank, widest));
                         if (bm == scratch) { /* its pages are not one run: it runs alone, from the copy */
-                            F(expand_rows)(yt, bm, w, r, hv);
+                            EXPAND_BLOCK(yt, bm, w, r, hv, wm);
                             continue;
                         }
                         yl[n] = yt, bl[n] = bm, hl[n] = hv, rl[n] = r;
                         n++;
                     }
+#if SCALED /* one stripe after another: each reads r rows of B^T at once already */
+                    for (int e = 0; e < n; e++) F(expand_cols)(yl[e], bl[e], bounds[m + 1] - bounds[m], w, rl[e], hl[e]);
+#else
                     F(expand_stripes)(yl, bl, hl, rl, n, w);
+#endif
                 }
             }
         }
@@ -400,3 +439,7 @@ void F(lora_group)(float *y, int64_t y_stride, float *h, int64_t h_stride, const
                    cell_begin, tokens, n_modules, bounds, b_offset, rank, h_start, scale, tab_stride, max_rank,
                    nthreads);
 }
+
+#undef B_SPAN
+#undef B_ROOM
+#undef EXPAND_BLOCK

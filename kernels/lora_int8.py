@@ -4,20 +4,23 @@ float32 scale per rank row.
 The row is a rank component: A ``[r, d_in]``'s row k, and B ``[d_out, r]``'s column k. A LoRA
 delta is ``sum_k s * B[:, k] A[k, :]``, so each rank-1 term carries two scales, and
 
-    A ~ a_scale[:, None] * qA,    B ~ qB * b_scale[None, :]
+    A ~ a_scale[:, None] * qA,    B ~ qBt.T * b_scale[None, :]
 
 with ``q = round(w / scale)`` in [-127, 127] and ``scale = max |w| / 127`` over the row (0 for a
-row of zeros). Why these axes: the shrink ``h_k = a_scale_k * (qA[k] . x)`` reads each A row as
-contiguous int8 and applies its scale once per row; the expand folds B's scales into h before
-it (``y_j += sum_k qB[j, k] * (s * b_scale_k * h_k)``), so its inner loop is the plain int8 row
-and its scales cost r floats, not one per output row (rank 16: 4 bytes per 16 would be 25% more
-bytes read). Each weight is off by at most half its row's step: ``|w - scale * q| <= scale / 2``.
+row of zeros). B is stored transposed, ``qBt`` ``[r, d_out]``: both matrices are then r rows of
+int8 with one scale each, read contiguously. Why these axes: the shrink ``h_k = a_scale_k *
+(qA[k] . x)`` applies each A row's scale once to its sum; the expand folds B's scales into h
+(``y[j] += sum_k qBt[k, j] * (s * b_scale_k * h_k)``), so for a block of outputs it adds r int8 rows
+times a broadcast value each, with no horizontal sums and r scales (a scale per output row of a
+``[d_out, r]`` B would read 4 more bytes per 16 at rank 16). Each weight is off by at most half
+its row's step: ``|w - scale * q| <= scale / 2``.
 
 In an adapter's flat buffer (:mod:`lorapage.adapters.layout`) each matrix's int8 values are
 padded to a multiple of 4 bytes and followed by its scales as float32 bytes: the scales of the
 matrix at ``offset`` with ``numel`` values start at :func:`scales_at` ``(offset, numel)``. Every
 offset is then a multiple of 4 (pages are too: a page of a float32 pool is 4 * page_size int8
-values), so a scale never straddles a page.
+values), so a scale never straddles a page. The lookup tables are the same as for other dtypes:
+``b_offset`` points at qBt.
 """
 
 from __future__ import annotations
@@ -52,16 +55,16 @@ def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A [r, d_in] and B [d_out, r] as int8 with a scale per rank row (module docstring):
-    ``(qA, a_scale, qB, b_scale)``, qB [d_out, r] row-major as PEFT stores B."""
+    ``(qA, a_scale, qBt, b_scale)``, qBt [r, d_out] (B transposed, as int8 pages hold it)."""
     qa, sa = quantize_rows(a)
     qbt, sb = quantize_rows(b.t())
-    return qa, sa, qbt.t().contiguous(), sb
+    return qa, sa, qbt, sb
 
 
 def dequantize_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """What int8 pages hold of A and B, as float32: each weight rounded as :func:`quantize_pair` rounds it."""
-    qa, sa, qb, sb = quantize_pair(a, b)
-    return qa.float() * sa[:, None], qb.float() * sb[None, :]
+    qa, sa, qbt, sb = quantize_pair(a, b)
+    return qa.float() * sa[:, None], qbt.float().t() * sb[None, :]
 
 
 def as_bytes(scales: Tensor) -> Tensor:

@@ -9,8 +9,8 @@ matrix ``[d_out_m, r_m]`` at ``b_offset[s, m]``. Slot 0 means "no adapter": its 
 These references are what runs on CPU; the Triton launchers implement the same signatures.
 Adapter pages may be narrower than the activations (``--lora-dtype``): weights are read in the
 pool's dtype and computed in the activations'. An int8 pool (``--lora-dtype int8``) holds each
-matrix's per-row scales after it (:mod:`lorapage.kernels.lora_int8`): ``A_s`` and ``B_{s,m}`` below
-are then the int8 values times their scales.
+matrix's per-row scales after it, and B transposed (:mod:`lorapage.kernels.lora_int8`): ``A_s`` and
+``B_{s,m}`` below are then the int8 values times their scales.
 """
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ def lora_expand_ref(
             if r == 0:
                 continue
             width = bounds[m + 1] - bounds[m]
-            b = page_span(pool, pages[slot], offsets[slot][m], width * r).view(width, r).to(y.dtype)
-            if pool.dtype == torch.int8:
-                b = b * _scales(pool, pages[slot], offsets[slot][m], width * r, r).to(y.dtype)[None, :]
+            b = page_span(pool, pages[slot], offsets[slot][m], width * r)
+            if pool.dtype == torch.int8:  # stored transposed
+                b = b.view(r, width).t().to(y.dtype) * _scales(pool, pages[slot], offsets[slot][m], width * r, r)
+            b = b.view(width, r).to(y.dtype)
             hs = starts[slot][m]
             y[start:end, bounds[m] : bounds[m + 1]].addmm_(h[start:end, hs : hs + r], b.t(), alpha=scales[slot][m])

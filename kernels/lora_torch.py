@@ -22,15 +22,17 @@ def _batches(indices: LoraIndices, page_table: Tensor, pool: Tensor, *tables: Te
     return plan_lora_batches(indices.segments, page_table, [_host(t) for t in tables], pool)
 
 
-def _weights(batch: LoraBatch, pool: Tensor, offset: int, rows: int, cols: int, scaled: int, dtype) -> Tensor:
+def _weights(batch: LoraBatch, pool: Tensor, offset: int, rows: int, cols: int, b: bool, dtype) -> Tensor:
     """``[cells, rows, cols]``: the matrix at ``offset`` of each cell's buffer in ``dtype``; from
-    int8 pages, times its scales (kernels/lora_int8.py), one per row (``scaled`` 1: A) or column (2: B)."""
-    w = batch.matrices(pool, offset, rows, cols).to(dtype)  # pages may be narrower
+    int8 pages, times its scales (kernels/lora_int8.py): A's one per row, B's (``b``, stored
+    transposed) one per column."""
     if pool.dtype != torch.int8:
-        return w
-    n = w.shape[scaled]
+        return batch.matrices(pool, offset, rows, cols).to(dtype)  # pages may be narrower
+    n = cols if b else rows
     s = scales_of(batch.matrices(pool, scales_at(offset, rows * cols), 1, SCALE_BYTES * n)).to(dtype)  # [cells, 1, n]
-    return w * (s.transpose(1, 2) if scaled == 1 else s)
+    if b:
+        return batch.matrices(pool, offset, cols, rows).transpose(1, 2).to(dtype) * s
+    return batch.matrices(pool, offset, rows, cols).to(dtype) * s.transpose(1, 2)
 
 
 def lora_shrink_torch(
@@ -43,7 +45,7 @@ def lora_shrink_torch(
         r = int(group_rows[batch.rep])
         if not r:
             continue
-        a = _weights(batch, pool, int(offsets[batch.rep]), r, d_in, 1, x.dtype)
+        a = _weights(batch, pool, int(offsets[batch.rep]), r, d_in, False, x.dtype)
         rows = batch.alone
         if rows is not None:
             h[rows, :r] = x[rows] @ a[0].t()
@@ -79,7 +81,7 @@ def lora_expand_torch(
             if r == 0:
                 continue
             width, hs = bounds[m + 1] - bounds[m], int(starts[rep, m])
-            b = _weights(batch, pool, int(offsets[rep, m]), width, r, 2, y.dtype)
+            b = _weights(batch, pool, int(offsets[rep, m]), width, r, True, y.dtype)
             out = y[:, bounds[m] : bounds[m + 1]]
             if rows is not None:
                 assert host_scales is not None

@@ -14,7 +14,9 @@ the attention groups (:mod:`lorapage.adapters.moe_layout`).
 int8 pages (``quantized``, ``--lora-dtype int8``): each matrix's int8 values, padded to 4 bytes,
 are followed by its float32 scales, one per rank row (:mod:`lorapage.kernels.lora_int8`)::
 
-    [ qA_qkv | pad | A_qkv's R_qkv scales | qB_q | pad | B_q's r_q scales | qB_k | ... ]
+    [ qA_qkv | pad | A_qkv's R_qkv scales | qB_q^T | pad | B_q's r_q scales | qB_k^T | ... ]
+
+with B transposed (``[r, d_out]``: the expand's blocks of outputs are r int8 rows).
 """
 
 from __future__ import annotations
@@ -179,13 +181,13 @@ def _matrix_elements(numel: int, rows: int, quantized: bool) -> int:
 
 def _quantized_pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]], padding: torch.Tensor) -> list[torch.Tensor]:
     """One group's (A, B) pairs as int8 pieces in :meth:`AdapterLayout.plan`'s order: the stacked
-    qA, its padding and scales, then each qB with its padding and scales."""
+    qA, its padding and scales, then each B transposed (qBt) with its padding and scales."""
     quantized = [quantize_pair(a, b) for a, b in pairs]
     qa = [q.reshape(-1) for q, _, _, _ in quantized]
     numel = sum(q.numel() for q in qa)
     pieces = [*qa, padding[: padded(numel) - numel], *(as_bytes(s) for _, s, _, _ in quantized)]
-    for _, _, qb, sb in quantized:
-        pieces += [qb.reshape(-1), padding[: padded(qb.numel()) - qb.numel()], as_bytes(sb)]
+    for _, _, qbt, sb in quantized:
+        pieces += [qbt.reshape(-1), padding[: padded(qbt.numel()) - qbt.numel()], as_bytes(sb)]
     return pieces
 
 

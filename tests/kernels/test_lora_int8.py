@@ -104,8 +104,8 @@ def pools(model_name: str, ranks: tuple[int, ...], placement: str, seed: int) ->
 
 def _exactly_dequantized(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What int8 pages hold of A and B, in float64: each value times its scale, exactly."""
-    qa, sa, qb, sb = quantize_pair(a, b)
-    return qa.double() * sa.double()[:, None], qb.double() * sb.double()[None, :]
+    qa, sa, qbt, sb = quantize_pair(a, b)
+    return qa.double() * sa.double()[:, None], qbt.double().t() * sb.double()[None, :]
 
 
 def _int8_bound(model, p: Pools, idx, x, layer, g):
