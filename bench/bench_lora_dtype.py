@@ -200,7 +200,7 @@ def main() -> None:
         "c/a by CPU",
         "floor",
         "adapter / pages",
-        "vs float32: same tokens, max |dlogprob|",
+        "vs float32: same tokens, max abs dlogprob",
     ]
     print(table(header, rows, "lrrrrrrrr"))
     print_json({"bench": "lora_dtype", "rounds": args.rounds, "threads": torch.get_num_threads(), "results": r})
