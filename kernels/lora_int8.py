@@ -25,7 +25,6 @@ values), so a scale never straddles a page. The lookup tables are the same as fo
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -77,8 +76,3 @@ def scales_of(span: Tensor) -> Tensor:
     if span.stride(-1) != 1 or span.data_ptr() % SCALE_BYTES or any(s % SCALE_BYTES for s in span.stride()[:-1]):
         span = span.contiguous()
     return span.view(torch.float32)
-
-
-def host_scales(span: Tensor) -> np.ndarray:
-    """:func:`scales_of` as a float32 numpy array on the host."""
-    return scales_of(span.cpu()).numpy()
