@@ -10,12 +10,17 @@ the shared cores' load slowed counts against (a) and (c) alike. Also printed per
 of one adapter, the pages it takes, the adapters a fixed pool budget holds, and the floor of c/a
 (the base step plus reading the 32 adapters once at the bandwidth measured in this run).
 
+Accuracy beside speed: each dtype's greedy tokens and logprobs on the 32 requests (each on its own
+adapter) against the float32 engine's, which equal transformers + PEFT's on the float32 adapters
+(tests/engine/test_parity.py): how many requests give the very same tokens, and the largest
+|dlogprob| over the positions before a request's first differing token.
+
 On shared cores the wall-clock rates swing with whatever else runs, so beside them the bench
 reports each pass's median forward-thread CPU time per decode step (``time.thread_time`` around
 the runner's ``execute``), and c/a by CPU: (a)'s step over (c)'s. CPU time leaves out the time other
 processes held the core, though not their traffic on the memory bus.
 
-    OMP_NUM_THREADS=1 python bench/bench_lora_dtype.py [--rounds 5] [--dtypes float32,bfloat16]
+    OMP_NUM_THREADS=1 python bench/bench_lora_dtype.py [--rounds 5] [--dtypes float32,bfloat16,int8]
 
 Prints a table; the last line is one JSON object.
 """
@@ -32,9 +37,9 @@ from pathlib import Path
 import torch
 from harness import interleaved, machine_line, median, print_json, table
 from make_llama import write_adapter, write_model
-from workloads import SHAPE, decode_rate, stream_bandwidth
+from workloads import SHAPE, decode_rate, prompt, stream_bandwidth
 
-from lorapage import Engine, EngineConfig
+from lorapage import Engine, EngineConfig, SamplingParams
 
 BATCH = 32
 PROMPT, NEW = 16, 16
@@ -63,6 +68,30 @@ async def cpu_step(eng: Engine, steps: list[float], rows: list[str | None]) -> t
     steps.clear()
     rate = await decode_rate(eng, rows, PROMPT, NEW)
     return rate, statistics.median(steps)
+
+
+async def greedy(eng: Engine, rows: list[str]) -> list[tuple[list[int], list[float]]]:
+    """Each row's greedy tokens and their logprobs (request ``i``'s prompt on adapter ``rows[i]``)."""
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    async def one(i: int, adapter: str) -> tuple[list[int], list[float]]:
+        last = None
+        async for out in eng.generate(prompt(i, PROMPT), adapter, params):
+            last = out
+        assert last is not None and last.logprobs is not None
+        return last.token_ids, [lp.logprob for lp in last.logprobs]
+
+    return list(await asyncio.gather(*(one(i, a) for i, a in enumerate(rows))))
+
+
+def agreement(got: list[tuple[list[int], list[float]]], want: list[tuple[list[int], list[float]]]) -> dict:
+    """Requests with identical tokens, and the largest |dlogprob| before each one's first differing token."""
+    same, worst = 0, 0.0
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        same += gt == wt
+        upto = next((k for k, (a, b) in enumerate(zip(gt, wt)) if a != b), len(gt))
+        worst = max([worst, *(abs(a - b) for a, b in zip(gl[:upto], wl[:upto]))])
+    return {"identical_requests": same, "requests": len(got), "max_abs_dlogprob": worst}
 
 
 def engine(model: Path, adapters: list[Path], lora_dtype: str) -> Engine:
@@ -97,9 +126,14 @@ async def measure(root: Path, dtypes: list[str], rounds: int) -> dict:
         await decode_rate(eng, [None] * 4, PROMPT, 3)  # warm-up
         await decode_rate(eng, names[:4], PROMPT, 3)
         a0 = eng.admin.info(names[0])
-        # The file holds float32 weights: the pool holds them in ``d``, read once a step each.
-        itemsize = getattr(torch, d if d != "auto" else "float32").itemsize
-        info[d] = {"adapter_bytes": a0.size_bytes * itemsize // 4, "adapter_pages": a0.num_pages}
+        # What a step reads of each adapter: its pages (int8's hold its scales too).
+        pool = eng.debug.pool
+        page_bytes = pool.storage.shape[0] * pool.page_size * pool.storage.element_size()
+        info[d] = {"adapter_bytes": a0.num_pages * page_bytes, "adapter_pages": a0.num_pages}
+    tokens = {d: await greedy(eng, names) for d, eng in engines.items()}
+    if "float32" in tokens:
+        for d in dtypes:
+            info[d]["against_float32"] = agreement(tokens[d], tokens["float32"])
     steps = {d: timed(eng) for d, eng in engines.items()}
     samples: dict[str, dict[str, list[float]]] = {d: {"a": [], "c": [], "a_cpu": [], "c_cpu": []} for d in dtypes}
     for _, d in interleaved(rounds, dtypes):
@@ -129,10 +163,14 @@ async def measure(root: Path, dtypes: list[str], rounds: int) -> dict:
     return out
 
 
+def _agreement_cell(a: dict | None) -> str:
+    return "-" if a is None else f"{a['identical_requests']}/{a['requests']}, {a['max_abs_dlogprob']:.2g}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated lora_dtype values")
+    parser.add_argument("--dtypes", default="float32,bfloat16,int8", help="comma-separated lora_dtype values")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,6 +187,7 @@ def main() -> None:
             f"**{v['c_over_a_cpu']:.2f}**",
             f"{v['floor']:.2f}",
             f"{v['adapter_bytes'] / 1e6:.1f} MB / {v['adapter_pages']}",
+            _agreement_cell(v.get("against_float32")),
         ]
         for d, v in r.items()
     ]
@@ -161,8 +200,9 @@ def main() -> None:
         "c/a by CPU",
         "floor",
         "adapter / pages",
+        "vs float32: same tokens, max abs dlogprob",
     ]
-    print(table(header, rows, "lrrrrrrr"))
+    print(table(header, rows, "lrrrrrrrr"))
     print_json({"bench": "lora_dtype", "rounds": args.rounds, "threads": torch.get_num_threads(), "results": r})
 
 

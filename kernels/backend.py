@@ -247,9 +247,18 @@ def _triton_ops() -> KernelOps:
     )
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> KernelOps:
-    """The ops for ``name`` (one of ``BACKENDS``) on ``device`` for a model in ``dtype``; called
-    once at start-up."""
+def select_backend(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32, lora_pages: torch.dtype | None = None
+) -> KernelOps:
+    """The ops for ``name`` (one of ``BACKENDS``) on ``device`` for a model in ``dtype`` whose adapter
+    pages are ``lora_pages`` (None: ``dtype``); called once at start-up."""
+    ops = _select(name, device, dtype)
+    if lora_pages == torch.int8 and ops.name == "triton":  # kernel_backend auto on CUDA, too
+        raise ValueError("lora_dtype 'int8': the triton backend cannot read int8 adapter pages (the torch backend can)")
+    return ops
+
+
+def _select(name: str, device: torch.device, dtype: torch.dtype) -> KernelOps:
     if name not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}; got {name!r}")
     if name == "auto" and device.type == "cuda":

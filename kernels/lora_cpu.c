@@ -13,10 +13,12 @@
  * read for nothing and ~130 dispatches a step. Here the tokens are addressed through an index,
  * so nothing is gathered, and each adapter's matrices are read once per op.
  *
- * Weights: the kernels (lora_cpu_body.h) are compiled twice, for float32 pages (the _f32 entry
- * points) and for bfloat16 pages (_bf16, --lora-dtype bfloat16), with W (the weight type) and its
- * loaders defined. A bfloat16 weight is the top half of a float32: it is widened exactly (a
- * shift), and every product and sum is float32, as in the float32 kernels.
+ * Weights: the kernels (lora_cpu_body.h) are compiled three times, for float32 pages (the _f32
+ * entry points), bfloat16 pages (_bf16, --lora-dtype bfloat16) and int8 pages with per-row scales
+ * (_i8, --lora-dtype int8), with W (the weight type) and its loaders defined. A bfloat16 weight is
+ * the top half of a float32: it is widened exactly (a shift); an int8 one converts exactly, and its
+ * row's float32 scale (kernels/lora_int8.py) multiplies the shrink's sum of the row once, and h
+ * before the expand, once per B column. Every product and sum is float32, as in the float32 kernels.
  *
  * ISA: built once per variant (kernels/cpu_isa.py: baseline x86-64, AVX, AVX2, AVX-512, portable),
  * never -march=native; the __AVX__ / __AVX2__ paths below are compiled in where the variant has
@@ -56,6 +58,27 @@ static inline v8 ld_bf16(const uint16_t *p) {
     u32x8 wide;
     for (int i = 0; i < 8; i++) wide[i] = (uint32_t)p[i] << 16;
     return (v8)wide;
+}
+#endif
+
+/* 8 int8 values as 8 floats (exactly). */
+#if defined(__AVX2__)
+static inline v8 ld_i8(const int8_t *p) {
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#elif defined(__AVX__)
+/* SSE4.1's widening of 4 bytes twice, joined: the portable loop below is 8 scalar converts here. */
+static inline v8 ld_i8(const int8_t *p) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    __m256i w = _mm256_insertf128_si256(_mm256_castsi128_si256(_mm_cvtepi8_epi32(v)),
+                                        _mm_cvtepi8_epi32(_mm_srli_si128(v, 4)), 1);
+    return (v8)_mm256_cvtepi32_ps(w);
+}
+#else
+static inline v8 ld_i8(const int8_t *p) {
+    v8 f;
+    for (int i = 0; i < 8; i++) f[i] = (float)p[i];
+    return f;
 }
 #endif
 
@@ -116,6 +139,23 @@ static inline void h_bf16(const float *hv, __m256 *h0, __m256 *h1) {
 #else
 #define RANK16_BF16 0
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define RANK16_I8 1
+/* A rank-16 row of int8 weights (16 bytes) against h, as 8 partial sums; h0 and h1 are h's first
+ * and last 8 elements (h_f32). The B column scales are in h already. */
+static inline __m256 row16_i8(const int8_t *p, __m256 h0, __m256 h1) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+    return _mm256_fmadd_ps(hi, h1, _mm256_mul_ps(lo, h0));
+}
+#else
+#define RANK16_I8 0
+#endif
+
+/* Where the float32 scales of an int8 matrix of n values at element off start (kernels/lora_int8.py). */
+#define SCALES_AT(off, n) ((off) + ((n) + 3) / 4 * 4)
 
 /* Work is split into (cell, block of rows) tasks, so one long cell still spreads over threads. */
 #define SHRINK_ROWS 16
@@ -200,6 +240,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define TOF(v) (v)
 #define RANK16 RANK16_F32
 #define NARROW 0
+#define SCALED 0
 #include "lora_cpu_body.h"
 #undef W
 #undef F
@@ -209,6 +250,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #undef TOF
 #undef RANK16
 #undef NARROW
+#undef SCALED
 
 #define W uint16_t
 #define F(name) name##_bf16
@@ -218,6 +260,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define TOF(v) bf16_to_f32(v)
 #define RANK16 RANK16_BF16
 #define NARROW 1
+#define SCALED 0
 #include "lora_cpu_body.h"
 #undef W
 #undef F
@@ -227,6 +270,27 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #undef TOF
 #undef RANK16
 #undef NARROW
+#undef SCALED
+
+#define W int8_t
+#define F(name) name##_i8
+#define LDW(p) ld_i8(p)
+#define ROW16(p, h0, h1) row16_i8(p, h0, h1)
+#define H16(hv, h0, h1) h_f32(hv, h0, h1)
+#define TOF(v) ((float)(v))
+#define RANK16 RANK16_I8
+#define NARROW 1
+#define SCALED 1
+#include "lora_cpu_body.h"
+#undef W
+#undef F
+#undef LDW
+#undef ROW16
+#undef H16
+#undef TOF
+#undef RANK16
+#undef NARROW
+#undef SCALED
 
 #include "attention_cpu.h"
 

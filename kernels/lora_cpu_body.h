@@ -10,6 +10,9 @@
  *   RANK16     1 where this weight type's rank-16 expand has its AVX path (ROW16 defined)
  *   NARROW     1 for weights narrower than float32: cells of WIDEN_TOKENS or more widen their
  *              blocks into float32 once and run the _f32 loops (defined by the first include)
+ *   SCALED     1 for int8 weights: each matrix's float32 scales follow it (SCALES_AT), one per A
+ *              row (applied to the shrink's sums) and per B column (folded into h); B is stored
+ *              transposed, [r, d_out], and its expand sums r scaled rows (expand_cols)
  * Activations, products and sums are float32 for every W.
  */
 
@@ -50,6 +53,31 @@ static const W *F(span)(const F(Buffer) *b, int64_t off, int64_t n, W **scratch,
     }
     return *scratch;
 }
+
+#if SCALED
+/* n float32 scales at element off of the slot's buffer, into out: 4-byte words, each within one
+ * page (pages are whole words), the run crossing pages where the buffer does. */
+static void F(read_scales)(const F(Buffer) *b, int64_t off, int64_t n, float *out) {
+    char *dst = (char *)out;
+    for (int64_t done = 0, e = off, bytes = n * (int64_t)sizeof(float); done < bytes;) {
+        int64_t o = e % b->page, take = b->page - o;
+        if (take > bytes - done) take = bytes - done;
+        memcpy(dst + done, b->slab + (int64_t)b->pages[e / b->page] * b->page_stride + o, (size_t)take);
+        done += take;
+        e += take;
+    }
+}
+
+/* The shrink's rows [i0, i0 + rows) of a slot's A: their scales, into out. */
+static void F(row_scales)(const F(Buffer) *b, int64_t a_off, int64_t a_rows, int64_t d, int64_t i0, int64_t rows,
+                          float *out) {
+    F(read_scales)(b, SCALES_AT(a_off, a_rows * d) + i0 * (int64_t)sizeof(float), rows, out);
+}
+
+static inline void F(scale_rows)(float *h, const float *s, int64_t rows) {
+    for (int64_t i = 0; i < rows; i++) h[i] *= s[i];
+}
+#endif
 
 /* 4 rows of a (row stride d) against one token: 4 independent sums, so loads overlap. */
 static inline void F(rows4_tok1)(const W *a, int64_t d, const float *x, float *out) {
@@ -164,14 +192,20 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                     const W *a = F(span)(&b, a_offset[s * ao_stride] + i0 * d_in, rows * d_in, &scratch,
                                          SHRINK_ROWS * d_in);
                     int64_t nt = cell_begin[c + 1] - cell_begin[c];
+                    const float *wide = NULL;
 #if NARROW
-                    const float *wide = nt >= WIDEN_TOKENS ? F(widened)(a, rows * d_in, &room, SHRINK_ROWS * d_in) : NULL;
-                    if (wide) {
-                        shrink_cell_f32(h + i0, h_stride, x, x_stride, d_in, wide, rows, tokens + cell_begin[c], nt);
-                        continue;
-                    }
+                    if (nt >= WIDEN_TOKENS) wide = F(widened)(a, rows * d_in, &room, SHRINK_ROWS * d_in);
 #endif
-                    F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a, rows, tokens + cell_begin[c], nt);
+                    if (wide)
+                        shrink_cell_f32(h + i0, h_stride, x, x_stride, d_in, wide, rows, tokens + cell_begin[c], nt);
+                    else
+                        F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a, rows, tokens + cell_begin[c], nt);
+#if SCALED
+                    float sa[SHRINK_ROWS];
+                    F(row_scales)(&b, a_offset[s * ao_stride], a_rows[s * ar_stride], d_in, i0, rows, sa);
+                    for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++)
+                        F(scale_rows)(h + tokens[t] * h_stride + i0, sa, rows);
+#endif
                     continue;
                 }
                 const Stripe *stripes = plan.stripes + plan.pack_begin[task - plan.n_big];
@@ -183,13 +217,22 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                 const float *xl[STRIPES];
                 float *hl[STRIPES], dummy[SHRINK_ROWS];
                 int64_t tl[STRIPES]; /* each stripe's token row */
+#if SCALED
+                float sa[STRIPES][SHRINK_ROWS]; /* each stripe's row scales */
+#endif
                 int n = 0;
                 for (int64_t l = 0; l < n_stripes; l++) {
                     int64_t s = stripes[l].slot, off = a_offset[s * ao_stride] + i0 * d_in;
                     F(Buffer) b = {slab, page_stride, page, page_table + s * pt_stride};
                     const W *al = F(span)(&b, off, rows * d_in, &scratch, SHRINK_ROWS * d_in);
+#if SCALED
+                    F(row_scales)(&b, a_offset[s * ao_stride], a_rows[s * ar_stride], d_in, i0, rows, sa[n]);
+#endif
                     if (al == scratch) { /* its pages are not one run: it runs alone, from the copy */
                         F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, al, rows, &stripes[l].token, 1);
+#if SCALED
+                        F(scale_rows)(h + stripes[l].token * h_stride + i0, sa[n], rows);
+#endif
                         continue;
                     }
                     a[n] = al, tl[n] = stripes[l].token;
@@ -198,10 +241,13 @@ void F(lora_shrink)(float *h, int64_t h_stride, const float *x, int64_t x_stride
                 }
                 if (n <= 2) { /* too few to be worth the padding: one by one */
                     for (int e = 0; e < n; e++) F(shrink_cell)(h + i0, h_stride, x, x_stride, d_in, a[e], rows, &tl[e], 1);
-                    continue;
+                } else {
+                    for (int e = n; e < STRIPES; e++) a[e] = a[0], xl[e] = xl[0], hl[e] = dummy;
+                    F(shrink_stripes)(a, xl, hl, d_in, rows);
                 }
-                for (int e = n; e < STRIPES; e++) a[e] = a[0], xl[e] = xl[0], hl[e] = dummy;
-                F(shrink_stripes)(a, xl, hl, d_in, rows);
+#if SCALED
+                for (int e = 0; e < n; e++) F(scale_rows)(hl[e], sa[e], rows);
+#endif
             }
         }
         free(scratch);
@@ -238,6 +284,36 @@ static inline void F(expand_rows)(float *yt, const W *b, int64_t w, int64_t r, c
     for (; j < w; j++) yt[j] += F(dot)(b + j * r, hv, r);
 }
 
+#if SCALED
+/* yt[j] += sum_k bt[k * stride + j] * hv[k] for j < w: B transposed ([r, W] with row stride
+ * ``stride``), so its outputs are r int8 rows times a broadcast value each: vertical FMAs, no
+ * horizontal sums (the [w, r] layout's rank-16 path spends most of its shuffles on those). Row by
+ * row, so B^T is read front to back (the prefetchers' one stream; across rows at once, the r
+ * streams a row apart ran 1.4x slower) while the w outputs stay in L1. Each output adds its r
+ * products in order onto y, as expand_rows does. */
+static void F(expand_cols)(float *yt, const W *bt, int64_t stride, int64_t w, int64_t r, const float *hv) {
+    for (int64_t k = 0; k < r; k++) {
+        const W *row = bt + k * stride;
+        v8 hk = (v8){0} + hv[k];
+        int64_t j = 0;
+        for (; j + 16 <= w; j += 16) {
+            *(v8u *)(yt + j) = ld(yt + j) + LDW(row + j) * hk;
+            *(v8u *)(yt + j + 8) = ld(yt + j + 8) + LDW(row + j + 8) * hk;
+        }
+        for (; j + 8 <= w; j += 8) *(v8u *)(yt + j) = ld(yt + j) + LDW(row + j) * hk;
+        for (; j < w; j++) yt[j] += TOF(row[j]) * hv[k];
+    }
+}
+/* A block of w outputs from j0 of B^T [r, wm] at off: elements [off + j0, off + j0 + (r - 1) wm + w). */
+#define B_SPAN(off, j0, w, r, wm) (off) + (j0), ((r) - 1) * (wm) + (w)
+#define B_ROOM(max_rank, widest) ((max_rank) * (widest))
+#define EXPAND_BLOCK(yt, b, w, r, hv, wm) F(expand_cols)(yt, b, wm, w, r, hv)
+#else
+/* A block of w outputs from j0 of B [wm, r] at off: its rows [j0, j0 + w). */
+#define B_SPAN(off, j0, w, r, wm) (off) + (j0) * (r), (w) * (r)
+#define B_ROOM(max_rank, widest) (EXPAND_ROWS * (max_rank))
+#define EXPAND_BLOCK(yt, b, w, r, hv, wm) ((void)(wm), F(expand_rows)(yt, b, w, r, hv))
+
 /* Stripes in lockstep (see STRIPES): yl[e][j] += bl[e][j, :] . hl[e] for j < w, 8 rows of each stripe in turn. */
 static void F(expand_stripes)(float *const yl[STRIPES], const W *const bl[STRIPES], const float *const hl[STRIPES],
                             const int64_t r[STRIPES], int n, int64_t w) {
@@ -246,6 +322,7 @@ static void F(expand_stripes)(float *const yl[STRIPES], const W *const bl[STRIPE
         for (int e = 0; e < n; e++) F(expand_rows)(yl[e] + j, bl[e] + j * r[e], m, r[e], hl[e]);
     }
 }
+#endif
 
 void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride, const W *slab,
                      int64_t page_stride, int64_t page, const int32_t *page_table, int64_t pt_stride, int64_t n_cells,
@@ -255,7 +332,8 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
     int64_t widest = 0;
     for (int64_t m = 0; m < n_modules; m++)
         if (bounds[m + 1] - bounds[m] > widest) widest = bounds[m + 1] - bounds[m];
-    int64_t blocks = (widest + EXPAND_ROWS - 1) / EXPAND_ROWS;
+    /* Blocks of outputs a task takes; int8's B^T: whole rows, read front to back (expand_cols). */
+    int64_t block = SCALED && widest > 0 ? widest : EXPAND_ROWS, blocks = (widest + block - 1) / block;
     Plan plan = plan_stripes(1, n_cells, cell_slot, cell_begin, tokens, NULL, 0);
     int64_t tasks = plan.n_big + plan.n_packs;
 #pragma omp parallel num_threads(nthreads)
@@ -266,32 +344,38 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
         for (int64_t task = 0; task < tasks; task++) {
             for (int64_t m = 0; m < n_modules; m++) {
                 for (int64_t blk = 0; blk < blocks; blk++) {
-                    int64_t j0 = blk * EXPAND_ROWS, w = bounds[m + 1] - bounds[m] - j0;
+                    int64_t j0 = blk * block, w = bounds[m + 1] - bounds[m] - j0;
                     if (w <= 0) continue;
-                    if (w > EXPAND_ROWS) w = EXPAND_ROWS;
+                    if (w > block) w = block;
                     if (task < plan.n_big) { /* a cell alone */
                         int64_t c = plan.big ? plan.big[task] : task;
                         int64_t s = cell_slot[c], at = s * tab_stride + m, r = rank[at];
                         if (r == 0) continue;
                         F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
-                        const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
-                        float hv[r];
-#if NARROW
+                        int64_t wm = bounds[m + 1] - bounds[m];
+                        const W *bm = F(span)(&buf, B_SPAN(b_offset[at], j0, w, r, wm), &scratch, B_ROOM(max_rank, widest));
+                        float hv[r], sb[r]; /* sb: B's column scales (SCALED), else ones */
+#if SCALED
+                        F(read_scales)(&buf, SCALES_AT(b_offset[at], (bounds[m + 1] - bounds[m]) * r), r, sb);
+#else
+                        for (int64_t k = 0; k < r; k++) sb[k] = 1.0f;
+#endif
+#if NARROW && !SCALED
                         const float *wide = cell_begin[c + 1] - cell_begin[c] >= WIDEN_TOKENS
                                                 ? F(widened)(bm, w * r, &room, EXPAND_ROWS * max_rank)
                                                 : NULL;
 #endif
                         for (int64_t t = cell_begin[c]; t < cell_begin[c + 1]; t++) {
                             const float *ht = h + tokens[t] * h_stride + h_start[at];
-                            for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
+                            for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k] * sb[k];
                             float *yt = y + tokens[t] * y_stride + bounds[m] + j0;
-#if NARROW
+#if NARROW && !SCALED
                             if (wide) {
                                 expand_rows_f32(yt, wide, w, r, hv);
                                 continue;
                             }
 #endif
-                            F(expand_rows)(yt, bm, w, r, hv);
+                            EXPAND_BLOCK(yt, bm, w, r, hv, wm);
                         }
                         continue;
                     }
@@ -308,17 +392,27 @@ void F(lora_expand)(float *y, int64_t y_stride, const float *h, int64_t h_stride
                         if (r == 0) continue;
                         float *hv = hvs + n * max_rank, *yt = y + stripes[l].token * y_stride + bounds[m] + j0;
                         const float *ht = h + stripes[l].token * h_stride + h_start[at];
-                        for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
                         F(Buffer) buf = {slab, page_stride, page, page_table + s * pt_stride};
-                        const W *bm = F(span)(&buf, b_offset[at] + j0 * r, w * r, &scratch, EXPAND_ROWS * max_rank);
+#if SCALED
+                        F(read_scales)(&buf, SCALES_AT(b_offset[at], (bounds[m + 1] - bounds[m]) * r), r, hv);
+                        for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k] * hv[k];
+#else
+                        for (int64_t k = 0; k < r; k++) hv[k] = scale[at] * ht[k];
+#endif
+                        int64_t wm = bounds[m + 1] - bounds[m];
+                        const W *bm = F(span)(&buf, B_SPAN(b_offset[at], j0, w, r, wm), &scratch, B_ROOM(max_rank, widest));
                         if (bm == scratch) { /* its pages are not one run: it runs alone, from the copy */
-                            F(expand_rows)(yt, bm, w, r, hv);
+                            EXPAND_BLOCK(yt, bm, w, r, hv, wm);
                             continue;
                         }
                         yl[n] = yt, bl[n] = bm, hl[n] = hv, rl[n] = r;
                         n++;
                     }
+#if SCALED /* one stripe after another: each reads r rows of B^T at once already */
+                    for (int e = 0; e < n; e++) F(expand_cols)(yl[e], bl[e], bounds[m + 1] - bounds[m], w, rl[e], hl[e]);
+#else
                     F(expand_stripes)(yl, bl, hl, rl, n, w);
+#endif
                 }
             }
         }
@@ -345,3 +439,7 @@ void F(lora_group)(float *y, int64_t y_stride, float *h, int64_t h_stride, const
                    cell_begin, tokens, n_modules, bounds, b_offset, rank, h_start, scale, tab_stride, max_rank,
                    nthreads);
 }
+
+#undef B_SPAN
+#undef B_ROOM
+#undef EXPAND_BLOCK

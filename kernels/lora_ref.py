@@ -8,7 +8,9 @@ matrix ``[d_out_m, r_m]`` at ``b_offset[s, m]``. Slot 0 means "no adapter": its 
 
 These references are what runs on CPU; the Triton launchers implement the same signatures.
 Adapter pages may be narrower than the activations (``--lora-dtype``): weights are read in the
-pool's dtype and computed in the activations'.
+pool's dtype and computed in the activations'. An int8 pool (``--lora-dtype int8``) holds each
+matrix's per-row scales after it, and B transposed (:mod:`lorapage.kernels.lora_int8`): ``A_s`` and
+``B_{s,m}`` below are then the int8 values times their scales.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lorapage.kernels.lora_int8 import SCALE_BYTES, scales_at, scales_of
 from lorapage.kernels.lora_plan import LoraBatch, LoraCells, plan_lora_batches, split_cells
 
 
@@ -84,6 +87,11 @@ def page_span(pool: Tensor, pages: np.ndarray, offset: int, numel: int) -> Tenso
     return flat[start : start + numel]
 
 
+def _scales(pool: Tensor, pages: np.ndarray, offset: int, numel: int, n: int) -> Tensor:
+    """The ``n`` float32 scales of the int8 matrix at ``offset`` (``numel`` values) of a slot's buffer."""
+    return scales_of(page_span(pool, pages, scales_at(offset, numel), SCALE_BYTES * n))
+
+
 def _host(t: Tensor) -> np.ndarray:
     """A numpy view of a small lookup table (free on CPU; one copy per call on a GPU)."""
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
@@ -114,6 +122,8 @@ def lora_shrink_ref(
         if r == 0:
             continue
         a = page_span(pool, pages[slot], offsets[slot], r * d_in).view(r, d_in).to(x.dtype)
+        if pool.dtype == torch.int8:
+            a = a * _scales(pool, pages[slot], offsets[slot], r * d_in, r).to(x.dtype)[:, None]
         h[start:end, :r] = x[start:end] @ a.t()
 
 
@@ -146,6 +156,9 @@ def lora_expand_ref(
             if r == 0:
                 continue
             width = bounds[m + 1] - bounds[m]
-            b = page_span(pool, pages[slot], offsets[slot][m], width * r).view(width, r).to(y.dtype)
+            b = page_span(pool, pages[slot], offsets[slot][m], width * r)
+            if pool.dtype == torch.int8:  # stored transposed
+                b = b.view(r, width).t().to(y.dtype) * _scales(pool, pages[slot], offsets[slot][m], width * r, r)
+            b = b.view(width, r).to(y.dtype)
             hs = starts[slot][m]
             y[start:end, bounds[m] : bounds[m + 1]].addmm_(h[start:end, hs : hs + r], b.t(), alpha=scales[slot][m])

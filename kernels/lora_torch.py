@@ -8,8 +8,10 @@ without a plan gets one made for that call from the tables it passes.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from lorapage.kernels.lora_int8 import SCALE_BYTES, scales_at, scales_of
 from lorapage.kernels.lora_plan import LoraBatch, plan_lora_batches
 from lorapage.kernels.lora_ref import LoraIndices, _host
 
@@ -18,6 +20,19 @@ def _batches(indices: LoraIndices, page_table: Tensor, pool: Tensor, *tables: Te
     if indices.batches is not None:
         return indices.batches
     return plan_lora_batches(indices.segments, page_table, [_host(t) for t in tables], pool)
+
+
+def _weights(batch: LoraBatch, pool: Tensor, offset: int, rows: int, cols: int, b: bool, dtype) -> Tensor:
+    """``[cells, rows, cols]``: the matrix at ``offset`` of each cell's buffer in ``dtype``; from
+    int8 pages, times its scales (kernels/lora_int8.py): A's one per row, B's (``b``, stored
+    transposed) one per column."""
+    if pool.dtype != torch.int8:
+        return batch.matrices(pool, offset, rows, cols).to(dtype)  # pages may be narrower
+    n = cols if b else rows
+    s = scales_of(batch.matrices(pool, scales_at(offset, rows * cols), 1, SCALE_BYTES * n)).to(dtype)  # [cells, 1, n]
+    if b:
+        return batch.matrices(pool, offset, cols, rows).transpose(1, 2).to(dtype) * s
+    return batch.matrices(pool, offset, rows, cols).to(dtype) * s.transpose(1, 2)
 
 
 def lora_shrink_torch(
@@ -30,7 +45,7 @@ def lora_shrink_torch(
         r = int(group_rows[batch.rep])
         if not r:
             continue
-        a = batch.matrices(pool, int(offsets[batch.rep]), r, d_in).to(x.dtype)  # pages may be narrower
+        a = _weights(batch, pool, int(offsets[batch.rep]), r, d_in, False, x.dtype)
         rows = batch.alone
         if rows is not None:
             h[rows, :r] = x[rows] @ a[0].t()
@@ -66,7 +81,7 @@ def lora_expand_torch(
             if r == 0:
                 continue
             width, hs = bounds[m + 1] - bounds[m], int(starts[rep, m])
-            b = batch.matrices(pool, int(offsets[rep, m]), width, r).to(y.dtype)
+            b = _weights(batch, pool, int(offsets[rep, m]), width, r, True, y.dtype)
             out = y[:, bounds[m] : bounds[m + 1]]
             if rows is not None:
                 assert host_scales is not None

@@ -13,9 +13,10 @@ DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names 
 
 # The values EngineConfig accepts for its option fields (the CLI offers the same).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES)  # auto: the model's dtype
+LORA_DTYPE_NAMES = ("auto", *DTYPE_NAMES, "int8")  # auto: the model's dtype; int8: with per-row scales
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
-NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16")}  # per model dtype, the narrower ones adapters may take
+# Per model dtype, the narrower ones adapters may take.
+NARROW_LORA_DTYPES = {"float32": ("bfloat16", "float16", "int8")}
 # vLLM's kv_cache_dtype names (and their long forms) -> the pages' dtype; auto: the model's.
 KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 QUANTIZATIONS = ("int8", "w8a8", "fp8")  # vLLM's --quantization names lorapage has (None: the weights in dtype)
@@ -87,8 +88,10 @@ class EngineConfig:
         "auto",
         "the dtype adapter weights are kept in, in the pool and in host RAM (vLLM's lora_dtype); auto: the "
         "model's. bfloat16 under a float32 model halves every adapter's bytes (twice the adapters per page "
-        "budget, half the bytes a step reads per adapter) at bfloat16's rounding of each weight; the LoRA ops "
-        "still compute in the model's dtype. Under a 16-bit model: that model's dtype only",
+        "budget, half the bytes a step reads per adapter) at bfloat16's rounding of each weight; int8 quarters "
+        "them: each matrix quantized at load, symmetric, one float32 scale per rank row (the C kernels and the "
+        "torch backend; not triton, tensor parallelism, MoE bases or DoRA / lora_bias / embedding LoRA). The "
+        "LoRA ops still compute in the model's dtype. Under a 16-bit model: that model's dtype only",
         group="model",
         choices=LORA_DTYPE_NAMES,
     )
@@ -463,6 +466,13 @@ class EngineConfig:
                 f"EngineConfig.lora_dtype {self.lora_dtype!r} cannot serve a {self.dtype} model: adapters are kept "
                 "in the model's dtype, or in bfloat16 / float16 under a float32 one (pages share the pool's "
                 "memory, and the ops widen weights to the model's dtype, which another 16-bit type is not)"
+            )
+        if self.resolved_lora_dtype == "int8" and (self.kernel_backend == "triton" or self.tensor_parallel_size > 1):
+            what = "kernel_backend 'triton'" if self.kernel_backend == "triton" else "tensor_parallel_size > 1"
+            raise ValueError(
+                f"EngineConfig.lora_dtype 'int8' cannot run with {what}: int8 adapter pages are read by the C kernels "
+                "and the torch backend on one device; use kernel_backend cpu / torch / auto on a CPU, or lora_dtype "
+                "bfloat16"
             )
         if self.quantization not in (None, "fp8") and self.dtype != "float32":
             raise ValueError(

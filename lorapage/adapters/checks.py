@@ -109,7 +109,7 @@ class AdapterChecks:
     def plan(self, spec: AdapterSpec) -> AdapterLayout:
         """The adapter's page layout, refused when its pages cannot fit in the pool beside one
         full-length sequence's KV blocks: it could never serve a request here."""
-        layout = AdapterLayout.plan(spec, self.layout_model, self.pool.adapter_page_size)
+        layout = AdapterLayout.plan(spec, self.layout_model, self.pool.adapter_page_size, self.pool.scaled_adapters)
         if layout.num_pages + self.sequence_pages > self.pool.capacity:
             page_bytes = self.pool.page_size * self.pool.storage.element_size()
             shape = describe_shape(spec.max_rank, spec.target_modules, self.model.num_layers)

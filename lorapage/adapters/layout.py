@@ -10,6 +10,13 @@ activations, so one shrink serves the group); each ``B_m`` is ``[d_out_m, r_m]``
 it. Modules the adapter does not target take no space, and ranks are the adapter's own, so an
 adapter's page count is proportional to its rank and modules. On a MoE base the experts follow
 the attention groups (:mod:`lorapage.adapters.moe_layout`).
+
+int8 pages (``quantized``, ``--lora-dtype int8``): each matrix's int8 values, padded to 4 bytes,
+are followed by its float32 scales, one per rank row (:mod:`lorapage.kernels.lora_int8`)::
+
+    [ qA_qkv | pad | A_qkv's R_qkv scales | qB_q^T | pad | B_q's r_q scales | qB_k^T | ... ]
+
+with B transposed (``[r, d_out]``: the expand's blocks of outputs are r int8 rows).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import torch
 from lorapage.adapters.moe_layout import ExpertRows, expert_pieces
 from lorapage.adapters.peft_format import AdapterSpec
 from lorapage.adapters.variant_layout import VariantSection
+from lorapage.errors import AdapterFormatError
+from lorapage.kernels.lora_int8 import SCALE_BYTES, as_bytes, padded, quantize_pair
 from lorapage.memory.host import host_empty
 from lorapage.model.config import GROUPS, MODULES, ModelConfig
 
@@ -40,9 +49,18 @@ class AdapterLayout:
     num_pages: int
     experts: ExpertRows | None = None  # a MoE base's expert rows of the tables
     section: VariantSection | None = None  # DoRA / lora_bias / embedding LoRA data (variant_layout.py)
+    quantized: bool = False  # int8 values, each matrix followed by its scales (module docstring)
 
     @classmethod
-    def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int) -> AdapterLayout:
+    def plan(cls, spec: AdapterSpec, model: ModelConfig, page_size: int, quantized: bool = False) -> AdapterLayout:
+        """Where ``spec``'s matrices go in pages of ``page_size`` elements; ``quantized``: int8 ones."""
+        if quantized and (model.moe is not None or not spec.variants.plain):
+            what = "PEFT variant data (DoRA, lora_bias, embedding LoRA)"
+            what = "a MoE base's experts" if model.moe is not None else what
+            raise AdapterFormatError(
+                f"adapter at {str(spec.path)!r}: int8 adapter pages (--lora-dtype int8) hold plain LoRA A and B "
+                f"only, not {what}; serve it with --lora-dtype float32 or bfloat16"
+            )
         dims = model.module_dims()
         a_off: list[list[int]] = []
         a_rows: list[list[int]] = []
@@ -75,11 +93,11 @@ class AdapterLayout:
                 rows = model.lora_shape(group[0], rows)[0]
                 ao.append(cursor)
                 ar.append(rows)
-                cursor += rows * d_in
+                cursor += _matrix_elements(rows * d_in, rows, quantized)
                 for m in group:
                     i = MODULES.index(m)
                     bo[i] = cursor
-                    cursor += model.lora_shape(m, rk[i])[2] * rk[i]
+                    cursor += _matrix_elements(model.lora_shape(m, rk[i])[2] * rk[i], rk[i], quantized)
             if experts is not None and model.moe is not None:
                 cursor = experts.plan_layer(
                     model.moe, model.hidden_size, layer, spec.ranks, spec.scales, cursor, model.lora_shards
@@ -94,7 +112,8 @@ class AdapterLayout:
         numel = max(sizes, default=0)
         section = VariantSection.plan(spec.variants, model, page_size, numel)
         numel = section.numel if section is not None else numel
-        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, -(-numel // page_size), experts, section)
+        pages = -(-numel // page_size)
+        return cls(a_off, a_rows, b_off, rank, h_start, scale, numel, pages, experts, section, quantized)
 
     @cached_property
     def table_rows(self) -> tuple[torch.Tensor, ...]:
@@ -131,11 +150,16 @@ class AdapterLayout:
         tail = 0 if section is None else section.shape[1]
         end = self.section.numel - tail if self.section is not None else row
         parts: list[torch.Tensor] = []
+        if self.quantized:
+            padding = torch.zeros(row, dtype=torch.int8)
         for layer, ranks in enumerate(self.rank):
             used = 0
             for group in GROUPS:
                 pairs = [tensors[(layer, m)] for m in group if ranks[MODULES.index(m)]]
-                pieces = [a.reshape(-1) for a, _ in pairs] + [b.reshape(-1) for _, b in pairs]
+                if self.quantized:
+                    pieces = _quantized_pieces(pairs, padding)
+                else:
+                    pieces = [a.reshape(-1) for a, _ in pairs] + [b.reshape(-1) for _, b in pairs]
                 parts += pieces
                 used += sum(x.numel() for x in pieces)
             if self.experts is not None:
@@ -146,10 +170,28 @@ class AdapterLayout:
             if section is not None:
                 parts += [section[layer], padding[: row - end - tail]]
         # Into huge-page-backed memory: the packed copy is kept in host RAM (see memory/host.py).
-        out = host_empty(len(self.rank) * row, first.dtype)
+        out = host_empty(len(self.rank) * row, padding.dtype)
         return torch.cat(parts, out=out).view(len(self.rank), row)
 
 
-def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int) -> int:
-    """Pages of the largest adapter allowed: ``max_rank`` on every module."""
-    return -(-model.lora_layer_elements(max_rank) // page_size)
+def _matrix_elements(numel: int, rows: int, quantized: bool) -> int:
+    """Elements a matrix of ``numel`` values takes: itself, or as int8 its padded values and ``rows`` scales."""
+    return padded(numel) + SCALE_BYTES * rows if quantized else numel
+
+
+def _quantized_pieces(pairs: list[tuple[torch.Tensor, torch.Tensor]], padding: torch.Tensor) -> list[torch.Tensor]:
+    """One group's (A, B) pairs as int8 pieces in :meth:`AdapterLayout.plan`'s order: the stacked
+    qA, its padding and scales, then each B transposed (qBt) with its padding and scales."""
+    quantized = [quantize_pair(a, b) for a, b in pairs]
+    qa = [q.reshape(-1) for q, _, _, _ in quantized]
+    numel = sum(q.numel() for q in qa)
+    pieces = [*qa, padding[: padded(numel) - numel], *(as_bytes(s) for _, s, _, _ in quantized)]
+    for _, _, qbt, sb in quantized:
+        pieces += [qbt.reshape(-1), padding[: padded(qbt.numel()) - qbt.numel()], as_bytes(sb)]
+    return pieces
+
+
+def max_adapter_pages(model: ModelConfig, max_rank: int, page_size: int, quantized: bool = False) -> int:
+    """Pages of the largest adapter allowed: ``max_rank`` on every module (int8: with its padding and scales)."""
+    extra = len(model.module_dims()) * 2 * (SCALE_BYTES - 1 + SCALE_BYTES * max_rank) if quantized else 0
+    return -(-(model.lora_layer_elements(max_rank) + extra) // page_size)

@@ -45,7 +45,9 @@ from lorapage.sim.tensor_parallel import ModelShape, tensor_parallel_costs
 from lorapage.traces.trace import TraceError, TraceRequest, read_trace
 
 PROG = "lorapage plan"
-ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# int8 adapters' per-row scales (4 bytes per rank row of each matrix, under 1% of a rank-16
+# adapter of a 768-wide model) are left out.
+ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 _ENVELOPE_FIELDS = ("cost_reference_batch", "shared_envelope", "shared_max_cost_pct")
 _FLAG_FIELDS = (*_ENVELOPE_FIELDS, "tensor_parallel_size")
 

@@ -153,7 +153,7 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
     # A rank's pool pages hold its KV heads and its shard of each adapter: sized from its shard.
     mc = shard_config(base.model_config, tp)
     dtype, lora_dtype = DTYPES[config.dtype], DTYPES[config.resolved_lora_dtype]
-    kv_dtype = DTYPES[config.kv_dtype_name]
+    kv_dtype, int8 = DTYPES[config.kv_dtype_name], lora_dtype == torch.int8
     page_size = kv_page_elements(bs, mc.kv_size, dtype, kv_dtype)
     max_model_len = context_length(mc, config.max_model_len, config.allow_long_max_model_len)
     tokens = config.max_num_batched_tokens or max(2048, max_model_len)
@@ -175,8 +175,9 @@ def build_sizing(config: EngineConfig, base: BaseParts) -> Sizing:
         kv_dtype=kv_dtype,
         block_size=bs,
         page_size=page_size,
-        # A page holds more adapter elements when adapters are narrower than KV.
-        adapter_pages=max_adapter_pages(mc, config.max_lora_rank, adapter_page_size(page_size, dtype, lora_dtype)),
+        adapter_pages=max_adapter_pages(  # a page holds more adapter elements when adapters are narrower than KV
+            mc, config.max_lora_rank, adapter_page_size(page_size, dtype, lora_dtype), int8
+        ),
         max_blocks=-(-max_model_len // bs),
         max_model_len=max_model_len,
         max_num_batched_tokens=tokens,
@@ -287,7 +288,7 @@ class ForwardParts:
 def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
-    ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype)
+    ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype, sizing.lora_dtype)
     ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
     runner = ModelRunner(
         model,
@@ -471,7 +472,7 @@ def build_adapters(
     loader = AdapterLoader(
         pool,
         memory.tables,
-        sizing.lora_dtype,
+        sizing.dtype if sizing.lora_dtype == torch.int8 else sizing.lora_dtype,  # int8: quantized as packed
         costs,
         io_executor=threads.io,
         run_on_device=threads.run_on_device,

@@ -22,8 +22,8 @@ from lorapage.model.config import ModelConfig
 from lorapage.model.quant_scheme import serving_quantization
 from lorapage.tenancy.fair_workers import FairWorkers
 
-# Keyed by lorapage.config.DTYPE_NAMES.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Keyed by lorapage.config.DTYPE_NAMES (and int8, a lora_dtype only).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -7,7 +7,8 @@ write to it and slot 0 / block 0 point at it. See docs/memory.md.
 
 Adapters may be kept in a narrower dtype than KV (``--lora-dtype``): they see the same bytes as
 ``adapter_storage``, ``storage`` viewed in their dtype, so one page holds ``adapter_page_size``
-of their elements (twice ``page_size`` for bfloat16 adapters in a float32 pool). K and V may be
+of their elements (twice ``page_size`` for bfloat16 adapters in a float32 pool, four times for
+int8 ones, whose pages also hold their scales). K and V may be
 kept narrower too (``--kv-cache-dtype``): ``kv_storage`` is the same memory in their dtype, a page
 ``kv_page_size`` of their elements, so a float16 KV block of a float32 model takes half the bytes
 (the pool's ``page_size`` is sized to the block: :func:`kv_page_elements`).
@@ -57,6 +58,8 @@ class PagePool(PageAllocator):
         self.storage = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
         # The same memory in the adapters' dtype: [num_layers, num_pages, adapter_page_size].
         self.adapter_storage = self.storage.view(adapter_dtype)
+        # int8 adapter pages hold each matrix's per-row scales beside it (kernels/lora_int8.py).
+        self.scaled_adapters = adapter_dtype == torch.int8
         # ... and in KV's: [num_layers, num_pages, kv_page_size], a page one KV block.
         self.kv_storage = self.storage.view(kv_dtype)
         self.kv_page_size = self.kv_storage.shape[-1]

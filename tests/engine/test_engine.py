@@ -211,7 +211,10 @@ def test_triton_backend_matches_torch_end_to_end():
     "overrides, message",
     [
         (dict(dtype="float64"), "EngineConfig.dtype must be one of"),
-        (dict(lora_dtype="int8"), "EngineConfig.lora_dtype must be one of"),
+        (dict(lora_dtype="int4"), "EngineConfig.lora_dtype must be one of"),
+        (dict(dtype="bfloat16", lora_dtype="int8"), "lora_dtype 'int8' cannot serve a bfloat16 model"),
+        (dict(lora_dtype="int8", kernel_backend="triton"), "'int8' cannot run with kernel_backend 'triton'"),
+        (dict(lora_dtype="int8", tensor_parallel_size=2), "'int8' cannot run with tensor_parallel_size > 1"),
         (dict(dtype="bfloat16", lora_dtype="float32"), "lora_dtype 'float32' cannot serve a bfloat16 model"),
         (dict(dtype="bfloat16", lora_dtype="float16"), "lora_dtype 'float16' cannot serve a bfloat16 model"),
         (dict(kernel_backend="cuda"), "EngineConfig.kernel_backend must be one of"),

@@ -247,3 +247,28 @@ async def test_bfloat16_pages_hold_twice_the_adapters_in_the_same_bytes(rank_ada
     assert resident[0] < 60  # the float32 pool filled: loads evicted
     assert pages[1] == -(-pages[0] // 2)  # half the pages, rounded up
     assert resident == [304 // p for p in pages] and resident[1] == 2 * resident[0], (resident, pages)
+
+
+async def test_int8_pages_hold_four_times_the_adapters_in_the_same_bytes(rank_adapters):
+    """Issue 40, item 4: int8 pages with their per-row scales (--lora-dtype int8) keep four times as
+    many resident adapters as float32 ones in a pool of the same bytes. A float32 adapter here takes
+    37 pages and an int8 one 10 (a quarter, rounded up, its scales within the rounding): the 320
+    pages past page 0 hold 8 and 32."""
+    resident, pages = [], []
+    for lora_dtype in ("float32", "int8"):
+        slots = dict(max_loras=64, max_resident_loras=64, max_cpu_loras=64)
+        engine = pool_engine(lora_dtype=lora_dtype, num_pages=321, **slots)
+        pool = engine.debug.pool
+        assert pool.num_pages == 321 and pool.storage.nbytes == 321 * pool.page_size * 4 * pool.storage.shape[0]
+        names = [f"a{i}" for i in range(60)]
+        for n in names:
+            engine.add_adapter(n, rank_adapters[8])
+            await engine.admin.load(n)
+        resident.append(len(engine.stats().resident_adapters))
+        pages.append(engine.admin.info(names[0]).num_pages)
+        host = engine.debug.adapters._host[f"{names[-1]}@1"]
+        assert host.dtype == getattr(torch, lora_dtype)
+        assert host.nbytes == pages[-1] * pool.page_size * 4 * pool.storage.shape[0]
+        await engine.close()
+    assert pages[1] == -(-pages[0] // 4)  # a quarter of the pages, rounded up
+    assert resident == [320 // p for p in pages] and resident[1] == 4 * resident[0], (resident, pages)
