@@ -25,6 +25,8 @@ rounds) over flash attention, the KV cache's type and ``n_ubatch`` (``--fa``, ``
 ``--ubatch``) at each thread count; at ``t`` > 1 threads also ``t`` processes of one thread each,
 the requests dealt between them by adapter, at the 1-thread sweep's best. Then every configuration
 runs in ``--rounds`` interleaved rounds after a warm-up pass, each round starting one later; medians.
+Beside each ratio of medians: the median of the rounds' own ratios, and the ratio by CPU time (each
+engine's tokens per CPU second of its processes, every thread: what moves least on a loaded machine).
 ``--settings FILE`` takes the best settings from an earlier run's JSON line instead of sweeping.
 
 Greedy tokens of every configuration are checked against transformers + PEFT (each request alone,
@@ -42,6 +44,7 @@ Prints the sweep, a table per model, the ratios, then one JSON line with every f
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -87,9 +90,9 @@ def rows(mixed: bool) -> Rows:
     return [(p, f"a{i % ADAPTERS}" if mixed else None) for i, p in enumerate(prompts(REQUESTS))]
 
 
-def llama_run(workers: list[Worker], mode: str, setting: str, new: int) -> Run:
+def llama_run(workers: list[Worker], mode: str, setting: str, new: int, cpu: list[float] | None = None) -> Run:
     """``mode`` on llama.cpp, ``new`` tokens a request: one worker, or the requests dealt between
-    several running at once."""
+    several running at once. Each run's tokens per CPU second (every worker's) go on ``cpu``."""
     batch = rows(mode != "base")
     parts = split([a for _, a in batch], len(workers))
 
@@ -104,20 +107,24 @@ def llama_run(workers: list[Worker], mode: str, setting: str, new: int) -> Run:
                 switch=mode == "switch",
             )
         tokens: list[list[int]] = [[] for _ in batch]
-        seconds = 0.0
+        seconds = cpu_seconds = 0.0
         for w, part in zip(workers, parts):
             reply = w.receive()
-            seconds = max(seconds, reply["seconds"])
+            seconds, cpu_seconds = max(seconds, reply["seconds"]), cpu_seconds + reply["cpu_seconds"]
             for i, t in zip(part, reply["tokens"]):
                 tokens[i] = t
+        if cpu is not None:
+            cpu.append(REQUESTS * new / cpu_seconds)
         return REQUESTS * new / seconds, tokens
 
     return run
 
 
-def ours_run(worker: Worker, name: str, mixed: bool, new: int) -> Run:
+def ours_run(worker: Worker, name: str, mixed: bool, new: int, cpu: list[float] | None = None) -> Run:
     def run() -> tuple[float, list[list[int]]]:
         reply = worker.ask(op="run", name=name, rows=rows(mixed), new=new)
+        if cpu is not None:
+            cpu.append(REQUESTS * new / reply["cpu_seconds"])
         return REQUESTS * new / reply["seconds"], reply["tokens"]
 
     return run
@@ -166,6 +173,7 @@ class Bench:
         self.best: dict[str, dict[str, str]] = dict(args.fixed.get(size, {}))
         self.fixed = bool(self.best)
         self.rates: dict[str, dict[str, list[float]]] = {}  # configuration -> column -> rates
+        self.cpu_rates: dict[str, dict[str, list[float]]] = {}  # the same by CPU time (tokens per CPU second)
         self.agree: dict[str, dict[str, int]] = {}
         self.used: dict[str, dict[str, str]] = {}  # llama.cpp configuration -> column -> setting
 
@@ -208,6 +216,7 @@ class Bench:
         ours = Worker([sys.executable, str(HERE / "lorapage_peer.py"), "--threads", col], self.root / "lorapage.log")
         workers = [ours]
         runs: dict[str, Run] = {}
+        cpu: dict[str, list[float]] = collections.defaultdict(list)
         try:
             for prec in self.args.precisions:
                 mine = ours_bases(prec, self.args.quantizations)
@@ -225,18 +234,19 @@ class Bench:
                 workers.append(one)
                 best = self.sweep(prec, threads, one)
                 for mode in LLAMA_MODES:
-                    runs[llama_name(prec, mode)] = llama_run([one], mode, best[mode], new)
+                    runs[llama_name(prec, mode)] = llama_run([one], mode, best[mode], new, cpu[llama_name(prec, mode)])
                     self.used.setdefault(llama_name(prec, mode), {})[col] = best[mode]
                 for base in mine:
-                    runs[ours_name(prec, True, base)] = ours_run(ours, base, True, new)
-                    runs[ours_name(prec, False, base)] = ours_run(ours, base, False, new)
+                    for mixed in (True, False):
+                        name = ours_name(prec, mixed, base)
+                        runs[name] = ours_run(ours, base, mixed, new, cpu[name])
                 if multi:
                     single = self.best.get(f"{prec}@1") or best
                     procs = [self.llama_worker(prec, 1, f"{col}x1-{k}") for k in range(threads)]
                     workers += procs
                     for mode in LLAMA_MODES:
                         name = llama_name(prec, mode, threads)
-                        runs[name] = llama_run(procs, mode, single[mode], new)
+                        runs[name] = llama_run(procs, mode, single[mode], new, cpu[name])
                         self.used.setdefault(name, {})[col] = single[mode]
             swept = (
                 {llama_name(prec, m) for prec in self.args.precisions for m in LLAMA_MODES} if not self.fixed else set()
@@ -248,6 +258,7 @@ class Bench:
                 w.close()
         for name, rates in per_config.items():
             self.rates.setdefault(name, {})[col] = rates
+            self.cpu_rates.setdefault(name, {})[col] = cpu[name][-len(rates) :]  # the rounds, not the warm-up
             mixed = "base" not in name.split(":")[-1]
             reference = [r[:new] for r in self.reference[mixed]]
             self.agree.setdefault(name, {})[col] = agreeing(tokens[name], reference)
@@ -277,15 +288,20 @@ class Bench:
             procs = t if t > 1 and not self.args.no_multiprocess else 1
             rounds = {name: per[c] for name, per in self.rates.items() if c in per}
             out[c] = ratios(at, self.args.precisions, procs, self.args.quantizations, rounds)
+            cpu_at = {name: median(per[c]) for name, per in self.cpu_rates.items() if c in per}
+            by_cpu = ratios(cpu_at, self.args.precisions, procs, self.args.quantizations)
             for key, e in out[c].items():
+                e["cpu_ratio"] = by_cpu[key]["ratio"]
                 print(
                     f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']}; "
-                    f"median of the rounds' own ratios {e['round_ratio']:.2f})"
+                    f"median of the rounds' own ratios {e['round_ratio']:.2f}; by CPU time {e['cpu_ratio']:.2f})"
                 )
         return {
             "shape": shape,
             "tokens_per_s": med,
             "rates_per_round": self.rates,
+            "cpu_tokens_per_s": {name: {c: median(v) for c, v in per.items()} for name, per in self.cpu_rates.items()},
+            "cpu_rates_per_round": self.cpu_rates,
             "agreeing_requests": self.agree,
             "adapters_change_tokens": adapters_matter,
             "llamacpp_settings": self.used,

@@ -6,7 +6,9 @@ On a generated Llama-shaped model (the 512-wide bench model, or ``--size user``:
 layers, 16 heads / 8 KV heads, vocab 8,192) with 8 rank-16 adapters on every module, each engine
 (float32, int8, w8a8; the same checkpoint) runs one batch of 32 requests submitted together, 16-token
 prompts, 32 greedy tokens each (EOS ignored): on the base alone, and mixed (request i on adapter i
-mod 8). Variants and modes interleaved round by round; tok/s medians of the rounds.
+mod 8). Variants and modes interleaved round by round; tok/s medians of the rounds, by the wall clock
+and by this process's CPU time (tokens over the CPU seconds the batch took, every thread: on a
+shared, loaded machine the figure that moves least with the other jobs).
 
 Accuracy, each quantized base against float32 on the same requests: greedy agreement (requests whose tokens are
 identical, and tokens before each request's first difference), the largest |d logprob| of the
@@ -57,7 +59,8 @@ def requests(mode: str, vocab: int) -> list[tuple[list[int], str | None]]:
     return [(prompt(i, vocab), None if mode == "base" else f"a{i % ADAPTERS}") for i in range(REQUESTS)]
 
 
-async def run_batch(engine: Engine, batch: list[tuple[list[int], str | None]], new_tokens: int) -> float:
+async def run_batch(engine: Engine, batch: list[tuple[list[int], str | None]], new_tokens: int) -> tuple[float, float]:
+    """Tokens per second of the batch: by the wall clock, and by this process's CPU time."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(ids: list[int], adapter: str | None) -> int:
@@ -67,9 +70,9 @@ async def run_batch(engine: Engine, batch: list[tuple[list[int], str | None]], n
         assert last is not None
         return len(last.token_ids)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = sum(await asyncio.gather(*(one(ids, a) for ids, a in batch)))
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
 
 def agreement(wide: list[RequestOutput], quant: list[RequestOutput]) -> dict[str, float]:
@@ -117,8 +120,11 @@ async def measure(root: Path, size: str, rounds: int, threads: int, new_tokens: 
     for v in VARIANTS:  # warm: adapters resident, kernels built
         await run_batch(engines[v], requests("mixed", shape["vocab"]), 4)
     runs: dict[tuple[str, str], list[float]] = {(v, m): [] for v in VARIANTS for m in MODES}
+    cpu_runs: dict[tuple[str, str], list[float]] = {(v, m): [] for v in VARIANTS for m in MODES}
     for _, (v, m) in interleaved(rounds, [(v, m) for m in MODES for v in VARIANTS]):
-        runs[v, m].append(await run_batch(engines[v], requests(m, shape["vocab"]), new_tokens))
+        wall, cpu = await run_batch(engines[v], requests(m, shape["vocab"]), new_tokens)
+        runs[v, m].append(wall)
+        cpu_runs[v, m].append(cpu)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     accuracy: dict[str, dict[str, dict[str, float]]] = {v: {} for v in QUANTIZED}
     for m in MODES:
@@ -129,7 +135,8 @@ async def measure(root: Path, size: str, rounds: int, threads: int, new_tokens: 
     for e in engines.values():
         await e.close()
     tok_s = {f"{v}_{m}": median(runs[v, m]) for v in VARIANTS for m in MODES}
-    return {"tok_s": tok_s, "accuracy": accuracy, "perplexity": ppl}
+    cpu_tok_s = {f"{v}_{m}": median(cpu_runs[v, m]) for v in VARIANTS for m in MODES}
+    return {"tok_s": tok_s, "cpu_tok_s": cpu_tok_s, "accuracy": accuracy, "perplexity": ppl}
 
 
 def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> dict:
@@ -140,13 +147,15 @@ def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> di
         f"{REQUESTS} requests of {PROMPT_LEN} prompt tokens, {new_tokens} greedy tokens; {ADAPTERS} rank-{RANK} "
         f"adapters on every module (mixed); {threads} thread(s); median of {rounds} interleaved rounds"
     )
-    t, acc = r["tok_s"], r["accuracy"]
+    t, c, acc = r["tok_s"], r["cpu_tok_s"], r["accuracy"]
     rows = [
         [
             m,
             v,
             f"{t[f'{v}_{m}']:.0f}",
             f"{t[f'{v}_{m}'] / t[f'float32_{m}']:.2f}",
+            f"{c[f'{v}_{m}']:.0f}",
+            f"{c[f'{v}_{m}'] / c[f'float32_{m}']:.2f}",
             *(
                 [f"{acc[v][m]['requests_identical']:.2f}", f"{acc[v][m]['tokens_agreeing']:.3f}"]
                 + [f"{acc[v][m]['max_abs_dlogprob']:.3g}"]
@@ -157,8 +166,8 @@ def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> di
         for m in MODES
         for v in VARIANTS
     ]
-    header = ["mode", "base", "tok/s", "/ float32", "reqs identical", "tokens agreeing", "max |dlp|"]
-    print(table(header, rows, "llrrrrr"))
+    header = ["mode", "base", "tok/s", "/ float32", "CPU tok/s", "/ float32", "reqs identical", "tokens agreeing"]
+    print(table([*header, "max |dlp|"], rows, "llrrrrrrr"))
     ppl = r["perplexity"]
     print("perplexity on the fixed text: " + ", ".join(f"{v} {ppl[v]:.3f}" for v in VARIANTS))
     return {
@@ -170,6 +179,9 @@ def report(r: dict, size: str, rounds: int, threads: int, new_tokens: int) -> di
         "tok_s": {k: round(v, 1) for k, v in t.items()},
         "ratio_base": {v: round(t[f"{v}_base"] / t["float32_base"], 3) for v in QUANTIZED},
         "ratio_mixed": {v: round(t[f"{v}_mixed"] / t["float32_mixed"], 3) for v in QUANTIZED},
+        "cpu_tok_s": {k: round(v, 1) for k, v in c.items()},
+        "cpu_ratio_base": {v: round(c[f"{v}_base"] / c["float32_base"], 3) for v in QUANTIZED},
+        "cpu_ratio_mixed": {v: round(c[f"{v}_mixed"] / c["float32_mixed"], 3) for v in QUANTIZED},
         "accuracy": {v: {m: {k: round(x, 6) for k, x in a.items()} for m, a in per.items()} for v, per in acc.items()},
         "perplexity": {k: round(v, 4) for k, v in ppl.items()},
         **machine_info(),

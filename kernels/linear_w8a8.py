@@ -40,18 +40,19 @@ from lorapage.kernels import linear_cpu as cpu
 from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_int8 import QMAX, Int8Rows
 
-TINY = 2.0**-100  # a row whose largest |x| is below it quantizes to zeros (its 127 / a would overflow near 2^-128)
+TINY = 2.0**-100  # a row whose largest |x| is below it quantizes to zeros (127 / a overflows below ~2^-121)
 
 
 def gemm_operands(weight: Int8Rows) -> tuple[Tensor, Tensor]:
     """``(q.T, s_w)``: ``weight`` as the GEMM reads it (a transposed view of its int8 rows) and its
     scales in float32 (bfloat16 when :func:`~lorapage.kernels.linear_int8.pack_int8` made it; a loaded
-    checkpoint's may be float32); made once and kept on the weight."""
+    checkpoint's may be float32); made once and kept on the weight (again if its scales change)."""
+    s = weight.scales
     kept = weight.__dict__.get("_w8a8")
-    if kept is None or kept[0] is not weight.scales:
-        kept = (weight.scales, weight.as_subclass(Tensor).t(), weight.scales.float().contiguous())
+    if kept is None or kept[0] is not s or kept[1] != s._version:
+        kept = (s, s._version, weight.as_subclass(Tensor).t(), s.float().contiguous())
         weight.__dict__["_w8a8"] = kept
-    return kept[1], kept[2]
+    return kept[2], kept[3]
 
 
 def quantize_activations_ref(x: Tensor) -> tuple[Tensor, Tensor]:

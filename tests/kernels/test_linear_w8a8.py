@@ -134,6 +134,8 @@ def test_float32_scales_are_read_as_given():
     q_x, s_x = quantize_activations_ref(x)
     want = (q_x.double() @ w.as_subclass(torch.Tensor).double().T) * s_x.double() * w.scales.double()
     assert bool(((got - want).abs() <= g(4) * want.abs() + 1e-30).all())
+    w.scales.mul_(2.0)  # scales edited in place: read again
+    assert torch.allclose(linear_w8a8(x, w).double(), 2 * got, rtol=1e-6, atol=1e-30)
 
 
 @pytest.fixture(scope="module")
