@@ -42,17 +42,25 @@ RAY_MODULES = frozenset(
 assert all((_ROOT / module).is_file() for module in RAY_MODULES), "RAY_MODULES names a missing file"
 
 
+# Modules whose checks ride on wall-clock turns (adapter_wait_s of 0.05 s): under pytest-xdist
+# they run first, alone (the other workers wait), as they ran before the suite was split.
+ALONE_MODULES = frozenset({"tests/adapters/test_adapter_residency.py"})
+assert all((_ROOT / module).is_file() for module in ALONE_MODULES), "ALONE_MODULES names a missing file"
+
+
 def work_unit(nodeid: str) -> str:
     """The unit pytest-xdist hands to one worker: the test's module (so its module-scoped fixtures,
-    a server or a checkpoint, are built once), or "ray" for every test of the Ray modules."""
+    a server or a checkpoint, are built once), "ray" for every test of the Ray modules, "alone"
+    for the wall-clock ones."""
     module = nodeid.split("::", 1)[0]
-    return "ray" if module in RAY_MODULES else module
+    return "ray" if module in RAY_MODULES else "alone" if module in ALONE_MODULES else module
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (scripts/test runs ``-n 2``): hand out whole :func:`work_unit`s, in the
-    order the workers collected them (the Ray unit first, see below)."""
+    """Under pytest-xdist (scripts/test runs ``-n 2``): hand out whole :func:`work_unit`s in the
+    order the workers collected them ("alone", then "ray", then the modules: see below), and no
+    other unit while the "alone" unit runs."""
     if config.getvalue("dist") == "each":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -61,12 +69,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-    config.option.loadscopereorder = False  # keep the collected order: the Ray unit first
+        def _alone_runs(self, beside: object = None) -> bool:
+            """Whether a worker (other than ``beside``) has tests of the "alone" unit left."""
+            units = [work for node, work in self.assigned_work.items() if node is not beside]
+            return any(not all(work.get("alone", {}).values()) for work in units)
+
+        def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
+            if next(iter(self.workqueue)) != "alone" and self._alone_runs(beside=node):
+                return  # until the "alone" unit ends (mark_test_complete below); its own worker goes on
+            super()._assign_work_unit(node)
+
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:  # type: ignore[no-untyped-def]
+            super().mark_test_complete(node, item_index, duration)
+            if not self._alone_runs():
+                for other in self.nodes:  # the workers that waited for the "alone" unit
+                    if other is not node and not self._pending_of(self.assigned_work[other]):
+                        self._reschedule(other)
+
+    config.option.loadscopereorder = False  # keep the collected order
     return WorkUnitScheduling(config, log)  # type: ignore[arg-type]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _ray_first(items)
+    _units_in_order(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -75,8 +100,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def _ray_first(items: list[pytest.Item]) -> None:
-    """On a pytest-xdist worker the Ray unit comes first: it is the longest unit of work, and
-    started last it would be the whole run's tail. Stable: each module keeps its order."""
+def _units_in_order(items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker the "alone" unit comes first (short: the other worker waits), then
+    the Ray unit (the longest: started late it would be the whole run's tail), then the modules in
+    their usual order. Stable: each module keeps its order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: work_unit(item.nodeid) != "ray")
+        rank = {"alone": 0, "ray": 1}
+        items.sort(key=lambda item: rank.get(work_unit(item.nodeid), 2))

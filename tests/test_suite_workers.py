@@ -1,5 +1,6 @@
 """The suite's split over pytest-xdist workers (tests/conftest.py): every module that starts a Ray
-cluster is in the one Ray unit, and every other module is a unit of its own."""
+cluster is in the one Ray unit, the wall-clock residency module runs alone, and every other module
+is a unit of its own."""
 
 from __future__ import annotations
 
@@ -25,4 +26,5 @@ def test_every_module_that_starts_ray_is_in_the_ray_unit():
 def test_units_are_modules_and_the_ray_modules_share_one():
     assert work_unit("tests/fleet/test_fleet_ray.py::test_x[a]") == "ray"
     assert work_unit("tests/fleet/test_fleet_cli.py::test_y") == "ray"
+    assert work_unit("tests/adapters/test_adapter_residency.py::test_x") == "alone"
     assert work_unit("tests/engine/test_engine.py::test_x[a::b]") == "tests/engine/test_engine.py"
