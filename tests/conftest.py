@@ -26,8 +26,9 @@ os.environ["LORAPAGE_STATE_DIR"] = tempfile.mkdtemp(prefix="lorapage-test-state-
 
 
 # The modules that start a Ray cluster, in this process or through `lorapage fleet`: under
-# pytest-xdist one worker runs them all, one cluster at a time (two clusters on one machine contend
-# for Ray's fixed dashboard-agent port, and each would want both cores). A new Ray module goes here.
+# pytest-xdist they make one unit of work that runs alone (two clusters on one machine contend for
+# Ray's fixed dashboard-agent port, and with another worker's tests beside them on 2 cores their
+# waits, such as a merged deployment's start, ran past their timeouts). A new Ray module goes here.
 RAY_MODULES = frozenset(
     f"tests/fleet/{name}.py"
     for name in (
@@ -39,13 +40,10 @@ RAY_MODULES = frozenset(
         "test_fleet_ray",
     )
 )
-assert all((_ROOT / module).is_file() for module in RAY_MODULES), "RAY_MODULES names a missing file"
-
-
-# Modules whose checks ride on wall-clock turns (adapter_wait_s of 0.05 s): under pytest-xdist
-# they run first, alone (the other workers wait), as they ran before the suite was split.
+# Modules whose checks ride on wall-clock turns (adapter_wait_s of 0.05 s): one unit that runs alone.
 ALONE_MODULES = frozenset({"tests/adapters/test_adapter_residency.py"})
-assert all((_ROOT / module).is_file() for module in ALONE_MODULES), "ALONE_MODULES names a missing file"
+assert all((_ROOT / m).is_file() for m in RAY_MODULES | ALONE_MODULES), "a module named here is missing"
+EXCLUSIVE_UNITS = ("alone", "ray")  # run first, in this order, each with the other workers idle
 
 
 def work_unit(nodeid: str) -> str:
@@ -59,8 +57,9 @@ def work_unit(nodeid: str) -> str:
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (scripts/test runs ``-n 2``): hand out whole :func:`work_unit`s in the
-    order the workers collected them ("alone", then "ray", then the modules: see below), and no
-    other unit while the "alone" unit runs."""
+    order the workers collected them (the exclusive units first, then the modules: see below), and
+    nothing to another worker while an exclusive unit has tests left. So those tests run as they
+    did in one process, and the rest of the suite on every worker."""
     if config.getvalue("dist") == "each":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -69,20 +68,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-        def _alone_runs(self, beside: object = None) -> bool:
-            """Whether a worker (other than ``beside``) has tests of the "alone" unit left."""
+        def _exclusive_runs(self, beside: object = None) -> bool:
+            """Whether a worker (other than ``beside``) has tests of an exclusive unit left."""
             units = [work for node, work in self.assigned_work.items() if node is not beside]
-            return any(not all(work.get("alone", {}).values()) for work in units)
+            return any(not all(work.get(unit, {}).values()) for work in units for unit in EXCLUSIVE_UNITS)
 
         def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]
-            if next(iter(self.workqueue)) != "alone" and self._alone_runs(beside=node):
-                return  # until the "alone" unit ends (mark_test_complete below); its own worker goes on
+            if self._exclusive_runs(beside=node):
+                return  # until the exclusive units end (mark_test_complete below); their worker goes on
             super()._assign_work_unit(node)
 
         def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:  # type: ignore[no-untyped-def]
             super().mark_test_complete(node, item_index, duration)
-            if not self._alone_runs():
-                for other in self.nodes:  # the workers that waited for the "alone" unit
+            if not self._exclusive_runs():
+                for other in self.nodes:  # the workers that waited
                     if other is not node and not self._pending_of(self.assigned_work[other]):
                         self._reschedule(other)
 
@@ -101,9 +100,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _units_in_order(items: list[pytest.Item]) -> None:
-    """On a pytest-xdist worker the "alone" unit comes first (short: the other worker waits), then
-    the Ray unit (the longest: started late it would be the whole run's tail), then the modules in
-    their usual order. Stable: each module keeps its order."""
+    """On a pytest-xdist worker the exclusive units come first, then the modules in their usual
+    order. Stable: each module keeps its order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        rank = {"alone": 0, "ray": 1}
-        items.sort(key=lambda item: rank.get(work_unit(item.nodeid), 2))
+        rank = {unit: i for i, unit in enumerate(EXCLUSIVE_UNITS)}
+        items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(rank)))
