@@ -1,7 +1,6 @@
 """The suite's split over pytest-xdist workers (tests/conftest.py): every module that starts a Ray
 cluster is in the one Ray unit, the wall-clock residency module in the "alone" unit (both run with
-the other workers idle), and every other module
-is a unit of its own."""
+the other workers idle), and every other module is a unit of its own."""
 
 from __future__ import annotations
 
