@@ -1,5 +1,5 @@
 """The suite's split over pytest-xdist workers (tests/conftest.py): every module that starts a Ray
-cluster is in the one Ray unit, the wall-clock residency module in the "alone" unit (both run with
+cluster is in the one Ray unit, the wall-clock modules in the "alone" unit (both run with
 the other workers idle), and every other module is a unit of its own."""
 
 from __future__ import annotations
@@ -27,4 +27,5 @@ def test_units_are_modules_and_the_ray_modules_share_one():
     assert work_unit("tests/fleet/test_fleet_ray.py::test_x[a]") == "ray"
     assert work_unit("tests/fleet/test_fleet_cli.py::test_y") == "ray"
     assert work_unit("tests/adapters/test_adapter_residency.py::test_x") == "alone"
+    assert work_unit("tests/sim/test_sim_fleet.py::test_x") == "alone"
     assert work_unit("tests/engine/test_engine.py::test_x[a::b]") == "tests/engine/test_engine.py"
