@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PYTEST = "python -m pytest -q -n 2"  # two pytest-xdist workers
 RECORDER = '#!/usr/bin/env bash\necho "{name} $*" >> "$LORAPAGE_CALLS"\n'
 
 
@@ -46,7 +47,7 @@ def test_serve_passes_its_arguments_to_lorapage_serve(venv):
 
 
 def test_test_with_arguments_runs_only_pytest_with_them(venv):
-    assert run("test", "-k", "quota and not slow", venv=venv) == ["python -m pytest -q -k quota and not slow"]
+    assert run("test", "-k", "quota and not slow", venv=venv) == [f"{PYTEST} -k quota and not slow"]
 
 
 def test_test_without_arguments_checks_lint_format_and_types_first(venv):
@@ -54,7 +55,7 @@ def test_test_without_arguments_checks_lint_format_and_types_first(venv):
         "python -m ruff check .",
         "python -m ruff format --check .",
         "python -m mypy",
-        "python -m pytest -q",
+        PYTEST,
     ]
 
 
