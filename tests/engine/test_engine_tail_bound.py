@@ -25,6 +25,12 @@ async def _tail_wait(bound: int) -> tuple[int, list[int], int]:
         planner = engine.debug.step_planner
         steps, apply = [0], planner.apply
         sampled_at: dict[str, int] = {}  # request id -> the step that sampled its first token
+        submitted_at: dict[str, int] = {}  # request id -> steps applied when it reached the planner
+        submit = planner.submit
+
+        def noted(req) -> None:  # type: ignore[no-untyped-def]
+            submitted_at[req.request_id] = steps[0]
+            submit(req)
 
         def counted(plan, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
             steps[0] += 1
@@ -34,6 +40,7 @@ async def _tail_wait(bound: int) -> tuple[int, list[int], int]:
                     sampled_at.setdefault(req.request_id, steps[0])
 
         planner.apply = counted  # type: ignore[method-assign]
+        planner.submit = noted  # type: ignore[method-assign]
 
         async def holder(adapter: str) -> int:
             last, _ = await collect(engine, "Hello there", adapter, LONG)
@@ -43,10 +50,11 @@ async def _tail_wait(bound: int) -> tuple[int, list[int], int]:
         while steps[0] < 60:  # mid-way through the holders' generations
             await asyncio.sleep(0.005)
         assert engine.stats().preemptions == 0
-        arrived = steps[0]
         outputs = [out async for out in engine.generate("Hi", "initech", SamplingParams(max_tokens=2, temperature=0))]
-        # Counted where it was sampled, not where it was read: its delivery may lag a step under load.
-        first = sampled_at[outputs[0].request_id]
+        # Counted from when it reached the planner (tokenizing runs off the loop while steps go on)
+        # to the step that sampled it (its delivery may lag a step under load).
+        rid = outputs[0].request_id
+        arrived, first = submitted_at[rid], sampled_at[rid]
         lengths = list(await asyncio.gather(*holders))
         return first - arrived, lengths, engine.stats().preemptions
     finally:
