@@ -226,40 +226,21 @@ def test_fp16_kv_pages_hold_a_block_in_half_the_bytes():
         kv_page_elements(16, 128, torch.float16, torch.float32)
 
 
-async def test_bfloat16_pages_hold_twice_the_adapters_in_the_same_bytes(rank_adapters):
+@pytest.mark.parametrize("lora_dtype, factor, num_pages", [("bfloat16", 2, 305), ("int8", 4, 321)])
+async def test_narrow_pages_hold_more_adapters_in_the_same_bytes(rank_adapters, lora_dtype, factor, num_pages):
     """Issue 40, item 4: a pool of the same bytes (same pages of the same size) keeps twice as many
-    resident bfloat16 adapters as float32 ones, each loaded in turn until loads evict. A float32
-    adapter here takes 37 pages and a bfloat16 one 19 (half, rounded up): the 304 pages past page 0
-    hold 8 and 16 (a pool whose size the rounding does not divide may hold one fewer)."""
+    resident bfloat16 adapters as float32 ones, and four times as many int8 ones (their per-row
+    scales within the rounding; --lora-dtype int8), each loaded in turn until loads evict. A float32
+    adapter here takes 37 pages, a bfloat16 one 19 and an int8 one 10 (half and a quarter, rounded
+    up): the 304 and 320 pages past page 0 hold 8 and 16, and 8 and 32 (a pool whose size the
+    rounding does not divide may hold one fewer)."""
     resident, pages = [], []
-    for lora_dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", lora_dtype):
         slots = dict(max_loras=64, max_resident_loras=64, max_cpu_loras=64)
-        engine = pool_engine(lora_dtype=lora_dtype, num_pages=305, **slots)
+        engine = pool_engine(lora_dtype=dtype, num_pages=num_pages, **slots)
         pool = engine.debug.pool
-        assert pool.num_pages == 305 and pool.storage.nbytes == 305 * pool.page_size * 4 * pool.storage.shape[0]
-        names = [f"a{i}" for i in range(60)]
-        for n in names:
-            engine.add_adapter(n, rank_adapters[8])
-            await engine.admin.load(n)
-        resident.append(len(engine.stats().resident_adapters))
-        pages.append(engine.admin.info(names[0]).num_pages)
-        await engine.close()
-    assert resident[0] < 60  # the float32 pool filled: loads evicted
-    assert pages[1] == -(-pages[0] // 2)  # half the pages, rounded up
-    assert resident == [304 // p for p in pages] and resident[1] == 2 * resident[0], (resident, pages)
-
-
-async def test_int8_pages_hold_four_times_the_adapters_in_the_same_bytes(rank_adapters):
-    """Issue 40, item 4: int8 pages with their per-row scales (--lora-dtype int8) keep four times as
-    many resident adapters as float32 ones in a pool of the same bytes. A float32 adapter here takes
-    37 pages and an int8 one 10 (a quarter, rounded up, its scales within the rounding): the 320
-    pages past page 0 hold 8 and 32."""
-    resident, pages = [], []
-    for lora_dtype in ("float32", "int8"):
-        slots = dict(max_loras=64, max_resident_loras=64, max_cpu_loras=64)
-        engine = pool_engine(lora_dtype=lora_dtype, num_pages=321, **slots)
-        pool = engine.debug.pool
-        assert pool.num_pages == 321 and pool.storage.nbytes == 321 * pool.page_size * 4 * pool.storage.shape[0]
+        assert pool.num_pages == num_pages
+        assert pool.storage.nbytes == num_pages * pool.page_size * 4 * pool.storage.shape[0]
         names = [f"a{i}" for i in range(60)]
         for n in names:
             engine.add_adapter(n, rank_adapters[8])
@@ -267,8 +248,10 @@ async def test_int8_pages_hold_four_times_the_adapters_in_the_same_bytes(rank_ad
         resident.append(len(engine.stats().resident_adapters))
         pages.append(engine.admin.info(names[0]).num_pages)
         host = engine.debug.adapters._host[f"{names[-1]}@1"]
-        assert host.dtype == getattr(torch, lora_dtype)
+        assert host.dtype == getattr(torch, dtype)
         assert host.nbytes == pages[-1] * pool.page_size * 4 * pool.storage.shape[0]
         await engine.close()
-    assert pages[1] == -(-pages[0] // 4)  # a quarter of the pages, rounded up
-    assert resident == [320 // p for p in pages] and resident[1] == 4 * resident[0], (resident, pages)
+    assert resident[0] < 60  # the float32 pool filled: loads evicted
+    assert pages[1] == -(-pages[0] // factor)  # half or a quarter of the pages, rounded up
+    usable = num_pages - 1
+    assert resident == [usable // p for p in pages] and resident[1] == factor * resident[0], (resident, pages)
