@@ -12,7 +12,7 @@ Every replica is the seed's 7B replica under ``GPU_7B`` costs (``bench_fleet.py`
 size follows ``lorapage.fleet.autoscale`` (the policy Ray Serve runs) on the virtual clock, with the
 join sequence of ``lorapage.sim.scaling``. ``--hour`` shrinks the day (24 "hours" of that many
 seconds: the ramp is steeper than a real day's, which is harder on the autoscaler); ``--scale``
-multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 1 s, delays 1 s / 8 s, smoothing 4 s, lead 1 s (about 30 s).
+multiplies rate and adapters. ``--quick``: a 24-minute day at scale 0.25, join 1 s, delays 1 s / 8 s, smoothing 3 s, lead 1 s (about 30 s).
 
     python bench/bench_autoscale.py [--quick] [--hour 3600] [--scale 1] [--router affinity_load]
 
@@ -37,10 +37,13 @@ PEAK, TROUGH_SHARE = 40.0, 0.08  # req/s at the peak, the trough's share of it
 AMPLITUDE = (1 - TROUGH_SHARE) / (1 + TROUGH_SHARE)
 TARGET_RATIO = 1.15
 # The policy this bench runs unless told otherwise (AutoscaleConfig's own defaults keep every option
-# off): a nearly full replica's tokens, square-root headroom, tokens averaged over a minute and
-# projected a base load (60 s) ahead on a rising slope, scale-down after 120 s. docs/fleet.md.
+# off): a nearly full replica's tokens, square-root headroom 0.2, tokens averaged over three minutes
+# and projected a base load (60 s) ahead on a rising slope, scale-down after 120 s. The seed's tokens
+# in flight swing +-15% over minutes (log-normal outputs: a long one holds its tokens for a minute
+# or more), and the scale-down's wait holds the top of that swing; the queue still acts on every
+# report. docs/fleet.md, "Autoscaling".
 SEED_POLICY = AutoscaleConfig(
-    target_tokens=30_000, headroom=0.3, smoothing_s=60.0, lead_s=60.0, upscale_delay_s=10.0, downscale_delay_s=120.0
+    target_tokens=30_000, headroom=0.2, smoothing_s=180.0, lead_s=60.0, upscale_delay_s=10.0, downscale_delay_s=120.0
 )
 
 
@@ -191,5 +194,5 @@ if __name__ == "__main__":
     p.add_argument("--join", type=float, default=ScalingConfig().join_s, help="seconds a replica loads the base")
     a = p.parse_args()
     if a.quick:  # a day 60 times shorter: the base load, waits and smoothing about 60 times shorter too
-        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay, a.smoothing, a.lead = 60.0, 0.25, 1, 1, 8, 4, 1
+        a.hour, a.scale, a.join, a.upscale_delay, a.downscale_delay, a.smoothing, a.lead = 60.0, 0.25, 1, 1, 8, 3, 1
     print_json(main(a), default=str)

@@ -61,8 +61,9 @@ def test_hours_meet_the_slo_and_the_floor_counts_compute(day) -> None:
 @pytest.fixture(scope="module")
 def tuned_day():
     # The quarter-size seed day compressed 90 times (24 "hours" of 40 s, 5,215 requests) under the
-    # policy bench/bench_autoscale.py runs, its times shortened with the day: base load 1 s, waits
-    # 1 s / 5 s, tokens averaged over 5 s and projected 2 s ahead.
+    # policy bench/bench_autoscale.py ran before its smoothing went to three minutes (headroom 0.3,
+    # tokens averaged over 60 s), its times shortened with the day: base load 1 s, waits 1 s / 5 s,
+    # tokens averaged over 5 s and projected 2 s ahead (the real day under today's: docs/fleet.md).
     hour = 40.0
     trace = generate(
         GenConfig(
