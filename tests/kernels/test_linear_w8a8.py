@@ -166,3 +166,22 @@ def test_the_merge_check_passes_on_the_w8a8_tiny_model():
     check = asyncio.run(merge_and_check(engine, name, max_tokens=8))
     assert check.passed and check.mismatched_prompts == 0, check
     assert isinstance(engine.debug.runner.ctx.model.layers[0]["qkv"], Int8Rows)
+
+
+def test_w8a8_warns_on_a_cpu_without_int8_dot_products(monkeypatch, caplog):
+    """torch's int8 GEMM needs VNNI / AMX (x86) or SDOT / I8MM (arm) to beat float32; without them
+    the engine still serves w8a8, and says at start that this CPU runs it slowly."""
+    from lorapage.engine import devices
+
+    assert cpu_isa.int8_dot_product(frozenset({"avx2", "fma"})) is False
+    assert cpu_isa.int8_dot_product(frozenset({"avx512f", "avx512_vnni"})) is True
+    assert cpu_isa.int8_dot_product(frozenset({"asimd", "asimddp"})) is True
+    assert cpu_isa.int8_dot_product(None) is None
+    for flags, warned in ((frozenset({"avx", "avx2", "fma"}), True), (frozenset({"avx2", "avx_vnni"}), False)):
+        monkeypatch.setattr(devices, "cpu_flags", lambda flags=flags: flags)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lorapage.engine"):
+            engine = Engine(EngineConfig(quantization="w8a8", num_threads=1))
+        assert engine.debug.runner.ctx.ops.linear is linear_w8a8
+        assert ("without int8 dot-product instructions" in caplog.text) is warned, caplog.text
+        asyncio.run(engine.close())
