@@ -185,7 +185,7 @@ def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device
         log.warning(
             "quantization 'w8a8' on a CPU without int8 dot-product instructions (VNNI, AMX, SDOT): "
             "torch's int8 GEMM takes a slow path here (a w8a8 engine measured 13x slower than float32 on an "
-            "AVX2 AMD EPYC); serve 'int8' or the unquantized base on this CPU (docs/cpu.md)"
+            "AVX2 AMD EPYC); serve 'int8' or the unquantized base on this CPU (docs/kernels.md)"
         )
     linear = linear_w8a8 if name == "w8a8" else linear_int8
     return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear, pack_logits=pack_weight)
