@@ -186,6 +186,15 @@ class AdapterCache:
         self.residency.dequeue(name)
         self._rechecks.soon()  # the version may now be evictable for a waiting load
 
+    def admit(self, name: str, now: float) -> int:
+        """A queued request for ``name`` is admitted at ``now``: its lora slot. The first since
+        the version became resident starts its turn, the time from which it may be made to yield."""
+        started = self.residency.get(name).turn_since is None
+        slot = self.residency.admit(name, now)
+        if started:
+            self._rechecks.soon()  # a starving load may wait on this turn's end: arm its timer
+        return slot
+
     def finish(self, name: str | None) -> None:
         """An admitted request (of ``name``, or of the base) ended: its pages are free."""
         if name is not None:

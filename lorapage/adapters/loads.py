@@ -75,7 +75,7 @@ class Loads:
 
     def settle(self, r: Residence, slot: int, now: float) -> None:
         """``r``'s copy into ``slot`` is done: it is resident."""
-        r.phase, r.resident_since = Phase.RESIDENT, now
+        r.phase, r.turn_since = Phase.RESIDENT, None
         del self._loads[r.key]
         self.slots.settle(slot, r)
 
@@ -108,11 +108,9 @@ class Loads:
             if r.phase is Phase.PLACING and r.yielded is None and r.since + wait > now:
                 times.append(r.since + wait)  # PATIENT until then
         if self._starving and self._starving[0].yielded is None:  # none may yield yet: when one may
-            times += [
-                x.resident_since + wait
-                for x in self.slots.versions()
-                if not x.yielding and not x.pinned and not x.hot and x.resident_since + wait > now
-            ]
+            # A turn not started starts with an admission, which looks again (AdapterCache.admit).
+            turns = [x.turn_since for x in self.slots.versions() if not (x.yielding or x.pinned or x.hot)]
+            times += [t + wait for t in turns if t is not None and t + wait > now]
         return min(times) if times else None
 
     def pending_pages(self) -> int:
@@ -221,12 +219,19 @@ class Loads:
         """Stop admitting to the busy resident version of least value per page (as eviction
         ranks them; pinned ones never), so its slot frees once its running requests finish. Its
         queued requests wait and reload it afterwards: busy versions take turns rather than one
-        holding on forever. A version resident for less than ``adapter_wait_s`` is spared, so
-        every turn lasts at least that long and the slot does not change hands after every batch."""
+        holding on forever. A turn runs from the version's first admission since it became
+        resident and lasts at least ``adapter_wait_s``, so the slot does not change hands after
+        every batch, nor before the version loaded for a queued request has served it (on a
+        loaded machine its admission may wait longer than ``adapter_wait_s`` for KV room, and
+        yielding then evicted it unserved and cycled the slot)."""
         busy = [
             x
             for x in self.slots.versions()
-            if not x.yielding and not x.pinned and not x.hot and now - x.resident_since >= self.wait_s
+            if not x.yielding
+            and not x.pinned
+            and not x.hot
+            and x.turn_since is not None
+            and now - x.turn_since >= self.wait_s
         ]
         if not busy:
             return None

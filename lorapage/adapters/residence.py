@@ -46,7 +46,11 @@ class Residence:
     yielding: bool = False  # admits nothing new: a starving load takes its lora slot once it is idle
     pinned: bool = False  # an admin pinned it: never evicted, never made to yield
     hot: bool = False  # its traffic tier is hot and it fits the pins' bounds: kept as a pin is (set_hot)
-    resident_since: float = 0.0  # when it last became resident (it yields only after adapter_wait_s)
+    # Its first admission since it last became resident: its turn, at least adapter_wait_s before
+    # it may be made to yield, runs from here (None: not started, or a preemption left nothing
+    # running on it). A version loaded for a queued request whose admission waits on KV room, or
+    # whose request was preempted for it, keeps its slot until it serves.
+    turn_since: float | None = None
     # The load in flight, if any.
     load_tier: LoadTier | None = None  # where it started (what its metrics say)
     downloading: bool = False  # READING from a remote source, not at the files yet: reads no files

@@ -183,14 +183,16 @@ class Residency:
         """A queued request for ``key`` left without running (aborted, or its load failed)."""
         self.get(key).waiting -= 1
 
-    def admit(self, key: str) -> int:
-        """A queued request for ``key`` is admitted: it runs on the version, which stays resident
-        for it; its lora slot."""
+    def admit(self, key: str, now: float) -> int:
+        """A queued request for ``key`` is admitted at ``now``: it runs on the version, which
+        stays resident for it (the first since it became resident starts its turn); its lora slot."""
         r = self.get(key)
         if r.phase is not Phase.RESIDENT:
             raise RuntimeError(f"adapter {key!r} admitted while not resident")  # an engine bug, never silent
         r.running += 1
         r.waiting -= 1
+        if r.turn_since is None:
+            r.turn_since = now
         return r.slot
 
     def finish(self, key: str) -> None:
@@ -203,6 +205,8 @@ class Residency:
         r = self.get(key)
         r.running -= 1
         r.waiting += 1
+        if r.running == 0:  # served nothing yet, or its service lost with the KV: its turn starts again
+            r.turn_since = None
 
     # -- admin ----------------------------------------------------------------------------------
 

@@ -136,7 +136,7 @@ class StepPlanner:
             self.prefix_hit_tokens[t] = self.prefix_hit_tokens.get(t, 0) + hit
         self._admitted.append(req)
         if req.adapter is not None:  # it runs on the adapter now, so admitting the next request cannot evict it
-            req.lora_slot = self.adapters.residency.admit(req.adapter)
+            req.lora_slot = self.adapters.admit(req.adapter, self.clock())
         return True
 
     def _match_prefix(self, req: Request) -> int:

@@ -126,8 +126,8 @@ class SimLoader:
             self.rules.add(name, self.config.pages.get(name, self.config.rank), self._cold(name))
         self._apply(self.rules.ensure(name), now)
 
-    def admit(self, name: str) -> None:
-        self.rules.admit(name)
+    def admit(self, name: str, now: float) -> None:
+        self.rules.admit(name, now)
 
     def finish(self, name: str, now: float) -> None:
         self.rules.finish(name)

@@ -80,8 +80,8 @@ class ReplicaAdapters(Protocol):
 
     def ready(self, name: str) -> bool: ...
 
-    def admit(self, name: str) -> None:
-        """A request for ``name`` is admitted: it runs on the adapter."""
+    def admit(self, name: str, now: float) -> None:
+        """A request for ``name`` is admitted at ``now``: it runs on the adapter."""
         ...
 
     def finish(self, name: str, now: float) -> None:
@@ -121,7 +121,7 @@ class FixedLoad:
     def ready(self, name: str) -> bool:
         return self.ready_at[name] <= self._now
 
-    def admit(self, name: str) -> None:
+    def admit(self, name: str, now: float) -> None:
         return None
 
     def finish(self, name: str, now: float) -> None:
@@ -197,7 +197,7 @@ class _Context:
         self.tokens += prefill
         self.admitted.append(req)
         if req.adapter is not None:
-            sim.residency.admit(req.adapter)
+            sim.residency.admit(req.adapter, sim.now)
         return True
 
 

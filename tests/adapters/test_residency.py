@@ -45,7 +45,7 @@ def make_resident(r: Residency, key: str, now: float, *, requests: int = 1) -> N
     load = next(d for d in decisions if isinstance(d, Load))
     assert r.copy_done(key, load.slot, True, now) == [Ready(key)]
     for _ in range(requests):
-        r.admit(key)
+        r.admit(key, now)
 
 
 def test_a_load_reads_then_takes_a_free_slot_and_its_pages():
@@ -97,10 +97,10 @@ def test_the_idle_adapter_of_least_value_per_page_leaves_for_a_load():
     assert decisions == [DropHost("a"), Evict("b", 2), Load("c", 2, decisions[-1].pages)]
     # Later, a has two requests and c one: c leaves, less used and only a copy away.
     r.copy_done("c", 2, True, 0.0)
-    r.admit("c")
+    r.admit("c", 0.0)
     r.finish("c")
     r.enqueue("a", 10.0)
-    r.admit("a")
+    r.admit("a", 10.0)
     r.finish("a")
     r.add("d", pages=5)
     r.enqueue("d", 20.0)
@@ -141,9 +141,36 @@ def test_an_adapter_resident_less_than_adapter_wait_s_is_spared_and_the_line_kee
     decisions = r.tick(11.0)
     assert [type(d) for d in decisions] == [Evict, Load] and decisions[1].key == "b"  # first in line
     r.copy_done("b", 1, True, 11.0)
-    r.admit("b")
+    r.admit("b", 11.0)
     assert r.tick(11.5) == []  # c waits: b is spared for adapter_wait_s
     assert r.tick(12.0) == [Yield("b")]
+
+
+def test_a_version_loaded_for_a_queued_request_keeps_its_slot_until_it_has_served():
+    """Its turn starts at its first admission, not when its copy lands, and again when a
+    preemption leaves nothing running on it: a request whose admission waits on KV room longer
+    than adapter_wait_s (a loaded machine) is served before the version yields, rather than the
+    version being evicted unserved and the slot cycling."""
+    r = rules(slots=1)
+    r.add("a", pages=5)
+    make_resident(r, "a", 0.0)
+    r.add("b", pages=5)
+    r.enqueue("b", 0.0)
+    r.read_done("b", 0.0)
+    assert r.tick(1.0) == [Yield("a")]
+    r.finish("a")
+    r.enqueue("a", 1.0)  # a's traffic goes on: it starves in its turn
+    assert [type(d) for d in r.tick(1.0)] == [Evict, Read, Load]
+    r.read_done("a", 1.0)
+    r.copy_done("b", 1, True, 1.0)
+    assert r.tick(5.0) == [] and r.loads.next_check(5.0) is None  # b's request is not admitted yet
+    r.admit("b", 5.0)
+    r.requeue("b")  # preempted for KV room before its first token: its turn starts again
+    assert r.tick(7.0) == [] and r.loads.next_check(7.0) is None
+    r.admit("b", 7.0)
+    assert r.loads.next_check(7.0) == 7.0 + WAIT_S
+    assert r.tick(7.5) == []
+    assert r.tick(8.0) == [Yield("b")]
 
 
 def test_a_prewarm_waits_for_a_slot_without_making_an_adapter_yield():

@@ -28,7 +28,7 @@ def test_hot_versions_are_kept_resident_within_the_pins_bounds_most_requested_fi
     for key in ("a", "b", "c", "d"):
         r.copy_done(key, r.get(key).slot, True, 0.0)
     for key in ("c", "d"):
-        r.admit(key)
+        r.admit(key, 0.0)
     # a is idle and the least valuable (no request), but kept: a starving load makes c or d yield.
     r.add("e", pages=10)
     r.enqueue("e", 5.0)
