@@ -112,7 +112,8 @@ def choose(requested: str | None, flags: frozenset[str] | None, machine: str | N
 
 # Instructions that multiply int8 by int8 into int32 sums: what torch's int8 GEMM (oneDNN, under
 # ``torch._int_mm``) needs to beat float32 (x86 VNNI and AMX; arm's SDOT and I8MM). Without them it
-# takes a reference path: on an AVX2 AMD EPYC, 25x slower than a float32 GEMM at 32 x 1,024 x 4,096.
+# takes a reference path: on an AVX2 AMD EPYC, 25x slower than a float32 GEMM at 32 x 1,024 x 4,096
+# (an x86 engine runs FBGEMM's int8 GEMM there instead: kernels/linear_w8a8_fbgemm.py).
 INT8_DOT = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "asimddp", "i8mm"})
 
 

@@ -18,7 +18,7 @@ from lorapage._exports import lazy
 if TYPE_CHECKING:
     from lorapage.config import EngineConfig as EngineConfig
     from lorapage.engine import Engine as Engine
-    from lorapage.omp_env import configure_threads as configure_threads
+    from lorapage.omp_env import configure_threads as configure_threads, release_thread_team as release_thread_team
     from lorapage.request import RequestOutput as RequestOutput
     from lorapage.sampling_params import SamplingParams as SamplingParams
 
@@ -30,5 +30,6 @@ __getattr__, __dir__, __all__ = lazy(
         "SamplingParams": "lorapage.sampling_params",
         "RequestOutput": "lorapage.request",
         "configure_threads": "lorapage.omp_env",
+        "release_thread_team": "lorapage.omp_env",
     },
 )

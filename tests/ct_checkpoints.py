@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from hf_reference import TOKENIZER_FILES
 
+from lorapage.kernels.linear_w8a8_fbgemm import quantize_activations_ref
+
 
 def compress_checkpoint(
     src: Path,
@@ -75,15 +77,19 @@ def round_like_the_int8_kernel(model: torch.nn.Module) -> None:
             module.register_forward_hook(output)
 
 
-def quantize_activations_like_w8a8(model: torch.nn.Module) -> None:
+def quantize_activations_like_w8a8(model: torch.nn.Module, fbgemm: bool = False) -> None:
     """On every quantized projection of a transformers model: compressed-tensors' own activation
     quantization off (it divides each token's absmax by 127.5 and clamps to [-128, 127]), and a hook
     that quantizes each token's input as ``quantization w8a8`` does (kernels/linear_w8a8.py, vLLM's
     dynamic per-token int8: ``round(x * (127 / absmax))`` in [-127, 127], scale ``absmax / 127``),
-    so the reference differs from lorapage by float32 sums only."""
+    so the reference differs from lorapage by float32 sums only. ``fbgemm``: as the route a CPU
+    without int8 dot products runs (kernels/linear_w8a8_fbgemm.py: 7-bit steps over each token's
+    [-absmax, absmax])."""
 
     def quantize(_module: torch.nn.Module, args: tuple) -> tuple:
         x = args[0]
+        if fbgemm:
+            return (quantize_activations_ref(x), *args[1:])
         a = x.abs().amax(-1, keepdim=True)
         q = torch.round(x * torch.where(a > 0, 127 / a, torch.zeros_like(a))).clamp(-127, 127)
         return (q * (a / 127), *args[1:])

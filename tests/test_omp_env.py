@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lorapage.omp_env import SPINCOUNT, SPINCOUNT_ENV, THREADS_ENV
 
 
@@ -60,3 +62,53 @@ def test_configure_threads_warns_after_torch_loaded():
     done = run_script(AFTER_TORCH)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+ONE_TEAM = """
+import os, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+import lorapage
+lorapage.configure_threads(2)
+import torch
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.omp_env import TeamlessPool, _openmp_runtime
+
+def workers():  # threads started outside Python (libgomp's workers among them)
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(t) for t in os.listdir("/proc/self/task")} - python
+
+def product():
+    return torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel region on 2 threads
+
+if _openmp_runtime() is None or "libgomp" not in _openmp_runtime()._name:
+    print("no-libgomp")
+    sys.exit(0)
+start = workers()
+product()
+mine = workers() - start  # the calling thread's team
+plain, teamless = ThreadPoolExecutor(1), TeamlessPool(1)
+before = workers()
+plain.submit(product).result()
+kept_by_plain = workers() - before
+before = workers()
+teamless.submit(product).result()
+kept_by_teamless = workers() - before
+engine = Engine(EngineConfig(num_threads=2))
+threads = engine.debug.threads
+print(len(mine), len(mine & workers()), len(kept_by_plain), len(kept_by_teamless),
+      isinstance(threads.io, TeamlessPool), isinstance(threads.copies, TeamlessPool))
+"""
+
+
+def test_the_engine_leaves_one_openmp_team_the_forwards():
+    """libgomp spins a worker for GOMP_SPINCOUNT only while its workers number no more than the
+    CPUs: the thread that built the engine gives its team back, and the I/O and copy threads (a
+    TeamlessPool) keep none after a task, where a plain thread pool's thread keeps one."""
+    done = run_script(ONE_TEAM)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.strip() == "no-libgomp":
+        pytest.skip("torch here runs another OpenMP runtime (libgomp's throttle is what this guards)")
+    mine, kept, plain, teamless, io, copies = done.stdout.split()
+    assert (int(mine), int(kept)) == (1, 0)  # the caller's team ended once the engine was built
+    assert (int(plain), int(teamless)) == (1, 0)
+    assert io == copies == "True"

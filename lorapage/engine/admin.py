@@ -20,6 +20,7 @@ import torch
 from lorapage.adapters.cache import AdapterCache, AdapterInfo
 from lorapage.adapters.names import parse_name
 from lorapage.engine.tiering import TierKeeper
+from lorapage.omp_env import call_then_release
 from lorapage.registry.catalog import AdapterCatalog, VersionInfo
 from lorapage.registry.prepare import spec_from_json
 from lorapage.registry.push import VersionPusher, config_of, encode
@@ -133,7 +134,8 @@ class AdapterAdmin:
         elif config is None:
             raise TypeError("push: give the adapter config with the tensors")
         else:
-            weights = await asyncio.to_thread(encode, tensors, config)
+            # At a trainer's step rate: the default pool's thread keeps no OpenMP team (lorapage.omp_env).
+            weights = await asyncio.to_thread(call_then_release, encode, tensors, config)
         adapter_id = parse_name(name)[0]
         if max_staleness is not None:
             self.pusher.set_staleness(adapter_id, max_staleness)

@@ -63,7 +63,7 @@ from lorapage.model.merge import module_weight
 from lorapage.model.quantized_checkpoint import load_checkpoint, quantized_base
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.omp_env import SPINCOUNT_ENV, spin_setting
+from lorapage.omp_env import SPINCOUNT_ENV, TeamlessPool, spin_setting
 from lorapage.parallel import TensorParallelGroup, check_tensor_parallel, shard_config
 from lorapage.parallel.shards import shard_base
 from lorapage.parallel.wire import WorkerSpec
@@ -350,7 +350,7 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
         forward=ThreadPoolExecutor(
             1, thread_name_prefix="lorapage-forward", initializer=forward_thread, initargs=(device, forward_threads)
         ),
-        io=ThreadPoolExecutor(io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(device,)),
+        io=TeamlessPool(io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(device,)),
         # Prompts are tokenized apart from file reads: with every I/O thread stuck on a slow
         # file, a text request for a resident adapter (or the base) must still get in.
         tokenize=ThreadPoolExecutor(io_threads, thread_name_prefix="lorapage-tokenize"),
@@ -361,7 +361,7 @@ def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
         # on the I/O pool, a load whose read was done waited for every read queued after it (the
         # S-LoRA replay: a wave of ten cold adapters all became resident together, ~0.5 s in,
         # instead of one by one from ~70 ms). A copy is ~1 ms; the forward's priority.
-        copies=ThreadPoolExecutor(1, thread_name_prefix="lorapage-copy") if device.type == "cpu" else None,
+        copies=TeamlessPool(1, thread_name_prefix="lorapage-copy") if device.type == "cpu" else None,
         forward_threads=forward_threads,
         io_threads=io_threads,
     )

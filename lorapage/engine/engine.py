@@ -52,6 +52,7 @@ from lorapage.errors import AdapterTokensOverSharedLimitError, ConflictError, En
 from lorapage.model.config import ModelConfig
 from lorapage.model.merge import MergeFn, merge_adapter
 from lorapage.model.tokenizer import Tokenizer
+from lorapage.omp_env import release_thread_team
 from lorapage.registry.catalog import REGISTRATION_TIMEOUT_S
 from lorapage.request import PromptProgress, Request, RequestOutput
 from lorapage.sampling_params import SamplingParams
@@ -101,6 +102,9 @@ class Engine:
         self._debug = EngineDebug.of(clock, sizing, memory, forward, threads, adapters, steps, catalog)
         self._merged = MergedWeights()  # a dedicated deployment's (merge_into_base)
         self._closed = False
+        # This thread packed the weights on the forward's thread count: its OpenMP workers would
+        # outlive the build and make libgomp throttle the forward's spin (lorapage.omp_env).
+        release_thread_team()
 
     # -- what callers read ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import Any
 from lorapage.engine.step_planner import StepPlanner
 from lorapage.errors import EngineStepError
 from lorapage.model.runner import ModelRunner, StepPlan
+from lorapage.omp_env import release_thread_team
 
 log = logging.getLogger("lorapage.engine")
 
@@ -90,6 +91,10 @@ class StepLoop:
                 while True:
                     plan = self.planner.plan_step()
                     if plan is None:
+                        # Idle: the forward's OpenMP workers end, so another engine's forward in
+                        # this process (a second precision, a dedicated tier) has the only team
+                        # while this one waits, and libgomp does not throttle its spin (omp_env).
+                        await loop.run_in_executor(self.forward, release_thread_team)
                         break
                     started = time.perf_counter()
                     sampled = await loop.run_in_executor(self.forward, _execute, self.runner, plan)

@@ -23,6 +23,7 @@ from lorapage.kernels.linear_w8a8 import (
     quantize_activations,
     quantize_activations_ref,
 )
+from lorapage.kernels.linear_w8a8_fbgemm import fbgemm_available, linear_w8a8_fbgemm
 
 U = 2.0**-24  # float32's unit roundoff
 VARIANTS = [v.name for v in cpu_isa.variants()]
@@ -145,9 +146,12 @@ def engines():
 
 
 def test_the_w8a8_tiny_model_runs_its_kernel_and_keeps_its_greedy_tokens(engines):
+    """This CPU's w8a8 kernel: torch's int8 GEMM, or FBGEMM's where the CPU has no int8 dot products."""
     wide, quant = engines
     ctx = quant.debug.runner.ctx
-    assert isinstance(ctx.model.layers[0]["qkv"], Int8Rows) and ctx.ops.linear is linear_w8a8
+    slow = cpu_isa.int8_dot_product(cpu_isa.cpu_flags()) is False and fbgemm_available()
+    assert isinstance(ctx.model.layers[0]["qkv"], Int8Rows)
+    assert ctx.ops.linear is (linear_w8a8_fbgemm if slow else linear_w8a8)
     prompts = [([5, 9, 17, 33, 60, 2, 8], None), ([100, 3, 41], None)]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     got = quant.generate_batch(prompts, params)
@@ -168,20 +172,26 @@ def test_the_merge_check_passes_on_the_w8a8_tiny_model():
     assert isinstance(engine.debug.runner.ctx.model.layers[0]["qkv"], Int8Rows)
 
 
-def test_w8a8_warns_on_a_cpu_without_int8_dot_products(monkeypatch, caplog):
+def test_w8a8_without_int8_dot_products_runs_fbgemm_or_warns(monkeypatch, caplog):
     """torch's int8 GEMM needs VNNI / AMX (x86) or SDOT / I8MM (arm) to beat float32; without them
-    the engine still serves w8a8, and says at start that this CPU runs it slowly."""
+    the engine runs FBGEMM's int8 GEMM, and where this torch has none it still serves w8a8 through
+    torch's and says at start that this CPU runs it slowly."""
     from lorapage.engine import devices
 
     assert cpu_isa.int8_dot_product(frozenset({"avx2", "fma"})) is False
     assert cpu_isa.int8_dot_product(frozenset({"avx512f", "avx512_vnni"})) is True
     assert cpu_isa.int8_dot_product(frozenset({"asimd", "asimddp"})) is True
     assert cpu_isa.int8_dot_product(None) is None
-    for flags, warned in ((frozenset({"avx", "avx2", "fma"}), True), (frozenset({"avx2", "avx_vnni"}), False)):
+    avx2, vnni = frozenset({"avx", "avx2", "fma"}), frozenset({"avx2", "avx_vnni"})
+    cases = [(avx2, False, linear_w8a8, True), (vnni, True, linear_w8a8, False)]
+    if fbgemm_available():
+        cases.append((avx2, True, linear_w8a8_fbgemm, False))
+    for flags, fbgemm, linear, warned in cases:
         monkeypatch.setattr(devices, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(devices, "fbgemm_available", lambda fbgemm=fbgemm: fbgemm)
         caplog.clear()
         with caplog.at_level("WARNING", logger="lorapage.engine"):
             engine = Engine(EngineConfig(quantization="w8a8", num_threads=1))
-        assert engine.debug.runner.ctx.ops.linear is linear_w8a8
+        assert engine.debug.runner.ctx.ops.linear is linear
         assert ("without int8 dot-product instructions" in caplog.text) is warned, caplog.text
         asyncio.run(engine.close())
