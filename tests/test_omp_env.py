@@ -112,3 +112,58 @@ def test_the_engine_leaves_one_openmp_team_the_forwards():
     assert (int(mine), int(kept)) == (1, 0)  # the caller's team ended once the engine was built
     assert (int(plain), int(teamless)) == (1, 0)
     assert io == copies == "True"
+
+
+TWO_ENGINES = """
+import os, sys, threading, time
+import lorapage
+lorapage.configure_threads(2)
+from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.omp_env import _openmp_runtime
+from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
+
+def workers():
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(t) for t in os.listdir("/proc/self/task")} - python
+
+def engine():
+    e = Engine(EngineConfig(model=str(TINY_BASE_DIR), num_threads=2, max_loras=2, max_lora_rank=64))
+    for name, path in list(demo_adapter_dirs().items())[:2]:
+        e.add_adapter(name, path)
+    return e
+
+if _openmp_runtime() is None or "libgomp" not in _openmp_runtime()._name:
+    print("no-libgomp")
+    sys.exit(0)
+first, second = engine(), engine()
+names = list(demo_adapter_dirs())[:2]
+rows = [([1, 5, 9, 14, 3], names[i % 2]) for i in range(4)]  # token ids: no tokenizer threads
+params = SamplingParams(max_tokens=4, temperature=0.0)
+
+def settled():
+    deadline = time.monotonic() + 10  # the release runs on the forward thread just after the call
+    while workers() - start and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(workers() - start)
+
+start = workers()
+first.generate_batch(rows, params)
+time.sleep(0.5)
+start = workers()  # whatever the first call started for good; its team, too, if it kept one
+left = []
+for e in (second, first, second):
+    e.generate_batch(rows, params)
+    left.append(settled())
+print(*left)
+"""
+
+
+def test_an_engine_used_through_generate_batch_gives_its_team_back_between_calls():
+    """Each ``generate_batch`` runs the step loop on an event loop of its own, which ends with the
+    call: the forward's team must end with it, or a second engine's forward in the same process
+    (the llama.cpp bench's float32 and w8a8) runs beside a live team and libgomp throttles both."""
+    done = run_script(TWO_ENGINES)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.strip() == "no-libgomp":
+        pytest.skip("torch here runs another OpenMP runtime (libgomp's throttle is what this guards)")
+    assert done.stdout.split() == ["0", "0", "0"]

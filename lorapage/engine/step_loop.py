@@ -83,6 +83,20 @@ class StepLoop:
             pass
 
     async def _run(self, wake: asyncio.Event) -> None:
+        try:
+            await self._steps(wake)
+        finally:
+            # The loop ends (its event loop closing: ``generate_batch``'s ``asyncio.run`` returning,
+            # or stop()) without passing the idle branch below: its team goes too. Two engines
+            # in one process, each used through generate_batch in turn, otherwise kept both
+            # teams and every region of either waited on a throttled worker (2-thread steps at
+            # 0.6-0.7x; bench/RESULTS.md, 2026-12-07 session 7).
+            try:
+                self.forward.submit(release_thread_team)
+            except RuntimeError:  # the forward thread is shut down already: no team is left
+                pass
+
+    async def _steps(self, wake: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await wake.wait()
