@@ -77,12 +77,17 @@ class OutputChannel:
 
     def __init__(self, req: Request) -> None:
         self._req = req
+        # Only the last state is read (``Engine.generate(final_only=True)``, vLLM's FINAL_ONLY): the
+        # states in between are never published, so the reader wakes once, not once a step.
+        self.final_only = False
         self._ready = asyncio.Event()
         self._pending: tuple[int, int, str | None] | BaseException | None = None
         self._read_len = 0  # characters of text the reader has had
 
     def publish(self, visible_len: int, finish_reason: str | None) -> None:
         """The first ``visible_len`` characters of text may be shown; ``finish_reason`` ends it."""
+        if self.final_only and finish_reason is None:
+            return
         self._pending = (visible_len, len(self._req.output_ids), finish_reason)
         self._ready.set()
 

@@ -216,8 +216,11 @@ class Engine:
         request_id: str | None = None,
         prefix_group: str | None = None,
         progress: PromptProgress | None = None,
+        final_only: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs (cumulative; ``delta_text`` is the new text).
+        """Stream a request's outputs (cumulative; ``delta_text`` is the new text); with
+        ``final_only`` (vLLM's ``RequestOutputKind.FINAL_ONLY``) only the finished one, which costs
+        the event loop no output per step (``n`` > 1 streams every sequence's outputs as ever).
 
         Cached prompt prefixes are shared only among one tenant's requests (without ``tenant``:
         the default tenant's), or among the requests that name one ``prefix_group``.
@@ -280,6 +283,7 @@ class Engine:
             branch.merged_adapter = merged
             return branch
 
+        req.outputs.final_only = final_only and sampling.n == 1  # the branches start from the first's first output
         self._steps.planner.submit(req)
         self._wake_up()
         if sampling.n == 1:
@@ -370,9 +374,9 @@ class Engine:
         *,
         tenant: str | None = None,
     ) -> RequestOutput:
-        """One request's final output (:meth:`generate`, its stream read to the end)."""
+        """One request's final output (:meth:`generate` with ``final_only``)."""
         last = None
-        async for last in self.generate(prompt, adapter, sampling, tenant=tenant):
+        async for last in self.generate(prompt, adapter, sampling, tenant=tenant, final_only=True):
             pass
         assert last is not None  # a request ends with a finished output, or raises
         return last

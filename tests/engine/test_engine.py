@@ -39,6 +39,31 @@ async def test_each_adapter_answers_with_its_marker_in_one_batch():
     await engine.close()
 
 
+async def test_final_only_yields_the_finished_output_alone():
+    """``generate(final_only=True)`` (vLLM's FINAL_ONLY; what ``run_to_end`` and ``generate_batch``
+    read): one output, the same as the stream's last, stop strings and logprobs included; with
+    ``n`` > 1 every sequence still ends with its own finished output."""
+    engine = tiny_engine()
+    prompt = chat(engine)
+    for adapter, params in (
+        ("acme", SamplingParams(max_tokens=40, temperature=0.0, stop=["here"])),
+        (None, SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)),
+    ):
+        streamed, deltas = await collect(engine, prompt, adapter, params)
+        assert len(deltas) > 1
+        outs = [o async for o in engine.generate(prompt, adapter, params, final_only=True)]
+        assert len(outs) == 1 and outs[0].finished
+        only = outs[0]
+        want = (streamed.text, streamed.token_ids, streamed.finish_reason)
+        assert (only.text, only.token_ids, only.finish_reason) == want
+        assert only.delta_text == only.text  # nothing was read before it
+        assert [lp.token_id for lp in only.logprobs or []] == [lp.token_id for lp in streamed.logprobs or []]
+    branches = SamplingParams(max_tokens=5, temperature=0.0, n=2, ignore_eos=True)
+    outs = [o async for o in engine.generate(prompt, "globex", branches, final_only=True)]
+    assert sorted(o.index for o in outs if o.finished) == [0, 1]
+    await engine.close()
+
+
 async def test_stop_strings_max_tokens_and_seeds():
     engine = tiny_engine()
     prompt = chat(engine)
