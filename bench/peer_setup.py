@@ -94,10 +94,11 @@ def lorapage_engine(
     max_seqs: int,
     max_len: int,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> Engine:
     """An engine over ``model`` with ``adapters`` registered, room for all of them resident and
     ``max_seqs`` requests at once; prefix caching off (every pass repeats its prompts); the base's
-    weights quantized as ``quantization`` names (None: float32)."""
+    weights quantized as ``quantization`` names (None: float32), its ``lm_head`` too with ``quantize_lm_head``."""
     config = EngineConfig(
         model=str(model),
         max_num_seqs=max_seqs,
@@ -107,6 +108,7 @@ def lorapage_engine(
         enable_prefix_caching=False,
         scheduler=scheduler,
         quantization=quantization,
+        quantize_lm_head=quantize_lm_head,
     )
     engine = Engine(config)
     for name, path in adapters.items():

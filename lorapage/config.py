@@ -102,11 +102,17 @@ class EngineConfig:
         "int8 weights and quantizes the activations to int8 per token at run time (dynamic, symmetric: "
         "llama.cpp Q8_0's and vLLM's W8A8-int8 arithmetic) for an int8 x int8 GEMM; fp8 is e4m3 weight-only per "
         "output channel, for CUDA (on a CPU a slow correctness path); the LoRA ops, attention and logits stay in "
-        "the model's dtype. A pre-quantized (compressed-tensors) checkpoint is detected: none serves it as it is "
-        "quantized (docs/kernels.md)",
+        "the model's dtype (lm_head: see quantize_lm_head). A pre-quantized (compressed-tensors) checkpoint is "
+        "detected: none serves it as it is quantized (docs/kernels.md)",
         group="model",
         choices=QUANTIZATIONS,
         none="none: the weights in --dtype",
+    )
+    quantize_lm_head: bool = option(
+        False,
+        "the logits' lm_head quantized as the projections are (quantization int8 or w8a8): llama.cpp's Q8_0 "
+        "quantizes its output matrix too; off, lm_head stays in --dtype (vLLM's default)",
+        group="model",
     )
     device: str = option("auto", "auto | cpu | cuda | cuda:N", group="model")
     tensor_parallel_size: int = option(
@@ -478,6 +484,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernels take float32 "
                 f"activations into an int8 GEMM and give float32 back); got {self.dtype}"
+            )
+        if self.quantize_lm_head and self.quantization not in ("int8", "w8a8"):
+            raise ValueError(
+                f"EngineConfig.quantize_lm_head needs quantization int8 or w8a8 (lm_head in their int8 rows); got "
+                f"quantization {self.quantization!r}"
             )
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError(

@@ -289,7 +289,7 @@ def build_forward(
     config: EngineConfig, base: BaseParts, sizing: Sizing, model: LlamaModel, memory: MemoryParts
 ) -> ForwardParts:
     ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype, sizing.lora_dtype)
-    ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config)
+    ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config, config.quantize_lm_head)
     runner = ModelRunner(
         model,
         memory.pool,

@@ -162,7 +162,9 @@ class Threads:
             self.copies.shutdown(wait=False, cancel_futures=True)
 
 
-def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device, model: ModelConfig) -> KernelOps:
+def quantized_ops(
+    ops: KernelOps, quantization: str | None, device: torch.device, model: ModelConfig, lm_head: bool = False
+) -> KernelOps:
     """``ops`` with the base's projections quantized: as ``quantization`` names (EngineConfig checked
     the name and the dtype), or as the pre-quantized checkpoint is (``model.quantization``; the two
     must agree); ``ops`` as they are when neither is. On a CPU int8 weight-only
@@ -170,7 +172,8 @@ def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device
     token (``kernels/linear_w8a8.py``; on an x86 CPU without int8 dot products, FBGEMM's GEMM with
     7-bit activations, ``kernels/linear_w8a8_fbgemm.py``); fp8 weight-only anywhere (``kernels/linear_fp8.py``: on a
     CPU a slow correctness path). ValueError where it cannot run: int8 or w8a8 on CUDA, or a MoE
-    base (its experts' weights are held apart)."""
+    base (its experts' weights are held apart). ``lm_head`` (int8 and w8a8): the logits' weight
+    quantized too; otherwise it stays float32, packed as the float32 projections are."""
     name = serving_quantization(quantization, model.quantization)
     if name is None:
         return ops
@@ -195,4 +198,5 @@ def quantized_ops(ops: KernelOps, quantization: str | None, device: torch.device
                 "torch without FBGEMM: torch's int8 GEMM takes a slow path here (a w8a8 engine measured 13x "
                 "slower than float32 on an AVX2 AMD EPYC); serve 'int8' or the unquantized base (docs/kernels.md)"
             )
-    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear, pack_logits=pack_weight)
+    logits = pack_int8 if lm_head else pack_weight
+    return dataclasses.replace(ops, pack_weight=pack_int8, linear=linear, pack_logits=logits)

@@ -158,6 +158,23 @@ def test_the_w8a8_tiny_model_runs_its_kernel_and_keeps_its_greedy_tokens(engines
     assert [o.token_ids for o in got] == [o.token_ids for o in wide.generate_batch(prompts, params)]
 
 
+@pytest.mark.parametrize("quantization", ["w8a8", "int8"])
+def test_quantize_lm_head_puts_the_logits_weight_in_int8_and_keeps_the_greedy_tokens(engines, quantization):
+    """``quantize_lm_head``: lm_head in int8 rows beside the projections (llama.cpp's Q8_0 output
+    matrix); the embedding lookup keeps its float32 table, and the tiny model's greedy tokens stay."""
+    wide, _ = engines
+    quant = Engine(EngineConfig(quantization=quantization, quantize_lm_head=True, num_threads=1))
+    model = quant.debug.runner.ctx.model
+    assert isinstance(model.lm_head, Int8Rows) and not isinstance(model.embed, Int8Rows)
+    assert not isinstance(wide.debug.runner.ctx.model.lm_head, Int8Rows)
+    prompts = [([5, 9, 17, 33, 60, 2, 8], None), ([100, 3, 41], None)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    got, want = quant.generate_batch(prompts, params), wide.generate_batch(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):  # the logits moved, within int8's rounding, not onto other tokens
+        assert all(abs(a.logprob - b.logprob) < 0.5 for a, b in zip(g.logprobs or [], w.logprobs or []))
+
+
 def test_the_merge_check_passes_on_the_w8a8_tiny_model():
     """The dedicated tier on a w8a8 base: an adapter merged into the int8 weights (re-quantized, as for
     int8) and the equivalence check against the LoRA path, both with per-token int8 activations."""
