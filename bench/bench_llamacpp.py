@@ -17,14 +17,16 @@ Each engine runs in a worker process (``peer_proc``): lorapage under this interp
 own, e.g. ``python3 -m venv /work/lcpp-venv && CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON"
 /work/lcpp-venv/bin/pip install llama-cpp-python==0.3.36`` (built from source for this CPU). No two
 engines share a process, an OpenMP runtime or a thread pool, and only one runs at a time, except
-llama.cpp's one-process-per-core mode, whose processes run together.
+the one-process-per-core modes, whose processes run together.
 
 llama.cpp's modes: its base, 32 rows per decode call; one adapter at a time (each adapter's 4
 requests batched, run to their end, then the next); all 32 in flight with the adapter switched
 before each of a step's 8 decode calls. Each mode gets its best setting: a sweep (``--sweep-rounds``
 rounds) over flash attention, the KV cache's type and ``n_ubatch`` (``--fa``, ``--kv``,
 ``--ubatch``) at each thread count; at ``t`` > 1 threads also ``t`` processes of one thread each,
-the requests dealt between them by adapter, at the 1-thread sweep's best. Then every configuration
+the requests dealt between them by adapter, at the 1-thread sweep's best; lorapage likewise runs
+both as one ``t``-thread process and as ``t`` one-thread processes (a host's cores as replicas),
+each engine's better one counting. Then every configuration
 runs in ``--rounds`` interleaved rounds after a warm-up pass, each round starting one later; medians.
 Beside each ratio of medians: the median of the rounds' own ratios, and the ratio by CPU time (each
 engine's tokens per CPU second of its processes, every thread: what moves least on a loaded machine).
@@ -121,12 +123,25 @@ def llama_run(workers: list[Worker], mode: str, setting: str, new: int, cpu: lis
     return run
 
 
-def ours_run(worker: Worker, name: str, mixed: bool, new: int, cpu: list[float] | None = None) -> Run:
+def ours_run(workers: list[Worker], name: str, mixed: bool, new: int, cpu: list[float] | None = None) -> Run:
+    """lorapage's engine ``name``, ``new`` tokens a request: one worker, or the requests dealt between
+    several running at once (whole adapter groups, as llama.cpp's processes get them)."""
+    batch = rows(mixed)
+    parts = split([a for _, a in batch], len(workers))
+
     def run() -> tuple[float, list[list[int]]]:
-        reply = worker.ask(op="run", name=name, rows=rows(mixed), new=new)
+        for w, part in zip(workers, parts):
+            w.send(op="run", name=name, rows=[batch[i] for i in part], new=new)
+        tokens: list[list[int]] = [[] for _ in batch]
+        seconds = cpu_seconds = 0.0
+        for w, part in zip(workers, parts):
+            reply = w.receive()
+            seconds, cpu_seconds = max(seconds, reply["seconds"]), cpu_seconds + reply["cpu_seconds"]
+            for i, t in zip(part, reply["tokens"]):
+                tokens[i] = t
         if cpu is not None:
-            cpu.append(REQUESTS * new / reply["cpu_seconds"])
-        return REQUESTS * new / reply["seconds"], reply["tokens"]
+            cpu.append(REQUESTS * new / cpu_seconds)
+        return REQUESTS * new / seconds, tokens
 
     return run
 
@@ -178,6 +193,10 @@ class Bench:
         self.agree: dict[str, dict[str, int]] = {}
         self.used: dict[str, dict[str, str]] = {}  # llama.cpp configuration -> column -> setting
 
+    def lorapage_worker(self, threads: int, tag: str) -> Worker:
+        argv = [sys.executable, str(HERE / "lorapage_peer.py"), "--threads", str(threads)]
+        return Worker(argv, self.root / f"lorapage-{self.size}-{tag}.log")
+
     def llama_worker(self, prec: str, threads: int, tag: str) -> Worker:
         log = self.root / f"llama-{self.size}-{prec}-{tag}.log"
         w = Worker([self.args.llamacpp_python, str(HERE / "llamacpp_peer.py")], log, self.args.llama_env)
@@ -214,24 +233,28 @@ class Bench:
     def measure(self, threads: int) -> None:
         """Every configuration at ``threads`` in interleaved rounds, after llama.cpp's sweep."""
         col, multi, new = str(threads), threads > 1 and not self.args.no_multiprocess, self.args.new
-        ours = Worker([sys.executable, str(HERE / "lorapage_peer.py"), "--threads", col], self.root / "lorapage.log")
+        ours = self.lorapage_worker(threads, col)
         workers = [ours]
+        # One lorapage process per core too, as llama.cpp gets (a 2-core host can run two replicas).
+        ours_per_core = [self.lorapage_worker(1, f"{col}x1-{k}") for k in range(threads)] if multi else []
+        workers += ours_per_core
         runs: dict[str, Run] = {}
         cpu: dict[str, list[float]] = collections.defaultdict(list)
         try:
             for prec in self.args.precisions:
                 mine = ours_bases(prec, self.args.quantizations)
                 for base in mine:
-                    ours.ask(
-                        op="load",
-                        name=base,
-                        model=str(self.model),
-                        adapters={k: str(v) for k, v in self.adapters.items()},
-                        max_seqs=REQUESTS,
-                        max_len=MAX_LEN,
-                        quantization=quantization_of(base),
-                        quantize_lm_head=quantization_of(base) is not None,  # Q8_0's output matrix is Q8_0
-                    )
+                    for w in [ours, *ours_per_core]:
+                        w.ask(
+                            op="load",
+                            name=base,
+                            model=str(self.model),
+                            adapters={k: str(v) for k, v in self.adapters.items()},
+                            max_seqs=REQUESTS,
+                            max_len=MAX_LEN,
+                            quantization=quantization_of(base),
+                            quantize_lm_head=quantization_of(base) is not None,  # Q8_0's output matrix is Q8_0
+                        )
                 one = self.llama_worker(prec, threads, col)
                 workers.append(one)
                 best = self.sweep(prec, threads, one)
@@ -241,7 +264,10 @@ class Bench:
                 for base in mine:
                     for mixed in (True, False):
                         name = ours_name(prec, mixed, base)
-                        runs[name] = ours_run(ours, base, mixed, new, cpu[name])
+                        runs[name] = ours_run([ours], base, mixed, new, cpu[name])
+                        if ours_per_core:
+                            name = ours_name(prec, mixed, base, threads)
+                            runs[name] = ours_run(ours_per_core, base, mixed, new, cpu[name])
                 if multi:
                     single = self.best.get(f"{prec}@1") or best
                     procs = [self.llama_worker(prec, 1, f"{col}x1-{k}") for k in range(threads)]
@@ -295,7 +321,7 @@ class Bench:
             for key, e in out[c].items():
                 e["cpu_ratio"] = by_cpu[key]["ratio"]
                 print(
-                    f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; against {e['against']}; "
+                    f"  {t}t {key} = {e['ratio']:.2f} (target {e['target']}; {e['ours']} against {e['against']}; "
                     f"median of the rounds' own ratios {e['round_ratio']:.2f}; by CPU time {e['cpu_ratio']:.2f})"
                 )
         return {
@@ -350,7 +376,7 @@ def parse() -> argparse.Namespace:
         metavar="VAR=VALUE",
         help="an environment variable for llama.cpp's processes (repeatable), e.g. GOMP_SPINCOUNT=3000000",
     )
-    p.add_argument("--no-multiprocess", action="store_true", help="no llama.cpp one-process-per-core runs")
+    p.add_argument("--no-multiprocess", action="store_true", help="no one-process-per-core runs (of either engine)")
     p.add_argument(
         "--keep",
         type=Path,

@@ -68,10 +68,12 @@ def llama_name(precision: str, mode: str, processes: int = 1) -> str:
     return f"llama.cpp {precision}{procs}: {MODE_WORDS[mode]}"
 
 
-def ours_name(precision: str, mixed: bool, base: str | None = None) -> str:
-    """lorapage's configuration: its base (default: the precision's, :data:`OURS`) and mode."""
+def ours_name(precision: str, mixed: bool, base: str | None = None, processes: int = 1) -> str:
+    """lorapage's configuration: its base (default: the precision's, :data:`OURS`), mode, and its
+    processes when one per core (the requests dealt between them, as llama.cpp's are)."""
     what = "mixed, default scheduler (vtc)" if mixed else "base only"
-    return f"lorapage {base or OURS[precision]}: {what}"
+    procs = f", {processes} processes" if processes > 1 else ""
+    return f"lorapage {base or OURS[precision]}{procs}: {what}"
 
 
 def ratios(
@@ -84,7 +86,8 @@ def ratios(
     """lorapage against llama.cpp's best at each weight precision (its base at ``precision``; float32
     and each of ``quantizations`` for lorapage), from the medians ``med`` of one thread count:
     llama.cpp's best mixed is its better multi-adapter mode, in one process or (``processes`` > 1) one
-    per core. Each entry: the ratio, and which llama.cpp configuration it is against; with
+    per core; lorapage's is its better of one process and one per core, where both ran. Each entry:
+    the ratio, which llama.cpp configuration it is against and which of lorapage's (``ours``); with
     ``per_round`` (each configuration's rates, round by round), also ``round_ratio``: the median of
     the rounds' own ratios (a round's configurations ran back to back, under much the same load)."""
     out: dict[str, dict[str, float | str]] = {}
@@ -103,8 +106,14 @@ def ratios(
                 (True, best_mixed, f"lorapage_{mine}_mixed_over_llamacpp_{prec}_best_mixed", 2.0),
                 (False, best_base, f"lorapage_{mine}_base_over_llamacpp_{prec}_base", 1.0),
             ):
-                name = ours_name(prec, mixed, mine)
-                out[key] = {"ratio": med[name] / med[peer], "against": peer, "target": target if same else "-"}
+                names = [ours_name(prec, mixed, mine, p) for p in procs]
+                name = max((n for n in names if n in med), key=lambda n: med[n])
+                out[key] = {
+                    "ratio": med[name] / med[peer],
+                    "against": peer,
+                    "ours": name,
+                    "target": target if same else "-",
+                }
                 if per_round is not None:
                     out[key]["round_ratio"] = median([a / b for a, b in zip(per_round[name], per_round[peer])])
     return out

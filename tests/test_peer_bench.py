@@ -95,6 +95,14 @@ def test_ratios_take_llama_cpps_best_configuration_at_the_same_precision():
     assert (base["ratio"], base["against"]) == (125.0 / 120.0, llama_name("f32", "base", 2))
     assert met(out)
     assert not met(ratios(med, ["f32"], processes=1) | {"x": {"ratio": 1.9, "target": 2.0, "against": ""}})
+    # lorapage one process per core as well: its better configuration counts, and the entry names it
+    med[ours_name("f32", True, processes=2)], med[ours_name("f32", False, processes=2)] = 170.0, 110.0
+    out = ratios(med, ["f32"], processes=2)
+    mixed = out["lorapage_float32_mixed_over_llamacpp_f32_best_mixed"]
+    base = out["lorapage_float32_base_over_llamacpp_f32_base"]
+    per_core = "lorapage float32, 2 processes: mixed, default scheduler (vtc)"
+    assert (mixed["ratio"], mixed["ours"]) == (170.0 / 60.0, per_core)
+    assert (base["ratio"], base["ours"]) == (125.0 / 120.0, ours_name("f32", False))
 
 
 def test_each_quantized_base_is_measured_against_q8_0():
