@@ -66,10 +66,16 @@ def packed_weight(weight: Int8Rows) -> object:
     return kept[2]
 
 
+def row_scales(rows: Tensor) -> Tensor:
+    """Each row's largest |x| [..., 1], what the row is divided by; 1 for a row whose largest is
+    under ``TINY`` (zeros stay zeros)."""
+    a = rows.abs().amax(-1, keepdim=True)
+    return torch.where(a >= TINY, a, torch.ones_like(a))
+
+
 def quantize_activations_ref(x: Tensor) -> Tensor:
     """Each row of ``x`` [..., d_in] as the module docstring quantizes it, back in float32 (``x_q``)."""
-    a = x.float().abs().amax(-1, keepdim=True)
-    a = torch.where(a >= TINY, a, torch.ones_like(a))
+    a = row_scales(x.float())
     return torch.round(x.float() / a * (1 / STEP)) * STEP * a
 
 
@@ -87,8 +93,7 @@ def linear_w8a8_fbgemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     if not isinstance(weight, Int8Rows):
         return cpu.linear_cpu(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).float()
-    a = rows.abs().amax(1, keepdim=True)
-    a = torch.where(a >= TINY, a, torch.ones_like(a))
+    a = row_scales(rows)
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows / a, STEP, ZERO, packed_weight(weight))
     y.mul_(a)
     if bias is not None:
@@ -98,8 +103,9 @@ def linear_w8a8_fbgemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
 
 @functools.cache
 def fbgemm_available() -> bool:
-    """Whether this torch packs and runs FBGEMM's dynamic int8 linear (its x86 builds): checked once
-    on a tiny weight against the float product, within the module docstring's bound."""
+    """Whether this torch packs and runs FBGEMM's int8 linear at a given activation step (its x86
+    builds; the op :func:`linear_w8a8_fbgemm` calls): checked once on a tiny weight against the float
+    product, within the module docstring's bound."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
     try:
