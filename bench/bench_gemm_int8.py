@@ -5,7 +5,7 @@ others), M = 1, 8, 32, 128, 512: oneDNN's float32 GEMM over a packed weight (the
 ``int8`` (``torch._weight_int8pack_mm``, bfloat16 activations), ``w8a8`` (kernels/linear_w8a8.py: the
 C quantize and rescale passes around ``torch._int_mm``), the same as plain torch ops (its
 reference), ``w8a8 FBGEMM`` (kernels/linear_w8a8_fbgemm.py, what a CPU without int8 dot products
-runs; where torch has FBGEMM), and ``torch._int_mm`` alone over pre-quantized activations, with the
+runs; where torch has FBGEMM) and the same with its passes around the GEMM as torch ops, and ``torch._int_mm`` alone over pre-quantized activations, with the
 weight as the transposed view of its [N, K] rows and as a contiguous [K, N] copy. ``--variants``
 keeps some (on a CPU without VNNI each ``_int_mm`` call takes 25-60 float32 GEMMs' time). Each figure: the median over
 ``--rounds`` rounds (variants interleaved within a round) of the mean time of ``--calls`` calls, by
@@ -28,7 +28,7 @@ from harness import machine_info, machine_line, median, print_json, table
 from lorapage.kernels.linear_cpu import linear_cpu, pack_weight
 from lorapage.kernels.linear_int8 import linear_int8, pack_int8
 from lorapage.kernels.linear_w8a8 import gemm_operands, linear_w8a8, linear_w8a8_ref, quantize_activations
-from lorapage.kernels.linear_w8a8_fbgemm import fbgemm_available, linear_w8a8_fbgemm
+from lorapage.kernels.linear_w8a8_fbgemm import fbgemm_available, linear_w8a8_fbgemm, linear_w8a8_fbgemm_ops
 
 ROWS = (1, 8, 32, 128, 512)
 
@@ -45,7 +45,14 @@ def variants(m: int, k: int, n: int) -> dict[str, Callable[[], object]]:
         "int8 (weight-only)": lambda: linear_int8(x, quant),
         "w8a8": lambda: linear_w8a8(x, quant),
         "w8a8, torch ops": lambda: linear_w8a8_ref(x, quant),
-        **({"w8a8 FBGEMM": lambda: linear_w8a8_fbgemm(x, quant)} if fbgemm_available() else {}),
+        **(
+            {
+                "w8a8 FBGEMM": lambda: linear_w8a8_fbgemm(x, quant),
+                "w8a8 FBGEMM, passes in torch ops": lambda: linear_w8a8_fbgemm_ops(x, quant),
+            }
+            if fbgemm_available()
+            else {}
+        ),
         "_int_mm, q.T view": lambda: torch._int_mm(q_x, q_t),
         "_int_mm, [K, N] copy": lambda: torch._int_mm(q_x, q_kn),
     }

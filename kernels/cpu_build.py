@@ -74,6 +74,9 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     # linear_w8a8.h: x, its row stride, rows, d_in, q, scales, threads; acc, rows, d_out, s_x, s_w, bias, threads
     "w8a8_quantize_rows": ([_P, _I, _I, _I, _P, _P, _INT], None),
     "w8a8_rescale": ([_P, _I, _I, _P, _P, _P, _INT], None),
+    # x, its row stride, rows, d_in, out, scales, threads; y, rows, d_out, scales, bias, threads
+    "w8a8_unit_rows": ([_P, _I, _I, _I, _P, _P, _INT], None),
+    "w8a8_scale_rows": ([_P, _I, _I, _P, _P, _INT], None),
     **{name: (args, None) for name, args in _STEP.items()},
 }
 

@@ -2,7 +2,10 @@
  *   w8a8_quantize_rows: each row of x (float32) as int8 q = round_half_even(x * (127 / a)) with a = max|x_row|,
  *     and its scale s = a / 127 (a row with a < 2^-100, zeros included: q = 0, s = 1);
  *   w8a8_rescale: y = (float(acc) * s_x[row]) * s_w[col] (+ bias[col]) written in place over the GEMM's
- *     int32 result acc [m, n] (a float32 has the int32's size: the tensor is viewed as float32 after).
+ *     int32 result acc [m, n] (a float32 has the int32's size: the tensor is viewed as float32 after);
+ *   w8a8_unit_rows / w8a8_scale_rows, FBGEMM's path (kernels/linear_w8a8_fbgemm.py): each row of x
+ *     divided by a = max|x_row| (1 for a row under 2^-100) into out, a kept; then y[i] = y[i] * a[i]
+ *     (+ bias) in place over the GEMM's float32 output.
  * Same results as the PyTorch expression in linear_w8a8.py: the quantization bit for bit (one IEEE
  * product, and the round-to-nearest-even of 1.5 * 2^23 added and taken away, exact for |v| < 2^22);
  * the rescale within the rounding of its two products (an FMA may fuse the bias's add).
@@ -17,9 +20,9 @@ typedef uint32_t u32a __attribute__((may_alias));
 #define W8A8_MAGIC 12582912.0f /* 1.5 * 2^23: v + it - it rounds v to an integer, ties to even */
 #define W8A8_TINY 7.888609052210118e-31f /* 2^-100: a row whose max |x| is below it quantizes to 0 */
 
-static void w8a8_quantize_row(const float *x, int64_t k, int8_t *q, float *s_out) {
-    /* max |x| as the largest of the bit patterns with the sign cleared: for floats >= 0 they order
-     * as the values do, and an integer max is a reduction every compiler vectorizes */
+/* max |x| as the largest of the bit patterns with the sign cleared: for floats >= 0 they order as
+ * the values do, and an integer max is a reduction every compiler vectorizes */
+static float w8a8_row_max(const float *x, int64_t k) {
     const u32a *bits = (const u32a *)x;
     uint32_t top = 0;
     for (int64_t j = 0; j < k; j++) {
@@ -28,6 +31,11 @@ static void w8a8_quantize_row(const float *x, int64_t k, int8_t *q, float *s_out
     }
     float amax;
     memcpy(&amax, &top, sizeof amax);
+    return amax;
+}
+
+static void w8a8_quantize_row(const float *x, int64_t k, int8_t *q, float *s_out) {
+    float amax = w8a8_row_max(x, k);
     if (!(amax >= W8A8_TINY)) { /* zeros, or a row too small to scale: q = 0 */
         memset(q, 0, (size_t)k);
         *s_out = 1.0f;
@@ -63,6 +71,29 @@ void w8a8_rescale(int32_t *acc, int64_t m, int64_t n, const float *s_x, const fl
             float f = (float)row[j] * a * s_w[j];
             if (bias) f += bias[j];
             memcpy(row + j, &f, sizeof f);
+        }
+    }
+}
+
+/* Division, not a product by 1 / a: the same IEEE quotient torch's ``rows / a`` gives, bit for bit. */
+void w8a8_unit_rows(const float *x, int64_t ldx, int64_t m, int64_t k, float *out, float *a, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * k >= 65536)
+    for (int64_t i = 0; i < m; i++) {
+        const float *row = x + i * ldx;
+        float amax = w8a8_row_max(row, k);
+        amax = amax >= W8A8_TINY ? amax : 1.0f;
+        a[i] = amax;
+        for (int64_t j = 0; j < k; j++) out[i * k + j] = row[j] / amax;
+    }
+}
+
+void w8a8_scale_rows(float *y, int64_t m, int64_t n, const float *a, const float *bias, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && m * n >= 65536)
+    for (int64_t i = 0; i < m; i++) {
+        float *row = y + i * n;
+        for (int64_t j = 0; j < n; j++) {
+            float v = row[j] * a[i];
+            row[j] = bias ? v + bias[j] : v;
         }
     }
 }

@@ -21,6 +21,11 @@ with scales ``s_w`` [d_out]::
     x_q = torch.round(x / a * 63.5) / 63.5 * a         # 63.5 = 127 / 2: integers in [-64, 64]
     y = x_q @ (q * s_w).T + bias
 
+:func:`linear_w8a8_fbgemm` runs the division before the GEMM and the products after it in C
+(``linear_w8a8.h``'s ``w8a8_unit_rows`` / ``w8a8_scale_rows``, where the CPU kernels are built; the
+same quotients and products, a bias's add possibly fused): as torch ops they cost as much as the
+GEMM at a few rows.
+
 Each activation is within ``a / 127`` (half a step; twice ``linear_w8a8``'s ``a / 254``: 7 bits
 over both signs against 8 over a magnitude), each weight within ``linear_int8``'s ``s_w / 2``; the
 int32 sums are exact and the output takes a few float32 roundings.
@@ -42,6 +47,7 @@ import torch
 from torch import Tensor
 
 from lorapage.kernels import linear_cpu as cpu
+from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_int8 import Int8Rows, dequantize, pack_int8
 
 log = logging.getLogger("lorapage.kernels")
@@ -85,6 +91,12 @@ def linear_w8a8_fbgemm_ref(x: Tensor, weight: Int8Rows, bias: Tensor | None = No
     return (y if bias is None else y + bias).to(x.dtype)
 
 
+def _gemm(unit_rows: Tensor, weight: Int8Rows) -> Tensor:
+    """FBGEMM's GEMM of rows over [-1, 1], quantized in it at the fixed step (see above)."""
+    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+    return op(unit_rows, STEP, ZERO, packed_weight(weight))
+
+
 def linear_w8a8_fbgemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, q * s_w, bias)`` for an :class:`Int8Rows` ``weight`` with each row of ``x``
     [..., d_in] scaled to [-1, 1] and quantized in FBGEMM's GEMM, as the module docstring computes it, in
@@ -93,12 +105,30 @@ def linear_w8a8_fbgemm(x: Tensor, weight: Tensor, bias: Tensor | None = None) ->
     if not isinstance(weight, Int8Rows):
         return cpu.linear_cpu(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).float()
-    a = row_scales(rows)
-    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows / a, STEP, ZERO, packed_weight(weight))
-    y.mul_(a)
-    if bias is not None:
-        y.add_(bias)
+    lib = cpu_kernels()
+    if lib is None or rows.stride(-1) != 1:
+        y = linear_w8a8_fbgemm_ops(rows, weight, bias)
+    else:
+        # The two passes around the GEMM in C (linear_w8a8.h): as torch ops (abs, amax, where,
+        # divide; then two in-place products) they cost as much as the GEMM at a few rows.
+        m, k = rows.shape
+        threads = torch.get_num_threads()
+        unit, a = torch.empty(m, k), torch.empty(m)
+        lib.w8a8_unit_rows(rows.data_ptr(), rows.stride(0), m, k, unit.data_ptr(), a.data_ptr(), threads)
+        y = _gemm(unit, weight)
+        assert y.is_contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        lib.w8a8_scale_rows(y.data_ptr(), m, y.shape[1], a.data_ptr(), 0 if b is None else b.data_ptr(), threads)
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def linear_w8a8_fbgemm_ops(rows: Tensor, weight: Int8Rows, bias: Tensor | None = None) -> Tensor:
+    """:func:`linear_w8a8_fbgemm` of float32 ``rows`` [T, d_in] with its passes around the GEMM as
+    torch ops (where the C kernels are not built): the same quotients and products."""
+    a = row_scales(rows)
+    y = _gemm(rows / a, weight)
+    y.mul_(a)
+    return y if bias is None else y.add_(bias)
 
 
 @functools.cache

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_int8 import QMAX, Int8Rows, dequantize, pack_int8
 from lorapage.kernels.linear_w8a8_fbgemm import (
     TINY,
     fbgemm_available,
     linear_w8a8_fbgemm,
+    linear_w8a8_fbgemm_ops,
     linear_w8a8_fbgemm_ref,
     packed_weight,
     quantize_activations_ref,
@@ -105,3 +107,16 @@ def test_each_token_is_quantized_on_its_own_as_the_reference_does():
     mag = quantize_activations_ref(x).double().abs() @ dense.abs().T
     for y in (together, linear_w8a8_fbgemm_ref(x, w)):
         assert bool(((y.double() - want).abs() <= g(64 + 8) * mag).all())
+
+
+def test_the_c_passes_around_the_gemm_match_the_torch_ops():
+    """Each row divided by its largest magnitude, and the output row multiplied back, in C
+    (``linear_w8a8.h``) where the kernels are built: the same quotients and products as the torch
+    ops (``linear_w8a8_fbgemm_ops``), bit for bit; with a bias, its add may fuse into the product."""
+    if cpu_kernels() is None:
+        pytest.skip("the C kernels are not built here")
+    x = _activations(7, 96)
+    w, bias = pack_int8(torch.randn(40, 96) * 0.1), torch.randn(40)
+    assert torch.equal(linear_w8a8_fbgemm(x, w), linear_w8a8_fbgemm_ops(x, w))
+    in_c, in_torch = linear_w8a8_fbgemm(x, w, bias), linear_w8a8_fbgemm_ops(x, w, bias)
+    assert bool(((in_c - in_torch).abs() <= g(2) * (in_torch.abs() + bias.abs())).all())
