@@ -93,22 +93,17 @@ def rows(mixed: bool) -> Rows:
     return [(p, f"a{i % ADAPTERS}" if mixed else None) for i, p in enumerate(prompts(REQUESTS))]
 
 
-def llama_run(workers: list[Worker], mode: str, setting: str, new: int, cpu: list[float] | None = None) -> Run:
-    """``mode`` on llama.cpp, ``new`` tokens a request: one worker, or the requests dealt between
-    several running at once. Each run's tokens per CPU second (every worker's) go on ``cpu``."""
-    batch = rows(mode != "base")
+def dealt_run(
+    workers: list[Worker], batch: Rows, request: Callable[[list[int]], dict], new: int, cpu: list[float] | None
+) -> Run:
+    """``batch`` through ``workers`` at once, each sent ``request(its rows)`` for the rows dealt it
+    (whole adapter groups, :func:`split`): tokens/s over the slowest worker's seconds, and each
+    run's tokens per CPU second (every worker's) on ``cpu``."""
     parts = split([a for _, a in batch], len(workers))
 
     def run() -> tuple[float, list[list[int]]]:
         for w, part in zip(workers, parts):
-            w.send(
-                op="run",
-                setting=setting,
-                prompts=[batch[i][0] for i in part],
-                adapters=[batch[i][1] for i in part],
-                new=new,
-                switch=mode == "switch",
-            )
+            w.send(**request(part))
         tokens: list[list[int]] = [[] for _ in batch]
         seconds = cpu_seconds = 0.0
         for w, part in zip(workers, parts):
@@ -121,29 +116,27 @@ def llama_run(workers: list[Worker], mode: str, setting: str, new: int, cpu: lis
         return REQUESTS * new / seconds, tokens
 
     return run
+
+
+def llama_run(workers: list[Worker], mode: str, setting: str, new: int, cpu: list[float] | None = None) -> Run:
+    """``mode`` on llama.cpp, ``new`` tokens a request: one worker, or the requests dealt between
+    several running at once."""
+    batch = rows(mode != "base")
+
+    def request(part: list[int]) -> dict:
+        prompts, adapters = [batch[i][0] for i in part], [batch[i][1] for i in part]
+        return dict(op="run", setting=setting, prompts=prompts, adapters=adapters, new=new, switch=mode == "switch")
+
+    return dealt_run(workers, batch, request, new, cpu)
 
 
 def ours_run(workers: list[Worker], name: str, mixed: bool, new: int, cpu: list[float] | None = None) -> Run:
     """lorapage's engine ``name``, ``new`` tokens a request: one worker, or the requests dealt between
-    several running at once (whole adapter groups, as llama.cpp's processes get them)."""
+    several running at once, as llama.cpp's processes get them."""
     batch = rows(mixed)
-    parts = split([a for _, a in batch], len(workers))
-
-    def run() -> tuple[float, list[list[int]]]:
-        for w, part in zip(workers, parts):
-            w.send(op="run", name=name, rows=[batch[i] for i in part], new=new)
-        tokens: list[list[int]] = [[] for _ in batch]
-        seconds = cpu_seconds = 0.0
-        for w, part in zip(workers, parts):
-            reply = w.receive()
-            seconds, cpu_seconds = max(seconds, reply["seconds"]), cpu_seconds + reply["cpu_seconds"]
-            for i, t in zip(part, reply["tokens"]):
-                tokens[i] = t
-        if cpu is not None:
-            cpu.append(REQUESTS * new / cpu_seconds)
-        return REQUESTS * new / seconds, tokens
-
-    return run
+    return dealt_run(
+        workers, batch, lambda part: dict(op="run", name=name, rows=[batch[i] for i in part], new=new), new, cpu
+    )
 
 
 class Bench:
