@@ -5,8 +5,8 @@ others), M = 1, 8, 32, 128, 512: oneDNN's float32 GEMM over a packed weight (the
 ``int8`` (``torch._weight_int8pack_mm``, bfloat16 activations), ``w8a8`` (kernels/linear_w8a8.py: the
 C quantize and rescale passes around ``torch._int_mm``), the same as plain torch ops (its
 reference), ``w8a8 FBGEMM`` (kernels/linear_w8a8_fbgemm.py, what a CPU without int8 dot products
-runs; where torch has FBGEMM) and the same with its passes around the GEMM as torch ops, and ``torch._int_mm`` alone over pre-quantized activations, with the
-weight as the transposed view of its [N, K] rows and as a contiguous [K, N] copy. ``--variants``
+runs; where torch has FBGEMM) and the same with its passes around the GEMM as torch ops, and
+``torch._int_mm`` alone over pre-quantized activations, with the weight as the transposed view of its [N, K] rows and as a contiguous [K, N] copy. ``--variants``
 keeps some (on a CPU without VNNI each ``_int_mm`` call takes 25-60 float32 GEMMs' time). Each figure: the median over
 ``--rounds`` rounds (variants interleaved within a round) of the mean time of ``--calls`` calls, by
 this thread's CPU time (what a loaded machine disturbs least) and by the wall clock.

@@ -4,9 +4,9 @@
 
 Sets the ``lorapage`` command's OpenMP settings for ``N`` threads before torch loads
 (``lorapage.configure_threads``), then serves: ``load`` an engine by name (model, adapters,
-max_seqs, max_len, quantization, quantize_lm_head) through the public embedded API, default scheduler; ``run``
-greedy batches of ``(prompt ids, adapter)`` rows on it: the tokens and the seconds they took,
-prefill included. Nothing else runs in the process, so lorapage's OpenMP runtime is its own.
+max_seqs, max_len, quantization, quantize_lm_head) through the public embedded API, default
+scheduler; ``run`` greedy batches of ``(prompt ids, adapter)`` rows on it: the tokens and the
+seconds they took, prefill included. Nothing else runs in the process, so lorapage's OpenMP runtime is its own.
 """
 
 from __future__ import annotations

@@ -485,11 +485,6 @@ class EngineConfig:
                 f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernels take float32 "
                 f"activations into an int8 GEMM and give float32 back); got {self.dtype}"
             )
-        if self.quantize_lm_head and self.quantization not in ("int8", "w8a8"):
-            raise ValueError(
-                f"EngineConfig.quantize_lm_head needs quantization int8 or w8a8 (lm_head in their int8 rows); got "
-                f"quantization {self.quantization!r}"
-            )
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"EngineConfig.quantization {self.quantization!r} cannot run with tensor_parallel_size > 1 yet (the "

@@ -64,25 +64,33 @@ def test_configure_threads_warns_after_torch_loaded():
     assert done.stdout.strip() == "ok"
 
 
-ONE_TEAM = """
+# Both scripts below: 2 intra-op threads, ``workers()`` the threads started outside Python (libgomp's
+# workers among them), and a stop where torch runs another OpenMP runtime.
+TEAMS_PRELUDE = """
 import os, sys, threading, time
-from concurrent.futures import ThreadPoolExecutor
 import lorapage
 lorapage.configure_threads(2)
-import torch
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.omp_env import TeamlessPool, _openmp_runtime
 
-def workers():  # threads started outside Python (libgomp's workers among them)
+def workers():
     python = {t.native_id for t in threading.enumerate()}
     return {int(t) for t in os.listdir("/proc/self/task")} - python
-
-def product():
-    return torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel region on 2 threads
 
 if _openmp_runtime() is None or "libgomp" not in _openmp_runtime()._name:
     print("no-libgomp")
     sys.exit(0)
+"""
+
+ONE_TEAM = (
+    TEAMS_PRELUDE
+    + """
+from concurrent.futures import ThreadPoolExecutor
+import torch
+
+def product():
+    return torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel region on 2 threads
+
 start = workers()
 product()
 mine = workers() - start  # the calling thread's team
@@ -98,6 +106,7 @@ threads = engine.debug.threads
 print(len(mine), len(mine & workers()), len(kept_by_plain), len(kept_by_teamless),
       isinstance(threads.io, TeamlessPool), isinstance(threads.copies, TeamlessPool))
 """
+)
 
 
 def test_the_engine_leaves_one_openmp_team_the_forwards():
@@ -114,17 +123,10 @@ def test_the_engine_leaves_one_openmp_team_the_forwards():
     assert io == copies == "True"
 
 
-TWO_ENGINES = """
-import os, sys, threading, time
-import lorapage
-lorapage.configure_threads(2)
-from lorapage import Engine, EngineConfig, SamplingParams
-from lorapage.omp_env import _openmp_runtime
+TWO_ENGINES = (
+    TEAMS_PRELUDE
+    + """
 from lorapage.tiny import TINY_BASE_DIR, demo_adapter_dirs
-
-def workers():
-    python = {t.native_id for t in threading.enumerate()}
-    return {int(t) for t in os.listdir("/proc/self/task")} - python
 
 def engine():
     e = Engine(EngineConfig(model=str(TINY_BASE_DIR), num_threads=2, max_loras=2, max_lora_rank=64))
@@ -132,9 +134,6 @@ def engine():
         e.add_adapter(name, path)
     return e
 
-if _openmp_runtime() is None or "libgomp" not in _openmp_runtime()._name:
-    print("no-libgomp")
-    sys.exit(0)
 first, second = engine(), engine()
 names = list(demo_adapter_dirs())[:2]
 rows = [([1, 5, 9, 14, 3], names[i % 2]) for i in range(4)]  # token ids: no tokenizer threads
@@ -146,7 +145,6 @@ def settled():
         time.sleep(0.01)
     return len(workers() - start)
 
-start = workers()
 first.generate_batch(rows, params)
 time.sleep(0.5)
 start = workers()  # whatever the first call started for good; its team, too, if it kept one
@@ -156,6 +154,7 @@ for e in (second, first, second):
     left.append(settled())
 print(*left)
 """
+)
 
 
 def test_an_engine_used_through_generate_batch_gives_its_team_back_between_calls():

@@ -175,6 +175,11 @@ def quantized_ops(
     base (its experts' weights are held apart). ``lm_head`` (int8 and w8a8): the logits' weight
     quantized too; otherwise it stays float32, packed as the float32 projections are."""
     name = serving_quantization(quantization, model.quantization)
+    if lm_head and name not in ("int8", "w8a8"):  # the served scheme: named, or the checkpoint's
+        raise ValueError(
+            f"EngineConfig.quantize_lm_head needs an int8 or w8a8 base (lm_head in their int8 rows); this one "
+            f"serves {name or 'unquantized'}"
+        )
     if name is None:
         return ops
     if model.moe is not None:

@@ -241,10 +241,6 @@ def test_triton_backend_matches_torch_end_to_end():
         (dict(lora_dtype="int8", kernel_backend="triton"), "'int8' cannot run with kernel_backend 'triton'"),
         (dict(lora_dtype="int8", tensor_parallel_size=2), "'int8' cannot run with tensor_parallel_size > 1"),
         (
-            dict(quantize_lm_head=True),
-            "quantize_lm_head needs quantization int8 or w8a8",
-        ),
-        (
             dict(quantization="w8a8", tensor_parallel_size=2),
             "quantization 'w8a8' cannot run with tensor_parallel_size > 1",
         ),

@@ -175,6 +175,13 @@ def test_quantize_lm_head_puts_the_logits_weight_in_int8_and_keeps_the_greedy_to
         assert all(abs(a.logprob - b.logprob) < 0.5 for a, b in zip(g.logprobs or [], w.logprobs or []))
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_quantize_lm_head_is_refused_without_an_int8_base(quantization):
+    """Checked against the scheme the engine serves (named, or a pre-quantized checkpoint's)."""
+    with pytest.raises(ValueError, match="quantize_lm_head needs an int8 or w8a8 base"):
+        Engine(EngineConfig(quantization=quantization, quantize_lm_head=True, num_threads=1))
+
+
 def test_the_merge_check_passes_on_the_w8a8_tiny_model():
     """The dedicated tier on a w8a8 base: an adapter merged into the int8 weights (re-quantized, as for
     int8) and the equivalence check against the LoRA path, both with per-token int8 activations."""
