@@ -32,23 +32,7 @@
  * the caller runs the reference instead). */
 enum kv_format { KV_F32, KV_F16, KV_BF16 };
 
-/* An IEEE half's value as a float32 (exact: normals, subnormals, infinities and NaNs). */
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h & 0x7c00u, man = h & 0x03ffu;
-    uint32_t bits;
-    float f;
-    if (exp == 0x7c00u)
-        bits = sign | 0x7f800000u | (man << 13);
-    else if (exp)
-        bits = sign | (((exp >> 10) + 112) << 23) | (man << 13);
-    else {
-        f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24: a subnormal half, exact in float32 */
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
+/* f16_to_f32 (an IEEE half's value as a float32) is lora_cpu.c's. */
 
 /* Row `index` (in elements) of the pages as float32: in place for float32 pages, else widened into `buf`. */
 static inline const float *kv_row(const void *kv, int format, int64_t index, int64_t n, float *buf) {

@@ -13,10 +13,12 @@
  * read for nothing and ~130 dispatches a step. Here the tokens are addressed through an index,
  * so nothing is gathered, and each adapter's matrices are read once per op.
  *
- * Weights: the kernels (lora_cpu_body.h) are compiled three times, for float32 pages (the _f32
- * entry points), bfloat16 pages (_bf16, --lora-dtype bfloat16) and int8 pages with per-row scales
- * (_i8, --lora-dtype int8), with W (the weight type) and its loaders defined. A bfloat16 weight is
- * the top half of a float32: it is widened exactly (a shift); an int8 one converts exactly, and its
+ * Weights: the kernels (lora_cpu_body.h) are compiled four times, for float32 pages (the _f32
+ * entry points), bfloat16 pages (_bf16, --lora-dtype bfloat16), float16 pages (_f16, --lora-dtype
+ * float16: llama.cpp's f16 adapters) and int8 pages with per-row scales (_i8, --lora-dtype int8),
+ * with W (the weight type) and its loaders defined. A bfloat16 weight is the top half of a float32:
+ * it is widened exactly (a shift); a float16 one too (F16C's conversion, or f16_to_f32); an int8 one
+ * converts exactly, and its
  * row's float32 scale (kernels/lora_int8.py) multiplies the shrink's sum of the row once, and h
  * before the expand, once per B column. Every product and sum is float32, as in the float32 kernels.
  *
@@ -82,6 +84,36 @@ static inline v8 ld_i8(const int8_t *p) {
 }
 #endif
 
+/* An IEEE half's value as a float32 (exact: normals, subnormals, infinities and NaNs). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h & 0x7c00u, man = h & 0x03ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0x7c00u)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp)
+        bits = sign | (((exp >> 10) + 112) << 23) | (man << 13);
+    else {
+        f = (float)man * 5.9604644775390625e-8f; /* man * 2^-24: a subnormal half, exact in float32 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 8 float16 values as 8 floats (exactly): one conversion where the variant has F16C (x86-64-v3 and
+ * up), else the exact scalar widening above, value by value. */
+#if defined(__F16C__)
+static inline v8 ld_f16(const uint16_t *p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline v8 ld_f16(const uint16_t *p) {
+    v8 f;
+    for (int i = 0; i < 8; i++) f[i] = f16_to_f32(p[i]);
+    return f;
+}
+#endif
+
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
     float f;
@@ -138,6 +170,19 @@ static inline void h_bf16(const float *hv, __m256 *h0, __m256 *h1) {
 }
 #else
 #define RANK16_BF16 0
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RANK16_F16 1
+/* A rank-16 row of float16 weights (32 bytes) against h, as 8 partial sums: two conversions of 8
+ * halves each; h0 and h1 are h's first and last 8 elements (h_f32). */
+static inline __m256 row16_f16(const uint16_t *p, __m256 h0, __m256 h1) {
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return _mm256_fmadd_ps(hi, h1, _mm256_mul_ps(lo, h0));
+}
+#else
+#define RANK16_F16 0
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -259,6 +304,26 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define H16(hv, h0, h1) h_bf16(hv, h0, h1)
 #define TOF(v) bf16_to_f32(v)
 #define RANK16 RANK16_BF16
+#define NARROW 1
+#define SCALED 0
+#include "lora_cpu_body.h"
+#undef W
+#undef F
+#undef LDW
+#undef ROW16
+#undef H16
+#undef TOF
+#undef RANK16
+#undef NARROW
+#undef SCALED
+
+#define W uint16_t
+#define F(name) name##_f16
+#define LDW(p) ld_f16(p)
+#define ROW16(p, h0, h1) row16_f16(p, h0, h1)
+#define H16(hv, h0, h1) h_f32(hv, h0, h1)
+#define TOF(v) f16_to_f32(v)
+#define RANK16 RANK16_F16
 #define NARROW 1
 #define SCALED 0
 #include "lora_cpu_body.h"

@@ -3,7 +3,7 @@ ones (prefill) through the batched PyTorch ops of :mod:`lorapage.kernels.lora_to
 
 Same signatures and results as :mod:`lorapage.kernels.lora_ref`. The runner plans a step's cells
 and batches once (``LoraIndices.with_cells``); a caller without a plan gets one made for that call.
-The C kernels take float32 activations over float32, bfloat16 or int8 pages (int8 with per-row
+The C kernels take float32 activations over float32, bfloat16, float16 or int8 pages (int8 with per-row
 scales: kernels/lora_int8.py); other dtypes run the PyTorch ops for every segment.
 """
 
@@ -22,7 +22,7 @@ from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 
 def c_kernels_take(activations: torch.dtype, pages: torch.dtype) -> bool:
-    """Whether the C kernels compute over these dtypes: float32 activations, float32, bfloat16 or int8 pages."""
+    """Whether the C kernels compute over these dtypes: float32 activations, float32, bfloat16, float16 or int8 pages."""
     return activations == torch.float32 and pages in WEIGHT_DTYPES
 
 

@@ -1,7 +1,7 @@
 /* The CPU LoRA kernels' body, included by lora_cpu.c once per weight type. Not a header of its
  * own: it expects, defined by the includer,
- *   W          the type of a weight in the pool's pages (float, or uint16_t for bfloat16)
- *   F(name)    this weight type's name for a function (name_f32, name_bf16)
+ *   W          the type of a weight in the pool's pages (float; uint16_t for bfloat16 and float16; int8_t)
+ *   F(name)    this weight type's name for a function (name_f32, name_bf16, name_f16, name_i8)
  *   LDW(p)     8 weights at p as a v8 of floats
  *   ROW16(p, h0, h1), H16(hv, &h0, &h1)
  *              a rank-16 row of weights at p against h as 8 partial sums (an __m256), with h0

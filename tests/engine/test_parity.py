@@ -111,39 +111,42 @@ def test_alone_equals_in_batch_with_31_other_adapters(checkpoint, tmp_path):
         assert alone.token_ids == batch[i].token_ids
 
 
-def _rounded_to_bfloat16(adapter: Path, out: Path) -> Path:
-    """A copy of a PEFT adapter directory whose weights are stored as BF16: each one rounded to
-    nearest even, as the engine rounds them into bfloat16 pages."""
+def _rounded_to(adapter: Path, out: Path, dtype: torch.dtype) -> Path:
+    """A copy of a PEFT adapter directory whose weights are stored in ``dtype`` (BF16 or F16): each
+    one rounded to nearest even, as the engine rounds them into pages of that dtype."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir()
     shutil.copy(adapter / "adapter_config.json", out / "adapter_config.json")
     weights = load_file(adapter / "adapter_model.safetensors")
-    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, out / "adapter_model.safetensors")
+    save_file({k: v.to(dtype) for k, v in weights.items()}, out / "adapter_model.safetensors")
     return out
 
 
-def test_bfloat16_pages_match_peft_on_the_rounded_weights(checkpoint, tmp_path):
-    """--lora-dtype bfloat16 under a float32 model: what PEFT computes with each weight rounded
-    to bfloat16 (and nothing else changed), in one heterogeneous batch. PEFT loads the BF16 files
-    into the float32 model's LoRA layers, so it computes in float32 as the engine does."""
+@pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])
+def test_16_bit_pages_match_peft_on_the_rounded_weights(checkpoint, tmp_path, lora_dtype):
+    """--lora-dtype bfloat16 / float16 (llama.cpp's f16 adapters) under a float32 model: what PEFT
+    computes with each weight rounded to that dtype (and nothing else changed), in one heterogeneous
+    batch. PEFT loads the 16-bit files into the float32 model's LoRA layers, so it computes in
+    float32 as the engine does (the C kernels widen each weight exactly)."""
     base, adapters = checkpoint
+    dtype = getattr(torch, lora_dtype)
     engine = Engine(
         EngineConfig(
-            model=str(base), max_lora_rank=64, shared_envelope=WIDE, max_loras=8, block_size=4, lora_dtype="bfloat16"
+            model=str(base), max_lora_rank=64, shared_envelope=WIDE, max_loras=8, block_size=4, lora_dtype=lora_dtype
         )
     )
     rounded = {}
     for name, path in adapters.items():
         engine.add_adapter(name, path)  # the float32 files: the engine rounds them
-        rounded[name] = _rounded_to_bfloat16(path, tmp_path / name)
+        rounded[name] = _rounded_to(path, tmp_path / name, dtype)
     prompts, outs = _batch_matches_peft(engine, base, [*adapters, None], rounded, seed=5)
-    # And a BF16 file is served as it is: its values are bfloat16 already, so its pages hold the
-    # very bits the float32 file rounded to, and its logprobs are the other row's (up to the
+    # And a 16-bit file is served as it is: its values are in the pages' dtype already, so its pages
+    # hold the very bits the float32 file rounded to, and its logprobs are the other row's (up to the
     # base GEMM's float32 sums, which may differ with a row's place in the batch).
-    engine.add_adapter("bf16_file", rounded["all_r8"])
+    engine.add_adapter("16_bit_file", rounded["all_r8"])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
-    alone = engine.generate_batch([(prompts[1], "bf16_file"), (prompts[1], "all_r8")], params)
+    alone = engine.generate_batch([(prompts[1], "16_bit_file"), (prompts[1], "all_r8")], params)
     assert alone[0].token_ids == alone[1].token_ids == outs[1].token_ids
     assert [lp.logprob for lp in alone[0].logprobs] == pytest.approx([lp.logprob for lp in alone[1].logprobs], abs=1e-6)
 

@@ -86,13 +86,13 @@ def _step(model_name: str, step: str, placement: str, pages: torch.dtype):
     return model, pool, tables, idx.with_cells(tables.page_table, layout, pool[0]), checks
 
 
-@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("placement", ["grid_holes", "scattered"])
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_c_kernels_match_reference(variant, model_name, step, placement, pages):
-    """float32 activations over float32 pages, and over bfloat16 pages (--lora-dtype bfloat16):
-    the float64 reference reads the same bfloat16 values, which widen exactly."""
+    """float32 activations over float32 pages, and over bfloat16 / float16 pages (--lora-dtype):
+    the float64 reference reads the same 16-bit values, which widen exactly."""
     model, pool, tables, planned, checks = _step(model_name, step, placement, pages)
     assert planned.cells is not None  # the C kernels run
     long = [s for s in planned.segments if s[1] - s[0] > CELL_TOKENS]
@@ -112,7 +112,7 @@ def _group_op(model, pool, tables, idx, x, layer, g):
     return y
 
 
-@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_the_fused_group_op_is_the_two_ops(step, pages):
     """lora_group_cpu (one C call a group, as the model runs it) gives the shrink-then-expand pair's
@@ -128,7 +128,7 @@ def test_the_fused_group_op_is_the_two_ops(step, pages):
         assert_within(fused, want, bound, f"layer {layer}, group {g}")
 
 
-@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pages", [torch.float32, torch.bfloat16, torch.float16])
 def test_variants_agree_within_the_bound(pages, monkeypatch):
     """Every variant this CPU runs gives the same step within twice the bound: each is within it of
     the float64 result, whatever order its ISA sums in."""
@@ -171,7 +171,7 @@ def test_the_bound_catches_a_wrong_weight(wrong):
 
 @pytest.mark.parametrize(
     ("activations", "pages"),
-    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16)],
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16)],
 )
 def test_other_dtypes_run_the_pytorch_ops(activations, pages):
     pool, tables = build([8, 8], "grid_holes", seed=0)
