@@ -7,7 +7,8 @@ written by its own converters (``llamacpp_peer.py``): the float32 base with floa
 (``--precisions``) the Q8_0 base its users run with float16 adapters. lorapage runs the checkpoint in
 float32 and, against Q8_0, with each of ``--quantizations``: ``int8`` (weight-only, per channel) and
 ``w8a8`` (the same int8 weights and per-token int8 activations: Q8_0's arithmetic class), with the
-logits' ``lm_head`` quantized too (``quantize_lm_head``), as Q8_0 holds the output matrix. 32
+logits' ``lm_head`` quantized too (``quantize_lm_head``), as Q8_0 holds the output matrix, and the
+adapters in float16 pages (``lora_dtype``), as llama.cpp's are f16. 32
 requests of 8 prompt tokens, request ``i`` on adapter ``i mod 8``, 32 greedy tokens each, EOS ignored, the same token ids in every
 engine; tokens/s over the whole batch, prefill included.
 
@@ -247,6 +248,8 @@ class Bench:
                             max_len=MAX_LEN,
                             quantization=quantization_of(base),
                             quantize_lm_head=quantization_of(base) is not None,  # Q8_0's output matrix is Q8_0
+                            # and its adapters are f16: the same 16-bit weights, widened exactly
+                            lora_dtype="float16" if quantization_of(base) is not None else "auto",
                         )
                 one = self.llama_worker(prec, threads, col)
                 workers.append(one)

@@ -4,7 +4,7 @@
 
 Sets the ``lorapage`` command's OpenMP settings for ``N`` threads before torch loads
 (``lorapage.configure_threads``), then serves: ``load`` an engine by name (model, adapters,
-max_seqs, max_len, quantization, quantize_lm_head) through the public embedded API, default
+max_seqs, max_len, quantization, quantize_lm_head, lora_dtype) through the public embedded API, default
 scheduler; ``run`` greedy batches of ``(prompt ids, adapter)`` rows on it: the tokens and the
 seconds they took, prefill included. Nothing else runs in the process, so lorapage's OpenMP runtime is its own.
 """
@@ -44,6 +44,7 @@ def main() -> None:
                 max_len=req["max_len"],
                 quantization=req.get("quantization"),
                 quantize_lm_head=req.get("quantize_lm_head", False),
+                lora_dtype=req.get("lora_dtype", "auto"),
             )
             return {}
         if req["op"] == "run":

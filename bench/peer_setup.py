@@ -95,10 +95,12 @@ def lorapage_engine(
     max_len: int,
     quantization: str | None = None,
     quantize_lm_head: bool = False,
+    lora_dtype: str = "auto",
 ) -> Engine:
     """An engine over ``model`` with ``adapters`` registered, room for all of them resident and
     ``max_seqs`` requests at once; prefix caching off (every pass repeats its prompts); the base's
-    weights quantized as ``quantization`` names (None: float32), its ``lm_head`` too with ``quantize_lm_head``."""
+    weights quantized as ``quantization`` names (None: float32), its ``lm_head`` too with
+    ``quantize_lm_head``; the adapters' pages in ``lora_dtype``."""
     config = EngineConfig(
         model=str(model),
         max_num_seqs=max_seqs,
@@ -109,6 +111,7 @@ def lorapage_engine(
         scheduler=scheduler,
         quantization=quantization,
         quantize_lm_head=quantize_lm_head,
+        lora_dtype=lora_dtype,
     )
     engine = Engine(config)
     for name, path in adapters.items():
@@ -118,8 +121,9 @@ def lorapage_engine(
 
 def lorapage_generate(engine: Engine, rows: Rows, new_tokens: int) -> tuple[float, list[list[int]]]:
     """Generated tokens/s of ``rows`` through ``Engine.generate_batch`` (greedy, EOS ignored; the whole
-    call, prefill included), and each row's tokens."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    call, prefill included), and each row's tokens. Token ids in, token ids out (``detokenize=False``),
+    as the peers are fed and read them."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
     outs = engine.generate_batch(rows, params)
     elapsed = time.perf_counter() - start

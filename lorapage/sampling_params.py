@@ -59,6 +59,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be chosen
     bad_words: tuple[str, ...] = ()  # these words are never completed (token ids made at intake)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    detokenize: bool = True  # False: token ids only, the text left empty (no stop strings then)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last this many tokens
     prompt_logprobs: int | None = None  # logprobs of every prompt token, with this many alternatives
     structured: StructuredSpec | None = None  # the output must follow it (JSON schema, regex, ...)
@@ -95,6 +96,7 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "between -2 and 2"),
             (len(self.stop) <= MAX_STOP_SEQUENCES, "stop", f"at most {MAX_STOP_SEQUENCES} sequences"),
+            (self.detokenize or not self.stop, "stop", "empty with detokenize=False (stop strings are found in text)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
             (
                 all(not isinstance(s, str) or len(s) <= MAX_STOP_CHARS for s in self.stop),

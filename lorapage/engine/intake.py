@@ -22,8 +22,8 @@ from lorapage.errors import AdapterNotFoundError, EngineOverloadedError, Invalid
 from lorapage.memory.kv import blocks_needed
 from lorapage.memory.pool import PagePool
 from lorapage.memory.prefix_cache import block_keys
-from lorapage.model.tokenizer import IncrementalDecoder, Tokenizer
-from lorapage.request import Request
+from lorapage.model.tokenizer import IncrementalDecoder, NoText, Tokenizer
+from lorapage.request import Detokenizer, Request
 from lorapage.sampling_params import SamplingParams
 from lorapage.structured.grammars import Constraint, GrammarCompiler
 
@@ -172,7 +172,7 @@ class RequestIntake:
             sampling=sampling,
             arrival_time=self._clock(),
             adapter_tier=self.adapters.residency.tier(adapter) if adapter else "none",
-            detokenizer=IncrementalDecoder(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
+            detokenizer=self._detokenizer(ids, sampling),
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
             logprobs=[] if sampling.logprobs is not None else None,
             prompt_logprobs=[None] if sampling.prompt_logprobs is not None else None,
@@ -182,6 +182,11 @@ class RequestIntake:
             bad_words_ids=bad_words_ids,
             constraint=constraint,
         )
+
+    def _detokenizer(self, prompt_ids: list[int], sampling: SamplingParams) -> Detokenizer:
+        if not sampling.detokenize:
+            return NoText()
+        return IncrementalDecoder(self.tokenizer, prompt_ids, skip_special_tokens=sampling.skip_special_tokens)
 
     def branch(
         self, first: Request, sampling: SamplingParams, request_id: str, constraint: Constraint | None
@@ -202,7 +207,7 @@ class RequestIntake:
             sampling=sampling,
             arrival_time=self._clock(),
             adapter_tier=first.adapter_tier,
-            detokenizer=IncrementalDecoder(self.tokenizer, ids, skip_special_tokens=sampling.skip_special_tokens),
+            detokenizer=self._detokenizer(ids, sampling),
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
             logprobs=[] if sampling.logprobs is not None else None,
             prompt_logprobs=None,  # the prompt's are the first's (computed once)

@@ -334,3 +334,13 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Text still held back (an unfinished character decodes to U+FFFD); call once at the end."""
         return self._advance(*self._pending())
+
+
+class NoText:
+    """The detokenizer of a request with ``detokenize=False`` (vLLM's): token ids only, nothing decoded."""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

@@ -4,6 +4,7 @@ and the Triton backend end to end."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import threading
 
@@ -61,6 +62,23 @@ async def test_final_only_yields_the_finished_output_alone():
     branches = SamplingParams(max_tokens=5, temperature=0.0, n=2, ignore_eos=True)
     outs = [o async for o in engine.generate(prompt, "globex", branches, final_only=True)]
     assert sorted(o.index for o in outs if o.finished) == [0, 1]
+    await engine.close()
+
+
+async def test_detokenize_false_gives_the_same_tokens_and_no_text():
+    """``SamplingParams(detokenize=False)`` (vLLM's): the very tokens and finish reason of a
+    detokenized request, with empty text (nothing decoded); stop strings are refused with it, as
+    vLLM refuses them (they are found in the text)."""
+    engine = tiny_engine()
+    prompt = chat(engine)
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[], logprobs=1)
+    with_text, _ = await collect(engine, prompt, "acme", params)
+    ids_only, deltas = await collect(engine, prompt, "acme", dataclasses.replace(params, detokenize=False))
+    assert with_text.text and ids_only.text == "" and set(deltas) <= {""}
+    assert (ids_only.token_ids, ids_only.finish_reason) == (with_text.token_ids, with_text.finish_reason)
+    assert [lp.token_id for lp in ids_only.logprobs or []] == list(with_text.token_ids)
+    with pytest.raises(InvalidRequestError, match="stop must be empty with detokenize=False"):
+        SamplingParams(stop=["here"], detokenize=False)
     await engine.close()
 
 
