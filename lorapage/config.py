@@ -204,6 +204,10 @@ class EngineConfig:
         group="scheduling", choices=SCHEDULERS,
     )  # fmt: skip
     max_queue_len: int = option(4096, "waiting requests beyond this are refused (overloaded)", group="scheduling")
+    num_scheduler_steps: int = option(
+        1, "decode steps run back to back per plan while nothing waits (vLLM's multi-step scheduling)",
+        group="scheduling",
+    )  # fmt: skip
     reserved_tail_lanes: int | None = option(
         None,
         "of the max_loras lanes (distinct adapters) of a batch, this many are kept for adapters with a single "
@@ -544,6 +548,7 @@ class EngineConfig:
         positive = (
             "block_size",
             "max_num_seqs",
+            "num_scheduler_steps",
             "max_loras",
             "max_resident_loras",
             "max_lora_rank",

@@ -199,8 +199,7 @@ def load_model(base: BaseParts, sizing: Sizing) -> LlamaModel:
 
 @dataclass(frozen=True)
 class MemoryParts:
-    """The one page pool (KV blocks and adapter pages), the adapters' lookup tables, the prefix
-    cache, and the ranking that gives idle cached blocks and idle adapters back (Reclaim)."""
+    """The page pool (KV blocks, adapter pages), adapter tables, prefix cache, and Reclaim's ranking."""
 
     pool: PagePool
     tables: LoraTables
@@ -547,6 +546,7 @@ def build_scheduling(
         base.eos_token_ids,
         chunked_prefill=config.enable_chunked_prefill,
         layer_windows=base.model_config.layer_windows,
+        num_scheduler_steps=config.num_scheduler_steps,
     )
     planner = StepPlanner(
         policy,

@@ -116,7 +116,10 @@ class StepLoop:
                     self.busy_s += seconds
                     if self._on_prefill is not None and len(plan.input_ids) > plan.num_decode:
                         self._on_prefill(seconds, len(plan.input_ids))
-                    self.planner.apply(plan, sampled, seconds)
+                    if plan.steps > 1:
+                        self.planner.apply_window(plan, sampled, seconds)
+                    else:
+                        self.planner.apply(plan, sampled, seconds)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never leave callers hanging on a dead loop
@@ -131,6 +134,6 @@ def _execute(runner: ModelRunner, plan: StepPlan) -> Any:
     that ran dry) cannot be set on an asyncio future: the step would never end and every request
     would hang. It is raised as the RuntimeError it is, so the step fails like any other."""
     try:
-        return runner.execute(plan)
+        return runner.execute_window(plan) if plan.steps > 1 else runner.execute(plan)
     except StopIteration as exc:
         raise RuntimeError(f"StopIteration escaped the forward pass: {exc!r}") from exc

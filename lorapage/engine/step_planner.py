@@ -17,7 +17,8 @@ from lorapage.errors import SamplingError
 from lorapage.memory.kv import blocks_needed, grow_block_table, held_pages
 from lorapage.memory.pool import PagePool
 from lorapage.memory.prefix_cache import PrefixCache, block_keys
-from lorapage.model.runner import StepPlan
+from lorapage.model.logits_processors import reads_outputs
+from lorapage.model.runner import StepPlan, sample_row
 from lorapage.model.sampler import SampleOutput
 from lorapage.model.windows import blocks_out_of_window
 from lorapage.request import Request, RequestStatus, TokenLogprob
@@ -38,6 +39,9 @@ class StepLimits:
     # Per layer, its sliding window (None: global); when every layer has one, blocks before the
     # widest window are freed as a sequence moves on. () for models without windows.
     layer_windows: tuple[int | None, ...] = ()
+    # Decode steps one plan may run back to back (vLLM's multi-step scheduling): 1, or more while
+    # nothing waits and no running row's sampling reads its own outputs (StepPlanner._window).
+    num_scheduler_steps: int = 1
 
 
 class StepPlanner:
@@ -219,7 +223,39 @@ class StepPlanner:
                     self._held.discard(victim.request_id)
             return None
         self._in_step = True
-        return StepPlan.build(decode, prefill, self.limits.block_size)
+        steps = self._window(decode) if not prefill else 1
+        return StepPlan.build(decode, prefill, self.limits.block_size, steps)
+
+    def _window(self, decode: list[Request]) -> int:
+        """How many decode steps a decode-only plan runs back to back (``num_scheduler_steps``): one
+        while a request waits (it is admitted at the next plan) or a row's sampling reads its own
+        outputs; else as many as every row has tokens left to generate (within ``max_tokens`` and
+        the context) and pages for. A row that stops early (EOS) has its later tokens discarded."""
+        steps = self.limits.num_scheduler_steps
+        if steps == 1 or len(self.requests) > len(self.running):
+            return 1
+        for r in decode:
+            if reads_outputs(sample_row(r)):
+                return 1
+            steps = min(steps, r.sampling.max_tokens - len(r.output_ids), self.limits.max_model_len - r.num_tokens)
+        if steps <= 1:
+            return 1
+        # Pages for every fed position (grown tables stay grown: the next plans use them).
+        bs = self.limits.block_size
+        if not all(grow_block_table(self.pool, r.block_table, r.num_tokens + steps - 1, bs) for r in decode):
+            return 1
+        return steps
+
+    def apply_window(self, plan: StepPlan, outs: list[SampleOutput], step_s: float = 0.0) -> None:
+        """:meth:`apply` for each of a window's steps in turn (``plan.steps`` of them), the rows still
+        running at each: a row finished earlier in the window (EOS, a stop string, aborted, failed)
+        has its later tokens discarded."""
+        for j, out in enumerate(outs):
+            step = plan
+            if j:
+                keep = [i for i, r in enumerate(plan.sequences) if r.status is RequestStatus.RUNNING]
+                step, out = plan.rows(keep), out.rows(keep)
+            self.apply(step, out, step_s / len(outs))
 
     def _continue_prefills(self) -> tuple[list[tuple[Request, int]], list[Request]]:
         """The next chunk of each running prompt not fully computed yet, as far as the budget

@@ -35,6 +35,21 @@ class SampleRow:
     constraint: Constraint | None = field(default=None, repr=False)  # structured output
 
 
+def reads_outputs(row: SampleRow) -> bool:
+    """Whether the row's next token depends on the tokens it generated (penalties, min_tokens still
+    holding stop tokens back, bad words, a constraint): each must be recorded before the next is
+    drawn. Rows that read none may draw several tokens before any is recorded (num_scheduler_steps)."""
+    p = row.params
+    return (
+        p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or p.repetition_penalty != 1.0
+        or (len(row.output_ids) < p.min_tokens and bool(row.stop_ids))
+        or bool(row.bad_words)
+        or row.constraint is not None
+    )
+
+
 def needs_processing(row: SampleRow) -> bool:
     p = row.params
     return (

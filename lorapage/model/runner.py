@@ -74,6 +74,9 @@ class StepPlan:
     completes: list[bool]  # whether each sequence samples a token this step
     sample_index: list[int]  # token index of each sampling sequence's last token, in row order
     sample_rows: list[SampleRow]  # one per sampling sequence, in row order
+    # Decode steps run back to back from this plan (num_scheduler_steps; decode-only plans): each
+    # next step feeds the tokens the last one sampled, one position on (:meth:`advanced`).
+    steps: int = 1
 
     def inputs(self) -> StepInputs:
         """The forward's part of the plan."""
@@ -89,10 +92,39 @@ class StepPlan:
             self.prefill_query_starts,
         )
 
+    def advanced(self, tokens: list[int], block_size: int) -> StepPlan:
+        """The next step of a decode-only window: each row feeds the token it just sampled, one
+        position on, into the slot its (already grown) block table has there. A row that failed to
+        sample feeds token 0 (its request fails when the window is applied; nothing reads it)."""
+        pos = [p + 1 for p in self.positions]
+        return replace(
+            self,
+            input_ids=[t if t >= 0 else 0 for t in tokens],
+            positions=pos,
+            slot_mapping=[t[p // block_size] * block_size + p % block_size for t, p in zip(self.block_tables, pos)],
+            context_lens=[n + 1 for n in self.context_lens],
+            steps=1,
+        )
+
+    def rows(self, keep: list[int]) -> StepPlan:
+        """These rows of a decode-only plan, in this order (what :meth:`StepPlanner.apply` reads of
+        a window's later steps: the sequences, one token fed and sampled each)."""
+        return replace(
+            self,
+            sequences=[self.sequences[i] for i in keep],
+            fed=[1] * len(keep),
+            completes=[True] * len(keep),
+            num_decode=len(keep),
+            sample_rows=[self.sample_rows[i] for i in keep],
+            steps=1,
+        )
+
     @classmethod
-    def build(cls, decode: list[Request], prefill: list[tuple[Request, int]], block_size: int) -> StepPlan:
+    def build(
+        cls, decode: list[Request], prefill: list[tuple[Request, int]], block_size: int, steps: int = 1
+    ) -> StepPlan:
         """``decode`` rows feed their one new token; each ``(request, n)`` of ``prefill`` feeds
-        its next ``n`` tokens."""
+        its next ``n`` tokens; a decode-only plan may run ``steps`` of them back to back."""
         decode = sorted(decode, key=lambda r: r.lora_slot)
         prefill = sorted(prefill, key=lambda rn: rn[0].lora_slot)
         rows = [(r, 1) for r in decode] + prefill
@@ -128,11 +160,13 @@ class StepPlan:
             fed=[n for _, n in rows],
             completes=completes,
             sample_index=sample_index,
-            sample_rows=[_sample_row(r) for (r, _), c in zip(rows, completes) if c],
+            sample_rows=[sample_row(r) for (r, _), c in zip(rows, completes) if c],
+            steps=steps,
         )
 
 
-def _sample_row(r: Request) -> SampleRow:
+def sample_row(r: Request) -> SampleRow:
+    """What sampling reads of ``r``."""
     return SampleRow(r.sampling, r.generator, r.output_ids, r.prompt_ids, r.stop_ids, r.bad_words_ids, r.constraint)
 
 
@@ -173,6 +207,8 @@ class ModelRunner:
         model.pack_weights(ops.pack_weight, ops.linear, ops.pack_logits)  # in the layout the backend's GEMM reads
         self.ctx = ForwardContext(model, ops, pool, tables, self.buffers, block_size)
         self.graphs: DecodeGraphs | None = None
+        # A window's segments and, once planned, their LoRA indices (execute_window); None outside one.
+        self._lora_memo: tuple[tuple[tuple[int, int, int], ...], LoraIndices | None] | None = None
         # Structured-output masks of a step's constrained rows, filled on a thread of their own
         # while the forward runs (allocated on the first constrained step).
         self._bitmask = torch.empty(0, dtype=torch.int32)
@@ -239,6 +275,20 @@ class ModelRunner:
             out = sample(logits, plan.sample_rows, masks.result() if masks is not None else None)
             return out._replace(prompt_logprobs=prompt_logprobs) if prompt_logprobs else out
 
+    def execute_window(self, plan: StepPlan) -> list[SampleOutput]:
+        """A decode-only plan's ``plan.steps`` steps back to back, each feeding the tokens the last
+        sampled: one step's sampling each. The rows' LoRA indices are planned once for all of them."""
+        block_size = self.ctx.block_size
+        outs = [self.execute(plan)]
+        self._lora_memo = (plan.segments, None)
+        try:
+            for _ in range(plan.steps - 1):
+                plan = plan.advanced(outs[-1].tokens, block_size)
+                outs.append(self.execute(plan))
+        finally:
+            self._lora_memo = None
+        return outs
+
     def _logits_of(self, hidden: Tensor, rows: tuple[int, ...]) -> Callable[[list[int]], Tensor]:
         """The logits of given hidden rows: computed per call on one device; under tensor
         parallelism, rows of the step's one gathered logits (``rows``, in the order they are asked)."""
@@ -275,7 +325,7 @@ class ModelRunner:
             prefill_context_lens=inputs.context_lens[nd:],
         )
         segments = inputs.segments
-        lora = self._plan_lora(LoraIndices(b.token_slot[:T], segments), T > nd) if segments else None
+        lora = self._lora(T, nd, segments) if segments else None
         with torch.inference_mode():
             return self.ctx.forward(T, attn, lora)
 
@@ -318,6 +368,17 @@ class ModelRunner:
             assert top is not None
             out.append((i, first + 1, token_logprobs(logits, req.prompt_ids[first + 1 : first + n + 1], top)))
         return tuple(out)
+
+    def _lora(self, T: int, num_decode: int, segments: tuple[tuple[int, int, int], ...]) -> LoraIndices:
+        """The step's planned LoRA indices; within a window (``_lora_memo``) the first step's, as its
+        rows, slots and adapters' pages stay the same to its end."""
+        memo = self._lora_memo
+        if memo is not None and memo[0] is segments and memo[1] is not None:
+            return memo[1]
+        lora = self._plan_lora(LoraIndices(self.buffers.token_slot[:T], segments), T > num_decode)
+        if memo is not None and memo[0] is segments:
+            self._lora_memo = (segments, lora)
+        return lora
 
     def _plan_lora(self, lora: LoraIndices, prefill: bool) -> LoraIndices:
         """The step's LoRA indices as the backend's ops want them, planned once for every layer."""

@@ -39,6 +39,12 @@ class SampleOutput(NamedTuple):
     # (sequence index in the plan, index of the first prompt token covered, their logprobs)
     prompt_logprobs: tuple[tuple[int, int, list[TokenLogprob]], ...] = ()
 
+    def rows(self, keep: list[int]) -> SampleOutput:
+        """These rows' samples, in this order (a decode step's: no prompt logprobs)."""
+        return SampleOutput(
+            [self.tokens[i] for i in keep], [self.logprobs[i] for i in keep], [self.errors[i] for i in keep]
+        )
+
 
 # top-p looks for the nucleus among this many most likely tokens first (a partial sort), and
 # sorts a row's whole vocabulary only when their mass falls short of its top_p.
