@@ -8,7 +8,8 @@ written by its own converters (``llamacpp_peer.py``): the float32 base with floa
 float32 and, against Q8_0, with each of ``--quantizations``: ``int8`` (weight-only, per channel) and
 ``w8a8`` (the same int8 weights and per-token int8 activations: Q8_0's arithmetic class), with the
 logits' ``lm_head`` quantized too (``quantize_lm_head``), as Q8_0 holds the output matrix, and the
-adapters in float16 pages (``lora_dtype``), as llama.cpp's are f16. 32
+adapters in float16 pages (``lora_dtype``), as llama.cpp's are f16; every lorapage engine decodes
+``--num-scheduler-steps`` steps a plan (8; multi-step scheduling, docs/scheduling.md). 32
 requests of 8 prompt tokens, request ``i`` on adapter ``i mod 8``, 32 greedy tokens each, EOS ignored, the same token ids in every
 engine; tokens/s over the whole batch, prefill included.
 
@@ -250,6 +251,7 @@ class Bench:
                             quantize_lm_head=quantization_of(base) is not None,  # Q8_0's output matrix is Q8_0
                             # and its adapters are f16: the same 16-bit weights, widened exactly
                             lora_dtype="float16" if quantization_of(base) is not None else "auto",
+                            num_scheduler_steps=self.args.num_scheduler_steps,
                         )
                 one = self.llama_worker(prec, threads, col)
                 workers.append(one)
@@ -374,6 +376,12 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--no-multiprocess", action="store_true", help="no one-process-per-core runs (of either engine)")
     p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=8,
+        help="lorapage's multi-step decode (EngineConfig.num_scheduler_steps): decode steps a plan runs back to back",
+    )
+    p.add_argument(
         "--keep",
         type=Path,
         help="a directory for the models, adapters, GGUF files and reference tokens, reused by later runs "
@@ -452,6 +460,7 @@ def main() -> None:
             "rounds": args.rounds,
             "requests": REQUESTS,
             "new_tokens": args.new,
+            "num_scheduler_steps": args.num_scheduler_steps,
             "sweep_tokens": args.sweep_tokens,
             "llamacpp": llama,
             "models": models,

@@ -4,9 +4,10 @@
 
 Sets the ``lorapage`` command's OpenMP settings for ``N`` threads before torch loads
 (``lorapage.configure_threads``), then serves: ``load`` an engine by name (model, adapters,
-max_seqs, max_len, quantization, quantize_lm_head, lora_dtype) through the public embedded API, default
-scheduler; ``run`` greedy batches of ``(prompt ids, adapter)`` rows on it: the tokens and the
-seconds they took, prefill included. Nothing else runs in the process, so lorapage's OpenMP runtime is its own.
+max_seqs, max_len, quantization, quantize_lm_head, lora_dtype, num_scheduler_steps) through the
+public embedded API, default scheduler; ``run`` greedy batches of ``(prompt ids, adapter)`` rows on
+it: the tokens and the seconds they took, prefill included. Nothing else runs in the process, so
+lorapage's OpenMP runtime is its own.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
                 quantization=req.get("quantization"),
                 quantize_lm_head=req.get("quantize_lm_head", False),
                 lora_dtype=req.get("lora_dtype", "auto"),
+                num_scheduler_steps=req.get("num_scheduler_steps", 1),
             )
             return {}
         if req["op"] == "run":

@@ -96,11 +96,12 @@ def lorapage_engine(
     quantization: str | None = None,
     quantize_lm_head: bool = False,
     lora_dtype: str = "auto",
+    num_scheduler_steps: int = 1,
 ) -> Engine:
     """An engine over ``model`` with ``adapters`` registered, room for all of them resident and
     ``max_seqs`` requests at once; prefix caching off (every pass repeats its prompts); the base's
     weights quantized as ``quantization`` names (None: float32), its ``lm_head`` too with
-    ``quantize_lm_head``; the adapters' pages in ``lora_dtype``."""
+    ``quantize_lm_head``; the adapters' pages in ``lora_dtype``; ``num_scheduler_steps`` decode steps a plan."""
     config = EngineConfig(
         model=str(model),
         max_num_seqs=max_seqs,
@@ -112,6 +113,7 @@ def lorapage_engine(
         quantization=quantization,
         quantize_lm_head=quantize_lm_head,
         lora_dtype=lora_dtype,
+        num_scheduler_steps=num_scheduler_steps,
     )
     engine = Engine(config)
     for name, path in adapters.items():
