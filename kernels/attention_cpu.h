@@ -55,6 +55,36 @@ static inline const float *kv_row(const void *kv, int format, int64_t index, int
     return buf;
 }
 
+/* q . k over head_dim (a multiple of 32): four independent sums, so successive products do not wait on
+ * one another's FMA (a single chain's latency bounded the score loop). Any order is within the bound. */
+static inline float dot_heads(const float *q, const float *k, int64_t d) {
+    v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (int64_t i = 0; i < d; i += 32) {
+        s0 += ld(q + i) * ld(k + i);
+        s1 += ld(q + i + 8) * ld(k + i + 8);
+        s2 += ld(q + i + 16) * ld(k + i + 16);
+        s3 += ld(q + i + 24) * ld(k + i + 24);
+    }
+    return hsum((s0 + s1) + (s2 + s3));
+}
+
+/* o[0:64] = inv * sum over positions p in [first, n) of w[p] * V_p[0:64] (float32 pages; V_p at vbase through
+ * the row's block table): the 64 sums kept in 8 vector registers across the positions, where the loop
+ * below them (any width, any page dtype) loads and stores its accumulators once per position. Each
+ * output adds its terms in position order, as that loop does. */
+static void weighted_rows_64(float *o, const float *w, const float *vbase, const int32_t *table, int64_t first,
+                             int64_t n, int64_t block_size, int64_t page_stride, int64_t token_stride, float inv) {
+    v8 a[8] = {{0}};
+    for (int64_t p = first; p < n; p++) {
+        const float *v = vbase + table[p / block_size] * page_stride + (p % block_size) * token_stride;
+        const v8 wp = (v8){0} + w[p];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) a[i] += wp * ld(v + 8 * i);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) *(v8u *)(o + 8 * i) = a[i] * inv;
+}
+
 static int decode_attention(float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kv, int format,
                             int64_t page_stride, int64_t block_size, int64_t kv_heads, int64_t head_dim,
                             int64_t heads, const int32_t *block_table, int64_t table_stride,
@@ -88,7 +118,8 @@ static int decode_attention(float *out, int64_t out_stride, const float *q, int6
                                                 j * head_dim,
                                             head_dim, row);
                     for (int64_t g = 0; g < group; g++) {
-                        const float s = dot_f32(qb + g * head_dim, k, head_dim) * scale;
+                        const float *qg = qb + g * head_dim;
+                        const float s = (head_dim % 32 ? dot_f32(qg, k, head_dim) : dot_heads(qg, k, head_dim)) * scale;
                         scores[g * longest + p] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
                     }
                 }
@@ -98,6 +129,15 @@ static int decode_attention(float *out, int64_t out_stride, const float *q, int6
                     for (int64_t p = first; p < n; p++) top = s[p] > top ? s[p] : top;
                     for (int64_t p = first; p < n; p++) sum += (s[p] = expf(s[p] - top));
                     total[g] = sum;
+                }
+                if (format == KV_F32 && head_dim % 64 == 0) { /* the usual heads (64, 128, 256 wide) */
+                    const float *vbase = (const float *)kv + v_offset + j * head_dim;
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t c = 0; c < head_dim; c += 64)
+                            weighted_rows_64(out + b * out_stride + (j * group + g) * head_dim + c, scores + g * longest,
+                                             vbase + c, table, first, n, block_size, page_stride, token_stride,
+                                             1.0f / total[g]);
+                    continue;
                 }
                 memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
                 for (int64_t p = first; p < n; p++) {

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did
 
 SHAPES = {
     # name: (heads, KV heads, head dim, block size)
-    "gqa": (8, 4, 64, 16),
+    "gqa": (8, 4, 64, 16),  # float32 pages: V summed in registers, 64 columns at a time
+    "wide_heads": (4, 2, 128, 16),  # two 64-column parts
     "mha": (4, 4, 32, 8),
     "one_kv_head": (8, 1, 64, 16),
     "odd_head_dim": (6, 2, 20, 4),  # every dot product takes the scalar path
