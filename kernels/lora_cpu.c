@@ -273,9 +273,12 @@ static Plan plan_stripes(int stripes, int64_t n_cells, const int64_t *cell_slot,
 
 static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->big); }
 
-/* Cells of at least this many tokens over bfloat16 pages widen each block of weights into float32
- * once, and run the float32 loops over it, rather than widening every weight once per token. */
-#define WIDEN_TOKENS 3
+/* Cells of at least this many tokens over 16-bit pages widen each block of weights into float32
+ * once, and run the float32 loops over it, rather than widening every weight once per token. A
+ * 4-token cell (32 decode rows on 8 adapters, 16 on 4) reads its A rows once for its 4 tokens
+ * already (rows2_tok4): widening them first cost it a pass, 0.87 -> 0.75 ms of LoRA a decode step
+ * over float16 pages at 16 rows on 4 adapters when it stopped (3 -> 5; bench/RESULTS.md). */
+#define WIDEN_TOKENS 5
 
 #define W float
 #define F(name) name##_f32

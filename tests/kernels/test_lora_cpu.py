@@ -5,7 +5,7 @@ test_lora_torch.py runs them over every placement and step shape on its model; h
 reach the kernels' other branches: rows whose length is not a multiple of 8 (the scalar tail),
 rank 16 beside odd ranks, more A rows than one task's block, B wider than one task's block,
 cells of 1 to 64 tokens beside a long segment, decode rows run as stripes in lockstep (full,
-padded and too few to pad), cells of 3 or more tokens whose bfloat16 weights are widened once,
+padded and too few to pad), cells of 5 or more tokens whose 16-bit weights are widened once,
 and adapters whose pages are not one run (copied into scratch). Free pages hold NaN, so a read
 outside an adapter's pages would show. "Equal": within what float32 sums in any order allow of
 the float64 result (tests/numeric_bounds.py), a bound that a single wrong weight breaks.
