@@ -289,16 +289,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define RANK16 RANK16_F32
 #define NARROW 0
 #define SCALED 0
-#include "lora_cpu_body.h"
-#undef W
-#undef F
-#undef LDW
-#undef ROW16
-#undef H16
-#undef TOF
-#undef RANK16
-#undef NARROW
-#undef SCALED
+#include "lora_cpu_body.h" /* which #undefs these for the next */
 
 #define W uint16_t
 #define F(name) name##_bf16
@@ -309,16 +300,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define RANK16 RANK16_BF16
 #define NARROW 1
 #define SCALED 0
-#include "lora_cpu_body.h"
-#undef W
-#undef F
-#undef LDW
-#undef ROW16
-#undef H16
-#undef TOF
-#undef RANK16
-#undef NARROW
-#undef SCALED
+#include "lora_cpu_body.h" /* which #undefs these for the next */
 
 #define W uint16_t
 #define F(name) name##_f16
@@ -329,16 +311,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define RANK16 RANK16_F16
 #define NARROW 1
 #define SCALED 0
-#include "lora_cpu_body.h"
-#undef W
-#undef F
-#undef LDW
-#undef ROW16
-#undef H16
-#undef TOF
-#undef RANK16
-#undef NARROW
-#undef SCALED
+#include "lora_cpu_body.h" /* which #undefs these for the next */
 
 #define W int8_t
 #define F(name) name##_i8
@@ -349,16 +322,7 @@ static void free_plan(Plan *p) { free(p->stripes), free(p->pack_begin), free(p->
 #define RANK16 RANK16_I8
 #define NARROW 1
 #define SCALED 1
-#include "lora_cpu_body.h"
-#undef W
-#undef F
-#undef LDW
-#undef ROW16
-#undef H16
-#undef TOF
-#undef RANK16
-#undef NARROW
-#undef SCALED
+#include "lora_cpu_body.h" /* which #undefs these for the next */
 
 #include "attention_cpu.h"
 

@@ -443,3 +443,13 @@ void F(lora_group)(float *y, int64_t y_stride, float *h, int64_t h_stride, const
 #undef B_SPAN
 #undef B_ROOM
 #undef EXPAND_BLOCK
+/* The includer's parameters, so the next include defines them afresh. */
+#undef W
+#undef F
+#undef LDW
+#undef ROW16
+#undef H16
+#undef TOF
+#undef RANK16
+#undef NARROW
+#undef SCALED
