@@ -46,7 +46,12 @@ _EXPAND = [_P, _I, _P, _I, *_CELLS, _I, _P, _P, _P, _P, _P, _I, _I, _INT]  # y, 
 # y, h, x, d_in; cells; A tables; B tables; the highest rank, threads (lora_group: shrink then expand)
 _GROUP = [_P, _I, _P, _I, _P, _I, _I, *_CELLS, _P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _INT]
 # One set per page dtype the kernels read (float32 activations always).
-WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.int8: "i8"}  # int8: per-row scales
+WEIGHT_DTYPES = {
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.int8: "i8",
+}  # int8: per-row scales
 # The KV page dtypes decode attention reads (float32 queries always): kv_cache_dtype.
 KV_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _F = ctypes.c_float

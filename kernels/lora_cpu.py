@@ -22,7 +22,7 @@ from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 
 def c_kernels_take(activations: torch.dtype, pages: torch.dtype) -> bool:
-    """Whether the C kernels compute over these dtypes: float32 activations, float32, bfloat16, float16 or int8 pages."""
+    """Whether the C kernels compute over these dtypes: float32 activations; float32, 16-bit or int8 pages."""
     return activations == torch.float32 and pages in WEIGHT_DTYPES
 
 
