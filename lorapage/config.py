@@ -489,11 +489,6 @@ class EngineConfig:
                 f"EngineConfig.quantization {self.quantization!r} needs dtype float32 (its kernels take float32 "
                 f"activations into an int8 GEMM and give float32 back); got {self.dtype}"
             )
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"EngineConfig.quantization {self.quantization!r} cannot run with tensor_parallel_size > 1 yet (the "
-                "ranks' shards are cut from the unquantized weights); use tensor_parallel_size 1 or no quantization"
-            )
         if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             raise ValueError(
                 f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r}: an fp8 KV cache is not supported (a CPU has no "

@@ -40,7 +40,6 @@ from lorapage.engine.devices import (
     forward_thread_count,
     io_thread,
     io_thread_count,
-    quantized_ops,
     resolve_device,
     shorten_switch_interval,
     usable_cores,
@@ -61,6 +60,7 @@ from lorapage.model.loader import model_digest
 from lorapage.model.lora_tables import LoraTables
 from lorapage.model.merge import module_weight
 from lorapage.model.quantized_checkpoint import load_checkpoint, quantized_base
+from lorapage.model.quantized_ops import quantized_ops
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
 from lorapage.omp_env import SPINCOUNT_ENV, TeamlessPool, spin_setting
@@ -237,9 +237,8 @@ def build_memory(config: EngineConfig, base: BaseParts, sizing: Sizing, clock: C
 
 
 def _num_pages(config: EngineConfig, mc: ModelConfig, sizing: Sizing) -> tuple[int, int]:
-    """The pool's pages, and the bytes a CUDA pool leaves beside it for the steps (activations and
-    headroom), allocated only as steps run: an engine sized after this one on the same device must
-    leave them (serve --base)."""
+    """The pool's pages, and the bytes a CUDA pool leaves beside it for the steps (activations,
+    headroom: allocated as steps run; an engine sized after it on the device leaves them)."""
     if config.num_pages is not None:
         return config.num_pages, 0
     # Room for the adapters asked to be resident at once (an explicit max_resident_loras), else for
@@ -331,6 +330,7 @@ def _start_ranks(config: EngineConfig, base: BaseParts, sizing: Sizing, memory: 
         page_list_width=memory.tables.page_table.shape[1], max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=sizing.max_num_batched_tokens, max_blocks=sizing.max_blocks,
         lora_h_width=lora_h_width(base.model_config, config.max_lora_rank),
+        quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
     )  # fmt: skip
     return TensorParallelGroup(spec)
 

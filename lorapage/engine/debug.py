@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from lorapage.memory.reclaim import Reclaim
     from lorapage.model.lora_tables import LoraTables
     from lorapage.model.runner import ModelRunner
+    from lorapage.parallel import TensorParallelGroup
     from lorapage.registry.catalog import AdapterCatalog
     from lorapage.request import Request
     from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy
@@ -58,6 +59,7 @@ class EngineDebug:
     # the forward pass
     runner: ModelRunner
     ops: KernelOps
+    parallel: TensorParallelGroup | None  # the other tensor-parallel ranks (None: one device)
     # adapters
     residency: Residency
     adapters: AdapterCache
@@ -97,6 +99,7 @@ class EngineDebug:
             reclaim=memory.reclaim,
             runner=forward.runner,
             ops=forward.ops,
+            parallel=forward.parallel,
             residency=adapters.residency,
             adapters=adapters.cache,
             sources=adapters.sources,

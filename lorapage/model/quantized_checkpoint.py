@@ -113,7 +113,11 @@ def quantized_base(model: LlamaModel, scales: dict[str, Tensor]) -> LlamaModel:
     if scheme is None or not scales:
         return model
     if model.config.lora_shards > 1:
-        raise ValueError("a pre-quantized checkpoint cannot be served with tensor_parallel_size > 1 yet")
+        raise ValueError(
+            "a pre-quantized checkpoint cannot be served with tensor_parallel_size > 1 yet (its scales would be cut "
+            "with the shards): serve it with tensor_parallel_size 1, or its float checkpoint with --quantization, "
+            "which each rank applies to its own shard"
+        )
     for i, layer in enumerate(model.layers):
         for (key, sub), group in zip(PROJECTION_PREFIXES, GROUPS, strict=True):
             fused = group_weight(scales.__getitem__, f"model.layers.{i}.{sub}", model.config, group)

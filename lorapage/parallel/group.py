@@ -64,6 +64,7 @@ class TensorParallelGroup:
         self.world_size = spec.world_size
         self._dir = Path(tempfile.mkdtemp(prefix="lorapage-tp-"))
         spec = replace(spec, store_path=str(self._dir / "store"))
+        self.spec = spec  # rank 0's: what each worker built its shard from (with its rank)
         ctx = multiprocessing.get_context("spawn")
         self._conns: list[Connection] = []
         self.processes: list[BaseProcess] = []

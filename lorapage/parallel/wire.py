@@ -47,6 +47,8 @@ class WorkerSpec:
     max_num_batched_tokens: int
     max_blocks: int
     lora_h_width: int
+    quantization: str | None = None  # --quantization: each rank quantizes its own shard
+    quantize_lm_head: bool = False
     rank: int = 0
     store_path: str = ""  # the process group's rendezvous file (set by TensorParallelGroup)
 

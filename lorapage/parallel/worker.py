@@ -17,6 +17,7 @@ from lorapage.model.gemma import GemmaModel
 from lorapage.model.llama import LlamaModel
 from lorapage.model.loader import load_state_dict
 from lorapage.model.lora_tables import LoraTables
+from lorapage.model.quantized_ops import quantized_ops
 from lorapage.model.runner import ModelRunner
 from lorapage.parallel.shards import shard_base, shard_config
 from lorapage.parallel.wire import (
@@ -44,7 +45,9 @@ def build_rank(spec: WorkerSpec) -> tuple[ModelRunner, PagePool, LoraTables]:
     model = family(mc, state, device, spec.dtype, spec.max_model_len)
     pool = PagePool(mc.num_layers, spec.num_pages, spec.page_size, spec.dtype, device, spec.lora_dtype)
     tables = LoraTables(mc, spec.lora_slots, spec.page_list_width, device)
-    ops = select_backend(spec.kernel_backend, device, spec.dtype)
+    ops = quantized_ops(
+        select_backend(spec.kernel_backend, device, spec.dtype), spec.quantization, device, mc, spec.quantize_lm_head
+    )
     runner = ModelRunner(
         model,
         pool,

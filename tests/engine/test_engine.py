@@ -265,10 +265,6 @@ def test_triton_backend_matches_torch_end_to_end():
         (dict(dtype="bfloat16", lora_dtype="int8"), "lora_dtype 'int8' cannot serve a bfloat16 model"),
         (dict(lora_dtype="int8", kernel_backend="triton"), "'int8' cannot run with kernel_backend 'triton'"),
         (dict(lora_dtype="int8", tensor_parallel_size=2), "'int8' cannot run with tensor_parallel_size > 1"),
-        (
-            dict(quantization="w8a8", tensor_parallel_size=2),
-            "quantization 'w8a8' cannot run with tensor_parallel_size > 1",
-        ),
         (dict(dtype="bfloat16", lora_dtype="float32"), "lora_dtype 'float32' cannot serve a bfloat16 model"),
         (dict(dtype="bfloat16", lora_dtype="float16"), "lora_dtype 'float16' cannot serve a bfloat16 model"),
         (dict(kernel_backend="cuda"), "EngineConfig.kernel_backend must be one of"),

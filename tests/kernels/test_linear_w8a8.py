@@ -200,7 +200,7 @@ def test_w8a8_without_int8_dot_products_runs_fbgemm_or_warns(monkeypatch, caplog
     """torch's int8 GEMM needs VNNI / AMX (x86) or SDOT / I8MM (arm) to beat float32; without them
     the engine runs FBGEMM's int8 GEMM, and where this torch has none it still serves w8a8 through
     torch's and says at start that this CPU runs it slowly."""
-    from lorapage.engine import devices
+    from lorapage.model import quantized_ops
 
     assert cpu_isa.int8_dot_product(frozenset({"avx2", "fma"})) is False
     assert cpu_isa.int8_dot_product(frozenset({"avx512f", "avx512_vnni"})) is True
@@ -211,8 +211,8 @@ def test_w8a8_without_int8_dot_products_runs_fbgemm_or_warns(monkeypatch, caplog
     if fbgemm_available():
         cases.append((avx2, True, linear_w8a8_fbgemm, False))
     for flags, fbgemm, linear, warned in cases:
-        monkeypatch.setattr(devices, "cpu_flags", lambda flags=flags: flags)
-        monkeypatch.setattr(devices, "fbgemm_available", lambda fbgemm=fbgemm: fbgemm)
+        monkeypatch.setattr(quantized_ops, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(quantized_ops, "fbgemm_available", lambda fbgemm=fbgemm: fbgemm)
         caplog.clear()
         with caplog.at_level("WARNING", logger="lorapage.engine"):
             engine = Engine(EngineConfig(quantization="w8a8", num_threads=1))
