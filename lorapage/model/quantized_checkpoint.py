@@ -63,7 +63,8 @@ def _check_servable(scheme: CheckpointQuantization, dtype: torch.dtype, config: 
         )
     if config.moe is not None:
         raise ValueError(
-            f"a {scheme.name}-quantized MoE checkpoint is not supported: the experts are not quantized yet"
+            f"a {scheme.name}-quantized MoE checkpoint is not supported yet (its experts' scales are not read); "
+            "serve its float checkpoint with --quantization, which quantizes the experts too"
         )
 
 

@@ -32,9 +32,10 @@ def quantized_ops(
     (``kernels/linear_int8.py``) or w8a8, the same int8 weights with the activations quantized per
     token (``kernels/linear_w8a8.py``; on an x86 CPU without int8 dot products, FBGEMM's GEMM with
     7-bit activations, ``kernels/linear_w8a8_fbgemm.py``); fp8 weight-only anywhere (``kernels/linear_fp8.py``: on a
-    CPU a slow correctness path). ValueError where it cannot run: int8 or w8a8 on CUDA, or a MoE
-    base (its experts' weights are held apart). ``lm_head`` (int8 and w8a8): the logits' weight
-    quantized too; otherwise it stays float32, packed as the float32 projections are."""
+    CPU a slow correctness path). A MoE base's experts are packed and run as the projections are
+    (``MoeMlp.pack``, one ``linear`` per expert). ValueError where it cannot run: int8 or w8a8 on
+    CUDA. ``lm_head`` (int8 and w8a8): the logits' weight quantized too; otherwise it stays float32,
+    packed as the float32 projections are."""
     name = serving_quantization(quantization, model.quantization)
     if lm_head and name not in ("int8", "w8a8"):  # the served scheme: named, or the checkpoint's
         raise ValueError(
@@ -43,8 +44,6 @@ def quantized_ops(
         )
     if name is None:
         return ops
-    if model.moe is not None:
-        raise ValueError(f"EngineConfig.quantization {name!r}: a MoE base's experts are not quantized yet")
     if name == "fp8":  # the logits' lm_head stays in the model's dtype, a plain tensor for F.linear
         return dataclasses.replace(ops, pack_weight=pack_fp8, linear=linear_fp8, pack_logits=keep_weight)
     if device.type != "cpu":
