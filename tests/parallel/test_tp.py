@@ -65,8 +65,8 @@ def checkpoint(tmp_path_factory):
     return root
 
 
-def _engine(root, tp: int) -> Engine:
-    engine = Engine(EngineConfig(model=str(root / "base"), tensor_parallel_size=tp, max_lora_rank=MAX_RANK))
+def _engine(root, tp: int, **config) -> Engine:
+    engine = Engine(EngineConfig(model=str(root / "base"), tensor_parallel_size=tp, max_lora_rank=MAX_RANK, **config))
     for name in ("a1", "a2"):
         engine.add_adapter(name, str(root / name))
     return engine

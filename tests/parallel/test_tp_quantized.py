@@ -17,8 +17,7 @@ import dataclasses
 
 import pytest
 import torch
-from hf_reference import make_peft_adapter, make_random_llama
-from test_tp import ALL, BOUND, INTERMEDIATE, LAYERS, MAX_RANK
+from test_tp import BOUND, LAYERS, _engine, checkpoint  # noqa: F401 (the fixture)
 
 from lorapage import Engine, EngineConfig, SamplingParams
 from lorapage.kernels.linear_int8 import Int8Rows, pack_int8
@@ -29,24 +28,6 @@ from lorapage.parallel.worker import build_rank
 
 PROMPTS = [([1, 2, 3, 4, 5, 6, 7], None), ([7, 8, 9, 10, 11], "a1"), ([10, 11, 12, 13, 14, 15], "a1")]
 TEACHER = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tpq")
-    base = make_random_llama(root / "base", layers=LAYERS, hidden=64, heads=4, kv_heads=2, intermediate=INTERMEDIATE)
-    make_peft_adapter(base, root / "a1", r=MAX_RANK, targets=ALL, seed=1)
-    return root
-
-
-def _engine(root, tp: int, quantization: str | None) -> Engine:
-    engine = Engine(
-        EngineConfig(
-            model=str(root / "base"), tensor_parallel_size=tp, max_lora_rank=MAX_RANK, quantization=quantization
-        )
-    )
-    engine.add_adapter("a1", str(root / "a1"))
-    return engine
 
 
 def _prompt_logprobs(engine: Engine) -> list[float]:
@@ -62,7 +43,7 @@ def _distance(a: list[float], b: list[float]) -> float:
 def tp1(checkpoint):
     out = {}
     for q in (None, "int8", "w8a8"):
-        engine = _engine(checkpoint, 1, q)
+        engine = _engine(checkpoint, 1, quantization=q)
         out[q] = _prompt_logprobs(engine)
         asyncio.run(engine.close())
     return out
@@ -80,7 +61,7 @@ def test_every_rank_holds_its_own_shard_quantized(checkpoint):
     """Each rank's o (row-parallel: half of each row's columns) and q/k/v (column-parallel: whole
     rows, fused) are its shard of the checkpoint quantized row by row, int8 values and scales
     exactly: rank 0 in the engine, rank 1 built again here from the spec its worker got."""
-    engine = _engine(checkpoint, 2, "int8")
+    engine = _engine(checkpoint, 2, quantization="int8")
     spec = engine.debug.parallel.spec
     whole = ModelConfig.from_dir(spec.model_dir)
     state = load_state_dict(spec.model_dir, spec.dtype)
@@ -100,7 +81,7 @@ def test_tp2_stays_as_close_to_float32_as_tp1(checkpoint, tp1, quantization):
     """Teacher-forced logprobs of a mixed batch (the base and an all-module adapter): TP=2's
     quantized model is no further from the float32 model than TP=1's, up to a factor of 2 and the
     float32 bound between two orders of sums (tests/parallel/test_tp.py)."""
-    engine = _engine(checkpoint, 2, quantization)
+    engine = _engine(checkpoint, 2, quantization=quantization)
     tp2 = _prompt_logprobs(engine)
     asyncio.run(engine.close())
     quantized = _distance(tp1[quantization], tp1[None])
