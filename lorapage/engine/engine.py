@@ -261,7 +261,7 @@ class Engine:
         self._merged.check_weights(merged)  # the route was decided on the weights as they were before tokenizing
 
         intake = self._steps.intake
-        first_sampling = dataclasses.replace(sampling, n=1)
+        first_sampling = sampling if sampling.n == 1 else dataclasses.replace(sampling, n=1)
         req = intake.build(
             ids,
             adapter,
