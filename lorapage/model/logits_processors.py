@@ -35,31 +35,36 @@ class SampleRow:
     constraint: Constraint | None = field(default=None, repr=False)  # structured output
 
 
-def reads_outputs(row: SampleRow) -> bool:
-    """Whether the row's next token depends on the tokens it generated (penalties, min_tokens still
-    holding stop tokens back, bad words, a constraint): each must be recorded before the next is
-    drawn. Rows that read none may draw several tokens before any is recorded (num_scheduler_steps)."""
+def _history_rules(row: SampleRow) -> bool:
+    """Whether a processor reading the row's history runs on it now, whatever it has generated so
+    far: the repetition penalty (prompt too), min_tokens still holding stop tokens, bad words, a grammar."""
     p = row.params
     return (
-        p.presence_penalty != 0.0
-        or p.frequency_penalty != 0.0
-        or p.repetition_penalty != 1.0
+        p.repetition_penalty != 1.0
         or (len(row.output_ids) < p.min_tokens and bool(row.stop_ids))
         or bool(row.bad_words)
         or row.constraint is not None
     )
 
 
+def _output_penalties(row: SampleRow) -> bool:
+    return row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0
+
+
+def reads_outputs(row: SampleRow) -> bool:
+    """Whether the row's next token depends on the tokens it generated (penalties, min_tokens still
+    holding stop tokens back, bad words, a constraint): each must be recorded before the next is
+    drawn. Rows that read none may draw several tokens before any is recorded (num_scheduler_steps)."""
+    return _output_penalties(row) or _history_rules(row)
+
+
 def needs_processing(row: SampleRow) -> bool:
     p = row.params
     return (
-        (bool(row.output_ids) and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0))
-        or p.repetition_penalty != 1.0
+        (bool(row.output_ids) and _output_penalties(row))
+        or _history_rules(row)
         or bool(p.logit_bias)
-        or (len(row.output_ids) < p.min_tokens and bool(row.stop_ids))
-        or bool(row.bad_words)
         or p.allowed_token_ids is not None
-        or row.constraint is not None
     )
 
 

@@ -279,9 +279,9 @@ class ModelRunner:
         """A decode-only plan's ``plan.steps`` steps back to back, each feeding the tokens the last
         sampled: one step's sampling each. The rows' LoRA indices are planned once for all of them."""
         block_size = self.ctx.block_size
-        outs = [self.execute(plan)]
-        self._lora_memo = (plan.segments, None)
+        self._lora_memo = (plan.segments, None)  # the first step plans them, the others reuse them
         try:
+            outs = [self.execute(plan)]
             for _ in range(plan.steps - 1):
                 plan = plan.advanced(outs[-1].tokens, block_size)
                 outs.append(self.execute(plan))
