@@ -22,7 +22,8 @@
  * per-thread buffer; softmax subtracts the row's largest score before expf. tests/test_attention_cpu.py
  * checks it against a float64 reference with a bound that holds for any summation order.
  *
- * Threads: one task per (row, KV head), spread over torch's OpenMP threads.
+ * Threads: one task per row (each position's K and V read as one run over its KV heads), or per
+ * (row, KV head) where there are few rows, spread over torch's OpenMP threads.
  */
 #include <math.h>
 
@@ -68,21 +69,22 @@ static inline float dot_heads(const float *q, const float *k, int64_t d) {
     return hsum((s0 + s1) + (s2 + s3));
 }
 
-/* o[0:64] = inv * sum over positions p in [first, n) of w[p] * V_p[0:64] (float32 pages; V_p at vbase through
- * the row's block table): the 64 sums kept in 8 vector registers across the positions, where the loop
- * below them (any width, any page dtype) loads and stores its accumulators once per position. Each
- * output adds its terms in position order, as that loop does. */
-static void weighted_rows_64(float *o, const float *w, const float *vbase, const int32_t *table, int64_t first,
-                             int64_t n, int64_t block_size, int64_t page_stride, int64_t token_stride, float inv) {
-    v8 a[8] = {{0}};
-    for (int64_t p = first; p < n; p++) {
-        const float *v = vbase + table[p / block_size] * page_stride + (p % block_size) * token_stride;
-        const v8 wp = (v8){0} + w[p];
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) a[i] += wp * ld(v + 8 * i);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) *(v8u *)(o + 8 * i) = a[i] * inv;
+#define PREFETCH_AHEAD 2
+/* Ask for position p's K and V (elements [off, off + n) of its token row) ahead of their reads. */
+static inline void prefetch_position(const void *kv, int format, const int32_t *table, int64_t p, int64_t block_size,
+                                     int64_t page_stride, int64_t token_stride, int64_t off, int64_t n) {
+    const int64_t elem = format == KV_F32 ? 4 : 2;
+    const char *k = (const char *)kv + (table[p / block_size] * page_stride + (p % block_size) * token_stride + off) * elem;
+    const char *v = k + block_size * token_stride * elem;
+    for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(k + b), __builtin_prefetch(v + b);
+}
+
+/* acc[0:n] += w * v[0:n]. */
+static inline void axpy(float *acc, float w, const float *v, int64_t n) {
+    const v8 wv = (v8){0} + w;
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) *(v8u *)(acc + d) = ld(acc + d) + wv * ld(v + d);
+    for (; d < n; d++) acc[d] += w * v[d];
 }
 
 static int decode_attention(float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kv, int format,
@@ -92,69 +94,60 @@ static int decode_attention(float *out, int64_t out_stride, const float *q, int6
                             int nthreads) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     const int64_t v_offset = block_size * token_stride; /* V's half of a page */
+    /* A task: KV heads [j0, j0 + span) of one row. A whole row where there are rows enough to share
+     * out, so each position's K and V are read as one run over the heads (a page's positions one
+     * stretch of memory); else one KV head a task, so a few long rows still use every thread. */
+    const int64_t span = rows >= 4 * (int64_t)nthreads ? kv_heads : 1, parts = kv_heads / span;
     int64_t longest = 0;
     int failed = 0;
     for (int64_t b = 0; b < rows; b++)
         if (context_lens[b] > longest) longest = context_lens[b];
 #pragma omp parallel num_threads(nthreads)
     {
-        /* Per thread: the G query heads' scores over the longest context, and their outputs. */
-        float *scores = malloc((size_t)(group * longest + group * head_dim + head_dim) * sizeof(float));
-        float *acc = scores + group * longest, *row = acc + group * head_dim; /* row: a widened K or V */
+        /* Per thread: its task's query heads' scores over the longest context, their outputs, and
+         * one position's K or V over the task's heads (widened half pages). */
+        const int64_t task_heads = span * group, width = span * head_dim;
+        float *scores = malloc((size_t)(task_heads * longest + task_heads * head_dim + width) * sizeof(float));
+        float *acc = scores + task_heads * longest, *row = acc + task_heads * head_dim;
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = 0; b < rows; b++)
-            for (int64_t j = 0; j < kv_heads; j++) {
+            for (int64_t part = 0; part < parts; part++) {
                 if (!scores) continue;
                 const int64_t n = context_lens[b], first = window > 0 && n > window ? n - window : 0;
+                const int64_t j0 = part * span;
                 const int32_t *table = block_table + b * table_stride;
-                const float *qb = q + b * q_stride + j * group * head_dim;
+                const float *qb = q + b * q_stride + j0 * group * head_dim;
                 for (int64_t p = first; p < n; p++) {
-                    const float *k = kv_row(kv, format,
-                                            table[p / block_size] * page_stride + (p % block_size) * token_stride +
-                                                j * head_dim,
-                                            head_dim, row);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qg = qb + g * head_dim;
-                        const float s = (head_dim % 32 ? dot_f32(qg, k, head_dim) : dot_heads(qg, k, head_dim)) * scale;
-                        scores[g * longest + p] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+                    const int64_t at = table[p / block_size] * page_stride + (p % block_size) * token_stride;
+                    if (p + PREFETCH_AHEAD < n) prefetch_position(kv, format, table, p + PREFETCH_AHEAD, block_size, page_stride, token_stride, j0 * head_dim, width);
+                    const float *k = kv_row(kv, format, at + j0 * head_dim, width, row);
+                    for (int64_t h = 0; h < task_heads; h++) {
+                        const float *qh = qb + h * head_dim, *kh = k + (h / group) * head_dim;
+                        const float s = (head_dim % 32 ? dot_f32(qh, kh, head_dim) : dot_heads(qh, kh, head_dim)) * scale;
+                        scores[h * longest + p] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
                     }
                 }
-                float total[group];
-                for (int64_t g = 0; g < group; g++) {
-                    float *s = scores + g * longest, top = -INFINITY, sum = 0.0f;
+                float inv[task_heads];
+                for (int64_t h = 0; h < task_heads; h++) {
+                    float *s = scores + h * longest, top = -INFINITY, sum = 0.0f;
                     for (int64_t p = first; p < n; p++) top = s[p] > top ? s[p] : top;
                     for (int64_t p = first; p < n; p++) sum += (s[p] = expf(s[p] - top));
-                    total[g] = sum;
+                    inv[h] = 1.0f / sum;
                 }
-                if (format == KV_F32 && head_dim % 64 == 0) { /* the usual heads (64, 128, 256 wide) */
-                    const float *vbase = (const float *)kv + v_offset + j * head_dim;
-                    for (int64_t g = 0; g < group; g++)
-                        for (int64_t c = 0; c < head_dim; c += 64)
-                            weighted_rows_64(out + b * out_stride + (j * group + g) * head_dim + c, scores + g * longest,
-                                             vbase + c, table, first, n, block_size, page_stride, token_stride,
-                                             1.0f / total[g]);
-                    continue;
-                }
-                memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+                memset(acc, 0, (size_t)(task_heads * head_dim) * sizeof(float));
                 for (int64_t p = first; p < n; p++) {
-                    const float *v = kv_row(kv, format,
-                                            table[p / block_size] * page_stride + v_offset +
-                                                (p % block_size) * token_stride + j * head_dim,
-                                            head_dim, row);
-                    for (int64_t g = 0; g < group; g++) {
-                        const float w = scores[g * longest + p];
-                        float *a = acc + g * head_dim;
-                        for (int64_t d = 0; d < head_dim; d++) a[d] += w * v[d];
-                    }
+                    const int64_t at = table[p / block_size] * page_stride + v_offset + (p % block_size) * token_stride;
+                    const float *v = kv_row(kv, format, at + j0 * head_dim, width, row);
+                    for (int64_t h = 0; h < task_heads; h++)
+                        axpy(acc + h * head_dim, scores[h * longest + p], v + (h / group) * head_dim, head_dim);
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    float *o = out + b * out_stride + (j * group + g) * head_dim;
-                    const float inv = 1.0f / total[g];
-                    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g * head_dim + d] * inv;
+                for (int64_t h = 0; h < task_heads; h++) {
+                    float *o = out + b * out_stride + (j0 * group + h) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[h * head_dim + d] * inv[h];
                 }
             }
         free(scores);

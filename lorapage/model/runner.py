@@ -294,7 +294,8 @@ class ModelRunner:
         parallelism, rows of the step's one gathered logits (``rows``, in the order they are asked)."""
         model = self.ctx.model
         if not rows:
-            return lambda want: model.logits(hidden[want])
+            # A decode step samples every row, in order: its hidden states as they are, not gathered.
+            return lambda want: model.logits(hidden if want == list(range(len(hidden))) else hidden[want])
         whole = model.logits(hidden[torch.tensor(rows, device=hidden.device)])
         taken = [0]
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lorapage.model.logits_processors import NEG_INF, SampleRow, process
+from lorapage.model.logits_processors import NEG_INF, SampleRow, needs_processing, process
 from lorapage.request import TokenLogprob
 from lorapage.sampling_params import SamplingParams
 
@@ -175,6 +175,23 @@ def _logprobs(logits: Tensor, processed: Tensor, rows: list[SampleRow], tokens: 
     return out
 
 
+def _plain_greedy(row: SampleRow) -> bool:
+    """A greedy row with no processor, constraint or logprobs: its token is its logits' argmax."""
+    return row.params.greedy and row.params.logprobs is None and row.constraint is None and not needs_processing(row)
+
+
+def _greedy(logits: Tensor) -> SampleOutput:
+    """:func:`sample` of rows that are all :func:`_plain_greedy`, in three reductions: each row's
+    first largest logit (``max``'s index is ``argmax``'s), failed where a row is not all finite
+    (its largest or smallest is not: both propagate NaN)."""
+    largest, picked = logits.max(dim=-1)
+    finite = torch.isfinite(largest) & torch.isfinite(logits.amin(dim=-1))
+    status = torch.where(finite, picked, _BAD_LOGITS).tolist()
+    errors = [_ERRORS[s] if s < 0 else None for s in status]
+    tokens = [FAILED_TOKEN if s < 0 else s for s in status]
+    return SampleOutput(tokens, [None] * len(tokens), errors)
+
+
 def sample(logits: Tensor, rows: list[SampleRow], masks: Tensor | None = None) -> SampleOutput:
     """Next token of each row, its logprobs where the row asked for them, and per-row errors.
 
@@ -190,6 +207,8 @@ def sample(logits: Tensor, rows: list[SampleRow], masks: Tensor | None = None) -
     ``logprobs_mode`` may ask for the processed distribution's (:func:`processed_logits`).
     (Unseeded rows share the global generator, so their draws are fresh per step either way.)
     """
+    if masks is None and all(_plain_greedy(r) for r in rows):
+        return _greedy(logits)
     processed = process(logits, rows, masks)
     picked = torch.argmax(processed, dim=-1)
     # A row whose every token is excluded (a grammar with no way on) has nothing to choose.

@@ -81,6 +81,23 @@ def test_all_rows_bad_and_greedy_nan_never_raise():
     assert all(out.errors)
 
 
+def test_a_batch_of_plain_greedy_rows_samples_as_the_general_path(logits):
+    """All rows greedy without processors or logprobs take the short path (three reductions): the
+    same tokens and errors as through the general one, ties going to the first largest logit."""
+    tied = logits[1].clone()
+    tied[[9, 4]] = tied.max() + 1.0  # two largest, equal: token 4 (the first) either way
+    minus_inf = logits[2].clone()
+    minus_inf[0] = float("-inf")
+    batch = torch.stack([logits[0], torch.full((VOCAB,), float("nan")), tied, minus_inf, logits[2]])
+    plain = [SampleRow(SamplingParams(temperature=0.0), None, [1, 2]) for _ in range(len(batch))]
+    short = sample(batch, plain)
+    general = sample(batch, [*plain[:-1], SampleRow(SamplingParams(temperature=0.0, logprobs=0), None, [1, 2])])
+    assert short.tokens == general.tokens and short.errors == general.errors
+    assert short.tokens[2] == 4 and short.tokens[0] == int(logits[0].argmax())
+    assert short.tokens[1] == short.tokens[3] == FAILED_TOKEN and "NaN or Inf logits" in short.errors[3]
+    assert short.logprobs == [None] * len(batch)
+
+
 def test_seeded_draw_is_independent_of_the_batch(logits):
     def seeded() -> SampleRow:
         return SampleRow(SamplingParams(seed=42, top_p=0.95), torch.Generator().manual_seed(42), [])
