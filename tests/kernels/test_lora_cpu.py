@@ -43,6 +43,9 @@ STEPS = {
     "decode": ([3, 16, 24, 16], [1, 0, 2, 3, 4], [1] * 5),
     "short_cells": ([3, 16, 24, 16], [2, 1, 4, 3, 2, 0], [5, 2, 13, 1, 3, 2]),
     "cell_limit_and_long": ([16, 24], [1, 2, 1], [CELL_TOKENS, CELL_TOKENS + 1, 7]),
+    # Decode rows as cells of 3, 4 (rank 16: one pass over B for the cell's tokens), 3 (rank 3) and
+    # 5 tokens (rank 16: 4 at once, then 1), interleaved, and a row without an adapter.
+    "multi_token_cells": ([16, 16, 3, 16], [1, 2, 4, 3, 1, 2, 4, 3, 2, 4, 1, 0, 4, 2, 3, 4], [1] * 16),
     # Decode rows on 15 adapters, as stripes in lockstep: 13 rank-16 stripes (a full pack of 8, then
     # 5 padded), two stripes each of ranks 3 and 24 (packs too small to pad), three 2-token cells,
     # and a 5-token cell beside them that runs alone.
