@@ -61,12 +61,14 @@ _DECODE_ATTENTION = [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _F,
 # step_cpu.h: out, x, residual (each with its row stride), weight, rows, dim, eps, threads;
 # out, gate_up (each with its row stride), rows, intermediate size, threads; x, row stride, heads,
 # head dim, cos, sin (a row per token), their row stride, rotated columns, rows, threads; the KV slab, page
-# stride, block size, width, k, its stride, v, its stride, slots, rows.
+# stride, block size, width, k, its stride, v, its stride, slots, rows; logits, their row stride,
+# rows, vocabulary, the picked indices, threads.
 _STEP = {
     "rms_norm_f32": [_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _INT],
     "silu_mul_f32": [_P, _I, _P, _I, _I, _I, _INT],
     "rope_f32": [_P, _I, _I, _I, _P, _P, _I, _I, _I, _INT],
     "write_kv_f32": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I],
+    "greedy_rows_f32": [_P, _I, _I, _I, _P, _INT],
 }
 # name: (argument types, result type)
 SIGNATURES: dict[str, tuple[list, type | None]] = {

@@ -126,3 +126,50 @@ void write_kv_f32(float *kv, int64_t page_stride, int64_t block_size, int64_t wi
         memcpy(page + block_size * width, v + t * v_stride, (size_t)width * sizeof(float));
     }
 }
+
+/* out[t] = the index of row t's first largest value, or -1 where the row holds a NaN or an
+ * infinity (torch.argmax's index, and the sampler's test for a row it cannot sample). One pass for
+ * the largest value and the row's finiteness (x - x is 0 exactly for a finite x), then the first
+ * position holding it (a value equal to the largest under ==, as argmax's comparisons find it). */
+void greedy_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1 && rows * vocab >= PARALLEL_MIN) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *r = x + t * stride;
+        const v8 zero = {0};
+        v8 top8[4] = {zero - INFINITY, zero - INFINITY, zero - INFINITY, zero - INFINITY}; /* 4 chains */
+        u32x8 bad8 = {0};
+        int64_t i = 0;
+        for (; i + 32 <= vocab; i += 32)
+            for (int c = 0; c < 4; c++) {
+                const v8 v = ld(r + i + 8 * c);
+                const u32x8 above = (u32x8)(v > top8[c]);
+                top8[c] = (v8)(((u32x8)v & above) | ((u32x8)top8[c] & ~above));
+                bad8 |= (u32x8)((v - v) != zero);
+            }
+        float top = -INFINITY;
+        int bad = 0;
+        for (int c = 0; c < 4; c++)
+            for (int k = 0; k < 8; k++) {
+                top = top8[c][k] > top ? top8[c][k] : top;
+                bad |= bad8[k] != 0;
+            }
+        for (; i < vocab; i++) {
+            top = r[i] > top ? r[i] : top;
+            bad |= (r[i] - r[i]) != 0.0f;
+        }
+        int64_t at = -1;
+        if (!bad) {
+            const v8 top_v = zero + top;
+            for (i = 0; i + 8 <= vocab; i += 8) { /* the block holding it, then its place there */
+                const u32x8 hit = (u32x8)(ld(r + i) == top_v);
+                if (hit[0] | hit[1] | hit[2] | hit[3] | hit[4] | hit[5] | hit[6] | hit[7]) break;
+            }
+            for (; i < vocab; i++)
+                if (r[i] == top) {
+                    at = i;
+                    break;
+                }
+        }
+        out[t] = at;
+    }
+}

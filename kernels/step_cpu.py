@@ -81,3 +81,16 @@ def write_kv_cpu(kv: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None
     width = kv.shape[3] * kv.shape[4]
     lib.write_kv_f32(kv.data_ptr(), kv.stride(0), kv.shape[2], width, k.data_ptr(), k.stride(0), v.data_ptr(),
                      v.stride(0), slot_mapping.data_ptr(), k.shape[0])  # fmt: skip
+
+
+def greedy_rows_cpu(logits: Tensor) -> list[int] | None:
+    """Each row's ``argmax`` of ``logits`` [rows, vocab], or -1 where the row holds a NaN or an
+    infinity, in one C pass (``greedy_rows_f32``); None where the kernel cannot take them (then the
+    caller's torch ops run)."""
+    lib = cpu_kernels()
+    if lib is None or logits.dim() != 2 or not _f32_rows(logits):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.greedy_rows_f32(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                        torch.get_num_threads())  # fmt: skip
+    return out.tolist()

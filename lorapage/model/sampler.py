@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lorapage.kernels.step_cpu import greedy_rows_cpu
 from lorapage.model.logits_processors import NEG_INF, SampleRow, needs_processing, process
 from lorapage.request import TokenLogprob
 from lorapage.sampling_params import SamplingParams
@@ -181,12 +182,15 @@ def _plain_greedy(row: SampleRow) -> bool:
 
 
 def _greedy(logits: Tensor) -> SampleOutput:
-    """:func:`sample` of rows that are all :func:`_plain_greedy`, in three reductions: each row's
-    first largest logit (``max``'s index is ``argmax``'s), failed where a row is not all finite
-    (its largest or smallest is not: both propagate NaN)."""
-    largest, picked = logits.max(dim=-1)
-    finite = torch.isfinite(largest) & torch.isfinite(logits.amin(dim=-1))
-    status = torch.where(finite, picked, _BAD_LOGITS).tolist()
+    """:func:`sample` of rows that are all :func:`_plain_greedy`: each row's first largest logit
+    (``argmax``'s), failed where a row is not all finite. On a CPU one C pass over the logits
+    (``greedy_rows_cpu``); elsewhere three reductions (``max``'s index is ``argmax``'s; a row's
+    largest or smallest is not finite where any is, both propagating NaN)."""
+    status = greedy_rows_cpu(logits)
+    if status is None:
+        largest, picked = logits.max(dim=-1)
+        finite = torch.isfinite(largest) & torch.isfinite(logits.amin(dim=-1))
+        status = torch.where(finite, picked, _BAD_LOGITS).tolist()
     errors = [_ERRORS[s] if s < 0 else None for s in status]
     tokens = [FAILED_TOKEN if s < 0 else s for s in status]
     return SampleOutput(tokens, [None] * len(tokens), errors)

@@ -13,7 +13,7 @@ from test_attention_cpu import _gathered, _pool, _reference
 import lorapage.kernels.attention_cpu as attention_cpu
 from lorapage.kernels.attention_ref import prefill_attention_ref, write_kv_ref
 from lorapage.kernels.cpu_build import cpu_kernels
-from lorapage.kernels.step_cpu import rms_norm_cpu, rope_cpu, silu_mul_cpu, write_kv_cpu
+from lorapage.kernels.step_cpu import greedy_rows_cpu, rms_norm_cpu, rope_cpu, silu_mul_cpu, write_kv_cpu
 from lorapage.kernels.step_ref import rms_norm_ref, rope_ref, silu_mul_ref
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
@@ -79,6 +79,29 @@ def test_write_kv_is_the_reference_bit_for_bit():
     write_kv_ref(want, k, v, slots)
     write_kv_cpu(kv, k, v, slots)
     assert torch.equal(kv, want)
+
+
+@pytest.mark.parametrize("vocab", [4096, 1001, 7])
+def test_greedy_rows_are_argmax_and_flag_rows_not_finite(vocab):
+    """Each row's ``argmax`` (the first of tied largest values, a -0.0 before 0.0 included, the
+    largest in the tail past the last 8), -1 for a row with a NaN, +inf or -inf anywhere; rows read
+    through their stride (a slice of wider logits)."""
+    g = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(12, vocab + 5, generator=g)
+    x = wide[:, :vocab]
+    x[1, [vocab // 3, vocab - 1]] = 50.0  # a tie: the first
+    x[2, vocab - 1] = 60.0  # the largest in the tail
+    x[3] = -x[3].abs()
+    x[3, [0, vocab // 2]] = torch.tensor([-0.0, 0.0])  # equal under ==: the first
+    x[4, vocab // 2] = float("nan")
+    x[5, 0] = float("inf")
+    x[6, vocab - 1] = float("-inf")
+    x[7] = float("-inf")
+    got = greedy_rows_cpu(x)
+    finite = torch.isfinite(x).all(-1)
+    assert got == torch.where(finite, x.argmax(-1), -1).tolist()
+    assert got[1] == vocab // 3 and got[2] == vocab - 1 and got[3] == 0 and got[4:8] == [-1] * 4
+    assert greedy_rows_cpu(x.double()) is None  # not float32: the caller's torch ops
 
 
 def test_tensors_the_kernels_cannot_read_run_the_reference():
