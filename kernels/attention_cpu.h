@@ -69,12 +69,13 @@ static inline float dot_heads(const float *q, const float *k, int64_t d) {
     return hsum((s0 + s1) + (s2 + s3));
 }
 
-#define PREFETCH_AHEAD 2
+#define PREFETCH_AHEAD 2 /* positions */
 /* Ask for position p's K and V (elements [off, off + n) of its token row) ahead of their reads. */
 static inline void prefetch_position(const void *kv, int format, const int32_t *table, int64_t p, int64_t block_size,
                                      int64_t page_stride, int64_t token_stride, int64_t off, int64_t n) {
     const int64_t elem = format == KV_F32 ? 4 : 2;
-    const char *k = (const char *)kv + (table[p / block_size] * page_stride + (p % block_size) * token_stride + off) * elem;
+    const char *k =
+        (const char *)kv + (table[p / block_size] * page_stride + (p % block_size) * token_stride + off) * elem;
     const char *v = k + block_size * token_stride * elem;
     for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(k + b), __builtin_prefetch(v + b);
 }
@@ -123,7 +124,9 @@ static int decode_attention(float *out, int64_t out_stride, const float *q, int6
                 const float *qb = q + b * q_stride + j0 * group * head_dim;
                 for (int64_t p = first; p < n; p++) {
                     const int64_t at = table[p / block_size] * page_stride + (p % block_size) * token_stride;
-                    if (p + PREFETCH_AHEAD < n) prefetch_position(kv, format, table, p + PREFETCH_AHEAD, block_size, page_stride, token_stride, j0 * head_dim, width);
+                    if (p + PREFETCH_AHEAD < n)
+                        prefetch_position(kv, format, table, p + PREFETCH_AHEAD, block_size, page_stride, token_stride,
+                                          j0 * head_dim, width);
                     const float *k = kv_row(kv, format, at + j0 * head_dim, width, row);
                     for (int64_t h = 0; h < task_heads; h++) {
                         const float *qh = qb + h * head_dim, *kh = k + (h / group) * head_dim;
