@@ -94,6 +94,21 @@ def test_decode_attention_is_within_the_float32_bound_of_float64(lib, shape):
     assert_within(out, _reference(q, k, v, lens, scale), decode_attention(q, k, v, lens, scale), shape)
 
 
+@pytest.mark.parametrize("lens", [LENS[-2:], LENS], ids=["few_rows", "many_rows"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_both_task_splits_are_within_the_bound(lib, lens, threads, monkeypatch):
+    """Rows fewer than 4 a thread run one task per (row, KV head); more, one task per row reading
+    each position's K and V over all its KV heads at once: both within the bound, at 1 and 2 threads."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    heads, kv_heads, dim, block_size = SHAPES["gqa"]
+    q, kv, table, lens_t = _pool(heads, kv_heads, dim, block_size, lens, seed=3)
+    out = torch.full_like(q, float("nan"))
+    assert decode_attention_c(lib, out, q, kv, table, lens_t, dim**-0.5)
+    k, v = _gathered(q, kv, table, lens_t)
+    want = _reference(q, k, v, lens_t, dim**-0.5)
+    assert_within(out, want, decode_attention(q, k, v, lens_t, dim**-0.5), f"{len(lens)} rows, {threads} threads")
+
+
 @pytest.mark.parametrize("window,softcap", [(5, None), (1, None), (None, 5.0), (16, 50.0)])
 def test_windows_and_soft_caps_are_within_the_bound(lib, window, softcap):
     """A sliding window reads only each row's last ``window`` positions: every position before it
