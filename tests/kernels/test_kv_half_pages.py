@@ -36,11 +36,13 @@ def test_write_kv_rounds_to_the_pages_dtype(dtype):
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the C kernels did not build here")
+@pytest.mark.parametrize("threads", [1, 2])  # 5 rows: one task a row at 1 thread, a (row, KV head) at 2
 @pytest.mark.parametrize("shape", ["gqa", "odd_head_dim"])
 @pytest.mark.parametrize("dtype", HALVES)
-def test_c_kernel_and_reference_over_half_pages_are_within_the_float32_bound(lib, dtype, shape):  # noqa: F811
+def test_c_kernel_and_reference_over_half_pages_are_within_the_float32_bound(lib, dtype, shape, threads, monkeypatch):  # noqa: F811
     """Widening a half value to float32 is exact, so the float32 bound of float32 pages holding
     the same values applies unchanged."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     q, kv, table, lens, scale = half_pool(dtype, shape)
     k, v = _gathered(q, kv, table, lens)  # float64 copies of the rounded values
     want, bound = _reference(q, k, v, lens, scale), decode_attention(q, k, v, lens, scale)
