@@ -96,6 +96,7 @@ static inline void F(rows4_tok1)(const W *a, int64_t d, const float *x, float *o
 static inline void F(rows2_tok4)(const W *a, int64_t d, const float *const x[4], float out[2][4]) {
     v8 s[2][4] = {{{0}}};
     for (int64_t k = 0; k < d; k += 8) {
+        /* The rows 4 ahead, asked for now (past the matrix's end too: a prefetch never faults). */
         if (k % (64 / sizeof(W)) == 0) __builtin_prefetch(a + 4 * d + k), __builtin_prefetch(a + 5 * d + k);
         v8 a0 = LDW(a + k), a1 = LDW(a + d + k);
         for (int j = 0; j < 4; j++) {
@@ -265,7 +266,7 @@ static inline int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const f
     int64_t j = 0;
     for (; j + 8 <= w; j += 8) {
         const W *bj = b + j * 16;
-        for (int64_t ahead = 0; ahead < 8 * 16 * (int64_t)sizeof(W); ahead += 64)
+        for (int64_t ahead = 0; ahead < 8 * 16 * (int64_t)sizeof(W); ahead += 64) /* 8 blocks on (unfaulting) */
             __builtin_prefetch((const char *)(bj + 8 * 8 * 16) + ahead);
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = ROW16(bj + 16 * i, h0, h1);

@@ -148,11 +148,10 @@ void greedy_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab
             }
         float top = -INFINITY;
         int bad = 0;
-        for (int c = 0; c < 4; c++)
-            for (int k = 0; k < 8; k++) {
-                top = top8[c][k] > top ? top8[c][k] : top;
-                bad |= bad8[k] != 0;
-            }
+        for (int k = 0; k < 8; k++) {
+            for (int c = 0; c < 4; c++) top = top8[c][k] > top ? top8[c][k] : top;
+            bad |= bad8[k] != 0;
+        }
         for (; i < vocab; i++) {
             top = r[i] > top ? r[i] : top;
             bad |= (r[i] - r[i]) != 0.0f;
