@@ -83,6 +83,8 @@ static inline void F(scale_rows)(float *h, const float *s, int64_t rows) {
 static inline void F(rows4_tok1)(const W *a, int64_t d, const float *x, float *out) {
     v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
     for (int64_t k = 0; k < d; k += 8) {
+        if (k % (64 / sizeof(W)) == 0) /* the 4 rows' next 2 KB, into L2 (see rows2_tok4) */
+            for (int j = 0; j < 4; j++) __builtin_prefetch((const char *)(a + j * d + k) + 2048, 0, 1);
         v8 xv = ld(x + k);
         s0 += LDW(a + k) * xv;
         s1 += LDW(a + d + k) * xv;
@@ -97,7 +99,7 @@ static inline void F(rows2_tok4)(const W *a, int64_t d, const float *const x[4],
     v8 s[2][4] = {{{0}}};
     for (int64_t k = 0; k < d; k += 8) {
         /* The rows 4 ahead, asked for now (past the matrix's end too: a prefetch never faults). */
-        if (k % (64 / sizeof(W)) == 0) __builtin_prefetch(a + 4 * d + k), __builtin_prefetch(a + 5 * d + k);
+        if (k % (64 / sizeof(W)) == 0) __builtin_prefetch(a + 4 * d + k, 0, 1), __builtin_prefetch(a + 5 * d + k, 0, 1);
         v8 a0 = LDW(a + k), a1 = LDW(a + d + k);
         for (int j = 0; j < 4; j++) {
             v8 xv = ld(x[j] + k);
@@ -161,9 +163,13 @@ static void F(shrink_stripes)(const W *const a[STRIPES], const float *const x[ST
                             int64_t rows) {
     for (int64_t i = 0; i < rows; i++) {
         v8 s[STRIPES] = {{0}};
-        for (int64_t k = 0; k < d; k += 8)
+        for (int64_t k = 0; k < d; k += 8) {
+            if (k % (64 / sizeof(W)) == 0) /* each stripe's next 2 KB, into L2 (as expand_rank16) */
+#pragma GCC unroll 8
+                for (int e = 0; e < STRIPES; e++) __builtin_prefetch((const char *)(a[e] + i * d + k) + 2048, 0, 1);
 #pragma GCC unroll 8 /* STRIPES: the sums stay in registers */
             for (int e = 0; e < STRIPES; e++) s[e] += LDW(a[e] + i * d + k) * ld(x[e] + k);
+        }
         for (int e = 0; e < STRIPES; e++) h[e][i] = hsum(s[e]);
     }
 }
@@ -267,7 +273,7 @@ static inline int64_t F(expand_rank16)(float *yt, const W *b, int64_t w, const f
     for (; j + 8 <= w; j += 8) {
         const W *bj = b + j * 16;
         for (int64_t ahead = 0; ahead < 8 * 16 * (int64_t)sizeof(W); ahead += 64) /* 8 blocks on (unfaulting) */
-            __builtin_prefetch((const char *)(bj + 8 * 8 * 16) + ahead);
+            __builtin_prefetch((const char *)(bj + 8 * 8 * 16) + ahead, 0, 1);
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = ROW16(bj + 16 * i, h0, h1);
         __m256 sum = sums8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
