@@ -33,6 +33,7 @@ from lorapage.adapters import (
     layout as layout_mod,
     loader as loader_mod,
 )
+from lorapage.adapters.prefetch import PREFETCH_QUEUE_LEN
 from lorapage.config import LORA_DTYPE_NAMES
 from lorapage.model import (
     forward as forward_mod,
@@ -92,10 +93,10 @@ def install(t: Timers) -> None:
     t.wrap_execute()
     t.wrap_load()
     cpu = time.thread_time
-    t.wrap(loader_mod, "read_weights", "load: read", cpu)
-    t.wrap(loader_mod, "content_digest", "load: sha256", cpu)
+    t.wrap(loader_mod, "read_weights_stamped", "load: read", cpu)
+    t.wrap(loader_mod, "bytes_digest", "load: sha256", cpu)
     t.wrap(loader_mod, "load_adapter_tensors", "load: parse", cpu)
-    t.wrap(layout_mod.AdapterLayout, "pack", "load: pack", cpu)
+    t.wrap(layout_mod.AdapterLayout, "join", "load: pack", cpu)  # the full path's and a recipe's copy
     t.wrap(loader_mod.AdapterLoader, "write_pages", "load: copy in", cpu)
 
 
@@ -108,17 +109,21 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
     small, big = workloads.slora_traces(192)
     trace = small if case == 5 else big
     engine, _ = workloads.engine_for(model, dirs, [f"a{k:04d}" for k in range(case)], lora_dtype=lora_dtype)
-    if warm_host:
+    if warm_host:  # the cache's own prefetches, a queue's worth at a time, until every one is in host RAM
         cache = engine.debug.adapters
-        for name in {r.model for r in trace}:
-            entry = cache.entries[engine.admin.catalog.resolve_version(name)]
-            cache._keep_in_host(entry.name, cache._read_and_pack(entry, entry.spec))
+        keys = [engine.admin.catalog.resolve_version(name) for name in dict.fromkeys(r.model for r in trace)]
+        for i in range(0, len(keys), PREFETCH_QUEUE_LEN):
+            cache.prewarm(keys[i : i + PREFETCH_QUEUE_LEN])
+            while cache._prefetches:
+                await asyncio.sleep(0.01)
+        assert all(key in cache._host for key in keys), "the host LRU holds fewer than the trace's adapters"
     for part in (t.seconds, t.steps, t.loads):
         part.clear()
     cpu, wall = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lorapage-profile-") as out:
         report = await workloads.run(engine, trace, workloads.SLORA_OPTIONS, Path(out), f"c{case}")
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    recipes = engine.debug.adapters.loader.recipes.hits  # loads packed as byte runs (pack_recipe.py)
     decode = [s for s in t.steps if s[1] == 0]
     mixed = [s for s in t.steps if s[1] > 0]
     loads = len(t.loads)
@@ -138,6 +143,7 @@ async def one_pass(case: int, warm_host: bool, root: Path, t: Timers, lora_dtype
         "prefill_step_ms": 1e3 * statistics.mean(s[4] for s in mixed) if mixed else 0.0,
         "distinct_slots_per_step": statistics.mean(s[3] for s in t.steps) if t.steps else 0.0,
         "loads": loads,
+        "recipe_packs": recipes,
         "load_wall_p50_ms": 1e3 * pct(t.loads, 0.5),
         "load_wall_p90_ms": 1e3 * pct(t.loads, 0.9),
         **{
@@ -175,6 +181,7 @@ async def main(args: argparse.Namespace) -> dict:
         ("prefills/step", "prefill_seqs_mean", 1),
         ("slots/step", "distinct_slots_per_step", 1),
         ("loads", "loads", 0),
+        ("by recipe", "recipe_packs", 0),
         ("load p50 ms", "load_wall_p50_ms", 0),
     ]
     print(machine_line())

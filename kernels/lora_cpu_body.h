@@ -98,7 +98,10 @@ static inline void F(rows4_tok1)(const W *a, int64_t d, const float *x, float *o
 static inline void F(rows2_tok4)(const W *a, int64_t d, const float *const x[4], float out[2][4]) {
     v8 s[2][4] = {{{0}}};
     for (int64_t k = 0; k < d; k += 8) {
-        /* The rows 4 ahead, asked for now (past the matrix's end too: a prefetch never faults). */
+        /* The rows 4 ahead, asked for now (past the matrix's end too: a prefetch never faults),
+         * into L2 (locality 1) as every prefetch here: asked into L1, the lines' requests likely
+         * took the few L1 miss buffers the loads wait on (a step's expand over 24 adapters'
+         * float32 pages ran 11.2 ms that way, 7.6-8.1 into L2: bench/RESULTS.md, round 4 session 10). */
         if (k % (64 / sizeof(W)) == 0) __builtin_prefetch(a + 4 * d + k, 0, 1), __builtin_prefetch(a + 5 * d + k, 0, 1);
         v8 a0 = LDW(a + k), a1 = LDW(a + d + k);
         for (int j = 0; j < 4; j++) {

@@ -139,10 +139,21 @@ class AdapterLayout:
         ``section`` the variant data ``[num_layers, n]`` that ends each layer's buffer
         (:func:`~lorapage.adapters.variant_layout.pack_section`), when the layout has one.
 
-        :meth:`plan` lays each layer out in the order its pieces are listed here (per group: its
-        targeted A's, then their B's), so the whole buffer is one ``torch.cat``: a single copy,
-        where writing each matrix into a zeroed buffer paid Python overhead per slice.
+        :meth:`plan` lays each layer out in the order :meth:`pieces` lists them, so the whole
+        buffer is one ``torch.cat``: a single copy, where writing each matrix into a zeroed
+        buffer paid Python overhead per slice.
         """
+        return self.join(self.pieces(tensors, page_size, section))
+
+    def pieces(
+        self,
+        tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        page_size: int,
+        section: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """What :meth:`pack` joins, in page order: per layer and group, its targeted A's, then
+        their B's (int8: with their padding and scales), the experts, then zero padding (slices
+        of one zero tensor) and the variant section. Every piece is 1-D, of the pages' dtype."""
         first = next(iter(tensors.values()))[0] if tensors else section
         assert first is not None and (section is None) == (self.section is None)
         row = self.num_pages * page_size
@@ -169,9 +180,27 @@ class AdapterLayout:
             parts.append(padding[: end - used])
             if section is not None:
                 parts += [section[layer], padding[: row - end - tail]]
+        return parts
+
+    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`pieces` as one ``[num_layers, row]`` buffer in host memory kept for reuse."""
+        row = sum(p.numel() for p in pieces) // len(self.rank)
         # Into huge-page-backed memory: the packed copy is kept in host RAM (see memory/host.py).
-        out = host_empty(len(self.rank) * row, padding.dtype)
-        return torch.cat(parts, out=out).view(len(self.rank), row)
+        out = host_empty(len(self.rank) * row, pieces[0].dtype)
+        return torch.cat(pieces, out=out).view(len(self.rank), row)
+
+    def same_pages(self, other: AdapterLayout) -> bool:
+        """Whether ``other`` puts every matrix where this layout does (``scale`` aside): the
+        same packed bytes mean the same adapter in the pages."""
+        return (
+            self.num_pages == other.num_pages
+            and self.numel == other.numel
+            and self.a_offset == other.a_offset
+            and self.b_offset == other.b_offset
+            and self.rank == other.rank
+            and self.a_rows == other.a_rows
+            and self.quantized == other.quantized
+        )
 
 
 def _matrix_elements(numel: int, rows: int, quantized: bool) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from lorapage.adapters.digest import bytes_digest
 from lorapage.adapters.layout import AdapterLayout
+from lorapage.adapters.pack_recipe import PackRecipe, PackRecipes, header_bytes
 from lorapage.adapters.peft_format import (
     AdapterSpec,
     at_path,
@@ -111,6 +112,7 @@ class AdapterLoader:
         self._read_buffer = ReadBuffer()  # each I/O thread's, reused by every read it does
         self.finite_digests: set[str] = set()  # digests of bytes validation found finite in ``dtype``
         self.verified = VerifiedFiles()  # weights files hashed before that only this server's user can write
+        self.recipes = PackRecipes()  # packs of files by header, as byte runs (pack_recipe.py)
 
     async def read(
         self, version: Readable, tier: LoadTier, downloaded: Callable[[], None] = lambda: None
@@ -184,6 +186,13 @@ class AdapterLoader:
         # A version restored from the registry was checked by an earlier process, perhaps in
         # another dtype (bfloat16 weights can overflow float16): its loads check again.
         finite = bool(version.digest) and version.digest in self.finite_digests
+        layout = version.layout
+        plain = self.ranks is None and layout.section is None and layout.experts is None and not layout.quantized
+        header = header_bytes(weights) if plain else None
+        if header is not None and (recipe := self.recipes.get(header, layout, weights.numel())) is not None:
+            packed = recipe.pack(weights, self.dtype)
+            if finite or bool(torch.isfinite(packed).all()):
+                return packed  # else the full path below names the weight that is not finite
         tensors = load_adapter_tensors(spec, self.dtype, weights, check_finite=not finite)
         section = None
         if (plan := version.layout.section) is not None:
@@ -201,7 +210,10 @@ class AdapterLoader:
         # copy to the GPU is slower per byte (the driver stages it), a few ms per 7B adapter
         # against a sub-second TTFT budget.
         if self.ranks is None:
-            return version.layout.pack(tensors, self.pool.adapter_page_size, section)
+            pieces = layout.pieces(tensors, self.pool.adapter_page_size, section)
+            if header is not None and not self.recipes.known(header):
+                self.recipes.put(header, PackRecipe.record(layout, pieces, weights))
+            return layout.join(pieces)
         shards = self.ranks.split(tensors)
         if section is not None:
             sections: list[torch.Tensor | None] = [*self.ranks.split_section(section, spec.variants.has_vectors)]
