@@ -195,6 +195,7 @@ async def _measure(root: Path, quick: bool, prefill: bool, scattered: bool, resi
         max_num_seqs=BATCH,
         max_model_len=256,
         scheduler="fcfs",
+        lora_side_thread=False,  # figures per forward thread: the LoRA updates on it too
         # Every mode reuses its prompts: cached prefixes would leave prefill figures measuring
         # cache hits (unevenly: the warm-up's base prompts) rather than prompt compute.
         enable_prefix_caching=False,

@@ -107,6 +107,7 @@ def engine(model: Path, adapters: list[Path], lora_dtype: str) -> Engine:
             max_model_len=256,
             scheduler="fcfs",
             enable_prefix_caching=False,
+            lora_side_thread=False,  # c/a per thread: the LoRA on the forward's thread, as the base's work
         )
     )
     for i, path in enumerate(adapters):

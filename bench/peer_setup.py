@@ -114,6 +114,7 @@ def lorapage_engine(
         quantize_lm_head=quantize_lm_head,
         lora_dtype=lora_dtype,
         num_scheduler_steps=num_scheduler_steps,
+        lora_side_thread=False,  # a thread count is the cores an engine uses: llama.cpp's are its threads
     )
     engine = Engine(config)
     for name, path in adapters.items():

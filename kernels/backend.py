@@ -26,6 +26,7 @@ from lorapage.kernels.cpu_build import cpu_kernels
 from lorapage.kernels.linear_cpu import keep_weight, linear_cpu, linear_ref, pack_weight
 from lorapage.kernels.lora_cpu import c_kernels_take, lora_expand_cpu, lora_group_cpu, lora_shrink_cpu
 from lorapage.kernels.lora_ref import LoraIndices
+from lorapage.kernels.lora_side import LoraSide
 from lorapage.kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 from lorapage.kernels.names import BACKENDS
 from lorapage.kernels.step_cpu import rms_norm_cpu, rope_cpu, silu_mul_cpu, write_kv_cpu
@@ -86,6 +87,7 @@ class LoraGroup(Protocol):
         h_start: Tensor,
         scale: Tensor,
         out_start: tuple[int, ...],
+        threads: int | None = None,
     ) -> None: ...
 
 
@@ -200,6 +202,9 @@ class KernelOps:
     pack_logits: PackWeight | None = None  # lm_head's, where it differs (a quantized base's stays float32)
     captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
     lora_group: LoraGroup | None = None  # shrink then expand in one op, where the backend fuses them
+    # The C kernels' LoRA updates beside the base's projections, on a core the forward leaves
+    # free (lora_side.py); set per engine by the runner (None: in turn, on the forward thread).
+    lora_side: LoraSide | None = None
     rms_norm: RmsNorm = rms_norm_ref  # a dense layer's norms, with the residual add before them
     rope: Rope = rope_ref
     silu_mul: SiluMul = silu_mul_ref

@@ -167,10 +167,12 @@ def lora_group_cpu(
     h_start: Tensor,
     scale: Tensor,
     out_start: tuple[int, ...],
+    threads: int | None = None,
 ) -> None:
     """:func:`lora_shrink_cpu` then :func:`lora_expand_cpu` of one group, the short segments in one
     C call (``lora_group``): half the crossings from Python a layer, and h is written and read
-    within the call. Same result as the two."""
+    within the call. Same result as the two. ``threads``: the C call's (default: torch's intra-op
+    threads; :mod:`lorapage.kernels.lora_side` runs it on one, beside the forward)."""
     if indices.cells is None and indices.batches is None:  # unplanned (a caller outside the runner)
         lora_shrink_cpu(h, x, pool, page_table, indices, a_offset, a_rows)
         lora_expand_cpu(y, h, pool, page_table, indices, b_offset, rank, h_start, scale, out_start)
@@ -189,7 +191,7 @@ def lora_group_cpu(
             *_cell_args(pool, page_table, cells),
             *_group_tables(a_offset, a_rows, (b_offset, rank, h_start, scale), out_start, y.shape[1]),
             h.shape[1],  # the highest rank: h's width, the most rows an A has
-            torch.get_num_threads(),
+            torch.get_num_threads() if threads is None else threads,
         )
     if indices.batches != ():  # the long segments
         lora_shrink_torch(h, x, pool, page_table, indices, a_offset, a_rows)

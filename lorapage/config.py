@@ -399,11 +399,16 @@ class EngineConfig:
     )
     gil_switch_interval_s: float | None = option(
         0.0005,
-        "the engine makes Python's thread switch interval at most this (process-wide): the forward thread "
-        "re-takes the GIL after every op, and at CPython's default 5 ms any other thread running Python can "
-        "make it wait that long each time",
+        "the engine makes Python's thread switch interval at most this (process-wide): the forward thread re-takes "
+        "the GIL after every op, and at CPython's default 5 ms another thread running Python can make it wait so long",
         group="kernels",
         none="leave it",
+    )
+    lora_side_thread: bool | None = option(
+        None,
+        "on a CPU, each projection's LoRA update runs on a thread of its own beside the base's projection",
+        group="kernels",
+        none="where the forward's intra-op threads leave a core free (one device)",
     )
     # -- state ----------------------------------------------------------------------------------
     state_dir: str | None = option(

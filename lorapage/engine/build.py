@@ -11,12 +11,11 @@ adapter metrics' projected costs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,22 +32,13 @@ from lorapage.adapters.residency import Residency, ResidencyLimits
 from lorapage.adapters.value import ReloadCosts
 from lorapage.adapters.variant_layout import page_list_width
 from lorapage.config import MAX_DERIVED_LORA_SLOTS, EngineConfig
-from lorapage.engine.devices import (
-    DTYPES,
-    Threads,
-    forward_thread,
-    forward_thread_count,
-    io_thread,
-    io_thread_count,
-    resolve_device,
-    shorten_switch_interval,
-    usable_cores,
-)
+from lorapage.engine.devices import DTYPES, Threads, forward_thread_count, resolve_device, wants_lora_side
 from lorapage.engine.intake import RequestIntake
 from lorapage.engine.step_loop import StepLoop, Wakeup
 from lorapage.engine.step_planner import StepLimits, StepPlanner
 from lorapage.engine.tiering import TierKeeper
 from lorapage.kernels.backend import KernelOps, select_backend
+from lorapage.kernels.lora_side import LoraSide
 from lorapage.memory.pool import PagePool, adapter_page_size, kv_page_elements
 from lorapage.memory.prefix_cache import PrefixCache
 from lorapage.memory.reclaim import Reclaim, RecomputeCost
@@ -63,7 +53,6 @@ from lorapage.model.quantized_checkpoint import load_checkpoint, quantized_base
 from lorapage.model.quantized_ops import quantized_ops
 from lorapage.model.runner import ModelRunner
 from lorapage.model.tokenizer import Tokenizer
-from lorapage.omp_env import SPINCOUNT_ENV, TeamlessPool, spin_setting
 from lorapage.parallel import TensorParallelGroup, check_tensor_parallel, shard_config
 from lorapage.parallel.shards import shard_base
 from lorapage.parallel.wire import WorkerSpec
@@ -72,10 +61,8 @@ from lorapage.scheduler import SchedulerMetrics, SchedulerPolicy, VtcConfig, mak
 from lorapage.sources import ANYWHERE, AdapterRoots, AdapterSources, DownloadLimits
 from lorapage.sources.version_files import VersionFiles
 from lorapage.structured.grammars import GrammarCompiler
-from lorapage.tenancy.fair_workers import FairWorkers
 from lorapage.usage import UsageLedger
 
-GRAMMAR_THREADS = 2  # one tenant holds at most one of them (FairWorkers: threads - 1 each)
 CPU_POOL_BYTES = 4 << 30  # auto-sized pools on CPU stay under this
 MAX_PREFETCHES = 2  # prefetches into host RAM use at most this many I/O threads (and always leave one)
 
@@ -288,6 +275,9 @@ def build_forward(
 ) -> ForwardParts:
     ops = select_backend(config.kernel_backend, sizing.device, sizing.dtype, sizing.lora_dtype)
     ops = quantized_ops(ops, config.quantization, sizing.device, base.model_config, config.quantize_lm_head)
+    side = wants_lora_side(config.lora_side_thread, sizing.device, config.num_threads, sizing.tensor_parallel_size)
+    if side and ops.lora_group is not None:  # LoRA beside the projections (kernels/lora_side.py)
+        ops = dataclasses.replace(ops, lora_side=LoraSide())
     runner = ModelRunner(
         model,
         memory.pool,
@@ -333,55 +323,6 @@ def _start_ranks(config: EngineConfig, base: BaseParts, sizing: Sizing, memory: 
         quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
     )  # fmt: skip
     return TensorParallelGroup(spec)
-
-
-# -- threads -----------------------------------------------------------------------------------
-
-
-def build_threads(config: EngineConfig, sizing: Sizing) -> Threads:
-    device = sizing.device
-    shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
-    forward_threads = forward_thread_count(config.num_threads, device)
-    if device.type == "cpu":  # the ranks' forwards run at once: they share the cores
-        forward_threads = max(1, forward_threads // sizing.tensor_parallel_size)
-    io_threads = io_thread_count(config.io_threads, device, forward_threads)
-    threads = Threads(
-        forward=ThreadPoolExecutor(
-            1, thread_name_prefix="lorapage-forward", initializer=forward_thread, initargs=(device, forward_threads)
-        ),
-        io=TeamlessPool(io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(device,)),
-        # Prompts are tokenized apart from file reads: with every I/O thread stuck on a slow
-        # file, a text request for a resident adapter (or the base) must still get in.
-        tokenize=ThreadPoolExecutor(io_threads, thread_name_prefix="lorapage-tokenize"),
-        # Structured output: grammars compile on threads of their own, never behind prompts, in
-        # the tenants' turns; a spare thread (two at most) covers each compile past its deadline.
-        grammar=FairWorkers(GRAMMAR_THREADS, name="lorapage-grammar", max_spare=GRAMMAR_THREADS),
-        # On a CPU the copies into the pool get a thread of their own: queued behind file reads
-        # on the I/O pool, a load whose read was done waited for every read queued after it (the
-        # S-LoRA replay: a wave of ten cold adapters all became resident together, ~0.5 s in,
-        # instead of one by one from ~70 ms). A copy is ~1 ms; the forward's priority.
-        copies=TeamlessPool(1, thread_name_prefix="lorapage-copy") if device.type == "cpu" else None,
-        forward_threads=forward_threads,
-        io_threads=io_threads,
-    )
-    log.info(
-        "threads: forward %d intra-op (%s), %d I/O, %d tokenizer; %d usable cores; %s %s",
-        forward_threads,
-        "num_threads" if config.num_threads is not None else "torch's setting",
-        io_threads,
-        io_threads,
-        usable_cores(),
-        SPINCOUNT_ENV,
-        spin_setting(),  # what lets 2+ threads beat one (lorapage.omp_env)
-    )
-    if device.type == "cpu" and forward_threads > 1 and SPINCOUNT_ENV not in os.environ:
-        log.warning(
-            "%s unset with %d forward threads: most parallel regions wait for a sleeping OpenMP worker; "
-            "call lorapage.configure_threads() before importing torch (docs/benchmarks.md)",
-            SPINCOUNT_ENV,
-            forward_threads,
-        )
-    return threads
 
 
 # -- adapters ----------------------------------------------------------------------------------

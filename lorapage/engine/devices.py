@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lorapage.config import EngineConfig
+from lorapage.omp_env import SPINCOUNT_ENV, TeamlessPool, spin_setting
 from lorapage.tenancy.fair_workers import FairWorkers
 
 log = logging.getLogger("lorapage.engine")
@@ -87,6 +89,17 @@ def io_thread_count(configured: int | None, device: torch.device, forward_thread
     return max(2, min(MAX_IO_THREADS, usable_cores() - forward_threads))
 
 
+def wants_lora_side(configured: bool | None, device: torch.device, num_threads: int | None, ranks: int) -> bool:
+    """Whether an engine runs its LoRA updates on a side thread (kernels/lora_side.py): ``configured``
+    (``lora_side_thread``) when given, on a CPU with one device; by default where the forward's
+    intra-op threads leave a core free."""
+    if device.type != "cpu" or ranks > 1:
+        return False
+    if configured is not None:
+        return configured
+    return forward_thread_count(num_threads, device) < usable_cores()
+
+
 # How much lower the I/O threads run than the forward on a CPU engine (Linux nice steps). On a
 # CPU the forward is the throughput; file reads, digests and copies are background work, and
 # `io_threads` of them at once would otherwise take turns with it on the same cores.
@@ -150,3 +163,52 @@ class Threads:
         self.grammar.close()
         if self.copies is not None:
             self.copies.shutdown(wait=False, cancel_futures=True)
+
+
+GRAMMAR_THREADS = 2  # one tenant holds at most one of them (FairWorkers: threads - 1 each)
+
+
+def build_threads(config: EngineConfig, device: torch.device, tensor_parallel_size: int) -> Threads:
+    """The engine's executors, sized from ``config`` and the cores the forward leaves free."""
+    shorten_switch_interval(config.gil_switch_interval_s)  # the forward thread re-takes the GIL after each op
+    forward_threads = forward_thread_count(config.num_threads, device)
+    if device.type == "cpu":  # the ranks' forwards run at once: they share the cores
+        forward_threads = max(1, forward_threads // tensor_parallel_size)
+    io_threads = io_thread_count(config.io_threads, device, forward_threads)
+    threads = Threads(
+        forward=ThreadPoolExecutor(
+            1, thread_name_prefix="lorapage-forward", initializer=forward_thread, initargs=(device, forward_threads)
+        ),
+        io=TeamlessPool(io_threads, thread_name_prefix="lorapage-io", initializer=io_thread, initargs=(device,)),
+        # Prompts are tokenized apart from file reads: with every I/O thread stuck on a slow
+        # file, a text request for a resident adapter (or the base) must still get in.
+        tokenize=ThreadPoolExecutor(io_threads, thread_name_prefix="lorapage-tokenize"),
+        # Structured output: grammars compile on threads of their own, never behind prompts, in
+        # the tenants' turns; a spare thread (two at most) covers each compile past its deadline.
+        grammar=FairWorkers(GRAMMAR_THREADS, name="lorapage-grammar", max_spare=GRAMMAR_THREADS),
+        # On a CPU the copies into the pool get a thread of their own: queued behind file reads
+        # on the I/O pool, a load whose read was done waited for every read queued after it (the
+        # S-LoRA replay: a wave of ten cold adapters all became resident together, ~0.5 s in,
+        # instead of one by one from ~70 ms). A copy is ~1 ms; the forward's priority.
+        copies=TeamlessPool(1, thread_name_prefix="lorapage-copy") if device.type == "cpu" else None,
+        forward_threads=forward_threads,
+        io_threads=io_threads,
+    )
+    log.info(
+        "threads: forward %d intra-op (%s), %d I/O, %d tokenizer; %d usable cores; %s %s",
+        forward_threads,
+        "num_threads" if config.num_threads is not None else "torch's setting",
+        io_threads,
+        io_threads,
+        usable_cores(),
+        SPINCOUNT_ENV,
+        spin_setting(),  # what lets 2+ threads beat one (lorapage.omp_env)
+    )
+    if device.type == "cpu" and forward_threads > 1 and SPINCOUNT_ENV not in os.environ:
+        log.warning(
+            "%s unset with %d forward threads: most parallel regions wait for a sleeping OpenMP worker; "
+            "call lorapage.configure_threads() before importing torch (docs/benchmarks.md)",
+            SPINCOUNT_ENV,
+            forward_threads,
+        )
+    return threads

@@ -40,11 +40,11 @@ from lorapage.engine.build import (
     build_memory,
     build_scheduling,
     build_sizing,
-    build_threads,
     load_model,
 )
 from lorapage.engine.build_catalog import build_admin, build_catalog
 from lorapage.engine.debug import EngineDebug
+from lorapage.engine.devices import build_threads
 from lorapage.engine.merging import MergedWeights, merge_tensors
 from lorapage.engine.stats import EngineMetrics, EngineStats, gather_stats
 from lorapage.engine.step_loop import Wakeup
@@ -87,7 +87,7 @@ class Engine:
         model = load_model(base, sizing)  # weights first: on CUDA the pool is sized from what they leave
         self._memory = memory = build_memory(config, base, sizing, clock)
         forward = build_forward(config, base, sizing, model, memory)
-        self._threads = threads = build_threads(config, sizing)
+        self._threads = threads = build_threads(config, sizing.device, sizing.tensor_parallel_size)
         self._wake_up = wakeup = Wakeup()  # rung by requests, aborts and finished adapter loads
         self._adapters = adapters = build_adapters(
             config, base, sizing, memory, threads, clock, adapter_roots, wakeup, model, forward.parallel

@@ -102,12 +102,14 @@ class LlamaModel:
         dims = c.module_dims()
         # Column where each module's output starts inside its group's fused output.
         self.out_starts = []
+        self.out_widths: list[int] = []  # each group's fused output width
         for group in GROUPS:
             starts, col = [], 0
             for m in group:
                 starts.append(col)
                 col += dims.get(m, (0, 0))[1]  # a MoE base has no dense MLP
             self.out_starts.append(tuple(starts))
+            self.out_widths.append(col)
         # cos / sin for every position, computed once in float32 exactly as HF does per step.
         cos, sin = rope_tables(c, max_len)
         self.cos_cache = cos.to(device, dtype)
@@ -180,6 +182,45 @@ class LlamaModel:
                 softcap,
             )
         return out.view(T, -1)
+
+    def _project(
+        self,
+        ops: KernelOps,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        layer: int,
+        group: int,
+        slab: Tensor,
+        tables: LoraTables,
+        lora: LoraIndices | None,
+        h: Tensor,
+    ) -> Tensor:
+        """``x``'s projection by one group's fused ``weight`` (and ``bias``), with this step's
+        LoRA update of the group added. Where the backend has a side thread (``ops.lora_side``)
+        and the update is the C kernels' alone (short segments, no PEFT variant rows, one device),
+        the update runs there while this thread runs the projection (kernels/lora_side.py)."""
+        side = ops.lora_side
+        if lora is None:
+            return self.linear(x, weight, bias)
+        if side is None or self.comm is not None or lora.cells is None or lora.batches != ():
+            y = self.linear(x, weight, bias)
+            self._lora(ops, y, x, layer, group, slab, tables, lora, h, bias)
+            return y
+        if tables.variants.in_step(lora) or ops.lora_group is None:
+            y = self.linear(x, weight, bias)
+            self._lora(ops, y, x, layer, group, slab, tables, lora, h, bias)
+            return y
+        a, b, scale = tables.group_views(layer, group, GROUP_MODULES[group])
+        group_op, page_table, starts = ops.lora_group, tables.page_table, self.out_starts[group]
+        delta = side.start(
+            x.shape[0],
+            self.out_widths[group],
+            lambda out: group_op(out, h, x, slab, page_table, lora, *a, *b, scale, starts, threads=1),
+        )
+        y = self.linear(x, weight, bias)
+        side.finish()
+        return y.add_(delta)
 
     def _lora(
         self,
@@ -257,9 +298,7 @@ class LlamaModel:
             x, hs = ops.rms_norm(x, pending, w["in_norm"], eps)
             # self.linear (F.linear, or oneDNN's over packed weights), not ``hs @ w.t()``: on a CPU
             # the transposed-view matmul ran on one thread whatever the intra-op threads.
-            qkv = self.linear(hs, w["qkv"], w.get("qkv_bias"))
-            if lora is not None:
-                self._lora(ops, qkv, hs, i, 0, lora_slab, tables, lora, h, w.get("qkv_bias"))
+            qkv = self._project(ops, hs, w["qkv"], w.get("qkv_bias"), i, 0, lora_slab, tables, lora, h)
             # q's and k's heads sit side by side in qkv: one rotation over both (half the small ops).
             heads = c.num_heads + c.num_kv_heads
             if "q_norm" in w:  # a MoE family's q/k norms (moe.norm_qk: per head, or OLMoE's whole projection)
@@ -273,22 +312,16 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(T, c.num_kv_heads, c.head_dim)
             ops.write_kv(kv, k, v, attn.slot_mapping)
             attn_out = self._paged_attention(ops, q, kv, attn, c.window(i))
-            o = self.linear(attn_out, w["o"])
-            if lora is not None:
-                self._lora(ops, o, attn_out, i, 1, lora_slab, tables, lora, h)
+            o = self._project(ops, attn_out, w["o"], None, i, 1, lora_slab, tables, lora, h)
             if self.comm is not None:
                 self.comm.all_reduce(o)
             x, hs = ops.rms_norm(x, o, w["post_norm"], eps)
             if self.moe_layers:
                 pending = self.moe_layers[i].forward(hs, self.linear, experts_lora, i, lora_slab, self.comm)
                 continue
-            gu = self.linear(hs, w["gate_up"])
-            if lora is not None:
-                self._lora(ops, gu, hs, i, 2, lora_slab, tables, lora, h)
+            gu = self._project(ops, hs, w["gate_up"], None, i, 2, lora_slab, tables, lora, h)
             act = ops.silu_mul(gu, c.intermediate_size)
-            pending = self.linear(act, w["down"])
-            if lora is not None:
-                self._lora(ops, pending, act, i, 3, lora_slab, tables, lora, h)
+            pending = self._project(ops, act, w["down"], None, i, 3, lora_slab, tables, lora, h)
             if self.comm is not None:
                 self.comm.all_reduce(pending)
         return ops.rms_norm(x, pending, self.final_norm, eps)[1]

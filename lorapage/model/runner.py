@@ -223,9 +223,12 @@ class ModelRunner:
         self.send_capture: Callable[[list[int]], Callable[[], None]] | None = None
 
     def close(self) -> None:
-        """Stop the mask thread (if a constrained step ever started it), and the other ranks."""
+        """Stop the mask thread (if a constrained step ever started it), the LoRA side thread
+        (kernels/lora_side.py), and the other ranks."""
         if self._masks is not None:
             self._masks.shutdown(wait=True)
+        if self.ctx.ops.lora_side is not None:
+            self.ctx.ops.lora_side.close()
         if self.on_close is not None:
             self.on_close()
 

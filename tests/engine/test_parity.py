@@ -179,3 +179,18 @@ def test_prompt_logprobs_equal_pefts_teacher_forced_ones(checkpoint, chunk):
     # The same prompt without prompt logprobs may hit the cache (those above could not): same tokens.
     plain = engine.generate_batch([(prompts[0], rows[0])], SamplingParams(max_tokens=2, temperature=0.0))
     assert plain[0].prompt_logprobs is None and plain[0].token_ids == outs[0].token_ids
+
+
+def test_lora_beside_the_projections_matches_peft_row_by_row(checkpoint):
+    """The C kernels' LoRA updates on the side thread (kernels/lora_side.py), each beside its base
+    projection: what an engine whose forward leaves a core free runs by default."""
+    base, adapters = checkpoint
+    config = EngineConfig(
+        model=str(base), max_lora_rank=64, shared_envelope=WIDE, max_loras=8, block_size=4, lora_side_thread=True
+    )
+    engine = Engine(config)
+    assert engine._runner.ctx.ops.lora_side is not None
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    _batch_matches_peft(engine, base, [*adapters, None, *adapters, None], adapters, seed=11)
+    assert engine._runner.ctx.ops.lora_side.updates >= 4 * 3 * (MAX_TOKENS - 1)  # every decode step's groups
