@@ -17,6 +17,7 @@ from make_llama import write_adapter, write_model
 from msgspec.structs import replace as with_fields
 
 from lorapage import Engine, EngineConfig, SamplingParams
+from lorapage.heap import gc_heap_frozen
 from lorapage.replay import GenConfig, RunOptions, TraceRequest, generate, replay
 from lorapage.replay.embedded import EmbeddedTarget
 from lorapage.replay.report import build_report, write_report
@@ -110,10 +111,12 @@ def engine_for(model: Path, dirs: list[Path], names: list[str], **config) -> tup
 
 
 async def run(engine: Engine, trace: list[TraceRequest], opts: RunOptions, out: Path, label: str, weights=None) -> dict:
-    """Warm the engine up on the base, replay ``trace``, write its report under ``out/label``."""
+    """Warm the engine up on the base, replay ``trace`` with the heap frozen as ``lorapage replay
+    run --embedded`` does (lorapage/heap.py), write its report under ``out/label``."""
     warm = [TraceRequest(arrival_s=0.0, tenant="warmup", model="base", max_tokens=4, prompt_len=16)] * 4
     await replay(warm, EmbeddedTarget(engine), RunOptions(concurrency=4, probe_interval_s=None))
-    result = await replay(trace, EmbeddedTarget(engine), opts)
+    with gc_heap_frozen():
+        result = await replay(trace, EmbeddedTarget(engine), opts)
     meta = {"trace": label, "target": EmbeddedTarget(engine).describe()}
     report = build_report(trace, result, meta=meta, slo=Slo(), weights=weights)
     write_report(out / label, result.records, report)

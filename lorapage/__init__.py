@@ -18,6 +18,7 @@ from lorapage._exports import lazy
 if TYPE_CHECKING:
     from lorapage.config import EngineConfig as EngineConfig
     from lorapage.engine import Engine as Engine
+    from lorapage.heap import freeze_gc_heap as freeze_gc_heap
     from lorapage.omp_env import configure_threads as configure_threads, release_thread_team as release_thread_team
     from lorapage.request import RequestOutput as RequestOutput
     from lorapage.sampling_params import SamplingParams as SamplingParams
@@ -30,6 +31,7 @@ __getattr__, __dir__, __all__ = lazy(
         "SamplingParams": "lorapage.sampling_params",
         "RequestOutput": "lorapage.request",
         "configure_threads": "lorapage.omp_env",
+        "freeze_gc_heap": "lorapage.heap",
         "release_thread_team": "lorapage.omp_env",
     },
 )

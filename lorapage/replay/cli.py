@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import signal
@@ -21,6 +22,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from lorapage.flags import HelpFormatter, parser
+from lorapage.heap import gc_heap_frozen
 from lorapage.replay.driver import RunOptions, Target, replay
 from lorapage.replay.generator import GenConfig, generate
 from lorapage.replay.importers import IMPORTERS, ImportOptions
@@ -318,8 +320,12 @@ async def _run(args: argparse.Namespace, trace: list[TraceRequest], engine_argv:
     )
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     await target.start()
+    # The embedded engine's startup heap out of the oldest generation's collections, as
+    # `lorapage serve` once started (lorapage/heap.py).
+    frozen = gc_heap_frozen() if engine is not None else contextlib.nullcontext()
     try:
-        result = await replay(trace, target, opts, stop=stop, progress=progress)
+        with frozen:
+            result = await replay(trace, target, opts, stop=stop, progress=progress)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         if progress is not None:

@@ -56,6 +56,7 @@ from lorapage.frontend.flags import (
     slo_window,
 )
 from lorapage.frontend.run import listen, serve_until_signal
+from lorapage.heap import freeze_gc_heap
 from lorapage.registry.store import REGISTRY_FILE, RegistrySchemaError
 from lorapage.serve.app import create_app, reload_tenants
 from lorapage.serve.dedicated import DEFAULT_WAIT_S, LocalDedicated
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lorapage: dedicated deployment of adapter {merge!r}, merged into base model {engine.base_name!r}")
 
         def ready(port: int) -> None:
+            freeze_gc_heap()  # what startup built stays out of the oldest generation's collections (heap.py)
             print(f"lorapage: listening on http://{args.host}:{port}", flush=True)
 
         def reload() -> None:
