@@ -161,6 +161,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.kernels", "Triton and C kernels beside their PyTorch references"),
     ("lorapage.errors", "errors a caller can act on"),
     ("lorapage.omp_env", "OpenMP's spin before an idle worker sleeps (set before torch loads)"),
+    ("lorapage.heap", "a serving process's startup heap frozen out of the collector's oldest generation"),
     ("lorapage._exports", "how package faces export lazily"),
 )
 
