@@ -189,8 +189,8 @@ def test_lora_beside_the_projections_matches_peft_row_by_row(checkpoint):
         model=str(base), max_lora_rank=64, shared_envelope=WIDE, max_loras=8, block_size=4, lora_side_thread=True
     )
     engine = Engine(config)
-    assert engine._runner.ctx.ops.lora_side is not None
+    assert engine.debug.ops.lora_side is not None
     for name, path in adapters.items():
         engine.add_adapter(name, path)
     _batch_matches_peft(engine, base, [*adapters, None, *adapters, None], adapters, seed=11)
-    assert engine._runner.ctx.ops.lora_side.updates >= 4 * 3 * (MAX_TOKENS - 1)  # every decode step's groups
+    assert engine.debug.ops.lora_side.updates >= 4 * 3 * (MAX_TOKENS - 1)  # every decode step's groups
