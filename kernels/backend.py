@@ -203,7 +203,7 @@ class KernelOps:
     captures_graphs: bool = False  # decode steps may replay CUDA graphs over these ops
     lora_group: LoraGroup | None = None  # shrink then expand in one op, where the backend fuses them
     # The C kernels' LoRA updates beside the base's projections, on a core the forward leaves
-    # free (lora_side.py); set per engine by the runner (None: in turn, on the forward thread).
+    # free (lora_side.py); set per engine by engine/build.py (None: in turn, on the forward thread).
     lora_side: LoraSide | None = None
     rms_norm: RmsNorm = rms_norm_ref  # a dense layer's norms, with the residual add before them
     rope: Rope = rope_ref

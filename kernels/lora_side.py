@@ -28,9 +28,9 @@ _STOP = None
 class LoraSide:
     """One helper thread running a LoRA update at a time into a delta buffer it zeroes first.
 
-    ``start`` hands it ``fn(delta)``; ``finish`` waits for it and returns the delta (a view of a
-    buffer kept for the next update: add it before the next ``start``). Errors in ``fn`` are raised
-    by ``finish`` on the caller's thread.
+    ``start`` hands it ``fn(delta)`` and returns the delta (a view of a buffer kept for the next
+    update: add it before the next ``start``); ``finish`` waits for it. Errors in ``fn`` are
+    raised by ``finish`` on the caller's thread.
     """
 
     def __init__(self) -> None:

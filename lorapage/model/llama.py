@@ -200,19 +200,17 @@ class LlamaModel:
         LoRA update of the group added. Where the backend has a side thread (``ops.lora_side``)
         and the update is the C kernels' alone (short segments, no PEFT variant rows, one device),
         the update runs there while this thread runs the projection (kernels/lora_side.py)."""
-        side = ops.lora_side
         if lora is None:
             return self.linear(x, weight, bias)
-        if side is None or self.comm is not None or lora.cells is None or lora.batches != ():
+        side, group_op = ops.lora_side, ops.lora_group
+        beside = side is not None and group_op is not None and self.comm is None
+        if not beside or lora.cells is None or lora.batches != () or tables.variants.in_step(lora):
             y = self.linear(x, weight, bias)
             self._lora(ops, y, x, layer, group, slab, tables, lora, h, bias)
             return y
-        if tables.variants.in_step(lora) or ops.lora_group is None:
-            y = self.linear(x, weight, bias)
-            self._lora(ops, y, x, layer, group, slab, tables, lora, h, bias)
-            return y
+        assert side is not None and group_op is not None
         a, b, scale = tables.group_views(layer, group, GROUP_MODULES[group])
-        group_op, page_table, starts = ops.lora_group, tables.page_table, self.out_starts[group]
+        page_table, starts = tables.page_table, self.out_starts[group]
         delta = side.start(
             x.shape[0],
             self.out_widths[group],
