@@ -80,9 +80,12 @@ def fleet_url() -> Iterator[str]:
 
 
 async def until(check, what: str, every_s: float = 0.25):
+    """``check()``'s first truthy result, polled every ``every_s``; past DEADLINE_S the assertion
+    names ``what`` and the last thing ``check`` saw (its ``seen`` attribute, where it keeps one)."""
     deadline = asyncio.get_running_loop().time() + DEADLINE_S
     while not (got := await check()):
-        assert asyncio.get_running_loop().time() < deadline, f"not within {DEADLINE_S:g}s: {what}"
+        seen = getattr(check, "seen", None)
+        assert asyncio.get_running_loop().time() < deadline, f"not within {DEADLINE_S:g}s: {what} (last seen {seen})"
         await asyncio.sleep(every_s)
     return got
 
@@ -172,7 +175,11 @@ async def test_a_replica_past_the_pinned_guard_takes_no_new_adapter(fleet_url) -
         try:
 
             async def a_guarded():
+                for task in lanes:
+                    if task.done():  # a lane ends only by failing, and A's streams with it: its error
+                        task.result()
                 shares = await held_shares()
+                a_guarded.seen = f"shares {shares}, A {a}, held's streams on {served_held}"
                 return shares if shares.get(a, 0) >= 0.8 and shares.get(b, 1) < 0.8 else None
 
             misplaced = []
