@@ -258,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = run_app(build_app(config), config.replica_needs(), args.start_timeout)
     except StartError as exc:
-        _stop(args.address)
+        _stop(args.address, drain=False)
         fail(PROG, str(exc))
     try:
         adapters = app.ready.remote().result()  # the --lora-modules, checked on a replica
     except Exception as exc:
-        _stop(args.address)
+        _stop(args.address, drain=False)
         fail(PROG, f"--lora-modules: {exc}")
     print(
         f"lorapage: fleet of {config.replicas} replicas ({config.router} routing) up in "
@@ -298,14 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stop(address: str | None) -> None:
+def _stop(address: str | None, *, drain: bool = True) -> None:
     """Take the application down, and the local Ray with it (a joined cluster stays up); the
-    promoted adapters' dedicated deployments (applications the ingress started) with it."""
+    promoted adapters' dedicated deployments (applications the ingress started) with it.
+    ``drain=False`` (a start that failed: no request was ever taken) ends a local Ray at once
+    rather than giving each replica Serve's grace period, which a replica Ray never placed spends
+    in full (20 s)."""
     import ray
     from ray import serve
 
     from lorapage.fleet.app import APP_NAME
 
+    if address is None and not drain:
+        ray.shutdown()
+        return
     serve.delete(APP_NAME)
     for name in serve.status().applications:
         if name.startswith(MERGED_APP_PREFIX):

@@ -159,7 +159,7 @@ async def test_api_key_is_the_single_tenant_and_not_beside_a_tenants_file(tmp_pa
 async def test_a_deployment_ray_cannot_place_ends_the_command_with_rays_reason() -> None:
     # A GPU this machine lacks: Ray never schedules the replica. The command must not hang.
     code, out, err = await _run_fleet(
-        "--replicas", "1", "--num-cpus", "2", "--replica-gpus", "1", "--start-timeout", "15"
+        "--replicas", "1", "--num-cpus", "2", "--replica-gpus", "1", "--start-timeout", "5"
     )  # fmt: skip
     assert code == 2, err[-2000:]
     # Ray may log its own shutdown after ours: find the command's one line among them.
