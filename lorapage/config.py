@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
 from lorapage.kernels.names import BACKENDS
+from lorapage.options import bounds_error, option
 
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
 DEFAULT_TENANT = "default"  # the embedded engine's tenant when a request names none
@@ -33,32 +33,6 @@ ENVELOPE_MODULE_CLASSES = ("attention", "mlp", "all")
 # The envelope where a dedicated tier takes the wider adapters (lorapage fleet, its capacity plan),
 # unless one is given; on one machine, with no dedicated tier, it follows max_lora_rank instead.
 FLEET_ENVELOPE = "all:16"
-# The concerns a config's fields are grouped by, in the order --help lists them.
-GROUPS = {
-    "model": "model",
-    "memory": "memory: the page pool and prefix cache",
-    "scheduling": "scheduling",
-    "adapters": "adapters",
-    "kernels": "kernels and threads",
-    "state": "state: the adapter registry and downloads",
-}
-
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    group: str,
-    choices: tuple[str, ...] | None = None,
-    none: str | None = None,
-    shown: str | None = None,
-) -> Any:
-    """A config field declared once: its default, what it does (``help``), its concern (a key of
-    :data:`GROUPS`), the values it takes, what ``None`` means, and how --help shows the default
-    (``shown``; else the default itself)."""
-    assert group in GROUPS, group
-    meta = {"help": help, "group": group, "choices": choices, "none": none, "shown": shown}
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -121,12 +95,14 @@ class EngineConfig:
         "rank 0 and starts the others (gloo on a CPU, NCCL on CUDA: cuda:0..N-1); dense bases (Llama, Mistral, "
         "Qwen2/3, Phi-3, Gemma 2/3; not MoE), CUDA graphs off (docs/parallel.md)",
         group="model",
+        at_least=1,
     )
     tensor_parallel_timeout_s: float = option(
         60.0,
         "a tensor-parallel collective waiting longer than this fails the engine (a rank that died mid-step); "
         "a dead rank process is seen before the next step without waiting",
         group="model",
+        above=0,
     )
     logprobs_mode: str = option(
         "raw_logprobs",
@@ -142,6 +118,7 @@ class EngineConfig:
         "unless allow_long_max_model_len",
         group="model",
         none="the model's context, <= 8192",
+        at_least=1,
     )
     allow_long_max_model_len: bool = option(
         False,
@@ -166,7 +143,7 @@ class EngineConfig:
         choices=REASONING_PARSERS,
     )
     # -- memory ---------------------------------------------------------------------------------
-    block_size: int = option(16, "tokens per KV block (one page)", group="memory")
+    block_size: int = option(16, "tokens per KV block (one page)", group="memory", at_least=1)
     kv_cache_dtype: str = option(
         "auto",
         "the dtype K and V are kept in, in the pool's pages (vLLM's kv_cache_dtype); auto: the model's. fp16 / "
@@ -187,9 +164,11 @@ class EngineConfig:
         "on CUDA an auto-sized pool stops where the device would pass this fraction of its memory, counting "
         "the weights and one step's activations (as vLLM's); an explicit --num-pages is taken as given",
         group="memory",
+        above=0,
+        at_most=1,
     )
     # -- scheduling -----------------------------------------------------------------------------
-    max_num_seqs: int = option(64, "sequences running at once (rows of a decode step)", group="scheduling")
+    max_num_seqs: int = option(64, "sequences running at once (rows of a decode step)", group="scheduling", at_least=1)
     max_num_batched_tokens: int | None = option(
         None, "tokens one step computes", group="scheduling", none="max(2048, max_model_len)"
     )
@@ -206,7 +185,7 @@ class EngineConfig:
     max_queue_len: int = option(4096, "waiting requests beyond this are refused (overloaded)", group="scheduling")
     num_scheduler_steps: int = option(
         1, "decode steps run back to back per plan while nothing waits (vLLM's multi-step scheduling)",
-        group="scheduling",
+        group="scheduling", at_least=1,
     )  # fmt: skip
     reserved_tail_lanes: int | None = option(
         None,
@@ -221,6 +200,7 @@ class EngineConfig:
         "a request queued this long may open any lane, tail lanes included, or claim the next general lane that "
         "frees (the adapter holding one longest then takes no new requests until it frees it) (vtc only)",
         group="scheduling",
+        at_least=0,
     )
     lane_lend_max_tokens: int = option(
         16,
@@ -229,6 +209,7 @@ class EngineConfig:
         "steps for its lane; 16 at 50 ms a step is 0.8 s, inside a 1 s p95 TTFT; nothing is lost while nobody "
         "waits (vtc only; 0: unbounded, it waits for the holder's whole generation)",
         group="scheduling",
+        at_least=0,
     )
     # -- prefix cache ---------------------------------------------------------------------------
     enable_prefix_caching: bool = option(
@@ -243,6 +224,7 @@ class EngineConfig:
         "distinct adapters one step's batch may hold (vLLM's max_loras): a decode step reads each distinct "
         "adapter once, so this bounds what adapters add to a step",
         group="adapters",
+        at_least=1,
     )
     max_resident_loras: int | None = option(
         None,
@@ -252,10 +234,14 @@ class EngineConfig:
         group="adapters",
         none=f"as many adapters of max_lora_rank as the whole pool holds, at least max_loras and at most "
         f"{MAX_DERIVED_LORA_SLOTS} (the lookup tables grow with the slots)",
+        at_least=1,
     )
-    max_lora_rank: int = option(64, "the highest adapter rank accepted", group="adapters")
+    max_lora_rank: int = option(64, "the highest adapter rank accepted", group="adapters", at_least=1)
     max_cpu_loras: int = option(
-        128, "adapters kept in host RAM (their packed copies, least recently used go first)", group="adapters"
+        128,
+        "adapters kept in host RAM (their packed copies, least recently used go first)",
+        group="adapters",
+        at_least=1,
     )
     max_cpu_lora_bytes: int | None = option(
         None,
@@ -263,6 +249,7 @@ class EngineConfig:
         "recently used copies are dropped",
         group="adapters",
         none="no byte bound (max_cpu_loras only)",
+        at_least=1,
     )
     adapter_wait_s: float = option(
         1.0,
@@ -270,12 +257,15 @@ class EngineConfig:
         "valuable busy adapter yield: it takes no new requests, and its slot goes to the load once its running "
         "requests finish (without it a cold adapter could wait forever behind hot ones)",
         group="adapters",
+        at_least=0,
     )
     max_pinned_fraction: float = option(
         0.5,
         "admins may pin adapters resident (never evicted); together pins hold at most this fraction of the "
         "pool's pages (and always leave room for one full-length sequence and one adapter)",
         group="adapters",
+        at_least=0,
+        at_most=1,
     )
     cost_reference_batch: int = option(
         64,
@@ -283,6 +273,7 @@ class EngineConfig:
         "64): projected cost = batch x adapter bytes / base bytes, since the base is read once per step and each "
         "distinct adapter once for its rows (docs/capacity.md)",
         group="adapters",
+        at_least=1,
     )
     shared_envelope: str | None = option(
         None,
@@ -301,6 +292,7 @@ class EngineConfig:
         "dedicated (the design's bound is 10)",
         group="adapters",
         none="no bound on the cost",
+        at_least=0,
     )
     max_adapter_tokens: int | None = option(
         None,
@@ -310,6 +302,7 @@ class EngineConfig:
         "bounded by it; a chat request that sets no max_tokens gets this many at most",
         group="adapters",
         none="no bound",
+        at_least=1,
     )
     tier_hot_requests_per_hour: float = option(
         120.0,
@@ -317,30 +310,37 @@ class EngineConfig:
         "within max_pinned_fraction beside the admin pins); tiers come from the hourly traffic table, never "
         "from the customer (docs/scheduling.md)",
         group="adapters",
+        above=0,
     )
     tier_hot_share: float = option(
         0.1,
         "a version with at least this share of every adapter's requests in the last hour is hot too, once that "
         "total reaches tier_hot_requests_per_hour",
         group="adapters",
+        above=0,
+        at_most=1,
     )
     tier_hot_exit_ratio: float = option(
         0.5,
         "a hot version stays hot until its requests and its share both fall below this fraction of the hot "
         "thresholds (hysteresis: no flapping around a threshold)",
         group="adapters",
+        above=0,
+        at_most=1,
     )
     tier_min_hold_s: float = option(
         600.0,
         "no version leaves a traffic tier for a lower one before holding it this long (warm: some traffic in "
         "the last 24 hours, read into host RAM; cold: none, loaded on demand)",
         group="adapters",
+        at_least=0,
     )
     tier_interval_s: float = option(
         300.0,
         "every this many seconds the engine writes its batched traffic counts to the registry and re-evaluates "
         "every version's traffic tier (off the event loop)",
         group="adapters",
+        above=0,
     )
     traffic_retention_hours: int = option(
         14 * 24,
@@ -348,12 +348,14 @@ class EngineConfig:
         "hours are deleted as new counts are written",
         group="adapters",
         shown="336 (14 days)",
+        at_least=25,
     )
     audit_retention_days: float = option(
         90.0,
         "days the registry's audit trail keeps a row; older rows are deleted with the traffic table's writes "
         "(off the event loop; 0: kept forever)",
         group="adapters",
+        at_least=0,
     )
     base_names: str | None = option(
         None,
@@ -374,7 +376,7 @@ class EngineConfig:
     )
     metrics_top_adapters: int = option(
         20, "per-adapter metrics name the top this many adapters by recent traffic; the rest are 'other'",
-        group="adapters",
+        group="adapters", at_least=1,
     )  # fmt: skip
     # -- kernels and threads --------------------------------------------------------------------
     kernel_backend: str = option(
@@ -390,12 +392,14 @@ class EngineConfig:
         group="kernels",
         none="on a CPU, torch's setting (OMP_NUM_THREADS, torch.set_num_threads, else its core count), at most "
         "the cores this process may run on; on CUDA, torch's setting",
+        at_least=1,
     )
     io_threads: int | None = option(
         None,
         "threads for adapter file reads, digests and (on a CPU) copies into the pool, never the event loop",
         group="kernels",
         none="4 on CUDA; on a CPU, the cores the forward's threads leave free (2-4)",
+        at_least=1,
     )
     gil_switch_interval_s: float | None = option(
         0.0005,
@@ -403,6 +407,7 @@ class EngineConfig:
         "the GIL after every op, and at CPython's default 5 ms another thread running Python can make it wait so long",
         group="kernels",
         none="leave it",
+        above=0,
     )
     lora_side_thread: bool | None = option(
         None,
@@ -424,22 +429,24 @@ class EngineConfig:
         none="STATE_DIR/adapter-cache, or no remote sources without a state dir",
     )
     adapter_cache_bytes: int = option(
-        20 << 30, "cap of that cache (least recently used entries go first)", group="state", shown="20 GiB"
+        20 << 30, "cap of that cache (least recently used entries go first)", group="state", shown="20 GiB", at_least=1
     )
     max_adapter_download_bytes: int = option(
-        4 << 30, "cap of one adapter download (its two files together)", group="state", shown="4 GiB"
+        4 << 30, "cap of one adapter download (its two files together)", group="state", shown="4 GiB", at_least=1
     )
     adapter_download_timeout_s: float = option(
         600.0,
         "a download of one adapter (both files) still running after this long is cut: the registration, or the "
         "requests waiting for the load, fail (502) rather than wait on a source that never finishes",
         group="state",
+        above=0,
     )
     min_adapter_download_bytes_per_s: int = option(
         64 << 10,
         "a download averaging fewer bytes per second than this, once its first 10 s have passed, is cut "
         "(0: no floor): a source that trickles a byte now and then cannot hold a registration or a load",
         group="state",
+        at_least=0,
     )
     allow_private_adapter_sources: bool = option(
         False,
@@ -473,9 +480,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            values = f.metadata.get("choices")
-            if values is not None and getattr(self, f.name) not in (*values, *((None,) if f.default is None else ())):
-                raise ValueError(f"EngineConfig.{f.name} must be one of {values}; got {getattr(self, f.name)!r}")
+            value, values = getattr(self, f.name), f.metadata["choices"]
+            if values is not None and value not in (*values, *((None,) if f.default is None else ())):
+                raise ValueError(f"EngineConfig.{f.name} must be one of {values}; got {value!r}")
+            # None: counted from the device and its cores, or off
+            if value is not None and (rule := bounds_error(value, f.metadata["bounds"])) is not None:
+                raise ValueError(f"EngineConfig.{f.name} must be {rule}; got {value}")
         if self.resolved_lora_dtype not in (self.dtype, *NARROW_LORA_DTYPES.get(self.dtype, ())):
             raise ValueError(
                 f"EngineConfig.lora_dtype {self.lora_dtype!r} cannot serve a {self.dtype} model: adapters are kept "
@@ -504,70 +514,7 @@ class EngineConfig:
                 f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} cannot serve a {self.dtype} model: a 16-bit "
                 "model keeps K and V in its own dtype (auto); fp16 / bf16 pages are for a float32 model"
             )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"EngineConfig.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
-            )
-        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
-            raise ValueError(f"EngineConfig.gil_switch_interval_s must be > 0; got {self.gil_switch_interval_s}")
-        if not self.adapter_wait_s >= 0:
-            raise ValueError(f"EngineConfig.adapter_wait_s must be >= 0; got {self.adapter_wait_s}")
-        if not self.adapter_download_timeout_s > 0:
-            raise ValueError(
-                f"EngineConfig.adapter_download_timeout_s must be > 0; got {self.adapter_download_timeout_s}"
-            )
-        if self.min_adapter_download_bytes_per_s < 0:
-            floor = self.min_adapter_download_bytes_per_s
-            raise ValueError(f"EngineConfig.min_adapter_download_bytes_per_s must be >= 0; got {floor}")
         parse_envelope_rules(self.envelope_rules)
-        if self.shared_max_cost_pct is not None and not self.shared_max_cost_pct >= 0:
-            raise ValueError(f"EngineConfig.shared_max_cost_pct must be >= 0; got {self.shared_max_cost_pct}")
-        if not 0 <= self.max_pinned_fraction <= 1:
-            raise ValueError(f"EngineConfig.max_pinned_fraction must be in [0, 1]; got {self.max_pinned_fraction}")
-        if not self.tier_hot_requests_per_hour > 0:
-            raise ValueError(
-                f"EngineConfig.tier_hot_requests_per_hour must be > 0; got {self.tier_hot_requests_per_hour}"
-            )
-        for name in ("tier_hot_share", "tier_hot_exit_ratio"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"EngineConfig.{name} must be in (0, 1]; got {getattr(self, name)}")
-        if not self.tier_min_hold_s >= 0:
-            raise ValueError(f"EngineConfig.tier_min_hold_s must be >= 0; got {self.tier_min_hold_s}")
-        if not self.tier_interval_s > 0:
-            raise ValueError(f"EngineConfig.tier_interval_s must be > 0; got {self.tier_interval_s}")
-        if not self.tensor_parallel_timeout_s > 0:
-            raise ValueError(
-                f"EngineConfig.tensor_parallel_timeout_s must be > 0; got {self.tensor_parallel_timeout_s}"
-            )
-        if self.traffic_retention_hours < 25:  # the tiers read the last 24 hours, and the hour in progress
-            raise ValueError(f"EngineConfig.traffic_retention_hours must be >= 25; got {self.traffic_retention_hours}")
-        if not self.audit_retention_days >= 0:
-            raise ValueError(
-                f"EngineConfig.audit_retention_days must be >= 0 (0: forever); got {self.audit_retention_days}"
-            )
-        positive = (
-            "block_size",
-            "max_num_seqs",
-            "num_scheduler_steps",
-            "max_loras",
-            "max_resident_loras",
-            "max_lora_rank",
-            "max_cpu_loras",
-            "max_cpu_lora_bytes",
-            "num_threads",
-            "io_threads",
-            "adapter_cache_bytes",
-            "max_adapter_download_bytes",
-            "metrics_top_adapters",
-            "cost_reference_batch",
-            "max_adapter_tokens",
-            "max_model_len",
-            "tensor_parallel_size",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value < 1:  # None: counted from the device and its cores
-                raise ValueError(f"EngineConfig.{name} must be >= 1; got {value}")
         if self.max_resident_loras is not None and self.max_resident_loras < self.max_loras:
             raise ValueError(
                 f"EngineConfig.max_resident_loras ({self.max_resident_loras}) must be >= max_loras "
@@ -579,10 +526,6 @@ class EngineConfig:
                 f"EngineConfig.reserved_tail_lanes must be in [0, max_loras={self.max_loras}); "
                 f"got {self.reserved_tail_lanes}"
             )
-        if self.lane_lend_max_tokens < 0:
-            raise ValueError(f"EngineConfig.lane_lend_max_tokens must be >= 0; got {self.lane_lend_max_tokens}")
-        if not self.lane_age_deadline_s >= 0:
-            raise ValueError(f"EngineConfig.lane_age_deadline_s must be >= 0; got {self.lane_age_deadline_s}")
 
 
 def parse_envelope_rules(text: str) -> tuple[tuple[str, int], ...]:

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-from lorapage.config import GROUPS
+from lorapage.options import GROUPS
 
 _REST = re.compile(r"``([^`]*)``|:\w+:`~?([^`]*)`")
 

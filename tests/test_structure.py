@@ -158,6 +158,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("lorapage.flags", "command-line flags made from config declarations"),
     ("lorapage.tiny", "where the built-in tiny model lives"),
     ("lorapage.config", "EngineConfig, each field declared once"),
+    ("lorapage.options", "how a config field is declared: help, concern, choices, bounds"),
     ("lorapage.kernels", "Triton and C kernels beside their PyTorch references"),
     ("lorapage.errors", "errors a caller can act on"),
     ("lorapage.omp_env", "OpenMP's spin before an idle worker sleeps (set before torch loads)"),

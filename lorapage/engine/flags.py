@@ -13,9 +13,10 @@ from typing import Any
 
 from lorapage.adapters.binding import load_base_names
 from lorapage.adapters.names import check_adapter_id
-from lorapage.config import GROUPS, EngineConfig
+from lorapage.config import EngineConfig
 from lorapage.errors import LorapageError
 from lorapage.flags import add_config_flags, config_overrides, fail
+from lorapage.options import GROUPS
 from lorapage.sources import AdapterRoots
 from lorapage.tiny import demo_adapter_dirs
 

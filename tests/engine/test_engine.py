@@ -271,11 +271,37 @@ def test_triton_backend_matches_torch_end_to_end():
         (dict(max_loras=0), "EngineConfig.max_loras must be >= 1"),
         (dict(adapter_wait_s=-1.0), "EngineConfig.adapter_wait_s must be >= 0"),
         (dict(gil_switch_interval_s=0.0), "EngineConfig.gil_switch_interval_s must be > 0"),
+        (dict(gpu_memory_utilization=float("nan")), r"EngineConfig.gpu_memory_utilization must be in \(0, 1\]"),
+        (dict(max_pinned_fraction=1.5), r"EngineConfig.max_pinned_fraction must be in \[0, 1\]; got 1.5"),
+        (dict(traffic_retention_hours=24), "EngineConfig.traffic_retention_hours must be >= 25"),
     ],
 )
 def test_config_rejects_bad_values_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**overrides)
+
+
+def test_config_bounds_are_declared_with_each_field():
+    """Every numeric field's bounds sit in its declaration (lorapage.options.option): its edge is
+    taken, a step past it refused; None (counted from the machine, or off) passes any bound."""
+    partners = {"max_resident_loras": {"max_loras": 1}}  # the other field's own rule, kept
+    checked = 0
+    for f in dataclasses.fields(EngineConfig):
+        at_least, above, at_most = f.metadata["bounds"]
+        if at_least is not None:
+            EngineConfig(**{f.name: at_least, **partners.get(f.name, {})})
+            with pytest.raises(ValueError, match=f"EngineConfig.{f.name} must be"):
+                EngineConfig(**{f.name: at_least - 1})
+            checked += 1
+        if above is not None:
+            with pytest.raises(ValueError, match=f"EngineConfig.{f.name} must be"):
+                EngineConfig(**{f.name: above})
+            checked += 1
+        if at_most is not None:
+            EngineConfig(**{f.name: at_most})
+            with pytest.raises(ValueError, match=f"EngineConfig.{f.name} must be"):
+                EngineConfig(**{f.name: at_most + 0.5})
+    assert checked >= 30
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
