@@ -12,7 +12,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite's processes share the machine's cores: two pytest-xdist workers, and the servers and
+# Ray replicas they start. An idle libgomp worker spins before it sleeps (lorapage's commands set
+# a long spin: lorapage/omp_env.py), and a spinning team holds the cores another process's team
+# waits for: two engine test modules side by side on 2 cores took 49-50 s each, 2.7-3.5 s without
+# the spin (bench/RESULTS.md, "Test-suite time", round 4 session 11). So no spin, set before torch
+# loads libgomp here and inherited by every process the suite starts (lorapage's own setting
+# yields to it, as to an operator's). A value in the environment wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "0")
+
+import torch  # noqa: E402
 
 # kernels/ is the package lorapage.kernels (pyproject's package-dir). With the checkout's root on
 # sys.path (`python -m pytest` puts the working directory first) it would also be importable as a
