@@ -180,6 +180,8 @@ async def test_a_replica_past_the_pinned_guard_takes_no_new_adapter(fleet_url) -
                         task.result()
                 shares = await held_shares()
                 a_guarded.seen = f"shares {shares}, A {a}, held's streams on {served_held}"
+                # A replica Ray restarted comes back under a new id, not A or B: no wait could pass.
+                assert set(shares) <= {a, b}, f"the replicas changed mid-test: {a_guarded.seen}"
                 return shares if shares.get(a, 0) >= 0.8 and shares.get(b, 1) < 0.8 else None
 
             misplaced = []
