@@ -45,11 +45,9 @@ def option(
 def bounds_error(value: float, bounds: tuple[float | None, float | None, float | None]) -> str | None:
     """What is wrong with ``value`` under ``(at_least, above, at_most)`` (a field's :func:`option`
     bounds), as the end of "X must be ...": ">= 1", "> 0", "in (0, 1]", "in [0, 1]"; ``None``
-    where it is within them. Written as ``not value >= bound`` so that a NaN is outside every bound."""
+    where it is within them. Every comparison with a NaN is false: a NaN is outside every bound."""
     at_least, above, at_most = bounds
     low = at_least if at_least is not None else above
-    if low is None and at_most is None:
-        return None
     inside = (
         (at_least is None or value >= at_least)
         and (above is None or value > above)

@@ -203,12 +203,17 @@ class LlamaModel:
         if lora is None:
             return self.linear(x, weight, bias)
         side, group_op = ops.lora_side, ops.lora_group
-        beside = side is not None and group_op is not None and self.comm is None
-        if not beside or lora.cells is None or lora.batches != () or tables.variants.in_step(lora):
+        if (
+            side is None
+            or group_op is None
+            or self.comm is not None
+            or lora.cells is None
+            or lora.batches != ()
+            or tables.variants.in_step(lora)
+        ):
             y = self.linear(x, weight, bias)
             self._lora(ops, y, x, layer, group, slab, tables, lora, h, bias)
             return y
-        assert side is not None and group_op is not None
         a, b, scale = tables.group_views(layer, group, GROUP_MODULES[group])
         page_table, starts = tables.page_table, self.out_starts[group]
         delta = side.start(
